@@ -1,0 +1,1 @@
+//! Runtime-loaded native libraries.

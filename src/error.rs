@@ -1,0 +1,139 @@
+//! One error type for the whole crate. Each variant maps to exactly one C ABI code
+//! (`c_include/mooncake.h`, `enum mc_error`), so the Rust and C views never drift apart.
+
+use std::fmt;
+use std::io;
+
+/// Error codes shared with the C ABI. Values that also exist in Mooncake Store's
+/// error space keep the same number (see `shared/docs/store.md`); engine-only
+/// codes live in the otherwise unused -1200 range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
+#[non_exhaustive]
+pub enum Code {
+    Internal = -1,
+    BufferOverflow = -10,
+    SegmentNotFound = -101,
+    InvalidParams = -600,
+    TransferFail = -800,
+    RpcFail = -900,
+    RpcTimeout = -901,
+    NotSupported = -1012,
+    AddressOverlap = -1201,
+    AddressNotRegistered = -1202,
+    BatchNotFound = -1203,
+    BatchBusy = -1204,
+    BatchFull = -1205,
+    Timeout = -1206,
+    Metadata = -1207,
+    Protocol = -1208,
+    BackendUnavailable = -1209,
+    Io = -1210,
+}
+
+impl Code {
+    /// Every code, for tables and tests.
+    pub const ALL: [Code; 18] = [
+        Code::Internal,
+        Code::BufferOverflow,
+        Code::SegmentNotFound,
+        Code::InvalidParams,
+        Code::TransferFail,
+        Code::RpcFail,
+        Code::RpcTimeout,
+        Code::NotSupported,
+        Code::AddressOverlap,
+        Code::AddressNotRegistered,
+        Code::BatchNotFound,
+        Code::BatchBusy,
+        Code::BatchFull,
+        Code::Timeout,
+        Code::Metadata,
+        Code::Protocol,
+        Code::BackendUnavailable,
+        Code::Io,
+    ];
+
+    pub fn from_i32(v: i32) -> Option<Code> {
+        Code::ALL.iter().copied().find(|c| *c as i32 == v)
+    }
+
+    /// Short, stable description (also what `mc_error_string` returns).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Code::Internal => "internal error",
+            Code::BufferOverflow => "output buffer too small",
+            Code::SegmentNotFound => "segment not found",
+            Code::InvalidParams => "invalid parameters",
+            Code::TransferFail => "transfer failed",
+            Code::RpcFail => "rpc failed",
+            Code::RpcTimeout => "rpc timed out",
+            Code::NotSupported => "not supported",
+            Code::AddressOverlap => "address range overlaps a registered buffer",
+            Code::AddressNotRegistered => "address range is not inside one registered buffer",
+            Code::BatchNotFound => "batch not found",
+            Code::BatchBusy => "batch has unfinished tasks",
+            Code::BatchFull => "batch capacity exceeded",
+            Code::Timeout => "timed out",
+            Code::Metadata => "metadata service error",
+            Code::Protocol => "protocol error",
+            Code::BackendUnavailable => "backend unavailable",
+            Code::Io => "i/o error",
+        }
+    }
+}
+
+/// A crate error: a code plus a human-readable context saying what failed and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    code: Code,
+    context: String,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn new(code: Code, context: impl Into<String>) -> Error {
+        Error {
+            code,
+            context: context.into(),
+        }
+    }
+
+    pub fn code(&self) -> Code {
+        self.code
+    }
+
+    pub fn context(&self) -> &str {
+        &self.context
+    }
+
+    /// Wraps an I/O error with what we were doing when it happened.
+    pub fn io(what: impl fmt::Display, err: io::Error) -> Error {
+        let code = match err.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Code::Timeout,
+            _ => Code::Io,
+        };
+        Error::new(code, format!("{what}: {err}"))
+    }
+
+    pub fn invalid(context: impl Into<String>) -> Error {
+        Error::new(Code::InvalidParams, context)
+    }
+
+    pub fn protocol(context: impl Into<String>) -> Error {
+        Error::new(Code::Protocol, context)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.context.is_empty() {
+            f.write_str(self.code.describe())
+        } else {
+            write!(f, "{}: {}", self.code.describe(), self.context)
+        }
+    }
+}
+
+impl std::error::Error for Error {}

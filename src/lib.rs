@@ -1,14 +1,23 @@
 //! Mooncake in Rust: a transfer engine and KV-cache store data plane.
 //!
 //! Layering (arrows point one way): `ffi` → `transport` → `engine` → `capi`.
-//! `json`, `http`, `wire` and `metadata` are shared building blocks.
+//! `json`, `http`, `wire`, `sys`, `net`, `memory` and `metadata` are shared
+//! building blocks below them.
 
 #[path = "../ffi/mod.rs"]
 pub mod ffi;
 
+pub mod engine;
 pub mod error;
 pub mod http;
 pub mod json;
+pub mod memory;
 pub mod metadata;
+pub mod net;
+pub mod sys;
+pub mod transport;
+pub mod wire;
 
+pub use engine::{Engine, EngineConfig, Protocol, Request};
 pub use error::{Code, Error, Result};
+pub use transport::Op;

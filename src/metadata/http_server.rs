@@ -1,1 +1,148 @@
-//! placeholder
+//! Mooncake's HTTP metadata server: an in-memory key-value store behind the REST
+//! interface of `shared/docs/wire.md` ("Metadata service"). Embeddable in any
+//! process; the CLI wraps it as `mooncake metadata-server --port P`.
+//!
+//! - `GET /metadata?key=K` → 200 with the stored value, or 404 `metadata not found`
+//! - `PUT /metadata?key=K` (or `POST`) with the value as body → 200; a key
+//!   containing `rpc_meta` that already holds a different value → 400 (port clash)
+//! - `DELETE /metadata?key=K` → 200, or 404 when absent
+//! - missing/empty `key` → 400; `GET /health` → 200 `OK`; other paths → 404;
+//!   other methods → 405.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, RwLock};
+
+use crate::error::{Error, Result};
+use crate::http::{HttpServer, Request, Response};
+
+/// The REST path under which values live.
+pub const METADATA_PATH: &str = "/metadata";
+
+type Store = RwLock<HashMap<String, String>>;
+
+/// A running metadata server. Dropping it shuts it down.
+pub struct MetadataServer {
+    server: HttpServer,
+    store: Arc<Store>,
+}
+
+impl MetadataServer {
+    /// Starts serving on `bind` (port 0 picks a free port).
+    pub fn start(bind: SocketAddr) -> Result<MetadataServer> {
+        let store: Arc<Store> = Arc::new(RwLock::new(HashMap::new()));
+        let handler_store = store.clone();
+        let server = HttpServer::bind(
+            bind,
+            Arc::new(move |req: &Request| handle(&handler_store, req)),
+        )
+        .map_err(|e| Error::io(format!("start metadata server on {bind}"), e))?;
+        log::info!("metadata server listening on {}", server.local_addr());
+        Ok(MetadataServer { server, store })
+    }
+
+    /// The bound address (with the real port when started on port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    /// `http://<ip>:<port>/metadata`, usable as a connection string. When bound to
+    /// an unspecified address (0.0.0.0 / ::) the loopback address is used.
+    pub fn url(&self) -> String {
+        let addr = self.local_addr();
+        let ip = match addr.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            ip => ip,
+        };
+        format!("http://{}{METADATA_PATH}", SocketAddr::new(ip, addr.port()))
+    }
+
+    /// Number of stored keys.
+    pub fn len(&self) -> usize {
+        self.store.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no key is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stops the server and joins its threads. Idempotent.
+    pub fn shutdown(&mut self) {
+        self.server.shutdown();
+    }
+}
+
+fn handle(store: &Store, req: &Request) -> Response {
+    let resp = route(store, req);
+    log::debug!(
+        "metadata {} {} key={:?} -> {}",
+        req.method,
+        req.path,
+        req.query_param("key"),
+        resp.status
+    );
+    resp
+}
+
+fn route(store: &Store, req: &Request) -> Response {
+    match req.path.as_str() {
+        "/health" => match req.method.as_str() {
+            "GET" | "HEAD" => Response::text(200, "OK"),
+            _ => Response::text(405, "method not allowed"),
+        },
+        METADATA_PATH => {
+            let method = req.method.as_str();
+            if !matches!(method, "GET" | "HEAD" | "PUT" | "POST" | "DELETE") {
+                return Response::text(405, "method not allowed");
+            }
+            let key = match req.query_param("key") {
+                Some(k) if !k.is_empty() => k,
+                _ => return Response::text(400, "missing key parameter"),
+            };
+            match method {
+                "GET" | "HEAD" => {
+                    let map = store.read().unwrap_or_else(|e| e.into_inner());
+                    match map.get(key) {
+                        Some(v) => Response::json(200, v.clone()),
+                        None => Response::text(404, "metadata not found"),
+                    }
+                }
+                "PUT" | "POST" => put(store, key, &req.body),
+                _ => {
+                    let mut map = store.write().unwrap_or_else(|e| e.into_inner());
+                    match map.remove(key) {
+                        Some(_) => Response::text(200, "metadata deleted"),
+                        None => Response::text(404, "metadata not found"),
+                    }
+                }
+            }
+        }
+        _ => Response::text(404, "not found"),
+    }
+}
+
+fn put(store: &Store, key: &str, body: &[u8]) -> Response {
+    let Ok(value) = std::str::from_utf8(body) else {
+        return Response::text(400, "metadata value is not valid UTF-8");
+    };
+    let mut map = store.write().unwrap_or_else(|e| e.into_inner());
+    if key.contains("rpc_meta") {
+        if let Some(old) = map.get(key) {
+            if old != value {
+                log::warn!("metadata: refusing to overwrite {key} with a different value");
+                return Response::text(
+                    400,
+                    format!(
+                        "metadata key {key} already exists with a different value \
+                         (rpc port clash: another server uses this name)"
+                    ),
+                );
+            }
+            return Response::text(200, "metadata updated");
+        }
+    }
+    map.insert(key.to_owned(), value.to_owned());
+    Response::text(200, "metadata updated")
+}

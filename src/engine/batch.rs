@@ -1,0 +1,194 @@
+//! Batches and their tasks: lock-free status counters written by workers, read by
+//! pollers, with a condition variable for waiters that stop spinning.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Code, Error, Result};
+
+/// Task states, numbered as Mooncake's (`shared/docs/wire.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum TaskState {
+    Waiting = 0,
+    Pending = 1,
+    Invalid = 2,
+    Canceled = 3,
+    Completed = 4,
+    Timeout = 5,
+    Failed = 6,
+}
+
+impl TaskState {
+    fn from_u8(v: u8) -> TaskState {
+        match v {
+            0 => TaskState::Waiting,
+            1 => TaskState::Pending,
+            2 => TaskState::Invalid,
+            3 => TaskState::Canceled,
+            4 => TaskState::Completed,
+            5 => TaskState::Timeout,
+            _ => TaskState::Failed,
+        }
+    }
+
+    pub fn is_final(self) -> bool {
+        matches!(
+            self,
+            TaskState::Completed | TaskState::Timeout | TaskState::Failed | TaskState::Canceled
+        )
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskStatus {
+    pub state: TaskState,
+    /// Bytes moved so far (a lower bound while pending).
+    pub bytes: u64,
+}
+
+#[derive(Default)]
+struct Task {
+    state: AtomicU8,
+    bytes: AtomicU64,
+    slices_left: AtomicU32,
+    /// The worst slice result so far: 0 none, else a failing `TaskState`.
+    worst: AtomicU8,
+}
+
+pub struct Batch {
+    tasks: Box<[Task]>,
+    /// Tasks handed out so far; taken under a lock so concurrent submits get disjoint
+    /// task ranges.
+    submitted: Mutex<usize>,
+    unfinished: AtomicUsize,
+    failed: AtomicUsize,
+    sleepers: AtomicUsize,
+    done: (Mutex<()>, Condvar),
+}
+
+/// How many times a waiter polls before it sleeps.
+const WAIT_SPINS: u32 = 2000;
+
+impl Batch {
+    pub fn new(capacity: usize) -> Batch {
+        Batch {
+            tasks: (0..capacity).map(|_| Task::default()).collect(),
+            submitted: Mutex::new(0),
+            unfinished: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            done: (Mutex::new(()), Condvar::new()),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.tasks.len()
+    }
+
+    pub fn submitted(&self) -> usize {
+        *self.submitted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reserves `n` task slots, each to be split into `slices[i]` slices; returns the
+    /// first task index.
+    pub fn reserve(&self, slices: &[u32]) -> Result<usize> {
+        let mut submitted = self.submitted.lock().unwrap_or_else(|e| e.into_inner());
+        let first = *submitted;
+        if first + slices.len() > self.tasks.len() {
+            return Err(Error::new(
+                Code::BatchFull,
+                format!(
+                    "batch holds {} tasks, {first} used, {} more requested",
+                    self.tasks.len(),
+                    slices.len()
+                ),
+            ));
+        }
+        self.unfinished.fetch_add(slices.len(), Ordering::SeqCst);
+        for (i, &n) in slices.iter().enumerate() {
+            let t = &self.tasks[first + i];
+            t.slices_left.store(n, Ordering::SeqCst);
+            t.state.store(TaskState::Pending as u8, Ordering::SeqCst);
+        }
+        *submitted += slices.len();
+        Ok(first)
+    }
+
+    /// Records one finished slice of `task`.
+    pub fn slice_finished(&self, task: usize, len: u64, result: TaskState) {
+        let t = &self.tasks[task];
+        if result == TaskState::Completed {
+            t.bytes.fetch_add(len, Ordering::Relaxed);
+        } else {
+            // FAILED (6) outranks TIMEOUT (5).
+            t.worst.fetch_max(result as u8, Ordering::SeqCst);
+        }
+        if t.slices_left.fetch_sub(1, Ordering::SeqCst) != 1 {
+            return;
+        }
+        let worst = t.worst.load(Ordering::SeqCst);
+        let fin = if worst == 0 { TaskState::Completed } else { TaskState::from_u8(worst) };
+        if fin != TaskState::Completed {
+            self.failed.fetch_add(1, Ordering::SeqCst);
+        }
+        t.state.store(fin as u8, Ordering::SeqCst);
+        if self.unfinished.fetch_sub(1, Ordering::SeqCst) == 1 && self.sleepers.load(Ordering::SeqCst) > 0 {
+            let _lock = self.done.0.lock();
+            self.done.1.notify_all();
+        }
+    }
+
+    pub fn task_status(&self, task: usize) -> Result<TaskStatus> {
+        if task >= self.submitted() {
+            return Err(Error::invalid(format!("task {task} was not submitted to this batch")));
+        }
+        let t = &self.tasks[task];
+        Ok(TaskStatus {
+            state: TaskState::from_u8(t.state.load(Ordering::SeqCst)),
+            bytes: t.bytes.load(Ordering::SeqCst),
+        })
+    }
+
+    pub fn unfinished(&self) -> usize {
+        self.unfinished.load(Ordering::SeqCst)
+    }
+
+    /// Waits until every submitted task is final. `Ok` when all completed;
+    /// `TransferFail` when any failed; `Timeout` when time ran out first.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut spins = 0;
+        while self.unfinished() != 0 {
+            if spins < WAIT_SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleepers.fetch_add(1, Ordering::SeqCst);
+            let guard = self.done.0.lock().unwrap_or_else(|e| e.into_inner());
+            if self.unfinished() != 0 {
+                let wait = match deadline {
+                    Some(d) => d.saturating_duration_since(Instant::now()),
+                    None => Duration::from_secs(3600),
+                };
+                let _ = self.done.1.wait_timeout(guard, wait);
+            }
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+            if deadline.is_some_and(|d| Instant::now() >= d) && self.unfinished() != 0 {
+                return Err(Error::new(
+                    Code::Timeout,
+                    format!("{} of {} tasks still pending", self.unfinished(), self.submitted()),
+                ));
+            }
+        }
+        match self.failed.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            n => Err(Error::new(
+                Code::TransferFail,
+                format!("{n} of {} tasks failed or timed out", self.submitted()),
+            )),
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Engine configuration: typed fields plus the string keys shared by the C ABI
+//! (`mc_config_set`) and the CLI.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::transport::tcp::TcpConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// Same-host peers through shared memory, everything else through TCP.
+    Auto,
+    Tcp,
+    /// Same-host shared memory only.
+    Shm,
+}
+
+impl Protocol {
+    pub fn parse(s: &str) -> Result<Protocol> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Protocol::Auto),
+            "tcp" => Ok(Protocol::Tcp),
+            "shm" => Ok(Protocol::Shm),
+            "rdma" | "efa" | "fabric" | "nvlink" | "cxl" => Err(Error::new(
+                crate::Code::BackendUnavailable,
+                format!("protocol {s:?} needs a hardware backend this build does not have yet"),
+            )),
+            _ => Err(Error::invalid(format!("unknown protocol {s:?} (auto, tcp, shm)"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Auto => "auto",
+            Protocol::Tcp => "tcp",
+            Protocol::Shm => "shm",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Metadata connection string: `P2PHANDSHAKE`, `http://h:p/metadata`, `embedded`.
+    pub metadata: String,
+    /// Segment name; default `<bind_address>:<rpc_port>`.
+    pub local_server_name: Option<String>,
+    pub bind_address: IpAddr,
+    /// Handshake RPC port; 0 picks a free one.
+    pub rpc_port: u16,
+    pub protocol: Protocol,
+    pub workers: usize,
+    /// Idle poll iterations before a worker parks.
+    pub spin_budget: u32,
+    pub tcp: TcpConfig,
+    pub transfer_timeout: Duration,
+    /// Extra attempts per slice after a path failure.
+    pub max_retries: u32,
+    pub cluster_id: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            metadata: "P2PHANDSHAKE".to_owned(),
+            local_server_name: None,
+            bind_address: IpAddr::from([127, 0, 0, 1]),
+            rpc_port: 0,
+            protocol: Protocol::Auto,
+            workers: 1,
+            spin_budget: 256,
+            tcp: TcpConfig::default(),
+            transfer_timeout: Duration::from_secs(30),
+            max_retries: 2,
+            cluster_id: String::new(),
+        }
+    }
+}
+
+/// Keys accepted by `EngineConfig::set`, documented in `c_include/mooncake.h`.
+pub const KEYS: &[&str] = &[
+    "metadata",
+    "local_server_name",
+    "bind_address",
+    "rpc_port",
+    "protocol",
+    "workers",
+    "spin_budget",
+    "lanes_per_peer",
+    "slice_size",
+    "socket_buffer",
+    "transfer_timeout_ms",
+    "max_retries",
+    "cluster_id",
+];
+
+fn number<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("config {key}: {value:?} is not a valid number")))
+}
+
+impl EngineConfig {
+    /// Sets one key from its string form; unknown keys and bad values are errors.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            "metadata" | "metadata_server" => self.metadata = value.to_owned(),
+            "local_server_name" => {
+                self.local_server_name = (!value.is_empty()).then(|| value.to_owned())
+            }
+            "bind_address" => {
+                self.bind_address = value
+                    .parse()
+                    .map_err(|_| Error::invalid(format!("config bind_address: {value:?} is not an IP address")))?
+            }
+            "rpc_port" => self.rpc_port = number(key, value)?,
+            "protocol" => self.protocol = Protocol::parse(value)?,
+            "workers" => {
+                self.workers = number(key, value)?;
+                if !(1..=64).contains(&self.workers) {
+                    return Err(Error::invalid("config workers: must be 1..=64"));
+                }
+            }
+            "spin_budget" => self.spin_budget = number(key, value)?,
+            "lanes_per_peer" => {
+                self.tcp.lanes_per_peer = number(key, value)?;
+                if !(1..=64).contains(&self.tcp.lanes_per_peer) {
+                    return Err(Error::invalid("config lanes_per_peer: must be 1..=64"));
+                }
+            }
+            "slice_size" => {
+                self.tcp.slice_size = number(key, value)?;
+                if self.tcp.slice_size < 4096 {
+                    return Err(Error::invalid("config slice_size: must be at least 4096"));
+                }
+            }
+            "socket_buffer" => self.tcp.socket_buffer = number(key, value)?,
+            "transfer_timeout_ms" => {
+                self.transfer_timeout = Duration::from_millis(number(key, value)?)
+            }
+            "max_retries" => self.max_retries = number(key, value)?,
+            "cluster_id" => self.cluster_id = value.to_owned(),
+            _ => {
+                return Err(Error::invalid(format!(
+                    "unknown config key {key:?} (known: {})",
+                    KEYS.join(", ")
+                )))
+            }
+        }
+        Ok(())
+    }
+}

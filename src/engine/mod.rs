@@ -1,0 +1,429 @@
+//! The transfer engine: a local segment of registered buffers, remote segments,
+//! batches of read/write requests, and the worker threads that move them.
+
+pub mod batch;
+pub mod config;
+mod rpc;
+pub mod segments;
+mod worker;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use batch::{TaskState, TaskStatus};
+pub use config::{EngineConfig, Protocol};
+pub use segments::Notification;
+
+use crate::error::{Code, Error, Result};
+use crate::memory::LocalMemory;
+use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
+use crate::net::ConnServer;
+use crate::transport::local::LocalTransport;
+use crate::transport::shm::ShmTransport;
+use crate::transport::tcp::TcpTransport;
+use crate::transport::{Kind, Op, Slice, Transport};
+use crate::wire::rpc::RpcType;
+use batch::Batch;
+use segments::{Published, Segments};
+use worker::{Worker, WorkerConfig, WorkerHandle, WorkItem};
+
+/// Handle of an opened segment.
+pub type SegmentId = u64;
+/// Handle of an allocated batch.
+pub type BatchId = u64;
+
+/// One transfer: `len` bytes between `local` and `remote` (an absolute address
+/// published by the peer segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub op: Op,
+    pub local: u64,
+    pub segment: SegmentId,
+    pub remote: u64,
+    pub len: u64,
+}
+
+const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct Engine {
+    config: EngineConfig,
+    name: String,
+    memory: Arc<LocalMemory>,
+    segments: Arc<Segments>,
+    transports: Vec<Arc<dyn Transport>>,
+    batches: RwLock<HashMap<BatchId, Arc<Batch>>>,
+    next_batch: AtomicU64,
+    workers: Vec<Arc<WorkerHandle>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    next_worker: AtomicUsize,
+    /// Serializes registration changes so descriptor publishes happen in order.
+    registry: Mutex<()>,
+    rpc_server: Mutex<Option<ConnServer>>,
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Result<Engine> {
+        crate::sys::ignore_sigpipe();
+        let directory = metadata::open(&config.metadata, &config.cluster_id)?;
+        let published = Arc::new(Published {
+            desc: RwLock::new(SegmentDesc::new("")),
+            notifications: Mutex::new(VecDeque::new()),
+        });
+        let rpc_server = rpc::start(SocketAddr::new(config.bind_address, config.rpc_port), published.clone())
+            .map_err(|e| Error::io(format!("binding rpc port {}:{}", config.bind_address, config.rpc_port), e))?;
+        let rpc_port = rpc_server.local_addr().port();
+        let name = match &config.local_server_name {
+            Some(n) if directory.is_p2p() && n.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>() != Ok(rpc_port)) => {
+                // P2P names are the RPC address itself; a mismatching name would be unreachable.
+                let host = segments::host_of(n);
+                metadata::directory::join_host_port(host, rpc_port)
+            }
+            Some(n) => n.clone(),
+            None => metadata::directory::join_host_port(&config.bind_address.to_string(), rpc_port),
+        };
+        let memory = Arc::new(LocalMemory::new());
+        let data_bind = SocketAddr::new(config.bind_address, 0);
+        let mut transports: Vec<Arc<dyn Transport>> = vec![Arc::new(LocalTransport::new(memory.clone(), &name))];
+        if matches!(config.protocol, Protocol::Auto | Protocol::Shm) {
+            match ShmTransport::new() {
+                Ok(t) => transports.push(Arc::new(t)),
+                Err(e) if config.protocol == Protocol::Shm => return Err(e),
+                Err(e) => log::info!("same-host shared memory unavailable: {e}"),
+            }
+        }
+        // TCP always serves, so any peer (ours or Mooncake's) can reach our buffers;
+        // with protocol=shm it is just never chosen for our own requests.
+        let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone())?;
+        transports.push(Arc::new(tcp));
+        let segments = Arc::new(Segments::new(directory, published));
+        let mut engine = Engine {
+            name,
+            memory,
+            segments,
+            transports,
+            batches: RwLock::default(),
+            next_batch: AtomicU64::new(1),
+            workers: Vec::new(),
+            threads: Mutex::new(Vec::new()),
+            next_worker: AtomicUsize::new(0),
+            registry: Mutex::new(()),
+            rpc_server: Mutex::new(Some(rpc_server)),
+            config,
+        };
+        let desc = engine.build_desc();
+        *engine.segments.own.desc.write().unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        let host = engine.config.bind_address.to_string();
+        engine
+            .segments
+            .directory
+            .publish(&desc, &RpcMeta { ip_or_host_name: host, rpc_port })?;
+        engine.spawn_workers()?;
+        log::info!(
+            "engine {} up: rpc {}:{}, tcp data port {}, transports [{}]",
+            engine.name,
+            engine.config.bind_address,
+            rpc_port,
+            desc.tcp_data_port,
+            engine.transports.iter().map(|t| t.kind().name()).collect::<Vec<_>>().join(", ")
+        );
+        Ok(engine)
+    }
+
+    fn spawn_workers(&mut self) -> Result<()> {
+        let usable: Vec<Arc<dyn Transport>> = self
+            .transports
+            .iter()
+            .filter(|t| !(self.config.protocol == Protocol::Shm && t.kind() == Kind::Tcp))
+            .filter(|t| !(self.config.protocol == Protocol::Tcp && t.kind() == Kind::Shm))
+            .cloned()
+            .collect();
+        for i in 0..self.config.workers.max(1) {
+            let handle = Arc::new(WorkerHandle::new().map_err(|e| Error::io("creating eventfd", e))?);
+            let worker = Worker::new(
+                handle.clone(),
+                usable.clone(),
+                self.segments.clone(),
+                WorkerConfig {
+                    spin_budget: self.config.spin_budget,
+                    max_retries: self.config.max_retries,
+                },
+            )?;
+            let thread = std::thread::Builder::new()
+                .name(format!("mc-worker-{i}"))
+                .spawn(move || worker.run())
+                .map_err(|e| Error::io("spawning worker", e))?;
+            self.workers.push(handle);
+            self.threads.lock().unwrap_or_else(|e| e.into_inner()).push(thread);
+        }
+        Ok(())
+    }
+
+    fn build_desc(&self) -> SegmentDesc {
+        let mut desc = SegmentDesc::new(&self.name);
+        desc.protocol = "tcp".to_owned();
+        desc.timestamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs().to_string())
+            .unwrap_or_default();
+        for t in &self.transports {
+            t.describe(&mut desc);
+        }
+        desc.buffers = self
+            .memory
+            .snapshot()
+            .iter()
+            .map(|r| BufferDesc {
+                name: r.location.clone(),
+                addr: r.addr,
+                length: r.len,
+                rkey: Vec::new(),
+                lkey: Vec::new(),
+            })
+            .collect();
+        desc
+    }
+
+    fn republish(&self) -> Result<()> {
+        let desc = self.build_desc();
+        *self.segments.own.desc.write().unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        self.segments.directory.republish(&desc)
+    }
+
+    /// This engine's segment name (for P2P: `host:rpc_port`).
+    pub fn segment_name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The current published descriptor.
+    pub fn descriptor(&self) -> SegmentDesc {
+        self.segments.own_desc()
+    }
+
+    /// Publishes `[addr, addr+len)` so peers can read and write it.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and may be read and written by peers at any time,
+    /// until `unregister_memory(addr)` returns.
+    pub unsafe fn register_memory(&self, addr: *mut u8, len: usize, location: &str) -> Result<()> {
+        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let region = self.memory.register(addr as u64, len as u64, location)?;
+        for t in &self.transports {
+            if let Err(e) = t.register(&region) {
+                drop(self.memory.unregister(region.addr));
+                return Err(e);
+            }
+        }
+        self.republish()
+    }
+
+    /// Withdraws a buffer; returns once no transfer, local or from a peer, can touch it.
+    pub fn unregister_memory(&self, addr: *mut u8) -> Result<()> {
+        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let region = self.memory.unregister(addr as u64)?;
+        for t in &self.transports {
+            t.unregister(&region);
+        }
+        self.republish()
+    }
+
+    /// Resolves a segment by name (cached after the first call).
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        if name.is_empty() {
+            return Err(Error::invalid("empty segment name"));
+        }
+        Ok(self.segments.open(name)?.id)
+    }
+
+    /// Refetches a segment's descriptor (after its buffers changed).
+    pub fn resync_segment(&self, segment: SegmentId) -> Result<()> {
+        let peer = self.segments.get(segment)?;
+        self.segments.resync(&peer)
+    }
+
+    pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
+        if capacity == 0 || capacity > 1 << 20 {
+            return Err(Error::invalid(format!("batch capacity {capacity} (must be 1..=1048576)")));
+        }
+        let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
+        self.batches
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::new(Batch::new(capacity)));
+        Ok(id)
+    }
+
+    fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
+        self.batches
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::new(Code::BatchNotFound, format!("batch {id}")))
+    }
+
+    /// Frees a batch; refused while any of its tasks is unfinished.
+    pub fn free_batch(&self, id: BatchId) -> Result<()> {
+        let mut batches = self.batches.write().unwrap_or_else(|e| e.into_inner());
+        let batch = batches
+            .get(&id)
+            .ok_or_else(|| Error::new(Code::BatchNotFound, format!("batch {id}")))?;
+        if batch.unfinished() > 0 {
+            return Err(Error::new(
+                Code::BatchBusy,
+                format!("batch {id} has {} unfinished tasks", batch.unfinished()),
+            ));
+        }
+        batches.remove(&id);
+        Ok(())
+    }
+
+    /// Checks one request and returns its peer; refreshes the peer's descriptor once
+    /// when the remote range is unknown (the peer may have registered it since).
+    fn validate(&self, r: &Request) -> Result<Arc<crate::transport::Peer>> {
+        if r.len == 0 {
+            return Err(Error::invalid("zero-length request"));
+        }
+        if r.local == 0 || r.local.checked_add(r.len).is_none() {
+            return Err(Error::invalid(format!("bad local range {:#x}+{}", r.local, r.len)));
+        }
+        let peer = self.segments.get(r.segment)?;
+        if peer.desc().buffer_for(r.remote, r.len).is_none() {
+            self.segments.resync(&peer)?;
+            if peer.desc().buffer_for(r.remote, r.len).is_none() {
+                return Err(Error::new(
+                    Code::AddressNotRegistered,
+                    format!(
+                        "[{:#x}, +{}) is not inside one registered buffer of {}",
+                        r.remote, r.len, peer.name
+                    ),
+                ));
+            }
+        }
+        Ok(peer)
+    }
+
+    fn slice_size_for(&self, peer: &crate::transport::Peer) -> u64 {
+        let desc = peer.desc();
+        self.transports
+            .iter()
+            .find(|t| !peer.is_disabled(t.kind()) && t.reaches(&desc))
+            .map_or(self.config.tcp.slice_size, |t| t.slice_size())
+            .max(4096)
+    }
+
+    /// Submits requests to a batch. All are validated first: on error nothing is
+    /// submitted.
+    ///
+    /// # Safety
+    /// Each `local..local+len` must stay valid until its task is final; READs write it.
+    pub unsafe fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
+        let b = self.batch(batch)?;
+        let mut plan = Vec::with_capacity(requests.len());
+        for r in requests {
+            let peer = self.validate(r)?;
+            let size = self.slice_size_for(&peer);
+            let count = r.len.div_ceil(size);
+            let count = u32::try_from(count).map_err(|_| Error::invalid("request too large"))?;
+            plan.push((peer, size, count));
+        }
+        let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
+        let first = b.reserve(&counts)?;
+        let deadline = worker::deadline_after(self.config.transfer_timeout);
+        let n = self.workers.len();
+        let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
+        let mut next = self.next_worker.fetch_add(1, Ordering::Relaxed);
+        for (i, (r, (peer, size, count))) in requests.iter().zip(plan).enumerate() {
+            for s in 0..count as u64 {
+                let off = s * size;
+                per_worker[next % n].push(WorkItem {
+                    batch: b.clone(),
+                    task: first + i,
+                    slice: Slice {
+                        id: 0,
+                        op: r.op,
+                        local: r.local + off,
+                        remote: r.remote + off,
+                        len: size.min(r.len - off),
+                        peer: peer.clone(),
+                        deadline,
+                    },
+                });
+                next += 1;
+            }
+        }
+        for (w, items) in self.workers.iter().zip(per_worker) {
+            if !items.is_empty() {
+                w.push(items);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TaskStatus> {
+        self.batch(batch)?.task_status(task)
+    }
+
+    /// Waits for every submitted task of the batch (None: no limit).
+    pub fn wait_batch(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
+        self.batch(batch)?.wait(timeout)
+    }
+
+    /// Sends a short message to a segment's engine.
+    pub fn notify(&self, segment: SegmentId, message: &str) -> Result<()> {
+        let peer = self.segments.get(segment)?;
+        let body = crate::json::Value::object([
+            ("name", crate::json::Value::from(self.name.as_str())),
+            ("notify_msg", message.into()),
+        ]);
+        let addr = self.segments.directory.rpc_address(&peer.name)?;
+        crate::wire::rpc::call(&addr, RpcType::Notify, &body.to_string(), RPC_TIMEOUT).map(|_| ())
+    }
+
+    /// Takes every notification received so far.
+    pub fn take_notifications(&self) -> Vec<Notification> {
+        self.segments
+            .own
+            .notifications
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect()
+    }
+
+    /// Asks a segment's engine whether it is alive.
+    pub fn probe(&self, segment: SegmentId) -> Result<()> {
+        let peer = self.segments.get(segment)?;
+        let addr = self.segments.directory.rpc_address(&peer.name)?;
+        let reply = crate::wire::rpc::call(&addr, RpcType::Probe, "{}", RPC_TIMEOUT)?;
+        if reply.contains("success") {
+            Ok(())
+        } else {
+            Err(Error::new(Code::RpcFail, format!("probe of {} answered {reply}", peer.name)))
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for w in &self.workers {
+            w.stop();
+        }
+        for t in self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = t.join();
+        }
+        if let Err(e) = self.segments.directory.unpublish(&self.name) {
+            log::warn!("unpublishing {}: {e}", self.name);
+        }
+        if let Some(mut s) = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            s.shutdown();
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! The handshake RPC server every engine runs (Mooncake's control-plane framing):
+//! descriptor exchange, notifications, liveness probes, and a refusal for queue-pair
+//! exchanges until an RDMA transport exists.
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::segments::{Notification, Published};
+use crate::error::Result;
+use crate::json::{self, Value};
+use crate::net::ConnServer;
+use crate::wire::rpc::{self, RpcType, MAX_FRAME_LEN};
+
+/// Notifications kept before the oldest are dropped (a peer must not exhaust memory).
+pub const MAX_QUEUED_NOTIFICATIONS: usize = 65536;
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub fn start(bind: SocketAddr, published: Arc<Published>) -> std::io::Result<ConnServer> {
+    ConnServer::spawn(bind, "mc-rpc", Arc::new(move |s| serve(s, &published)))
+}
+
+fn serve(mut stream: TcpStream, published: &Published) {
+    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    let _ = stream.set_nodelay(true);
+    // Mooncake sends one request per connection; accepting more costs nothing.
+    loop {
+        let (kind, body) = match rpc::read_frame(&mut stream, MAX_FRAME_LEN) {
+            Ok(frame) => frame,
+            Err(e) => {
+                if !e.context().contains("failed to fill whole buffer") {
+                    log::debug!("rpc {peer}: {e}");
+                }
+                return;
+            }
+        };
+        let reply = match answer(kind, &body, published) {
+            Ok(r) => r,
+            Err(e) => {
+                log::warn!("rpc {peer}: bad {kind:?} request: {e}; closing");
+                return;
+            }
+        };
+        if rpc::write_frame(&mut stream, kind, &reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn answer(kind: RpcType, body: &str, published: &Published) -> Result<String> {
+    let request = json::parse(body).map_err(|e| crate::Error::protocol(e.to_string()))?;
+    Ok(match kind {
+        RpcType::Metadata => published.desc.read().unwrap_or_else(|e| e.into_inner()).to_json().to_string(),
+        RpcType::Probe => r#"{"status":"success"}"#.to_owned(),
+        RpcType::Notify => {
+            let note = Notification {
+                from: request.get("name").and_then(Value::as_str).unwrap_or("").to_owned(),
+                message: request
+                    .str_field("notify_msg")
+                    .map_err(|e| crate::Error::protocol(e.to_string()))?
+                    .to_owned(),
+            };
+            let mut queue = published.notifications.lock().unwrap_or_else(|e| e.into_inner());
+            if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
+                queue.pop_front();
+            }
+            queue.push_back(note);
+            r#"{"name":"","notify_msg":"success"}"#.to_owned()
+        }
+        RpcType::Connection => {
+            let field = |k: &str| request.get(k).cloned().unwrap_or(Value::Null);
+            Value::object([
+                ("local_nic_path", field("peer_nic_path")),
+                ("peer_nic_path", field("local_nic_path")),
+                ("qp_num", Value::Array(Vec::new())),
+                ("reply_msg", "this engine has no RDMA transport enabled".into()),
+            ])
+            .to_string()
+        }
+    })
+}

@@ -1,0 +1,259 @@
+//! The poll-mode transfer loop. Each worker thread owns one `TransportWorker` per
+//! transport, drains its submission queue, polls completions, retries failed slices on
+//! another path, and after a bounded number of idle iterations parks in epoll on its
+//! wake-up eventfd plus every transport's completion descriptor, so an idle engine
+//! burns no CPU.
+
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::batch::{Batch, TaskState};
+use super::segments::Segments;
+use crate::sys::{self, Epoll, EventFd};
+use crate::transport::{Finished, Outcome, Slice, Transport, TransportWorker};
+
+/// A slice bound for a worker, with the task it belongs to.
+pub struct WorkItem {
+    pub batch: Arc<Batch>,
+    pub task: usize,
+    pub slice: Slice,
+}
+
+/// The half of a worker that submitters talk to.
+pub struct WorkerHandle {
+    queue: Mutex<Vec<WorkItem>>,
+    wake: EventFd,
+    parked: AtomicBool,
+    stop: AtomicBool,
+}
+
+impl WorkerHandle {
+    pub fn new() -> std::io::Result<WorkerHandle> {
+        Ok(WorkerHandle {
+            queue: Mutex::new(Vec::new()),
+            wake: EventFd::new()?,
+            parked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    pub fn push(&self, items: impl IntoIterator<Item = WorkItem>) {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).extend(items);
+        // Pairs with the fence in `park`: either we see `parked`, or it sees the items.
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake.notify();
+    }
+}
+
+pub struct WorkerConfig {
+    pub spin_budget: u32,
+    pub max_retries: u32,
+}
+
+struct InFlight {
+    batch: Arc<Batch>,
+    task: usize,
+    slice: Slice,
+    attempts: u32,
+}
+
+pub struct Worker {
+    handle: Arc<WorkerHandle>,
+    transports: Vec<Arc<dyn Transport>>,
+    workers: Vec<Box<dyn TransportWorker>>,
+    segments: Arc<Segments>,
+    config: WorkerConfig,
+    /// In-flight slices by id; ids index this table, freed slots are reused.
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    done: Vec<Finished>,
+    epoll: Epoll,
+}
+
+/// Token of the wake-up eventfd in the parking epoll; transports use their index.
+const WAKE_TOKEN: u64 = u64::MAX;
+/// While slices are in flight, a parked worker still looks at deadlines this often.
+const PARKED_TICK_MS: i32 = 20;
+
+impl Worker {
+    pub fn new(
+        handle: Arc<WorkerHandle>,
+        transports: Vec<Arc<dyn Transport>>,
+        segments: Arc<Segments>,
+        config: WorkerConfig,
+    ) -> crate::Result<Worker> {
+        let io = |what: &str, e| crate::Error::io(what.to_owned(), e);
+        let epoll = Epoll::new().map_err(|e| io("epoll", e))?;
+        epoll
+            .add(handle.wake.raw_fd(), sys::READABLE, WAKE_TOKEN)
+            .map_err(|e| io("epoll add", e))?;
+        let mut workers = Vec::new();
+        for (i, t) in transports.iter().enumerate() {
+            let w = t.new_worker()?;
+            if let Some(fd) = w.wait_fd() {
+                epoll.add(fd, sys::READABLE, i as u64).map_err(|e| io("epoll add", e))?;
+            }
+            workers.push(w);
+        }
+        Ok(Worker {
+            handle,
+            transports,
+            workers,
+            segments,
+            config,
+            slots: Vec::new(),
+            free: Vec::new(),
+            done: Vec::new(),
+            epoll,
+        })
+    }
+
+    pub fn run(mut self) {
+        let mut idle = 0u32;
+        let mut intake = Vec::new();
+        while !self.handle.stop.load(Ordering::Relaxed) {
+            std::mem::swap(&mut intake, &mut *self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()));
+            let mut busy = !intake.is_empty();
+            for item in intake.drain(..) {
+                self.start(item);
+            }
+            let now = Instant::now();
+            for w in &mut self.workers {
+                busy |= w.progress(now, &mut self.done);
+            }
+            busy |= !self.done.is_empty();
+            self.finish_done();
+            if busy {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle >= self.config.spin_budget {
+                    self.park();
+                    idle = 0;
+                }
+            }
+        }
+    }
+
+    fn park(&mut self) {
+        self.handle.parked.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let has_work = !self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+        if !has_work && !self.handle.stop.load(Ordering::SeqCst) {
+            let in_flight = self.workers.iter().any(|w| w.in_flight() > 0);
+            let timeout = if in_flight { PARKED_TICK_MS } else { -1 };
+            let mut tokens = Vec::new();
+            if let Err(e) = self.epoll.wait(&mut tokens, timeout) {
+                log::warn!("worker: epoll_wait: {e}");
+            }
+        }
+        self.handle.parked.store(false, Ordering::SeqCst);
+        self.handle.wake.drain();
+    }
+
+    fn start(&mut self, item: WorkItem) {
+        let id = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        };
+        let mut slice = item.slice;
+        slice.id = id as u64;
+        self.slots[id] = Some(InFlight {
+            batch: item.batch,
+            task: item.task,
+            slice: slice.clone(),
+            attempts: 0,
+        });
+        self.post(slice);
+    }
+
+    /// Hands a slice to the most preferred transport that reaches its peer.
+    fn post(&mut self, slice: Slice) {
+        let desc = slice.peer.desc();
+        let chosen = self
+            .transports
+            .iter()
+            .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc));
+        match chosen {
+            Some(i) => self.workers[i].post(slice, &mut self.done),
+            None => self.done.push(Finished {
+                id: slice.id,
+                outcome: Outcome::PathFailed(format!("no enabled transport reaches {}", slice.peer.name)),
+            }),
+        }
+    }
+
+    fn finish_done(&mut self) {
+        while let Some(f) = self.done.pop() {
+            let id = f.id as usize;
+            let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) else {
+                log::error!("worker: completion for unknown slice {id}");
+                continue;
+            };
+            let state = match f.outcome {
+                Outcome::Done => TaskState::Completed,
+                Outcome::TimedOut => {
+                    log::warn!("slice to {} timed out", entry.slice.peer.name);
+                    TaskState::Timeout
+                }
+                Outcome::Rejected(why) => {
+                    log::warn!("slice rejected: {why}");
+                    TaskState::Failed
+                }
+                Outcome::Stale | Outcome::PathFailed(_) if entry.attempts >= self.config.max_retries => {
+                    log::warn!(
+                        "slice to {} failed after {} attempts",
+                        entry.slice.peer.name,
+                        entry.attempts + 1
+                    );
+                    TaskState::Failed
+                }
+                Outcome::Stale | Outcome::PathFailed(_) if Instant::now() >= entry.slice.deadline => {
+                    TaskState::Timeout
+                }
+                Outcome::Stale | Outcome::PathFailed(_) => {
+                    entry.attempts += 1;
+                    let slice = entry.slice.clone();
+                    if let Outcome::PathFailed(why) = &f.outcome {
+                        log::debug!("slice to {}: {why}; retrying", slice.peer.name);
+                    }
+                    if f.outcome == Outcome::Stale {
+                        if let Err(e) = self.segments.resync(&slice.peer) {
+                            log::warn!("resync of {} failed: {e}", slice.peer.name);
+                        }
+                        if slice.peer.desc().buffer_for(slice.remote, slice.len).is_none() {
+                            self.retire(id, TaskState::Failed);
+                            continue;
+                        }
+                    }
+                    self.post(slice);
+                    continue;
+                }
+            };
+            self.retire(id, state);
+        }
+    }
+
+    fn retire(&mut self, id: usize, state: TaskState) {
+        if let Some(entry) = self.slots[id].take() {
+            entry.batch.slice_finished(entry.task, entry.slice.len, state);
+            self.free.push(id);
+        }
+    }
+}
+
+/// Time left before a slice submitted now must finish.
+pub fn deadline_after(timeout: Duration) -> Instant {
+    Instant::now() + timeout
+}

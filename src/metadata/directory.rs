@@ -1,0 +1,110 @@
+//! Mooncake's key layout over a metadata backend, and the server-less P2P handshake.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::descriptor::{RpcMeta, SegmentDesc};
+use super::MetadataStore;
+use crate::error::{Code, Error, Result};
+use crate::wire::rpc::{self, RpcType};
+
+/// How long a P2P descriptor exchange may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Finds and publishes segment descriptors.
+pub enum Directory {
+    /// Descriptors live in a key-value store under `mooncake/[cluster/]ram/<name>`.
+    Store { store: Arc<dyn MetadataStore>, prefix: String },
+    /// No store: a segment's name is its `host:port` RPC address and the descriptor
+    /// is exchanged with a Metadata RPC.
+    P2p,
+}
+
+impl Directory {
+    pub fn over(store: Arc<dyn MetadataStore>, cluster_id: &str) -> Directory {
+        let prefix = if cluster_id.is_empty() {
+            "mooncake/".to_owned()
+        } else {
+            format!("mooncake/{cluster_id}/")
+        };
+        Directory::Store { store, prefix }
+    }
+
+    pub fn is_p2p(&self) -> bool {
+        matches!(self, Directory::P2p)
+    }
+
+    /// Publishes both records of a server; a clash on the RPC record means another
+    /// live server already uses this name.
+    pub fn publish(&self, desc: &SegmentDesc, rpc_meta: &RpcMeta) -> Result<()> {
+        if let Directory::Store { store, prefix } = self {
+            store.put(
+                &format!("{prefix}rpc_meta/{}", desc.name),
+                &rpc_meta.to_json().to_string(),
+            )?;
+            self.republish(desc)?;
+        }
+        Ok(())
+    }
+
+    /// Refreshes the descriptor only (after buffers change).
+    pub fn republish(&self, desc: &SegmentDesc) -> Result<()> {
+        if let Directory::Store { store, prefix } = self {
+            store.put(&format!("{prefix}ram/{}", desc.name), &desc.to_json().to_string())?;
+        }
+        Ok(())
+    }
+
+    pub fn unpublish(&self, name: &str) -> Result<()> {
+        if let Directory::Store { store, prefix } = self {
+            store.remove(&format!("{prefix}ram/{name}"))?;
+            store.remove(&format!("{prefix}rpc_meta/{name}"))?;
+        }
+        Ok(())
+    }
+
+    /// Fetches a peer's descriptor. `own` is our descriptor, sent in a P2P handshake.
+    pub fn fetch(&self, name: &str, own: &SegmentDesc) -> Result<SegmentDesc> {
+        match self {
+            Directory::Store { store, prefix } => {
+                let text = store.get(&format!("{prefix}ram/{name}"))?.ok_or_else(|| {
+                    Error::new(Code::SegmentNotFound, format!("no descriptor for segment {name}"))
+                })?;
+                SegmentDesc::parse(&text)
+            }
+            Directory::P2p => {
+                let reply = rpc::call(
+                    name,
+                    RpcType::Metadata,
+                    &own.to_json().to_string(),
+                    HANDSHAKE_TIMEOUT,
+                )
+                .map_err(|e| Error::new(Code::SegmentNotFound, format!("handshake with {name}: {e}")))?;
+                SegmentDesc::parse(&reply)
+            }
+        }
+    }
+
+    /// Where a server's handshake RPC listens, as `host:port`.
+    pub fn rpc_address(&self, name: &str) -> Result<String> {
+        match self {
+            Directory::Store { store, prefix } => {
+                let text = store.get(&format!("{prefix}rpc_meta/{name}"))?.ok_or_else(|| {
+                    Error::new(Code::SegmentNotFound, format!("no rpc_meta for {name}"))
+                })?;
+                let meta = RpcMeta::parse(&text)?;
+                Ok(join_host_port(&meta.ip_or_host_name, meta.rpc_port))
+            }
+            Directory::P2p => Ok(name.to_owned()),
+        }
+    }
+}
+
+/// `host:port`, bracketing IPv6 literals.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}

@@ -1,0 +1,218 @@
+//! Thin safe wrappers over the few Linux calls std does not offer: epoll, eventfd,
+//! vectored I/O on raw descriptors, and non-blocking connect.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cvt_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+pub struct Epoll {
+    fd: OwnedFd,
+}
+
+pub const READABLE: u32 = libc::EPOLLIN as u32;
+pub const WRITABLE: u32 = libc::EPOLLOUT as u32;
+pub const EDGE: u32 = libc::EPOLLET as u32;
+
+impl Epoll {
+    pub fn new() -> io::Result<Epoll> {
+        // SAFETY: plain syscall; the returned descriptor is owned from here on.
+        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        Ok(Epoll { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    pub fn add(&self, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })?;
+        Ok(())
+    }
+
+    pub fn delete(&self, fd: RawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: as in `add`.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) })?;
+        Ok(())
+    }
+
+    /// Waits up to `timeout_ms` (-1: forever, 0: poll) and returns the ready tokens.
+    pub fn wait(&self, tokens: &mut Vec<u64>, timeout_ms: i32) -> io::Result<()> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: the buffer holds 64 events and we pass its length.
+        let n = unsafe {
+            libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout_ms)
+        };
+        tokens.clear();
+        match cvt(n) {
+            Ok(n) => {
+                tokens.extend(events[..n as usize].iter().map(|e| e.u64));
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// A counter descriptor used to wake a parked thread.
+pub struct EventFd {
+    fd: OwnedFd,
+}
+
+impl EventFd {
+    pub fn new() -> io::Result<EventFd> {
+        // SAFETY: plain syscall.
+        let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        // SAFETY: fresh descriptor.
+        Ok(EventFd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    pub fn notify(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64. A full counter (EAGAIN) already
+        // means "woken", so the result needs no handling.
+        unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub fn drain(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live u64; EAGAIN (nothing pending) is fine.
+        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// `writev` on a descriptor; parts are (pointer, length) pairs.
+///
+/// # Safety
+/// Every part must be readable for its length.
+pub unsafe fn writev(fd: RawFd, parts: &[(*const u8, usize)]) -> io::Result<usize> {
+    let iov: Vec<libc::iovec> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .map(|&(base, len)| libc::iovec { iov_base: base as *mut _, iov_len: len })
+        .collect();
+    // SAFETY: the caller guarantees the parts are readable; `iov` outlives the call.
+    // MSG_NOSIGNAL semantics come from ignoring SIGPIPE (see `ignore_sigpipe`).
+    cvt_size(unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as i32) })
+}
+
+/// `readv` on a descriptor; parts are (pointer, length) pairs.
+///
+/// # Safety
+/// Every part must be writable for its length and not aliased.
+pub unsafe fn readv(fd: RawFd, parts: &[(*mut u8, usize)]) -> io::Result<usize> {
+    let iov: Vec<libc::iovec> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .map(|&(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len })
+        .collect();
+    // SAFETY: the caller guarantees the parts are writable; `iov` outlives the call.
+    cvt_size(unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as i32) })
+}
+
+/// Broken connections must surface as EPIPE, not kill the process.
+pub fn ignore_sigpipe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: installing SIG_IGN for SIGPIPE has no memory-safety preconditions.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    });
+}
+
+/// Starts a non-blocking connect; the stream becomes writable once it completes.
+pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
+    // SAFETY: the sockaddr storage is zeroed and filled per family below.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let (family, len) = match addr {
+        SocketAddr::V4(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            let sin = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in) };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+            (libc::AF_INET, std::mem::size_of::<libc::sockaddr_in>())
+        }
+        SocketAddr::V6(a) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in6) };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_scope_id = a.scope_id();
+            (libc::AF_INET6, std::mem::size_of::<libc::sockaddr_in6>())
+        }
+    };
+    // SAFETY: plain syscall.
+    let fd = cvt(unsafe {
+        libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
+    })?;
+    // SAFETY: fresh descriptor, owned by the stream from here on.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    // SAFETY: `storage` holds a valid address of `len` bytes.
+    let ret = unsafe { libc::connect(fd, &storage as *const _ as *const libc::sockaddr, len as u32) };
+    if ret < 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(err);
+        }
+    }
+    Ok(stream)
+}
+
+/// For a non-blocking connect: `None` while in progress, then its result.
+pub fn connect_result(stream: &TcpStream) -> Option<io::Result<()>> {
+    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if n <= 0 {
+        return None;
+    }
+    match stream.take_error() {
+        Ok(None) => Some(Ok(())),
+        Ok(Some(e)) | Err(e) => Some(Err(e)),
+    }
+}
+
+/// Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's auto-tuning alone).
+pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
+    if bytes == 0 {
+        return;
+    }
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: passes a live c_int of the declared size.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+    }
+}

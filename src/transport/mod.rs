@@ -1,0 +1,174 @@
+//! The seam between the engine and the wires. A `Transport` is one way of moving bytes
+//! (in-process memcpy, same-host process_vm, TCP; later RDMA verbs, libfabric, device
+//! memory). The engine slices requests, picks a transport per slice, and gives each of
+//! its worker threads one `TransportWorker` per transport, which it polls.
+
+pub mod local;
+pub mod shm;
+pub mod tcp;
+
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::memory::Region;
+use crate::metadata::SegmentDesc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Remote → local.
+    Read,
+    /// Local → remote.
+    Write,
+}
+
+/// Transports in order of preference: the engine tries the first one that reaches a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// The peer is this engine: memcpy.
+    Local,
+    /// Same host, another process: one copy through process_vm_readv/writev.
+    Shm,
+    Tcp,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Local => "local",
+            Kind::Shm => "shm",
+            Kind::Tcp => "tcp",
+        }
+    }
+
+    fn bit(self) -> u32 {
+        1 << (self as u32)
+    }
+}
+
+/// Per-device memory keys a transport obtained when a buffer was registered; published
+/// in the buffer's descriptor (`lkey`/`rkey`, indexed like `devices`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegionKeys {
+    pub lkey: Vec<u32>,
+    pub rkey: Vec<u32>,
+}
+
+/// A resolved remote segment as transports see it.
+pub struct Peer {
+    pub id: u64,
+    pub name: String,
+    desc: RwLock<Arc<SegmentDesc>>,
+    /// Where its TCP data server listens.
+    data_addr: RwLock<SocketAddr>,
+    /// Transports that failed permanently for this peer (e.g. process_vm not permitted).
+    disabled: AtomicU32,
+}
+
+impl Peer {
+    pub fn new(id: u64, desc: SegmentDesc, data_addr: SocketAddr) -> Peer {
+        Peer {
+            id,
+            name: desc.name.clone(),
+            desc: RwLock::new(Arc::new(desc)),
+            data_addr: RwLock::new(data_addr),
+            disabled: AtomicU32::new(0),
+        }
+    }
+
+    pub fn desc(&self) -> Arc<SegmentDesc> {
+        self.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn data_addr(&self) -> SocketAddr {
+        *self.data_addr.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn update(&self, desc: SegmentDesc, data_addr: SocketAddr) {
+        *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
+        *self.data_addr.write().unwrap_or_else(|e| e.into_inner()) = data_addr;
+    }
+
+    pub fn disable(&self, kind: Kind) {
+        self.disabled.fetch_or(kind.bit(), Ordering::Relaxed);
+    }
+
+    pub fn is_disabled(&self, kind: Kind) -> bool {
+        self.disabled.load(Ordering::Relaxed) & kind.bit() != 0
+    }
+}
+
+/// One piece of a transfer request, small enough to move as a unit.
+#[derive(Clone)]
+pub struct Slice {
+    /// The engine's handle for this slice; echoed back in `Finished`.
+    pub id: u64,
+    pub op: Op,
+    pub local: u64,
+    pub remote: u64,
+    pub len: u64,
+    pub peer: Arc<Peer>,
+    /// When the slice must have completed.
+    pub deadline: Instant,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    /// The peer refused the range (not inside one registered buffer): final.
+    Rejected(String),
+    /// This path broke (connection lost, permission denied): retry elsewhere.
+    PathFailed(String),
+    /// The cached descriptor is out of date: resync, revalidate, retry.
+    Stale,
+    TimedOut,
+}
+
+pub struct Finished {
+    pub id: u64,
+    pub outcome: Outcome,
+}
+
+/// One way of moving bytes, shared by all engine workers.
+pub trait Transport: Send + Sync {
+    fn kind(&self) -> Kind;
+
+    /// Called for each newly registered buffer; returns keys to publish.
+    fn register(&self, _region: &Region) -> Result<RegionKeys> {
+        Ok(RegionKeys::default())
+    }
+
+    /// Called when a buffer is being unregistered, before the engine waits for
+    /// in-flight local accesses; must return only once no peer can still reach it
+    /// through this transport.
+    fn unregister(&self, _region: &Region) {}
+
+    /// Adds what peers need to reach us (ports, devices, host identity).
+    fn describe(&self, desc: &mut SegmentDesc);
+
+    /// Whether this transport can move bytes to and from `peer`.
+    fn reaches(&self, peer: &SegmentDesc) -> bool;
+
+    /// Largest slice worth handing over at once.
+    fn slice_size(&self) -> u64;
+
+    /// State for one engine worker thread.
+    fn new_worker(&self) -> Result<Box<dyn TransportWorker>>;
+}
+
+/// The per-worker-thread half of a transport. Never blocks.
+pub trait TransportWorker: Send {
+    /// Starts a slice; may finish it at once by pushing to `done`.
+    fn post(&mut self, slice: Slice, done: &mut Vec<Finished>);
+
+    /// Advances in-flight slices; returns whether anything moved.
+    fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool;
+
+    fn in_flight(&self) -> usize;
+
+    /// A descriptor that becomes readable when `progress` has work, for parking.
+    fn wait_fd(&self) -> Option<RawFd>;
+}

@@ -1,0 +1,81 @@
+//! TCP, wire-compatible with Mooncake's data plane v2 (`wire::data`). The server half
+//! answers any peer; the client half keeps persistent connections ("lanes") per peer
+//! per worker and pipelines many slices on each.
+
+mod client;
+mod server;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use super::{Kind, Transport, TransportWorker};
+use crate::error::{Error, Result};
+use crate::memory::LocalMemory;
+use crate::metadata::SegmentDesc;
+use crate::net::ConnServer;
+
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Connections per peer per engine worker.
+    pub lanes_per_peer: usize,
+    /// Slices queued on one lane before another lane is opened or preferred.
+    pub max_in_flight_per_lane: usize,
+    pub slice_size: u64,
+    /// SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's auto-tuning.
+    pub socket_buffer: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            lanes_per_peer: 2,
+            max_in_flight_per_lane: 16,
+            slice_size: 4 << 20,
+            socket_buffer: 0,
+        }
+    }
+}
+
+pub struct TcpTransport {
+    config: TcpConfig,
+    server: ConnServer,
+}
+
+impl TcpTransport {
+    /// Starts the data server on `bind` (port 0 picks one).
+    pub fn start(bind: SocketAddr, memory: Arc<LocalMemory>, config: TcpConfig) -> Result<TcpTransport> {
+        crate::sys::ignore_sigpipe();
+        let buffers = config.socket_buffer;
+        let handler = Arc::new(move |stream| server::serve(stream, &memory, buffers));
+        let server = ConnServer::spawn(bind, "mc-tcp", handler)
+            .map_err(|e| Error::io(format!("binding tcp data server on {bind}"), e))?;
+        Ok(TcpTransport { config, server })
+    }
+
+    pub fn data_port(&self) -> u16 {
+        self.server.local_addr().port()
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> Kind {
+        Kind::Tcp
+    }
+
+    fn describe(&self, desc: &mut SegmentDesc) {
+        desc.tcp_data_port = self.data_port();
+        desc.tcp_proto_version = 2;
+    }
+
+    fn reaches(&self, peer: &SegmentDesc) -> bool {
+        peer.tcp_data_port != 0 && peer.tcp_proto_version >= 2
+    }
+
+    fn slice_size(&self) -> u64 {
+        self.config.slice_size
+    }
+
+    fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
+        Ok(Box::new(client::TcpWorker::new(self.config.clone())?))
+    }
+}

@@ -1,0 +1,102 @@
+//! Transfers between two engines in one process, over TCP and in-process memcpy.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{engine_with, pattern, Registered};
+use mooncake::engine::TaskState;
+use mooncake::{Code, Op, Request};
+
+fn round_trip(metadata: &str) {
+    let server = engine_with(metadata, "tcp");
+    let client = engine_with(metadata, "tcp");
+    let len = 9 << 20; // several slices
+    let remote = Registered::new(&server, pattern(1, len));
+    let mut local = pattern(2, len);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let batch = client.allocate_batch(4).unwrap();
+    let reqs = [Request { op: Op::Read, local: local.as_mut_ptr() as u64, segment: seg, remote: remote.addr(), len: len as u64 }];
+    // SAFETY: `local` outlives the wait below.
+    unsafe { client.submit(batch, &reqs) }.unwrap();
+    client.wait_batch(batch, Some(Duration::from_secs(30))).unwrap();
+    let st = client.task_status(batch, 0).unwrap();
+    assert_eq!((st.state, st.bytes), (TaskState::Completed, len as u64));
+    assert!(local == remote.buf, "read returned the remote bytes");
+
+    let src = pattern(3, 4096);
+    let reqs = [Request { op: Op::Write, local: src.as_ptr() as u64, segment: seg, remote: remote.addr() + 100, len: 4096 }];
+    // SAFETY: `src` outlives the wait.
+    unsafe { client.submit(batch, &reqs) }.unwrap();
+    client.wait_batch(batch, Some(Duration::from_secs(30))).unwrap();
+    assert_eq!(&remote.buf[100..4196], &src[..]);
+    assert_eq!(client.task_status(batch, 1).unwrap().state, TaskState::Completed);
+    client.free_batch(batch).unwrap();
+}
+
+#[test]
+fn p2p_tcp_round_trip() {
+    round_trip("P2PHANDSHAKE");
+}
+
+#[test]
+fn embedded_metadata_round_trip() {
+    round_trip("embedded");
+}
+
+#[test]
+fn bad_requests_are_refused_and_change_nothing() {
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let client = engine_with("P2PHANDSHAKE", "tcp");
+    let remote = Registered::new(&server, vec![7u8; 8192]);
+    let local = vec![0u8; 8192];
+    let local_addr = local.as_ptr() as u64;
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let batch = client.allocate_batch(2).unwrap();
+    let req = |remote_addr: u64, len: u64| Request { op: Op::Write, local: local_addr, segment: seg, remote: remote_addr, len };
+    let cases = [
+        (req(remote.addr(), 0), Code::InvalidParams),
+        (req(remote.addr() + 8000, 200), Code::AddressNotRegistered),
+        (req(remote.addr() - 1, 10), Code::AddressNotRegistered),
+        (Request { segment: 999, ..req(remote.addr(), 8) }, Code::SegmentNotFound),
+    ];
+    for (r, code) in cases {
+        // SAFETY: nothing is submitted on error; `local` outlives the call anyway.
+        let err = unsafe { client.submit(batch, &[r]) }.unwrap_err();
+        assert_eq!(err.code(), code, "{err}");
+    }
+    assert!(remote.buf.iter().all(|&b| b == 7));
+    // SAFETY: as above.
+    let too_many = unsafe { client.submit(batch, &[req(remote.addr(), 8); 3]) }.unwrap_err();
+    assert_eq!(too_many.code(), Code::BatchFull);
+    assert_eq!(client.open_segment("127.0.0.1:1").unwrap_err().code(), Code::SegmentNotFound);
+    assert_eq!(client.free_batch(12345).unwrap_err().code(), Code::BatchNotFound);
+}
+
+#[test]
+fn own_segment_uses_memcpy() {
+    let e = engine_with("P2PHANDSHAKE", "auto");
+    let r = Registered::new(&e, pattern(5, 1 << 20));
+    let mut out = vec![0u8; 1 << 20];
+    let seg = e.open_segment(e.segment_name()).unwrap();
+    let b = e.allocate_batch(1).unwrap();
+    // SAFETY: `out` outlives the wait.
+    unsafe { e.submit(b, &[Request { op: Op::Read, local: out.as_mut_ptr() as u64, segment: seg, remote: r.addr(), len: 1 << 20 }]) }.unwrap();
+    e.wait_batch(b, Some(Duration::from_secs(10))).unwrap();
+    assert!(out == r.buf);
+}
+
+#[test]
+fn notifications_and_probe() {
+    let a = engine_with("P2PHANDSHAKE", "tcp");
+    let b = engine_with("P2PHANDSHAKE", "tcp");
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    a.probe(seg).unwrap();
+    a.notify(seg, "kv ready: layer 3").unwrap();
+    a.notify(seg, "done").unwrap();
+    let got = b.take_notifications();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].from, a.segment_name());
+    assert_eq!(got[0].message, "kv ready: layer 3");
+    assert!(b.take_notifications().is_empty());
+}

@@ -1,1 +1,5 @@
-//! Runtime-loaded native libraries.
+//! Runtime-loaded native libraries (RDMA verbs, libfabric, GPU drivers). Nothing here
+//! links against them: each is opened with `dlopen` when first needed, so a machine
+//! without them still builds and runs, and says which backend is missing and why.
+
+pub mod loader;

@@ -7,6 +7,7 @@
 #[path = "../ffi/mod.rs"]
 pub mod ffi;
 
+pub mod capi;
 pub mod engine;
 pub mod error;
 pub mod http;

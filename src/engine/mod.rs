@@ -88,15 +88,13 @@ impl Engine {
         let memory = Arc::new(LocalMemory::new());
         let data_bind = SocketAddr::new(config.bind_address, 0);
         let mut transports: Vec<Arc<dyn Transport>> = vec![Arc::new(LocalTransport::new(memory.clone(), &name))];
-        if matches!(config.protocol, Protocol::Auto | Protocol::Shm) {
-            match ShmTransport::new() {
-                Ok(t) => transports.push(Arc::new(t)),
-                Err(e) if config.protocol == Protocol::Shm => return Err(e),
-                Err(e) => log::info!("same-host shared memory unavailable: {e}"),
-            }
+        // Both serving transports are always offered to peers; `protocol` only limits
+        // which ones this engine's own requests use (see `spawn_workers`).
+        match ShmTransport::new() {
+            Ok(t) => transports.push(Arc::new(t)),
+            Err(e) if config.protocol == Protocol::Shm => return Err(e),
+            Err(e) => log::info!("same-host shared memory unavailable: {e}"),
         }
-        // TCP always serves, so any peer (ours or Mooncake's) can reach our buffers;
-        // with protocol=shm it is just never chosen for our own requests.
         let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone())?;
         transports.push(Arc::new(tcp));
         let segments = Arc::new(Segments::new(directory, published));
@@ -240,6 +238,11 @@ impl Engine {
             return Err(Error::invalid("empty segment name"));
         }
         Ok(self.segments.open(name)?.id)
+    }
+
+    /// The cached descriptor of an opened segment (its buffers, ports, ...).
+    pub fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDesc> {
+        Ok((*self.segments.get(segment)?.desc()).clone())
     }
 
     /// Refetches a segment's descriptor (after its buffers changed).
@@ -396,6 +399,21 @@ impl Engine {
             .unwrap_or_else(|e| e.into_inner())
             .drain(..)
             .collect()
+    }
+
+    /// Shows the oldest notification to `f` and removes it only if `f` returns `Ok`
+    /// (atomically: concurrent takers never see the same one). `None` when none is queued.
+    pub fn take_notification_with<T>(
+        &self,
+        f: impl FnOnce(&Notification) -> Result<T>,
+    ) -> Option<Result<T>> {
+        let own = &self.segments.own;
+        let mut queue = own.notifications.lock().unwrap_or_else(|e| e.into_inner());
+        let result = f(queue.front()?);
+        if result.is_ok() {
+            queue.pop_front();
+        }
+        Some(result)
     }
 
     /// Asks a segment's engine whether it is alive.

@@ -1,0 +1,288 @@
+//! `mooncake bench transfer`: throughput and latency of the transfer engine against a
+//! target in another process, next to a baseline measured in the same run (a plain
+//! loopback TCP stream for tcp, memcpy for shm/auto). Prints one JSON object per line.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::cli::args::Args;
+use mooncake::json::Value;
+use mooncake::{Engine, Op, Request};
+
+struct Params {
+    protocol: String,
+    op: Op,
+    block: u64,
+    batch: usize,
+    threads: usize,
+    duration: Duration,
+}
+
+/// A target process we started; killed and reaped on drop.
+struct ChildTarget {
+    child: Child,
+    name: String,
+}
+
+impl ChildTarget {
+    fn spawn(size: u64) -> Result<ChildTarget, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("locating own binary: {e}"))?;
+        let mut child = Command::new(exe)
+            .args(["target", "--metadata", "P2PHANDSHAKE", "--bind", "127.0.0.1", "--until-stdin-eof"])
+            .args(["--size", &size.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting target: {e}"))?;
+        let stdout = child.stdout.take().ok_or("target has no stdout")?;
+        let mut line = String::new();
+        let read = BufReader::new(stdout).read_line(&mut line);
+        let name = line.trim().strip_prefix("ready ").map(str::to_owned);
+        match (read, name) {
+            (Ok(_), Some(name)) => Ok(ChildTarget { child, name }),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(format!("target did not report ready (got {line:?})"))
+            }
+        }
+    }
+}
+
+impl Drop for ChildTarget {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[idx]
+}
+
+/// Fills `buf` with a pattern unique to `seed` and each position.
+fn fill(buf: &mut [u8], seed: u64) {
+    for (i, chunk) in buf.chunks_mut(8).enumerate() {
+        let v = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// Runs one batch and waits for it; errors name the failing step.
+fn transfer(engine: &Engine, batch: u64, reqs: &[Request]) -> Result<(), String> {
+    // SAFETY: every request's local buffer outlives this call, which waits for completion.
+    unsafe { engine.submit(batch, reqs) }.map_err(|e| format!("submit: {e}"))?;
+    engine
+        .wait_batch(batch, Some(Duration::from_secs(60)))
+        .map_err(|e| format!("transfer: {e}"))
+}
+
+fn measure(engine: &Engine, seg: u64, remote_base: u64, p: &Params) -> Result<(u64, f64, Vec<f64>, bool), String> {
+    let span = p.block * p.batch as u64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let results: Vec<Result<(u64, Vec<f64>, bool), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..p.threads)
+            .map(|t| {
+                let stop = stop.clone();
+                s.spawn(move || -> Result<(u64, Vec<f64>, bool), String> {
+                    let remote = remote_base + t as u64 * span;
+                    let mut local = vec![0u8; span as usize];
+                    let seed = 0x5EED + t as u64;
+                    let mut expected = vec![0u8; span as usize];
+                    fill(&mut expected, seed);
+                    let batch = engine.allocate_batch(p.batch * 2).map_err(|e| e.to_string())?;
+                    let reqs = |op: Op, buf: &mut Vec<u8>| -> Vec<Request> {
+                        (0..p.batch as u64)
+                            .map(|i| Request {
+                                op,
+                                local: buf.as_mut_ptr() as u64 + i * p.block,
+                                segment: seg,
+                                remote: remote + i * p.block,
+                                len: p.block,
+                            })
+                            .collect()
+                    };
+                    // Seed the remote region so reads have known content to verify.
+                    let mut seed_buf = expected.clone();
+                    transfer(engine, batch, &reqs(Op::Write, &mut seed_buf))?;
+                    engine.free_batch(batch).map_err(|e| e.to_string())?;
+                    if p.op == Op::Write {
+                        local.copy_from_slice(&expected);
+                    }
+                    let timed = reqs(p.op, &mut local);
+                    let mut lat = Vec::new();
+                    let mut bytes = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let batch = engine.allocate_batch(p.batch).map_err(|e| e.to_string())?;
+                        let t0 = Instant::now();
+                        transfer(engine, batch, &timed)?;
+                        lat.push(t0.elapsed().as_secs_f64() * 1e6);
+                        engine.free_batch(batch).map_err(|e| e.to_string())?;
+                        bytes += span;
+                    }
+                    // Verify: reads must have returned the seeded bytes; writes must
+                    // read back as written.
+                    let ok = if p.op == Op::Read {
+                        local == expected
+                    } else {
+                        let mut back = vec![0u8; span as usize];
+                        let batch = engine.allocate_batch(p.batch).map_err(|e| e.to_string())?;
+                        transfer(engine, batch, &reqs(Op::Read, &mut back))?;
+                        engine.free_batch(batch).map_err(|e| e.to_string())?;
+                        back == expected
+                    };
+                    Ok((bytes, lat, ok))
+                })
+            })
+            .collect();
+        std::thread::sleep(p.duration);
+        stop.store(true, Ordering::Relaxed);
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("bench thread panicked".into()))).collect()
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let mut bytes = 0;
+    let mut lat = Vec::new();
+    let mut verified = true;
+    for r in results {
+        let (b, l, ok) = r?;
+        bytes += b;
+        lat.extend(l);
+        verified &= ok;
+    }
+    lat.sort_by(f64::total_cmp);
+    Ok((bytes, seconds, lat, verified))
+}
+
+/// A plain TCP stream over loopback: one writer thread, one reader, `block`-sized writes.
+fn tcp_baseline(block: u64, duration: Duration) -> Result<f64, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let reader = std::thread::spawn(move || -> u64 {
+        let Ok((mut s, _)) = listener.accept() else { return 0 };
+        let mut buf = vec![0u8; 4 << 20];
+        let mut total = 0u64;
+        while let Ok(n) = s.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+        total
+    });
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    let _ = s.set_nodelay(true);
+    let buf = vec![7u8; block as usize];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < duration {
+        s.write_all(&buf).map_err(|e| e.to_string())?;
+        sent += block;
+    }
+    drop(s);
+    let received = reader.join().map_err(|_| "baseline reader panicked")?;
+    let secs = start.elapsed().as_secs_f64();
+    Ok(received.min(sent) as f64 / secs / 1e9)
+}
+
+/// memcpy between two buffers of the bench's working-set size.
+fn memcpy_baseline(block: u64, batch: usize, duration: Duration) -> f64 {
+    let span = (block as usize) * batch;
+    let src = vec![3u8; span];
+    let mut dst = vec![0u8; span];
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    while start.elapsed() < duration {
+        for (d, s) in dst.chunks_mut(block as usize).zip(src.chunks(block as usize)) {
+            d.copy_from_slice(s);
+        }
+        std::hint::black_box(&mut dst);
+        bytes += span as u64;
+    }
+    bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+pub fn run(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let op = match a.str("op").unwrap_or("read") {
+        "read" => Op::Read,
+        "write" => Op::Write,
+        other => return Err(format!("--op: {other:?} is not read or write")),
+    };
+    let p = Params {
+        protocol: a.str("protocol").unwrap_or("tcp").to_owned(),
+        op,
+        block: a.get("block-size", 1u64 << 20)?,
+        batch: a.get("batch-size", 1usize)?,
+        threads: a.get("threads", 1usize)?,
+        duration: Duration::from_secs_f64(a.get("duration", 3.0f64)?),
+    };
+    let segment = a.str("segment").map(str::to_owned);
+    let metadata = a.str("metadata").unwrap_or("P2PHANDSHAKE").to_owned();
+    let mut cfg = crate::cli::engine_config(&a)?;
+    a.finish()?;
+    if p.block == 0 || p.batch == 0 || p.threads == 0 {
+        return Err("--block-size, --batch-size and --threads must be positive".into());
+    }
+    cfg.set("protocol", &p.protocol).map_err(|e| e.to_string())?;
+    cfg.set("metadata", &metadata).map_err(|e| e.to_string())?;
+    let need = p.block * p.batch as u64 * p.threads as u64;
+    let (_child, name) = match segment {
+        Some(name) => (None, name),
+        None => {
+            let child = ChildTarget::spawn(need)?;
+            let name = child.name.clone();
+            (Some(child), name)
+        }
+    };
+    let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
+    let seg = engine.open_segment(&name).map_err(|e| e.to_string())?;
+    let desc = engine.segment_descriptor(seg).map_err(|e| e.to_string())?;
+    let buffer = desc
+        .buffers
+        .iter()
+        .find(|b| b.length >= need)
+        .ok_or_else(|| format!("segment {name} has no buffer of {need} bytes"))?;
+    let (bytes, seconds, lat, verified) = measure(&engine, seg, buffer.addr, &p)?;
+    let (baseline, baseline_gbps) = if p.protocol == "tcp" {
+        ("tcp_socket_loopback", tcp_baseline(p.block.max(64 << 10), p.duration)?)
+    } else {
+        ("memcpy", memcpy_baseline(p.block, p.batch, p.duration))
+    };
+    let gbps = bytes as f64 / seconds / 1e9;
+    let ops = (bytes / p.block) as f64 / seconds;
+    let round = |x: f64| (x * 1000.0).round() / 1000.0;
+    let line = Value::object([
+        ("bench", Value::from("transfer")),
+        ("protocol", p.protocol.as_str().into()),
+        ("op", if p.op == Op::Read { "read" } else { "write" }.into()),
+        ("block_size", p.block.into()),
+        ("batch_size", p.batch.into()),
+        ("threads", p.threads.into()),
+        ("bytes", bytes.into()),
+        ("seconds", round(seconds).into()),
+        ("gbps", round(gbps).into()),
+        ("ops_per_s", ops.round().into()),
+        ("lat_p50_us", round(percentile(&lat, 0.5)).into()),
+        ("lat_p99_us", round(percentile(&lat, 0.99)).into()),
+        ("median_us", round(percentile(&lat, 0.5)).into()),
+        ("baseline", baseline.into()),
+        ("baseline_gbps", round(baseline_gbps).into()),
+        ("ratio_to_baseline", round(gbps / baseline_gbps).into()),
+        ("verified", verified.into()),
+    ]);
+    println!("{line}");
+    if !verified {
+        return Err("moved bytes did not verify".into());
+    }
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! Opening shared libraries once, with errors that say what was tried and why it failed.
+
+use std::fmt;
+use std::sync::Arc;
+
+use libloading::Library;
+
+/// Why a backend's library could not be opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// This binary is statically linked; `dlopen` from it is unsafe (glibc) or
+    /// impossible (musl), so runtime-loaded backends are disabled.
+    StaticBinary,
+    /// None of the candidate names could be opened; one reason per candidate.
+    NotFound { tried: Vec<(String, String)> },
+}
+
+impl fmt::Display for LoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LoadError::StaticBinary => f.write_str(
+                "this is a static binary, which cannot load shared libraries safely; \
+                 use the dynamically linked build for hardware backends",
+            ),
+            LoadError::NotFound { tried } => {
+                f.write_str("could not load ")?;
+                for (i, (name, why)) in tried.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{name} ({why})")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for LoadError {}
+
+/// Whether this binary was linked with a static C runtime.
+pub const fn is_static_binary() -> bool {
+    cfg!(target_feature = "crt-static")
+}
+
+/// Opens the first loadable library among `candidates`.
+pub fn open_first(candidates: &[&str]) -> Result<Arc<Library>, LoadError> {
+    if is_static_binary() {
+        return Err(LoadError::StaticBinary);
+    }
+    let mut tried = Vec::new();
+    for name in candidates {
+        // SAFETY: loading runs the library's initializers; the candidates are system
+        // driver libraries whose initializers have no preconditions on us.
+        match unsafe { Library::new(*name) } {
+            Ok(lib) => return Ok(Arc::new(lib)),
+            Err(e) => {
+                // libloading's Display says only "dlopen failed"; the source has dlerror().
+                let why = std::error::Error::source(&e).map_or_else(|| format!("{e:?}"), |s| s.to_string());
+                tried.push(((*name).to_owned(), why));
+            }
+        }
+    }
+    Err(LoadError::NotFound { tried })
+}
+
+/// A hardware backend this crate can load at run time, and the libraries it needs.
+pub struct Backend {
+    pub name: &'static str,
+    pub libraries: &'static [&'static str],
+}
+
+/// Every runtime-loaded backend, for reporting.
+pub const BACKENDS: &[Backend] = &[
+    Backend { name: "rdma (ibverbs)", libraries: &["libibverbs.so.1", "libibverbs.so"] },
+    Backend { name: "efa (libfabric)", libraries: &["libfabric.so.1", "libfabric.so"] },
+    Backend { name: "cuda", libraries: &["libcuda.so.1", "libcuda.so"] },
+    Backend { name: "hip", libraries: &["libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"] },
+    Backend { name: "ascend", libraries: &["libascendcl.so"] },
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_library_is_an_ordinary_error() {
+        let err = open_first(&["libdefinitely-not-here.so.9"]).unwrap_err();
+        let text = err.to_string();
+        if is_static_binary() {
+            assert_eq!(err, LoadError::StaticBinary);
+        } else {
+            assert!(text.contains("libdefinitely-not-here.so.9"), "{text}");
+            assert!(text.contains("No such file") || text.contains("cannot open"), "{text}");
+        }
+    }
+
+    #[test]
+    fn libc_loads() {
+        if !is_static_binary() {
+            assert!(open_first(&["libc.so.6"]).is_ok());
+        }
+    }
+}

@@ -1,0 +1,65 @@
+//! `mc_config_*`: an owned [`EngineConfig`] behind an opaque pointer.
+
+use std::ffi::{c_char, c_int};
+
+use super::{c_str, guard, guard_value, init_logging, non_null, MC_OK};
+use crate::engine::EngineConfig;
+
+/// `mc_config`: engine settings, filled key by key before `mc_engine_new`.
+pub struct McConfig {
+    pub(crate) config: EngineConfig,
+}
+
+/// A config with the defaults; NULL only if a panic occurred. Free with
+/// `mc_config_free`.
+#[no_mangle]
+pub extern "C" fn mc_config_new() -> *mut McConfig {
+    init_logging();
+    guard_value("mc_config_new", std::ptr::null_mut(), || {
+        Box::into_raw(Box::new(McConfig {
+            config: EngineConfig::default(),
+        }))
+    })
+}
+
+/// Sets one key, validating it at once; on error the config is unchanged.
+///
+/// # Safety
+/// `cfg` must be NULL or a live pointer from `mc_config_new`, not used by another
+/// thread during the call; `key` and `value` must be NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn mc_config_set(
+    cfg: *mut McConfig,
+    key: *const c_char,
+    value: *const c_char,
+) -> c_int {
+    guard("mc_config_set", || {
+        non_null(cfg, "config")?;
+        // SAFETY: the caller passes valid strings or NULL (rejected inside).
+        let (key, value) = unsafe { (c_str(key, "key")?, c_str(value, "value")?) };
+        // SAFETY: non-null, from `mc_config_new`, and not shared during the call.
+        let cfg = unsafe { &mut *cfg };
+        // Apply to a copy so a half-applied bad value never sticks.
+        let mut next = cfg.config.clone();
+        next.set(key, value)?;
+        cfg.config = next;
+        Ok(MC_OK)
+    })
+}
+
+/// Frees a config; NULL is ignored.
+///
+/// # Safety
+/// `cfg` must be NULL or a pointer from `mc_config_new` not yet freed; it must not be
+/// used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn mc_config_free(cfg: *mut McConfig) {
+    if cfg.is_null() {
+        return;
+    }
+    guard_value("mc_config_free", (), || {
+        // SAFETY: the pointer came from `Box::into_raw` in `mc_config_new` and is
+        // freed only once, per the caller's contract.
+        drop(unsafe { Box::from_raw(cfg) });
+    });
+}

@@ -1,0 +1,416 @@
+//! `mc_engine_*`, memory registration, segments, batches, transfers, notifications.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::time::Duration;
+
+use super::{c_str, copy_out, guard, guard_value, init_logging, non_null, McConfig, MC_OK};
+use crate::engine::{BatchId, Engine, EngineConfig, Request, SegmentId};
+use crate::error::{Code, Error, Result};
+use crate::transport::Op;
+
+/// `mc_engine`: a running engine behind an opaque pointer.
+pub struct McEngine {
+    engine: Engine,
+}
+
+// The header promises that one engine may be used from many threads at once.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Engine>();
+};
+
+/// `MC_OP_READ`: remote → local.
+pub const MC_OP_READ: c_int = 0;
+/// `MC_OP_WRITE`: local → remote.
+pub const MC_OP_WRITE: c_int = 1;
+
+/// `mc_request` (40 bytes on 64-bit targets).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct McRequest {
+    pub op: c_int,
+    pub local: *mut c_void,
+    pub segment: u64,
+    pub remote_addr: u64,
+    pub len: u64,
+}
+
+/// `mc_task_status_t`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct McTaskStatus {
+    /// A `MC_TASK_*` value (the numbering of [`crate::engine::TaskState`]).
+    pub state: c_int,
+    pub bytes: u64,
+}
+
+/// Borrows the engine behind a handle.
+///
+/// # Safety
+/// `e` must be NULL or a live pointer from `mc_engine_new` that is not freed during `'a`.
+unsafe fn engine<'a>(e: *mut McEngine) -> Result<&'a Engine> {
+    non_null(e, "engine")?;
+    // SAFETY: non-null and live per the caller's contract; only shared access is made,
+    // which `Engine: Sync` allows from many threads.
+    Ok(unsafe { &(*e).engine })
+}
+
+/// Starts an engine from `cfg` (NULL: defaults) and stores it in `*out` (NULL on error).
+///
+/// # Safety
+/// `cfg` must be NULL or a live `mc_config`; `out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_engine_new(cfg: *const McConfig, out: *mut *mut McEngine) -> c_int {
+    init_logging();
+    guard("mc_engine_new", || {
+        non_null(out, "out")?;
+        // SAFETY: `out` is non-null and writable per the caller's contract.
+        unsafe { *out = std::ptr::null_mut() };
+        let config = if cfg.is_null() {
+            EngineConfig::default()
+        } else {
+            // SAFETY: non-null and live per the caller's contract; only read.
+            unsafe { (*cfg).config.clone() }
+        };
+        let engine = Engine::new(config)?;
+        let handle = Box::into_raw(Box::new(McEngine { engine }));
+        // SAFETY: as above.
+        unsafe { *out = handle };
+        Ok(MC_OK)
+    })
+}
+
+/// Stops and frees an engine; NULL is ignored.
+///
+/// # Safety
+/// `e` must be NULL or a pointer from `mc_engine_new` not yet freed, with no other call
+/// on it in progress or to come.
+#[no_mangle]
+pub unsafe extern "C" fn mc_engine_free(e: *mut McEngine) {
+    if e.is_null() {
+        return;
+    }
+    guard_value("mc_engine_free", (), || {
+        // SAFETY: from `Box::into_raw` in `mc_engine_new`, freed once, no longer shared.
+        drop(unsafe { Box::from_raw(e) });
+    });
+}
+
+/// Copies the segment name, NUL-terminated, into `buf[..len]`.
+///
+/// # Safety
+/// `e` as for every engine call; `buf` must be NULL or writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mc_engine_segment_name(
+    e: *mut McEngine,
+    buf: *mut c_char,
+    len: usize,
+) -> c_int {
+    guard("mc_engine_segment_name", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(buf, "buf")?;
+        let name = engine.segment_name();
+        // SAFETY: `buf` is writable for `len` bytes.
+        if unsafe { copy_out(name, buf, len) } {
+            return Ok(MC_OK);
+        }
+        if len > 0 {
+            // SAFETY: `buf` holds at least one byte.
+            unsafe { *buf = 0 };
+        }
+        Err(Error::new(
+            Code::BufferOverflow,
+            format!(
+                "segment name {name:?} needs {} bytes, buffer has {len}",
+                name.len() + 1
+            ),
+        ))
+    })
+}
+
+/// Publishes `[addr, addr+len)` to peers; `location` NULL means "cpu:0".
+///
+/// # Safety
+/// `e` as for every engine call; `location` NULL or a NUL-terminated string; the memory
+/// must stay valid (and may be written by peers) until it is unregistered.
+#[no_mangle]
+pub unsafe extern "C" fn mc_register_memory(
+    e: *mut McEngine,
+    addr: *mut c_void,
+    len: usize,
+    location: *const c_char,
+) -> c_int {
+    guard("mc_register_memory", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(addr, "addr")?;
+        let location = if location.is_null() {
+            "cpu:0"
+        } else {
+            // SAFETY: non-null NUL-terminated string per the caller's contract.
+            unsafe { c_str(location, "location")? }
+        };
+        // SAFETY: the caller keeps the memory valid until it unregisters it.
+        unsafe { engine.register_memory(addr.cast(), len, location)? };
+        Ok(MC_OK)
+    })
+}
+
+/// Withdraws the buffer registered at `addr`.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_unregister_memory(e: *mut McEngine, addr: *mut c_void) -> c_int {
+    guard("mc_unregister_memory", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(addr, "addr")?;
+        engine.unregister_memory(addr.cast())?;
+        Ok(MC_OK)
+    })
+}
+
+/// Resolves a segment by name into `*segment_out`.
+///
+/// # Safety
+/// `e` as for every engine call; `name` NULL or NUL-terminated; `segment_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_open_segment(
+    e: *mut McEngine,
+    name: *const c_char,
+    segment_out: *mut u64,
+) -> c_int {
+    guard("mc_open_segment", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(segment_out, "segment_out")?;
+        // SAFETY: NULL (rejected) or a NUL-terminated string.
+        let name = unsafe { c_str(name, "name")? };
+        let id: SegmentId = engine.open_segment(name)?;
+        // SAFETY: non-null and writable.
+        unsafe { *segment_out = id };
+        Ok(MC_OK)
+    })
+}
+
+/// Refetches an opened segment's descriptor.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_resync_segment(e: *mut McEngine, segment: u64) -> c_int {
+    guard("mc_resync_segment", || {
+        // SAFETY: per the caller's contract.
+        unsafe { engine(e)? }.resync_segment(segment)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Allocates a batch of `capacity` tasks into `*batch_out`.
+///
+/// # Safety
+/// `e` as for every engine call; `batch_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_batch_new(
+    e: *mut McEngine,
+    capacity: usize,
+    batch_out: *mut u64,
+) -> c_int {
+    guard("mc_batch_new", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(batch_out, "batch_out")?;
+        let id: BatchId = engine.allocate_batch(capacity)?;
+        // SAFETY: non-null and writable.
+        unsafe { *batch_out = id };
+        Ok(MC_OK)
+    })
+}
+
+fn to_request(i: usize, r: &McRequest) -> Result<Request> {
+    let op = match r.op {
+        MC_OP_READ => Op::Read,
+        MC_OP_WRITE => Op::Write,
+        other => {
+            return Err(Error::invalid(format!(
+                "request {i}: op {other} (must be MC_OP_READ 0 or MC_OP_WRITE 1)"
+            )))
+        }
+    };
+    Ok(Request {
+        op,
+        local: r.local as u64,
+        segment: r.segment,
+        remote: r.remote_addr,
+        len: r.len,
+    })
+}
+
+/// Submits `n` requests to a batch; all or none.
+///
+/// # Safety
+/// `e` as for every engine call; `reqs` NULL (only with `n == 0`) or `n` readable
+/// requests; every local buffer must stay valid and untouched until its task is final.
+#[no_mangle]
+pub unsafe extern "C" fn mc_submit(
+    e: *mut McEngine,
+    batch: u64,
+    reqs: *const McRequest,
+    n: usize,
+) -> c_int {
+    guard("mc_submit", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        let reqs: &[McRequest] = if n == 0 {
+            &[]
+        } else {
+            non_null(reqs, "reqs")?;
+            if !reqs.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<McRequest>() {
+                return Err(Error::invalid(format!("reqs {reqs:p} with n = {n}")));
+            }
+            // SAFETY: non-null, aligned, size checked, and `n` readable requests per
+            // the caller's contract; only read during this call.
+            unsafe { std::slice::from_raw_parts(reqs, n) }
+        };
+        let requests = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| to_request(i, r))
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: the caller keeps each local buffer valid until its task is final.
+        unsafe { engine.submit(batch, &requests)? };
+        Ok(MC_OK)
+    })
+}
+
+/// Writes the status of task `task` of a batch into `*out`.
+///
+/// # Safety
+/// `e` as for every engine call; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_task_status(
+    e: *mut McEngine,
+    batch: u64,
+    task: usize,
+    out: *mut McTaskStatus,
+) -> c_int {
+    guard("mc_task_status", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(out, "out")?;
+        let st = engine.task_status(batch, task)?;
+        // SAFETY: non-null and writable.
+        unsafe {
+            *out = McTaskStatus {
+                state: st.state as c_int,
+                bytes: st.bytes,
+            }
+        };
+        Ok(MC_OK)
+    })
+}
+
+/// Waits for every submitted task of a batch; `timeout_ms < 0` means no limit.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_batch_wait(e: *mut McEngine, batch: u64, timeout_ms: i64) -> c_int {
+    guard("mc_batch_wait", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
+        engine.wait_batch(batch, timeout)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Frees a batch whose tasks are all final.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_batch_free(e: *mut McEngine, batch: u64) -> c_int {
+    guard("mc_batch_free", || {
+        // SAFETY: per the caller's contract.
+        unsafe { engine(e)? }.free_batch(batch)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Sends a text message to an opened segment's engine.
+///
+/// # Safety
+/// `e` as for every engine call; `msg` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_notify(e: *mut McEngine, segment: u64, msg: *const c_char) -> c_int {
+    guard("mc_notify", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        // SAFETY: NULL (rejected) or a NUL-terminated string.
+        let msg = unsafe { c_str(msg, "msg")? };
+        engine.notify(segment, msg)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Takes the oldest notification into `from`/`msg`: 1 taken, 0 none, or an error (on
+/// `MC_ERR_BUFFER_OVERFLOW` it stays queued).
+///
+/// # Safety
+/// `e` as for every engine call; `from` and `msg` NULL or writable for `from_len` and
+/// `msg_len` bytes, not overlapping.
+#[no_mangle]
+pub unsafe extern "C" fn mc_take_notification(
+    e: *mut McEngine,
+    from: *mut c_char,
+    from_len: usize,
+    msg: *mut c_char,
+    msg_len: usize,
+) -> c_int {
+    guard("mc_take_notification", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(from, "from")?;
+        non_null(msg, "msg")?;
+        let taken = engine.take_notification_with(|n| {
+            if n.from.len() >= from_len || n.message.len() >= msg_len {
+                return Err(Error::new(
+                    Code::BufferOverflow,
+                    format!(
+                        "notification needs {} bytes for the sender and {} for the message, \
+                         buffers have {from_len} and {msg_len}",
+                        n.from.len() + 1,
+                        n.message.len() + 1
+                    ),
+                ));
+            }
+            // SAFETY: both fit (checked above) in buffers writable for their lengths.
+            unsafe {
+                copy_out(&n.from, from, from_len);
+                copy_out(&n.message, msg, msg_len);
+            }
+            Ok(())
+        });
+        match taken {
+            None => Ok(0),
+            Some(r) => r.map(|()| 1),
+        }
+    })
+}
+
+/// Checks that an opened segment's engine answers.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_probe(e: *mut McEngine, segment: u64) -> c_int {
+    guard("mc_probe", || {
+        // SAFETY: per the caller's contract.
+        unsafe { engine(e)? }.probe(segment)?;
+        Ok(MC_OK)
+    })
+}

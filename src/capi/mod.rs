@@ -1,0 +1,116 @@
+//! The stable C ABI declared in `c_include/mooncake.h`: thin `extern "C"` shims over
+//! [`Engine`](crate::Engine).
+//!
+//! Every entry point checks its pointers and strings, catches panics (none may unwind
+//! into C: a panic becomes `MC_ERR_INTERNAL`), and turns an [`Error`] into its negative
+//! code, logging the context so users can see why a call failed.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+mod config;
+mod engine;
+mod error;
+
+pub use config::*;
+pub use engine::*;
+pub use error::*;
+
+use std::any::Any;
+use std::ffi::{c_char, c_int, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Once;
+
+use crate::error::{Code, Error, Result};
+
+/// `MC_ABI_VERSION` of the header this library implements.
+pub const MC_ABI_VERSION: u32 = 1;
+/// `MC_OK`.
+pub const MC_OK: c_int = 0;
+
+/// Installs a stderr logger (filtered by `RUST_LOG`, default `warn`) unless the process
+/// already has one, so C callers see why calls fail.
+pub(crate) fn init_logging() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let env = env_logger::Env::default().default_filter_or("warn");
+        let _ = env_logger::Builder::from_env(env).try_init();
+    });
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
+/// Runs the body of an int-returning entry point: `Ok(v)` gives `v`, an error its code
+/// (logged with its context), a panic `MC_ERR_INTERNAL`.
+pub(crate) fn guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            match e.code() {
+                // Expected in normal polling use; not worth a warning.
+                Code::BufferOverflow | Code::Timeout => log::debug!("{what}: {e}"),
+                _ => log::warn!("{what}: {e}"),
+            }
+            e.code() as c_int
+        }
+        Err(p) => {
+            log::error!("{what}: panic: {}", panic_message(p.as_ref()));
+            Code::Internal as c_int
+        }
+    }
+}
+
+/// Runs the body of an entry point that returns no code; a panic gives `fallback`.
+pub(crate) fn guard_value<T>(what: &str, fallback: T, body: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|p| {
+        log::error!("{what}: panic: {}", panic_message(p.as_ref()));
+        fallback
+    })
+}
+
+/// Borrows a C string argument as UTF-8.
+///
+/// # Safety
+/// `p` must be NULL or point to a NUL-terminated string that stays valid and unchanged
+/// for `'a`.
+pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null, and the caller guarantees a valid NUL-terminated string.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map_err(|_| Error::invalid(format!("{what} is not valid UTF-8")))
+}
+
+/// Fails with `MC_ERR_INVALID_PARAMS` when a required pointer is NULL.
+pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
+    if p.is_null() {
+        Err(Error::invalid(format!("{what} is NULL")))
+    } else {
+        Ok(())
+    }
+}
+
+/// Copies `s` plus a NUL into `buf`; `false` (nothing copied) when it does not fit.
+///
+/// # Safety
+/// `buf` must be valid for writes of `len` bytes.
+pub(crate) unsafe fn copy_out(s: &str, buf: *mut c_char, len: usize) -> bool {
+    if s.len() >= len {
+        return false;
+    }
+    // SAFETY: `s.len() + 1 <= len` bytes fit in `buf`, which the caller guarantees is
+    // writable for `len` bytes; a Rust string never overlaps caller-owned memory.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+    }
+    true
+}

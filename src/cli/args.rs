@@ -1,0 +1,97 @@
+//! A small `--flag value` / `--flag=value` parser with errors that name the flag.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+pub struct Args {
+    values: HashMap<String, String>,
+    used: std::cell::RefCell<Vec<String>>,
+}
+
+/// Flags that take no value.
+const SWITCHES: &[&str] = &["json", "help", "until-stdin-eof", "no-verify"];
+
+impl Args {
+    pub fn parse(raw: &[String]) -> Result<Args, String> {
+        let mut values = HashMap::new();
+        let mut it = raw.iter();
+        while let Some(a) = it.next() {
+            if let Some(flag) = a.strip_prefix("--") {
+                let (k, v) = match flag.split_once('=') {
+                    Some((k, v)) => (k.to_owned(), v.to_owned()),
+                    None if SWITCHES.contains(&flag) => (flag.to_owned(), "true".to_owned()),
+                    None => {
+                        let v = it.next().ok_or_else(|| format!("--{flag} needs a value"))?;
+                        (flag.to_owned(), v.clone())
+                    }
+                };
+                values.insert(k.replace('_', "-"), v);
+            } else {
+                return Err(format!("unexpected argument {a:?}"));
+            }
+        }
+        Ok(Args { values, used: Default::default() })
+    }
+
+    pub fn str(&self, key: &str) -> Option<&str> {
+        self.used.borrow_mut().push(key.to_owned());
+        self.values.get(key).map(String::as_str)
+    }
+
+    pub fn flag(&self, key: &str) -> bool {
+        self.str(key).is_some_and(|v| v != "false")
+    }
+
+    pub fn get<T: FromStr>(&self, key: &str, default: T) -> Result<T, String> {
+        match self.str(key) {
+            None => Ok(default),
+            Some(v) => parse_value(v).ok_or_else(|| format!("--{key}: cannot parse {v:?}")),
+        }
+    }
+
+    /// Fails on flags nobody asked for (typos should not be silently ignored).
+    pub fn finish(&self) -> Result<(), String> {
+        let used = self.used.borrow();
+        let mut unknown: Vec<_> = self.values.keys().filter(|k| !used.contains(k)).cloned().collect();
+        unknown.sort();
+        match unknown.is_empty() {
+            true => Ok(()),
+            false => Err(format!("unknown option(s): --{}", unknown.join(", --"))),
+        }
+    }
+}
+
+/// Numbers may carry a binary size suffix: 4K, 1M, 2G (also KiB/MiB/GiB).
+fn parse_value<T: FromStr>(v: &str) -> Option<T> {
+    if let Ok(x) = v.parse() {
+        return Some(x);
+    }
+    let lower = v.to_ascii_lowercase();
+    let trimmed = lower.trim_end_matches("ib").trim_end_matches('b');
+    let (digits, mult) = match trimmed.chars().last()? {
+        'k' => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
+        'm' => (&trimmed[..trimmed.len() - 1], 1 << 20),
+        'g' => (&trimmed[..trimmed.len() - 1], 1 << 30),
+        _ => return None,
+    };
+    let n: u64 = digits.parse().ok()?;
+    n.checked_mul(mult)?.to_string().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_flags() {
+        let raw: Vec<String> = ["--size", "4M", "--name=x", "--json"].iter().map(|s| s.to_string()).collect();
+        let a = Args::parse(&raw).unwrap();
+        assert_eq!(a.get::<u64>("size", 0).unwrap(), 4 << 20);
+        assert_eq!(a.str("name"), Some("x"));
+        assert!(a.flag("json"));
+        a.finish().unwrap();
+        assert!(Args::parse(&["--size".to_string()]).is_err());
+        assert_eq!(parse_value::<u64>("1GiB"), Some(1 << 30));
+        assert_eq!(parse_value::<u64>("x"), None);
+    }
+}

@@ -1,0 +1,130 @@
+//! Subcommands of the `mooncake` binary, over the library's public API.
+
+pub mod args;
+
+use std::io::{BufRead, Write};
+use std::net::{IpAddr, SocketAddr};
+
+use args::Args;
+use mooncake::ffi::loader;
+use mooncake::metadata::http_server::MetadataServer;
+use mooncake::{Engine, EngineConfig};
+
+/// Blocks until stdin reaches EOF (the parent closed it or died).
+fn wait_for_stdin_eof() {
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    while stdin.lock().read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+        line.clear();
+    }
+}
+
+/// Blocks until SIGINT or SIGTERM.
+fn wait_for_signal() {
+    // SAFETY: sigset operations on a local, zero-initialized set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        let mut sig = 0;
+        libc::sigwait(&set, &mut sig);
+    }
+}
+
+/// Builds an engine config from the flags shared by all subcommands.
+pub fn engine_config(a: &Args) -> Result<EngineConfig, String> {
+    let mut cfg = EngineConfig::default();
+    let keys = [
+        ("metadata", "metadata"),
+        ("name", "local_server_name"),
+        ("bind", "bind_address"),
+        ("rpc-port", "rpc_port"),
+        ("protocol", "protocol"),
+        ("workers", "workers"),
+        ("spin-budget", "spin_budget"),
+        ("lanes", "lanes_per_peer"),
+        ("slice-size", "slice_size"),
+        ("socket-buffer", "socket_buffer"),
+    ];
+    for (flag, key) in keys {
+        if let Some(v) = a.str(flag) {
+            cfg.set(key, v).map_err(|e| format!("--{flag}: {e}"))?;
+        }
+    }
+    Ok(cfg)
+}
+
+pub fn target(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let size: usize = a.get("size", 64 << 20)?;
+    let until_eof = a.flag("until-stdin-eof");
+    let cfg = engine_config(&a)?;
+    a.finish()?;
+    if size == 0 {
+        return Err("--size must be positive".into());
+    }
+    // Sblock signals before any thread starts so sigwait sees them.
+    if !until_eof {
+        block_signals_for_wait();
+    }
+    let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
+    let mut buffer = vec![0u8; size];
+    // SAFETY: `buffer` lives until after `unregister_memory` below.
+    unsafe { engine.register_memory(buffer.as_mut_ptr(), size, "cpu:0") }.map_err(|e| e.to_string())?;
+    println!("ready {}", engine.segment_name());
+    let _ = std::io::stdout().flush();
+    if until_eof {
+        wait_for_stdin_eof();
+    } else {
+        wait_for_signal();
+    }
+    engine.unregister_memory(buffer.as_mut_ptr()).map_err(|e| e.to_string())?;
+    drop(engine);
+    drop(buffer);
+    Ok(())
+}
+
+fn block_signals_for_wait() {
+    // SAFETY: as in `wait_for_signal`.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+pub fn metadata_server(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let port: u16 = a.get("port", 8080)?;
+    let bind: IpAddr = a.get("bind", IpAddr::from([127, 0, 0, 1]))?;
+    let until_eof = a.flag("until-stdin-eof");
+    a.finish()?;
+    if !until_eof {
+        block_signals_for_wait();
+    }
+    let server = MetadataServer::start(SocketAddr::new(bind, port)).map_err(|e| e.to_string())?;
+    println!("ready {}", server.url());
+    let _ = std::io::stdout().flush();
+    if until_eof {
+        wait_for_stdin_eof();
+    } else {
+        wait_for_signal();
+    }
+    drop(server);
+    Ok(())
+}
+
+pub fn backends() -> Result<(), String> {
+    println!("built-in: tcp (always), shm (same host, process_vm_readv/writev)");
+    for b in loader::BACKENDS {
+        match loader::open_first(b.libraries) {
+            Ok(_) => println!("{}: library found (transport not yet implemented in this build)", b.name),
+            Err(e) => println!("{}: unavailable: {e}", b.name),
+        }
+    }
+    Ok(())
+}

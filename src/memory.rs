@@ -32,6 +32,7 @@ impl Region {
 
 /// Proof that `[addr, addr+len)` lies inside a registered buffer that cannot be
 /// unregistered until this guard drops.
+#[derive(Debug)]
 pub struct RangeGuard {
     region: Arc<Region>,
     addr: u64,

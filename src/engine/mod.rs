@@ -29,7 +29,7 @@ use crate::transport::{Kind, Op, Slice, Transport};
 use crate::wire::rpc::RpcType;
 use batch::Batch;
 use segments::{Published, Segments};
-use worker::{Worker, WorkerConfig, WorkerHandle, WorkItem};
+use worker::{Counters, Worker, WorkerConfig, WorkerHandle, WorkItem};
 
 /// Handle of an opened segment.
 pub type SegmentId = u64;
@@ -63,6 +63,19 @@ pub struct Engine {
     /// Serializes registration changes so descriptor publishes happen in order.
     registry: Mutex<()>,
     rpc_server: Mutex<Option<ConnServer>>,
+    counters: Arc<Counters>,
+}
+
+/// Bytes moved per transport and failure counts since the engine started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub local_bytes: u64,
+    pub shm_bytes: u64,
+    pub tcp_bytes: u64,
+    /// Slices re-sent after a path failure or a stale descriptor.
+    pub retries: u64,
+    /// Slices that ended FAILED or TIMEOUT.
+    pub failed_slices: u64,
 }
 
 impl Engine {
@@ -110,6 +123,7 @@ impl Engine {
             next_worker: AtomicUsize::new(0),
             registry: Mutex::new(()),
             rpc_server: Mutex::new(Some(rpc_server)),
+            counters: Arc::default(),
             config,
         };
         let desc = engine.build_desc();
@@ -148,6 +162,7 @@ impl Engine {
                 WorkerConfig {
                     spin_budget: self.config.spin_budget,
                     max_retries: self.config.max_retries,
+                    counters: self.counters.clone(),
                 },
             )?;
             let thread = std::thread::Builder::new()
@@ -198,6 +213,18 @@ impl Engine {
 
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    pub fn stats(&self) -> Stats {
+        let c = &self.counters;
+        let bytes = |k: Kind| c.bytes[k as usize].load(Ordering::Relaxed);
+        Stats {
+            local_bytes: bytes(Kind::Local),
+            shm_bytes: bytes(Kind::Shm),
+            tcp_bytes: bytes(Kind::Tcp),
+            retries: c.retries.load(Ordering::Relaxed),
+            failed_slices: c.failed_slices.load(Ordering::Relaxed),
+        }
     }
 
     /// The current published descriptor.

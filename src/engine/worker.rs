@@ -4,14 +4,14 @@
 //! wake-up eventfd plus every transport's completion descriptor, so an idle engine
 //! burns no CPU.
 
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::batch::{Batch, TaskState};
 use super::segments::Segments;
 use crate::sys::{self, Epoll, EventFd};
-use crate::transport::{Finished, Outcome, Slice, Transport, TransportWorker};
+use crate::transport::{Finished, Kind, Outcome, Slice, Transport, TransportWorker};
 
 /// A slice bound for a worker, with the task it belongs to.
 pub struct WorkItem {
@@ -56,6 +56,7 @@ impl WorkerHandle {
 pub struct WorkerConfig {
     pub spin_budget: u32,
     pub max_retries: u32,
+    pub counters: Arc<Counters>,
 }
 
 struct InFlight {
@@ -63,6 +64,16 @@ struct InFlight {
     task: usize,
     slice: Slice,
     attempts: u32,
+    /// The transport currently carrying the slice.
+    via: Option<Kind>,
+}
+
+/// Counters an engine exposes through `Engine::stats`.
+#[derive(Default)]
+pub struct Counters {
+    pub bytes: [AtomicU64; 3],
+    pub retries: AtomicU64,
+    pub failed_slices: AtomicU64,
 }
 
 pub struct Worker {
@@ -174,6 +185,7 @@ impl Worker {
             task: item.task,
             slice: slice.clone(),
             attempts: 0,
+            via: None,
         });
         self.post(slice);
     }
@@ -185,6 +197,9 @@ impl Worker {
             .transports
             .iter()
             .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc));
+        if let Some(entry) = self.slots.get_mut(slice.id as usize).and_then(Option::as_mut) {
+            entry.via = chosen.map(|i| self.transports[i].kind());
+        }
         match chosen {
             Some(i) => self.workers[i].post(slice, &mut self.done),
             None => self.done.push(Finished {
@@ -224,6 +239,7 @@ impl Worker {
                 }
                 Outcome::Stale | Outcome::PathFailed(_) => {
                     entry.attempts += 1;
+                    self.config.counters.retries.fetch_add(1, Ordering::Relaxed);
                     let slice = entry.slice.clone();
                     if let Outcome::PathFailed(why) = &f.outcome {
                         log::debug!("slice to {}: {why}; retrying", slice.peer.name);
@@ -247,6 +263,16 @@ impl Worker {
 
     fn retire(&mut self, id: usize, state: TaskState) {
         if let Some(entry) = self.slots[id].take() {
+            let c = &self.config.counters;
+            match (state, entry.via) {
+                (TaskState::Completed, Some(kind)) => {
+                    c.bytes[kind as usize].fetch_add(entry.slice.len, Ordering::Relaxed);
+                }
+                (TaskState::Completed, None) => {}
+                _ => {
+                    c.failed_slices.fetch_add(1, Ordering::Relaxed);
+                }
+            }
             entry.batch.slice_finished(entry.task, entry.slice.len, state);
             self.free.push(id);
         }

@@ -47,3 +47,41 @@ impl Drop for Registered<'_> {
         let _ = self.engine.unregister_memory(self.buf.as_mut_ptr());
     }
 }
+
+/// A `mooncake target` child process; killed and reaped on drop.
+pub struct Target {
+    pub child: std::process::Child,
+    pub name: String,
+}
+
+impl Target {
+    pub fn spawn(metadata: &str, size: usize) -> Target {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mooncake"))
+            .args(["target", "--metadata", metadata, "--bind", "127.0.0.1", "--until-stdin-eof"])
+            .args(["--size", &size.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn mooncake target");
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+        let name = line.trim().strip_prefix("ready ").map(str::to_owned);
+        let mut t = Target { child, name: String::new() };
+        t.name = name.unwrap_or_else(|| panic!("target said {line:?}"));
+        t
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        self.kill();
+    }
+}

@@ -15,6 +15,7 @@ pub mod json;
 pub mod memory;
 pub mod metadata;
 pub mod net;
+pub mod shared_memory;
 pub mod sys;
 pub mod transport;
 pub mod wire;

@@ -3,6 +3,7 @@
 //! buffer waits until no transfer still touches it.
 
 use std::collections::BTreeMap;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 
@@ -15,6 +16,9 @@ pub struct Region {
     pub len: u64,
     /// Where the memory lives, e.g. `cpu:0` or `cuda:1`.
     pub location: String,
+    /// For engine-allocated buffers: the memfd backing them, which same-host peers
+    /// may map to copy with plain memcpy.
+    pub shared_fd: Option<RawFd>,
     valid: AtomicBool,
     in_flight: AtomicUsize,
     drained: (Mutex<()>, Condvar),
@@ -93,6 +97,17 @@ impl LocalMemory {
 
     /// Adds a buffer; zero length, address overflow and any overlap are refused.
     pub fn register(&self, addr: u64, len: u64, location: &str) -> Result<Arc<Region>> {
+        self.register_with(addr, len, location, None)
+    }
+
+    /// As `register`, for memory backed by a shareable memfd.
+    pub fn register_with(
+        &self,
+        addr: u64,
+        len: u64,
+        location: &str,
+        shared_fd: Option<RawFd>,
+    ) -> Result<Arc<Region>> {
         if len == 0 {
             return Err(Error::invalid("cannot register a zero-length buffer"));
         }
@@ -118,6 +133,7 @@ impl LocalMemory {
             addr,
             len,
             location: location.to_owned(),
+            shared_fd,
             valid: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             drained: (Mutex::new(()), Condvar::new()),

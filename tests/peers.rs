@@ -203,3 +203,30 @@ fn silent_peer_times_out() {
     assert_eq!(res.unwrap_err().code(), Code::TransferFail);
     assert_eq!(state, TaskState::Timeout);
 }
+
+#[test]
+fn buffer_withdrawn_by_its_owner_is_never_touched_again() {
+    for protocol in ["shm", "tcp"] {
+        let mut target = Target::spawn("P2PHANDSHAKE", 1 << 20);
+        let e = engine_with("P2PHANDSHAKE", protocol);
+        write_then_read(&e, &target.name, 1 << 20); // caches descriptor and mappings
+        assert_eq!(target.command("unregister"), "unregistered");
+        let seg = e.open_segment(&target.name).unwrap();
+        let remote = e.segment_descriptor(seg).unwrap().buffers[0].addr; // stale cache
+        let src = pattern(9, 4096);
+        let b = e.allocate_batch(1).unwrap();
+        let w = Request { op: Op::Write, local: src.as_ptr() as u64, segment: seg, remote, len: 4096 };
+        // SAFETY: `src` outlives the wait.
+        unsafe { e.submit(b, &[w]) }.unwrap();
+        let err = e.wait_batch(b, WAIT).unwrap_err();
+        assert_eq!(err.code(), Code::TransferFail, "{protocol}: {err}");
+        assert_eq!(e.task_status(b, 0).unwrap().state, TaskState::Failed, "{protocol}");
+        // After a resync the address is refused up front.
+        e.resync_segment(seg).unwrap();
+        assert!(e.segment_descriptor(seg).unwrap().buffers.is_empty());
+        let b2 = e.allocate_batch(1).unwrap();
+        // SAFETY: nothing is submitted on error.
+        let err = unsafe { e.submit(b2, &[w]) }.unwrap_err();
+        assert_eq!(err.code(), Code::AddressNotRegistered, "{protocol}");
+    }
+}

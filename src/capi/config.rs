@@ -63,3 +63,29 @@ pub unsafe extern "C" fn mc_config_free(cfg: *mut McConfig) {
         drop(unsafe { Box::from_raw(cfg) });
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_value_leaves_the_config_unchanged() {
+        let cfg = mc_config_new();
+        // SAFETY: `cfg` is live until freed at the end; strings are literals.
+        unsafe {
+            assert_eq!(
+                mc_config_set(cfg, c"workers".as_ptr(), c"3".as_ptr()),
+                MC_OK
+            );
+            // `set` has already stored 0 in its copy when it refuses the value.
+            assert!(mc_config_set(cfg, c"workers".as_ptr(), c"0".as_ptr()) < 0);
+            assert!(mc_config_set(cfg, c"slice_size".as_ptr(), c"1".as_ptr()) < 0);
+            assert_eq!((*cfg).config.workers, 3);
+            assert_eq!(
+                (*cfg).config.tcp.slice_size,
+                EngineConfig::default().tcp.slice_size
+            );
+            mc_config_free(cfg);
+        }
+    }
+}

@@ -10,11 +10,16 @@ use mooncake::ffi::loader;
 use mooncake::metadata::http_server::MetadataServer;
 use mooncake::{Engine, EngineConfig};
 
-/// Blocks until stdin reaches EOF (the parent closed it or died).
-fn wait_for_stdin_eof() {
+/// Serves line commands on stdin until EOF (the parent closed it or died). Used by
+/// tests and the bench to drive a child target: `unregister` withdraws its buffer.
+fn serve_stdin(mut on_command: impl FnMut(&str) -> String) {
     let stdin = std::io::stdin();
     let mut line = String::new();
     while stdin.lock().read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+        if !line.trim().is_empty() {
+            println!("{}", on_command(line.trim()));
+            let _ = std::io::stdout().flush();
+        }
         line.clear();
     }
 }
@@ -70,19 +75,28 @@ pub fn target(raw: &[String]) -> Result<(), String> {
         block_signals_for_wait();
     }
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
-    let mut buffer = vec![0u8; size];
-    // SAFETY: `buffer` lives until after `unregister_memory` below.
-    unsafe { engine.register_memory(buffer.as_mut_ptr(), size, "cpu:0") }.map_err(|e| e.to_string())?;
+    // Engine-owned (memfd-backed) memory: same-host peers copy with plain memcpy.
+    let buffer = engine.allocate_buffer(size, "cpu:0").map_err(|e| e.to_string())?;
     println!("ready {}", engine.segment_name());
     let _ = std::io::stdout().flush();
+    let mut registered = true;
     if until_eof {
-        wait_for_stdin_eof();
+        serve_stdin(|cmd| match cmd {
+            "unregister" if registered => {
+                registered = false;
+                match engine.free_buffer(buffer) {
+                    Ok(()) => "unregistered".to_owned(),
+                    Err(e) => format!("error {e}"),
+                }
+            }
+            other => format!("error unknown command {other:?}"),
+        });
     } else {
         wait_for_signal();
     }
-    engine.unregister_memory(buffer.as_mut_ptr()).map_err(|e| e.to_string())?;
-    drop(engine);
-    drop(buffer);
+    if registered {
+        engine.free_buffer(buffer).map_err(|e| e.to_string())?;
+    }
     Ok(())
 }
 
@@ -110,7 +124,7 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
     println!("ready {}", server.url());
     let _ = std::io::stdout().flush();
     if until_eof {
-        wait_for_stdin_eof();
+        serve_stdin(|cmd| format!("error unknown command {cmd:?}"));
     } else {
         wait_for_signal();
     }

@@ -9,6 +9,7 @@ mod worker;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -22,6 +23,7 @@ use crate::error::{Code, Error, Result};
 use crate::memory::LocalMemory;
 use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
 use crate::net::ConnServer;
+use crate::shared_memory::SharedMemory;
 use crate::transport::local::LocalTransport;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
@@ -64,6 +66,8 @@ pub struct Engine {
     registry: Mutex<()>,
     rpc_server: Mutex<Option<ConnServer>>,
     counters: Arc<Counters>,
+    /// Buffers from `allocate_buffer`, by address.
+    owned: Mutex<HashMap<u64, SharedMemory>>,
 }
 
 /// Bytes moved per transport and failure counts since the engine started.
@@ -124,6 +128,7 @@ impl Engine {
             registry: Mutex::new(()),
             rpc_server: Mutex::new(Some(rpc_server)),
             counters: Arc::default(),
+            owned: Mutex::default(),
             config,
         };
         let desc = engine.build_desc();
@@ -195,6 +200,7 @@ impl Engine {
                 length: r.len,
                 rkey: Vec::new(),
                 lkey: Vec::new(),
+                shm_fd: r.shared_fd,
             })
             .collect();
         desc
@@ -238,8 +244,12 @@ impl Engine {
     /// The memory must stay valid, and may be read and written by peers at any time,
     /// until `unregister_memory(addr)` returns.
     pub unsafe fn register_memory(&self, addr: *mut u8, len: usize, location: &str) -> Result<()> {
+        self.register_region(addr as u64, len as u64, location, None)
+    }
+
+    fn register_region(&self, addr: u64, len: u64, location: &str, shared_fd: Option<RawFd>) -> Result<()> {
         let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        let region = self.memory.register(addr as u64, len as u64, location)?;
+        let region = self.memory.register_with(addr, len, location, shared_fd)?;
         for t in &self.transports {
             if let Err(e) = t.register(&region) {
                 drop(self.memory.unregister(region.addr));
@@ -257,6 +267,34 @@ impl Engine {
             t.unregister(&region);
         }
         self.republish()
+    }
+
+    /// Allocates `len` bytes of zeroed, registered memory owned by the engine. Same-host
+    /// peers copy to and from it with plain memcpy through a shared mapping, the
+    /// fastest path there is; free it with `free_buffer`.
+    pub fn allocate_buffer(&self, len: usize, location: &str) -> Result<*mut u8> {
+        if len == 0 {
+            return Err(Error::invalid("cannot allocate a zero-length buffer"));
+        }
+        let mem = SharedMemory::create("mooncake-buffer", len)
+            .map_err(|e| Error::io(format!("allocating {len} shared bytes"), e))?;
+        let ptr = mem.ptr();
+        self.register_region(ptr as u64, len as u64, location, Some(mem.fd()))?;
+        self.owned.lock().unwrap_or_else(|e| e.into_inner()).insert(ptr as u64, mem);
+        Ok(ptr)
+    }
+
+    /// Unregisters and releases a buffer from `allocate_buffer`.
+    pub fn free_buffer(&self, addr: *mut u8) -> Result<()> {
+        if !self.owned.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&(addr as u64)) {
+            return Err(Error::invalid(format!("{addr:p} was not allocated by this engine")));
+        }
+        match self.unregister_memory(addr) {
+            Err(e) if e.code() != Code::AddressNotRegistered => return Err(e),
+            _ => {}
+        }
+        self.owned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(addr as u64));
+        Ok(())
     }
 
     /// Resolves a segment by name (cached after the first call).
@@ -469,6 +507,13 @@ impl Drop for Engine {
         }
         if let Some(mut s) = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner()).take() {
             s.shutdown();
+        }
+        // Engine-owned memory is unmapped only once nothing can reach it any more.
+        let owned: Vec<u64> = self.owned.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        for addr in owned {
+            if let Err(e) = self.free_buffer(addr as *mut u8) {
+                log::warn!("freeing engine buffer {addr:#x}: {e}");
+            }
         }
     }
 }

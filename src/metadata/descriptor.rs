@@ -33,6 +33,8 @@ pub struct BufferDesc {
     pub length: u64,
     pub rkey: Vec<u32>,
     pub lkey: Vec<u32>,
+    /// Our extension: the owner's memfd for this buffer, mappable by same-host peers.
+    pub shm_fd: Option<i32>,
 }
 
 impl BufferDesc {
@@ -83,13 +85,17 @@ impl SegmentDesc {
             .buffers
             .iter()
             .map(|b| {
-                Value::object([
+                let mut fields = vec![
                     ("name", Value::from(b.name.as_str())),
                     ("addr", b.addr.into()),
                     ("length", b.length.into()),
                     ("rkey", keys(&b.rkey)),
                     ("lkey", keys(&b.lkey)),
-                ])
+                ];
+                if let Some(fd) = b.shm_fd {
+                    fields.push(("mc_shm_fd", fd.into()));
+                }
+                Value::object(fields)
             })
             .collect::<Vec<_>>();
         let devices = self
@@ -169,6 +175,11 @@ impl SegmentDesc {
                 length: b.u64_field("length").map_err(bad)?,
                 rkey: parse_keys(b.get("rkey")),
                 lkey: parse_keys(b.get("lkey")),
+                shm_fd: b
+                    .get("mc_shm_fd")
+                    .and_then(Value::as_i64)
+                    .and_then(|fd| i32::try_from(fd).ok())
+                    .filter(|fd| *fd >= 0),
             };
             if buf.addr.checked_add(buf.length).is_none() {
                 return Err(Error::new(Code::Metadata, "segment descriptor: buffer overflows"));
@@ -251,6 +262,7 @@ mod tests {
             length: 1 << 30,
             rkey: vec![7, 8],
             lkey: vec![],
+            shm_fd: Some(9),
         });
         d.host = Some(HostInfo {
             host_id: "abc".into(),

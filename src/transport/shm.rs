@@ -1,17 +1,17 @@
-//! Same-host transfers between processes with one copy: `process_vm_readv` /
-//! `process_vm_writev` straight between the two address spaces.
+//! Same-host transfers between processes with one copy and no network: plain memcpy
+//! through a mapping of the peer's buffer when the peer allocated it from the engine
+//! (memfd-backed), otherwise `process_vm_readv` / `process_vm_writev`.
 //!
-//! Safety across processes rests on a shared guard page (a memfd each engine exposes):
+//! Safety across processes rests on a shared guard page (a memfd every engine exposes):
 //! it holds a random token (proving which process we are talking to), a generation
 //! bumped on every unregistration, and a count of copies in progress. A copier
 //! increments the count, checks the generation against the descriptor it validated
 //! against, copies, and decrements; an unregistering owner bumps the generation and
-//! waits for the count to drain. So no copy can touch a buffer after
+//! waits for the count to drain. So no copy touches a buffer after
 //! `unregister_memory` returns. A pidfd tells whether the peer still lives, so a
 //! recycled PID is never written to.
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use super::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 use crate::error::{Error, Result};
 use crate::memory::Region;
-use crate::metadata::{HostInfo, SegmentDesc};
+use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
+use crate::shared_memory::{self, Mapping, SharedMemory};
 
 const PAGE: usize = 4096;
 /// How long an unregistration waits for a crashed copier's count before going on.
@@ -33,46 +34,12 @@ struct GuardPage {
     active: AtomicU64,
 }
 
-/// A shared mapping of a guard page.
-struct Mapping {
-    ptr: *mut GuardPage,
-}
-
-// SAFETY: the mapping is only accessed through atomics.
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    fn map(fd: RawFd) -> std::io::Result<Mapping> {
-        // SAFETY: maps one page of a memfd we hold open; checked for MAP_FAILED.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Mapping { ptr: ptr.cast() })
-    }
-
-    fn page(&self) -> &GuardPage {
-        // SAFETY: `ptr` maps a whole page, alive until drop; all fields are atomics.
-        unsafe { &*self.ptr }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly the page mapped in `map`.
-        unsafe { libc::munmap(self.ptr.cast(), PAGE) };
-    }
+/// # Safety
+/// `ptr` must point at a live mapping of at least one page.
+unsafe fn guard_page<'a>(ptr: *mut u8) -> &'a GuardPage {
+    // SAFETY: per the contract the page is mapped; all its fields are atomics, so
+    // shared access from several processes is sound.
+    unsafe { &*(ptr as *const GuardPage) }
 }
 
 /// `boot_id` plus PID namespace: two processes with equal ids can name each other's PIDs.
@@ -100,35 +67,25 @@ fn random_u64() -> u64 {
 }
 
 pub struct ShmTransport {
-    memfd: OwnedFd,
-    page: Mapping,
+    guard: SharedMemory,
     host_id: String,
 }
 
 impl ShmTransport {
     pub fn new() -> Result<ShmTransport> {
-        let name = CString::new("mooncake-shm-guard").expect("no NUL");
-        // SAFETY: valid C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io("memfd_create", std::io::Error::last_os_error()));
-        }
-        // SAFETY: fresh descriptor.
-        let memfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: plain syscall on our descriptor.
-        if unsafe { libc::ftruncate(fd, PAGE as libc::off_t) } != 0 {
-            return Err(Error::io("ftruncate guard page", std::io::Error::last_os_error()));
-        }
-        let page = Mapping::map(fd).map_err(|e| Error::io("mmap guard page", e))?;
-        page.page().token.store(random_u64() | 1, Ordering::SeqCst);
+        let guard = SharedMemory::create("mooncake-shm-guard", PAGE)
+            .map_err(|e| Error::io("creating the shm guard page", e))?;
+        let t = ShmTransport { guard, host_id: host_id() };
+        t.page().token.store(random_u64() | 1, Ordering::SeqCst);
         // Under Yama's ptrace_scope=1 only ancestors may process_vm_* us: allow peers.
         // SAFETY: prctl with integer arguments only.
         unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-        Ok(ShmTransport {
-            memfd,
-            page,
-            host_id: host_id(),
-        })
+        Ok(t)
+    }
+
+    fn page(&self) -> &GuardPage {
+        // SAFETY: the guard memory is one page, alive as long as `self`.
+        unsafe { guard_page(self.guard.ptr()) }
     }
 }
 
@@ -138,7 +95,7 @@ impl Transport for ShmTransport {
     }
 
     fn unregister(&self, region: &Region) {
-        let page = self.page.page();
+        let page = self.page();
         page.generation.fetch_add(1, Ordering::SeqCst);
         let start = Instant::now();
         while page.active.load(Ordering::SeqCst) != 0 {
@@ -157,20 +114,20 @@ impl Transport for ShmTransport {
     }
 
     fn describe(&self, desc: &mut SegmentDesc) {
-        let page = self.page.page();
+        let page = self.page();
         desc.host = Some(HostInfo {
             host_id: self.host_id.clone(),
             pid: std::process::id(),
-            guard_fd: self.memfd.as_raw_fd(),
+            guard_fd: self.guard.fd(),
             token: page.token.load(Ordering::SeqCst),
             generation: page.generation.load(Ordering::SeqCst),
         });
     }
 
     fn reaches(&self, peer: &SegmentDesc) -> bool {
-        peer.host
-            .as_ref()
-            .is_some_and(|h| h.host_id == self.host_id && h.pid != std::process::id() && h.guard_fd >= 0)
+        peer.host.as_ref().is_some_and(|h| {
+            h.host_id == self.host_id && h.pid != std::process::id() && h.guard_fd >= 0
+        })
     }
 
     fn slice_size(&self) -> u64 {
@@ -182,41 +139,64 @@ impl Transport for ShmTransport {
     }
 }
 
+/// Why a copy could not happen.
+enum CopyError {
+    /// The descriptor we validated against is out of date.
+    Stale,
+    /// The peer refused or the address is bad: final.
+    Rejected(String),
+    /// Not permitted from here: stop trying shared memory with this peer.
+    Denied(String),
+    /// Anything else: retry on another path.
+    Failed(String),
+}
+
 /// A peer process we have attached to.
 struct Attached {
     pid: i32,
     token: u64,
     pidfd: OwnedFd,
-    page: Mapping,
+    guard: Mapping,
+    /// Mappings of the peer's memfd-backed buffers, by buffer address, valid for
+    /// `generation`.
+    buffers: HashMap<u64, Mapping>,
+    generation: u64,
 }
 
 impl Attached {
-    fn attach(h: &HostInfo) -> std::result::Result<Attached, String> {
+    fn attach(h: &HostInfo) -> std::result::Result<Attached, CopyError> {
         let pid = h.pid as i32;
         // SAFETY: pidfd_open takes a pid and flags.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
         if pidfd < 0 {
-            return Err(format!("pidfd_open({pid}): {}", std::io::Error::last_os_error()));
+            let e = std::io::Error::last_os_error();
+            return Err(CopyError::Denied(format!("pidfd_open({pid}): {e}")));
         }
         // SAFETY: fresh descriptor.
         let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-        let path = format!("/proc/{pid}/fd/{}", h.guard_fd);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| format!("open {path}: {e}"))?;
-        let page = Mapping::map(file.as_raw_fd()).map_err(|e| format!("mmap {path}: {e}"))?;
-        if page.page().token.load(Ordering::SeqCst) != h.token {
-            return Err(format!("{path} is not the published guard page"));
+        let guard = shared_memory::map_peer(h.pid, h.guard_fd, PAGE).map_err(|e| CopyError::Denied(e.to_string()))?;
+        let attached = Attached {
+            pid,
+            token: h.token,
+            pidfd,
+            guard,
+            buffers: HashMap::new(),
+            generation: h.generation,
+        };
+        if attached.page().token.load(Ordering::SeqCst) != h.token {
+            return Err(CopyError::Denied(format!("fd {} of {pid} is not its guard page", h.guard_fd)));
         }
-        let attached = Attached { pid, token: h.token, pidfd, page };
         // The pidfd was taken before the page was checked, so a live pidfd proves the
-        // token belongs to the same process we will copy to.
+        // token belongs to the process we will copy to.
         if !attached.alive() {
-            return Err(format!("process {pid} exited"));
+            return Err(CopyError::Failed(format!("process {pid} exited")));
         }
         Ok(attached)
+    }
+
+    fn page(&self) -> &GuardPage {
+        // SAFETY: `guard` maps one page of the peer's guard memfd.
+        unsafe { guard_page(self.guard.ptr()) }
     }
 
     fn alive(&self) -> bool {
@@ -225,22 +205,61 @@ impl Attached {
         unsafe { libc::poll(&mut pfd, 1, 0) == 0 }
     }
 
-    /// One guarded copy. `generation` is the one the range was validated against.
-    fn copy(&self, op: Op, local: u64, remote: u64, len: u64, generation: u64) -> Outcome {
-        let page = self.page.page();
-        page.active.fetch_add(1, Ordering::SeqCst);
-        let outcome = if page.generation.load(Ordering::SeqCst) != generation {
-            Outcome::Stale
-        } else if !self.alive() {
-            Outcome::PathFailed(format!("process {} exited", self.pid))
-        } else {
-            self.copy_unguarded(op, local, remote, len)
-        };
-        page.active.fetch_sub(1, Ordering::SeqCst);
-        outcome
+    /// Our mapping of a memfd-backed peer buffer, made on first use.
+    fn buffer_mapping(&mut self, buf: &BufferDesc, fd: i32) -> std::result::Result<*mut u8, CopyError> {
+        if let Some(m) = self.buffers.get(&buf.addr) {
+            return Ok(m.ptr());
+        }
+        let m = shared_memory::map_peer(self.pid as u32, fd, buf.length as usize)
+            .map_err(|e| CopyError::Failed(e.to_string()))?;
+        let ptr = m.ptr();
+        self.buffers.insert(buf.addr, m);
+        Ok(ptr)
     }
 
-    fn copy_unguarded(&self, op: Op, local: u64, remote: u64, len: u64) -> Outcome {
+    /// One guarded copy of a range inside `buf`, validated against `generation`.
+    fn copy(&mut self, slice: &Slice, buf: &BufferDesc, generation: u64) -> std::result::Result<(), CopyError> {
+        if generation != self.generation {
+            // The peer's buffers changed: drop mappings of buffers that may be gone.
+            self.buffers.clear();
+            self.generation = generation;
+        }
+        let mapped = match buf.shm_fd {
+            Some(fd) => match self.buffer_mapping(buf, fd) {
+                Ok(base) => Some(base.wrapping_add((slice.remote - buf.addr) as usize)),
+                // Unmappable (e.g. sealed): process_vm still works for this buffer.
+                Err(_) => None,
+            },
+            None => None,
+        };
+        let page = self.page();
+        page.active.fetch_add(1, Ordering::SeqCst);
+        let result = if page.generation.load(Ordering::SeqCst) != generation {
+            Err(CopyError::Stale)
+        } else if !self.alive() {
+            Err(CopyError::Failed(format!("process {} exited", self.pid)))
+        } else {
+            match mapped {
+                Some(remote) => {
+                    let (src, dst) = match slice.op {
+                        Op::Read => (remote as *const u8, slice.local as *mut u8),
+                        Op::Write => (slice.local as *const u8, remote),
+                    };
+                    // SAFETY: `remote` lies inside our mapping of the peer buffer (range
+                    // validated against the descriptor of this generation, which the
+                    // guard count pins); the local side is the caller's buffer.
+                    unsafe { std::ptr::copy(src, dst, slice.len as usize) };
+                    Ok(())
+                }
+                None => self.process_vm(slice),
+            }
+        };
+        page.active.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+
+    fn process_vm(&self, slice: &Slice) -> std::result::Result<(), CopyError> {
+        let (local, remote, len) = (slice.local, slice.remote, slice.len);
         let mut done = 0u64;
         while done < len {
             let l = libc::iovec { iov_base: (local + done) as *mut _, iov_len: (len - done) as usize };
@@ -249,22 +268,23 @@ impl Attached {
             // remote range was validated against the peer's published buffers under
             // the guard protocol. The kernel checks both mappings.
             let n = unsafe {
-                match op {
+                match slice.op {
                     Op::Read => libc::process_vm_readv(self.pid, &l, 1, &r, 1, 0),
                     Op::Write => libc::process_vm_writev(self.pid, &l, 1, &r, 1, 0),
                 }
             };
             if n <= 0 {
                 let err = std::io::Error::last_os_error();
-                return match err.raw_os_error() {
-                    Some(libc::EFAULT) => Outcome::Rejected(format!("process_vm: bad address: {err}")),
-                    _ if n == 0 => Outcome::PathFailed("process_vm moved no bytes".into()),
-                    _ => Outcome::PathFailed(format!("process_vm({}): {err}", self.pid)),
-                };
+                return Err(match err.raw_os_error() {
+                    _ if n == 0 => CopyError::Failed("process_vm moved no bytes".into()),
+                    Some(libc::EFAULT) => CopyError::Rejected(format!("process_vm: bad address: {err}")),
+                    Some(libc::EPERM) => CopyError::Denied(format!("process_vm({}): {err}", self.pid)),
+                    _ => CopyError::Failed(format!("process_vm({}): {err}", self.pid)),
+                });
             }
             done += n as u64;
         }
-        Outcome::Done
+        Ok(())
     }
 }
 
@@ -279,36 +299,44 @@ impl ShmWorker {
             return Outcome::PathFailed("peer publishes no host identity".into());
         };
         if self.peers.get(&slice.peer.id).is_some_and(|a| a.token != host.token) {
+            // The peer restarted under the same name.
             self.peers.remove(&slice.peer.id);
         }
-        if !self.peers.contains_key(&slice.peer.id) {
-            match Attached::attach(host) {
-                Ok(a) => {
-                    self.peers.insert(slice.peer.id, a);
-                }
-                Err(why) => {
-                    // Not permitted here (other user, container policy): use TCP.
-                    log::info!("shm to {} unavailable, falling back: {why}", slice.peer.name);
-                    slice.peer.disable(Kind::Shm);
-                    return Outcome::PathFailed(why);
-                }
-            }
-        }
-        let attached = &self.peers[&slice.peer.id];
-        if desc.buffer_for(slice.remote, slice.len).is_none() {
+        let attached = match self.peers.entry(slice.peer.id) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => match Attached::attach(host) {
+                Ok(a) => v.insert(a),
+                Err(e) => return self.failed(slice, e),
+            },
+        };
+        let Some(buf) = desc.buffer_for(slice.remote, slice.len) else {
             return Outcome::Rejected(format!(
                 "[{:#x}, +{}) is not inside one buffer of {}",
                 slice.remote, slice.len, slice.peer.name
             ));
+        };
+        match attached.copy(slice, buf, host.generation) {
+            Ok(()) => Outcome::Done,
+            Err(e) => self.failed(slice, e),
         }
-        let outcome = attached.copy(slice.op, slice.local, slice.remote, slice.len, host.generation);
-        if let Outcome::PathFailed(why) = &outcome {
-            if why.contains("Operation not permitted") {
+    }
+
+    fn failed(&mut self, slice: &Slice, e: CopyError) -> Outcome {
+        match e {
+            CopyError::Stale => Outcome::Stale,
+            CopyError::Rejected(why) => Outcome::Rejected(why),
+            CopyError::Denied(why) => {
+                // Not permitted here (other user, container policy): use TCP.
+                log::info!("shm to {} unavailable, falling back: {why}", slice.peer.name);
                 slice.peer.disable(Kind::Shm);
+                self.peers.remove(&slice.peer.id);
+                Outcome::PathFailed(why)
             }
-            self.peers.remove(&slice.peer.id);
+            CopyError::Failed(why) => {
+                self.peers.remove(&slice.peer.id);
+                Outcome::PathFailed(why)
+            }
         }
-        outcome
     }
 }
 

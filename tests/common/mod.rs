@@ -52,6 +52,7 @@ impl Drop for Registered<'_> {
 pub struct Target {
     pub child: std::process::Child,
     pub name: String,
+    stdout: Option<std::io::BufReader<std::process::ChildStdout>>,
 }
 
 impl Target {
@@ -65,12 +66,23 @@ impl Target {
             .spawn()
             .expect("spawn mooncake target");
         let mut line = String::new();
-        let stdout = child.stdout.take().unwrap();
-        std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        stdout.read_line(&mut line).unwrap();
         let name = line.trim().strip_prefix("ready ").map(str::to_owned);
-        let mut t = Target { child, name: String::new() };
+        let mut t = Target { child, name: String::new(), stdout: Some(stdout) };
         t.name = name.unwrap_or_else(|| panic!("target said {line:?}"));
         t
+    }
+
+    /// Sends a line command and returns the target's one-line answer.
+    pub fn command(&mut self, cmd: &str) -> String {
+        use std::io::{BufRead, Write};
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.as_mut().unwrap().read_line(&mut line).unwrap();
+        line.trim().to_owned()
     }
 
     pub fn kill(&mut self) {

@@ -6,7 +6,6 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cli::args::Args;
@@ -32,7 +31,14 @@ impl ChildTarget {
     fn spawn(size: u64) -> Result<ChildTarget, String> {
         let exe = std::env::current_exe().map_err(|e| format!("locating own binary: {e}"))?;
         let mut child = Command::new(exe)
-            .args(["target", "--metadata", "P2PHANDSHAKE", "--bind", "127.0.0.1", "--until-stdin-eof"])
+            .args([
+                "target",
+                "--metadata",
+                "P2PHANDSHAKE",
+                "--bind",
+                "127.0.0.1",
+                "--until-stdin-eof",
+            ])
             .args(["--size", &size.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -72,7 +78,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Fills `buf` with a pattern unique to `seed` and each position.
 fn fill(buf: &mut [u8], seed: u64) {
     for (i, chunk) in buf.chunks_mut(8).enumerate() {
-        let v = (i as u64 ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes();
+        let v = (i as u64 ^ seed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
 }
@@ -86,78 +94,116 @@ fn transfer(engine: &Engine, batch: u64, reqs: &[Request]) -> Result<(), String>
         .map_err(|e| format!("transfer: {e}"))
 }
 
-fn measure(engine: &Engine, seg: u64, remote_base: u64, p: &Params) -> Result<(u64, f64, Vec<f64>, bool), String> {
+/// What one bench thread measured.
+struct ThreadResult {
+    bytes: u64,
+    latencies_us: Vec<f64>,
+    verified: bool,
+}
+
+/// Requests covering `span` bytes of `local` as `batch` blocks at `remote`.
+fn block_requests(op: Op, local: &mut [u8], seg: u64, remote: u64, p: &Params) -> Vec<Request> {
+    (0..p.batch as u64)
+        .map(|i| Request {
+            op,
+            local: local.as_mut_ptr() as u64 + i * p.block,
+            segment: seg,
+            remote: remote + i * p.block,
+            len: p.block,
+        })
+        .collect()
+}
+
+/// Runs a fresh batch of `reqs` to completion.
+fn one_batch(engine: &Engine, reqs: &[Request]) -> Result<(), String> {
+    let batch = engine
+        .allocate_batch(reqs.len())
+        .map_err(|e| e.to_string())?;
+    transfer(engine, batch, reqs)?;
+    engine.free_batch(batch).map_err(|e| e.to_string())
+}
+
+/// One bench thread: seed its remote region, loop timed batches until `stop`, verify.
+fn bench_thread(
+    engine: &Engine,
+    seg: u64,
+    remote: u64,
+    seed: u64,
+    p: &Params,
+    stop: &AtomicBool,
+) -> Result<ThreadResult, String> {
+    let span = (p.block * p.batch as u64) as usize;
+    let mut expected = vec![0u8; span];
+    fill(&mut expected, seed);
+    // Seed the remote region so reads have known content to verify.
+    let mut seeded = expected.clone();
+    one_batch(
+        engine,
+        &block_requests(Op::Write, &mut seeded, seg, remote, p),
+    )?;
+    let mut local = if p.op == Op::Write {
+        expected.clone()
+    } else {
+        vec![0u8; span]
+    };
+    let timed = block_requests(p.op, &mut local, seg, remote, p);
+    let mut latencies_us = Vec::new();
+    let mut bytes = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let t0 = Instant::now();
+        one_batch(engine, &timed)?;
+        latencies_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        bytes += span as u64;
+    }
+    // Reads must have returned the seeded bytes; writes must read back as written.
+    let verified = if p.op == Op::Read {
+        local == expected
+    } else {
+        let mut back = vec![0u8; span];
+        one_batch(engine, &block_requests(Op::Read, &mut back, seg, remote, p))?;
+        back == expected
+    };
+    Ok(ThreadResult {
+        bytes,
+        latencies_us,
+        verified,
+    })
+}
+
+fn measure(
+    engine: &Engine,
+    seg: u64,
+    remote_base: u64,
+    p: &Params,
+) -> Result<(u64, f64, Vec<f64>, bool), String> {
     let span = p.block * p.batch as u64;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = AtomicBool::new(false);
     let start = Instant::now();
-    let results: Vec<Result<(u64, Vec<f64>, bool), String>> = std::thread::scope(|s| {
+    let results: Vec<Result<ThreadResult, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..p.threads)
             .map(|t| {
-                let stop = stop.clone();
-                s.spawn(move || -> Result<(u64, Vec<f64>, bool), String> {
-                    let remote = remote_base + t as u64 * span;
-                    let mut local = vec![0u8; span as usize];
-                    let seed = 0x5EED + t as u64;
-                    let mut expected = vec![0u8; span as usize];
-                    fill(&mut expected, seed);
-                    let batch = engine.allocate_batch(p.batch * 2).map_err(|e| e.to_string())?;
-                    let reqs = |op: Op, buf: &mut Vec<u8>| -> Vec<Request> {
-                        (0..p.batch as u64)
-                            .map(|i| Request {
-                                op,
-                                local: buf.as_mut_ptr() as u64 + i * p.block,
-                                segment: seg,
-                                remote: remote + i * p.block,
-                                len: p.block,
-                            })
-                            .collect()
-                    };
-                    // Seed the remote region so reads have known content to verify.
-                    let mut seed_buf = expected.clone();
-                    transfer(engine, batch, &reqs(Op::Write, &mut seed_buf))?;
-                    engine.free_batch(batch).map_err(|e| e.to_string())?;
-                    if p.op == Op::Write {
-                        local.copy_from_slice(&expected);
-                    }
-                    let timed = reqs(p.op, &mut local);
-                    let mut lat = Vec::new();
-                    let mut bytes = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        let batch = engine.allocate_batch(p.batch).map_err(|e| e.to_string())?;
-                        let t0 = Instant::now();
-                        transfer(engine, batch, &timed)?;
-                        lat.push(t0.elapsed().as_secs_f64() * 1e6);
-                        engine.free_batch(batch).map_err(|e| e.to_string())?;
-                        bytes += span;
-                    }
-                    // Verify: reads must have returned the seeded bytes; writes must
-                    // read back as written.
-                    let ok = if p.op == Op::Read {
-                        local == expected
-                    } else {
-                        let mut back = vec![0u8; span as usize];
-                        let batch = engine.allocate_batch(p.batch).map_err(|e| e.to_string())?;
-                        transfer(engine, batch, &reqs(Op::Read, &mut back))?;
-                        engine.free_batch(batch).map_err(|e| e.to_string())?;
-                        back == expected
-                    };
-                    Ok((bytes, lat, ok))
-                })
+                let stop = &stop;
+                let remote = remote_base + t as u64 * span;
+                s.spawn(move || bench_thread(engine, seg, remote, 0x5EED + t as u64, p, stop))
             })
             .collect();
         std::thread::sleep(p.duration);
         stop.store(true, Ordering::Relaxed);
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("bench thread panicked".into()))).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("bench thread panicked".into()))
+            })
+            .collect()
     });
     let seconds = start.elapsed().as_secs_f64();
-    let mut bytes = 0;
-    let mut lat = Vec::new();
-    let mut verified = true;
+    let (mut bytes, mut lat, mut verified) = (0, Vec::new(), true);
     for r in results {
-        let (b, l, ok) = r?;
-        bytes += b;
-        lat.extend(l);
-        verified &= ok;
+        let r = r?;
+        bytes += r.bytes;
+        lat.extend(r.latencies_us);
+        verified &= r.verified;
     }
     lat.sort_by(f64::total_cmp);
     Ok((bytes, seconds, lat, verified))
@@ -168,7 +214,9 @@ fn tcp_baseline(block: u64, duration: Duration) -> Result<f64, String> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let reader = std::thread::spawn(move || -> u64 {
-        let Ok((mut s, _)) = listener.accept() else { return 0 };
+        let Ok((mut s, _)) = listener.accept() else {
+            return 0;
+        };
         let mut buf = vec![0u8; 4 << 20];
         let mut total = 0u64;
         while let Ok(n) = s.read(&mut buf) {
@@ -202,7 +250,10 @@ fn memcpy_baseline(block: u64, batch: usize, duration: Duration) -> f64 {
     let start = Instant::now();
     let mut bytes = 0u64;
     while start.elapsed() < duration {
-        for (d, s) in dst.chunks_mut(block as usize).zip(src.chunks(block as usize)) {
+        for (d, s) in dst
+            .chunks_mut(block as usize)
+            .zip(src.chunks(block as usize))
+        {
             d.copy_from_slice(s);
         }
         std::hint::black_box(&mut dst);
@@ -233,7 +284,8 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     if p.block == 0 || p.batch == 0 || p.threads == 0 {
         return Err("--block-size, --batch-size and --threads must be positive".into());
     }
-    cfg.set("protocol", &p.protocol).map_err(|e| e.to_string())?;
+    cfg.set("protocol", &p.protocol)
+        .map_err(|e| e.to_string())?;
     cfg.set("metadata", &metadata).map_err(|e| e.to_string())?;
     let need = p.block * p.batch as u64 * p.threads as u64;
     let (_child, name) = match segment {
@@ -254,7 +306,10 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         .ok_or_else(|| format!("segment {name} has no buffer of {need} bytes"))?;
     let (bytes, seconds, lat, verified) = measure(&engine, seg, buffer.addr, &p)?;
     let (baseline, baseline_gbps) = if p.protocol == "tcp" {
-        ("tcp_socket_loopback", tcp_baseline(p.block.max(64 << 10), p.duration)?)
+        (
+            "tcp_socket_loopback",
+            tcp_baseline(p.block.max(64 << 10), p.duration)?,
+        )
     } else {
         ("memcpy", memcpy_baseline(p.block, p.batch, p.duration))
     };

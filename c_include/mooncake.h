@@ -12,7 +12,8 @@
  *     one already) filtered by the environment variable RUST_LOG (default "warn";
  *     "debug" for more, "off" for silence).
  *   - A NULL pointer where one is required, a string that is not UTF-8, or an unknown
- *     op value gives MC_ERR_INVALID_PARAMS. Outputs are written only on success.
+ *     op value gives MC_ERR_INVALID_PARAMS. Outputs are written only on success,
+ *     except where a function says otherwise.
  *   - String arguments are copied; none is retained after a call returns.
  *
  * Thread safety
@@ -104,7 +105,8 @@ typedef struct mc_config mc_config;
  *   cluster_id          Namespace for metadata keys. Default "" (none).
  */
 
-/* A config holding the defaults; NULL if out of memory. Free with mc_config_free. */
+/* A config holding the defaults (NULL only on an internal error). Free it with
+ * mc_config_free. */
 mc_config *mc_config_new(void);
 
 /* Sets one key. The value is checked at once: an unknown key or bad value gives

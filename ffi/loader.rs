@@ -57,7 +57,8 @@ pub fn open_first(candidates: &[&str]) -> Result<Arc<Library>, LoadError> {
             Ok(lib) => return Ok(Arc::new(lib)),
             Err(e) => {
                 // libloading's Display says only "dlopen failed"; the source has dlerror().
-                let why = std::error::Error::source(&e).map_or_else(|| format!("{e:?}"), |s| s.to_string());
+                let why = std::error::Error::source(&e)
+                    .map_or_else(|| format!("{e:?}"), |s| s.to_string());
                 tried.push(((*name).to_owned(), why));
             }
         }
@@ -73,11 +74,26 @@ pub struct Backend {
 
 /// Every runtime-loaded backend, for reporting.
 pub const BACKENDS: &[Backend] = &[
-    Backend { name: "rdma (ibverbs)", libraries: &["libibverbs.so.1", "libibverbs.so"] },
-    Backend { name: "efa (libfabric)", libraries: &["libfabric.so.1", "libfabric.so"] },
-    Backend { name: "cuda", libraries: &["libcuda.so.1", "libcuda.so"] },
-    Backend { name: "hip", libraries: &["libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"] },
-    Backend { name: "ascend", libraries: &["libascendcl.so"] },
+    Backend {
+        name: "rdma (ibverbs)",
+        libraries: &["libibverbs.so.1", "libibverbs.so"],
+    },
+    Backend {
+        name: "efa (libfabric)",
+        libraries: &["libfabric.so.1", "libfabric.so"],
+    },
+    Backend {
+        name: "cuda",
+        libraries: &["libcuda.so.1", "libcuda.so"],
+    },
+    Backend {
+        name: "hip",
+        libraries: &["libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"],
+    },
+    Backend {
+        name: "ascend",
+        libraries: &["libascendcl.so"],
+    },
 ];
 
 #[cfg(test)]
@@ -92,7 +108,10 @@ mod tests {
             assert_eq!(err, LoadError::StaticBinary);
         } else {
             assert!(text.contains("libdefinitely-not-here.so.9"), "{text}");
-            assert!(text.contains("No such file") || text.contains("cannot open"), "{text}");
+            assert!(
+                text.contains("No such file") || text.contains("cannot open"),
+                "{text}"
+            );
         }
     }
 

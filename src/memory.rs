@@ -65,6 +65,9 @@ impl RangeGuard {
     /// # Safety
     /// The registrant promised the buffer stays valid while registered; the caller
     /// must not create overlapping mutable views of the same range.
+    // The bytes are foreign memory the guard only pins, not data it owns, so handing
+    // out a mutable view from a shared guard is the point.
+    #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self) -> &mut [u8] {
         // SAFETY: the range is inside a live registered region (checked at guard
         // creation, and unregistration waits for this guard); aliasing is the caller's
@@ -158,7 +161,11 @@ impl LocalMemory {
         region.valid.store(false, Ordering::SeqCst);
         let mut lock = region.drained.0.lock().unwrap_or_else(|e| e.into_inner());
         while region.in_flight.load(Ordering::SeqCst) != 0 {
-            lock = region.drained.1.wait(lock).unwrap_or_else(|e| e.into_inner());
+            lock = region
+                .drained
+                .1
+                .wait(lock)
+                .unwrap_or_else(|e| e.into_inner());
         }
         drop(lock);
         Ok(region)
@@ -208,15 +215,30 @@ mod tests {
     fn overlap_and_validation() {
         let m = LocalMemory::new();
         m.register(0x1000, 0x1000, "cpu:0").unwrap();
-        assert_eq!(m.register(0x1800, 0x100, "cpu:0").unwrap_err().code(), Code::AddressOverlap);
-        assert_eq!(m.register(0x800, 0x900, "cpu:0").unwrap_err().code(), Code::AddressOverlap);
-        assert_eq!(m.register(0x3000, 0, "cpu:0").unwrap_err().code(), Code::InvalidParams);
-        assert_eq!(m.register(u64::MAX - 1, 4, "cpu:0").unwrap_err().code(), Code::InvalidParams);
+        assert_eq!(
+            m.register(0x1800, 0x100, "cpu:0").unwrap_err().code(),
+            Code::AddressOverlap
+        );
+        assert_eq!(
+            m.register(0x800, 0x900, "cpu:0").unwrap_err().code(),
+            Code::AddressOverlap
+        );
+        assert_eq!(
+            m.register(0x3000, 0, "cpu:0").unwrap_err().code(),
+            Code::InvalidParams
+        );
+        assert_eq!(
+            m.register(u64::MAX - 1, 4, "cpu:0").unwrap_err().code(),
+            Code::InvalidParams
+        );
         m.register(0x2000, 0x1000, "cpu:0").unwrap();
         m.register(0x800, 0x800, "cpu:0").unwrap();
         assert!(m.guard(0x1000, 0x1000).is_ok());
         // Spanning two adjacent buffers is not "inside one buffer".
-        assert_eq!(m.guard(0x1800, 0x1000).unwrap_err().code(), Code::AddressNotRegistered);
+        assert_eq!(
+            m.guard(0x1800, 0x1000).unwrap_err().code(),
+            Code::AddressNotRegistered
+        );
         assert!(m.guard(0x2fff, 2).is_err());
         assert!(m.guard(u64::MAX, 2).is_err());
         assert!(m.guard(0x1000, 0).is_err());

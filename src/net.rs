@@ -11,11 +11,14 @@ use std::thread::JoinHandle;
 
 pub type ConnHandler = Arc<dyn Fn(TcpStream) + Send + Sync>;
 
+/// A live connection: a handle to shut its socket down, and its thread.
+type Conn = (TcpStream, Option<JoinHandle<()>>);
+
 struct Shared {
     stopping: AtomicBool,
     next_id: AtomicU64,
     /// Live connections, so shutdown can unblock their threads.
-    conns: Mutex<HashMap<u64, (TcpStream, Option<JoinHandle<()>>)>>,
+    conns: Mutex<HashMap<u64, Conn>>,
 }
 
 pub struct ConnServer {
@@ -109,7 +112,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, name: String, handler
             .name(format!("{name}-{fd}"))
             .spawn(move || {
                 h(stream);
-                s.conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                s.conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
             });
         match spawned {
             Ok(handle) => {

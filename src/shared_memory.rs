@@ -20,17 +20,30 @@ impl Mapping {
     /// Maps `len` bytes of `fd` read-write and shared; `populate` prefaults the pages.
     pub fn map(fd: RawFd, len: usize, populate: bool) -> io::Result<Mapping> {
         if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length mapping"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
         }
         let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh mapping of a descriptor we hold open; checked for MAP_FAILED.
         let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
         };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping { ptr: ptr.cast(), len })
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
     }
 
     pub fn ptr(&self) -> *mut u8 {
@@ -61,7 +74,8 @@ pub struct SharedMemory {
 
 impl SharedMemory {
     pub fn create(name: &str, len: usize) -> io::Result<SharedMemory> {
-        let cname = CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))?;
+        let cname = CString::new(name)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))?;
         // SAFETY: valid C string; result checked.
         let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -69,7 +83,8 @@ impl SharedMemory {
         }
         // SAFETY: fresh descriptor owned from here on.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let size = libc::off_t::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too large"))?;
+        let size = libc::off_t::try_from(len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too large"))?;
         // SAFETY: plain syscall on our descriptor.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
             return Err(io::Error::last_os_error());
@@ -103,5 +118,6 @@ pub fn map_peer(pid: u32, fd: i32, len: usize) -> io::Result<Mapping> {
         .write(true)
         .open(&path)
         .map_err(|e| io::Error::new(e.kind(), format!("open {path}: {e}")))?;
-    Mapping::map(file.as_raw_fd(), len, true).map_err(|e| io::Error::new(e.kind(), format!("mmap {path}: {e}")))
+    Mapping::map(file.as_raw_fd(), len, true)
+        .map_err(|e| io::Error::new(e.kind(), format!("mmap {path}: {e}")))
 }

@@ -34,7 +34,9 @@ impl Epoll {
         // SAFETY: plain syscall; the returned descriptor is owned from here on.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        Ok(Epoll { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Epoll {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     pub fn add(&self, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -56,7 +58,12 @@ impl Epoll {
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
         // SAFETY: the buffer holds 64 events and we pass its length.
         let n = unsafe {
-            libc::epoll_wait(self.fd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout_ms)
+            libc::epoll_wait(
+                self.fd.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as i32,
+                timeout_ms,
+            )
         };
         tokens.clear();
         match cvt(n) {
@@ -84,7 +91,9 @@ impl EventFd {
         // SAFETY: plain syscall.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
         // SAFETY: fresh descriptor.
-        Ok(EventFd { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(EventFd {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     pub fn notify(&self) {
@@ -113,7 +122,10 @@ pub unsafe fn writev(fd: RawFd, parts: &[(*const u8, usize)]) -> io::Result<usiz
     let iov: Vec<libc::iovec> = parts
         .iter()
         .filter(|p| p.1 > 0)
-        .map(|&(base, len)| libc::iovec { iov_base: base as *mut _, iov_len: len })
+        .map(|&(base, len)| libc::iovec {
+            iov_base: base as *mut _,
+            iov_len: len,
+        })
         .collect();
     // SAFETY: the caller guarantees the parts are readable; `iov` outlives the call.
     // MSG_NOSIGNAL semantics come from ignoring SIGPIPE (see `ignore_sigpipe`).
@@ -128,7 +140,10 @@ pub unsafe fn readv(fd: RawFd, parts: &[(*mut u8, usize)]) -> io::Result<usize> 
     let iov: Vec<libc::iovec> = parts
         .iter()
         .filter(|p| p.1 > 0)
-        .map(|&(base, len)| libc::iovec { iov_base: base.cast(), iov_len: len })
+        .map(|&(base, len)| libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        })
         .collect();
     // SAFETY: the caller guarantees the parts are writable; `iov` outlives the call.
     cvt_size(unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as i32) })
@@ -168,12 +183,22 @@ pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
     };
     // SAFETY: plain syscall.
     let fd = cvt(unsafe {
-        libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
+        libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
     })?;
     // SAFETY: fresh descriptor, owned by the stream from here on.
     let stream = unsafe { TcpStream::from_raw_fd(fd) };
     // SAFETY: `storage` holds a valid address of `len` bytes.
-    let ret = unsafe { libc::connect(fd, &storage as *const _ as *const libc::sockaddr, len as u32) };
+    let ret = unsafe {
+        libc::connect(
+            fd,
+            &storage as *const _ as *const libc::sockaddr,
+            len as u32,
+        )
+    };
     if ret < 0 {
         let err = io::Error::last_os_error();
         if err.raw_os_error() != Some(libc::EINPROGRESS) {
@@ -185,7 +210,11 @@ pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
 
 /// For a non-blocking connect: `None` while in progress, then its result.
 pub fn connect_result(stream: &TcpStream) -> Option<io::Result<()>> {
-    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
     // SAFETY: one valid pollfd.
     let n = unsafe { libc::poll(&mut pfd, 1, 0) };
     if n <= 0 {

@@ -16,21 +16,40 @@ fn round_trip(metadata: &str) {
     let mut local = pattern(2, len);
     let seg = client.open_segment(server.segment_name()).unwrap();
     let batch = client.allocate_batch(4).unwrap();
-    let reqs = [Request { op: Op::Read, local: local.as_mut_ptr() as u64, segment: seg, remote: remote.addr(), len: len as u64 }];
+    let reqs = [Request {
+        op: Op::Read,
+        local: local.as_mut_ptr() as u64,
+        segment: seg,
+        remote: remote.addr(),
+        len: len as u64,
+    }];
     // SAFETY: `local` outlives the wait below.
     unsafe { client.submit(batch, &reqs) }.unwrap();
-    client.wait_batch(batch, Some(Duration::from_secs(30))).unwrap();
+    client
+        .wait_batch(batch, Some(Duration::from_secs(30)))
+        .unwrap();
     let st = client.task_status(batch, 0).unwrap();
     assert_eq!((st.state, st.bytes), (TaskState::Completed, len as u64));
     assert!(local == remote.buf, "read returned the remote bytes");
 
     let src = pattern(3, 4096);
-    let reqs = [Request { op: Op::Write, local: src.as_ptr() as u64, segment: seg, remote: remote.addr() + 100, len: 4096 }];
+    let reqs = [Request {
+        op: Op::Write,
+        local: src.as_ptr() as u64,
+        segment: seg,
+        remote: remote.addr() + 100,
+        len: 4096,
+    }];
     // SAFETY: `src` outlives the wait.
     unsafe { client.submit(batch, &reqs) }.unwrap();
-    client.wait_batch(batch, Some(Duration::from_secs(30))).unwrap();
+    client
+        .wait_batch(batch, Some(Duration::from_secs(30)))
+        .unwrap();
     assert_eq!(&remote.buf[100..4196], &src[..]);
-    assert_eq!(client.task_status(batch, 1).unwrap().state, TaskState::Completed);
+    assert_eq!(
+        client.task_status(batch, 1).unwrap().state,
+        TaskState::Completed
+    );
     client.free_batch(batch).unwrap();
 }
 
@@ -53,12 +72,24 @@ fn bad_requests_are_refused_and_change_nothing() {
     let local_addr = local.as_ptr() as u64;
     let seg = client.open_segment(server.segment_name()).unwrap();
     let batch = client.allocate_batch(2).unwrap();
-    let req = |remote_addr: u64, len: u64| Request { op: Op::Write, local: local_addr, segment: seg, remote: remote_addr, len };
+    let req = |remote_addr: u64, len: u64| Request {
+        op: Op::Write,
+        local: local_addr,
+        segment: seg,
+        remote: remote_addr,
+        len,
+    };
     let cases = [
         (req(remote.addr(), 0), Code::InvalidParams),
         (req(remote.addr() + 8000, 200), Code::AddressNotRegistered),
         (req(remote.addr() - 1, 10), Code::AddressNotRegistered),
-        (Request { segment: 999, ..req(remote.addr(), 8) }, Code::SegmentNotFound),
+        (
+            Request {
+                segment: 999,
+                ..req(remote.addr(), 8)
+            },
+            Code::SegmentNotFound,
+        ),
     ];
     for (r, code) in cases {
         // SAFETY: nothing is submitted on error; `local` outlives the call anyway.
@@ -69,8 +100,14 @@ fn bad_requests_are_refused_and_change_nothing() {
     // SAFETY: as above.
     let too_many = unsafe { client.submit(batch, &[req(remote.addr(), 8); 3]) }.unwrap_err();
     assert_eq!(too_many.code(), Code::BatchFull);
-    assert_eq!(client.open_segment("127.0.0.1:1").unwrap_err().code(), Code::SegmentNotFound);
-    assert_eq!(client.free_batch(12345).unwrap_err().code(), Code::BatchNotFound);
+    assert_eq!(
+        client.open_segment("127.0.0.1:1").unwrap_err().code(),
+        Code::SegmentNotFound
+    );
+    assert_eq!(
+        client.free_batch(12345).unwrap_err().code(),
+        Code::BatchNotFound
+    );
 }
 
 #[test]
@@ -81,7 +118,19 @@ fn own_segment_uses_memcpy() {
     let seg = e.open_segment(e.segment_name()).unwrap();
     let b = e.allocate_batch(1).unwrap();
     // SAFETY: `out` outlives the wait.
-    unsafe { e.submit(b, &[Request { op: Op::Read, local: out.as_mut_ptr() as u64, segment: seg, remote: r.addr(), len: 1 << 20 }]) }.unwrap();
+    unsafe {
+        e.submit(
+            b,
+            &[Request {
+                op: Op::Read,
+                local: out.as_mut_ptr() as u64,
+                segment: seg,
+                remote: r.addr(),
+                len: 1 << 20,
+            }],
+        )
+    }
+    .unwrap();
     e.wait_batch(b, Some(Duration::from_secs(10))).unwrap();
     assert!(out == r.buf);
 }

@@ -244,7 +244,7 @@ fn malformed_requests_are_rejected_and_server_survives() {
 
     // Oversized head (> 16 KiB).
     let mut big = b"GET /health HTTP/1.1\r\nX-Big: ".to_vec();
-    big.extend(std::iter::repeat(b'a').take(20 * 1024));
+    big.extend(std::iter::repeat_n(b'a', 20 * 1024));
     big.extend_from_slice(b"\r\n\r\n");
     let (status, _) = raw_exchange(addr, &big, false);
     assert!(

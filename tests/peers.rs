@@ -24,11 +24,21 @@ fn write_then_read(engine: &Engine, name: &str, len: usize) {
     let src = pattern(42, len);
     let mut back = vec![0u8; len];
     let b = engine.allocate_batch(2).unwrap();
-    let w = Request { op: Op::Write, local: src.as_ptr() as u64, segment: seg, remote, len: len as u64 };
+    let w = Request {
+        op: Op::Write,
+        local: src.as_ptr() as u64,
+        segment: seg,
+        remote,
+        len: len as u64,
+    };
     // SAFETY: buffers outlive the waits.
     unsafe { engine.submit(b, &[w]) }.unwrap();
     engine.wait_batch(b, WAIT).unwrap();
-    let r = Request { op: Op::Read, local: back.as_mut_ptr() as u64, ..w };
+    let r = Request {
+        op: Op::Read,
+        local: back.as_mut_ptr() as u64,
+        ..w
+    };
     // SAFETY: as above.
     unsafe { engine.submit(b, &[r]) }.unwrap();
     engine.wait_batch(b, WAIT).unwrap();
@@ -86,7 +96,10 @@ fn http_metadata_server_between_processes() {
     let target = Target::spawn(&server.url(), 1 << 20);
     let e = engine_with(&server.url(), "tcp");
     write_then_read(&e, &target.name, 1 << 20);
-    assert_eq!(e.open_segment("no-such-segment").unwrap_err().code(), Code::SegmentNotFound);
+    assert_eq!(
+        e.open_segment("no-such-segment").unwrap_err().code(),
+        Code::SegmentNotFound
+    );
 }
 
 #[test]
@@ -97,7 +110,13 @@ fn killed_peer_fails_tasks_without_hanging() {
     let remote = e.segment_descriptor(seg).unwrap().buffers[0].addr;
     let mut local = vec![0u8; 64 << 20];
     let b = e.allocate_batch(1).unwrap();
-    let r = Request { op: Op::Read, local: local.as_mut_ptr() as u64, segment: seg, remote, len: 64 << 20 };
+    let r = Request {
+        op: Op::Read,
+        local: local.as_mut_ptr() as u64,
+        segment: seg,
+        remote,
+        len: 64 << 20,
+    };
     // SAFETY: `local` outlives the wait.
     unsafe { e.submit(b, &[r]) }.unwrap();
     target.kill();
@@ -113,13 +132,18 @@ fn killed_peer_fails_tasks_without_hanging() {
     let b2 = e.allocate_batch(1).unwrap();
     // SAFETY: as above.
     unsafe { e.submit(b2, &[Request { len: 4096, ..r }]) }.unwrap();
-    assert_eq!(e.wait_batch(b2, WAIT).unwrap_err().code(), Code::TransferFail);
+    assert_eq!(
+        e.wait_batch(b2, WAIT).unwrap_err().code(),
+        Code::TransferFail
+    );
     e.free_batch(b).unwrap();
 }
 
 /// A fake peer: answers the P2P handshake with a descriptor of one buffer at `addr`,
 /// and runs `data` on the first data connection.
-fn fake_peer(data: impl FnOnce(std::net::TcpStream) + Send + 'static) -> (String, std::thread::JoinHandle<()>) {
+fn fake_peer(
+    data: impl FnOnce(std::net::TcpStream) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
     let rpc_l = TcpListener::bind("127.0.0.1:0").unwrap();
     let data_l = TcpListener::bind("127.0.0.1:0").unwrap();
     let name = rpc_l.local_addr().unwrap().to_string();
@@ -130,7 +154,12 @@ fn fake_peer(data: impl FnOnce(std::net::TcpStream) + Send + 'static) -> (String
         ("tcp_proto_version", 2u64.into()),
         (
             "buffers",
-            vec![Value::object([("name", Value::from("cpu:0")), ("addr", (1u64 << 20).into()), ("length", (1u64 << 20).into())])].into(),
+            vec![Value::object([
+                ("name", Value::from("cpu:0")),
+                ("addr", (1u64 << 20).into()),
+                ("length", (1u64 << 20).into()),
+            ])]
+            .into(),
         ),
     ])
     .to_string();
@@ -153,7 +182,13 @@ fn read_from_fake(name: &str, timeout_ms: &str) -> (mooncake::Result<()>, TaskSt
     let seg = e.open_segment(name).unwrap();
     let mut local = vec![0u8; 1 << 20];
     let b = e.allocate_batch(1).unwrap();
-    let r = Request { op: Op::Read, local: local.as_mut_ptr() as u64, segment: seg, remote: 1 << 20, len: 1 << 20 };
+    let r = Request {
+        op: Op::Read,
+        local: local.as_mut_ptr() as u64,
+        segment: seg,
+        remote: 1 << 20,
+        len: 1 << 20,
+    };
     // SAFETY: `local` outlives the wait.
     unsafe { e.submit(b, &[r]) }.unwrap();
     let res = e.wait_batch(b, WAIT);
@@ -215,12 +250,22 @@ fn buffer_withdrawn_by_its_owner_is_never_touched_again() {
         let remote = e.segment_descriptor(seg).unwrap().buffers[0].addr; // stale cache
         let src = pattern(9, 4096);
         let b = e.allocate_batch(1).unwrap();
-        let w = Request { op: Op::Write, local: src.as_ptr() as u64, segment: seg, remote, len: 4096 };
+        let w = Request {
+            op: Op::Write,
+            local: src.as_ptr() as u64,
+            segment: seg,
+            remote,
+            len: 4096,
+        };
         // SAFETY: `src` outlives the wait.
         unsafe { e.submit(b, &[w]) }.unwrap();
         let err = e.wait_batch(b, WAIT).unwrap_err();
         assert_eq!(err.code(), Code::TransferFail, "{protocol}: {err}");
-        assert_eq!(e.task_status(b, 0).unwrap().state, TaskState::Failed, "{protocol}");
+        assert_eq!(
+            e.task_status(b, 0).unwrap().state,
+            TaskState::Failed,
+            "{protocol}"
+        );
         // After a resync the address is refused up front.
         e.resync_segment(seg).unwrap();
         assert!(e.segment_descriptor(seg).unwrap().buffers.is_empty());

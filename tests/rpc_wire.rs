@@ -34,7 +34,10 @@ fn malformed_frames_close_only_that_connection() {
         ("oversized", (MAX_FRAME_LEN + 1).to_le_bytes().to_vec()),
         ("unknown type", rpc::encode(RpcType::Probe, "{}")),
         ("not json", rpc::encode(RpcType::Notify, "{nope")),
-        ("notify without message", rpc::encode(RpcType::Notify, r#"{"name":"x"}"#)),
+        (
+            "notify without message",
+            rpc::encode(RpcType::Notify, r#"{"name":"x"}"#),
+        ),
         ("not utf-8", vec![3, 0, 0, 0, 0, 0, 0, 0, 2, 0xff, 0xfe]),
     ];
     bad[2].1[8] = 42;
@@ -50,7 +53,13 @@ fn malformed_frames_close_only_that_connection() {
     s.shutdown(std::net::Shutdown::Write).unwrap();
     assert!(closed_without_reply(&mut s));
     // Still serving, and nothing was queued by the bad notify.
-    let reply = rpc::call(e.segment_name(), RpcType::Probe, "{}", Duration::from_secs(5)).unwrap();
+    let reply = rpc::call(
+        e.segment_name(),
+        RpcType::Probe,
+        "{}",
+        Duration::from_secs(5),
+    )
+    .unwrap();
     assert_eq!(reply, r#"{"status":"success"}"#);
     assert!(e.take_notifications().is_empty());
 }
@@ -59,14 +68,39 @@ fn malformed_frames_close_only_that_connection() {
 fn replies_match_mooncake_shapes() {
     let e = engine_with("P2PHANDSHAKE", "tcp");
     let t = Duration::from_secs(5);
-    let notify = rpc::call(e.segment_name(), RpcType::Notify, r#"{"name":"peer","notify_msg":"hi"}"#, t).unwrap();
+    let notify = rpc::call(
+        e.segment_name(),
+        RpcType::Notify,
+        r#"{"name":"peer","notify_msg":"hi"}"#,
+        t,
+    )
+    .unwrap();
     assert_eq!(notify, r#"{"name":"","notify_msg":"success"}"#);
-    let meta = json::parse(&rpc::call(e.segment_name(), RpcType::Metadata, "{}", t).unwrap()).unwrap();
-    assert_eq!(meta.get("name").and_then(|v| v.as_str()), Some(e.segment_name()));
-    assert_eq!(meta.get("tcp_proto_version").and_then(|v| v.as_u64()), Some(2));
-    assert!(meta.get("tcp_data_port").and_then(|v| v.as_u64()).is_some_and(|p| p > 0));
+    let meta =
+        json::parse(&rpc::call(e.segment_name(), RpcType::Metadata, "{}", t).unwrap()).unwrap();
+    assert_eq!(
+        meta.get("name").and_then(|v| v.as_str()),
+        Some(e.segment_name())
+    );
+    assert_eq!(
+        meta.get("tcp_proto_version").and_then(|v| v.as_u64()),
+        Some(2)
+    );
+    assert!(meta
+        .get("tcp_data_port")
+        .and_then(|v| v.as_u64())
+        .is_some_and(|p| p > 0));
     assert!(meta.get("buffers").and_then(|v| v.as_array()).is_some());
     let conn_req = r#"{"local_nic_path":"a@mlx5_0","local_lid":1,"local_gid":"00","peer_nic_path":"b@mlx5_0","qp_num":[1],"ready_ack":false,"reply_msg":""}"#;
-    let reply = json::parse(&rpc::call(e.segment_name(), RpcType::Connection, conn_req, t).unwrap()).unwrap();
-    assert!(!reply.get("reply_msg").and_then(|v| v.as_str()).unwrap_or("").is_empty(), "rejected without RDMA");
+    let reply =
+        json::parse(&rpc::call(e.segment_name(), RpcType::Connection, conn_req, t).unwrap())
+            .unwrap();
+    assert!(
+        !reply
+            .get("reply_msg")
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .is_empty(),
+        "rejected without RDMA"
+    );
 }

@@ -34,9 +34,22 @@ fn valid_requests_pipeline_on_one_connection() {
     let port = e.descriptor().tcp_data_port;
     let mut s = data_conn(port);
     // Two pipelined requests: a write then a read of the same bytes.
-    let mut out = Header { size: 4, addr: r.addr() + 10, op: DataOp::Write }.encode().to_vec();
+    let mut out = Header {
+        size: 4,
+        addr: r.addr() + 10,
+        op: DataOp::Write,
+    }
+    .encode()
+    .to_vec();
     out.extend_from_slice(b"abcd");
-    out.extend_from_slice(&Header { size: 6, addr: r.addr() + 9, op: DataOp::Read }.encode());
+    out.extend_from_slice(
+        &Header {
+            size: 6,
+            addr: r.addr() + 9,
+            op: DataOp::Read,
+        }
+        .encode(),
+    );
     s.write_all(&out).unwrap();
     assert_eq!(status(&mut s), Some(Status::Ok));
     assert_eq!(status(&mut s), Some(Status::Ok));
@@ -51,7 +64,14 @@ fn hostile_headers_are_rejected_without_writes() {
     let a = Registered::new(&e, vec![0xAA; 4096]);
     let b = Registered::new(&e, vec![0xBB; 4096]);
     let port = e.descriptor().tcp_data_port;
-    let write = |addr: u64, size: u64| Header { size, addr, op: DataOp::Write }.encode();
+    let write = |addr: u64, size: u64| {
+        Header {
+            size,
+            addr,
+            op: DataOp::Write,
+        }
+        .encode()
+    };
     let mut v1 = write(a.addr(), 4);
     v1[16] = 1; // protocol v1: no acknowledgements, refused
     let mut unknown = write(a.addr(), 4);
@@ -75,9 +95,14 @@ fn hostile_headers_are_rejected_without_writes() {
         assert!(closed(&mut s), "{what}: connection closed after rejection");
     }
     // Spanning two adjacent-or-not buffers is never one buffer.
-    let (lo, hi) = if a.addr() < b.addr() { (&a, &b) } else { (&b, &a) };
+    let (lo, hi) = if a.addr() < b.addr() {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
     let mut s = data_conn(port);
-    s.write_all(&write(lo.addr() + 4000, hi.addr() - lo.addr())).unwrap();
+    s.write_all(&write(lo.addr() + 4000, hi.addr() - lo.addr()))
+        .unwrap();
     assert_eq!(status(&mut s), Some(Status::Rejected));
     assert!(a.buf.iter().all(|&x| x == 0xAA));
     assert!(b.buf.iter().all(|&x| x == 0xBB));
@@ -90,18 +115,45 @@ fn truncated_frames_and_vanishing_clients_harm_nobody() {
     let port = e.descriptor().tcp_data_port;
     // Half a header, then gone.
     let mut s = data_conn(port);
-    s.write_all(&Header { size: 4, addr: r.addr(), op: DataOp::Write }.encode()[..10]).unwrap();
+    s.write_all(
+        &Header {
+            size: 4,
+            addr: r.addr(),
+            op: DataOp::Write,
+        }
+        .encode()[..10],
+    )
+    .unwrap();
     drop(s);
     // A write whose payload stops short: no acknowledgement, nothing past the range.
     let mut s = data_conn(port);
-    s.write_all(&Header { size: 100, addr: r.addr() + 8, op: DataOp::Write }.encode()).unwrap();
+    s.write_all(
+        &Header {
+            size: 100,
+            addr: r.addr() + 8,
+            op: DataOp::Write,
+        }
+        .encode(),
+    )
+    .unwrap();
     s.write_all(&[0x55; 40]).unwrap();
     s.shutdown(std::net::Shutdown::Write).unwrap();
-    assert!(status(&mut s).is_none(), "short payload is never acknowledged");
+    assert!(
+        status(&mut s).is_none(),
+        "short payload is never acknowledged"
+    );
     assert!(r.buf[..8].iter().all(|&x| x == 0));
     assert!(r.buf[108..].iter().all(|&x| x == 0));
     // The server still serves everyone else.
     let mut s = data_conn(port);
-    s.write_all(&Header { size: 8, addr: r.addr(), op: DataOp::Read }.encode()).unwrap();
+    s.write_all(
+        &Header {
+            size: 8,
+            addr: r.addr(),
+            op: DataOp::Read,
+        }
+        .encode(),
+    )
+    .unwrap();
     assert_eq!(status(&mut s), Some(Status::Ok));
 }

@@ -14,8 +14,8 @@ pub struct McConfig {
 /// `mc_config_free`.
 #[no_mangle]
 pub extern "C" fn mc_config_new() -> *mut McConfig {
-    init_logging();
     guard_value("mc_config_new", std::ptr::null_mut(), || {
+        init_logging();
         Box::into_raw(Box::new(McConfig {
             config: EngineConfig::default(),
         }))

@@ -61,8 +61,8 @@ unsafe fn engine<'a>(e: *mut McEngine) -> Result<&'a Engine> {
 /// `cfg` must be NULL or a live `mc_config`; `out` must be NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn mc_engine_new(cfg: *const McConfig, out: *mut *mut McEngine) -> c_int {
-    init_logging();
     guard("mc_engine_new", || {
+        init_logging();
         non_null(out, "out")?;
         // SAFETY: `out` is non-null and writable per the caller's contract.
         unsafe { *out = std::ptr::null_mut() };

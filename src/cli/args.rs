@@ -30,7 +30,10 @@ impl Args {
                 return Err(format!("unexpected argument {a:?}"));
             }
         }
-        Ok(Args { values, used: Default::default() })
+        Ok(Args {
+            values,
+            used: Default::default(),
+        })
     }
 
     pub fn str(&self, key: &str) -> Option<&str> {
@@ -52,7 +55,12 @@ impl Args {
     /// Fails on flags nobody asked for (typos should not be silently ignored).
     pub fn finish(&self) -> Result<(), String> {
         let used = self.used.borrow();
-        let mut unknown: Vec<_> = self.values.keys().filter(|k| !used.contains(k)).cloned().collect();
+        let mut unknown: Vec<_> = self
+            .values
+            .keys()
+            .filter(|k| !used.contains(k))
+            .cloned()
+            .collect();
         unknown.sort();
         match unknown.is_empty() {
             true => Ok(()),
@@ -84,7 +92,10 @@ mod tests {
 
     #[test]
     fn sizes_and_flags() {
-        let raw: Vec<String> = ["--size", "4M", "--name=x", "--json"].iter().map(|s| s.to_string()).collect();
+        let raw: Vec<String> = ["--size", "4M", "--name=x", "--json"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let a = Args::parse(&raw).unwrap();
         assert_eq!(a.get::<u64>("size", 0).unwrap(), 4 << 20);
         assert_eq!(a.str("name"), Some("x"));

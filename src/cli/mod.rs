@@ -15,7 +15,12 @@ use mooncake::{Engine, EngineConfig};
 fn serve_stdin(mut on_command: impl FnMut(&str) -> String) {
     let stdin = std::io::stdin();
     let mut line = String::new();
-    while stdin.lock().read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+    while stdin
+        .lock()
+        .read_line(&mut line)
+        .map(|n| n > 0)
+        .unwrap_or(false)
+    {
         if !line.trim().is_empty() {
             println!("{}", on_command(line.trim()));
             let _ = std::io::stdout().flush();
@@ -76,7 +81,9 @@ pub fn target(raw: &[String]) -> Result<(), String> {
     }
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     // Engine-owned (memfd-backed) memory: same-host peers copy with plain memcpy.
-    let buffer = engine.allocate_buffer(size, "cpu:0").map_err(|e| e.to_string())?;
+    let buffer = engine
+        .allocate_buffer(size, "cpu:0")
+        .map_err(|e| e.to_string())?;
     println!("ready {}", engine.segment_name());
     let _ = std::io::stdout().flush();
     let mut registered = true;
@@ -136,7 +143,10 @@ pub fn backends() -> Result<(), String> {
     println!("built-in: tcp (always), shm (same host, process_vm_readv/writev)");
     for b in loader::BACKENDS {
         match loader::open_first(b.libraries) {
-            Ok(_) => println!("{}: library found (transport not yet implemented in this build)", b.name),
+            Ok(_) => println!(
+                "{}: library found (transport not yet implemented in this build)",
+                b.name
+            ),
             Err(e) => println!("{}: unavailable: {e}", b.name),
         }
     }

@@ -129,12 +129,18 @@ impl Batch {
             return;
         }
         let worst = t.worst.load(Ordering::SeqCst);
-        let fin = if worst == 0 { TaskState::Completed } else { TaskState::from_u8(worst) };
+        let fin = if worst == 0 {
+            TaskState::Completed
+        } else {
+            TaskState::from_u8(worst)
+        };
         if fin != TaskState::Completed {
             self.failed.fetch_add(1, Ordering::SeqCst);
         }
         t.state.store(fin as u8, Ordering::SeqCst);
-        if self.unfinished.fetch_sub(1, Ordering::SeqCst) == 1 && self.sleepers.load(Ordering::SeqCst) > 0 {
+        if self.unfinished.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.sleepers.load(Ordering::SeqCst) > 0
+        {
             let _lock = self.done.0.lock();
             self.done.1.notify_all();
         }
@@ -142,7 +148,9 @@ impl Batch {
 
     pub fn task_status(&self, task: usize) -> Result<TaskStatus> {
         if task >= self.submitted() {
-            return Err(Error::invalid(format!("task {task} was not submitted to this batch")));
+            return Err(Error::invalid(format!(
+                "task {task} was not submitted to this batch"
+            )));
         }
         let t = &self.tasks[task];
         Ok(TaskStatus {
@@ -179,7 +187,11 @@ impl Batch {
             if deadline.is_some_and(|d| Instant::now() >= d) && self.unfinished() != 0 {
                 return Err(Error::new(
                     Code::Timeout,
-                    format!("{} of {} tasks still pending", self.unfinished(), self.submitted()),
+                    format!(
+                        "{} of {} tasks still pending",
+                        self.unfinished(),
+                        self.submitted()
+                    ),
                 ));
             }
         }

@@ -26,7 +26,9 @@ impl Protocol {
                 crate::Code::BackendUnavailable,
                 format!("protocol {s:?} needs a hardware backend this build does not have yet"),
             )),
-            _ => Err(Error::invalid(format!("unknown protocol {s:?} (auto, tcp, shm)"))),
+            _ => Err(Error::invalid(format!(
+                "unknown protocol {s:?} (auto, tcp, shm)"
+            ))),
         }
     }
 
@@ -110,9 +112,11 @@ impl EngineConfig {
                 self.local_server_name = (!value.is_empty()).then(|| value.to_owned())
             }
             "bind_address" => {
-                self.bind_address = value
-                    .parse()
-                    .map_err(|_| Error::invalid(format!("config bind_address: {value:?} is not an IP address")))?
+                self.bind_address = value.parse().map_err(|_| {
+                    Error::invalid(format!(
+                        "config bind_address: {value:?} is not an IP address"
+                    ))
+                })?
             }
             "rpc_port" => self.rpc_port = number(key, value)?,
             "protocol" => self.protocol = Protocol::parse(value)?,

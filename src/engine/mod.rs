@@ -31,7 +31,7 @@ use crate::transport::{Kind, Op, Slice, Transport};
 use crate::wire::rpc::RpcType;
 use batch::Batch;
 use segments::{Published, Segments};
-use worker::{Counters, Worker, WorkerConfig, WorkerHandle, WorkItem};
+use worker::{Counters, WorkItem, Worker, WorkerConfig, WorkerHandle};
 
 /// Handle of an opened segment.
 pub type SegmentId = u64;
@@ -90,11 +90,26 @@ impl Engine {
             desc: RwLock::new(SegmentDesc::new("")),
             notifications: Mutex::new(VecDeque::new()),
         });
-        let rpc_server = rpc::start(SocketAddr::new(config.bind_address, config.rpc_port), published.clone())
-            .map_err(|e| Error::io(format!("binding rpc port {}:{}", config.bind_address, config.rpc_port), e))?;
+        let rpc_server = rpc::start(
+            SocketAddr::new(config.bind_address, config.rpc_port),
+            published.clone(),
+        )
+        .map_err(|e| {
+            Error::io(
+                format!(
+                    "binding rpc port {}:{}",
+                    config.bind_address, config.rpc_port
+                ),
+                e,
+            )
+        })?;
         let rpc_port = rpc_server.local_addr().port();
         let name = match &config.local_server_name {
-            Some(n) if directory.is_p2p() && n.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>() != Ok(rpc_port)) => {
+            Some(n)
+                if directory.is_p2p()
+                    && n.rsplit_once(':')
+                        .is_none_or(|(_, p)| p.parse::<u16>() != Ok(rpc_port)) =>
+            {
                 // P2P names are the RPC address itself; a mismatching name would be unreachable.
                 let host = segments::host_of(n);
                 metadata::directory::join_host_port(host, rpc_port)
@@ -104,7 +119,8 @@ impl Engine {
         };
         let memory = Arc::new(LocalMemory::new());
         let data_bind = SocketAddr::new(config.bind_address, 0);
-        let mut transports: Vec<Arc<dyn Transport>> = vec![Arc::new(LocalTransport::new(memory.clone(), &name))];
+        let mut transports: Vec<Arc<dyn Transport>> =
+            vec![Arc::new(LocalTransport::new(memory.clone(), &name))];
         // Both serving transports are always offered to peers; `protocol` only limits
         // which ones this engine's own requests use (see `spawn_workers`).
         match ShmTransport::new() {
@@ -132,12 +148,20 @@ impl Engine {
             config,
         };
         let desc = engine.build_desc();
-        *engine.segments.own.desc.write().unwrap_or_else(|e| e.into_inner()) = desc.clone();
-        let host = engine.config.bind_address.to_string();
-        engine
+        *engine
             .segments
-            .directory
-            .publish(&desc, &RpcMeta { ip_or_host_name: host, rpc_port })?;
+            .own
+            .desc
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        let host = engine.config.bind_address.to_string();
+        engine.segments.directory.publish(
+            &desc,
+            &RpcMeta {
+                ip_or_host_name: host,
+                rpc_port,
+            },
+        )?;
         engine.spawn_workers()?;
         log::info!(
             "engine {} up: rpc {}:{}, tcp data port {}, transports [{}]",
@@ -145,7 +169,12 @@ impl Engine {
             engine.config.bind_address,
             rpc_port,
             desc.tcp_data_port,
-            engine.transports.iter().map(|t| t.kind().name()).collect::<Vec<_>>().join(", ")
+            engine
+                .transports
+                .iter()
+                .map(|t| t.kind().name())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         Ok(engine)
     }
@@ -159,7 +188,8 @@ impl Engine {
             .cloned()
             .collect();
         for i in 0..self.config.workers.max(1) {
-            let handle = Arc::new(WorkerHandle::new().map_err(|e| Error::io("creating eventfd", e))?);
+            let handle =
+                Arc::new(WorkerHandle::new().map_err(|e| Error::io("creating eventfd", e))?);
             let worker = Worker::new(
                 handle.clone(),
                 usable.clone(),
@@ -175,7 +205,10 @@ impl Engine {
                 .spawn(move || worker.run())
                 .map_err(|e| Error::io("spawning worker", e))?;
             self.workers.push(handle);
-            self.threads.lock().unwrap_or_else(|e| e.into_inner()).push(thread);
+            self.threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(thread);
         }
         Ok(())
     }
@@ -208,7 +241,12 @@ impl Engine {
 
     fn republish(&self) -> Result<()> {
         let desc = self.build_desc();
-        *self.segments.own.desc.write().unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        *self
+            .segments
+            .own
+            .desc
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = desc.clone();
         self.segments.directory.republish(&desc)
     }
 
@@ -247,7 +285,13 @@ impl Engine {
         self.register_region(addr as u64, len as u64, location, None)
     }
 
-    fn register_region(&self, addr: u64, len: u64, location: &str, shared_fd: Option<RawFd>) -> Result<()> {
+    fn register_region(
+        &self,
+        addr: u64,
+        len: u64,
+        location: &str,
+        shared_fd: Option<RawFd>,
+    ) -> Result<()> {
         let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         let region = self.memory.register_with(addr, len, location, shared_fd)?;
         for t in &self.transports {
@@ -280,20 +324,33 @@ impl Engine {
             .map_err(|e| Error::io(format!("allocating {len} shared bytes"), e))?;
         let ptr = mem.ptr();
         self.register_region(ptr as u64, len as u64, location, Some(mem.fd()))?;
-        self.owned.lock().unwrap_or_else(|e| e.into_inner()).insert(ptr as u64, mem);
+        self.owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ptr as u64, mem);
         Ok(ptr)
     }
 
     /// Unregisters and releases a buffer from `allocate_buffer`.
     pub fn free_buffer(&self, addr: *mut u8) -> Result<()> {
-        if !self.owned.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&(addr as u64)) {
-            return Err(Error::invalid(format!("{addr:p} was not allocated by this engine")));
+        if !self
+            .owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&(addr as u64))
+        {
+            return Err(Error::invalid(format!(
+                "{addr:p} was not allocated by this engine"
+            )));
         }
         match self.unregister_memory(addr) {
             Err(e) if e.code() != Code::AddressNotRegistered => return Err(e),
             _ => {}
         }
-        self.owned.lock().unwrap_or_else(|e| e.into_inner()).remove(&(addr as u64));
+        self.owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(addr as u64));
         Ok(())
     }
 
@@ -318,7 +375,9 @@ impl Engine {
 
     pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
         if capacity == 0 || capacity > 1 << 20 {
-            return Err(Error::invalid(format!("batch capacity {capacity} (must be 1..=1048576)")));
+            return Err(Error::invalid(format!(
+                "batch capacity {capacity} (must be 1..=1048576)"
+            )));
         }
         let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
         self.batches
@@ -360,7 +419,10 @@ impl Engine {
             return Err(Error::invalid("zero-length request"));
         }
         if r.local == 0 || r.local.checked_add(r.len).is_none() {
-            return Err(Error::invalid(format!("bad local range {:#x}+{}", r.local, r.len)));
+            return Err(Error::invalid(format!(
+                "bad local range {:#x}+{}",
+                r.local, r.len
+            )));
         }
         let peer = self.segments.get(r.segment)?;
         if peer.desc().buffer_for(r.remote, r.len).is_none() {
@@ -489,7 +551,10 @@ impl Engine {
         if reply.contains("success") {
             Ok(())
         } else {
-            Err(Error::new(Code::RpcFail, format!("probe of {} answered {reply}", peer.name)))
+            Err(Error::new(
+                Code::RpcFail,
+                format!("probe of {} answered {reply}", peer.name),
+            ))
         }
     }
 }
@@ -499,17 +564,33 @@ impl Drop for Engine {
         for w in &self.workers {
             w.stop();
         }
-        for t in self.threads.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for t in self
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
             let _ = t.join();
         }
         if let Err(e) = self.segments.directory.unpublish(&self.name) {
             log::warn!("unpublishing {}: {e}", self.name);
         }
-        if let Some(mut s) = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(mut s) = self
+            .rpc_server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             s.shutdown();
         }
         // Engine-owned memory is unmapped only once nothing can reach it any more.
-        let owned: Vec<u64> = self.owned.lock().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        let owned: Vec<u64> = self
+            .owned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
         for addr in owned {
             if let Err(e) = self.free_buffer(addr as *mut u8) {
                 log::warn!("freeing engine buffer {addr:#x}: {e}");

@@ -21,7 +21,10 @@ pub fn start(bind: SocketAddr, published: Arc<Published>) -> std::io::Result<Con
 }
 
 fn serve(mut stream: TcpStream, published: &Published) {
-    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let _ = stream.set_nodelay(true);
@@ -52,17 +55,29 @@ fn serve(mut stream: TcpStream, published: &Published) {
 fn answer(kind: RpcType, body: &str, published: &Published) -> Result<String> {
     let request = json::parse(body).map_err(|e| crate::Error::protocol(e.to_string()))?;
     Ok(match kind {
-        RpcType::Metadata => published.desc.read().unwrap_or_else(|e| e.into_inner()).to_json().to_string(),
+        RpcType::Metadata => published
+            .desc
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .to_json()
+            .to_string(),
         RpcType::Probe => r#"{"status":"success"}"#.to_owned(),
         RpcType::Notify => {
             let note = Notification {
-                from: request.get("name").and_then(Value::as_str).unwrap_or("").to_owned(),
+                from: request
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned(),
                 message: request
                     .str_field("notify_msg")
                     .map_err(|e| crate::Error::protocol(e.to_string()))?
                     .to_owned(),
             };
-            let mut queue = published.notifications.lock().unwrap_or_else(|e| e.into_inner());
+            let mut queue = published
+                .notifications
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
                 queue.pop_front();
             }
@@ -75,7 +90,10 @@ fn answer(kind: RpcType, body: &str, published: &Published) -> Result<String> {
                 ("local_nic_path", field("peer_nic_path")),
                 ("peer_nic_path", field("local_nic_path")),
                 ("qp_num", Value::Array(Vec::new())),
-                ("reply_msg", "this engine has no RDMA transport enabled".into()),
+                (
+                    "reply_msg",
+                    "this engine has no RDMA transport enabled".into(),
+                ),
             ])
             .to_string()
         }

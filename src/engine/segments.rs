@@ -47,27 +47,46 @@ impl Segments {
     }
 
     pub fn own_desc(&self) -> SegmentDesc {
-        self.own.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.own
+            .desc
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Descriptor and data address of `name`, fetched fresh.
     fn fetch(&self, name: &str) -> Result<(SegmentDesc, SocketAddr)> {
         let own = self.own_desc();
-        let desc = if name == own.name { own.clone() } else { self.directory.fetch(name, &own)? };
+        let desc = if name == own.name {
+            own.clone()
+        } else {
+            self.directory.fetch(name, &own)?
+        };
         if desc.name != name {
             return Err(Error::new(
                 Code::Metadata,
-                format!("asked for segment {name}, got a descriptor named {}", desc.name),
+                format!(
+                    "asked for segment {name}, got a descriptor named {}",
+                    desc.name
+                ),
             ));
         }
-        let rpc = self.directory.rpc_address(name).unwrap_or_else(|_| name.to_owned());
+        let rpc = self
+            .directory
+            .rpc_address(name)
+            .unwrap_or_else(|_| name.to_owned());
         let host = host_of(&rpc);
         let data = resolve(host, desc.tcp_data_port)?;
         Ok((desc, data))
     }
 
     pub fn open(&self, name: &str) -> Result<Arc<Peer>> {
-        if let Some(p) = self.by_name.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+        if let Some(p) = self
+            .by_name
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
             return Ok(p.clone());
         }
         let (desc, data) = self.fetch(name)?;
@@ -75,7 +94,11 @@ impl Segments {
         if let Some(p) = by_name.get(name) {
             return Ok(p.clone());
         }
-        let peer = Arc::new(Peer::new(self.next_id.fetch_add(1, Ordering::Relaxed), desc, data));
+        let peer = Arc::new(Peer::new(
+            self.next_id.fetch_add(1, Ordering::Relaxed),
+            desc,
+            data,
+        ));
         by_name.insert(name.to_owned(), peer.clone());
         self.by_id
             .write()
@@ -90,7 +113,12 @@ impl Segments {
             .unwrap_or_else(|e| e.into_inner())
             .get(&id)
             .cloned()
-            .ok_or_else(|| Error::new(Code::SegmentNotFound, format!("segment id {id} was never opened")))
+            .ok_or_else(|| {
+                Error::new(
+                    Code::SegmentNotFound,
+                    format!("segment id {id} was never opened"),
+                )
+            })
     }
 
     /// Refetches a peer's descriptor (its buffers changed, or it restarted).

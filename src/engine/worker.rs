@@ -39,7 +39,10 @@ impl WorkerHandle {
     }
 
     pub fn push(&self, items: impl IntoIterator<Item = WorkItem>) {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).extend(items);
+        self.queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(items);
         // Pairs with the fence in `park`: either we see `parked`, or it sees the items.
         fence(Ordering::SeqCst);
         if self.parked.load(Ordering::SeqCst) {
@@ -110,7 +113,9 @@ impl Worker {
         for (i, t) in transports.iter().enumerate() {
             let w = t.new_worker()?;
             if let Some(fd) = w.wait_fd() {
-                epoll.add(fd, sys::READABLE, i as u64).map_err(|e| io("epoll add", e))?;
+                epoll
+                    .add(fd, sys::READABLE, i as u64)
+                    .map_err(|e| io("epoll add", e))?;
             }
             workers.push(w);
         }
@@ -131,7 +136,10 @@ impl Worker {
         let mut idle = 0u32;
         let mut intake = Vec::new();
         while !self.handle.stop.load(Ordering::Relaxed) {
-            std::mem::swap(&mut intake, &mut *self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()));
+            std::mem::swap(
+                &mut intake,
+                &mut *self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()),
+            );
             let mut busy = !intake.is_empty();
             for item in intake.drain(..) {
                 self.start(item);
@@ -157,7 +165,12 @@ impl Worker {
     fn park(&mut self) {
         self.handle.parked.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        let has_work = !self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+        let has_work = !self
+            .handle
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
         if !has_work && !self.handle.stop.load(Ordering::SeqCst) {
             let in_flight = self.workers.iter().any(|w| w.in_flight() > 0);
             let timeout = if in_flight { PARKED_TICK_MS } else { -1 };
@@ -197,14 +210,21 @@ impl Worker {
             .transports
             .iter()
             .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc));
-        if let Some(entry) = self.slots.get_mut(slice.id as usize).and_then(Option::as_mut) {
+        if let Some(entry) = self
+            .slots
+            .get_mut(slice.id as usize)
+            .and_then(Option::as_mut)
+        {
             entry.via = chosen.map(|i| self.transports[i].kind());
         }
         match chosen {
             Some(i) => self.workers[i].post(slice, &mut self.done),
             None => self.done.push(Finished {
                 id: slice.id,
-                outcome: Outcome::PathFailed(format!("no enabled transport reaches {}", slice.peer.name)),
+                outcome: Outcome::PathFailed(format!(
+                    "no enabled transport reaches {}",
+                    slice.peer.name
+                )),
             }),
         }
     }
@@ -226,7 +246,9 @@ impl Worker {
                     log::warn!("slice rejected: {why}");
                     TaskState::Failed
                 }
-                Outcome::Stale | Outcome::PathFailed(_) if entry.attempts >= self.config.max_retries => {
+                Outcome::Stale | Outcome::PathFailed(_)
+                    if entry.attempts >= self.config.max_retries =>
+                {
                     log::warn!(
                         "slice to {} failed after {} attempts",
                         entry.slice.peer.name,
@@ -234,7 +256,9 @@ impl Worker {
                     );
                     TaskState::Failed
                 }
-                Outcome::Stale | Outcome::PathFailed(_) if Instant::now() >= entry.slice.deadline => {
+                Outcome::Stale | Outcome::PathFailed(_)
+                    if Instant::now() >= entry.slice.deadline =>
+                {
                     TaskState::Timeout
                 }
                 Outcome::Stale | Outcome::PathFailed(_) => {
@@ -248,7 +272,12 @@ impl Worker {
                         if let Err(e) = self.segments.resync(&slice.peer) {
                             log::warn!("resync of {} failed: {e}", slice.peer.name);
                         }
-                        if slice.peer.desc().buffer_for(slice.remote, slice.len).is_none() {
+                        if slice
+                            .peer
+                            .desc()
+                            .buffer_for(slice.remote, slice.len)
+                            .is_none()
+                        {
                             self.retire(id, TaskState::Failed);
                             continue;
                         }
@@ -273,7 +302,9 @@ impl Worker {
                     c.failed_slices.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            entry.batch.slice_finished(entry.task, entry.slice.len, state);
+            entry
+                .batch
+                .slice_finished(entry.task, entry.slice.len, state);
             self.free.push(id);
         }
     }

@@ -137,7 +137,8 @@ impl SegmentDesc {
     /// Parses a descriptor from untrusted JSON. Unknown fields are ignored; missing
     /// optional fields take Mooncake's defaults.
     pub fn from_json(v: &Value) -> Result<SegmentDesc> {
-        let bad = |e: json::FieldError| Error::new(Code::Metadata, format!("segment descriptor: {e}"));
+        let bad =
+            |e: json::FieldError| Error::new(Code::Metadata, format!("segment descriptor: {e}"));
         let name = v.str_field("name").map_err(bad)?.to_owned();
         let mut desc = SegmentDesc::new(&name);
         if let Some(p) = v.get("protocol").and_then(Value::as_str) {
@@ -147,7 +148,9 @@ impl SegmentDesc {
             desc.tcp_data_port = port
                 .as_u64()
                 .and_then(|p| u16::try_from(p).ok())
-                .ok_or_else(|| Error::new(Code::Metadata, "segment descriptor: bad tcp_data_port"))?;
+                .ok_or_else(|| {
+                    Error::new(Code::Metadata, "segment descriptor: bad tcp_data_port")
+                })?;
         }
         desc.tcp_proto_version = match v.get("tcp_proto_version") {
             Some(x) => x.as_u64().unwrap_or(1) as u32,
@@ -165,12 +168,20 @@ impl SegmentDesc {
             desc.devices.push(DeviceDesc {
                 name: d.str_field("name").map_err(bad)?.to_owned(),
                 lid: d.get("lid").and_then(Value::as_u64).unwrap_or(0) as u16,
-                gid: d.get("gid").and_then(Value::as_str).unwrap_or("").to_owned(),
+                gid: d
+                    .get("gid")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned(),
             });
         }
         for b in v.get("buffers").and_then(Value::as_array).unwrap_or(&[]) {
             let buf = BufferDesc {
-                name: b.get("name").and_then(Value::as_str).unwrap_or("").to_owned(),
+                name: b
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_owned(),
                 addr: b.u64_field("addr").map_err(bad)?,
                 length: b.u64_field("length").map_err(bad)?,
                 rkey: parse_keys(b.get("rkey")),
@@ -182,7 +193,10 @@ impl SegmentDesc {
                     .filter(|fd| *fd >= 0),
             };
             if buf.addr.checked_add(buf.length).is_none() {
-                return Err(Error::new(Code::Metadata, "segment descriptor: buffer overflows"));
+                return Err(Error::new(
+                    Code::Metadata,
+                    "segment descriptor: buffer overflows",
+                ));
             }
             desc.buffers.push(buf);
         }
@@ -232,7 +246,10 @@ pub struct RpcMeta {
 impl RpcMeta {
     pub fn to_json(&self) -> Value {
         Value::object([
-            ("ip_or_host_name", Value::from(self.ip_or_host_name.as_str())),
+            (
+                "ip_or_host_name",
+                Value::from(self.ip_or_host_name.as_str()),
+            ),
             ("rpc_port", self.rpc_port.into()),
         ])
     }
@@ -241,7 +258,10 @@ impl RpcMeta {
         let bad = |e: String| Error::new(Code::Metadata, format!("rpc_meta: {e}"));
         let v = json::parse(text).map_err(|e| bad(e.to_string()))?;
         Ok(RpcMeta {
-            ip_or_host_name: v.str_field("ip_or_host_name").map_err(|e| bad(e.to_string()))?.to_owned(),
+            ip_or_host_name: v
+                .str_field("ip_or_host_name")
+                .map_err(|e| bad(e.to_string()))?
+                .to_owned(),
             rpc_port: u16::try_from(v.u64_field("rpc_port").map_err(|e| bad(e.to_string()))?)
                 .map_err(|_| bad("rpc_port out of range".into()))?,
         })
@@ -287,9 +307,16 @@ mod tests {
             r#"{"name":"x","buffers":[{"addr":18446744073709551615,"length":2}]}"#,
             r#"{"name":"x","tcp_data_port":70000}"#,
         ] {
-            assert_eq!(SegmentDesc::parse(bad).unwrap_err().code(), Code::Metadata, "{bad}");
+            assert_eq!(
+                SegmentDesc::parse(bad).unwrap_err().code(),
+                Code::Metadata,
+                "{bad}"
+            );
         }
-        let r = RpcMeta { ip_or_host_name: "127.0.0.1".into(), rpc_port: 1234 };
+        let r = RpcMeta {
+            ip_or_host_name: "127.0.0.1".into(),
+            rpc_port: 1234,
+        };
         assert_eq!(RpcMeta::parse(&r.to_json().to_string()).unwrap(), r);
     }
 }

@@ -14,7 +14,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Finds and publishes segment descriptors.
 pub enum Directory {
     /// Descriptors live in a key-value store under `mooncake/[cluster/]ram/<name>`.
-    Store { store: Arc<dyn MetadataStore>, prefix: String },
+    Store {
+        store: Arc<dyn MetadataStore>,
+        prefix: String,
+    },
     /// No store: a segment's name is its `host:port` RPC address and the descriptor
     /// is exchanged with a Metadata RPC.
     P2p,
@@ -50,7 +53,10 @@ impl Directory {
     /// Refreshes the descriptor only (after buffers change).
     pub fn republish(&self, desc: &SegmentDesc) -> Result<()> {
         if let Directory::Store { store, prefix } = self {
-            store.put(&format!("{prefix}ram/{}", desc.name), &desc.to_json().to_string())?;
+            store.put(
+                &format!("{prefix}ram/{}", desc.name),
+                &desc.to_json().to_string(),
+            )?;
         }
         Ok(())
     }
@@ -68,7 +74,10 @@ impl Directory {
         match self {
             Directory::Store { store, prefix } => {
                 let text = store.get(&format!("{prefix}ram/{name}"))?.ok_or_else(|| {
-                    Error::new(Code::SegmentNotFound, format!("no descriptor for segment {name}"))
+                    Error::new(
+                        Code::SegmentNotFound,
+                        format!("no descriptor for segment {name}"),
+                    )
                 })?;
                 SegmentDesc::parse(&text)
             }
@@ -79,7 +88,9 @@ impl Directory {
                     &own.to_json().to_string(),
                     HANDSHAKE_TIMEOUT,
                 )
-                .map_err(|e| Error::new(Code::SegmentNotFound, format!("handshake with {name}: {e}")))?;
+                .map_err(|e| {
+                    Error::new(Code::SegmentNotFound, format!("handshake with {name}: {e}"))
+                })?;
                 SegmentDesc::parse(&reply)
             }
         }
@@ -89,9 +100,11 @@ impl Directory {
     pub fn rpc_address(&self, name: &str) -> Result<String> {
         match self {
             Directory::Store { store, prefix } => {
-                let text = store.get(&format!("{prefix}rpc_meta/{name}"))?.ok_or_else(|| {
-                    Error::new(Code::SegmentNotFound, format!("no rpc_meta for {name}"))
-                })?;
+                let text = store
+                    .get(&format!("{prefix}rpc_meta/{name}"))?
+                    .ok_or_else(|| {
+                        Error::new(Code::SegmentNotFound, format!("no rpc_meta for {name}"))
+                    })?;
                 let meta = RpcMeta::parse(&text)?;
                 Ok(join_host_port(&meta.ip_or_host_name, meta.rpc_port))
             }

@@ -15,7 +15,11 @@ fn table() -> &'static Mutex<HashMap<String, String>> {
 
 impl MetadataStore for MemoryStore {
     fn get(&self, key: &str) -> Result<Option<String>> {
-        Ok(table().lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned())
+        Ok(table()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned())
     }
 
     fn put(&self, key: &str, value: &str) -> Result<()> {
@@ -27,7 +31,10 @@ impl MetadataStore for MemoryStore {
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        table().lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+        table()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
         Ok(())
     }
 }

@@ -45,5 +45,7 @@ pub fn open(connection: &str, cluster_id: &str) -> Result<Directory> {
             format!("metadata backend {conn:?} is not available yet (use P2PHANDSHAKE, http://…, or embedded)"),
         ));
     }
-    Err(Error::invalid(format!("unknown metadata connection string {conn:?}")))
+    Err(Error::invalid(format!(
+        "unknown metadata connection string {conn:?}"
+    )))
 }

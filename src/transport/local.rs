@@ -15,7 +15,10 @@ pub struct LocalTransport {
 
 impl LocalTransport {
     pub fn new(memory: Arc<LocalMemory>, own_name: &str) -> LocalTransport {
-        LocalTransport { memory, own_name: own_name.to_owned() }
+        LocalTransport {
+            memory,
+            own_name: own_name.to_owned(),
+        }
     }
 }
 
@@ -35,7 +38,9 @@ impl Transport for LocalTransport {
     }
 
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
-        Ok(Box::new(LocalWorker { memory: self.memory.clone() }))
+        Ok(Box::new(LocalWorker {
+            memory: self.memory.clone(),
+        }))
     }
 }
 
@@ -59,7 +64,10 @@ impl TransportWorker for LocalWorker {
             }
             Err(e) => Outcome::Rejected(e.to_string()),
         };
-        done.push(Finished { id: slice.id, outcome });
+        done.push(Finished {
+            id: slice.id,
+            outcome,
+        });
     }
 
     fn progress(&mut self, _now: Instant, _done: &mut Vec<Finished>) -> bool {

@@ -75,7 +75,10 @@ impl ShmTransport {
     pub fn new() -> Result<ShmTransport> {
         let guard = SharedMemory::create("mooncake-shm-guard", PAGE)
             .map_err(|e| Error::io("creating the shm guard page", e))?;
-        let t = ShmTransport { guard, host_id: host_id() };
+        let t = ShmTransport {
+            guard,
+            host_id: host_id(),
+        };
         t.page().token.store(random_u64() | 1, Ordering::SeqCst);
         // Under Yama's ptrace_scope=1 only ancestors may process_vm_* us: allow peers.
         // SAFETY: prctl with integer arguments only.
@@ -135,7 +138,9 @@ impl Transport for ShmTransport {
     }
 
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
-        Ok(Box::new(ShmWorker { peers: HashMap::new() }))
+        Ok(Box::new(ShmWorker {
+            peers: HashMap::new(),
+        }))
     }
 }
 
@@ -174,7 +179,8 @@ impl Attached {
         }
         // SAFETY: fresh descriptor.
         let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-        let guard = shared_memory::map_peer(h.pid, h.guard_fd, PAGE).map_err(|e| CopyError::Denied(e.to_string()))?;
+        let guard = shared_memory::map_peer(h.pid, h.guard_fd, PAGE)
+            .map_err(|e| CopyError::Denied(e.to_string()))?;
         let attached = Attached {
             pid,
             token: h.token,
@@ -184,7 +190,10 @@ impl Attached {
             generation: h.generation,
         };
         if attached.page().token.load(Ordering::SeqCst) != h.token {
-            return Err(CopyError::Denied(format!("fd {} of {pid} is not its guard page", h.guard_fd)));
+            return Err(CopyError::Denied(format!(
+                "fd {} of {pid} is not its guard page",
+                h.guard_fd
+            )));
         }
         // The pidfd was taken before the page was checked, so a live pidfd proves the
         // token belongs to the process we will copy to.
@@ -200,13 +209,21 @@ impl Attached {
     }
 
     fn alive(&self) -> bool {
-        let mut pfd = libc::pollfd { fd: self.pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd; a pidfd turns readable when the process exits.
         unsafe { libc::poll(&mut pfd, 1, 0) == 0 }
     }
 
     /// Our mapping of a memfd-backed peer buffer, made on first use.
-    fn buffer_mapping(&mut self, buf: &BufferDesc, fd: i32) -> std::result::Result<*mut u8, CopyError> {
+    fn buffer_mapping(
+        &mut self,
+        buf: &BufferDesc,
+        fd: i32,
+    ) -> std::result::Result<*mut u8, CopyError> {
         if let Some(m) = self.buffers.get(&buf.addr) {
             return Ok(m.ptr());
         }
@@ -218,7 +235,12 @@ impl Attached {
     }
 
     /// One guarded copy of a range inside `buf`, validated against `generation`.
-    fn copy(&mut self, slice: &Slice, buf: &BufferDesc, generation: u64) -> std::result::Result<(), CopyError> {
+    fn copy(
+        &mut self,
+        slice: &Slice,
+        buf: &BufferDesc,
+        generation: u64,
+    ) -> std::result::Result<(), CopyError> {
         if generation != self.generation {
             // The peer's buffers changed: drop mappings of buffers that may be gone.
             self.buffers.clear();
@@ -262,8 +284,14 @@ impl Attached {
         let (local, remote, len) = (slice.local, slice.remote, slice.len);
         let mut done = 0u64;
         while done < len {
-            let l = libc::iovec { iov_base: (local + done) as *mut _, iov_len: (len - done) as usize };
-            let r = libc::iovec { iov_base: (remote + done) as *mut _, iov_len: (len - done) as usize };
+            let l = libc::iovec {
+                iov_base: (local + done) as *mut _,
+                iov_len: (len - done) as usize,
+            };
+            let r = libc::iovec {
+                iov_base: (remote + done) as *mut _,
+                iov_len: (len - done) as usize,
+            };
             // SAFETY: the local range is the caller's buffer (submit contract); the
             // remote range was validated against the peer's published buffers under
             // the guard protocol. The kernel checks both mappings.
@@ -277,8 +305,12 @@ impl Attached {
                 let err = std::io::Error::last_os_error();
                 return Err(match err.raw_os_error() {
                     _ if n == 0 => CopyError::Failed("process_vm moved no bytes".into()),
-                    Some(libc::EFAULT) => CopyError::Rejected(format!("process_vm: bad address: {err}")),
-                    Some(libc::EPERM) => CopyError::Denied(format!("process_vm({}): {err}", self.pid)),
+                    Some(libc::EFAULT) => {
+                        CopyError::Rejected(format!("process_vm: bad address: {err}"))
+                    }
+                    Some(libc::EPERM) => {
+                        CopyError::Denied(format!("process_vm({}): {err}", self.pid))
+                    }
                     _ => CopyError::Failed(format!("process_vm({}): {err}", self.pid)),
                 });
             }
@@ -298,7 +330,11 @@ impl ShmWorker {
         let Some(host) = desc.host.as_ref() else {
             return Outcome::PathFailed("peer publishes no host identity".into());
         };
-        if self.peers.get(&slice.peer.id).is_some_and(|a| a.token != host.token) {
+        if self
+            .peers
+            .get(&slice.peer.id)
+            .is_some_and(|a| a.token != host.token)
+        {
             // The peer restarted under the same name.
             self.peers.remove(&slice.peer.id);
         }
@@ -327,7 +363,10 @@ impl ShmWorker {
             CopyError::Rejected(why) => Outcome::Rejected(why),
             CopyError::Denied(why) => {
                 // Not permitted here (other user, container policy): use TCP.
-                log::info!("shm to {} unavailable, falling back: {why}", slice.peer.name);
+                log::info!(
+                    "shm to {} unavailable, falling back: {why}",
+                    slice.peer.name
+                );
                 slice.peer.disable(Kind::Shm);
                 self.peers.remove(&slice.peer.id);
                 Outcome::PathFailed(why)
@@ -343,7 +382,10 @@ impl ShmWorker {
 impl TransportWorker for ShmWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         let outcome = self.transfer(&slice);
-        done.push(Finished { id: slice.id, outcome });
+        done.push(Finished {
+            id: slice.id,
+            outcome,
+        });
     }
 
     fn progress(&mut self, _now: Instant, _done: &mut Vec<Finished>) -> bool {

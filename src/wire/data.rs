@@ -45,7 +45,9 @@ impl Header {
         let addr = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
         let opcode = bytes[16];
         if opcode & V2_FLAG == 0 {
-            return Err(Error::protocol("tcp data protocol v1 header is not supported"));
+            return Err(Error::protocol(
+                "tcp data protocol v1 header is not supported",
+            ));
         }
         let op = match opcode & !V2_FLAG {
             0 => DataOp::Read,
@@ -74,7 +76,9 @@ impl Status {
     pub fn decode(bytes: &[u8; STATUS_LEN]) -> Result<Status> {
         let v = u64::from_le_bytes(*bytes);
         if (v >> 32) as u32 != STATUS_MAGIC {
-            return Err(Error::protocol(format!("status frame without magic: {v:#018x}")));
+            return Err(Error::protocol(format!(
+                "status frame without magic: {v:#018x}"
+            )));
         }
         match v as u32 {
             0 => Ok(Status::Ok),
@@ -90,7 +94,11 @@ mod tests {
 
     #[test]
     fn header_and_status_layouts() {
-        let h = Header { size: 4096, addr: 0x7f00_0000_1000, op: DataOp::Write };
+        let h = Header {
+            size: 4096,
+            addr: 0x7f00_0000_1000,
+            op: DataOp::Write,
+        };
         let b = h.encode();
         assert_eq!(&b[0..8], &4096u64.to_le_bytes());
         assert_eq!(b[16], 0x81);
@@ -102,7 +110,10 @@ mod tests {
         bad[16] = 0x85;
         assert!(Header::decode(&bad).is_err());
         assert_eq!(Status::Ok.encode(), 0x4D43_5456_0000_0000u64.to_le_bytes());
-        assert_eq!(Status::decode(&Status::Rejected.encode()).unwrap(), Status::Rejected);
+        assert_eq!(
+            Status::decode(&Status::Rejected.encode()).unwrap(),
+            Status::Rejected
+        );
         assert!(Status::decode(&[0; 8]).is_err());
     }
 }

@@ -74,8 +74,8 @@ pub fn decode(bytes: &[u8], max: u64) -> Result<(RpcType, &str)> {
 fn body(type_byte: u8, json: &[u8]) -> Result<(RpcType, &str)> {
     let kind = RpcType::from_u8(type_byte)
         .ok_or_else(|| Error::protocol(format!("unknown rpc type {type_byte}")))?;
-    let text = std::str::from_utf8(json)
-        .map_err(|_| Error::protocol("rpc frame body is not UTF-8"))?;
+    let text =
+        std::str::from_utf8(json).map_err(|_| Error::protocol("rpc frame body is not UTF-8"))?;
     Ok((kind, text))
 }
 
@@ -103,21 +103,28 @@ pub fn write_frame(stream: &mut impl Write, kind: RpcType, json: &str) -> Result
 
 /// One request and one response on a fresh connection, as Mooncake peers expect.
 pub fn call(addr: &str, kind: RpcType, json: &str, timeout: Duration) -> Result<String> {
-    let fail = |what: &str, e: std::io::Error| Error::new(Code::RpcFail, format!("{what} {addr}: {e}"));
+    let fail =
+        |what: &str, e: std::io::Error| Error::new(Code::RpcFail, format!("{what} {addr}: {e}"));
     let sock = addr
         .to_socket_addrs()
         .map_err(|e| fail("resolving", e))?
         .next()
         .ok_or_else(|| Error::new(Code::RpcFail, format!("{addr} resolves to nothing")))?;
-    let mut stream = TcpStream::connect_timeout(&sock, timeout).map_err(|e| fail("connecting to", e))?;
-    stream.set_read_timeout(Some(timeout)).map_err(|e| fail("configuring", e))?;
-    stream.set_write_timeout(Some(timeout)).map_err(|e| fail("configuring", e))?;
+    let mut stream =
+        TcpStream::connect_timeout(&sock, timeout).map_err(|e| fail("connecting to", e))?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| fail("configuring", e))?;
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(|e| fail("configuring", e))?;
     let _ = stream.set_nodelay(true);
     write_frame(&mut stream, kind, json)?;
-    let (reply_kind, body) = read_frame(&mut stream, MAX_FRAME_LEN).map_err(|e| match e.code() {
-        Code::Timeout => Error::new(Code::RpcTimeout, format!("{addr}: {}", e.context())),
-        _ => Error::new(Code::RpcFail, format!("{addr}: {e}")),
-    })?;
+    let (reply_kind, body) =
+        read_frame(&mut stream, MAX_FRAME_LEN).map_err(|e| match e.code() {
+            Code::Timeout => Error::new(Code::RpcTimeout, format!("{addr}: {}", e.context())),
+            _ => Error::new(Code::RpcFail, format!("{addr}: {e}")),
+        })?;
     if reply_kind != kind {
         return Err(Error::protocol(format!(
             "{addr} answered a {kind:?} request with {reply_kind:?}"
@@ -137,7 +144,10 @@ mod tests {
         assert_eq!(read_frame(&mut &f[..], MAX_FRAME_LEN).unwrap().1, "{}");
         let mut zero = f.clone();
         zero[..8].copy_from_slice(&0u64.to_le_bytes());
-        assert_eq!(decode(&zero, MAX_FRAME_LEN).unwrap_err().code(), Code::Protocol);
+        assert_eq!(
+            decode(&zero, MAX_FRAME_LEN).unwrap_err().code(),
+            Code::Protocol
+        );
         let mut big = f.clone();
         big[..8].copy_from_slice(&(MAX_FRAME_LEN + 1).to_le_bytes());
         assert!(read_frame(&mut &big[..], MAX_FRAME_LEN).is_err());

@@ -59,7 +59,14 @@ impl Target {
     pub fn spawn(metadata: &str, size: usize) -> Target {
         use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mooncake"))
-            .args(["target", "--metadata", metadata, "--bind", "127.0.0.1", "--until-stdin-eof"])
+            .args([
+                "target",
+                "--metadata",
+                metadata,
+                "--bind",
+                "127.0.0.1",
+                "--until-stdin-eof",
+            ])
             .args(["--size", &size.to_string()])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -69,7 +76,11 @@ impl Target {
         let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
         stdout.read_line(&mut line).unwrap();
         let name = line.trim().strip_prefix("ready ").map(str::to_owned);
-        let mut t = Target { child, name: String::new(), stdout: Some(stdout) };
+        let mut t = Target {
+            child,
+            name: String::new(),
+            stdout: Some(stdout),
+        };
         t.name = name.unwrap_or_else(|| panic!("target said {line:?}"));
         t
     }

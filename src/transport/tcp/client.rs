@@ -22,7 +22,12 @@ struct Pending {
 
 impl Pending {
     fn send_len(&self) -> u64 {
-        HEADER_LEN as u64 + if self.slice.op == Op::Write { self.slice.len } else { 0 }
+        HEADER_LEN as u64
+            + if self.slice.op == Op::Write {
+                self.slice.len
+            } else {
+                0
+            }
     }
 }
 
@@ -81,7 +86,10 @@ impl Lane {
             }
             if p.slice.op == Op::Write {
                 let skip = off.saturating_sub(HEADER_LEN as u64);
-                parts[1] = ((p.slice.local + skip) as *const u8, (p.slice.len - skip) as usize);
+                parts[1] = (
+                    (p.slice.local + skip) as *const u8,
+                    (p.slice.len - skip) as usize,
+                );
             }
             // SAFETY: the header lives in the queue entry; the payload is the caller's
             // local buffer, valid for the slice's length by the submit contract.
@@ -107,11 +115,18 @@ impl Lane {
         // Only slices fully sent can be answered.
         while self.send_idx > 0 {
             let p = &self.queue[0];
-            let payload = if p.slice.op == Op::Read { p.slice.len } else { 0 };
+            let payload = if p.slice.op == Op::Read {
+                p.slice.len
+            } else {
+                0
+            };
             let off = self.recv_off;
             let mut parts: [(*mut u8, usize); 2] = [(std::ptr::null_mut(), 0); 2];
             if off < STATUS_LEN as u64 {
-                parts[0] = (self.status[off as usize..].as_mut_ptr(), STATUS_LEN - off as usize);
+                parts[0] = (
+                    self.status[off as usize..].as_mut_ptr(),
+                    STATUS_LEN - off as usize,
+                );
             }
             // A rejected READ gets no payload and the server closes, so reading the
             // payload speculatively in the same call cannot consume foreign bytes.
@@ -142,7 +157,10 @@ impl Lane {
                 let p = self.queue.pop_front().expect("front exists");
                 self.send_idx -= 1;
                 self.recv_off = 0;
-                done.push(Finished { id: p.slice.id, outcome: Outcome::Done });
+                done.push(Finished {
+                    id: p.slice.id,
+                    outcome: Outcome::Done,
+                });
             }
         }
         Ok(moved)
@@ -195,7 +213,11 @@ impl TcpWorker {
         let token = self.next_token;
         self.next_token += 1;
         self.epoll
-            .add(stream.as_raw_fd(), sys::READABLE | sys::WRITABLE | sys::EDGE, token)
+            .add(
+                stream.as_raw_fd(),
+                sys::READABLE | sys::WRITABLE | sys::EDGE,
+                token,
+            )
             .map_err(|e| format!("epoll add: {e}"))?;
         tokens.push(token);
         self.lanes.insert(
@@ -239,7 +261,11 @@ impl TcpWorker {
         if let Some(tokens) = self.by_peer.get_mut(&lane.peer) {
             tokens.retain(|t| *t != token);
         }
-        let addr = lane.stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let addr = lane
+            .stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
         for (i, p) in lane.queue.into_iter().enumerate() {
             let outcome = match &err {
                 LaneError::Rejected if i == 0 => Outcome::Rejected(format!(
@@ -249,7 +275,10 @@ impl TcpWorker {
                 LaneError::Rejected => Outcome::PathFailed("lane closed after a rejection".into()),
                 LaneError::Broken(why) => Outcome::PathFailed(format!("tcp {addr}: {why}")),
             };
-            done.push(Finished { id: p.slice.id, outcome });
+            done.push(Finished {
+                id: p.slice.id,
+                outcome,
+            });
             self.in_flight -= 1;
         }
     }
@@ -277,7 +306,10 @@ impl TransportWorker for TcpWorker {
         let token = match self.pick_lane(&slice) {
             Ok(t) => t,
             Err(why) => {
-                done.push(Finished { id: slice.id, outcome: Outcome::PathFailed(why) });
+                done.push(Finished {
+                    id: slice.id,
+                    outcome: Outcome::PathFailed(why),
+                });
                 return;
             }
         };
@@ -285,7 +317,12 @@ impl TransportWorker for TcpWorker {
             Op::Read => DataOp::Read,
             Op::Write => DataOp::Write,
         };
-        let header = Header { size: slice.len, addr: slice.remote, op }.encode();
+        let header = Header {
+            size: slice.len,
+            addr: slice.remote,
+            op,
+        }
+        .encode();
         let lane = self.lanes.get_mut(&token).expect("picked lane exists");
         lane.queue.push_back(Pending { slice, header });
         self.in_flight += 1;

@@ -43,7 +43,11 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// Starts the data server on `bind` (port 0 picks one).
-    pub fn start(bind: SocketAddr, memory: Arc<LocalMemory>, config: TcpConfig) -> Result<TcpTransport> {
+    pub fn start(
+        bind: SocketAddr,
+        memory: Arc<LocalMemory>,
+        config: TcpConfig,
+    ) -> Result<TcpTransport> {
         crate::sys::ignore_sigpipe();
         let buffers = config.socket_buffer;
         let handler = Arc::new(move |stream| server::serve(stream, &memory, buffers));

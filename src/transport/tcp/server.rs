@@ -17,7 +17,10 @@ use crate::wire::data::{DataOp, Header, Status, HEADER_LEN};
 const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn serve(mut stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) {
-    let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(STALL_TIMEOUT));
     let _ = stream.set_write_timeout(Some(STALL_TIMEOUT));
@@ -57,24 +60,42 @@ pub fn serve(mut stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) 
                 // only this connection writes it now.
                 let dst = unsafe { guard.bytes_mut() };
                 read_full(&mut stream, dst)
-                    .map_err(|(e, n)| io::Error::new(e.kind(), format!("payload short by {} bytes: {e}", dst.len() - n)))
+                    .map_err(|(e, n)| {
+                        io::Error::new(
+                            e.kind(),
+                            format!("payload short by {} bytes: {e}", dst.len() - n),
+                        )
+                    })
                     .and_then(|()| send_all(&stream, &[(Status::Ok.encode().as_ptr(), 8)]))
             }
             DataOp::Read => {
                 let status = Status::Ok.encode();
-                send_all(&stream, &[(status.as_ptr(), 8), (guard.ptr() as *const u8, guard.len() as usize)])
+                send_all(
+                    &stream,
+                    &[
+                        (status.as_ptr(), 8),
+                        (guard.ptr() as *const u8, guard.len() as usize),
+                    ],
+                )
             }
         };
         drop(guard);
         if let Err(e) = result {
-            log::debug!("tcp data {peer}: {:?} of {} bytes failed: {e}", header.op, header.size);
+            log::debug!(
+                "tcp data {peer}: {:?} of {} bytes failed: {e}",
+                header.op,
+                header.size
+            );
             return;
         }
     }
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 fn reject(stream: &TcpStream) {

@@ -141,6 +141,16 @@ int mc_register_memory(mc_engine *engine, void *addr, size_t len, const char *lo
 /* Withdraws the buffer registered at addr; returns once no transfer can touch it. */
 int mc_unregister_memory(mc_engine *engine, void *addr);
 
+/* Allocates len zeroed bytes of registered memory owned by the engine and gives its
+ * address in *out. Same-host peers copy to and from such memory with a plain memcpy
+ * through a shared mapping (the fastest path); release it with mc_free_buffer (or
+ * mc_engine_free). location as for mc_register_memory. */
+int mc_allocate_buffer(mc_engine *engine, size_t len, const char *location, void **out);
+
+/* Unregisters and releases memory from mc_allocate_buffer. MC_ERR_INVALID_PARAMS if
+ * addr did not come from mc_allocate_buffer of this engine. */
+int mc_free_buffer(mc_engine *engine, void *addr);
+
 /* Resolves a peer segment by name (cached) and gives its handle in *segment_out. */
 int mc_open_segment(mc_engine *engine, const char *name, uint64_t *segment_out);
 

@@ -97,6 +97,12 @@ fn null_pointers_and_bad_input_are_refused() {
         );
         assert_eq!(mc_register_memory(null_e, p, 1, std::ptr::null()), INVALID);
         assert_eq!(mc_unregister_memory(null_e, p), INVALID);
+        let mut out: *mut c_void = std::ptr::null_mut();
+        assert_eq!(
+            mc_allocate_buffer(null_e, 8, std::ptr::null(), &mut out),
+            INVALID
+        );
+        assert_eq!(mc_free_buffer(null_e, p), INVALID);
         assert_eq!(mc_open_segment(null_e, c"x".as_ptr(), &mut u), INVALID);
         assert_eq!(mc_resync_segment(null_e, 1), INVALID);
         assert_eq!(mc_batch_new(null_e, 1, &mut u), INVALID);
@@ -169,6 +175,27 @@ fn null_pointers_and_bad_input_are_refused() {
         assert_eq!(mc_unregister_memory(e, std::ptr::null_mut()), INVALID);
         let unknown = Code::AddressNotRegistered as c_int;
         assert_eq!(mc_unregister_memory(e, p), unknown);
+
+        // Engine-owned buffers.
+        let mut out: *mut c_void = std::ptr::null_mut();
+        assert_eq!(
+            mc_allocate_buffer(e, 0, std::ptr::null(), &mut out),
+            INVALID
+        );
+        assert_eq!(
+            mc_allocate_buffer(e, 8, std::ptr::null(), std::ptr::null_mut()),
+            INVALID
+        );
+        assert_eq!(
+            mc_allocate_buffer(e, 1 << 16, c"cpu:0".as_ptr(), &mut out),
+            MC_OK
+        );
+        assert!(!out.is_null());
+        let overlap = Code::AddressOverlap as c_int;
+        assert_eq!(mc_register_memory(e, out, 8, std::ptr::null()), overlap);
+        assert_eq!(mc_free_buffer(e, p), INVALID, "not from mc_allocate_buffer");
+        assert_eq!(mc_free_buffer(e, out), MC_OK);
+        assert_eq!(mc_free_buffer(e, out), INVALID, "already freed");
 
         // Segments.
         assert_eq!(mc_open_segment(e, std::ptr::null(), &mut u), INVALID);

@@ -157,6 +157,49 @@ pub unsafe extern "C" fn mc_register_memory(
     })
 }
 
+/// Allocates engine-owned, registered, shareable memory.
+///
+/// # Safety
+/// `e` as for every engine call; `location` NULL or a C string; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_allocate_buffer(
+    e: *mut McEngine,
+    len: usize,
+    location: *const c_char,
+    out: *mut *mut c_void,
+) -> c_int {
+    guard("mc_allocate_buffer", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(out, "out")?;
+        let location = if location.is_null() {
+            "cpu:0"
+        } else {
+            // SAFETY: non-null NUL-terminated string per the caller's contract.
+            unsafe { c_str(location, "location")? }
+        };
+        let ptr = engine.allocate_buffer(len, location)?;
+        // SAFETY: `out` is non-null and writable per the caller's contract.
+        unsafe { *out = ptr.cast() };
+        Ok(MC_OK)
+    })
+}
+
+/// Releases memory from `mc_allocate_buffer`.
+///
+/// # Safety
+/// `e` as for every engine call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_free_buffer(e: *mut McEngine, addr: *mut c_void) -> c_int {
+    guard("mc_free_buffer", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        non_null(addr, "addr")?;
+        engine.free_buffer(addr.cast())?;
+        Ok(MC_OK)
+    })
+}
+
 /// Withdraws the buffer registered at `addr`.
 ///
 /// # Safety

@@ -3,6 +3,8 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
+use mooncake::engine::config::parse_size;
+
 pub struct Args {
     values: HashMap<String, String>,
     used: std::cell::RefCell<Vec<String>>,
@@ -71,19 +73,9 @@ impl Args {
 
 /// Numbers may carry a binary size suffix: 4K, 1M, 2G (also KiB/MiB/GiB).
 fn parse_value<T: FromStr>(v: &str) -> Option<T> {
-    if let Ok(x) = v.parse() {
-        return Some(x);
-    }
-    let lower = v.to_ascii_lowercase();
-    let trimmed = lower.trim_end_matches("ib").trim_end_matches('b');
-    let (digits, mult) = match trimmed.chars().last()? {
-        'k' => (&trimmed[..trimmed.len() - 1], 1u64 << 10),
-        'm' => (&trimmed[..trimmed.len() - 1], 1 << 20),
-        'g' => (&trimmed[..trimmed.len() - 1], 1 << 30),
-        _ => return None,
-    };
-    let n: u64 = digits.parse().ok()?;
-    n.checked_mul(mult)?.to_string().parse().ok()
+    v.parse()
+        .ok()
+        .or_else(|| parse_size(v)?.to_string().parse().ok())
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ use crate::shared_memory::SharedMemory;
 use crate::transport::local::LocalTransport;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
-use crate::transport::{Kind, Op, Slice, Transport};
+use crate::transport::{Kind, Op, RegionKeys, Slice, Transport};
 use crate::wire::rpc::RpcType;
 use batch::Batch;
 use segments::{Published, Segments};
@@ -66,6 +66,8 @@ pub struct Engine {
     registry: Mutex<()>,
     rpc_server: Mutex<Option<ConnServer>>,
     counters: Arc<Counters>,
+    /// Per-device memory keys of each registered buffer, as published.
+    keys: Mutex<HashMap<u64, RegionKeys>>,
     /// Buffers from `allocate_buffer`, by address.
     owned: Mutex<HashMap<u64, SharedMemory>>,
 }
@@ -145,6 +147,7 @@ impl Engine {
             rpc_server: Mutex::new(Some(rpc_server)),
             counters: Arc::default(),
             owned: Mutex::default(),
+            keys: Mutex::default(),
             config,
         };
         let desc = engine.build_desc();
@@ -223,17 +226,21 @@ impl Engine {
         for t in &self.transports {
             t.describe(&mut desc);
         }
+        let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         desc.buffers = self
             .memory
             .snapshot()
             .iter()
-            .map(|r| BufferDesc {
-                name: r.location.clone(),
-                addr: r.addr,
-                length: r.len,
-                rkey: Vec::new(),
-                lkey: Vec::new(),
-                shm_fd: r.shared_fd,
+            .map(|r| {
+                let k = keys.get(&r.addr).cloned().unwrap_or_default();
+                BufferDesc {
+                    name: r.location.clone(),
+                    addr: r.addr,
+                    length: r.len,
+                    rkey: k.rkey,
+                    lkey: k.lkey,
+                    shm_fd: r.shared_fd,
+                }
             })
             .collect();
         desc
@@ -294,12 +301,27 @@ impl Engine {
     ) -> Result<()> {
         let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
         let region = self.memory.register_with(addr, len, location, shared_fd)?;
-        for t in &self.transports {
-            if let Err(e) = t.register(&region) {
-                drop(self.memory.unregister(region.addr));
-                return Err(e);
+        let mut keys = RegionKeys::default();
+        for (i, t) in self.transports.iter().enumerate() {
+            match t.register(&region) {
+                Ok(k) => {
+                    keys.lkey.extend(k.lkey);
+                    keys.rkey.extend(k.rkey);
+                }
+                Err(e) => {
+                    // Undo what succeeded, so a failed registration leaves nothing behind.
+                    drop(self.memory.unregister(region.addr));
+                    for done in &self.transports[..i] {
+                        done.unregister(&region);
+                    }
+                    return Err(e);
+                }
             }
         }
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(addr, keys);
         self.republish()
     }
 
@@ -310,6 +332,10 @@ impl Engine {
         for t in &self.transports {
             t.unregister(&region);
         }
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&region.addr);
         self.republish()
     }
 

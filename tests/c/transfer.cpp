@@ -40,22 +40,25 @@ struct EngineDeleter {
 using Config = std::unique_ptr<mc_config, ConfigDeleter>;
 using Engine = std::unique_ptr<mc_engine, EngineDeleter>;
 
-// A registered buffer, unregistered before it is freed.
+// Engine-owned registered memory (mc_allocate_buffer), released on scope exit.
 class Registered {
   public:
-    Registered(mc_engine *engine, std::size_t size) : engine_(engine), buf_(size) {
-        expect(mc_register_memory(engine_, buf_.data(), buf_.size(), "cpu:0"), MC_OK,
-               "register");
+    Registered(mc_engine *engine, std::size_t size) : engine_(engine), size_(size) {
+        void *p = nullptr;
+        expect(mc_allocate_buffer(engine_, size_, "cpu:0", &p), MC_OK, "allocate");
+        if (p == nullptr) throw Failure("mc_allocate_buffer gave NULL");
+        buf_ = static_cast<unsigned char *>(p);
     }
-    ~Registered() { mc_unregister_memory(engine_, buf_.data()); }
+    ~Registered() { mc_free_buffer(engine_, buf_); }
     Registered(const Registered &) = delete;
     Registered &operator=(const Registered &) = delete;
-    unsigned char *data() { return buf_.data(); }
-    std::size_t size() const { return buf_.size(); }
+    unsigned char *data() { return buf_; }
+    std::size_t size() const { return size_; }
 
   private:
     mc_engine *engine_;
-    std::vector<unsigned char> buf_;
+    std::size_t size_;
+    unsigned char *buf_ = nullptr;
 };
 
 unsigned char pattern(int seed, std::uint64_t i) {

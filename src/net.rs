@@ -90,9 +90,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>, name: String, handler
                 if shared.stopping.load(Ordering::SeqCst) {
                     return;
                 }
-                // Out of descriptors and the like: log and keep serving.
+                // Out of descriptors and the like: log, back off briefly, keep serving.
                 log::warn!("{name}: accept failed: {e}");
-                std::thread::yield_now();
+                std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
         };

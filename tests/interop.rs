@@ -61,6 +61,8 @@ struct Peer {
     stdin: Option<ChildStdin>,
     lines: Receiver<String>,
     stderr: Arc<Mutex<Vec<u8>>>,
+    /// Disconnects when the stderr reader has seen the end of it.
+    stderr_end: Receiver<()>,
 }
 
 impl Peer {
@@ -83,7 +85,9 @@ impl Peer {
         });
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let sink = stderr.clone();
+        let (end_tx, stderr_end) = mpsc::channel::<()>();
         std::thread::spawn(move || {
+            let _end = end_tx;
             let mut chunk = [0u8; 4096];
             while let Ok(n @ 1..) = err.read(&mut chunk) {
                 sink.lock()
@@ -97,10 +101,13 @@ impl Peer {
             stdin,
             lines,
             stderr,
+            stderr_end,
         })
     }
 
+    /// Everything the child wrote to stderr; call after it was reaped to get all of it.
     fn stderr_text(&self) -> String {
+        let _ = self.stderr_end.recv_timeout(Duration::from_secs(2));
         String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
     }
 

@@ -29,18 +29,32 @@ fn serve_stdin(mut on_command: impl FnMut(&str) -> String) {
     }
 }
 
-/// Blocks until SIGINT or SIGTERM.
-fn wait_for_signal() {
+/// SIGINT and SIGTERM, the signals that end a serving command.
+fn termination_signals() -> libc::sigset_t {
     // SAFETY: sigset operations on a local, zero-initialized set.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        let mut sig = 0;
-        libc::sigwait(&set, &mut sig);
+        set
     }
+}
+
+/// Blocks the termination signals in this thread and every thread started after, so
+/// that `wait_for_signal` receives them instead of the default handler.
+fn block_signals_for_wait() {
+    let set = termination_signals();
+    // SAFETY: a valid set; a NULL old-set pointer is allowed.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+}
+
+/// Blocks until SIGINT or SIGTERM (after `block_signals_for_wait`).
+fn wait_for_signal() {
+    let set = termination_signals();
+    let mut sig = 0;
+    // SAFETY: a valid set and a live output integer.
+    unsafe { libc::sigwait(&set, &mut sig) };
 }
 
 /// Builds an engine config from the flags shared by all subcommands.
@@ -75,7 +89,7 @@ pub fn target(raw: &[String]) -> Result<(), String> {
     if size == 0 {
         return Err("--size must be positive".into());
     }
-    // Sblock signals before any thread starts so sigwait sees them.
+    // Block signals before any thread starts so sigwait sees them.
     if !until_eof {
         block_signals_for_wait();
     }
@@ -105,17 +119,6 @@ pub fn target(raw: &[String]) -> Result<(), String> {
         engine.free_buffer(buffer).map_err(|e| e.to_string())?;
     }
     Ok(())
-}
-
-fn block_signals_for_wait() {
-    // SAFETY: as in `wait_for_signal`.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-    }
 }
 
 pub fn metadata_server(raw: &[String]) -> Result<(), String> {

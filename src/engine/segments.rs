@@ -71,11 +71,16 @@ impl Segments {
                 ),
             ));
         }
+        // The data server's host: published by the peer (Mooncake does too), else the
+        // host of its RPC address.
         let rpc = self
             .directory
             .rpc_address(name)
             .unwrap_or_else(|_| name.to_owned());
-        let host = host_of(&rpc);
+        let host = desc
+            .tcp_data_host
+            .as_deref()
+            .unwrap_or_else(|| host_of(&rpc));
         let data = resolve(host, desc.tcp_data_port)?;
         Ok((desc, data))
     }

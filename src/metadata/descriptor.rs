@@ -51,6 +51,8 @@ pub struct SegmentDesc {
     pub name: String,
     pub protocol: String,
     pub tcp_data_port: u16,
+    /// Host of the TCP data server, when it differs from the segment name's host.
+    pub tcp_data_host: Option<String>,
     pub tcp_proto_version: u32,
     pub timestamp: String,
     pub devices: Vec<DeviceDesc>,
@@ -66,6 +68,7 @@ impl SegmentDesc {
             name: name.to_owned(),
             protocol: "tcp".to_owned(),
             tcp_data_port: 0,
+            tcp_data_host: None,
             tcp_proto_version: 2,
             timestamp: String::new(),
             devices: Vec::new(),
@@ -119,6 +122,9 @@ impl SegmentDesc {
             ("priority_matrix", self.priority_matrix.clone()),
             ("buffers", buffers.into()),
         ];
+        if let Some(h) = &self.tcp_data_host {
+            fields.push(("tcp_data_host", h.as_str().into()));
+        }
         if let Some(h) = &self.host {
             fields.push((
                 "mc_host",
@@ -152,6 +158,11 @@ impl SegmentDesc {
                     Error::new(Code::Metadata, "segment descriptor: bad tcp_data_port")
                 })?;
         }
+        desc.tcp_data_host = v
+            .get("tcp_data_host")
+            .and_then(Value::as_str)
+            .filter(|h| !h.is_empty())
+            .map(str::to_owned);
         desc.tcp_proto_version = match v.get("tcp_proto_version") {
             Some(x) => x.as_u64().unwrap_or(1) as u32,
             None => 1,
@@ -276,6 +287,7 @@ mod tests {
     fn descriptor_round_trip() {
         let mut d = SegmentDesc::new("127.0.0.1:15000");
         d.tcp_data_port = 15001;
+        d.tcp_data_host = Some("127.0.0.2".into());
         d.buffers.push(BufferDesc {
             name: "cpu:0".into(),
             addr: 140_737_488_355_328,

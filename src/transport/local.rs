@@ -1,7 +1,6 @@
 //! Transfers whose peer is this very engine: validated memcpy.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 use crate::error::Result;
@@ -68,17 +67,5 @@ impl TransportWorker for LocalWorker {
             id: slice.id,
             outcome,
         });
-    }
-
-    fn progress(&mut self, _now: Instant, _done: &mut Vec<Finished>) -> bool {
-        false
-    }
-
-    fn in_flight(&self) -> usize {
-        0
-    }
-
-    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
-        None
     }
 }

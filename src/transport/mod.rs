@@ -159,16 +159,23 @@ pub trait Transport: Send + Sync {
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>>;
 }
 
-/// The per-worker-thread half of a transport. Never blocks.
+/// The per-worker-thread half of a transport. Never blocks. The defaults fit a
+/// synchronous transport, whose `post` always finishes the slice at once.
 pub trait TransportWorker: Send {
     /// Starts a slice; may finish it at once by pushing to `done`.
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>);
 
     /// Advances in-flight slices; returns whether anything moved.
-    fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool;
+    fn progress(&mut self, _now: Instant, _done: &mut Vec<Finished>) -> bool {
+        false
+    }
 
-    fn in_flight(&self) -> usize;
+    fn in_flight(&self) -> usize {
+        0
+    }
 
     /// A descriptor that becomes readable when `progress` has work, for parking.
-    fn wait_fd(&self) -> Option<RawFd>;
+    fn wait_fd(&self) -> Option<RawFd> {
+        None
+    }
 }

@@ -12,7 +12,7 @@
 //! recycled PID is never written to.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -386,17 +386,5 @@ impl TransportWorker for ShmWorker {
             id: slice.id,
             outcome,
         });
-    }
-
-    fn progress(&mut self, _now: Instant, _done: &mut Vec<Finished>) -> bool {
-        false
-    }
-
-    fn in_flight(&self) -> usize {
-        0
-    }
-
-    fn wait_fd(&self) -> Option<RawFd> {
-        None
     }
 }

@@ -18,8 +18,6 @@ use crate::net::ConnServer;
 pub struct TcpConfig {
     /// Connections per peer per engine worker.
     pub lanes_per_peer: usize,
-    /// Slices queued on one lane before another lane is opened or preferred.
-    pub max_in_flight_per_lane: usize,
     pub slice_size: u64,
     /// SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's auto-tuning.
     pub socket_buffer: usize,
@@ -29,7 +27,6 @@ impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
             lanes_per_peer: 2,
-            max_in_flight_per_lane: 16,
             slice_size: 4 << 20,
             socket_buffer: 0,
         }
@@ -67,6 +64,8 @@ impl Transport for TcpTransport {
     }
 
     fn describe(&self, desc: &mut SegmentDesc) {
+        let ip = self.server.local_addr().ip();
+        desc.tcp_data_host = (!ip.is_unspecified()).then(|| ip.to_string());
         desc.tcp_data_port = self.data_port();
         desc.tcp_proto_version = 2;
     }

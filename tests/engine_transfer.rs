@@ -149,3 +149,106 @@ fn notifications_and_probe() {
     assert_eq!(got[0].message, "kv ready: layer 3");
     assert!(b.take_notifications().is_empty());
 }
+
+#[test]
+fn concurrent_batches_on_several_workers_move_exact_bytes() {
+    let mut cfg = mooncake::EngineConfig::default();
+    for (k, v) in [
+        ("protocol", "tcp"),
+        ("workers", "2"),
+        ("lanes_per_peer", "3"),
+        ("slice_size", "64K"),
+    ] {
+        cfg.set(k, v).unwrap();
+    }
+    let client = mooncake::Engine::new(cfg).unwrap();
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let region = 1 << 20;
+    let remote = Registered::new(&server, vec![0u8; 4 * region]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let client = &client;
+            let base = remote.addr() + t * region as u64;
+            s.spawn(move || {
+                let mut x = t + 1;
+                for round in 0..10u64 {
+                    // Eight writes of varied sizes, then one read of the whole region.
+                    let src = pattern(t * 100 + round, region);
+                    let b = client.allocate_batch(8).unwrap();
+                    let mut reqs = Vec::new();
+                    let mut off = 0u64;
+                    for _ in 0..8 {
+                        x = x
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        let len = (x >> 40) % (region as u64 / 8) + 1;
+                        reqs.push(Request {
+                            op: Op::Write,
+                            local: src.as_ptr() as u64 + off,
+                            segment: seg,
+                            remote: base + off,
+                            len,
+                        });
+                        off += len;
+                    }
+                    // SAFETY: `src` outlives the wait.
+                    unsafe { client.submit(b, &reqs) }.unwrap();
+                    client.wait_batch(b, Some(Duration::from_secs(60))).unwrap();
+                    client.free_batch(b).unwrap();
+                    let mut back = vec![0u8; off as usize];
+                    let b = client.allocate_batch(1).unwrap();
+                    let r = Request {
+                        op: Op::Read,
+                        local: back.as_mut_ptr() as u64,
+                        segment: seg,
+                        remote: base,
+                        len: off,
+                    };
+                    // SAFETY: `back` outlives the wait.
+                    unsafe { client.submit(b, &[r]) }.unwrap();
+                    client.wait_batch(b, Some(Duration::from_secs(60))).unwrap();
+                    assert!(back[..] == src[..off as usize], "thread {t} round {round}");
+                    client.free_batch(b).unwrap();
+                }
+            });
+        }
+    });
+    let stats = client.stats();
+    assert_eq!(stats.failed_slices, 0, "{stats:?}");
+}
+
+#[test]
+fn freeing_a_batch_with_unfinished_tasks_is_refused() {
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let client = engine_with("P2PHANDSHAKE", "tcp");
+    let remote = Registered::new(&server, vec![0u8; 64 << 20]);
+    let mut local = vec![0u8; 64 << 20];
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let b = client.allocate_batch(1).unwrap();
+    let r = Request {
+        op: Op::Read,
+        local: local.as_mut_ptr() as u64,
+        segment: seg,
+        remote: remote.addr(),
+        len: 64 << 20,
+    };
+    // SAFETY: `local` outlives the wait.
+    unsafe { client.submit(b, &[r]) }.unwrap();
+    // Either still running (refused) or already done (freed); never freed while running.
+    match client.free_batch(b) {
+        Err(e) => {
+            assert_eq!(e.code(), Code::BatchBusy);
+            client.wait_batch(b, Some(Duration::from_secs(60))).unwrap();
+            client.free_batch(b).unwrap();
+        }
+        Ok(()) => assert_eq!(
+            client.task_status(b, 0).unwrap_err().code(),
+            Code::BatchNotFound
+        ),
+    }
+    assert_eq!(
+        client.task_status(b, 0).unwrap_err().code(),
+        Code::BatchNotFound
+    );
+}

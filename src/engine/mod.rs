@@ -492,7 +492,7 @@ impl Engine {
         }
         let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
         let first = b.reserve(&counts)?;
-        let deadline = worker::deadline_after(self.config.transfer_timeout);
+        let deadline = std::time::Instant::now() + self.config.transfer_timeout;
         let n = self.workers.len();
         let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
         let mut next = self.next_worker.fetch_add(1, Ordering::Relaxed);

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::batch::{Batch, TaskState};
 use super::segments::Segments;
@@ -249,8 +249,12 @@ impl Worker {
                 Outcome::Stale | Outcome::PathFailed(_)
                     if entry.attempts >= self.config.max_retries =>
                 {
+                    let why = match &f.outcome {
+                        Outcome::PathFailed(why) => why.as_str(),
+                        _ => "descriptor kept changing",
+                    };
                     log::warn!(
-                        "slice to {} failed after {} attempts",
+                        "slice to {} failed after {} attempts: {why}",
                         entry.slice.peer.name,
                         entry.attempts + 1
                     );
@@ -308,9 +312,4 @@ impl Worker {
             self.free.push(id);
         }
     }
-}
-
-/// Time left before a slice submitted now must finish.
-pub fn deadline_after(timeout: Duration) -> Instant {
-    Instant::now() + timeout
 }

@@ -97,7 +97,8 @@ typedef struct mc_config mc_config;
  *                       MC_ERR_BACKEND_UNAVAILABLE in this build.
  *   workers             Transfer worker threads, 1..64. Default 1.
  *   spin_budget         Idle poll iterations before a worker sleeps. Default 256.
- *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default 2.
+ *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default: one per
+ *                       two CPU cores, 1..4.
  *   slice_size          Bytes per transfer slice, at least 4096. Default 4194304 (4 MiB).
  *   socket_buffer       SO_SNDBUF/SO_RCVBUF in bytes; 0 (default) keeps kernel tuning.
  *   transfer_timeout_ms Deadline of each task after submit, in ms. Default 30000.

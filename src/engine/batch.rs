@@ -63,13 +63,18 @@ pub struct Batch {
     /// task ranges.
     submitted: Mutex<usize>,
     unfinished: AtomicUsize,
+    /// Bytes of unfinished slices: waiters spin only when little is outstanding.
+    pending_bytes: AtomicU64,
     failed: AtomicUsize,
     sleepers: AtomicUsize,
     done: (Mutex<()>, Condvar),
 }
 
-/// How many times a waiter polls before it sleeps.
+/// How many times a waiter polls before it sleeps...
 const WAIT_SPINS: u32 = 2000;
+/// ...when no more than this is outstanding. Larger transfers take long enough that
+/// spinning would only steal a core from the threads moving the bytes.
+const SPIN_MAX_PENDING: u64 = 256 << 10;
 
 impl Batch {
     pub fn new(capacity: usize) -> Batch {
@@ -77,6 +82,7 @@ impl Batch {
             tasks: (0..capacity).map(|_| Task::default()).collect(),
             submitted: Mutex::new(0),
             unfinished: AtomicUsize::new(0),
+            pending_bytes: AtomicU64::new(0),
             failed: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             done: (Mutex::new(()), Condvar::new()),
@@ -91,9 +97,9 @@ impl Batch {
         *self.submitted.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Reserves `n` task slots, each to be split into `slices[i]` slices; returns the
-    /// first task index.
-    pub fn reserve(&self, slices: &[u32]) -> Result<usize> {
+    /// Reserves task slots, task `i` to be split into `slices[i]` slices, `bytes` in
+    /// all; returns the first task index.
+    pub fn reserve(&self, slices: &[u32], bytes: u64) -> Result<usize> {
         let mut submitted = self.submitted.lock().unwrap_or_else(|e| e.into_inner());
         let first = *submitted;
         if first + slices.len() > self.tasks.len() {
@@ -107,6 +113,7 @@ impl Batch {
             ));
         }
         self.unfinished.fetch_add(slices.len(), Ordering::SeqCst);
+        self.pending_bytes.fetch_add(bytes, Ordering::Relaxed);
         for (i, &n) in slices.iter().enumerate() {
             let t = &self.tasks[first + i];
             t.slices_left.store(n, Ordering::SeqCst);
@@ -119,6 +126,7 @@ impl Batch {
     /// Records one finished slice of `task`.
     pub fn slice_finished(&self, task: usize, len: u64, result: TaskState) {
         let t = &self.tasks[task];
+        self.pending_bytes.fetch_sub(len, Ordering::Relaxed);
         if result == TaskState::Completed {
             t.bytes.fetch_add(len, Ordering::Relaxed);
         } else {
@@ -168,6 +176,9 @@ impl Batch {
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut spins = 0;
+        if self.pending_bytes.load(Ordering::Relaxed) > SPIN_MAX_PENDING {
+            spins = WAIT_SPINS;
+        }
         while self.unfinished() != 0 {
             if spins < WAIT_SPINS {
                 spins += 1;

@@ -491,7 +491,8 @@ impl Engine {
             plan.push((peer, size, count));
         }
         let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
-        let first = b.reserve(&counts)?;
+        let bytes = requests.iter().map(|r| r.len).sum();
+        let first = b.reserve(&counts, bytes)?;
         let deadline = std::time::Instant::now() + self.config.transfer_timeout;
         let n = self.workers.len();
         let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();

@@ -94,6 +94,10 @@ pub struct Worker {
 
 /// Token of the wake-up eventfd in the parking epoll; transports use their index.
 const WAKE_TOKEN: u64 = u64::MAX;
+/// Idle iterations after which a worker waiting only on bulk data parks: the bytes
+/// arrive at the kernel's pace, and spinning would steal a core from the peer.
+const BULK_SPINS: u32 = 16;
+const BULK_BYTES: u64 = 256 << 10;
 /// While slices are in flight, a parked worker still looks at deadlines this often.
 const PARKED_TICK_MS: i32 = 20;
 
@@ -154,12 +158,21 @@ impl Worker {
                 idle = 0;
             } else {
                 idle += 1;
-                if idle >= self.config.spin_budget {
+                let waiting_on_bulk = idle == BULK_SPINS && self.bulk_in_flight();
+                if idle >= self.config.spin_budget || waiting_on_bulk {
                     self.park();
                     idle = 0;
                 }
             }
         }
+    }
+
+    fn bulk_in_flight(&self) -> bool {
+        self.workers
+            .iter()
+            .map(|w| w.in_flight_bytes())
+            .sum::<u64>()
+            > BULK_BYTES
     }
 
     fn park(&mut self) {

@@ -174,6 +174,11 @@ pub trait TransportWorker: Send {
         0
     }
 
+    /// Bytes still to move for in-flight slices.
+    fn in_flight_bytes(&self) -> u64 {
+        0
+    }
+
     /// A descriptor that becomes readable when `progress` has work, for parking.
     fn wait_fd(&self) -> Option<RawFd> {
         None

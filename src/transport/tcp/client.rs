@@ -352,6 +352,11 @@ impl TransportWorker for TcpWorker {
         self.in_flight
     }
 
+    fn in_flight_bytes(&self) -> u64 {
+        let queued = self.lanes.values().flat_map(|l| l.queue.iter());
+        queued.map(|p| p.slice.len).sum()
+    }
+
     fn wait_fd(&self) -> Option<RawFd> {
         Some(self.epoll.raw_fd())
     }

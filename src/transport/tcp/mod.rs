@@ -26,11 +26,19 @@ pub struct TcpConfig {
 impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
-            lanes_per_peer: 2,
+            lanes_per_peer: default_lanes(),
             slice_size: 4 << 20,
             socket_buffer: 0,
         }
     }
+}
+
+/// One lane per two cores, 1..=4: on a small machine a single stream per peer is
+/// fastest (the sender, the receiver and the peer's server already fill the cores);
+/// on a large one, parallel streams get past the per-flow limit.
+fn default_lanes() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 2).clamp(1, 4)
 }
 
 pub struct TcpTransport {

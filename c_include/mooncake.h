@@ -52,26 +52,52 @@ uint32_t mc_abi_version(void);
 
 /* ---------------------------------------------------------------- errors */
 
+/* One error space for the engine and the store. Codes that Mooncake Store also has
+ * keep its numbers (engines branch on them: -200 means back-pressure, -704 and -706
+ * are routine); engine-only codes live in the -1200 range. */
+
 enum mc_error {
-    MC_OK = 0,                          /* success */
-    MC_ERR_INTERNAL = -1,               /* internal error (a bug; details are logged) */
-    MC_ERR_BUFFER_OVERFLOW = -10,       /* an output buffer is too small */
-    MC_ERR_SEGMENT_NOT_FOUND = -101,    /* segment unknown or never opened */
-    MC_ERR_INVALID_PARAMS = -600,       /* bad argument: NULL, not UTF-8, out of range */
-    MC_ERR_TRANSFER_FAIL = -800,        /* at least one task failed or timed out */
-    MC_ERR_RPC_FAIL = -900,             /* a peer's RPC answered with an error */
-    MC_ERR_RPC_TIMEOUT = -901,          /* a peer's RPC did not answer in time */
-    MC_ERR_NOT_SUPPORTED = -1012,       /* operation not supported */
-    MC_ERR_ADDRESS_OVERLAP = -1201,     /* range overlaps an already registered buffer */
-    MC_ERR_ADDRESS_NOT_REGISTERED = -1202, /* range is not inside one registered buffer */
-    MC_ERR_BATCH_NOT_FOUND = -1203,     /* batch id unknown (never allocated or freed) */
-    MC_ERR_BATCH_BUSY = -1204,          /* batch still has unfinished tasks */
-    MC_ERR_BATCH_FULL = -1205,          /* more tasks than the batch capacity */
-    MC_ERR_TIMEOUT = -1206,             /* the wait ran out of time */
-    MC_ERR_METADATA = -1207,            /* metadata service or descriptor error */
-    MC_ERR_PROTOCOL = -1208,            /* malformed or unexpected message from a peer */
-    MC_ERR_BACKEND_UNAVAILABLE = -1209, /* the requested transport is not available */
-    MC_ERR_IO = -1210                   /* operating-system or network i/o error */
+    MC_OK = 0,                               /* success */
+    MC_ERR_INTERNAL = -1,                    /* internal error (a bug; details are logged) */
+    MC_ERR_BUFFER_OVERFLOW = -10,            /* an output buffer is too small */
+    MC_ERR_SEGMENT_NOT_FOUND = -101,         /* segment unknown or never opened */
+    MC_ERR_SEGMENT_ALREADY_EXISTS = -102,    /* a segment with this name is already mounted */
+    MC_ERR_CLIENT_NOT_FOUND = -103,          /* the master does not know this client */
+    MC_ERR_NO_AVAILABLE_HANDLE = -200,       /* no space for the object, even after eviction (back-pressure) */
+    MC_ERR_INVALID_VERSION = -300,           /* peer speaks an incompatible protocol version */
+    MC_ERR_INVALID_KEY = -400,               /* key empty, too long or not UTF-8 */
+    MC_ERR_WRITE_FAIL = -500,                /* writing a replica failed */
+    MC_ERR_INVALID_PARAMS = -600,            /* bad argument: NULL, not UTF-8, out of range */
+    MC_ERR_ILLEGAL_CLIENT = -601,            /* request from a client the master does not accept */
+    MC_ERR_INVALID_WRITE = -700,             /* write to an object that is not being written */
+    MC_ERR_INVALID_READ = -701,              /* read of an object that cannot be read */
+    MC_ERR_INVALID_REPLICA = -702,           /* replica descriptor is not valid */
+    MC_ERR_REPLICA_IS_NOT_READY = -703,      /* the object is still being written */
+    MC_ERR_OBJECT_NOT_FOUND = -704,          /* no object under this key */
+    MC_ERR_OBJECT_ALREADY_EXISTS = -705,     /* an object under this key exists */
+    MC_ERR_OBJECT_HAS_LEASE = -706,          /* the object is leased to a reader; use force */
+    MC_ERR_LEASE_EXPIRED = -707,             /* the read outlived its lease; bytes may have been reused */
+    MC_ERR_TRANSFER_FAIL = -800,             /* at least one task failed or timed out */
+    MC_ERR_CHECKSUM_MISMATCH = -801,         /* the bytes read do not match the object's CRC32C */
+    MC_ERR_RPC_FAIL = -900,                  /* a peer's RPC answered with an error */
+    MC_ERR_RPC_TIMEOUT = -901,               /* a peer's RPC did not answer in time */
+    MC_ERR_ETCD_OPERATION_ERROR = -1000,     /* an etcd operation failed */
+    MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS = -1010, /* not possible in the current state */
+    MC_ERR_NOT_SUPPORTED = -1012,            /* operation not supported */
+    MC_ERR_FILE_NOT_FOUND = -1100,           /* file not found */
+    MC_ERR_FILE_OPEN_FAIL = -1101,           /* file open failed */
+    MC_ERR_FILE_READ_FAIL = -1102,           /* file read failed */
+    MC_ERR_FILE_WRITE_FAIL = -1103,          /* file write failed */
+    MC_ERR_ADDRESS_OVERLAP = -1201,          /* range overlaps an already registered buffer */
+    MC_ERR_ADDRESS_NOT_REGISTERED = -1202,   /* range is not inside one registered buffer */
+    MC_ERR_BATCH_NOT_FOUND = -1203,          /* batch id unknown (never allocated or freed) */
+    MC_ERR_BATCH_BUSY = -1204,               /* batch still has unfinished tasks */
+    MC_ERR_BATCH_FULL = -1205,               /* more tasks than the batch capacity */
+    MC_ERR_TIMEOUT = -1206,                  /* the wait ran out of time */
+    MC_ERR_METADATA = -1207,                 /* metadata service or descriptor error */
+    MC_ERR_PROTOCOL = -1208,                 /* malformed or unexpected message from a peer */
+    MC_ERR_BACKEND_UNAVAILABLE = -1209,      /* the requested transport is not available */
+    MC_ERR_IO = -1210                        /* operating-system or network i/o error */
 };
 
 /* A static, NUL-terminated description of a code; "unknown error" for unknown codes.

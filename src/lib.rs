@@ -16,8 +16,10 @@ pub mod memory;
 pub mod metadata;
 pub mod net;
 pub mod shared_memory;
+pub mod store;
 pub mod sys;
 pub mod transport;
+pub mod util;
 pub mod wire;
 
 pub use engine::{Engine, EngineConfig, Protocol, Request};

@@ -1,5 +1,7 @@
 //! The `mooncake` command: serve a segment, run a metadata server, benchmark, report.
 
+#[path = "../bench/alloc.rs"]
+mod alloc_bench;
 mod cli;
 #[path = "../bench/transfer.rs"]
 mod transfer_bench;
@@ -19,6 +21,18 @@ USAGE:
       Measure transfers; prints one JSON object per line with a same-run baseline.
   mooncake backends
       Report which runtime-loaded hardware backends this host can load.
+  mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
+      [--lease-ttl-ms 10000] [--eviction-high-watermark 0.9] [--eviction-ratio 0.05]
+      [--client-ttl 10] [--allocation-strategy random|free_ratio_first|local_first]
+      The store's control plane (Mooncake's mooncake_master flag names are accepted too).
+  mooncake node --master HOST:PORT --segment-size BYTES [--metadata URL] [--name HOST:PORT]
+      Lend SIZE bytes of this machine's memory to the store pool.
+  mooncake demo [--trace FILE] [--requests N] [--block-bytes 64K] [--pool-size 3G]
+      [--time-scale X] [--replicas 1] [--protocol tcp] [--json]
+      Start a master, two store nodes and a client in this process and replay the
+      conversation trace through the store (prefix reads, writes, eviction); print a summary.
+  mooncake replay --master HOST:PORT [--metadata URL] [same options as demo, less --pool-size]
+      The same replay, as a pure client of a running cluster.
 
 Sizes accept K/M/G suffixes. Logging: RUST_LOG=info|debug.";
 
@@ -30,9 +44,14 @@ fn main() -> ExitCode {
         Some("metadata-server") => cli::metadata_server(&raw[1..]),
         Some("bench") => match raw.get(1).map(String::as_str) {
             Some("transfer") => transfer_bench::run(&raw[2..]),
-            _ => Err("usage: mooncake bench transfer [options]".to_owned()),
+            Some("alloc") => alloc_bench::run(&raw[2..]),
+            _ => Err("usage: mooncake bench transfer|alloc [options]".to_owned()),
         },
         Some("backends") => cli::backends(),
+        Some("master") => cli::store::master(&raw[1..]),
+        Some("node") => cli::store::node(&raw[1..]),
+        Some("demo") => cli::replay::demo(&raw[1..]),
+        Some("replay") => cli::replay::replay(&raw[1..]),
         Some("help" | "--help" | "-h") | None => {
             println!("{USAGE}");
             Ok(())

@@ -15,6 +15,11 @@ const SWITCHES: &[&str] = &["json", "help", "until-stdin-eof", "no-verify"];
 
 impl Args {
     pub fn parse(raw: &[String]) -> Result<Args, String> {
+        Args::parse_with_aliases(raw, &[])
+    }
+
+    /// As `parse`, renaming `(alias, canonical)` flags (after `_` → `-`).
+    pub fn parse_with_aliases(raw: &[String], aliases: &[(&str, &str)]) -> Result<Args, String> {
         let mut values = HashMap::new();
         let mut it = raw.iter();
         while let Some(a) = it.next() {
@@ -27,7 +32,12 @@ impl Args {
                         (flag.to_owned(), v.clone())
                     }
                 };
-                values.insert(k.replace('_', "-"), v);
+                let k = k.replace('_', "-");
+                let k = aliases
+                    .iter()
+                    .find(|(a, _)| *a == k)
+                    .map_or(k, |(_, c)| (*c).to_owned());
+                values.insert(k, v);
             } else {
                 return Err(format!("unexpected argument {a:?}"));
             }

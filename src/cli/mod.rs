@@ -1,6 +1,8 @@
 //! Subcommands of the `mooncake` binary, over the library's public API.
 
 pub mod args;
+pub mod replay;
+pub mod store;
 
 use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};
@@ -43,7 +45,7 @@ fn termination_signals() -> libc::sigset_t {
 
 /// Blocks the termination signals in this thread and every thread started after, so
 /// that `wait_for_signal` receives them instead of the default handler.
-fn block_signals_for_wait() {
+pub fn block_signals_for_wait() {
     let set = termination_signals();
     // SAFETY: a valid set; a NULL old-set pointer is allowed.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
@@ -55,6 +57,15 @@ fn wait_for_signal() {
     let mut sig = 0;
     // SAFETY: a valid set and a live output integer.
     unsafe { libc::sigwait(&set, &mut sig) };
+}
+
+/// Serves until stdin closes (`until_eof`) or a termination signal arrives.
+pub fn serve_until_done(until_eof: bool) {
+    if until_eof {
+        serve_stdin(|cmd| format!("error unknown command {cmd:?}"));
+    } else {
+        wait_for_signal();
+    }
 }
 
 /// Builds an engine config from the flags shared by all subcommands.
@@ -133,11 +144,7 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
     let server = MetadataServer::start(SocketAddr::new(bind, port)).map_err(|e| e.to_string())?;
     println!("ready {}", server.url());
     let _ = std::io::stdout().flush();
-    if until_eof {
-        serve_stdin(|cmd| format!("error unknown command {cmd:?}"));
-    } else {
-        wait_for_signal();
-    }
+    serve_until_done(until_eof);
     drop(server);
     Ok(())
 }

@@ -1,0 +1,887 @@
+//! `mooncake demo` and `mooncake replay`: replay a KV-cache trace (the FAST'25
+//! conversation trace format) against the store. `demo` first starts a whole cluster in
+//! this process (a master, two store nodes, a pure client, all on loopback); `replay`
+//! joins a running cluster as a pure client.
+//!
+//! Each hash id of the trace is one 512-token KV block, stored as one object whose
+//! bytes derive from the id, so every read is verified. Per request: probe which blocks
+//! exist (no lease taken), read the longest stored prefix in one batch, then write the
+//! missing rest in one batch.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::args::Args;
+use mooncake::json::{self, Value};
+use mooncake::store::protocol::PoolStats;
+use mooncake::store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
+use mooncake::{Code, EngineConfig};
+
+/// Tokens per KV block (the trace's hash-id granularity).
+const TOKENS_PER_BLOCK: u64 = 512;
+/// One block of a real 8B model: 128 KiB of KV cache per token × 512 tokens.
+const REAL_BLOCK_BYTES: u64 = (128 << 10) * TOKENS_PER_BLOCK;
+/// The trace shipped with the project, relative to the crate root.
+const DEFAULT_TRACE: &str = "../shared/traces/conversation_trace.jsonl";
+/// Errors whose messages are kept for the report.
+const KEPT_ERRORS: usize = 5;
+
+/// Settings shared by `demo` and `replay`.
+struct Options {
+    trace: PathBuf,
+    limit: Option<usize>,
+    block_bytes: u64,
+    /// Arrival times are replayed scaled by this; 0 = as fast as possible.
+    time_scale: f64,
+    json: bool,
+    replicate: ReplicateConfig,
+}
+
+fn options(a: &Args) -> Result<Options, String> {
+    let block_bytes: u64 = a.get("block-bytes", 64 << 10)?;
+    if block_bytes == 0 || block_bytes % 8 != 0 {
+        return Err(format!(
+            "--block-bytes must be a positive multiple of 8 (got {block_bytes})"
+        ));
+    }
+    let limit = match a.str("requests") {
+        None => None,
+        Some(_) => Some(a.get::<usize>("requests", 0)?),
+    };
+    let time_scale: f64 = a.get("time-scale", 0.0)?;
+    if !time_scale.is_finite() || time_scale < 0.0 {
+        return Err(format!(
+            "--time-scale must be a non-negative number (got {time_scale})"
+        ));
+    }
+    let replica_num: u32 = a.get("replicas", 1)?;
+    if replica_num == 0 {
+        return Err("--replicas must be at least 1".into());
+    }
+    Ok(Options {
+        trace: a.str("trace").map_or_else(default_trace, PathBuf::from),
+        limit,
+        block_bytes,
+        time_scale,
+        json: a.flag("json"),
+        replicate: ReplicateConfig {
+            replica_num,
+            ..ReplicateConfig::default()
+        },
+    })
+}
+
+/// The shipped trace: relative to the working directory (the crate root under
+/// `cargo run`), else relative to where this crate was built.
+fn default_trace() -> PathBuf {
+    let here = PathBuf::from(DEFAULT_TRACE);
+    if here.exists() {
+        return here;
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_TRACE);
+    if built.exists() {
+        built
+    } else {
+        here
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------
+
+/// `mooncake demo`: an embedded cluster on loopback, then the replay.
+pub fn demo(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let opts = options(&a)?;
+    let pool: u64 = a.get("pool-size", 3 << 30)?;
+    let protocol = a.str("protocol").unwrap_or("tcp").to_owned();
+    let engine = engine_tuning(&a)?;
+    a.finish()?;
+    if pool < 2 * opts.block_bytes {
+        return Err(format!(
+            "--pool-size must hold at least two blocks (got {pool} bytes)"
+        ));
+    }
+    let trace = load_trace(&opts.trace, opts.limit)?;
+    let cluster = Cluster::start(pool, &protocol, &engine)?;
+    if !opts.json {
+        println!("{}", cluster.describe());
+    }
+    run(&cluster.client, &opts, &trace, "demo")
+}
+
+/// `mooncake replay`: the same replay as a pure client of a running cluster.
+pub fn replay(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let opts = options(&a)?;
+    let cfg = super::store::client_config(&a)?;
+    a.finish()?;
+    let trace = load_trace(&opts.trace, opts.limit)?;
+    let client = Client::new(cfg).map_err(|e| format!("connecting to the cluster: {e}"))?;
+    run(&client, &opts, &trace, "replay")
+}
+
+/// Replays `trace`, prints the summary, and fails when any error occurred.
+fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> Result<(), String> {
+    let before = client.stats().map_err(|e| format!("pool stats: {e}"))?;
+    if before.capacity == 0 {
+        return Err("the pool has no memory (no store node is mounted)".into());
+    }
+    let mut replayer = Replayer::new(client, opts, trace);
+    let started = Instant::now();
+    replayer.replay(trace);
+    let seconds = started.elapsed().as_secs_f64();
+    let after = client.stats().map_err(|e| format!("pool stats: {e}"))?;
+    let summary = Summary::new(opts, &replayer.stats, &before, &after, seconds);
+    if opts.json {
+        println!("{}", summary.to_json());
+    } else {
+        summary.print(label, &opts.trace);
+    }
+    let _ = std::io::stdout().flush();
+    let s = &replayer.stats;
+    for msg in &s.error_messages {
+        eprintln!("error: {msg}");
+    }
+    match s.errors {
+        0 => Ok(()),
+        n => Err(format!("{n} error(s) during the replay")),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The embedded cluster
+// ---------------------------------------------------------------------------
+
+/// Engine tuning flags for the embedded cluster's engines (names and addresses are
+/// chosen by the cluster itself).
+fn engine_tuning(a: &Args) -> Result<EngineConfig, String> {
+    let mut cfg = EngineConfig::default();
+    let keys = [
+        ("workers", "workers"),
+        ("spin-budget", "spin_budget"),
+        ("lanes", "lanes_per_peer"),
+        ("slice-size", "slice_size"),
+        ("socket-buffer", "socket_buffer"),
+    ];
+    for (flag, key) in keys {
+        if let Some(v) = a.str(flag) {
+            cfg.set(key, v).map_err(|e| format!("--{flag}: {e}"))?;
+        }
+    }
+    Ok(cfg)
+}
+
+/// Fields drop in order: the client first, then the nodes, then the master.
+struct Cluster {
+    client: Client,
+    nodes: Vec<Client>,
+    server: MasterServer,
+}
+
+impl Cluster {
+    fn start(pool: u64, protocol: &str, engine: &EngineConfig) -> Result<Cluster, String> {
+        let server_config = ServerConfig {
+            bind: [127, 0, 0, 1].into(),
+            rpc_port: 0,
+            metadata_port: Some(0),
+            metrics_port: Some(0),
+            ..ServerConfig::default()
+        };
+        // The allocator carves segments into whole slabs; a smaller segment holds nothing.
+        let slab = server_config.master.allocator.slab_size;
+        if pool / 2 < slab {
+            return Err(format!(
+                "--pool-size {pool}: each of the two nodes would get less than one allocator slab \
+                 ({slab} bytes); use at least {}",
+                2 * slab
+            ));
+        }
+        let server =
+            MasterServer::start(server_config).map_err(|e| format!("starting the master: {e}"))?;
+        let metadata = server
+            .metadata_url()
+            .ok_or("the master has no metadata server")?;
+        let config = |segment: u64| ClientConfig {
+            master_address: server.rpc_addr().to_string(),
+            metadata: metadata.clone(),
+            global_segment_size: segment,
+            protocol: protocol.to_owned(),
+            engine: engine.clone(),
+            ..ClientConfig::default()
+        };
+        let halves = [pool / 2, pool - pool / 2];
+        let nodes = halves
+            .iter()
+            .map(|&size| {
+                Client::new(config(size)).map_err(|e| format!("starting a store node: {e}"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let client = Client::new(config(0)).map_err(|e| format!("starting the client: {e}"))?;
+        Ok(Cluster {
+            client,
+            nodes,
+            server,
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut s = format!("cluster: master rpc={}", self.server.rpc_addr());
+        if let Some(url) = self.server.metadata_url() {
+            s += &format!(" metadata={url}");
+        }
+        if let Some(addr) = self.server.admin_addr() {
+            s += &format!(" metrics=http://{addr}/metrics");
+        }
+        for n in &self.nodes {
+            s += &format!("\n         node {}", n.hostname());
+        }
+        s + &format!("\n         client {}", self.client.hostname())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The trace
+// ---------------------------------------------------------------------------
+
+struct TraceRequest {
+    timestamp_ms: f64,
+    input_length: u64,
+    hash_ids: Vec<u64>,
+}
+
+/// Reads up to `limit` requests (all when `None`).
+fn load_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("reading trace {}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if limit.is_some_and(|n| out.len() >= n) {
+            break;
+        }
+        if line.trim().is_empty() {
+            continue;
+        }
+        out.push(parse_request(line).map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?);
+    }
+    if out.is_empty() {
+        return Err(format!("trace {} has no requests", path.display()));
+    }
+    Ok(out)
+}
+
+fn parse_request(line: &str) -> Result<TraceRequest, String> {
+    let v = json::parse(line).map_err(|e| e.to_string())?;
+    let timestamp_ms = v
+        .get("timestamp")
+        .and_then(Value::as_f64)
+        .filter(|t| *t >= 0.0)
+        .ok_or("field `timestamp`: expected a non-negative number")?;
+    let input_length = v.u64_field("input_length").map_err(|e| e.to_string())?;
+    let ids = v
+        .get("hash_ids")
+        .and_then(Value::as_array)
+        .ok_or("field `hash_ids`: expected an array")?;
+    let hash_ids = ids
+        .iter()
+        .map(|x| {
+            x.as_u64()
+                .ok_or("field `hash_ids`: expected unsigned integers")
+        })
+        .collect::<Result<Vec<u64>, _>>()?;
+    Ok(TraceRequest {
+        timestamp_ms,
+        input_length,
+        hash_ids,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Block contents
+// ---------------------------------------------------------------------------
+
+fn key_of(block_bytes: u64, hash_id: u64) -> String {
+    // The size is part of the key: replays with other block sizes never collide.
+    format!("trace-{block_bytes}-{hash_id}")
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Word `j` of block `hash_id`: unique per block and position.
+const STRIDE: u64 = 0xD1B5_4A32_D192_ED03;
+
+fn fill_block(words: &mut [u64], hash_id: u64) {
+    let base = splitmix64(hash_id);
+    for (j, w) in words.iter_mut().enumerate() {
+        *w = base.wrapping_add((j as u64).wrapping_mul(STRIDE));
+    }
+}
+
+fn block_matches(words: &[u64], hash_id: u64) -> bool {
+    let base = splitmix64(hash_id);
+    words
+        .iter()
+        .enumerate()
+        .all(|(j, w)| *w == base.wrapping_add((j as u64).wrapping_mul(STRIDE)))
+}
+
+// ---------------------------------------------------------------------------
+// The replay loop
+// ---------------------------------------------------------------------------
+
+/// What is known about one block of the request being replayed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Block {
+    /// Reported present, not read (beyond the stored prefix).
+    Present,
+    /// Absent, or gone by the time it was read (evicted): to be written.
+    Missing,
+    /// Read and verified.
+    Read,
+    /// Probe or read failed with an error (counted).
+    Failed,
+}
+
+#[derive(Default)]
+struct Stats {
+    requests: u64,
+    input_tokens: u64,
+    hit_tokens: u64,
+    last_half_input: u64,
+    last_half_hit: u64,
+    objects_written: u64,
+    bytes_written: u64,
+    objects_read: u64,
+    bytes_read: u64,
+    /// Puts refused for lack of space (NO_AVAILABLE_HANDLE): back-pressure, not errors.
+    puts_rejected: u64,
+    /// Blocks reported present that were gone when read (evicted in between).
+    read_misses: u64,
+    errors: u64,
+    error_messages: Vec<String>,
+    exists_us: Vec<u64>,
+    get_us: Vec<u64>,
+    put_us: Vec<u64>,
+}
+
+impl Stats {
+    fn error(&mut self, msg: String) {
+        self.errors += 1;
+        log::debug!("{msg}");
+        if self.error_messages.len() < KEPT_ERRORS {
+            self.error_messages.push(msg);
+        }
+    }
+
+    fn moved_bytes(&self) -> u64 {
+        self.bytes_written + self.bytes_read
+    }
+
+    fn hit_rate(&self) -> f64 {
+        ratio(self.hit_tokens, self.input_tokens)
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+fn micros_since(t: Instant) -> u64 {
+    t.elapsed().as_micros() as u64
+}
+
+struct Replayer<'a> {
+    client: &'a Client,
+    opts: &'a Options,
+    /// One slot of `block_bytes` per block of the largest request, reused throughout.
+    buf: Vec<u64>,
+    words: usize,
+    stats: Stats,
+}
+
+impl<'a> Replayer<'a> {
+    fn new(client: &'a Client, opts: &'a Options, trace: &[TraceRequest]) -> Replayer<'a> {
+        let words = (opts.block_bytes / 8) as usize;
+        let most = trace.iter().map(|r| r.hash_ids.len()).max().unwrap_or(0);
+        Replayer {
+            client,
+            opts,
+            buf: vec![0; words * most],
+            words,
+            stats: Stats::default(),
+        }
+    }
+
+    fn replay(&mut self, trace: &[TraceRequest]) {
+        let mut progress = Progress::new(trace.len());
+        let started = Instant::now();
+        let first_ts = trace.first().map_or(0.0, |r| r.timestamp_ms);
+        for (i, req) in trace.iter().enumerate() {
+            if self.opts.time_scale > 0.0 {
+                let due = (req.timestamp_ms - first_ts).max(0.0) * self.opts.time_scale / 1000.0;
+                let wait = due - started.elapsed().as_secs_f64();
+                if wait > 0.0 {
+                    std::thread::sleep(Duration::from_secs_f64(wait));
+                }
+            }
+            self.request(req, i >= trace.len() / 2);
+            progress.tick(i + 1, &self.stats, started);
+        }
+        progress.finish();
+    }
+
+    /// Probe, read the stored prefix, write the rest.
+    fn request(&mut self, req: &TraceRequest, last_half: bool) {
+        let keys: Vec<String> = req
+            .hash_ids
+            .iter()
+            .map(|&h| key_of(self.opts.block_bytes, h))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut blocks = self.probe(&keys);
+        let stored = blocks.iter().take_while(|b| **b == Block::Present).count();
+        let hit = self.read_prefix(
+            &keys[..stored],
+            &req.hash_ids[..stored],
+            &mut blocks[..stored],
+        );
+        self.write_missing(&keys, &req.hash_ids, &blocks, hit);
+        let hit_tokens = (hit as u64 * TOKENS_PER_BLOCK).min(req.input_length);
+        let s = &mut self.stats;
+        s.requests += 1;
+        s.input_tokens += req.input_length;
+        s.hit_tokens += hit_tokens;
+        if last_half {
+            s.last_half_input += req.input_length;
+            s.last_half_hit += hit_tokens;
+        }
+    }
+
+    /// Which blocks exist (no lease taken, so probing never blocks eviction).
+    fn probe(&mut self, keys: &[&str]) -> Vec<Block> {
+        let t = Instant::now();
+        let found = self.client.batch_exists(keys);
+        self.stats.exists_us.push(micros_since(t));
+        found
+            .into_iter()
+            .zip(keys)
+            .map(|(r, k)| match r {
+                Ok(true) => Block::Present,
+                Ok(false) => Block::Missing,
+                Err(e) => {
+                    self.stats.error(format!("exists {k:?}: {e}"));
+                    Block::Failed
+                }
+            })
+            .collect()
+    }
+
+    fn slot_parts(&mut self, indices: impl Iterator<Item = usize>) -> Vec<Vec<(u64, u64)>> {
+        let base = self.buf.as_mut_ptr() as u64;
+        let bb = self.opts.block_bytes;
+        indices.map(|i| vec![(base + i as u64 * bb, bb)]).collect()
+    }
+
+    fn slot(&mut self, i: usize) -> &mut [u64] {
+        &mut self.buf[i * self.words..(i + 1) * self.words]
+    }
+
+    /// Reads the blocks reported present at the head of the request in one batch and
+    /// verifies them; returns how many leading blocks were read intact (the hit).
+    fn read_prefix(&mut self, keys: &[&str], ids: &[u64], blocks: &mut [Block]) -> usize {
+        if keys.is_empty() {
+            return 0;
+        }
+        let parts = self.slot_parts(0..keys.len());
+        let t = Instant::now();
+        // SAFETY: every part is a distinct slot of `self.buf`, which is neither moved nor
+        // touched until the call returns.
+        let results = unsafe { self.client.batch_get_into(keys, &parts) };
+        self.stats.get_us.push(micros_since(t));
+        for (i, r) in results.into_iter().enumerate() {
+            blocks[i] = self.check_read(keys[i], ids[i], i, r);
+        }
+        blocks.iter().take_while(|b| **b == Block::Read).count()
+    }
+
+    fn check_read(&mut self, key: &str, id: u64, slot: usize, r: mooncake::Result<u64>) -> Block {
+        let bb = self.opts.block_bytes;
+        match r {
+            Ok(size) if size == bb => {
+                self.stats.objects_read += 1;
+                self.stats.bytes_read += size;
+                if block_matches(self.slot(slot), id) {
+                    Block::Read
+                } else {
+                    self.stats
+                        .error(format!("{key:?}: read bytes differ from what was written"));
+                    Block::Failed
+                }
+            }
+            Ok(size) => {
+                self.stats
+                    .error(format!("{key:?}: object is {size} bytes, expected {bb}"));
+                Block::Failed
+            }
+            // Evicted between the probe and the read: a miss, not an error.
+            Err(e) if matches!(e.code(), Code::ObjectNotFound | Code::ReplicaIsNotReady) => {
+                self.stats.read_misses += 1;
+                Block::Missing
+            }
+            Err(e) => {
+                self.stats.error(format!("reading {key:?}: {e}"));
+                Block::Failed
+            }
+        }
+    }
+
+    /// Writes every missing block from the first one not hit onwards, in one batch.
+    fn write_missing(&mut self, keys: &[&str], ids: &[u64], blocks: &[Block], hit: usize) {
+        let todo: Vec<usize> = (hit..keys.len())
+            .filter(|&i| blocks[i] == Block::Missing)
+            .collect();
+        if todo.is_empty() {
+            return;
+        }
+        for &i in &todo {
+            fill_block(self.slot(i), ids[i]);
+        }
+        let parts = self.slot_parts(todo.iter().copied());
+        let put_keys: Vec<&str> = todo.iter().map(|&i| keys[i]).collect();
+        let t = Instant::now();
+        // SAFETY: the parts are slots of `self.buf`, untouched until the call returns.
+        let results = unsafe {
+            self.client
+                .batch_put_from(&put_keys, &parts, &self.opts.replicate, false)
+        };
+        self.stats.put_us.push(micros_since(t));
+        for (key, r) in put_keys.iter().zip(results) {
+            match r {
+                Ok(()) => {
+                    self.stats.objects_written += 1;
+                    self.stats.bytes_written += self.opts.block_bytes;
+                }
+                Err(e) if e.code() == Code::NoAvailableHandle => self.stats.puts_rejected += 1,
+                Err(e) => self.stats.error(format!("writing {key:?}: {e}")),
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Progress bar
+// ---------------------------------------------------------------------------
+
+/// One updating line on stderr, at most ten times a second; silent when stderr is not
+/// a terminal.
+struct Progress {
+    on: bool,
+    total: usize,
+    last: Option<Instant>,
+}
+
+impl Progress {
+    fn new(total: usize) -> Progress {
+        // SAFETY: isatty only inspects the descriptor.
+        let on = unsafe { libc::isatty(2) } == 1;
+        Progress {
+            on,
+            total,
+            last: None,
+        }
+    }
+
+    fn tick(&mut self, done: usize, s: &Stats, started: Instant) {
+        if !self.on
+            || (done < self.total
+                && self
+                    .last
+                    .is_some_and(|t| t.elapsed() < Duration::from_millis(100)))
+        {
+            return;
+        }
+        self.last = Some(Instant::now());
+        const WIDTH: usize = 30;
+        let filled = done * WIDTH / self.total.max(1);
+        let secs = started.elapsed().as_secs_f64();
+        let line = format!(
+            "\r[{}{}] {done}/{} requests  hit {:.1}%  {:.2} GB/s  {} errors  {secs:.1} s\x1b[K",
+            "#".repeat(filled),
+            " ".repeat(WIDTH - filled),
+            self.total,
+            s.hit_rate() * 100.0,
+            s.moved_bytes() as f64 / 1e9 / secs.max(1e-9),
+            s.errors,
+        );
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(line.as_bytes());
+        let _ = err.flush();
+    }
+
+    fn finish(&mut self) {
+        if self.on && self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Summary
+// ---------------------------------------------------------------------------
+
+/// Nearest-rank percentile of unsorted samples (0 when there are none).
+fn percentile(samples: &[u64], p: f64) -> u64 {
+    if samples.is_empty() {
+        return 0;
+    }
+    let mut v = samples.to_vec();
+    v.sort_unstable();
+    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+struct Latency {
+    p50: u64,
+    p99: u64,
+    count: usize,
+}
+
+impl Latency {
+    fn of(samples: &[u64]) -> Latency {
+        Latency {
+            p50: percentile(samples, 0.50),
+            p99: percentile(samples, 0.99),
+            count: samples.len(),
+        }
+    }
+}
+
+struct Summary {
+    requests: u64,
+    hit_rate: f64,
+    hit_rate_last_half: f64,
+    block_bytes: u64,
+    pool_bytes: u64,
+    segments: u64,
+    capacity_blocks: u64,
+    objects_written: u64,
+    bytes_written: u64,
+    objects_read: u64,
+    bytes_read: u64,
+    puts_rejected: u64,
+    read_misses: u64,
+    evictions: u64,
+    evicted_bytes: u64,
+    objects_stored: u64,
+    errors: u64,
+    seconds: f64,
+    exists: Latency,
+    get: Latency,
+    put: Latency,
+}
+
+impl Summary {
+    fn new(
+        opts: &Options,
+        s: &Stats,
+        before: &PoolStats,
+        after: &PoolStats,
+        seconds: f64,
+    ) -> Summary {
+        Summary {
+            requests: s.requests,
+            hit_rate: s.hit_rate(),
+            hit_rate_last_half: ratio(s.last_half_hit, s.last_half_input),
+            block_bytes: opts.block_bytes,
+            pool_bytes: after.capacity,
+            segments: after.segments,
+            capacity_blocks: after.capacity / opts.block_bytes,
+            objects_written: s.objects_written,
+            bytes_written: s.bytes_written,
+            objects_read: s.objects_read,
+            bytes_read: s.bytes_read,
+            puts_rejected: s.puts_rejected,
+            read_misses: s.read_misses,
+            evictions: after.evicted_objects.saturating_sub(before.evicted_objects),
+            evicted_bytes: after.evicted_bytes.saturating_sub(before.evicted_bytes),
+            objects_stored: after.objects,
+            errors: s.errors,
+            seconds,
+            exists: Latency::of(&s.exists_us),
+            get: Latency::of(&s.get_us),
+            put: Latency::of(&s.put_us),
+        }
+    }
+
+    fn gbps(&self) -> f64 {
+        (self.bytes_written + self.bytes_read) as f64 / 1e9 / self.seconds.max(1e-9)
+    }
+
+    /// The pool as real KV cache: each block stands for an 8B model's 64 MiB block.
+    fn real_model_equivalent_gib(&self) -> f64 {
+        (self.capacity_blocks * REAL_BLOCK_BYTES) as f64 / (1u64 << 30) as f64
+    }
+
+    fn to_json(&self) -> Value {
+        let u = |n: u64| Value::from(n);
+        Value::object([
+            ("requests", u(self.requests)),
+            ("hit_rate", self.hit_rate.into()),
+            ("hit_rate_last_half", self.hit_rate_last_half.into()),
+            ("capacity_blocks", u(self.capacity_blocks)),
+            ("errors", u(self.errors)),
+            ("seconds", self.seconds.into()),
+            ("objects_written", u(self.objects_written)),
+            ("bytes_written", u(self.bytes_written)),
+            ("objects_read", u(self.objects_read)),
+            ("bytes_read", u(self.bytes_read)),
+            ("evictions", u(self.evictions)),
+            ("evicted_bytes", u(self.evicted_bytes)),
+            ("puts_rejected", u(self.puts_rejected)),
+            ("read_misses", u(self.read_misses)),
+            ("gbps", self.gbps().into()),
+            ("exists_p50_us", u(self.exists.p50)),
+            ("exists_p99_us", u(self.exists.p99)),
+            ("get_p50_us", u(self.get.p50)),
+            ("get_p99_us", u(self.get.p99)),
+            ("put_p50_us", u(self.put.p50)),
+            ("put_p99_us", u(self.put.p99)),
+            ("block_bytes", u(self.block_bytes)),
+            ("pool_bytes", u(self.pool_bytes)),
+            (
+                "real_model_equivalent_gib",
+                self.real_model_equivalent_gib().into(),
+            ),
+        ])
+    }
+
+    fn print(&self, label: &str, trace: &Path) {
+        println!(
+            "mooncake {label}: replayed {} requests of {} in {:.1} s",
+            self.requests,
+            trace.display(),
+            self.seconds
+        );
+        println!(
+            "  pool          {} in {} segment(s) = {} blocks of {} ({} objects stored at the end)",
+            human_bytes(self.pool_bytes),
+            self.segments,
+            self.capacity_blocks,
+            human_bytes(self.block_bytes),
+            self.objects_stored,
+        );
+        println!(
+            "  as real KV    pool of {} blocks ≈ {} blocks × 64 MiB (8B model: 128 KiB/token × 512 tokens) = {:.0} GiB of real KV cache",
+            self.capacity_blocks,
+            self.capacity_blocks,
+            self.real_model_equivalent_gib(),
+        );
+        println!(
+            "  prefix hits   {:.1}% of input tokens; last half of requests {:.1}%",
+            self.hit_rate * 100.0,
+            self.hit_rate_last_half * 100.0
+        );
+        println!(
+            "  written       {} objects, {}",
+            self.objects_written,
+            human_bytes(self.bytes_written)
+        );
+        println!(
+            "  read          {} objects, {}",
+            self.objects_read,
+            human_bytes(self.bytes_read)
+        );
+        println!(
+            "  throughput    {:.2} GB/s (bytes written + read / wall time)",
+            self.gbps()
+        );
+        println!(
+            "  evictions     {} objects, {}",
+            self.evictions,
+            human_bytes(self.evicted_bytes)
+        );
+        println!(
+            "  back-pressure {} puts refused for space (NO_AVAILABLE_HANDLE), {} blocks evicted between probe and read",
+            self.puts_rejected, self.read_misses
+        );
+        for (name, l) in [
+            ("exists", &self.exists),
+            ("get-batch", &self.get),
+            ("put-batch", &self.put),
+        ] {
+            println!(
+                "  {name:<13} p50 {} µs, p99 {} µs ({} batches)",
+                l.p50, l.p99, l.count
+            );
+        }
+        println!("  errors        {}", self.errors);
+        println!("  wall time     {:.2} s", self.seconds);
+    }
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_verify_only_their_own_bytes() {
+        let mut w = vec![0u64; 512];
+        fill_block(&mut w, 7);
+        assert!(block_matches(&w, 7));
+        assert!(!block_matches(&w, 8));
+        w[100] ^= 1;
+        assert!(!block_matches(&w, 7));
+    }
+
+    #[test]
+    fn trace_lines_parse_or_explain() {
+        let r = parse_request(
+            r#"{"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.timestamp_ms, r.input_length, r.hash_ids),
+            (5.0, 600, vec![0, 1])
+        );
+        assert!(parse_request("{").is_err());
+        let e = parse_request(r#"{"timestamp": 0, "input_length": 1}"#)
+            .err()
+            .unwrap();
+        assert!(e.contains("hash_ids"), "{e}");
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<u64> = (1..=100).rev().collect();
+        assert_eq!(percentile(&v, 0.5), 50);
+        assert_eq!(percentile(&v, 0.99), 99);
+        assert_eq!(percentile(&[], 0.5), 0);
+        assert_eq!(percentile(&[3], 0.99), 3);
+    }
+}

@@ -1,0 +1,123 @@
+//! `mooncake master` and `mooncake node`.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use super::args::Args;
+use mooncake::store::master::AllocationStrategy;
+use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+
+/// Mooncake's `mooncake_master` flag names, accepted as aliases of ours.
+const MASTER_ALIASES: &[(&str, &str)] = &[
+    ("http-metadata-server-port", "metadata-port"),
+    ("default-kv-lease-ttl", "lease-ttl-ms"),
+    ("eviction-high-watermark-ratio", "eviction-high-watermark"),
+    ("rpc-address", "bind"),
+];
+
+/// A port flag: a number (0 picks a free port) or "off".
+fn port_flag(a: &Args, key: &str, default: u16) -> Result<Option<u16>, String> {
+    match a.str(key) {
+        Some("off" | "none") => Ok(None),
+        _ => a.get(key, default).map(Some),
+    }
+}
+
+pub fn master(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse_with_aliases(raw, MASTER_ALIASES)?;
+    let mut cfg = ServerConfig {
+        bind: a.get("bind", IpAddr::from([127, 0, 0, 1]))?,
+        rpc_port: a.get("rpc-port", 50051)?,
+        metadata_port: port_flag(&a, "metadata-port", 8080)?,
+        metrics_port: port_flag(&a, "metrics-port", 9003)?,
+        ..ServerConfig::default()
+    };
+    if !a.get("enable-http-metadata-server", true)? {
+        cfg.metadata_port = None;
+    }
+    let m = &mut cfg.master;
+    m.lease_ttl = Duration::from_millis(a.get("lease-ttl-ms", m.lease_ttl.as_millis() as u64)?);
+    m.eviction_high_watermark = a.get("eviction-high-watermark", m.eviction_high_watermark)?;
+    m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
+    m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
+    if let Some(s) = a.str("allocation-strategy") {
+        m.allocation_strategy = AllocationStrategy::parse(s).ok_or_else(|| {
+            format!("--allocation-strategy: {s:?} (random, free_ratio_first, local_first)")
+        })?;
+    }
+    // Accepted for launch-script compatibility; this build keeps the soft-pin TTL per put.
+    let _ = a.str("default-kv-soft-pin-ttl");
+    let _ = a.str("cluster-id");
+    if a.get("enable-ha", false)? || a.str("etcd-endpoints").is_some() {
+        return Err("high availability through etcd is not available in this build".into());
+    }
+    let until_eof = a.flag("until-stdin-eof");
+    a.finish()?;
+    if !(0.0..=1.0).contains(&cfg.master.eviction_high_watermark)
+        || !(0.0..=1.0).contains(&cfg.master.eviction_ratio)
+    {
+        return Err("eviction ratios must lie in [0, 1]".into());
+    }
+    if !until_eof {
+        super::block_signals_for_wait();
+    }
+    let server = MasterServer::start(cfg).map_err(|e| e.to_string())?;
+    let mut line = format!("ready rpc={}", server.rpc_addr());
+    if let Some(url) = server.metadata_url() {
+        line += &format!(" metadata={url}");
+    }
+    if let Some(addr) = server.admin_addr() {
+        line += &format!(" metrics=http://{addr}/metrics");
+    }
+    println!("{line}");
+    let _ = std::io::stdout().flush();
+    super::serve_until_done(until_eof);
+    Ok(())
+}
+
+pub fn node(raw: &[String]) -> Result<(), String> {
+    let a = Args::parse(raw)?;
+    let mut cfg = client_config(&a)?;
+    if cfg.global_segment_size == 0 {
+        cfg.global_segment_size = 1 << 30;
+    }
+    let until_eof = a.flag("until-stdin-eof");
+    a.finish()?;
+    if !until_eof {
+        super::block_signals_for_wait();
+    }
+    let client = Client::new(cfg).map_err(|e| e.to_string())?;
+    println!("ready {}", client.hostname());
+    let _ = std::io::stdout().flush();
+    super::serve_until_done(until_eof);
+    Ok(())
+}
+
+/// Client settings shared by `node`, `replay` and `bench store`.
+pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
+    let mut cfg = ClientConfig {
+        master_address: a.str("master").unwrap_or("127.0.0.1:50051").to_owned(),
+        global_segment_size: a.get("segment-size", 0u64)?,
+        ..ClientConfig::default()
+    };
+    // Default: the master's embedded metadata server on its default port.
+    cfg.metadata = match a.str("metadata") {
+        Some(m) => m.to_owned(),
+        None => {
+            let host = mooncake::engine::segments::host_of(&cfg.master_address);
+            format!("http://{host}:8080/metadata")
+        }
+    };
+    if let Some(n) = a.str("name") {
+        cfg.local_hostname = Some(n.to_owned());
+    }
+    if let Some(p) = a.str("protocol") {
+        cfg.protocol = p.to_owned();
+    }
+    if let Some(v) = a.str("verify-checksum") {
+        cfg.verify_checksum = v != "false" && v != "0";
+    }
+    cfg.engine = super::engine_config(a)?;
+    Ok(cfg)
+}

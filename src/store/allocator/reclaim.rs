@@ -1,0 +1,156 @@
+//! Slab recycling: a slab none of whose blocks is allocated goes back to the
+//! free-slab stack, so a class that ran out of slabs can take it.
+//!
+//! Blocks of a free slab sit on its class's free lists mixed with other slabs'
+//! blocks, and a Treiber stack cannot unlink from the middle. So a reclaim pass
+//! takes each class's whole lists (one CAS each, which makes the chains private),
+//! counts free blocks per slab, releases slabs whose every block is there, and
+//! pushes the rest back as one chain. While a class's blocks are held by the pass
+//! an `alloc` of that class may find nothing and return `None` (the caller treats
+//! it as full and retries); nothing is lost or duplicated. Passes run only when a
+//! class is out of slabs (or when asked) and one at a time (a try-flag; a second
+//! caller skips rather than waits).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use super::freelist::{link_to, NIL};
+use super::SlabAllocator;
+
+pub(super) struct ReclaimState {
+    busy: AtomicBool,
+    /// Bytes of all blocks of bound slabs (allocated or free).
+    bound_block_bytes: AtomicU64,
+    /// Free block bytes seen by the last pass that found nothing.
+    last_fruitless: AtomicU64,
+    /// Triggers to ignore before the next pass, and the current backoff: each
+    /// pass that finds nothing doubles it, so a full allocator whose callers keep
+    /// failing scans its lists on a vanishing share of the failures.
+    skip: AtomicU32,
+    backoff: AtomicU32,
+    /// The fewest block bytes a bound slab can hold: less free than this, and no
+    /// slab can be entirely free.
+    min_payload: u64,
+}
+
+impl ReclaimState {
+    pub(super) fn new(min_payload: u64) -> ReclaimState {
+        ReclaimState {
+            busy: AtomicBool::new(false),
+            bound_block_bytes: AtomicU64::new(0),
+            last_fruitless: AtomicU64::new(u64::MAX),
+            skip: AtomicU32::new(0),
+            backoff: AtomicU32::new(0),
+            min_payload,
+        }
+    }
+
+    pub(super) fn bound(&self, bytes: u64) {
+        self.bound_block_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Most triggers skipped after a run of fruitless passes.
+const MAX_BACKOFF: u32 = 255;
+
+/// Clears the busy flag when a pass ends, even by panic.
+struct Busy<'a>(&'a AtomicBool);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl SlabAllocator {
+    /// Runs a pass if it might find something: enough free block bytes exist for
+    /// a whole slab, they changed since the last pass that found nothing, and the
+    /// backoff after fruitless passes has run out. A slab freed meanwhile waits for
+    /// a later trigger (or an explicit [`reclaim_free_slabs`](Self::reclaim_free_slabs)).
+    pub(super) fn reclaim_if_worthwhile(&self) -> bool {
+        let r = &self.reclaim;
+        let free = r
+            .bound_block_bytes
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.used_bytes());
+        if free < r.min_payload || free == r.last_fruitless.load(Ordering::Relaxed) {
+            return false;
+        }
+        let skip = r.skip.load(Ordering::Relaxed);
+        if skip > 0 {
+            r.skip.store(skip - 1, Ordering::Relaxed); // racy: a hint, not a count
+            return false;
+        }
+        let recycled = self.reclaim_free_slabs();
+        if recycled == 0 {
+            r.last_fruitless.store(free, Ordering::Relaxed);
+            let backoff = (r.backoff.load(Ordering::Relaxed) * 2 + 1).min(MAX_BACKOFF);
+            r.backoff.store(backoff, Ordering::Relaxed);
+            r.skip.store(backoff, Ordering::Relaxed);
+        }
+        recycled > 0
+    }
+
+    /// Returns every slab with no allocated block to the free-slab stack, so any
+    /// class can carve it; returns how many. `alloc` calls this itself when a
+    /// class is out of slabs; call it directly after freeing a lot (e.g. after
+    /// eviction) to rebalance at a time of your choosing. Returns 0 without
+    /// waiting if another pass is running.
+    pub fn reclaim_free_slabs(&self) -> usize {
+        let r = &self.reclaim;
+        if r.busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return 0;
+        }
+        let _busy = Busy(&r.busy);
+        let shift = self.slabs.shift();
+        let mut recycled = 0;
+        let mut ids: Vec<u32> = Vec::new();
+        let mut kept: Vec<u32> = Vec::new();
+        for class in 0..self.classes.len() {
+            ids.clear();
+            for shard in 0..=self.shard_mask {
+                let mut at = self.head(class, shard).take_all();
+                while at != NIL {
+                    ids.push(at - 1);
+                    at = self.slabs.link(at - 1).load(Ordering::Relaxed);
+                }
+            }
+            if ids.is_empty() {
+                continue;
+            }
+            ids.sort_unstable();
+            kept.clear();
+            let size = self.classes.size(class);
+            for group in ids.chunk_by(|a, b| a >> shift == b >> shift) {
+                let slab = (group[0] >> shift) as usize;
+                let shape = self.slabs.meta(slab).and_then(|m| m.shape());
+                debug_assert_eq!(shape.map(|s| s.class), Some(class));
+                match shape {
+                    Some(s) if s.class == class && group.len() as u64 == u64::from(s.blocks) => {
+                        r.bound_block_bytes
+                            .fetch_sub(u64::from(s.blocks) * size, Ordering::Relaxed);
+                        self.slabs.release(slab);
+                        recycled += 1;
+                    }
+                    _ => kept.extend_from_slice(group),
+                }
+            }
+            if let (Some(&first), Some(&last)) = (kept.first(), kept.last()) {
+                for pair in kept.windows(2) {
+                    self.slabs
+                        .link(pair[0])
+                        .store(link_to(pair[1]), Ordering::Relaxed);
+                }
+                self.head(class, 0).push_chain(first, self.slabs.link(last));
+            }
+        }
+        if recycled > 0 {
+            r.last_fruitless.store(u64::MAX, Ordering::Relaxed);
+            r.backoff.store(0, Ordering::Relaxed);
+            r.skip.store(0, Ordering::Relaxed);
+        }
+        recycled
+    }
+}

@@ -1,0 +1,735 @@
+//! A store client: optionally lends memory to the pool (a "node"), and puts and gets
+//! objects by moving bytes peer to peer with the transfer engine while the master only
+//! hands out places and leases.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::protocol::{
+    KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig, Request, Response,
+    SegmentInfo,
+};
+use super::rpc::RpcClient;
+use crate::engine::{Engine, EngineConfig, TaskState};
+use crate::error::{Code, Error, Result};
+use crate::transport::Op;
+use crate::util::crc32c::crc32c_append;
+
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// `host:port` of the master's RPC.
+    pub master_address: String,
+    /// Transfer-engine metadata connection string (default: P2P handshake).
+    pub metadata: String,
+    /// This client's segment name (`host:port`); default the bind address and a free port.
+    pub local_hostname: Option<String>,
+    /// Bytes of memory lent to the pool; 0 makes a pure client.
+    pub global_segment_size: u64,
+    /// Kept for Mooncake compatibility: staging for transports that need registered
+    /// local memory (RDMA). TCP and shared memory read and write user buffers directly.
+    pub local_buffer_size: u64,
+    pub protocol: String,
+    /// Check each object's CRC32C on read.
+    pub verify_checksum: bool,
+    pub ping_interval: Duration,
+    /// Engine settings beyond the ones above (workers, lanes, ...).
+    pub engine: EngineConfig,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            master_address: "127.0.0.1:50051".to_owned(),
+            metadata: "P2PHANDSHAKE".to_owned(),
+            local_hostname: None,
+            global_segment_size: 0,
+            local_buffer_size: 16 << 20,
+            protocol: "auto".to_owned(),
+            verify_checksum: true,
+            ping_interval: Duration::from_secs(1),
+            engine: EngineConfig::default(),
+        }
+    }
+}
+
+/// Where one key's bytes are, locally: `(address, length)` parts that concatenate to
+/// the value.
+pub type Parts = Vec<(u64, u64)>;
+
+struct Shared {
+    id: u64,
+    rpc: RpcClient,
+    segment: Option<SegmentInfo>,
+    stop: AtomicBool,
+    wake: (Mutex<()>, Condvar),
+}
+
+pub struct Client {
+    config: ClientConfig,
+    engine: Arc<Engine>,
+    shared: Arc<Shared>,
+    pinger: Option<JoinHandle<()>>,
+    segment_ptr: Option<*mut u8>,
+}
+
+// SAFETY: the raw segment pointer is only handed back to the engine that owns it.
+unsafe impl Send for Client {}
+// SAFETY: as above; everything else is Sync.
+unsafe impl Sync for Client {}
+
+fn random_id() -> u64 {
+    let mut v = 0u64;
+    // SAFETY: fills 8 bytes of a live u64.
+    unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
+    v | 1
+}
+
+impl Client {
+    pub fn new(config: ClientConfig) -> Result<Client> {
+        let mut ec = config.engine.clone();
+        ec.set("metadata", &config.metadata)?;
+        ec.set("protocol", &config.protocol)?;
+        if let Some(name) = &config.local_hostname {
+            ec.set("local_server_name", name)?;
+        }
+        let engine = Arc::new(Engine::new(ec)?);
+        let rpc = RpcClient::new(&config.master_address)?;
+        let (segment, segment_ptr) = if config.global_segment_size > 0 {
+            let size = config.global_segment_size;
+            let ptr = engine.allocate_buffer(size as usize, "cpu:0")?;
+            let info = SegmentInfo {
+                name: engine.segment_name().to_owned(),
+                base: ptr as u64,
+                size,
+            };
+            (Some(info), Some(ptr))
+        } else {
+            (None, None)
+        };
+        let shared = Arc::new(Shared {
+            id: random_id(),
+            rpc,
+            segment,
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+        });
+        shared.register()?;
+        let s = shared.clone();
+        let interval = config.ping_interval;
+        let pinger = std::thread::Builder::new()
+            .name("mc-store-ping".into())
+            .spawn(move || s.ping_loop(interval))
+            .map_err(|e| Error::io("spawning pinger", e))?;
+        Ok(Client {
+            config,
+            engine,
+            shared,
+            pinger: Some(pinger),
+            segment_ptr,
+        })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// This client's segment (and engine) name.
+    pub fn hostname(&self) -> &str {
+        self.engine.segment_name()
+    }
+
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    fn call(&self, req: Request) -> Result<Response> {
+        self.shared.rpc.call(&req)
+    }
+
+    /// Stores `value` under `key`. Re-putting an existing key succeeds and leaves it
+    /// unchanged (use `upsert` to replace).
+    pub fn put(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> Result<()> {
+        let parts = vec![(value.as_ptr() as u64, value.len() as u64)];
+        // SAFETY: `value` is borrowed for the whole call, which waits for the transfer.
+        one(unsafe { self.batch_put_from(&[key], &[parts], config, false) })
+    }
+
+    /// Replaces `key`'s value (refused while a reader holds its lease).
+    pub fn upsert(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> Result<()> {
+        let parts = vec![(value.as_ptr() as u64, value.len() as u64)];
+        // SAFETY: as in `put`.
+        one(unsafe { self.batch_put_from(&[key], &[parts], config, true) })
+    }
+
+    /// Reads `key` into a new vector.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let asked = Instant::now();
+        let desc = one(self.replicas(&[key]))?;
+        let mut buf = vec![0u8; desc.size as usize];
+        let parts = vec![(buf.as_mut_ptr() as u64, desc.size)];
+        // SAFETY: `buf` is owned here and outlives the transfer.
+        one(unsafe { self.read_objects(&[key], vec![Ok(desc)], &[parts], asked) })?;
+        Ok(buf)
+    }
+
+    /// Reads `key` into `buf`; returns the object's size.
+    pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<u64> {
+        let parts = vec![(buf.as_mut_ptr() as u64, buf.len() as u64)];
+        // SAFETY: `buf` is exclusively borrowed for the call.
+        one(unsafe { self.batch_get_into(&[key], &[parts]) })
+    }
+
+    /// Puts several keys, each from one or more local buffers (concatenated), in one
+    /// round trip to the master and one engine batch. Per-key results.
+    ///
+    /// # Safety
+    /// Every part must be readable for its length until the call returns.
+    pub unsafe fn batch_put_from(
+        &self,
+        keys: &[&str],
+        parts: &[Parts],
+        config: &ReplicateConfig,
+        upsert: bool,
+    ) -> Vec<Result<()>> {
+        if keys.len() != parts.len() {
+            return keys
+                .iter()
+                .map(|_| Err(Error::invalid("keys and buffers differ in count")))
+                .collect();
+        }
+        let sizes: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.1).sum()).collect();
+        let items = keys
+            .iter()
+            .zip(&sizes)
+            .map(|(k, s)| (k.to_string(), *s))
+            .collect();
+        let started = match self.call(Request::PutStart {
+            client: self.shared.id,
+            items,
+            config: config.clone(),
+            upsert,
+        }) {
+            Ok(Response::PutStart(r)) if r.len() == keys.len() => r,
+            Ok(other) => {
+                return all_err(
+                    keys.len(),
+                    Error::protocol(format!("unexpected answer {other:?}")),
+                )
+            }
+            Err(e) => return all_err(keys.len(), e),
+        };
+        // One engine batch for every replica of every key being written.
+        let mut plan = Vec::new();
+        let mut results: Vec<Result<()>> = Vec::with_capacity(keys.len());
+        for (i, r) in started.iter().enumerate() {
+            results.push(match r {
+                Ok(replicas) => {
+                    for rep in replicas {
+                        plan.push((i, rep.clone()));
+                    }
+                    Ok(())
+                }
+                // Immutable values: someone already stored (or is storing) this key.
+                Err(Code::ObjectAlreadyExists) if !upsert => Ok(()),
+                Err(code) => Err(Error::new(*code, format!("put {:?}", keys[i]))),
+            });
+        }
+        let outcome = self.move_replicas(Op::Write, &plan, parts);
+        let mut ends = Vec::new();
+        let mut revokes = Vec::new();
+        for (i, r) in started.iter().enumerate() {
+            if r.is_err() {
+                continue;
+            }
+            match &outcome[i] {
+                // SAFETY: the caller keeps the parts readable for the call.
+                Some(Ok(())) => ends.push((i, unsafe { crc_of(&parts[i]) })),
+                Some(Err(e)) => {
+                    results[i] = Err(e.clone());
+                    revokes.push(keys[i].to_string());
+                }
+                None => {}
+            }
+        }
+        if !revokes.is_empty() {
+            if let Err(e) = self.call(Request::PutRevoke {
+                client: self.shared.id,
+                keys: revokes,
+            }) {
+                log::warn!("revoking failed puts: {e}");
+            }
+        }
+        if !ends.is_empty() {
+            let items = ends
+                .iter()
+                .map(|&(i, crc)| (keys[i].to_string(), crc))
+                .collect();
+            match self.call(Request::PutEnd {
+                client: self.shared.id,
+                items,
+            }) {
+                Ok(Response::PerKey(r)) if r.len() == ends.len() => {
+                    for (&(i, _), res) in ends.iter().zip(r) {
+                        if let Err(code) = res {
+                            results[i] =
+                                Err(Error::new(code, format!("finishing put of {:?}", keys[i])));
+                        }
+                    }
+                }
+                Ok(other) => {
+                    let e = Error::protocol(format!("unexpected PutEnd answer {other:?}"));
+                    for &(i, _) in &ends {
+                        results[i] = Err(e.clone());
+                    }
+                }
+                Err(e) => {
+                    for &(i, _) in &ends {
+                        results[i] = Err(e.clone());
+                    }
+                }
+            }
+        }
+        results
+    }
+
+    /// Moves every (key index, replica) in `plan` between local `parts` and the
+    /// replicas in one engine batch. Per key: None if not in the plan, else whether
+    /// every replica of it moved.
+    fn move_replicas(
+        &self,
+        op: Op,
+        plan: &[(usize, ReplicaDesc)],
+        parts: &[Parts],
+    ) -> Vec<Option<Result<()>>> {
+        let mut outcome: Vec<Option<Result<()>>> = vec![None; parts.len()];
+        let mut reqs = Vec::new();
+        let mut owner = Vec::new();
+        for (i, rep) in plan {
+            let mut off = 0;
+            for piece in &rep.pieces {
+                match self.scatter(op, &parts[*i], off, piece) {
+                    Ok(rs) => {
+                        owner.extend(std::iter::repeat_n(*i, rs.len()));
+                        reqs.extend(rs);
+                    }
+                    Err(e) => outcome[*i] = Some(Err(e)),
+                }
+                off += piece.len;
+            }
+            outcome[*i].get_or_insert(Ok(()));
+        }
+        if reqs.is_empty() {
+            return outcome;
+        }
+        let states = self.run_batch(&reqs);
+        for (task, i) in owner.iter().enumerate() {
+            if let Err(e) = &states[task] {
+                if matches!(outcome[*i], Some(Ok(()))) {
+                    outcome[*i] = Some(Err(e.clone()));
+                }
+            }
+        }
+        outcome
+    }
+
+    /// Engine requests moving the value bytes `[off, off+piece.len)` of `parts`.
+    fn scatter(
+        &self,
+        op: Op,
+        parts: &Parts,
+        off: u64,
+        piece: &Piece,
+    ) -> Result<Vec<crate::engine::Request>> {
+        let segment = self.engine.open_segment(&piece.segment)?;
+        let mut out = Vec::new();
+        let mut part_start = 0;
+        for &(addr, len) in parts {
+            let lo = off.max(part_start);
+            let hi = (off + piece.len).min(part_start + len);
+            if lo < hi {
+                out.push(crate::engine::Request {
+                    op,
+                    local: addr + (lo - part_start),
+                    segment,
+                    remote: piece.addr + (lo - off),
+                    len: hi - lo,
+                });
+            }
+            part_start += len;
+        }
+        Ok(out)
+    }
+
+    /// Runs requests as one batch; a result per request.
+    fn run_batch(&self, reqs: &[crate::engine::Request]) -> Vec<Result<()>> {
+        let fail = |e: &Error| vec![Err(e.clone()); reqs.len()];
+        let batch = match self.engine.allocate_batch(reqs.len()) {
+            Ok(b) => b,
+            Err(e) => return fail(&e),
+        };
+        // SAFETY: the callers' buffers outlive this function, which waits for the batch.
+        if let Err(e) = unsafe { self.engine.submit(batch, reqs) } {
+            let _ = self.engine.free_batch(batch);
+            return fail(&e);
+        }
+        let _ = self.engine.wait_batch(batch, None);
+        let out = (0..reqs.len())
+            .map(|t| match self.engine.task_status(batch, t) {
+                Ok(s) if s.state == TaskState::Completed => Ok(()),
+                Ok(s) => Err(Error::new(
+                    Code::TransferFail,
+                    format!("task ended {:?}", s.state),
+                )),
+                Err(e) => Err(e),
+            })
+            .collect();
+        let _ = self.engine.free_batch(batch);
+        out
+    }
+
+    fn replicas(&self, keys: &[&str]) -> Vec<Result<ObjectDesc>> {
+        let req = Request::GetReplicas {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        match self.call(req) {
+            Ok(Response::GetReplicas(r)) if r.len() == keys.len() => r
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| r.map_err(|c| Error::new(c, format!("get {k:?}"))))
+                .collect(),
+            Ok(other) => all_err(
+                keys.len(),
+                Error::protocol(format!("unexpected answer {other:?}")),
+            ),
+            Err(e) => all_err(keys.len(), e),
+        }
+    }
+
+    /// Reads several keys into caller buffers; per key the object's size or an error
+    /// (`BUFFER_OVERFLOW` when the buffers are too small).
+    ///
+    /// # Safety
+    /// Every part must be writable for its length, and untouched by others, until the
+    /// call returns.
+    pub unsafe fn batch_get_into(&self, keys: &[&str], parts: &[Parts]) -> Vec<Result<u64>> {
+        if keys.len() != parts.len() {
+            return keys
+                .iter()
+                .map(|_| Err(Error::invalid("keys and buffers differ in count")))
+                .collect();
+        }
+        // The lease counts from before the request left: a conservative reading.
+        let asked = Instant::now();
+        let descs = self.replicas(keys);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.read_objects(keys, descs, parts, asked) }
+    }
+
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_objects(
+        &self,
+        keys: &[&str],
+        descs: Vec<Result<ObjectDesc>>,
+        parts: &[Parts],
+        asked: Instant,
+    ) -> Vec<Result<u64>> {
+        let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
+        let mut choices: Vec<Vec<ReplicaDesc>> = Vec::with_capacity(keys.len());
+        for (i, d) in descs.iter().enumerate() {
+            choices.push(Vec::new());
+            results.push(match d {
+                Err(e) => Err(e.clone()),
+                Ok(d) => {
+                    let room: u64 = parts[i].iter().map(|p| p.1).sum();
+                    if room < d.size {
+                        Err(Error::new(
+                            Code::BufferOverflow,
+                            format!("{:?} is {} bytes, buffer {room}", keys[i], d.size),
+                        ))
+                    } else {
+                        choices[i] = self.preference(&d.replicas);
+                        Ok(d.size)
+                    }
+                }
+            });
+        }
+        // Try each key's best replica; on failure its next one, and so on.
+        let mut last_err: HashMap<usize, Error> = HashMap::new();
+        let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
+        let mut attempt = 0;
+        while !pending.is_empty() {
+            let plan: Vec<(usize, ReplicaDesc)> = pending
+                .iter()
+                .filter_map(|&i| choices[i].get(attempt).map(|r| (i, r.clone())))
+                .collect();
+            if plan.is_empty() {
+                break;
+            }
+            let outcome = self.move_replicas(Op::Read, &plan, parts);
+            pending.retain(|&i| match &outcome[i] {
+                Some(Err(e)) => {
+                    last_err.insert(i, e.clone());
+                    true
+                }
+                Some(Ok(())) => {
+                    last_err.remove(&i);
+                    false
+                }
+                None => {
+                    results[i] = Err(last_err
+                        .remove(&i)
+                        .unwrap_or_else(|| Error::new(Code::InvalidReplica, "no replica")));
+                    false
+                }
+            });
+            attempt += 1;
+        }
+        for i in pending {
+            let e = last_err
+                .remove(&i)
+                .unwrap_or_else(|| Error::new(Code::TransferFail, "every replica failed"));
+            results[i] = Err(Error::new(
+                e.code(),
+                format!(
+                    "reading {:?}: every replica failed: {}",
+                    keys[i],
+                    e.context()
+                ),
+            ));
+        }
+        for (i, d) in descs.iter().enumerate() {
+            let (Ok(d), Ok(_)) = (d, &results[i]) else {
+                continue;
+            };
+            if asked.elapsed() >= Duration::from_millis(d.lease_ms) {
+                results[i] = Err(Error::new(
+                    Code::LeaseExpired,
+                    format!("read of {:?} outlived its lease", keys[i]),
+                ));
+                continue;
+            }
+            if self.config.verify_checksum {
+                // SAFETY: the parts were just written by the completed read.
+                let crc = unsafe { crc_prefix(&parts[i], d.size) };
+                if crc != d.crc32c {
+                    results[i] = Err(Error::new(
+                        Code::ChecksumMismatch,
+                        format!(
+                            "{:?}: crc32c {crc:#010x}, stored {:#010x}",
+                            keys[i], d.crc32c
+                        ),
+                    ));
+                }
+            }
+        }
+        results
+    }
+
+    /// Replicas in read preference: our own memory, then same-host peers, then remote.
+    fn preference(&self, replicas: &[ReplicaDesc]) -> Vec<ReplicaDesc> {
+        let own = self.engine.segment_name();
+        let own_host = self.engine.descriptor().host.map(|h| h.host_id);
+        let rank = |r: &ReplicaDesc| -> u8 {
+            if r.pieces.iter().all(|p| p.segment == own) {
+                return 0;
+            }
+            let same_host = r.pieces.iter().all(|p| {
+                let desc = self
+                    .engine
+                    .open_segment(&p.segment)
+                    .and_then(|s| self.engine.segment_descriptor(s));
+                desc.ok().and_then(|d| d.host).map(|h| h.host_id) == own_host
+            });
+            if same_host && own_host.is_some() {
+                1
+            } else {
+                2
+            }
+        };
+        let mut v: Vec<(u8, ReplicaDesc)> = replicas.iter().map(|r| (rank(r), r.clone())).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v.into_iter().map(|(_, r)| r).collect()
+    }
+
+    pub fn exists(&self, key: &str) -> Result<bool> {
+        one(self.batch_exists(&[key]))
+    }
+
+    /// Existence without taking a lease (probing never blocks eviction).
+    pub fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
+        match self.call(Request::Exists {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        }) {
+            Ok(Response::Exists(r)) if r.len() == keys.len() => r
+                .into_iter()
+                .map(|r: KeyResult<bool>| r.map_err(|c| Error::new(c, "exists")))
+                .collect(),
+            Ok(other) => all_err(
+                keys.len(),
+                Error::protocol(format!("unexpected answer {other:?}")),
+            ),
+            Err(e) => all_err(keys.len(), e),
+        }
+    }
+
+    /// The object's size (takes a read lease, like Mooncake's).
+    pub fn size(&self, key: &str) -> Result<u64> {
+        one(self.replicas(&[key])).map(|d| d.size)
+    }
+
+    pub fn remove(&self, key: &str, force: bool) -> Result<()> {
+        self.call(Request::Remove {
+            key: key.to_owned(),
+            force,
+        })
+        .map(|_| ())
+    }
+
+    pub fn remove_all(&self, force: bool) -> Result<u64> {
+        count(self.call(Request::RemoveAll { force }))
+    }
+
+    pub fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64> {
+        count(self.call(Request::RemoveByRegex {
+            pattern: pattern.to_owned(),
+            force,
+        }))
+    }
+
+    pub fn stats(&self) -> Result<PoolStats> {
+        match self.call(Request::Stats)? {
+            Response::Stats(s) => Ok(s),
+            other => Err(Error::protocol(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Registers a buffer for zero-copy puts and gets (required by RDMA transports;
+    /// harmless otherwise).
+    ///
+    /// # Safety
+    /// As `Engine::register_memory`.
+    pub unsafe fn register_buffer(&self, addr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.engine.register_memory(addr, len, "cpu:0") }
+    }
+
+    pub fn unregister_buffer(&self, addr: *mut u8) -> Result<()> {
+        self.engine.unregister_memory(addr)
+    }
+}
+
+impl Shared {
+    /// Introduces this client to the master and mounts its segment.
+    fn register(&self) -> Result<()> {
+        if let Some(seg) = &self.segment {
+            self.rpc.call(&Request::Mount {
+                client: self.id,
+                segment: seg.clone(),
+            })?;
+        }
+        Ok(())
+    }
+
+    fn ping_loop(&self, interval: Duration) {
+        let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.stop.load(Ordering::SeqCst) {
+            guard = self
+                .wake
+                .1
+                .wait_timeout(guard, interval)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            if self.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            match self.rpc.call(&Request::Ping { client: self.id }) {
+                Ok(Response::Ping { need_remount: true }) if self.segment.is_some() => {
+                    log::warn!("master asks client {:#x} to remount", self.id);
+                    if let Err(e) = self.register() {
+                        log::warn!("remount failed: {e}");
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => log::debug!("ping: {e}"),
+            }
+        }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let _g = self.shared.wake.0.lock();
+            self.shared.wake.1.notify_all();
+        }
+        if let Some(p) = self.pinger.take() {
+            let _ = p.join();
+        }
+        if let Some(seg) = &self.shared.segment {
+            if let Err(e) = self.shared.rpc.call(&Request::Unmount {
+                client: self.shared.id,
+                name: seg.name.clone(),
+            }) {
+                log::debug!("unmount on close: {e}");
+            }
+        }
+        if let Some(ptr) = self.segment_ptr.take() {
+            let _ = self.engine.free_buffer(ptr);
+        }
+    }
+}
+
+fn all_err<T>(n: usize, e: Error) -> Vec<Result<T>> {
+    (0..n).map(|_| Err(e.clone())).collect()
+}
+
+fn one<T>(mut v: Vec<Result<T>>) -> Result<T> {
+    v.pop()
+        .unwrap_or_else(|| Err(Error::new(Code::Internal, "empty batch result")))
+}
+
+fn count(r: Result<Response>) -> Result<u64> {
+    match r? {
+        Response::Count(n) => Ok(n),
+        other => Err(Error::protocol(format!("unexpected answer {other:?}"))),
+    }
+}
+
+/// CRC32C over all parts in order.
+///
+/// # Safety
+/// Every part must be readable.
+unsafe fn crc_of(parts: &Parts) -> u32 {
+    parts.iter().fold(0, |crc, &(addr, len)| {
+        // SAFETY: per the contract.
+        crc32c_append(crc, unsafe {
+            std::slice::from_raw_parts(addr as *const u8, len as usize)
+        })
+    })
+}
+
+/// CRC32C of the first `size` bytes spread over `parts`.
+///
+/// # Safety
+/// Every part must be readable.
+unsafe fn crc_prefix(parts: &Parts, size: u64) -> u32 {
+    let mut left = size;
+    let mut crc = 0;
+    for &(addr, len) in parts {
+        let n = len.min(left);
+        // SAFETY: per the contract.
+        crc = crc32c_append(crc, unsafe {
+            std::slice::from_raw_parts(addr as *const u8, n as usize)
+        });
+        left -= n;
+        if left == 0 {
+            break;
+        }
+    }
+    crc
+}

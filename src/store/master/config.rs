@@ -1,0 +1,64 @@
+//! Master settings, with Mooncake's defaults.
+
+use std::time::Duration;
+
+use crate::store::allocator::AllocatorConfig;
+
+/// How replicas are placed across segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocationStrategy {
+    /// Preferred segments first, then from a random starting segment onwards.
+    Random,
+    /// The freest segments (by free ratio) first.
+    FreeRatioFirst,
+    /// The writer's own segments first, then as `Random`.
+    LocalFirst,
+}
+
+impl AllocationStrategy {
+    pub fn parse(s: &str) -> Option<AllocationStrategy> {
+        match s {
+            "random" => Some(AllocationStrategy::Random),
+            "free_ratio_first" => Some(AllocationStrategy::FreeRatioFirst),
+            "local_first" => Some(AllocationStrategy::LocalFirst),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct MasterConfig {
+    /// How long a reader may use a replica list (`default_kv_lease_ttl`).
+    pub lease_ttl: Duration,
+    /// Pool usage above which eviction runs.
+    pub eviction_high_watermark: f64,
+    /// Share of the pool one eviction round frees at least.
+    pub eviction_ratio: f64,
+    /// A client silent this long loses its segments.
+    pub client_ttl: Duration,
+    /// An unfinished put older than this may be taken over by a new put of the key.
+    pub put_start_discard_timeout: Duration,
+    /// Space of an abandoned put is reused only after this long (its writer may still
+    /// be writing into it).
+    pub put_start_release_timeout: Duration,
+    pub allocation_strategy: AllocationStrategy,
+    pub allocator: AllocatorConfig,
+    /// Shards of the object table (more shards, less contention).
+    pub shards: usize,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            lease_ttl: Duration::from_millis(10_000),
+            eviction_high_watermark: 0.90,
+            eviction_ratio: 0.05,
+            client_ttl: Duration::from_secs(10),
+            put_start_discard_timeout: Duration::from_secs(30),
+            put_start_release_timeout: Duration::from_secs(600),
+            allocation_strategy: AllocationStrategy::Random,
+            allocator: AllocatorConfig::default(),
+            shards: 64,
+        }
+    }
+}

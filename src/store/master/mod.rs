@@ -1,0 +1,582 @@
+//! The store's control plane: object metadata (sharded), mounted segments with one
+//! slab allocator each, leases, eviction, client liveness. It never touches data bytes.
+
+mod clock;
+mod config;
+mod eviction;
+mod segments;
+
+pub use clock::Clock;
+pub use config::{AllocationStrategy, MasterConfig};
+
+use std::collections::hash_map::{DefaultHasher, Entry};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Code, Error, Result};
+use crate::store::protocol::{
+    check_key, KeyResult, ObjectDesc, PoolStats, ReplicaDesc, ReplicateConfig, Request, Response,
+    SegmentInfo, MAX_SOFT_PIN_TTL_MS,
+};
+use crate::util::regex::Regex;
+use segments::{ReplicaAlloc, SegmentTable};
+
+/// One object's metadata.
+struct Object {
+    size: u64,
+    crc32c: u32,
+    /// False while the writer is still moving bytes (between PutStart and PutEnd).
+    complete: bool,
+    writer: u64,
+    started_ms: u64,
+    replicas: Vec<ReplicaAlloc>,
+    lease_until_ms: u64,
+    last_access_ms: u64,
+    hard_pin: bool,
+    soft_pin_until_ms: u64,
+}
+
+/// Space that must not be reused yet (an abandoned writer or a force-removed object's
+/// readers may still touch it); freed when its time comes.
+struct Quarantined {
+    until_ms: u64,
+    _replicas: Vec<ReplicaAlloc>,
+}
+
+struct ClientState {
+    last_ping_ms: u64,
+}
+
+pub struct Master {
+    config: MasterConfig,
+    clock: Clock,
+    shards: Box<[Mutex<HashMap<String, Object>>]>,
+    segments: SegmentTable,
+    clients: Mutex<HashMap<u64, ClientState>>,
+    quarantine: Mutex<Vec<Quarantined>>,
+    objects: AtomicU64,
+    evicted_objects: AtomicU64,
+    evicted_bytes: AtomicU64,
+    seed: AtomicU64,
+}
+
+/// A per-key outcome of removal.
+enum Removal {
+    Removed,
+    Kept(Code),
+}
+
+impl Master {
+    pub fn new(config: MasterConfig) -> Master {
+        Master::with_clock(config, Clock::system())
+    }
+
+    pub fn with_clock(config: MasterConfig, clock: Clock) -> Master {
+        let shards = (0..config.shards.max(1))
+            .map(|_| Mutex::new(HashMap::new()))
+            .collect();
+        Master {
+            config,
+            clock,
+            shards,
+            segments: SegmentTable::default(),
+            clients: Mutex::new(HashMap::new()),
+            quarantine: Mutex::new(Vec::new()),
+            objects: AtomicU64::new(0),
+            evicted_objects: AtomicU64::new(0),
+            evicted_bytes: AtomicU64::new(0),
+            seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
+        }
+    }
+
+    pub fn config(&self) -> &MasterConfig {
+        &self.config
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
+        let mut h = DefaultHasher::new();
+        key.hash(&mut h);
+        &self.shards[(h.finish() % self.shards.len() as u64) as usize]
+    }
+
+    fn lock<'a>(
+        m: &'a Mutex<HashMap<String, Object>>,
+    ) -> std::sync::MutexGuard<'a, HashMap<String, Object>> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn next_seed(&self) -> u64 {
+        // xorshift; only spreads placement, needs no quality.
+        let mut x = self.seed.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.seed.store(x, Ordering::Relaxed);
+        x
+    }
+
+    /// Answers one RPC request.
+    pub fn handle(&self, req: Request) -> Result<Response> {
+        Ok(match req {
+            Request::Ping { client } => Response::Ping {
+                need_remount: !self.ping(client),
+            },
+            Request::Mount { client, segment } => {
+                self.mount(client, segment)?;
+                Response::Done
+            }
+            Request::Unmount { client, name } => {
+                self.unmount(client, &name)?;
+                Response::Done
+            }
+            Request::PutStart {
+                client,
+                items,
+                config,
+                upsert,
+            } => Response::PutStart(
+                items
+                    .iter()
+                    .map(|(k, s)| self.put_start(client, k, *s, &config, upsert))
+                    .collect(),
+            ),
+            Request::PutEnd { client, items } => Response::PerKey(
+                items
+                    .iter()
+                    .map(|(k, crc)| self.put_end(client, k, *crc))
+                    .collect(),
+            ),
+            Request::PutRevoke { client, keys } => {
+                Response::PerKey(keys.iter().map(|k| self.put_revoke(client, k)).collect())
+            }
+            Request::GetReplicas { keys } => {
+                Response::GetReplicas(keys.iter().map(|k| self.get_replicas(k)).collect())
+            }
+            Request::Exists { keys } => {
+                Response::Exists(keys.iter().map(|k| self.exists(k)).collect())
+            }
+            Request::Remove { key, force } => {
+                self.remove(&key, force)
+                    .map_err(|c| Error::new(c, format!("remove {key:?}")))?;
+                Response::Count(1)
+            }
+            Request::RemoveAll { force } => Response::Count(self.remove_matching(|_| true, force)),
+            Request::RemoveByRegex { pattern, force } => {
+                let re = Regex::new(&pattern)
+                    .map_err(|e| Error::invalid(format!("regex {pattern:?}: {e}")))?;
+                Response::Count(self.remove_matching(|k| re.is_match(k), force))
+            }
+            Request::Stats => Response::Stats(self.stats()),
+        })
+    }
+
+    /// Records a client's heartbeat; false when the client is unknown (it must remount).
+    pub fn ping(&self, client: u64) -> bool {
+        let now = self.clock.now_ms();
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        match clients.get_mut(&client) {
+            Some(c) => {
+                c.last_ping_ms = now;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn mount(&self, client: u64, segment: SegmentInfo) -> Result<()> {
+        if segment.size == 0
+            || segment.name.is_empty()
+            || segment.base.checked_add(segment.size).is_none()
+        {
+            return Err(Error::invalid(format!("bad segment {segment:?}")));
+        }
+        let name = segment.name.clone();
+        self.segments
+            .mount(client, segment, &self.config.allocator)
+            .map_err(|owner| {
+                Error::new(
+                    Code::SegmentAlreadyExists,
+                    format!("segment {name} is mounted by client {owner:#x}"),
+                )
+            })?;
+        let now = self.clock.now_ms();
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(client, ClientState { last_ping_ms: now });
+        log::info!("mounted segment {name} of client {client:#x}");
+        Ok(())
+    }
+
+    pub fn unmount(&self, client: u64, name: &str) -> Result<()> {
+        let segs = self.segments.snapshot();
+        match segs.iter().find(|s| s.info.name == name) {
+            Some(s) if s.client == client => {
+                self.drop_segment(name, true);
+                Ok(())
+            }
+            Some(_) => Err(Error::new(
+                Code::IllegalClient,
+                format!("segment {name} belongs to another client"),
+            )),
+            None => Err(Error::new(Code::SegmentNotFound, format!("segment {name}"))),
+        }
+    }
+
+    /// Removes a segment and every replica on it; objects left without a replica are
+    /// gone (their bytes were only there).
+    fn drop_segment(&self, name: &str, voluntary: bool) {
+        let Some(seg) = self.segments.unmount(name) else {
+            return;
+        };
+        let mut lost = 0;
+        for shard in self.shards.iter() {
+            let mut map = Self::lock(shard);
+            map.retain(|_, o| {
+                o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
+                // An unfinished put keeps its entry: its PutEnd then fails, or the
+                // release timeout clears it.
+                let keep = !o.replicas.is_empty() || !o.complete;
+                if !keep {
+                    lost += 1;
+                }
+                keep
+            });
+        }
+        self.objects.fetch_sub(lost, Ordering::Relaxed);
+        if voluntary {
+            log::info!("segment {name} unmounted; {lost} objects left with it");
+        } else {
+            log::warn!("segment {name} dropped; {lost} objects lost their last replica");
+        }
+    }
+
+    fn put_start(
+        &self,
+        client: u64,
+        key: &str,
+        size: u64,
+        config: &ReplicateConfig,
+        upsert: bool,
+    ) -> KeyResult<Vec<ReplicaDesc>> {
+        check_key(key)?;
+        if size == 0 {
+            return Err(Code::InvalidParams);
+        }
+        let now = self.clock.now_ms();
+        {
+            let mut map = Self::lock(self.shard(key));
+            match map.entry(key.to_owned()) {
+                Entry::Occupied(mut e) => {
+                    let o = e.get_mut();
+                    if o.complete {
+                        if !upsert {
+                            return Err(Code::ObjectAlreadyExists);
+                        }
+                        if o.lease_until_ms > now {
+                            return Err(Code::ObjectHasLease);
+                        }
+                    } else if now.saturating_sub(o.started_ms)
+                        < self.config.put_start_discard_timeout.as_millis() as u64
+                    {
+                        return Err(Code::ObjectAlreadyExists);
+                    } else {
+                        // Take over an abandoned put; its space waits out the release timeout.
+                        let until =
+                            o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
+                        self.quarantine_replicas(std::mem::take(&mut o.replicas), until);
+                        log::warn!(
+                            "put of {key:?} by client {:#x} abandoned; taken over",
+                            o.writer
+                        );
+                    }
+                    let placeholder = self.placeholder(client, size, now, config);
+                    *o = placeholder;
+                }
+                Entry::Vacant(v) => {
+                    v.insert(self.placeholder(client, size, now, config));
+                    self.objects.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        // Allocate without holding the shard lock: eviction takes shard locks.
+        let replicas = self.allocate(client, size, config);
+        let mut map = Self::lock(self.shard(key));
+        match (replicas.is_empty(), map.get_mut(key)) {
+            (false, Some(o)) if !o.complete && o.started_ms == now && o.writer == client => {
+                let desc = segments::describe(&replicas);
+                o.replicas = replicas;
+                Ok(desc)
+            }
+            (_, Some(o)) if !o.complete && o.writer == client && o.replicas.is_empty() => {
+                map.remove(key);
+                self.objects.fetch_sub(1, Ordering::Relaxed);
+                Err(Code::NoAvailableHandle)
+            }
+            // Removed or taken over meanwhile (forced removal): give the space back.
+            _ => Err(Code::ObjectNotFound),
+        }
+    }
+
+    fn placeholder(&self, client: u64, size: u64, now: u64, config: &ReplicateConfig) -> Object {
+        let soft_ttl = config.soft_pin_ttl_ms.min(MAX_SOFT_PIN_TTL_MS);
+        Object {
+            size,
+            crc32c: 0,
+            complete: false,
+            writer: client,
+            started_ms: now,
+            replicas: Vec::new(),
+            lease_until_ms: 0,
+            last_access_ms: now,
+            hard_pin: config.hard_pin,
+            soft_pin_until_ms: if config.soft_pin { now + soft_ttl } else { 0 },
+        }
+    }
+
+    /// Places replicas, evicting when the pool is full; empty when nothing fits even
+    /// after eviction.
+    fn allocate(&self, client: u64, size: u64, config: &ReplicateConfig) -> Vec<ReplicaAlloc> {
+        for round in 0..8 {
+            let order = segments::placement_order(
+                self.segments.snapshot(),
+                self.config.allocation_strategy,
+                config,
+                client,
+                self.next_seed(),
+            );
+            let replicas = segments::allocate(&order, size, config.replica_num);
+            if !replicas.is_empty() {
+                self.evict_above_watermark();
+                return replicas;
+            }
+            let (capacity, _) = self.segments.capacity_and_used();
+            let want = size.max((capacity as f64 * self.config.eviction_ratio) as u64);
+            if self.evict(want, round > 0) == 0 {
+                break;
+            }
+        }
+        Vec::new()
+    }
+
+    fn quarantine_replicas(&self, replicas: Vec<ReplicaAlloc>, until_ms: u64) {
+        if !replicas.is_empty() {
+            self.quarantine
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Quarantined {
+                    until_ms,
+                    _replicas: replicas,
+                });
+        }
+    }
+
+    fn put_end(&self, client: u64, key: &str, crc32c: u32) -> KeyResult<()> {
+        check_key(key)?;
+        let mut map = Self::lock(self.shard(key));
+        match map.get_mut(key) {
+            Some(o) if !o.complete && o.writer == client && !o.replicas.is_empty() => {
+                o.complete = true;
+                o.crc32c = crc32c;
+                o.last_access_ms = self.clock.now_ms();
+                Ok(())
+            }
+            Some(_) => Err(Code::InvalidWrite),
+            None => Err(Code::ObjectNotFound),
+        }
+    }
+
+    fn put_revoke(&self, client: u64, key: &str) -> KeyResult<()> {
+        check_key(key)?;
+        let mut map = Self::lock(self.shard(key));
+        match map.get(key) {
+            Some(o) if !o.complete && o.writer == client => {
+                map.remove(key);
+                self.objects.fetch_sub(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Some(_) => Err(Code::InvalidWrite),
+            None => Err(Code::ObjectNotFound),
+        }
+    }
+
+    fn get_replicas(&self, key: &str) -> KeyResult<ObjectDesc> {
+        check_key(key)?;
+        let now = self.clock.now_ms();
+        let ttl = self.config.lease_ttl.as_millis() as u64;
+        let mut map = Self::lock(self.shard(key));
+        let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
+        if !o.complete {
+            return Err(Code::ReplicaIsNotReady);
+        }
+        o.lease_until_ms = o.lease_until_ms.max(now + ttl);
+        o.last_access_ms = now;
+        Ok(ObjectDesc {
+            size: o.size,
+            crc32c: o.crc32c,
+            lease_ms: ttl,
+            replicas: segments::describe(&o.replicas),
+        })
+    }
+
+    /// Whether a complete object exists. Deliberately neither leases nor touches it:
+    /// constant probing must not make objects unevictable (upstream #2187).
+    fn exists(&self, key: &str) -> KeyResult<bool> {
+        check_key(key)?;
+        Ok(Self::lock(self.shard(key))
+            .get(key)
+            .is_some_and(|o| o.complete))
+    }
+
+    pub fn remove(&self, key: &str, force: bool) -> KeyResult<()> {
+        check_key(key)?;
+        let now = self.clock.now_ms();
+        let mut map = Self::lock(self.shard(key));
+        match map.remove(key) {
+            None => Err(Code::ObjectNotFound),
+            Some(o) => match self.removal(o, force, now) {
+                (Removal::Removed, _) => {
+                    self.objects.fetch_sub(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                (Removal::Kept(code), Some(o)) => {
+                    map.insert(key.to_owned(), o);
+                    Err(code)
+                }
+                (Removal::Kept(code), None) => Err(code),
+            },
+        }
+    }
+
+    /// Decides a removal. Space that someone may still touch (a writer mid-put, a
+    /// reader within its lease) is quarantined rather than freed.
+    fn removal(&self, o: Object, force: bool, now: u64) -> (Removal, Option<Object>) {
+        let leased = o.complete && o.lease_until_ms > now;
+        match (o.complete, leased, force) {
+            (false, _, false) => (Removal::Kept(Code::ReplicaIsNotReady), Some(o)),
+            (true, true, false) => (Removal::Kept(Code::ObjectHasLease), Some(o)),
+            (false, _, true) => {
+                let until = o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
+                self.quarantine_replicas(o.replicas, until);
+                (Removal::Removed, None)
+            }
+            (true, true, true) => {
+                self.quarantine_replicas(o.replicas, o.lease_until_ms);
+                (Removal::Removed, None)
+            }
+            (true, false, _) => (Removal::Removed, None),
+        }
+    }
+
+    fn remove_matching(&self, pred: impl Fn(&str) -> bool, force: bool) -> u64 {
+        let now = self.clock.now_ms();
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let mut map = Self::lock(shard);
+            let keys: Vec<String> = map.keys().filter(|k| pred(k)).cloned().collect();
+            for k in keys {
+                let Some(o) = map.remove(&k) else { continue };
+                match self.removal(o, force, now) {
+                    (Removal::Removed, _) => removed += 1,
+                    (Removal::Kept(_), Some(o)) => {
+                        map.insert(k, o);
+                    }
+                    (Removal::Kept(_), None) => {}
+                }
+            }
+        }
+        self.objects.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let (capacity, used) = self.segments.capacity_and_used();
+        PoolStats {
+            segments: self.segments.snapshot().len() as u64,
+            capacity,
+            used,
+            objects: self.objects.load(Ordering::Relaxed),
+            evicted_objects: self.evicted_objects.load(Ordering::Relaxed),
+            evicted_bytes: self.evicted_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Housekeeping: drops silent clients' segments, frees quarantined space whose
+    /// time has come, releases abandoned puts, and evicts above the watermark.
+    pub fn tick(&self) {
+        let now = self.clock.now_ms();
+        let ttl = self.config.client_ttl.as_millis() as u64;
+        let expired: Vec<u64> = {
+            let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            let dead: Vec<u64> = clients
+                .iter()
+                .filter(|(_, c)| now.saturating_sub(c.last_ping_ms) > ttl)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &dead {
+                clients.remove(id);
+            }
+            dead
+        };
+        for client in expired {
+            for name in self.segments.of_client(client) {
+                log::warn!(
+                    "client {client:#x} silent for over {ttl} ms: dropping its segment {name}"
+                );
+                self.drop_segment(&name, false);
+            }
+        }
+        self.quarantine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|q| q.until_ms > now);
+        let release = self.config.put_start_release_timeout.as_millis() as u64;
+        let mut released = 0;
+        for shard in self.shards.iter() {
+            Self::lock(shard).retain(|_, o| {
+                let keep = o.complete || now.saturating_sub(o.started_ms) < release;
+                released += (!keep) as u64;
+                keep
+            });
+        }
+        self.objects.fetch_sub(released, Ordering::Relaxed);
+        self.evict_above_watermark();
+    }
+
+    /// Keys and descriptors for the admin endpoints (no lease taken).
+    pub fn query(&self, key: &str) -> Option<(u64, bool, Vec<ReplicaDesc>)> {
+        let map = Self::lock(self.shard(key));
+        map.get(key)
+            .map(|o| (o.size, o.complete, segments::describe(&o.replicas)))
+    }
+
+    pub fn all_keys(&self) -> Vec<String> {
+        self.shards
+            .iter()
+            .flat_map(|s| Self::lock(s).keys().cloned().collect::<Vec<_>>())
+            .collect()
+    }
+
+    pub fn all_segments(&self) -> Vec<(SegmentInfo, u64, u64)> {
+        self.segments
+            .snapshot()
+            .iter()
+            .map(|s| {
+                (
+                    s.info.clone(),
+                    segments::usable(&s.alloc),
+                    s.alloc.used_bytes(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// The master under a shared handle, for servers and tests.
+pub type SharedMaster = Arc<Master>;

@@ -1,0 +1,219 @@
+//! Mounted segments, each with its own allocator, and replica placement across them.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::config::AllocationStrategy;
+use crate::store::allocator::{Allocation, AllocatorConfig, SlabAllocator};
+use crate::store::protocol::{Piece, ReplicaDesc, ReplicateConfig, SegmentInfo};
+
+/// One node's memory in the pool.
+pub struct Segment {
+    pub id: u64,
+    pub info: SegmentInfo,
+    pub client: u64,
+    pub alloc: SlabAllocator,
+}
+
+/// An allocated range; dropping it gives the space back.
+pub struct PieceAlloc {
+    pub seg: Arc<Segment>,
+    pub alloc: Allocation,
+}
+
+impl PieceAlloc {
+    pub fn piece(&self) -> Piece {
+        Piece {
+            segment: self.seg.info.name.clone(),
+            addr: self.seg.info.base + self.alloc.offset,
+            len: self.alloc.size,
+        }
+    }
+}
+
+impl Drop for PieceAlloc {
+    fn drop(&mut self) {
+        self.seg.alloc.free(self.alloc);
+    }
+}
+
+/// One replica's pieces, in value order.
+pub type ReplicaAlloc = Vec<PieceAlloc>;
+
+pub fn describe(replicas: &[ReplicaAlloc]) -> Vec<ReplicaDesc> {
+    replicas
+        .iter()
+        .map(|r| ReplicaDesc {
+            pieces: r.iter().map(PieceAlloc::piece).collect(),
+        })
+        .collect()
+}
+
+#[derive(Default)]
+pub struct SegmentTable {
+    by_name: RwLock<HashMap<String, Arc<Segment>>>,
+    next_id: AtomicU64,
+}
+
+impl SegmentTable {
+    /// Adds a segment; `Err(existing owner)` if the name is taken by another client.
+    pub fn mount(
+        &self,
+        client: u64,
+        info: SegmentInfo,
+        config: &AllocatorConfig,
+    ) -> Result<(), u64> {
+        let mut map = self.by_name.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(&info.name) {
+            return if s.client == client {
+                Ok(())
+            } else {
+                Err(s.client)
+            };
+        }
+        let seg = Segment {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            alloc: SlabAllocator::new(info.size, config.for_segment(info.size)),
+            client,
+            info,
+        };
+        map.insert(seg.info.name.clone(), Arc::new(seg));
+        Ok(())
+    }
+
+    pub fn unmount(&self, name: &str) -> Option<Arc<Segment>> {
+        self.by_name
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+    }
+
+    pub fn snapshot(&self) -> Vec<Arc<Segment>> {
+        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = map.values().cloned().collect();
+        v.sort_by_key(|s| s.id);
+        v
+    }
+
+    pub fn of_client(&self, client: u64) -> Vec<String> {
+        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        map.values()
+            .filter(|s| s.client == client)
+            .map(|s| s.info.name.clone())
+            .collect()
+    }
+
+    pub fn capacity_and_used(&self) -> (u64, u64) {
+        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        map.values().fold((0, 0), |(c, u), s| {
+            (c + usable(&s.alloc), u + s.alloc.used_bytes())
+        })
+    }
+}
+
+/// Bytes an allocator can hand out: whole slabs only (a shorter tail stays unused).
+pub fn usable(alloc: &SlabAllocator) -> u64 {
+    alloc.slab_count() as u64 * alloc.slab_size()
+}
+
+/// Orders candidate segments for one object by the configured strategy.
+pub fn placement_order(
+    mut segs: Vec<Arc<Segment>>,
+    strategy: AllocationStrategy,
+    config: &ReplicateConfig,
+    writer: u64,
+    seed: u64,
+) -> Vec<Arc<Segment>> {
+    if segs.is_empty() {
+        return segs;
+    }
+    match strategy {
+        AllocationStrategy::FreeRatioFirst => segs.sort_by(|a, b| {
+            let free =
+                |s: &Segment| 1.0 - s.alloc.used_bytes() as f64 / s.alloc.capacity().max(1) as f64;
+            free(b).total_cmp(&free(a))
+        }),
+        _ => {
+            let start = (seed % segs.len() as u64) as usize;
+            segs.rotate_left(start);
+        }
+    }
+    let local_first = config.prefer_same_node || strategy == AllocationStrategy::LocalFirst;
+    if local_first {
+        // Stable: keeps the strategy's order within each group.
+        segs.sort_by_key(|s| s.client != writer);
+    }
+    for name in config.preferred_segments.iter().rev() {
+        if let Some(i) = segs.iter().position(|s| &s.info.name == name) {
+            let s = segs.remove(i);
+            segs.insert(0, s);
+        }
+    }
+    segs
+}
+
+/// Allocates up to `replicas` copies of `size` bytes on distinct segments. Objects
+/// larger than a segment's largest block are striped: each replica gets its own
+/// subset of segments and its pieces go round-robin over it.
+pub fn allocate(order: &[Arc<Segment>], size: u64, replicas: u32) -> Vec<ReplicaAlloc> {
+    let replicas = (replicas.max(1) as usize).min(order.len());
+    let mut out = Vec::new();
+    let mut used = vec![false; order.len()];
+    for r in 0..replicas {
+        let single = order.iter().enumerate().find_map(|(i, s)| {
+            if used[i] || size > s.alloc.max_object_size() {
+                return None;
+            }
+            let a = s.alloc.alloc(size)?;
+            used[i] = true;
+            Some(vec![PieceAlloc {
+                seg: s.clone(),
+                alloc: a,
+            }])
+        });
+        if let Some(rep) = single {
+            out.push(rep);
+            continue;
+        }
+        // Striping: this replica's segments are those with index ≡ r (mod replicas).
+        let mine: Vec<usize> = (0..order.len())
+            .filter(|i| i % replicas == r && !used[*i])
+            .collect();
+        if let Some(rep) = stripe(order, &mine, size) {
+            for i in &mine {
+                used[*i] = true;
+            }
+            out.push(rep);
+        }
+    }
+    out
+}
+
+fn stripe(order: &[Arc<Segment>], mine: &[usize], size: u64) -> Option<ReplicaAlloc> {
+    let piece_max = mine
+        .iter()
+        .map(|&i| order[i].alloc.max_object_size())
+        .min()?;
+    if piece_max == 0 {
+        return None;
+    }
+    let mut pieces = Vec::new();
+    let mut left = size;
+    let mut k = 0;
+    while left > 0 {
+        let len = left.min(piece_max);
+        // Try each of this replica's segments, starting at the round-robin position.
+        let a = (0..mine.len()).find_map(|j| {
+            let s = &order[mine[(k + j) % mine.len()]];
+            s.alloc.alloc(len).map(|a| PieceAlloc {
+                seg: s.clone(),
+                alloc: a,
+            })
+        })?; // dropping `pieces` on failure gives back what was taken
+        pieces.push(a);
+        left -= len;
+        k += 1;
+    }
+    Some(pieces)
+}

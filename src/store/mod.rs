@@ -1,0 +1,16 @@
+//! The distributed KV-cache store: a master holding object metadata and one slab
+//! allocator per mounted segment, and clients that lend memory and move bytes peer to
+//! peer with the transfer engine.
+
+pub mod allocator;
+pub mod client;
+pub mod codec;
+pub mod master;
+pub mod protocol;
+pub mod rpc;
+pub mod server;
+
+pub use client::{Client, ClientConfig};
+pub use master::{Master, MasterConfig};
+pub use protocol::ReplicateConfig;
+pub use server::{MasterServer, ServerConfig};

@@ -1,0 +1,435 @@
+//! Messages between store clients and the master, and their encoding (`codec`).
+//! Every per-key operation is a batch: a single call is a batch of one.
+
+use super::codec::{Reader, Writer};
+use crate::error::{Code, Error, Result};
+
+/// Bumped on any incompatible change to these messages.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Keys longer than this are refused (`INVALID_KEY`).
+pub const MAX_KEY_LEN: usize = 4096;
+
+/// How an object is to be stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicateConfig {
+    /// Copies on distinct segments; best effort (fewer when space lacks, at least 1).
+    pub replica_num: u32,
+    /// Never evicted.
+    pub hard_pin: bool,
+    /// Evicted only after every unpinned object, until `soft_pin_ttl_ms` passes.
+    pub soft_pin: bool,
+    pub soft_pin_ttl_ms: u64,
+    /// Segments to try first, in order.
+    pub preferred_segments: Vec<String>,
+    /// Put a replica in the writer's own segment first.
+    pub prefer_same_node: bool,
+    /// Objects that share lease and eviction fate.
+    pub group_ids: Vec<String>,
+}
+
+/// Mooncake's default soft-pin TTL (30 min) and its ceiling (24 h).
+pub const DEFAULT_SOFT_PIN_TTL_MS: u64 = 30 * 60 * 1000;
+pub const MAX_SOFT_PIN_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        ReplicateConfig {
+            replica_num: 1,
+            hard_pin: false,
+            soft_pin: false,
+            soft_pin_ttl_ms: DEFAULT_SOFT_PIN_TTL_MS,
+            preferred_segments: Vec::new(),
+            prefer_same_node: false,
+            group_ids: Vec::new(),
+        }
+    }
+}
+
+/// A contiguous range of a node's memory: `len` bytes at absolute `addr` of `segment`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub segment: String,
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// One copy of an object: its pieces, in order, concatenate to the value (one piece
+/// unless the object is striped).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaDesc {
+    pub pieces: Vec<Piece>,
+}
+
+/// What a reader needs: size, checksum, complete replicas, and how long its lease lasts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectDesc {
+    pub size: u64,
+    pub crc32c: u32,
+    pub lease_ms: u64,
+    pub replicas: Vec<ReplicaDesc>,
+}
+
+/// A node's memory lent to the pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// The transfer-engine segment name the bytes are reached through.
+    pub name: String,
+    pub base: u64,
+    pub size: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub segments: u64,
+    pub capacity: u64,
+    pub used: u64,
+    pub objects: u64,
+    pub evicted_objects: u64,
+    pub evicted_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Ping {
+        client: u64,
+    },
+    Mount {
+        client: u64,
+        segment: SegmentInfo,
+    },
+    Unmount {
+        client: u64,
+        name: String,
+    },
+    PutStart {
+        client: u64,
+        items: Vec<(String, u64)>,
+        config: ReplicateConfig,
+        upsert: bool,
+    },
+    PutEnd {
+        client: u64,
+        items: Vec<(String, u32)>,
+    },
+    PutRevoke {
+        client: u64,
+        keys: Vec<String>,
+    },
+    GetReplicas {
+        keys: Vec<String>,
+    },
+    Exists {
+        keys: Vec<String>,
+    },
+    Remove {
+        key: String,
+        force: bool,
+    },
+    RemoveAll {
+        force: bool,
+    },
+    RemoveByRegex {
+        pattern: String,
+        force: bool,
+    },
+    Stats,
+}
+
+/// Result of one key in a batch: `Ok` or a store code.
+pub type KeyResult<T> = std::result::Result<T, Code>;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    Ping { need_remount: bool },
+    Done,
+    PutStart(Vec<KeyResult<Vec<ReplicaDesc>>>),
+    PerKey(Vec<KeyResult<()>>),
+    GetReplicas(Vec<KeyResult<ObjectDesc>>),
+    Exists(Vec<KeyResult<bool>>),
+    Count(u64),
+    Stats(PoolStats),
+}
+
+impl Request {
+    pub fn method(&self) -> u16 {
+        match self {
+            Request::Ping { .. } => 1,
+            Request::Mount { .. } => 2,
+            Request::Unmount { .. } => 3,
+            Request::PutStart { .. } => 4,
+            Request::PutEnd { .. } => 5,
+            Request::PutRevoke { .. } => 6,
+            Request::GetReplicas { .. } => 7,
+            Request::Exists { .. } => 8,
+            Request::Remove { .. } => 9,
+            Request::RemoveAll { .. } => 10,
+            Request::RemoveByRegex { .. } => 11,
+            Request::Stats => 12,
+        }
+    }
+
+    pub fn encode(&self, w: &mut Writer) {
+        match self {
+            Request::Ping { client } => {
+                w.u64(*client);
+            }
+            Request::Mount { client, segment } => {
+                w.u64(*client)
+                    .str(&segment.name)
+                    .u64(segment.base)
+                    .u64(segment.size);
+            }
+            Request::Unmount { client, name } => {
+                w.u64(*client).str(name);
+            }
+            Request::PutStart {
+                client,
+                items,
+                config,
+                upsert,
+            } => {
+                w.u64(*client).list(items, |w, (k, s)| {
+                    w.str(k).u64(*s);
+                });
+                encode_config(w, config);
+                w.bool(*upsert);
+            }
+            Request::PutEnd { client, items } => {
+                w.u64(*client).list(items, |w, (k, c)| {
+                    w.str(k).u32(*c);
+                });
+            }
+            Request::PutRevoke { client, keys } => {
+                w.u64(*client).list(keys, |w, k| {
+                    w.str(k);
+                });
+            }
+            Request::GetReplicas { keys } | Request::Exists { keys } => {
+                w.list(keys, |w, k| {
+                    w.str(k);
+                });
+            }
+            Request::Remove { key, force } => {
+                w.str(key).bool(*force);
+            }
+            Request::RemoveAll { force } => {
+                w.bool(*force);
+            }
+            Request::RemoveByRegex { pattern, force } => {
+                w.str(pattern).bool(*force);
+            }
+            Request::Stats => {}
+        }
+    }
+
+    pub fn decode(method: u16, payload: &[u8]) -> Result<Request> {
+        let mut r = Reader::new(payload);
+        let keys = |r: &mut Reader| r.list(4, |r| r.string());
+        let req = match method {
+            1 => Request::Ping { client: r.u64()? },
+            2 => Request::Mount {
+                client: r.u64()?,
+                segment: SegmentInfo {
+                    name: r.string()?,
+                    base: r.u64()?,
+                    size: r.u64()?,
+                },
+            },
+            3 => Request::Unmount {
+                client: r.u64()?,
+                name: r.string()?,
+            },
+            4 => Request::PutStart {
+                client: r.u64()?,
+                items: r.list(12, |r| Ok((r.string()?, r.u64()?)))?,
+                config: decode_config(&mut r)?,
+                upsert: r.bool()?,
+            },
+            5 => Request::PutEnd {
+                client: r.u64()?,
+                items: r.list(8, |r| Ok((r.string()?, r.u32()?)))?,
+            },
+            6 => Request::PutRevoke {
+                client: r.u64()?,
+                keys: keys(&mut r)?,
+            },
+            7 => Request::GetReplicas {
+                keys: keys(&mut r)?,
+            },
+            8 => Request::Exists {
+                keys: keys(&mut r)?,
+            },
+            9 => Request::Remove {
+                key: r.string()?,
+                force: r.bool()?,
+            },
+            10 => Request::RemoveAll { force: r.bool()? },
+            11 => Request::RemoveByRegex {
+                pattern: r.string()?,
+                force: r.bool()?,
+            },
+            12 => Request::Stats,
+            other => return Err(Error::protocol(format!("unknown store method {other}"))),
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+fn encode_config(w: &mut Writer, c: &ReplicateConfig) {
+    w.u32(c.replica_num)
+        .bool(c.hard_pin)
+        .bool(c.soft_pin)
+        .u64(c.soft_pin_ttl_ms);
+    w.list(&c.preferred_segments, |w, s| {
+        w.str(s);
+    });
+    w.bool(c.prefer_same_node);
+    w.list(&c.group_ids, |w, s| {
+        w.str(s);
+    });
+}
+
+fn decode_config(r: &mut Reader) -> Result<ReplicateConfig> {
+    Ok(ReplicateConfig {
+        replica_num: r.u32()?,
+        hard_pin: r.bool()?,
+        soft_pin: r.bool()?,
+        soft_pin_ttl_ms: r.u64()?,
+        preferred_segments: r.list(4, |r| r.string())?,
+        prefer_same_node: r.bool()?,
+        group_ids: r.list(4, |r| r.string())?,
+    })
+}
+
+fn encode_result<T>(w: &mut Writer, r: &KeyResult<T>, ok: impl FnOnce(&mut Writer, &T)) {
+    match r {
+        Ok(v) => {
+            w.i32(0);
+            ok(w, v);
+        }
+        Err(code) => {
+            w.i32(*code as i32);
+        }
+    }
+}
+
+fn decode_result<T>(
+    r: &mut Reader,
+    ok: impl FnOnce(&mut Reader) -> Result<T>,
+) -> Result<KeyResult<T>> {
+    match r.i32()? {
+        0 => Ok(Ok(ok(r)?)),
+        code => Ok(Err(Code::from_i32(code).ok_or_else(|| {
+            Error::protocol(format!("unknown status code {code}"))
+        })?)),
+    }
+}
+
+fn encode_replicas(w: &mut Writer, replicas: &[ReplicaDesc]) {
+    w.list(replicas, |w, rep| {
+        w.list(&rep.pieces, |w, p| {
+            w.str(&p.segment).u64(p.addr).u64(p.len);
+        });
+    });
+}
+
+fn decode_replicas(r: &mut Reader) -> Result<Vec<ReplicaDesc>> {
+    r.list(4, |r| {
+        Ok(ReplicaDesc {
+            pieces: r.list(20, |r| {
+                Ok(Piece {
+                    segment: r.string()?,
+                    addr: r.u64()?,
+                    len: r.u64()?,
+                })
+            })?,
+        })
+    })
+}
+
+impl Response {
+    pub fn encode(&self, w: &mut Writer) {
+        match self {
+            Response::Ping { need_remount } => {
+                w.bool(*need_remount);
+            }
+            Response::Done => {}
+            Response::PutStart(items) => {
+                w.list(items, |w, r| {
+                    encode_result(w, r, |w, reps| encode_replicas(w, reps))
+                });
+            }
+            Response::PerKey(items) => {
+                w.list(items, |w, r| encode_result(w, r, |_, _| {}));
+            }
+            Response::GetReplicas(items) => {
+                w.list(items, |w, r| {
+                    encode_result(w, r, |w, o| {
+                        w.u64(o.size).u32(o.crc32c).u64(o.lease_ms);
+                        encode_replicas(w, &o.replicas);
+                    })
+                });
+            }
+            Response::Exists(items) => {
+                w.list(items, |w, r| {
+                    encode_result(w, r, |w, b| {
+                        w.bool(*b);
+                    })
+                });
+            }
+            Response::Count(n) => {
+                w.u64(*n);
+            }
+            Response::Stats(s) => {
+                w.u64(s.segments).u64(s.capacity).u64(s.used).u64(s.objects);
+                w.u64(s.evicted_objects).u64(s.evicted_bytes);
+            }
+        }
+    }
+
+    /// Decodes the answer to a request of `method`.
+    pub fn decode(method: u16, payload: &[u8]) -> Result<Response> {
+        let mut r = Reader::new(payload);
+        let resp = match method {
+            1 => Response::Ping {
+                need_remount: r.bool()?,
+            },
+            2 | 3 => Response::Done,
+            4 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
+            5 | 6 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
+            7 => Response::GetReplicas(r.list(4, |r| {
+                decode_result(r, |r| {
+                    Ok(ObjectDesc {
+                        size: r.u64()?,
+                        crc32c: r.u32()?,
+                        lease_ms: r.u64()?,
+                        replicas: decode_replicas(r)?,
+                    })
+                })
+            })?),
+            8 => Response::Exists(r.list(4, |r| decode_result(r, |r| r.bool()))?),
+            9..=11 => Response::Count(r.u64()?),
+            12 => Response::Stats(PoolStats {
+                segments: r.u64()?,
+                capacity: r.u64()?,
+                used: r.u64()?,
+                objects: r.u64()?,
+                evicted_objects: r.u64()?,
+                evicted_bytes: r.u64()?,
+            }),
+            other => return Err(Error::protocol(format!("unknown store method {other}"))),
+        };
+        r.finish()?;
+        Ok(resp)
+    }
+}
+
+/// Checks a key: non-empty and at most `MAX_KEY_LEN` bytes.
+pub fn check_key(key: &str) -> KeyResult<()> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        Err(Code::InvalidKey)
+    } else {
+        Ok(())
+    }
+}

@@ -1,0 +1,269 @@
+//! The store's own binary RPC between clients and the master.
+//!
+//! Request frame:  `u32 len | u16 version | u16 method | u64 request id | payload`.
+//! Response frame: `u32 len | u16 version | u16 method | u64 request id | i32 status |
+//! payload` (on a non-zero status the payload is the error's UTF-8 context).
+//! `len` counts the bytes after itself and is capped at `MAX_FRAME`. Requests on one
+//! connection are answered in order, so a client may pipeline them. A malformed or
+//! oversized frame closes that connection (with a logged reason) and nobody else's.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::codec::Writer;
+use super::master::Master;
+use super::protocol::{Request, Response, PROTOCOL_VERSION};
+use crate::error::{Code, Error, Result};
+use crate::net::ConnServer;
+
+pub const MAX_FRAME: usize = 16 << 20;
+const HEADER: usize = 12;
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn frame(method: u16, id: u64, status: Option<i32>, payload: &[u8]) -> Vec<u8> {
+    let extra = if status.is_some() { 4 } else { 0 };
+    let mut out = Vec::with_capacity(4 + HEADER + extra + payload.len());
+    out.extend_from_slice(&((HEADER + extra + payload.len()) as u32).to_le_bytes());
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&method.to_le_bytes());
+    out.extend_from_slice(&id.to_le_bytes());
+    if let Some(s) = status {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    out.extend_from_slice(payload);
+    out
+}
+
+/// One received frame, header fields decoded.
+struct Frame {
+    version: u16,
+    method: u16,
+    id: u64,
+    /// What follows the header (for responses: status, then payload).
+    body: Vec<u8>,
+}
+
+/// Reads one frame; `Ok(None)` on a clean EOF.
+fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    match stream.read(&mut len[..1]) {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(Error::io("reading frame", e)),
+    }
+    stream
+        .read_exact(&mut len[1..])
+        .map_err(|e| Error::io("reading frame length", e))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if !(HEADER..=MAX_FRAME).contains(&len) {
+        return Err(Error::protocol(format!(
+            "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| Error::io("reading frame body", e))?;
+    let version = u16::from_le_bytes([body[0], body[1]]);
+    let method = u16::from_le_bytes([body[2], body[3]]);
+    let id = u64::from_le_bytes(body[4..12].try_into().expect("8 bytes"));
+    body.drain(..HEADER);
+    Ok(Some(Frame {
+        version,
+        method,
+        id,
+        body,
+    }))
+}
+
+/// Serves the master's RPC on `bind` until dropped.
+pub fn serve(bind: SocketAddr, master: Arc<Master>) -> std::io::Result<ConnServer> {
+    ConnServer::spawn(bind, "mc-master", Arc::new(move |s| serve_conn(s, &master)))
+}
+
+fn serve_conn(mut stream: TcpStream, master: &Master) {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    loop {
+        let Frame {
+            version,
+            method,
+            id,
+            body: payload,
+        } = match read_frame(&mut stream) {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                log::warn!("master rpc {peer}: {e}; closing");
+                return;
+            }
+        };
+        let (status, body) = if version != PROTOCOL_VERSION {
+            let msg = format!("protocol version {version}, this master speaks {PROTOCOL_VERSION}");
+            (Code::InvalidVersion as i32, msg.into_bytes())
+        } else {
+            match Request::decode(method, &payload) {
+                Err(e) => {
+                    log::warn!("master rpc {peer}: method {method}: {e}; closing");
+                    return;
+                }
+                Ok(req) => match master.handle(req) {
+                    Ok(resp) => {
+                        let mut w = Writer::new();
+                        resp.encode(&mut w);
+                        (0, w.into_bytes())
+                    }
+                    Err(e) => (e.code() as i32, e.context().as_bytes().to_vec()),
+                },
+            }
+        };
+        if stream
+            .write_all(&frame(method, id, Some(status), &body))
+            .is_err()
+            || version != PROTOCOL_VERSION
+        {
+            return;
+        }
+    }
+}
+
+/// A client of the master's RPC: a pool of persistent connections, one per concurrent
+/// caller, so calls from many threads never queue behind each other.
+pub struct RpcClient {
+    addr: SocketAddr,
+    pool: Mutex<Vec<TcpStream>>,
+    next_id: AtomicU64,
+}
+
+impl RpcClient {
+    pub fn new(addr: &str) -> Result<RpcClient> {
+        let addr = addr
+            .to_socket_addrs()
+            .map_err(|e| Error::new(Code::RpcFail, format!("master address {addr:?}: {e}")))?
+            .next()
+            .ok_or_else(|| {
+                Error::new(
+                    Code::RpcFail,
+                    format!("master address {addr:?} resolves to nothing"),
+                )
+            })?;
+        Ok(RpcClient {
+            addr,
+            pool: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn connect(&self) -> Result<TcpStream> {
+        let s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(5)).map_err(|e| {
+            Error::new(
+                Code::RpcFail,
+                format!("connecting to master {}: {e}", self.addr),
+            )
+        })?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+        Ok(s)
+    }
+
+    /// One request and its response. Read-only requests are retried once on a fresh
+    /// connection when a pooled one turns out dead.
+    pub fn call(&self, req: &Request) -> Result<Response> {
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        let method = req.method();
+        let bytes = w.into_bytes();
+        let retryable = matches!(
+            req,
+            Request::Ping { .. }
+                | Request::GetReplicas { .. }
+                | Request::Exists { .. }
+                | Request::Stats
+        );
+        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let fresh = pooled.is_none();
+        let mut stream = match pooled {
+            Some(s) => s,
+            None => self.connect()?,
+        };
+        match self.exchange(&mut stream, method, &bytes) {
+            Ok(resp) => {
+                self.pool
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(stream);
+                resp
+            }
+            Err(e) if !fresh && retryable => {
+                log::debug!("master connection went stale ({e}); reconnecting");
+                let mut stream = self.connect()?;
+                let resp = self.exchange(&mut stream, method, &bytes)?;
+                self.pool
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(stream);
+                resp
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sends and receives on one connection. The outer error means the connection is
+    /// unusable; the inner result is the master's answer.
+    fn exchange(
+        &self,
+        stream: &mut TcpStream,
+        method: u16,
+        payload: &[u8],
+    ) -> Result<Result<Response>> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let rpc = |e: Error| match e.code() {
+            Code::Timeout => Error::new(
+                Code::RpcTimeout,
+                format!("master {}: {}", self.addr, e.context()),
+            ),
+            _ => Error::new(Code::RpcFail, format!("master {}: {e}", self.addr)),
+        };
+        stream
+            .write_all(&frame(method, id, None, payload))
+            .map_err(|e| rpc(Error::io("sending request", e)))?;
+        let Frame {
+            version,
+            method: got_method,
+            id: got_id,
+            body,
+        } = read_frame(stream).map_err(rpc)?.ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!("master {} closed the connection", self.addr),
+            )
+        })?;
+        if got_method != method || got_id != id || body.len() < 4 {
+            return Err(Error::protocol(format!(
+                "master answered {got_method}/{got_id} to {method}/{id}"
+            )));
+        }
+        let status = i32::from_le_bytes(body[..4].try_into().expect("4 bytes"));
+        let rest = &body[4..];
+        if version != PROTOCOL_VERSION || status != 0 {
+            let code = Code::from_i32(status).unwrap_or(Code::RpcFail);
+            return Ok(Err(Error::new(
+                code,
+                String::from_utf8_lossy(rest).into_owned(),
+            )));
+        }
+        Ok(Response::decode(method, rest))
+    }
+}

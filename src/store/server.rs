@@ -1,0 +1,202 @@
+//! A whole control plane in one process: the master's RPC, the admin/metrics HTTP
+//! endpoints, the embedded transfer-engine metadata server, and the housekeeping tick.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::master::{Master, MasterConfig};
+use crate::error::{Error, Result};
+use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
+use crate::json::Value;
+use crate::metadata::http_server::MetadataServer;
+use crate::net::ConnServer;
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub bind: IpAddr,
+    /// 0 picks a free port (for every port below).
+    pub rpc_port: u16,
+    /// Embedded HTTP metadata server; `None` disables it.
+    pub metadata_port: Option<u16>,
+    /// Admin HTTP (`/metrics`, `/health`, ...); `None` disables it.
+    pub metrics_port: Option<u16>,
+    pub tick: Duration,
+    pub master: MasterConfig,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            bind: IpAddr::from([127, 0, 0, 1]),
+            rpc_port: 50051,
+            metadata_port: Some(8080),
+            metrics_port: Some(9003),
+            tick: Duration::from_millis(100),
+            master: MasterConfig::default(),
+        }
+    }
+}
+
+pub struct MasterServer {
+    master: Arc<Master>,
+    rpc: ConnServer,
+    admin: Option<HttpServer>,
+    metadata: Option<MetadataServer>,
+    stop: Arc<(AtomicBool, Mutex<()>, Condvar)>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+impl MasterServer {
+    pub fn start(config: ServerConfig) -> Result<MasterServer> {
+        let master = Arc::new(Master::new(config.master.clone()));
+        let bind = |port| SocketAddr::new(config.bind, port);
+        let rpc = super::rpc::serve(bind(config.rpc_port), master.clone()).map_err(|e| {
+            Error::io(
+                format!("binding master rpc on {}", bind(config.rpc_port)),
+                e,
+            )
+        })?;
+        let metadata = config
+            .metadata_port
+            .map(|p| MetadataServer::start(bind(p)))
+            .transpose()?;
+        let admin = match config.metrics_port {
+            Some(p) => {
+                let m = master.clone();
+                let handler = Arc::new(move |req: &HttpRequest| admin(&m, req));
+                Some(
+                    HttpServer::bind(bind(p), handler)
+                        .map_err(|e| Error::io(format!("binding admin http on {}", bind(p)), e))?,
+                )
+            }
+            None => None,
+        };
+        let stop = Arc::new((AtomicBool::new(false), Mutex::new(()), Condvar::new()));
+        let (m, s, tick) = (master.clone(), stop.clone(), config.tick);
+        let ticker = std::thread::Builder::new()
+            .name("mc-master-tick".into())
+            .spawn(move || {
+                let mut guard = s.1.lock().unwrap_or_else(|e| e.into_inner());
+                while !s.0.load(Ordering::SeqCst) {
+                    guard =
+                        s.2.wait_timeout(guard, tick)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                    m.tick();
+                }
+            })
+            .map_err(|e| Error::io("spawning master tick", e))?;
+        Ok(MasterServer {
+            master,
+            rpc,
+            admin,
+            metadata,
+            stop,
+            ticker: Some(ticker),
+        })
+    }
+
+    pub fn master(&self) -> &Arc<Master> {
+        &self.master
+    }
+
+    pub fn rpc_addr(&self) -> SocketAddr {
+        self.rpc.local_addr()
+    }
+
+    pub fn metadata_url(&self) -> Option<String> {
+        self.metadata.as_ref().map(MetadataServer::url)
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(HttpServer::local_addr)
+    }
+}
+
+impl Drop for MasterServer {
+    fn drop(&mut self) {
+        self.stop.0.store(true, Ordering::SeqCst);
+        {
+            let _g = self.stop.1.lock();
+            self.stop.2.notify_all();
+        }
+        if let Some(t) = self.ticker.take() {
+            let _ = t.join();
+        }
+        self.rpc.shutdown();
+    }
+}
+
+fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
+    match req.path.as_str() {
+        "/health" => HttpResponse::text(200, "OK"),
+        "/metrics" => {
+            let s = master.stats();
+            let body = format!(
+                "# TYPE mooncake_segments gauge\nmooncake_segments {}\n\
+                 # TYPE mooncake_capacity_bytes gauge\nmooncake_capacity_bytes {}\n\
+                 # TYPE mooncake_used_bytes gauge\nmooncake_used_bytes {}\n\
+                 # TYPE mooncake_objects gauge\nmooncake_objects {}\n\
+                 # TYPE mooncake_evicted_objects_total counter\nmooncake_evicted_objects_total {}\n\
+                 # TYPE mooncake_evicted_bytes_total counter\nmooncake_evicted_bytes_total {}\n",
+                s.segments, s.capacity, s.used, s.objects, s.evicted_objects, s.evicted_bytes
+            );
+            HttpResponse::text(200, body)
+        }
+        "/query_key" => match req.query_param("key") {
+            None => HttpResponse::text(400, "missing key parameter"),
+            Some(key) => match master.query(key) {
+                None => HttpResponse::text(404, "object not found"),
+                Some((size, complete, replicas)) => {
+                    let reps: Vec<Value> = replicas
+                        .iter()
+                        .map(|r| {
+                            Value::Array(
+                                r.pieces
+                                    .iter()
+                                    .map(|p| {
+                                        Value::object([
+                                            ("segment", Value::from(p.segment.as_str())),
+                                            ("addr", p.addr.into()),
+                                            ("len", p.len.into()),
+                                        ])
+                                    })
+                                    .collect(),
+                            )
+                        })
+                        .collect();
+                    let v = Value::object([
+                        ("key", Value::from(key)),
+                        ("size", size.into()),
+                        ("complete", complete.into()),
+                        ("replicas", reps.into()),
+                    ]);
+                    HttpResponse::json(200, v.to_string())
+                }
+            },
+        },
+        "/get_all_keys" => {
+            let keys: Vec<Value> = master.all_keys().into_iter().map(Value::from).collect();
+            HttpResponse::json(200, Value::Array(keys).to_string())
+        }
+        "/get_all_segments" => {
+            let segs: Vec<Value> = master
+                .all_segments()
+                .into_iter()
+                .map(|(info, capacity, used)| {
+                    Value::object([
+                        ("name", Value::from(info.name)),
+                        ("base", info.base.into()),
+                        ("capacity", capacity.into()),
+                        ("used", used.into()),
+                    ])
+                })
+                .collect();
+            HttpResponse::json(200, Value::Array(segs).to_string())
+        }
+        _ => HttpResponse::text(404, "not found"),
+    }
+}

@@ -1,0 +1,4 @@
+//! Small self-contained helpers.
+
+pub mod crc32c;
+pub mod regex;

@@ -1,0 +1,286 @@
+//! The store end to end over real RPC and transfers: an in-process master, nodes and
+//! clients, plus node processes that get killed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use mooncake::store::protocol::ReplicateConfig;
+use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+use mooncake::Code;
+
+const MIB: u64 = 1 << 20;
+
+fn server(lease_ms: u64) -> MasterServer {
+    let mut cfg = ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: Some(0),
+        ..Default::default()
+    };
+    cfg.master.lease_ttl = Duration::from_millis(lease_ms);
+    MasterServer::start(cfg).unwrap()
+}
+
+fn client(s: &MasterServer, segment: u64) -> Client {
+    let cfg = ClientConfig {
+        master_address: s.rpc_addr().to_string(),
+        metadata: s.metadata_url().unwrap(),
+        global_segment_size: segment,
+        protocol: "tcp".into(),
+        ..Default::default()
+    };
+    Client::new(cfg).unwrap()
+}
+
+fn value(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn put_get_and_friends_across_nodes() {
+    let s = server(10_000);
+    let _n1 = client(&s, 32 * MIB);
+    let _n2 = client(&s, 32 * MIB);
+    let c = client(&s, 0);
+    let cfg = ReplicateConfig {
+        replica_num: 2,
+        ..Default::default()
+    };
+    let v = value(1, 100_000);
+    c.put("a", &v, &cfg).unwrap();
+    assert_eq!(c.get("a").unwrap(), v);
+    assert_eq!(c.size("a").unwrap(), 100_000);
+    assert!(c.exists("a").unwrap());
+    assert!(!c.exists("b").unwrap());
+    c.put("a", &value(2, 10), &cfg).unwrap(); // immutable: unchanged
+    assert_eq!(c.get("a").unwrap(), v);
+    let mut small = vec![0u8; 10];
+    assert_eq!(
+        c.get_into("a", &mut small).unwrap_err().code(),
+        Code::BufferOverflow
+    );
+    assert_eq!(c.get("missing").unwrap_err().code(), Code::ObjectNotFound);
+    assert_eq!(
+        c.put("empty", &[], &cfg).unwrap_err().code(),
+        Code::InvalidParams
+    );
+    assert_eq!(
+        c.put(&"k".repeat(5000), &v, &cfg).unwrap_err().code(),
+        Code::InvalidKey
+    );
+    // Striped: bigger than one slab (4 MiB), read back whole.
+    let big = value(3, (9 * MIB + 123) as usize);
+    c.put("big", &big, &ReplicateConfig::default()).unwrap();
+    assert_eq!(c.get("big").unwrap(), big);
+    assert_eq!(
+        c.remove("a", false).unwrap_err().code(),
+        Code::ObjectHasLease
+    );
+    c.remove("a", true).unwrap();
+    assert!(!c.exists("a").unwrap());
+}
+
+#[test]
+fn batches_with_several_buffers_per_key() {
+    let s = server(10_000);
+    let _n = client(&s, 64 * MIB);
+    let c = client(&s, 0);
+    let keys: Vec<String> = (0..32).map(|i| format!("layer{i}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    // Each value is two buffers (as vLLM stores K and V separately).
+    let halves: Vec<(Vec<u8>, Vec<u8>)> = (0..32)
+        .map(|i| (value(i, 3000), value(i + 100, 5000)))
+        .collect();
+    let parts: Vec<Vec<(u64, u64)>> = halves
+        .iter()
+        .map(|(k, v)| vec![(k.as_ptr() as u64, 3000), (v.as_ptr() as u64, 5000)])
+        .collect();
+    // SAFETY: the buffers outlive the call.
+    let r = unsafe { c.batch_put_from(&keys, &parts, &ReplicateConfig::default(), false) };
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    let exists = c.batch_exists(&keys);
+    assert!(exists.iter().all(|e| *e.as_ref().unwrap()));
+    let mut out: Vec<(Vec<u8>, Vec<u8>)> = (0..32)
+        .map(|_| (vec![0u8; 5000], vec![0u8; 3000]))
+        .collect();
+    let parts: Vec<Vec<(u64, u64)>> = out
+        .iter_mut()
+        .map(|(a, b)| vec![(a.as_mut_ptr() as u64, 5000), (b.as_mut_ptr() as u64, 3000)])
+        .collect();
+    // SAFETY: as above.
+    let r = unsafe { c.batch_get_into(&keys, &parts) };
+    for (i, res) in r.iter().enumerate() {
+        assert_eq!(*res.as_ref().unwrap(), 8000);
+        let mut joined = out[i].0.clone();
+        joined.extend_from_slice(&out[i].1);
+        let mut want = halves[i].0.clone();
+        want.extend_from_slice(&halves[i].1);
+        assert!(joined == want, "key {i}");
+    }
+    assert_eq!(c.remove_by_regex("^layer1", true).unwrap(), 11);
+    assert_eq!(c.remove_all(true).unwrap(), 21);
+}
+
+#[test]
+fn expired_lease_fails_the_read() {
+    let s = server(0);
+    let _n = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    c.put("k", &value(1, 1000), &ReplicateConfig::default())
+        .unwrap();
+    assert_eq!(c.get("k").unwrap_err().code(), Code::LeaseExpired);
+}
+
+#[test]
+fn corrupted_bytes_fail_the_checksum() {
+    let s = server(10_000);
+    let node = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    c.put("k", &value(1, 4096), &ReplicateConfig::default())
+        .unwrap();
+    let (_, _, replicas) = s.master().query("k").unwrap();
+    let piece = &replicas[0].pieces[0];
+    // Flip bytes in the node's memory behind the store's back.
+    let garbage = [0xEEu8; 16];
+    let e = node.engine();
+    let seg = e.open_segment(&piece.segment).unwrap();
+    let b = e.allocate_batch(1).unwrap();
+    let req = mooncake::Request {
+        op: mooncake::Op::Write,
+        local: garbage.as_ptr() as u64,
+        segment: seg,
+        remote: piece.addr,
+        len: 16,
+    };
+    // SAFETY: `garbage` outlives the wait.
+    unsafe { e.submit(b, &[req]) }.unwrap();
+    e.wait_batch(b, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(c.get("k").unwrap_err().code(), Code::ChecksumMismatch);
+}
+
+#[test]
+fn malformed_rpc_frames_close_only_their_connection() {
+    let s = server(10_000);
+    let _n = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    for junk in [
+        &b"\xff\xff\xff\xff"[..],
+        &[4, 0, 0, 0, 1, 0, 2, 0],
+        &[20, 0, 0, 0, 1, 0, 99, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4],
+    ] {
+        let mut t = TcpStream::connect(s.rpc_addr()).unwrap();
+        t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        t.write_all(junk).unwrap();
+        let mut buf = [0u8; 64];
+        assert!(
+            matches!(t.read(&mut buf), Ok(0) | Err(_)),
+            "closed without an answer"
+        );
+    }
+    c.put("still", &value(1, 10), &ReplicateConfig::default())
+        .unwrap();
+    assert!(c.exists("still").unwrap());
+}
+
+#[test]
+fn puts_keep_succeeding_past_capacity_under_constant_probing() {
+    let s = server(10_000);
+    let _n = client(&s, 16 * MIB);
+    let writer = client(&s, 0);
+    let prober = client(&s, 0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let keys: Vec<String> = (0..64).map(|i| format!("k{i}")).collect();
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                prober.batch_exists(&keys);
+            }
+        });
+        let v = value(9, 256 << 10);
+        for i in 0..256 {
+            let r = writer.put(&format!("k{i}"), &v, &ReplicateConfig::default());
+            if let Err(e) = r {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                panic!("put {i}: {e}");
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let st = writer.stats().unwrap();
+    assert!(st.evicted_objects > 0, "{st:?}");
+    assert_eq!(writer.get("k255").unwrap(), value(9, 256 << 10));
+}
+
+struct NodeProcess(Child);
+
+impl NodeProcess {
+    fn spawn(s: &MasterServer, size: &str) -> NodeProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mooncake"))
+            .args([
+                "node",
+                "--master",
+                &s.rpc_addr().to_string(),
+                "--metadata",
+                &s.metadata_url().unwrap(),
+            ])
+            .args([
+                "--segment-size",
+                size,
+                "--protocol",
+                "tcp",
+                "--until-stdin-eof",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("ready "), "{line:?}");
+        NodeProcess(child)
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn killed_node_loses_nothing_with_two_replicas() {
+    let s = server(10_000);
+    let mut a = NodeProcess::spawn(&s, "32M");
+    let _b = NodeProcess::spawn(&s, "32M");
+    let c = client(&s, 0);
+    let cfg = ReplicateConfig {
+        replica_num: 2,
+        ..Default::default()
+    };
+    for i in 0..200u64 {
+        c.put(&format!("obj{i}"), &value(i, 20_000 + i as usize), &cfg)
+            .unwrap();
+    }
+    a.0.kill().unwrap();
+    a.0.wait().unwrap();
+    for i in 0..200u64 {
+        let got = c
+            .get(&format!("obj{i}"))
+            .unwrap_or_else(|e| panic!("obj{i}: {e}"));
+        assert!(got == value(i, 20_000 + i as usize), "obj{i} bytes");
+    }
+}

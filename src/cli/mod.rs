@@ -68,21 +68,38 @@ pub fn serve_until_done(until_eof: bool) {
     }
 }
 
-/// Builds an engine config from the flags shared by all subcommands.
+/// Engine tuning flags (worker and TCP settings) over the default config.
+pub fn engine_tuning(a: &Args) -> Result<EngineConfig, String> {
+    apply_engine_flags(
+        a,
+        EngineConfig::default(),
+        &[
+            ("workers", "workers"),
+            ("spin-budget", "spin_budget"),
+            ("lanes", "lanes_per_peer"),
+            ("slice-size", "slice_size"),
+            ("socket-buffer", "socket_buffer"),
+        ],
+    )
+}
+
+/// Builds an engine config from the flags shared by all subcommands: identity and
+/// transport choice, plus the tuning flags.
 pub fn engine_config(a: &Args) -> Result<EngineConfig, String> {
-    let mut cfg = EngineConfig::default();
-    let keys = [
-        ("metadata", "metadata"),
-        ("name", "local_server_name"),
-        ("bind", "bind_address"),
-        ("rpc-port", "rpc_port"),
-        ("protocol", "protocol"),
-        ("workers", "workers"),
-        ("spin-budget", "spin_budget"),
-        ("lanes", "lanes_per_peer"),
-        ("slice-size", "slice_size"),
-        ("socket-buffer", "socket_buffer"),
-    ];
+    apply_engine_flags(
+        a,
+        engine_tuning(a)?,
+        &[
+            ("metadata", "metadata"),
+            ("name", "local_server_name"),
+            ("bind", "bind_address"),
+            ("rpc-port", "rpc_port"),
+            ("protocol", "protocol"),
+        ],
+    )
+}
+
+fn apply_engine_flags(a: &Args, mut cfg: EngineConfig, keys: &[(&str, &str)]) -> Result<EngineConfig, String> {
     for (flag, key) in keys {
         if let Some(v) = a.str(flag) {
             cfg.set(key, v).map_err(|e| format!("--{flag}: {e}"))?;

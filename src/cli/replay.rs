@@ -97,7 +97,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
     let opts = options(&a)?;
     let pool: u64 = a.get("pool-size", 3 << 30)?;
     let protocol = a.str("protocol").unwrap_or("tcp").to_owned();
-    let engine = engine_tuning(&a)?;
+    let engine = super::engine_tuning(&a)?;
     a.finish()?;
     if pool < 2 * opts.block_bytes {
         return Err(format!(
@@ -155,25 +155,6 @@ fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> 
 // The embedded cluster
 // ---------------------------------------------------------------------------
 
-/// Engine tuning flags for the embedded cluster's engines (names and addresses are
-/// chosen by the cluster itself).
-fn engine_tuning(a: &Args) -> Result<EngineConfig, String> {
-    let mut cfg = EngineConfig::default();
-    let keys = [
-        ("workers", "workers"),
-        ("spin-budget", "spin_budget"),
-        ("lanes", "lanes_per_peer"),
-        ("slice-size", "slice_size"),
-        ("socket-buffer", "socket_buffer"),
-    ];
-    for (flag, key) in keys {
-        if let Some(v) = a.str(flag) {
-            cfg.set(key, v).map_err(|e| format!("--{flag}: {e}"))?;
-        }
-    }
-    Ok(cfg)
-}
-
 /// Fields drop in order: the client first, then the nodes, then the master.
 struct Cluster {
     client: Client,
@@ -191,7 +172,7 @@ impl Cluster {
             ..ServerConfig::default()
         };
         // The allocator carves segments into whole slabs; a smaller segment holds nothing.
-        let slab = server_config.master.allocator.slab_size;
+        let slab = server_config.master.allocator.for_segment(pool / 2).slab_size;
         if pool / 2 < slab {
             return Err(format!(
                 "--pool-size {pool}: each of the two nodes would get less than one allocator slab \

@@ -308,20 +308,23 @@ impl Master {
         // Allocate without holding the shard lock: eviction takes shard locks.
         let replicas = self.allocate(client, size, config);
         let mut map = Self::lock(self.shard(key));
-        match (replicas.is_empty(), map.get_mut(key)) {
-            (false, Some(o)) if !o.complete && o.started_ms == now && o.writer == client => {
-                let desc = segments::describe(&replicas);
-                o.replicas = replicas;
-                Ok(desc)
-            }
-            (_, Some(o)) if !o.complete && o.writer == client && o.replicas.is_empty() => {
-                map.remove(key);
-                self.objects.fetch_sub(1, Ordering::Relaxed);
-                Err(Code::NoAvailableHandle)
-            }
-            // Removed or taken over meanwhile (forced removal): give the space back.
-            _ => Err(Code::ObjectNotFound),
+        let ours = map.get(key).is_some_and(|o| {
+            !o.complete && o.writer == client && o.started_ms == now && o.replicas.is_empty()
+        });
+        if !ours {
+            // Force-removed or taken over meanwhile: dropping `replicas` frees the space.
+            return Err(Code::ObjectNotFound);
         }
+        if replicas.is_empty() {
+            map.remove(key);
+            self.objects.fetch_sub(1, Ordering::Relaxed);
+            return Err(Code::NoAvailableHandle);
+        }
+        let desc = segments::describe(&replicas);
+        if let Some(o) = map.get_mut(key) {
+            o.replicas = replicas;
+        }
+        Ok(desc)
     }
 
     fn placeholder(&self, client: u64, size: u64, now: u64, config: &ReplicateConfig) -> Object {

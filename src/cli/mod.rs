@@ -99,7 +99,11 @@ pub fn engine_config(a: &Args) -> Result<EngineConfig, String> {
     )
 }
 
-fn apply_engine_flags(a: &Args, mut cfg: EngineConfig, keys: &[(&str, &str)]) -> Result<EngineConfig, String> {
+fn apply_engine_flags(
+    a: &Args,
+    mut cfg: EngineConfig,
+    keys: &[(&str, &str)],
+) -> Result<EngineConfig, String> {
     for (flag, key) in keys {
         if let Some(v) = a.str(flag) {
             cfg.set(key, v).map_err(|e| format!("--{flag}: {e}"))?;

@@ -172,7 +172,11 @@ impl Cluster {
             ..ServerConfig::default()
         };
         // The allocator carves segments into whole slabs; a smaller segment holds nothing.
-        let slab = server_config.master.allocator.for_segment(pool / 2).slab_size;
+        let slab = server_config
+            .master
+            .allocator
+            .for_segment(pool / 2)
+            .slab_size;
         if pool / 2 < slab {
             return Err(format!(
                 "--pool-size {pool}: each of the two nodes would get less than one allocator slab \

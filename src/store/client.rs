@@ -116,7 +116,14 @@ impl Client {
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         });
-        shared.register()?;
+        match shared.register() {
+            // A previous incarnation under the same name still holds it: the master
+            // releases it after the client TTL, and the pinger remounts then.
+            Err(e) if e.code() == Code::SegmentAlreadyExists => {
+                log::warn!("{e}; will remount once the master releases the name");
+            }
+            other => other?,
+        }
         let s = shared.clone();
         let interval = config.ping_interval;
         let pinger = std::thread::Builder::new()

@@ -4,10 +4,19 @@
 
 use std::sync::atomic::Ordering;
 
-use super::Master;
+use super::{Master, Object};
 
 /// Objects sampled per shard per round.
 const SAMPLE_PER_SHARD: usize = 8;
+
+/// Whether an object may be evicted now: complete, not hard-pinned, lease expired, and
+/// soft pin expired unless soft-pinned objects are fair game this round.
+fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
+    o.complete
+        && !o.hard_pin
+        && o.lease_until_ms <= now
+        && (allow_soft_pinned || o.soft_pin_until_ms <= now)
+}
 
 impl Master {
     /// Evicts until at least `want` bytes are freed or nothing evictable is left in a
@@ -29,12 +38,7 @@ impl Master {
                 // would leave objects further along it never evicted.
                 let skip = (self.next_seed() % map.len().max(1) as u64) as usize;
                 let rotated = map.iter().skip(skip).chain(map.iter().take(skip));
-                let candidates = rotated.filter(|(_, o)| {
-                    o.complete
-                        && !o.hard_pin
-                        && o.lease_until_ms <= now
-                        && (allow_soft_pinned || o.soft_pin_until_ms <= now)
-                });
+                let candidates = rotated.filter(|(_, o)| evictable(o, now, allow_soft_pinned));
                 for (k, o) in candidates.take(SAMPLE_PER_SHARD) {
                     sample.push((o.soft_pin_until_ms > now, o.last_access_ms, k.clone()));
                 }
@@ -49,27 +53,19 @@ impl Master {
             for (_, _, key) in sample.into_iter().take(take) {
                 let mut map = Self::lock(self.shard(&key));
                 // Recheck under the lock: it may have been leased or removed meanwhile.
-                let evictable = map.get(&key).is_some_and(|o| {
-                    o.complete
-                        && !o.hard_pin
-                        && o.lease_until_ms <= now
-                        && (allow_soft_pinned || o.soft_pin_until_ms <= now)
-                });
-                if !evictable {
+                if !map
+                    .get(&key)
+                    .is_some_and(|o| evictable(o, now, allow_soft_pinned))
+                {
                     continue;
                 }
                 if let Some(o) = map.remove(&key) {
-                    let bytes: u64 = o
-                        .replicas
-                        .iter()
-                        .flatten()
-                        .map(|p| p.alloc.block_size())
-                        .sum();
-                    freed += bytes;
+                    drop(map);
+                    freed += self.account_eviction(&o);
                     progressed = true;
-                    self.objects.fetch_sub(1, Ordering::Relaxed);
-                    self.evicted_objects.fetch_add(1, Ordering::Relaxed);
-                    self.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    if !o.groups.is_empty() {
+                        freed += self.evict_group(&key, &o.groups, now, allow_soft_pinned);
+                    }
                 }
                 if freed >= want {
                     break;
@@ -77,6 +73,48 @@ impl Master {
             }
             if !progressed {
                 break;
+            }
+        }
+        freed
+    }
+
+    /// Counts an evicted object; returns its bytes (freed when `o` drops).
+    fn account_eviction(&self, o: &Object) -> u64 {
+        let bytes: u64 = o
+            .replicas
+            .iter()
+            .flatten()
+            .map(|p| p.alloc.block_size())
+            .sum();
+        self.objects.fetch_sub(1, Ordering::Relaxed);
+        self.evicted_objects.fetch_add(1, Ordering::Relaxed);
+        self.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
+        bytes
+    }
+
+    /// Group members share an evicted object's fate (pins and leases still hold).
+    fn evict_group(&self, key: &str, groups: &[String], now: u64, allow_soft_pinned: bool) -> u64 {
+        let members: Vec<String> = {
+            let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            groups
+                .iter()
+                .filter_map(|g| index.get(g))
+                .flatten()
+                .filter(|m| *m != key)
+                .cloned()
+                .collect()
+        };
+        let mut freed = 0;
+        for m in members {
+            let mut map = Self::lock(self.shard(&m));
+            if map
+                .get(&m)
+                .is_some_and(|o| evictable(o, now, allow_soft_pinned))
+            {
+                if let Some(o) = map.remove(&m) {
+                    drop(map);
+                    freed += self.account_eviction(&o);
+                }
             }
         }
         freed

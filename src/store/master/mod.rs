@@ -36,6 +36,8 @@ struct Object {
     last_access_ms: u64,
     hard_pin: bool,
     soft_pin_until_ms: u64,
+    /// Groups whose members share this object's lease and eviction fate.
+    groups: Vec<String>,
 }
 
 /// Space that must not be reused yet (an abandoned writer or a force-removed object's
@@ -56,6 +58,8 @@ pub struct Master {
     segments: SegmentTable,
     clients: Mutex<HashMap<u64, ClientState>>,
     quarantine: Mutex<Vec<Quarantined>>,
+    /// Group id → member keys (pruned lazily when a member is gone).
+    groups: Mutex<HashMap<String, Vec<String>>>,
     objects: AtomicU64,
     evicted_objects: AtomicU64,
     evicted_bytes: AtomicU64,
@@ -84,6 +88,7 @@ impl Master {
             segments: SegmentTable::default(),
             clients: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(Vec::new()),
+            groups: Mutex::new(HashMap::new()),
             objects: AtomicU64::new(0),
             evicted_objects: AtomicU64::new(0),
             evicted_bytes: AtomicU64::new(0),
@@ -339,6 +344,7 @@ impl Master {
             lease_until_ms: 0,
             last_access_ms: now,
             hard_pin: config.hard_pin,
+            groups: config.group_ids.clone(),
             soft_pin_until_ms: if config.soft_pin { now + soft_ttl } else { 0 },
         }
     }
@@ -388,6 +394,9 @@ impl Master {
                 o.complete = true;
                 o.crc32c = crc32c;
                 o.last_access_ms = self.clock.now_ms();
+                let groups = o.groups.clone();
+                drop(map);
+                self.join_groups(key, &groups);
                 Ok(())
             }
             Some(_) => Err(Code::InvalidWrite),
@@ -420,12 +429,64 @@ impl Master {
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);
         o.last_access_ms = now;
-        Ok(ObjectDesc {
+        let desc = ObjectDesc {
             size: o.size,
             crc32c: o.crc32c,
             lease_ms: ttl,
             replicas: segments::describe(&o.replicas),
-        })
+        };
+        if !o.groups.is_empty() {
+            // Members are leased one shard lock at a time, never two at once.
+            let groups = o.groups.clone();
+            drop(map);
+            self.for_group_members(key, &groups, |m| {
+                m.lease_until_ms = m.lease_until_ms.max(now + ttl)
+            });
+        }
+        Ok(desc)
+    }
+
+    fn join_groups(&self, key: &str, groups: &[String]) {
+        if groups.is_empty() {
+            return;
+        }
+        let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        for g in groups {
+            index.entry(g.clone()).or_default().push(key.to_owned());
+        }
+    }
+
+    /// Runs `f` on every other live member of `groups`, each under its own shard lock
+    /// (never two at once), and prunes members that are gone.
+    fn for_group_members(&self, key: &str, groups: &[String], mut f: impl FnMut(&mut Object)) {
+        let members: Vec<String> = {
+            let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            groups
+                .iter()
+                .filter_map(|g| index.get(g))
+                .flatten()
+                .filter(|m| *m != key)
+                .cloned()
+                .collect()
+        };
+        let mut gone = Vec::new();
+        for m in members {
+            match Self::lock(self.shard(&m)).get_mut(&m) {
+                Some(o) => f(o),
+                None => gone.push(m),
+            }
+        }
+        if !gone.is_empty() {
+            let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            for g in groups {
+                if let Some(v) = index.get_mut(g) {
+                    v.retain(|m| !gone.contains(m));
+                    if v.is_empty() {
+                        index.remove(g);
+                    }
+                }
+            }
+        }
     }
 
     /// Whether a complete object exists. Deliberately neither leases nor touches it:

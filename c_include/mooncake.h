@@ -244,6 +244,164 @@ int mc_take_notification(mc_engine *engine, char *from, size_t from_len, char *m
 /* Asks an opened segment's engine whether it is alive: 0 if it answered. */
 int mc_probe(mc_engine *engine, uint64_t segment);
 
+/* ---------------------------------------------------------------- store */
+
+/*
+ * A client of Mooncake Store: puts and gets immutable objects by key, moving the bytes
+ * itself, peer to peer, while the master only hands out places and leases. With a
+ * global segment it also lends that much of its own memory to the pool (a "node").
+ *
+ * Store configuration keys for mc_config_set, on the same mc_config as the engine keys
+ * (values are strings; checked at once like the engine keys):
+ *
+ *   master_address      host:port of the master's RPC. Default "127.0.0.1:50051".
+ *   local_hostname      This client's segment name, host:port; the same setting as the
+ *                       engine's local_server_name (see there for the default).
+ *   global_segment_size Bytes of memory lent to the pool; suffixes K, M, G, T (binary)
+ *                       allowed, e.g. "64M". Default 0: a pure client that lends none.
+ *   local_buffer_size   Staging buffer for transports that need registered memory;
+ *                       same suffixes. Default 16M. TCP and shared memory need none.
+ *   verify_checksum     "1" (default): check each object's CRC32C on read (a mismatch
+ *                       gives MC_ERR_CHECKSUM_MISMATCH); "0": skip the check.
+ *
+ * The engine keys apply to the store's own transfer engine, with one difference:
+ *
+ *   metadata            Default for a store: the master's embedded metadata server,
+ *                       "http://<host of master_address>:8080/metadata". Setting the key
+ *                       (even to "P2PHANDSHAKE") overrides that.
+ *   protocol            As for the engine; "auto" by default.
+ *
+ * Keys
+ *   A key is a NUL-terminated UTF-8 string of 1 to MC_STORE_MAX_KEY_LEN bytes; an
+ *   empty, longer or non-UTF-8 key gives MC_ERR_INVALID_KEY (a NULL key pointer gives
+ *   MC_ERR_INVALID_PARAMS). Values are at least 1 byte (a zero length gives
+ *   MC_ERR_INVALID_PARAMS) and immutable: putting a key that exists succeeds and leaves
+ *   the stored value unchanged.
+ *
+ * Leases
+ *   Reading an object (mc_store_get_into, mc_store_batch_get_into, mc_store_size)
+ *   leases it for a while (the master's lease TTL, 10 s by default); removing a leased
+ *   object gives MC_ERR_OBJECT_HAS_LEASE unless forced. Existence checks take no lease.
+ *
+ * Routine codes
+ *   MC_ERR_OBJECT_NOT_FOUND (-704) no object under the key; MC_ERR_OBJECT_HAS_LEASE
+ *   (-706) see Leases; MC_ERR_NO_AVAILABLE_HANDLE (-200) the pool is full even after
+ *   eviction (back-pressure: retry later); MC_ERR_BUFFER_OVERFLOW (-10) a read buffer is
+ *   smaller than the object (mc_store_size tells its size).
+ *
+ * Batches
+ *   The batch functions take arrays of n elements (NULL allowed only when n is 0) and
+ *   return 0 when the batch was processed, the outcome of each key then being in
+ *   results[i]; a negative return is a failure of the whole call (a NULL store or
+ *   array, a bad mc_replicate_config) and leaves results untouched. A NULL key or
+ *   buffer element fails only its own key (MC_ERR_INVALID_PARAMS).
+ *
+ * Thread safety and lifetime
+ *   - An mc_store may be used from any number of threads at once, except that
+ *     mc_store_free must not run concurrently with (or before the end of) any other call
+ *     on the same store. mc_store_new copies the config.
+ *   - Buffers passed to put and get calls are used only during the call: it returns
+ *     once the bytes have moved. A get buffer must not be touched by the program during
+ *     the call.
+ *   - Memory passed to mc_store_register_buffer must stay valid until
+ *     mc_store_unregister_buffer on it returns (or the store is freed).
+ */
+
+/* The longest key, in bytes. */
+#define MC_STORE_MAX_KEY_LEN 4096
+
+typedef struct mc_store mc_store;
+
+/* How an object is stored. Fill with mc_replicate_config_init, then change fields; a
+ * NULL mc_replicate_config pointer means the defaults. */
+typedef struct {
+    uint32_t replica_num;                  /* copies on distinct segments, >= 1 (default
+                                              1); best effort: fewer when space lacks */
+    int hard_pin;                          /* nonzero: never evicted (default 0) */
+    int soft_pin;                          /* nonzero: evicted only after every unpinned
+                                              object, until soft_pin_ttl_ms passes */
+    uint64_t soft_pin_ttl_ms;              /* default 1800000 (30 min); capped at 24 h */
+    const char *const *preferred_segments; /* segment names to try first, in order */
+    size_t preferred_segments_count;       /* entries in preferred_segments (default 0) */
+    int prefer_same_node;                  /* nonzero: the writer's own segment, when
+                                              it has one, is tried right after
+                                              preferred_segments (default 0) */
+} mc_replicate_config;
+
+/* Fills *cfg with the defaults: 1 replica, no pins, soft-pin TTL 30 min, no
+ * preferences. NULL is ignored. */
+void mc_replicate_config_init(mc_replicate_config *cfg);
+
+/* Connects to the master (and, with a global_segment_size, mounts that much memory
+ * into the pool). cfg NULL uses the defaults. On success *out is the store; on failure
+ * *out is NULL. */
+int mc_store_new(const mc_config *cfg, mc_store **out);
+
+/* Unmounts the store's segment (objects whose only replica was there are lost),
+ * disconnects and frees the store; NULL is ignored. */
+void mc_store_free(mc_store *store);
+
+/* Stores len bytes at buf under key. cfg NULL: defaults. */
+int mc_store_put(mc_store *store, const char *key, const void *buf, size_t len,
+                 const mc_replicate_config *cfg);
+
+/* As mc_store_put, for a buffer registered with mc_store_register_buffer: transports
+ * that move bytes from registered memory only (RDMA) need that. With TCP and shared
+ * memory (this build) any buffer works. */
+int mc_store_put_from(mc_store *store, const char *key, const void *buf, size_t len,
+                      const mc_replicate_config *cfg);
+
+/* Reads the object under key into buf (cap bytes) and gives its size in *len_out
+ * (len_out may be NULL). MC_ERR_BUFFER_OVERFLOW if cap is smaller than the object. */
+int mc_store_get_into(mc_store *store, const char *key, void *buf, size_t cap,
+                      uint64_t *len_out);
+
+/* 1 if an object is stored under key, 0 if not, or a negative error. Takes no lease. */
+int mc_store_exists(mc_store *store, const char *key);
+
+/* The size in bytes of the object under key, in *size_out. Leases the object. */
+int mc_store_size(mc_store *store, const char *key, uint64_t *size_out);
+
+/* Removes the object under key. A leased object only when force is nonzero (else
+ * MC_ERR_OBJECT_HAS_LEASE). */
+int mc_store_remove(mc_store *store, const char *key, int force);
+
+/* Removes every object, skipping leased ones unless force is nonzero; the number
+ * removed in *removed_out (removed_out may be NULL). */
+int mc_store_remove_all(mc_store *store, int force, uint64_t *removed_out);
+
+/* As mc_store_remove_all, for the keys matching the regular expression pattern
+ * (anywhere in the key unless anchored with ^ and $). A bad pattern gives
+ * MC_ERR_INVALID_PARAMS. */
+int mc_store_remove_by_regex(mc_store *store, const char *pattern, int force,
+                             uint64_t *removed_out);
+
+/* Registers [addr, addr+len) for zero-copy puts and gets (see mc_store_put_from).
+ * See "Thread safety and lifetime". */
+int mc_store_register_buffer(mc_store *store, void *addr, size_t len);
+
+/* Withdraws the buffer registered at addr. */
+int mc_store_unregister_buffer(mc_store *store, void *addr);
+
+/* Copies the store's segment name (host:port) into buf as a NUL-terminated string.
+ * MC_ERR_BUFFER_OVERFLOW if len is too small (buf is then set to "" when len > 0). */
+int mc_store_hostname(mc_store *store, char *buf, size_t len);
+
+/* Puts n keys, key i from lens[i] bytes at bufs[i], in one round trip to the master;
+ * results[i] is 0 or a negative error. See "Batches". */
+int mc_store_batch_put_from(mc_store *store, const char *const *keys,
+                            const void *const *bufs, const size_t *lens, size_t n,
+                            const mc_replicate_config *cfg, int *results);
+
+/* Reads n keys, key i into bufs[i] (caps[i] bytes); results[i] is the number of bytes
+ * read (the object's size) or a negative error. See "Batches". */
+int mc_store_batch_get_into(mc_store *store, const char *const *keys, void *const *bufs,
+                            const size_t *caps, size_t n, int64_t *results);
+
+/* Existence of n keys: results[i] is 1, 0 or a negative error. See "Batches". */
+int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
+                          int *results);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,13 +1,17 @@
-//! `mc_config_*`: an owned [`EngineConfig`] behind an opaque pointer.
+//! `mc_config_*`: an owned [`EngineConfig`] (plus the store's settings) behind an
+//! opaque pointer.
 
 use std::ffi::{c_char, c_int};
 
+use super::store::StoreSettings;
 use super::{c_str, guard, guard_value, init_logging, non_null, MC_OK};
 use crate::engine::EngineConfig;
 
-/// `mc_config`: engine settings, filled key by key before `mc_engine_new`.
+/// `mc_config`: engine and store settings, filled key by key before `mc_engine_new`
+/// or `mc_store_new`.
 pub struct McConfig {
     pub(crate) config: EngineConfig,
+    pub(crate) store: StoreSettings,
 }
 
 /// A config with the defaults; NULL only if a panic occurred. Free with
@@ -18,6 +22,7 @@ pub extern "C" fn mc_config_new() -> *mut McConfig {
         init_logging();
         Box::into_raw(Box::new(McConfig {
             config: EngineConfig::default(),
+            store: StoreSettings::default(),
         }))
     })
 }
@@ -40,9 +45,9 @@ pub unsafe extern "C" fn mc_config_set(
         // SAFETY: non-null, from `mc_config_new`, and not shared during the call.
         let cfg = unsafe { &mut *cfg };
         // Apply to a copy so a half-applied bad value never sticks.
-        let mut next = cfg.config.clone();
-        next.set(key, value)?;
-        cfg.config = next;
+        let (mut next, mut store) = (cfg.config.clone(), cfg.store.clone());
+        store.set(&mut next, key, value)?;
+        (cfg.config, cfg.store) = (next, store);
         Ok(MC_OK)
     })
 }

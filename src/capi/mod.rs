@@ -11,10 +11,12 @@
 mod config;
 mod engine;
 mod error;
+mod store;
 
 pub use config::*;
 pub use engine::*;
 pub use error::*;
+pub use store::*;
 
 use std::any::Any;
 use std::ffi::{c_char, c_int, CStr};

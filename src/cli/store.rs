@@ -106,7 +106,8 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
         Some(m) => m.to_owned(),
         None => {
             let host = mooncake::engine::segments::host_of(&cfg.master_address);
-            format!("http://{host}:8080/metadata")
+            let addr = mooncake::metadata::directory::join_host_port(host, 8080);
+            format!("http://{addr}/metadata")
         }
     };
     if let Some(n) = a.str("name") {

@@ -1,0 +1,802 @@
+//! `mc_store_*`: the store [`Client`] behind an opaque pointer, and the store keys of
+//! `mc_config`.
+//!
+//! The shims only translate: C strings and arrays into Rust values, per-key results
+//! into codes. Every rule (key checks, sizes, leases, replicas) lives in the client and
+//! the master, so the C ABI and the Rust API answer alike.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use super::{c_str, copy_out, guard, guard_value, init_logging, non_null, McConfig, MC_OK};
+use crate::engine::config::KEYS;
+use crate::engine::EngineConfig;
+use crate::error::{Code, Error, Result};
+use crate::store::client::Parts;
+use crate::store::protocol::{DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
+use crate::store::{Client, ClientConfig, ReplicateConfig};
+
+/// `MC_STORE_MAX_KEY_LEN`: the longest key, in bytes.
+pub const MC_STORE_MAX_KEY_LEN: usize = MAX_KEY_LEN;
+
+/// Keys of `mc_config_set` that only the store reads, documented in `mooncake.h`. The
+/// store also reads the engine keys (`metadata`, `protocol`, ... see [`KEYS`]).
+pub const STORE_CONFIG_KEYS: &[&str] = &[
+    "master_address",
+    "local_hostname",
+    "global_segment_size",
+    "local_buffer_size",
+    "verify_checksum",
+];
+
+/// The store's part of an `mc_config`: what [`ClientConfig`] has beyond the engine.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StoreSettings {
+    /// Its `engine`, `metadata`, `protocol` and `local_hostname` are taken from the
+    /// engine settings when a store starts.
+    client: ClientConfig,
+    /// Whether `metadata` was set: if not, a store uses its master's embedded server.
+    metadata_set: bool,
+}
+
+fn store_size(key: &str, value: &str) -> Result<u64> {
+    crate::engine::config::parse_size(value)
+        .ok_or_else(|| Error::invalid(format!("config {key}: {value:?} is not a byte count")))
+}
+
+impl StoreSettings {
+    /// Applies one `mc_config_set` key: a store key here, any other to `engine`.
+    pub(crate) fn set(&mut self, engine: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
+        let c = &mut self.client;
+        match key {
+            "master_address" => {
+                if value.is_empty() {
+                    return Err(Error::invalid("config master_address: empty"));
+                }
+                c.master_address = value.to_owned();
+            }
+            "local_hostname" => engine.set("local_server_name", value)?,
+            "global_segment_size" => c.global_segment_size = store_size(key, value)?,
+            "local_buffer_size" => c.local_buffer_size = store_size(key, value)?,
+            "verify_checksum" => {
+                c.verify_checksum = match value.to_ascii_lowercase().as_str() {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => {
+                        return Err(Error::invalid(format!(
+                            "config verify_checksum: {value:?} (1 or 0)"
+                        )))
+                    }
+                }
+            }
+            "metadata" | "metadata_server" => {
+                engine.set(key, value)?;
+                self.metadata_set = true;
+            }
+            _ if KEYS.contains(&key) => engine.set(key, value)?,
+            _ => {
+                return Err(Error::invalid(format!(
+                    "unknown config key {key:?} (engine: {}; store: {})",
+                    KEYS.join(", "),
+                    STORE_CONFIG_KEYS.join(", ")
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The client settings these and the engine settings describe.
+    fn client_config(&self, engine: &EngineConfig) -> ClientConfig {
+        let mut c = self.client.clone();
+        c.metadata = if self.metadata_set {
+            engine.metadata.clone()
+        } else {
+            // The master's embedded metadata server on its default port.
+            let host = crate::engine::segments::host_of(&c.master_address);
+            if host.contains(':') {
+                format!("http://[{host}]:8080/metadata")
+            } else {
+                format!("http://{host}:8080/metadata")
+            }
+        };
+        c.protocol = engine.protocol.name().to_owned();
+        // `local_hostname` is stored as the engine's `local_server_name`.
+        c.local_hostname = None;
+        c.engine = engine.clone();
+        c
+    }
+}
+
+/// `mc_store`: a connected store client behind an opaque pointer.
+pub struct McStore {
+    client: Client,
+}
+
+// The header promises that one store may be used from many threads at once.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Client>();
+};
+
+/// `mc_replicate_config` (48 bytes on 64-bit targets).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct McReplicateConfig {
+    pub replica_num: u32,
+    pub hard_pin: c_int,
+    pub soft_pin: c_int,
+    pub soft_pin_ttl_ms: u64,
+    pub preferred_segments: *const *const c_char,
+    pub preferred_segments_count: usize,
+    pub prefer_same_node: c_int,
+}
+
+/// Fills `*cfg` with the defaults: 1 replica, no pins, a 30 min soft-pin TTL, no
+/// preferences. NULL is ignored.
+///
+/// # Safety
+/// `cfg` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_replicate_config_init(cfg: *mut McReplicateConfig) {
+    if cfg.is_null() {
+        return;
+    }
+    let d = ReplicateConfig::default();
+    debug_assert_eq!(d.soft_pin_ttl_ms, DEFAULT_SOFT_PIN_TTL_MS);
+    // SAFETY: non-null and writable per the caller's contract; `write` reads nothing
+    // from the (possibly uninitialised) old value.
+    unsafe {
+        cfg.write(McReplicateConfig {
+            replica_num: d.replica_num,
+            hard_pin: d.hard_pin.into(),
+            soft_pin: d.soft_pin.into(),
+            soft_pin_ttl_ms: d.soft_pin_ttl_ms,
+            preferred_segments: std::ptr::null(),
+            preferred_segments_count: 0,
+            prefer_same_node: d.prefer_same_node.into(),
+        })
+    };
+}
+
+/// Borrows `n` elements at `p` (which may be NULL when `n` is 0).
+///
+/// # Safety
+/// `p` must be NULL or point to `n` initialised elements that stay unchanged for `'a`.
+unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    non_null(p, what)?;
+    if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(Error::invalid(format!("{what} {p:p} with n = {n}")));
+    }
+    // SAFETY: non-null, aligned, size in range, and `n` readable elements per the
+    // caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// Mutable form of [`array`].
+///
+/// # Safety
+/// `p` must be NULL or point to `n` writable elements not otherwise accessed in `'a`.
+unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T]> {
+    if n == 0 {
+        return Ok(&mut []);
+    }
+    non_null(p, what)?;
+    if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(Error::invalid(format!("{what} {p:p} with n = {n}")));
+    }
+    // SAFETY: as in `array`, and exclusive per the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
+}
+
+/// The replication settings a `mc_replicate_config` describes; NULL gives the defaults.
+///
+/// # Safety
+/// `cfg` must be NULL or readable, its `preferred_segments` NULL or
+/// `preferred_segments_count` readable pointers to NUL-terminated strings.
+unsafe fn replicate_config(cfg: *const McReplicateConfig) -> Result<ReplicateConfig> {
+    if cfg.is_null() {
+        return Ok(ReplicateConfig::default());
+    }
+    // SAFETY: non-null and readable per the caller's contract.
+    let c = unsafe { &*cfg };
+    if c.replica_num == 0 {
+        return Err(Error::invalid(
+            "replica_num is 0 (at least 1; see mc_replicate_config_init)",
+        ));
+    }
+    // SAFETY: per the caller's contract.
+    let names = unsafe {
+        array(
+            c.preferred_segments,
+            c.preferred_segments_count,
+            "preferred_segments",
+        )?
+    };
+    let preferred_segments = names
+        .iter()
+        // SAFETY: each is NULL (refused) or a NUL-terminated string.
+        .map(|&p| unsafe { c_str(p, "preferred segment") }.map(str::to_owned))
+        .collect::<Result<_>>()?;
+    Ok(ReplicateConfig {
+        replica_num: c.replica_num,
+        hard_pin: c.hard_pin != 0,
+        soft_pin: c.soft_pin != 0,
+        soft_pin_ttl_ms: c.soft_pin_ttl_ms,
+        preferred_segments,
+        prefer_same_node: c.prefer_same_node != 0,
+        group_ids: Vec::new(),
+    })
+}
+
+/// [`guard`] for store calls: the codes engines meet in normal operation (a miss, a
+/// leased object, a full pool) are logged at debug level rather than as warnings.
+fn store_guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
+    guard(what, || {
+        body().or_else(|e| match e.code() {
+            Code::ObjectNotFound | Code::ObjectHasLease | Code::NoAvailableHandle => {
+                log::debug!("{what}: {e}");
+                Ok(e.code() as c_int)
+            }
+            _ => Err(e),
+        })
+    })
+}
+
+/// Borrows the client behind a handle.
+///
+/// # Safety
+/// `s` must be NULL or a live pointer from `mc_store_new` not freed during `'a`.
+unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
+    non_null(s, "store")?;
+    // SAFETY: non-null and live per the caller's contract; only shared access is made,
+    // which `Client: Sync` allows from many threads.
+    Ok(unsafe { &(*s).client })
+}
+
+/// Borrows a key: NULL gives `MC_ERR_INVALID_PARAMS`, bytes that are not UTF-8
+/// `MC_ERR_INVALID_KEY`. Length rules are the master's.
+///
+/// # Safety
+/// `p` must be NULL or a NUL-terminated string unchanged during `'a`.
+unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
+    // SAFETY: per the caller's contract.
+    unsafe { c_str(p, "key") }.map_err(|e| match p.is_null() {
+        true => e,
+        false => Error::new(Code::InvalidKey, "key is not valid UTF-8"),
+    })
+}
+
+/// One negative code from a per-key result.
+fn code_of(e: &Error) -> c_int {
+    log::debug!("store key: {e}");
+    e.code() as c_int
+}
+
+/// Per key of a batch: the key, or why it cannot be asked (NULL, not UTF-8, or its
+/// buffer NULL: `no_buf(i)`).
+///
+/// # Safety
+/// Each of `keys` must be NULL or a NUL-terminated string unchanged during `'a`.
+unsafe fn batch_keys<'a>(
+    keys: &[*const c_char],
+    no_buf: impl Fn(usize) -> bool,
+) -> Vec<Result<&'a str>> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            // SAFETY: per the caller's contract.
+            let k = unsafe { key(p) }?;
+            match no_buf(i) {
+                true => Err(Error::invalid(format!("buffer {i} is NULL"))),
+                false => Ok(k),
+            }
+        })
+        .collect()
+}
+
+/// Runs `run` on the usable keys (with their indexes in the batch) and puts its answers
+/// in place; the other keys keep their error.
+fn scatter<T>(
+    keys: Vec<Result<&str>>,
+    run: impl FnOnce(&[&str], &[usize]) -> Vec<Result<T>>,
+) -> Vec<Result<T>> {
+    let mut good = Vec::new();
+    let mut index = Vec::new();
+    let mut out: Vec<Result<T>> = Vec::with_capacity(keys.len());
+    for (i, k) in keys.into_iter().enumerate() {
+        match k {
+            Ok(k) => {
+                good.push(k);
+                index.push(i);
+                out.push(Err(Error::new(Code::Internal, "no answer for key")));
+            }
+            Err(e) => out.push(Err(e)),
+        }
+    }
+    if !good.is_empty() {
+        for (i, a) in index.iter().zip(run(&good, &index)) {
+            out[*i] = a;
+        }
+    }
+    out
+}
+
+/// Connects a store client from `cfg` (NULL: defaults) into `*out` (NULL on error).
+///
+/// # Safety
+/// `cfg` must be NULL or a live `mc_config`; `out` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McStore) -> c_int {
+    store_guard("mc_store_new", || {
+        init_logging();
+        non_null(out, "out")?;
+        // SAFETY: `out` is non-null and writable per the caller's contract.
+        unsafe { *out = std::ptr::null_mut() };
+        let config = if cfg.is_null() {
+            StoreSettings::default().client_config(&EngineConfig::default())
+        } else {
+            // SAFETY: non-null and live per the caller's contract; only read.
+            let c = unsafe { &*cfg };
+            c.store.client_config(&c.config)
+        };
+        let client = Client::new(config)?;
+        let handle = Box::into_raw(Box::new(McStore { client }));
+        // SAFETY: as above.
+        unsafe { *out = handle };
+        Ok(MC_OK)
+    })
+}
+
+/// Unmounts the store's segment, disconnects and frees it; NULL is ignored.
+///
+/// # Safety
+/// `s` must be NULL or a pointer from `mc_store_new` not yet freed, with no other call
+/// on it in progress or to come.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_free(s: *mut McStore) {
+    if s.is_null() {
+        return;
+    }
+    guard_value("mc_store_free", (), || {
+        // SAFETY: from `Box::into_raw` in `mc_store_new`, freed once, no longer shared.
+        drop(unsafe { Box::from_raw(s) });
+    });
+}
+
+/// Puts one value from `len` bytes at `buf`.
+///
+/// # Safety
+/// As `mc_store_put`.
+unsafe fn put_one(
+    s: *mut McStore,
+    k: *const c_char,
+    buf: *const c_void,
+    len: usize,
+    cfg: *const McReplicateConfig,
+) -> Result<c_int> {
+    // SAFETY: per the caller's contract.
+    let client = unsafe { store(s)? };
+    // SAFETY: as above.
+    let key = unsafe { key(k)? };
+    non_null(buf, "buf")?;
+    // SAFETY: as above.
+    let cfg = unsafe { replicate_config(cfg)? };
+    let parts: Parts = vec![(buf as u64, len as u64)];
+    // SAFETY: `buf` is readable for `len` bytes during the call per the contract.
+    let mut r = unsafe { client.batch_put_from(&[key], &[parts], &cfg, false) };
+    r.pop()
+        .unwrap_or_else(|| Err(Error::new(Code::Internal, "empty batch result")))?;
+    Ok(MC_OK)
+}
+
+/// Stores `len` bytes at `buf` under `key`; an existing key is left unchanged.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated; `buf` NULL or readable for `len`
+/// bytes during the call; `cfg` NULL or a valid `mc_replicate_config`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_put(
+    s: *mut McStore,
+    key: *const c_char,
+    buf: *const c_void,
+    len: usize,
+    cfg: *const McReplicateConfig,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    store_guard("mc_store_put", || unsafe { put_one(s, key, buf, len, cfg) })
+}
+
+/// `mc_store_put` from a buffer registered with `mc_store_register_buffer`.
+///
+/// # Safety
+/// As `mc_store_put`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_put_from(
+    s: *mut McStore,
+    key: *const c_char,
+    buf: *const c_void,
+    len: usize,
+    cfg: *const McReplicateConfig,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    store_guard("mc_store_put_from", || unsafe {
+        put_one(s, key, buf, len, cfg)
+    })
+}
+
+/// Reads `key` into `buf[..cap]`; the object's size into `*len_out` (may be NULL).
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated; `buf` NULL or writable for `cap`
+/// bytes, untouched by others during the call; `len_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_get_into(
+    s: *mut McStore,
+    key: *const c_char,
+    buf: *mut c_void,
+    cap: usize,
+    len_out: *mut u64,
+) -> c_int {
+    store_guard("mc_store_get_into", || {
+        // SAFETY: per the caller's contract.
+        let client = unsafe { store(s)? };
+        // SAFETY: as above.
+        let key = unsafe { self::key(key)? };
+        non_null(buf, "buf")?;
+        let parts: Parts = vec![(buf as u64, cap as u64)];
+        // SAFETY: `buf` is writable for `cap` bytes during the call.
+        let mut r = unsafe { client.batch_get_into(&[key], &[parts]) };
+        let size = r
+            .pop()
+            .unwrap_or_else(|| Err(Error::new(Code::Internal, "empty batch result")))?;
+        if !len_out.is_null() {
+            // SAFETY: non-null and writable per the caller's contract.
+            unsafe { *len_out = size };
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// 1 if a complete object is stored under `key`, 0 if not, else a negative code.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_exists(s: *mut McStore, key: *const c_char) -> c_int {
+    store_guard("mc_store_exists", || {
+        // SAFETY: per the caller's contract.
+        let (client, key) = unsafe { (store(s)?, self::key(key)?) };
+        Ok(client.exists(key)?.into())
+    })
+}
+
+/// The size of the object under `key` into `*size_out`.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated; `size_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_size(
+    s: *mut McStore,
+    key: *const c_char,
+    size_out: *mut u64,
+) -> c_int {
+    store_guard("mc_store_size", || {
+        // SAFETY: per the caller's contract.
+        let (client, key) = unsafe { (store(s)?, self::key(key)?) };
+        non_null(size_out, "size_out")?;
+        let size = client.size(key)?;
+        // SAFETY: non-null and writable.
+        unsafe { *size_out = size };
+        Ok(MC_OK)
+    })
+}
+
+/// Removes `key`; while a reader holds its lease only with `force`.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_remove(
+    s: *mut McStore,
+    key: *const c_char,
+    force: c_int,
+) -> c_int {
+    store_guard("mc_store_remove", || {
+        // SAFETY: per the caller's contract.
+        let (client, key) = unsafe { (store(s)?, self::key(key)?) };
+        client.remove(key, force != 0)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Writes `n` into `*out` when `out` is not NULL.
+///
+/// # Safety
+/// `out` must be NULL or writable.
+unsafe fn put_count(out: *mut u64, n: u64) {
+    if !out.is_null() {
+        // SAFETY: non-null and writable per the caller's contract.
+        unsafe { *out = n };
+    }
+}
+
+/// Removes every object (leased ones only with `force`); the count into `*removed_out`
+/// (may be NULL).
+///
+/// # Safety
+/// `s` a live store; `removed_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_remove_all(
+    s: *mut McStore,
+    force: c_int,
+    removed_out: *mut u64,
+) -> c_int {
+    store_guard("mc_store_remove_all", || {
+        // SAFETY: per the caller's contract.
+        let n = unsafe { store(s)? }.remove_all(force != 0)?;
+        // SAFETY: as above.
+        unsafe { put_count(removed_out, n) };
+        Ok(MC_OK)
+    })
+}
+
+/// Removes every object whose key matches `pattern` (leased ones only with `force`);
+/// the count into `*removed_out` (may be NULL).
+///
+/// # Safety
+/// `s` a live store; `pattern` NULL or NUL-terminated; `removed_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_remove_by_regex(
+    s: *mut McStore,
+    pattern: *const c_char,
+    force: c_int,
+    removed_out: *mut u64,
+) -> c_int {
+    store_guard("mc_store_remove_by_regex", || {
+        // SAFETY: per the caller's contract.
+        let (client, pattern) = unsafe { (store(s)?, c_str(pattern, "pattern")?) };
+        let n = client.remove_by_regex(pattern, force != 0)?;
+        // SAFETY: as above.
+        unsafe { put_count(removed_out, n) };
+        Ok(MC_OK)
+    })
+}
+
+/// Registers `[addr, addr+len)` for zero-copy puts and gets.
+///
+/// # Safety
+/// `s` a live store; the memory must stay valid until it is unregistered (or the store
+/// is freed), and peers may read and write it meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_register_buffer(
+    s: *mut McStore,
+    addr: *mut c_void,
+    len: usize,
+) -> c_int {
+    store_guard("mc_store_register_buffer", || {
+        // SAFETY: per the caller's contract.
+        let client = unsafe { store(s)? };
+        non_null(addr, "addr")?;
+        // SAFETY: the caller keeps the memory valid until it unregisters it.
+        unsafe { client.register_buffer(addr.cast(), len)? };
+        Ok(MC_OK)
+    })
+}
+
+/// Withdraws a buffer registered with `mc_store_register_buffer`.
+///
+/// # Safety
+/// `s` a live store.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_unregister_buffer(s: *mut McStore, addr: *mut c_void) -> c_int {
+    store_guard("mc_store_unregister_buffer", || {
+        // SAFETY: per the caller's contract.
+        let client = unsafe { store(s)? };
+        non_null(addr, "addr")?;
+        client.unregister_buffer(addr.cast())?;
+        Ok(MC_OK)
+    })
+}
+
+/// Copies the store's segment name, NUL-terminated, into `buf[..len]`.
+///
+/// # Safety
+/// `s` a live store; `buf` NULL or writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_hostname(s: *mut McStore, buf: *mut c_char, len: usize) -> c_int {
+    store_guard("mc_store_hostname", || {
+        // SAFETY: per the caller's contract.
+        let client = unsafe { store(s)? };
+        non_null(buf, "buf")?;
+        let name = client.hostname();
+        // SAFETY: `buf` is writable for `len` bytes.
+        if unsafe { copy_out(name, buf, len) } {
+            return Ok(MC_OK);
+        }
+        if len > 0 {
+            // SAFETY: `buf` holds at least one byte.
+            unsafe { *buf = 0 };
+        }
+        Err(Error::new(
+            Code::BufferOverflow,
+            format!(
+                "hostname {name:?} needs {} bytes, buffer has {len}",
+                name.len() + 1
+            ),
+        ))
+    })
+}
+
+/// Puts `n` keys from one buffer each; per key 0 or a negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys`, `bufs`, `lens` and `results` NULL (only with `n == 0`) or
+/// arrays of `n`; each key NULL or NUL-terminated; each buffer NULL or readable for its
+/// length during the call; `cfg` as for `mc_store_put`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_put_from(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    bufs: *const *const c_void,
+    lens: *const usize,
+    n: usize,
+    cfg: *const McReplicateConfig,
+    results: *mut c_int,
+) -> c_int {
+    store_guard("mc_store_batch_put_from", || {
+        // SAFETY: per the caller's contract (every array holds `n` elements).
+        let (client, keys, bufs, lens, cfg) = unsafe {
+            (
+                store(s)?,
+                array(keys, n, "keys")?,
+                array(bufs, n, "bufs")?,
+                array(lens, n, "lens")?,
+                replicate_config(cfg)?,
+            )
+        };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |i| bufs[i].is_null()) };
+        let answers = scatter(checked, |good, index| {
+            let parts: Vec<Parts> = index
+                .iter()
+                .map(|&i| vec![(bufs[i] as u64, lens[i] as u64)])
+                .collect();
+            // SAFETY: every buffer left is readable for its length during the call.
+            unsafe { client.batch_put_from(good, &parts, &cfg, false) }
+        });
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| code_of(&e), |()| MC_OK);
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Reads `n` keys into one buffer each; per key the bytes read (the object's size) or
+/// a negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys`, `bufs`, `caps` and `results` NULL (only with `n == 0`) or
+/// arrays of `n`; each key NULL or NUL-terminated; each buffer NULL or writable for its
+/// capacity, untouched by others during the call, and not overlapping another.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_get_into(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    bufs: *const *mut c_void,
+    caps: *const usize,
+    n: usize,
+    results: *mut i64,
+) -> c_int {
+    store_guard("mc_store_batch_get_into", || {
+        // SAFETY: per the caller's contract (every array holds `n` elements).
+        let (client, keys, bufs, caps) = unsafe {
+            (
+                store(s)?,
+                array(keys, n, "keys")?,
+                array(bufs, n, "bufs")?,
+                array(caps, n, "caps")?,
+            )
+        };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |i| bufs[i].is_null()) };
+        let answers = scatter(checked, |good, index| {
+            let parts: Vec<Parts> = index
+                .iter()
+                .map(|&i| vec![(bufs[i] as u64, caps[i] as u64)])
+                .collect();
+            // SAFETY: every buffer left is writable for its capacity during the call.
+            unsafe { client.batch_get_into(good, &parts) }
+        });
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = match a {
+                Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
+                Err(e) => code_of(&e).into(),
+            };
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Per key 1 (stored), 0 (not) or a negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys` and `results` NULL (only with `n == 0`) or arrays of `n`;
+/// each key NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_exists(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    results: *mut c_int,
+) -> c_int {
+    store_guard("mc_store_batch_exists", || {
+        // SAFETY: per the caller's contract.
+        let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |_| false) };
+        let answers = scatter(checked, |good, _| client.batch_exists(good));
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| code_of(&e), c_int::from);
+        }
+        Ok(MC_OK)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, &str)]) -> ClientConfig {
+        let (mut engine, mut store) = (EngineConfig::default(), StoreSettings::default());
+        for (k, v) in pairs {
+            store.set(&mut engine, k, v).unwrap();
+        }
+        store.client_config(&engine)
+    }
+
+    #[test]
+    fn store_keys_reach_the_client_config() {
+        let c = settings(&[]);
+        assert_eq!(c.master_address, "127.0.0.1:50051");
+        assert_eq!(c.metadata, "http://127.0.0.1:8080/metadata");
+        assert_eq!(c.global_segment_size, 0);
+        assert_eq!(c.protocol, "auto");
+        assert!(c.verify_checksum);
+
+        let c = settings(&[
+            ("master_address", "10.0.0.5:7000"),
+            ("global_segment_size", "64M"),
+            ("local_buffer_size", "1G"),
+            ("verify_checksum", "0"),
+            ("protocol", "tcp"),
+            ("local_hostname", "10.0.0.6:9000"),
+            ("workers", "3"),
+        ]);
+        assert_eq!(c.metadata, "http://10.0.0.5:8080/metadata");
+        assert_eq!(c.global_segment_size, 64 << 20);
+        assert_eq!(c.local_buffer_size, 1 << 30);
+        assert!(!c.verify_checksum);
+        assert_eq!(c.protocol, "tcp");
+        assert_eq!(c.engine.local_server_name.as_deref(), Some("10.0.0.6:9000"));
+        assert_eq!(c.engine.workers, 3);
+
+        assert_eq!(
+            settings(&[("master_address", "[::1]:50051")]).metadata,
+            "http://[::1]:8080/metadata"
+        );
+        // Set explicitly, even to the engine default, the metadata key wins.
+        let c = settings(&[
+            ("master_address", "10.0.0.5:7000"),
+            ("metadata", "P2PHANDSHAKE"),
+        ]);
+        assert_eq!(c.metadata, "P2PHANDSHAKE");
+    }
+}

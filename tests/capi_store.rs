@@ -1,0 +1,975 @@
+//! The store's C ABI: `mc_store_*` called straight from Rust against an in-process
+//! master and node (results, bad input, batches, threads), the header checked against
+//! the Rust definitions, and a C program linked against `libmooncake.a` using a cluster
+//! of `mooncake master` / `mooncake node` processes.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::ptr::{null, null_mut};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::OnceLock;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mooncake::capi::*;
+use mooncake::store::protocol::{DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
+use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+use mooncake::Code;
+
+const MIB: u64 = 1 << 20;
+/// Upper bound for any child process step; generous for loaded CI machines.
+const LIMIT: Duration = Duration::from_secs(120);
+
+const INVALID: c_int = Code::InvalidParams as c_int;
+const BAD_KEY: c_int = Code::InvalidKey as c_int;
+const NOT_FOUND: c_int = Code::ObjectNotFound as c_int;
+const HAS_LEASE: c_int = Code::ObjectHasLease as c_int;
+const OVERFLOW: c_int = Code::BufferOverflow as c_int;
+
+/// Routes the library's log output through the test harness's capture.
+fn quiet_logs() {
+    let _ = env_logger::builder().is_test(true).try_init();
+}
+
+fn header_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("c_include")
+}
+
+fn cstring(s: &str) -> CString {
+    CString::new(s).unwrap()
+}
+
+fn value(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A master on OS-assigned ports with its embedded metadata server.
+fn master() -> MasterServer {
+    MasterServer::start(ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: None,
+        ..ServerConfig::default()
+    })
+    .unwrap()
+}
+
+/// A node lending `segment` bytes, through the Rust API.
+fn node(m: &MasterServer, segment: u64) -> Client {
+    Client::new(ClientConfig {
+        master_address: m.rpc_addr().to_string(),
+        metadata: m.metadata_url().unwrap(),
+        global_segment_size: segment,
+        protocol: "tcp".into(),
+        ..ClientConfig::default()
+    })
+    .unwrap()
+}
+
+/// An `mc_config` with `settings` applied (each must be accepted).
+fn config(settings: &[(&str, &str)]) -> *mut McConfig {
+    let cfg = mc_config_new();
+    assert!(!cfg.is_null());
+    for (k, v) in settings {
+        let (k, v) = (cstring(k), cstring(v));
+        // SAFETY: `cfg` is live; the strings are NUL-terminated.
+        let rc = unsafe { mc_config_set(cfg, k.as_ptr(), v.as_ptr()) };
+        assert_eq!(rc, MC_OK, "setting {k:?} = {v:?}");
+    }
+    cfg
+}
+
+/// A store made through the C ABI, freed on drop.
+struct Store(*mut McStore);
+
+// SAFETY: the header allows one store to be used from many threads at once.
+unsafe impl Send for Store {}
+// SAFETY: as above.
+unsafe impl Sync for Store {}
+
+impl Store {
+    fn with(settings: &[(&str, &str)]) -> Store {
+        let cfg = config(settings);
+        let mut s = null_mut();
+        // SAFETY: `cfg` is live and `s` writable.
+        let rc = unsafe { mc_store_new(cfg, &mut s) };
+        // SAFETY: from mc_config_new, not used again.
+        unsafe { mc_config_free(cfg) };
+        assert_eq!(rc, MC_OK);
+        assert!(!s.is_null());
+        Store(s)
+    }
+
+    /// A pure client of `m` (tcp, so only the node's segment is used).
+    fn client_of(m: &MasterServer) -> Store {
+        let master = m.rpc_addr().to_string();
+        let metadata = m.metadata_url().unwrap();
+        Store::with(&[
+            ("master_address", &master),
+            ("metadata", &metadata),
+            ("protocol", "tcp"),
+            ("global_segment_size", "0"),
+        ])
+    }
+
+    fn put(&self, key: &str, v: &[u8]) -> c_int {
+        let k = cstring(key);
+        // SAFETY: live store; `v` is readable for its length during the call.
+        unsafe { mc_store_put(self.0, k.as_ptr(), v.as_ptr().cast(), v.len(), null()) }
+    }
+
+    /// `mc_store_get_into` with a `cap`-byte buffer: the code and, on success, the bytes.
+    fn get(&self, key: &str, cap: usize) -> (c_int, Vec<u8>) {
+        let k = cstring(key);
+        let mut buf = vec![0u8; cap];
+        let mut len = u64::MAX;
+        // SAFETY: live store; `buf` is writable for `cap` bytes; `len` writable.
+        let rc = unsafe {
+            mc_store_get_into(self.0, k.as_ptr(), buf.as_mut_ptr().cast(), cap, &mut len)
+        };
+        if rc == MC_OK {
+            buf.truncate(len as usize);
+        } else {
+            assert_eq!(len, u64::MAX, "len_out written only on success");
+        }
+        (rc, buf)
+    }
+
+    fn exists(&self, key: &str) -> c_int {
+        let k = cstring(key);
+        // SAFETY: live store; NUL-terminated key.
+        unsafe { mc_store_exists(self.0, k.as_ptr()) }
+    }
+
+    fn remove(&self, key: &str, force: bool) -> c_int {
+        let k = cstring(key);
+        // SAFETY: live store; NUL-terminated key.
+        unsafe { mc_store_remove(self.0, k.as_ptr(), force.into()) }
+    }
+
+    fn hostname(&self) -> String {
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: live store; `buf` writable for its length.
+        assert_eq!(
+            unsafe { mc_store_hostname(self.0, buf.as_mut_ptr(), buf.len()) },
+            MC_OK
+        );
+        // SAFETY: NUL-terminated on success.
+        unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_str()
+            .unwrap()
+            .to_owned()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: from mc_store_new, freed once, no call in progress.
+        unsafe { mc_store_free(self.0) };
+    }
+}
+
+#[test]
+fn null_pointers_and_bad_config_are_refused() {
+    quiet_logs();
+    let null_s: *mut McStore = null_mut();
+    let k = c"k".as_ptr();
+    let mut byte = 0u8;
+    let p = (&mut byte as *mut u8).cast::<c_void>();
+    let mut u = 0u64;
+    let mut r = 0 as c_int;
+    let mut r64 = 0i64;
+    let mut text = [0 as c_char; 64];
+    let keys = [k];
+    let bufs = [p.cast_const()];
+    let mbufs = [p];
+    let lens = [1usize];
+    // SAFETY: every pointer is NULL or valid for the lengths given.
+    unsafe {
+        assert_eq!(mc_store_new(null(), null_mut()), INVALID);
+        assert_eq!(mc_store_put(null_s, k, p, 1, null()), INVALID);
+        assert_eq!(mc_store_put_from(null_s, k, p, 1, null()), INVALID);
+        assert_eq!(mc_store_get_into(null_s, k, p, 1, &mut u), INVALID);
+        assert_eq!(mc_store_exists(null_s, k), INVALID);
+        assert_eq!(mc_store_size(null_s, k, &mut u), INVALID);
+        assert_eq!(mc_store_remove(null_s, k, 1), INVALID);
+        assert_eq!(mc_store_remove_all(null_s, 1, &mut u), INVALID);
+        assert_eq!(mc_store_remove_by_regex(null_s, k, 1, &mut u), INVALID);
+        assert_eq!(mc_store_register_buffer(null_s, p, 1), INVALID);
+        assert_eq!(mc_store_unregister_buffer(null_s, p), INVALID);
+        assert_eq!(mc_store_hostname(null_s, text.as_mut_ptr(), 64), INVALID);
+        let (kp, bp, lp) = (keys.as_ptr(), bufs.as_ptr(), lens.as_ptr());
+        let nil = null();
+        assert_eq!(
+            mc_store_batch_put_from(null_s, kp, bp, lp, 1, nil, &mut r),
+            INVALID
+        );
+        let mb = mbufs.as_ptr();
+        assert_eq!(
+            mc_store_batch_get_into(null_s, kp, mb, lp, 1, &mut r64),
+            INVALID
+        );
+        assert_eq!(mc_store_batch_exists(null_s, kp, 1, &mut r), INVALID);
+        mc_store_free(null_s);
+        mc_replicate_config_init(null_mut());
+
+        // Store keys on the shared config: checked at once, engine keys still work.
+        let cfg = mc_config_new();
+        let set = |key: &CStr, v: &CStr| mc_config_set(cfg, key.as_ptr(), v.as_ptr());
+        for (key, good, bad) in [
+            (c"global_segment_size", c"64M", c"lots"),
+            (c"global_segment_size", c"1048576", c"-1"),
+            (c"local_buffer_size", c"16MiB", c"1X"),
+            (c"verify_checksum", c"0", c"maybe"),
+            (c"verify_checksum", c"1", c""),
+            (c"master_address", c"127.0.0.1:1", c""),
+            (c"local_hostname", c"127.0.0.1:0", c"\xff"),
+            (c"protocol", c"tcp", c"carrier-pigeon"),
+        ] {
+            assert_eq!(set(key, good), MC_OK, "{key:?} = {good:?}");
+            assert_eq!(set(key, bad), INVALID, "{key:?} = {bad:?}");
+        }
+        assert_eq!(set(c"metadata", c"P2PHANDSHAKE"), MC_OK);
+        assert_eq!(set(c"workers", c"2"), MC_OK);
+        assert_eq!(set(c"no_such_key", c"1"), INVALID);
+
+        // A node whose master does not answer: no store, *out NULL.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = cstring(&closed.local_addr().unwrap().to_string());
+        drop(closed);
+        assert_eq!(
+            mc_config_set(cfg, c"master_address".as_ptr(), addr.as_ptr()),
+            MC_OK
+        );
+        let mut out = std::ptr::dangling_mut::<McStore>();
+        assert_eq!(mc_store_new(cfg, &mut out), Code::RpcFail as c_int);
+        assert!(out.is_null(), "*out is NULL on failure");
+        mc_config_free(cfg);
+    }
+}
+
+#[test]
+fn put_get_and_friends_through_the_abi() {
+    quiet_logs();
+    let m = master();
+    let n = node(&m, 64 * MIB);
+    let s = Store::client_of(&m);
+    let e = s.0;
+    let host = s.hostname();
+    assert!(host.starts_with("127.0.0.1:"), "{host}");
+
+    // Put, get, exists, size; the Rust node sees the same object.
+    let v = value(1, 100_000);
+    assert_eq!(s.put("a", &v), MC_OK);
+    assert_eq!(s.get("a", v.len()), (MC_OK, v.clone()));
+    assert_eq!(
+        s.get("a", v.len() + 10),
+        (MC_OK, v.clone()),
+        "roomier buffer"
+    );
+    assert_eq!(n.get("a").unwrap(), v);
+    assert_eq!(s.put("a", &value(2, 10)), MC_OK, "immutable: unchanged");
+    assert_eq!(s.get("a", v.len()).1, v);
+    assert_eq!(s.exists("a"), 1);
+    assert_eq!(s.exists("b"), 0);
+    let mut size = 0u64;
+    let mut text = [0 as c_char; 64];
+    let t = text.as_mut_ptr();
+    // SAFETY: live store; outputs writable; strings NUL-terminated.
+    unsafe {
+        assert_eq!(mc_store_size(e, c"a".as_ptr(), &mut size), MC_OK);
+        assert_eq!(size, v.len() as u64);
+        assert_eq!(mc_store_size(e, c"b".as_ptr(), &mut size), NOT_FOUND);
+        assert_eq!(mc_store_size(e, c"a".as_ptr(), null_mut()), INVALID);
+        // len_out may be NULL.
+        let mut buf = vec![0u8; v.len()];
+        let b = buf.as_mut_ptr().cast();
+        let nil = null_mut();
+        assert_eq!(mc_store_get_into(e, c"a".as_ptr(), b, v.len(), nil), MC_OK);
+        assert_eq!(buf, v);
+        assert_eq!(
+            mc_store_get_into(e, c"a".as_ptr(), nil.cast(), 8, nil),
+            INVALID
+        );
+
+        // Hostname: too small → overflow with an emptied buffer; exact fit works.
+        text[0] = b'x' as c_char;
+        assert_eq!(mc_store_hostname(e, t, host.len()), OVERFLOW);
+        assert_eq!(text[0], 0);
+        assert_eq!(mc_store_hostname(e, t, 0), OVERFLOW);
+        assert_eq!(mc_store_hostname(e, null_mut(), 64), INVALID);
+        assert_eq!(mc_store_hostname(e, t, host.len() + 1), MC_OK);
+        assert_eq!(CStr::from_ptr(t).to_str().unwrap(), host);
+    }
+
+    // Bad keys and values.
+    let max_key = "k".repeat(MAX_KEY_LEN);
+    let long_key = "k".repeat(MAX_KEY_LEN + 1);
+    assert_eq!(
+        s.put(&max_key, b"x"),
+        MC_OK,
+        "a key of MC_STORE_MAX_KEY_LEN"
+    );
+    assert_eq!(s.put(&long_key, b"x"), BAD_KEY);
+    assert_eq!(s.put("", b"x"), BAD_KEY);
+    assert_eq!(s.put("empty", b""), INVALID, "zero-length value");
+    assert_eq!(s.exists(&long_key), BAD_KEY);
+    assert_eq!(s.get(&long_key, 8).0, BAD_KEY);
+    assert_eq!(s.remove(&long_key, true), BAD_KEY);
+    assert_eq!(s.get("missing", 8).0, NOT_FOUND);
+    assert_eq!(s.remove("missing", false), NOT_FOUND);
+    let non_utf8 = c"\xff\xfe".as_ptr();
+    let nil_key = null();
+    let mut byte = 1u8;
+    let p = (&mut byte as *mut u8).cast::<c_void>();
+    // SAFETY: live store; pointers NULL or valid for the lengths given.
+    unsafe {
+        let nil = null();
+        assert_eq!(mc_store_put(e, nil_key, p, 1, nil), INVALID, "NULL key");
+        assert_eq!(mc_store_put(e, non_utf8, p, 1, nil), BAD_KEY, "not UTF-8");
+        assert_eq!(mc_store_put(e, c"k".as_ptr(), null(), 1, nil), INVALID);
+        assert_eq!(mc_store_exists(e, nil_key), INVALID);
+        assert_eq!(mc_store_exists(e, non_utf8), BAD_KEY);
+        assert_eq!(mc_store_remove(e, nil_key, 0), INVALID);
+        let mut u = 0u64;
+        assert_eq!(mc_store_get_into(e, nil_key, p, 1, &mut u), INVALID);
+        assert_eq!(mc_store_remove_by_regex(e, nil_key, 0, &mut u), INVALID);
+        assert_eq!(
+            mc_store_remove_by_regex(e, c"(".as_ptr(), 0, &mut u),
+            INVALID
+        );
+    }
+
+    // Too small a buffer; the object was just read, so it is leased.
+    assert_eq!(s.get("a", v.len() - 1).0, OVERFLOW);
+    assert_eq!(s.get("a", 0).0, OVERFLOW);
+    assert_eq!(s.remove("a", false), HAS_LEASE);
+    assert_eq!(s.exists("a"), 1);
+    assert_eq!(s.remove("a", true), MC_OK);
+    assert_eq!(s.exists("a"), 0);
+    assert_eq!(s.remove("a", true), NOT_FOUND);
+
+    // Replication settings.
+    let mut rc = std::mem::MaybeUninit::<McReplicateConfig>::uninit();
+    // SAFETY: `rc` is writable; init fills every field.
+    let mut rc = unsafe {
+        mc_replicate_config_init(rc.as_mut_ptr());
+        rc.assume_init()
+    };
+    assert_eq!(rc.replica_num, 1);
+    assert_eq!((rc.hard_pin, rc.soft_pin, rc.prefer_same_node), (0, 0, 0));
+    assert_eq!(rc.soft_pin_ttl_ms, DEFAULT_SOFT_PIN_TTL_MS);
+    assert!(rc.preferred_segments.is_null());
+    assert_eq!(rc.preferred_segments_count, 0);
+    let node_name = cstring(n.hostname());
+    let preferred = [node_name.as_ptr()];
+    rc.preferred_segments = preferred.as_ptr();
+    rc.preferred_segments_count = 1;
+    rc.hard_pin = 1;
+    let pinned = value(3, 5000);
+    // SAFETY: live store; `rc` and its strings outlive the calls; buffers valid.
+    unsafe {
+        let put = |key: &CStr, cfg: &McReplicateConfig| {
+            mc_store_put(e, key.as_ptr(), pinned.as_ptr().cast(), pinned.len(), cfg)
+        };
+        assert_eq!(put(c"pinned", &rc), MC_OK);
+        let mut bad = rc;
+        bad.replica_num = 0;
+        assert_eq!(put(c"r0", &bad), INVALID, "replica_num 0");
+        bad = rc;
+        bad.preferred_segments = null();
+        assert_eq!(put(c"r1", &bad), INVALID, "NULL preferred_segments");
+        let nulls = [null::<c_char>()];
+        bad.preferred_segments = nulls.as_ptr();
+        assert_eq!(put(c"r2", &bad), INVALID, "NULL preferred segment");
+        bad.preferred_segments_count = 0;
+        assert_eq!(put(c"r3", &bad), MC_OK, "count 0: the array is not read");
+    }
+    assert_eq!(s.get("pinned", 5000), (MC_OK, pinned.clone()));
+    assert_eq!(s.exists("r0"), 0);
+
+    // Registered buffers.
+    let mut reg = value(4, 70_000);
+    let addr = reg.as_mut_ptr().cast::<c_void>();
+    // SAFETY: `reg` outlives its registration (withdrawn below).
+    unsafe {
+        assert_eq!(mc_store_register_buffer(e, addr, reg.len()), MC_OK);
+        let key = c"registered".as_ptr();
+        let nil = null();
+        assert_eq!(mc_store_put_from(e, key, addr, reg.len(), nil), MC_OK);
+        assert_eq!(mc_store_register_buffer(e, null_mut(), 8), INVALID);
+        assert_eq!(mc_store_unregister_buffer(e, null_mut()), INVALID);
+        assert_eq!(mc_store_unregister_buffer(e, addr), MC_OK);
+        let unknown = Code::AddressNotRegistered as c_int;
+        assert_eq!(mc_store_unregister_buffer(e, addr), unknown);
+    }
+    assert_eq!(s.get("registered", reg.len()), (MC_OK, reg.clone()));
+
+    // Removal by pattern and of everything; counts optional.
+    for i in 0..5 {
+        assert_eq!(s.put(&format!("group-{i}"), &value(10 + i, 100)), MC_OK);
+    }
+    let mut removed = 0u64;
+    // SAFETY: live store; outputs writable or NULL.
+    unsafe {
+        let re = c"^group-[0-2]$".as_ptr();
+        assert_eq!(mc_store_remove_by_regex(e, re, 0, &mut removed), MC_OK);
+        assert_eq!(removed, 3);
+        let re = c"group".as_ptr();
+        assert_eq!(mc_store_remove_by_regex(e, re, 0, null_mut()), MC_OK);
+        assert_eq!(s.exists("group-4"), 0);
+        // "pinned" and "registered" were read: leased, so kept unless forced.
+        assert_eq!(mc_store_remove_all(e, 0, &mut removed), MC_OK);
+        assert_eq!(s.exists("pinned"), 1);
+        assert_eq!(mc_store_remove_all(e, 1, &mut removed), MC_OK);
+        assert!(removed >= 2, "{removed}");
+        assert_eq!(mc_store_remove_all(e, 1, null_mut()), MC_OK);
+    }
+    assert_eq!(s.exists("pinned"), 0);
+    assert_eq!(m.master().stats().objects, 0);
+}
+
+#[test]
+fn batches_give_per_key_results() {
+    quiet_logs();
+    let m = master();
+    let _n = node(&m, 64 * MIB);
+    let s = Store::client_of(&m);
+    let e = s.0;
+
+    let names: Vec<CString> = (0..8).map(|i| cstring(&format!("b{i}"))).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| value(i, 1000 + 3000 * i as usize)).collect();
+    let mut keys: Vec<*const c_char> = names.iter().map(|c| c.as_ptr()).collect();
+    let mut bufs: Vec<*const c_void> = values.iter().map(|v| v.as_ptr().cast()).collect();
+    let mut lens: Vec<usize> = values.iter().map(Vec::len).collect();
+    // Spoil three entries: a NULL key, a non-UTF-8 key, a NULL buffer; and a zero length.
+    keys[1] = null();
+    keys[2] = c"\xff".as_ptr();
+    bufs[3] = null();
+    lens[4] = 0;
+    let mut results = vec![7 as c_int; 8];
+    // SAFETY: live store; arrays of 8; buffers readable for their lengths.
+    let rc = unsafe {
+        mc_store_batch_put_from(
+            e,
+            keys.as_ptr(),
+            bufs.as_ptr(),
+            lens.as_ptr(),
+            8,
+            null(),
+            results.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, MC_OK);
+    assert_eq!(
+        results,
+        [MC_OK, INVALID, BAD_KEY, INVALID, INVALID, MC_OK, MC_OK, MC_OK]
+    );
+
+    // Read back: key 5 into a too-small buffer, key 4 was never stored.
+    let mut reads: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len() + 1]).collect();
+    reads[5].truncate(10);
+    let mut rbufs: Vec<*mut c_void> = reads.iter_mut().map(|b| b.as_mut_ptr().cast()).collect();
+    rbufs[3] = null_mut();
+    let caps: Vec<usize> = reads.iter().map(Vec::len).collect();
+    let mut got = vec![7i64; 8];
+    // SAFETY: live store; arrays of 8; buffers writable for their capacities.
+    let rc = unsafe {
+        mc_store_batch_get_into(
+            e,
+            keys.as_ptr(),
+            rbufs.as_ptr(),
+            caps.as_ptr(),
+            8,
+            got.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, MC_OK);
+    let len = |i: usize| values[i].len() as i64;
+    let (inv, bad, nf, of) = (
+        INVALID as i64,
+        BAD_KEY as i64,
+        NOT_FOUND as i64,
+        OVERFLOW as i64,
+    );
+    assert_eq!(got, [len(0), inv, bad, inv, nf, of, len(6), len(7)]);
+    for i in [0, 6, 7] {
+        assert_eq!(&reads[i][..values[i].len()], &values[i][..], "key {i}");
+    }
+
+    let mut ex = vec![7 as c_int; 8];
+    // SAFETY: live store; arrays of 8.
+    let rc = unsafe { mc_store_batch_exists(e, keys.as_ptr(), 8, ex.as_mut_ptr()) };
+    assert_eq!(rc, MC_OK);
+    assert_eq!(ex, [1, INVALID, BAD_KEY, 0, 0, 1, 1, 1]);
+
+    // Whole-call failures leave results untouched; n = 0 needs no arrays.
+    let untouched = ex.clone();
+    // SAFETY: live store; every non-NULL array holds 8 elements.
+    unsafe {
+        let (k, r) = (keys.as_ptr(), ex.as_mut_ptr());
+        assert_eq!(mc_store_batch_exists(e, null(), 8, r), INVALID);
+        assert_eq!(mc_store_batch_exists(e, k, 8, null_mut()), INVALID);
+        assert_eq!(ex, untouched);
+        assert_eq!(mc_store_batch_exists(e, null(), 0, null_mut()), MC_OK);
+        let (b, l) = (bufs.as_ptr(), lens.as_ptr());
+        assert_eq!(
+            mc_store_batch_put_from(e, k, null(), l, 8, null(), r),
+            INVALID
+        );
+        assert_eq!(
+            mc_store_batch_put_from(e, k, b, null(), 8, null(), r),
+            INVALID
+        );
+        assert_eq!(
+            mc_store_batch_put_from(e, null(), null(), null(), 0, null(), null_mut()),
+            MC_OK
+        );
+        let mut zero = std::mem::zeroed::<McReplicateConfig>();
+        assert_eq!(mc_store_batch_put_from(e, k, b, l, 8, &zero, r), INVALID);
+        zero.replica_num = 2; // more than the one segment: best effort
+        let mut res = [7 as c_int; 1];
+        let one = [c"two-replicas".as_ptr()];
+        let rp = res.as_mut_ptr();
+        assert_eq!(
+            mc_store_batch_put_from(e, one.as_ptr(), b, l, 1, &zero, rp),
+            MC_OK
+        );
+        assert_eq!(res, [MC_OK]);
+        let (rb, c, g) = (rbufs.as_ptr(), caps.as_ptr(), got.as_mut_ptr());
+        assert_eq!(mc_store_batch_get_into(e, k, null(), c, 8, g), INVALID);
+        assert_eq!(mc_store_batch_get_into(e, k, rb, null(), 8, g), INVALID);
+        assert_eq!(mc_store_batch_get_into(e, k, rb, c, 8, null_mut()), INVALID);
+        assert_eq!(
+            mc_store_batch_get_into(e, null(), null(), null(), 0, null_mut()),
+            MC_OK
+        );
+    }
+    assert_eq!(
+        s.get("two-replicas", values[0].len()),
+        (MC_OK, values[0].clone())
+    );
+}
+
+#[test]
+fn one_store_serves_many_threads() {
+    quiet_logs();
+    let m = master();
+    let _n = node(&m, 64 * MIB);
+    let s = Store::client_of(&m);
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let s = &s;
+            scope.spawn(move || {
+                for i in 0..10u64 {
+                    let key = format!("t{t}-{i}");
+                    let v = value(t * 100 + i, 4096 + (i as usize) * 777);
+                    assert_eq!(s.put(&key, &v), MC_OK);
+                    assert_eq!(s.get(&key, v.len()), (MC_OK, v));
+                    assert_eq!(s.exists(&key), 1);
+                }
+            });
+        }
+    });
+    assert_eq!(m.master().stats().objects, 40);
+}
+
+// ---------------------------------------------------------------- the header
+
+/// `#define NAME VALUE` lines of the header.
+fn header_defines(header: &str) -> HashMap<String, i64> {
+    header
+        .lines()
+        .filter_map(|l| l.split("/*").next()?.trim().strip_prefix("#define "))
+        .filter_map(|rest| {
+            let (n, v) = rest.split_once(char::is_whitespace)?;
+            Some((n.trim().to_owned(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn header_declares_the_store_abi() {
+    quiet_logs();
+    let header = std::fs::read_to_string(header_path().join("mooncake.h")).unwrap();
+    let defines = header_defines(&header);
+    assert_eq!(
+        defines.get("MC_STORE_MAX_KEY_LEN"),
+        Some(&(MC_STORE_MAX_KEY_LEN as i64))
+    );
+    assert_eq!(MC_STORE_MAX_KEY_LEN, MAX_KEY_LEN);
+    for key in STORE_CONFIG_KEYS {
+        assert!(
+            header.contains(&format!(" {key} ")),
+            "store config key {key} documented"
+        );
+    }
+    // Every shim is declared (its name followed by an argument list).
+    for f in [
+        "mc_replicate_config_init",
+        "mc_store_new",
+        "mc_store_free",
+        "mc_store_put",
+        "mc_store_put_from",
+        "mc_store_get_into",
+        "mc_store_exists",
+        "mc_store_size",
+        "mc_store_remove",
+        "mc_store_remove_all",
+        "mc_store_remove_by_regex",
+        "mc_store_register_buffer",
+        "mc_store_unregister_buffer",
+        "mc_store_hostname",
+        "mc_store_batch_put_from",
+        "mc_store_batch_get_into",
+        "mc_store_batch_exists",
+    ] {
+        assert!(header.contains(&format!(" {f}(")), "{f} declared");
+    }
+    // Field names and order of the Rust mirror; offsets are checked with a C compiler
+    // in `replicate_config_layout_matches_c`.
+    let body = header
+        .split("typedef struct {\n    uint32_t replica_num;")
+        .nth(1)
+        .and_then(|rest| rest.split("} mc_replicate_config;").next())
+        .expect("mc_replicate_config in mooncake.h");
+    let fields: Vec<&str> = std::iter::once("replica_num")
+        .chain(body.lines().filter_map(|l| {
+            let decl = l.split("/*").next()?.trim().strip_suffix(';')?;
+            decl.rsplit([' ', '*']).next()
+        }))
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "replica_num",
+            "hard_pin",
+            "soft_pin",
+            "soft_pin_ttl_ms",
+            "preferred_segments",
+            "preferred_segments_count",
+            "prefer_same_node"
+        ]
+    );
+}
+
+// ---------------------------------------------------------------- C program
+
+/// A child process with its stdout read line by line on a thread; killed and reaped
+/// on drop, whatever happened.
+struct Proc {
+    what: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    reaped: bool,
+    lines: Receiver<String>,
+    stderr: Option<JoinHandle<String>>,
+}
+
+struct Outcome {
+    status: ExitStatus,
+    stdout: Vec<String>,
+    stderr: String,
+}
+
+impl Proc {
+    fn spawn(what: &str, cmd: &mut Command) -> Proc {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {what}: {e}"));
+        let stdin = child.stdin.take();
+        let out = child.stdout.take().expect("piped stdout");
+        let mut err = child.stderr.take().expect("piped stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        Proc {
+            what: what.to_owned(),
+            child,
+            stdin,
+            reaped: false,
+            lines,
+            stderr: Some(stderr),
+        }
+    }
+
+    /// The first stdout line, which must start with "ready "; panics (with the
+    /// child's stderr) on EOF or after `LIMIT`.
+    fn ready(&mut self) -> String {
+        match self.lines.recv_timeout(LIMIT) {
+            Ok(l) if l.starts_with("ready ") => l,
+            other => {
+                let out = self.finish();
+                panic!(
+                    "{}: no ready line ({other:?}), {:?}\nstdout: {:?}\nstderr:\n{}",
+                    self.what, out.status, out.stdout, out.stderr
+                );
+            }
+        }
+    }
+
+    /// Closes stdin, collects stdout to EOF (killing the child if that takes longer
+    /// than `LIMIT`) and reaps the child.
+    fn finish(&mut self) -> Outcome {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + LIMIT;
+        let mut stdout = Vec::new();
+        loop {
+            match self
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(l) => stdout.push(l),
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = self.child.kill();
+                    stdout.push(format!("<{} killed after {LIMIT:?}>", self.what));
+                    break;
+                }
+            }
+        }
+        let status = self.child.wait().expect("reaping child");
+        self.reaped = true;
+        let stderr = self
+            .stderr
+            .take()
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
+        Outcome {
+            status,
+            stdout,
+            stderr,
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if !self.reaped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The static library cargo built along with the rlib this test links: `cargo test`
+/// leaves it in `target/<profile>/deps/libmooncake-<hash>.a` (copied up to
+/// `target/<profile>/libmooncake.a` only by `cargo build`), so take the newest of those.
+fn static_lib() -> Option<PathBuf> {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe.parent().expect("target/<profile>/deps");
+    let profile = deps.parent().expect("target/<profile>");
+    let mut found = Vec::new();
+    for dir in [deps, profile] {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("libmooncake") && name.ends_with(".a") {
+                if let Ok(modified) = entry.metadata().and_then(|m| m.modified()) {
+                    found.push((modified, entry.path()));
+                }
+            }
+        }
+    }
+    found.into_iter().max().map(|(_, path)| path)
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// `tests/c/store.c` compiled (C99, warnings as errors) against `mooncake.h` and
+/// `libmooncake.a`, once per test binary; `None` (with the reason printed) without `cc`.
+fn store_program() -> Option<PathBuf> {
+    static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            if !have("cc") {
+                eprintln!("skipping: no C compiler `cc` on PATH");
+                return None;
+            }
+            let lib = static_lib().expect("cargo builds libmooncake.a along with the library");
+            let exe = std::env::current_exe().expect("test binary path");
+            let dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>")
+                .join("capi-test");
+            std::fs::create_dir_all(&dir).unwrap();
+            let out = dir.join("store_c");
+            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/store.c");
+            let output = Command::new("cc")
+                .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
+                .arg(header_path())
+                .arg(&src)
+                .arg(&lib)
+                .args([
+                    "-lgcc_s",
+                    "-lutil",
+                    "-lrt",
+                    "-lpthread",
+                    "-lm",
+                    "-ldl",
+                    "-lc",
+                    "-o",
+                ])
+                .arg(&out)
+                .output()
+                .expect("running cc");
+            assert!(
+                output.status.success(),
+                "cc store.c failed:\n{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            Some(out)
+        })
+        .clone()
+}
+
+#[test]
+fn replicate_config_layout_matches_c() {
+    quiet_logs();
+    use std::mem::{align_of, offset_of, size_of};
+    let Some(program) = store_program() else {
+        return;
+    };
+    let out = Command::new(&program).arg("layout").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let c: Vec<usize> = text
+        .strip_prefix("layout ")
+        .expect("layout line")
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let rust = [
+        size_of::<McReplicateConfig>(),
+        offset_of!(McReplicateConfig, replica_num),
+        offset_of!(McReplicateConfig, hard_pin),
+        offset_of!(McReplicateConfig, soft_pin),
+        offset_of!(McReplicateConfig, soft_pin_ttl_ms),
+        offset_of!(McReplicateConfig, preferred_segments),
+        offset_of!(McReplicateConfig, preferred_segments_count),
+        offset_of!(McReplicateConfig, prefer_same_node),
+    ];
+    assert_eq!(
+        c, rust,
+        "sizeof and offsets of mc_replicate_config, C vs Rust"
+    );
+    if size_of::<usize>() == 8 {
+        assert_eq!(rust, [48, 0, 4, 8, 16, 24, 32, 40]);
+    }
+    assert_eq!(align_of::<McReplicateConfig>(), align_of::<u64>());
+}
+
+/// `key=value` fields of a ready line.
+fn field<'a>(line: &'a str, key: &str) -> &'a str {
+    line.split_whitespace()
+        .find_map(|f| f.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+}
+
+/// A C program against mooncake.h does put/get/exists/remove on a running cluster.
+#[test]
+fn c_program_uses_a_running_cluster() {
+    quiet_logs();
+    let Some(program) = store_program() else {
+        return;
+    };
+    let bin = env!("CARGO_BIN_EXE_mooncake");
+    let mut master = Proc::spawn(
+        "master",
+        Command::new(bin).args([
+            "master",
+            "--rpc-port",
+            "0",
+            "--metadata-port",
+            "0",
+            "--metrics-port",
+            "off",
+            "--until-stdin-eof",
+        ]),
+    );
+    let ready = master.ready();
+    let rpc = field(&ready, "rpc").to_owned();
+    let metadata = field(&ready, "metadata").to_owned();
+    assert!(rpc.starts_with("127.0.0.1:"), "{ready}");
+
+    let mut node = Proc::spawn(
+        "node",
+        Command::new(bin).args([
+            "node",
+            "--master",
+            &rpc,
+            "--metadata",
+            &metadata,
+            "--segment-size",
+            "64M",
+            "--protocol",
+            "tcp",
+            "--until-stdin-eof",
+        ]),
+    );
+    let node_name = node.ready()["ready ".len()..].trim().to_owned();
+
+    let mut c = Proc::spawn("store.c", Command::new(&program).args([&rpc, &metadata]));
+    let out = c.finish();
+    assert!(
+        out.status.success() && out.stdout.last().map(String::as_str) == Some("ok"),
+        "store.c: {:?}\nstdout: {:?}\nstderr:\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    let host = out
+        .stdout
+        .iter()
+        .find_map(|l| l.strip_prefix("hostname "))
+        .expect("hostname line");
+    assert!(
+        host.starts_with("127.0.0.1:") && host != node_name,
+        "{host}"
+    );
+
+    // Both servers leave cleanly when their stdin closes.
+    for (what, p) in [("node", &mut node), ("master", &mut master)] {
+        let out = p.finish();
+        assert!(
+            out.status.success(),
+            "{what}: {:?}\nstdout: {:?}\nstderr:\n{}",
+            out.status,
+            out.stdout,
+            out.stderr
+        );
+    }
+}

@@ -3,6 +3,10 @@
 #[path = "../bench/alloc.rs"]
 mod alloc_bench;
 mod cli;
+#[path = "../bench/master.rs"]
+mod master_bench;
+#[path = "../bench/store.rs"]
+mod store_bench;
 #[path = "../bench/transfer.rs"]
 mod transfer_bench;
 
@@ -19,6 +23,12 @@ USAGE:
   mooncake bench transfer [--protocol tcp|shm|auto] [--op read|write] [--block-size B]
       [--batch-size N] [--threads N] [--duration S] [--workers N] [--segment NAME --metadata URL]
       Measure transfers; prints one JSON object per line with a same-run baseline.
+  mooncake bench store [--op get|put|exists] [--size 4K] [--batch N] [--threads N]
+      [--duration S] [--api zero-copy|copy] [--protocol tcp|auto] [--verify-checksum B]
+      [--no-verify] [--segment-size B] [--master HOST:PORT --metadata URL]
+      Store objects/s and latency against a master and node in child processes.
+  mooncake bench master [--threads 1,2] [--duration S] [--keys K] [--batch N]
+      Metadata requests/s of an in-process master (put, get_replicas, exists, mix).
   mooncake backends
       Report which runtime-loaded hardware backends this host can load.
   mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
@@ -45,7 +55,9 @@ fn main() -> ExitCode {
         Some("bench") => match raw.get(1).map(String::as_str) {
             Some("transfer") => transfer_bench::run(&raw[2..]),
             Some("alloc") => alloc_bench::run(&raw[2..]),
-            _ => Err("usage: mooncake bench transfer|alloc [options]".to_owned()),
+            Some("store") => store_bench::run(&raw[2..]),
+            Some("master") => master_bench::run(&raw[2..]),
+            _ => Err("usage: mooncake bench transfer|alloc|store|master [options]".to_owned()),
         },
         Some("backends") => cli::backends(),
         Some("master") => cli::store::master(&raw[1..]),

@@ -161,7 +161,7 @@ fn demo_names_the_bad_line_of_a_trace() {
 
 #[test]
 fn demo_refuses_a_pool_too_small_to_hold_anything() {
-    let out = demo(&["--pool-size", "1M", "--requests", "1"]);
+    let out = demo(&["--pool-size", "256K", "--requests", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("--pool-size"), "{stderr}");

@@ -410,7 +410,10 @@ fn groups_share_leases_and_eviction() {
     let clock = Clock::manual();
     let m = master(&clock);
     mount(&m, 1, "a", 8 * MIB);
-    let grouped = ReplicateConfig { group_ids: vec!["req-7".into()], ..Default::default() };
+    let grouped = ReplicateConfig {
+        group_ids: vec!["req-7".into()],
+        ..Default::default()
+    };
     for k in ["g0", "g1", "g2"] {
         put(&m, 1, k, 64 << 10, &grouped).unwrap();
     }
@@ -422,7 +425,14 @@ fn groups_share_leases_and_eviction() {
     clock.advance(10_001);
     // Fill the pool: when one member is evicted, its group goes with it.
     for i in 0..400 {
-        put(&m, 1, &format!("k{i}"), 64 << 10, &ReplicateConfig::default()).unwrap();
+        put(
+            &m,
+            1,
+            &format!("k{i}"),
+            64 << 10,
+            &ReplicateConfig::default(),
+        )
+        .unwrap();
     }
     let alive = ["g0", "g1", "g2"].iter().filter(|k| exists(&m, k)).count();
     assert!(alive == 0 || alive == 3, "{alive} of 3 group members left");

@@ -301,3 +301,37 @@ fn node_killed_mid_replay_loses_nothing_with_two_replicas() {
         assert!(got == value(i, 20_000 + i as usize), "obj{i} bytes");
     }
 }
+
+#[test]
+fn admin_endpoints_report_the_pool() {
+    let s = server(10_000);
+    let _n = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    c.put("layer/0", &value(1, 5000), &ReplicateConfig::default())
+        .unwrap();
+    let admin =
+        mooncake::http::HttpClient::new(&format!("http://{}", s.admin_addr().unwrap())).unwrap();
+    let get = |path: &str| {
+        let (status, body) = admin.request("GET", path, b"").unwrap();
+        (status, String::from_utf8(body).unwrap())
+    };
+    assert_eq!(get("/health"), (200, "OK".to_owned()));
+    let (status, metrics) = get("/metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("mooncake_objects 1"), "{metrics}");
+    assert!(
+        metrics.contains("# TYPE mooncake_used_bytes gauge"),
+        "{metrics}"
+    );
+    let (status, q) = get("/query_key?key=layer%2F0");
+    assert_eq!(status, 200);
+    let q = mooncake::json::parse(&q).unwrap();
+    assert_eq!(q.get("size").and_then(|v| v.as_u64()), Some(5000));
+    assert_eq!(get("/query_key?key=nope").0, 404);
+    assert_eq!(get("/query_key").0, 400);
+    assert_eq!(get("/get_all_keys"), (200, r#"["layer/0"]"#.to_owned()));
+    let (status, segs) = get("/get_all_segments");
+    assert_eq!(status, 200);
+    let segs = mooncake::json::parse(&segs).unwrap();
+    assert_eq!(segs.as_array().map(|a| a.len()), Some(1));
+}

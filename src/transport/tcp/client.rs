@@ -15,19 +15,33 @@ use crate::sys::{self, Epoll};
 use crate::transport::{Finished, Op, Outcome, Slice, TransportWorker};
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 
+/// Slices gathered into one `writev`/`readv` at most (two iovecs each).
+const MAX_GATHER: usize = 64;
+
 struct Pending {
     slice: Slice,
     header: [u8; HEADER_LEN],
+    /// Where this slice's status frame is received.
+    status: [u8; STATUS_LEN],
 }
 
 impl Pending {
+    /// Request bytes: the header, then a WRITE's payload.
     fn send_len(&self) -> u64 {
-        HEADER_LEN as u64
-            + if self.slice.op == Op::Write {
-                self.slice.len
-            } else {
-                0
-            }
+        HEADER_LEN as u64 + self.payload(Op::Write)
+    }
+
+    /// Answer bytes: the status, then a READ's payload.
+    fn recv_len(&self) -> u64 {
+        STATUS_LEN as u64 + self.payload(Op::Read)
+    }
+
+    fn payload(&self, op: Op) -> u64 {
+        if self.slice.op == op {
+            self.slice.len
+        } else {
+            0
+        }
     }
 }
 
@@ -41,7 +55,6 @@ struct Lane {
     send_off: u64,
     /// Bytes of the front slice's answer received (status, then READ payload).
     recv_off: u64,
-    status: [u8; STATUS_LEN],
 }
 
 /// Why a lane stopped.
@@ -74,33 +87,34 @@ impl Lane {
         Ok(sent || received)
     }
 
+    /// Sends queued requests, many per `writev`: each one's unsent header part, then
+    /// a WRITE's unsent payload.
     fn send(&mut self) -> Result<bool, LaneError> {
         let mut moved = false;
+        let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(2 * MAX_GATHER);
         while self.send_idx < self.queue.len() {
-            let p = &self.queue[self.send_idx];
-            let total = p.send_len();
-            let off = self.send_off;
-            let mut parts: [(*const u8, usize); 2] = [(std::ptr::null(), 0); 2];
-            if off < HEADER_LEN as u64 {
-                parts[0] = (p.header[off as usize..].as_ptr(), HEADER_LEN - off as usize);
+            parts.clear();
+            let mut off = self.send_off;
+            for p in self.queue.range(self.send_idx..).take(MAX_GATHER) {
+                if off < HEADER_LEN as u64 {
+                    parts.push((p.header[off as usize..].as_ptr(), HEADER_LEN - off as usize));
+                }
+                if p.slice.op == Op::Write {
+                    let skip = off.saturating_sub(HEADER_LEN as u64);
+                    parts.push((
+                        (p.slice.local + skip) as *const u8,
+                        (p.slice.len - skip) as usize,
+                    ));
+                }
+                off = 0;
             }
-            if p.slice.op == Op::Write {
-                let skip = off.saturating_sub(HEADER_LEN as u64);
-                parts[1] = (
-                    (p.slice.local + skip) as *const u8,
-                    (p.slice.len - skip) as usize,
-                );
-            }
-            // SAFETY: the header lives in the queue entry; the payload is the caller's
-            // local buffer, valid for the slice's length by the submit contract.
+            // SAFETY: headers live in the queue entries, which stay put during the call;
+            // payloads are the callers' local buffers, valid for each slice's length by
+            // the submit contract.
             match unsafe { sys::writev(self.fd(), &parts) } {
                 Ok(n) => {
                     moved = true;
-                    self.send_off += n as u64;
-                    if self.send_off == total {
-                        self.send_idx += 1;
-                        self.send_off = 0;
-                    }
+                    self.advance_send(n as u64);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -110,32 +124,47 @@ impl Lane {
         Ok(moved)
     }
 
+    fn advance_send(&mut self, mut n: u64) {
+        while n > 0 {
+            let left = self.queue[self.send_idx].send_len() - self.send_off;
+            if n < left {
+                self.send_off += n;
+                return;
+            }
+            n -= left;
+            self.send_idx += 1;
+            self.send_off = 0;
+        }
+    }
+
+    /// Receives answers of sent requests, many per `readv`: each one's status, then a
+    /// READ's payload straight into the caller's buffer. A refused request gets no
+    /// payload and the server closes, so reading ahead never consumes foreign bytes.
     fn receive(&mut self, done: &mut Vec<Finished>) -> Result<bool, LaneError> {
         let mut moved = false;
-        // Only slices fully sent can be answered.
+        let mut parts: Vec<(*mut u8, usize)> = Vec::with_capacity(2 * MAX_GATHER);
         while self.send_idx > 0 {
-            let p = &self.queue[0];
-            let payload = if p.slice.op == Op::Read {
-                p.slice.len
-            } else {
-                0
-            };
-            let off = self.recv_off;
-            let mut parts: [(*mut u8, usize); 2] = [(std::ptr::null_mut(), 0); 2];
-            if off < STATUS_LEN as u64 {
-                parts[0] = (
-                    self.status[off as usize..].as_mut_ptr(),
-                    STATUS_LEN - off as usize,
-                );
+            parts.clear();
+            let mut off = self.recv_off;
+            for p in self.queue.range_mut(..self.send_idx).take(MAX_GATHER) {
+                if off < STATUS_LEN as u64 {
+                    parts.push((
+                        p.status[off as usize..].as_mut_ptr(),
+                        STATUS_LEN - off as usize,
+                    ));
+                }
+                if p.slice.op == Op::Read {
+                    let skip = off.saturating_sub(STATUS_LEN as u64);
+                    parts.push((
+                        (p.slice.local + skip) as *mut u8,
+                        (p.slice.len - skip) as usize,
+                    ));
+                }
+                off = 0;
             }
-            // A rejected READ gets no payload and the server closes, so reading the
-            // payload speculatively in the same call cannot consume foreign bytes.
-            let skip = off.saturating_sub(STATUS_LEN as u64);
-            if payload > 0 {
-                parts[1] = ((p.slice.local + skip) as *mut u8, (payload - skip) as usize);
-            }
-            // SAFETY: the status buffer is ours; the payload target is the caller's
-            // local buffer, valid and exclusively ours for the slice's length.
+            // SAFETY: status buffers live in the queue entries, which stay put during
+            // the call; payload targets are the callers' local buffers, valid and
+            // exclusively ours for each slice's length.
             let n = match unsafe { sys::readv(self.fd(), &parts) } {
                 Ok(0) => return Err(LaneError::Broken("connection closed by peer".into())),
                 Ok(n) => n as u64,
@@ -144,16 +173,28 @@ impl Lane {
                 Err(e) => return Err(LaneError::Broken(format!("receive: {e}"))),
             };
             moved = true;
+            self.advance_receive(n, done)?;
+        }
+        Ok(moved)
+    }
+
+    /// Accounts `n` received bytes from the front, checking each status as it
+    /// completes and finishing slices whose answer is whole.
+    fn advance_receive(&mut self, mut n: u64, done: &mut Vec<Finished>) -> Result<(), LaneError> {
+        while n > 0 {
+            let front = &self.queue[0];
             let before = self.recv_off;
-            self.recv_off += n;
+            let take = n.min(front.recv_len() - before);
+            self.recv_off += take;
+            n -= take;
             if before < STATUS_LEN as u64 && self.recv_off >= STATUS_LEN as u64 {
-                match Status::decode(&self.status) {
+                match Status::decode(&front.status) {
                     Ok(Status::Ok) => {}
                     Ok(Status::Rejected) => return Err(LaneError::Rejected),
                     Err(e) => return Err(LaneError::Broken(e.to_string())),
                 }
             }
-            if self.recv_off == STATUS_LEN as u64 + payload {
+            if self.recv_off == front.recv_len() {
                 let p = self.queue.pop_front().expect("front exists");
                 self.send_idx -= 1;
                 self.recv_off = 0;
@@ -163,7 +204,7 @@ impl Lane {
                 });
             }
         }
-        Ok(moved)
+        Ok(())
     }
 }
 
@@ -230,7 +271,6 @@ impl TcpWorker {
                 send_idx: 0,
                 send_off: 0,
                 recv_off: 0,
-                status: [0; STATUS_LEN],
             },
         );
         Ok(token)
@@ -324,7 +364,11 @@ impl TransportWorker for TcpWorker {
         }
         .encode();
         let lane = self.lanes.get_mut(&token).expect("picked lane exists");
-        lane.queue.push_back(Pending { slice, header });
+        lane.queue.push_back(Pending {
+            slice,
+            header,
+            status: [0; STATUS_LEN],
+        });
         self.in_flight += 1;
         self.drive(token, done);
     }

@@ -2,21 +2,47 @@
 //! socket and registered memory. Every range is validated against one registered
 //! buffer before a byte moves; a rejected request is answered and the connection
 //! closed, as Mooncake's v2 server does.
+//!
+//! Pipelined requests are cheap: headers are read in bulk into a small buffer, and the
+//! answers to every request already parsed go out in one `writev` before the server
+//! blocks for more, so a burst of small reads costs a few syscalls, not two each.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use crate::memory::LocalMemory;
+use crate::memory::{LocalMemory, RangeGuard};
 use crate::sys;
-use crate::wire::data::{DataOp, Header, Status, HEADER_LEN};
+use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 
 /// A peer that stalls mid-payload longer than this loses its connection, so it cannot
 /// hold a buffer's unregistration hostage.
 const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of headers (and small write payloads) read per syscall.
+const INPUT_BUFFER: usize = 64 << 10;
+/// Answers gathered into one `writev` at most (two iovecs each, under IOV_MAX).
+const MAX_PENDING_REPLIES: usize = 256;
 
-pub fn serve(mut stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) {
+/// An answer not yet sent: a status, and for an accepted READ the bytes to send
+/// (pinned by the guard until they are out).
+struct Reply {
+    status: [u8; STATUS_LEN],
+    payload: Option<RangeGuard>,
+}
+
+struct Connection<'a> {
+    stream: TcpStream,
+    memory: &'a LocalMemory,
+    peer: String,
+    input: Vec<u8>,
+    /// Unconsumed input is `input[start..end]`.
+    start: usize,
+    end: usize,
+    replies: Vec<Reply>,
+}
+
+pub fn serve(stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -25,69 +51,143 @@ pub fn serve(mut stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) 
     let _ = stream.set_read_timeout(Some(STALL_TIMEOUT));
     let _ = stream.set_write_timeout(Some(STALL_TIMEOUT));
     sys::set_socket_buffers(&stream, socket_buffer);
-    loop {
-        let mut raw = [0u8; HEADER_LEN];
-        match read_full(&mut stream, &mut raw) {
-            Ok(()) => {}
-            // An idle persistent connection is normal: keep waiting.
-            Err((e, 0)) if is_timeout(&e) => continue,
-            Err((e, n)) => {
-                if n > 0 || e.kind() != io::ErrorKind::UnexpectedEof {
-                    log::debug!("tcp data {peer}: header read failed after {n} bytes: {e}");
+    let mut conn = Connection {
+        stream,
+        memory,
+        peer,
+        input: vec![0; INPUT_BUFFER],
+        start: 0,
+        end: 0,
+        replies: Vec::new(),
+    };
+    if let Err(e) = conn.run() {
+        log::debug!("tcp data {}: {e}", conn.peer);
+    }
+}
+
+impl Connection<'_> {
+    fn run(&mut self) -> io::Result<()> {
+        loop {
+            if self.end - self.start < HEADER_LEN {
+                // About to block: first answer everything parsed so far.
+                self.flush()?;
+                if !self.fill()? {
+                    return Ok(());
                 }
-                return;
+                continue;
+            }
+            let raw: [u8; HEADER_LEN] = self.input[self.start..self.start + HEADER_LEN]
+                .try_into()
+                .expect("header length");
+            self.start += HEADER_LEN;
+            let header = match Header::decode(&raw) {
+                Ok(h) => h,
+                Err(e) => return self.reject(&format!("{e}")),
+            };
+            let guard = match self.memory.guard(header.addr, header.size) {
+                Ok(g) => g,
+                Err(e) => return self.reject(&format!("{:?} rejected: {e}", header.op)),
+            };
+            match header.op {
+                DataOp::Write => {
+                    self.receive_into(&guard)?;
+                    drop(guard);
+                    self.replies.push(Reply {
+                        status: Status::Ok.encode(),
+                        payload: None,
+                    });
+                }
+                DataOp::Read => self.replies.push(Reply {
+                    status: Status::Ok.encode(),
+                    payload: Some(guard),
+                }),
+            }
+            if self.replies.len() >= MAX_PENDING_REPLIES {
+                self.flush()?;
             }
         }
-        let header = match Header::decode(&raw) {
-            Ok(h) => h,
-            Err(e) => {
-                log::warn!("tcp data {peer}: {e}; closing");
-                reject(&stream);
-                return;
-            }
-        };
-        let guard = match memory.guard(header.addr, header.size) {
-            Ok(g) => g,
-            Err(e) => {
-                log::warn!("tcp data {peer}: {:?} rejected: {e}", header.op);
-                reject(&stream);
-                return;
-            }
-        };
-        let result = match header.op {
-            DataOp::Write => {
-                // SAFETY: `guard` pins a validated registered range for this scope;
-                // only this connection writes it now.
-                let dst = unsafe { guard.bytes_mut() };
-                read_full(&mut stream, dst)
-                    .map_err(|(e, n)| {
-                        io::Error::new(
-                            e.kind(),
-                            format!("payload short by {} bytes: {e}", dst.len() - n),
-                        )
-                    })
-                    .and_then(|()| send_all(&stream, &[(Status::Ok.encode().as_ptr(), 8)]))
-            }
-            DataOp::Read => {
-                let status = Status::Ok.encode();
-                send_all(
-                    &stream,
-                    &[
-                        (status.as_ptr(), 8),
-                        (guard.ptr() as *const u8, guard.len() as usize),
-                    ],
-                )
-            }
-        };
-        drop(guard);
-        if let Err(e) = result {
-            log::debug!(
-                "tcp data {peer}: {:?} of {} bytes failed: {e}",
-                header.op,
-                header.size
-            );
-            return;
+    }
+
+    /// Reads more input; false on a clean end of stream between requests.
+    fn fill(&mut self) -> io::Result<bool> {
+        if self.start > 0 {
+            self.input.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
         }
+        loop {
+            match self.stream.read(&mut self.input[self.end..]) {
+                Ok(0) if self.end == 0 => return Ok(false),
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("connection closed inside a header ({} bytes)", self.end),
+                    ))
+                }
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
+                // An idle persistent connection is normal: keep waiting.
+                Err(e) if is_timeout(&e) && self.end == 0 => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A WRITE's payload: whatever already sits in the input buffer, then the rest
+    /// straight from the socket into registered memory.
+    fn receive_into(&mut self, guard: &RangeGuard) -> io::Result<()> {
+        // SAFETY: `guard` pins a validated registered range; only this connection
+        // writes it now.
+        let dst = unsafe { guard.bytes_mut() };
+        let buffered = (self.end - self.start).min(dst.len());
+        dst[..buffered].copy_from_slice(&self.input[self.start..self.start + buffered]);
+        self.start += buffered;
+        let mut got = buffered;
+        while got < dst.len() {
+            match self.stream.read(&mut dst[got..]) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("write payload short by {} bytes", dst.len() - got),
+                    ))
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends every pending answer, gathering them into as few writes as possible.
+    fn flush(&mut self) -> io::Result<()> {
+        if self.replies.is_empty() {
+            return Ok(());
+        }
+        let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(self.replies.len() * 2);
+        for r in &self.replies {
+            parts.push((r.status.as_ptr(), STATUS_LEN));
+            if let Some(g) = &r.payload {
+                parts.push((g.ptr() as *const u8, g.len() as usize));
+            }
+        }
+        let result = send_all(&self.stream, &mut parts);
+        // Dropping the replies releases their guards only now that the bytes are out.
+        self.replies.clear();
+        result
+    }
+
+    /// Answers what came before, refuses this request, and ends the connection.
+    fn reject(&mut self, why: &str) -> io::Result<()> {
+        log::warn!("tcp data {}: {why}; closing", self.peer);
+        self.replies.push(Reply {
+            status: Status::Rejected.encode(),
+            payload: None,
+        });
+        self.flush()
     }
 }
 
@@ -98,48 +198,37 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-fn reject(stream: &TcpStream) {
-    let status = Status::Rejected.encode();
-    let _ = send_all(stream, &[(status.as_ptr(), 8)]);
-}
-
-/// Reads exactly `buf.len()` bytes; on failure also says how many arrived.
-fn read_full(stream: &mut TcpStream, buf: &mut [u8]) -> Result<(), (io::Error, usize)> {
-    let mut got = 0;
-    while got < buf.len() {
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err((io::ErrorKind::UnexpectedEof.into(), got)),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err((e, got)),
-        }
-    }
-    Ok(())
-}
-
-/// Writes all parts with as few syscalls as the socket allows.
-fn send_all(stream: &TcpStream, parts: &[(*const u8, usize)]) -> io::Result<()> {
-    let mut parts: Vec<(*const u8, usize)> = parts.to_vec();
-    while parts.iter().any(|p| p.1 > 0) {
-        // SAFETY: every part points into a live buffer of the stated length (a status
-        // array on the caller's stack or a guarded registered range).
-        let n = match unsafe { sys::writev(stream.as_raw_fd(), &parts) } {
+/// Writes all parts, `writev` at a time, in chunks the kernel accepts.
+fn send_all(stream: &TcpStream, parts: &mut [(*const u8, usize)]) -> io::Result<()> {
+    let mut first = 0;
+    while first < parts.len() {
+        // IOV_MAX is 1024 on Linux.
+        let window = &parts[first..parts.len().min(first + 1024)];
+        // SAFETY: every part points into a live buffer of the stated length (a status in
+        // a pending reply or a guarded registered range).
+        let n = match unsafe { sys::writev(stream.as_raw_fd(), window) } {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        advance(&mut parts, n);
+        first += advance(&mut parts[first..], n);
     }
     Ok(())
 }
 
-/// Drops `n` sent bytes from the front of a part list.
-fn advance(parts: &mut [(*const u8, usize)], mut n: usize) {
+/// Drops `n` sent bytes from the front of a part list; returns how many parts are done.
+fn advance(parts: &mut [(*const u8, usize)], mut n: usize) -> usize {
+    let mut done = 0;
     for part in parts.iter_mut() {
         let take = n.min(part.1);
         part.0 = part.0.wrapping_add(take);
         part.1 -= take;
         n -= take;
+        if part.1 > 0 {
+            break;
+        }
+        done += 1;
     }
+    done
 }

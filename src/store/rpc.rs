@@ -100,8 +100,13 @@ fn serve_conn(mut stream: TcpStream, master: &Master) {
         } = match read_frame(&mut stream) {
             Ok(Some(f)) => f,
             Ok(None) => return,
-            Err(e) => {
+            // A malformed frame is worth a warning; a peer that went away is not.
+            Err(e) if e.code() == Code::Protocol => {
                 log::warn!("master rpc {peer}: {e}; closing");
+                return;
+            }
+            Err(e) => {
+                log::debug!("master rpc {peer}: {e}; closing");
                 return;
             }
         };

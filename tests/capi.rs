@@ -4,31 +4,18 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
+mod common;
+
+use common::cprog::*;
 use mooncake::capi::*;
 use mooncake::engine::config::KEYS;
 use mooncake::engine::TaskState;
 use mooncake::Code;
 
 const INVALID: c_int = Code::InvalidParams as c_int;
-/// Upper bound for any child process step; generous for loaded CI machines.
-const LIMIT: Duration = Duration::from_secs(120);
-
-/// Routes the library's log output through the test harness's capture.
-fn quiet_logs() {
-    let _ = env_logger::builder().is_test(true).try_init();
-}
-
-fn header_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("c_include")
-}
-
 /// An engine made through the C ABI, freed on drop.
 struct Handle(*mut McEngine);
 
@@ -465,168 +452,12 @@ fn transfers_and_notifications_through_the_abi() {
 
 // ---------------------------------------------------------------- C and C++ programs
 
-/// A child process with its stdout read line by line on a thread; killed and reaped
-/// on drop, whatever happened.
-struct Proc {
-    what: String,
-    child: Child,
-    reaped: bool,
-    lines: Receiver<String>,
-    stderr: Option<JoinHandle<String>>,
-}
-
-struct Outcome {
-    status: ExitStatus,
-    stdout: Vec<String>,
-    stderr: String,
-}
-
-impl Proc {
-    fn spawn(what: String, cmd: &mut Command) -> Proc {
-        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {what}: {e}"));
-        let out = child.stdout.take().expect("piped stdout");
-        let mut err = child.stderr.take().expect("piped stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        });
-        Proc {
-            what,
-            child,
-            reaped: false,
-            lines,
-            stderr: Some(stderr),
-        }
-    }
-
-    /// The next stdout line; `None` at EOF or after `limit`.
-    fn line(&self, limit: Duration) -> Option<String> {
-        self.lines.recv_timeout(limit).ok()
-    }
-
-    /// Closes stdin, collects stdout to EOF (killing the child if that takes longer
-    /// than `limit`) and reaps the child.
-    fn finish(&mut self, limit: Duration) -> Outcome {
-        drop(self.child.stdin.take());
-        let deadline = Instant::now() + limit;
-        let mut stdout = Vec::new();
-        loop {
-            match self
-                .lines
-                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            {
-                Ok(l) => stdout.push(l),
-                Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => {
-                    let _ = self.child.kill();
-                    stdout.push(format!("<{} killed after {limit:?}>", self.what));
-                    break;
-                }
-            }
-        }
-        let status = self.child.wait().expect("reaping child");
-        self.reaped = true;
-        let stderr = self
-            .stderr
-            .take()
-            .map(|h| h.join().unwrap_or_default())
-            .unwrap_or_default();
-        Outcome {
-            status,
-            stdout,
-            stderr,
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if !self.reaped {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// The static library cargo built along with the rlib this test links: `cargo test`
-/// leaves it in `target/<profile>/deps/libmooncake-<hash>.a` (it is copied up to
-/// `target/<profile>/libmooncake.a` only by `cargo build`), so take the newest of those.
-fn static_lib() -> Option<PathBuf> {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let profile = deps.parent().expect("target/<profile>");
-    let mut found = Vec::new();
-    for dir in [deps, profile] {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with("libmooncake") && name.ends_with(".a") {
-                if let Ok(modified) = entry.metadata().and_then(|m| m.modified()) {
-                    found.push((modified, entry.path()));
-                }
-            }
-        }
-    }
-    found.into_iter().max().map(|(_, path)| path)
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn compile(compiler: &str, std_flag: &str, source: &str, lib: &Path, out: &Path) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/c")
-        .join(source);
-    let output = Command::new(compiler)
-        .args([std_flag, "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
-        .arg(header_path())
-        .arg(&src)
-        .arg(lib)
-        .args([
-            "-lgcc_s",
-            "-lutil",
-            "-lrt",
-            "-lpthread",
-            "-lm",
-            "-ldl",
-            "-lc",
-            "-o",
-        ])
-        .arg(out)
-        .output()
-        .unwrap_or_else(|e| panic!("running {compiler}: {e}"));
-    assert!(
-        output.status.success(),
-        "{compiler} {source} failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
 /// Starts `target` from one program, runs `client` from another against it, and
 /// checks both exit 0 and that the target received the client's notification.
 fn pair(target: &(String, PathBuf), client: &(String, PathBuf), size: u64) {
     let label = format!("{} target / {} client", target.0, client.0);
     let mut t = Proc::spawn(
-        format!("{} target", target.0),
+        &format!("{} target", target.0),
         Command::new(&target.1)
             .args(["target", &size.to_string()])
             .stdin(Stdio::piped()),
@@ -642,7 +473,7 @@ fn pair(target: &(String, PathBuf), client: &(String, PathBuf), size: u64) {
     assert_eq!(fields[0], "ready", "{label}");
 
     let mut c = Proc::spawn(
-        format!("{} client", client.0),
+        &format!("{} client", client.0),
         Command::new(&client.1)
             .args(["client", name, addr, &size.to_string()])
             .stdin(Stdio::null()),

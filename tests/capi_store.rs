@@ -5,38 +5,25 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::ptr::{null, null_mut};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::OnceLock;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
+mod common;
+
+use common::cprog::*;
 use mooncake::capi::*;
 use mooncake::store::protocol::{DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 use mooncake::Code;
 
 const MIB: u64 = 1 << 20;
-/// Upper bound for any child process step; generous for loaded CI machines.
-const LIMIT: Duration = Duration::from_secs(120);
-
 const INVALID: c_int = Code::InvalidParams as c_int;
 const BAD_KEY: c_int = Code::InvalidKey as c_int;
 const NOT_FOUND: c_int = Code::ObjectNotFound as c_int;
 const HAS_LEASE: c_int = Code::ObjectHasLease as c_int;
 const OVERFLOW: c_int = Code::BufferOverflow as c_int;
-
-/// Routes the library's log output through the test harness's capture.
-fn quiet_logs() {
-    let _ = env_logger::builder().is_test(true).try_init();
-}
-
-fn header_path() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("c_include")
-}
 
 fn cstring(s: &str) -> CString {
     CString::new(s).unwrap()
@@ -666,150 +653,6 @@ fn header_declares_the_store_abi() {
 
 // ---------------------------------------------------------------- C program
 
-/// A child process with its stdout read line by line on a thread; killed and reaped
-/// on drop, whatever happened.
-struct Proc {
-    what: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    reaped: bool,
-    lines: Receiver<String>,
-    stderr: Option<JoinHandle<String>>,
-}
-
-struct Outcome {
-    status: ExitStatus,
-    stdout: Vec<String>,
-    stderr: String,
-}
-
-impl Proc {
-    fn spawn(what: &str, cmd: &mut Command) -> Proc {
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {what}: {e}"));
-        let stdin = child.stdin.take();
-        let out = child.stdout.take().expect("piped stdout");
-        let mut err = child.stderr.take().expect("piped stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        });
-        Proc {
-            what: what.to_owned(),
-            child,
-            stdin,
-            reaped: false,
-            lines,
-            stderr: Some(stderr),
-        }
-    }
-
-    /// The first stdout line, which must start with "ready "; panics (with the
-    /// child's stderr) on EOF or after `LIMIT`.
-    fn ready(&mut self) -> String {
-        match self.lines.recv_timeout(LIMIT) {
-            Ok(l) if l.starts_with("ready ") => l,
-            other => {
-                let out = self.finish();
-                panic!(
-                    "{}: no ready line ({other:?}), {:?}\nstdout: {:?}\nstderr:\n{}",
-                    self.what, out.status, out.stdout, out.stderr
-                );
-            }
-        }
-    }
-
-    /// Closes stdin, collects stdout to EOF (killing the child if that takes longer
-    /// than `LIMIT`) and reaps the child.
-    fn finish(&mut self) -> Outcome {
-        drop(self.stdin.take());
-        let deadline = Instant::now() + LIMIT;
-        let mut stdout = Vec::new();
-        loop {
-            match self
-                .lines
-                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            {
-                Ok(l) => stdout.push(l),
-                Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => {
-                    let _ = self.child.kill();
-                    stdout.push(format!("<{} killed after {LIMIT:?}>", self.what));
-                    break;
-                }
-            }
-        }
-        let status = self.child.wait().expect("reaping child");
-        self.reaped = true;
-        let stderr = self
-            .stderr
-            .take()
-            .map(|h| h.join().unwrap_or_default())
-            .unwrap_or_default();
-        Outcome {
-            status,
-            stdout,
-            stderr,
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if !self.reaped {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-/// The static library cargo built along with the rlib this test links: `cargo test`
-/// leaves it in `target/<profile>/deps/libmooncake-<hash>.a` (copied up to
-/// `target/<profile>/libmooncake.a` only by `cargo build`), so take the newest of those.
-fn static_lib() -> Option<PathBuf> {
-    let exe = std::env::current_exe().expect("test binary path");
-    let deps = exe.parent().expect("target/<profile>/deps");
-    let profile = deps.parent().expect("target/<profile>");
-    let mut found = Vec::new();
-    for dir in [deps, profile] {
-        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with("libmooncake") && name.ends_with(".a") {
-                if let Ok(modified) = entry.metadata().and_then(|m| m.modified()) {
-                    found.push((modified, entry.path()));
-                }
-            }
-        }
-    }
-    found.into_iter().max().map(|(_, path)| path)
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// `tests/c/store.c` compiled (C99, warnings as errors) against `mooncake.h` and
-/// `libmooncake.a`, once per test binary; `None` (with the reason printed) without `cc`.
 fn store_program() -> Option<PathBuf> {
     static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
     BUILT
@@ -943,7 +786,7 @@ fn c_program_uses_a_running_cluster() {
     let node_name = node.ready()["ready ".len()..].trim().to_owned();
 
     let mut c = Proc::spawn("store.c", Command::new(&program).args([&rpc, &metadata]));
-    let out = c.finish();
+    let out = c.finish(LIMIT);
     assert!(
         out.status.success() && out.stdout.last().map(String::as_str) == Some("ok"),
         "store.c: {:?}\nstdout: {:?}\nstderr:\n{}",
@@ -963,7 +806,7 @@ fn c_program_uses_a_running_cluster() {
 
     // Both servers leave cleanly when their stdin closes.
     for (what, p) in [("node", &mut node), ("master", &mut master)] {
-        let out = p.finish();
+        let out = p.finish(LIMIT);
         assert!(
             out.status.success(),
             "{what}: {:?}\nstdout: {:?}\nstderr:\n{}",

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod cprog;
+
 use mooncake::{Engine, EngineConfig};
 
 pub fn engine_with(metadata: &str, protocol: &str) -> Engine {

@@ -94,18 +94,8 @@ impl Master {
 
     /// Group members share an evicted object's fate (pins and leases still hold).
     fn evict_group(&self, key: &str, groups: &[String], now: u64, allow_soft_pinned: bool) -> u64 {
-        let members: Vec<String> = {
-            let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            groups
-                .iter()
-                .filter_map(|g| index.get(g))
-                .flatten()
-                .filter(|m| *m != key)
-                .cloned()
-                .collect()
-        };
         let mut freed = 0;
-        for m in members {
+        for m in self.group_members(key, groups) {
             let mut map = Self::lock(self.shard(&m));
             if map
                 .get(&m)

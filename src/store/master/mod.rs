@@ -456,19 +456,17 @@ impl Master {
         }
     }
 
+    /// The other members of `groups`, as last indexed.
+    fn group_members(&self, key: &str, groups: &[String]) -> Vec<String> {
+        let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let members = groups.iter().filter_map(|g| index.get(g)).flatten();
+        members.filter(|m| *m != key).cloned().collect()
+    }
+
     /// Runs `f` on every other live member of `groups`, each under its own shard lock
     /// (never two at once), and prunes members that are gone.
     fn for_group_members(&self, key: &str, groups: &[String], mut f: impl FnMut(&mut Object)) {
-        let members: Vec<String> = {
-            let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-            groups
-                .iter()
-                .filter_map(|g| index.get(g))
-                .flatten()
-                .filter(|m| *m != key)
-                .cloned()
-                .collect()
-        };
+        let members = self.group_members(key, groups);
         let mut gone = Vec::new();
         for m in members {
             match Self::lock(self.shard(&m)).get_mut(&m) {

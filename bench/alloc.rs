@@ -13,6 +13,7 @@ use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
 
+use crate::bench_common::percentile;
 use mooncake::json::{self, Value};
 use mooncake::store::allocator::{AllocatorConfig, SlabAllocator};
 
@@ -79,13 +80,6 @@ fn default_trace() -> String {
     } else {
         "../shared/traces/conversation_trace.jsonl".to_owned()
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn round1(x: f64) -> f64 {

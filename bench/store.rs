@@ -16,11 +16,10 @@
 //! put run reads back its last batch from each thread at the end. Prints one JSON object per run, with a
 //! same-run reference: the transfer engine alone reading the same sizes from the node.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::bench_common::{percentile, ChildProc};
 use crate::cli::args::Args;
 use mooncake::json::Value;
 use mooncake::store::protocol::ReplicateConfig;
@@ -76,54 +75,6 @@ struct Params {
     run: String,
 }
 
-/// A `mooncake master` or `mooncake node` we started; killed and reaped on drop.
-struct ChildProc {
-    child: Child,
-    /// Its `ready ...` line, less the `ready `.
-    ready: String,
-}
-
-impl ChildProc {
-    fn spawn(what: &str, args: &[String]) -> Result<ChildProc, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("locating own binary: {e}"))?;
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting {what}: {e}"))?;
-        let stdout = child.stdout.take().ok_or("child has no stdout")?;
-        let mut line = String::new();
-        let read = BufReader::new(stdout).read_line(&mut line);
-        match (read, line.trim().strip_prefix("ready ")) {
-            (Ok(_), Some(ready)) => Ok(ChildProc {
-                ready: ready.to_owned(),
-                child,
-            }),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(format!("{what} did not report ready (got {line:?})"))
-            }
-        }
-    }
-
-    /// `KEY=VALUE` from the ready line.
-    fn field(&self, key: &str) -> Option<&str> {
-        self.ready
-            .split_whitespace()
-            .find_map(|t| t.strip_prefix(key)?.strip_prefix('='))
-    }
-}
-
-impl Drop for ChildProc {
-    fn drop(&mut self) {
-        drop(self.child.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// The master and node processes; the node goes first on drop.
 struct Cluster {
     node: ChildProc,
@@ -177,13 +128,6 @@ impl Cluster {
             metadata,
         })
     }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 const WORD_STEP: u64 = 0xD6E8_FEB8_6659_FD93;

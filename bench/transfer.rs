@@ -2,12 +2,12 @@
 //! target in another process, next to a baseline measured in the same run (a plain
 //! loopback TCP stream for tcp, memcpy for shm/auto). Prints one JSON object per line.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::bench_common::{percentile, ChildProc};
 use crate::cli::args::Args;
 use mooncake::json::Value;
 use mooncake::{Engine, Op, Request};
@@ -19,60 +19,6 @@ struct Params {
     batch: usize,
     threads: usize,
     duration: Duration,
-}
-
-/// A target process we started; killed and reaped on drop.
-struct ChildTarget {
-    child: Child,
-    name: String,
-}
-
-impl ChildTarget {
-    fn spawn(size: u64) -> Result<ChildTarget, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("locating own binary: {e}"))?;
-        let mut child = Command::new(exe)
-            .args([
-                "target",
-                "--metadata",
-                "P2PHANDSHAKE",
-                "--bind",
-                "127.0.0.1",
-                "--until-stdin-eof",
-            ])
-            .args(["--size", &size.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting target: {e}"))?;
-        let stdout = child.stdout.take().ok_or("target has no stdout")?;
-        let mut line = String::new();
-        let read = BufReader::new(stdout).read_line(&mut line);
-        let name = line.trim().strip_prefix("ready ").map(str::to_owned);
-        match (read, name) {
-            (Ok(_), Some(name)) => Ok(ChildTarget { child, name }),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(format!("target did not report ready (got {line:?})"))
-            }
-        }
-    }
-}
-
-impl Drop for ChildTarget {
-    fn drop(&mut self) {
-        drop(self.child.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let idx = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[idx]
 }
 
 /// Fills `buf` with a pattern unique to `seed` and each position.
@@ -291,8 +237,23 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let (_child, name) = match segment {
         Some(name) => (None, name),
         None => {
-            let child = ChildTarget::spawn(need)?;
-            let name = child.name.clone();
+            let args: Vec<String> = [
+                "target",
+                "--metadata",
+                "P2PHANDSHAKE",
+                "--bind",
+                "127.0.0.1",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "--until-stdin-eof".into(),
+                "--size".into(),
+                need.to_string(),
+            ])
+            .collect();
+            let child = ChildProc::spawn("target", &args)?;
+            let name = child.ready.clone();
             (Some(child), name)
         }
     };

@@ -2,6 +2,8 @@
 
 #[path = "../bench/alloc.rs"]
 mod alloc_bench;
+#[path = "../bench/common.rs"]
+mod bench_common;
 mod cli;
 #[path = "../bench/master.rs"]
 mod master_bench;

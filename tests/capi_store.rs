@@ -13,6 +13,7 @@ use std::sync::OnceLock;
 mod common;
 
 use common::cprog::*;
+use common::pattern as value;
 use mooncake::capi::*;
 use mooncake::store::protocol::{DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
@@ -27,18 +28,6 @@ const OVERFLOW: c_int = Code::BufferOverflow as c_int;
 
 fn cstring(s: &str) -> CString {
     CString::new(s).unwrap()
-}
-
-fn value(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// A master on OS-assigned ports with its embedded metadata server.

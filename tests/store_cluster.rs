@@ -1,6 +1,9 @@
 //! The store end to end over real RPC and transfers: an in-process master, nodes and
 //! clients, plus node processes that get killed.
 
+mod common;
+
+use common::pattern as value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -32,18 +35,6 @@ fn client(s: &MasterServer, segment: u64) -> Client {
         ..Default::default()
     };
     Client::new(cfg).unwrap()
-}
-
-fn value(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 #[test]

@@ -119,8 +119,10 @@ typedef struct mc_config mc_config;
  *   bind_address        IP address to listen on. Default "127.0.0.1".
  *   rpc_port            Handshake/RPC port; "0" (default) picks a free one.
  *   protocol            "auto" (default: shared memory to same-host peers, TCP
- *                       otherwise), "tcp" or "shm". "rdma", "efa", "nvlink", ... give
- *                       MC_ERR_BACKEND_UNAVAILABLE in this build.
+ *                       otherwise), "tcp", "shm", "rdma" or "efa" (libfabric). A
+ *                       hardware protocol whose library or device is missing makes
+ *                       mc_engine_new fail with MC_ERR_BACKEND_UNAVAILABLE (never a silent
+ *                       fallback); "nvlink", "cxl", ... are refused by mc_config_set.
  *   workers             Transfer worker threads, 1..64. Default 1.
  *   spin_budget         Idle poll iterations before a worker sleeps. Default 256.
  *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default: one per
@@ -130,6 +132,10 @@ typedef struct mc_config mc_config;
  *   transfer_timeout_ms Deadline of each task after submit, in ms. Default 30000.
  *   max_retries         Extra attempts per slice after a path failure. Default 2.
  *   cluster_id          Namespace for metadata keys. Default "" (none).
+ *   device_name         RDMA/EFA devices to use: a comma-separated list ("mlx5_0,mlx5_1")
+ *                       or a NIC priority matrix as JSON; "" (default) uses all found.
+ *   fabric_provider     libfabric provider for protocol "efa" ("efa", "tcp;ofi_rxm",
+ *                       "shm", "sockets"); "" (default) picks the first with RMA.
  */
 
 /* A config holding the defaults (NULL only on an internal error). Free it with

@@ -122,9 +122,21 @@ fn null_pointers_and_bad_input_are_refused() {
         assert_eq!(mc_config_set(cfg, key, c"0".as_ptr()), INVALID);
         assert_eq!(mc_config_set(cfg, key, c"2".as_ptr()), MC_OK);
         assert_eq!(
-            mc_config_set(cfg, c"protocol".as_ptr(), c"rdma".as_ptr()),
+            mc_config_set(cfg, c"protocol".as_ptr(), c"nvlink".as_ptr()),
             Code::BackendUnavailable as c_int
         );
+        // A hardware protocol is accepted as a setting, but an engine cannot start
+        // without its backend: a loud failure, never a silent fallback to TCP.
+        assert_eq!(
+            mc_config_set(cfg, c"protocol".as_ptr(), c"rdma".as_ptr()),
+            MC_OK
+        );
+        let mut none: *mut McEngine = std::ptr::null_mut();
+        assert_eq!(
+            mc_engine_new(cfg, &mut none),
+            Code::BackendUnavailable as c_int
+        );
+        assert!(none.is_null());
         assert_eq!(
             mc_config_set(cfg, c"protocol".as_ptr(), c"tcp".as_ptr()),
             MC_OK

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::transport::tcp::TcpConfig;
+use crate::transport::BackendConfig;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
@@ -14,6 +15,10 @@ pub enum Protocol {
     Tcp,
     /// Same-host shared memory only.
     Shm,
+    /// RDMA verbs; start-up fails if libibverbs or a device is missing.
+    Rdma,
+    /// libfabric RMA (EFA); start-up fails if libfabric or a provider is missing.
+    Fabric,
 }
 
 impl Protocol {
@@ -22,12 +27,14 @@ impl Protocol {
             "auto" => Ok(Protocol::Auto),
             "tcp" => Ok(Protocol::Tcp),
             "shm" => Ok(Protocol::Shm),
-            "rdma" | "efa" | "fabric" | "nvlink" | "cxl" => Err(Error::new(
+            "rdma" => Ok(Protocol::Rdma),
+            "efa" | "fabric" => Ok(Protocol::Fabric),
+            "nvlink" | "cxl" | "ascend" | "hccl" => Err(Error::new(
                 crate::Code::BackendUnavailable,
                 format!("protocol {s:?} needs a hardware backend this build does not have yet"),
             )),
             _ => Err(Error::invalid(format!(
-                "unknown protocol {s:?} (auto, tcp, shm)"
+                "unknown protocol {s:?} (auto, tcp, shm, rdma, efa)"
             ))),
         }
     }
@@ -37,6 +44,8 @@ impl Protocol {
             Protocol::Auto => "auto",
             Protocol::Tcp => "tcp",
             Protocol::Shm => "shm",
+            Protocol::Rdma => "rdma",
+            Protocol::Fabric => "efa",
         }
     }
 }
@@ -55,6 +64,8 @@ pub struct EngineConfig {
     /// Idle poll iterations before a worker parks.
     pub spin_budget: u32,
     pub tcp: TcpConfig,
+    /// RDMA and libfabric settings.
+    pub backend: BackendConfig,
     pub transfer_timeout: Duration,
     /// Extra attempts per slice after a path failure.
     pub max_retries: u32,
@@ -72,6 +83,7 @@ impl Default for EngineConfig {
             workers: 1,
             spin_budget: 256,
             tcp: TcpConfig::default(),
+            backend: BackendConfig::default(),
             transfer_timeout: Duration::from_secs(30),
             max_retries: 2,
             cluster_id: String::new(),
@@ -94,6 +106,8 @@ pub const KEYS: &[&str] = &[
     "transfer_timeout_ms",
     "max_retries",
     "cluster_id",
+    "device_name",
+    "fabric_provider",
 ];
 
 /// Parses a byte count with an optional binary suffix: `4096`, `4K`, `1M`, `2GiB`.
@@ -163,6 +177,8 @@ impl EngineConfig {
             }
             "max_retries" => self.max_retries = number(key, value)?,
             "cluster_id" => self.cluster_id = value.to_owned(),
+            "device_name" => self.backend.devices = value.to_owned(),
+            "fabric_provider" => self.backend.fabric_provider = value.to_owned(),
             _ => {
                 return Err(Error::invalid(format!(
                     "unknown config key {key:?} (known: {})",

@@ -24,7 +24,9 @@ use crate::memory::LocalMemory;
 use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
 use crate::net::ConnServer;
 use crate::shared_memory::SharedMemory;
+use crate::transport::fabric::FabricTransport;
 use crate::transport::local::LocalTransport;
+use crate::transport::rdma::RdmaTransport;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Kind, Op, RegionKeys, Slice, Transport};
@@ -77,6 +79,8 @@ pub struct Engine {
 pub struct Stats {
     pub local_bytes: u64,
     pub shm_bytes: u64,
+    pub rdma_bytes: u64,
+    pub fabric_bytes: u64,
     pub tcp_bytes: u64,
     /// Slices re-sent after a path failure or a stale descriptor.
     pub retries: u64,
@@ -129,6 +133,20 @@ impl Engine {
             Ok(t) => transports.push(Arc::new(t)),
             Err(e) if config.protocol == Protocol::Shm => return Err(e),
             Err(e) => log::info!("same-host shared memory unavailable: {e}"),
+        }
+        // A requested hardware backend must load, or start-up fails saying why.
+        let backend = crate::transport::BackendConfig {
+            bind: Some(config.bind_address),
+            ..config.backend.clone()
+        };
+        match config.protocol {
+            Protocol::Rdma => {
+                transports.push(Arc::new(RdmaTransport::start(&backend, memory.clone())?))
+            }
+            Protocol::Fabric => {
+                transports.push(Arc::new(FabricTransport::start(&backend, memory.clone())?))
+            }
+            Protocol::Auto | Protocol::Tcp | Protocol::Shm => {}
         }
         let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone())?;
         transports.push(Arc::new(tcp));
@@ -183,11 +201,21 @@ impl Engine {
     }
 
     fn spawn_workers(&mut self) -> Result<()> {
+        // Every transport serves peers; which ones carry our own requests depends on
+        // the protocol (a hardware protocol means that path only, never a silent
+        // fallback to TCP).
+        let protocol = self.config.protocol;
         let usable: Vec<Arc<dyn Transport>> = self
             .transports
             .iter()
-            .filter(|t| !(self.config.protocol == Protocol::Shm && t.kind() == Kind::Tcp))
-            .filter(|t| !(self.config.protocol == Protocol::Tcp && t.kind() == Kind::Shm))
+            .filter(|t| match (protocol, t.kind()) {
+                (_, Kind::Local) => true,
+                (Protocol::Auto, k) => matches!(k, Kind::Shm | Kind::Tcp),
+                (Protocol::Tcp, k) => k == Kind::Tcp,
+                (Protocol::Shm, k) => k == Kind::Shm,
+                (Protocol::Rdma, k) => k == Kind::Rdma,
+                (Protocol::Fabric, k) => k == Kind::Fabric,
+            })
             .cloned()
             .collect();
         for i in 0..self.config.workers.max(1) {
@@ -272,6 +300,8 @@ impl Engine {
         Stats {
             local_bytes: bytes(Kind::Local),
             shm_bytes: bytes(Kind::Shm),
+            rdma_bytes: bytes(Kind::Rdma),
+            fabric_bytes: bytes(Kind::Fabric),
             tcp_bytes: bytes(Kind::Tcp),
             retries: c.retries.load(Ordering::Relaxed),
             failed_slices: c.failed_slices.load(Ordering::Relaxed),

@@ -74,7 +74,7 @@ struct InFlight {
 /// Counters an engine exposes through `Engine::stats`.
 #[derive(Default)]
 pub struct Counters {
-    pub bytes: [AtomicU64; 3],
+    pub bytes: [AtomicU64; Kind::COUNT],
     pub retries: AtomicU64,
     pub failed_slices: AtomicU64,
 }

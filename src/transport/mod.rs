@@ -3,7 +3,9 @@
 //! memory). The engine slices requests, picks a transport per slice, and gives each of
 //! its worker threads one `TransportWorker` per transport, which it polls.
 
+pub mod fabric;
 pub mod local;
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 
@@ -30,16 +32,25 @@ pub enum Op {
 pub enum Kind {
     /// The peer is this engine: memcpy.
     Local,
-    /// Same host, another process: one copy through process_vm_readv/writev.
+    /// Same host, another process: memcpy through a shared mapping or process_vm.
     Shm,
+    /// RDMA verbs (InfiniBand, RoCE) through runtime-loaded libibverbs.
+    Rdma,
+    /// libfabric RMA (AWS EFA in the field) through runtime-loaded libfabric.
+    Fabric,
     Tcp,
 }
 
 impl Kind {
+    /// How many kinds there are (for per-kind tables).
+    pub const COUNT: usize = 5;
+
     pub fn name(self) -> &'static str {
         match self {
             Kind::Local => "local",
             Kind::Shm => "shm",
+            Kind::Rdma => "rdma",
+            Kind::Fabric => "fabric",
             Kind::Tcp => "tcp",
         }
     }
@@ -47,6 +58,18 @@ impl Kind {
     fn bit(self) -> u32 {
         1 << (self as u32)
     }
+}
+
+/// Settings of the runtime-loaded hardware transports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BackendConfig {
+    /// Address the transport's endpoints bind to (and advertise).
+    pub bind: Option<std::net::IpAddr>,
+    /// Mooncake's `device_name`: a comma-separated NIC list, or a NIC priority matrix
+    /// as JSON; empty means every device found.
+    pub devices: String,
+    /// libfabric provider, e.g. `efa`, `tcp;ofi_rxm`, `shm`, `sockets`; empty picks one.
+    pub fabric_provider: String,
 }
 
 /// Per-device memory keys a transport obtained when a buffer was registered; published

@@ -1,0 +1,42 @@
+//! RDMA verbs transport (not yet implemented in this build).
+
+use std::sync::Arc;
+
+use super::{BackendConfig, Kind, Transport, TransportWorker};
+use crate::error::{Code, Error, Result};
+use crate::memory::LocalMemory;
+use crate::metadata::SegmentDesc;
+
+pub struct RdmaTransport;
+
+impl RdmaTransport {
+    pub fn start(_config: &BackendConfig, _memory: Arc<LocalMemory>) -> Result<RdmaTransport> {
+        Err(Error::new(
+            Code::BackendUnavailable,
+            "the RDMA verbs transport is not implemented in this build yet (libibverbs is never loaded)",
+        ))
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn kind(&self) -> Kind {
+        Kind::Rdma
+    }
+
+    fn describe(&self, _desc: &mut SegmentDesc) {}
+
+    fn reaches(&self, _peer: &SegmentDesc) -> bool {
+        false
+    }
+
+    fn slice_size(&self) -> u64 {
+        64 << 10
+    }
+
+    fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
+        Err(Error::new(
+            Code::BackendUnavailable,
+            "RDMA verbs transport unavailable",
+        ))
+    }
+}

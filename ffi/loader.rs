@@ -66,6 +66,65 @@ pub fn open_first(candidates: &[&str]) -> Result<Arc<Library>, LoadError> {
     Err(LoadError::NotFound { tried })
 }
 
+/// Opens a backend's library: the path in environment variable `override_var` when
+/// set (e.g. `MC_IBVERBS_LIB=/opt/rdma/lib/libibverbs.so.1`), else the first loadable
+/// candidate. Returns the library and the name it was opened under.
+pub fn open_backend(
+    override_var: &str,
+    candidates: &[&str],
+) -> Result<(Arc<Library>, String), LoadError> {
+    match std::env::var(override_var) {
+        Ok(path) if !path.is_empty() => open_first(&[path.as_str()]).map(|l| (l, path)),
+        _ => {
+            if is_static_binary() {
+                return Err(LoadError::StaticBinary);
+            }
+            let mut tried = Vec::new();
+            for name in candidates {
+                match open_first(&[name]) {
+                    Ok(lib) => return Ok((lib, (*name).to_owned())),
+                    Err(LoadError::NotFound { tried: t }) => tried.extend(t),
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(LoadError::NotFound { tried })
+        }
+    }
+}
+
+/// A missing symbol, as an error naming the library, the symbol and the override.
+pub fn missing_symbol(library: &str, symbol: &str, override_var: &str) -> String {
+    format!(
+        "{library} has no symbol {symbol} (wrong library? point {override_var} at the right one)"
+    )
+}
+
+/// What `mooncake info` shows for one backend.
+#[derive(Clone, Debug)]
+pub struct BackendInfo {
+    pub name: &'static str,
+    /// The library it was loaded from, or why it could not be.
+    pub library: Result<String, String>,
+    pub version: Option<String>,
+    /// Devices found (HCAs with ports/GIDs, fabric providers, GPUs), one line each.
+    pub devices: Vec<String>,
+    /// Anything else worth saying (e.g. "no device: hipErrorNoDevice").
+    pub notes: Vec<String>,
+}
+
+impl BackendInfo {
+    /// A backend whose library did not load.
+    pub fn unavailable(name: &'static str, why: impl std::fmt::Display) -> BackendInfo {
+        BackendInfo {
+            name,
+            library: Err(why.to_string()),
+            version: None,
+            devices: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+}
+
 /// A hardware backend this crate can load at run time, and the libraries it needs.
 pub struct Backend {
     pub name: &'static str,

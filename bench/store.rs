@@ -577,7 +577,9 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let external = a.str("master").is_some();
     let mut cfg = crate::cli::store::client_config(&a)?;
     if a.str("protocol").is_none() {
-        cfg.protocol = "tcp".to_owned();
+        cfg.engine
+            .set("protocol", "tcp")
+            .map_err(|e| e.to_string())?;
     }
     a.finish()?;
     if size == 0 || batch == 0 || threads == 0 {
@@ -602,13 +604,15 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     // The bench client lends nothing: every byte goes to or comes from the node.
     cfg.global_segment_size = 0;
     let verify_checksum = cfg.verify_checksum;
-    let protocol = cfg.protocol.clone();
+    let protocol = cfg.engine.protocol.name().to_owned();
     let cluster = match external {
         true => None,
         false => {
             let c = Cluster::start(node_segment)?;
             cfg.master_address = c.rpc.clone();
-            cfg.metadata = c.metadata.clone();
+            cfg.engine
+                .set("metadata", &c.metadata)
+                .map_err(|e| e.to_string())?;
             Some(c)
         }
     };

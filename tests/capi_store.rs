@@ -44,11 +44,9 @@ fn master() -> MasterServer {
 /// A node lending `segment` bytes, through the Rust API.
 fn node(m: &MasterServer, segment: u64) -> Client {
     Client::new(ClientConfig {
-        master_address: m.rpc_addr().to_string(),
-        metadata: m.metadata_url().unwrap(),
         global_segment_size: segment,
-        protocol: "tcp".into(),
-        ..ClientConfig::default()
+        ..ClientConfig::connect(&m.rpc_addr().to_string(), &m.metadata_url().unwrap(), "tcp")
+            .unwrap()
     })
     .unwrap()
 }

@@ -28,11 +28,9 @@ fn server(lease_ms: u64) -> MasterServer {
 
 fn client(s: &MasterServer, segment: u64) -> Client {
     let cfg = ClientConfig {
-        master_address: s.rpc_addr().to_string(),
-        metadata: s.metadata_url().unwrap(),
         global_segment_size: segment,
-        protocol: "tcp".into(),
-        ..Default::default()
+        ..ClientConfig::connect(&s.rpc_addr().to_string(), &s.metadata_url().unwrap(), "tcp")
+            .unwrap()
     };
     Client::new(cfg).unwrap()
 }

@@ -87,21 +87,10 @@ impl StoreSettings {
     /// The client settings these and the engine settings describe.
     fn client_config(&self, engine: &EngineConfig) -> ClientConfig {
         let mut c = self.client.clone();
-        c.metadata = if self.metadata_set {
-            engine.metadata.clone()
-        } else {
-            // The master's embedded metadata server on its default port.
-            let host = crate::engine::segments::host_of(&c.master_address);
-            if host.contains(':') {
-                format!("http://[{host}]:8080/metadata")
-            } else {
-                format!("http://{host}:8080/metadata")
-            }
-        };
-        c.protocol = engine.protocol.name().to_owned();
-        // `local_hostname` is stored as the engine's `local_server_name`.
-        c.local_hostname = None;
         c.engine = engine.clone();
+        if !self.metadata_set {
+            c.engine.metadata = crate::store::default_metadata(&c.master_address);
+        }
         c
     }
 }
@@ -766,9 +755,9 @@ mod tests {
     fn store_keys_reach_the_client_config() {
         let c = settings(&[]);
         assert_eq!(c.master_address, "127.0.0.1:50051");
-        assert_eq!(c.metadata, "http://127.0.0.1:8080/metadata");
+        assert_eq!(c.engine.metadata, "http://127.0.0.1:8080/metadata");
         assert_eq!(c.global_segment_size, 0);
-        assert_eq!(c.protocol, "auto");
+        assert_eq!(c.engine.protocol.name(), "auto");
         assert!(c.verify_checksum);
 
         let c = settings(&[
@@ -780,16 +769,18 @@ mod tests {
             ("local_hostname", "10.0.0.6:9000"),
             ("workers", "3"),
         ]);
-        assert_eq!(c.metadata, "http://10.0.0.5:8080/metadata");
+        assert_eq!(c.engine.metadata, "http://10.0.0.5:8080/metadata");
         assert_eq!(c.global_segment_size, 64 << 20);
         assert_eq!(c.local_buffer_size, 1 << 30);
         assert!(!c.verify_checksum);
-        assert_eq!(c.protocol, "tcp");
+        assert_eq!(c.engine.protocol.name(), "tcp");
         assert_eq!(c.engine.local_server_name.as_deref(), Some("10.0.0.6:9000"));
         assert_eq!(c.engine.workers, 3);
 
         assert_eq!(
-            settings(&[("master_address", "[::1]:50051")]).metadata,
+            settings(&[("master_address", "[::1]:50051")])
+                .engine
+                .metadata,
             "http://[::1]:8080/metadata"
         );
         // Set explicitly, even to the engine default, the metadata key wins.
@@ -797,6 +788,6 @@ mod tests {
             ("master_address", "10.0.0.5:7000"),
             ("metadata", "P2PHANDSHAKE"),
         ]);
-        assert_eq!(c.metadata, "P2PHANDSHAKE");
+        assert_eq!(c.engine.metadata, "P2PHANDSHAKE");
     }
 }

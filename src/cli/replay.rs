@@ -189,11 +189,16 @@ impl Cluster {
         let metadata = server
             .metadata_url()
             .ok_or("the master has no metadata server")?;
+        let mut engine = engine.clone();
+        engine
+            .set("metadata", &metadata)
+            .map_err(|e| e.to_string())?;
+        engine
+            .set("protocol", protocol)
+            .map_err(|e| e.to_string())?;
         let config = |segment: u64| ClientConfig {
             master_address: server.rpc_addr().to_string(),
-            metadata: metadata.clone(),
             global_segment_size: segment,
-            protocol: protocol.to_owned(),
             engine: engine.clone(),
             ..ClientConfig::default()
         };

@@ -99,26 +99,17 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     let mut cfg = ClientConfig {
         master_address: a.str("master").unwrap_or("127.0.0.1:50051").to_owned(),
         global_segment_size: a.get("segment-size", 0u64)?,
+        engine: super::engine_config(a)?,
         ..ClientConfig::default()
     };
-    // Default: the master's embedded metadata server on its default port.
-    cfg.metadata = match a.str("metadata") {
-        Some(m) => m.to_owned(),
-        None => {
-            let host = mooncake::engine::segments::host_of(&cfg.master_address);
-            let addr = mooncake::metadata::directory::join_host_port(host, 8080);
-            format!("http://{addr}/metadata")
-        }
-    };
-    if let Some(n) = a.str("name") {
-        cfg.local_hostname = Some(n.to_owned());
-    }
-    if let Some(p) = a.str("protocol") {
-        cfg.protocol = p.to_owned();
+    if a.str("metadata").is_none() {
+        let metadata = mooncake::store::default_metadata(&cfg.master_address);
+        cfg.engine
+            .set("metadata", &metadata)
+            .map_err(|e| e.to_string())?;
     }
     if let Some(v) = a.str("verify-checksum") {
         cfg.verify_checksum = v != "false" && v != "0";
     }
-    cfg.engine = super::engine_config(a)?;
     Ok(cfg)
 }

@@ -22,20 +22,16 @@ use crate::util::crc32c::crc32c_append;
 pub struct ClientConfig {
     /// `host:port` of the master's RPC.
     pub master_address: String,
-    /// Transfer-engine metadata connection string (default: P2P handshake).
-    pub metadata: String,
-    /// This client's segment name (`host:port`); default the bind address and a free port.
-    pub local_hostname: Option<String>,
     /// Bytes of memory lent to the pool; 0 makes a pure client.
     pub global_segment_size: u64,
     /// Kept for Mooncake compatibility: staging for transports that need registered
     /// local memory (RDMA). TCP and shared memory read and write user buffers directly.
     pub local_buffer_size: u64,
-    pub protocol: String,
     /// Check each object's CRC32C on read.
     pub verify_checksum: bool,
     pub ping_interval: Duration,
-    /// Engine settings beyond the ones above (workers, lanes, ...).
+    /// The client's transfer engine: metadata connection, segment name
+    /// (`local_server_name`, Mooncake's `local_hostname`), protocol, workers, ...
     pub engine: EngineConfig,
 }
 
@@ -43,16 +39,37 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             master_address: "127.0.0.1:50051".to_owned(),
-            metadata: "P2PHANDSHAKE".to_owned(),
-            local_hostname: None,
             global_segment_size: 0,
             local_buffer_size: 16 << 20,
-            protocol: "auto".to_owned(),
             verify_checksum: true,
             ping_interval: Duration::from_secs(1),
             engine: EngineConfig::default(),
         }
     }
+}
+
+impl ClientConfig {
+    /// A client of `master` whose engine finds peers through `metadata` and moves
+    /// bytes with `protocol`.
+    pub fn connect(master: &str, metadata: &str, protocol: &str) -> Result<ClientConfig> {
+        let mut c = ClientConfig {
+            master_address: master.to_owned(),
+            ..ClientConfig::default()
+        };
+        c.engine.set("metadata", metadata)?;
+        c.engine.set("protocol", protocol)?;
+        Ok(c)
+    }
+}
+
+/// Where nodes find segment descriptors by default: the master's embedded metadata
+/// server on its default port (8080).
+pub fn default_metadata(master_address: &str) -> String {
+    let host = crate::engine::segments::host_of(master_address);
+    format!(
+        "http://{}/metadata",
+        crate::metadata::directory::join_host_port(host, 8080)
+    )
 }
 
 /// Where one key's bytes are, locally: `(address, length)` parts that concatenate to
@@ -89,13 +106,7 @@ fn random_id() -> u64 {
 
 impl Client {
     pub fn new(config: ClientConfig) -> Result<Client> {
-        let mut ec = config.engine.clone();
-        ec.set("metadata", &config.metadata)?;
-        ec.set("protocol", &config.protocol)?;
-        if let Some(name) = &config.local_hostname {
-            ec.set("local_server_name", name)?;
-        }
-        let engine = Arc::new(Engine::new(ec)?);
+        let engine = Arc::new(Engine::new(config.engine.clone())?);
         let rpc = RpcClient::new(&config.master_address)?;
         let (segment, segment_ptr) = if config.global_segment_size > 0 {
             let size = config.global_segment_size;

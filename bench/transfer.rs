@@ -225,8 +225,18 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     };
     let segment = a.str("segment").map(str::to_owned);
     let metadata = a.str("metadata").unwrap_or("P2PHANDSHAKE").to_owned();
+    let fabric = matches!(p.protocol.as_str(), "fabric" | "efa");
+    let provider = a.str("fabric-provider").map(str::to_owned);
     let mut cfg = crate::cli::engine_config(&a)?;
     a.finish()?;
+    if fabric {
+        // Before any thread or child exists: the child target inherits these.
+        fabric_bench::pin_to_loopback(provider.as_deref());
+        if let Some(prov) = &provider {
+            cfg.set("fabric_provider", prov)
+                .map_err(|e| e.to_string())?;
+        }
+    }
     if p.block == 0 || p.batch == 0 || p.threads == 0 {
         return Err("--block-size, --batch-size and --threads must be positive".into());
     }
@@ -251,6 +261,13 @@ pub fn run(raw: &[String]) -> Result<(), String> {
                 "--size".into(),
                 need.to_string(),
             ])
+            // The fabric target serves over the same provider (MC_FABRIC_PROVIDER).
+            .chain(
+                fabric
+                    .then(|| ["--protocol".to_owned(), "efa".to_owned()])
+                    .into_iter()
+                    .flatten(),
+            )
             .collect();
             let child = ChildProc::spawn("target", &args)?;
             let name = child.ready.clone();
@@ -266,18 +283,38 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         .find(|b| b.length >= need)
         .ok_or_else(|| format!("segment {name} has no buffer of {need} bytes"))?;
     let (bytes, seconds, lat, verified) = measure(&engine, seg, buffer.addr, &p)?;
-    let (baseline, baseline_gbps) = if p.protocol == "tcp" {
+    let mut extra = Vec::new();
+    let (baseline, baseline_gbps) = if fabric {
+        // The provider's own figure: fi_pingpong, same provider and message size.
+        let prov = provider.unwrap_or_else(|| fabric_bench::provider_of(&engine));
+        extra.push(("fabric_provider", Value::from(prov.as_str())));
+        match fabric_bench::pingpong(&prov, p.block, p.duration) {
+            Ok((gbps, usec)) => {
+                // Its one-way time per message, next to our per-operation latency.
+                extra.push(("baseline_usec_per_xfer", Value::from(usec)));
+                ("fi_pingpong", Some(gbps))
+            }
+            Err(why) => {
+                extra.push(("note", Value::from(why.as_str())));
+                ("", None)
+            }
+        }
+    } else if p.protocol == "tcp" {
         (
             "tcp_socket_loopback",
-            tcp_baseline(p.block.max(64 << 10), p.duration)?,
+            Some(tcp_baseline(p.block.max(64 << 10), p.duration)?),
         )
     } else {
-        ("memcpy", memcpy_baseline(p.block, p.batch, p.duration))
+        (
+            "memcpy",
+            Some(memcpy_baseline(p.block, p.batch, p.duration)),
+        )
     };
     let gbps = bytes as f64 / seconds / 1e9;
     let ops = (bytes / p.block) as f64 / seconds;
     let round = |x: f64| (x * 1000.0).round() / 1000.0;
-    let line = Value::object([
+    let opt = |x: Option<f64>| x.map_or(Value::Null, |v| round(v).into());
+    let mut fields = vec![
         ("bench", Value::from("transfer")),
         ("protocol", p.protocol.as_str().into()),
         ("op", if p.op == Op::Read { "read" } else { "write" }.into()),
@@ -291,14 +328,176 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         ("lat_p50_us", round(percentile(&lat, 0.5)).into()),
         ("lat_p99_us", round(percentile(&lat, 0.99)).into()),
         ("median_us", round(percentile(&lat, 0.5)).into()),
-        ("baseline", baseline.into()),
-        ("baseline_gbps", round(baseline_gbps).into()),
-        ("ratio_to_baseline", round(gbps / baseline_gbps).into()),
+        (
+            "baseline",
+            if baseline.is_empty() {
+                Value::Null
+            } else {
+                baseline.into()
+            },
+        ),
+        ("baseline_gbps", opt(baseline_gbps)),
+        ("ratio_to_baseline", opt(baseline_gbps.map(|b| gbps / b))),
         ("verified", verified.into()),
-    ]);
+    ];
+    fields.extend(extra);
+    let line = Value::object(fields);
     println!("{line}");
     if !verified {
         return Err("moved bytes did not verify".into());
     }
     Ok(())
+}
+
+/// The `--protocol fabric`/`efa` pieces: loopback pinning and the `fi_pingpong` baseline.
+mod fabric_bench {
+    use std::io::Read;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use mooncake::Engine;
+
+    const LOOPBACK_VARS: [&str; 2] = ["FI_TCP_IFACE", "FI_SOCKETS_IFACE"];
+
+    /// Keeps libfabric's tcp/sockets providers on loopback (they pick eth0 otherwise)
+    /// unless the user chose an interface, and hands the provider to the child target.
+    pub fn pin_to_loopback(provider: Option<&str>) {
+        for var in LOOPBACK_VARS {
+            if std::env::var_os(var).is_none() {
+                // Called before any thread or child is started.
+                std::env::set_var(var, "lo");
+            }
+        }
+        if let Some(p) = provider {
+            std::env::set_var("MC_FABRIC_PROVIDER", p);
+        }
+    }
+
+    /// The provider our engine opened (`provider/domain` in its descriptor).
+    pub fn provider_of(engine: &Engine) -> String {
+        engine
+            .descriptor()
+            .devices
+            .iter()
+            .find_map(|d| d.name.split_once('/').map(|(p, _)| p.to_owned()))
+            .unwrap_or_default()
+    }
+
+    /// A process killed and reaped on drop.
+    struct Reaped(Child);
+
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn free_port() -> Result<u16, String> {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        l.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+    }
+
+    fn command(provider: &str, iters: u64, size: u64) -> Command {
+        let mut c = Command::new("fi_pingpong");
+        c.args(["-p", provider, "-e", "rdm"])
+            .args(["-I", &iters.to_string(), "-S", &size.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    /// Waits up to `limit` for a child's exit; its stdout and stderr.
+    fn finish(mut child: Reaped, limit: Duration) -> Result<String, String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            match child.0.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                Ok(None) => return Err(format!("fi_pingpong ran past {limit:?}")),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let mut text = String::new();
+        if let Some(mut o) = child.0.stdout.take() {
+            let _ = o.read_to_string(&mut text);
+        }
+        if let Some(mut e) = child.0.stderr.take() {
+            let _ = e.read_to_string(&mut text);
+        }
+        Ok(text)
+    }
+
+    /// `(MB/sec, usec/xfer)` from fi_pingpong's result line.
+    fn parse(text: &str) -> Option<(f64, f64)> {
+        text.lines().rev().find_map(|l| {
+            let t: Vec<&str> = l.split_whitespace().collect();
+            match t.as_slice() {
+                [_, _, ack, _, time, mbs, usec, _]
+                    if ack.starts_with('=') && time.ends_with('s') =>
+                {
+                    Some((mbs.parse().ok()?, usec.parse().ok()?))
+                }
+                _ => None,
+            }
+        })
+    }
+
+    /// One server/client pair on 127.0.0.1.
+    fn once(provider: &str, iters: u64, size: u64, limit: Duration) -> Result<(f64, f64), String> {
+        let port = free_port()?.to_string();
+        let server = command(provider, iters, size)
+            .args(["-B", &port])
+            .spawn()
+            .map(Reaped)
+            .map_err(|e| format!("fi_pingpong not runnable ({e}); install libfabric-bin"))?;
+        // The server needs a moment to listen on its control port.
+        let mut last = String::new();
+        for _ in 0..20 {
+            std::thread::sleep(Duration::from_millis(100));
+            let client = command(provider, iters, size)
+                .args(["-P", &port, "127.0.0.1"])
+                .spawn()
+                .map(Reaped)
+                .map_err(|e| e.to_string())?;
+            let text = finish(client, limit)?;
+            if let Some(r) = parse(&text) {
+                drop(server);
+                return Ok(r);
+            }
+            last = text;
+        }
+        drop(server);
+        Err(format!("fi_pingpong gave no figure: {}", last.trim()))
+    }
+
+    /// fi_pingpong's bandwidth for `size`-byte messages in GB/s, and its time per
+    /// message in µs. Its MB/sec counts the bytes of pings and pongs over the run, and
+    /// its usec/xfer is run time over messages in both directions, i.e. one way. A
+    /// short probe sizes the real run to about `duration`.
+    pub fn pingpong(provider: &str, size: u64, duration: Duration) -> Result<(f64, f64), String> {
+        if provider.is_empty() {
+            return Err("no fabric provider to compare with".into());
+        }
+        let size = size.max(1);
+        let (_, usec) = once(provider, 10, size, Duration::from_secs(30))?;
+        let iters = (duration.as_secs_f64() * 1e6 / usec.max(0.1)).clamp(10.0, 200_000.0) as u64;
+        let limit = duration * 4 + Duration::from_secs(20);
+        let (mbs, usec) = once(provider, iters, size, limit)?;
+        Ok((mbs / 1000.0, usec))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn parses_the_result_line() {
+            let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+                       64k     1k      =1k      125m        0.05s   2893.10      22.65       0.04\n";
+            assert_eq!(super::parse(out), Some((2893.10, 22.65)));
+            assert_eq!(super::parse("nothing"), None);
+        }
+    }
 }

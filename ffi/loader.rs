@@ -125,36 +125,6 @@ impl BackendInfo {
     }
 }
 
-/// A hardware backend this crate can load at run time, and the libraries it needs.
-pub struct Backend {
-    pub name: &'static str,
-    pub libraries: &'static [&'static str],
-}
-
-/// Every runtime-loaded backend, for reporting.
-pub const BACKENDS: &[Backend] = &[
-    Backend {
-        name: "rdma (ibverbs)",
-        libraries: &["libibverbs.so.1", "libibverbs.so"],
-    },
-    Backend {
-        name: "efa (libfabric)",
-        libraries: &["libfabric.so.1", "libfabric.so"],
-    },
-    Backend {
-        name: "cuda",
-        libraries: &["libcuda.so.1", "libcuda.so"],
-    },
-    Backend {
-        name: "hip",
-        libraries: &["libamdhip64.so.5", "libamdhip64.so.6", "libamdhip64.so"],
-    },
-    Backend {
-        name: "ascend",
-        libraries: &["libascendcl.so"],
-    },
-];
-
 #[cfg(test)]
 mod tests {
     use super::*;

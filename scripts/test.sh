@@ -13,7 +13,7 @@ cargo test
 target=x86_64-unknown-linux-gnu
 RUSTFLAGS='-C target-feature=+crt-static' cargo build --release --target "$target" --bin mooncake
 bin="target/$target/release/mooncake"
-"$bin" backends | grep -q "static binary"
+"$bin" info | grep -q "static binary"
 for protocol in tcp shm; do
   "$bin" bench transfer --protocol "$protocol" --block-size 256K --batch-size 4 --duration 0.3 \
     | grep -q '"verified":true'

@@ -8,6 +8,7 @@
 pub mod ffi;
 
 pub mod capi;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod http;

@@ -22,7 +22,7 @@ USAGE:
       Register a SIZE-byte buffer, publish it, print `ready <segment>`, serve until killed.
   mooncake metadata-server [--port P] [--bind IP]
       Run Mooncake's HTTP metadata server (REST on /metadata, /health).
-  mooncake bench transfer [--protocol tcp|shm|auto] [--op read|write] [--block-size B]
+  mooncake bench transfer [--protocol tcp|shm|auto|rdma|efa] [--fabric-provider P] [--op read|write] [--block-size B]
       [--batch-size N] [--threads N] [--duration S] [--workers N] [--segment NAME --metadata URL]
       Measure transfers; prints one JSON object per line with a same-run baseline.
   mooncake bench store [--op get|put|exists] [--size 4K] [--batch N] [--threads N]
@@ -31,8 +31,8 @@ USAGE:
       Store objects/s and latency against a master and node in child processes.
   mooncake bench master [--threads 1,2] [--duration S] [--keys K] [--batch N]
       Metadata requests/s of an in-process master (put, get_replicas, exists, mix).
-  mooncake backends
-      Report which runtime-loaded hardware backends this host can load.
+  mooncake info
+      Every transport backend: loaded or not and why, library and version, devices found.
   mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
       [--lease-ttl-ms 10000] [--eviction-high-watermark 0.9] [--eviction-ratio 0.05]
       [--client-ttl 10] [--allocation-strategy random|free_ratio_first|local_first]
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
             Some("master") => master_bench::run(&raw[2..]),
             _ => Err("usage: mooncake bench transfer|alloc|store|master [options]".to_owned()),
         },
-        Some("backends") => cli::backends(),
+        Some("info" | "backends") => cli::info(),
         Some("master") => cli::store::master(&raw[1..]),
         Some("node") => cli::store::node(&raw[1..]),
         Some("demo") => cli::replay::demo(&raw[1..]),

@@ -16,6 +16,9 @@ pub struct Region {
     pub len: u64,
     /// Where the memory lives, e.g. `cpu:0` or `cuda:1`.
     pub location: String,
+    /// What the location names, checked with the driver at registration
+    /// (`crate::device::classify`); `Host` for every non-device location.
+    pub device: crate::device::MemoryKind,
     /// For engine-allocated buffers: the memfd backing them, which same-host peers
     /// may map to copy with plain memcpy.
     pub shared_fd: Option<RawFd>,
@@ -60,6 +63,11 @@ impl RangeGuard {
         self.addr as usize as *mut u8
     }
 
+    /// Where the guarded bytes live; anything but `Host` must not be touched by the CPU.
+    pub fn device(&self) -> crate::device::MemoryKind {
+        self.region.device
+    }
+
     /// The guarded bytes.
     ///
     /// # Safety
@@ -91,6 +99,8 @@ impl Drop for RangeGuard {
 #[derive(Default)]
 pub struct LocalMemory {
     regions: RwLock<BTreeMap<u64, Arc<Region>>>,
+    /// Registered device-memory regions: while 0, requests skip the device lookup.
+    device_regions: AtomicUsize,
 }
 
 impl LocalMemory {
@@ -120,6 +130,7 @@ impl LocalMemory {
         let end = addr
             .checked_add(len)
             .ok_or_else(|| Error::invalid(format!("buffer {addr:#x}+{len} overflows")))?;
+        let device = crate::device::classify(addr, len, location)?;
         let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
         let before = regions.range(..end).next_back();
         if let Some((_, r)) = before.filter(|(_, r)| r.end() > addr) {
@@ -136,12 +147,16 @@ impl LocalMemory {
             addr,
             len,
             location: location.to_owned(),
+            device,
             shared_fd,
             valid: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             drained: (Mutex::new(()), Condvar::new()),
         });
         regions.insert(addr, region.clone());
+        if !device.is_host() {
+            self.device_regions.fetch_add(1, Ordering::SeqCst);
+        }
         Ok(region)
     }
 
@@ -159,6 +174,9 @@ impl LocalMemory {
                 )
             })?;
         region.valid.store(false, Ordering::SeqCst);
+        if !region.device.is_host() {
+            self.device_regions.fetch_sub(1, Ordering::SeqCst);
+        }
         let mut lock = region.drained.0.lock().unwrap_or_else(|e| e.into_inner());
         while region.in_flight.load(Ordering::SeqCst) != 0 {
             lock = region
@@ -198,6 +216,22 @@ impl LocalMemory {
             ));
         }
         Ok(guard)
+    }
+
+    /// Whether any device-memory buffer is registered (one atomic load).
+    pub fn has_device(&self) -> bool {
+        self.device_regions.load(Ordering::Relaxed) != 0
+    }
+
+    /// The memory kind of a range inside one registered buffer; `Host` for host
+    /// buffers and for unregistered ranges. Costs one atomic load while no device
+    /// buffer is registered.
+    pub fn device_of(&self, addr: u64, len: u64) -> crate::device::MemoryKind {
+        if !self.has_device() {
+            return crate::device::MemoryKind::Host;
+        }
+        self.find(addr, len.max(1))
+            .map_or(crate::device::MemoryKind::Host, |r| r.device)
     }
 
     /// All regions in address order.

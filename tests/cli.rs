@@ -65,8 +65,8 @@ fn bench_prints_one_verified_json_line_per_run() {
 }
 
 #[test]
-fn backends_report_each_runtime_loaded_library() {
-    let out = Command::new(BIN).arg("backends").output().unwrap();
+fn info_reports_each_runtime_loaded_backend() {
+    let out = Command::new(BIN).arg("info").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     for name in ["rdma", "efa", "cuda", "hip", "ascend"] {

@@ -79,6 +79,8 @@ pub fn engine_tuning(a: &Args) -> Result<EngineConfig, String> {
             ("lanes", "lanes_per_peer"),
             ("slice-size", "slice_size"),
             ("socket-buffer", "socket_buffer"),
+            ("device-name", "device_name"),
+            ("fabric-provider", "fabric_provider"),
         ],
     )
 }
@@ -170,15 +172,41 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-pub fn backends() -> Result<(), String> {
-    println!("built-in: tcp (always), shm (same host, process_vm_readv/writev)");
-    for b in loader::BACKENDS {
-        match loader::open_first(b.libraries) {
-            Ok(_) => println!(
-                "{}: library found (transport not yet implemented in this build)",
-                b.name
-            ),
-            Err(e) => println!("{}: unavailable: {e}", b.name),
+/// `mooncake info`: every transport backend, whether it loaded and why not, where
+/// from, which devices it sees.
+pub fn info() -> Result<(), String> {
+    let static_note = if loader::is_static_binary() {
+        " (static binary)"
+    } else {
+        ""
+    };
+    println!("mooncake {}{static_note}", env!("CARGO_PKG_VERSION"));
+    println!("tcp: built in");
+    println!("shm: built in (same host: shared mappings, process_vm_readv/writev)");
+    let reports = [
+        mooncake::ffi::ibverbs::info(),
+        mooncake::ffi::fabric::info(),
+        mooncake::ffi::cuda::info(),
+        mooncake::ffi::hip::info(),
+        mooncake::ffi::acl::info(),
+    ];
+    for r in reports {
+        match &r.library {
+            Ok(lib) => {
+                let version = r
+                    .version
+                    .as_deref()
+                    .map(|v| format!(" version {v}"))
+                    .unwrap_or_default();
+                println!("{}: loaded from {lib}{version}", r.name);
+            }
+            Err(why) => println!("{}: unavailable: {why}", r.name),
+        }
+        for d in &r.devices {
+            println!("    device {d}");
+        }
+        for n in &r.notes {
+            println!("    {n}");
         }
     }
     Ok(())

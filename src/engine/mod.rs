@@ -96,9 +96,11 @@ impl Engine {
             desc: RwLock::new(SegmentDesc::new("")),
             notifications: Mutex::new(VecDeque::new()),
         });
+        let handshakers = rpc::Handshakers::default();
         let rpc_server = rpc::start(
             SocketAddr::new(config.bind_address, config.rpc_port),
             published.clone(),
+            handshakers.clone(),
         )
         .map_err(|e| {
             Error::io(
@@ -150,6 +152,7 @@ impl Engine {
         }
         let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone())?;
         transports.push(Arc::new(tcp));
+        let _ = handshakers.set(transports.clone());
         let segments = Arc::new(Segments::new(directory, published));
         let mut engine = Engine {
             name,
@@ -201,21 +204,10 @@ impl Engine {
     }
 
     fn spawn_workers(&mut self) -> Result<()> {
-        // Every transport serves peers; which ones carry our own requests depends on
-        // the protocol (a hardware protocol means that path only, never a silent
-        // fallback to TCP).
-        let protocol = self.config.protocol;
         let usable: Vec<Arc<dyn Transport>> = self
             .transports
             .iter()
-            .filter(|t| match (protocol, t.kind()) {
-                (_, Kind::Local) => true,
-                (Protocol::Auto, k) => matches!(k, Kind::Shm | Kind::Tcp),
-                (Protocol::Tcp, k) => k == Kind::Tcp,
-                (Protocol::Shm, k) => k == Kind::Shm,
-                (Protocol::Rdma, k) => k == Kind::Rdma,
-                (Protocol::Fabric, k) => k == Kind::Fabric,
-            })
+            .filter(|t| self.carries_own_requests(t.kind()))
             .cloned()
             .collect();
         for i in 0..self.config.workers.max(1) {
@@ -496,10 +488,24 @@ impl Engine {
         Ok(peer)
     }
 
+    /// Every transport serves peers; which ones carry our own requests depends on the
+    /// protocol (a hardware protocol means that path only, never a silent fallback).
+    fn carries_own_requests(&self, kind: Kind) -> bool {
+        match (self.config.protocol, kind) {
+            (_, Kind::Local) => true,
+            (Protocol::Auto, k) => matches!(k, Kind::Shm | Kind::Tcp),
+            (Protocol::Tcp, k) => k == Kind::Tcp,
+            (Protocol::Shm, k) => k == Kind::Shm,
+            (Protocol::Rdma, k) => k == Kind::Rdma,
+            (Protocol::Fabric, k) => k == Kind::Fabric,
+        }
+    }
+
     fn slice_size_for(&self, peer: &crate::transport::Peer) -> u64 {
         let desc = peer.desc();
         self.transports
             .iter()
+            .filter(|t| self.carries_own_requests(t.kind()))
             .find(|t| !peer.is_disabled(t.kind()) && t.reaches(&desc))
             .map_or(self.config.tcp.slice_size, |t| t.slice_size())
             .max(4096)
@@ -515,10 +521,22 @@ impl Engine {
         let mut plan = Vec::with_capacity(requests.len());
         for r in requests {
             let peer = self.validate(r)?;
-            let size = self.slice_size_for(&peer);
+            let mut size = self.slice_size_for(&peer);
+            // Device memory on the local side (registered as cuda:/hip:/npu:) is staged
+            // by the worker through host bounce buffers, a bounce per slice. Requests
+            // to this engine itself go to the local transport, which copies device
+            // memory with the driver directly. Host memory: one atomic load, no more.
+            let staging = if peer.name == self.name {
+                crate::device::MemoryKind::Host
+            } else {
+                self.memory.device_of(r.local, r.len)
+            };
+            if !staging.is_host() {
+                size = size.min(crate::device::BOUNCE_SIZE as u64);
+            }
             let count = r.len.div_ceil(size);
             let count = u32::try_from(count).map_err(|_| Error::invalid("request too large"))?;
-            plan.push((peer, size, count));
+            plan.push((peer, size, count, staging));
         }
         let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
         let bytes = requests.iter().map(|r| r.len).sum();
@@ -527,12 +545,13 @@ impl Engine {
         let n = self.workers.len();
         let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
         let mut next = self.next_worker.fetch_add(1, Ordering::Relaxed);
-        for (i, (r, (peer, size, count))) in requests.iter().zip(plan).enumerate() {
+        for (i, (r, (peer, size, count, staging))) in requests.iter().zip(plan).enumerate() {
             for s in 0..count as u64 {
                 let off = s * size;
                 per_worker[next % n].push(WorkItem {
                     batch: b.clone(),
                     task: first + i,
+                    staging,
                     slice: Slice {
                         id: 0,
                         op: r.op,
@@ -570,8 +589,13 @@ impl Engine {
             ("name", crate::json::Value::from(self.name.as_str())),
             ("notify_msg", message.into()),
         ]);
-        let addr = self.segments.directory.rpc_address(&peer.name)?;
-        crate::wire::rpc::call(&addr, RpcType::Notify, &body.to_string(), RPC_TIMEOUT).map(|_| ())
+        crate::wire::rpc::call(
+            &peer.rpc_addr(),
+            RpcType::Notify,
+            &body.to_string(),
+            RPC_TIMEOUT,
+        )
+        .map(|_| ())
     }
 
     /// Takes every notification received so far.
@@ -603,8 +627,7 @@ impl Engine {
     /// Asks a segment's engine whether it is alive.
     pub fn probe(&self, segment: SegmentId) -> Result<()> {
         let peer = self.segments.get(segment)?;
-        let addr = self.segments.directory.rpc_address(&peer.name)?;
-        let reply = crate::wire::rpc::call(&addr, RpcType::Probe, "{}", RPC_TIMEOUT)?;
+        let reply = crate::wire::rpc::call(&peer.rpc_addr(), RpcType::Probe, "{}", RPC_TIMEOUT)?;
         if reply.contains("success") {
             Ok(())
         } else {

@@ -1,26 +1,39 @@
 //! The handshake RPC server every engine runs (Mooncake's control-plane framing):
-//! descriptor exchange, notifications, liveness probes, and a refusal for queue-pair
-//! exchanges until an RDMA transport exists.
+//! descriptor exchange, notifications, liveness probes, and queue-pair exchanges
+//! (answered by a transport that takes part, e.g. RDMA, else refused).
 
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::segments::{Notification, Published};
 use crate::error::Result;
 use crate::json::{self, Value};
 use crate::net::ConnServer;
+use crate::transport::Transport;
 use crate::wire::rpc::{self, RpcType, MAX_FRAME_LEN};
 
 /// Notifications kept before the oldest are dropped (a peer must not exhaust memory).
 pub const MAX_QUEUED_NOTIFICATIONS: usize = 65536;
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub fn start(bind: SocketAddr, published: Arc<Published>) -> std::io::Result<ConnServer> {
-    ConnServer::spawn(bind, "mc-rpc", Arc::new(move |s| serve(s, &published)))
+/// Transports that answer Connection (queue-pair exchange) requests; filled once the
+/// engine has built them.
+pub type Handshakers = Arc<OnceLock<Vec<Arc<dyn Transport>>>>;
+
+pub fn start(
+    bind: SocketAddr,
+    published: Arc<Published>,
+    handshakers: Handshakers,
+) -> std::io::Result<ConnServer> {
+    ConnServer::spawn(
+        bind,
+        "mc-rpc",
+        Arc::new(move |s| serve(s, &published, &handshakers)),
+    )
 }
 
-fn serve(mut stream: TcpStream, published: &Published) {
+fn serve(mut stream: TcpStream, published: &Published, handshakers: &Handshakers) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -39,7 +52,7 @@ fn serve(mut stream: TcpStream, published: &Published) {
                 return;
             }
         };
-        let reply = match answer(kind, &body, published) {
+        let reply = match answer(kind, &body, published, handshakers) {
             Ok(r) => r,
             Err(e) => {
                 log::warn!("rpc {peer}: bad {kind:?} request: {e}; closing");
@@ -52,7 +65,12 @@ fn serve(mut stream: TcpStream, published: &Published) {
     }
 }
 
-fn answer(kind: RpcType, body: &str, published: &Published) -> Result<String> {
+fn answer(
+    kind: RpcType,
+    body: &str,
+    published: &Published,
+    handshakers: &Handshakers,
+) -> Result<String> {
     let request = json::parse(body).map_err(|e| crate::Error::protocol(e.to_string()))?;
     Ok(match kind {
         RpcType::Metadata => published
@@ -85,6 +103,10 @@ fn answer(kind: RpcType, body: &str, published: &Published) -> Result<String> {
             r#"{"name":"","notify_msg":"success"}"#.to_owned()
         }
         RpcType::Connection => {
+            let transports = handshakers.get().map(Vec::as_slice).unwrap_or(&[]);
+            if let Some(reply) = transports.iter().find_map(|t| t.handshake(body)) {
+                return Ok(reply);
+            }
             let field = |k: &str| request.get(k).cloned().unwrap_or(Value::Null);
             Value::object([
                 ("local_nic_path", field("peer_nic_path")),

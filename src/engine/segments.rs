@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::error::{Code, Error, Result};
 use crate::metadata::{Directory, SegmentDesc};
-use crate::transport::Peer;
+use crate::transport::{Endpoints, Peer};
 
 /// A message another engine sent us with `notify`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,8 +54,8 @@ impl Segments {
             .clone()
     }
 
-    /// Descriptor and data address of `name`, fetched fresh.
-    fn fetch(&self, name: &str) -> Result<(SegmentDesc, SocketAddr)> {
+    /// Descriptor and server addresses of `name`, fetched fresh.
+    fn fetch(&self, name: &str) -> Result<(SegmentDesc, Endpoints)> {
         let own = self.own_desc();
         let desc = if name == own.name {
             own.clone()
@@ -82,7 +82,7 @@ impl Segments {
             .as_deref()
             .unwrap_or_else(|| host_of(&rpc));
         let data = resolve(host, desc.tcp_data_port)?;
-        Ok((desc, data))
+        Ok((desc, Endpoints { data, rpc }))
     }
 
     pub fn open(&self, name: &str) -> Result<Arc<Peer>> {

@@ -10,13 +10,17 @@ use std::time::Instant;
 
 use super::batch::{Batch, TaskState};
 use super::segments::Segments;
+use crate::device::{self, Bounce, MemoryKind};
 use crate::sys::{self, Epoll, EventFd};
-use crate::transport::{Finished, Kind, Outcome, Slice, Transport, TransportWorker};
+use crate::transport::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 
 /// A slice bound for a worker, with the task it belongs to.
 pub struct WorkItem {
     pub batch: Arc<Batch>,
     pub task: usize,
+    /// Device memory on the slice's local side, staged through a host bounce buffer
+    /// (`Host`: none; the slice is then at most `device::BOUNCE_SIZE` long).
+    pub staging: MemoryKind,
     pub slice: Slice,
 }
 
@@ -69,7 +73,22 @@ struct InFlight {
     attempts: u32,
     /// The transport currently carrying the slice.
     via: Option<Kind>,
+    /// For a device-memory local side: the bounce buffer standing in for it.
+    staged: Option<Staged>,
 }
+
+/// A slice whose local side is device memory travels from/into `bounce`: a WRITE's
+/// bytes are copied device → bounce before it starts, a READ's bounce → device once it
+/// completed. `slice.local` points into the bounce meanwhile.
+struct Staged {
+    bounce: Bounce,
+    device_addr: u64,
+    kind: MemoryKind,
+}
+
+/// Staged slices in flight per worker at most (bounce memory: this many times
+/// `device::BOUNCE_SIZE`); more wait in `deferred`.
+const MAX_STAGED: usize = 8;
 
 /// Counters an engine exposes through `Engine::stats`.
 #[derive(Default)]
@@ -90,6 +109,9 @@ pub struct Worker {
     free: Vec<usize>,
     done: Vec<Finished>,
     epoll: Epoll,
+    /// Staged slices waiting for a bounce buffer, and how many hold one.
+    deferred: std::collections::VecDeque<WorkItem>,
+    staged_in_flight: usize,
 }
 
 /// Token of the wake-up eventfd in the parking epoll; transports use their index.
@@ -133,6 +155,8 @@ impl Worker {
             free: Vec::new(),
             done: Vec::new(),
             epoll,
+            deferred: Default::default(),
+            staged_in_flight: 0,
         })
     }
 
@@ -154,6 +178,7 @@ impl Worker {
             }
             busy |= !self.done.is_empty();
             self.finish_done();
+            busy |= self.start_deferred();
             if busy {
                 idle = 0;
             } else {
@@ -196,7 +221,42 @@ impl Worker {
         self.handle.wake.drain();
     }
 
+    /// Starts deferred staged slices as bounce buffers free up.
+    fn start_deferred(&mut self) -> bool {
+        let mut started = false;
+        while self.staged_in_flight < MAX_STAGED {
+            let Some(item) = self.deferred.pop_front() else {
+                break;
+            };
+            self.start(item);
+            started = true;
+        }
+        started
+    }
+
     fn start(&mut self, item: WorkItem) {
+        let mut item = item;
+        let staged = if item.staging.is_host() {
+            None
+        } else if self.staged_in_flight >= MAX_STAGED {
+            self.deferred.push_back(item);
+            return;
+        } else {
+            match stage(item.staging, &mut item.slice) {
+                Ok(s) => {
+                    self.staged_in_flight += 1;
+                    Some(s)
+                }
+                Err(e) => {
+                    log::warn!("staging device memory for a slice failed: {e}");
+                    let c = &self.config.counters;
+                    c.failed_slices.fetch_add(1, Ordering::Relaxed);
+                    item.batch
+                        .slice_finished(item.task, item.slice.len, TaskState::Failed);
+                    return;
+                }
+            }
+        };
         let id = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -212,6 +272,7 @@ impl Worker {
             slice: slice.clone(),
             attempts: 0,
             via: None,
+            staged,
         });
         self.post(slice);
     }
@@ -308,7 +369,27 @@ impl Worker {
     }
 
     fn retire(&mut self, id: usize, state: TaskState) {
-        if let Some(entry) = self.slots[id].take() {
+        if let Some(mut entry) = self.slots[id].take() {
+            let mut state = state;
+            if let Some(s) = entry.staged.take() {
+                self.staged_in_flight -= 1;
+                if state == TaskState::Completed && entry.slice.op == Op::Read {
+                    // SAFETY: the bounce holds the slice's bytes; the device range was
+                    // validated as registered device memory at submit.
+                    let copied = unsafe {
+                        device::copy_from_host(
+                            s.kind,
+                            s.device_addr,
+                            s.bounce.ptr(),
+                            entry.slice.len as usize,
+                        )
+                    };
+                    if let Err(e) = copied {
+                        log::warn!("copying a staged read into device memory failed: {e}");
+                        state = TaskState::Failed;
+                    }
+                }
+            }
             let c = &self.config.counters;
             match (state, entry.via) {
                 (TaskState::Completed, Some(kind)) => {
@@ -325,4 +406,29 @@ impl Worker {
             self.free.push(id);
         }
     }
+}
+
+/// Points `slice.local` at a bounce buffer standing in for its device memory; for a
+/// WRITE, first copies the device bytes into it.
+fn stage(kind: MemoryKind, slice: &mut Slice) -> crate::Result<Staged> {
+    let len = slice.len as usize;
+    let bounce = Bounce::take(kind);
+    if len > bounce.len() {
+        return Err(crate::Error::new(
+            crate::Code::Internal,
+            format!("staged slice of {len} bytes exceeds the bounce buffer"),
+        ));
+    }
+    if slice.op == Op::Write {
+        // SAFETY: the local range is registered device memory (checked at submit,
+        // valid until the task is final by the submit contract); the bounce holds
+        // `len` bytes.
+        unsafe { device::copy_to_host(kind, bounce.ptr(), slice.local, len)? };
+    }
+    let device_addr = std::mem::replace(&mut slice.local, bounce.ptr() as u64);
+    Ok(Staged {
+        bounce,
+        device_addr,
+        kind,
+    })
 }

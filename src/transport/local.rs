@@ -50,6 +50,21 @@ struct LocalWorker {
 impl TransportWorker for LocalWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         let outcome = match self.memory.guard(slice.remote, slice.len) {
+            Ok(target) if !target.device().is_host() || self.memory.has_device() => {
+                // Device memory on either side: the driver copies (local side: the
+                // kind it was registered with; unregistered means host).
+                let local = self.memory.device_of(slice.local, slice.len);
+                let remote = target.device();
+                let ((dk, d), (sk, s)) = match slice.op {
+                    Op::Read => ((local, slice.local), (remote, target.addr())),
+                    Op::Write => ((remote, target.addr()), (local, slice.local)),
+                };
+                // SAFETY: as below; `copy` dispatches device ranges to their driver.
+                match unsafe { crate::device::copy(dk, d, sk, s, slice.len as usize) } {
+                    Ok(()) => Outcome::Done,
+                    Err(e) => Outcome::Rejected(e.to_string()),
+                }
+            }
             Ok(target) => {
                 let (src, dst) = match slice.op {
                     Op::Read => (target.ptr() as *const u8, slice.local as *mut u8),

@@ -80,24 +80,32 @@ pub struct RegionKeys {
     pub rkey: Vec<u32>,
 }
 
+/// Where a peer's servers listen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoints {
+    /// Its TCP data server.
+    pub data: SocketAddr,
+    /// Its handshake RPC (`host:port`), for notifications, probes and QP exchanges.
+    pub rpc: String,
+}
+
 /// A resolved remote segment as transports see it.
 pub struct Peer {
     pub id: u64,
     pub name: String,
     desc: RwLock<Arc<SegmentDesc>>,
-    /// Where its TCP data server listens.
-    data_addr: RwLock<SocketAddr>,
+    endpoints: RwLock<Endpoints>,
     /// Transports that failed permanently for this peer (e.g. process_vm not permitted).
     disabled: AtomicU32,
 }
 
 impl Peer {
-    pub fn new(id: u64, desc: SegmentDesc, data_addr: SocketAddr) -> Peer {
+    pub fn new(id: u64, desc: SegmentDesc, endpoints: Endpoints) -> Peer {
         Peer {
             id,
             name: desc.name.clone(),
             desc: RwLock::new(Arc::new(desc)),
-            data_addr: RwLock::new(data_addr),
+            endpoints: RwLock::new(endpoints),
             disabled: AtomicU32::new(0),
         }
     }
@@ -107,12 +115,23 @@ impl Peer {
     }
 
     pub fn data_addr(&self) -> SocketAddr {
-        *self.data_addr.read().unwrap_or_else(|e| e.into_inner())
+        self.endpoints
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .data
     }
 
-    pub fn update(&self, desc: SegmentDesc, data_addr: SocketAddr) {
+    pub fn rpc_addr(&self) -> String {
+        self.endpoints
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .rpc
+            .clone()
+    }
+
+    pub fn update(&self, desc: SegmentDesc, endpoints: Endpoints) {
         *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
-        *self.data_addr.write().unwrap_or_else(|e| e.into_inner()) = data_addr;
+        *self.endpoints.write().unwrap_or_else(|e| e.into_inner()) = endpoints;
     }
 
     pub fn disable(&self, kind: Kind) {
@@ -180,6 +199,12 @@ pub trait Transport: Send + Sync {
 
     /// State for one engine worker thread.
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>>;
+
+    /// Answers a peer's Connection RPC (queue-pair exchange, JSON in and out);
+    /// `None` when this transport takes no part in it.
+    fn handshake(&self, _request: &str) -> Option<String> {
+        None
+    }
 }
 
 /// The per-worker-thread half of a transport. Never blocks. The defaults fit a

@@ -351,6 +351,15 @@ impl ShmWorker {
                 slice.remote, slice.len, slice.peer.name
             ));
         };
+        if crate::device::MemoryKind::location_is_device(&buf.name) {
+            // The peer's buffer is device memory (its name is the location): the CPU
+            // cannot copy it. Leave this peer to TCP, whose server stages it.
+            slice.peer.disable(Kind::Shm);
+            return Outcome::PathFailed(format!(
+                "shm: buffer {:#x} of {} is device memory ({}); using another path",
+                buf.addr, slice.peer.name, buf.name
+            ));
+        }
         match attached.copy(slice, buf, host.generation) {
             Ok(()) => Outcome::Done,
             Err(e) => self.failed(slice, e),

@@ -12,6 +12,7 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use crate::device::{self, Bounce};
 use crate::memory::{LocalMemory, RangeGuard};
 use crate::sys;
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
@@ -89,6 +90,22 @@ impl Connection<'_> {
                 Err(e) => return self.reject(&format!("{:?} rejected: {e}", header.op)),
             };
             match header.op {
+                // Device memory is never touched by the CPU: it goes through a bounce.
+                DataOp::Write if !guard.device().is_host() => {
+                    if let Err(why) = self.receive_staged(&guard)? {
+                        return self.reject(&why);
+                    }
+                    drop(guard);
+                    self.replies.push(Reply {
+                        status: Status::Ok.encode(),
+                        payload: None,
+                    });
+                }
+                DataOp::Read if !guard.device().is_host() => {
+                    if let Err(why) = self.send_staged(&guard)? {
+                        return self.reject(&why);
+                    }
+                }
                 DataOp::Write => {
                     self.receive_into(&guard)?;
                     drop(guard);
@@ -162,6 +179,75 @@ impl Connection<'_> {
         Ok(())
     }
 
+    /// A WRITE into device memory: the payload lands in a host bounce buffer, a
+    /// bounce at a time, and the driver copies each piece to the device. A failed
+    /// device copy still consumes the payload, then refuses the request (inner `Err`).
+    fn receive_staged(&mut self, guard: &RangeGuard) -> io::Result<Result<(), String>> {
+        let kind = guard.device();
+        let mut bounce = Bounce::take(kind);
+        let total = guard.len() as usize;
+        let mut failed = None;
+        let mut off = 0;
+        while off < total {
+            let n = (total - off).min(bounce.len());
+            let chunk = bounce.bytes_mut(n);
+            let buffered = (self.end - self.start).min(n);
+            chunk[..buffered].copy_from_slice(&self.input[self.start..self.start + buffered]);
+            self.start += buffered;
+            read_full(
+                &mut self.stream,
+                &mut chunk[buffered..],
+                total - off - buffered,
+            )?;
+            if failed.is_none() {
+                // SAFETY: the bounce holds `n` received bytes; the target is inside the
+                // guarded registered device buffer.
+                let r = unsafe {
+                    device::copy_from_host(kind, guard.addr() + off as u64, bounce.ptr(), n)
+                };
+                failed = r
+                    .err()
+                    .map(|e| format!("WRITE into {}: {e}", kind.location()));
+            }
+            off += n;
+        }
+        Ok(failed.map_or(Ok(()), Err))
+    }
+
+    /// A READ of device memory: answers what came before, then the status and the
+    /// bytes, copied out of the device a bounce at a time. A failure on the first copy
+    /// refuses the request (inner `Err`); a later one can only close the connection.
+    fn send_staged(&mut self, guard: &RangeGuard) -> io::Result<Result<(), String>> {
+        self.flush()?;
+        let kind = guard.device();
+        let bounce = Bounce::take(kind);
+        let total = guard.len() as usize;
+        let status = Status::Ok.encode();
+        let mut off = 0;
+        while off < total {
+            let n = (total - off).min(bounce.len());
+            // SAFETY: the source is inside the guarded registered device buffer; the
+            // bounce holds `n` bytes.
+            let r =
+                unsafe { device::copy_to_host(kind, bounce.ptr(), guard.addr() + off as u64, n) };
+            if let Err(e) = r {
+                let why = format!("READ of {}: {e}", kind.location());
+                if off == 0 {
+                    return Ok(Err(why));
+                }
+                return Err(io::Error::other(why));
+            }
+            let mut parts = Vec::with_capacity(2);
+            if off == 0 {
+                parts.push((status.as_ptr(), STATUS_LEN));
+            }
+            parts.push((bounce.ptr() as *const u8, n));
+            send_all(&self.stream, &mut parts)?;
+            off += n;
+        }
+        Ok(Ok(()))
+    }
+
     /// Sends every pending answer, gathering them into as few writes as possible.
     fn flush(&mut self) -> io::Result<()> {
         if self.replies.is_empty() {
@@ -189,6 +275,26 @@ impl Connection<'_> {
         });
         self.flush()
     }
+}
+
+/// Reads exactly `buf.len()` bytes of a payload (`left` bytes of which remain, for
+/// the error message).
+fn read_full(stream: &mut TcpStream, buf: &mut [u8], left: usize) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("write payload short by {} bytes", left - got),
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 fn is_timeout(e: &io::Error) -> bool {

@@ -1,0 +1,300 @@
+//! Huawei Ascend's runtime, AscendCL (`libascendcl.so`, override `MC_ACL_LIB`), loaded
+//! at run time. (Never `libacl.so`: that is the Linux access-control-list library.)
+//! Only the subset the device-memory layer calls: init, device count, the per-thread
+//! current device, synchronous copies with an explicit kind, pinned host memory and
+//! device allocation (for checks and tests).
+//!
+//! ACL has no general "what is this pointer" query, so Ascend memory is classified by
+//! the location a buffer is registered under (`npu:N`), checked against the device
+//! count.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::{Arc, OnceLock};
+
+use libloading::Library;
+
+use super::loader::{self, BackendInfo};
+use crate::error::{Code, Error, Result};
+
+pub const OVERRIDE_VAR: &str = "MC_ACL_LIB";
+pub const CANDIDATES: &[&str] = &["libascendcl.so"];
+
+pub type AclError = c_int;
+pub const ACL_SUCCESS: AclError = 0;
+/// `aclInit` called twice in one process: harmless.
+pub const ACL_ERROR_REPEAT_INITIALIZE: AclError = 100002;
+
+/// `aclrtMemcpyKind`.
+pub const ACL_MEMCPY_HOST_TO_DEVICE: c_int = 1;
+pub const ACL_MEMCPY_DEVICE_TO_HOST: c_int = 2;
+pub const ACL_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+/// `ACL_MEM_MALLOC_HUGE_FIRST`.
+pub const ACL_MEM_MALLOC_HUGE_FIRST: c_int = 0;
+
+pub struct Acl {
+    _lib: Arc<Library>,
+    pub library: String,
+    init_error: Option<String>,
+    acl_init: unsafe extern "C" fn(*const c_char) -> AclError,
+    aclrt_get_version: unsafe extern "C" fn(*mut i32, *mut i32, *mut i32) -> AclError,
+    aclrt_get_device_count: unsafe extern "C" fn(*mut u32) -> AclError,
+    aclrt_set_device: unsafe extern "C" fn(i32) -> AclError,
+    aclrt_memcpy: unsafe extern "C" fn(*mut c_void, usize, *const c_void, usize, c_int) -> AclError,
+    aclrt_malloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> AclError,
+    aclrt_free_host: unsafe extern "C" fn(*mut c_void) -> AclError,
+    aclrt_malloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_int) -> AclError,
+    aclrt_free: unsafe extern "C" fn(*mut c_void) -> AclError,
+    acl_get_recent_err_msg: unsafe extern "C" fn() -> *const c_char,
+}
+
+fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
+    // SAFETY: every `T` used here is the `extern "C"` signature acl.h declares.
+    match unsafe { lib.get::<T>(name) } {
+        Ok(s) => Ok(*s),
+        Err(_) => Err(Error::new(
+            Code::BackendUnavailable,
+            loader::missing_symbol(library, name, OVERRIDE_VAR),
+        )),
+    }
+}
+
+fn unavailable(why: impl std::fmt::Display) -> Error {
+    Error::new(
+        Code::BackendUnavailable,
+        format!("Ascend ACL unavailable ({OVERRIDE_VAR} overrides the library): {why}"),
+    )
+}
+
+thread_local! {
+    static CURRENT: Cell<i32> = const { Cell::new(-1) };
+}
+
+impl Acl {
+    /// Opens the library `path` (no caching): for tests and tools.
+    pub fn load_from(path: &str) -> Result<Acl> {
+        let lib = loader::open_first(&[path]).map_err(unavailable)?;
+        Acl::bind(lib, path.to_owned())
+    }
+
+    fn open() -> Result<Acl> {
+        let (lib, name) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(unavailable)?;
+        Acl::bind(lib, name)
+    }
+
+    fn bind(lib: Arc<Library>, library: String) -> Result<Acl> {
+        let l = &*lib;
+        let n = library.as_str();
+        let mut acl = Acl {
+            acl_init: sym(l, n, "aclInit")?,
+            aclrt_get_version: sym(l, n, "aclrtGetVersion")?,
+            aclrt_get_device_count: sym(l, n, "aclrtGetDeviceCount")?,
+            aclrt_set_device: sym(l, n, "aclrtSetDevice")?,
+            aclrt_memcpy: sym(l, n, "aclrtMemcpy")?,
+            aclrt_malloc_host: sym(l, n, "aclrtMallocHost")?,
+            aclrt_free_host: sym(l, n, "aclrtFreeHost")?,
+            aclrt_malloc: sym(l, n, "aclrtMalloc")?,
+            aclrt_free: sym(l, n, "aclrtFree")?,
+            acl_get_recent_err_msg: sym(l, n, "aclGetRecentErrMsg")?,
+            init_error: None,
+            library,
+            _lib: lib,
+        };
+        // SAFETY: a null config path means defaults.
+        let rc = unsafe { (acl.acl_init)(std::ptr::null()) };
+        if rc != ACL_SUCCESS && rc != ACL_ERROR_REPEAT_INITIALIZE {
+            acl.init_error = Some(acl.describe(rc));
+        }
+        Ok(acl)
+    }
+
+    /// The code plus the runtime's most recent error message, if any.
+    pub fn describe(&self, rc: AclError) -> String {
+        // SAFETY: returns a thread-local string owned by the runtime, or null.
+        let p = unsafe { (self.acl_get_recent_err_msg)() };
+        if p.is_null() {
+            format!("aclError {rc}")
+        } else {
+            // SAFETY: NUL-terminated, valid until the next ACL call on this thread.
+            let msg = unsafe { CStr::from_ptr(p) }.to_string_lossy();
+            format!("aclError {rc}: {}", msg.trim())
+        }
+    }
+
+    fn check(&self, what: &str, rc: AclError) -> Result<()> {
+        if rc == ACL_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::new(
+                Code::TransferFail,
+                format!("{what}: {}", self.describe(rc)),
+            ))
+        }
+    }
+
+    fn initialized(&self) -> Result<()> {
+        match &self.init_error {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                Code::BackendUnavailable,
+                format!("aclInit failed in {}: {why}", self.library),
+            )),
+        }
+    }
+
+    pub fn version(&self) -> Option<(i32, i32, i32)> {
+        let (mut a, mut b, mut c) = (0, 0, 0);
+        // SAFETY: writes three ints.
+        (unsafe { (self.aclrt_get_version)(&mut a, &mut b, &mut c) } == ACL_SUCCESS)
+            .then_some((a, b, c))
+    }
+
+    pub fn device_count(&self) -> Result<u32> {
+        self.initialized()?;
+        let mut n = 0u32;
+        // SAFETY: writes one u32.
+        self.check("aclrtGetDeviceCount", unsafe {
+            (self.aclrt_get_device_count)(&mut n)
+        })?;
+        Ok(n)
+    }
+
+    /// Makes `ordinal` this thread's device (ACL copies need one; cached per thread).
+    pub fn make_current(&self, ordinal: i32) -> Result<()> {
+        if CURRENT.with(|c| c.get()) == ordinal {
+            return Ok(());
+        }
+        self.initialized()?;
+        // SAFETY: takes an ordinal.
+        self.check("aclrtSetDevice", unsafe {
+            (self.aclrt_set_device)(ordinal)
+        })?;
+        CURRENT.with(|c| c.set(ordinal));
+        Ok(())
+    }
+
+    unsafe fn memcpy(
+        &self,
+        what: &str,
+        dst: *mut c_void,
+        src: *const c_void,
+        len: usize,
+        kind: c_int,
+    ) -> Result<()> {
+        // SAFETY: the caller upholds the copy contract; destMax is the copy length.
+        self.check(what, unsafe {
+            (self.aclrt_memcpy)(dst, len, src, len, kind)
+        })
+    }
+
+    /// # Safety
+    /// `dst` valid for `len` bytes of writes; `src` device memory of `len` bytes.
+    pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        unsafe {
+            self.memcpy(
+                "aclrtMemcpy(DtoH)",
+                dst.cast(),
+                src as *const c_void,
+                len,
+                ACL_MEMCPY_DEVICE_TO_HOST,
+            )
+        }
+    }
+
+    /// # Safety
+    /// `src` valid for `len` bytes of reads; `dst` device memory of `len` bytes.
+    pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        unsafe {
+            self.memcpy(
+                "aclrtMemcpy(HtoD)",
+                dst as *mut c_void,
+                src.cast(),
+                len,
+                ACL_MEMCPY_HOST_TO_DEVICE,
+            )
+        }
+    }
+
+    /// # Safety
+    /// Both ranges must be device memory of `len` bytes.
+    pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        unsafe {
+            self.memcpy(
+                "aclrtMemcpy(DtoD)",
+                dst as *mut c_void,
+                src as *const c_void,
+                len,
+                ACL_MEMCPY_DEVICE_TO_DEVICE,
+            )
+        }
+    }
+
+    pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
+        self.initialized()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        self.check("aclrtMallocHost", unsafe {
+            (self.aclrt_malloc_host)(&mut p, len)
+        })?;
+        Ok(p.cast())
+    }
+
+    /// # Safety
+    /// `p` must come from `host_alloc` and not be used afterwards.
+    pub unsafe fn host_free(&self, p: *mut u8) {
+        // SAFETY: per the contract.
+        unsafe { (self.aclrt_free_host)(p.cast()) };
+    }
+
+    pub fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
+        self.make_current(ordinal)?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        self.check("aclrtMalloc", unsafe {
+            (self.aclrt_malloc)(&mut p, len, ACL_MEM_MALLOC_HUGE_FIRST)
+        })?;
+        Ok(p as u64)
+    }
+
+    /// # Safety
+    /// `p` must come from `mem_alloc` and not be used afterwards.
+    pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("aclrtFree", unsafe { (self.aclrt_free)(p as *mut c_void) })
+    }
+}
+
+static API: OnceLock<std::result::Result<Acl, Error>> = OnceLock::new();
+
+/// The process-wide runtime table, loaded on first use (from `MC_ACL_LIB` if set).
+pub fn api() -> Result<&'static Acl> {
+    API.get_or_init(Acl::open).as_ref().map_err(Clone::clone)
+}
+
+/// What `mooncake info` shows for Ascend.
+pub fn info() -> BackendInfo {
+    match api() {
+        Ok(acl) => info_of(acl),
+        Err(e) => BackendInfo::unavailable("ascend", e.context()),
+    }
+}
+
+/// As `info`, for a given table.
+pub fn info_of(acl: &Acl) -> BackendInfo {
+    let mut info = BackendInfo {
+        name: "ascend",
+        library: Ok(acl.library.clone()),
+        version: acl.version().map(|(a, b, c)| format!("{a}.{b}.{c}")),
+        devices: Vec::new(),
+        notes: Vec::new(),
+    };
+    match acl.device_count() {
+        Ok(0) => info.notes.push("no device".into()),
+        Ok(n) => info.devices.extend((0..n).map(|i| format!("npu:{i}"))),
+        Err(e) => info.notes.push(format!("no device: {}", e.context())),
+    }
+    info
+}

@@ -1,0 +1,467 @@
+//! The CUDA driver API (`libcuda.so.1`, override `MC_CUDA_LIB`), loaded at run time.
+//! Only the subset the device-memory layer calls: initialization and device listing,
+//! primary contexts (a worker thread needs a current context to copy), pointer
+//! queries, synchronous copies, pinned host memory, device allocation (for checks and
+//! tests), IPC handles and dma-buf export.
+//!
+//! Several entry points are exported under versioned names (`cuMemcpyDtoH_v2`,
+//! `cuMemAlloc_v2`, ...): those are the ones `cuda.h` maps the plain names to, and the
+//! ones looked up here.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use libloading::Library;
+
+use super::loader::{self, BackendInfo};
+use crate::error::{Code, Error, Result};
+
+pub const OVERRIDE_VAR: &str = "MC_CUDA_LIB";
+pub const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+
+pub type CUresult = c_int;
+pub type CUdevice = c_int;
+pub type CUdeviceptr = u64;
+pub type CUcontext = *mut c_void;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+pub const CU_MEMORYTYPE_HOST: c_uint = 1;
+pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+pub const CU_MEMORYTYPE_ARRAY: c_uint = 3;
+pub const CU_MEMORYTYPE_UNIFIED: c_uint = 4;
+/// Pinned memory usable from every context, not just the allocating one.
+pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+pub const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
+
+/// `CUipcMemHandle`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
+
+/// The loaded driver: its function table, with the library kept alive beside it.
+pub struct Cuda {
+    _lib: Arc<Library>,
+    /// The name or path the library was opened under.
+    pub library: String,
+    /// Why `cuInit` failed (e.g. no device), if it did; calls needing a device fail.
+    init_error: Option<String>,
+    contexts: Mutex<Vec<(CUdevice, usize)>>,
+    cu_init: unsafe extern "C" fn(c_uint) -> CUresult,
+    cu_driver_get_version: unsafe extern "C" fn(*mut c_int) -> CUresult,
+    cu_device_get_count: unsafe extern "C" fn(*mut c_int) -> CUresult,
+    cu_device_get: unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult,
+    cu_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
+    cu_device_primary_ctx_retain: unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult,
+    cu_ctx_set_current: unsafe extern "C" fn(CUcontext) -> CUresult,
+    cu_ctx_get_current: unsafe extern "C" fn(*mut CUcontext) -> CUresult,
+    cu_pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, CUdeviceptr) -> CUresult,
+    cu_memcpy_dtoh: unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult,
+    cu_memcpy_htod: unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult,
+    cu_memcpy_dtod: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult,
+    cu_mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult,
+    cu_mem_free_host: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    cu_mem_alloc: unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
+    cu_mem_free: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
+    cu_ipc_get_mem_handle: unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult,
+    cu_ipc_open_mem_handle:
+        unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult,
+    cu_ipc_close_mem_handle: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
+    cu_get_error_string: unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult,
+    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+): dma-buf export; absent on old drivers.
+    cu_mem_get_handle_for_address_range:
+        Option<unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_int, u64) -> CUresult>,
+}
+
+/// First symbol found among `names`, as a function pointer of type `T`.
+fn sym<T: Copy>(lib: &Library, library: &str, names: &[&str]) -> Result<T> {
+    for name in names {
+        // SAFETY: every `T` used here is the `extern "C"` signature that cuda.h declares
+        // for the symbol looked up.
+        if let Ok(s) = unsafe { lib.get::<T>(*name) } {
+            return Ok(*s);
+        }
+    }
+    Err(Error::new(
+        Code::BackendUnavailable,
+        loader::missing_symbol(library, names[0], OVERRIDE_VAR),
+    ))
+}
+
+fn unavailable(why: impl std::fmt::Display) -> Error {
+    Error::new(
+        Code::BackendUnavailable,
+        format!("CUDA driver unavailable ({OVERRIDE_VAR} overrides the library): {why}"),
+    )
+}
+
+thread_local! {
+    /// The device whose primary context this thread made current (-1: none yet).
+    static CURRENT: Cell<CUdevice> = const { Cell::new(-1) };
+}
+
+impl Cuda {
+    /// Opens the library `path` (no caching): for tests and tools.
+    pub fn load_from(path: &str) -> Result<Cuda> {
+        let lib = loader::open_first(&[path]).map_err(unavailable)?;
+        Cuda::bind(lib, path.to_owned())
+    }
+
+    fn open() -> Result<Cuda> {
+        let (lib, name) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(unavailable)?;
+        Cuda::bind(lib, name)
+    }
+
+    fn bind(lib: Arc<Library>, library: String) -> Result<Cuda> {
+        let l = &*lib;
+        let n = library.as_str();
+        let mut cuda = Cuda {
+            cu_init: sym(l, n, &["cuInit"])?,
+            cu_driver_get_version: sym(l, n, &["cuDriverGetVersion"])?,
+            cu_device_get_count: sym(l, n, &["cuDeviceGetCount"])?,
+            cu_device_get: sym(l, n, &["cuDeviceGet"])?,
+            cu_device_get_name: sym(l, n, &["cuDeviceGetName"])?,
+            cu_device_primary_ctx_retain: sym(l, n, &["cuDevicePrimaryCtxRetain"])?,
+            cu_ctx_set_current: sym(l, n, &["cuCtxSetCurrent"])?,
+            cu_ctx_get_current: sym(l, n, &["cuCtxGetCurrent"])?,
+            cu_pointer_get_attribute: sym(l, n, &["cuPointerGetAttribute"])?,
+            cu_memcpy_dtoh: sym(l, n, &["cuMemcpyDtoH_v2", "cuMemcpyDtoH"])?,
+            cu_memcpy_htod: sym(l, n, &["cuMemcpyHtoD_v2", "cuMemcpyHtoD"])?,
+            cu_memcpy_dtod: sym(l, n, &["cuMemcpyDtoD_v2", "cuMemcpyDtoD"])?,
+            cu_mem_host_alloc: sym(l, n, &["cuMemHostAlloc"])?,
+            cu_mem_free_host: sym(l, n, &["cuMemFreeHost"])?,
+            cu_mem_alloc: sym(l, n, &["cuMemAlloc_v2", "cuMemAlloc"])?,
+            cu_mem_free: sym(l, n, &["cuMemFree_v2", "cuMemFree"])?,
+            cu_ipc_get_mem_handle: sym(l, n, &["cuIpcGetMemHandle"])?,
+            cu_ipc_open_mem_handle: sym(l, n, &["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"])?,
+            cu_ipc_close_mem_handle: sym(l, n, &["cuIpcCloseMemHandle"])?,
+            cu_get_error_string: sym(l, n, &["cuGetErrorString"])?,
+            cu_mem_get_handle_for_address_range: sym(l, n, &["cuMemGetHandleForAddressRange"]).ok(),
+            init_error: None,
+            contexts: Mutex::new(Vec::new()),
+            library,
+            _lib: lib,
+        };
+        // SAFETY: cuInit takes flags (must be 0).
+        let rc = unsafe { (cuda.cu_init)(0) };
+        if rc != CUDA_SUCCESS {
+            cuda.init_error = Some(cuda.describe(rc));
+        }
+        Ok(cuda)
+    }
+
+    /// "CUDA_ERROR_X (text)" for a result code.
+    pub fn describe(&self, rc: CUresult) -> String {
+        let mut text: *const c_char = std::ptr::null();
+        // SAFETY: the driver stores a pointer to a static string (or fails).
+        let ok = unsafe { (self.cu_get_error_string)(rc, &mut text) } == CUDA_SUCCESS;
+        if ok && !text.is_null() {
+            // SAFETY: a NUL-terminated static string owned by the driver.
+            let s = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+            format!("{s} (CUresult {rc})")
+        } else {
+            format!("CUresult {rc}")
+        }
+    }
+
+    fn check(&self, what: &str, rc: CUresult) -> Result<()> {
+        if rc == CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::new(
+                Code::TransferFail,
+                format!("{what}: {}", self.describe(rc)),
+            ))
+        }
+    }
+
+    fn initialized(&self) -> Result<()> {
+        match &self.init_error {
+            None => Ok(()),
+            Some(why) => Err(Error::new(
+                Code::BackendUnavailable,
+                format!("cuInit failed in {}: {why}", self.library),
+            )),
+        }
+    }
+
+    pub fn driver_version(&self) -> Option<i32> {
+        let mut v = 0;
+        // SAFETY: writes one int.
+        (unsafe { (self.cu_driver_get_version)(&mut v) } == CUDA_SUCCESS).then_some(v)
+    }
+
+    pub fn device_count(&self) -> Result<i32> {
+        self.initialized()?;
+        let mut n = 0;
+        // SAFETY: writes one int.
+        self.check("cuDeviceGetCount", unsafe {
+            (self.cu_device_get_count)(&mut n)
+        })?;
+        Ok(n)
+    }
+
+    pub fn device_name(&self, ordinal: i32) -> Result<String> {
+        self.initialized()?;
+        let mut dev: CUdevice = 0;
+        // SAFETY: writes one device handle.
+        self.check("cuDeviceGet", unsafe {
+            (self.cu_device_get)(&mut dev, ordinal)
+        })?;
+        let mut name = [0 as c_char; 256];
+        // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
+        self.check("cuDeviceGetName", unsafe {
+            (self.cu_device_get_name)(name.as_mut_ptr(), name.len() as c_int, dev)
+        })?;
+        // SAFETY: NUL-terminated within the buffer (zeroed, last byte never written).
+        Ok(unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// Makes `ordinal`'s primary context current on this thread (cached per thread,
+    /// so the steady state costs a thread-local read).
+    pub fn make_current(&self, ordinal: i32) -> Result<()> {
+        if CURRENT.with(|c| c.get()) == ordinal {
+            return Ok(());
+        }
+        self.initialized()?;
+        let ctx = {
+            let mut contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+            match contexts.iter().find(|(d, _)| *d == ordinal) {
+                Some((_, c)) => *c as CUcontext,
+                None => {
+                    let mut dev: CUdevice = 0;
+                    // SAFETY: writes one device handle.
+                    self.check("cuDeviceGet", unsafe {
+                        (self.cu_device_get)(&mut dev, ordinal)
+                    })?;
+                    let mut ctx: CUcontext = std::ptr::null_mut();
+                    // SAFETY: writes one context handle; retained for the process's life.
+                    self.check("cuDevicePrimaryCtxRetain", unsafe {
+                        (self.cu_device_primary_ctx_retain)(&mut ctx, dev)
+                    })?;
+                    contexts.push((ordinal, ctx as usize));
+                    ctx
+                }
+            }
+        };
+        // SAFETY: a retained primary context.
+        self.check("cuCtxSetCurrent", unsafe { (self.cu_ctx_set_current)(ctx) })?;
+        CURRENT.with(|c| c.set(ordinal));
+        Ok(())
+    }
+
+    /// Whether some context is current on this thread.
+    pub fn has_current_context(&self) -> bool {
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context handle.
+        unsafe { (self.cu_ctx_get_current)(&mut ctx) == CUDA_SUCCESS && !ctx.is_null() }
+    }
+
+    /// What the driver knows of `addr`: `Some((memory type, device ordinal))`, or `None`
+    /// when the address is not CUDA memory at all (plain host memory).
+    pub fn pointer_info(&self, addr: u64) -> Result<Option<(c_uint, i32)>> {
+        self.initialized()?;
+        let mut kind: c_uint = 0;
+        // SAFETY: MEMORY_TYPE writes one `CUmemorytype` (an unsigned int).
+        let rc = unsafe {
+            (self.cu_pointer_get_attribute)(
+                (&mut kind as *mut c_uint).cast(),
+                CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        if rc == CUDA_ERROR_INVALID_VALUE {
+            return Ok(None);
+        }
+        self.check("cuPointerGetAttribute(MEMORY_TYPE)", rc)?;
+        let mut ordinal: c_int = -1;
+        // SAFETY: DEVICE_ORDINAL writes one int.
+        let rc = unsafe {
+            (self.cu_pointer_get_attribute)(
+                (&mut ordinal as *mut c_int).cast(),
+                CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        };
+        self.check("cuPointerGetAttribute(DEVICE_ORDINAL)", rc)?;
+        Ok(Some((kind, ordinal)))
+    }
+
+    /// Device → host, synchronous.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `len` bytes of writes; `src` device memory of `len` bytes.
+    pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("cuMemcpyDtoH_v2", unsafe {
+            (self.cu_memcpy_dtoh)(dst.cast(), src, len)
+        })
+    }
+
+    /// Host → device, synchronous.
+    ///
+    /// # Safety
+    /// `src` must be valid for `len` bytes of reads; `dst` device memory of `len` bytes.
+    pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("cuMemcpyHtoD_v2", unsafe {
+            (self.cu_memcpy_htod)(dst, src.cast(), len)
+        })
+    }
+
+    /// Device → device (any devices, unified addressing), synchronous.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of `len` bytes.
+    pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("cuMemcpyDtoD_v2", unsafe {
+            (self.cu_memcpy_dtod)(dst, src, len)
+        })
+    }
+
+    /// Pinned, portable host memory.
+    pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
+        self.initialized()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        self.check("cuMemHostAlloc", unsafe {
+            (self.cu_mem_host_alloc)(&mut p, len, CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        Ok(p.cast())
+    }
+
+    /// # Safety
+    /// `p` must come from `host_alloc` and not be used afterwards.
+    pub unsafe fn host_free(&self, p: *mut u8) {
+        // SAFETY: per the contract.
+        unsafe { (self.cu_mem_free_host)(p.cast()) };
+    }
+
+    /// Device memory on `ordinal`.
+    pub fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
+        self.make_current(ordinal)?;
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: writes one device pointer.
+        self.check("cuMemAlloc_v2", unsafe { (self.cu_mem_alloc)(&mut p, len) })?;
+        Ok(p)
+    }
+
+    /// # Safety
+    /// `p` must come from `mem_alloc` and not be used afterwards.
+    pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("cuMemFree_v2", unsafe { (self.cu_mem_free)(p) })
+    }
+
+    /// An IPC handle another process on this host can open.
+    pub fn ipc_get_handle(&self, addr: u64) -> Result<CUipcMemHandle> {
+        let mut h = CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: writes one handle.
+        self.check("cuIpcGetMemHandle", unsafe {
+            (self.cu_ipc_get_mem_handle)(&mut h, addr)
+        })?;
+        Ok(h)
+    }
+
+    /// Maps a peer's IPC handle into this process; close with `ipc_close`.
+    pub fn ipc_open(&self, handle: &CUipcMemHandle) -> Result<u64> {
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; the handle is passed by value.
+        self.check("cuIpcOpenMemHandle_v2", unsafe {
+            (self.cu_ipc_open_mem_handle)(&mut p, *handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+        })?;
+        Ok(p)
+    }
+
+    /// # Safety
+    /// `p` must come from `ipc_open` and not be used afterwards.
+    pub unsafe fn ipc_close(&self, p: u64) -> Result<()> {
+        // SAFETY: per the contract.
+        self.check("cuIpcCloseMemHandle", unsafe {
+            (self.cu_ipc_close_mem_handle)(p)
+        })
+    }
+
+    /// Whether the driver can export dma-buf handles (for GPUDirect RDMA registration).
+    pub fn has_dma_buf(&self) -> bool {
+        self.cu_mem_get_handle_for_address_range.is_some()
+    }
+
+    /// A dma-buf file descriptor for `[addr, addr+len)` (page-aligned device memory);
+    /// the caller owns (and closes) it.
+    pub fn dma_buf_fd(&self, addr: u64, len: usize) -> Result<i32> {
+        let f = self.cu_mem_get_handle_for_address_range.ok_or_else(|| {
+            Error::new(
+                Code::NotSupported,
+                format!(
+                    "{} has no cuMemGetHandleForAddressRange (driver too old for dma-buf)",
+                    self.library
+                ),
+            )
+        })?;
+        let mut fd: c_int = -1;
+        // SAFETY: for DMA_BUF_FD the handle is one int.
+        self.check("cuMemGetHandleForAddressRange", unsafe {
+            f(
+                (&mut fd as *mut c_int).cast(),
+                addr,
+                len,
+                CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+}
+
+static API: OnceLock<std::result::Result<Cuda, Error>> = OnceLock::new();
+
+/// The process-wide driver table, loaded on first use (from `MC_CUDA_LIB` if set).
+pub fn api() -> Result<&'static Cuda> {
+    API.get_or_init(Cuda::open).as_ref().map_err(Clone::clone)
+}
+
+/// What `mooncake info` shows for CUDA.
+pub fn info() -> BackendInfo {
+    match api() {
+        Ok(cuda) => info_of(cuda),
+        Err(e) => BackendInfo::unavailable("cuda", e.context()),
+    }
+}
+
+/// As `info`, for a given table.
+pub fn info_of(cuda: &Cuda) -> BackendInfo {
+    let mut info = BackendInfo {
+        name: "cuda",
+        library: Ok(cuda.library.clone()),
+        version: cuda
+            .driver_version()
+            .map(|v| format!("{}.{}", v / 1000, v % 1000 / 10)),
+        devices: Vec::new(),
+        notes: Vec::new(),
+    };
+    match cuda.device_count() {
+        Ok(0) => info.notes.push("no device".into()),
+        Ok(n) => {
+            for i in 0..n {
+                let name = cuda.device_name(i).unwrap_or_else(|e| e.to_string());
+                info.devices.push(format!("cuda:{i} {name}"));
+            }
+            if cuda.has_dma_buf() {
+                info.notes.push("dma-buf export available".into());
+            }
+        }
+        Err(e) => info.notes.push(format!("no device: {}", e.context())),
+    }
+    info
+}

@@ -1,0 +1,496 @@
+//! Device memory (CUDA, HIP, Ascend) as the transports see it: which kind of memory a
+//! registered buffer is, copies between it and host memory through the runtime-loaded
+//! driver, and a pool of pinned host bounce buffers for staging.
+//!
+//! Classification happens once, when a buffer is registered (`classify`): a location
+//! `cuda:N` / `hip:N` / `npu:N` is trusted if the driver loads and, for CUDA and HIP,
+//! the driver's pointer query agrees (device memory of device N); a disagreement is a
+//! registration error. Ascend has no general pointer query, so `npu:N` is checked only
+//! against the device count. Every other location (`cpu:0`, ...) is host memory and
+//! costs no driver call, now or per transfer: host buffers never reach this module.
+//!
+//! The CPU must never dereference device memory. Transports that move bytes with the
+//! CPU (TCP, shared memory, local memcpy) stage it: device → pinned bounce → wire, and
+//! wire → bounce → device, a bounce (`BOUNCE_SIZE`) at a time.
+
+use std::sync::Mutex;
+
+use crate::error::{Code, Error, Result};
+use crate::ffi::{acl, cuda, hip};
+
+/// Where a registered buffer's bytes live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    #[default]
+    Host,
+    Cuda(i32),
+    Hip(i32),
+    Npu(i32),
+}
+
+impl MemoryKind {
+    pub fn is_host(self) -> bool {
+        self == MemoryKind::Host
+    }
+
+    /// Parses a location string without asking any driver: `cuda:N`, `hip:N`, `npu:N`
+    /// are device memory; anything else (`cpu:0`, `*`, empty) is host memory.
+    pub fn parse_location(location: &str) -> Result<MemoryKind> {
+        let (family, ordinal) = location.split_once(':').unwrap_or((location, "0"));
+        let make: fn(i32) -> MemoryKind = match family {
+            "cuda" => MemoryKind::Cuda,
+            "hip" => MemoryKind::Hip,
+            "npu" => MemoryKind::Npu,
+            _ => return Ok(MemoryKind::Host),
+        };
+        match ordinal.parse::<i32>() {
+            Ok(n) if n >= 0 => Ok(make(n)),
+            _ => Err(Error::invalid(format!(
+                "location {location:?}: expected {family}:<device number>"
+            ))),
+        }
+    }
+
+    /// Whether a location names device memory (peers' buffer names, no driver call).
+    pub fn location_is_device(location: &str) -> bool {
+        !matches!(MemoryKind::parse_location(location), Ok(MemoryKind::Host))
+    }
+
+    /// The location string this kind is registered under.
+    pub fn location(self) -> String {
+        match self {
+            MemoryKind::Host => "cpu:0".into(),
+            MemoryKind::Cuda(n) => format!("cuda:{n}"),
+            MemoryKind::Hip(n) => format!("hip:{n}"),
+            MemoryKind::Npu(n) => format!("npu:{n}"),
+        }
+    }
+}
+
+/// What kind of memory `[addr, addr+len)`, registered under `location`, is. Host
+/// locations return at once; device locations ask the driver (see the module notes).
+pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
+    let kind = MemoryKind::parse_location(location)?;
+    let mismatch = |what: String| {
+        Error::invalid(format!(
+            "buffer [{addr:#x}, +{len}) registered as {location}, but {what}"
+        ))
+    };
+    match kind {
+        MemoryKind::Host => {}
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            for probe in [addr, addr + len.max(1) - 1] {
+                match api.pointer_info(probe)? {
+                    None | Some((cuda::CU_MEMORYTYPE_HOST, _)) => {
+                        return Err(mismatch(format!(
+                            "the CUDA driver says {probe:#x} is host memory"
+                        )))
+                    }
+                    Some((_, ordinal)) if ordinal != n => {
+                        return Err(mismatch(format!(
+                            "the CUDA driver says {probe:#x} is on cuda:{ordinal}"
+                        )))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            for probe in [addr, addr + len.max(1) - 1] {
+                match api.pointer_info(probe)? {
+                    hip::HipMemory::Host => {
+                        return Err(mismatch(format!(
+                            "the HIP runtime says {probe:#x} is host memory"
+                        )))
+                    }
+                    hip::HipMemory::Device(d) if d != n => {
+                        return Err(mismatch(format!(
+                            "the HIP runtime says {probe:#x} is on hip:{d}"
+                        )))
+                    }
+                    hip::HipMemory::Device(_) => {}
+                }
+            }
+        }
+        MemoryKind::Npu(n) => {
+            let count = acl::api()?.device_count()?;
+            if n as u32 >= count {
+                return Err(mismatch(format!("ACL sees {count} device(s)")));
+            }
+        }
+    }
+    Ok(kind)
+}
+
+fn host_kind_error() -> Error {
+    Error::new(Code::Internal, "device copy asked for host memory")
+}
+
+/// Device → host, synchronous.
+///
+/// # Safety
+/// `dst` must be valid for `len` bytes of writes; `src` must be `len` bytes of device
+/// memory of `kind`.
+pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+    // SAFETY (all arms): per the contract.
+    match kind {
+        MemoryKind::Host => Err(host_kind_error()),
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtoh(dst, src, len) }
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtoh(dst, src, len) }
+        }
+        MemoryKind::Npu(n) => {
+            let api = acl::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtoh(dst, src, len) }
+        }
+    }
+}
+
+/// Host → device, synchronous.
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads; `dst` must be `len` bytes of device
+/// memory of `kind`.
+pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: usize) -> Result<()> {
+    // SAFETY (all arms): per the contract.
+    match kind {
+        MemoryKind::Host => Err(host_kind_error()),
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_htod(dst, src, len) }
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_htod(dst, src, len) }
+        }
+        MemoryKind::Npu(n) => {
+            let api = acl::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_htod(dst, src, len) }
+        }
+    }
+}
+
+/// Any → any: plain memcpy for host to host, one driver copy when a device is
+/// involved, and a staged copy through a bounce buffer between different runtimes.
+///
+/// # Safety
+/// Both ranges must be valid for `len` bytes of memory of the stated kinds; host ranges
+/// may overlap (memmove semantics), device ranges must not.
+pub unsafe fn copy(
+    dst_kind: MemoryKind,
+    dst: u64,
+    src_kind: MemoryKind,
+    src: u64,
+    len: usize,
+) -> Result<()> {
+    use MemoryKind::*;
+    // SAFETY (all arms): per the contract.
+    match (dst_kind, src_kind) {
+        (Host, Host) => {
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+            Ok(())
+        }
+        (Host, k) => unsafe { copy_to_host(k, dst as *mut u8, src, len) },
+        (k, Host) => unsafe { copy_from_host(k, dst, src as *const u8, len) },
+        (Cuda(_), Cuda(n)) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtod(dst, src, len) }
+        }
+        (Hip(_), Hip(n)) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtod(dst, src, len) }
+        }
+        (Npu(d), Npu(n)) if d == n => {
+            let api = acl::api()?;
+            api.make_current(n)?;
+            unsafe { api.copy_dtod(dst, src, len) }
+        }
+        (d, s) => {
+            let bounce = Bounce::take(s);
+            let mut off = 0;
+            while off < len {
+                let n = (len - off).min(bounce.len());
+                unsafe {
+                    copy_to_host(s, bounce.ptr(), src + off as u64, n)?;
+                    copy_from_host(d, dst + off as u64, bounce.ptr(), n)?;
+                }
+                off += n;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Bytes in one bounce buffer; device-side slices are cut to this size.
+pub const BOUNCE_SIZE: usize = 4 << 20;
+/// Idle pinned buffers kept per runtime for reuse; more are freed when returned.
+const POOL_KEEP: usize = 32;
+
+/// Idle pinned buffers per runtime (CUDA, HIP, ACL), as addresses.
+static POOLS: [Mutex<Vec<usize>>; 3] = [
+    Mutex::new(Vec::new()),
+    Mutex::new(Vec::new()),
+    Mutex::new(Vec::new()),
+];
+
+fn pool_index(kind: MemoryKind) -> Option<usize> {
+    match kind {
+        MemoryKind::Host => None,
+        MemoryKind::Cuda(_) => Some(0),
+        MemoryKind::Hip(_) => Some(1),
+        MemoryKind::Npu(_) => Some(2),
+    }
+}
+
+fn pinned_alloc(kind: MemoryKind) -> Result<*mut u8> {
+    match kind {
+        MemoryKind::Host => Err(host_kind_error()),
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            api.host_alloc(BOUNCE_SIZE)
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            api.host_alloc(BOUNCE_SIZE)
+        }
+        MemoryKind::Npu(n) => {
+            let api = acl::api()?;
+            api.make_current(n)?;
+            api.host_alloc(BOUNCE_SIZE)
+        }
+    }
+}
+
+/// # Safety
+/// `p` must come from `pinned_alloc` for the runtime of pool `index`.
+unsafe fn pinned_free(index: usize, p: *mut u8) {
+    // SAFETY (all arms): per the contract; the table loaded when `p` was allocated.
+    match index {
+        0 => {
+            if let Ok(api) = cuda::api() {
+                unsafe { api.host_free(p) }
+            }
+        }
+        1 => {
+            if let Ok(api) = hip::api() {
+                unsafe { api.host_free(p) }
+            }
+        }
+        _ => {
+            if let Ok(api) = acl::api() {
+                unsafe { api.host_free(p) }
+            }
+        }
+    }
+}
+
+/// A host staging buffer of `BOUNCE_SIZE` bytes: pinned by the device's runtime when
+/// it can be (fast DMA), ordinary heap memory otherwise. Returned to its pool on drop.
+pub struct Bounce {
+    ptr: *mut u8,
+    /// The pool a pinned buffer goes back to; `None` for heap memory.
+    pool: Option<usize>,
+    _heap: Option<Box<[u8]>>,
+}
+
+// SAFETY: the buffer is exclusively owned; the raw pointer is just its address.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    /// A bounce buffer for staging memory of `kind`: a pooled pinned one, a freshly
+    /// pinned one, or (when pinning fails) heap memory. Never blocks on other users.
+    pub fn take(kind: MemoryKind) -> Bounce {
+        if let Some(i) = pool_index(kind) {
+            let reused = POOLS[i].lock().unwrap_or_else(|e| e.into_inner()).pop();
+            if let Some(p) = reused {
+                return Bounce {
+                    ptr: p as *mut u8,
+                    pool: Some(i),
+                    _heap: None,
+                };
+            }
+            match pinned_alloc(kind) {
+                Ok(p) if !p.is_null() => {
+                    return Bounce {
+                        ptr: p,
+                        pool: Some(i),
+                        _heap: None,
+                    }
+                }
+                Ok(_) => log::warn!("pinned bounce allocation returned null; using heap memory"),
+                Err(e) => log::warn!("pinned bounce allocation failed ({e}); using heap memory"),
+            }
+        }
+        let mut heap = vec![0u8; BOUNCE_SIZE].into_boxed_slice();
+        Bounce {
+            ptr: heap.as_mut_ptr(),
+            pool: None,
+            _heap: Some(heap),
+        }
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        BOUNCE_SIZE
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub fn is_pinned(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// The first `len` bytes (at most `BOUNCE_SIZE`).
+    pub fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        // SAFETY: the buffer holds BOUNCE_SIZE bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, len.min(BOUNCE_SIZE)) }
+    }
+
+    pub fn bytes(&self, len: usize) -> &[u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts(self.ptr, len.min(BOUNCE_SIZE)) }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        if let Some(i) = self.pool {
+            let mut pool = POOLS[i].lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < POOL_KEEP {
+                pool.push(self.ptr as usize);
+            } else {
+                drop(pool);
+                // SAFETY: a pinned buffer of runtime `i`, no longer referenced.
+                unsafe { pinned_free(i, self.ptr) };
+            }
+        }
+    }
+}
+
+/// An opaque inter-process handle to device memory (CUDA or HIP IPC), which another
+/// process on this host opens with `ipc_open`.
+pub fn ipc_handle(kind: MemoryKind, addr: u64) -> Result<[u8; 64]> {
+    match kind {
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            Ok(api.ipc_get_handle(addr)?.reserved)
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            Ok(api.ipc_get_handle(addr)?.reserved)
+        }
+        _ => Err(Error::new(
+            Code::NotSupported,
+            format!("no IPC handles for {} memory", kind.location()),
+        )),
+    }
+}
+
+/// Maps a peer's IPC handle; release with `ipc_close`.
+pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
+    match kind {
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            api.ipc_open(&cuda::CUipcMemHandle { reserved: *handle })
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            api.ipc_open(&hip::HipIpcMemHandle { reserved: *handle })
+        }
+        _ => Err(Error::new(
+            Code::NotSupported,
+            format!("no IPC handles for {} memory", kind.location()),
+        )),
+    }
+}
+
+/// # Safety
+/// `addr` must come from `ipc_open(kind, ..)` and not be used afterwards.
+pub unsafe fn ipc_close(kind: MemoryKind, addr: u64) -> Result<()> {
+    // SAFETY (both arms): per the contract.
+    match kind {
+        MemoryKind::Cuda(_) => unsafe { cuda::api()?.ipc_close(addr) },
+        MemoryKind::Hip(_) => unsafe { hip::api()?.ipc_close(addr) },
+        _ => Ok(()),
+    }
+}
+
+/// A dma-buf descriptor for device memory, for GPUDirect RDMA registration
+/// (`ibv_reg_dmabuf_mr`); `NotSupported` where the driver offers none. The caller owns
+/// the descriptor.
+pub fn dma_buf_fd(kind: MemoryKind, addr: u64, len: u64) -> Result<i32> {
+    match kind {
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            api.dma_buf_fd(addr, len as usize)
+        }
+        _ => Err(Error::new(
+            Code::NotSupported,
+            format!("no dma-buf export for {} memory", kind.location()),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_parse_without_drivers() {
+        assert_eq!(
+            MemoryKind::parse_location("cpu:0").unwrap(),
+            MemoryKind::Host
+        );
+        assert_eq!(MemoryKind::parse_location("").unwrap(), MemoryKind::Host);
+        assert_eq!(MemoryKind::parse_location("*").unwrap(), MemoryKind::Host);
+        assert_eq!(
+            MemoryKind::parse_location("cuda:1").unwrap(),
+            MemoryKind::Cuda(1)
+        );
+        assert_eq!(
+            MemoryKind::parse_location("hip:0").unwrap(),
+            MemoryKind::Hip(0)
+        );
+        assert_eq!(
+            MemoryKind::parse_location("npu:3").unwrap(),
+            MemoryKind::Npu(3)
+        );
+        assert_eq!(
+            MemoryKind::parse_location("cuda").unwrap(),
+            MemoryKind::Cuda(0)
+        );
+        assert!(MemoryKind::parse_location("cuda:x").is_err());
+        assert!(MemoryKind::parse_location("npu:-1").is_err());
+        assert!(MemoryKind::location_is_device("cuda:0"));
+        assert!(!MemoryKind::location_is_device("cpu:1"));
+        assert_eq!(classify(0x1000, 10, "cpu:0").unwrap(), MemoryKind::Host);
+    }
+}

@@ -1,0 +1,604 @@
+//! The per-engine-worker half of the libfabric transport: one endpoint (with its own CQ
+//! and AV) per NIC, peers inserted into the AV on first use, slices posted as
+//! `fi_read`/`fi_write` round-robin over the NICs, completions read in `progress`.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::nic::{Endpoint, Mr, Nic};
+use crate::error::Result;
+use crate::ffi::fabric as fi;
+use crate::metadata::SegmentDesc;
+use crate::sys::{Epoll, EventFd, READABLE};
+use crate::transport::{Finished, Op, Outcome, Slice, TransportWorker};
+
+/// How often in-flight slices are checked against their deadlines.
+const DEADLINE_TICK: Duration = Duration::from_millis(5);
+
+struct Lane {
+    // Declared first so the endpoint closes before its Nic can.
+    ep: Endpoint,
+    nic: Arc<Nic>,
+    /// Peer id → (published address in hex, AV handle).
+    peers: HashMap<u64, (String, u64)>,
+    /// A connection-level error happened: replace the endpoint before the next post.
+    broken: bool,
+}
+
+/// Everything one posted operation needs until its completion is read.
+struct PostedOp {
+    /// The provider's scratch space (FI_CONTEXT/FI_CONTEXT2); its address is the
+    /// operation's identity in CQ entries.
+    _ctx: Box<fi::fi_context2>,
+    slice: u64,
+    lane: usize,
+    /// A temporary registration of the local buffer (FI_MR_LOCAL providers).
+    _local_mr: Option<Mr>,
+}
+
+/// One operation waiting for room in the provider's transmit queue.
+struct Queued {
+    slice: u64,
+    lane: usize,
+    op: Op,
+    local: u64,
+    len: u64,
+    peer: u64,
+    remote: u64,
+    key: u64,
+}
+
+struct SliceState {
+    lane: usize,
+    ops_left: u32,
+    len: u64,
+    deadline: Instant,
+    /// The first failure among its operations.
+    failure: Option<Outcome>,
+}
+
+pub(super) struct FabricWorker {
+    lanes: Vec<Lane>,
+    next_lane: usize,
+    /// `provider/`: how our devices start in peer descriptors.
+    prefix: String,
+    keys: Arc<AtomicU64>,
+    ops: HashMap<usize, PostedOp>,
+    slices: HashMap<u64, SliceState>,
+    queued: VecDeque<Queued>,
+    /// Slices finished inside calls that have no `done` vector at hand.
+    done: Vec<Finished>,
+    bytes_in_flight: u64,
+    next_deadline_check: Instant,
+    /// What the engine worker parks on: the lanes' CQ descriptors, plus `spin`.
+    epoll: Epoll,
+    /// For lanes without a wait descriptor: kept readable while operations are in
+    /// flight, so the engine worker keeps polling instead of sleeping on a timer.
+    spin: Option<(EventFd, bool)>,
+}
+
+impl FabricWorker {
+    pub fn new(
+        nics: &[Arc<Nic>],
+        first: usize,
+        prefix: String,
+        keys: Arc<AtomicU64>,
+    ) -> Result<FabricWorker> {
+        let mut lanes = Vec::with_capacity(nics.len());
+        for i in 0..nics.len() {
+            let nic = nics[(first + i) % nics.len()].clone();
+            lanes.push(Lane {
+                ep: Endpoint::open(&nic)?,
+                nic,
+                peers: HashMap::new(),
+                broken: false,
+            });
+        }
+        // The engine parks on one descriptor that stays the same when a lane's CQ is
+        // replaced, so the lanes' descriptors are joined in an epoll of our own.
+        let io = |what: &str, e| crate::Error::io(what.to_owned(), e);
+        let epoll = Epoll::new().map_err(|e| io("epoll for fabric lanes", e))?;
+        for (i, l) in lanes.iter().enumerate() {
+            if let Some(fd) = l.ep.fd {
+                epoll
+                    .add(fd, READABLE, i as u64)
+                    .map_err(|e| io("epoll add", e))?;
+            }
+        }
+        let spin = if lanes.iter().any(|l| l.ep.fd.is_none()) {
+            let fd = EventFd::new().map_err(|e| io("eventfd", e))?;
+            epoll
+                .add(fd.raw_fd(), READABLE, u64::MAX)
+                .map_err(|e| io("epoll add", e))?;
+            Some((fd, false))
+        } else {
+            None
+        };
+        Ok(FabricWorker {
+            lanes,
+            next_lane: 0,
+            prefix,
+            keys,
+            ops: HashMap::new(),
+            slices: HashMap::new(),
+            queued: VecDeque::new(),
+            done: Vec::new(),
+            bytes_in_flight: 0,
+            next_deadline_check: Instant::now(),
+            epoll,
+            spin,
+        })
+    }
+
+    /// Picks the peer's device for `lane`: the one with our NIC's name if the peer has
+    /// it (same layout), else by index among the peer's devices of our provider.
+    fn device_for<'a>(&self, desc: &'a SegmentDesc, lane: usize) -> Option<(usize, &'a str, u16)> {
+        let ours: Vec<(usize, &crate::metadata::DeviceDesc)> = desc
+            .devices
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.name.starts_with(&self.prefix) && !d.gid.is_empty())
+            .collect();
+        if ours.is_empty() {
+            return None;
+        }
+        let name = &self.lanes[lane].nic.name;
+        let (i, d) = ours
+            .iter()
+            .find(|(_, d)| &d.name == name)
+            .copied()
+            .unwrap_or(ours[lane % ours.len()]);
+        Some((i, d.gid.as_str(), d.lid))
+    }
+
+    /// The AV handle of `peer`'s endpoint `gid` on `lane`, inserting it on first use.
+    fn peer_address(&mut self, lane: usize, peer: u64, gid: &str) -> Result<u64, String> {
+        let l = &mut self.lanes[lane];
+        if let Some((known, addr)) = l.peers.get(&peer) {
+            if known == gid {
+                return Ok(*addr);
+            }
+        }
+        let bytes = decode_hex(gid).ok_or_else(|| format!("bad endpoint address {gid:?}"))?;
+        let mut addr = 0u64;
+        // SAFETY: live AV; `bytes` holds one address in the provider's format (a
+        // malformed one is refused by the provider).
+        let rc = unsafe { fi::fi_av_insert(l.ep.av, bytes.as_ptr().cast(), &mut addr) };
+        if rc != 1 {
+            return Err(format!(
+                "fi_av_insert of {gid} on {}: {}",
+                l.nic.name,
+                l.nic.lib.strerror(if rc < 0 { rc as i64 } else { 22 })
+            ));
+        }
+        l.peers.insert(peer, (gid.to_owned(), addr));
+        Ok(addr)
+    }
+
+    fn start(&mut self, slice: &Slice) -> std::result::Result<(), Outcome> {
+        let lane = self.next_lane % self.lanes.len();
+        self.next_lane = self.next_lane.wrapping_add(1);
+        if self.lanes[lane].broken {
+            self.reset(lane);
+        }
+        let desc = slice.peer.desc();
+        let (dev, gid, flags) = self.device_for(&desc, lane).ok_or_else(|| {
+            Outcome::PathFailed(format!(
+                "{} publishes no {}* endpoint",
+                slice.peer.name, self.prefix
+            ))
+        })?;
+        let buf = desc
+            .buffer_for(slice.remote, slice.len)
+            .ok_or(Outcome::Stale)?;
+        let key = buf
+            .rkey
+            .get(dev)
+            .or(buf.rkey.first())
+            .copied()
+            .ok_or_else(|| {
+                Outcome::PathFailed(format!(
+                    "buffer {:#x} of {} has no fabric key",
+                    buf.addr, slice.peer.name
+                ))
+            })?;
+        // The peer's `lid` carries its mr_mode: offsets unless it uses virtual addresses.
+        let remote = if flags as i32 & fi::FI_MR_VIRT_ADDR != 0 {
+            slice.remote
+        } else {
+            slice.remote - buf.addr
+        };
+        let peer = self
+            .peer_address(lane, slice.peer.id, gid)
+            .map_err(Outcome::PathFailed)?;
+        let max = self.lanes[lane].nic.max_msg;
+        let count = slice.len.div_ceil(max).max(1);
+        let count =
+            u32::try_from(count).map_err(|_| Outcome::Rejected("slice too large".into()))?;
+        self.slices.insert(
+            slice.id,
+            SliceState {
+                lane,
+                ops_left: count,
+                len: slice.len,
+                deadline: slice.deadline,
+                failure: None,
+            },
+        );
+        self.bytes_in_flight += slice.len;
+        let mut off = 0;
+        while off < slice.len {
+            let len = max.min(slice.len - off);
+            self.queued.push_back(Queued {
+                slice: slice.id,
+                lane,
+                op: slice.op,
+                local: slice.local + off,
+                len,
+                peer,
+                remote: remote + off,
+                key: key as u64,
+            });
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// Posts queued operations until the provider pushes back.
+    fn post_queued(&mut self) -> bool {
+        let mut moved = false;
+        while let Some(q) = self.queued.pop_front() {
+            if !self.slices.contains_key(&q.slice) {
+                continue; // timed out or failed meanwhile
+            }
+            match self.post_one(&q) {
+                Ok(true) => moved = true,
+                Ok(false) => {
+                    self.queued.push_front(q);
+                    break;
+                }
+                Err(outcome) => {
+                    moved = true;
+                    self.op_finished(q.slice, Some(outcome));
+                }
+            }
+        }
+        moved
+    }
+
+    /// One `fi_read`/`fi_write`; Ok(false) when the transmit queue is full.
+    fn post_one(&mut self, q: &Queued) -> std::result::Result<bool, Outcome> {
+        let lane = &self.lanes[q.lane];
+        let nic = &lane.nic;
+        if lane.ep.ep.is_null() {
+            return Err(Outcome::PathFailed(format!(
+                "no endpoint open on {}",
+                nic.name
+            )));
+        }
+        let local_mr = if nic.needs_local_mr() {
+            let key = self.keys.fetch_add(1, Ordering::Relaxed);
+            Some(
+                nic.register(q.local, q.len, fi::FI_READ | fi::FI_WRITE, key, None)
+                    .map_err(Outcome::PathFailed)?,
+            )
+        } else {
+            None
+        };
+        let desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
+        let mut ctx: Box<fi::fi_context2> = Box::new(unsafe { std::mem::zeroed() });
+        let ctx_ptr: *mut fi::fi_context2 = &mut *ctx;
+        // SAFETY: live endpoint; the local range is the caller's buffer (valid until
+        // the slice is final, per `Engine::submit`); the context box lives in `ops`
+        // until its completion is read or the endpoint is closed.
+        let rc = unsafe {
+            match q.op {
+                Op::Read => fi::fi_read(
+                    lane.ep.ep,
+                    q.local as *mut _,
+                    q.len as usize,
+                    desc,
+                    q.peer,
+                    q.remote,
+                    q.key,
+                    ctx_ptr.cast(),
+                ),
+                Op::Write => fi::fi_write(
+                    lane.ep.ep,
+                    q.local as *const _,
+                    q.len as usize,
+                    desc,
+                    q.peer,
+                    q.remote,
+                    q.key,
+                    ctx_ptr.cast(),
+                ),
+            }
+        };
+        if rc == -(fi::FI_EAGAIN as isize) {
+            return Ok(false);
+        }
+        if rc != 0 {
+            return Err(Outcome::PathFailed(format!(
+                "posting to {} failed: {}",
+                nic.name,
+                nic.lib.strerror(rc as i64)
+            )));
+        }
+        self.ops.insert(
+            ctx_ptr as usize,
+            PostedOp {
+                _ctx: ctx,
+                slice: q.slice,
+                lane: q.lane,
+                _local_mr: local_mr,
+            },
+        );
+        Ok(true)
+    }
+
+    /// Accounts one finished operation of `slice` (`failure` None: success).
+    fn op_finished(&mut self, slice: u64, failure: Option<Outcome>) {
+        let Some(s) = self.slices.get_mut(&slice) else {
+            return; // the slice already ended (deadline); a late completion
+        };
+        if s.failure.is_none() {
+            s.failure = failure;
+        }
+        s.ops_left = s.ops_left.saturating_sub(1);
+        if s.ops_left == 0 {
+            if let Some(s) = self.slices.remove(&slice) {
+                self.bytes_in_flight -= s.len;
+                self.done.push(Finished {
+                    id: slice,
+                    outcome: s.failure.unwrap_or(Outcome::Done),
+                });
+            }
+        }
+    }
+
+    /// Reads one lane's CQ dry; returns whether anything completed.
+    fn poll_lane(&mut self, lane: usize) -> bool {
+        let cq = self.lanes[lane].ep.cq;
+        if cq.is_null() {
+            return false; // a failed reset; retried on the next post
+        }
+        let mut entries = [fi::fi_cq_entry {
+            op_context: std::ptr::null_mut(),
+        }; 32];
+        let mut moved = false;
+        loop {
+            // SAFETY: live CQ opened with the context format.
+            let n = unsafe { fi::fi_cq_read(cq, &mut entries) };
+            if n > 0 {
+                moved = true;
+                for e in &entries[..n as usize] {
+                    if let Some(op) = self.ops.remove(&(e.op_context as usize)) {
+                        self.op_finished(op.slice, None);
+                    }
+                }
+                if (n as usize) < entries.len() {
+                    break;
+                }
+            } else if n == -(fi::FI_EAVAIL as isize) {
+                moved = true;
+                self.read_error(lane);
+            } else {
+                break;
+            }
+        }
+        moved
+    }
+
+    fn read_error(&mut self, lane: usize) {
+        let l = &mut self.lanes[lane];
+        // SAFETY: a zeroed error entry is a valid out-buffer.
+        let mut err: fi::fi_cq_err_entry = unsafe { std::mem::zeroed() };
+        // SAFETY: live CQ.
+        let n = unsafe { fi::fi_cq_readerr(l.ep.cq, &mut err) };
+        if n <= 0 {
+            return;
+        }
+        // SAFETY: the entry was just read from this CQ.
+        let detail = unsafe { fi::fi_cq_strerror(l.ep.cq, &err) }.unwrap_or_default();
+        let why = format!(
+            "RMA on {} failed: {} (provider error {}{}{})",
+            l.nic.name,
+            l.nic.lib.strerror(err.err as i64),
+            err.prov_errno,
+            if detail.is_empty() { "" } else { ": " },
+            detail
+        );
+        // Software providers tear the connection down after a refused access, so the
+        // endpoint is replaced before it is used again.
+        l.broken = true;
+        let outcome = classify(err.err, why);
+        if let Some(op) = self.ops.remove(&(err.op_context as usize)) {
+            self.op_finished(op.slice, Some(outcome));
+        }
+    }
+
+    /// Replaces a broken lane's endpoint; everything still posted on it fails.
+    fn reset(&mut self, lane: usize) {
+        let l = &mut self.lanes[lane];
+        l.broken = false;
+        l.peers.clear();
+        if let Some(fd) = l.ep.fd {
+            let _ = self.epoll.delete(fd);
+        }
+        if let Err(e) = l.ep.reset(&l.nic) {
+            log::warn!("fabric: reopening an endpoint on {}: {e}", l.nic.name);
+            l.broken = true;
+        }
+        if let Some(fd) = l.ep.fd {
+            if let Err(e) = self.epoll.add(fd, READABLE, lane as u64) {
+                log::warn!("fabric: watching a new CQ on {}: {e}", l.nic.name);
+            }
+        }
+        let lost: Vec<usize> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| op.lane == lane)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in lost {
+            if let Some(op) = self.ops.remove(&k) {
+                self.op_finished(
+                    op.slice,
+                    Some(Outcome::PathFailed("fabric endpoint was reset".into())),
+                );
+            }
+        }
+        let (dead, keep): (Vec<Queued>, Vec<Queued>) =
+            self.queued.drain(..).partition(|q| q.lane == lane);
+        self.queued.extend(keep);
+        for q in dead {
+            self.op_finished(
+                q.slice,
+                Some(Outcome::PathFailed("fabric endpoint was reset".into())),
+            );
+        }
+    }
+
+    fn check_deadlines(&mut self, now: Instant) {
+        if now < self.next_deadline_check {
+            return;
+        }
+        self.next_deadline_check = now + DEADLINE_TICK;
+        let late: Vec<u64> = self
+            .slices
+            .iter()
+            .filter(|(_, s)| now >= s.deadline)
+            .map(|(id, _)| *id)
+            .collect();
+        if late.is_empty() {
+            return;
+        }
+        // The engine may reuse a finished slice's id: nothing of it may stay queued.
+        self.queued.retain(|q| !late.contains(&q.slice));
+        for id in late {
+            if let Some(s) = self.slices.remove(&id) {
+                self.bytes_in_flight -= s.len;
+                self.done.push(Finished {
+                    id,
+                    outcome: Outcome::TimedOut,
+                });
+                // Operations the provider still holds keep their contexts; replacing
+                // the endpoint releases them and drops whatever state made them stall.
+                if self.ops.values().any(|op| op.slice == id) {
+                    self.lanes[s.lane].broken = true;
+                }
+            }
+        }
+    }
+}
+
+/// Maps a completion error to what the engine should do: refused accesses mean the
+/// descriptor we used may be out of date (resync, then fail if the range is gone).
+fn classify(err: i32, why: String) -> Outcome {
+    match err {
+        libc::EACCES | libc::EPERM | libc::EINVAL | libc::EFAULT | fi::FI_ENOKEY => {
+            log::debug!("{why}");
+            Outcome::Stale
+        }
+        // tcp;ofi_rxm reports a refused key as a canceled operation on a dropped
+        // connection.
+        fi::FI_ECANCELED => {
+            log::debug!("{why}");
+            Outcome::Stale
+        }
+        _ => Outcome::PathFailed(why),
+    }
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 || s.is_empty() {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+impl TransportWorker for FabricWorker {
+    fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
+        if let Err(outcome) = self.start(&slice) {
+            done.push(Finished {
+                id: slice.id,
+                outcome,
+            });
+            return;
+        }
+        self.post_queued();
+        done.append(&mut self.done);
+    }
+
+    fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
+        let mut moved = false;
+        for lane in 0..self.lanes.len() {
+            moved |= self.poll_lane(lane);
+        }
+        self.check_deadlines(now);
+        for lane in 0..self.lanes.len() {
+            if self.lanes[lane].broken {
+                self.reset(lane);
+            }
+        }
+        moved |= self.post_queued();
+        moved |= !self.done.is_empty();
+        done.append(&mut self.done);
+        if let Some((fd, raised)) = &mut self.spin {
+            let want = !self.slices.is_empty();
+            if want != *raised {
+                if want {
+                    fd.notify();
+                } else {
+                    fd.drain();
+                }
+                *raised = want;
+            }
+        }
+        if !moved {
+            // Arm the wait descriptors before the engine worker parks on them.
+            for l in &self.lanes {
+                if l.ep.fd.is_some()
+                    && !l.ep.cq.is_null()
+                    && l.nic.trywait(l.ep.cq) == -fi::FI_EAGAIN
+                {
+                    moved = true;
+                }
+            }
+        }
+        moved
+    }
+
+    fn in_flight(&self) -> usize {
+        self.slices.len()
+    }
+
+    fn in_flight_bytes(&self) -> u64 {
+        self.bytes_in_flight
+    }
+
+    fn wait_fd(&self) -> Option<RawFd> {
+        Some(self.epoll.raw_fd())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trip() {
+        assert_eq!(decode_hex("0a0B"), Some(vec![10, 11]));
+        assert_eq!(decode_hex("0"), None);
+        assert_eq!(decode_hex(""), None);
+        assert_eq!(decode_hex("zz"), None);
+    }
+}

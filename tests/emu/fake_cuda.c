@@ -1,0 +1,246 @@
+/* A fake CUDA driver (libcuda) for tests: the subset mooncake calls, over host memory.
+ *
+ * "Device" memory of each fake device is a memfd mapped twice: once PROT_NONE (the
+ * addresses handed out, so any CPU access to device memory faults, as on a real GPU)
+ * and once read-write (where this library really copies). Pointer queries tell device
+ * from host by address range; copies check their direction against it; every copy is
+ * counted (fake_cuda_copies) so tests can prove staging happened. Copies and
+ * allocations need a current context, as the real driver does. IPC handles encode the
+ * address (same process only); dma-buf handles are a dup of the device's memfd. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+};
+
+#define NDEV 2
+#define DEV_BYTES ((size_t)256 << 20)
+#define MAX_PINNED 1024
+
+static int initialized;
+static int dev_fd[NDEV];
+static uint8_t *dev_view[NDEV];
+static uint8_t *dev_shadow[NDEV];
+static size_t dev_used[NDEV];
+static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
+static unsigned long copies, copied_bytes;
+static __thread int current = -1;
+
+static int dev_of(CUdeviceptr p, size_t len) {
+    for (int d = 0; d < NDEV; d++) {
+        uint64_t base = (uint64_t)(uintptr_t)dev_view[d];
+        if (p >= base && p < base + DEV_BYTES && len <= base + DEV_BYTES - p) return d;
+    }
+    return -1;
+}
+
+static uint8_t *shadow(CUdeviceptr p) {
+    int d = dev_of(p, 1);
+    return dev_shadow[d] + (p - (uint64_t)(uintptr_t)dev_view[d]);
+}
+
+static int is_pinned(uint64_t p) {
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
+            p < (uint64_t)(uintptr_t)pinned[i].p + pinned[i].len)
+            return 1;
+    return 0;
+}
+
+static void count(size_t n) {
+    __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&copied_bytes, n, __ATOMIC_SEQ_CST);
+}
+
+unsigned long fake_cuda_copies(void) { return __atomic_load_n(&copies, __ATOMIC_SEQ_CST); }
+unsigned long fake_cuda_copied_bytes(void) { return __atomic_load_n(&copied_bytes, __ATOMIC_SEQ_CST); }
+
+CUresult cuInit(unsigned flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
+    static int busy;
+    while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
+    if (!initialized) {
+        for (int d = 0; d < NDEV; d++) {
+            dev_fd[d] = memfd_create("fake-cuda-device", MFD_CLOEXEC);
+            if (dev_fd[d] < 0 || ftruncate(dev_fd[d], DEV_BYTES) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+            dev_view[d] = mmap(NULL, DEV_BYTES, PROT_NONE, MAP_SHARED, dev_fd[d], 0);
+            dev_shadow[d] = mmap(NULL, DEV_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, dev_fd[d], 0);
+            if (dev_view[d] == MAP_FAILED || dev_shadow[d] == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+            dev_used[d] = 4096; /* never hand out the base: keeps 0 offsets obviously wrong */
+        }
+        __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
+#define NEED_INIT() do { if (!__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define NEED_CTX() do { NEED_INIT(); if (current < 0) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
+
+CUresult cuDriverGetVersion(int *v) { *v = 12040; return CUDA_SUCCESS; }
+CUresult cuDeviceGetCount(int *n) { NEED_INIT(); *n = NDEV; return CUDA_SUCCESS; }
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    NEED_INIT();
+    if (ordinal < 0 || ordinal >= NDEV) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "Fake CUDA Device %d", d);
+    return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = (CUcontext)(uintptr_t)(0x1000 + d);
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    NEED_INIT();
+    uintptr_t v = (uintptr_t)ctx;
+    if (v == 0) { current = -1; return CUDA_SUCCESS; }
+    if (v < 0x1000 || v >= 0x1000 + NDEV) return CUDA_ERROR_INVALID_CONTEXT;
+    current = (int)(v - 0x1000);
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    NEED_INIT();
+    *ctx = current < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + current);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    NEED_INIT();
+    int d = dev_of(p, 1);
+    if (d < 0 && !is_pinned(p)) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case 2: *(unsigned *)data = d >= 0 ? 2 /* DEVICE */ : 1 /* HOST */; return CUDA_SUCCESS;
+    case 9: *(int *)data = d >= 0 ? d : 0; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    NEED_CTX();
+    if (dev_of(src, n) < 0 || dev_of((uintptr_t)dst, 1) >= 0) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(dst, shadow(src), n);
+    count(n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    NEED_CTX();
+    if (dev_of(dst, n) < 0 || dev_of((uintptr_t)src, 1) >= 0) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(shadow(dst), src, n);
+    count(n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    NEED_CTX();
+    if (dev_of(dst, n) < 0 || dev_of(src, n) < 0) return CUDA_ERROR_INVALID_VALUE;
+    memmove(shadow(dst), shadow(src), n);
+    count(n);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags) {
+    (void)flags;
+    NEED_CTX();
+    void *p = malloc(n);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    for (int i = 0; i < MAX_PINNED; i++) {
+        void *expected = NULL;
+        if (__atomic_compare_exchange_n(&pinned[i].p, &expected, p, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            pinned[i].len = n;
+            *pp = p;
+            return CUDA_SUCCESS;
+        }
+    }
+    free(p);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+CUresult cuMemFreeHost(void *p) {
+    NEED_INIT();
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p == p) {
+            pinned[i].len = 0;
+            __atomic_store_n(&pinned[i].p, NULL, __ATOMIC_SEQ_CST);
+            free(p);
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    NEED_CTX();
+    size_t rounded = (n + 4095) & ~(size_t)4095;
+    size_t off = __atomic_fetch_add(&dev_used[current], rounded, __ATOMIC_SEQ_CST);
+    if (off + rounded > DEV_BYTES) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = (uint64_t)(uintptr_t)dev_view[current] + off;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    NEED_CTX();
+    return dev_of(p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    NEED_CTX();
+    if (dev_of(p, 1) < 0) return CUDA_ERROR_INVALID_VALUE;
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, "FAKECUDA", 8);
+    memcpy(h->reserved + 8, &p, sizeof p);
+    return CUDA_SUCCESS;
+}
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
+    (void)flags;
+    NEED_CTX();
+    if (memcmp(h.reserved, "FAKECUDA", 8) != 0) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(p, h.reserved + 8, sizeof *p);
+    return dev_of(*p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    NEED_CTX();
+    return dev_of(p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type, unsigned long long flags) {
+    NEED_CTX();
+    int d = dev_of(p, n);
+    if (d < 0 || type != 1 || flags != 0 || (p & 4095) != 0) return CUDA_ERROR_INVALID_VALUE;
+    *(int *)handle = fcntl(dev_fd[d], F_DUPFD_CLOEXEC, 0);
+    return *(int *)handle >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult cuGetErrorString(CUresult rc, const char **s) {
+    switch (rc) {
+    case CUDA_SUCCESS: *s = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *s = "initialization error"; break;
+    case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
+    default: *s = NULL; return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}

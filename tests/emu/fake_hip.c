@@ -1,0 +1,190 @@
+/* A fake HIP runtime (libamdhip64) for tests: the subset mooncake calls, over host
+ * memory. Same model as fake_cuda.c: device memory is a memfd mapped PROT_NONE at the
+ * addresses handed out (CPU access faults) and read-write where this library copies;
+ * pointer queries tell device from host by address range (ROCm 5 numbering: Host 0,
+ * Device 1); copies check their kind; copies are counted (fake_hip_copies). The
+ * current device is per thread, default 0, as in HIP. */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int hipError_t;
+enum { hipSuccess = 0, hipErrorInvalidValue = 1, hipErrorOutOfMemory = 2, hipErrorNotInitialized = 3,
+       hipErrorInvalidDevice = 101 };
+enum { hipMemcpyHostToHost = 0, hipMemcpyHostToDevice = 1, hipMemcpyDeviceToHost = 2,
+       hipMemcpyDeviceToDevice = 3, hipMemcpyDefault = 4 };
+
+typedef struct {
+    int memoryType;
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+    int isManaged;
+    unsigned allocationFlags;
+} hipPointerAttribute_t;
+typedef struct { char reserved[64]; } hipIpcMemHandle_t;
+
+#define NDEV 2
+#define DEV_BYTES ((size_t)256 << 20)
+#define MAX_PINNED 1024
+
+static int initialized;
+static uint8_t *dev_view[NDEV];
+static uint8_t *dev_shadow[NDEV];
+static size_t dev_used[NDEV];
+static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
+static unsigned long copies;
+static __thread int current;
+
+unsigned long fake_hip_copies(void) { return __atomic_load_n(&copies, __ATOMIC_SEQ_CST); }
+
+static int dev_of(uint64_t p, size_t len) {
+    for (int d = 0; d < NDEV; d++) {
+        uint64_t base = (uint64_t)(uintptr_t)dev_view[d];
+        if (base && p >= base && p < base + DEV_BYTES && len <= base + DEV_BYTES - p) return d;
+    }
+    return -1;
+}
+static void *shadow(uint64_t p) {
+    int d = dev_of(p, 1);
+    return dev_shadow[d] + (p - (uint64_t)(uintptr_t)dev_view[d]);
+}
+static int is_pinned(uint64_t p) {
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
+            p < (uint64_t)(uintptr_t)pinned[i].p + pinned[i].len)
+            return 1;
+    return 0;
+}
+
+hipError_t hipInit(unsigned flags) {
+    if (flags) return hipErrorInvalidValue;
+    static int busy;
+    while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
+    if (!initialized) {
+        for (int d = 0; d < NDEV; d++) {
+            int fd = memfd_create("fake-hip-device", MFD_CLOEXEC);
+            if (fd < 0 || ftruncate(fd, DEV_BYTES) != 0) return hipErrorOutOfMemory;
+            dev_view[d] = mmap(NULL, DEV_BYTES, PROT_NONE, MAP_SHARED, fd, 0);
+            dev_shadow[d] = mmap(NULL, DEV_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            close(fd);
+            if (dev_view[d] == MAP_FAILED || dev_shadow[d] == MAP_FAILED) return hipErrorOutOfMemory;
+            dev_used[d] = 4096;
+        }
+        __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+    return hipSuccess;
+}
+#define NEED_INIT() do { if (!__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return hipErrorNotInitialized; } while (0)
+
+hipError_t hipRuntimeGetVersion(int *v) { *v = 50221153; return hipSuccess; }
+hipError_t hipGetDeviceCount(int *n) { NEED_INIT(); *n = NDEV; return hipSuccess; }
+hipError_t hipDeviceGetName(char *name, int len, int d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return hipErrorInvalidDevice;
+    snprintf(name, (size_t)len, "Fake HIP Device %d", d);
+    return hipSuccess;
+}
+hipError_t hipSetDevice(int d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return hipErrorInvalidDevice;
+    current = d;
+    return hipSuccess;
+}
+
+hipError_t hipPointerGetAttributes(hipPointerAttribute_t *a, const void *ptr) {
+    NEED_INIT();
+    uint64_t p = (uint64_t)(uintptr_t)ptr;
+    int d = dev_of(p, 1);
+    if (d < 0 && !is_pinned(p)) return hipErrorInvalidValue;
+    memset(a, 0, sizeof *a);
+    a->memoryType = d >= 0 ? 1 : 0;
+    a->device = d >= 0 ? d : current;
+    a->devicePointer = d >= 0 ? (void *)ptr : NULL;
+    a->hostPointer = d >= 0 ? NULL : (void *)ptr;
+    return hipSuccess;
+}
+
+hipError_t hipMemcpy(void *dst, const void *src, size_t n, int kind) {
+    NEED_INIT();
+    uint64_t d = (uint64_t)(uintptr_t)dst, s = (uint64_t)(uintptr_t)src;
+    int dd = dev_of(d, n) >= 0, sd = dev_of(s, n) >= 0;
+    switch (kind) {
+    case hipMemcpyHostToDevice: if (!dd || dev_of(s, 1) >= 0) return hipErrorInvalidValue; memcpy(shadow(d), src, n); break;
+    case hipMemcpyDeviceToHost: if (!sd || dev_of(d, 1) >= 0) return hipErrorInvalidValue; memcpy(dst, shadow(s), n); break;
+    case hipMemcpyDeviceToDevice: if (!dd || !sd) return hipErrorInvalidValue; memmove(shadow(d), shadow(s), n); break;
+    default: return hipErrorInvalidValue;
+    }
+    __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST);
+    return hipSuccess;
+}
+
+hipError_t hipHostMalloc(void **pp, size_t n, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    void *p = malloc(n);
+    if (!p) return hipErrorOutOfMemory;
+    for (int i = 0; i < MAX_PINNED; i++) {
+        uint8_t *expected = NULL;
+        if (__atomic_compare_exchange_n(&pinned[i].p, &expected, (uint8_t *)p, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            pinned[i].len = n;
+            *pp = p;
+            return hipSuccess;
+        }
+    }
+    free(p);
+    return hipErrorOutOfMemory;
+}
+hipError_t hipHostFree(void *p) {
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p == p) {
+            pinned[i].len = 0;
+            __atomic_store_n(&pinned[i].p, NULL, __ATOMIC_SEQ_CST);
+            free(p);
+            return hipSuccess;
+        }
+    return hipErrorInvalidValue;
+}
+hipError_t hipMalloc(void **p, size_t n) {
+    NEED_INIT();
+    size_t rounded = (n + 4095) & ~(size_t)4095;
+    size_t off = __atomic_fetch_add(&dev_used[current], rounded, __ATOMIC_SEQ_CST);
+    if (off + rounded > DEV_BYTES) return hipErrorOutOfMemory;
+    *p = dev_view[current] + off;
+    return hipSuccess;
+}
+hipError_t hipFree(void *p) { return dev_of((uintptr_t)p, 1) >= 0 ? hipSuccess : hipErrorInvalidValue; }
+
+hipError_t hipIpcGetMemHandle(hipIpcMemHandle_t *h, void *p) {
+    NEED_INIT();
+    if (dev_of((uintptr_t)p, 1) < 0) return hipErrorInvalidValue;
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, "FAKE_HIP", 8);
+    memcpy(h->reserved + 8, &p, sizeof p);
+    return hipSuccess;
+}
+hipError_t hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t h, unsigned flags) {
+    (void)flags;
+    NEED_INIT();
+    if (memcmp(h.reserved, "FAKE_HIP", 8) != 0) return hipErrorInvalidValue;
+    memcpy(p, h.reserved + 8, sizeof *p);
+    return hipSuccess;
+}
+hipError_t hipIpcCloseMemHandle(void *p) { return dev_of((uintptr_t)p, 1) >= 0 ? hipSuccess : hipErrorInvalidValue; }
+
+const char *hipGetErrorName(hipError_t rc) {
+    switch (rc) {
+    case hipSuccess: return "hipSuccess";
+    case hipErrorInvalidValue: return "hipErrorInvalidValue";
+    case hipErrorOutOfMemory: return "hipErrorOutOfMemory";
+    case hipErrorNotInitialized: return "hipErrorNotInitialized";
+    case hipErrorInvalidDevice: return "hipErrorInvalidDevice";
+    default: return "hipErrorUnknown";
+    }
+}
+const char *hipGetErrorString(hipError_t rc) { return rc == hipSuccess ? "no error" : "fake HIP error"; }

@@ -1,0 +1,852 @@
+/*
+ * An emulated libibverbs provider for tests: exports the ibv_* functions the RDMA
+ * transport loads and emulates HCAs inside one process.
+ *
+ *   cc -shared -fPIC -O2 -o libverbs_emu.so verbs_emu.c -lpthread
+ *
+ * - VERBS_EMU_DEVICES=N (default 2, at most 8) devices named emu0..emuN-1, one port
+ *   each, IB link layer, LID = index + 1, GID 0 = fe80::<pid>:<index>.
+ * - PDs; MRs with process-wide unique lkey/rkey, bounds- and access-checked.
+ * - RC QPs with the RESET -> INIT -> RTR -> RTS state machine (required attribute masks
+ *   enforced; posting outside RTS is refused with EINVAL, posting in ERR flushes).
+ * - RDMA READ / WRITE run synchronously inside ibv_post_send: the peer QP is found by
+ *   its number, the remote key and range are checked, the bytes copied, and a work
+ *   completion queued on the send CQ. A bad remote key or range completes with
+ *   IBV_WC_REM_ACCESS_ERR, a bad local key with IBV_WC_LOC_PROT_ERR, an unreachable
+ *   or downed device with IBV_WC_RETRY_EXC_ERR; each moves the QP to ERR, as RC does.
+ * - Faults: verbs_emu_fail_device(name, down), verbs_emu_fail_after(name, bytes),
+ *   verbs_emu_fail_qp(qp_num); counters: verbs_emu_bytes(name), verbs_emu_ops(name).
+ *
+ * Struct layouts below mirror rdma-core 44's <infiniband/verbs.h> (LP64) for the
+ * parts callers read or write; the emulator does not include that header so that it
+ * builds where libibverbs-dev is absent. Figures from it are not performance claims.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEVICES 8
+
+/* ---- verbs.h mirrors ---- */
+
+union ibv_gid {
+	uint8_t raw[16];
+	struct {
+		uint64_t subnet_prefix;
+		uint64_t interface_id;
+	} global;
+};
+
+struct ibv_device {
+	void *_ops[2];
+	int node_type;
+	int transport_type;
+	char name[64];
+	char dev_name[64];
+	char dev_path[256];
+	char ibdev_path[256];
+};
+
+struct ibv_context;
+struct ibv_cq;
+struct ibv_qp;
+struct ibv_wc;
+struct ibv_send_wr;
+struct ibv_recv_wr;
+
+struct ibv_context_ops {
+	void *_compat_before_poll[11];
+	int (*poll_cq)(struct ibv_cq *cq, int num_entries, struct ibv_wc *wc);
+	int (*req_notify_cq)(struct ibv_cq *cq, int solicited_only);
+	void *_compat_middle[12];
+	int (*post_send)(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad_wr);
+	int (*post_recv)(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad_wr);
+	void *_compat_after[5];
+};
+
+struct ibv_context {
+	struct ibv_device *device;
+	struct ibv_context_ops ops;
+	int cmd_fd;
+	int async_fd;
+	int num_comp_vectors;
+	pthread_mutex_t mutex;
+	void *abi_compat;
+};
+
+struct ibv_pd {
+	struct ibv_context *context;
+	uint32_t handle;
+};
+
+struct ibv_mr {
+	struct ibv_context *context;
+	struct ibv_pd *pd;
+	void *addr;
+	size_t length;
+	uint32_t handle;
+	uint32_t lkey;
+	uint32_t rkey;
+};
+
+struct ibv_cq {
+	struct ibv_context *context;
+	void *channel;
+	void *cq_context;
+	uint32_t handle;
+	int cqe;
+	pthread_mutex_t mutex;
+	pthread_cond_t cond;
+	uint32_t comp_events_completed;
+	uint32_t async_events_completed;
+};
+
+struct ibv_qp {
+	struct ibv_context *context;
+	void *qp_context;
+	struct ibv_pd *pd;
+	struct ibv_cq *send_cq;
+	struct ibv_cq *recv_cq;
+	void *srq;
+	uint32_t handle;
+	uint32_t qp_num;
+	int state;
+	int qp_type;
+	pthread_mutex_t mutex;
+	pthread_cond_t cond;
+	uint32_t events_completed;
+};
+
+struct ibv_qp_cap {
+	uint32_t max_send_wr, max_recv_wr, max_send_sge, max_recv_sge, max_inline_data;
+};
+
+struct ibv_qp_init_attr {
+	void *qp_context;
+	struct ibv_cq *send_cq;
+	struct ibv_cq *recv_cq;
+	void *srq;
+	struct ibv_qp_cap cap;
+	int qp_type;
+	int sq_sig_all;
+};
+
+struct ibv_global_route {
+	union ibv_gid dgid;
+	uint32_t flow_label;
+	uint8_t sgid_index, hop_limit, traffic_class;
+};
+
+struct ibv_ah_attr {
+	struct ibv_global_route grh;
+	uint16_t dlid;
+	uint8_t sl, src_path_bits, static_rate, is_global, port_num;
+};
+
+struct ibv_qp_attr {
+	int qp_state, cur_qp_state, path_mtu, path_mig_state;
+	uint32_t qkey, rq_psn, sq_psn, dest_qp_num;
+	unsigned int qp_access_flags;
+	struct ibv_qp_cap cap;
+	struct ibv_ah_attr ah_attr, alt_ah_attr;
+	uint16_t pkey_index, alt_pkey_index;
+	uint8_t en_sqd_async_notify, sq_draining, max_rd_atomic, max_dest_rd_atomic,
+		min_rnr_timer, port_num, timeout, retry_cnt, rnr_retry, alt_port_num, alt_timeout;
+	uint32_t rate_limit;
+};
+
+struct ibv_sge {
+	uint64_t addr;
+	uint32_t length;
+	uint32_t lkey;
+};
+
+struct ibv_send_wr {
+	uint64_t wr_id;
+	struct ibv_send_wr *next;
+	struct ibv_sge *sg_list;
+	int num_sge;
+	int opcode;
+	unsigned int send_flags;
+	uint32_t imm_data;
+	union {
+		struct {
+			uint64_t remote_addr;
+			uint32_t rkey;
+		} rdma;
+		struct {
+			uint64_t remote_addr, compare_add, swap;
+			uint32_t rkey;
+		} atomic;
+	} wr;
+	uint32_t remote_srqn;
+	uint64_t bind_mw_or_tso[6];
+};
+
+struct ibv_wc {
+	uint64_t wr_id;
+	int status;
+	int opcode;
+	uint32_t vendor_err;
+	uint32_t byte_len;
+	uint32_t imm_data;
+	uint32_t qp_num;
+	uint32_t src_qp;
+	unsigned int wc_flags;
+	uint16_t pkey_index;
+	uint16_t slid;
+	uint8_t sl;
+	uint8_t dlid_path_bits;
+};
+
+/* The prefix of struct ibv_port_attr that ibv_query_port@IBVERBS_1.1 fills. */
+struct compat_port_attr {
+	int state, max_mtu, active_mtu, gid_tbl_len;
+	uint32_t port_cap_flags, max_msg_sz, bad_pkey_cntr, qkey_viol_cntr;
+	uint16_t pkey_tbl_len, lid, sm_lid;
+	uint8_t lmc, max_vl_num, sm_sl, subnet_timeout, init_type_reply, active_width,
+		active_speed, phys_state, link_layer;
+};
+
+_Static_assert(sizeof(struct ibv_context_ops) == 32 * 8, "ops");
+_Static_assert(sizeof(struct ibv_context) == 328, "context");
+_Static_assert(sizeof(struct ibv_send_wr) == 128, "send_wr");
+_Static_assert(sizeof(struct ibv_wc) == 48, "wc");
+_Static_assert(sizeof(struct ibv_qp_attr) == 144, "qp_attr");
+_Static_assert(sizeof(struct ibv_qp) == 160, "qp");
+_Static_assert(sizeof(struct ibv_cq) == 128, "cq");
+
+enum { QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS, QPS_SQD, QPS_SQE, QPS_ERR };
+enum {
+	QP_STATE = 1 << 0, QP_ACCESS_FLAGS = 1 << 3, QP_PKEY_INDEX = 1 << 4, QP_PORT = 1 << 5,
+	QP_AV = 1 << 7, QP_PATH_MTU = 1 << 8, QP_TIMEOUT = 1 << 9, QP_RETRY_CNT = 1 << 10,
+	QP_RNR_RETRY = 1 << 11, QP_RQ_PSN = 1 << 12, QP_MAX_QP_RD_ATOMIC = 1 << 13,
+	QP_MIN_RNR_TIMER = 1 << 15, QP_SQ_PSN = 1 << 16, QP_MAX_DEST_RD_ATOMIC = 1 << 17,
+	QP_DEST_QPN = 1 << 20,
+};
+enum { ACCESS_LOCAL_WRITE = 1, ACCESS_REMOTE_WRITE = 2, ACCESS_REMOTE_READ = 4 };
+enum { WR_RDMA_WRITE = 0, WR_RDMA_READ = 4 };
+enum { SEND_SIGNALED = 1 << 1 };
+enum { WC_SUCCESS = 0, WC_LOC_PROT_ERR = 4, WC_WR_FLUSH_ERR = 5, WC_REM_ACCESS_ERR = 10,
+       WC_RETRY_EXC_ERR = 12 };
+enum { WC_OP_RDMA_WRITE = 1, WC_OP_RDMA_READ = 2 };
+enum { QPT_RC = 2 };
+
+/* ---- emulator state (one lock; work runs synchronously under it) ---- */
+
+struct emu_device {
+	struct ibv_device dev;
+	int index;
+	int down;
+	uint64_t bytes;
+	uint64_t ops;
+	uint64_t fail_after; /* go down once bytes >= this (0: never) */
+};
+
+struct emu_context {
+	struct ibv_context ctx;
+	struct emu_device *dev;
+};
+
+struct emu_mr {
+	struct ibv_mr mr;
+	int access;
+	struct emu_mr *next;
+};
+
+struct emu_cq {
+	struct ibv_cq cq;
+	struct ibv_wc *ring;
+	int cap, head, count;
+	int overrun;
+};
+
+struct emu_qp {
+	struct ibv_qp qp;
+	struct emu_device *dev;
+	int access;
+	uint32_t dest_qpn;
+	union ibv_gid dgid;
+	int sig_all;
+	struct emu_qp *next;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static struct emu_device devices[MAX_DEVICES];
+static int ndevices;
+static struct emu_mr *mrs;
+static struct emu_qp *qps;
+static uint32_t next_key = 0x1000;
+static uint32_t next_qpn = 0x100;
+static uint32_t next_handle = 1;
+
+static void init_devices(void)
+{
+	const char *env = getenv("VERBS_EMU_DEVICES");
+	int n = env ? atoi(env) : 2;
+	if (n < 0)
+		n = 0;
+	if (n > MAX_DEVICES)
+		n = MAX_DEVICES;
+	ndevices = n;
+	for (int i = 0; i < n; i++) {
+		struct emu_device *d = &devices[i];
+		memset(d, 0, sizeof(*d));
+		d->index = i;
+		d->dev.node_type = 1;      /* IBV_NODE_CA */
+		d->dev.transport_type = 0; /* IBV_TRANSPORT_IB */
+		snprintf(d->dev.name, sizeof(d->dev.name), "emu%d", i);
+		snprintf(d->dev.dev_name, sizeof(d->dev.dev_name), "uverbs-emu%d", i);
+		snprintf(d->dev.dev_path, sizeof(d->dev.dev_path), "/emu/uverbs%d", i);
+		snprintf(d->dev.ibdev_path, sizeof(d->dev.ibdev_path), "/emu/emu%d", i);
+	}
+}
+
+static void device_gid(const struct emu_device *d, union ibv_gid *gid)
+{
+	uint32_t pid = (uint32_t)getpid();
+	memset(gid, 0, sizeof(*gid));
+	gid->raw[0] = 0xfe;
+	gid->raw[1] = 0x80;
+	gid->raw[8] = (uint8_t)(pid >> 24);
+	gid->raw[9] = (uint8_t)(pid >> 16);
+	gid->raw[10] = (uint8_t)(pid >> 8);
+	gid->raw[11] = (uint8_t)pid;
+	gid->raw[15] = (uint8_t)d->index;
+}
+
+static struct emu_device *device_named(const char *name)
+{
+	pthread_once(&once, init_devices);
+	for (int i = 0; i < ndevices; i++)
+		if (strcmp(devices[i].dev.name, name) == 0)
+			return &devices[i];
+	return NULL;
+}
+
+static struct emu_device *dev_of(struct ibv_context *ctx)
+{
+	return ((struct emu_context *)ctx)->dev;
+}
+
+/* ---- data path (static in real providers; reached through context->ops) ---- */
+
+static struct emu_mr *find_mr(uint32_t key, int remote, struct ibv_pd *pd)
+{
+	for (struct emu_mr *m = mrs; m; m = m->next)
+		if ((remote ? m->mr.rkey : m->mr.lkey) == key)
+			return m->mr.pd == pd ? m : NULL;
+	return NULL;
+}
+
+static int in_mr(const struct emu_mr *m, uint64_t addr, uint64_t len)
+{
+	uint64_t start = (uint64_t)(uintptr_t)m->mr.addr;
+	return addr >= start && len <= m->mr.length && addr - start <= m->mr.length - len;
+}
+
+static struct emu_qp *find_qp(uint32_t qpn)
+{
+	for (struct emu_qp *q = qps; q; q = q->next)
+		if (q->qp.qp_num == qpn)
+			return q;
+	return NULL;
+}
+
+static void push_wc(struct ibv_cq *cq, const struct ibv_wc *wc)
+{
+	struct emu_cq *c = (struct emu_cq *)cq;
+	if (c->count == c->cap) {
+		c->overrun = 1;
+		return;
+	}
+	c->ring[(c->head + c->count) % c->cap] = *wc;
+	c->count++;
+}
+
+static void account(struct emu_device *d, uint64_t bytes)
+{
+	d->bytes += bytes;
+	d->ops++;
+	if (d->fail_after && d->bytes >= d->fail_after)
+		d->down = 1;
+}
+
+/* Runs one RDMA READ/WRITE; returns the completion status. */
+static int execute(struct emu_qp *q, struct ibv_send_wr *wr, uint32_t *moved)
+{
+	*moved = 0;
+	if (q->dev->down)
+		return WC_RETRY_EXC_ERR;
+	struct emu_qp *peer = find_qp(q->dest_qpn);
+	union ibv_gid peer_gid;
+	if (!peer || peer->dev->down || (peer->qp.state != QPS_RTR && peer->qp.state != QPS_RTS))
+		return WC_RETRY_EXC_ERR;
+	device_gid(peer->dev, &peer_gid);
+	if (memcmp(peer_gid.raw, q->dgid.raw, 16) != 0 || peer->dest_qpn != q->qp.qp_num)
+		return WC_RETRY_EXC_ERR;
+	int read = wr->opcode == WR_RDMA_READ;
+	uint64_t total = 0;
+	for (int i = 0; i < wr->num_sge; i++) {
+		struct ibv_sge *s = &wr->sg_list[i];
+		struct emu_mr *m = find_mr(s->lkey, 0, q->qp.pd);
+		if (!m || !in_mr(m, s->addr, s->length) || (read && !(m->access & ACCESS_LOCAL_WRITE)))
+			return WC_LOC_PROT_ERR;
+		total += s->length;
+	}
+	int need = read ? ACCESS_REMOTE_READ : ACCESS_REMOTE_WRITE;
+	struct emu_mr *r = find_mr(wr->wr.rdma.rkey, 1, peer->qp.pd);
+	if (!r || !(r->access & need) || !(peer->access & need) ||
+	    !in_mr(r, wr->wr.rdma.remote_addr, total))
+		return WC_REM_ACCESS_ERR;
+	char *remote = (char *)(uintptr_t)wr->wr.rdma.remote_addr;
+	for (int i = 0; i < wr->num_sge; i++) {
+		struct ibv_sge *s = &wr->sg_list[i];
+		char *local = (char *)(uintptr_t)s->addr;
+		if (read)
+			memmove(local, remote, s->length);
+		else
+			memmove(remote, local, s->length);
+		remote += s->length;
+	}
+	account(q->dev, total);
+	if (peer->dev != q->dev)
+		account(peer->dev, total);
+	*moved = (uint32_t)total;
+	return WC_SUCCESS;
+}
+
+static int emu_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad)
+{
+	struct emu_qp *q = (struct emu_qp *)qp;
+	int rc = 0;
+	pthread_mutex_lock(&lock);
+	for (; wr; wr = wr->next) {
+		if (qp->state != QPS_RTS && qp->state != QPS_ERR) {
+			rc = EINVAL;
+			break;
+		}
+		if ((wr->opcode != WR_RDMA_WRITE && wr->opcode != WR_RDMA_READ) || wr->num_sge < 0 ||
+		    wr->num_sge > 16) {
+			rc = EINVAL;
+			break;
+		}
+		struct ibv_wc wc;
+		memset(&wc, 0, sizeof(wc));
+		wc.wr_id = wr->wr_id;
+		wc.qp_num = qp->qp_num;
+		wc.opcode = wr->opcode == WR_RDMA_READ ? WC_OP_RDMA_READ : WC_OP_RDMA_WRITE;
+		if (qp->state == QPS_ERR) {
+			wc.status = WC_WR_FLUSH_ERR;
+		} else {
+			uint32_t moved;
+			wc.status = execute(q, wr, &moved);
+			wc.byte_len = moved;
+			if (wc.status != WC_SUCCESS)
+				qp->state = QPS_ERR;
+		}
+		if (wc.status != WC_SUCCESS || q->sig_all || (wr->send_flags & SEND_SIGNALED))
+			push_wc(qp->send_cq, &wc);
+	}
+	pthread_mutex_unlock(&lock);
+	if (rc && bad)
+		*bad = wr;
+	return rc;
+}
+
+static int emu_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad)
+{
+	(void)qp;
+	if (bad)
+		*bad = wr;
+	return EOPNOTSUPP; /* the emulator only does one-sided RDMA */
+}
+
+static int emu_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
+{
+	struct emu_cq *c = (struct emu_cq *)cq;
+	int got = 0;
+	pthread_mutex_lock(&lock);
+	if (c->overrun) {
+		pthread_mutex_unlock(&lock);
+		return -EOVERFLOW;
+	}
+	while (got < n && c->count > 0) {
+		wc[got++] = c->ring[c->head];
+		c->head = (c->head + 1) % c->cap;
+		c->count--;
+	}
+	pthread_mutex_unlock(&lock);
+	return got;
+}
+
+static int emu_req_notify_cq(struct ibv_cq *cq, int solicited_only)
+{
+	(void)cq;
+	(void)solicited_only;
+	return 0;
+}
+
+/* ---- exported verbs ---- */
+
+EXPORT struct ibv_device **ibv_get_device_list(int *num)
+{
+	pthread_once(&once, init_devices);
+	struct ibv_device **list = calloc((size_t)ndevices + 1, sizeof(*list));
+	if (!list) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	for (int i = 0; i < ndevices; i++)
+		list[i] = &devices[i].dev;
+	if (num)
+		*num = ndevices;
+	return list;
+}
+
+EXPORT void ibv_free_device_list(struct ibv_device **list)
+{
+	free(list);
+}
+
+EXPORT const char *ibv_get_device_name(struct ibv_device *dev)
+{
+	return dev->name;
+}
+
+EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
+{
+	struct emu_context *c = calloc(1, sizeof(*c));
+	if (!c) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	c->dev = (struct emu_device *)dev;
+	c->ctx.device = dev;
+	c->ctx.cmd_fd = -1;
+	c->ctx.async_fd = -1;
+	c->ctx.num_comp_vectors = 1;
+	pthread_mutex_init(&c->ctx.mutex, NULL);
+	c->ctx.ops.poll_cq = emu_poll_cq;
+	c->ctx.ops.req_notify_cq = emu_req_notify_cq;
+	c->ctx.ops.post_send = emu_post_send;
+	c->ctx.ops.post_recv = emu_post_recv;
+	return &c->ctx;
+}
+
+EXPORT int ibv_close_device(struct ibv_context *ctx)
+{
+	free(ctx);
+	return 0;
+}
+
+EXPORT int ibv_query_port(struct ibv_context *ctx, uint8_t port, struct compat_port_attr *attr)
+{
+	if (port != 1)
+		return EINVAL;
+	struct emu_device *d = dev_of(ctx);
+	memset(attr, 0, sizeof(*attr));
+	pthread_mutex_lock(&lock);
+	attr->state = d->down ? 1 /* DOWN */ : 4 /* ACTIVE */;
+	attr->phys_state = d->down ? 3 /* disabled */ : 5 /* link up */;
+	pthread_mutex_unlock(&lock);
+	attr->max_mtu = 5;
+	attr->active_mtu = 5;
+	attr->gid_tbl_len = 1;
+	attr->max_msg_sz = 1u << 31;
+	attr->pkey_tbl_len = 1;
+	attr->lid = (uint16_t)(d->index + 1);
+	attr->sm_lid = 1;
+	attr->link_layer = 1; /* InfiniBand */
+	return 0;
+}
+
+EXPORT int ibv_query_gid(struct ibv_context *ctx, uint8_t port, int index, union ibv_gid *gid)
+{
+	if (port != 1 || index != 0)
+		return EINVAL;
+	device_gid(dev_of(ctx), gid);
+	return 0;
+}
+
+EXPORT struct ibv_pd *ibv_alloc_pd(struct ibv_context *ctx)
+{
+	struct ibv_pd *pd = calloc(1, sizeof(*pd));
+	if (!pd) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	pd->context = ctx;
+	pthread_mutex_lock(&lock);
+	pd->handle = next_handle++;
+	pthread_mutex_unlock(&lock);
+	return pd;
+}
+
+EXPORT int ibv_dealloc_pd(struct ibv_pd *pd)
+{
+	pthread_mutex_lock(&lock);
+	for (struct emu_mr *m = mrs; m; m = m->next)
+		if (m->mr.pd == pd) {
+			pthread_mutex_unlock(&lock);
+			return EBUSY;
+		}
+	pthread_mutex_unlock(&lock);
+	free(pd);
+	return 0;
+}
+
+EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
+{
+	if (!pd || (!addr && length) || length == 0) {
+		errno = EINVAL;
+		return NULL;
+	}
+	/* Remote write needs local write, as in the kernel. */
+	if ((access & ACCESS_REMOTE_WRITE) && !(access & ACCESS_LOCAL_WRITE)) {
+		errno = EINVAL;
+		return NULL;
+	}
+	struct emu_mr *m = calloc(1, sizeof(*m));
+	if (!m) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	m->mr.context = pd->context;
+	m->mr.pd = pd;
+	m->mr.addr = addr;
+	m->mr.length = length;
+	m->access = access;
+	pthread_mutex_lock(&lock);
+	m->mr.handle = next_handle++;
+	m->mr.lkey = next_key++;
+	m->mr.rkey = next_key++;
+	m->next = mrs;
+	mrs = m;
+	pthread_mutex_unlock(&lock);
+	return &m->mr;
+}
+
+EXPORT int ibv_dereg_mr(struct ibv_mr *mr)
+{
+	pthread_mutex_lock(&lock);
+	for (struct emu_mr **p = &mrs; *p; p = &(*p)->next)
+		if (&(*p)->mr == mr) {
+			struct emu_mr *m = *p;
+			*p = m->next;
+			pthread_mutex_unlock(&lock);
+			free(m);
+			return 0;
+		}
+	pthread_mutex_unlock(&lock);
+	return EINVAL;
+}
+
+EXPORT struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_context,
+				    void *channel, int comp_vector)
+{
+	(void)comp_vector;
+	if (cqe < 1 || cqe > (1 << 22) || channel) {
+		errno = EINVAL;
+		return NULL;
+	}
+	struct emu_cq *c = calloc(1, sizeof(*c));
+	if (c)
+		c->ring = calloc((size_t)cqe, sizeof(struct ibv_wc));
+	if (!c || !c->ring) {
+		free(c);
+		errno = ENOMEM;
+		return NULL;
+	}
+	c->cap = cqe;
+	c->cq.context = ctx;
+	c->cq.cq_context = cq_context;
+	c->cq.cqe = cqe;
+	pthread_mutex_lock(&lock);
+	c->cq.handle = next_handle++;
+	pthread_mutex_unlock(&lock);
+	return &c->cq;
+}
+
+EXPORT int ibv_destroy_cq(struct ibv_cq *cq)
+{
+	pthread_mutex_lock(&lock);
+	for (struct emu_qp *q = qps; q; q = q->next)
+		if (q->qp.send_cq == cq || q->qp.recv_cq == cq) {
+			pthread_mutex_unlock(&lock);
+			return EBUSY;
+		}
+	pthread_mutex_unlock(&lock);
+	struct emu_cq *c = (struct emu_cq *)cq;
+	free(c->ring);
+	free(c);
+	return 0;
+}
+
+EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *attr)
+{
+	if (!pd || !attr || attr->qp_type != QPT_RC || !attr->send_cq || !attr->recv_cq ||
+	    attr->send_cq->context != pd->context) {
+		errno = EINVAL;
+		return NULL;
+	}
+	struct emu_qp *q = calloc(1, sizeof(*q));
+	if (!q) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	q->qp.context = pd->context;
+	q->qp.qp_context = attr->qp_context;
+	q->qp.pd = pd;
+	q->qp.send_cq = attr->send_cq;
+	q->qp.recv_cq = attr->recv_cq;
+	q->qp.qp_type = QPT_RC;
+	q->qp.state = QPS_RESET;
+	q->dev = dev_of(pd->context);
+	q->sig_all = attr->sq_sig_all;
+	pthread_mutex_lock(&lock);
+	q->qp.handle = next_handle++;
+	q->qp.qp_num = next_qpn++;
+	q->next = qps;
+	qps = q;
+	pthread_mutex_unlock(&lock);
+	return &q->qp;
+}
+
+EXPORT int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask)
+{
+	struct emu_qp *q = (struct emu_qp *)qp;
+	int rc = 0;
+	pthread_mutex_lock(&lock);
+	int cur = qp->state;
+	int next = (mask & QP_STATE) ? attr->qp_state : cur;
+	int need = 0;
+	if (next == QPS_RESET || next == QPS_ERR) {
+		need = 0;
+	} else if (cur == QPS_RESET && next == QPS_INIT) {
+		need = QP_PKEY_INDEX | QP_PORT | QP_ACCESS_FLAGS;
+	} else if (cur == QPS_INIT && next == QPS_RTR) {
+		need = QP_AV | QP_PATH_MTU | QP_DEST_QPN | QP_RQ_PSN | QP_MAX_DEST_RD_ATOMIC |
+		       QP_MIN_RNR_TIMER;
+	} else if (cur == QPS_RTR && next == QPS_RTS) {
+		need = QP_SQ_PSN | QP_TIMEOUT | QP_RETRY_CNT | QP_RNR_RETRY | QP_MAX_QP_RD_ATOMIC;
+	} else if (!(mask & QP_STATE) || cur == next) {
+		need = 0;
+	} else {
+		rc = EINVAL;
+	}
+	if (!rc && (mask & need) != need)
+		rc = EINVAL;
+	if (!rc && (mask & QP_PORT) && attr->port_num != 1)
+		rc = EINVAL;
+	if (!rc && q->dev->down && next != QPS_RESET && next != QPS_ERR && next != cur)
+		rc = EIO; /* the port is down: no transition to a working state */
+	if (!rc) {
+		if (mask & QP_ACCESS_FLAGS)
+			q->access = (int)attr->qp_access_flags;
+		if (mask & QP_DEST_QPN)
+			q->dest_qpn = attr->dest_qp_num;
+		if (mask & QP_AV) {
+			if (!attr->ah_attr.is_global)
+				rc = EINVAL; /* the emulator routes by GID only */
+			else
+				q->dgid = attr->ah_attr.grh.dgid;
+		}
+	}
+	if (!rc)
+		qp->state = next;
+	pthread_mutex_unlock(&lock);
+	return rc;
+}
+
+EXPORT int ibv_destroy_qp(struct ibv_qp *qp)
+{
+	pthread_mutex_lock(&lock);
+	for (struct emu_qp **p = &qps; *p; p = &(*p)->next)
+		if (&(*p)->qp == qp) {
+			struct emu_qp *q = *p;
+			*p = q->next;
+			pthread_mutex_unlock(&lock);
+			free(q);
+			return 0;
+		}
+	pthread_mutex_unlock(&lock);
+	return EINVAL;
+}
+
+/* ---- fault injection and counters (emulator only) ---- */
+
+EXPORT int verbs_emu_fail_device(const char *name, int down)
+{
+	struct emu_device *d = device_named(name);
+	if (!d)
+		return ENODEV;
+	pthread_mutex_lock(&lock);
+	d->down = down != 0;
+	if (!down)
+		d->fail_after = 0;
+	pthread_mutex_unlock(&lock);
+	return 0;
+}
+
+/* The device goes down once `bytes` more bytes have gone through it. */
+EXPORT int verbs_emu_fail_after(const char *name, uint64_t bytes)
+{
+	struct emu_device *d = device_named(name);
+	if (!d)
+		return ENODEV;
+	pthread_mutex_lock(&lock);
+	d->fail_after = d->bytes + (bytes ? bytes : 1);
+	pthread_mutex_unlock(&lock);
+	return 0;
+}
+
+EXPORT int verbs_emu_fail_qp(uint32_t qp_num)
+{
+	pthread_mutex_lock(&lock);
+	struct emu_qp *q = find_qp(qp_num);
+	if (q)
+		q->qp.state = QPS_ERR;
+	pthread_mutex_unlock(&lock);
+	return q ? 0 : ENOENT;
+}
+
+EXPORT uint64_t verbs_emu_bytes(const char *name)
+{
+	struct emu_device *d = device_named(name);
+	uint64_t b = 0;
+	pthread_mutex_lock(&lock);
+	if (d)
+		b = d->bytes;
+	pthread_mutex_unlock(&lock);
+	return b;
+}
+
+EXPORT uint64_t verbs_emu_ops(const char *name)
+{
+	struct emu_device *d = device_named(name);
+	uint64_t n = 0;
+	pthread_mutex_lock(&lock);
+	if (d)
+		n = d->ops;
+	pthread_mutex_unlock(&lock);
+	return n;
+}
+
+/* QPs currently alive (to check that endpoints are evicted and destroyed). */
+EXPORT int verbs_emu_qp_count(void)
+{
+	int n = 0;
+	pthread_mutex_lock(&lock);
+	for (struct emu_qp *q = qps; q; q = q->next)
+		n++;
+	pthread_mutex_unlock(&lock);
+	return n;
+}

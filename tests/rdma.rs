@@ -1,0 +1,757 @@
+//! The RDMA verbs transport against an emulated verbs provider (tests/emu/verbs_emu.c,
+//! built here with `cc`): this machine has no RDMA hardware. Emulated figures are not
+//! performance claims.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use common::pattern;
+use mooncake::engine::TaskState;
+use mooncake::ffi::ibverbs as ibv;
+use mooncake::{Code, Engine, EngineConfig, Op, Request};
+
+const DEVICES: [&str; 3] = ["emu0", "emu1", "emu2"];
+
+/// The emulator's fault-injection and counter entry points.
+struct Emu {
+    _lib: libloading::Library,
+    fail_device: unsafe extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int,
+    fail_after: unsafe extern "C" fn(*const libc::c_char, u64) -> libc::c_int,
+    bytes: unsafe extern "C" fn(*const libc::c_char) -> u64,
+}
+
+impl Emu {
+    fn bytes(&self, dev: &str) -> u64 {
+        let name = std::ffi::CString::new(dev).unwrap();
+        // SAFETY: emulator entry point taking a C string.
+        unsafe { (self.bytes)(name.as_ptr()) }
+    }
+
+    fn set_down(&self, dev: &str, down: bool) {
+        let name = std::ffi::CString::new(dev).unwrap();
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { (self.fail_device)(name.as_ptr(), down as libc::c_int) },
+            0
+        );
+    }
+
+    fn fail_after(&self, dev: &str, bytes: u64) {
+        let name = std::ffi::CString::new(dev).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { (self.fail_after)(name.as_ptr(), bytes) }, 0);
+    }
+}
+
+fn have_cc() -> bool {
+    std::process::Command::new("cc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn build_emulator() -> Result<PathBuf, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu/verbs_emu.c");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libverbs_emu.so");
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-Wall", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .arg("-lpthread")
+        .status()
+        .map_err(|e| format!("running cc: {e}"))?;
+    if !status.success() {
+        return Err(format!("cc failed on {}", src.display()));
+    }
+    Ok(out)
+}
+
+/// Builds and installs the emulator as this process's libibverbs (once, before any
+/// engine loads verbs). `None` (test skipped) when no C compiler is present.
+fn emu() -> Option<&'static Emu> {
+    static EMU: OnceLock<Option<Emu>> = OnceLock::new();
+    EMU.get_or_init(|| {
+        if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
+            return None;
+        }
+        if !have_cc() {
+            eprintln!("skipping: no C compiler (cc) to build the emulated verbs provider");
+            return None;
+        }
+        let path = build_emulator().expect("emulator builds");
+        std::env::set_var("MC_IBVERBS_LIB", &path);
+        std::env::set_var("VERBS_EMU_DEVICES", DEVICES.len().to_string());
+        // SAFETY: the emulator's initializers have no preconditions; dlopen of the same
+        // path shares the instance the engine loads.
+        let lib = unsafe { libloading::Library::new(&path) }.expect("emulator loads");
+        // SAFETY: the signatures match tests/emu/verbs_emu.c.
+        unsafe {
+            let fail_device = *lib.get(b"verbs_emu_fail_device\0").unwrap();
+            let fail_after = *lib.get(b"verbs_emu_fail_after\0").unwrap();
+            let bytes = *lib.get(b"verbs_emu_bytes\0").unwrap();
+            Some(Emu {
+                _lib: lib,
+                fail_device,
+                fail_after,
+                bytes,
+            })
+        }
+    })
+    .as_ref()
+}
+
+/// Tests share the emulated devices (faults are global): one at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn rdma_engine(workers: usize) -> Engine {
+    let mut cfg = EngineConfig::default();
+    cfg.set("metadata", "P2PHANDSHAKE").unwrap();
+    cfg.set("protocol", "rdma").unwrap();
+    cfg.set("workers", &workers.to_string()).unwrap();
+    Engine::new(cfg).expect("rdma engine starts on the emulated devices")
+}
+
+/// A registered buffer that unregisters itself on drop.
+struct Buf<'a> {
+    engine: &'a Engine,
+    buf: Vec<u8>,
+}
+
+impl<'a> Buf<'a> {
+    fn new(engine: &'a Engine, buf: Vec<u8>) -> Buf<'a> {
+        let mut b = Buf { engine, buf };
+        // SAFETY: the Vec lives in `b` and is unregistered before it is dropped.
+        unsafe { engine.register_memory(b.buf.as_mut_ptr(), b.buf.len(), "cpu:0") }.unwrap();
+        b
+    }
+
+    fn addr(&self) -> u64 {
+        self.buf.as_ptr() as u64
+    }
+}
+
+impl Drop for Buf<'_> {
+    fn drop(&mut self) {
+        let _ = self.engine.unregister_memory(self.buf.as_mut_ptr());
+    }
+}
+
+/// Runs one request to completion; returns its final state.
+fn run(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -> TaskState {
+    let batch = client.allocate_batch(1).unwrap();
+    let req = [Request {
+        op,
+        local,
+        segment: seg,
+        remote,
+        len: len as u64,
+    }];
+    // SAFETY: callers keep the local range alive until this returns.
+    unsafe { client.submit(batch, &req) }.unwrap();
+    if let Err(e) = client.wait_batch(batch, Some(Duration::from_secs(30))) {
+        // A failed task ends the wait with TransferFail; a hang would be a timeout.
+        assert_eq!(e.code(), Code::TransferFail, "{e}");
+    }
+    let st = client.task_status(batch, 0).unwrap();
+    client.free_batch(batch).unwrap();
+    st.state
+}
+
+#[test]
+fn descriptor_lists_devices_and_per_nic_keys() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let b = Buf::new(&server, vec![0; 8192]);
+    let desc = server.descriptor();
+    assert_eq!(desc.protocol, "rdma");
+    let names: Vec<&str> = desc.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, DEVICES);
+    for (i, d) in desc.devices.iter().enumerate() {
+        assert_eq!(d.lid as usize, i + 1);
+        assert_eq!(d.gid.len(), 32, "{}", d.gid);
+    }
+    let buf = desc.buffer_for(b.addr(), 8192).unwrap();
+    assert_eq!(buf.rkey.len(), 3);
+    assert_eq!(buf.lkey.len(), 3);
+    let mut keys = buf.rkey.clone();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 3, "one distinct rkey per NIC");
+}
+
+#[test]
+fn read_write_sizes_over_every_nic() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(2);
+    let client = rdma_engine(2);
+    let before: Vec<u64> = DEVICES.iter().map(|d| emu.bytes(d)).collect();
+    let big = 9 << 20;
+    let remote = Buf::new(&server, pattern(1, big));
+    let mut local = Buf::new(&client, vec![0; big]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    for len in [4096, 1 << 20, big] {
+        local.buf.fill(0);
+        let st = run(&client, seg, Op::Read, local.addr(), remote.addr(), len);
+        assert_eq!(st, TaskState::Completed, "read of {len}");
+        assert!(local.buf[..len] == remote.buf[..len], "read of {len} bytes");
+
+        let src = pattern(len as u64 + 7, len);
+        local.buf[..len].copy_from_slice(&src);
+        let st = run(&client, seg, Op::Write, local.addr(), remote.addr(), len);
+        assert_eq!(st, TaskState::Completed, "write of {len}");
+        assert!(remote.buf[..len] == src[..], "write of {len} bytes");
+    }
+    // An unaligned write inside the buffer.
+    let src = pattern(99, 100_000);
+    local.buf[..100_000].copy_from_slice(&src);
+    let st = run(
+        &client,
+        seg,
+        Op::Write,
+        local.addr(),
+        remote.addr() + 12345,
+        100_000,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(remote.buf[12345..112345] == src[..]);
+
+    let stats = client.stats();
+    assert!(
+        stats.rdma_bytes >= 2 * (4096 + (1 << 20) + big as u64),
+        "{stats:?}"
+    );
+    assert_eq!(stats.tcp_bytes, 0, "{stats:?}");
+    for (i, d) in DEVICES.iter().enumerate() {
+        let moved = emu.bytes(d) - before[i];
+        assert!(moved >= 4 << 20, "{d} carried only {moved} bytes");
+    }
+}
+
+#[test]
+fn nic_failure_mid_transfer_completes_on_the_others() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let len = 9 << 20;
+    let remote = Buf::new(&server, pattern(5, len));
+    let mut local = Buf::new(&client, vec![0; len]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let before: Vec<u64> = DEVICES.iter().map(|d| emu.bytes(d)).collect();
+    // emu1 dies after 512 KiB of this transfer.
+    emu.fail_after("emu1", 512 << 10);
+    let st = run(&client, seg, Op::Read, local.addr(), remote.addr(), len);
+    let moved: Vec<u64> = DEVICES
+        .iter()
+        .enumerate()
+        .map(|(i, d)| emu.bytes(d) - before[i])
+        .collect();
+    // Bring it back for the next tests before asserting anything.
+    emu.set_down("emu1", false);
+    assert_eq!(st, TaskState::Completed, "per-NIC bytes {moved:?}");
+    assert!(local.buf == remote.buf, "every byte arrived");
+    assert!(
+        moved[1] >= 512 << 10 && moved[1] < (1 << 20),
+        "emu1 moved {}",
+        moved[1]
+    );
+    assert!(moved[0] + moved[2] >= (len as u64) - moved[1], "{moved:?}");
+    let stats = client.stats();
+    assert!(stats.retries >= 1, "{stats:?}");
+    assert_eq!(stats.failed_slices, 0, "{stats:?}");
+
+    // Writes keep working with the rail paused or probed back.
+    let src = pattern(6, 1 << 20);
+    local.buf[..1 << 20].copy_from_slice(&src);
+    let st = run(
+        &client,
+        seg,
+        Op::Write,
+        local.addr(),
+        remote.addr(),
+        1 << 20,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(remote.buf[..1 << 20] == src[..]);
+}
+
+#[test]
+fn every_nic_down_fails_without_hanging() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let remote = Buf::new(&server, vec![0; 1 << 20]);
+    let local = Buf::new(&client, vec![1; 1 << 20]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    for d in DEVICES {
+        emu.set_down(d, true);
+    }
+    let st = run(
+        &client,
+        seg,
+        Op::Write,
+        local.addr(),
+        remote.addr(),
+        1 << 20,
+    );
+    for d in DEVICES {
+        emu.set_down(d, false);
+    }
+    assert_eq!(st, TaskState::Failed);
+    assert!(client.stats().failed_slices > 0);
+}
+
+#[test]
+fn stale_rkey_fails_with_a_clear_status() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let mut remote = vec![0u8; 1 << 16];
+    let raddr = remote.as_mut_ptr();
+    // SAFETY: `remote` outlives its registration (unregistered below).
+    unsafe { server.register_memory(raddr, remote.len(), "cpu:0") }.unwrap();
+    let local = Buf::new(&client, vec![3; 4096]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    // The client's cached descriptor still lists the buffer and its rkeys; the MRs
+    // behind them are gone, so the emulated HCA answers a remote access error.
+    server.unregister_memory(raddr).unwrap();
+    let st = run(&client, seg, Op::Write, local.addr(), raddr as u64, 4096);
+    assert_eq!(st, TaskState::Failed);
+    assert!(remote.iter().all(|b| *b == 0), "nothing was written");
+}
+
+#[test]
+fn unregistered_local_memory_is_rejected() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let remote = Buf::new(&server, vec![0; 4096]);
+    let local = vec![7u8; 4096];
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let st = run(
+        &client,
+        seg,
+        Op::Write,
+        local.as_ptr() as u64,
+        remote.addr(),
+        4096,
+    );
+    assert_eq!(st, TaskState::Failed);
+}
+
+/// The verbs layer itself on the emulator: key and bounds checks, QP states.
+#[test]
+fn verbs_layer_checks_keys_ranges_and_states() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let v = ibv::verbs().expect("emulator loads as libibverbs");
+    assert_eq!(v.device_names(), DEVICES);
+    let mut n = 0;
+    // SAFETY: straight-line verbs usage on the emulator; everything is freed at the end.
+    unsafe {
+        let list = (v.get_device_list)(&mut n);
+        let c0 = (v.open_device)(*list);
+        let c1 = (v.open_device)(*list.add(1));
+        (v.free_device_list)(list);
+        let p = v.query_port(c0, 1).unwrap();
+        assert_eq!((p.state, p.lid), (ibv::IBV_PORT_ACTIVE, 1));
+        let (pd0, pd1) = ((v.alloc_pd)(c0), (v.alloc_pd)(c1));
+        let mut a = vec![1u8; 4096];
+        let mut b = vec![0u8; 4096];
+        let flags = ibv::IBV_ACCESS_LOCAL_WRITE
+            | ibv::IBV_ACCESS_REMOTE_WRITE
+            | ibv::IBV_ACCESS_REMOTE_READ;
+        let ma = (v.reg_mr)(pd0, a.as_mut_ptr().cast(), a.len(), flags);
+        let mb = (v.reg_mr)(pd1, b.as_mut_ptr().cast(), b.len(), flags);
+        assert!(!ma.is_null() && !mb.is_null());
+        let cq0 = (v.create_cq)(c0, 16, std::ptr::null_mut(), std::ptr::null_mut(), 0);
+        let cq1 = (v.create_cq)(c1, 16, std::ptr::null_mut(), std::ptr::null_mut(), 0);
+        let mk = |pd, cq| {
+            let mut init = ibv::ibv_qp_init_attr {
+                qp_context: std::ptr::null_mut(),
+                send_cq: cq,
+                recv_cq: cq,
+                srq: std::ptr::null_mut(),
+                cap: ibv::ibv_qp_cap {
+                    max_send_wr: 16,
+                    max_recv_wr: 1,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 0,
+                },
+                qp_type: ibv::IBV_QPT_RC,
+                sq_sig_all: 0,
+            };
+            (v.create_qp)(pd, &mut init)
+        };
+        let (q0, q1) = (mk(pd0, cq0), mk(pd1, cq1));
+        let post = |qp, rkey: u32, raddr: u64, len: u32| {
+            let mut sge = ibv::ibv_sge {
+                addr: a.as_ptr() as u64,
+                length: len,
+                lkey: (*ma).lkey,
+            };
+            let mut wr = ibv::ibv_send_wr {
+                wr_id: 42,
+                sg_list: &mut sge,
+                num_sge: 1,
+                opcode: ibv::IBV_WR_RDMA_WRITE,
+                send_flags: ibv::IBV_SEND_SIGNALED,
+                ..Default::default()
+            };
+            wr.rdma.remote_addr = raddr;
+            wr.rdma.rkey = rkey;
+            let mut bad = std::ptr::null_mut();
+            ibv::post_send(qp, &mut wr, &mut bad)
+        };
+        // Posting on a QP that is not ready to send is refused.
+        assert_eq!(post(q0, (*mb).rkey, b.as_ptr() as u64, 64), libc::EINVAL);
+        // Connect q0 <-> q1 by hand (RESET -> INIT -> RTR -> RTS).
+        let mut gid0 = ibv::ibv_gid::default();
+        let mut gid1 = ibv::ibv_gid::default();
+        (v.query_gid)(c0, 1, 0, &mut gid0);
+        (v.query_gid)(c1, 1, 0, &mut gid1);
+        assert_ne!(gid0, gid1);
+        let connect_pair = || {
+            for (qp, peer, gid) in [(q0, q1, gid1), (q1, q0, gid0)] {
+                let mut at = ibv::ibv_qp_attr {
+                    qp_state: ibv::IBV_QPS_RESET,
+                    ..Default::default()
+                };
+                assert_eq!((v.modify_qp)(qp, &mut at, ibv::IBV_QP_STATE), 0);
+                let mut at = ibv::ibv_qp_attr {
+                    qp_state: ibv::IBV_QPS_RTR,
+                    ..Default::default()
+                };
+                // Skipping INIT is refused.
+                assert_ne!((v.modify_qp)(qp, &mut at, ibv::IBV_QP_STATE), 0);
+                let mut at = ibv::ibv_qp_attr {
+                    qp_state: ibv::IBV_QPS_INIT,
+                    port_num: 1,
+                    qp_access_flags: flags as u32,
+                    ..Default::default()
+                };
+                let m = ibv::IBV_QP_STATE
+                    | ibv::IBV_QP_PKEY_INDEX
+                    | ibv::IBV_QP_PORT
+                    | ibv::IBV_QP_ACCESS_FLAGS;
+                assert_eq!((v.modify_qp)(qp, &mut at, m), 0);
+                let mut at = ibv::ibv_qp_attr {
+                    qp_state: ibv::IBV_QPS_RTR,
+                    path_mtu: ibv::IBV_MTU_4096,
+                    dest_qp_num: (*peer).qp_num,
+                    max_dest_rd_atomic: 16,
+                    min_rnr_timer: 12,
+                    ..Default::default()
+                };
+                at.ah_attr.is_global = 1;
+                at.ah_attr.grh.dgid = gid;
+                at.ah_attr.port_num = 1;
+                let m = ibv::IBV_QP_STATE
+                    | ibv::IBV_QP_AV
+                    | ibv::IBV_QP_PATH_MTU
+                    | ibv::IBV_QP_DEST_QPN
+                    | ibv::IBV_QP_RQ_PSN
+                    | ibv::IBV_QP_MAX_DEST_RD_ATOMIC
+                    | ibv::IBV_QP_MIN_RNR_TIMER;
+                assert_eq!((v.modify_qp)(qp, &mut at, m), 0);
+                let mut at = ibv::ibv_qp_attr {
+                    qp_state: ibv::IBV_QPS_RTS,
+                    timeout: 14,
+                    retry_cnt: 7,
+                    rnr_retry: 7,
+                    max_rd_atomic: 16,
+                    ..Default::default()
+                };
+                let m = ibv::IBV_QP_STATE
+                    | ibv::IBV_QP_TIMEOUT
+                    | ibv::IBV_QP_RETRY_CNT
+                    | ibv::IBV_QP_RNR_RETRY
+                    | ibv::IBV_QP_SQ_PSN
+                    | ibv::IBV_QP_MAX_QP_RD_ATOMIC;
+                assert_eq!((v.modify_qp)(qp, &mut at, m), 0);
+            }
+        };
+        connect_pair();
+        let poll = |cq| {
+            let mut wc = [ibv::ibv_wc::default(); 4];
+            let n = ibv::poll_cq(cq, 4, wc.as_mut_ptr());
+            assert_eq!(n, 1);
+            wc[0]
+        };
+        // A good write.
+        assert_eq!(post(q0, (*mb).rkey, b.as_ptr() as u64 + 100, 64), 0);
+        let wc = poll(cq0);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (42, ibv::IBV_WC_SUCCESS, 64)
+        );
+        assert!(b[100..164].iter().all(|x| *x == 1) && b[164] == 0);
+        // A wrong rkey, in the other direction: remote access error, q1 to ERR.
+        let mut sge = ibv::ibv_sge {
+            addr: b.as_ptr() as u64,
+            length: 64,
+            lkey: (*mb).lkey,
+        };
+        let mut wr = ibv::ibv_send_wr {
+            wr_id: 7,
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: ibv::IBV_WR_RDMA_READ,
+            send_flags: ibv::IBV_SEND_SIGNALED,
+            ..Default::default()
+        };
+        wr.rdma.remote_addr = a.as_ptr() as u64;
+        wr.rdma.rkey = (*ma).rkey ^ 0x5555;
+        let mut bad = std::ptr::null_mut();
+        assert_eq!(ibv::post_send(q1, &mut wr, &mut bad), 0);
+        assert_eq!(poll(cq1).status, ibv::IBV_WC_REM_ACCESS_ERR);
+        // ERR -> RESET -> ... -> RTS brings the pair back.
+        connect_pair();
+
+        // Past the end of the remote MR: remote access error, QP to ERR.
+        assert_eq!(post(q0, (*mb).rkey, b.as_ptr() as u64 + 4090, 64), 0);
+        let wc = poll(cq0);
+        assert_eq!(
+            wc.status,
+            ibv::IBV_WC_REM_ACCESS_ERR,
+            "{}",
+            ibv::wc_status_name(wc.status)
+        );
+        assert_eq!(b[4090], 0);
+        // Later requests on the broken QP are flushed.
+        assert_eq!(post(q0, (*mb).rkey, b.as_ptr() as u64, 64), 0);
+        assert_eq!(poll(cq0).status, ibv::IBV_WC_WR_FLUSH_ERR);
+        for qp in [q0, q1] {
+            assert_eq!((v.destroy_qp)(qp), 0);
+        }
+        for cq in [cq0, cq1] {
+            assert_eq!((v.destroy_cq)(cq), 0);
+        }
+        for mr in [ma, mb] {
+            assert_eq!((v.dereg_mr)(mr), 0);
+        }
+        (v.dealloc_pd)(pd0);
+        (v.dealloc_pd)(pd1);
+        (v.close_device)(c0);
+        (v.close_device)(c1);
+    }
+    let info = ibv::info();
+    assert_eq!(info.devices.len(), 3, "{info:?}");
+    assert!(info.devices[0].contains("emu0 port 1: active"), "{info:?}");
+}
+
+/// Hand-written layouts against the installed verbs.h, when there is one.
+#[test]
+fn layouts_match_verbs_h() {
+    if !Path::new("/usr/include/infiniband/verbs.h").exists() || !have_cc() {
+        eprintln!("skipping: no infiniband/verbs.h (apt-get install libibverbs-dev) or cc");
+        return;
+    }
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let src = dir.join("verbs_layout.c");
+    let exe = dir.join("verbs_layout");
+    std::fs::write(
+        &src,
+        r#"#include <infiniband/verbs.h>
+#include <stdio.h>
+#include <stddef.h>
+#define S(t) printf("%s %zu\n", #t, sizeof(struct t));
+#define O(t, f) printf("%s.%s %zu\n", #t, #f, offsetof(struct t, f));
+int main(void) {
+  S(ibv_device) S(ibv_context) S(ibv_context_ops) S(ibv_pd) S(ibv_mr) S(ibv_cq) S(ibv_qp)
+  S(ibv_qp_init_attr) S(ibv_qp_attr) S(ibv_send_wr) S(ibv_sge) S(ibv_wc) S(ibv_port_attr)
+  S(ibv_ah_attr)
+  O(ibv_context_ops, poll_cq) O(ibv_context_ops, post_send) O(ibv_context_ops, post_recv)
+  O(ibv_context, ops) O(ibv_qp, qp_num) O(ibv_qp, state) O(ibv_mr, lkey) O(ibv_mr, rkey)
+  O(ibv_send_wr, wr.rdma.remote_addr) O(ibv_send_wr, wr.rdma.rkey) O(ibv_send_wr, send_flags)
+  O(ibv_qp_attr, ah_attr) O(ibv_qp_attr, dest_qp_num) O(ibv_qp_attr, max_dest_rd_atomic)
+  O(ibv_qp_attr, rnr_retry) O(ibv_wc, byte_len) O(ibv_wc, qp_num) O(ibv_port_attr, lid)
+  O(ibv_port_attr, link_layer) O(ibv_device, name)
+  return 0;
+}
+"#,
+    )
+    .unwrap();
+    let ok = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "layout probe compiles");
+    let out = std::process::Command::new(&exe).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let c: std::collections::HashMap<&str, usize> = text
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(k, v)| (k, v.parse().unwrap()))
+        .collect();
+    use std::mem::{offset_of, size_of};
+    let rust: &[(&str, usize)] = &[
+        ("ibv_device", size_of::<ibv::ibv_device>()),
+        ("ibv_context", size_of::<ibv::ibv_context>()),
+        ("ibv_context_ops", size_of::<ibv::ibv_context_ops>()),
+        ("ibv_pd", size_of::<ibv::ibv_pd>()),
+        ("ibv_mr", size_of::<ibv::ibv_mr>()),
+        ("ibv_cq", size_of::<ibv::ibv_cq>()),
+        ("ibv_qp", size_of::<ibv::ibv_qp>()),
+        ("ibv_qp_init_attr", size_of::<ibv::ibv_qp_init_attr>()),
+        ("ibv_qp_attr", size_of::<ibv::ibv_qp_attr>()),
+        ("ibv_send_wr", size_of::<ibv::ibv_send_wr>()),
+        ("ibv_sge", size_of::<ibv::ibv_sge>()),
+        ("ibv_wc", size_of::<ibv::ibv_wc>()),
+        ("ibv_port_attr", size_of::<ibv::ibv_port_attr>()),
+        ("ibv_ah_attr", size_of::<ibv::ibv_ah_attr>()),
+        (
+            "ibv_context_ops.poll_cq",
+            offset_of!(ibv::ibv_context_ops, poll_cq),
+        ),
+        (
+            "ibv_context_ops.post_send",
+            offset_of!(ibv::ibv_context_ops, post_send),
+        ),
+        (
+            "ibv_context_ops.post_recv",
+            offset_of!(ibv::ibv_context_ops, post_recv),
+        ),
+        ("ibv_context.ops", offset_of!(ibv::ibv_context, ops)),
+        ("ibv_qp.qp_num", offset_of!(ibv::ibv_qp, qp_num)),
+        ("ibv_qp.state", offset_of!(ibv::ibv_qp, state)),
+        ("ibv_mr.lkey", offset_of!(ibv::ibv_mr, lkey)),
+        ("ibv_mr.rkey", offset_of!(ibv::ibv_mr, rkey)),
+        (
+            "ibv_send_wr.wr.rdma.remote_addr",
+            offset_of!(ibv::ibv_send_wr, rdma),
+        ),
+        (
+            "ibv_send_wr.wr.rdma.rkey",
+            offset_of!(ibv::ibv_send_wr, rdma) + offset_of!(ibv::ibv_send_wr_rdma, rkey),
+        ),
+        (
+            "ibv_send_wr.send_flags",
+            offset_of!(ibv::ibv_send_wr, send_flags),
+        ),
+        ("ibv_qp_attr.ah_attr", offset_of!(ibv::ibv_qp_attr, ah_attr)),
+        (
+            "ibv_qp_attr.dest_qp_num",
+            offset_of!(ibv::ibv_qp_attr, dest_qp_num),
+        ),
+        (
+            "ibv_qp_attr.max_dest_rd_atomic",
+            offset_of!(ibv::ibv_qp_attr, max_dest_rd_atomic),
+        ),
+        (
+            "ibv_qp_attr.rnr_retry",
+            offset_of!(ibv::ibv_qp_attr, rnr_retry),
+        ),
+        ("ibv_wc.byte_len", offset_of!(ibv::ibv_wc, byte_len)),
+        ("ibv_wc.qp_num", offset_of!(ibv::ibv_wc, qp_num)),
+        ("ibv_port_attr.lid", offset_of!(ibv::ibv_port_attr, lid)),
+        (
+            "ibv_port_attr.link_layer",
+            offset_of!(ibv::ibv_port_attr, link_layer),
+        ),
+        ("ibv_device.name", offset_of!(ibv::ibv_device, name)),
+    ];
+    for (name, size) in rust {
+        assert_eq!(c.get(name), Some(size), "{name}");
+    }
+}
+
+/// A missing library is an ordinary error naming the override variable. The verbs
+/// table loads once per process, so this runs in a child process.
+#[test]
+fn missing_library_is_backend_unavailable() {
+    if std::env::var("MC_RDMA_TEST_CHILD").as_deref() == Ok("missing") {
+        let mut cfg = EngineConfig::default();
+        cfg.set("protocol", "rdma").unwrap();
+        let err = Engine::new(cfg).err().expect("start-up fails");
+        assert_eq!(err.code(), Code::BackendUnavailable, "{err}");
+        let text = err.to_string();
+        assert!(text.contains("MC_IBVERBS_LIB"), "{text}");
+        assert!(text.contains("/nonexistent/libibverbs.so.1"), "{text}");
+        println!("CHILD-OK");
+        return;
+    }
+    if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "missing_library_is_backend_unavailable",
+            "--nocapture",
+        ])
+        .env("MC_RDMA_TEST_CHILD", "missing")
+        .env("MC_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("CHILD-OK"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The system's libibverbs (when installed) on this machine, which has no RDMA
+/// devices: `info` says so and start-up fails with BackendUnavailable, not a crash.
+#[test]
+fn system_libibverbs_without_devices() {
+    if std::env::var("MC_RDMA_TEST_CHILD").as_deref() == Ok("system") {
+        let info = ibv::info();
+        println!("{info:?}");
+        let mut cfg = EngineConfig::default();
+        cfg.set("protocol", "rdma").unwrap();
+        match Engine::new(cfg) {
+            // A machine with a real HCA starts; nothing more to check here.
+            Ok(_) => assert!(!info.devices.is_empty(), "{info:?}"),
+            Err(err) => {
+                assert_eq!(err.code(), Code::BackendUnavailable, "{err}");
+                if info.library.is_ok() {
+                    assert!(err.to_string().contains("no RDMA devices"), "{err}");
+                    assert!(
+                        info.notes.iter().any(|n| n.contains("no RDMA devices")),
+                        "{info:?}"
+                    );
+                } else {
+                    assert!(err.to_string().contains("MC_IBVERBS_LIB"), "{err}");
+                }
+            }
+        }
+        println!("CHILD-OK");
+        return;
+    }
+    if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "system_libibverbs_without_devices",
+            "--nocapture",
+        ])
+        .env("MC_RDMA_TEST_CHILD", "system")
+        .env_remove("MC_IBVERBS_LIB")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("CHILD-OK"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

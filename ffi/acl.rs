@@ -48,15 +48,11 @@ pub struct Acl {
     acl_get_recent_err_msg: unsafe extern "C" fn() -> *const c_char,
 }
 
+/// A runtime entry point.
 fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
     // SAFETY: every `T` used here is the `extern "C"` signature acl.h declares.
-    match unsafe { lib.get::<T>(name) } {
-        Ok(s) => Ok(*s),
-        Err(_) => Err(Error::new(
-            Code::BackendUnavailable,
-            loader::missing_symbol(library, name, OVERRIDE_VAR),
-        )),
-    }
+    unsafe { loader::symbol(lib, library, &[name], OVERRIDE_VAR) }
+        .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
 fn unavailable(why: impl std::fmt::Display) -> Error {

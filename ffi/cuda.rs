@@ -80,19 +80,12 @@ pub struct Cuda {
         Option<unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_int, u64) -> CUresult>,
 }
 
-/// First symbol found among `names`, as a function pointer of type `T`.
+/// A driver entry point (the first of `names` exported).
 fn sym<T: Copy>(lib: &Library, library: &str, names: &[&str]) -> Result<T> {
-    for name in names {
-        // SAFETY: every `T` used here is the `extern "C"` signature that cuda.h declares
-        // for the symbol looked up.
-        if let Ok(s) = unsafe { lib.get::<T>(*name) } {
-            return Ok(*s);
-        }
-    }
-    Err(Error::new(
-        Code::BackendUnavailable,
-        loader::missing_symbol(library, names[0], OVERRIDE_VAR),
-    ))
+    // SAFETY: every `T` used here is the `extern "C"` signature that cuda.h declares
+    // for the symbols looked up.
+    unsafe { loader::symbol(lib, library, names, OVERRIDE_VAR) }
+        .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
 fn unavailable(why: impl std::fmt::Display) -> Error {

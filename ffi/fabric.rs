@@ -536,9 +536,7 @@ impl FabricLib {
         fn sym<T: Copy>(lib: &Library, path: &str, name: &str) -> Result<T, String> {
             // SAFETY: each call names a libfabric export whose C signature matches `T`
             // (the types above are written after the headers).
-            unsafe { lib.get::<T>(name) }
-                .map(|s| *s)
-                .map_err(|_| loader::missing_symbol(path, name, OVERRIDE_VAR))
+            unsafe { loader::symbol(lib, path, &[name], OVERRIDE_VAR) }
         }
         let version_fn: unsafe extern "C" fn() -> u32 = sym(&lib, &path, "fi_version")?;
         // SAFETY: fi_version takes no arguments and only returns a constant.

@@ -84,16 +84,11 @@ pub struct Hip {
     hip_get_error_name: unsafe extern "C" fn(HipError) -> *const c_char,
 }
 
+/// A runtime entry point.
 fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
-    // SAFETY: every `T` used here is the `extern "C"` signature hip_runtime_api.h
-    // declares for the symbol.
-    match unsafe { lib.get::<T>(name) } {
-        Ok(s) => Ok(*s),
-        Err(_) => Err(Error::new(
-            Code::BackendUnavailable,
-            loader::missing_symbol(library, name, OVERRIDE_VAR),
-        )),
-    }
+    // SAFETY: every `T` used here is the `extern "C"` signature hip_runtime_api.h declares.
+    unsafe { loader::symbol(lib, library, &[name], OVERRIDE_VAR) }
+        .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
 fn unavailable(why: impl std::fmt::Display) -> Error {

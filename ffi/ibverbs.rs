@@ -492,10 +492,7 @@ fn load() -> Result<Verbs, String> {
     macro_rules! sym {
         ($name:literal) => {{
             // SAFETY: the field's type is the C prototype of this verbs.h function.
-            match unsafe { lib.get(concat!($name, "\0").as_bytes()) } {
-                Ok(s) => *s,
-                Err(_) => return Err(loader::missing_symbol(&library, $name, OVERRIDE_VAR)),
-            }
+            unsafe { loader::symbol(&lib, &library, &[$name], OVERRIDE_VAR) }?
         }};
     }
     Ok(Verbs {

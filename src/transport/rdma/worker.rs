@@ -1,0 +1,632 @@
+//! A per-thread worker: endpoint cache, completion queues, rail choice and retries.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::nic::{connect_qp, create_qp, port_active};
+use super::shared::Shared;
+use super::topology::Topology;
+use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_WR};
+use crate::error::Result;
+use crate::ffi::ibverbs as ibv;
+use crate::json::{self, Value};
+use crate::metadata::SegmentDesc;
+use crate::transport::{Finished, Op, Outcome, Peer, Slice, TransportWorker};
+use crate::wire::rpc::{self, RpcType};
+
+type RailKey = (u64, usize, usize);
+
+struct Endpoint {
+    qp: *mut ibv::ibv_qp,
+    outstanding: u32,
+    last_used: Instant,
+}
+
+struct Pending {
+    slice: u64,
+    local: u64,
+    remote: u64,
+    len: u64,
+    rail: RailKey,
+    peer: Arc<Peer>,
+    deadline: Instant,
+    detail: String,
+}
+
+/// Which rails a slice already failed on (keyed by slice id; the addresses guard
+/// against a reused id).
+struct Tried {
+    local: u64,
+    remote: u64,
+    rails: Vec<(usize, usize)>,
+}
+
+pub(super) struct RdmaWorker {
+    shared: Arc<Shared>,
+    /// One CQ per local NIC.
+    cqs: Vec<*mut ibv::ibv_cq>,
+    endpoints: HashMap<RailKey, Endpoint>,
+    /// Endpoints taken out of service; destroyed once nothing is outstanding on them.
+    graveyard: Vec<(Endpoint, Instant)>,
+    pending: HashMap<u64, Pending>,
+    tried: HashMap<u64, Tried>,
+    /// Slices that got a remote access error once (answered `Stale`): id → addresses.
+    stale: HashMap<u64, (u64, u64)>,
+    /// Slices waiting for send-queue room.
+    backlog: VecDeque<Slice>,
+    /// Each peer's parsed priority matrix, for the descriptor it was parsed from.
+    peer_topology: HashMap<u64, (Arc<SegmentDesc>, Topology)>,
+    next_wr: u64,
+    rr: usize,
+    in_flight_bytes: u64,
+    polls: u32,
+}
+
+// SAFETY: the worker is moved to its thread once; verbs objects are thread-safe.
+unsafe impl Send for RdmaWorker {}
+
+enum PostError {
+    /// Finish the slice with this outcome.
+    Finish(Outcome),
+    /// Every usable rail is busy: keep it for later.
+    Busy,
+}
+
+impl RdmaWorker {
+    /// Creates one CQ per local NIC for a new worker.
+    pub(super) fn new(s: Arc<Shared>) -> Result<RdmaWorker> {
+        let mut cqs = Vec::new();
+        for nic in &s.nics {
+            // SAFETY: plain CQ creation on an open context.
+            let cq = unsafe {
+                (s.verbs.create_cq)(
+                    nic.ctx,
+                    CQ_DEPTH,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    0,
+                )
+            };
+            if cq.is_null() {
+                let e = std::io::Error::last_os_error();
+                for cq in cqs {
+                    // SAFETY: created just above.
+                    unsafe { (s.verbs.destroy_cq)(cq) };
+                }
+                return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
+            }
+            cqs.push(cq);
+        }
+        Ok(RdmaWorker {
+            shared: s,
+            cqs,
+            endpoints: HashMap::new(),
+            graveyard: Vec::new(),
+            pending: HashMap::new(),
+            tried: HashMap::new(),
+            stale: HashMap::new(),
+            backlog: VecDeque::new(),
+            peer_topology: HashMap::new(),
+            next_wr: 1,
+            rr: 0,
+            in_flight_bytes: 0,
+            polls: 0,
+        })
+    }
+
+    fn drop_endpoint(&mut self, key: RailKey) {
+        if let Some(ep) = self.endpoints.remove(&key) {
+            self.graveyard.push((ep, Instant::now()));
+        }
+    }
+
+    fn reap(&mut self, now: Instant) {
+        let v = self.shared.verbs;
+        self.graveyard.retain(|(ep, since)| {
+            if ep.outstanding == 0 || now.duration_since(*since) > Duration::from_secs(60) {
+                // SAFETY: out of service and drained (or given up on).
+                unsafe { (v.destroy_qp)(ep.qp) };
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Connects a QP for (peer, l, r) with the Connection handshake.
+    fn connect(
+        &mut self,
+        peer: &Peer,
+        l: usize,
+        r: usize,
+    ) -> std::result::Result<*mut ibv::ibv_qp, String> {
+        let s = self.shared.clone();
+        let nic = &s.nics[l];
+        if !port_active(&s, nic) {
+            return Err(format!(
+                "local port {} of {} is not active",
+                nic.port, nic.name
+            ));
+        }
+        let desc = peer.desc();
+        let dev = desc
+            .devices
+            .get(r)
+            .ok_or_else(|| format!("peer has no device #{r}"))?;
+        let v = s.verbs;
+        // SAFETY: QP on our PD and this worker's CQ for the NIC.
+        let qp = unsafe { create_qp(v, nic, self.cqs[l])? };
+        let result = (|| {
+            // SAFETY: a fresh QP.
+            let qpn = unsafe { (*qp).qp_num };
+            let request = Value::object([
+                (
+                    "local_nic_path",
+                    Value::from(format!("{}@{}", s.server_name(), nic.name)),
+                ),
+                ("local_lid", Value::from(nic.lid)),
+                ("local_gid", Value::from(ibv::gid_hex(&nic.gid))),
+                (
+                    "peer_nic_path",
+                    Value::from(format!("{}@{}", peer.name, dev.name)),
+                ),
+                ("qp_num", Value::Array(vec![Value::from(qpn)])),
+                ("ready_ack", Value::Bool(false)),
+                ("reply_msg", Value::from("")),
+            ])
+            .to_string();
+            let addr = peer.rpc_addr();
+            let reply = rpc::call(&addr, RpcType::Connection, &request, HANDSHAKE_TIMEOUT)
+                .map_err(|e| format!("handshake with {addr}: {e}"))?;
+            let reply =
+                json::parse(&reply).map_err(|e| format!("handshake reply from {addr}: {e}"))?;
+            let msg = reply.get("reply_msg").and_then(Value::as_str).unwrap_or("");
+            if !msg.is_empty() {
+                return Err(format!("{} refused the connection: {msg}", peer.name));
+            }
+            let remote_qpn = reply
+                .get("qp_num")
+                .and_then(Value::as_array)
+                .and_then(|a| a.first())
+                .and_then(Value::as_u64)
+                .ok_or_else(|| format!("handshake reply from {addr} has no qp_num"))?;
+            let gid_text = reply
+                .get("local_gid")
+                .and_then(Value::as_str)
+                .unwrap_or(&dev.gid);
+            let gid =
+                ibv::parse_gid(gid_text).ok_or_else(|| format!("bad peer gid {gid_text:?}"))?;
+            let lid = reply
+                .get("local_lid")
+                .and_then(Value::as_u64)
+                .map_or(dev.lid, |l| l as u16);
+            // SAFETY: our QP, connected once.
+            unsafe { connect_qp(v, nic, qp, remote_qpn as u32, gid, lid) }
+        })();
+        match result {
+            Ok(()) => Ok(qp),
+            Err(e) => {
+                // SAFETY: never used.
+                unsafe { (v.destroy_qp)(qp) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes room in the endpoint cache: evicts the least recently used idle endpoint.
+    fn evict(&mut self) {
+        if self.endpoints.len() < MAX_ENDPOINTS {
+            return;
+        }
+        let victim = self
+            .endpoints
+            .iter()
+            .filter(|(_, e)| e.outstanding == 0)
+            .min_by_key(|(_, e)| e.last_used)
+            .map(|(k, _)| *k);
+        if let Some(k) = victim {
+            self.drop_endpoint(k);
+        }
+    }
+
+    /// Rails for a slice, best first, skipping failed and paused ones.
+    fn rails(
+        &mut self,
+        slice: &Slice,
+        location: &str,
+        remote_loc: &str,
+        nremote: usize,
+    ) -> Vec<(usize, usize)> {
+        let s = self.shared.clone();
+        let nl = s.nics.len();
+        let (lp, lo) = s.topology.nics_for(location, nl);
+        let desc = slice.peer.desc();
+        let cached = self
+            .peer_topology
+            .get(&slice.peer.id)
+            .filter(|(d, _)| Arc::ptr_eq(d, &desc));
+        let (rp, ro) = match cached {
+            Some((_, t)) => t.nics_for(remote_loc, nremote),
+            None => {
+                let names: Vec<String> = desc.devices.iter().map(|d| d.name.clone()).collect();
+                let t = Topology::parse(&desc.priority_matrix, &names);
+                let r = t.nics_for(remote_loc, nremote);
+                self.peer_topology.insert(slice.peer.id, (desc.clone(), t));
+                r
+            }
+        };
+        let rr = self.rr;
+        self.rr = self.rr.wrapping_add(1);
+        let mut order = Vec::new();
+        let k = lp.len().max(rp.len());
+        for i in 0..k {
+            order.push((lp[(rr + i) % lp.len()], rp[(rr + i) % rp.len()]));
+        }
+        let lall: Vec<usize> = lp.iter().chain(&lo).copied().collect();
+        let rall: Vec<usize> = rp.iter().chain(&ro).copied().collect();
+        for (i, l) in lall.iter().enumerate() {
+            for j in 0..rall.len() {
+                order.push((*l, rall[(i + j + rr) % rall.len()]));
+            }
+        }
+        let tried = self
+            .tried
+            .get(&slice.id)
+            .filter(|t| t.local == slice.local && t.remote == slice.remote);
+        let now = Instant::now();
+        let mut seen = Vec::new();
+        order.retain(|rail| {
+            let keep = !seen.contains(rail)
+                && rail.1 < nremote
+                && !tried.is_some_and(|t| t.rails.contains(rail))
+                && s.rail_usable(&slice.peer.name, rail.0, rail.1, now);
+            seen.push(*rail);
+            keep
+        });
+        order
+    }
+
+    fn note_tried(&mut self, id: u64, local: u64, remote: u64, rail: (usize, usize)) {
+        let t = self.tried.entry(id).or_insert(Tried {
+            local,
+            remote,
+            rails: Vec::new(),
+        });
+        if t.local != local || t.remote != remote {
+            *t = Tried {
+                local,
+                remote,
+                rails: Vec::new(),
+            };
+        }
+        t.rails.push(rail);
+    }
+
+    fn try_post(&mut self, slice: &Slice) -> std::result::Result<(), PostError> {
+        let finish = |o| Err(PostError::Finish(o));
+        let Some((location, lkeys)) = self.shared.local_keys(slice.local, slice.len) else {
+            return finish(Outcome::Rejected(format!(
+                "local range {:#x}+{} is not inside a buffer registered with the engine \
+                 (RDMA needs registered local memory)",
+                slice.local, slice.len
+            )));
+        };
+        let desc = slice.peer.desc();
+        let Some(buffer) = desc.buffer_for(slice.remote, slice.len) else {
+            return finish(Outcome::Stale);
+        };
+        let nremote = desc.devices.len().min(buffer.rkey.len());
+        if nremote == 0 {
+            return finish(Outcome::Rejected(format!(
+                "{} publishes no RDMA keys for the buffer at {:#x}",
+                slice.peer.name, buffer.addr
+            )));
+        }
+        let remote_loc = buffer.name.clone();
+        let rkeys = buffer.rkey.clone();
+        drop(desc);
+        let rails = self.rails(slice, &location, &remote_loc, nremote);
+        if rails.is_empty() {
+            return finish(Outcome::PathFailed(format!(
+                "no usable RDMA rail to {} (all failed for this slice or paused)",
+                slice.peer.name
+            )));
+        }
+        let mut busy = false;
+        let mut last_error = String::new();
+        for (l, r) in rails {
+            let key = (slice.peer.id, l, r);
+            if !self.endpoints.contains_key(&key) {
+                self.evict();
+                match self.connect(&slice.peer, l, r) {
+                    Ok(qp) => {
+                        self.endpoints.insert(
+                            key,
+                            Endpoint {
+                                qp,
+                                outstanding: 0,
+                                last_used: Instant::now(),
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        log::debug!("rdma: connecting rail {l}->{}@{r}: {e}", slice.peer.name);
+                        self.shared.rail_failed(&slice.peer.name, l, r, &e);
+                        self.note_tried(slice.id, slice.local, slice.remote, (l, r));
+                        last_error = e;
+                        continue;
+                    }
+                }
+            }
+            let ep = self.endpoints.get_mut(&key).expect("endpoint present");
+            if ep.outstanding >= MAX_WR {
+                busy = true;
+                continue;
+            }
+            let wr_id = self.next_wr;
+            self.next_wr += 1;
+            let mut sge = ibv::ibv_sge {
+                addr: slice.local,
+                length: slice.len as u32,
+                lkey: lkeys[l],
+            };
+            let mut wr = ibv::ibv_send_wr {
+                wr_id,
+                sg_list: &mut sge,
+                num_sge: 1,
+                opcode: match slice.op {
+                    Op::Read => ibv::IBV_WR_RDMA_READ,
+                    Op::Write => ibv::IBV_WR_RDMA_WRITE,
+                },
+                send_flags: ibv::IBV_SEND_SIGNALED,
+                ..Default::default()
+            };
+            wr.rdma.remote_addr = slice.remote;
+            wr.rdma.rkey = rkeys[r];
+            let mut bad = std::ptr::null_mut();
+            // SAFETY: a live, connected QP; `wr` and `sge` outlive the call (the
+            // provider copies them into its send queue).
+            let rc = unsafe { ibv::post_send(ep.qp, &mut wr, &mut bad) };
+            if rc != 0 {
+                let e = format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name);
+                self.shared.rail_failed(&slice.peer.name, l, r, &e);
+                self.drop_endpoint(key);
+                self.note_tried(slice.id, slice.local, slice.remote, (l, r));
+                last_error = e;
+                continue;
+            }
+            ep.outstanding += 1;
+            ep.last_used = Instant::now();
+            self.in_flight_bytes += slice.len;
+            self.pending.insert(
+                wr_id,
+                Pending {
+                    slice: slice.id,
+                    local: slice.local,
+                    remote: slice.remote,
+                    len: slice.len,
+                    rail: key,
+                    peer: slice.peer.clone(),
+                    deadline: slice.deadline,
+                    detail: format!(
+                        "{:?} {:#x}+{} rkey {:#x} via {}->{}#{r}",
+                        slice.op,
+                        slice.remote,
+                        slice.len,
+                        rkeys[r],
+                        self.shared.nics[l].name,
+                        slice.peer.name
+                    ),
+                },
+            );
+            return Ok(());
+        }
+        if busy {
+            return Err(PostError::Busy);
+        }
+        finish(Outcome::PathFailed(format!(
+            "no RDMA rail to {} worked: {last_error}",
+            slice.peer.name
+        )))
+    }
+
+    fn complete(&mut self, wc: &ibv::ibv_wc, done: &mut Vec<Finished>) {
+        let Some(p) = self.pending.remove(&wc.wr_id) else {
+            return; // timed out earlier
+        };
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(p.len);
+        let (_, l, r) = p.rail;
+        if let Some(ep) = self.endpoints.get_mut(&p.rail) {
+            ep.outstanding = ep.outstanding.saturating_sub(1);
+        } else if let Some((ep, _)) = self.graveyard.iter_mut().find(|(e, _)| {
+            // SAFETY: graveyard QPs are alive until reaped.
+            unsafe { (*e.qp).qp_num == wc.qp_num }
+        }) {
+            ep.outstanding = ep.outstanding.saturating_sub(1);
+        }
+        let s = self.shared.clone();
+        let outcome = match wc.status {
+            ibv::IBV_WC_SUCCESS => {
+                s.nics[l].bytes.fetch_add(p.len, Ordering::Relaxed);
+                s.rail_ok(&p.peer.name, l, r);
+                self.tried.remove(&p.slice);
+                self.stale.remove(&p.slice);
+                Outcome::Done
+            }
+            ibv::IBV_WC_REM_ACCESS_ERR | ibv::IBV_WC_REM_INV_REQ_ERR => {
+                self.drop_endpoint(p.rail);
+                let why = format!(
+                    "{} refused the access ({}): {}",
+                    p.peer.name,
+                    ibv::wc_status_name(wc.status),
+                    p.detail
+                );
+                // First time: the keys may have changed; let the engine refresh them.
+                if self.stale.insert(p.slice, (p.local, p.remote)) != Some((p.local, p.remote)) {
+                    log::debug!("rdma: {why}; refreshing the descriptor");
+                    Outcome::Stale
+                } else {
+                    self.stale.remove(&p.slice);
+                    self.tried.remove(&p.slice);
+                    Outcome::Rejected(why)
+                }
+            }
+            ibv::IBV_WC_LOC_PROT_ERR | ibv::IBV_WC_LOC_LEN_ERR => {
+                self.drop_endpoint(p.rail);
+                self.tried.remove(&p.slice);
+                Outcome::Rejected(format!(
+                    "local protection error ({}): {}",
+                    ibv::wc_status_name(wc.status),
+                    p.detail
+                ))
+            }
+            status => {
+                self.drop_endpoint(p.rail);
+                let why = format!("{} ({status}): {}", ibv::wc_status_name(status), p.detail);
+                // A flushed request only follows the failure that broke the QP.
+                if status != ibv::IBV_WC_WR_FLUSH_ERR {
+                    s.rail_failed(&p.peer.name, l, r, &why);
+                }
+                self.note_tried(p.slice, p.local, p.remote, (l, r));
+                Outcome::PathFailed(why)
+            }
+        };
+        done.push(Finished {
+            id: p.slice,
+            outcome,
+        });
+    }
+}
+
+impl TransportWorker for RdmaWorker {
+    fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
+        if slice.len == 0 || slice.len > u32::MAX as u64 {
+            done.push(Finished {
+                id: slice.id,
+                outcome: Outcome::Rejected(format!("slice of {} bytes", slice.len)),
+            });
+            return;
+        }
+        if !self.backlog.is_empty() {
+            self.backlog.push_back(slice);
+            return;
+        }
+        match self.try_post(&slice) {
+            Ok(()) => {}
+            Err(PostError::Busy) => self.backlog.push_back(slice),
+            Err(PostError::Finish(outcome)) => {
+                if outcome != Outcome::Stale {
+                    self.tried.remove(&slice.id);
+                }
+                done.push(Finished {
+                    id: slice.id,
+                    outcome,
+                });
+            }
+        }
+    }
+
+    fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
+        let mut moved = false;
+        let mut wcs = [ibv::ibv_wc::default(); 64];
+        for i in 0..self.cqs.len() {
+            loop {
+                // SAFETY: our CQ; `wcs` has room for 64 entries.
+                let n = unsafe { ibv::poll_cq(self.cqs[i], wcs.len() as c_int, wcs.as_mut_ptr()) };
+                if n < 0 {
+                    log::error!(
+                        "rdma: ibv_poll_cq on {}: error {n}",
+                        self.shared.nics[i].name
+                    );
+                    break;
+                }
+                for wc in &wcs[..n as usize] {
+                    self.complete(wc, done);
+                }
+                moved |= n > 0;
+                if (n as usize) < wcs.len() {
+                    break;
+                }
+            }
+        }
+        // Slices that waited for send-queue room.
+        while let Some(slice) = self.backlog.pop_front() {
+            match self.try_post(&slice) {
+                Ok(()) => moved = true,
+                Err(PostError::Busy) => {
+                    self.backlog.push_front(slice);
+                    break;
+                }
+                Err(PostError::Finish(outcome)) => {
+                    moved = true;
+                    done.push(Finished {
+                        id: slice.id,
+                        outcome,
+                    });
+                }
+            }
+        }
+        self.polls = self.polls.wrapping_add(1);
+        if !moved && self.polls % 64 == 0 {
+            let expired: Vec<u64> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| p.deadline <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in expired {
+                if let Some(p) = self.pending.remove(&id) {
+                    self.in_flight_bytes = self.in_flight_bytes.saturating_sub(p.len);
+                    self.drop_endpoint(p.rail);
+                    done.push(Finished {
+                        id: p.slice,
+                        outcome: Outcome::TimedOut,
+                    });
+                    moved = true;
+                }
+            }
+            let expired: Vec<usize> = (0..self.backlog.len())
+                .filter(|i| self.backlog[*i].deadline <= now)
+                .collect();
+            for i in expired.into_iter().rev() {
+                if let Some(s) = self.backlog.remove(i) {
+                    done.push(Finished {
+                        id: s.id,
+                        outcome: Outcome::TimedOut,
+                    });
+                }
+            }
+            self.reap(now);
+        }
+        moved
+    }
+
+    fn in_flight(&self) -> usize {
+        self.pending.len() + self.backlog.len()
+    }
+
+    fn in_flight_bytes(&self) -> u64 {
+        self.in_flight_bytes + self.backlog.iter().map(|s| s.len).sum::<u64>()
+    }
+}
+
+impl Drop for RdmaWorker {
+    fn drop(&mut self) {
+        let v = self.shared.verbs;
+        // SAFETY: the worker owns its QPs and CQs; QPs go before the CQs they use.
+        unsafe {
+            for (_, ep) in self.endpoints.drain() {
+                (v.destroy_qp)(ep.qp);
+            }
+            for (ep, _) in self.graveyard.drain(..) {
+                (v.destroy_qp)(ep.qp);
+            }
+            for cq in self.cqs.drain(..) {
+                (v.destroy_cq)(cq);
+            }
+        }
+    }
+}

@@ -98,14 +98,23 @@ pub fn open_backend(
 ///
 /// # Safety
 /// `T` must be the C signature of every symbol in `names`.
-pub unsafe fn symbol<T: Copy>(lib: &Library, library: &str, names: &[&str], override_var: &str) -> Result<T, String> {
+pub unsafe fn symbol<T: Copy>(
+    lib: &Library,
+    library: &str,
+    names: &[&str],
+    override_var: &str,
+) -> Result<T, String> {
     for name in names {
         // SAFETY: the caller guarantees `T` matches the symbol's signature.
         if let Ok(s) = unsafe { lib.get::<T>(*name) } {
             return Ok(*s);
         }
     }
-    Err(missing_symbol(library, names.first().copied().unwrap_or("?"), override_var))
+    Err(missing_symbol(
+        library,
+        names.first().copied().unwrap_or("?"),
+        override_var,
+    ))
 }
 
 /// A missing symbol, as an error naming the library, the symbol and the override.

@@ -8,6 +8,20 @@ cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
 cargo test
 
+# Layout check: the hand-written verbs and libfabric structs against bindgen's reading of
+# the system headers (needs libclang and the -dev headers, all installed by .ci/run).
+have_libclang() {
+  [ -n "${LIBCLANG_PATH:-}" ] && return 0
+  compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null && return 0
+  compgen -G '/usr/lib/*/libclang-[0-9]*.so*' >/dev/null
+}
+if [ -f /usr/include/infiniband/verbs.h ] && [ -f /usr/include/rdma/fabric.h ] && have_libclang; then
+  cargo test --features layout-check --test layout
+  echo "ffi layout check: passed"
+else
+  echo "ffi layout check: skipped (needs libclang-dev, libibverbs-dev and libfabric-dev)"
+fi
+
 # Static binary: builds without glibc's dynamic loader, moves bytes over TCP and shared
 # memory, and reports the runtime-loaded backends as unavailable instead of crashing.
 target=x86_64-unknown-linux-gnu

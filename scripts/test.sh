@@ -16,7 +16,8 @@ have_libclang() {
   compgen -G '/usr/lib/*/libclang-[0-9]*.so*' >/dev/null
 }
 if [ -f /usr/include/infiniband/verbs.h ] && [ -f /usr/include/rdma/fabric.h ] && have_libclang; then
-  cargo test --features layout-check --test layout
+  # Its own target dir: bindgen's build-time dependencies stay out of the main build.
+  CARGO_TARGET_DIR=target/layout cargo test --features layout-check --test layout
   echo "ffi layout check: passed"
 else
   echo "ffi layout check: skipped (needs libclang-dev, libibverbs-dev and libfabric-dev)"
@@ -25,8 +26,9 @@ fi
 # Static binary: builds without glibc's dynamic loader, moves bytes over TCP and shared
 # memory, and reports the runtime-loaded backends as unavailable instead of crashing.
 target=x86_64-unknown-linux-gnu
-RUSTFLAGS='-C target-feature=+crt-static' cargo build --release --target "$target" --bin mooncake
-bin="target/$target/release/mooncake"
+CARGO_TARGET_DIR=target/static RUSTFLAGS='-C target-feature=+crt-static' \
+  cargo build --release --target "$target" --bin mooncake
+bin="target/static/$target/release/mooncake"
 "$bin" info | grep -q "static binary"
 for protocol in tcp shm; do
   "$bin" bench transfer --protocol "$protocol" --block-size 256K --batch-size 4 --duration 0.3 \

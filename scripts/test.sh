@@ -8,6 +8,19 @@ cargo fmt --all -- --check
 cargo clippy --all-targets -- -D warnings
 cargo test
 
+# Static binary: builds without glibc's dynamic loader, moves bytes over TCP and shared
+# memory, and reports the runtime-loaded backends as unavailable instead of crashing.
+target=x86_64-unknown-linux-gnu
+CARGO_TARGET_DIR=target/static RUSTFLAGS='-C target-feature=+crt-static' \
+  cargo build --release --target "$target" --bin mooncake
+bin="target/static/$target/release/mooncake"
+"$bin" info | grep -q "static binary"
+for protocol in tcp shm; do
+  "$bin" bench transfer --protocol "$protocol" --block-size 256K --batch-size 4 --duration 0.3 \
+    | grep -q '"verified":true'
+done
+echo "static binary smoke test: 2 passed, 0 failed"
+
 # Layout check: the hand-written verbs and libfabric structs against bindgen's reading of
 # the system headers (needs libclang and the -dev headers, all installed by .ci/run).
 have_libclang() {
@@ -22,16 +35,3 @@ if [ -f /usr/include/infiniband/verbs.h ] && [ -f /usr/include/rdma/fabric.h ] &
 else
   echo "ffi layout check: skipped (needs libclang-dev, libibverbs-dev and libfabric-dev)"
 fi
-
-# Static binary: builds without glibc's dynamic loader, moves bytes over TCP and shared
-# memory, and reports the runtime-loaded backends as unavailable instead of crashing.
-target=x86_64-unknown-linux-gnu
-CARGO_TARGET_DIR=target/static RUSTFLAGS='-C target-feature=+crt-static' \
-  cargo build --release --target "$target" --bin mooncake
-bin="target/static/$target/release/mooncake"
-"$bin" info | grep -q "static binary"
-for protocol in tcp shm; do
-  "$bin" bench transfer --protocol "$protocol" --block-size 256K --batch-size 4 --duration 0.3 \
-    | grep -q '"verified":true'
-done
-echo "static binary smoke test: 2 passed, 0 failed"

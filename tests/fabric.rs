@@ -221,7 +221,6 @@ fn read_from_registered_local_memory_and_idle_target() {
         let initiator = engine(p);
         let mut local = Buffer::new(&initiator, vec![0u8; 3 << 20]);
         let seg = initiator.open_segment(target.segment_name()).unwrap();
-        std::thread::sleep(Duration::from_millis(300));
         let dst = local.bytes.as_mut_ptr() as u64;
         assert_eq!(
             run(&initiator, Op::Read, dst, seg, remote.addr(), 3 << 20),
@@ -374,7 +373,7 @@ fn missing_library_is_backend_unavailable() {
     // The override must be in place before libfabric is first loaded, so the check runs
     // in a fresh process: this test binary, running only this test.
     let exe = std::env::current_exe().unwrap();
-    let mut child = Command::new(exe)
+    let child = Command::new(exe)
         .args([
             "--exact",
             "missing_library_is_backend_unavailable",
@@ -387,19 +386,21 @@ fn missing_library_is_backend_unavailable() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+    // Wait on a thread so a hung child ends in a kill, not a hung test.
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: signalling our own child process by pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
             panic!("child test did not finish");
         }
-        std::thread::sleep(Duration::from_millis(20));
     };
-    let out = child.wait_with_output().unwrap();
+    let status = out.status;
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(status.success() && text.contains("1 passed"), "{text}");

@@ -55,13 +55,6 @@ fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
         .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
-fn unavailable(why: impl std::fmt::Display) -> Error {
-    Error::new(
-        Code::BackendUnavailable,
-        format!("Ascend ACL unavailable ({OVERRIDE_VAR} overrides the library): {why}"),
-    )
-}
-
 thread_local! {
     static CURRENT: Cell<i32> = const { Cell::new(-1) };
 }
@@ -69,12 +62,12 @@ thread_local! {
 impl Acl {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Acl> {
-        let lib = loader::open_first(&[path]).map_err(unavailable)?;
-        Acl::bind(lib, path.to_owned())
+        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "Ascend ACL")?;
+        Acl::bind(lib, name)
     }
 
     fn open() -> Result<Acl> {
-        let (lib, name) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(unavailable)?;
+        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "Ascend ACL")?;
         Acl::bind(lib, name)
     }
 

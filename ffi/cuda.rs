@@ -88,13 +88,6 @@ fn sym<T: Copy>(lib: &Library, library: &str, names: &[&str]) -> Result<T> {
         .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
-fn unavailable(why: impl std::fmt::Display) -> Error {
-    Error::new(
-        Code::BackendUnavailable,
-        format!("CUDA driver unavailable ({OVERRIDE_VAR} overrides the library): {why}"),
-    )
-}
-
 thread_local! {
     /// The device whose primary context this thread made current (-1: none yet).
     static CURRENT: Cell<CUdevice> = const { Cell::new(-1) };
@@ -103,12 +96,12 @@ thread_local! {
 impl Cuda {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Cuda> {
-        let lib = loader::open_first(&[path]).map_err(unavailable)?;
-        Cuda::bind(lib, path.to_owned())
+        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "CUDA driver")?;
+        Cuda::bind(lib, name)
     }
 
     fn open() -> Result<Cuda> {
-        let (lib, name) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(unavailable)?;
+        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "CUDA driver")?;
         Cuda::bind(lib, name)
     }
 

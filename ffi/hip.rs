@@ -91,13 +91,6 @@ fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
         .map_err(|e| Error::new(Code::BackendUnavailable, e))
 }
 
-fn unavailable(why: impl std::fmt::Display) -> Error {
-    Error::new(
-        Code::BackendUnavailable,
-        format!("HIP runtime unavailable ({OVERRIDE_VAR} overrides the library): {why}"),
-    )
-}
-
 thread_local! {
     static CURRENT: Cell<c_int> = const { Cell::new(-1) };
 }
@@ -105,12 +98,12 @@ thread_local! {
 impl Hip {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Hip> {
-        let lib = loader::open_first(&[path]).map_err(unavailable)?;
-        Hip::bind(lib, path.to_owned())
+        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "HIP runtime")?;
+        Hip::bind(lib, name)
     }
 
     fn open() -> Result<Hip> {
-        let (lib, name) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(unavailable)?;
+        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "HIP runtime")?;
         Hip::bind(lib, name)
     }
 

@@ -92,6 +92,27 @@ pub fn open_backend(
     }
 }
 
+/// Opens a driver library as an engine error: `path` when given (tests and tools), else
+/// the override variable or the first loadable candidate. `what` names the driver in
+/// the message, e.g. "CUDA driver".
+pub fn open_driver(
+    path: Option<&str>,
+    override_var: &str,
+    candidates: &[&str],
+    what: &str,
+) -> crate::Result<(Arc<Library>, String)> {
+    let opened = match path {
+        Some(p) => open_first(&[p]).map(|lib| (lib, p.to_owned())),
+        None => open_backend(override_var, candidates),
+    };
+    opened.map_err(|why| {
+        crate::Error::new(
+            crate::Code::BackendUnavailable,
+            format!("{what} unavailable ({override_var} overrides the library): {why}"),
+        )
+    })
+}
+
 /// A function pointer from `lib`: the first of `names` it exports (newer versioned names
 /// first, e.g. `cuMemAlloc_v2`, then older ones); otherwise an error naming the library,
 /// the symbol and the override variable.

@@ -70,6 +70,8 @@ pub struct Cuda {
     cu_mem_free_host: unsafe extern "C" fn(*mut c_void) -> CUresult,
     cu_mem_alloc: unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
     cu_mem_free: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
+    cu_mem_get_address_range:
+        unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, CUdeviceptr) -> CUresult,
     cu_ipc_get_mem_handle: unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult,
     cu_ipc_open_mem_handle:
         unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult,
@@ -125,6 +127,11 @@ impl Cuda {
             cu_mem_free_host: sym(l, n, &["cuMemFreeHost"])?,
             cu_mem_alloc: sym(l, n, &["cuMemAlloc_v2", "cuMemAlloc"])?,
             cu_mem_free: sym(l, n, &["cuMemFree_v2", "cuMemFree"])?,
+            cu_mem_get_address_range: sym(
+                l,
+                n,
+                &["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
+            )?,
             cu_ipc_get_mem_handle: sym(l, n, &["cuIpcGetMemHandle"])?,
             cu_ipc_open_mem_handle: sym(l, n, &["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"])?,
             cu_ipc_close_mem_handle: sym(l, n, &["cuIpcCloseMemHandle"])?,
@@ -347,6 +354,17 @@ impl Cuda {
     pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
         // SAFETY: per the contract.
         self.check("cuMemFree_v2", unsafe { (self.cu_mem_free)(p) })
+    }
+
+    /// The allocation holding `addr`: its base and size. IPC handles and dma-buf
+    /// exports name whole allocations, so callers export the base and add the offset.
+    pub fn mem_range(&self, addr: u64) -> Result<(u64, usize)> {
+        let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
+        // SAFETY: writes one pointer and one size.
+        self.check("cuMemGetAddressRange_v2", unsafe {
+            (self.cu_mem_get_address_range)(&mut base, &mut size, addr)
+        })?;
+        Ok((base, size))
     }
 
     /// An IPC handle another process on this host can open.

@@ -76,6 +76,8 @@ pub struct Hip {
     hip_host_free: unsafe extern "C" fn(*mut c_void) -> HipError,
     hip_malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
     hip_free: unsafe extern "C" fn(*mut c_void) -> HipError,
+    hip_mem_get_address_range:
+        unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError,
     hip_ipc_get_mem_handle: unsafe extern "C" fn(*mut HipIpcMemHandle, *mut c_void) -> HipError,
     hip_ipc_open_mem_handle:
         unsafe extern "C" fn(*mut *mut c_void, HipIpcMemHandle, c_uint) -> HipError,
@@ -122,6 +124,7 @@ impl Hip {
             hip_host_free: sym(l, n, "hipHostFree")?,
             hip_malloc: sym(l, n, "hipMalloc")?,
             hip_free: sym(l, n, "hipFree")?,
+            hip_mem_get_address_range: sym(l, n, "hipMemGetAddressRange")?,
             hip_ipc_get_mem_handle: sym(l, n, "hipIpcGetMemHandle")?,
             hip_ipc_open_mem_handle: sym(l, n, "hipIpcOpenMemHandle")?,
             hip_ipc_close_mem_handle: sym(l, n, "hipIpcCloseMemHandle")?,
@@ -334,6 +337,16 @@ impl Hip {
     pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
         // SAFETY: per the contract.
         self.check("hipFree", unsafe { (self.hip_free)(p as *mut c_void) })
+    }
+
+    /// The allocation holding `addr`: its base and size (IPC handles name allocations).
+    pub fn mem_range(&self, addr: u64) -> Result<(u64, usize)> {
+        let (mut base, mut size): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: writes one pointer and one size.
+        self.check("hipMemGetAddressRange", unsafe {
+            (self.hip_mem_get_address_range)(&mut base, &mut size, addr as *mut c_void)
+        })?;
+        Ok((base as u64, size))
     }
 
     pub fn ipc_get_handle(&self, addr: u64) -> Result<HipIpcMemHandle> {

@@ -184,6 +184,55 @@ pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: us
     }
 }
 
+/// Zeroed device memory of `kind` from its driver; release with `free`.
+pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
+    let addr = match kind {
+        MemoryKind::Host => return Err(host_kind_error()),
+        MemoryKind::Cuda(n) => cuda::api()?.mem_alloc(n, len)?,
+        MemoryKind::Hip(n) => hip::api()?.mem_alloc(n, len)?,
+        MemoryKind::Npu(n) => acl::api()?.mem_alloc(n, len)?,
+    };
+    // Drivers hand out whatever the memory held before: zero it a bounce at a time.
+    let mut zeros = Bounce::take(kind);
+    zeros.bytes_mut(BOUNCE_SIZE).fill(0);
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(BOUNCE_SIZE);
+        // SAFETY: `addr` is a fresh allocation of `len` bytes; the bounce holds `n`.
+        if let Err(e) = unsafe { copy_from_host(kind, addr + off as u64, zeros.ptr(), n) } {
+            // SAFETY: allocated above, never handed out.
+            let _ = unsafe { free(kind, addr) };
+            return Err(e);
+        }
+        off += n;
+    }
+    Ok(addr)
+}
+
+/// # Safety
+/// `addr` must come from `alloc(kind, ..)` and not be used afterwards.
+pub unsafe fn free(kind: MemoryKind, addr: u64) -> Result<()> {
+    // SAFETY (all arms): per the contract.
+    match kind {
+        MemoryKind::Host => Err(host_kind_error()),
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            unsafe { api.mem_free(addr) }
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            unsafe { api.mem_free(addr) }
+        }
+        MemoryKind::Npu(n) => {
+            let api = acl::api()?;
+            api.make_current(n)?;
+            unsafe { api.mem_free(addr) }
+        }
+    }
+}
+
 /// Any → any: plain memcpy for host to host, one driver copy when a device is
 /// involved, and a staged copy through a bounce buffer between different runtimes.
 ///
@@ -390,28 +439,46 @@ impl Drop for Bounce {
     }
 }
 
-/// An opaque inter-process handle to device memory (CUDA or HIP IPC), which another
-/// process on this host opens with `ipc_open`.
-pub fn ipc_handle(kind: MemoryKind, addr: u64) -> Result<[u8; 64]> {
-    match kind {
+/// What a same-host process needs to reach a device buffer: the IPC handle of the
+/// driver allocation holding it (handles name whole allocations) and the buffer's
+/// offset inside that allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    pub handle: [u8; 64],
+    pub offset: u64,
+}
+
+/// Exports the allocation holding `addr` (CUDA or HIP IPC); another process on this
+/// host maps it with `ipc_open` and adds `offset`.
+pub fn ipc_export(kind: MemoryKind, addr: u64) -> Result<IpcExport> {
+    let (base, handle) = match kind {
         MemoryKind::Cuda(n) => {
             let api = cuda::api()?;
             api.make_current(n)?;
-            Ok(api.ipc_get_handle(addr)?.reserved)
+            let (base, _) = api.mem_range(addr)?;
+            (base, api.ipc_get_handle(base)?.reserved)
         }
         MemoryKind::Hip(n) => {
             let api = hip::api()?;
             api.make_current(n)?;
-            Ok(api.ipc_get_handle(addr)?.reserved)
+            let (base, _) = api.mem_range(addr)?;
+            (base, api.ipc_get_handle(base)?.reserved)
         }
-        _ => Err(Error::new(
-            Code::NotSupported,
-            format!("no IPC handles for {} memory", kind.location()),
-        )),
-    }
+        _ => {
+            return Err(Error::new(
+                Code::NotSupported,
+                format!("no IPC handles for {} memory", kind.location()),
+            ))
+        }
+    };
+    Ok(IpcExport {
+        handle,
+        offset: addr - base,
+    })
 }
 
-/// Maps a peer's IPC handle; release with `ipc_close`.
+/// Maps a peer's IPC handle on device `kind` of this process; returns the mapped
+/// allocation's base. Release with `ipc_close`.
 pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
     match kind {
         MemoryKind::Cuda(n) => {
@@ -436,21 +503,49 @@ pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
 pub unsafe fn ipc_close(kind: MemoryKind, addr: u64) -> Result<()> {
     // SAFETY (both arms): per the contract.
     match kind {
-        MemoryKind::Cuda(_) => unsafe { cuda::api()?.ipc_close(addr) },
-        MemoryKind::Hip(_) => unsafe { hip::api()?.ipc_close(addr) },
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            unsafe { api.ipc_close(addr) }
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            unsafe { api.ipc_close(addr) }
+        }
         _ => Ok(()),
     }
 }
 
-/// A dma-buf descriptor for device memory, for GPUDirect RDMA registration
-/// (`ibv_reg_dmabuf_mr`); `NotSupported` where the driver offers none. The caller owns
-/// the descriptor.
-pub fn dma_buf_fd(kind: MemoryKind, addr: u64, len: u64) -> Result<i32> {
+/// A dma-buf for GPUDirect RDMA registration (`ibv_reg_dmabuf_mr`): the descriptor
+/// covers the whole driver allocation holding the buffer; `offset` is where the
+/// buffer starts inside it.
+#[derive(Debug)]
+pub struct DmaBuf {
+    pub fd: std::os::fd::OwnedFd,
+    pub offset: u64,
+}
+
+/// Exports the allocation holding `[addr, addr+len)` as a dma-buf; `NotSupported`
+/// where the driver offers none (HIP, Ascend, CUDA before 11.7).
+pub fn dma_buf(kind: MemoryKind, addr: u64, len: u64) -> Result<DmaBuf> {
+    use std::os::fd::FromRawFd;
     match kind {
         MemoryKind::Cuda(n) => {
             let api = cuda::api()?;
             api.make_current(n)?;
-            api.dma_buf_fd(addr, len as usize)
+            let (base, size) = api.mem_range(addr)?;
+            if addr + len > base + size as u64 {
+                return Err(Error::invalid(format!(
+                    "[{addr:#x}, +{len}) spans more than one CUDA allocation"
+                )));
+            }
+            let fd = api.dma_buf_fd(base, size)?;
+            Ok(DmaBuf {
+                // SAFETY: the driver handed us this fresh descriptor to own.
+                fd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+                offset: addr - base,
+            })
         }
         _ => Err(Error::new(
             Code::NotSupported,

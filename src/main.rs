@@ -18,8 +18,10 @@ const USAGE: &str = "\
 mooncake — transfer engine (Mooncake-compatible)
 
 USAGE:
-  mooncake target --metadata URL --name NAME --size BYTES [--bind IP] [--protocol P]
-      Register a SIZE-byte buffer, publish it, print `ready <segment>`, serve until killed.
+  mooncake target --metadata URL --name NAME --size BYTES [--location cpu:0|cuda:N|hip:N|npu:N]
+      [--bind IP] [--protocol P]
+      Allocate and register a SIZE-byte buffer (host memory, or device memory from the
+      location's driver), publish it, print `ready <segment>`, serve until killed.
   mooncake metadata-server [--port P] [--bind IP]
       Run Mooncake's HTTP metadata server (REST on /metadata, /health).
   mooncake bench transfer [--protocol tcp|shm|auto|rdma|efa] [--fabric-provider P] [--op read|write] [--block-size B]

@@ -7,58 +7,14 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
+use common::fakes::{counter, fakes, Fakes};
 use common::{engine_with, pattern};
 use mooncake::device::{self, MemoryKind};
 use mooncake::engine::TaskState;
 use mooncake::ffi::{acl, cuda, hip};
 use mooncake::{Code, Engine, Op, Request};
-
-struct Fakes {
-    cuda: PathBuf,
-    hip: PathBuf,
-    acl: PathBuf,
-}
-
-/// Builds the fakes once and points the override variables at them, before any test
-/// touches a driver table (they load once per process).
-fn fakes() -> Option<&'static Fakes> {
-    static FAKES: OnceLock<Option<Fakes>> = OnceLock::new();
-    FAKES
-        .get_or_init(|| {
-            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emu");
-            std::fs::create_dir_all(&dir).unwrap();
-            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu");
-            let mut built = Vec::new();
-            for name in ["cuda", "hip", "acl"] {
-                let out = dir.join(format!("libfake_{name}.so"));
-                let status = Command::new("cc")
-                    .args(["-O1", "-shared", "-fPIC", "-o"])
-                    .arg(&out)
-                    .arg(src.join(format!("fake_{name}.c")))
-                    .status();
-                match status {
-                    Ok(s) if s.success() => built.push(out),
-                    Ok(s) => panic!("building fake_{name}.c failed: {s}"),
-                    Err(e) => {
-                        eprintln!("skipping device tests: no C compiler (cc: {e})");
-                        return None;
-                    }
-                }
-            }
-            std::env::set_var("MC_CUDA_LIB", &built[0]);
-            std::env::set_var("MC_HIP_LIB", &built[1]);
-            std::env::set_var("MC_ACL_LIB", &built[2]);
-            Some(Fakes {
-                cuda: built[0].clone(),
-                hip: built[1].clone(),
-                acl: built[2].clone(),
-            })
-        })
-        .as_ref()
-}
 
 macro_rules! need_fakes {
     () => {
@@ -67,18 +23,6 @@ macro_rules! need_fakes {
             None => return,
         }
     };
-}
-
-/// A counter exported by a fake (how many driver copies it made).
-fn counter(lib: &PathBuf, name: &str) -> u64 {
-    // SAFETY: the fake is already loaded (same path, same handle); the counter takes
-    // no arguments and returns an unsigned long.
-    unsafe {
-        let lib = libloading::Library::new(lib).unwrap();
-        let f: libloading::Symbol<unsafe extern "C" fn() -> std::ffi::c_ulong> =
-            lib.get(name).unwrap();
-        f()
-    }
 }
 
 fn cuda_copies(f: &Fakes) -> u64 {
@@ -340,35 +284,69 @@ fn local_transport_copies_device_memory_with_the_driver() {
 }
 
 #[test]
-fn ipc_handles_and_dma_buf_export() {
+fn ipc_and_dma_buf_exports_name_the_allocation() {
     let _f = need_fakes!();
     let kind = MemoryKind::Cuda(0);
     let d = dev_alloc(kind, 1 << 20);
-    let handle = device::ipc_handle(kind, d).unwrap();
-    let opened = device::ipc_open(kind, &handle).unwrap();
-    assert_eq!(opened, d, "the fake maps handles back to the same address");
-    // SAFETY: opened above, unused afterwards.
-    unsafe { device::ipc_close(kind, opened) }.unwrap();
-    let fd = device::dma_buf_fd(kind, d, 1 << 20).unwrap();
-    assert!(fd >= 0);
-    // SAFETY: we own the exported descriptor.
-    unsafe { libc::close(fd) };
+    let ipc = device::ipc_export(kind, d + 4096).unwrap();
+    assert_eq!(
+        ipc.offset, 4096,
+        "handles name the allocation; the buffer is inside"
+    );
+    // CUDA refuses to open a handle in the process that exported it (so does the fake);
+    // tests/device_ipc.rs opens them from another process.
+    assert!(device::ipc_open(kind, &ipc.handle).is_err());
+    let buf = device::dma_buf(kind, d + 8192, 4096).unwrap();
+    assert_eq!(buf.offset, 8192);
+    // SAFETY: fstat on a descriptor we own, into a zeroed stat.
+    let size = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        assert_eq!(
+            libc::fstat(std::os::fd::AsRawFd::as_raw_fd(&buf.fd), &mut st),
+            0
+        );
+        st.st_size
+    };
+    assert_eq!(size, 1 << 20, "the dma-buf covers the whole allocation");
     assert!(cuda::api().unwrap().has_dma_buf());
+    assert!(
+        device::dma_buf(kind, d + 4096, 1 << 20).is_err(),
+        "past the allocation"
+    );
 
     let hk = MemoryKind::Hip(1);
-    let hd = dev_alloc(hk, 4096);
-    let opened = device::ipc_open(hk, &device::ipc_handle(hk, hd).unwrap()).unwrap();
-    assert_eq!(opened, hd);
+    let hd = dev_alloc(hk, 8192);
+    assert_eq!(device::ipc_export(hk, hd + 100).unwrap().offset, 100);
     assert_eq!(
-        device::dma_buf_fd(hk, hd, 4096).unwrap_err().code(),
+        device::dma_buf(hk, hd, 4096).unwrap_err().code(),
         Code::NotSupported
     );
     assert_eq!(
-        device::ipc_handle(MemoryKind::Npu(0), 0x1000)
+        device::ipc_export(MemoryKind::Npu(0), 0x1000)
             .unwrap_err()
             .code(),
         Code::NotSupported
     );
+    // Not device memory at all: the driver's range query refuses it.
+    let host = [0u8; 64];
+    assert!(device::ipc_export(kind, host.as_ptr() as u64).is_err());
+}
+
+#[test]
+fn engine_allocates_zeroed_device_buffers() {
+    let _f = need_fakes!();
+    let engine = engine_with("P2PHANDSHAKE", "tcp");
+    for location in ["cuda:1", "hip:0", "npu:0"] {
+        let kind = MemoryKind::parse_location(location).unwrap();
+        let len = (4 << 20) + 10;
+        let p = engine.allocate_buffer(len, location).unwrap() as u64;
+        assert!(dev_read(kind, p, len).iter().all(|&b| b == 0), "{location}");
+        let desc = engine.descriptor();
+        let buf = desc.buffer_for(p, len as u64).unwrap();
+        assert_eq!(buf.name, location);
+        assert_eq!(buf.ipc.is_some(), location != "npu:0", "{location}");
+        engine.free_buffer(p as *mut u8).unwrap();
+    }
 }
 
 #[test]

@@ -8,8 +8,10 @@ use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};
 
 use args::Args;
+use mooncake::device::{self, Bounce, MemoryKind};
 use mooncake::ffi::loader;
 use mooncake::metadata::http_server::MetadataServer;
+use mooncake::util::crc32c::{crc32c, crc32c_append};
 use mooncake::{Engine, EngineConfig};
 
 /// Serves line commands on stdin until EOF (the parent closed it or died). Used by
@@ -117,6 +119,7 @@ fn apply_engine_flags(
 pub fn target(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let size: usize = a.get("size", 64 << 20)?;
+    let location = a.str("location").unwrap_or("cpu:0").to_owned();
     let until_eof = a.flag("until-stdin-eof");
     let cfg = engine_config(&a)?;
     a.finish()?;
@@ -128,9 +131,11 @@ pub fn target(raw: &[String]) -> Result<(), String> {
         block_signals_for_wait();
     }
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
-    // Engine-owned (memfd-backed) memory: same-host peers copy with plain memcpy.
+    // Engine-owned memory: for host memory a memfd same-host peers copy with plain
+    // memcpy; for a device location, the driver's.
+    let kind = MemoryKind::parse_location(&location).map_err(|e| e.to_string())?;
     let buffer = engine
-        .allocate_buffer(size, "cpu:0")
+        .allocate_buffer(size, &location)
         .map_err(|e| e.to_string())?;
     println!("ready {}", engine.segment_name());
     let _ = std::io::stdout().flush();
@@ -144,6 +149,10 @@ pub fn target(raw: &[String]) -> Result<(), String> {
                     Err(e) => format!("error {e}"),
                 }
             }
+            "checksum" if registered => match checksum(kind, buffer, size) {
+                Ok(crc) => format!("crc32c {crc:08x}"),
+                Err(e) => format!("error {e}"),
+            },
             other => format!("error unknown command {other:?}"),
         });
     } else {
@@ -153,6 +162,24 @@ pub fn target(raw: &[String]) -> Result<(), String> {
         engine.free_buffer(buffer).map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// CRC32C of a buffer's bytes, read through its driver when it is device memory.
+fn checksum(kind: MemoryKind, buffer: *mut u8, size: usize) -> mooncake::Result<u32> {
+    if kind.is_host() {
+        // SAFETY: the engine-owned buffer of `size` bytes, still allocated.
+        return Ok(crc32c(unsafe { std::slice::from_raw_parts(buffer, size) }));
+    }
+    let bounce = Bounce::take(kind);
+    let (mut crc, mut off) = (0, 0);
+    while off < size {
+        let n = (size - off).min(bounce.len());
+        // SAFETY: device memory of `size` bytes, still allocated; the bounce holds `n`.
+        unsafe { device::copy_to_host(kind, bounce.ptr(), buffer as u64 + off as u64, n)? };
+        crc = crc32c_append(crc, bounce.bytes(n));
+        off += n;
+    }
+    Ok(crc)
 }
 
 pub fn metadata_server(raw: &[String]) -> Result<(), String> {

@@ -71,7 +71,7 @@ pub struct Engine {
     /// Per-device memory keys of each registered buffer, as published.
     keys: Mutex<HashMap<u64, RegionKeys>>,
     /// Buffers from `allocate_buffer`, by address.
-    owned: Mutex<HashMap<u64, SharedMemory>>,
+    owned: Mutex<HashMap<u64, OwnedBuffer>>,
 }
 
 /// Bytes moved per transport and failure counts since the engine started.
@@ -260,6 +260,7 @@ impl Engine {
                     rkey: k.rkey,
                     lkey: k.lkey,
                     shm_fd: r.shared_fd,
+                    ipc: k.ipc,
                 }
             })
             .collect();
@@ -329,6 +330,7 @@ impl Engine {
                 Ok(k) => {
                     keys.lkey.extend(k.lkey);
                     keys.rkey.extend(k.rkey);
+                    keys.ipc = keys.ipc.or(k.ipc);
                 }
                 Err(e) => {
                     // Undo what succeeded, so a failed registration leaves nothing behind.
@@ -361,22 +363,33 @@ impl Engine {
         self.republish()
     }
 
-    /// Allocates `len` bytes of zeroed, registered memory owned by the engine. Same-host
-    /// peers copy to and from it with plain memcpy through a shared mapping, the
-    /// fastest path there is; free it with `free_buffer`.
+    /// Allocates `len` bytes of zeroed, registered memory owned by the engine; free it
+    /// with `free_buffer`. Host memory (`cpu:N`) is a shared mapping same-host peers
+    /// copy with plain memcpy, the fastest path there is; a device location (`cuda:N`,
+    /// `hip:N`, `npu:N`) allocates from that device's driver.
     pub fn allocate_buffer(&self, len: usize, location: &str) -> Result<*mut u8> {
         if len == 0 {
             return Err(Error::invalid("cannot allocate a zero-length buffer"));
         }
-        let mem = SharedMemory::create("mooncake-buffer", len)
-            .map_err(|e| Error::io(format!("allocating {len} shared bytes"), e))?;
-        let ptr = mem.ptr();
-        self.register_region(ptr as u64, len as u64, location, Some(mem.fd()))?;
+        let kind = crate::device::MemoryKind::parse_location(location)?;
+        let (buffer, shared_fd) = if kind.is_host() {
+            let mem = SharedMemory::create("mooncake-buffer", len)
+                .map_err(|e| Error::io(format!("allocating {len} shared bytes"), e))?;
+            let fd = mem.fd();
+            (OwnedBuffer::Shared(mem), Some(fd))
+        } else {
+            (
+                OwnedBuffer::Device(kind, crate::device::alloc(kind, len)?),
+                None,
+            )
+        };
+        let addr = buffer.addr();
+        self.register_region(addr, len as u64, location, shared_fd)?;
         self.owned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(ptr as u64, mem);
-        Ok(ptr)
+            .insert(addr, buffer);
+        Ok(addr as *mut u8)
     }
 
     /// Unregisters and releases a buffer from `allocate_buffer`.
@@ -522,21 +535,16 @@ impl Engine {
         for r in requests {
             let peer = self.validate(r)?;
             let mut size = self.slice_size_for(&peer);
-            // Device memory on the local side (registered as cuda:/hip:/npu:) is staged
-            // by the worker through host bounce buffers, a bounce per slice. Requests
-            // to this engine itself go to the local transport, which copies device
-            // memory with the driver directly. Host memory: one atomic load, no more.
-            let staging = if peer.name == self.name {
-                crate::device::MemoryKind::Host
-            } else {
-                self.memory.device_of(r.local, r.len)
-            };
-            if !staging.is_host() {
+            // Device memory on the local side (registered as cuda:/hip:/npu:) goes to a
+            // transport that moves it natively, or else the worker stages it through
+            // host bounce buffers, a bounce per slice. Host memory: one atomic load.
+            let local_kind = self.memory.device_of(r.local, r.len);
+            if !local_kind.is_host() {
                 size = size.min(crate::device::BOUNCE_SIZE as u64);
             }
             let count = r.len.div_ceil(size);
             let count = u32::try_from(count).map_err(|_| Error::invalid("request too large"))?;
-            plan.push((peer, size, count, staging));
+            plan.push((peer, size, count, local_kind));
         }
         let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
         let bytes = requests.iter().map(|r| r.len).sum();
@@ -545,17 +553,17 @@ impl Engine {
         let n = self.workers.len();
         let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
         let mut next = self.next_worker.fetch_add(1, Ordering::Relaxed);
-        for (i, (r, (peer, size, count, staging))) in requests.iter().zip(plan).enumerate() {
+        for (i, (r, (peer, size, count, local_kind))) in requests.iter().zip(plan).enumerate() {
             for s in 0..count as u64 {
                 let off = s * size;
                 per_worker[next % n].push(WorkItem {
                     batch: b.clone(),
                     task: first + i,
-                    staging,
                     slice: Slice {
                         id: 0,
                         op: r.op,
                         local: r.local + off,
+                        local_kind,
                         remote: r.remote + off,
                         len: size.min(r.len - off),
                         peer: peer.clone(),
@@ -674,6 +682,33 @@ impl Drop for Engine {
         for addr in owned {
             if let Err(e) = self.free_buffer(addr as *mut u8) {
                 log::warn!("freeing engine buffer {addr:#x}: {e}");
+            }
+        }
+    }
+}
+
+/// Memory `allocate_buffer` made; released when dropped (after unregistration).
+enum OwnedBuffer {
+    Shared(SharedMemory),
+    Device(crate::device::MemoryKind, u64),
+}
+
+impl OwnedBuffer {
+    fn addr(&self) -> u64 {
+        match self {
+            OwnedBuffer::Shared(m) => m.ptr() as u64,
+            OwnedBuffer::Device(_, addr) => *addr,
+        }
+    }
+}
+
+impl Drop for OwnedBuffer {
+    fn drop(&mut self) {
+        if let OwnedBuffer::Device(kind, addr) = *self {
+            // SAFETY: allocated by `device::alloc` and unregistered before the engine
+            // drops its record, so nothing reaches it any more.
+            if let Err(e) = unsafe { crate::device::free(kind, addr) } {
+                log::warn!("freeing device buffer {addr:#x}: {e}");
             }
         }
     }

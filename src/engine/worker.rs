@@ -18,9 +18,8 @@ use crate::transport::{Finished, Kind, Op, Outcome, Slice, Transport, TransportW
 pub struct WorkItem {
     pub batch: Arc<Batch>,
     pub task: usize,
-    /// Device memory on the slice's local side, staged through a host bounce buffer
-    /// (`Host`: none; the slice is then at most `device::BOUNCE_SIZE` long).
-    pub staging: MemoryKind,
+    /// A slice whose local side is device memory (`slice.local_kind`) is at most
+    /// `device::BOUNCE_SIZE` long, so it can be staged if no transport carries it.
     pub slice: Slice,
 }
 
@@ -234,15 +233,26 @@ impl Worker {
         started
     }
 
+    /// The most preferred transport that reaches the slice's peer and carries it.
+    fn choose(&self, slice: &Slice) -> Option<usize> {
+        let desc = slice.peer.desc();
+        self.transports
+            .iter()
+            .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc) && t.carries(slice))
+    }
+
     fn start(&mut self, item: WorkItem) {
         let mut item = item;
-        let staged = if item.staging.is_host() {
+        // Device memory goes straight to a transport that moves it natively (IPC,
+        // GPUDirect RDMA, FI_HMEM); otherwise through a host bounce buffer.
+        let must_stage = !item.slice.local_kind.is_host() && self.choose(&item.slice).is_none();
+        let staged = if !must_stage {
             None
         } else if self.staged_in_flight >= MAX_STAGED {
             self.deferred.push_back(item);
             return;
         } else {
-            match stage(item.staging, &mut item.slice) {
+            match stage(&mut item.slice) {
                 Ok(s) => {
                     self.staged_in_flight += 1;
                     Some(s)
@@ -277,18 +287,27 @@ impl Worker {
         self.post(slice);
     }
 
-    /// Hands a slice to the most preferred transport that reaches its peer.
+    /// Hands a slice to the most preferred transport that reaches its peer and
+    /// carries it. A device-memory slice that no transport carries any more (its
+    /// native path failed) is staged now and goes the host way.
     fn post(&mut self, slice: Slice) {
-        let desc = slice.peer.desc();
-        let chosen = self
-            .transports
-            .iter()
-            .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc));
-        if let Some(entry) = self
-            .slots
-            .get_mut(slice.id as usize)
-            .and_then(Option::as_mut)
-        {
+        let mut slice = slice;
+        let mut chosen = self.choose(&slice);
+        let id = slice.id as usize;
+        if chosen.is_none() && !slice.local_kind.is_host() {
+            match stage(&mut slice) {
+                Ok(s) => {
+                    if let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) {
+                        self.staged_in_flight += 1;
+                        entry.staged = Some(s);
+                        entry.slice = slice.clone();
+                    }
+                    chosen = self.choose(&slice);
+                }
+                Err(e) => log::warn!("staging device memory for a slice failed: {e}"),
+            }
+        }
+        if let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) {
             entry.via = chosen.map(|i| self.transports[i].kind());
         }
         match chosen {
@@ -410,7 +429,8 @@ impl Worker {
 
 /// Points `slice.local` at a bounce buffer standing in for its device memory; for a
 /// WRITE, first copies the device bytes into it.
-fn stage(kind: MemoryKind, slice: &mut Slice) -> crate::Result<Staged> {
+fn stage(slice: &mut Slice) -> crate::Result<Staged> {
+    let kind = slice.local_kind;
     let len = slice.len as usize;
     let bounce = Bounce::take(kind);
     if len > bounce.len() {
@@ -426,6 +446,7 @@ fn stage(kind: MemoryKind, slice: &mut Slice) -> crate::Result<Staged> {
         unsafe { device::copy_to_host(kind, bounce.ptr(), slice.local, len)? };
     }
     let device_addr = std::mem::replace(&mut slice.local, bounce.ptr() as u64);
+    slice.local_kind = MemoryKind::Host;
     Ok(Staged {
         bounce,
         device_addr,

@@ -1,7 +1,9 @@
 //! Mooncake's segment descriptor and RPC address records, to and from JSON.
 
+use crate::device::IpcExport;
 use crate::error::{Code, Error, Result};
 use crate::json::{self, Value};
+use crate::util::hex;
 
 /// Our extension to the descriptor, ignored by Mooncake peers: what a same-host peer
 /// needs to move bytes without the network (see `transport::shm`).
@@ -35,6 +37,8 @@ pub struct BufferDesc {
     pub lkey: Vec<u32>,
     /// Our extension: the owner's memfd for this buffer, mappable by same-host peers.
     pub shm_fd: Option<i32>,
+    /// Our extension, for device memory: the CUDA/HIP IPC handle same-host peers open.
+    pub ipc: Option<IpcExport>,
 }
 
 impl BufferDesc {
@@ -97,6 +101,10 @@ impl SegmentDesc {
                 ];
                 if let Some(fd) = b.shm_fd {
                     fields.push(("mc_shm_fd", fd.into()));
+                }
+                if let Some(ipc) = &b.ipc {
+                    fields.push(("mc_ipc_handle", hex::encode(&ipc.handle).into()));
+                    fields.push(("mc_ipc_offset", ipc.offset.into()));
                 }
                 Value::object(fields)
             })
@@ -202,6 +210,7 @@ impl SegmentDesc {
                     .and_then(Value::as_i64)
                     .and_then(|fd| i32::try_from(fd).ok())
                     .filter(|fd| *fd >= 0),
+                ipc: parse_ipc(b)?,
             };
             if buf.addr.checked_add(buf.length).is_none() {
                 return Err(Error::new(
@@ -233,6 +242,22 @@ impl SegmentDesc {
             .map_err(|e| Error::new(Code::Metadata, format!("segment descriptor: {e}")))?;
         SegmentDesc::from_json(&v)
     }
+}
+
+/// A buffer's IPC export: both fields or neither; a malformed handle is an error
+/// rather than a buffer silently left to slower paths.
+fn parse_ipc(b: &Value) -> Result<Option<IpcExport>> {
+    let Some(text) = b.get("mc_ipc_handle") else {
+        return Ok(None);
+    };
+    let bad = || Error::new(Code::Metadata, "segment descriptor: bad mc_ipc_handle");
+    let bytes = text.as_str().and_then(hex::decode).ok_or_else(bad)?;
+    let handle: [u8; 64] = bytes.try_into().map_err(|_| bad())?;
+    let offset = b
+        .get("mc_ipc_offset")
+        .and_then(Value::as_u64)
+        .ok_or_else(bad)?;
+    Ok(Some(IpcExport { handle, offset }))
 }
 
 fn keys(k: &[u32]) -> Value {
@@ -295,6 +320,19 @@ mod tests {
             rkey: vec![7, 8],
             lkey: vec![],
             shm_fd: Some(9),
+            ipc: None,
+        });
+        d.buffers.push(BufferDesc {
+            name: "cuda:1".into(),
+            addr: 1 << 40,
+            length: 1 << 20,
+            rkey: vec![],
+            lkey: vec![],
+            shm_fd: None,
+            ipc: Some(IpcExport {
+                handle: [0xa5; 64],
+                offset: 4096,
+            }),
         });
         d.host = Some(HostInfo {
             host_id: "abc".into(),
@@ -318,6 +356,8 @@ mod tests {
             r#"{"name":"x","buffers":[{"addr":"1","length":2}]}"#,
             r#"{"name":"x","buffers":[{"addr":18446744073709551615,"length":2}]}"#,
             r#"{"name":"x","tcp_data_port":70000}"#,
+            r#"{"name":"x","buffers":[{"addr":1,"length":2,"mc_ipc_handle":"00","mc_ipc_offset":0}]}"#,
+            r#"{"name":"x","buffers":[{"addr":1,"length":2,"mc_ipc_handle":5}]}"#,
         ] {
             assert_eq!(
                 SegmentDesc::parse(bad).unwrap_err().code(),

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+use crate::device::MemoryKind;
 use crate::error::Result;
 use crate::memory::Region;
 use crate::metadata::SegmentDesc;
@@ -78,6 +79,8 @@ pub struct BackendConfig {
 pub struct RegionKeys {
     pub lkey: Vec<u32>,
     pub rkey: Vec<u32>,
+    /// For device memory: the IPC export same-host peers map it through.
+    pub ipc: Option<crate::device::IpcExport>,
 }
 
 /// Where a peer's servers listen.
@@ -150,6 +153,9 @@ pub struct Slice {
     pub id: u64,
     pub op: Op,
     pub local: u64,
+    /// What `local` points at: host memory, or registered device memory that only a
+    /// transport whose `carries` accepts the slice may touch (others get it staged).
+    pub local_kind: MemoryKind,
     pub remote: u64,
     pub len: u64,
     pub peer: Arc<Peer>,
@@ -193,6 +199,14 @@ pub trait Transport: Send + Sync {
 
     /// Whether this transport can move bytes to and from `peer`.
     fn reaches(&self, peer: &SegmentDesc) -> bool;
+
+    /// Whether this transport can move `slice` as it is, in particular when its local
+    /// side is device memory (`slice.local_kind`) or the peer's buffer is. The engine
+    /// stages a device-memory local side through host memory for transports that say
+    /// no, and skips them for a slice when no staging would help.
+    fn carries(&self, slice: &Slice) -> bool {
+        slice.local_kind.is_host()
+    }
 
     /// Largest slice worth handing over at once.
     fn slice_size(&self) -> u64;

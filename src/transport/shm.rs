@@ -10,13 +10,23 @@
 //! waits for the count to drain. So no copy touches a buffer after
 //! `unregister_memory` returns. A pidfd tells whether the peer still lives, so a
 //! recycled PID is never written to.
+//!
+//! Device memory (CUDA, HIP) moves GPU to GPU without touching the CPU: a registered
+//! device buffer is exported with an IPC handle (published as `mc_ipc_handle`), which
+//! a same-host peer opens once per buffer and generation; the driver then copies
+//! between the mapped peer allocation and our side, host or device. A local device
+//! buffer also goes straight to or from a peer's memfd-backed host buffer with one
+//! driver copy. What this cannot carry (device memory on the peer without a handle, or
+//! local device memory against a peer buffer reachable only by process_vm) is left to
+//! other paths by `carries`.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
+use super::{Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker};
+use crate::device::{self, IpcExport, MemoryKind};
 use crate::error::{Error, Result};
 use crate::memory::Region;
 use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
@@ -97,6 +107,23 @@ impl Transport for ShmTransport {
         Kind::Shm
     }
 
+    fn register(&self, region: &Region) -> Result<RegionKeys> {
+        let mut keys = RegionKeys::default();
+        if matches!(region.device, MemoryKind::Cuda(_) | MemoryKind::Hip(_)) {
+            // Without a handle peers still reach the buffer (TCP stages it), so a
+            // driver that refuses IPC is not a registration error.
+            match device::ipc_export(region.device, region.addr) {
+                Ok(ipc) => keys.ipc = Some(ipc),
+                Err(e) => log::info!(
+                    "shm: no IPC handle for {:#x} ({}): {e}",
+                    region.addr,
+                    region.location
+                ),
+            }
+        }
+        Ok(keys)
+    }
+
     fn unregister(&self, region: &Region) {
         let page = self.page();
         page.generation.fetch_add(1, Ordering::SeqCst);
@@ -133,6 +160,19 @@ impl Transport for ShmTransport {
         })
     }
 
+    fn carries(&self, slice: &Slice) -> bool {
+        let desc = slice.peer.desc();
+        let Some(buf) = desc.buffer_for(slice.remote, slice.len) else {
+            // Out of range: `transfer` rejects it with the reason.
+            return true;
+        };
+        match MemoryKind::parse_location(&buf.name) {
+            Ok(MemoryKind::Host) => slice.local_kind.is_host() || buf.shm_fd.is_some(),
+            Ok(remote) => buf.ipc.is_some() && import_kind(remote, slice.local_kind).is_some(),
+            Err(_) => false,
+        }
+    }
+
     fn slice_size(&self) -> u64 {
         16 << 20
     }
@@ -165,7 +205,47 @@ struct Attached {
     /// Mappings of the peer's memfd-backed buffers, by buffer address, valid for
     /// `generation`.
     buffers: HashMap<u64, Mapping>,
+    /// The peer's device allocations opened through IPC, by buffer address, valid
+    /// for `generation`.
+    imports: HashMap<u64, Import>,
     generation: u64,
+}
+
+/// A peer's device allocation mapped into this process; closed on drop.
+struct Import {
+    kind: MemoryKind,
+    base: u64,
+}
+
+impl Drop for Import {
+    fn drop(&mut self) {
+        // SAFETY: `base` came from `ipc_open(kind, ..)`; the map entry owning this was
+        // removed, so nothing uses it afterwards.
+        if let Err(e) = unsafe { device::ipc_close(self.kind, self.base) } {
+            log::warn!("shm: closing an IPC mapping: {e}");
+        }
+    }
+}
+
+/// The device of ours through which a peer allocation on `remote` is opened: our
+/// local side's device when it is of the same family (the driver then copies device
+/// to device), else the peer's ordinal if we have it, else device 0. `None` when this
+/// process cannot open that family's handles.
+fn import_kind(remote: MemoryKind, local: MemoryKind) -> Option<MemoryKind> {
+    let count = |n: Result<i32>| n.ok().filter(|c| *c > 0);
+    match (remote, local) {
+        (MemoryKind::Cuda(_), MemoryKind::Cuda(l)) => Some(MemoryKind::Cuda(l)),
+        (MemoryKind::Hip(_), MemoryKind::Hip(l)) => Some(MemoryKind::Hip(l)),
+        (MemoryKind::Cuda(r), _) => {
+            let n = count(crate::ffi::cuda::api().and_then(|a| a.device_count()))?;
+            Some(MemoryKind::Cuda(if r < n { r } else { 0 }))
+        }
+        (MemoryKind::Hip(r), _) => {
+            let n = count(crate::ffi::hip::api().and_then(|a| a.device_count()))?;
+            Some(MemoryKind::Hip(if r < n { r } else { 0 }))
+        }
+        _ => None,
+    }
 }
 
 impl Attached {
@@ -187,6 +267,7 @@ impl Attached {
             pidfd,
             guard,
             buffers: HashMap::new(),
+            imports: HashMap::new(),
             generation: h.generation,
         };
         if attached.page().token.load(Ordering::SeqCst) != h.token {
@@ -234,6 +315,59 @@ impl Attached {
         Ok(ptr)
     }
 
+    /// A peer device allocation opened through its IPC handle, made on first use.
+    fn import(
+        &mut self,
+        buf: &BufferDesc,
+        remote: MemoryKind,
+        local: MemoryKind,
+        ipc: &IpcExport,
+    ) -> std::result::Result<&Import, CopyError> {
+        use std::collections::hash_map::Entry;
+        match self.imports.entry(buf.addr) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(v) => {
+                let kind = import_kind(remote, local).ok_or_else(|| {
+                    CopyError::Denied(format!("cannot open {} IPC handles here", buf.name))
+                })?;
+                let base = device::ipc_open(kind, &ipc.handle).map_err(|e| {
+                    // Another container or driver instance: the handle is useless here.
+                    CopyError::Denied(format!("opening the IPC handle of {:#x}: {e}", buf.addr))
+                })?;
+                Ok(v.insert(Import { kind, base }))
+            }
+        }
+    }
+
+    /// Where `slice`'s remote range is as this process sees it: inside a mapping of
+    /// the peer's memfd or an opened IPC allocation; `None`: reachable only through
+    /// process_vm.
+    fn remote_view(
+        &mut self,
+        slice: &Slice,
+        buf: &BufferDesc,
+    ) -> std::result::Result<Option<(MemoryKind, u64)>, CopyError> {
+        let within = slice.remote - buf.addr;
+        match MemoryKind::parse_location(&buf.name) {
+            Ok(MemoryKind::Host) => Ok(match buf.shm_fd {
+                // Unmappable (e.g. sealed): process_vm still works for this buffer.
+                Some(fd) => self
+                    .buffer_mapping(buf, fd)
+                    .ok()
+                    .map(|base| (MemoryKind::Host, base as u64 + within)),
+                None => None,
+            }),
+            Ok(remote) => {
+                let ipc = buf.ipc.ok_or_else(|| {
+                    CopyError::Failed(format!("device buffer {:#x} has no IPC handle", buf.addr))
+                })?;
+                let import = self.import(buf, remote, slice.local_kind, &ipc)?;
+                Ok(Some((import.kind, import.base + ipc.offset + within)))
+            }
+            Err(e) => Err(CopyError::Rejected(e.to_string())),
+        }
+    }
+
     /// One guarded copy of a range inside `buf`, validated against `generation`.
     fn copy(
         &mut self,
@@ -244,16 +378,10 @@ impl Attached {
         if generation != self.generation {
             // The peer's buffers changed: drop mappings of buffers that may be gone.
             self.buffers.clear();
+            self.imports.clear();
             self.generation = generation;
         }
-        let mapped = match buf.shm_fd {
-            Some(fd) => match self.buffer_mapping(buf, fd) {
-                Ok(base) => Some(base.wrapping_add((slice.remote - buf.addr) as usize)),
-                // Unmappable (e.g. sealed): process_vm still works for this buffer.
-                Err(_) => None,
-            },
-            None => None,
-        };
+        let remote = self.remote_view(slice, buf)?;
         let page = self.page();
         page.active.fetch_add(1, Ordering::SeqCst);
         let result = if page.generation.load(Ordering::SeqCst) != generation {
@@ -261,19 +389,25 @@ impl Attached {
         } else if !self.alive() {
             Err(CopyError::Failed(format!("process {} exited", self.pid)))
         } else {
-            match mapped {
-                Some(remote) => {
-                    let (src, dst) = match slice.op {
-                        Op::Read => (remote as *const u8, slice.local as *mut u8),
-                        Op::Write => (slice.local as *const u8, remote),
+            match remote {
+                Some((kind, addr)) => {
+                    let local = (slice.local_kind, slice.local);
+                    let ((dk, d), (sk, s)) = match slice.op {
+                        Op::Read => (local, (kind, addr)),
+                        Op::Write => ((kind, addr), local),
                     };
-                    // SAFETY: `remote` lies inside our mapping of the peer buffer (range
-                    // validated against the descriptor of this generation, which the
-                    // guard count pins); the local side is the caller's buffer.
-                    unsafe { std::ptr::copy(src, dst, slice.len as usize) };
-                    Ok(())
+                    // SAFETY: the remote range lies inside our mapping of the peer
+                    // buffer or allocation (range validated against the descriptor of
+                    // this generation, which the guard count pins); the local side is
+                    // the caller's buffer of `local_kind`. `copy` uses the driver for
+                    // device memory and memmove for host memory.
+                    unsafe { device::copy(dk, d, sk, s, slice.len as usize) }
+                        .map_err(|e| CopyError::Failed(e.to_string()))
                 }
-                None => self.process_vm(slice),
+                None if slice.local_kind.is_host() => self.process_vm(slice),
+                None => Err(CopyError::Failed(
+                    "device memory cannot move through process_vm".into(),
+                )),
             }
         };
         page.active.fetch_sub(1, Ordering::SeqCst);
@@ -351,15 +485,6 @@ impl ShmWorker {
                 slice.remote, slice.len, slice.peer.name
             ));
         };
-        if crate::device::MemoryKind::location_is_device(&buf.name) {
-            // The peer's buffer is device memory (its name is the location): the CPU
-            // cannot copy it. Leave this peer to TCP, whose server stages it.
-            slice.peer.disable(Kind::Shm);
-            return Outcome::PathFailed(format!(
-                "shm: buffer {:#x} of {} is device memory ({}); using another path",
-                buf.addr, slice.peer.name, buf.name
-            ));
-        }
         match attached.copy(slice, buf, host.generation) {
             Ok(()) => Outcome::Done,
             Err(e) => self.failed(slice, e),

@@ -1,4 +1,5 @@
 //! Small self-contained helpers.
 
 pub mod crc32c;
+pub mod hex;
 pub mod regex;

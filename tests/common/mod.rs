@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cprog;
+pub mod fakes;
 
 use mooncake::{Engine, EngineConfig};
 
@@ -59,6 +60,11 @@ pub struct Target {
 
 impl Target {
     pub fn spawn(metadata: &str, size: usize) -> Target {
+        Target::spawn_with(metadata, size, &[])
+    }
+
+    /// As `spawn`, with more `mooncake target` flags (e.g. `--location cuda:0`).
+    pub fn spawn_with(metadata: &str, size: usize, extra: &[&str]) -> Target {
         use std::io::BufRead;
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_mooncake"))
             .args([
@@ -70,6 +76,7 @@ impl Target {
                 "--until-stdin-eof",
             ])
             .args(["--size", &size.to_string()])
+            .args(extra)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()

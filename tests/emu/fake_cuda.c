@@ -1,20 +1,12 @@
 /* A fake CUDA driver (libcuda) for tests: the subset mooncake calls, over host memory.
  *
- * "Device" memory of each fake device is a memfd mapped twice: once PROT_NONE (the
- * addresses handed out, so any CPU access to device memory faults, as on a real GPU)
- * and once read-write (where this library really copies). Pointer queries tell device
- * from host by address range; copies check their direction against it; every copy is
- * counted (fake_cuda_copies) so tests can prove staging happened. Copies and
- * allocations need a current context, as the real driver does. IPC handles encode the
- * address (same process only); dma-buf handles are a dup of the device's memfd. */
-#define _GNU_SOURCE
-#include <fcntl.h>
-#include <stdint.h>
-#include <stdio.h>
+ * Device memory, IPC and dma-buf follow fake_gpu_mem.h (CPU access to device memory
+ * faults; IPC works across processes). Pointer queries tell device from host by
+ * allocation; copies check their direction against it; every copy is counted
+ * (fake_cuda_copies) so tests can prove staging happened, or that none did. Copies and
+ * allocations need a current context, as the real driver does. */
+#include "fake_gpu_mem.h"
 #include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -29,33 +21,15 @@ enum {
     CUDA_ERROR_NOT_INITIALIZED = 3,
     CUDA_ERROR_INVALID_DEVICE = 101,
     CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_NOT_FOUND = 500,
 };
 
-#define NDEV 2
-#define DEV_BYTES ((size_t)256 << 20)
 #define MAX_PINNED 1024
 
 static int initialized;
-static int dev_fd[NDEV];
-static uint8_t *dev_view[NDEV];
-static uint8_t *dev_shadow[NDEV];
-static size_t dev_used[NDEV];
 static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
 static unsigned long copies, copied_bytes;
 static __thread int current = -1;
-
-static int dev_of(CUdeviceptr p, size_t len) {
-    for (int d = 0; d < NDEV; d++) {
-        uint64_t base = (uint64_t)(uintptr_t)dev_view[d];
-        if (p >= base && p < base + DEV_BYTES && len <= base + DEV_BYTES - p) return d;
-    }
-    return -1;
-}
-
-static uint8_t *shadow(CUdeviceptr p) {
-    int d = dev_of(p, 1);
-    return dev_shadow[d] + (p - (uint64_t)(uintptr_t)dev_view[d]);
-}
 
 static int is_pinned(uint64_t p) {
     for (int i = 0; i < MAX_PINNED; i++)
@@ -79,13 +53,9 @@ CUresult cuInit(unsigned flags) {
     static int busy;
     while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
     if (!initialized) {
-        for (int d = 0; d < NDEV; d++) {
-            dev_fd[d] = memfd_create("fake-cuda-device", MFD_CLOEXEC);
-            if (dev_fd[d] < 0 || ftruncate(dev_fd[d], DEV_BYTES) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-            dev_view[d] = mmap(NULL, DEV_BYTES, PROT_NONE, MAP_SHARED, dev_fd[d], 0);
-            dev_shadow[d] = mmap(NULL, DEV_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, dev_fd[d], 0);
-            if (dev_view[d] == MAP_FAILED || dev_shadow[d] == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
-            dev_used[d] = 4096; /* never hand out the base: keeps 0 offsets obviously wrong */
+        if (gpu_mem_init() != 0) {
+            __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+            return CUDA_ERROR_OUT_OF_MEMORY;
         }
         __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
     }
@@ -193,43 +163,43 @@ CUresult cuMemFreeHost(void *p) {
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     NEED_CTX();
-    size_t rounded = (n + 4095) & ~(size_t)4095;
-    size_t off = __atomic_fetch_add(&dev_used[current], rounded, __ATOMIC_SEQ_CST);
-    if (off + rounded > DEV_BYTES) return CUDA_ERROR_OUT_OF_MEMORY;
-    *p = (uint64_t)(uintptr_t)dev_view[current] + off;
-    return CUDA_SUCCESS;
+    *p = gpu_alloc(current, n);
+    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
     NEED_CTX();
-    return dev_of(p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return gpu_free(p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    NEED_CTX();
+    uint64_t b;
+    size_t n;
+    if (gpu_range(p, &b, &n) != 0) return CUDA_ERROR_NOT_FOUND;
+    if (base) *base = b;
+    if (size) *size = n;
+    return CUDA_SUCCESS;
 }
 
 CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
     NEED_CTX();
-    if (dev_of(p, 1) < 0) return CUDA_ERROR_INVALID_VALUE;
-    memset(h, 0, sizeof *h);
-    memcpy(h->reserved, "FAKECUDA", 8);
-    memcpy(h->reserved + 8, &p, sizeof p);
-    return CUDA_SUCCESS;
+    return gpu_ipc_export(p, h->reserved, "FAKECUDA") == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags) {
     (void)flags;
     NEED_CTX();
-    if (memcmp(h.reserved, "FAKECUDA", 8) != 0) return CUDA_ERROR_INVALID_VALUE;
-    memcpy(p, h.reserved + 8, sizeof *p);
-    return dev_of(*p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    *p = gpu_ipc_open(current, h.reserved, "FAKECUDA");
+    return *p ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     NEED_CTX();
-    return dev_of(p, 1) >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return gpu_ipc_close(p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type, unsigned long long flags) {
     NEED_CTX();
-    int d = dev_of(p, n);
-    if (d < 0 || type != 1 || flags != 0 || (p & 4095) != 0) return CUDA_ERROR_INVALID_VALUE;
-    *(int *)handle = fcntl(dev_fd[d], F_DUPFD_CLOEXEC, 0);
-    return *(int *)handle >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (type != 1 || flags != 0 || (p & 4095) != 0) return CUDA_ERROR_INVALID_VALUE;
+    *(int *)handle = gpu_dma_buf(p, n);
+    return *(int *)handle >= 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuGetErrorString(CUresult rc, const char **s) {
@@ -240,6 +210,7 @@ CUresult cuGetErrorString(CUresult rc, const char **s) {
     case CUDA_ERROR_NOT_INITIALIZED: *s = "initialization error"; break;
     case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
     case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
+    case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
     default: *s = NULL; return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;

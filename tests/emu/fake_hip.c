@@ -1,16 +1,10 @@
 /* A fake HIP runtime (libamdhip64) for tests: the subset mooncake calls, over host
- * memory. Same model as fake_cuda.c: device memory is a memfd mapped PROT_NONE at the
- * addresses handed out (CPU access faults) and read-write where this library copies;
- * pointer queries tell device from host by address range (ROCm 5 numbering: Host 0,
+ * memory. Device memory, IPC and dma-buf follow fake_gpu_mem.h, as in fake_cuda.c;
+ * pointer queries tell device from host by allocation (ROCm 5 numbering: Host 0,
  * Device 1); copies check their kind; copies are counted (fake_hip_copies). The
  * current device is per thread, default 0, as in HIP. */
-#define _GNU_SOURCE
-#include <stdint.h>
-#include <stdio.h>
+#include "fake_gpu_mem.h"
 #include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 typedef int hipError_t;
 enum { hipSuccess = 0, hipErrorInvalidValue = 1, hipErrorOutOfMemory = 2, hipErrorNotInitialized = 3,
@@ -28,31 +22,15 @@ typedef struct {
 } hipPointerAttribute_t;
 typedef struct { char reserved[64]; } hipIpcMemHandle_t;
 
-#define NDEV 2
-#define DEV_BYTES ((size_t)256 << 20)
 #define MAX_PINNED 1024
 
 static int initialized;
-static uint8_t *dev_view[NDEV];
-static uint8_t *dev_shadow[NDEV];
-static size_t dev_used[NDEV];
 static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
 static unsigned long copies;
 static __thread int current;
 
 unsigned long fake_hip_copies(void) { return __atomic_load_n(&copies, __ATOMIC_SEQ_CST); }
 
-static int dev_of(uint64_t p, size_t len) {
-    for (int d = 0; d < NDEV; d++) {
-        uint64_t base = (uint64_t)(uintptr_t)dev_view[d];
-        if (base && p >= base && p < base + DEV_BYTES && len <= base + DEV_BYTES - p) return d;
-    }
-    return -1;
-}
-static void *shadow(uint64_t p) {
-    int d = dev_of(p, 1);
-    return dev_shadow[d] + (p - (uint64_t)(uintptr_t)dev_view[d]);
-}
 static int is_pinned(uint64_t p) {
     for (int i = 0; i < MAX_PINNED; i++)
         if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
@@ -66,14 +44,9 @@ hipError_t hipInit(unsigned flags) {
     static int busy;
     while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
     if (!initialized) {
-        for (int d = 0; d < NDEV; d++) {
-            int fd = memfd_create("fake-hip-device", MFD_CLOEXEC);
-            if (fd < 0 || ftruncate(fd, DEV_BYTES) != 0) return hipErrorOutOfMemory;
-            dev_view[d] = mmap(NULL, DEV_BYTES, PROT_NONE, MAP_SHARED, fd, 0);
-            dev_shadow[d] = mmap(NULL, DEV_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-            close(fd);
-            if (dev_view[d] == MAP_FAILED || dev_shadow[d] == MAP_FAILED) return hipErrorOutOfMemory;
-            dev_used[d] = 4096;
+        if (gpu_mem_init() != 0) {
+            __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+            return hipErrorOutOfMemory;
         }
         __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
     }
@@ -152,30 +125,33 @@ hipError_t hipHostFree(void *p) {
 }
 hipError_t hipMalloc(void **p, size_t n) {
     NEED_INIT();
-    size_t rounded = (n + 4095) & ~(size_t)4095;
-    size_t off = __atomic_fetch_add(&dev_used[current], rounded, __ATOMIC_SEQ_CST);
-    if (off + rounded > DEV_BYTES) return hipErrorOutOfMemory;
-    *p = dev_view[current] + off;
+    *p = (void *)(uintptr_t)gpu_alloc(current, n);
+    return *p ? hipSuccess : hipErrorOutOfMemory;
+}
+hipError_t hipFree(void *p) { return gpu_free((uintptr_t)p) == 0 ? hipSuccess : hipErrorInvalidValue; }
+hipError_t hipMemGetAddressRange(void **base, size_t *size, void *p) {
+    NEED_INIT();
+    uint64_t b;
+    size_t n;
+    if (gpu_range((uintptr_t)p, &b, &n) != 0) return hipErrorInvalidValue;
+    if (base) *base = (void *)(uintptr_t)b;
+    if (size) *size = n;
     return hipSuccess;
 }
-hipError_t hipFree(void *p) { return dev_of((uintptr_t)p, 1) >= 0 ? hipSuccess : hipErrorInvalidValue; }
 
 hipError_t hipIpcGetMemHandle(hipIpcMemHandle_t *h, void *p) {
     NEED_INIT();
-    if (dev_of((uintptr_t)p, 1) < 0) return hipErrorInvalidValue;
-    memset(h, 0, sizeof *h);
-    memcpy(h->reserved, "FAKE_HIP", 8);
-    memcpy(h->reserved + 8, &p, sizeof p);
-    return hipSuccess;
+    return gpu_ipc_export((uintptr_t)p, h->reserved, "FAKE_HIP") == 0 ? hipSuccess : hipErrorInvalidValue;
 }
 hipError_t hipIpcOpenMemHandle(void **p, hipIpcMemHandle_t h, unsigned flags) {
     (void)flags;
     NEED_INIT();
-    if (memcmp(h.reserved, "FAKE_HIP", 8) != 0) return hipErrorInvalidValue;
-    memcpy(p, h.reserved + 8, sizeof *p);
-    return hipSuccess;
+    *p = (void *)(uintptr_t)gpu_ipc_open(current, h.reserved, "FAKE_HIP");
+    return *p ? hipSuccess : hipErrorInvalidValue;
 }
-hipError_t hipIpcCloseMemHandle(void *p) { return dev_of((uintptr_t)p, 1) >= 0 ? hipSuccess : hipErrorInvalidValue; }
+hipError_t hipIpcCloseMemHandle(void *p) {
+    return gpu_ipc_close((uintptr_t)p) == 0 ? hipSuccess : hipErrorInvalidValue;
+}
 
 const char *hipGetErrorName(hipError_t rc) {
     switch (rc) {

@@ -316,6 +316,7 @@ pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
         RegionKeys {
             lkey: mrs.iter().map(|m| (**m).lkey).collect(),
             rkey: mrs.iter().map(|m| (**m).rkey).collect(),
+            ipc: None,
         }
     };
     let old = s.regions.write().unwrap_or_else(|e| e.into_inner()).insert(

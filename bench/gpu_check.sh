@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device-memory check on a real NVIDIA machine: builds the gpu_check example, which
 # registers cuda:0 memory with the engine, moves host→device, device→host and
-# device→device through it (TCP staging and the local transport), verifies every byte,
+# device→device through it (TCP staging, the local transport, and CUDA IPC to a
+# `mooncake target` child holding cuda:0 memory), verifies every byte,
 # and prints one JSON object next to plain cuMemcpy baselines.
 # Exit: 0 ok, 1 byte mismatch or failed transfer, 2 no GPU / no driver / no toolchain.
 # Env: GPU_CHECK_MB (default 256), GPU_CHECK_ITERS (3), MC_CUDA_LIB (driver path).
@@ -17,5 +18,5 @@ if [ -z "${MC_CUDA_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so
     exit 2
 fi
 command -v cargo >/dev/null || { echo "gpu_check: cargo not found" >&2; exit 2; }
-cargo build --release --example gpu_check >&2
+cargo build --release --example gpu_check --bin mooncake >&2
 exec target/release/examples/gpu_check

@@ -3,9 +3,11 @@
 //! Registers `cuda:0` memory (and `cuda:1` when there is a second GPU) with two engines
 //! in this process, moves bytes host→device, device→host and device→device through
 //! the engine (over TCP, which stages through pinned bounce buffers, and through the
-//! local transport, which copies with the driver), verifies every byte, and prints one
-//! JSON object with the figures next to plain cuMemcpy baselines. Exits 1 on a byte
-//! mismatch or a failed transfer, 2 when no CUDA device is usable.
+//! local transport, which copies with the driver), then against a `mooncake target`
+//! child process holding `cuda:0` memory (same host: CUDA IPC handles through the shm
+//! transport, GPU to GPU), verifies every byte, and prints one JSON object with the
+//! figures next to plain cuMemcpy baselines. Exits 1 on a byte mismatch or a failed
+//! transfer, 2 when no CUDA device is usable.
 //!
 //! Environment: GPU_CHECK_MB (default 256) bytes per transfer, GPU_CHECK_ITERS (3).
 
@@ -36,9 +38,13 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn engine() -> Engine {
+    engine_with("tcp")
+}
+
+fn engine_with(protocol: &str) -> Engine {
     let mut cfg = EngineConfig::default();
     cfg.set("metadata", "P2PHANDSHAKE").unwrap();
-    cfg.set("protocol", "tcp").unwrap();
+    cfg.set("protocol", protocol).unwrap();
     cfg.set("bind_address", "127.0.0.1").unwrap();
     Engine::new(cfg).expect("engine starts")
 }
@@ -230,6 +236,10 @@ fn main() {
         },
     );
 
+    // Across processes on this host: CUDA IPC, one driver copy per slice.
+    let ipc = ipc_figures(len, iters, (k0, dc), h, &pattern(5, len));
+    figures.extend(ipc);
+
     let s = client.stats();
     println!(
         "{{\"ok\": true, \"device\": {name:?}, \"devices\": {count}, \"bytes\": {len}, \"iters\": {iters}, \
@@ -246,4 +256,139 @@ fn main() {
         s.retries,
         s.failed_slices
     );
+}
+
+/// A `mooncake target` child holding `len` bytes of `cuda:0` memory, driven over its
+/// stdin/stdout.
+struct Child {
+    process: std::process::Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Child {
+    fn spawn(len: usize) -> (Child, String) {
+        use std::io::BufRead;
+        // The binary sits next to `examples/` in the same target directory.
+        let exe = std::env::current_exe().unwrap_or_default();
+        let bin = exe
+            .parent()
+            .and_then(|d| d.parent())
+            .map(|d| d.join("mooncake"))
+            .unwrap_or_default();
+        let mut process = std::process::Command::new(&bin)
+            .args([
+                "target",
+                "--metadata",
+                "P2PHANDSHAKE",
+                "--bind",
+                "127.0.0.1",
+            ])
+            .args([
+                "--protocol",
+                "shm",
+                "--location",
+                "cuda:0",
+                "--until-stdin-eof",
+            ])
+            .args(["--size", &len.to_string()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| fail(format!("starting {}: {e}", bin.display())));
+        let mut out = std::io::BufReader::new(process.stdout.take().unwrap());
+        let mut line = String::new();
+        let _ = out.read_line(&mut line);
+        let Some(name) = line.trim().strip_prefix("ready ").map(str::to_owned) else {
+            let _ = process.kill();
+            fail(format!("target said {line:?}"));
+        };
+        (Child { process, out }, name)
+    }
+
+    fn command(&mut self, cmd: &str) -> String {
+        use std::io::{BufRead, Write};
+        let stdin = self.process.stdin.as_mut().unwrap();
+        let _ = writeln!(stdin, "{cmd}").and_then(|_| stdin.flush());
+        let mut line = String::new();
+        let _ = self.out.read_line(&mut line);
+        line.trim().to_owned()
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        drop(self.process.stdin.take());
+        let _ = self.process.wait();
+    }
+}
+
+/// Device→device and device→host against a child process's `cuda:0` buffer through
+/// CUDA IPC; the child checksums what landed in its device memory.
+fn ipc_figures(
+    len: usize,
+    iters: usize,
+    local: (MemoryKind, u64),
+    host: u64,
+    p: &[u8],
+) -> Vec<String> {
+    let (kind, dev) = local;
+    let (mut child, name) = Child::spawn(len);
+    let engine = engine_with("auto");
+    // SAFETY: `dev` and `host` live until the end of main; registered only here.
+    unsafe {
+        engine
+            .register_memory(dev as *mut u8, len, &kind.location())
+            .unwrap();
+        engine
+            .register_memory(host as *mut u8, len, "cpu:0")
+            .unwrap();
+    }
+    let seg = engine
+        .open_segment(&name)
+        .unwrap_or_else(|e| fail(e.to_string()));
+    let desc = engine.segment_descriptor(seg).unwrap();
+    let Some(remote) = desc.buffers.first().filter(|b| b.ipc.is_some()) else {
+        fail("the child published no IPC handle".into());
+    };
+    let remote = remote.addr;
+    // SAFETY: `dev` is device memory of `len` bytes.
+    unsafe { device::copy_from_host(kind, dev, p.as_ptr(), len) }.unwrap();
+    let req = |op, local| Request {
+        op,
+        local,
+        segment: seg,
+        remote,
+        len: len as u64,
+    };
+    let write = best(iters, || transfer(&engine, req(Op::Write, dev)));
+    let want = format!("crc32c {:08x}", mooncake::util::crc32c::crc32c(p));
+    let got = child.command("checksum");
+    if got != want {
+        fail(format!(
+            "ipc device→device: child reports {got}, expected {want}"
+        ));
+    }
+    // SAFETY: the registered host buffer, no transfer in flight.
+    unsafe { std::ptr::write_bytes(host as *mut u8, 0, len) };
+    let read = best(iters, || transfer(&engine, req(Op::Read, host)));
+    // SAFETY: as above.
+    verify(
+        "ipc device→host",
+        unsafe { std::slice::from_raw_parts(host as *const u8, len) },
+        p,
+    );
+    let s = engine.stats();
+    if s.tcp_bytes != 0 {
+        fail(format!(
+            "{} bytes went over TCP instead of IPC",
+            s.tcp_bytes
+        ));
+    }
+    engine.unregister_memory(dev as *mut u8).unwrap();
+    engine.unregister_memory(host as *mut u8).unwrap();
+    vec![
+        format!("\"ipc_device_to_device_gbps\": {:.3}", gbps(len, write)),
+        format!("\"ipc_device_to_host_gbps\": {:.3}", gbps(len, read)),
+        format!("\"ipc_shm_bytes\": {}", s.shm_bytes),
+    ]
 }

@@ -168,16 +168,21 @@ void mc_engine_free(mc_engine *engine);
 int mc_engine_segment_name(mc_engine *engine, char *buf, size_t len);
 
 /* Publishes [addr, addr+len) so that peers can read and write it. location names
- * the memory's placement, e.g. "cpu:0" (the default when NULL). See "Memory lifetime". */
+ * the memory's placement, e.g. "cpu:0" (the default when NULL); "cuda:N", "hip:N"
+ * and "npu:N" declare device memory, checked with the runtime-loaded driver (the CPU
+ * never touches it: transports copy it with the driver, map it through CUDA/HIP IPC
+ * for same-host peers, or stage it through pinned host buffers). See "Memory
+ * lifetime". */
 int mc_register_memory(mc_engine *engine, void *addr, size_t len, const char *location);
 
 /* Withdraws the buffer registered at addr; returns once no transfer can touch it. */
 int mc_unregister_memory(mc_engine *engine, void *addr);
 
 /* Allocates len zeroed bytes of registered memory owned by the engine and gives its
- * address in *out. Same-host peers copy to and from such memory with a plain memcpy
- * through a shared mapping (the fastest path); release it with mc_free_buffer (or
- * mc_engine_free). location as for mc_register_memory. */
+ * address in *out. location as for mc_register_memory: host memory is a shared
+ * mapping same-host peers copy with a plain memcpy (the fastest path); a device
+ * location allocates from that device's driver. Release it with mc_free_buffer (or
+ * mc_engine_free). */
 int mc_allocate_buffer(mc_engine *engine, size_t len, const char *location, void **out);
 
 /* Unregisters and releases memory from mc_allocate_buffer. MC_ERR_INVALID_PARAMS if

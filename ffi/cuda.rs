@@ -59,6 +59,7 @@ pub struct Cuda {
     cu_device_get_count: unsafe extern "C" fn(*mut c_int) -> CUresult,
     cu_device_get: unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult,
     cu_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
+    cu_device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
     cu_device_primary_ctx_retain: unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult,
     cu_ctx_set_current: unsafe extern "C" fn(CUcontext) -> CUresult,
     cu_ctx_get_current: unsafe extern "C" fn(*mut CUcontext) -> CUresult,
@@ -116,6 +117,7 @@ impl Cuda {
             cu_device_get_count: sym(l, n, &["cuDeviceGetCount"])?,
             cu_device_get: sym(l, n, &["cuDeviceGet"])?,
             cu_device_get_name: sym(l, n, &["cuDeviceGetName"])?,
+            cu_device_get_pci_bus_id: sym(l, n, &["cuDeviceGetPCIBusId"])?,
             cu_device_primary_ctx_retain: sym(l, n, &["cuDevicePrimaryCtxRetain"])?,
             cu_ctx_set_current: sym(l, n, &["cuCtxSetCurrent"])?,
             cu_ctx_get_current: sym(l, n, &["cuCtxGetCurrent"])?,
@@ -201,20 +203,39 @@ impl Cuda {
         Ok(n)
     }
 
+    /// The device's PCI address, `domain:bus:device.function` (e.g. `0000:3B:00.0`).
+    pub fn pci_bus_id(&self, ordinal: i32) -> Result<String> {
+        self.device_string(
+            ordinal,
+            "cuDeviceGetPCIBusId",
+            self.cu_device_get_pci_bus_id,
+        )
+    }
+
     pub fn device_name(&self, ordinal: i32) -> Result<String> {
+        self.device_string(ordinal, "cuDeviceGetName", self.cu_device_get_name)
+    }
+
+    /// A NUL-terminated string the driver writes about device `ordinal`.
+    fn device_string(
+        &self,
+        ordinal: i32,
+        call: &str,
+        f: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
+    ) -> Result<String> {
         self.initialized()?;
         let mut dev: CUdevice = 0;
         // SAFETY: writes one device handle.
         self.check("cuDeviceGet", unsafe {
             (self.cu_device_get)(&mut dev, ordinal)
         })?;
-        let mut name = [0 as c_char; 256];
+        let mut text = [0 as c_char; 256];
         // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
-        self.check("cuDeviceGetName", unsafe {
-            (self.cu_device_get_name)(name.as_mut_ptr(), name.len() as c_int, dev)
+        self.check(call, unsafe {
+            f(text.as_mut_ptr(), text.len() as c_int - 1, dev)
         })?;
         // SAFETY: NUL-terminated within the buffer (zeroed, last byte never written).
-        Ok(unsafe { CStr::from_ptr(name.as_ptr()) }
+        Ok(unsafe { CStr::from_ptr(text.as_ptr()) }
             .to_string_lossy()
             .into_owned())
     }

@@ -68,6 +68,7 @@ pub struct Hip {
     hip_runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipError,
     hip_get_device_count: unsafe extern "C" fn(*mut c_int) -> HipError,
     hip_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
+    hip_device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
     hip_set_device: unsafe extern "C" fn(c_int) -> HipError,
     hip_pointer_get_attributes:
         unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipError,
@@ -117,6 +118,7 @@ impl Hip {
             hip_runtime_get_version: sym(l, n, "hipRuntimeGetVersion")?,
             hip_get_device_count: sym(l, n, "hipGetDeviceCount")?,
             hip_device_get_name: sym(l, n, "hipDeviceGetName")?,
+            hip_device_get_pci_bus_id: sym(l, n, "hipDeviceGetPCIBusId")?,
             hip_set_device: sym(l, n, "hipSetDevice")?,
             hip_pointer_get_attributes: sym(l, n, "hipPointerGetAttributes")?,
             hip_memcpy: sym(l, n, "hipMemcpy")?,
@@ -205,13 +207,32 @@ impl Hip {
     }
 
     pub fn device_name(&self, ordinal: i32) -> Result<String> {
-        let mut name = [0 as c_char; 256];
+        self.device_string(ordinal, "hipDeviceGetName", self.hip_device_get_name)
+    }
+
+    /// The device's PCI address, `domain:bus:device.function`.
+    pub fn pci_bus_id(&self, ordinal: i32) -> Result<String> {
+        self.device_string(
+            ordinal,
+            "hipDeviceGetPCIBusId",
+            self.hip_device_get_pci_bus_id,
+        )
+    }
+
+    /// A NUL-terminated string the runtime writes about device `ordinal`.
+    fn device_string(
+        &self,
+        ordinal: i32,
+        call: &str,
+        f: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
+    ) -> Result<String> {
+        let mut text = [0 as c_char; 256];
         // SAFETY: the runtime writes at most `len` bytes, NUL-terminated.
-        self.check("hipDeviceGetName", unsafe {
-            (self.hip_device_get_name)(name.as_mut_ptr(), name.len() as c_int - 1, ordinal)
+        self.check(call, unsafe {
+            f(text.as_mut_ptr(), text.len() as c_int - 1, ordinal)
         })?;
         // SAFETY: the zeroed last byte is never written.
-        Ok(unsafe { CStr::from_ptr(name.as_ptr()) }
+        Ok(unsafe { CStr::from_ptr(text.as_ptr()) }
             .to_string_lossy()
             .into_owned())
     }

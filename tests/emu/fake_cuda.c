@@ -80,6 +80,13 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
     snprintf(name, (size_t)len, "Fake CUDA Device %d", d);
     return CUDA_SUCCESS;
 }
+/* Fake devices sit at PCI 0000:1N:00.0 (see the topology tests' sysfs trees). */
+CUresult cuDeviceGetPCIBusId(char *id, int len, CUdevice d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(id, (size_t)len, "0000:1%d:00.0", d);
+    return CUDA_SUCCESS;
+}
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) {
     NEED_INIT();
     if (d < 0 || d >= NDEV) return CUDA_ERROR_INVALID_DEVICE;

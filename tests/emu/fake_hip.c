@@ -63,6 +63,13 @@ hipError_t hipDeviceGetName(char *name, int len, int d) {
     snprintf(name, (size_t)len, "Fake HIP Device %d", d);
     return hipSuccess;
 }
+/* Fake devices sit at PCI 0000:2N:00.0. */
+hipError_t hipDeviceGetPCIBusId(char *id, int len, int d) {
+    NEED_INIT();
+    if (d < 0 || d >= NDEV) return hipErrorInvalidDevice;
+    snprintf(id, (size_t)len, "0000:2%d:00.0", d);
+    return hipSuccess;
+}
 hipError_t hipSetDevice(int d) {
     NEED_INIT();
     if (d < 0 || d >= NDEV) return hipErrorInvalidDevice;

@@ -106,7 +106,7 @@ impl RdmaTransport {
         };
         let nics = open_nics(verbs, &wanted)?;
         let names: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
-        let matrix = matrix.unwrap_or_else(|| Topology::to_json(&names));
+        let matrix = matrix.unwrap_or_else(|| topology::discover(&names));
         let topology = Topology::parse(&matrix, &names);
         log::info!(
             "rdma: {} from {}: {}",

@@ -130,31 +130,88 @@ fn host_kind_error() -> Error {
     Error::new(Code::Internal, "device copy asked for host memory")
 }
 
+/// The calls every device runtime's table offers, so that dispatch on a
+/// `MemoryKind` is one lookup (`runtime`) instead of a match per operation.
+trait Runtime: Sync {
+    fn make_current(&self, ordinal: i32) -> Result<()>;
+    /// # Safety
+    /// As the table's method of the same name.
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()>;
+    /// # Safety
+    /// As the table's method of the same name.
+    unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()>;
+    /// # Safety
+    /// As the table's method of the same name.
+    unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()>;
+    fn host_alloc(&self, len: usize) -> Result<*mut u8>;
+    /// # Safety
+    /// As the table's method of the same name.
+    unsafe fn host_free(&self, p: *mut u8);
+    fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64>;
+    /// # Safety
+    /// As the table's method of the same name.
+    unsafe fn mem_free(&self, p: u64) -> Result<()>;
+}
+
+macro_rules! runtime_table {
+    ($t:ty) => {
+        impl Runtime for $t {
+            fn make_current(&self, ordinal: i32) -> Result<()> {
+                <$t>::make_current(self, ordinal)
+            }
+            unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::copy_dtoh(self, dst, src, len) }
+            }
+            unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::copy_htod(self, dst, src, len) }
+            }
+            unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::copy_dtod(self, dst, src, len) }
+            }
+            fn host_alloc(&self, len: usize) -> Result<*mut u8> {
+                <$t>::host_alloc(self, len)
+            }
+            unsafe fn host_free(&self, p: *mut u8) {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::host_free(self, p) }
+            }
+            fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
+                <$t>::mem_alloc(self, ordinal, len)
+            }
+            unsafe fn mem_free(&self, p: u64) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::mem_free(self, p) }
+            }
+        }
+    };
+}
+runtime_table!(cuda::Cuda);
+runtime_table!(hip::Hip);
+runtime_table!(acl::Acl);
+
+/// The loaded runtime of a device kind, with that device made current on this thread.
+fn runtime(kind: MemoryKind) -> Result<&'static dyn Runtime> {
+    let (rt, ordinal): (&'static dyn Runtime, i32) = match kind {
+        MemoryKind::Host => return Err(host_kind_error()),
+        MemoryKind::Cuda(n) => (cuda::api()?, n),
+        MemoryKind::Hip(n) => (hip::api()?, n),
+        MemoryKind::Npu(n) => (acl::api()?, n),
+    };
+    rt.make_current(ordinal)?;
+    Ok(rt)
+}
+
 /// Device → host, synchronous.
 ///
 /// # Safety
 /// `dst` must be valid for `len` bytes of writes; `src` must be `len` bytes of device
 /// memory of `kind`.
 pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-    // SAFETY (all arms): per the contract.
-    match kind {
-        MemoryKind::Host => Err(host_kind_error()),
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtoh(dst, src, len) }
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtoh(dst, src, len) }
-        }
-        MemoryKind::Npu(n) => {
-            let api = acl::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtoh(dst, src, len) }
-        }
-    }
+    // SAFETY: per the contract.
+    unsafe { runtime(kind)?.copy_dtoh(dst, src, len) }
 }
 
 /// Host → device, synchronous.
@@ -163,35 +220,17 @@ pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize)
 /// `src` must be valid for `len` bytes of reads; `dst` must be `len` bytes of device
 /// memory of `kind`.
 pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: usize) -> Result<()> {
-    // SAFETY (all arms): per the contract.
-    match kind {
-        MemoryKind::Host => Err(host_kind_error()),
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_htod(dst, src, len) }
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_htod(dst, src, len) }
-        }
-        MemoryKind::Npu(n) => {
-            let api = acl::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_htod(dst, src, len) }
-        }
-    }
+    // SAFETY: per the contract.
+    unsafe { runtime(kind)?.copy_htod(dst, src, len) }
 }
 
 /// Zeroed device memory of `kind` from its driver; release with `free`.
 pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
-    let addr = match kind {
+    let ordinal = match kind {
+        MemoryKind::Cuda(n) | MemoryKind::Hip(n) | MemoryKind::Npu(n) => n,
         MemoryKind::Host => return Err(host_kind_error()),
-        MemoryKind::Cuda(n) => cuda::api()?.mem_alloc(n, len)?,
-        MemoryKind::Hip(n) => hip::api()?.mem_alloc(n, len)?,
-        MemoryKind::Npu(n) => acl::api()?.mem_alloc(n, len)?,
     };
+    let addr = runtime(kind)?.mem_alloc(ordinal, len)?;
     // Drivers hand out whatever the memory held before: zero it a bounce at a time.
     let mut zeros = Bounce::take(kind);
     zeros.bytes_mut(BOUNCE_SIZE).fill(0);
@@ -212,25 +251,8 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
 /// # Safety
 /// `addr` must come from `alloc(kind, ..)` and not be used afterwards.
 pub unsafe fn free(kind: MemoryKind, addr: u64) -> Result<()> {
-    // SAFETY (all arms): per the contract.
-    match kind {
-        MemoryKind::Host => Err(host_kind_error()),
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            unsafe { api.mem_free(addr) }
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            unsafe { api.mem_free(addr) }
-        }
-        MemoryKind::Npu(n) => {
-            let api = acl::api()?;
-            api.make_current(n)?;
-            unsafe { api.mem_free(addr) }
-        }
-    }
+    // SAFETY: per the contract.
+    unsafe { runtime(kind)?.mem_free(addr) }
 }
 
 /// Any → any: plain memcpy for host to host, one driver copy when a device is
@@ -255,21 +277,10 @@ pub unsafe fn copy(
         }
         (Host, k) => unsafe { copy_to_host(k, dst as *mut u8, src, len) },
         (k, Host) => unsafe { copy_from_host(k, dst, src as *const u8, len) },
-        (Cuda(_), Cuda(n)) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtod(dst, src, len) }
-        }
-        (Hip(_), Hip(n)) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtod(dst, src, len) }
-        }
-        (Npu(d), Npu(n)) if d == n => {
-            let api = acl::api()?;
-            api.make_current(n)?;
-            unsafe { api.copy_dtod(dst, src, len) }
-        }
+        (Cuda(_), Cuda(_)) | (Hip(_), Hip(_)) => unsafe {
+            runtime(src_kind)?.copy_dtod(dst, src, len)
+        },
+        (Npu(d), Npu(n)) if d == n => unsafe { runtime(src_kind)?.copy_dtod(dst, src, len) },
         (d, s) => {
             let bounce = Bounce::take(s);
             let mut off = 0;
@@ -308,46 +319,20 @@ fn pool_index(kind: MemoryKind) -> Option<usize> {
 }
 
 fn pinned_alloc(kind: MemoryKind) -> Result<*mut u8> {
-    match kind {
-        MemoryKind::Host => Err(host_kind_error()),
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            api.host_alloc(BOUNCE_SIZE)
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            api.host_alloc(BOUNCE_SIZE)
-        }
-        MemoryKind::Npu(n) => {
-            let api = acl::api()?;
-            api.make_current(n)?;
-            api.host_alloc(BOUNCE_SIZE)
-        }
-    }
+    runtime(kind)?.host_alloc(BOUNCE_SIZE)
 }
 
 /// # Safety
 /// `p` must come from `pinned_alloc` for the runtime of pool `index`.
 unsafe fn pinned_free(index: usize, p: *mut u8) {
-    // SAFETY (all arms): per the contract; the table loaded when `p` was allocated.
-    match index {
-        0 => {
-            if let Ok(api) = cuda::api() {
-                unsafe { api.host_free(p) }
-            }
-        }
-        1 => {
-            if let Ok(api) = hip::api() {
-                unsafe { api.host_free(p) }
-            }
-        }
-        _ => {
-            if let Ok(api) = acl::api() {
-                unsafe { api.host_free(p) }
-            }
-        }
+    let table: Result<&'static dyn Runtime> = match index {
+        0 => cuda::api().map(|a| a as &dyn Runtime),
+        1 => hip::api().map(|a| a as &dyn Runtime),
+        _ => acl::api().map(|a| a as &dyn Runtime),
+    };
+    if let Ok(rt) = table {
+        // SAFETY: per the contract; the table loaded when `p` was allocated.
+        unsafe { rt.host_free(p) }
     }
 }
 

@@ -46,6 +46,19 @@ impl Emu {
     }
 }
 
+/// Whether `fd` is readable within `timeout_ms` (0: right now).
+fn readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
+    n == 1 && p.revents & libc::POLLIN != 0
+}
+
 fn have_cc() -> bool {
     std::process::Command::new("cc")
         .arg("--version")
@@ -552,6 +565,104 @@ fn verbs_layer_checks_keys_ranges_and_states() {
     assert!(info.devices[0].contains("emu0 port 1: active"), "{info:?}");
 }
 
+/// Completion channels on the emulator, through the ffi: an armed CQ's next completion
+/// makes the channel's descriptor readable and queues one event, which reads without
+/// blocking and must be acknowledged before the CQ can go.
+#[test]
+fn completion_channel_reports_armed_cqs() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let v = ibv::verbs().expect("emulator loads as libibverbs");
+    let null = std::ptr::null_mut();
+    let mut n = 0;
+    // SAFETY: straight-line verbs usage on the emulator; everything is freed at the end.
+    unsafe {
+        let list = (v.get_device_list)(&mut n);
+        let c0 = (v.open_device)(*list);
+        let c1 = (v.open_device)(*list.add(1));
+        (v.free_device_list)(list);
+        let ch = (v.create_comp_channel)(c0);
+        assert!(!ch.is_null());
+        let fd = (*ch).fd;
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        assert_eq!(libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK), 0);
+        // A channel serves the CQs of its own device only.
+        assert!((v.create_cq)(c1, 16, null, ch, 0).is_null());
+        let cq = (v.create_cq)(c0, 16, null, ch, 0);
+        assert!(!cq.is_null());
+        assert_eq!((*cq).channel, ch);
+        let mut got = null.cast();
+        let mut cq_context = null;
+        // Nothing queued: not readable, and reading fails at once instead of blocking.
+        assert!(!readable(fd, 0));
+        assert_eq!((v.get_cq_event)(ch, &mut got, &mut cq_context), -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EAGAIN)
+        );
+        // Completions come cheaply from a QP in the error state: each post is flushed.
+        let pd = (v.alloc_pd)(c0);
+        let mut init = ibv::ibv_qp_init_attr {
+            qp_context: null,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: null,
+            cap: ibv::ibv_qp_cap {
+                max_send_wr: 16,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ibv::IBV_QPT_RC,
+            sq_sig_all: 1,
+        };
+        let qp = (v.create_qp)(pd, &mut init);
+        assert!(!qp.is_null());
+        let mut at = ibv::ibv_qp_attr {
+            qp_state: ibv::IBV_QPS_ERR,
+            ..Default::default()
+        };
+        assert_eq!((v.modify_qp)(qp, &mut at, ibv::IBV_QP_STATE), 0);
+        let flushed = || {
+            let mut wr = ibv::ibv_send_wr {
+                wr_id: 5,
+                opcode: ibv::IBV_WR_RDMA_WRITE,
+                ..Default::default()
+            };
+            let mut bad = std::ptr::null_mut();
+            assert_eq!(ibv::post_send(qp, &mut wr, &mut bad), 0);
+        };
+        let mut wc = [ibv::ibv_wc::default(); 4];
+        // Not armed: a completion raises no event.
+        flushed();
+        assert!(!readable(fd, 0));
+        assert_eq!(ibv::poll_cq(cq, 4, wc.as_mut_ptr()), 1);
+        assert_eq!(wc[0].status, ibv::IBV_WC_WR_FLUSH_ERR);
+        // Armed: the next completion does, once.
+        assert_eq!(ibv::req_notify_cq(cq, false), 0);
+        assert!(!readable(fd, 0));
+        flushed();
+        assert!(readable(fd, 0));
+        assert_eq!((v.get_cq_event)(ch, &mut got, &mut cq_context), 0);
+        assert_eq!(got, cq);
+        assert!(!readable(fd, 0));
+        flushed();
+        assert!(!readable(fd, 0), "one event per arm");
+        assert_eq!(ibv::poll_cq(cq, 4, wc.as_mut_ptr()), 2);
+        // An event read but not acknowledged keeps the CQ, and so the channel, alive.
+        assert_eq!((v.destroy_qp)(qp), 0);
+        assert_eq!((v.destroy_cq)(cq), libc::EBUSY);
+        assert_eq!((v.destroy_comp_channel)(ch), libc::EBUSY);
+        (v.ack_cq_events)(cq, 1);
+        assert_eq!((v.destroy_cq)(cq), 0);
+        assert_eq!((v.destroy_comp_channel)(ch), 0);
+        assert_eq!((v.dealloc_pd)(pd), 0);
+        (v.close_device)(c0);
+        (v.close_device)(c1);
+    }
+}
+
 /// Hand-written layouts against the installed verbs.h, when there is one.
 #[test]
 fn layouts_match_verbs_h() {
@@ -572,7 +683,8 @@ fn layouts_match_verbs_h() {
 int main(void) {
   S(ibv_device) S(ibv_context) S(ibv_context_ops) S(ibv_pd) S(ibv_mr) S(ibv_cq) S(ibv_qp)
   S(ibv_qp_init_attr) S(ibv_qp_attr) S(ibv_send_wr) S(ibv_sge) S(ibv_wc) S(ibv_port_attr)
-  S(ibv_ah_attr)
+  S(ibv_ah_attr) S(ibv_comp_channel)
+  O(ibv_comp_channel, fd) O(ibv_cq, channel) O(ibv_context_ops, req_notify_cq)
   O(ibv_context_ops, poll_cq) O(ibv_context_ops, post_send) O(ibv_context_ops, post_recv)
   O(ibv_context, ops) O(ibv_qp, qp_num) O(ibv_qp, state) O(ibv_mr, lkey) O(ibv_mr, rkey)
   O(ibv_send_wr, wr.rdma.remote_addr) O(ibv_send_wr, wr.rdma.rkey) O(ibv_send_wr, send_flags)
@@ -615,6 +727,13 @@ int main(void) {
         ("ibv_wc", size_of::<ibv::ibv_wc>()),
         ("ibv_port_attr", size_of::<ibv::ibv_port_attr>()),
         ("ibv_ah_attr", size_of::<ibv::ibv_ah_attr>()),
+        ("ibv_comp_channel", size_of::<ibv::ibv_comp_channel>()),
+        ("ibv_comp_channel.fd", offset_of!(ibv::ibv_comp_channel, fd)),
+        ("ibv_cq.channel", offset_of!(ibv::ibv_cq, channel)),
+        (
+            "ibv_context_ops.req_notify_cq",
+            offset_of!(ibv::ibv_context_ops, req_notify_cq),
+        ),
         (
             "ibv_context_ops.poll_cq",
             offset_of!(ibv::ibv_context_ops, poll_cq),

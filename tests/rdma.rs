@@ -21,6 +21,9 @@ struct Emu {
     fail_device: unsafe extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int,
     fail_after: unsafe extern "C" fn(*const libc::c_char, u64) -> libc::c_int,
     bytes: unsafe extern "C" fn(*const libc::c_char) -> u64,
+    hold_completions: unsafe extern "C" fn(libc::c_int),
+    wait_held: unsafe extern "C" fn(libc::c_int, libc::c_int) -> libc::c_int,
+    cq_events: unsafe extern "C" fn() -> u64,
 }
 
 impl Emu {
@@ -43,6 +46,35 @@ impl Emu {
         let name = std::ffi::CString::new(dev).unwrap();
         // SAFETY: as above.
         assert_eq!(unsafe { (self.fail_after)(name.as_ptr(), bytes) }, 0);
+    }
+
+    /// Keeps completions back until the returned guard goes (which delivers them).
+    fn hold_completions(&self) -> Held<'_> {
+        // SAFETY: emulator entry point without preconditions.
+        unsafe { (self.hold_completions)(1) };
+        Held(self)
+    }
+
+    /// Waits (bounded) until `n` completions are held; returns how many are.
+    fn wait_held(&self, n: i32) -> i32 {
+        // SAFETY: as above.
+        unsafe { (self.wait_held)(n, 30_000) }
+    }
+
+    /// CQ events read through ibv_get_cq_event so far, by anyone in this process.
+    fn cq_events(&self) -> u64 {
+        // SAFETY: as above.
+        unsafe { (self.cq_events)() }
+    }
+}
+
+/// Held completions; dropping it delivers them.
+struct Held<'a>(&'a Emu);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        // SAFETY: emulator entry point without preconditions.
+        unsafe { (self.0.hold_completions)(0) };
     }
 }
 
@@ -105,11 +137,17 @@ fn emu() -> Option<&'static Emu> {
             let fail_device = *lib.get(b"verbs_emu_fail_device\0").unwrap();
             let fail_after = *lib.get(b"verbs_emu_fail_after\0").unwrap();
             let bytes = *lib.get(b"verbs_emu_bytes\0").unwrap();
+            let hold_completions = *lib.get(b"verbs_emu_hold_completions\0").unwrap();
+            let wait_held = *lib.get(b"verbs_emu_wait_held\0").unwrap();
+            let cq_events = *lib.get(b"verbs_emu_cq_events\0").unwrap();
             Some(Emu {
                 _lib: lib,
                 fail_device,
                 fail_after,
                 bytes,
+                hold_completions,
+                wait_held,
+                cq_events,
             })
         }
     })
@@ -123,10 +161,17 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn rdma_engine(workers: usize) -> Engine {
+    rdma_engine_with(workers, &[])
+}
+
+fn rdma_engine_with(workers: usize, settings: &[(&str, &str)]) -> Engine {
     let mut cfg = EngineConfig::default();
     cfg.set("metadata", "P2PHANDSHAKE").unwrap();
     cfg.set("protocol", "rdma").unwrap();
     cfg.set("workers", &workers.to_string()).unwrap();
+    for (k, v) in settings {
+        cfg.set(k, v).unwrap();
+    }
     Engine::new(cfg).expect("rdma engine starts on the emulated devices")
 }
 
@@ -157,6 +202,12 @@ impl Drop for Buf<'_> {
 
 /// Runs one request to completion; returns its final state.
 fn run(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -> TaskState {
+    let batch = start(client, seg, op, local, remote, len);
+    finish(client, batch)
+}
+
+/// Submits one request as a batch of its own.
+fn start(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -> u64 {
     let batch = client.allocate_batch(1).unwrap();
     let req = [Request {
         op,
@@ -165,8 +216,13 @@ fn run(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -
         remote,
         len: len as u64,
     }];
-    // SAFETY: callers keep the local range alive until this returns.
+    // SAFETY: callers keep the local range alive until the batch is final.
     unsafe { client.submit(batch, &req) }.unwrap();
+    batch
+}
+
+/// Waits (bounded) for a one-request batch, frees it and returns the request's state.
+fn finish(client: &Engine, batch: u64) -> TaskState {
     if let Err(e) = client.wait_batch(batch, Some(Duration::from_secs(30))) {
         // A failed task ends the wait with TransferFail; a hang would be a timeout.
         assert_eq!(e.code(), Code::TransferFail, "{e}");
@@ -661,6 +717,34 @@ fn completion_channel_reports_armed_cqs() {
         (v.close_device)(c0);
         (v.close_device)(c1);
     }
+}
+
+/// With a spin budget of one idle round the engine worker parks as soon as nothing
+/// moves. Completions held back until it has posted every slice arrive on armed CQs,
+/// and their channel events are what the worker reads.
+#[test]
+fn transfer_completes_with_the_worker_parked() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine_with(1, &[("spin_budget", "1")]);
+    let len = 1 << 20;
+    let remote = Buf::new(&server, vec![0; len]);
+    let local = Buf::new(&client, pattern(21, len));
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let events = emu.cq_events();
+    let held = emu.hold_completions();
+    let batch = start(&client, seg, Op::Write, local.addr(), remote.addr(), len);
+    let slices = (len as u64 / mooncake::transport::rdma::SLICE_SIZE) as i32;
+    let posted = emu.wait_held(slices);
+    drop(held);
+    assert_eq!(posted, slices, "every slice was posted");
+    assert_eq!(finish(&client, batch), TaskState::Completed);
+    assert!(remote.buf == local.buf);
+    assert!(
+        emu.cq_events() > events,
+        "the completions raised channel events"
+    );
 }
 
 /// Hand-written layouts against the installed verbs.h, when there is one.

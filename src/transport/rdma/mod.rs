@@ -7,8 +7,10 @@
 //!   the per-NIC `lkey`/`rkey` arrays go into the descriptor.
 //! - A *rail* is (local NIC, remote NIC). Each engine worker keeps an endpoint cache
 //!   (one RC QP per peer and rail, least recently used evicted past a cap) and one CQ
-//!   per local NIC, polled in `progress`. A QP is connected with Mooncake's Connection
-//!   handshake over the peer's RPC port; the passive side is [`RdmaTransport::handshake`].
+//!   per local NIC, polled in `progress` and armed on a completion channel so a parked
+//!   worker wakes when a completion arrives. A QP is connected with Mooncake's
+//!   Connection handshake over the peer's RPC port; the passive side is
+//!   [`RdmaTransport::handshake`].
 //! - One RDMA READ/WRITE per slice. The first attempt takes the next rail of the
 //!   preferred NICs (round-robin over preferred local × preferred remote, paired); a
 //!   retry of the same slice skips every rail it already failed on and walks

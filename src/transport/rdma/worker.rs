@@ -1,4 +1,11 @@
-//! A per-thread worker: endpoint cache, completion queues, rail choice and retries.
+//! A per-thread worker: endpoint cache, completion queues and their event channels,
+//! rail choice and retries.
+//!
+//! Parking: each local NIC's CQ reports to a completion channel of that NIC (a channel
+//! serves the CQs of one device context only). The worker's `wait_fd` is an epoll set
+//! over those channels, so one descriptor wakes a parked engine worker for any of them.
+//! A CQ is armed again once its event has been read, and polled once more after
+//! arming: a completion that landed between the last poll and the arm raises no event.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
@@ -6,23 +13,38 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::nic::{connect_qp, create_qp, port_active};
+use super::nic::{connect_qp, create_qp, port_active, Nic};
 use super::shared::Shared;
 use super::topology::Topology;
 use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_WR};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ffi::ibverbs as ibv;
 use crate::json::{self, Value};
 use crate::metadata::SegmentDesc;
+use crate::sys::{Epoll, READABLE};
 use crate::transport::{Finished, Op, Outcome, Peer, Slice, TransportWorker};
 use crate::wire::rpc::{self, RpcType};
 
 type RailKey = (u64, usize, usize);
 
+/// CQ events are acknowledged this many at a time (each acknowledgement takes a lock
+/// in libibverbs); the rest when the worker goes.
+const ACK_BATCH: u32 = 64;
+
 struct Endpoint {
     qp: *mut ibv::ibv_qp,
     outstanding: u32,
     last_used: Instant,
+}
+
+/// One local NIC's completion queue and the channel its events arrive on.
+struct Cq {
+    cq: *mut ibv::ibv_cq,
+    channel: *mut ibv::ibv_comp_channel,
+    /// Armed, and its event not read yet.
+    armed: bool,
+    /// Events read but not acknowledged yet.
+    unacked: u32,
 }
 
 struct Pending {
@@ -46,8 +68,10 @@ struct Tried {
 
 pub(super) struct RdmaWorker {
     shared: Arc<Shared>,
-    /// One CQ per local NIC.
-    cqs: Vec<*mut ibv::ibv_cq>,
+    /// One per local NIC.
+    cqs: Vec<Cq>,
+    /// The channels' descriptors: what `wait_fd` shows.
+    epoll: Epoll,
     endpoints: HashMap<RailKey, Endpoint>,
     /// Endpoints taken out of service; destroyed once nothing is outstanding on them.
     graveyard: Vec<(Endpoint, Instant)>,
@@ -75,34 +99,52 @@ enum PostError {
     Busy,
 }
 
+/// Opens a completion channel (non-blocking) and a CQ reporting to it on `nic`.
+///
+/// # Safety
+/// `nic.ctx` must be an open device context.
+unsafe fn open_cq(v: &ibv::Verbs, nic: &Nic) -> Result<Cq> {
+    let channel = (v.create_comp_channel)(nic.ctx);
+    if channel.is_null() {
+        let e = std::io::Error::last_os_error();
+        return Err(unavailable(format!(
+            "ibv_create_comp_channel on {}: {e}",
+            nic.name
+        )));
+    }
+    // Events are read in `progress`, which must never block.
+    let fd = (*channel).fd;
+    let flags = libc::fcntl(fd, libc::F_GETFL);
+    if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+        let e = std::io::Error::last_os_error();
+        (v.destroy_comp_channel)(channel);
+        return Err(Error::io(
+            format!("making the completion channel of {} non-blocking", nic.name),
+            e,
+        ));
+    }
+    let cq = (v.create_cq)(nic.ctx, CQ_DEPTH, std::ptr::null_mut(), channel, 0);
+    if cq.is_null() {
+        let e = std::io::Error::last_os_error();
+        (v.destroy_comp_channel)(channel);
+        return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
+    }
+    Ok(Cq {
+        cq,
+        channel,
+        armed: false,
+        unacked: 0,
+    })
+}
+
 impl RdmaWorker {
-    /// Creates one CQ per local NIC for a new worker.
+    /// Creates one CQ and completion channel per local NIC for a new worker.
     pub(super) fn new(s: Arc<Shared>) -> Result<RdmaWorker> {
-        let mut cqs = Vec::new();
-        for nic in &s.nics {
-            // SAFETY: plain CQ creation on an open context.
-            let cq = unsafe {
-                (s.verbs.create_cq)(
-                    nic.ctx,
-                    CQ_DEPTH,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    0,
-                )
-            };
-            if cq.is_null() {
-                let e = std::io::Error::last_os_error();
-                for cq in cqs {
-                    // SAFETY: created just above.
-                    unsafe { (s.verbs.destroy_cq)(cq) };
-                }
-                return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
-            }
-            cqs.push(cq);
-        }
-        Ok(RdmaWorker {
-            shared: s,
-            cqs,
+        let epoll = Epoll::new().map_err(|e| Error::io("epoll for RDMA completions", e))?;
+        let mut w = RdmaWorker {
+            shared: s.clone(),
+            cqs: Vec::new(),
+            epoll,
             endpoints: HashMap::new(),
             graveyard: Vec::new(),
             pending: HashMap::new(),
@@ -114,7 +156,19 @@ impl RdmaWorker {
             rr: 0,
             in_flight_bytes: 0,
             polls: 0,
-        })
+        };
+        for (i, nic) in s.nics.iter().enumerate() {
+            // SAFETY: the context is open for the transport's lifetime; what is made
+            // here is freed by the worker's Drop, also when a later NIC fails.
+            let cq = unsafe { open_cq(s.verbs, nic)? };
+            // SAFETY: a live channel.
+            let fd = unsafe { (*cq.channel).fd };
+            w.cqs.push(cq);
+            w.epoll
+                .add(fd, READABLE, i as u64)
+                .map_err(|e| Error::io("epoll add", e))?;
+        }
+        Ok(w)
     }
 
     fn drop_endpoint(&mut self, key: RailKey) {
@@ -158,7 +212,7 @@ impl RdmaWorker {
             .ok_or_else(|| format!("peer has no device #{r}"))?;
         let v = s.verbs;
         // SAFETY: QP on our PD and this worker's CQ for the NIC.
-        let qp = unsafe { create_qp(v, nic, self.cqs[l])? };
+        let qp = unsafe { create_qp(v, nic, self.cqs[l].cq)? };
         let result = (|| {
             // SAFETY: a fresh QP.
             let qpn = unsafe { (*qp).qp_num };
@@ -433,6 +487,64 @@ impl RdmaWorker {
         )))
     }
 
+    /// Reads the events of armed CQs that got a completion (without blocking).
+    fn read_cq_events(&mut self) {
+        let v = self.shared.verbs;
+        for i in 0..self.cqs.len() {
+            loop {
+                let mut cq = std::ptr::null_mut();
+                let mut cq_context = std::ptr::null_mut();
+                // SAFETY: our channel, made non-blocking when it was opened.
+                let rc = unsafe { (v.get_cq_event)(self.cqs[i].channel, &mut cq, &mut cq_context) };
+                if rc != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::WouldBlock {
+                        log::warn!(
+                            "rdma: ibv_get_cq_event on {}: {e}",
+                            self.shared.nics[i].name
+                        );
+                    }
+                    break;
+                }
+                let Some(c) = self.cqs.iter_mut().find(|c| c.cq == cq) else {
+                    // SAFETY: the event was just read for this CQ.
+                    unsafe { (v.ack_cq_events)(cq, 1) };
+                    continue;
+                };
+                c.armed = false;
+                c.unacked += 1;
+                if c.unacked >= ACK_BATCH {
+                    // SAFETY: events of our CQ, all read above.
+                    unsafe { (v.ack_cq_events)(c.cq, c.unacked) };
+                    c.unacked = 0;
+                }
+            }
+        }
+    }
+
+    /// Takes every completion waiting on CQ `i`; returns whether there was any.
+    fn poll(&mut self, i: usize, wcs: &mut [ibv::ibv_wc], done: &mut Vec<Finished>) -> bool {
+        let mut any = false;
+        loop {
+            // SAFETY: our CQ; `wcs` has room for its length.
+            let n = unsafe { ibv::poll_cq(self.cqs[i].cq, wcs.len() as c_int, wcs.as_mut_ptr()) };
+            if n < 0 {
+                log::error!(
+                    "rdma: ibv_poll_cq on {}: error {n}",
+                    self.shared.nics[i].name
+                );
+                return any;
+            }
+            for wc in &wcs[..n as usize] {
+                self.complete(wc, done);
+            }
+            any |= n > 0;
+            if (n as usize) < wcs.len() {
+                return any;
+            }
+        }
+    }
+
     fn complete(&mut self, wc: &ibv::ibv_wc, done: &mut Vec<Finished>) {
         let Some(p) = self.pending.remove(&wc.wr_id) else {
             return; // timed out earlier
@@ -531,25 +643,25 @@ impl TransportWorker for RdmaWorker {
 
     fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
         let mut moved = false;
+        self.read_cq_events();
         let mut wcs = [ibv::ibv_wc::default(); 64];
         for i in 0..self.cqs.len() {
-            loop {
-                // SAFETY: our CQ; `wcs` has room for 64 entries.
-                let n = unsafe { ibv::poll_cq(self.cqs[i], wcs.len() as c_int, wcs.as_mut_ptr()) };
-                if n < 0 {
-                    log::error!(
-                        "rdma: ibv_poll_cq on {}: error {n}",
+            moved |= self.poll(i, &mut wcs, done);
+            if !self.cqs[i].armed {
+                // SAFETY: our CQ.
+                let rc = unsafe { ibv::req_notify_cq(self.cqs[i].cq, false) };
+                if rc != 0 {
+                    log::warn!(
+                        "rdma: ibv_req_notify_cq on {}: error {rc}; a parked worker sees \
+                         its completions on the engine's tick only",
                         self.shared.nics[i].name
                     );
-                    break;
                 }
-                for wc in &wcs[..n as usize] {
-                    self.complete(wc, done);
-                }
-                moved |= n > 0;
-                if (n as usize) < wcs.len() {
-                    break;
-                }
+                // Not retried after a failure: that would only repeat the warning.
+                self.cqs[i].armed = true;
+                // A completion that arrived after the poll and before the arm raises
+                // no event: look once more.
+                moved |= self.poll(i, &mut wcs, done);
             }
         }
         // Slices that waited for send-queue room.
@@ -611,12 +723,17 @@ impl TransportWorker for RdmaWorker {
     fn in_flight_bytes(&self) -> u64 {
         self.in_flight_bytes + self.backlog.iter().map(|s| s.len).sum::<u64>()
     }
+
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.epoll.raw_fd())
+    }
 }
 
 impl Drop for RdmaWorker {
     fn drop(&mut self) {
         let v = self.shared.verbs;
-        // SAFETY: the worker owns its QPs and CQs; QPs go before the CQs they use.
+        // SAFETY: the worker owns its QPs, CQs and channels; QPs go before the CQs they
+        // use, CQs (their events acknowledged) before their channels.
         unsafe {
             for (_, ep) in self.endpoints.drain() {
                 (v.destroy_qp)(ep.qp);
@@ -624,8 +741,18 @@ impl Drop for RdmaWorker {
             for (ep, _) in self.graveyard.drain(..) {
                 (v.destroy_qp)(ep.qp);
             }
-            for cq in self.cqs.drain(..) {
-                (v.destroy_cq)(cq);
+            for c in self.cqs.drain(..) {
+                if c.unacked > 0 {
+                    (v.ack_cq_events)(c.cq, c.unacked);
+                }
+                let rc = (v.destroy_cq)(c.cq);
+                if rc != 0 {
+                    log::warn!("rdma: ibv_destroy_cq: error {rc}");
+                }
+                let rc = (v.destroy_comp_channel)(c.channel);
+                if rc != 0 {
+                    log::warn!("rdma: ibv_destroy_comp_channel: error {rc}");
+                }
             }
         }
     }

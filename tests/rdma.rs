@@ -4,13 +4,21 @@
 
 mod common;
 
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use common::pattern;
 use mooncake::engine::TaskState;
 use mooncake::ffi::ibverbs as ibv;
+use mooncake::memory::LocalMemory;
+use mooncake::metadata::SegmentDesc;
+use mooncake::transport::rdma::RdmaTransport;
+use mooncake::transport::{BackendConfig, Endpoints, Outcome, Peer, Slice, Transport};
+use mooncake::wire::rpc::{self, RpcType};
 use mooncake::{Code, Engine, EngineConfig, Op, Request};
 
 const DEVICES: [&str; 3] = ["emu0", "emu1", "emu2"];
@@ -719,6 +727,85 @@ fn completion_channel_reports_armed_cqs() {
     }
 }
 
+/// One RDMA transport worker driven by hand (one NIC on each side, so one rail): its
+/// wait descriptor turns readable when the handshake reply comes back from the
+/// connector thread, and when a completion lands on its armed CQ; `progress` then
+/// finishes the slice and the descriptor is quiet again.
+#[test]
+fn worker_wait_fd_wakes_for_handshake_replies_and_completions() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine_with(1, &[("device_name", "emu0")]);
+    let remote = Buf::new(&server, vec![0; 1 << 16]);
+    let memory = Arc::new(LocalMemory::new());
+    let config = BackendConfig {
+        devices: "emu0".to_owned(),
+        ..Default::default()
+    };
+    let transport = RdmaTransport::start(&config, memory.clone()).unwrap();
+    transport.describe(&mut SegmentDesc::new("hand-driven"));
+    let src = pattern(11, 8192);
+    let base = src.as_ptr() as u64;
+    let region = memory.register(base, src.len() as u64, "cpu:0").unwrap();
+    transport.register(&region).unwrap();
+    let peer = Arc::new(Peer::new(
+        1,
+        server.descriptor(),
+        Endpoints {
+            data: "127.0.0.1:9".parse().unwrap(),
+            rpc: server.segment_name().to_owned(),
+        },
+    ));
+    let slice = |id: u64| Slice {
+        id,
+        op: Op::Write,
+        local: base + (id - 1) * 4096,
+        remote: remote.addr() + (id - 1) * 4096,
+        len: 4096,
+        peer: peer.clone(),
+        deadline: Instant::now() + Duration::from_secs(30),
+    };
+    let mut worker = transport.new_worker().unwrap();
+    let fd = worker
+        .wait_fd()
+        .expect("the RDMA worker has a wait descriptor");
+    let mut done = Vec::new();
+
+    // The rail connects off this thread; the reply wakes the descriptor.
+    worker.post(slice(1), &mut done);
+    assert!(done.is_empty());
+    assert_eq!(worker.in_flight(), 1);
+    assert!(readable(fd, 30_000), "the handshake reply never signalled");
+    // Taking it connects the QP and posts; the emulator completes at once.
+    assert!(worker.progress(Instant::now(), &mut done));
+    let outcomes: Vec<(u64, Outcome)> = done.drain(..).map(|f| (f.id, f.outcome)).collect();
+    assert_eq!(outcomes, [(1, Outcome::Done)]);
+    assert!(!readable(fd, 0));
+
+    // A completion that arrives later, on the CQ the last `progress` armed.
+    let held = emu.hold_completions();
+    worker.post(slice(2), &mut done);
+    assert!(!worker.progress(Instant::now(), &mut done));
+    assert!(done.is_empty());
+    assert_eq!(worker.in_flight(), 1);
+    assert!(!readable(fd, 0), "nothing completed yet");
+    drop(held);
+    assert!(
+        readable(fd, 0),
+        "a completion on an armed CQ wakes the worker"
+    );
+    assert!(worker.progress(Instant::now(), &mut done));
+    let outcomes: Vec<(u64, Outcome)> = done.drain(..).map(|f| (f.id, f.outcome)).collect();
+    assert_eq!(outcomes, [(2, Outcome::Done)]);
+    assert!(!readable(fd, 0), "the event was read");
+    assert_eq!(worker.in_flight(), 0);
+    assert!(remote.buf[..8192] == src[..]);
+
+    drop(worker);
+    transport.unregister(&region);
+    memory.unregister(base).unwrap();
+}
+
 /// With a spin budget of one idle round the engine worker parks as soon as nothing
 /// moves. Completions held back until it has posted every slice arrive on armed CQs,
 /// and their channel events are what the worker reads.
@@ -745,6 +832,107 @@ fn transfer_completes_with_the_worker_parked() {
         emu.cq_events() > events,
         "the completions raised channel events"
     );
+}
+
+/// A peer whose RPC port hands out its descriptor but never answers a Connection
+/// request: it keeps those connections open, unanswered, until stopped.
+struct SilentPeer {
+    name: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SilentPeer {
+    /// Serves `desc` (renamed after its own address); reports each handshake on `seen`.
+    fn start(mut desc: SegmentDesc, seen: mpsc::Sender<()>) -> SilentPeer {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let name = listener.local_addr().unwrap().to_string();
+        desc.name = name.clone();
+        let text = desc.to_json().to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut unanswered = Vec::new();
+            for conn in listener.incoming() {
+                if stopping.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut conn) = conn else { continue };
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                match rpc::read_frame(&mut conn, rpc::MAX_FRAME_LEN) {
+                    Ok((RpcType::Metadata, _)) => {
+                        let _ = rpc::write_frame(&mut conn, RpcType::Metadata, &text);
+                        let _ = conn.flush();
+                    }
+                    Ok((RpcType::Connection, _)) => {
+                        unanswered.push(conn);
+                        let _ = seen.send(());
+                    }
+                    _ => {}
+                }
+            }
+            // Returning closes the listener and hangs up on every unanswered handshake.
+        });
+        SilentPeer {
+            name,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.stop.store(true, Ordering::SeqCst);
+            // Wakes the accept loop; it may already have stopped on another connection.
+            let _ = TcpStream::connect(&self.name);
+            t.join().unwrap();
+        }
+    }
+}
+
+impl Drop for SilentPeer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One engine worker serves a healthy peer while a handshake with a silent one is
+/// outstanding; once the silent peer hangs up, the request to it fails (on every rail
+/// it tries) rather than hanging.
+#[test]
+fn slow_handshake_does_not_hold_up_the_worker() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let remote = Buf::new(&server, vec![0; 1 << 16]);
+    let local = Buf::new(&client, pattern(31, 1 << 16));
+    let (seen, handshakes) = mpsc::channel();
+    let mut silent = SilentPeer::start(server.descriptor(), seen);
+    let slow = client.open_segment(&silent.name).unwrap();
+    let healthy = client.open_segment(server.segment_name()).unwrap();
+    let stuck = start(&client, slow, Op::Read, local.addr(), remote.addr(), 4096);
+    handshakes
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the client starts a handshake with the silent peer");
+    // The only worker, with that handshake outstanding, still moves the write.
+    let (at, len) = (8192, 8192);
+    let st = run(
+        &client,
+        healthy,
+        Op::Write,
+        local.addr() + at as u64,
+        remote.addr() + at as u64,
+        len,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(remote.buf[at..at + len] == local.buf[at..at + len]);
+    // The read still waits: each of its attempts gives up only after the handshake
+    // timeout, seconds after a loopback write is done.
+    let state = client.task_status(stuck, 0).unwrap().state;
+    assert_eq!(state, TaskState::Pending);
+    silent.stop();
+    assert_eq!(finish(&client, stuck), TaskState::Failed);
 }
 
 /// Hand-written layouts against the installed verbs.h, when there is one.

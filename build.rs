@@ -25,6 +25,7 @@ mod layout_check {
         "ibv_context",
         "ibv_pd",
         "ibv_mr",
+        "ibv_comp_channel",
         "ibv_cq",
         "ibv_qp",
         "ibv_qp_cap",

@@ -5,9 +5,9 @@
 //! trailing parts we never touch are still laid out so that sizes match the header
 //! where we allocate the struct ourselves (`ibv_qp_attr`, `ibv_send_wr`, `ibv_wc`, ...).
 //!
-//! `ibv_post_send`, `ibv_post_recv` and `ibv_poll_cq` are `static inline` in verbs.h:
-//! they call through `context->ops`. [`post_send`], [`post_recv`] and [`poll_cq`] do
-//! exactly the same. `ibv_query_port` is a macro around an inline function that uses
+//! `ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq` and `ibv_req_notify_cq` are
+//! `static inline` in verbs.h: they call through `context->ops`. [`post_send`],
+//! [`post_recv`], [`poll_cq`] and [`req_notify_cq`] do exactly the same. `ibv_query_port` is a macro around an inline function that uses
 //! the extended context when there is one and otherwise calls the exported
 //! `ibv_query_port@IBVERBS_1.1` on a zeroed struct; [`query_port`] takes the latter
 //! path, which every provider supports (it fills the fields up to `link_layer`).
@@ -217,10 +217,18 @@ pub struct ibv_mr {
     pub rkey: u32,
 }
 
+/// `struct ibv_comp_channel`: CQ events of armed CQs are read from `fd`.
+#[repr(C)]
+pub struct ibv_comp_channel {
+    pub context: *mut ibv_context,
+    pub fd: c_int,
+    pub refcnt: c_int,
+}
+
 #[repr(C)]
 pub struct ibv_cq {
     pub context: *mut ibv_context,
-    pub channel: *mut c_void,
+    pub channel: *mut ibv_comp_channel,
     pub cq_context: *mut c_void,
     pub handle: u32,
     pub cqe: c_int,
@@ -438,6 +446,7 @@ const _: () = {
     assert!(std::mem::size_of::<ibv_mr>() == 48);
     assert!(std::mem::size_of::<ibv_context>() == 328);
     assert!(std::mem::size_of::<ibv_cq>() == 128);
+    assert!(std::mem::size_of::<ibv_comp_channel>() == 16);
     assert!(std::mem::size_of::<ibv_qp>() == 160);
     assert!(std::mem::offset_of!(ibv_send_wr, rdma) == 40);
     assert!(std::mem::offset_of!(ibv_send_wr, remote_srqn) == 72);
@@ -466,10 +475,17 @@ pub struct Verbs {
         *mut ibv_context,
         c_int,
         *mut c_void,
-        *mut c_void,
+        *mut ibv_comp_channel,
         c_int,
     ) -> *mut ibv_cq,
     pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+    pub create_comp_channel: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel,
+    pub destroy_comp_channel: unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int,
+    /// Returns 0 and the CQ of the next event, or -1 with errno (EAGAIN on a
+    /// non-blocking channel with nothing queued).
+    pub get_cq_event:
+        unsafe extern "C" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int,
+    pub ack_cq_events: unsafe extern "C" fn(*mut ibv_cq, c_uint),
     pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
     pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
     pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
@@ -509,6 +525,10 @@ fn load() -> Result<Verbs, String> {
         dereg_mr: sym!("ibv_dereg_mr"),
         create_cq: sym!("ibv_create_cq"),
         destroy_cq: sym!("ibv_destroy_cq"),
+        create_comp_channel: sym!("ibv_create_comp_channel"),
+        destroy_comp_channel: sym!("ibv_destroy_comp_channel"),
+        get_cq_event: sym!("ibv_get_cq_event"),
+        ack_cq_events: sym!("ibv_ack_cq_events"),
         create_qp: sym!("ibv_create_qp"),
         modify_qp: sym!("ibv_modify_qp"),
         destroy_qp: sym!("ibv_destroy_qp"),
@@ -606,6 +626,19 @@ pub unsafe fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
     match (*(*cq).context).ops.poll_cq {
         Some(f) => f(cq, n, wc),
         None => -libc::EOPNOTSUPP,
+    }
+}
+
+/// verbs.h's inline `ibv_req_notify_cq`: asks for one event on the CQ's channel when
+/// its next completion arrives (`solicited_only`: only for solicited ones).
+///
+/// # Safety
+/// `cq` must be a live CQ.
+#[inline]
+pub unsafe fn req_notify_cq(cq: *mut ibv_cq, solicited_only: bool) -> c_int {
+    match (*(*cq).context).ops.req_notify_cq {
+        Some(f) => f(cq, c_int::from(solicited_only)),
+        None => libc::EOPNOTSUPP,
     }
 }
 

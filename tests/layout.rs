@@ -122,6 +122,7 @@ fn ibverbs_matches_verbs_h() {
     ]);
     check!(bad, vo::ibv_pd => vs::ibv_pd, [context, handle]);
     check!(bad, vo::ibv_mr => vs::ibv_mr, [context, pd, addr, length, handle, lkey, rkey]);
+    check!(bad, vo::ibv_comp_channel => vs::ibv_comp_channel, [context, fd, refcnt]);
     check!(bad, vo::ibv_cq => vs::ibv_cq, [
         context, channel, cq_context, handle, cqe, mutex, cond, comp_events_completed,
         async_events_completed,

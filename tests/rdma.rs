@@ -4,13 +4,21 @@
 
 mod common;
 
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use common::pattern;
 use mooncake::engine::TaskState;
 use mooncake::ffi::ibverbs as ibv;
+use mooncake::memory::LocalMemory;
+use mooncake::metadata::SegmentDesc;
+use mooncake::transport::rdma::RdmaTransport;
+use mooncake::transport::{BackendConfig, Endpoints, Outcome, Peer, Slice, Transport};
+use mooncake::wire::rpc::{self, RpcType};
 use mooncake::{Code, Engine, EngineConfig, Op, Request};
 
 const DEVICES: [&str; 3] = ["emu0", "emu1", "emu2"];
@@ -21,6 +29,9 @@ struct Emu {
     fail_device: unsafe extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int,
     fail_after: unsafe extern "C" fn(*const libc::c_char, u64) -> libc::c_int,
     bytes: unsafe extern "C" fn(*const libc::c_char) -> u64,
+    hold_completions: unsafe extern "C" fn(libc::c_int),
+    wait_held: unsafe extern "C" fn(libc::c_int, libc::c_int) -> libc::c_int,
+    cq_events: unsafe extern "C" fn() -> u64,
 }
 
 impl Emu {
@@ -44,6 +55,48 @@ impl Emu {
         // SAFETY: as above.
         assert_eq!(unsafe { (self.fail_after)(name.as_ptr(), bytes) }, 0);
     }
+
+    /// Keeps completions back until the returned guard goes (which delivers them).
+    fn hold_completions(&self) -> Held<'_> {
+        // SAFETY: emulator entry point without preconditions.
+        unsafe { (self.hold_completions)(1) };
+        Held(self)
+    }
+
+    /// Waits (bounded) until `n` completions are held; returns how many are.
+    fn wait_held(&self, n: i32) -> i32 {
+        // SAFETY: as above.
+        unsafe { (self.wait_held)(n, 30_000) }
+    }
+
+    /// CQ events read through ibv_get_cq_event so far, by anyone in this process.
+    fn cq_events(&self) -> u64 {
+        // SAFETY: as above.
+        unsafe { (self.cq_events)() }
+    }
+}
+
+/// Held completions; dropping it delivers them.
+struct Held<'a>(&'a Emu);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        // SAFETY: emulator entry point without preconditions.
+        unsafe { (self.0.hold_completions)(0) };
+    }
+}
+
+/// Whether `fd` is readable within `timeout_ms` (0: right now).
+fn readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    assert!(n >= 0, "poll: {}", std::io::Error::last_os_error());
+    n == 1 && p.revents & libc::POLLIN != 0
 }
 
 fn have_cc() -> bool {
@@ -92,11 +145,17 @@ fn emu() -> Option<&'static Emu> {
             let fail_device = *lib.get(b"verbs_emu_fail_device\0").unwrap();
             let fail_after = *lib.get(b"verbs_emu_fail_after\0").unwrap();
             let bytes = *lib.get(b"verbs_emu_bytes\0").unwrap();
+            let hold_completions = *lib.get(b"verbs_emu_hold_completions\0").unwrap();
+            let wait_held = *lib.get(b"verbs_emu_wait_held\0").unwrap();
+            let cq_events = *lib.get(b"verbs_emu_cq_events\0").unwrap();
             Some(Emu {
                 _lib: lib,
                 fail_device,
                 fail_after,
                 bytes,
+                hold_completions,
+                wait_held,
+                cq_events,
             })
         }
     })
@@ -110,10 +169,17 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn rdma_engine(workers: usize) -> Engine {
+    rdma_engine_with(workers, &[])
+}
+
+fn rdma_engine_with(workers: usize, settings: &[(&str, &str)]) -> Engine {
     let mut cfg = EngineConfig::default();
     cfg.set("metadata", "P2PHANDSHAKE").unwrap();
     cfg.set("protocol", "rdma").unwrap();
     cfg.set("workers", &workers.to_string()).unwrap();
+    for (k, v) in settings {
+        cfg.set(k, v).unwrap();
+    }
     Engine::new(cfg).expect("rdma engine starts on the emulated devices")
 }
 
@@ -144,6 +210,12 @@ impl Drop for Buf<'_> {
 
 /// Runs one request to completion; returns its final state.
 fn run(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -> TaskState {
+    let batch = start(client, seg, op, local, remote, len);
+    finish(client, batch)
+}
+
+/// Submits one request as a batch of its own.
+fn start(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -> u64 {
     let batch = client.allocate_batch(1).unwrap();
     let req = [Request {
         op,
@@ -152,8 +224,13 @@ fn run(client: &Engine, seg: u64, op: Op, local: u64, remote: u64, len: usize) -
         remote,
         len: len as u64,
     }];
-    // SAFETY: callers keep the local range alive until this returns.
+    // SAFETY: callers keep the local range alive until the batch is final.
     unsafe { client.submit(batch, &req) }.unwrap();
+    batch
+}
+
+/// Waits (bounded) for a one-request batch, frees it and returns the request's state.
+fn finish(client: &Engine, batch: u64) -> TaskState {
     if let Err(e) = client.wait_batch(batch, Some(Duration::from_secs(30))) {
         // A failed task ends the wait with TransferFail; a hang would be a timeout.
         assert_eq!(e.code(), Code::TransferFail, "{e}");
@@ -552,6 +629,312 @@ fn verbs_layer_checks_keys_ranges_and_states() {
     assert!(info.devices[0].contains("emu0 port 1: active"), "{info:?}");
 }
 
+/// Completion channels on the emulator, through the ffi: an armed CQ's next completion
+/// makes the channel's descriptor readable and queues one event, which reads without
+/// blocking and must be acknowledged before the CQ can go.
+#[test]
+fn completion_channel_reports_armed_cqs() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let v = ibv::verbs().expect("emulator loads as libibverbs");
+    let null = std::ptr::null_mut();
+    let mut n = 0;
+    // SAFETY: straight-line verbs usage on the emulator; everything is freed at the end.
+    unsafe {
+        let list = (v.get_device_list)(&mut n);
+        let c0 = (v.open_device)(*list);
+        let c1 = (v.open_device)(*list.add(1));
+        (v.free_device_list)(list);
+        let ch = (v.create_comp_channel)(c0);
+        assert!(!ch.is_null());
+        let fd = (*ch).fd;
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        assert_eq!(libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK), 0);
+        // A channel serves the CQs of its own device only.
+        assert!((v.create_cq)(c1, 16, null, ch, 0).is_null());
+        let cq = (v.create_cq)(c0, 16, null, ch, 0);
+        assert!(!cq.is_null());
+        assert_eq!((*cq).channel, ch);
+        let mut got = null.cast();
+        let mut cq_context = null;
+        // Nothing queued: not readable, and reading fails at once instead of blocking.
+        assert!(!readable(fd, 0));
+        assert_eq!((v.get_cq_event)(ch, &mut got, &mut cq_context), -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EAGAIN)
+        );
+        // Completions come cheaply from a QP in the error state: each post is flushed.
+        let pd = (v.alloc_pd)(c0);
+        let mut init = ibv::ibv_qp_init_attr {
+            qp_context: null,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: null,
+            cap: ibv::ibv_qp_cap {
+                max_send_wr: 16,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ibv::IBV_QPT_RC,
+            sq_sig_all: 1,
+        };
+        let qp = (v.create_qp)(pd, &mut init);
+        assert!(!qp.is_null());
+        let mut at = ibv::ibv_qp_attr {
+            qp_state: ibv::IBV_QPS_ERR,
+            ..Default::default()
+        };
+        assert_eq!((v.modify_qp)(qp, &mut at, ibv::IBV_QP_STATE), 0);
+        let flushed = || {
+            let mut wr = ibv::ibv_send_wr {
+                wr_id: 5,
+                opcode: ibv::IBV_WR_RDMA_WRITE,
+                ..Default::default()
+            };
+            let mut bad = std::ptr::null_mut();
+            assert_eq!(ibv::post_send(qp, &mut wr, &mut bad), 0);
+        };
+        let mut wc = [ibv::ibv_wc::default(); 4];
+        // Not armed: a completion raises no event.
+        flushed();
+        assert!(!readable(fd, 0));
+        assert_eq!(ibv::poll_cq(cq, 4, wc.as_mut_ptr()), 1);
+        assert_eq!(wc[0].status, ibv::IBV_WC_WR_FLUSH_ERR);
+        // Armed: the next completion does, once.
+        assert_eq!(ibv::req_notify_cq(cq, false), 0);
+        assert!(!readable(fd, 0));
+        flushed();
+        assert!(readable(fd, 0));
+        assert_eq!((v.get_cq_event)(ch, &mut got, &mut cq_context), 0);
+        assert_eq!(got, cq);
+        assert!(!readable(fd, 0));
+        flushed();
+        assert!(!readable(fd, 0), "one event per arm");
+        assert_eq!(ibv::poll_cq(cq, 4, wc.as_mut_ptr()), 2);
+        // An event read but not acknowledged keeps the CQ, and so the channel, alive.
+        assert_eq!((v.destroy_qp)(qp), 0);
+        assert_eq!((v.destroy_cq)(cq), libc::EBUSY);
+        assert_eq!((v.destroy_comp_channel)(ch), libc::EBUSY);
+        (v.ack_cq_events)(cq, 1);
+        assert_eq!((v.destroy_cq)(cq), 0);
+        assert_eq!((v.destroy_comp_channel)(ch), 0);
+        assert_eq!((v.dealloc_pd)(pd), 0);
+        (v.close_device)(c0);
+        (v.close_device)(c1);
+    }
+}
+
+/// One RDMA transport worker driven by hand (one NIC on each side, so one rail): its
+/// wait descriptor turns readable when the handshake reply comes back from the
+/// connector thread, and when a completion lands on its armed CQ; `progress` then
+/// finishes the slice and the descriptor is quiet again.
+#[test]
+fn worker_wait_fd_wakes_for_handshake_replies_and_completions() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine_with(1, &[("device_name", "emu0")]);
+    let remote = Buf::new(&server, vec![0; 1 << 16]);
+    let memory = Arc::new(LocalMemory::new());
+    let config = BackendConfig {
+        devices: "emu0".to_owned(),
+        ..Default::default()
+    };
+    let transport = RdmaTransport::start(&config, memory.clone()).unwrap();
+    transport.describe(&mut SegmentDesc::new("hand-driven"));
+    let src = pattern(11, 8192);
+    let base = src.as_ptr() as u64;
+    let region = memory.register(base, src.len() as u64, "cpu:0").unwrap();
+    transport.register(&region).unwrap();
+    let peer = Arc::new(Peer::new(
+        1,
+        server.descriptor(),
+        Endpoints {
+            data: "127.0.0.1:9".parse().unwrap(),
+            rpc: server.segment_name().to_owned(),
+        },
+    ));
+    let slice = |id: u64| Slice {
+        id,
+        op: Op::Write,
+        local: base + (id - 1) * 4096,
+        remote: remote.addr() + (id - 1) * 4096,
+        len: 4096,
+        peer: peer.clone(),
+        deadline: Instant::now() + Duration::from_secs(30),
+    };
+    let mut worker = transport.new_worker().unwrap();
+    let fd = worker
+        .wait_fd()
+        .expect("the RDMA worker has a wait descriptor");
+    let mut done = Vec::new();
+
+    // The rail connects off this thread; the reply wakes the descriptor.
+    worker.post(slice(1), &mut done);
+    assert!(done.is_empty());
+    assert_eq!(worker.in_flight(), 1);
+    assert!(readable(fd, 30_000), "the handshake reply never signalled");
+    // Taking it connects the QP and posts; the emulator completes at once.
+    assert!(worker.progress(Instant::now(), &mut done));
+    let outcomes: Vec<(u64, Outcome)> = done.drain(..).map(|f| (f.id, f.outcome)).collect();
+    assert_eq!(outcomes, [(1, Outcome::Done)]);
+    assert!(!readable(fd, 0));
+
+    // A completion that arrives later, on the CQ the last `progress` armed.
+    let held = emu.hold_completions();
+    worker.post(slice(2), &mut done);
+    assert!(!worker.progress(Instant::now(), &mut done));
+    assert!(done.is_empty());
+    assert_eq!(worker.in_flight(), 1);
+    assert!(!readable(fd, 0), "nothing completed yet");
+    drop(held);
+    assert!(
+        readable(fd, 0),
+        "a completion on an armed CQ wakes the worker"
+    );
+    assert!(worker.progress(Instant::now(), &mut done));
+    let outcomes: Vec<(u64, Outcome)> = done.drain(..).map(|f| (f.id, f.outcome)).collect();
+    assert_eq!(outcomes, [(2, Outcome::Done)]);
+    assert!(!readable(fd, 0), "the event was read");
+    assert_eq!(worker.in_flight(), 0);
+    assert!(remote.buf[..8192] == src[..]);
+
+    drop(worker);
+    transport.unregister(&region);
+    memory.unregister(base).unwrap();
+}
+
+/// With a spin budget of one idle round the engine worker parks as soon as nothing
+/// moves. Completions held back until it has posted every slice arrive on armed CQs,
+/// and their channel events are what the worker reads.
+#[test]
+fn transfer_completes_with_the_worker_parked() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine_with(1, &[("spin_budget", "1")]);
+    let len = 1 << 20;
+    let remote = Buf::new(&server, vec![0; len]);
+    let local = Buf::new(&client, pattern(21, len));
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let events = emu.cq_events();
+    let held = emu.hold_completions();
+    let batch = start(&client, seg, Op::Write, local.addr(), remote.addr(), len);
+    let slices = (len as u64 / mooncake::transport::rdma::SLICE_SIZE) as i32;
+    let posted = emu.wait_held(slices);
+    drop(held);
+    assert_eq!(posted, slices, "every slice was posted");
+    assert_eq!(finish(&client, batch), TaskState::Completed);
+    assert!(remote.buf == local.buf);
+    assert!(
+        emu.cq_events() > events,
+        "the completions raised channel events"
+    );
+}
+
+/// A peer whose RPC port hands out its descriptor but never answers a Connection
+/// request: it keeps those connections open, unanswered, until stopped.
+struct SilentPeer {
+    name: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SilentPeer {
+    /// Serves `desc` (renamed after its own address); reports each handshake on `seen`.
+    fn start(mut desc: SegmentDesc, seen: mpsc::Sender<()>) -> SilentPeer {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let name = listener.local_addr().unwrap().to_string();
+        desc.name = name.clone();
+        let text = desc.to_json().to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut unanswered = Vec::new();
+            for conn in listener.incoming() {
+                if stopping.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut conn) = conn else { continue };
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                match rpc::read_frame(&mut conn, rpc::MAX_FRAME_LEN) {
+                    Ok((RpcType::Metadata, _)) => {
+                        let _ = rpc::write_frame(&mut conn, RpcType::Metadata, &text);
+                        let _ = conn.flush();
+                    }
+                    Ok((RpcType::Connection, _)) => {
+                        unanswered.push(conn);
+                        let _ = seen.send(());
+                    }
+                    _ => {}
+                }
+            }
+            // Returning closes the listener and hangs up on every unanswered handshake.
+        });
+        SilentPeer {
+            name,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.stop.store(true, Ordering::SeqCst);
+            // Wakes the accept loop; it may already have stopped on another connection.
+            let _ = TcpStream::connect(&self.name);
+            t.join().unwrap();
+        }
+    }
+}
+
+impl Drop for SilentPeer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One engine worker serves a healthy peer while a handshake with a silent one is
+/// outstanding; once the silent peer hangs up, the request to it fails (on every rail
+/// it tries) rather than hanging.
+#[test]
+fn slow_handshake_does_not_hold_up_the_worker() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(1);
+    let remote = Buf::new(&server, vec![0; 1 << 16]);
+    let local = Buf::new(&client, pattern(31, 1 << 16));
+    let (seen, handshakes) = mpsc::channel();
+    let mut silent = SilentPeer::start(server.descriptor(), seen);
+    let slow = client.open_segment(&silent.name).unwrap();
+    let healthy = client.open_segment(server.segment_name()).unwrap();
+    let stuck = start(&client, slow, Op::Read, local.addr(), remote.addr(), 4096);
+    handshakes
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the client starts a handshake with the silent peer");
+    // The only worker, with that handshake outstanding, still moves the write.
+    let (at, len) = (8192, 8192);
+    let st = run(
+        &client,
+        healthy,
+        Op::Write,
+        local.addr() + at as u64,
+        remote.addr() + at as u64,
+        len,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(remote.buf[at..at + len] == local.buf[at..at + len]);
+    // The read still waits: each of its attempts gives up only after the handshake
+    // timeout, seconds after a loopback write is done.
+    let state = client.task_status(stuck, 0).unwrap().state;
+    assert_eq!(state, TaskState::Pending);
+    silent.stop();
+    assert_eq!(finish(&client, stuck), TaskState::Failed);
+}
+
 /// Hand-written layouts against the installed verbs.h, when there is one.
 #[test]
 fn layouts_match_verbs_h() {
@@ -572,7 +955,8 @@ fn layouts_match_verbs_h() {
 int main(void) {
   S(ibv_device) S(ibv_context) S(ibv_context_ops) S(ibv_pd) S(ibv_mr) S(ibv_cq) S(ibv_qp)
   S(ibv_qp_init_attr) S(ibv_qp_attr) S(ibv_send_wr) S(ibv_sge) S(ibv_wc) S(ibv_port_attr)
-  S(ibv_ah_attr)
+  S(ibv_ah_attr) S(ibv_comp_channel)
+  O(ibv_comp_channel, fd) O(ibv_cq, channel) O(ibv_context_ops, req_notify_cq)
   O(ibv_context_ops, poll_cq) O(ibv_context_ops, post_send) O(ibv_context_ops, post_recv)
   O(ibv_context, ops) O(ibv_qp, qp_num) O(ibv_qp, state) O(ibv_mr, lkey) O(ibv_mr, rkey)
   O(ibv_send_wr, wr.rdma.remote_addr) O(ibv_send_wr, wr.rdma.rkey) O(ibv_send_wr, send_flags)
@@ -615,6 +999,13 @@ int main(void) {
         ("ibv_wc", size_of::<ibv::ibv_wc>()),
         ("ibv_port_attr", size_of::<ibv::ibv_port_attr>()),
         ("ibv_ah_attr", size_of::<ibv::ibv_ah_attr>()),
+        ("ibv_comp_channel", size_of::<ibv::ibv_comp_channel>()),
+        ("ibv_comp_channel.fd", offset_of!(ibv::ibv_comp_channel, fd)),
+        ("ibv_cq.channel", offset_of!(ibv::ibv_cq, channel)),
+        (
+            "ibv_context_ops.req_notify_cq",
+            offset_of!(ibv::ibv_context_ops, req_notify_cq),
+        ),
         (
             "ibv_context_ops.poll_cq",
             offset_of!(ibv::ibv_context_ops, poll_cq),

@@ -14,8 +14,19 @@
  *   completion queued on the send CQ. A bad remote key or range completes with
  *   IBV_WC_REM_ACCESS_ERR, a bad local key with IBV_WC_LOC_PROT_ERR, an unreachable
  *   or downed device with IBV_WC_RETRY_EXC_ERR; each moves the QP to ERR, as RC does.
+ * - Completion channels: ibv_create_comp_channel gives a channel whose fd (an eventfd)
+ *   is readable while CQ events are queued on it. A CQ created on a channel (of the same
+ *   context, as the kernel insists) and armed with ibv_req_notify_cq queues one event
+ *   when its next completion arrives; completions already in the CQ when it is armed
+ *   raise none, so a consumer that does not poll again after arming can miss one.
+ *   ibv_get_cq_event blocks, or fails with EAGAIN when the fd is O_NONBLOCK; a CQ with
+ *   events read but not acknowledged (ibv_ack_cq_events) cannot be destroyed (EBUSY;
+ *   real libibverbs would wait forever instead).
  * - Faults: verbs_emu_fail_device(name, down), verbs_emu_fail_after(name, bytes),
- *   verbs_emu_fail_qp(qp_num); counters: verbs_emu_bytes(name), verbs_emu_ops(name).
+ *   verbs_emu_fail_qp(qp_num); counters: verbs_emu_bytes(name), verbs_emu_ops(name),
+ *   verbs_emu_cq_events(). verbs_emu_hold_completions(1) keeps completions back (the
+ *   bytes still move at post time) until verbs_emu_hold_completions(0) delivers them;
+ *   verbs_emu_wait_held(n, ms) waits until n are held.
  *
  * Struct layouts below mirror rdma-core 44's <infiniband/verbs.h> (LP64) for the
  * parts callers read or write; the emulator does not include that header so that it
@@ -23,11 +34,15 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -95,9 +110,15 @@ struct ibv_mr {
 	uint32_t rkey;
 };
 
+struct ibv_comp_channel {
+	struct ibv_context *context;
+	int fd;
+	int refcnt;
+};
+
 struct ibv_cq {
 	struct ibv_context *context;
-	void *channel;
+	struct ibv_comp_channel *channel;
 	void *cq_context;
 	uint32_t handle;
 	int cqe;
@@ -221,6 +242,7 @@ _Static_assert(sizeof(struct ibv_wc) == 48, "wc");
 _Static_assert(sizeof(struct ibv_qp_attr) == 144, "qp_attr");
 _Static_assert(sizeof(struct ibv_qp) == 160, "qp");
 _Static_assert(sizeof(struct ibv_cq) == 128, "cq");
+_Static_assert(sizeof(struct ibv_comp_channel) == 16, "comp_channel");
 
 enum { QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS, QPS_SQD, QPS_SQE, QPS_ERR };
 enum {
@@ -265,6 +287,26 @@ struct emu_cq {
 	struct ibv_wc *ring;
 	int cap, head, count;
 	int overrun;
+	int armed;                /* the next completion queues an event */
+	uint32_t events_reported; /* events handed out by ibv_get_cq_event */
+};
+
+struct emu_event {
+	struct ibv_cq *cq;
+	struct emu_event *next;
+};
+
+/* The fd (an eventfd) holds a non-zero count exactly while `head` is non-empty. */
+struct emu_channel {
+	struct ibv_comp_channel ch;
+	struct emu_event *head, *tail;
+};
+
+/* A completion kept back by verbs_emu_hold_completions. */
+struct held_wc {
+	struct ibv_cq *cq;
+	struct ibv_wc wc;
+	struct held_wc *next;
 };
 
 struct emu_qp {
@@ -286,6 +328,11 @@ static struct emu_qp *qps;
 static uint32_t next_key = 0x1000;
 static uint32_t next_qpn = 0x100;
 static uint32_t next_handle = 1;
+static uint64_t cq_events; /* events read through ibv_get_cq_event */
+static int holding;
+static struct held_wc *held_head, *held_tail;
+static int nheld;
+static pthread_cond_t held_cond = PTHREAD_COND_INITIALIZER;
 
 static void init_devices(void)
 {
@@ -360,6 +407,57 @@ static struct emu_qp *find_qp(uint32_t qpn)
 	return NULL;
 }
 
+static void eventfd_set(int fd, int readable)
+{
+	uint64_t v = 1;
+	ssize_t r;
+	if (readable)
+		r = write(fd, &v, sizeof(v));
+	else
+		r = read(fd, &v, sizeof(v));
+	(void)r; /* a counter already set (or already clear) is the state we want */
+}
+
+/* Queues an event for `cq` on its channel (under the lock). */
+static void queue_event(struct ibv_cq *cq)
+{
+	struct emu_channel *ch = (struct emu_channel *)cq->channel;
+	struct emu_event *e = calloc(1, sizeof(*e));
+	if (!e)
+		return; /* out of memory: the event is lost, as an overflowing queue would */
+	e->cq = cq;
+	if (ch->tail)
+		ch->tail->next = e;
+	else
+		ch->head = e;
+	ch->tail = e;
+	if (ch->head == e)
+		eventfd_set(ch->ch.fd, 1);
+}
+
+/* Drops the events still queued for `cq` (under the lock), as destroying a CQ does. */
+static void purge_events(struct ibv_cq *cq)
+{
+	struct emu_channel *ch = (struct emu_channel *)cq->channel;
+	if (!ch)
+		return;
+	int had = ch->head != NULL;
+	struct emu_event **p = &ch->head;
+	ch->tail = NULL;
+	while (*p) {
+		if ((*p)->cq == cq) {
+			struct emu_event *e = *p;
+			*p = e->next;
+			free(e);
+		} else {
+			ch->tail = *p;
+			p = &(*p)->next;
+		}
+	}
+	if (had && !ch->head)
+		eventfd_set(ch->ch.fd, 0);
+}
+
 static void push_wc(struct ibv_cq *cq, const struct ibv_wc *wc)
 {
 	struct emu_cq *c = (struct emu_cq *)cq;
@@ -369,6 +467,33 @@ static void push_wc(struct ibv_cq *cq, const struct ibv_wc *wc)
 	}
 	c->ring[(c->head + c->count) % c->cap] = *wc;
 	c->count++;
+	if (c->armed && cq->channel) {
+		c->armed = 0;
+		queue_event(cq);
+	}
+}
+
+/* Delivers a completion now, or keeps it back while holding (under the lock). */
+static void complete(struct ibv_cq *cq, const struct ibv_wc *wc)
+{
+	if (!holding) {
+		push_wc(cq, wc);
+		return;
+	}
+	struct held_wc *h = calloc(1, sizeof(*h));
+	if (!h) {
+		push_wc(cq, wc);
+		return;
+	}
+	h->cq = cq;
+	h->wc = *wc;
+	if (held_tail)
+		held_tail->next = h;
+	else
+		held_head = h;
+	held_tail = h;
+	nheld++;
+	pthread_cond_broadcast(&held_cond);
 }
 
 static void account(struct emu_device *d, uint64_t bytes)
@@ -453,7 +578,7 @@ static int emu_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_s
 				qp->state = QPS_ERR;
 		}
 		if (wc.status != WC_SUCCESS || q->sig_all || (wr->send_flags & SEND_SIGNALED))
-			push_wc(qp->send_cq, &wc);
+			complete(qp->send_cq, &wc);
 	}
 	pthread_mutex_unlock(&lock);
 	if (rc && bad)
@@ -489,8 +614,10 @@ static int emu_poll_cq(struct ibv_cq *cq, int n, struct ibv_wc *wc)
 
 static int emu_req_notify_cq(struct ibv_cq *cq, int solicited_only)
 {
-	(void)cq;
-	(void)solicited_only;
+	(void)solicited_only; /* RDMA READ/WRITE completions are never solicited */
+	pthread_mutex_lock(&lock);
+	((struct emu_cq *)cq)->armed = 1;
+	pthread_mutex_unlock(&lock);
 	return 0;
 }
 
@@ -649,11 +776,86 @@ EXPORT int ibv_dereg_mr(struct ibv_mr *mr)
 	return EINVAL;
 }
 
+EXPORT struct ibv_comp_channel *ibv_create_comp_channel(struct ibv_context *ctx)
+{
+	struct emu_channel *ch = calloc(1, sizeof(*ch));
+	if (!ch) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	ch->ch.context = ctx;
+	ch->ch.fd = eventfd(0, EFD_CLOEXEC);
+	if (ch->ch.fd < 0) {
+		int e = errno;
+		free(ch);
+		errno = e;
+		return NULL;
+	}
+	return &ch->ch;
+}
+
+EXPORT int ibv_destroy_comp_channel(struct ibv_comp_channel *channel)
+{
+	struct emu_channel *ch = (struct emu_channel *)channel;
+	pthread_mutex_lock(&lock);
+	if (channel->refcnt) {
+		pthread_mutex_unlock(&lock);
+		return EBUSY;
+	}
+	pthread_mutex_unlock(&lock);
+	close(channel->fd);
+	free(ch);
+	return 0;
+}
+
+EXPORT int ibv_get_cq_event(struct ibv_comp_channel *channel, struct ibv_cq **cq,
+			    void **cq_context)
+{
+	struct emu_channel *ch = (struct emu_channel *)channel;
+	for (;;) {
+		pthread_mutex_lock(&lock);
+		struct emu_event *e = ch->head;
+		if (e) {
+			ch->head = e->next;
+			if (!ch->head) {
+				ch->tail = NULL;
+				eventfd_set(channel->fd, 0);
+			}
+			((struct emu_cq *)e->cq)->events_reported++;
+			cq_events++;
+			pthread_mutex_unlock(&lock);
+			*cq = e->cq;
+			*cq_context = e->cq->cq_context;
+			free(e);
+			return 0;
+		}
+		pthread_mutex_unlock(&lock);
+		int flags = fcntl(channel->fd, F_GETFL);
+		if (flags < 0)
+			return -1;
+		if (flags & O_NONBLOCK) {
+			errno = EAGAIN;
+			return -1;
+		}
+		struct pollfd p = {.fd = channel->fd, .events = POLLIN};
+		if (poll(&p, 1, -1) < 0 && errno != EINTR)
+			return -1;
+	}
+}
+
+EXPORT void ibv_ack_cq_events(struct ibv_cq *cq, unsigned int nevents)
+{
+	pthread_mutex_lock(&lock);
+	cq->comp_events_completed += nevents;
+	pthread_mutex_unlock(&lock);
+}
+
 EXPORT struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_context,
-				    void *channel, int comp_vector)
+				    struct ibv_comp_channel *channel, int comp_vector)
 {
 	(void)comp_vector;
-	if (cqe < 1 || cqe > (1 << 22) || channel) {
+	/* A channel serves the CQs of its own device only. */
+	if (cqe < 1 || cqe > (1 << 22) || (channel && channel->context != ctx)) {
 		errno = EINVAL;
 		return NULL;
 	}
@@ -667,24 +869,47 @@ EXPORT struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_c
 	}
 	c->cap = cqe;
 	c->cq.context = ctx;
+	c->cq.channel = channel;
 	c->cq.cq_context = cq_context;
 	c->cq.cqe = cqe;
 	pthread_mutex_lock(&lock);
 	c->cq.handle = next_handle++;
+	if (channel)
+		channel->refcnt++;
 	pthread_mutex_unlock(&lock);
 	return &c->cq;
 }
 
 EXPORT int ibv_destroy_cq(struct ibv_cq *cq)
 {
+	struct emu_cq *c = (struct emu_cq *)cq;
 	pthread_mutex_lock(&lock);
 	for (struct emu_qp *q = qps; q; q = q->next)
 		if (q->qp.send_cq == cq || q->qp.recv_cq == cq) {
 			pthread_mutex_unlock(&lock);
 			return EBUSY;
 		}
+	if (c->events_reported != cq->comp_events_completed) {
+		pthread_mutex_unlock(&lock);
+		return EBUSY;
+	}
+	purge_events(cq);
+	for (struct held_wc **p = &held_head; *p;) {
+		if ((*p)->cq == cq) {
+			struct held_wc *h = *p;
+			*p = h->next;
+			free(h);
+			nheld--;
+		} else {
+			p = &(*p)->next;
+		}
+	}
+	held_tail = NULL;
+	for (struct held_wc *h = held_head; h; h = h->next)
+		held_tail = h;
+	if (cq->channel)
+		cq->channel->refcnt--;
 	pthread_mutex_unlock(&lock);
-	struct emu_cq *c = (struct emu_cq *)cq;
 	free(c->ring);
 	free(c);
 	return 0;
@@ -849,4 +1074,51 @@ EXPORT int verbs_emu_qp_count(void)
 		n++;
 	pthread_mutex_unlock(&lock);
 	return n;
+}
+
+/* Total CQ events read through ibv_get_cq_event. */
+EXPORT uint64_t verbs_emu_cq_events(void)
+{
+	pthread_mutex_lock(&lock);
+	uint64_t n = cq_events;
+	pthread_mutex_unlock(&lock);
+	return n;
+}
+
+/* on: keep completions back from here on; off: deliver the held ones, in order. */
+EXPORT void verbs_emu_hold_completions(int on)
+{
+	pthread_mutex_lock(&lock);
+	holding = on != 0;
+	if (!holding) {
+		struct held_wc *h = held_head;
+		held_head = held_tail = NULL;
+		nheld = 0;
+		while (h) {
+			struct held_wc *next = h->next;
+			push_wc(h->cq, &h->wc);
+			free(h);
+			h = next;
+		}
+	}
+	pthread_mutex_unlock(&lock);
+}
+
+/* Waits up to `timeout_ms` until at least `n` completions are held; returns how many are. */
+EXPORT int verbs_emu_wait_held(int n, int timeout_ms)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += timeout_ms / 1000;
+	until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+	if (until.tv_nsec >= 1000000000L) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000L;
+	}
+	pthread_mutex_lock(&lock);
+	while (nheld < n && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
+		;
+	int got = nheld;
+	pthread_mutex_unlock(&lock);
+	return got;
 }

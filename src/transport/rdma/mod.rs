@@ -7,8 +7,10 @@
 //!   the per-NIC `lkey`/`rkey` arrays go into the descriptor.
 //! - A *rail* is (local NIC, remote NIC). Each engine worker keeps an endpoint cache
 //!   (one RC QP per peer and rail, least recently used evicted past a cap) and one CQ
-//!   per local NIC, polled in `progress`. A QP is connected with Mooncake's Connection
-//!   handshake over the peer's RPC port; the passive side is [`RdmaTransport::handshake`].
+//!   per local NIC, polled in `progress` and armed on a completion channel so a parked
+//!   worker wakes when a completion arrives. A QP is connected with Mooncake's
+//!   Connection handshake over the peer's RPC port, run on a connector thread so the
+//!   worker never waits for a peer; the passive side is [`RdmaTransport::handshake`].
 //! - One RDMA READ/WRITE per slice. The first attempt takes the next rail of the
 //!   preferred NICs (round-robin over preferred local × preferred remote, paired); a
 //!   retry of the same slice skips every rail it already failed on and walks
@@ -54,6 +56,8 @@ const MAX_PASSIVE_QPS: usize = 4096;
 /// Buffers at least this large are registered on all NICs in parallel.
 const PARALLEL_REG_BYTES: u64 = 64 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Connection handshakes one worker runs at once (one connector thread each).
+const MAX_HANDSHAKES: usize = 8;
 /// Rail pausing (wire.md): this many failures within the window pause it this long.
 const RAIL_ERRORS: usize = 5;
 const RAIL_WINDOW: Duration = Duration::from_secs(5);

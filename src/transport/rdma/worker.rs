@@ -1,28 +1,93 @@
-//! A per-thread worker: endpoint cache, completion queues, rail choice and retries.
+//! A per-thread worker: endpoint cache, completion queues and their event channels,
+//! connection set-up off the worker thread, rail choice and retries.
+//!
+//! Parking: each local NIC's CQ reports to a completion channel of that NIC (a channel
+//! serves the CQs of one device context only). The worker's `wait_fd` is an epoll set
+//! over those channels and the eventfd the connector threads signal, so one descriptor
+//! wakes a parked engine worker for either. A CQ is armed again once its event has
+//! been read, and polled once more after arming: a completion that landed between the
+//! last poll and the arm raises no event.
+//!
+//! Connecting: a rail without a QP gets one at once (a local call), and its Connection
+//! RPC runs on a connector thread (at most `MAX_HANDSHAKES` per worker; more wait their
+//! turn). Slices for the rail wait on it meanwhile; `progress` picks up the reply,
+//! connects the QP and posts them, or on failure finishes them `PathFailed`, so the
+//! engine retries them on another rail.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::nic::{connect_qp, create_qp, port_active};
+use super::nic::{connect_qp, create_qp, port_active, Nic};
 use super::shared::Shared;
 use super::topology::Topology;
-use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_WR};
-use crate::error::Result;
+use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_HANDSHAKES, MAX_WR};
+use crate::error::{Error, Result};
 use crate::ffi::ibverbs as ibv;
 use crate::json::{self, Value};
 use crate::metadata::SegmentDesc;
+use crate::sys::{Epoll, EventFd, READABLE};
 use crate::transport::{Finished, Op, Outcome, Peer, Slice, TransportWorker};
 use crate::wire::rpc::{self, RpcType};
 
 type RailKey = (u64, usize, usize);
 
+/// CQ events are acknowledged this many at a time (each acknowledgement takes a lock
+/// in libibverbs); the rest when the worker goes.
+const ACK_BATCH: u32 = 64;
+/// Token of the connector eventfd in the worker's epoll set (channels use their NIC index).
+const CONNECTOR_TOKEN: u64 = u64::MAX;
+
 struct Endpoint {
     qp: *mut ibv::ibv_qp,
     outstanding: u32,
     last_used: Instant,
+}
+
+/// A QP whose Connection handshake is under way, and the slices waiting for it.
+struct Connecting {
+    qp: *mut ibv::ibv_qp,
+    peer: Arc<Peer>,
+    /// The remote device's address from the descriptor, for a reply that omits it.
+    gid: String,
+    lid: u16,
+    waiting: Vec<Slice>,
+}
+
+/// A Connection RPC for a connector thread to make.
+struct Job {
+    key: RailKey,
+    addr: String,
+    request: String,
+}
+
+/// A connector thread's answer: the peer's reply, or why there is none.
+struct Reply {
+    key: RailKey,
+    reply: std::result::Result<String, String>,
+}
+
+/// Runs Connection RPCs on their own threads and hands the replies back.
+struct Connector {
+    queue: VecDeque<Job>,
+    running: usize,
+    tx: mpsc::Sender<Reply>,
+    rx: mpsc::Receiver<Reply>,
+    /// Signalled after each reply; part of the worker's wait set. Shared with the
+    /// threads so that one outliving the worker still writes to a live descriptor.
+    wake: Arc<EventFd>,
+}
+
+/// One local NIC's completion queue and the channel its events arrive on.
+struct Cq {
+    cq: *mut ibv::ibv_cq,
+    channel: *mut ibv::ibv_comp_channel,
+    /// Armed, and its event not read yet.
+    armed: bool,
+    /// Events read but not acknowledged yet.
+    unacked: u32,
 }
 
 struct Pending {
@@ -44,11 +109,26 @@ struct Tried {
     rails: Vec<(usize, usize)>,
 }
 
+/// Where a slice goes: its local keys per local NIC, the remote buffer's keys per
+/// remote NIC, and the locations that pick the preferred NICs.
+struct Target {
+    location: String,
+    lkeys: Vec<u32>,
+    remote_loc: String,
+    rkeys: Vec<u32>,
+    nremote: usize,
+}
+
 pub(super) struct RdmaWorker {
     shared: Arc<Shared>,
-    /// One CQ per local NIC.
-    cqs: Vec<*mut ibv::ibv_cq>,
+    /// One per local NIC.
+    cqs: Vec<Cq>,
+    /// The channels' descriptors and the connector's eventfd: what `wait_fd` shows.
+    epoll: Epoll,
     endpoints: HashMap<RailKey, Endpoint>,
+    /// Rails whose handshake is under way.
+    connecting: HashMap<RailKey, Connecting>,
+    connector: Connector,
     /// Endpoints taken out of service; destroyed once nothing is outstanding on them.
     graveyard: Vec<(Endpoint, Instant)>,
     pending: HashMap<u64, Pending>,
@@ -75,35 +155,66 @@ enum PostError {
     Busy,
 }
 
+/// Opens a completion channel (non-blocking) and a CQ reporting to it on `nic`.
+///
+/// # Safety
+/// `nic.ctx` must be an open device context.
+unsafe fn open_cq(v: &ibv::Verbs, nic: &Nic) -> Result<Cq> {
+    let channel = (v.create_comp_channel)(nic.ctx);
+    if channel.is_null() {
+        let e = std::io::Error::last_os_error();
+        return Err(unavailable(format!(
+            "ibv_create_comp_channel on {}: {e}",
+            nic.name
+        )));
+    }
+    // Events are read in `progress`, which must never block.
+    let fd = (*channel).fd;
+    let flags = libc::fcntl(fd, libc::F_GETFL);
+    if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+        let e = std::io::Error::last_os_error();
+        (v.destroy_comp_channel)(channel);
+        return Err(Error::io(
+            format!("making the completion channel of {} non-blocking", nic.name),
+            e,
+        ));
+    }
+    let cq = (v.create_cq)(nic.ctx, CQ_DEPTH, std::ptr::null_mut(), channel, 0);
+    if cq.is_null() {
+        let e = std::io::Error::last_os_error();
+        (v.destroy_comp_channel)(channel);
+        return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
+    }
+    Ok(Cq {
+        cq,
+        channel,
+        armed: false,
+        unacked: 0,
+    })
+}
+
 impl RdmaWorker {
-    /// Creates one CQ per local NIC for a new worker.
+    /// Creates one CQ and completion channel per local NIC for a new worker.
     pub(super) fn new(s: Arc<Shared>) -> Result<RdmaWorker> {
-        let mut cqs = Vec::new();
-        for nic in &s.nics {
-            // SAFETY: plain CQ creation on an open context.
-            let cq = unsafe {
-                (s.verbs.create_cq)(
-                    nic.ctx,
-                    CQ_DEPTH,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    0,
-                )
-            };
-            if cq.is_null() {
-                let e = std::io::Error::last_os_error();
-                for cq in cqs {
-                    // SAFETY: created just above.
-                    unsafe { (s.verbs.destroy_cq)(cq) };
-                }
-                return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
-            }
-            cqs.push(cq);
-        }
-        Ok(RdmaWorker {
-            shared: s,
-            cqs,
+        let epoll = Epoll::new().map_err(|e| Error::io("epoll for RDMA completions", e))?;
+        let wake = EventFd::new().map_err(|e| Error::io("eventfd for RDMA handshakes", e))?;
+        epoll
+            .add(wake.raw_fd(), READABLE, CONNECTOR_TOKEN)
+            .map_err(|e| Error::io("epoll add", e))?;
+        let (tx, rx) = mpsc::channel();
+        let mut w = RdmaWorker {
+            shared: s.clone(),
+            cqs: Vec::new(),
+            epoll,
             endpoints: HashMap::new(),
+            connecting: HashMap::new(),
+            connector: Connector {
+                queue: VecDeque::new(),
+                running: 0,
+                tx,
+                rx,
+                wake: Arc::new(wake),
+            },
             graveyard: Vec::new(),
             pending: HashMap::new(),
             tried: HashMap::new(),
@@ -114,7 +225,19 @@ impl RdmaWorker {
             rr: 0,
             in_flight_bytes: 0,
             polls: 0,
-        })
+        };
+        for (i, nic) in s.nics.iter().enumerate() {
+            // SAFETY: the context is open for the transport's lifetime; what is made
+            // here is freed by the worker's Drop, also when a later NIC fails.
+            let cq = unsafe { open_cq(s.verbs, nic)? };
+            // SAFETY: a live channel.
+            let fd = unsafe { (*cq.channel).fd };
+            w.cqs.push(cq);
+            w.epoll
+                .add(fd, READABLE, i as u64)
+                .map_err(|e| Error::io("epoll add", e))?;
+        }
+        Ok(w)
     }
 
     fn drop_endpoint(&mut self, key: RailKey) {
@@ -136,13 +259,15 @@ impl RdmaWorker {
         });
     }
 
-    /// Connects a QP for (peer, l, r) with the Connection handshake.
-    fn connect(
+    /// Starts connecting a QP for `slice`'s peer on rail (l, r), with the slice waiting
+    /// for it. Fails at once when the rail cannot work (local port down, no such remote
+    /// device, no QP).
+    fn start_connect(
         &mut self,
-        peer: &Peer,
+        slice: &Slice,
         l: usize,
         r: usize,
-    ) -> std::result::Result<*mut ibv::ibv_qp, String> {
+    ) -> std::result::Result<(), String> {
         let s = self.shared.clone();
         let nic = &s.nics[l];
         if !port_active(&s, nic) {
@@ -151,74 +276,199 @@ impl RdmaWorker {
                 nic.port, nic.name
             ));
         }
-        let desc = peer.desc();
+        let desc = slice.peer.desc();
         let dev = desc
             .devices
             .get(r)
             .ok_or_else(|| format!("peer has no device #{r}"))?;
-        let v = s.verbs;
         // SAFETY: QP on our PD and this worker's CQ for the NIC.
-        let qp = unsafe { create_qp(v, nic, self.cqs[l])? };
-        let result = (|| {
-            // SAFETY: a fresh QP.
-            let qpn = unsafe { (*qp).qp_num };
-            let request = Value::object([
-                (
-                    "local_nic_path",
-                    Value::from(format!("{}@{}", s.server_name(), nic.name)),
-                ),
-                ("local_lid", Value::from(nic.lid)),
-                ("local_gid", Value::from(ibv::gid_hex(&nic.gid))),
-                (
-                    "peer_nic_path",
-                    Value::from(format!("{}@{}", peer.name, dev.name)),
-                ),
-                ("qp_num", Value::Array(vec![Value::from(qpn)])),
-                ("ready_ack", Value::Bool(false)),
-                ("reply_msg", Value::from("")),
-            ])
-            .to_string();
-            let addr = peer.rpc_addr();
-            let reply = rpc::call(&addr, RpcType::Connection, &request, HANDSHAKE_TIMEOUT)
-                .map_err(|e| format!("handshake with {addr}: {e}"))?;
-            let reply =
-                json::parse(&reply).map_err(|e| format!("handshake reply from {addr}: {e}"))?;
-            let msg = reply.get("reply_msg").and_then(Value::as_str).unwrap_or("");
-            if !msg.is_empty() {
-                return Err(format!("{} refused the connection: {msg}", peer.name));
+        let qp = unsafe { create_qp(s.verbs, nic, self.cqs[l].cq)? };
+        // SAFETY: a fresh QP.
+        let qpn = unsafe { (*qp).qp_num };
+        let request = Value::object([
+            (
+                "local_nic_path",
+                Value::from(format!("{}@{}", s.server_name(), nic.name)),
+            ),
+            ("local_lid", Value::from(nic.lid)),
+            ("local_gid", Value::from(ibv::gid_hex(&nic.gid))),
+            (
+                "peer_nic_path",
+                Value::from(format!("{}@{}", slice.peer.name, dev.name)),
+            ),
+            ("qp_num", Value::Array(vec![Value::from(qpn)])),
+            ("ready_ack", Value::Bool(false)),
+            ("reply_msg", Value::from("")),
+        ])
+        .to_string();
+        let key = (slice.peer.id, l, r);
+        self.connecting.insert(
+            key,
+            Connecting {
+                qp,
+                peer: slice.peer.clone(),
+                gid: dev.gid.clone(),
+                lid: dev.lid,
+                waiting: vec![slice.clone()],
+            },
+        );
+        self.connector.queue.push_back(Job {
+            key,
+            addr: slice.peer.rpc_addr(),
+            request,
+        });
+        self.start_handshakes();
+        Ok(())
+    }
+
+    /// Gives queued handshakes a connector thread each, up to the limit.
+    fn start_handshakes(&mut self) {
+        let c = &mut self.connector;
+        while c.running < MAX_HANDSHAKES {
+            let Some(job) = c.queue.pop_front() else {
+                break;
+            };
+            let key = job.key;
+            let (tx, wake) = (c.tx.clone(), c.wake.clone());
+            let spawned = std::thread::Builder::new()
+                .name("mc-rdma-connect".into())
+                .spawn(move || {
+                    let reply = rpc::call(
+                        &job.addr,
+                        RpcType::Connection,
+                        &job.request,
+                        HANDSHAKE_TIMEOUT,
+                    )
+                    .map_err(|e| format!("handshake with {}: {e}", job.addr));
+                    // A worker that is gone no longer listens; nothing else to tidy.
+                    let _ = tx.send(Reply { key, reply });
+                    wake.notify();
+                });
+            if let Err(e) = spawned {
+                let _ = c.tx.send(Reply {
+                    key,
+                    reply: Err(format!("spawning a handshake thread: {e}")),
+                });
+                c.wake.notify();
             }
-            let remote_qpn = reply
-                .get("qp_num")
-                .and_then(Value::as_array)
-                .and_then(|a| a.first())
-                .and_then(Value::as_u64)
-                .ok_or_else(|| format!("handshake reply from {addr} has no qp_num"))?;
-            let gid_text = reply
-                .get("local_gid")
-                .and_then(Value::as_str)
-                .unwrap_or(&dev.gid);
-            let gid =
-                ibv::parse_gid(gid_text).ok_or_else(|| format!("bad peer gid {gid_text:?}"))?;
-            let lid = reply
-                .get("local_lid")
-                .and_then(Value::as_u64)
-                .map_or(dev.lid, |l| l as u16);
-            // SAFETY: our QP, connected once.
-            unsafe { connect_qp(v, nic, qp, remote_qpn as u32, gid, lid) }
-        })();
-        match result {
-            Ok(()) => Ok(qp),
-            Err(e) => {
-                // SAFETY: never used.
-                unsafe { (v.destroy_qp)(qp) };
-                Err(e)
+            c.running += 1;
+        }
+    }
+
+    /// Takes the connector threads' replies: connects their QPs and posts the slices
+    /// that waited, or fails those. Returns whether any came.
+    fn take_replies(&mut self, done: &mut Vec<Finished>) -> bool {
+        // Drained before reading: a reply sent after the last read below signals anew.
+        self.connector.wake.drain();
+        let mut any = false;
+        while let Ok(r) = self.connector.rx.try_recv() {
+            self.connector.running -= 1;
+            any = true;
+            let Some(c) = self.connecting.remove(&r.key) else {
+                continue;
+            };
+            let (_, l, rn) = r.key;
+            match r.reply.and_then(|text| self.accept_reply(&c, l, &text)) {
+                Ok(()) => {
+                    self.endpoints.insert(
+                        r.key,
+                        Endpoint {
+                            qp: c.qp,
+                            outstanding: 0,
+                            last_used: Instant::now(),
+                        },
+                    );
+                    for slice in c.waiting {
+                        self.post_connected(slice, r.key, done);
+                    }
+                }
+                Err(e) => {
+                    // SAFETY: never posted on, and no longer reachable.
+                    unsafe { (self.shared.verbs.destroy_qp)(c.qp) };
+                    let why = format!(
+                        "connecting {}->{}#{rn}: {e}",
+                        self.shared.nics[l].name, c.peer.name
+                    );
+                    log::debug!("rdma: {why}");
+                    self.shared.rail_failed(&c.peer.name, l, rn, &e);
+                    for slice in c.waiting {
+                        self.note_tried(slice.id, slice.local, slice.remote, (l, rn));
+                        done.push(Finished {
+                            id: slice.id,
+                            outcome: Outcome::PathFailed(why.clone()),
+                        });
+                    }
+                }
             }
+        }
+        self.start_handshakes();
+        any
+    }
+
+    /// Checks a Connection reply and connects our QP to the peer's.
+    fn accept_reply(
+        &self,
+        c: &Connecting,
+        l: usize,
+        text: &str,
+    ) -> std::result::Result<(), String> {
+        let reply = json::parse(text).map_err(|e| format!("handshake reply: {e}"))?;
+        let msg = reply.get("reply_msg").and_then(Value::as_str).unwrap_or("");
+        if !msg.is_empty() {
+            return Err(format!("{} refused the connection: {msg}", c.peer.name));
+        }
+        let remote_qpn = reply
+            .get("qp_num")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_u64)
+            .ok_or_else(|| "handshake reply has no qp_num".to_owned())?;
+        let gid_text = reply
+            .get("local_gid")
+            .and_then(Value::as_str)
+            .unwrap_or(&c.gid);
+        let gid = ibv::parse_gid(gid_text).ok_or_else(|| format!("bad peer gid {gid_text:?}"))?;
+        let lid = reply
+            .get("local_lid")
+            .and_then(Value::as_u64)
+            .map_or(c.lid, |l| l as u16);
+        // SAFETY: our QP, connected once.
+        unsafe {
+            connect_qp(
+                self.shared.verbs,
+                &self.shared.nics[l],
+                c.qp,
+                remote_qpn as u32,
+                gid,
+                lid,
+            )
+        }
+    }
+
+    /// Posts a slice that waited for rail `key` to connect, on that rail.
+    fn post_connected(&mut self, slice: Slice, key: RailKey, done: &mut Vec<Finished>) {
+        if slice.deadline <= Instant::now() {
+            return finish(&mut self.tried, slice.id, Outcome::TimedOut, done);
+        }
+        let (_, l, r) = key;
+        match self.target(&slice) {
+            Err(outcome) => finish(&mut self.tried, slice.id, outcome, done),
+            Ok(t) if r < t.nremote => match self.post_on(&slice, key, t.lkeys[l], t.rkeys[r]) {
+                Ok(()) => {}
+                Err(None) => self.backlog.push_back(slice),
+                Err(Some(e)) => done.push(Finished {
+                    id: slice.id,
+                    outcome: Outcome::PathFailed(e),
+                }),
+            },
+            // The descriptor changed meanwhile: choose again.
+            Ok(_) => self.post(slice, done),
         }
     }
 
     /// Makes room in the endpoint cache: evicts the least recently used idle endpoint.
     fn evict(&mut self) {
-        if self.endpoints.len() < MAX_ENDPOINTS {
+        if self.endpoints.len() + self.connecting.len() < MAX_ENDPOINTS {
             return;
         }
         let victim = self
@@ -305,10 +555,10 @@ impl RdmaWorker {
         t.rails.push(rail);
     }
 
-    fn try_post(&mut self, slice: &Slice) -> std::result::Result<(), PostError> {
-        let finish = |o| Err(PostError::Finish(o));
+    /// Where `slice` goes, or how it ends when it cannot go anywhere.
+    fn target(&self, slice: &Slice) -> std::result::Result<Target, Outcome> {
         let Some((location, lkeys)) = self.shared.local_keys(slice.local, slice.len) else {
-            return finish(Outcome::Rejected(format!(
+            return Err(Outcome::Rejected(format!(
                 "local range {:#x}+{} is not inside a buffer registered with the engine \
                  (RDMA needs registered local memory)",
                 slice.local, slice.len
@@ -316,42 +566,121 @@ impl RdmaWorker {
         };
         let desc = slice.peer.desc();
         let Some(buffer) = desc.buffer_for(slice.remote, slice.len) else {
-            return finish(Outcome::Stale);
+            return Err(Outcome::Stale);
         };
         let nremote = desc.devices.len().min(buffer.rkey.len());
         if nremote == 0 {
-            return finish(Outcome::Rejected(format!(
+            return Err(Outcome::Rejected(format!(
                 "{} publishes no RDMA keys for the buffer at {:#x}",
                 slice.peer.name, buffer.addr
             )));
         }
-        let remote_loc = buffer.name.clone();
-        let rkeys = buffer.rkey.clone();
-        drop(desc);
-        let rails = self.rails(slice, &location, &remote_loc, nremote);
+        Ok(Target {
+            location,
+            lkeys,
+            remote_loc: buffer.name.clone(),
+            rkeys: buffer.rkey.clone(),
+            nremote,
+        })
+    }
+
+    /// Posts `slice` on the connected endpoint `key`. `Err(None)`: its send queue is
+    /// full; `Err(Some(why))`: the rail broke (noted as tried for the slice).
+    fn post_on(
+        &mut self,
+        slice: &Slice,
+        key: RailKey,
+        lkey: u32,
+        rkey: u32,
+    ) -> std::result::Result<(), Option<String>> {
+        let (_, l, r) = key;
+        let Some(ep) = self.endpoints.get_mut(&key) else {
+            return Err(Some(format!("no endpoint for rail {l}->#{r}")));
+        };
+        if ep.outstanding >= MAX_WR {
+            return Err(None);
+        }
+        let wr_id = self.next_wr;
+        self.next_wr += 1;
+        let mut sge = ibv::ibv_sge {
+            addr: slice.local,
+            length: slice.len as u32,
+            lkey,
+        };
+        let mut wr = ibv::ibv_send_wr {
+            wr_id,
+            sg_list: &mut sge,
+            num_sge: 1,
+            opcode: match slice.op {
+                Op::Read => ibv::IBV_WR_RDMA_READ,
+                Op::Write => ibv::IBV_WR_RDMA_WRITE,
+            },
+            send_flags: ibv::IBV_SEND_SIGNALED,
+            ..Default::default()
+        };
+        wr.rdma.remote_addr = slice.remote;
+        wr.rdma.rkey = rkey;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: a live, connected QP; `wr` and `sge` outlive the call (the provider
+        // copies them into its send queue).
+        let rc = unsafe { ibv::post_send(ep.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            let e = format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name);
+            self.shared.rail_failed(&slice.peer.name, l, r, &e);
+            self.drop_endpoint(key);
+            self.note_tried(slice.id, slice.local, slice.remote, (l, r));
+            return Err(Some(e));
+        }
+        ep.outstanding += 1;
+        ep.last_used = Instant::now();
+        self.in_flight_bytes += slice.len;
+        self.pending.insert(
+            wr_id,
+            Pending {
+                slice: slice.id,
+                local: slice.local,
+                remote: slice.remote,
+                len: slice.len,
+                rail: key,
+                peer: slice.peer.clone(),
+                deadline: slice.deadline,
+                detail: format!(
+                    "{:?} {:#x}+{} rkey {:#x} via {}->{}#{r}",
+                    slice.op,
+                    slice.remote,
+                    slice.len,
+                    rkey,
+                    self.shared.nics[l].name,
+                    slice.peer.name
+                ),
+            },
+        );
+        Ok(())
+    }
+
+    /// Posts `slice` on the first rail that takes it, or leaves it waiting for a rail
+    /// that is connecting.
+    fn try_post(&mut self, slice: &Slice) -> std::result::Result<(), PostError> {
+        let t = self.target(slice).map_err(PostError::Finish)?;
+        let rails = self.rails(slice, &t.location, &t.remote_loc, t.nremote);
         if rails.is_empty() {
-            return finish(Outcome::PathFailed(format!(
+            return Err(PostError::Finish(Outcome::PathFailed(format!(
                 "no usable RDMA rail to {} (all failed for this slice or paused)",
                 slice.peer.name
-            )));
+            ))));
         }
         let mut busy = false;
         let mut last_error = String::new();
         for (l, r) in rails {
             let key = (slice.peer.id, l, r);
+            if let Some(c) = self.connecting.get_mut(&key) {
+                c.waiting.push(slice.clone());
+                return Ok(());
+            }
             if !self.endpoints.contains_key(&key) {
                 self.evict();
-                match self.connect(&slice.peer, l, r) {
-                    Ok(qp) => {
-                        self.endpoints.insert(
-                            key,
-                            Endpoint {
-                                qp,
-                                outstanding: 0,
-                                last_used: Instant::now(),
-                            },
-                        );
-                    }
+                match self.start_connect(slice, l, r) {
+                    Ok(()) => return Ok(()),
                     Err(e) => {
                         log::debug!("rdma: connecting rail {l}->{}@{r}: {e}", slice.peer.name);
                         self.shared.rail_failed(&slice.peer.name, l, r, &e);
@@ -361,76 +690,77 @@ impl RdmaWorker {
                     }
                 }
             }
-            let ep = self.endpoints.get_mut(&key).expect("endpoint present");
-            if ep.outstanding >= MAX_WR {
-                busy = true;
-                continue;
+            match self.post_on(slice, key, t.lkeys[l], t.rkeys[r]) {
+                Ok(()) => return Ok(()),
+                Err(None) => busy = true,
+                Err(Some(e)) => last_error = e,
             }
-            let wr_id = self.next_wr;
-            self.next_wr += 1;
-            let mut sge = ibv::ibv_sge {
-                addr: slice.local,
-                length: slice.len as u32,
-                lkey: lkeys[l],
-            };
-            let mut wr = ibv::ibv_send_wr {
-                wr_id,
-                sg_list: &mut sge,
-                num_sge: 1,
-                opcode: match slice.op {
-                    Op::Read => ibv::IBV_WR_RDMA_READ,
-                    Op::Write => ibv::IBV_WR_RDMA_WRITE,
-                },
-                send_flags: ibv::IBV_SEND_SIGNALED,
-                ..Default::default()
-            };
-            wr.rdma.remote_addr = slice.remote;
-            wr.rdma.rkey = rkeys[r];
-            let mut bad = std::ptr::null_mut();
-            // SAFETY: a live, connected QP; `wr` and `sge` outlive the call (the
-            // provider copies them into its send queue).
-            let rc = unsafe { ibv::post_send(ep.qp, &mut wr, &mut bad) };
-            if rc != 0 {
-                let e = format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name);
-                self.shared.rail_failed(&slice.peer.name, l, r, &e);
-                self.drop_endpoint(key);
-                self.note_tried(slice.id, slice.local, slice.remote, (l, r));
-                last_error = e;
-                continue;
-            }
-            ep.outstanding += 1;
-            ep.last_used = Instant::now();
-            self.in_flight_bytes += slice.len;
-            self.pending.insert(
-                wr_id,
-                Pending {
-                    slice: slice.id,
-                    local: slice.local,
-                    remote: slice.remote,
-                    len: slice.len,
-                    rail: key,
-                    peer: slice.peer.clone(),
-                    deadline: slice.deadline,
-                    detail: format!(
-                        "{:?} {:#x}+{} rkey {:#x} via {}->{}#{r}",
-                        slice.op,
-                        slice.remote,
-                        slice.len,
-                        rkeys[r],
-                        self.shared.nics[l].name,
-                        slice.peer.name
-                    ),
-                },
-            );
-            return Ok(());
         }
         if busy {
             return Err(PostError::Busy);
         }
-        finish(Outcome::PathFailed(format!(
+        Err(PostError::Finish(Outcome::PathFailed(format!(
             "no RDMA rail to {} worked: {last_error}",
             slice.peer.name
-        )))
+        ))))
+    }
+
+    /// Reads the events of armed CQs that got a completion (without blocking).
+    fn read_cq_events(&mut self) {
+        let v = self.shared.verbs;
+        for i in 0..self.cqs.len() {
+            loop {
+                let mut cq = std::ptr::null_mut();
+                let mut cq_context = std::ptr::null_mut();
+                // SAFETY: our channel, made non-blocking when it was opened.
+                let rc = unsafe { (v.get_cq_event)(self.cqs[i].channel, &mut cq, &mut cq_context) };
+                if rc != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::WouldBlock {
+                        log::warn!(
+                            "rdma: ibv_get_cq_event on {}: {e}",
+                            self.shared.nics[i].name
+                        );
+                    }
+                    break;
+                }
+                let Some(c) = self.cqs.iter_mut().find(|c| c.cq == cq) else {
+                    // SAFETY: the event was just read for this CQ.
+                    unsafe { (v.ack_cq_events)(cq, 1) };
+                    continue;
+                };
+                c.armed = false;
+                c.unacked += 1;
+                if c.unacked >= ACK_BATCH {
+                    // SAFETY: events of our CQ, all read above.
+                    unsafe { (v.ack_cq_events)(c.cq, c.unacked) };
+                    c.unacked = 0;
+                }
+            }
+        }
+    }
+
+    /// Takes every completion waiting on CQ `i`; returns whether there was any.
+    fn poll(&mut self, i: usize, wcs: &mut [ibv::ibv_wc], done: &mut Vec<Finished>) -> bool {
+        let mut any = false;
+        loop {
+            // SAFETY: our CQ; `wcs` has room for its length.
+            let n = unsafe { ibv::poll_cq(self.cqs[i].cq, wcs.len() as c_int, wcs.as_mut_ptr()) };
+            if n < 0 {
+                log::error!(
+                    "rdma: ibv_poll_cq on {}: error {n}",
+                    self.shared.nics[i].name
+                );
+                return any;
+            }
+            for wc in &wcs[..n as usize] {
+                self.complete(wc, done);
+            }
+            any |= n > 0;
+            if (n as usize) < wcs.len() {
+                return any;
+            }
+        }
     }
 
     fn complete(&mut self, wc: &ibv::ibv_wc, done: &mut Vec<Finished>) {
@@ -501,6 +831,14 @@ impl RdmaWorker {
     }
 }
 
+/// Finishes a slice with `outcome` (keeping its tried rails only for a `Stale` retry).
+fn finish(tried: &mut HashMap<u64, Tried>, id: u64, outcome: Outcome, done: &mut Vec<Finished>) {
+    if outcome != Outcome::Stale {
+        tried.remove(&id);
+    }
+    done.push(Finished { id, outcome });
+}
+
 impl TransportWorker for RdmaWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         if slice.len == 0 || slice.len > u32::MAX as u64 {
@@ -517,39 +855,31 @@ impl TransportWorker for RdmaWorker {
         match self.try_post(&slice) {
             Ok(()) => {}
             Err(PostError::Busy) => self.backlog.push_back(slice),
-            Err(PostError::Finish(outcome)) => {
-                if outcome != Outcome::Stale {
-                    self.tried.remove(&slice.id);
-                }
-                done.push(Finished {
-                    id: slice.id,
-                    outcome,
-                });
-            }
+            Err(PostError::Finish(outcome)) => finish(&mut self.tried, slice.id, outcome, done),
         }
     }
 
     fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
-        let mut moved = false;
+        let mut moved = self.take_replies(done);
+        self.read_cq_events();
         let mut wcs = [ibv::ibv_wc::default(); 64];
         for i in 0..self.cqs.len() {
-            loop {
-                // SAFETY: our CQ; `wcs` has room for 64 entries.
-                let n = unsafe { ibv::poll_cq(self.cqs[i], wcs.len() as c_int, wcs.as_mut_ptr()) };
-                if n < 0 {
-                    log::error!(
-                        "rdma: ibv_poll_cq on {}: error {n}",
+            moved |= self.poll(i, &mut wcs, done);
+            if !self.cqs[i].armed {
+                // SAFETY: our CQ.
+                let rc = unsafe { ibv::req_notify_cq(self.cqs[i].cq, false) };
+                if rc != 0 {
+                    log::warn!(
+                        "rdma: ibv_req_notify_cq on {}: error {rc}; a parked worker sees \
+                         its completions on the engine's tick only",
                         self.shared.nics[i].name
                     );
-                    break;
                 }
-                for wc in &wcs[..n as usize] {
-                    self.complete(wc, done);
-                }
-                moved |= n > 0;
-                if (n as usize) < wcs.len() {
-                    break;
-                }
+                // Not retried after a failure: that would only repeat the warning.
+                self.cqs[i].armed = true;
+                // A completion that arrived after the poll and before the arm raises
+                // no event: look once more.
+                moved |= self.poll(i, &mut wcs, done);
             }
         }
         // Slices that waited for send-queue room.
@@ -599,24 +929,58 @@ impl TransportWorker for RdmaWorker {
                     });
                 }
             }
+            // Slices waiting for a handshake; the handshake itself carries on.
+            for c in self.connecting.values_mut() {
+                c.waiting.retain(|s| {
+                    if s.deadline > now {
+                        return true;
+                    }
+                    done.push(Finished {
+                        id: s.id,
+                        outcome: Outcome::TimedOut,
+                    });
+                    false
+                });
+            }
             self.reap(now);
         }
         moved
     }
 
     fn in_flight(&self) -> usize {
-        self.pending.len() + self.backlog.len()
+        self.pending.len()
+            + self.backlog.len()
+            + self
+                .connecting
+                .values()
+                .map(|c| c.waiting.len())
+                .sum::<usize>()
     }
 
     fn in_flight_bytes(&self) -> u64 {
-        self.in_flight_bytes + self.backlog.iter().map(|s| s.len).sum::<u64>()
+        self.in_flight_bytes
+            + self.backlog.iter().map(|s| s.len).sum::<u64>()
+            + self
+                .connecting
+                .values()
+                .flat_map(|c| &c.waiting)
+                .map(|s| s.len)
+                .sum::<u64>()
+    }
+
+    fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.epoll.raw_fd())
     }
 }
 
 impl Drop for RdmaWorker {
     fn drop(&mut self) {
+        // Connector threads still running are left to finish on their own (within
+        // HANDSHAKE_TIMEOUT): they hold no verbs objects, only their request, a sender
+        // nobody reads any more and the eventfd they share.
         let v = self.shared.verbs;
-        // SAFETY: the worker owns its QPs and CQs; QPs go before the CQs they use.
+        // SAFETY: the worker owns its QPs, CQs and channels; QPs go before the CQs they
+        // use, CQs (their events acknowledged) before their channels.
         unsafe {
             for (_, ep) in self.endpoints.drain() {
                 (v.destroy_qp)(ep.qp);
@@ -624,8 +988,21 @@ impl Drop for RdmaWorker {
             for (ep, _) in self.graveyard.drain(..) {
                 (v.destroy_qp)(ep.qp);
             }
-            for cq in self.cqs.drain(..) {
-                (v.destroy_cq)(cq);
+            for (_, c) in self.connecting.drain() {
+                (v.destroy_qp)(c.qp);
+            }
+            for c in self.cqs.drain(..) {
+                if c.unacked > 0 {
+                    (v.ack_cq_events)(c.cq, c.unacked);
+                }
+                let rc = (v.destroy_cq)(c.cq);
+                if rc != 0 {
+                    log::warn!("rdma: ibv_destroy_cq: error {rc}");
+                }
+                let rc = (v.destroy_comp_channel)(c.channel);
+                if rc != 0 {
+                    log::warn!("rdma: ibv_destroy_comp_channel: error {rc}");
+                }
             }
         }
     }

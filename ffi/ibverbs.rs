@@ -471,6 +471,11 @@ pub struct Verbs {
     pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
     pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
     pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
+    /// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)` (rdma-core 34+):
+    /// registers device memory exported as a dma-buf (GPUDirect RDMA without
+    /// nvidia-peermem); absent from older libraries.
+    pub reg_dmabuf_mr:
+        Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
     pub create_cq: unsafe extern "C" fn(
         *mut ibv_context,
         c_int,
@@ -523,6 +528,11 @@ fn load() -> Result<Verbs, String> {
         dealloc_pd: sym!("ibv_dealloc_pd"),
         reg_mr: sym!("ibv_reg_mr"),
         dereg_mr: sym!("ibv_dereg_mr"),
+        // SAFETY: the field's type is verbs.h's prototype of ibv_reg_dmabuf_mr.
+        reg_dmabuf_mr: unsafe {
+            loader::symbol(&lib, &library, &["ibv_reg_dmabuf_mr"], OVERRIDE_VAR)
+        }
+        .ok(),
         create_cq: sym!("ibv_create_cq"),
         destroy_cq: sym!("ibv_destroy_cq"),
         create_comp_channel: sym!("ibv_create_comp_channel"),

@@ -12,6 +12,7 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::pattern;
+use mooncake::device::{self, MemoryKind};
 use mooncake::engine::TaskState;
 use mooncake::ffi::ibverbs as ibv;
 use mooncake::memory::LocalMemory;
@@ -136,6 +137,9 @@ fn emu() -> Option<&'static Emu> {
         }
         let path = build_emulator().expect("emulator builds");
         std::env::set_var("MC_IBVERBS_LIB", &path);
+        // The fake GPU drivers too, before any engine start looks for GPUs (the
+        // driver tables load once per process).
+        common::fakes::fakes();
         std::env::set_var("VERBS_EMU_DEVICES", DEVICES.len().to_string());
         // SAFETY: the emulator's initializers have no preconditions; dlopen of the same
         // path shares the instance the engine loads.
@@ -310,6 +314,64 @@ fn read_write_sizes_over_every_nic() {
         let moved = emu.bytes(d) - before[i];
         assert!(moved >= 4 << 20, "{d} carried only {moved} bytes");
     }
+}
+
+#[test]
+fn device_memory_registers_through_dma_buf_and_moves_unstaged() {
+    let Some(_) = emu() else { return };
+    let Some(fakes) = common::fakes::fakes() else {
+        return;
+    };
+    let _g = serial();
+    let server = rdma_engine(1);
+    let client = rdma_engine(2);
+    // Many 64 KiB slices over every NIC; the fakes' device memory faults on any CPU
+    // access, so only the NICs' dma-buf mappings can move it.
+    let len = (6 << 20) + 4096;
+    let remote = server.allocate_buffer(len, "cuda:1").unwrap() as u64;
+    let local = client.allocate_buffer(len, "cuda:0").unwrap() as u64;
+    let data = pattern(21, len);
+    // SAFETY: `local` is device memory of `len` bytes.
+    unsafe { device::copy_from_host(MemoryKind::Cuda(0), local, data.as_ptr(), len) }.unwrap();
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let copies = || common::fakes::counter(&fakes.cuda, "fake_cuda_copies");
+
+    let before = copies();
+    let st = run(&client, seg, Op::Write, local, remote, len);
+    assert_eq!(st, TaskState::Completed);
+    assert_eq!(
+        copies(),
+        before,
+        "GPU to GPU through the NICs: no driver copy, no staging"
+    );
+    let mut landed = vec![0u8; len];
+    // SAFETY: `remote` is device memory of `len` bytes.
+    unsafe { device::copy_to_host(MemoryKind::Cuda(1), landed.as_mut_ptr(), remote, len) }.unwrap();
+    assert!(
+        landed == data,
+        "the bytes reached the server's device memory"
+    );
+
+    // Device memory read into host memory at an offset.
+    let host = Buf::new(&client, vec![0; len - 8192]);
+    let st = run(
+        &client,
+        seg,
+        Op::Read,
+        host.addr(),
+        remote + 8192,
+        len - 8192,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(host.buf[..] == data[8192..]);
+    assert_eq!(client.stats().tcp_bytes, 0);
+
+    // No dma-buf (HIP) and memory the NIC cannot pin: registration says why.
+    let err = client.allocate_buffer(1 << 20, "hip:0").unwrap_err();
+    assert_eq!(err.code(), Code::BackendUnavailable, "{err}");
+    assert!(err.to_string().contains("GPUDirect"), "{err}");
+    client.free_buffer(local as *mut u8).unwrap();
+    server.free_buffer(remote as *mut u8).unwrap();
 }
 
 #[test]
@@ -760,6 +822,7 @@ fn worker_wait_fd_wakes_for_handshake_replies_and_completions() {
         id,
         op: Op::Write,
         local: base + (id - 1) * 4096,
+        local_kind: MemoryKind::Host,
         remote: remote.addr() + (id - 1) * 4096,
         len: 4096,
         peer: peer.clone(),
@@ -1064,6 +1127,29 @@ int main(void) {
 
 /// A missing library is an ordinary error naming the override variable. The verbs
 /// table loads once per process, so this runs in a child process.
+#[test]
+fn info_lists_emulated_nics_and_the_topology_in_use() {
+    let Some(_) = emu() else { return };
+    // The child inherits MC_IBVERBS_LIB and VERBS_EMU_DEVICES from emu().
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mooncake"))
+        .arg("info")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for d in DEVICES {
+        assert!(
+            text.contains(&format!("device {d} port 1: active")),
+            "{text}"
+        );
+    }
+    // Emulated NICs are unknown to sysfs: every NIC preferred.
+    assert!(
+        text.contains(r#"topology (NIC priority matrix, device_name overrides): {"cpu:0":[["emu0","emu1","emu2"],[]]}"#),
+        "{text}"
+    );
+}
+
 #[test]
 fn missing_library_is_backend_unavailable() {
     if std::env::var("MC_RDMA_TEST_CHILD").as_deref() == Ok("missing") {

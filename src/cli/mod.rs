@@ -235,6 +235,15 @@ pub fn info() -> Result<(), String> {
         for n in &r.notes {
             println!("    {n}");
         }
+        if r.name.starts_with("rdma") {
+            let nics = mooncake::ffi::ibverbs::verbs()
+                .map(|v| v.device_names())
+                .unwrap_or_default();
+            if !nics.is_empty() {
+                let matrix = mooncake::transport::rdma::discovered_matrix(&nics);
+                println!("    topology (NIC priority matrix, device_name overrides): {matrix}");
+            }
+        }
     }
     Ok(())
 }

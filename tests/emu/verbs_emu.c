@@ -7,6 +7,10 @@
  * - VERBS_EMU_DEVICES=N (default 2, at most 8) devices named emu0..emuN-1, one port
  *   each, IB link layer, LID = index + 1, GID 0 = fe80::<pid>:<index>.
  * - PDs; MRs with process-wide unique lkey/rkey, bounds- and access-checked.
+ *   ibv_reg_mr refuses (EFAULT) memory the CPU cannot read, as pinning would fail (the
+ *   fake GPU drivers' device memory is PROT_NONE); ibv_reg_dmabuf_mr maps the dma-buf
+ *   fd and serves the MR's addresses (from iova) out of that mapping, never touching
+ *   the exporter's own view, the way a NIC's DMA reaches GPU memory.
  * - RC QPs with the RESET -> INIT -> RTR -> RTS state machine (required attribute masks
  *   enforced; posting outside RTS is refused with EINVAL, posting in ERR flushes).
  * - RDMA READ / WRITE run synchronously inside ibv_post_send: the peer QP is found by
@@ -42,6 +46,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -279,6 +286,11 @@ struct emu_context {
 struct emu_mr {
 	struct ibv_mr mr;
 	int access;
+	/* A dma-buf MR: where this process sees the bytes the MR addresses from
+	 * mr.addr (the iova); NULL for ordinary MRs, whose addresses are the bytes. */
+	char *dma_view;
+	void *dma_map;
+	size_t dma_map_len;
 	struct emu_mr *next;
 };
 
@@ -397,6 +409,14 @@ static int in_mr(const struct emu_mr *m, uint64_t addr, uint64_t len)
 {
 	uint64_t start = (uint64_t)(uintptr_t)m->mr.addr;
 	return addr >= start && len <= m->mr.length && addr - start <= m->mr.length - len;
+}
+
+/* Where the CPU (standing in for the NIC's DMA engine) reaches addr of m. */
+static char *dma_ptr(const struct emu_mr *m, uint64_t addr)
+{
+	if (!m->dma_view)
+		return (char *)(uintptr_t)addr;
+	return m->dma_view + (addr - (uint64_t)(uintptr_t)m->mr.addr);
 }
 
 static struct emu_qp *find_qp(uint32_t qpn)
@@ -531,10 +551,10 @@ static int execute(struct emu_qp *q, struct ibv_send_wr *wr, uint32_t *moved)
 	if (!r || !(r->access & need) || !(peer->access & need) ||
 	    !in_mr(r, wr->wr.rdma.remote_addr, total))
 		return WC_REM_ACCESS_ERR;
-	char *remote = (char *)(uintptr_t)wr->wr.rdma.remote_addr;
+	char *remote = dma_ptr(r, wr->wr.rdma.remote_addr);
 	for (int i = 0; i < wr->num_sge; i++) {
 		struct ibv_sge *s = &wr->sg_list[i];
-		char *local = (char *)(uintptr_t)s->addr;
+		char *local = dma_ptr(find_mr(s->lkey, 0, q->qp.pd), s->addr);
 		if (read)
 			memmove(local, remote, s->length);
 		else
@@ -730,17 +750,18 @@ EXPORT int ibv_dealloc_pd(struct ibv_pd *pd)
 	return 0;
 }
 
-EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
+/* Whether the CPU can read addr (the kernel pins pages for an MR; memory mapped
+ * PROT_NONE, such as the fake GPU drivers' device memory, cannot be pinned). */
+static int readable(const void *addr)
 {
-	if (!pd || (!addr && length) || length == 0) {
-		errno = EINVAL;
-		return NULL;
-	}
-	/* Remote write needs local write, as in the kernel. */
-	if ((access & ACCESS_REMOTE_WRITE) && !(access & ACCESS_LOCAL_WRITE)) {
-		errno = EINVAL;
-		return NULL;
-	}
+	char byte;
+	struct iovec local = {&byte, 1}, remote = {(void *)addr, 1};
+	return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == 1;
+}
+
+static struct ibv_mr *add_mr(struct ibv_pd *pd, void *addr, size_t length, int access, char *view,
+			     void *map, size_t map_len)
+{
 	struct emu_mr *m = calloc(1, sizeof(*m));
 	if (!m) {
 		errno = ENOMEM;
@@ -751,6 +772,9 @@ EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, i
 	m->mr.addr = addr;
 	m->mr.length = length;
 	m->access = access;
+	m->dma_view = view;
+	m->dma_map = map;
+	m->dma_map_len = map_len;
 	pthread_mutex_lock(&lock);
 	m->mr.handle = next_handle++;
 	m->mr.lkey = next_key++;
@@ -761,6 +785,51 @@ EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, i
 	return &m->mr;
 }
 
+static int bad_access(int access)
+{
+	/* Remote write needs local write, as in the kernel. */
+	return (access & ACCESS_REMOTE_WRITE) && !(access & ACCESS_LOCAL_WRITE);
+}
+
+EXPORT struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t length, int access)
+{
+	if (!pd || (!addr && length) || length == 0 || bad_access(access)) {
+		errno = EINVAL;
+		return NULL;
+	}
+	if (!readable(addr) || !readable((char *)addr + length - 1)) {
+		errno = EFAULT;
+		return NULL;
+	}
+	return add_mr(pd, addr, length, access, NULL, NULL, 0);
+}
+
+/* The NIC maps the dma-buf (here: mmap of the exporter's fd) and addresses it from
+ * iova; the exporter's own mapping of those bytes is never touched. */
+EXPORT struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t offset, size_t length,
+					uint64_t iova, int fd, int access)
+{
+	if (!pd || length == 0 || iova == 0 || fd < 0 || bad_access(access)) {
+		errno = EINVAL;
+		return NULL;
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0 || offset + length < offset || offset + length > (uint64_t)st.st_size) {
+		errno = EINVAL;
+		return NULL;
+	}
+	uint64_t start = offset & ~(uint64_t)4095;
+	size_t map_len = (size_t)(offset + length - start);
+	void *map = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start);
+	if (map == MAP_FAILED)
+		return NULL;
+	struct ibv_mr *mr = add_mr(pd, (void *)(uintptr_t)iova, length, access,
+				   (char *)map + (offset - start), map, map_len);
+	if (!mr)
+		munmap(map, map_len);
+	return mr;
+}
+
 EXPORT int ibv_dereg_mr(struct ibv_mr *mr)
 {
 	pthread_mutex_lock(&lock);
@@ -769,6 +838,8 @@ EXPORT int ibv_dereg_mr(struct ibv_mr *mr)
 			struct emu_mr *m = *p;
 			*p = m->next;
 			pthread_mutex_unlock(&lock);
+			if (m->dma_map)
+				munmap(m->dma_map, m->dma_map_len);
 			free(m);
 			return 0;
 		}

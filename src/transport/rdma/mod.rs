@@ -4,7 +4,13 @@
 //!   NIC priority matrix as JSON), allocates a PD per device and publishes the devices
 //!   `{name, lid, gid}` in the segment descriptor, in NIC-index order.
 //! - Every registered buffer is registered on every NIC (in parallel for large ones);
-//!   the per-NIC `lkey`/`rkey` arrays go into the descriptor.
+//!   the per-NIC `lkey`/`rkey` arrays go into the descriptor. Device memory is
+//!   registered for GPUDirect RDMA: through a dma-buf export of its allocation
+//!   (`ibv_reg_dmabuf_mr`) where the GPU driver and libibverbs offer it, else plain
+//!   `ibv_reg_mr` (peer-memory modules); if neither works registration fails, saying
+//!   so. Registered device memory then moves NIC to GPU with no staging (`carries`).
+//! - Without a `device_name` priority matrix, one is discovered from sysfs: per NUMA
+//!   node its NICs first, per GPU the NICs nearest on the PCI tree (`topology.rs`).
 //! - A *rail* is (local NIC, remote NIC). Each engine worker keeps an endpoint cache
 //!   (one RC QP per peer and rail, least recently used evicted past a cap) and one CQ
 //!   per local NIC, polled in `progress` and armed on a completion channel so a parked
@@ -68,6 +74,12 @@ const ACCESS: c_int =
 
 fn unavailable(what: impl Into<String>) -> Error {
     Error::new(Code::BackendUnavailable, what)
+}
+
+/// The priority matrix an RDMA transport would discover for these NICs (for
+/// `mooncake info`), as JSON.
+pub fn discovered_matrix(nics: &[String]) -> String {
+    topology::discover(nics).to_string()
 }
 
 pub struct RdmaTransport {
@@ -176,6 +188,16 @@ impl Transport for RdmaTransport {
 
     fn reaches(&self, peer: &SegmentDesc) -> bool {
         !peer.devices.is_empty() && !self.shared.nics.is_empty()
+    }
+
+    /// Device memory registered with the NICs (GPUDirect) moves without staging;
+    /// registration refuses device memory the NICs cannot reach.
+    fn carries(&self, slice: &super::Slice) -> bool {
+        slice.local_kind.is_host()
+            || self
+                .shared
+                .local_keys(slice.local, slice.len)
+                .is_some_and(|(_, keys)| !keys.is_empty())
     }
 
     fn slice_size(&self) -> u64 {

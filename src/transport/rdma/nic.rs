@@ -1,6 +1,7 @@
 //! Opened HCA ports, queue-pair set-up and memory registration on every NIC.
 
 use std::ffi::c_int;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::AtomicU64;
 
 use super::shared::Shared;
@@ -272,14 +273,43 @@ unsafe impl Send for MrPtr {}
 /// Registers `region` on every NIC (in parallel for large ones) and records its MRs.
 pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
     let v = s.verbs;
+    let dma_buf = gpudirect_dma_buf(s, region);
     let reg = |nic: &Nic| -> std::result::Result<MrPtr, String> {
-        // SAFETY: the engine guarantees the range stays valid until unregister.
-        let mr = unsafe { (v.reg_mr)(nic.pd, region.addr as *mut _, region.len as usize, ACCESS) };
+        let (mr, call) = match (&dma_buf, v.reg_dmabuf_mr) {
+            (Some(buf), Some(reg_dmabuf_mr)) => {
+                // SAFETY: the descriptor exports the allocation holding the region;
+                // the NIC maps `len` bytes from `offset` and addresses them at `iova`
+                // (the region's own address), as the engine registered them.
+                let mr = unsafe {
+                    reg_dmabuf_mr(
+                        nic.pd,
+                        buf.offset,
+                        region.len as usize,
+                        region.addr,
+                        buf.fd.as_raw_fd(),
+                        ACCESS,
+                    )
+                };
+                (mr, "ibv_reg_dmabuf_mr")
+            }
+            // SAFETY: the engine guarantees the range stays valid until unregister.
+            _ => (
+                unsafe { (v.reg_mr)(nic.pd, region.addr as *mut _, region.len as usize, ACCESS) },
+                "ibv_reg_mr",
+            ),
+        };
         if mr.is_null() {
+            let hint = if region.device.is_host() || dma_buf.is_some() {
+                ""
+            } else {
+                " (device memory: GPUDirect RDMA needs a dma-buf capable driver, or \
+                 nvidia-peermem / amdgpu peer memory; use protocol tcp otherwise)"
+            };
             Err(format!(
-                "ibv_reg_mr({:#x}, {} bytes) on {}: {}",
+                "{call}({:#x}, {} bytes, {}) on {}: {}{hint}",
                 region.addr,
                 region.len,
+                region.location,
                 nic.name,
                 std::io::Error::last_os_error()
             ))
@@ -334,6 +364,26 @@ pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
         }
     }
     Ok(keys)
+}
+
+/// For device memory, a dma-buf of it when both the GPU driver and libibverbs can
+/// register one (GPUDirect RDMA through the kernel's dma-buf support); `None` means
+/// plain `ibv_reg_mr`, which reaches device memory only through a peer-memory module.
+fn gpudirect_dma_buf(s: &Shared, region: &Region) -> Option<crate::device::DmaBuf> {
+    if region.device.is_host() || s.verbs.reg_dmabuf_mr.is_none() {
+        return None;
+    }
+    match crate::device::dma_buf(region.device, region.addr, region.len) {
+        Ok(buf) => Some(buf),
+        Err(e) => {
+            log::info!(
+                "rdma: no dma-buf for {:#x} ({}), trying ibv_reg_mr: {e}",
+                region.addr,
+                region.location
+            );
+            None
+        }
+    }
 }
 
 /// Deregisters `region` on every NIC.

@@ -226,6 +226,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let segment = a.str("segment").map(str::to_owned);
     let metadata = a.str("metadata").unwrap_or("P2PHANDSHAKE").to_owned();
     let fabric = matches!(p.protocol.as_str(), "fabric" | "efa");
+    let rdma = p.protocol == "rdma";
     let provider = a.str("fabric-provider").map(str::to_owned);
     let mut cfg = crate::cli::engine_config(&a)?;
     a.finish()?;
@@ -261,10 +262,11 @@ pub fn run(raw: &[String]) -> Result<(), String> {
                 "--size".into(),
                 need.to_string(),
             ])
-            // The fabric target serves over the same provider (MC_FABRIC_PROVIDER).
+            // Hardware protocols: the target serves over the same backend (the
+            // child inherits MC_FABRIC_PROVIDER, MC_IBVERBS_LIB, ...).
             .chain(
-                fabric
-                    .then(|| ["--protocol".to_owned(), "efa".to_owned()])
+                (fabric || rdma)
+                    .then(|| ["--protocol".to_owned(), p.protocol.clone()])
                     .into_iter()
                     .flatten(),
             )
@@ -299,6 +301,20 @@ pub fn run(raw: &[String]) -> Result<(), String> {
                 ("", None)
             }
         }
+    } else if rdma {
+        // No same-run baseline exists for verbs here (no perftest); say where the
+        // figure came from instead.
+        let library = mooncake::ffi::ibverbs::verbs()
+            .map(|v| v.library.clone())
+            .unwrap_or_default();
+        extra.push(("verbs_library", Value::from(library.as_str())));
+        if std::env::var_os(mooncake::ffi::ibverbs::OVERRIDE_VAR).is_some() {
+            extra.push((
+                "note",
+                Value::from("libibverbs overridden (MC_IBVERBS_LIB): an emulated provider's figures are not performance claims"),
+            ));
+        }
+        ("", None)
     } else if p.protocol == "tcp" {
         (
             "tcp_socket_loopback",

@@ -688,6 +688,12 @@ static int fab_attach(const char *path)
 		return -1;
 	}
 	self_start = proc_start(getpid());
+	if (self_start == 0) {
+		/* Without /proc, owners could not be told alive from gone. */
+		munmap(f, sizeof(*f));
+		errno = ENOENT;
+		return -1;
+	}
 	fab = f;
 	fab_lock();
 	fab_reclaim();
@@ -1587,7 +1593,7 @@ EXPORT int verbs_emu_qp_count(void)
 EXPORT int verbs_emu_fabric_entries(int pid)
 {
 	pthread_once(&once, init_devices);
-	if (!fab)
+	if (!fab || pid <= 0)
 		return -1;
 	int n = 0;
 	fab_lock();

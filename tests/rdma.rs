@@ -1,6 +1,8 @@
 //! The RDMA verbs transport against an emulated verbs provider (tests/emu/verbs_emu.c,
-//! built here with `cc`): this machine has no RDMA hardware. Emulated figures are not
-//! performance claims.
+//! built here with `cc`): this machine has no RDMA hardware. Engines in this process
+//! share the emulated HCAs directly; `mooncake target` children reach them through the
+//! emulator's shared fabric (VERBS_EMU_FABRIC). Emulated figures are not performance
+//! claims.
 
 mod common;
 
@@ -11,14 +13,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::pattern;
+use common::{pattern, Target};
 use mooncake::device::{self, MemoryKind};
 use mooncake::engine::TaskState;
 use mooncake::ffi::ibverbs as ibv;
 use mooncake::memory::LocalMemory;
 use mooncake::metadata::SegmentDesc;
 use mooncake::transport::rdma::RdmaTransport;
-use mooncake::transport::{BackendConfig, Endpoints, Outcome, Peer, Slice, Transport};
+use mooncake::transport::{
+    BackendConfig, Endpoints, Outcome, Peer, Slice, Transport, TransportWorker,
+};
+use mooncake::util::crc32c::crc32c;
 use mooncake::wire::rpc::{self, RpcType};
 use mooncake::{Code, Engine, EngineConfig, Op, Request};
 
@@ -33,6 +38,8 @@ struct Emu {
     hold_completions: unsafe extern "C" fn(libc::c_int),
     wait_held: unsafe extern "C" fn(libc::c_int, libc::c_int) -> libc::c_int,
     cq_events: unsafe extern "C" fn() -> u64,
+    fabric_entries: unsafe extern "C" fn(libc::c_int) -> libc::c_int,
+    fabric_reclaim: unsafe extern "C" fn() -> libc::c_int,
 }
 
 impl Emu {
@@ -74,6 +81,18 @@ impl Emu {
     fn cq_events(&self) -> u64 {
         // SAFETY: as above.
         unsafe { (self.cq_events)() }
+    }
+
+    /// QPs and MRs of process `pid` published on the shared fabric.
+    fn fabric_entries(&self, pid: u32) -> i32 {
+        // SAFETY: as above.
+        unsafe { (self.fabric_entries)(pid as libc::c_int) }
+    }
+
+    /// Frees the fabric entries of processes that are gone; returns how many.
+    fn fabric_reclaim(&self) -> i32 {
+        // SAFETY: as above.
+        unsafe { (self.fabric_reclaim)() }
     }
 }
 
@@ -141,6 +160,11 @@ fn emu() -> Option<&'static Emu> {
         // driver tables load once per process).
         common::fakes::fakes();
         std::env::set_var("VERBS_EMU_DEVICES", DEVICES.len().to_string());
+        // One fabric for this process and the `mooncake target` children it starts
+        // (they inherit the variable). It outlives the run on purpose: entries that
+        // dead processes leave are reclaimed by the next ones.
+        let fabric = Path::new(env!("CARGO_TARGET_TMPDIR")).join("verbs_emu.fabric");
+        std::env::set_var("VERBS_EMU_FABRIC", fabric);
         // SAFETY: the emulator's initializers have no preconditions; dlopen of the same
         // path shares the instance the engine loads.
         let lib = unsafe { libloading::Library::new(&path) }.expect("emulator loads");
@@ -152,6 +176,8 @@ fn emu() -> Option<&'static Emu> {
             let hold_completions = *lib.get(b"verbs_emu_hold_completions\0").unwrap();
             let wait_held = *lib.get(b"verbs_emu_wait_held\0").unwrap();
             let cq_events = *lib.get(b"verbs_emu_cq_events\0").unwrap();
+            let fabric_entries = *lib.get(b"verbs_emu_fabric_entries\0").unwrap();
+            let fabric_reclaim = *lib.get(b"verbs_emu_fabric_reclaim\0").unwrap();
             Some(Emu {
                 _lib: lib,
                 fail_device,
@@ -160,6 +186,8 @@ fn emu() -> Option<&'static Emu> {
                 hold_completions,
                 wait_held,
                 cq_events,
+                fabric_entries,
+                fabric_reclaim,
             })
         }
     })
@@ -895,6 +923,290 @@ fn transfer_completes_with_the_worker_parked() {
         emu.cq_events() > events,
         "the completions raised channel events"
     );
+}
+
+/// A `mooncake target --protocol rdma` child; it inherits the emulator and its fabric
+/// from `emu()`'s environment.
+fn rdma_target(size: usize, extra: &[&str]) -> Target {
+    let mut args = vec!["--protocol", "rdma"];
+    args.extend_from_slice(extra);
+    Target::spawn_with("P2PHANDSHAKE", size, &args)
+}
+
+/// The target's answer to `checksum` when its buffer holds `bytes`.
+fn checksum_of(bytes: &[u8]) -> String {
+    format!("crc32c {:08x}", crc32c(bytes))
+}
+
+/// An engine here reads and writes a target process's buffer: the Connection
+/// handshake runs through the transport, the bytes cross through the fabric, many
+/// slices over every NIC.
+#[test]
+fn reads_and_writes_a_target_process_over_every_nic() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let len = 6 << 20;
+    let mut target = rdma_target(len, &[]);
+    {
+        let client = rdma_engine(2);
+        let seg = client.open_segment(&target.name).unwrap();
+        let desc = client.segment_descriptor(seg).unwrap();
+        assert_eq!(desc.protocol, "rdma");
+        assert_eq!(desc.devices.len(), DEVICES.len());
+        for (theirs, ours) in desc.devices.iter().zip(&client.descriptor().devices) {
+            assert_ne!(theirs.gid, ours.gid, "GIDs differ per process");
+        }
+        assert_eq!(desc.buffers[0].length, len as u64);
+        let remote = desc.buffers[0].addr;
+        assert!(
+            emu.fabric_entries(target.child.id()) >= DEVICES.len() as i32,
+            "the target's MRs are on the fabric"
+        );
+        let before: Vec<u64> = DEVICES.iter().map(|d| emu.bytes(d)).collect();
+
+        let data = pattern(41, len);
+        let src = Buf::new(&client, data.clone());
+        let st = run(&client, seg, Op::Write, src.addr(), remote, len);
+        assert_eq!(st, TaskState::Completed);
+        assert_eq!(target.command("checksum"), checksum_of(&data));
+
+        let mut dst = Buf::new(&client, vec![0; len]);
+        let st = run(&client, seg, Op::Read, dst.addr(), remote, len);
+        assert_eq!(st, TaskState::Completed);
+        assert!(dst.buf == data, "read back what was written");
+
+        // Unaligned ranges inside the buffer, both ways.
+        let (at, n) = (12345, 100_000);
+        let patch = pattern(42, n);
+        dst.buf[..n].copy_from_slice(&patch);
+        let st = run(&client, seg, Op::Write, dst.addr(), remote + at as u64, n);
+        assert_eq!(st, TaskState::Completed);
+        let mut expect = data;
+        expect[at..at + n].copy_from_slice(&patch);
+        assert_eq!(target.command("checksum"), checksum_of(&expect));
+        dst.buf.fill(0);
+        let (from, m) = (at - 1000, n + 2000);
+        let st = run(&client, seg, Op::Read, dst.addr(), remote + from as u64, m);
+        assert_eq!(st, TaskState::Completed);
+        assert!(dst.buf[..m] == expect[from..from + m]);
+
+        let stats = client.stats();
+        assert!(
+            stats.rdma_bytes >= 2 * len as u64 + (n + m) as u64,
+            "{stats:?}"
+        );
+        assert_eq!(stats.tcp_bytes, 0, "{stats:?}");
+        for (i, d) in DEVICES.iter().enumerate() {
+            let moved = emu.bytes(d) - before[i];
+            assert!(moved >= 1 << 20, "{d} carried only {moved} bytes");
+        }
+    }
+    // The engine is gone: its QPs were destroyed and its MRs deregistered, and with
+    // them their fabric entries.
+    assert_eq!(emu.fabric_entries(std::process::id()), 0);
+}
+
+/// A target's device memory, registered through a dma-buf in the target process, is
+/// reached through that process's mapping of it.
+#[test]
+fn reaches_a_target_process_device_memory_through_its_dma_buf() {
+    let Some(_) = emu() else { return };
+    if common::fakes::fakes().is_none() {
+        return;
+    }
+    let _g = serial();
+    let len = (2 << 20) + 4096;
+    let mut target = rdma_target(len, &["--location", "cuda:1"]);
+    let client = rdma_engine(1);
+    let seg = client.open_segment(&target.name).unwrap();
+    let desc = client.segment_descriptor(seg).unwrap();
+    assert_eq!(desc.buffers[0].name, "cuda:1");
+    let remote = desc.buffers[0].addr;
+    let data = pattern(43, len);
+    let src = Buf::new(&client, data.clone());
+    let st = run(&client, seg, Op::Write, src.addr(), remote, len);
+    assert_eq!(st, TaskState::Completed);
+    // Read back through the target's GPU driver.
+    assert_eq!(target.command("checksum"), checksum_of(&data));
+    let dst = Buf::new(&client, vec![0; len - 8192]);
+    let st = run(
+        &client,
+        seg,
+        Op::Read,
+        dst.addr(),
+        remote + 8192,
+        len - 8192,
+    );
+    assert_eq!(st, TaskState::Completed);
+    assert!(dst.buf[..] == data[8192..]);
+    assert_eq!(client.stats().tcp_bytes, 0);
+}
+
+/// A target killed while a transfer to it is under way: the slices posted before are
+/// done, the rest fail, and the transfer ends Failed rather than hanging.
+#[test]
+fn target_killed_mid_transfer_fails_the_transfer() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    // One rail (emu0 to emu0), whose send queue holds at most 256 requests: with the
+    // completions held, a transfer of more slices cannot be fully posted before the kill.
+    let len = 20 << 20;
+    let mut target = rdma_target(len, &["--device-name", "emu0"]);
+    let client = rdma_engine_with(1, &[("device_name", "emu0")]);
+    let seg = client.open_segment(&target.name).unwrap();
+    let remote = client.segment_descriptor(seg).unwrap().buffers[0].addr;
+    let src = Buf::new(&client, pattern(44, len));
+    let before = emu.bytes("emu0");
+    let held = emu.hold_completions();
+    let batch = start(&client, seg, Op::Write, src.addr(), remote, len);
+    assert!(emu.wait_held(1) >= 1, "the transfer started");
+    target.kill();
+    drop(held);
+    let st = finish(&client, batch);
+    let moved = emu.bytes("emu0") - before;
+    assert_eq!(st, TaskState::Failed, "{moved} bytes moved");
+    assert!(
+        moved > 0 && moved < len as u64,
+        "{moved} of {len} bytes moved"
+    );
+    assert!(client.stats().failed_slices > 0);
+}
+
+/// Requests on rails connected to a target that has since died fail (its HCA is gone),
+/// and the fabric entries it left are reclaimed.
+#[test]
+fn dead_target_fails_on_connected_rails_and_its_entries_are_reclaimed() {
+    let Some(emu) = emu() else { return };
+    let _g = serial();
+    let len = 1 << 20;
+    let mut target = rdma_target(len, &[]);
+    let client = rdma_engine(1);
+    let seg = client.open_segment(&target.name).unwrap();
+    let remote = client.segment_descriptor(seg).unwrap().buffers[0].addr;
+    let mut local = Buf::new(&client, pattern(45, len));
+    let st = run(&client, seg, Op::Write, local.addr(), remote, len);
+    assert_eq!(st, TaskState::Completed);
+    let pid = target.child.id();
+    assert!(emu.fabric_entries(pid) > 0, "the target's QPs and MRs");
+    target.kill();
+    let st = run(&client, seg, Op::Write, local.addr(), remote, len);
+    assert_eq!(st, TaskState::Failed);
+    local.buf.fill(0);
+    let st = run(&client, seg, Op::Read, local.addr(), remote, len);
+    assert_eq!(st, TaskState::Failed);
+    assert!(local.buf.iter().all(|b| *b == 0), "nothing was read");
+    emu.fabric_reclaim();
+    assert_eq!(emu.fabric_entries(pid), 0, "a dead process's entries go");
+}
+
+/// Posts one slice on a hand-driven worker and drives it (bounded) to its outcome.
+fn drive(worker: &mut Box<dyn TransportWorker>, slice: Slice) -> Outcome {
+    let fd = worker
+        .wait_fd()
+        .expect("the RDMA worker has a wait descriptor");
+    let mut done = Vec::new();
+    worker.post(slice, &mut done);
+    for _ in 0..50 {
+        worker.progress(Instant::now(), &mut done);
+        if let Some(f) = done.pop() {
+            return f.outcome;
+        }
+        readable(fd, 30_000);
+    }
+    panic!("the slice never finished");
+}
+
+/// A slice the remote HCA must refuse: its first remote access error asks for a fresh
+/// descriptor (`Stale`); refused again, it is `Rejected` with the completion status.
+fn refused(worker: &mut Box<dyn TransportWorker>, slice: Slice) {
+    assert_eq!(drive(worker, slice.clone()), Outcome::Stale);
+    match drive(worker, slice) {
+        Outcome::Rejected(why) => assert!(why.contains("remote access error"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Accesses the target's HCA must refuse, through a hand-driven worker whose
+/// descriptors of the target claim them: past the end of its buffer, and with wrong
+/// rkeys; then, through the engine, the keys of a buffer the target has unregistered.
+#[test]
+fn target_process_refuses_bad_rkeys_and_ranges() {
+    let Some(_) = emu() else { return };
+    let _g = serial();
+    let len = 1 << 16;
+    let mut target = rdma_target(len, &[]);
+    let client = rdma_engine(1);
+    let seg = client.open_segment(&target.name).unwrap();
+    let desc = client.segment_descriptor(seg).unwrap();
+    let remote = desc.buffers[0].addr;
+
+    let memory = Arc::new(LocalMemory::new());
+    let config = BackendConfig {
+        devices: "emu0".to_owned(),
+        ..Default::default()
+    };
+    let transport = RdmaTransport::start(&config, memory.clone()).unwrap();
+    transport.describe(&mut SegmentDesc::new("hand-driven"));
+    let src = pattern(46, 4096);
+    let base = src.as_ptr() as u64;
+    let region = memory.register(base, src.len() as u64, "cpu:0").unwrap();
+    transport.register(&region).unwrap();
+    let mut worker = transport.new_worker().unwrap();
+    let rpc = target.name.clone();
+    let peer = |id: u64, desc: SegmentDesc| {
+        Arc::new(Peer::new(
+            id,
+            desc,
+            Endpoints {
+                data: "127.0.0.1:9".parse().unwrap(),
+                rpc: rpc.clone(),
+            },
+        ))
+    };
+    let write = |peer: &Arc<Peer>, id: u64, remote: u64| Slice {
+        id,
+        op: Op::Write,
+        local: base,
+        local_kind: MemoryKind::Host,
+        remote,
+        len: 4096,
+        peer: peer.clone(),
+        deadline: Instant::now() + Duration::from_secs(30),
+    };
+
+    // The published keys and range: the write lands.
+    let good = peer(1, desc.clone());
+    assert_eq!(drive(&mut worker, write(&good, 1, remote)), Outcome::Done);
+    let mut expect = vec![0u8; len];
+    expect[..4096].copy_from_slice(&src);
+    assert_eq!(target.command("checksum"), checksum_of(&expect));
+
+    // 8 KiB more than the target registered: a write across the end of its MR.
+    let mut longer = desc.clone();
+    longer.buffers[0].length += 8192;
+    let longer = peer(2, longer);
+    refused(&mut worker, write(&longer, 2, remote + len as u64 - 2048));
+    // Wrong rkeys on every NIC, inside the buffer.
+    let mut wrong = desc.clone();
+    for k in &mut wrong.buffers[0].rkey {
+        *k ^= 0x5555;
+    }
+    let wrong = peer(3, wrong);
+    refused(&mut worker, write(&wrong, 3, remote + 8192));
+    assert_eq!(
+        target.command("checksum"),
+        checksum_of(&expect),
+        "nothing else was written"
+    );
+    drop(worker);
+    transport.unregister(&region);
+    memory.unregister(base).unwrap();
+
+    // The engine's cached keys of a buffer the target has since unregistered.
+    let local = Buf::new(&client, src);
+    assert_eq!(target.command("unregister"), "unregistered");
+    let st = run(&client, seg, Op::Write, local.addr(), remote, 4096);
+    assert_eq!(st, TaskState::Failed);
 }
 
 /// A peer whose RPC port hands out its descriptor but never answers a Connection

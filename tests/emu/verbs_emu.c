@@ -1,6 +1,7 @@
 /*
  * An emulated libibverbs provider for tests: exports the ibv_* functions the RDMA
- * transport loads and emulates HCAs inside one process.
+ * transport loads and emulates HCAs inside one process, or across the processes of one
+ * host that share a fabric file (VERBS_EMU_FABRIC, below).
  *
  *   cc -shared -fPIC -O2 -o libverbs_emu.so verbs_emu.c -lpthread
  *
@@ -32,6 +33,23 @@
  *   bytes still move at post time) until verbs_emu_hold_completions(0) delivers them;
  *   verbs_emu_wait_held(n, ms) waits until n are held.
  *
+ * - Across processes (opt-in): with VERBS_EMU_FABRIC=<file> every process naming the
+ *   same file shares a "fabric", a registry mapped from that file (created on first
+ *   use, reinitialized when its layout differs) under a process-shared robust mutex.
+ *   QP numbers (24 bits) and keys then come from the fabric, unique across processes;
+ *   every QP (owner, PD, GID, state, dest QPN, access) and MR (owner, PD, rkey, range,
+ *   access, and where the owner's CPU reaches the bytes: the address itself or its
+ *   dma-buf mapping) is published there. A request whose peer QP is not in this
+ *   process goes to the fabric: the same GID/QPN/state/rkey/range/access checks, then
+ *   process_vm_readv/writev on the owner, under the fabric lock so that a peer's
+ *   ibv_dereg_mr waits for copies into its memory to end. An owner that is gone (pid
+ *   absent, a zombie, or reused: its start time differs) completes with
+ *   IBV_WC_RETRY_EXC_ERR. Entries of gone processes are reclaimed when a process
+ *   attaches and when a table is full; destroying a QP or MR, or closing its device,
+ *   removes it. Device faults and counters stay per process: a device downed here
+ *   fails this process's requests, and bytes count on the requester's device only.
+ *   Unset, the emulator is process-local exactly as described above.
+ *
  * Struct layouts below mirror rdma-core 44's <infiniband/verbs.h> (LP64) for the
  * parts callers read or write; the emulator does not include that header so that it
  * builds where libibverbs-dev is absent. Figures from it are not performance claims.
@@ -46,6 +64,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -291,6 +310,7 @@ struct emu_mr {
 	char *dma_view;
 	void *dma_map;
 	size_t dma_map_len;
+	int slot; /* its fabric entry; -1: none */
 	struct emu_mr *next;
 };
 
@@ -328,6 +348,7 @@ struct emu_qp {
 	uint32_t dest_qpn;
 	union ibv_gid dgid;
 	int sig_all;
+	int slot; /* its fabric entry; -1: none */
 	struct emu_qp *next;
 };
 
@@ -346,10 +367,18 @@ static struct held_wc *held_head, *held_tail;
 static int nheld;
 static pthread_cond_t held_cond = PTHREAD_COND_INITIALIZER;
 
+static int fab_attach(const char *path);
+
 static void init_devices(void)
 {
 	const char *env = getenv("VERBS_EMU_DEVICES");
 	int n = env ? atoi(env) : 2;
+	const char *path = getenv("VERBS_EMU_FABRIC");
+	if (path && *path && fab_attach(path) != 0) {
+		/* No devices rather than a silently process-local emulator. */
+		fprintf(stderr, "verbs_emu: VERBS_EMU_FABRIC=%s: %s\n", path, strerror(errno));
+		n = 0;
+	}
 	if (n < 0)
 		n = 0;
 	if (n > MAX_DEVICES)
@@ -395,6 +424,283 @@ static struct emu_device *dev_of(struct ibv_context *ctx)
 	return ((struct emu_context *)ctx)->dev;
 }
 
+/* ---- the shared fabric (VERBS_EMU_FABRIC): registry of every process's QPs and MRs ---- */
+
+#define FAB_MAGIC 0x3162614675656d76ULL /* "vemuFab1" */
+#define FAB_VERSION 1
+#define FAB_QPS 4096
+#define FAB_MRS 8192
+#define QPN_FIRST 0x100
+#define QPN_LAST 0xffffff /* QP numbers are 24 bits on the wire */
+
+/* pid 0: a free slot. The start time (clock ticks after boot) tells a reused pid apart. */
+struct fab_owner {
+	int32_t pid;
+	uint32_t pad;
+	uint64_t start;
+};
+
+struct fab_qp {
+	struct fab_owner owner;
+	uint32_t qpn, pd, dest_qpn;
+	int32_t state, access;
+	uint8_t gid[16];
+};
+
+struct fab_mr {
+	struct fab_owner owner;
+	uint32_t rkey, pd;
+	int32_t access;
+	uint64_t addr, length;
+	uint64_t reach; /* where the owner's CPU reaches `addr` */
+};
+
+struct fabric {
+	uint64_t magic;
+	uint32_t version, size;
+	pthread_mutex_t mutex; /* process-shared, robust: a process may die holding it */
+	uint32_t next_qpn, next_key;
+	uint32_t qps_used, mrs_used; /* one past the highest slot in use */
+	struct fab_qp qps[FAB_QPS];
+	struct fab_mr mrs[FAB_MRS];
+};
+
+static struct fabric *fab; /* NULL: this process is on its own */
+static uint64_t self_start;
+
+/* The start time of process `pid` (field 22 of /proc/<pid>/stat); 0 when it is gone
+ * or a zombie, whose memory is gone too. */
+static uint64_t proc_start(pid_t pid)
+{
+	char path[64], buf[1024];
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return 0;
+	ssize_t n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	if (n <= 0)
+		return 0;
+	buf[n] = 0;
+	/* The command name (field 2) may hold spaces and parentheses: count from its end. */
+	char *p = strrchr(buf, ')');
+	if (!p || p[1] != ' ' || p[2] == 'Z' || p[2] == 'X')
+		return 0;
+	for (int i = 0; i < 20 && p; i++) /* the space before field 3, ..., before field 22 */
+		p = strchr(p + 1, ' ');
+	return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static int owner_alive(const struct fab_owner *o)
+{
+	if (o->pid == (int32_t)getpid() && o->start == self_start)
+		return 1;
+	return o->pid > 0 && proc_start(o->pid) == o->start;
+}
+
+static void set_owner(struct fab_owner *o)
+{
+	o->pid = (int32_t)getpid();
+	o->start = self_start;
+}
+
+static void fab_lock(void)
+{
+	if (pthread_mutex_lock(&fab->mutex) == EOWNERDEAD)
+		/* Its holder died between single-field updates; reclaim drops its entries. */
+		pthread_mutex_consistent(&fab->mutex);
+}
+
+static void fab_unlock(void)
+{
+	pthread_mutex_unlock(&fab->mutex);
+}
+
+/* Lowers the high-water marks past freed slots (under the fabric lock). */
+static void fab_trim(void)
+{
+	while (fab->qps_used > 0 && fab->qps[fab->qps_used - 1].owner.pid == 0)
+		fab->qps_used--;
+	while (fab->mrs_used > 0 && fab->mrs[fab->mrs_used - 1].owner.pid == 0)
+		fab->mrs_used--;
+}
+
+/* Frees the entries of processes that are gone (under the fabric lock); returns how many. */
+static int fab_reclaim(void)
+{
+	int freed = 0;
+	for (uint32_t i = 0; i < fab->qps_used; i++)
+		if (fab->qps[i].owner.pid && !owner_alive(&fab->qps[i].owner)) {
+			memset(&fab->qps[i], 0, sizeof(fab->qps[i]));
+			freed++;
+		}
+	for (uint32_t i = 0; i < fab->mrs_used; i++)
+		if (fab->mrs[i].owner.pid && !owner_alive(&fab->mrs[i].owner)) {
+			memset(&fab->mrs[i], 0, sizeof(fab->mrs[i]));
+			freed++;
+		}
+	fab_trim();
+	return freed;
+}
+
+static struct fab_qp *fab_find_qp(uint32_t qpn)
+{
+	for (uint32_t i = 0; i < fab->qps_used; i++)
+		if (fab->qps[i].owner.pid && fab->qps[i].qpn == qpn)
+			return &fab->qps[i];
+	return NULL;
+}
+
+static struct fab_mr *fab_find_mr(uint32_t rkey)
+{
+	for (uint32_t i = 0; i < fab->mrs_used; i++)
+		if (fab->mrs[i].owner.pid && fab->mrs[i].rkey == rkey)
+			return &fab->mrs[i];
+	return NULL;
+}
+
+/* A free QP slot, reclaiming gone processes' entries when none is (under the fabric
+ * lock); -1 when the table is full. */
+static int fab_qp_slot(void)
+{
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = 0; i < FAB_QPS; i++)
+			if (fab->qps[i].owner.pid == 0) {
+				if ((uint32_t)i >= fab->qps_used)
+					fab->qps_used = (uint32_t)i + 1;
+				return i;
+			}
+		if (pass == 0 && fab_reclaim() == 0)
+			break;
+	}
+	return -1;
+}
+
+static int fab_mr_slot(void)
+{
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = 0; i < FAB_MRS; i++)
+			if (fab->mrs[i].owner.pid == 0) {
+				if ((uint32_t)i >= fab->mrs_used)
+					fab->mrs_used = (uint32_t)i + 1;
+				return i;
+			}
+		if (pass == 0 && fab_reclaim() == 0)
+			break;
+	}
+	return -1;
+}
+
+/* The next QP number no live QP has (under the fabric lock; the table is smaller than
+ * the number space, so this ends). */
+static uint32_t fab_new_qpn(void)
+{
+	for (;;) {
+		uint32_t n = fab->next_qpn;
+		fab->next_qpn = n >= QPN_LAST ? QPN_FIRST : n + 1;
+		if (!fab_find_qp(n))
+			return n;
+	}
+}
+
+static uint32_t fab_new_key(void)
+{
+	for (;;) {
+		uint32_t k = fab->next_key++;
+		if (k != 0 && !fab_find_mr(k))
+			return k;
+	}
+}
+
+/* Publishes q's state, destination and access (under the emulator lock). */
+static void fab_sync_qp(const struct emu_qp *q)
+{
+	if (q->slot < 0)
+		return;
+	fab_lock();
+	struct fab_qp *e = &fab->qps[q->slot];
+	e->state = q->qp.state;
+	e->dest_qpn = q->dest_qpn;
+	e->access = q->access;
+	fab_unlock();
+}
+
+static void fab_free_qp(struct emu_qp *q)
+{
+	if (q->slot < 0)
+		return;
+	fab_lock();
+	memset(&fab->qps[q->slot], 0, sizeof(fab->qps[q->slot]));
+	fab_trim();
+	fab_unlock();
+	q->slot = -1;
+}
+
+static void fab_free_mr(struct emu_mr *m)
+{
+	if (m->slot < 0)
+		return;
+	fab_lock();
+	memset(&fab->mrs[m->slot], 0, sizeof(fab->mrs[m->slot]));
+	fab_trim();
+	fab_unlock();
+	m->slot = -1;
+}
+
+static void fab_init(struct fabric *f)
+{
+	memset(f, 0, sizeof(*f));
+	pthread_mutexattr_t a;
+	pthread_mutexattr_init(&a);
+	pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+	pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+	pthread_mutex_init(&f->mutex, &a);
+	pthread_mutexattr_destroy(&a);
+	f->version = FAB_VERSION;
+	f->size = (uint32_t)sizeof(*f);
+	f->next_qpn = QPN_FIRST;
+	f->next_key = 0x1000;
+	f->magic = FAB_MAGIC;
+}
+
+/* Maps the fabric file, creating or (re)initializing it under flock, so that processes
+ * attaching at once agree on one mutex. */
+static int fab_attach(const char *path)
+{
+	int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return -1;
+	struct fabric *f = MAP_FAILED;
+	struct stat st;
+	if (flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 &&
+	    (st.st_size == (off_t)sizeof(*f) ||
+	     (ftruncate(fd, 0) == 0 && ftruncate(fd, (off_t)sizeof(*f)) == 0)))
+		f = mmap(NULL, sizeof(*f), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (f != MAP_FAILED &&
+	    (f->magic != FAB_MAGIC || f->version != FAB_VERSION || f->size != sizeof(*f)))
+		fab_init(f);
+	int e = errno;
+	/* Explicitly: the mapping keeps the open file, and so a flock on it, alive. */
+	flock(fd, LOCK_UN);
+	close(fd);
+	if (f == MAP_FAILED) {
+		errno = e;
+		return -1;
+	}
+	self_start = proc_start(getpid());
+	if (self_start == 0) {
+		/* Without /proc, owners could not be told alive from gone. */
+		munmap(f, sizeof(*f));
+		errno = ENOENT;
+		return -1;
+	}
+	fab = f;
+	fab_lock();
+	fab_reclaim();
+	fab_unlock();
+	return 0;
+}
+
 /* ---- data path (static in real providers; reached through context->ops) ---- */
 
 static struct emu_mr *find_mr(uint32_t key, int remote, struct ibv_pd *pd)
@@ -405,10 +711,14 @@ static struct emu_mr *find_mr(uint32_t key, int remote, struct ibv_pd *pd)
 	return NULL;
 }
 
+static int in_range(uint64_t start, uint64_t length, uint64_t addr, uint64_t len)
+{
+	return addr >= start && len <= length && addr - start <= length - len;
+}
+
 static int in_mr(const struct emu_mr *m, uint64_t addr, uint64_t len)
 {
-	uint64_t start = (uint64_t)(uintptr_t)m->mr.addr;
-	return addr >= start && len <= m->mr.length && addr - start <= m->mr.length - len;
+	return in_range((uint64_t)(uintptr_t)m->mr.addr, m->mr.length, addr, len);
 }
 
 /* Where the CPU (standing in for the NIC's DMA engine) reaches addr of m. */
@@ -524,6 +834,65 @@ static void account(struct emu_device *d, uint64_t bytes)
 		d->down = 1;
 }
 
+/* Checks the local SGEs of `wr` (bounds, lkey of q's PD, local write for a READ) and
+ * fills `iov` with where the CPU reaches them; returns a completion status. */
+static int local_sges(struct emu_qp *q, struct ibv_send_wr *wr, struct iovec *iov,
+		      uint64_t *total)
+{
+	int read = wr->opcode == WR_RDMA_READ;
+	*total = 0;
+	for (int i = 0; i < wr->num_sge; i++) {
+		struct ibv_sge *s = &wr->sg_list[i];
+		struct emu_mr *m = find_mr(s->lkey, 0, q->qp.pd);
+		if (!m || !in_mr(m, s->addr, s->length) || (read && !(m->access & ACCESS_LOCAL_WRITE)))
+			return WC_LOC_PROT_ERR;
+		iov[i].iov_base = dma_ptr(m, s->addr);
+		iov[i].iov_len = s->length;
+		*total += s->length;
+	}
+	return WC_SUCCESS;
+}
+
+/* A request to a QP of another process (under both locks): the in-process checks
+ * against the fabric's entries, then the owner's memory through process_vm_*. */
+static int execute_remote(struct emu_qp *q, struct ibv_send_wr *wr, uint64_t *total)
+{
+	struct fab_qp *peer = fab_find_qp(q->dest_qpn);
+	if (!peer || (peer->state != QPS_RTR && peer->state != QPS_RTS) ||
+	    memcmp(peer->gid, q->dgid.raw, 16) != 0 || peer->dest_qpn != q->qp.qp_num ||
+	    !owner_alive(&peer->owner))
+		return WC_RETRY_EXC_ERR;
+	struct iovec local[16];
+	int status = local_sges(q, wr, local, total);
+	if (status != WC_SUCCESS)
+		return status;
+	int read = wr->opcode == WR_RDMA_READ;
+	int need = read ? ACCESS_REMOTE_READ : ACCESS_REMOTE_WRITE;
+	uint64_t raddr = wr->wr.rdma.remote_addr;
+	struct fab_mr *r = fab_find_mr(wr->wr.rdma.rkey);
+	if (!r || r->owner.pid != peer->owner.pid || r->owner.start != peer->owner.start ||
+	    r->pd != peer->pd || !(r->access & need) || !(peer->access & need) ||
+	    !in_range(r->addr, r->length, raddr, *total))
+		return WC_REM_ACCESS_ERR;
+	if (*total == 0)
+		return WC_SUCCESS;
+	struct iovec remote = {(void *)(uintptr_t)(r->reach + (raddr - r->addr)), *total};
+	unsigned long n = (unsigned long)wr->num_sge;
+	ssize_t done = read ? process_vm_readv(peer->owner.pid, local, n, &remote, 1, 0)
+			    : process_vm_writev(peer->owner.pid, local, n, &remote, 1, 0);
+	if (done < 0 && errno == EPERM) {
+		static int told;
+		if (!told++)
+			fprintf(stderr, "verbs_emu: process_vm_%s(%d): %s (ptrace restrictions?)\n",
+				read ? "readv" : "writev", (int)peer->owner.pid, strerror(errno));
+	}
+	if (done < 0 && errno != EFAULT)
+		return WC_RETRY_EXC_ERR; /* gone (ESRCH) or out of reach */
+	if (done < 0 || (uint64_t)done != *total)
+		return WC_REM_ACCESS_ERR; /* its memory went away under the MR */
+	return WC_SUCCESS;
+}
+
 /* Runs one RDMA READ/WRITE; returns the completion status. */
 static int execute(struct emu_qp *q, struct ibv_send_wr *wr, uint32_t *moved)
 {
@@ -531,21 +900,30 @@ static int execute(struct emu_qp *q, struct ibv_send_wr *wr, uint32_t *moved)
 	if (q->dev->down)
 		return WC_RETRY_EXC_ERR;
 	struct emu_qp *peer = find_qp(q->dest_qpn);
+	uint64_t total;
+	if (!peer && fab) {
+		/* Under the fabric lock throughout, so the owner cannot deregister the MR (and
+		 * free its memory) while the bytes move. */
+		fab_lock();
+		int status = execute_remote(q, wr, &total);
+		fab_unlock();
+		if (status == WC_SUCCESS) {
+			account(q->dev, total);
+			*moved = (uint32_t)total;
+		}
+		return status;
+	}
 	union ibv_gid peer_gid;
 	if (!peer || peer->dev->down || (peer->qp.state != QPS_RTR && peer->qp.state != QPS_RTS))
 		return WC_RETRY_EXC_ERR;
 	device_gid(peer->dev, &peer_gid);
 	if (memcmp(peer_gid.raw, q->dgid.raw, 16) != 0 || peer->dest_qpn != q->qp.qp_num)
 		return WC_RETRY_EXC_ERR;
+	struct iovec local[16];
+	int status = local_sges(q, wr, local, &total);
+	if (status != WC_SUCCESS)
+		return status;
 	int read = wr->opcode == WR_RDMA_READ;
-	uint64_t total = 0;
-	for (int i = 0; i < wr->num_sge; i++) {
-		struct ibv_sge *s = &wr->sg_list[i];
-		struct emu_mr *m = find_mr(s->lkey, 0, q->qp.pd);
-		if (!m || !in_mr(m, s->addr, s->length) || (read && !(m->access & ACCESS_LOCAL_WRITE)))
-			return WC_LOC_PROT_ERR;
-		total += s->length;
-	}
 	int need = read ? ACCESS_REMOTE_READ : ACCESS_REMOTE_WRITE;
 	struct emu_mr *r = find_mr(wr->wr.rdma.rkey, 1, peer->qp.pd);
 	if (!r || !(r->access & need) || !(peer->access & need) ||
@@ -553,13 +931,11 @@ static int execute(struct emu_qp *q, struct ibv_send_wr *wr, uint32_t *moved)
 		return WC_REM_ACCESS_ERR;
 	char *remote = dma_ptr(r, wr->wr.rdma.remote_addr);
 	for (int i = 0; i < wr->num_sge; i++) {
-		struct ibv_sge *s = &wr->sg_list[i];
-		char *local = dma_ptr(find_mr(s->lkey, 0, q->qp.pd), s->addr);
 		if (read)
-			memmove(local, remote, s->length);
+			memmove(local[i].iov_base, remote, local[i].iov_len);
 		else
-			memmove(remote, local, s->length);
-		remote += s->length;
+			memmove(remote, local[i].iov_base, local[i].iov_len);
+		remote += local[i].iov_len;
 	}
 	account(q->dev, total);
 	if (peer->dev != q->dev)
@@ -594,8 +970,10 @@ static int emu_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_s
 			uint32_t moved;
 			wc.status = execute(q, wr, &moved);
 			wc.byte_len = moved;
-			if (wc.status != WC_SUCCESS)
+			if (wc.status != WC_SUCCESS) {
 				qp->state = QPS_ERR;
+				fab_sync_qp(q);
+			}
 		}
 		if (wc.status != WC_SUCCESS || q->sig_all || (wr->send_flags & SEND_SIGNALED))
 			complete(qp->send_cq, &wc);
@@ -690,6 +1068,15 @@ EXPORT struct ibv_context *ibv_open_device(struct ibv_device *dev)
 
 EXPORT int ibv_close_device(struct ibv_context *ctx)
 {
+	/* The kernel would release what is left on the device: peers lose sight of it. */
+	pthread_mutex_lock(&lock);
+	for (struct emu_qp *q = qps; q; q = q->next)
+		if (q->qp.context == ctx)
+			fab_free_qp(q);
+	for (struct emu_mr *m = mrs; m; m = m->next)
+		if (m->mr.context == ctx)
+			fab_free_mr(m);
+	pthread_mutex_unlock(&lock);
 	free(ctx);
 	return 0;
 }
@@ -775,10 +1162,35 @@ static struct ibv_mr *add_mr(struct ibv_pd *pd, void *addr, size_t length, int a
 	m->dma_view = view;
 	m->dma_map = map;
 	m->dma_map_len = map_len;
+	m->slot = -1;
 	pthread_mutex_lock(&lock);
 	m->mr.handle = next_handle++;
-	m->mr.lkey = next_key++;
-	m->mr.rkey = next_key++;
+	if (fab) {
+		fab_lock();
+		m->slot = fab_mr_slot();
+		if (m->slot >= 0) {
+			struct fab_mr *e = &fab->mrs[m->slot];
+			set_owner(&e->owner);
+			m->mr.lkey = fab_new_key();
+			m->mr.rkey = fab_new_key();
+			e->rkey = m->mr.rkey;
+			e->pd = pd->handle;
+			e->access = access;
+			e->addr = (uint64_t)(uintptr_t)addr;
+			e->length = length;
+			e->reach = (uint64_t)(uintptr_t)(view ? view : addr);
+		}
+		fab_unlock();
+		if (m->slot < 0) {
+			pthread_mutex_unlock(&lock);
+			free(m);
+			errno = ENOMEM; /* the fabric's MR table is full */
+			return NULL;
+		}
+	} else {
+		m->mr.lkey = next_key++;
+		m->mr.rkey = next_key++;
+	}
 	m->next = mrs;
 	mrs = m;
 	pthread_mutex_unlock(&lock);
@@ -837,6 +1249,8 @@ EXPORT int ibv_dereg_mr(struct ibv_mr *mr)
 		if (&(*p)->mr == mr) {
 			struct emu_mr *m = *p;
 			*p = m->next;
+			/* Before the caller may free the memory: no peer copies into it after this. */
+			fab_free_mr(m);
 			pthread_mutex_unlock(&lock);
 			if (m->dma_map)
 				munmap(m->dma_map, m->dma_map_len);
@@ -1007,9 +1421,33 @@ EXPORT struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *
 	q->qp.state = QPS_RESET;
 	q->dev = dev_of(pd->context);
 	q->sig_all = attr->sq_sig_all;
+	q->slot = -1;
 	pthread_mutex_lock(&lock);
 	q->qp.handle = next_handle++;
-	q->qp.qp_num = next_qpn++;
+	if (fab) {
+		fab_lock();
+		q->slot = fab_qp_slot();
+		if (q->slot >= 0) {
+			struct fab_qp *e = &fab->qps[q->slot];
+			union ibv_gid gid;
+			device_gid(q->dev, &gid);
+			set_owner(&e->owner);
+			q->qp.qp_num = fab_new_qpn();
+			e->qpn = q->qp.qp_num;
+			e->pd = pd->handle;
+			e->state = QPS_RESET;
+			memcpy(e->gid, gid.raw, 16);
+		}
+		fab_unlock();
+		if (q->slot < 0) {
+			pthread_mutex_unlock(&lock);
+			free(q);
+			errno = ENOMEM; /* the fabric's QP table is full */
+			return NULL;
+		}
+	} else {
+		q->qp.qp_num = next_qpn++;
+	}
 	q->next = qps;
 	qps = q;
 	pthread_mutex_unlock(&lock);
@@ -1058,6 +1496,7 @@ EXPORT int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask)
 	}
 	if (!rc)
 		qp->state = next;
+	fab_sync_qp(q);
 	pthread_mutex_unlock(&lock);
 	return rc;
 }
@@ -1069,6 +1508,7 @@ EXPORT int ibv_destroy_qp(struct ibv_qp *qp)
 		if (&(*p)->qp == qp) {
 			struct emu_qp *q = *p;
 			*p = q->next;
+			fab_free_qp(q);
 			pthread_mutex_unlock(&lock);
 			free(q);
 			return 0;
@@ -1108,8 +1548,10 @@ EXPORT int verbs_emu_fail_qp(uint32_t qp_num)
 {
 	pthread_mutex_lock(&lock);
 	struct emu_qp *q = find_qp(qp_num);
-	if (q)
+	if (q) {
 		q->qp.state = QPS_ERR;
+		fab_sync_qp(q);
+	}
 	pthread_mutex_unlock(&lock);
 	return q ? 0 : ENOENT;
 }
@@ -1144,6 +1586,34 @@ EXPORT int verbs_emu_qp_count(void)
 	for (struct emu_qp *q = qps; q; q = q->next)
 		n++;
 	pthread_mutex_unlock(&lock);
+	return n;
+}
+
+/* Fabric entries (QPs and MRs) owned by process `pid`; -1 without a fabric. */
+EXPORT int verbs_emu_fabric_entries(int pid)
+{
+	pthread_once(&once, init_devices);
+	if (!fab || pid <= 0)
+		return -1;
+	int n = 0;
+	fab_lock();
+	for (uint32_t i = 0; i < fab->qps_used; i++)
+		n += fab->qps[i].owner.pid == pid;
+	for (uint32_t i = 0; i < fab->mrs_used; i++)
+		n += fab->mrs[i].owner.pid == pid;
+	fab_unlock();
+	return n;
+}
+
+/* Frees the fabric entries of processes that are gone now; returns how many. */
+EXPORT int verbs_emu_fabric_reclaim(void)
+{
+	pthread_once(&once, init_devices);
+	if (!fab)
+		return 0;
+	fab_lock();
+	int n = fab_reclaim();
+	fab_unlock();
 	return n;
 }
 

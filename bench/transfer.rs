@@ -70,6 +70,25 @@ fn one_batch(engine: &Engine, reqs: &[Request]) -> Result<(), String> {
 }
 
 /// One bench thread: seed its remote region, loop timed batches until `stop`, verify.
+/// A local buffer registered with the engine while it lives (RDMA needs registered
+/// local memory; the other transports do not mind).
+struct Registered<'a>(Vec<u8>, &'a Engine);
+
+impl<'a> Registered<'a> {
+    fn new(engine: &'a Engine, mut buf: Vec<u8>) -> Result<Registered<'a>, String> {
+        // SAFETY: the Vec is owned by the guard and unregistered before it is freed.
+        unsafe { engine.register_memory(buf.as_mut_ptr(), buf.len(), "cpu:0") }
+            .map_err(|e| e.to_string())?;
+        Ok(Registered(buf, engine))
+    }
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        let _ = self.1.unregister_memory(self.0.as_mut_ptr());
+    }
+}
+
 fn bench_thread(
     engine: &Engine,
     seg: u64,
@@ -82,17 +101,22 @@ fn bench_thread(
     let mut expected = vec![0u8; span];
     fill(&mut expected, seed);
     // Seed the remote region so reads have known content to verify.
-    let mut seeded = expected.clone();
+    let mut seeded = Registered::new(engine, expected.clone())?;
     one_batch(
         engine,
-        &block_requests(Op::Write, &mut seeded, seg, remote, p),
+        &block_requests(Op::Write, &mut seeded.0, seg, remote, p),
     )?;
-    let mut local = if p.op == Op::Write {
-        expected.clone()
-    } else {
-        vec![0u8; span]
-    };
-    let timed = block_requests(p.op, &mut local, seg, remote, p);
+    drop(seeded);
+    let mut local = Registered::new(
+        engine,
+        if p.op == Op::Write {
+            expected.clone()
+        } else {
+            vec![0u8; span]
+        },
+    )?;
+    let local = &mut local.0;
+    let timed = block_requests(p.op, local, seg, remote, p);
     let mut latencies_us = Vec::new();
     let mut bytes = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -103,11 +127,14 @@ fn bench_thread(
     }
     // Reads must have returned the seeded bytes; writes must read back as written.
     let verified = if p.op == Op::Read {
-        local == expected
+        *local == expected
     } else {
-        let mut back = vec![0u8; span];
-        one_batch(engine, &block_requests(Op::Read, &mut back, seg, remote, p))?;
-        back == expected
+        let mut back = Registered::new(engine, vec![0u8; span])?;
+        one_batch(
+            engine,
+            &block_requests(Op::Read, &mut back.0, seg, remote, p),
+        )?;
+        back.0 == expected
     };
     Ok(ThreadResult {
         bytes,

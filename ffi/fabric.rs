@@ -5,7 +5,7 @@
 //! providers' ops tables.
 //!
 //! Only setup calls are exported by the library (`fi_getinfo`, `fi_fabric`, ...); the
-//! data path (`fi_domain`, `fi_endpoint`, `fi_mr_reg`, `fi_write`, `fi_cq_read`, ...) is
+//! data path (`fi_domain`, `fi_endpoint`, `fi_mr_reg`, `fi_writemsg`, `fi_cq_read`, ...) is
 //! reached through function pointers inside each object, exactly as the headers do.
 
 #![allow(non_camel_case_types)]
@@ -496,10 +496,6 @@ pub struct fi_ops_cm {
     pub join: *const c_void,
 }
 
-type RmaFn<B> = Option<
-    unsafe extern "C" fn(*mut fid_ep, B, usize, *mut c_void, u64, u64, u64, *mut c_void) -> isize,
->;
-
 type RmaMsgFn = Option<unsafe extern "C" fn(*mut fid_ep, *const fi_msg_rma, u64) -> isize>;
 
 #[repr(C)]
@@ -524,10 +520,10 @@ pub struct fi_msg_rma {
 #[repr(C)]
 pub struct fi_ops_rma {
     pub size: usize,
-    pub read: RmaFn<*mut c_void>,
+    pub read: *const c_void,
     pub readv: *const c_void,
     pub readmsg: RmaMsgFn,
-    pub write: RmaFn<*const c_void>,
+    pub write: *const c_void,
     pub writev: *const c_void,
     pub writemsg: RmaMsgFn,
     pub inject: *const c_void,
@@ -898,61 +894,6 @@ pub unsafe fn fi_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u
         (*(*av).ops)
             .insert
             .map_or(NOSYS, |f| f(av, addr, 1, fi_addr, 0, std::ptr::null_mut()))
-    }
-}
-
-/// `fi_read`.
-///
-/// # Safety
-/// `ep` is live; `buf` has `len` writable bytes until the completion; `context` stays
-/// valid until the completion is read.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn fi_read(
-    ep: *mut fid_ep,
-    buf: *mut c_void,
-    len: usize,
-    desc: *mut c_void,
-    src: u64,
-    addr: u64,
-    key: u64,
-    context: *mut c_void,
-) -> isize {
-    // SAFETY: per the contract.
-    unsafe {
-        let rma = (*ep).rma;
-        if rma.is_null() {
-            return NOSYS as isize;
-        }
-        (*rma).read.map_or(NOSYS as isize, |f| {
-            f(ep, buf, len, desc, src, addr, key, context)
-        })
-    }
-}
-
-/// `fi_write`.
-///
-/// # Safety
-/// As `fi_read`, with `buf` readable.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn fi_write(
-    ep: *mut fid_ep,
-    buf: *const c_void,
-    len: usize,
-    desc: *mut c_void,
-    dest: u64,
-    addr: u64,
-    key: u64,
-    context: *mut c_void,
-) -> isize {
-    // SAFETY: per the contract.
-    unsafe {
-        let rma = (*ep).rma;
-        if rma.is_null() {
-            return NOSYS as isize;
-        }
-        (*rma).write.map_or(NOSYS as isize, |f| {
-            f(ep, buf, len, desc, dest, addr, key, context)
-        })
     }
 }
 

@@ -229,6 +229,8 @@ pub(super) struct Nic {
     pub hmem: bool,
     /// Largest single RMA operation.
     pub max_msg: u64,
+    /// The provider accepted FI_DELIVERY_COMPLETE for this domain.
+    delivery_complete: bool,
     av_type: c_int,
     /// The serving endpoint's address (hex in the descriptor's `gid`).
     pub address: Vec<u8>,
@@ -252,8 +254,9 @@ impl Nic {
         // SAFETY: per the contract.
         let s = unsafe { fi::summarize(info) };
         // SAFETY: attribute pointers of a getinfo answer are valid.
-        let (max_msg, av_type) = unsafe {
+        let (max_msg, av_type, tx_flags) = unsafe {
             let ep = (*info).ep_attr;
+            let tx = (*info).tx_attr;
             let da = (*info).domain_attr;
             let max = if ep.is_null() {
                 u64::MAX
@@ -265,7 +268,7 @@ impl Nic {
             } else {
                 (*da).av_type
             };
-            (max, av)
+            (max, av, if tx.is_null() { 0 } else { (*tx).op_flags })
         };
         let mut nic = Nic {
             lib,
@@ -277,6 +280,7 @@ impl Nic {
             mr_mode: s.mr_mode,
             hmem: s.caps & fi::FI_HMEM != 0,
             max_msg: max_msg.max(4096),
+            delivery_complete: tx_flags & fi::FI_DELIVERY_COMPLETE != 0,
             av_type,
             address: Vec::new(),
             serving: None,
@@ -332,6 +336,16 @@ impl Nic {
     /// Local buffers must be registered for the provider to use them.
     pub fn needs_local_mr(&self) -> bool {
         self.mr_mode & fi::FI_MR_LOCAL != 0
+    }
+
+    /// Flags for `fi_writemsg`: the completion must mean the bytes are in the target's
+    /// memory (a peer told about the write reads them next), where the provider can.
+    pub fn write_flags(&self) -> u64 {
+        if self.delivery_complete {
+            fi::FI_COMPLETION | fi::FI_DELIVERY_COMPLETE
+        } else {
+            fi::FI_COMPLETION
+        }
     }
 
     fn open_cq(&self) -> Result<*mut fi::fid_cq> {

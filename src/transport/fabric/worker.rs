@@ -1,6 +1,6 @@
 //! The per-engine-worker half of the libfabric transport: one endpoint (with its own CQ
 //! and AV) per NIC, peers inserted into the AV on first use, slices posted as
-//! `fi_read`/`fi_write` round-robin over the NICs, completions read in `progress`.
+//! `fi_readmsg`/`fi_writemsg` round-robin over the NICs, completions read in `progress`.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
@@ -32,7 +32,7 @@ struct Lane {
 struct PostedOp {
     /// The provider's scratch space (FI_CONTEXT/FI_CONTEXT2); its address is the
     /// operation's identity in CQ entries.
-    _ctx: Box<fi::fi_context2>,
+    ctx: Box<fi::fi_context2>,
     slice: u64,
     lane: usize,
     /// A temporary registration of the local buffer (FI_MR_LOCAL providers).
@@ -67,6 +67,10 @@ pub(super) struct FabricWorker {
     prefix: String,
     keys: Arc<AtomicU64>,
     ops: HashMap<usize, PostedOp>,
+    /// Contexts of completed operations, for reuse (boxed: a context's address is the
+    /// operation's identity while it is in flight).
+    #[allow(clippy::vec_box)]
+    contexts: Vec<Box<fi::fi_context2>>,
     slices: HashMap<u64, SliceState>,
     queued: VecDeque<Queued>,
     /// Slices finished inside calls that have no `done` vector at hand.
@@ -123,6 +127,7 @@ impl FabricWorker {
             prefix,
             keys,
             ops: HashMap::new(),
+            contexts: Vec::new(),
             slices: HashMap::new(),
             queued: VecDeque::new(),
             done: Vec::new(),
@@ -136,21 +141,24 @@ impl FabricWorker {
     /// Picks the peer's device for `lane`: the one with our NIC's name if the peer has
     /// it (same layout), else by index among the peer's devices of our provider.
     fn device_for<'a>(&self, desc: &'a SegmentDesc, lane: usize) -> Option<(usize, &'a str, u16)> {
-        let ours: Vec<(usize, &crate::metadata::DeviceDesc)> = desc
-            .devices
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.name.starts_with(&self.prefix) && !d.gid.is_empty())
-            .collect();
-        if ours.is_empty() {
-            return None;
-        }
+        // Called per slice: walks the devices without collecting them.
+        let ours = || {
+            desc.devices
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.name.starts_with(&self.prefix) && !d.gid.is_empty())
+        };
         let name = &self.lanes[lane].nic.name;
-        let (i, d) = ours
-            .iter()
-            .find(|(_, d)| &d.name == name)
-            .copied()
-            .unwrap_or(ours[lane % ours.len()]);
+        let (i, d) = match ours().find(|(_, d)| &d.name == name) {
+            Some(found) => found,
+            None => {
+                let count = ours().count();
+                if count == 0 {
+                    return None;
+                }
+                ours().nth(lane % count)?
+            }
+        };
         Some((i, d.gid.as_str(), d.lid))
     }
 
@@ -269,7 +277,7 @@ impl FabricWorker {
         moved
     }
 
-    /// One `fi_read`/`fi_write`; Ok(false) when the transmit queue is full.
+    /// One `fi_readmsg`/`fi_writemsg`; Ok(false) when the transmit queue is full.
     fn post_one(&mut self, q: &Queued) -> std::result::Result<bool, Outcome> {
         let lane = &self.lanes[q.lane];
         let nic = &lane.nic;
@@ -288,41 +296,49 @@ impl FabricWorker {
         } else {
             None
         };
-        let desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
-        // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
-        let mut ctx: Box<fi::fi_context2> = Box::new(unsafe { std::mem::zeroed() });
+        let mut desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let mut ctx = self.contexts.pop().unwrap_or_else(|| {
+            // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
+            Box::new(unsafe { std::mem::zeroed() })
+        });
         let ctx_ptr: *mut fi::fi_context2 = &mut *ctx;
+        let iov = libc::iovec {
+            iov_base: q.local as *mut _,
+            iov_len: q.len as usize,
+        };
+        let rma = fi::fi_rma_iov {
+            addr: q.remote,
+            len: q.len as usize,
+            key: q.key,
+        };
+        let msg = fi::fi_msg_rma {
+            msg_iov: &iov,
+            desc: &mut desc,
+            iov_count: 1,
+            addr: q.peer,
+            rma_iov: &rma,
+            rma_iov_count: 1,
+            context: ctx_ptr.cast(),
+            data: 0,
+        };
         // SAFETY: live endpoint; the local range is the caller's buffer (valid until
         // the slice is final, per `Engine::submit`); the context box lives in `ops`
-        // until its completion is read or the endpoint is closed.
+        // until its completion is read or the endpoint is closed; `msg` and what it
+        // points at outlive the call (providers copy what they keep).
         let rc = unsafe {
             match q.op {
-                Op::Read => fi::fi_read(
-                    lane.ep.ep,
-                    q.local as *mut _,
-                    q.len as usize,
-                    desc,
-                    q.peer,
-                    q.remote,
-                    q.key,
-                    ctx_ptr.cast(),
-                ),
-                Op::Write => fi::fi_write(
-                    lane.ep.ep,
-                    q.local as *const _,
-                    q.len as usize,
-                    desc,
-                    q.peer,
-                    q.remote,
-                    q.key,
-                    ctx_ptr.cast(),
-                ),
+                // A read's completion already means its data is here: no completion
+                // semantics to ask for (with shm this lets the provider copy directly).
+                Op::Read => fi::fi_readmsg(lane.ep.ep, &msg, fi::FI_COMPLETION),
+                Op::Write => fi::fi_writemsg(lane.ep.ep, &msg, nic.write_flags()),
             }
         };
         if rc == -(fi::FI_EAGAIN as isize) {
+            self.contexts.push(ctx);
             return Ok(false);
         }
         if rc != 0 {
+            self.contexts.push(ctx);
             return Err(Outcome::PathFailed(format!(
                 "posting to {} failed: {}",
                 nic.name,
@@ -332,7 +348,7 @@ impl FabricWorker {
         self.ops.insert(
             ctx_ptr as usize,
             PostedOp {
-                _ctx: ctx,
+                ctx,
                 slice: q.slice,
                 lane: q.lane,
                 _local_mr: local_mr,
@@ -379,6 +395,7 @@ impl FabricWorker {
                 for e in &entries[..n as usize] {
                     if let Some(op) = self.ops.remove(&(e.op_context as usize)) {
                         self.op_finished(op.slice, None);
+                        self.contexts.push(op.ctx);
                     }
                 }
                 if (n as usize) < entries.len() {
@@ -419,6 +436,7 @@ impl FabricWorker {
         let outcome = classify(err.err, why);
         if let Some(op) = self.ops.remove(&(err.op_context as usize)) {
             self.op_finished(op.slice, Some(outcome));
+            self.contexts.push(op.ctx);
         }
     }
 

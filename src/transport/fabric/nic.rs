@@ -231,6 +231,11 @@ pub(super) struct Nic {
     pub max_msg: u64,
     /// The provider accepted FI_DELIVERY_COMPLETE for this domain.
     delivery_complete: bool,
+    /// A software provider: its progress runs on host CPUs (the kernel's TCP stack, a
+    /// peer process on this host), which waiting on its CQ must leave to it.
+    pub software: bool,
+    /// Data progress is manual: transfers advance only inside our calls (CQ reads).
+    pub manual: bool,
     av_type: c_int,
     /// The serving endpoint's address (hex in the descriptor's `gid`).
     pub address: Vec<u8>,
@@ -276,6 +281,8 @@ impl Nic {
             fabric: std::ptr::null_mut(),
             domain: std::ptr::null_mut(),
             name: format!("{}/{}", s.provider, s.domain),
+            software: is_software(&s.provider),
+            manual: s.data_progress != fi::FI_PROGRESS_AUTO,
             provider: s.provider,
             mr_mode: s.mr_mode,
             hmem: s.caps & fi::FI_HMEM != 0,
@@ -473,6 +480,15 @@ impl Drop for Nic {
             (self.lib.freeinfo)(self.info);
         }
     }
+}
+
+/// Whether `provider` (`tcp;ofi_rxm`, `shm`, ...) is carried out by host software
+/// rather than a NIC.
+fn is_software(provider: &str) -> bool {
+    provider
+        .split(';')
+        .next()
+        .is_some_and(|core| matches!(core, "tcp" | "sockets" | "shm" | "udp" | "net"))
 }
 
 /// Drives the serving endpoint of a manual-progress provider: incoming RMA is only

@@ -15,10 +15,12 @@
 //!
 //! Threads: domains are opened `FI_THREAD_SAFE`; each engine worker gets its own
 //! endpoint, CQ and AV per domain. The serving endpoint of a manual-progress provider
-//! (`tcp;ofi_rxm`, `shm`) is driven by a progress thread that sleeps on the CQ's wait
-//! descriptor, so a READ from a peer completes while this engine is otherwise idle.
-//! Workers poll their CQs while small operations are in flight, yielding the core to
-//! software providers, and park on the descriptors when nothing moves.
+//! (`tcp;ofi_rxm`, `shm`) is driven by a progress thread, so a READ from a peer
+//! completes while this engine is otherwise idle: it sleeps on the CQ's wait
+//! descriptor, or (`shm`, which has none) polls on a timer that is short while WRITEs
+//! arrive and backs off when idle. Workers poll their CQs while small operations are in
+//! flight, yielding the core to software providers, and park on the descriptors when
+//! nothing moves.
 //!
 //! Known provider limits (libfabric 1.17): `shm`'s single-copy (CMA) path checks neither
 //! keys nor ranges, so with `shm` only the engine's descriptor check guards remote

@@ -70,6 +70,11 @@ mod layout_check {
         "fi_ops_rma",
         "fid_ep",
         "fi_context2",
+        "fi_rma_iov",
+        "fi_msg_rma",
+        "fi_cntr_attr",
+        "fi_ops_cntr",
+        "fid_cntr",
     ];
 
     const FABRIC_HEADERS: &[&str] = &[

@@ -5,7 +5,7 @@
 //! providers' ops tables.
 //!
 //! Only setup calls are exported by the library (`fi_getinfo`, `fi_fabric`, ...); the
-//! data path (`fi_domain`, `fi_endpoint`, `fi_mr_reg`, `fi_write`, `fi_cq_read`, ...) is
+//! data path (`fi_domain`, `fi_endpoint`, `fi_mr_reg`, `fi_writemsg`, `fi_cq_read`, ...) is
 //! reached through function pointers inside each object, exactly as the headers do.
 
 #![allow(non_camel_case_types)]
@@ -43,11 +43,19 @@ pub const FI_SEND: u64 = 1 << 11;
 pub const FI_TRANSMIT: u64 = FI_SEND;
 pub const FI_REMOTE_READ: u64 = 1 << 12;
 pub const FI_REMOTE_WRITE: u64 = 1 << 13;
+pub const FI_RMA_EVENT: u64 = 1 << 56;
 pub const FI_HMEM: u64 = 1 << 47;
 pub const FI_SOURCE: u64 = 1 << 57;
 /// Mode bits: the provider needs caller-owned scratch space in each operation context.
 pub const FI_CONTEXT: u64 = 1 << 59;
 pub const FI_CONTEXT2: u64 = 1 << 52;
+
+// ---- operation flags -------------------------------------------------------------------
+
+/// The operation reports a completion (the default without selective completion).
+pub const FI_COMPLETION: u64 = 1 << 24;
+/// A WRITE completes only once its data is visible in the target's memory.
+pub const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
 
 // ---- enums ------------------------------------------------------------------------------
 
@@ -65,6 +73,7 @@ pub const FI_WAIT_NONE: c_int = 0;
 pub const FI_WAIT_UNSPEC: c_int = 1;
 pub const FI_WAIT_FD: c_int = 3;
 pub const FI_CQ_COND_NONE: c_int = 0;
+pub const FI_CNTR_EVENTS_COMP: c_int = 0;
 
 // fi_hmem_iface
 pub const FI_HMEM_SYSTEM: c_int = 0;
@@ -272,7 +281,14 @@ pub struct fi_ops_domain {
         unsafe extern "C" fn(*mut fid_domain, *mut fi_info, *mut *mut fid_ep, *mut c_void) -> c_int,
     >,
     pub scalable_ep: *const c_void,
-    pub cntr_open: *const c_void,
+    pub cntr_open: Option<
+        unsafe extern "C" fn(
+            *mut fid_domain,
+            *mut fi_cntr_attr,
+            *mut *mut fid_cntr,
+            *mut c_void,
+        ) -> c_int,
+    >,
     pub poll_open: *const c_void,
     pub stx_ctx: *const c_void,
     pub srx_ctx: *const c_void,
@@ -429,6 +445,32 @@ pub struct fid_cq {
 }
 
 #[repr(C)]
+pub struct fi_cntr_attr {
+    pub events: c_int,
+    pub wait_obj: c_int,
+    pub wait_set: *mut c_void,
+    pub flags: u64,
+}
+
+#[repr(C)]
+pub struct fi_ops_cntr {
+    pub size: usize,
+    pub read: Option<unsafe extern "C" fn(*mut fid_cntr) -> u64>,
+    pub readerr: *const c_void,
+    pub add: *const c_void,
+    pub set: *const c_void,
+    pub wait: *const c_void,
+    pub adderr: *const c_void,
+    pub seterr: *const c_void,
+}
+
+#[repr(C)]
+pub struct fid_cntr {
+    pub fid: fid,
+    pub ops: *mut fi_ops_cntr,
+}
+
+#[repr(C)]
 pub struct fi_ops_ep {
     pub size: usize,
     pub cancel: *const c_void,
@@ -454,19 +496,36 @@ pub struct fi_ops_cm {
     pub join: *const c_void,
 }
 
-type RmaFn<B> = Option<
-    unsafe extern "C" fn(*mut fid_ep, B, usize, *mut c_void, u64, u64, u64, *mut c_void) -> isize,
->;
+type RmaMsgFn = Option<unsafe extern "C" fn(*mut fid_ep, *const fi_msg_rma, u64) -> isize>;
+
+#[repr(C)]
+pub struct fi_rma_iov {
+    pub addr: u64,
+    pub len: usize,
+    pub key: u64,
+}
+
+#[repr(C)]
+pub struct fi_msg_rma {
+    pub msg_iov: *const libc::iovec,
+    pub desc: *mut *mut c_void,
+    pub iov_count: usize,
+    pub addr: u64,
+    pub rma_iov: *const fi_rma_iov,
+    pub rma_iov_count: usize,
+    pub context: *mut c_void,
+    pub data: u64,
+}
 
 #[repr(C)]
 pub struct fi_ops_rma {
     pub size: usize,
-    pub read: RmaFn<*mut c_void>,
+    pub read: *const c_void,
     pub readv: *const c_void,
-    pub readmsg: *const c_void,
-    pub write: RmaFn<*const c_void>,
+    pub readmsg: RmaMsgFn,
+    pub write: *const c_void,
     pub writev: *const c_void,
-    pub writemsg: *const c_void,
+    pub writemsg: RmaMsgFn,
     pub inject: *const c_void,
     pub writedata: *const c_void,
     pub injectdata: *const c_void,
@@ -838,59 +897,69 @@ pub unsafe fn fi_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u
     }
 }
 
-/// `fi_read`.
+/// `fi_readmsg`.
 ///
 /// # Safety
-/// `ep` is live; `buf` has `len` writable bytes until the completion; `context` stays
-/// valid until the completion is read.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn fi_read(
-    ep: *mut fid_ep,
-    buf: *mut c_void,
-    len: usize,
-    desc: *mut c_void,
-    src: u64,
-    addr: u64,
-    key: u64,
-    context: *mut c_void,
-) -> isize {
+/// `ep` is live; the `msg.msg_iov` buffers stay writable and `msg.context` valid until
+/// the completion is read.
+pub unsafe fn fi_readmsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize {
     // SAFETY: per the contract.
+    unsafe { rma_msg(ep, msg, flags, false) }
+}
+
+/// `fi_writemsg`.
+///
+/// # Safety
+/// As `fi_readmsg`, with the buffers readable.
+pub unsafe fn fi_writemsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize {
+    // SAFETY: per the contract.
+    unsafe { rma_msg(ep, msg, flags, true) }
+}
+
+/// # Safety
+/// As `fi_readmsg`.
+unsafe fn rma_msg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64, write: bool) -> isize {
+    // SAFETY: per the contract `ep` is live, so its ops tables are valid.
     unsafe {
         let rma = (*ep).rma;
         if rma.is_null() {
             return NOSYS as isize;
         }
-        (*rma).read.map_or(NOSYS as isize, |f| {
-            f(ep, buf, len, desc, src, addr, key, context)
-        })
+        let f = if write {
+            (*rma).writemsg
+        } else {
+            (*rma).readmsg
+        };
+        f.map_or(NOSYS as isize, |f| f(ep, msg, flags))
     }
 }
 
-/// `fi_write`.
+/// `fi_cntr_open` (no wait object: counters are only read).
 ///
 /// # Safety
-/// As `fi_read`, with `buf` readable.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn fi_write(
-    ep: *mut fid_ep,
-    buf: *const c_void,
-    len: usize,
-    desc: *mut c_void,
-    dest: u64,
-    addr: u64,
-    key: u64,
-    context: *mut c_void,
-) -> isize {
-    // SAFETY: per the contract.
+/// `domain` is live.
+pub unsafe fn fi_cntr_open(domain: *mut fid_domain, cntr: *mut *mut fid_cntr) -> c_int {
+    let mut attr = fi_cntr_attr {
+        events: FI_CNTR_EVENTS_COMP,
+        wait_obj: FI_WAIT_NONE,
+        wait_set: std::ptr::null_mut(),
+        flags: 0,
+    };
+    // SAFETY: per the contract; `attr` outlives the call.
     unsafe {
-        let rma = (*ep).rma;
-        if rma.is_null() {
-            return NOSYS as isize;
-        }
-        (*rma).write.map_or(NOSYS as isize, |f| {
-            f(ep, buf, len, desc, dest, addr, key, context)
-        })
+        (*(*domain).ops)
+            .cntr_open
+            .map_or(NOSYS, |f| f(domain, &mut attr, cntr, std::ptr::null_mut()))
     }
+}
+
+/// `fi_cntr_read`.
+///
+/// # Safety
+/// `cntr` is live.
+pub unsafe fn fi_cntr_read(cntr: *mut fid_cntr) -> u64 {
+    // SAFETY: per the contract.
+    unsafe { (*(*cntr).ops).read.map_or(0, |f| f(cntr)) }
 }
 
 /// `fi_cq_read` into `FI_CQ_FORMAT_CONTEXT` entries.

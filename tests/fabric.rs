@@ -232,6 +232,88 @@ fn read_from_registered_local_memory_and_idle_target() {
     }
 }
 
+/// Every WRITE is in the target's memory when it completes (whoever is told about it
+/// next reads it there), also back to back with nothing else running: writes
+/// over each other, each checked in the target's buffer as soon as it completed.
+#[test]
+fn each_write_is_in_target_memory_when_it_completes() {
+    for p in providers() {
+        let target = engine(p);
+        let initiator = engine(p);
+        let remote = Buffer::new(&target, vec![0u8; 1 << 20]);
+        let seg = initiator.open_segment(target.segment_name()).unwrap();
+        for i in 0..300u64 {
+            let len = [8usize, 4 << 10, 16 << 10, 256 << 10][i as usize % 4];
+            let off = (i % 5) as usize * 1000;
+            let src = pattern(1000 + i, len);
+            let dst = remote.addr() + off as u64;
+            assert_eq!(
+                run(&initiator, Op::Write, src.as_ptr() as u64, seg, dst, len),
+                TaskState::Completed,
+                "{p}: write {i}"
+            );
+            assert!(
+                remote.bytes[off..off + len] == src[..],
+                "{p}: write {i} ({len} bytes) is in the target's memory once complete"
+            );
+            let mut back = vec![0u8; len];
+            assert_eq!(
+                run(
+                    &initiator,
+                    Op::Read,
+                    back.as_mut_ptr() as u64,
+                    seg,
+                    dst,
+                    len
+                ),
+                TaskState::Completed,
+                "{p}: read {i}"
+            );
+            assert!(back == src, "{p}: read {i} returns write {i}");
+        }
+    }
+}
+
+/// `count` requests of `block` bytes in one batch, from `local` to consecutive blocks
+/// at `remote`; every one must complete.
+fn run_batch(engine: &Engine, op: Op, local: &mut [u8], seg: u64, remote: u64, block: usize) {
+    let reqs: Vec<Request> = local
+        .chunks_mut(block)
+        .enumerate()
+        .map(|(i, chunk)| Request {
+            op,
+            local: chunk.as_mut_ptr() as u64,
+            segment: seg,
+            remote: remote + (i * block) as u64,
+            len: chunk.len() as u64,
+        })
+        .collect();
+    let b = engine.allocate_batch(reqs.len()).unwrap();
+    // SAFETY: `local` outlives the wait below.
+    unsafe { engine.submit(b, &reqs) }.unwrap();
+    engine.wait_batch(b, WAIT).unwrap();
+    engine.free_batch(b).unwrap();
+}
+
+/// Thousands of small operations posted at once: more than the providers' queues hold
+/// (they push back, the rest waits its turn), against a target process that was idle.
+#[test]
+fn a_burst_of_small_operations_completes() {
+    const BLOCK: usize = 4 << 10;
+    const COUNT: usize = 2048;
+    for p in providers() {
+        let target = FabricTarget::spawn(p, BLOCK * COUNT);
+        let initiator = engine(p);
+        let seg = initiator.open_segment(&target.name).unwrap();
+        let remote = initiator.segment_descriptor(seg).unwrap().buffers[0].addr;
+        let mut src = pattern(77, BLOCK * COUNT);
+        run_batch(&initiator, Op::Write, &mut src, seg, remote, BLOCK);
+        let mut back = vec![0u8; BLOCK * COUNT];
+        run_batch(&initiator, Op::Read, &mut back, seg, remote, BLOCK);
+        assert!(back == src, "{p}: every block read back as written");
+    }
+}
+
 #[test]
 fn access_to_an_unregistered_buffer_fails_then_the_path_recovers() {
     for p in providers() {

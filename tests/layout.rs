@@ -256,6 +256,15 @@ fn fabric_matches_libfabric_headers() {
         fid, ops, cm, msg, rma, tagged, atomic, collective,
     ]);
     check!(bad, fo::fi_context2 => fs::fi_context2, [internal]);
+    check!(bad, fo::fi_rma_iov => fs::fi_rma_iov, [addr, len, key]);
+    check!(bad, fo::fi_msg_rma => fs::fi_msg_rma, [
+        msg_iov, desc, iov_count, addr, rma_iov, rma_iov_count, context, data,
+    ]);
+    check!(bad, fo::fi_cntr_attr => fs::fi_cntr_attr, [events, wait_obj, wait_set, flags]);
+    check!(bad, fo::fi_ops_cntr => fs::fi_ops_cntr, [
+        size, read, readerr, add, set, wait, adderr, seterr,
+    ]);
+    check!(bad, fo::fid_cntr => fs::fid_cntr, [fid, ops]);
     report("rdma/fabric.h and friends", bad);
 }
 

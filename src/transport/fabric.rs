@@ -1,6 +1,9 @@
 //! libfabric transport (AWS EFA in the field; `tcp;ofi_rxm`, `sockets` and `shm` work on
 //! any Linux box): reliable-datagram endpoints with RMA, memory registered per domain,
-//! `fi_read`/`fi_write` from the engine workers, completions polled by them.
+//! `fi_readmsg`/`fi_writemsg` from the engine workers, completions polled by them.
+//! A WRITE asks for `FI_DELIVERY_COMPLETE` where the provider offers it (its completion
+//! must mean the bytes are in the target's memory); a READ asks for nothing, as its
+//! completion already means the bytes arrived.
 //!
 //! What peers learn from our descriptor: one `devices` entry per opened domain, named
 //! `provider/domain`, whose `gid` is the hex of the serving endpoint's address (what
@@ -12,8 +15,12 @@
 //!
 //! Threads: domains are opened `FI_THREAD_SAFE`; each engine worker gets its own
 //! endpoint, CQ and AV per domain. The serving endpoint of a manual-progress provider
-//! (`tcp;ofi_rxm`, `shm`) is driven by a progress thread that sleeps on the CQ's wait
-//! descriptor, so a READ from a peer completes while this engine is otherwise idle.
+//! (`tcp;ofi_rxm`, `shm`) is driven by a progress thread, so a READ from a peer
+//! completes while this engine is otherwise idle: it sleeps on the CQ's wait
+//! descriptor, or (`shm`, which has none) polls on a timer that is short while WRITEs
+//! arrive and backs off when idle. Workers poll their CQs while small operations are in
+//! flight, yielding the core to software providers, and park on the descriptors when
+//! nothing moves.
 //!
 //! Known provider limits (libfabric 1.17): `shm`'s single-copy (CMA) path checks neither
 //! keys nor ranges, so with `shm` only the engine's descriptor check guards remote
@@ -49,8 +56,6 @@ const SLICE_SIZE: u64 = 1 << 20;
 
 const BASE_CAPS: u64 =
     fi::FI_RMA | fi::FI_READ | fi::FI_WRITE | fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE;
-/// FI_DELIVERY_COMPLETE: a WRITE completes once the data is in the target's memory.
-const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
 
 pub struct FabricTransport {
     /// Registrations per buffer address, one per NIC.
@@ -397,7 +402,7 @@ fn discover(lib: &FabricLib, config: &BackendConfig) -> Result<Vec<*mut fi::fi_i
                 } else {
                     mode
                 };
-                for op_flags in [FI_DELIVERY_COMPLETE, 0] {
+                for op_flags in [fi::FI_DELIVERY_COMPLETE, 0] {
                     for n in &nodes {
                         let q = Query {
                             provider: &provider,

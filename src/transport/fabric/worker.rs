@@ -1,6 +1,6 @@
 //! The per-engine-worker half of the libfabric transport: one endpoint (with its own CQ
 //! and AV) per NIC, peers inserted into the AV on first use, slices posted as
-//! `fi_read`/`fi_write` round-robin over the NICs, completions read in `progress`.
+//! `fi_readmsg`/`fi_writemsg` round-robin over the NICs, completions read in `progress`.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::RawFd;
@@ -17,6 +17,14 @@ use crate::transport::{Finished, Op, Outcome, Slice, TransportWorker};
 
 /// How often in-flight slices are checked against their deadlines.
 const DEADLINE_TICK: Duration = Duration::from_millis(5);
+/// While operations are in flight, the engine worker keeps polling our CQs until this
+/// long passes without a completion; then it parks on their descriptors.
+const SPIN_WINDOW: Duration = Duration::from_millis(1);
+/// Bulk in flight: the engine worker parks on the descriptors soon, as the engine does
+/// for bulk (the bytes move at the kernel's or NIC's pace).
+const SPIN_MAX_BYTES: u64 = 256 << 10;
+/// With nothing in flight, how long after the last operation the descriptors are armed.
+const ARM_DELAY: Duration = Duration::from_micros(50);
 
 struct Lane {
     // Declared first so the endpoint closes before its Nic can.
@@ -26,13 +34,17 @@ struct Lane {
     peers: HashMap<u64, (String, u64)>,
     /// A connection-level error happened: replace the endpoint before the next post.
     broken: bool,
+    /// `fi_trywait` succeeded and the CQ was not read since: until its descriptor turns
+    /// readable nothing can complete, so polls with nothing in flight look at the
+    /// descriptor alone.
+    armed: bool,
 }
 
 /// Everything one posted operation needs until its completion is read.
 struct PostedOp {
     /// The provider's scratch space (FI_CONTEXT/FI_CONTEXT2); its address is the
     /// operation's identity in CQ entries.
-    _ctx: Box<fi::fi_context2>,
+    ctx: Box<fi::fi_context2>,
     slice: u64,
     lane: usize,
     /// A temporary registration of the local buffer (FI_MR_LOCAL providers).
@@ -67,6 +79,10 @@ pub(super) struct FabricWorker {
     prefix: String,
     keys: Arc<AtomicU64>,
     ops: HashMap<usize, PostedOp>,
+    /// Contexts of completed operations, for reuse (boxed: a context's address is the
+    /// operation's identity while it is in flight).
+    #[allow(clippy::vec_box)]
+    contexts: Vec<Box<fi::fi_context2>>,
     slices: HashMap<u64, SliceState>,
     queued: VecDeque<Queued>,
     /// Slices finished inside calls that have no `done` vector at hand.
@@ -75,9 +91,15 @@ pub(super) struct FabricWorker {
     next_deadline_check: Instant,
     /// What the engine worker parks on: the lanes' CQ descriptors, plus `spin`.
     epoll: Epoll,
-    /// For lanes without a wait descriptor: kept readable while operations are in
-    /// flight, so the engine worker keeps polling instead of sleeping on a timer.
-    spin: Option<(EventFd, bool)>,
+    /// Ready tokens from `epoll`, kept to reuse the allocation.
+    ready: Vec<u64>,
+    /// Kept readable while the engine worker should poll rather than park (see
+    /// `should_spin`), and whether it is.
+    spin: (EventFd, bool),
+    /// The last `should_spin`.
+    spinning: bool,
+    /// When an operation was last posted or completed.
+    last_moved: Instant,
 }
 
 impl FabricWorker {
@@ -95,6 +117,7 @@ impl FabricWorker {
                 nic,
                 peers: HashMap::new(),
                 broken: false,
+                armed: false,
             });
         }
         // The engine parks on one descriptor that stays the same when a lane's CQ is
@@ -108,49 +131,51 @@ impl FabricWorker {
                     .map_err(|e| io("epoll add", e))?;
             }
         }
-        let spin = if lanes.iter().any(|l| l.ep.fd.is_none()) {
-            let fd = EventFd::new().map_err(|e| io("eventfd", e))?;
-            epoll
-                .add(fd.raw_fd(), READABLE, u64::MAX)
-                .map_err(|e| io("epoll add", e))?;
-            Some((fd, false))
-        } else {
-            None
-        };
+        let spin = EventFd::new().map_err(|e| io("eventfd", e))?;
+        epoll
+            .add(spin.raw_fd(), READABLE, u64::MAX)
+            .map_err(|e| io("epoll add", e))?;
         Ok(FabricWorker {
             lanes,
             next_lane: 0,
             prefix,
             keys,
             ops: HashMap::new(),
+            contexts: Vec::new(),
             slices: HashMap::new(),
             queued: VecDeque::new(),
             done: Vec::new(),
             bytes_in_flight: 0,
             next_deadline_check: Instant::now(),
             epoll,
-            spin,
+            ready: Vec::new(),
+            spin: (spin, false),
+            spinning: false,
+            last_moved: Instant::now(),
         })
     }
 
     /// Picks the peer's device for `lane`: the one with our NIC's name if the peer has
     /// it (same layout), else by index among the peer's devices of our provider.
     fn device_for<'a>(&self, desc: &'a SegmentDesc, lane: usize) -> Option<(usize, &'a str, u16)> {
-        let ours: Vec<(usize, &crate::metadata::DeviceDesc)> = desc
-            .devices
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.name.starts_with(&self.prefix) && !d.gid.is_empty())
-            .collect();
-        if ours.is_empty() {
-            return None;
-        }
+        // Called per slice: walks the devices without collecting them.
+        let ours = || {
+            desc.devices
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.name.starts_with(&self.prefix) && !d.gid.is_empty())
+        };
         let name = &self.lanes[lane].nic.name;
-        let (i, d) = ours
-            .iter()
-            .find(|(_, d)| &d.name == name)
-            .copied()
-            .unwrap_or(ours[lane % ours.len()]);
+        let (i, d) = match ours().find(|(_, d)| &d.name == name) {
+            Some(found) => found,
+            None => {
+                let count = ours().count();
+                if count == 0 {
+                    return None;
+                }
+                ours().nth(lane % count)?
+            }
+        };
         Some((i, d.gid.as_str(), d.lid))
     }
 
@@ -269,7 +294,7 @@ impl FabricWorker {
         moved
     }
 
-    /// One `fi_read`/`fi_write`; Ok(false) when the transmit queue is full.
+    /// One `fi_readmsg`/`fi_writemsg`; Ok(false) when the transmit queue is full.
     fn post_one(&mut self, q: &Queued) -> std::result::Result<bool, Outcome> {
         let lane = &self.lanes[q.lane];
         let nic = &lane.nic;
@@ -288,51 +313,61 @@ impl FabricWorker {
         } else {
             None
         };
-        let desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
-        // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
-        let mut ctx: Box<fi::fi_context2> = Box::new(unsafe { std::mem::zeroed() });
+        let mut desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let mut ctx = self.contexts.pop().unwrap_or_else(|| {
+            // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
+            Box::new(unsafe { std::mem::zeroed() })
+        });
         let ctx_ptr: *mut fi::fi_context2 = &mut *ctx;
+        let iov = libc::iovec {
+            iov_base: q.local as *mut _,
+            iov_len: q.len as usize,
+        };
+        let rma = fi::fi_rma_iov {
+            addr: q.remote,
+            len: q.len as usize,
+            key: q.key,
+        };
+        let msg = fi::fi_msg_rma {
+            msg_iov: &iov,
+            desc: &mut desc,
+            iov_count: 1,
+            addr: q.peer,
+            rma_iov: &rma,
+            rma_iov_count: 1,
+            context: ctx_ptr.cast(),
+            data: 0,
+        };
         // SAFETY: live endpoint; the local range is the caller's buffer (valid until
         // the slice is final, per `Engine::submit`); the context box lives in `ops`
-        // until its completion is read or the endpoint is closed.
+        // until its completion is read or the endpoint is closed; `msg` and what it
+        // points at outlive the call (providers copy what they keep).
         let rc = unsafe {
             match q.op {
-                Op::Read => fi::fi_read(
-                    lane.ep.ep,
-                    q.local as *mut _,
-                    q.len as usize,
-                    desc,
-                    q.peer,
-                    q.remote,
-                    q.key,
-                    ctx_ptr.cast(),
-                ),
-                Op::Write => fi::fi_write(
-                    lane.ep.ep,
-                    q.local as *const _,
-                    q.len as usize,
-                    desc,
-                    q.peer,
-                    q.remote,
-                    q.key,
-                    ctx_ptr.cast(),
-                ),
+                // A read's completion already means its data is here: no completion
+                // semantics to ask for (with shm this lets the provider copy directly).
+                Op::Read => fi::fi_readmsg(lane.ep.ep, &msg, fi::FI_COMPLETION),
+                Op::Write => fi::fi_writemsg(lane.ep.ep, &msg, nic.write_flags()),
             }
         };
         if rc == -(fi::FI_EAGAIN as isize) {
+            self.contexts.push(ctx);
             return Ok(false);
         }
         if rc != 0 {
+            self.contexts.push(ctx);
             return Err(Outcome::PathFailed(format!(
                 "posting to {} failed: {}",
                 nic.name,
                 nic.lib.strerror(rc as i64)
             )));
         }
+        // Posting may leave work only progress finishes (a partly sent request).
+        self.lanes[q.lane].armed = false;
         self.ops.insert(
             ctx_ptr as usize,
             PostedOp {
-                _ctx: ctx,
+                ctx,
                 slice: q.slice,
                 lane: q.lane,
                 _local_mr: local_mr,
@@ -379,6 +414,7 @@ impl FabricWorker {
                 for e in &entries[..n as usize] {
                     if let Some(op) = self.ops.remove(&(e.op_context as usize)) {
                         self.op_finished(op.slice, None);
+                        self.contexts.push(op.ctx);
                     }
                 }
                 if (n as usize) < entries.len() {
@@ -419,6 +455,7 @@ impl FabricWorker {
         let outcome = classify(err.err, why);
         if let Some(op) = self.ops.remove(&(err.op_context as usize)) {
             self.op_finished(op.slice, Some(outcome));
+            self.contexts.push(op.ctx);
         }
     }
 
@@ -426,6 +463,7 @@ impl FabricWorker {
     fn reset(&mut self, lane: usize) {
         let l = &mut self.lanes[lane];
         l.broken = false;
+        l.armed = false;
         l.peers.clear();
         if let Some(fd) = l.ep.fd {
             let _ = self.epoll.delete(fd);
@@ -462,6 +500,93 @@ impl FabricWorker {
                 Some(Outcome::PathFailed("fabric endpoint was reset".into())),
             );
         }
+    }
+
+    /// One round: completions, deadlines, endpoint resets, queued posts; then arms the
+    /// lanes' descriptors when nothing moved. Whether anything moved.
+    fn poll(&mut self, now: Instant) -> bool {
+        let mut moved = false;
+        // With operations in flight every CQ is read each round: for bulk, the reads
+        // carry manual-progress transfers along as the bytes trickle in. Idle, one
+        // non-blocking look at the armed lanes' descriptors replaces reading (and
+        // re-arming) their CQs while the engine worker spins down.
+        let busy = !self.slices.is_empty();
+        if !busy && self.lanes.iter().any(|l| l.armed) {
+            if self.epoll.wait(&mut self.ready, 0).is_err() {
+                self.ready.clear();
+                self.lanes.iter_mut().for_each(|l| l.armed = false);
+            }
+            for token in self.ready.drain(..) {
+                if let Some(l) = self.lanes.get_mut(token as usize) {
+                    l.armed = false;
+                }
+            }
+        }
+        for lane in 0..self.lanes.len() {
+            if busy || !self.lanes[lane].armed {
+                self.lanes[lane].armed = false;
+                moved |= self.poll_lane(lane);
+            }
+        }
+        self.check_deadlines(now);
+        for lane in 0..self.lanes.len() {
+            if self.lanes[lane].broken {
+                self.reset(lane);
+            }
+        }
+        moved |= self.post_queued();
+        moved |= !self.done.is_empty();
+        if moved {
+            self.last_moved = now;
+        }
+        self.spinning = self.should_spin(now);
+        // Before the engine worker may park: lower `spin`, arm the wait descriptors.
+        // With nothing in flight not straight away, as the next operation usually
+        // follows at once, and each switch costs system calls (ours, and the
+        // provider's when the next completion arrives).
+        let settle = !self.spinning
+            && (!self.slices.is_empty()
+                || now.saturating_duration_since(self.last_moved) >= ARM_DELAY);
+        let (fd, raised) = &mut self.spin;
+        if self.spinning && !*raised {
+            fd.notify();
+            *raised = true;
+        } else if settle && *raised {
+            fd.drain();
+            *raised = false;
+        }
+        if !moved && settle {
+            for l in &mut self.lanes {
+                if l.armed || l.ep.fd.is_none() || l.ep.cq.is_null() {
+                    continue;
+                }
+                match l.nic.trywait(l.ep.cq) {
+                    // With auto progress, keep reading the CQ and re-arming each round:
+                    // `sockets` got 15% slower when only the armed descriptor was watched.
+                    0 => l.armed = l.nic.manual,
+                    rc if rc == -fi::FI_EAGAIN => moved = true,
+                    _ => {}
+                }
+            }
+        }
+        moved
+    }
+
+    /// Whether the engine worker should keep polling rather than park on our CQ
+    /// descriptors: while small operations of a manual-progress provider are in flight
+    /// and completing (our CQ reads move them; arming a descriptor costs the provider
+    /// system calls on both ends of every operation), and always while a lane has no
+    /// descriptor (the engine would otherwise look only every few milliseconds). An
+    /// auto-progress provider's own threads do the work, and polling would only take
+    /// their core (`sockets`: forty times slower).
+    fn should_spin(&self, now: Instant) -> bool {
+        if self.slices.is_empty() {
+            return false;
+        }
+        self.lanes.iter().any(|l| l.ep.fd.is_none())
+            || (self.lanes.iter().all(|l| l.nic.manual)
+                && self.bytes_in_flight <= SPIN_MAX_BYTES
+                && now.saturating_duration_since(self.last_moved) < SPIN_WINDOW)
     }
 
     fn check_deadlines(&mut self, now: Instant) {
@@ -527,6 +652,7 @@ fn decode_hex(s: &str) -> Option<Vec<u8>> {
 
 impl TransportWorker for FabricWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
+        self.last_moved = Instant::now();
         if let Err(outcome) = self.start(&slice) {
             done.push(Finished {
                 id: slice.id,
@@ -539,41 +665,13 @@ impl TransportWorker for FabricWorker {
     }
 
     fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
-        let mut moved = false;
-        for lane in 0..self.lanes.len() {
-            moved |= self.poll_lane(lane);
+        let moved = self.poll(now);
+        if !moved && self.spinning && self.lanes.iter().all(|l| l.nic.software) {
+            // Polling for a completion that host CPUs produce (the kernel's TCP stack,
+            // a peer process on this host) must not keep them from the core.
+            std::thread::yield_now();
         }
-        self.check_deadlines(now);
-        for lane in 0..self.lanes.len() {
-            if self.lanes[lane].broken {
-                self.reset(lane);
-            }
-        }
-        moved |= self.post_queued();
-        moved |= !self.done.is_empty();
         done.append(&mut self.done);
-        if let Some((fd, raised)) = &mut self.spin {
-            let want = !self.slices.is_empty();
-            if want != *raised {
-                if want {
-                    fd.notify();
-                } else {
-                    fd.drain();
-                }
-                *raised = want;
-            }
-        }
-        if !moved {
-            // Arm the wait descriptors before the engine worker parks on them.
-            for l in &self.lanes {
-                if l.ep.fd.is_some()
-                    && !l.ep.cq.is_null()
-                    && l.nic.trywait(l.ep.cq) == -fi::FI_EAGAIN
-                {
-                    moved = true;
-                }
-            }
-        }
         moved
     }
 

@@ -28,12 +28,12 @@
 //! replaces its endpoint and reconnects).
 
 mod nic;
+mod regions;
 mod worker;
 
-use std::collections::HashMap;
 use std::ffi::{c_int, CString};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::{BackendConfig, Kind, RegionKeys, Transport, TransportWorker};
 use crate::error::{Code, Error, Result};
@@ -41,7 +41,8 @@ use crate::ffi::fabric::{self as fi, FabricLib};
 use crate::json::Value;
 use crate::memory::{LocalMemory, Region};
 use crate::metadata::{DeviceDesc, SegmentDesc};
-use nic::{Device, Mr, Nic};
+use nic::{Device, Nic};
+use regions::Registrations;
 
 /// Providers tried in order when none is configured. `shm` is left out: it reaches
 /// only this host.
@@ -58,8 +59,8 @@ const BASE_CAPS: u64 =
     fi::FI_RMA | fi::FI_READ | fi::FI_WRITE | fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE;
 
 pub struct FabricTransport {
-    /// Registrations per buffer address, one per NIC.
-    regions: Mutex<HashMap<u64, Vec<Mr>>>,
+    /// The engine's buffers, registered on every NIC (shared with the workers).
+    regions: Arc<Registrations>,
     nics: Vec<Arc<Nic>>,
     /// Requested keys (shared with workers for temporary local registrations).
     keys: Arc<AtomicU64>,
@@ -105,7 +106,7 @@ impl FabricTransport {
                 .join(", ")
         );
         Ok(FabricTransport {
-            regions: Mutex::new(HashMap::new()),
+            regions: Arc::default(),
             nics,
             keys: Arc::new(AtomicU64::new(1)),
             slice_size,
@@ -154,21 +155,19 @@ impl Transport for FabricTransport {
             keys.lkey.push(k);
             mrs.push(mr);
         }
-        self.regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(region.addr, mrs);
+        self.regions.insert(region.addr, region.len, mrs);
         Ok(keys)
     }
 
     fn unregister(&self, region: &Region) {
         // Closing the registrations makes the provider refuse the keys from now on.
-        let mrs = self
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&region.addr);
-        drop(mrs);
+        self.regions.remove(region.addr);
+    }
+
+    /// Device memory goes through the NICs when its buffer was registered with them
+    /// (FI_HMEM; registration refuses device memory a domain cannot take).
+    fn carries(&self, slice: &crate::transport::Slice) -> bool {
+        slice.local_kind.is_host() || self.regions.view().covers(slice.local, slice.len)
     }
 
     fn describe(&self, desc: &mut SegmentDesc) {
@@ -177,7 +176,7 @@ impl Transport for FabricTransport {
             desc.devices.push(DeviceDesc {
                 name: nic.name.clone(),
                 lid: (nic.mr_mode & 0xffff) as u16,
-                gid: hex(&nic.address),
+                gid: crate::util::hex::encode(&nic.address),
             });
         }
     }
@@ -209,7 +208,7 @@ impl Transport for FabricTransport {
             .iter()
             .find(|n| n.name == wanted || n.name.split_once('/').is_some_and(|(_, d)| d == wanted))
             .or(self.nics.first())?;
-        let addr = hex(&nic.address);
+        let addr = crate::util::hex::encode(&nic.address);
         Some(
             Value::object([
                 ("local_nic_path", field("peer_nic_path")),
@@ -232,12 +231,9 @@ impl Transport for FabricTransport {
             first,
             self.prefix.clone(),
             self.keys.clone(),
+            self.regions.clone(),
         )?))
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn providers(config: &BackendConfig) -> Vec<String> {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::nic::{Endpoint, Mr, Nic};
+use super::regions::Registrations;
 use crate::error::Result;
 use crate::ffi::fabric as fi;
 use crate::metadata::SegmentDesc;
@@ -30,6 +31,8 @@ struct Lane {
     // Declared first so the endpoint closes before its Nic can.
     ep: Endpoint,
     nic: Arc<Nic>,
+    /// The NIC's index in the transport's list (and in each buffer's registrations).
+    nic_index: usize,
     /// Peer id → (published address in hex, AV handle).
     peers: HashMap<u64, (String, u64)>,
     /// A connection-level error happened: replace the endpoint before the next post.
@@ -78,6 +81,7 @@ pub(super) struct FabricWorker {
     /// `provider/`: how our devices start in peer descriptors.
     prefix: String,
     keys: Arc<AtomicU64>,
+    regions: Arc<Registrations>,
     ops: HashMap<usize, PostedOp>,
     /// Contexts of completed operations, for reuse (boxed: a context's address is the
     /// operation's identity while it is in flight).
@@ -108,13 +112,16 @@ impl FabricWorker {
         first: usize,
         prefix: String,
         keys: Arc<AtomicU64>,
+        regions: Arc<Registrations>,
     ) -> Result<FabricWorker> {
         let mut lanes = Vec::with_capacity(nics.len());
         for i in 0..nics.len() {
-            let nic = nics[(first + i) % nics.len()].clone();
+            let nic_index = (first + i) % nics.len();
+            let nic = nics[nic_index].clone();
             lanes.push(Lane {
                 ep: Endpoint::open(&nic)?,
                 nic,
+                nic_index,
                 peers: HashMap::new(),
                 broken: false,
                 armed: false,
@@ -140,6 +147,7 @@ impl FabricWorker {
             next_lane: 0,
             prefix,
             keys,
+            regions,
             ops: HashMap::new(),
             contexts: Vec::new(),
             slices: HashMap::new(),
@@ -187,7 +195,8 @@ impl FabricWorker {
                 return Ok(*addr);
             }
         }
-        let bytes = decode_hex(gid).ok_or_else(|| format!("bad endpoint address {gid:?}"))?;
+        let bytes =
+            crate::util::hex::decode(gid).ok_or_else(|| format!("bad endpoint address {gid:?}"))?;
         let mut addr = 0u64;
         // SAFETY: live AV; `bytes` holds one address in the provider's format (a
         // malformed one is refused by the provider).
@@ -304,7 +313,13 @@ impl FabricWorker {
                 nic.name
             )));
         }
-        let local_mr = if nic.needs_local_mr() {
+        // The buffer's own registration when the engine registered it (held open by
+        // `regions` until this returns); else a temporary one where the provider
+        // wants local memory registered (staging buffers, unregistered memory).
+        let regions = self.regions.clone();
+        let regions = regions.view();
+        let registered = regions.desc(q.local, q.len, lane.nic_index);
+        let local_mr = if registered.is_none() && nic.needs_local_mr() {
             let key = self.keys.fetch_add(1, Ordering::Relaxed);
             Some(
                 nic.register(q.local, q.len, fi::FI_READ | fi::FI_WRITE, key, None)
@@ -313,7 +328,9 @@ impl FabricWorker {
         } else {
             None
         };
-        let mut desc = local_mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc);
+        let mut desc = registered
+            .or(local_mr.as_ref().map(|m| m.desc))
+            .unwrap_or(std::ptr::null_mut());
         let mut ctx = self.contexts.pop().unwrap_or_else(|| {
             // SAFETY: fi_context2 is plain pointers; all-zero is its initial state.
             Box::new(unsafe { std::mem::zeroed() })
@@ -640,16 +657,6 @@ fn classify(err: i32, why: String) -> Outcome {
     }
 }
 
-fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || s.is_empty() {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
 impl TransportWorker for FabricWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         self.last_moved = Instant::now();
@@ -685,18 +692,5 @@ impl TransportWorker for FabricWorker {
 
     fn wait_fd(&self) -> Option<RawFd> {
         Some(self.epoll.raw_fd())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hex_round_trip() {
-        assert_eq!(decode_hex("0a0B"), Some(vec![10, 11]));
-        assert_eq!(decode_hex("0"), None);
-        assert_eq!(decode_hex(""), None);
-        assert_eq!(decode_hex("zz"), None);
     }
 }

@@ -294,18 +294,24 @@ impl Worker {
         let mut slice = slice;
         let mut chosen = self.choose(&slice);
         let id = slice.id as usize;
-        if chosen.is_none() && !slice.local_kind.is_host() {
+        let entry = self.slots.get_mut(id).and_then(Option::as_mut);
+        if let (None, false, Some(entry)) = (chosen, slice.local_kind.is_host(), entry) {
             match stage(&mut slice) {
                 Ok(s) => {
-                    if let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) {
-                        self.staged_in_flight += 1;
-                        entry.staged = Some(s);
-                        entry.slice = slice.clone();
-                    }
-                    chosen = self.choose(&slice);
+                    // The bounce lives in the entry until the slice is retired.
+                    self.staged_in_flight += 1;
+                    entry.staged = Some(s);
+                    entry.slice = slice.clone();
                 }
-                Err(e) => log::warn!("staging device memory for a slice failed: {e}"),
+                Err(e) => {
+                    self.done.push(Finished {
+                        id: slice.id,
+                        outcome: Outcome::PathFailed(format!("staging device memory: {e}")),
+                    });
+                    return;
+                }
             }
+            chosen = self.choose(&slice);
         }
         if let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) {
             entry.via = chosen.map(|i| self.transports[i].kind());

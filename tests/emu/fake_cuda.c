@@ -24,20 +24,8 @@ enum {
     CUDA_ERROR_NOT_FOUND = 500,
 };
 
-#define MAX_PINNED 1024
-
-static int initialized;
-static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
 static unsigned long copies, copied_bytes;
 static __thread int current = -1;
-
-static int is_pinned(uint64_t p) {
-    for (int i = 0; i < MAX_PINNED; i++)
-        if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
-            p < (uint64_t)(uintptr_t)pinned[i].p + pinned[i].len)
-            return 1;
-    return 0;
-}
 
 static void count(size_t n) {
     __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST);
@@ -49,21 +37,10 @@ unsigned long fake_cuda_copied_bytes(void) { return __atomic_load_n(&copied_byte
 
 CUresult cuInit(unsigned flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
-    static int busy;
-    while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
-    if (!initialized) {
-        if (gpu_mem_init() != 0) {
-            __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
-    }
-    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-    return CUDA_SUCCESS;
+    return gpu_init_once() == 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-#define NEED_INIT() do { if (!__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define NEED_INIT() do { if (!gpu_ready()) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
 #define NEED_CTX() do { NEED_INIT(); if (current < 0) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
 
 CUresult cuDriverGetVersion(int *v) { *v = 12040; return CUDA_SUCCESS; }
@@ -143,29 +120,12 @@ CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags) {
     (void)flags;
     NEED_CTX();
-    void *p = malloc(n);
-    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
-    for (int i = 0; i < MAX_PINNED; i++) {
-        void *expected = NULL;
-        if (__atomic_compare_exchange_n(&pinned[i].p, &expected, p, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-            pinned[i].len = n;
-            *pp = p;
-            return CUDA_SUCCESS;
-        }
-    }
-    free(p);
-    return CUDA_ERROR_OUT_OF_MEMORY;
+    *pp = pinned_alloc(n);
+    return *pp ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 CUresult cuMemFreeHost(void *p) {
     NEED_INIT();
-    for (int i = 0; i < MAX_PINNED; i++)
-        if (pinned[i].p == p) {
-            pinned[i].len = 0;
-            __atomic_store_n(&pinned[i].p, NULL, __ATOMIC_SEQ_CST);
-            free(p);
-            return CUDA_SUCCESS;
-        }
-    return CUDA_ERROR_INVALID_VALUE;
+    return pinned_free(p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {

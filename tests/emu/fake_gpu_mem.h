@@ -9,6 +9,8 @@
  *     size; another process opens /proc/<pid>/fd/<fd> and maps the same pages into its
  *     own device range (same process: refused, as CUDA does);
  *   - a dma-buf export is a dup of the allocation's memfd (offset 0 = allocation base).
+ * It also holds what both fakes share besides: one-time initialization and "pinned"
+ * host memory (heap memory that pointer queries report as host memory).
  * Both take allocation bases only, like the real drivers' handles name allocations;
  * callers find the base with the address-range query. */
 #ifndef FAKE_GPU_MEM_H
@@ -18,6 +20,7 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -26,6 +29,7 @@
 #define NDEV 2
 #define DEV_BYTES ((size_t)256 << 20)
 #define MAX_ALLOCS 4096
+#define MAX_PINNED 1024
 
 struct gpu_alloc {
     uint64_t base; /* 0: free slot */
@@ -34,6 +38,8 @@ struct gpu_alloc {
     int fd;        /* the allocation's memfd; -1 for an imported mapping */
 };
 
+static int gpu_initialized;
+static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
 static uint8_t *dev_view[NDEV];
 static uint8_t *dev_shadow[NDEV];
 static size_t dev_used[NDEV];
@@ -42,6 +48,58 @@ static int alloc_lock;
 
 static void lock_allocs(void) { while (__atomic_exchange_n(&alloc_lock, 1, __ATOMIC_ACQUIRE)) {} }
 static void unlock_allocs(void) { __atomic_store_n(&alloc_lock, 0, __ATOMIC_RELEASE); }
+
+static int gpu_mem_init(void);
+
+/* Initializes the fake devices once, whichever thread asks first; 0 on success. */
+static int gpu_init_once(void) {
+    static int busy;
+    int rc = 0;
+    if (__atomic_load_n(&gpu_initialized, __ATOMIC_ACQUIRE)) return 0;
+    while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
+    if (!gpu_initialized) {
+        rc = gpu_mem_init();
+        if (rc == 0) __atomic_store_n(&gpu_initialized, 1, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
+    return rc;
+}
+
+static int gpu_ready(void) { return __atomic_load_n(&gpu_initialized, __ATOMIC_ACQUIRE); }
+
+/* "Pinned" host memory: heap memory the pointer queries report as host memory. */
+static void *pinned_alloc(size_t n) {
+    void *p = malloc(n);
+    if (!p) return NULL;
+    for (int i = 0; i < MAX_PINNED; i++) {
+        uint8_t *expected = NULL;
+        if (__atomic_compare_exchange_n(&pinned[i].p, &expected, (uint8_t *)p, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            pinned[i].len = n;
+            return p;
+        }
+    }
+    free(p);
+    return NULL;
+}
+
+static int pinned_free(void *p) {
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (p && pinned[i].p == p) {
+            pinned[i].len = 0;
+            __atomic_store_n(&pinned[i].p, NULL, __ATOMIC_SEQ_CST);
+            free(p);
+            return 0;
+        }
+    return -1;
+}
+
+static int is_pinned(uint64_t p) {
+    for (int i = 0; i < MAX_PINNED; i++)
+        if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
+            p < (uint64_t)(uintptr_t)pinned[i].p + pinned[i].len)
+            return 1;
+    return 0;
+}
 
 static int gpu_mem_init(void) {
     for (int d = 0; d < NDEV; d++) {

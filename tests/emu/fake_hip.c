@@ -22,38 +22,16 @@ typedef struct {
 } hipPointerAttribute_t;
 typedef struct { char reserved[64]; } hipIpcMemHandle_t;
 
-#define MAX_PINNED 1024
-
-static int initialized;
-static struct { uint8_t *p; size_t len; } pinned[MAX_PINNED];
 static unsigned long copies;
 static __thread int current;
 
 unsigned long fake_hip_copies(void) { return __atomic_load_n(&copies, __ATOMIC_SEQ_CST); }
 
-static int is_pinned(uint64_t p) {
-    for (int i = 0; i < MAX_PINNED; i++)
-        if (pinned[i].p && p >= (uint64_t)(uintptr_t)pinned[i].p &&
-            p < (uint64_t)(uintptr_t)pinned[i].p + pinned[i].len)
-            return 1;
-    return 0;
-}
-
 hipError_t hipInit(unsigned flags) {
     if (flags) return hipErrorInvalidValue;
-    static int busy;
-    while (__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {}
-    if (!initialized) {
-        if (gpu_mem_init() != 0) {
-            __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-            return hipErrorOutOfMemory;
-        }
-        __atomic_store_n(&initialized, 1, __ATOMIC_RELEASE);
-    }
-    __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-    return hipSuccess;
+    return gpu_init_once() == 0 ? hipSuccess : hipErrorOutOfMemory;
 }
-#define NEED_INIT() do { if (!__atomic_load_n(&initialized, __ATOMIC_ACQUIRE)) return hipErrorNotInitialized; } while (0)
+#define NEED_INIT() do { if (!gpu_ready()) return hipErrorNotInitialized; } while (0)
 
 hipError_t hipRuntimeGetVersion(int *v) { *v = 50221153; return hipSuccess; }
 hipError_t hipGetDeviceCount(int *n) { NEED_INIT(); *n = NDEV; return hipSuccess; }
@@ -107,29 +85,10 @@ hipError_t hipMemcpy(void *dst, const void *src, size_t n, int kind) {
 hipError_t hipHostMalloc(void **pp, size_t n, unsigned flags) {
     (void)flags;
     NEED_INIT();
-    void *p = malloc(n);
-    if (!p) return hipErrorOutOfMemory;
-    for (int i = 0; i < MAX_PINNED; i++) {
-        uint8_t *expected = NULL;
-        if (__atomic_compare_exchange_n(&pinned[i].p, &expected, (uint8_t *)p, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-            pinned[i].len = n;
-            *pp = p;
-            return hipSuccess;
-        }
-    }
-    free(p);
-    return hipErrorOutOfMemory;
+    *pp = pinned_alloc(n);
+    return *pp ? hipSuccess : hipErrorOutOfMemory;
 }
-hipError_t hipHostFree(void *p) {
-    for (int i = 0; i < MAX_PINNED; i++)
-        if (pinned[i].p == p) {
-            pinned[i].len = 0;
-            __atomic_store_n(&pinned[i].p, NULL, __ATOMIC_SEQ_CST);
-            free(p);
-            return hipSuccess;
-        }
-    return hipErrorInvalidValue;
-}
+hipError_t hipHostFree(void *p) { return pinned_free(p) == 0 ? hipSuccess : hipErrorInvalidValue; }
 hipError_t hipMalloc(void **p, size_t n) {
     NEED_INIT();
     *p = (void *)(uintptr_t)gpu_alloc(current, n);

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 use libloading::Library;
 
 use super::loader::{self, BackendInfo};
-use crate::error::{Code, Error, Result};
+use crate::error::{Error, Result};
 
 pub const OVERRIDE_VAR: &str = "MC_ACL_LIB";
 pub const CANDIDATES: &[&str] = &["libascendcl.so"];
@@ -51,8 +51,7 @@ pub struct Acl {
 /// A runtime entry point.
 fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
     // SAFETY: every `T` used here is the `extern "C"` signature acl.h declares.
-    unsafe { loader::symbol(lib, library, &[name], OVERRIDE_VAR) }
-        .map_err(|e| Error::new(Code::BackendUnavailable, e))
+    unsafe { loader::driver_symbol(lib, library, &[name], OVERRIDE_VAR) }
 }
 
 thread_local! {
@@ -111,24 +110,11 @@ impl Acl {
     }
 
     fn check(&self, what: &str, rc: AclError) -> Result<()> {
-        if rc == ACL_SUCCESS {
-            Ok(())
-        } else {
-            Err(Error::new(
-                Code::TransferFail,
-                format!("{what}: {}", self.describe(rc)),
-            ))
-        }
+        loader::driver_check(what, rc == ACL_SUCCESS, || self.describe(rc))
     }
 
     fn initialized(&self) -> Result<()> {
-        match &self.init_error {
-            None => Ok(()),
-            Some(why) => Err(Error::new(
-                Code::BackendUnavailable,
-                format!("aclInit failed in {}: {why}", self.library),
-            )),
-        }
+        loader::driver_initialized(&self.init_error, "aclInit", &self.library)
     }
 
     pub fn version(&self) -> Option<(i32, i32, i32)> {

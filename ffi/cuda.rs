@@ -87,8 +87,7 @@ pub struct Cuda {
 fn sym<T: Copy>(lib: &Library, library: &str, names: &[&str]) -> Result<T> {
     // SAFETY: every `T` used here is the `extern "C"` signature that cuda.h declares
     // for the symbols looked up.
-    unsafe { loader::symbol(lib, library, names, OVERRIDE_VAR) }
-        .map_err(|e| Error::new(Code::BackendUnavailable, e))
+    unsafe { loader::driver_symbol(lib, library, names, OVERRIDE_VAR) }
 }
 
 thread_local! {
@@ -167,24 +166,11 @@ impl Cuda {
     }
 
     fn check(&self, what: &str, rc: CUresult) -> Result<()> {
-        if rc == CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(Error::new(
-                Code::TransferFail,
-                format!("{what}: {}", self.describe(rc)),
-            ))
-        }
+        loader::driver_check(what, rc == CUDA_SUCCESS, || self.describe(rc))
     }
 
     fn initialized(&self) -> Result<()> {
-        match &self.init_error {
-            None => Ok(()),
-            Some(why) => Err(Error::new(
-                Code::BackendUnavailable,
-                format!("cuInit failed in {}: {why}", self.library),
-            )),
-        }
+        loader::driver_initialized(&self.init_error, "cuInit", &self.library)
     }
 
     pub fn driver_version(&self) -> Option<i32> {

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 use libloading::Library;
 
 use super::loader::{self, BackendInfo};
-use crate::error::{Code, Error, Result};
+use crate::error::{Error, Result};
 
 pub const OVERRIDE_VAR: &str = "MC_HIP_LIB";
 pub const CANDIDATES: &[&str] = &["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"];
@@ -90,8 +90,7 @@ pub struct Hip {
 /// A runtime entry point.
 fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
     // SAFETY: every `T` used here is the `extern "C"` signature hip_runtime_api.h declares.
-    unsafe { loader::symbol(lib, library, &[name], OVERRIDE_VAR) }
-        .map_err(|e| Error::new(Code::BackendUnavailable, e))
+    unsafe { loader::driver_symbol(lib, library, &[name], OVERRIDE_VAR) }
 }
 
 thread_local! {
@@ -171,24 +170,11 @@ impl Hip {
     }
 
     fn check(&self, what: &str, rc: HipError) -> Result<()> {
-        if rc == HIP_SUCCESS {
-            Ok(())
-        } else {
-            Err(Error::new(
-                Code::TransferFail,
-                format!("{what}: {}", self.describe(rc)),
-            ))
-        }
+        loader::driver_check(what, rc == HIP_SUCCESS, || self.describe(rc))
     }
 
     fn initialized(&self) -> Result<()> {
-        match &self.init_error {
-            None => Ok(()),
-            Some(why) => Err(Error::new(
-                Code::BackendUnavailable,
-                format!("hipInit failed in {}: {why}", self.library),
-            )),
-        }
+        loader::driver_initialized(&self.init_error, "hipInit", &self.library)
     }
 
     /// HIP_VERSION-style number (major * 10^7 + minor * 10^5 + patch).

@@ -138,6 +138,55 @@ pub unsafe fn symbol<T: Copy>(
     ))
 }
 
+/// `symbol` for a GPU driver table: a missing entry point makes the backend
+/// unavailable.
+///
+/// # Safety
+/// As `symbol`.
+pub unsafe fn driver_symbol<T: Copy>(
+    lib: &Library,
+    library: &str,
+    names: &[&str],
+    override_var: &str,
+) -> crate::Result<T> {
+    // SAFETY: per the contract.
+    unsafe { symbol(lib, library, names, override_var) }
+        .map_err(|e| crate::Error::new(crate::Code::BackendUnavailable, e))
+}
+
+/// A driver call's outcome: `Ok` when it `succeeded`, else an error naming the call
+/// with the driver's own words for the code.
+pub fn driver_check(
+    call: &str,
+    succeeded: bool,
+    describe: impl FnOnce() -> String,
+) -> crate::Result<()> {
+    if succeeded {
+        Ok(())
+    } else {
+        Err(crate::Error::new(
+            crate::Code::TransferFail,
+            format!("{call}: {}", describe()),
+        ))
+    }
+}
+
+/// Whether a driver table is usable: its initialization call (`init_call`) failed at
+/// load when `init_error` is set, and every call needing a device reports that.
+pub fn driver_initialized(
+    init_error: &Option<String>,
+    init_call: &str,
+    library: &str,
+) -> crate::Result<()> {
+    match init_error {
+        None => Ok(()),
+        Some(why) => Err(crate::Error::new(
+            crate::Code::BackendUnavailable,
+            format!("{init_call} failed in {library}: {why}"),
+        )),
+    }
+}
+
 /// A missing symbol, as an error naming the library, the symbol and the override.
 pub fn missing_symbol(library: &str, symbol: &str, override_var: &str) -> String {
     format!(

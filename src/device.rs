@@ -436,28 +436,10 @@ pub struct IpcExport {
 /// Exports the allocation holding `addr` (CUDA or HIP IPC); another process on this
 /// host maps it with `ipc_open` and adds `offset`.
 pub fn ipc_export(kind: MemoryKind, addr: u64) -> Result<IpcExport> {
-    let (base, handle) = match kind {
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            let (base, _) = api.mem_range(addr)?;
-            (base, api.ipc_get_handle(base)?.reserved)
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            let (base, _) = api.mem_range(addr)?;
-            (base, api.ipc_get_handle(base)?.reserved)
-        }
-        _ => {
-            return Err(Error::new(
-                Code::NotSupported,
-                format!("no IPC handles for {} memory", kind.location()),
-            ))
-        }
-    };
+    let rt = ipc_runtime(kind)?;
+    let (base, _) = rt.mem_range(addr)?;
     Ok(IpcExport {
-        handle,
+        handle: rt.ipc_handle(base)?,
         offset: addr - base,
     })
 }
@@ -465,41 +447,64 @@ pub fn ipc_export(kind: MemoryKind, addr: u64) -> Result<IpcExport> {
 /// Maps a peer's IPC handle on device `kind` of this process; returns the mapped
 /// allocation's base. Release with `ipc_close`.
 pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
-    match kind {
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            api.ipc_open(&cuda::CUipcMemHandle { reserved: *handle })
-        }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            api.ipc_open(&hip::HipIpcMemHandle { reserved: *handle })
-        }
-        _ => Err(Error::new(
-            Code::NotSupported,
-            format!("no IPC handles for {} memory", kind.location()),
-        )),
-    }
+    ipc_runtime(kind)?.ipc_open(handle)
 }
 
 /// # Safety
 /// `addr` must come from `ipc_open(kind, ..)` and not be used afterwards.
 pub unsafe fn ipc_close(kind: MemoryKind, addr: u64) -> Result<()> {
-    // SAFETY (both arms): per the contract.
-    match kind {
-        MemoryKind::Cuda(n) => {
-            let api = cuda::api()?;
-            api.make_current(n)?;
-            unsafe { api.ipc_close(addr) }
+    // SAFETY: per the contract.
+    unsafe { ipc_runtime(kind)?.ipc_close(addr) }
+}
+
+/// The IPC calls of the runtimes that have them (CUDA, HIP); handles are 64 opaque
+/// bytes in both.
+trait IpcRuntime {
+    fn mem_range(&self, addr: u64) -> Result<(u64, usize)>;
+    fn ipc_handle(&self, base: u64) -> Result<[u8; 64]>;
+    fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64>;
+    /// # Safety
+    /// As the table's `ipc_close`.
+    unsafe fn ipc_close(&self, addr: u64) -> Result<()>;
+}
+
+macro_rules! ipc_table {
+    ($t:ty, $handle:expr) => {
+        impl IpcRuntime for $t {
+            fn mem_range(&self, addr: u64) -> Result<(u64, usize)> {
+                <$t>::mem_range(self, addr)
+            }
+            fn ipc_handle(&self, base: u64) -> Result<[u8; 64]> {
+                Ok(self.ipc_get_handle(base)?.reserved)
+            }
+            fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64> {
+                <$t>::ipc_open(self, &$handle(*handle))
+            }
+            unsafe fn ipc_close(&self, addr: u64) -> Result<()> {
+                // SAFETY: forwarded contract.
+                unsafe { <$t>::ipc_close(self, addr) }
+            }
         }
-        MemoryKind::Hip(n) => {
-            let api = hip::api()?;
-            api.make_current(n)?;
-            unsafe { api.ipc_close(addr) }
+    };
+}
+ipc_table!(cuda::Cuda, |reserved| cuda::CUipcMemHandle { reserved });
+ipc_table!(hip::Hip, |reserved| hip::HipIpcMemHandle { reserved });
+
+/// The IPC-capable runtime of a device kind, with that device made current.
+fn ipc_runtime(kind: MemoryKind) -> Result<&'static dyn IpcRuntime> {
+    let rt: &'static dyn IpcRuntime = match kind {
+        MemoryKind::Cuda(_) => cuda::api()?,
+        MemoryKind::Hip(_) => hip::api()?,
+        _ => {
+            return Err(Error::new(
+                Code::NotSupported,
+                format!("no IPC handles for {} memory", kind.location()),
+            ))
         }
-        _ => Ok(()),
-    }
+    };
+    // Makes the device current on this thread.
+    runtime(kind)?;
+    Ok(rt)
 }
 
 /// A dma-buf for GPUDirect RDMA registration (`ibv_reg_dmabuf_mr`): the descriptor

@@ -47,8 +47,17 @@ extern "C" {
 /* Version of this ABI; bumped on any incompatible change. */
 #define MC_ABI_VERSION 1
 
+/* Revision within MC_ABI_VERSION; bumped whenever functions are added (additions never
+ * change an existing function or struct). Revision 2 added the functions marked
+ * "(revision 2)". A program loading the library at run time checks
+ * mc_abi_revision() >= the revision it needs. */
+#define MC_ABI_REVISION 2
+
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
+
+/* The ABI revision the loaded library implements (revision 2). */
+uint32_t mc_abi_revision(void);
 
 /* ---------------------------------------------------------------- errors */
 
@@ -255,6 +264,22 @@ int mc_take_notification(mc_engine *engine, char *from, size_t from_len, char *m
 /* Asks an opened segment's engine whether it is alive: 0 if it answered. */
 int mc_probe(mc_engine *engine, uint64_t segment);
 
+/* ---------------------------------------------------------------- introspection */
+
+/* The port of the engine's handshake/RPC server (what P2PHANDSHAKE peers dial), or a
+ * negative error. (revision 2) */
+int mc_engine_rpc_port(mc_engine *engine);
+
+/* Copies a segment descriptor as Mooncake's JSON (name, protocol, devices,
+ * priority_matrix, buffers: [{name, addr, length, ...}], ...) into buf, NUL-terminated.
+ * segment 0 describes this engine's own segment (as published, including its NIC
+ * priority matrix); any other value is a handle from mc_open_segment (the cached
+ * descriptor; mc_resync_segment refreshes it). *needed_out (may be NULL) receives the
+ * bytes needed including the NUL, also on MC_ERR_BUFFER_OVERFLOW (buf is then set to ""
+ * when len > 0). (revision 2) */
+int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t len,
+                        size_t *needed_out);
+
 /* ---------------------------------------------------------------- store */
 
 /*
@@ -412,6 +437,74 @@ int mc_store_batch_get_into(mc_store *store, const char *const *keys, void *cons
 /* Existence of n keys: results[i] is 1, 0 or a negative error. See "Batches". */
 int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
                           int *results);
+
+/* ------------------------------------------------ store, revision 2 */
+
+/* Extra settings of a put beyond mc_replicate_config. Fill with mc_put_options_init. */
+typedef struct {
+    const char *const *group_ids; /* objects sharing lease and eviction fate (NULL
+                                     when group_ids_count is 0) */
+    size_t group_ids_count;
+    int upsert;                   /* nonzero: replace an existing value (refused with
+                                     MC_ERR_OBJECT_HAS_LEASE while a reader holds its
+                                     lease) instead of keeping it */
+} mc_put_options;
+
+/* Fills *opts with the defaults: no group, no upsert. NULL is ignored. (revision 2) */
+void mc_put_options_init(mc_put_options *opts);
+
+/* Puts n keys, each from one or more buffers whose bytes concatenate to the value: key
+ * i takes the next counts[i] entries of bufs/lens (so bufs and lens hold the sum of
+ * counts entries; a key with counts[i] == 0 fails with MC_ERR_INVALID_PARAMS). One round
+ * trip to the master. results[i] is 0 or a negative error. opts NULL: defaults. See
+ * "Batches". (revision 2) */
+int mc_store_batch_put_parts(mc_store *store, const char *const *keys, size_t n,
+                             const void *const *bufs, const size_t *lens,
+                             const size_t *counts, const mc_replicate_config *cfg,
+                             const mc_put_options *opts, int *results);
+
+/* Reads n keys, each into one or more buffers filled in order: key i takes the next
+ * counts[i] entries of bufs/caps. results[i] is the object's size (bytes read) or a
+ * negative error (MC_ERR_BUFFER_OVERFLOW when the buffers together are smaller than the
+ * object). See "Batches". (revision 2) */
+int mc_store_batch_get_parts(mc_store *store, const char *const *keys, size_t n,
+                             void *const *bufs, const size_t *caps, const size_t *counts,
+                             int64_t *results);
+
+/* Reads byte ranges of n objects: key i takes the next counts[i] ranges, range j copying
+ * the object's bytes [offsets[j], offsets[j] + lens[j]) into bufs[j]. A range past the
+ * object's end fails the key with MC_ERR_INVALID_PARAMS. results[i] is the bytes read for
+ * key i (the sum of its ranges) or a negative error. Checksums cover whole objects, so
+ * ranges are not checked against them. See "Batches". (revision 2) */
+int mc_store_batch_get_ranges(mc_store *store, const char *const *keys, size_t n,
+                              void *const *bufs, const uint64_t *offsets,
+                              const uint64_t *lens, const size_t *counts,
+                              int64_t *results);
+
+/* Removes n keys (leased ones only when force is nonzero); results[i] is 0 or a
+ * negative error (MC_ERR_OBJECT_NOT_FOUND, MC_ERR_OBJECT_HAS_LEASE, ...). See "Batches".
+ * (revision 2) */
+int mc_store_batch_remove(mc_store *store, const char *const *keys, size_t n, int force,
+                          int *results);
+
+/* Drops replicas of n keys: with segment NULL or "" every replica (the object is
+ * removed), else only the replica on that segment (the object is removed when it was
+ * the last one). Leased and unfinished objects are left alone. results[i] is 1 if
+ * something was dropped, 0 if not (not found, leased, no replica there), or a negative
+ * error. See "Batches". (revision 2) */
+int mc_store_batch_replica_clear(mc_store *store, const char *const *keys, size_t n,
+                                 const char *segment, int *results);
+
+/* Copies where the object under key lives as JSON into buf, NUL-terminated:
+ * {"size": N, "replicas": [{"kind": "memory", "status": "complete",
+ *   "pieces": [{"segment": S, "addr": A, "len": L}, ...]}, ...]}
+ * (pieces concatenate to the value; more than one when the object is striped). Leases
+ * the object like a read. *needed_out as for mc_segment_describe. (revision 2) */
+int mc_store_replica_desc(mc_store *store, const char *key, char *buf, size_t len,
+                          size_t *needed_out);
+
+/* 0 when the master answers, else a negative error (MC_ERR_RPC_FAIL, ...). (revision 2) */
+int mc_store_health(mc_store *store);
 
 #ifdef __cplusplus
 }

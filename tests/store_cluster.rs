@@ -324,3 +324,61 @@ fn admin_endpoints_report_the_pool() {
     let segs = mooncake::json::parse(&segs).unwrap();
     assert_eq!(segs.as_array().map(|a| a.len()), Some(1));
 }
+
+#[test]
+fn ranges_batch_remove_and_replica_clear() {
+    let s = server(10_000);
+    let n1 = client(&s, 32 * MIB);
+    let n2 = client(&s, 32 * MIB);
+    let c = client(&s, 0);
+    // Striped across slabs, so ranges straddle pieces.
+    let big = value(7, (9 * MIB + 77) as usize);
+    c.put("big", &big, &ReplicateConfig::default()).unwrap();
+    let mut a = vec![0u8; 100];
+    let mut b = vec![0u8; 5000];
+    let at = (4 * MIB - 2000) as usize;
+    let ranges = vec![vec![
+        (0u64, a.as_mut_ptr() as u64, 100u64),
+        (at as u64, b.as_mut_ptr() as u64, 5000),
+    ]];
+    // SAFETY: both buffers are owned here and outlive the call.
+    let r = unsafe { c.batch_get_ranges(&["big"], &ranges) };
+    assert_eq!(r[0].as_ref().unwrap(), &5100);
+    assert_eq!(a, big[..100]);
+    assert_eq!(b, big[at..at + 5000]);
+    let past = vec![vec![(big.len() as u64 - 10, a.as_mut_ptr() as u64, 11u64)]];
+    // SAFETY: as above.
+    let r = unsafe { c.batch_get_ranges(&["big"], &past) };
+    assert_eq!(r[0].as_ref().unwrap_err().code(), Code::InvalidParams);
+
+    let two = ReplicateConfig {
+        replica_num: 2,
+        ..Default::default()
+    };
+    for k in ["x", "y", "z"] {
+        c.put(k, &value(1, 1000), &two).unwrap();
+    }
+    // One replica dropped from n1 (nothing read, so nothing leased): the object stays.
+    let cleared = c.batch_replica_clear(&["x", "missing"], n1.hostname());
+    assert!(cleared[0].as_ref().unwrap());
+    assert!(!cleared[1].as_ref().unwrap());
+    assert!(!c.batch_replica_clear(&["x"], n1.hostname())[0].as_ref().unwrap());
+    assert!(c.exists("x").unwrap());
+    // Its last replica dropped: the object is gone.
+    assert!(c.batch_replica_clear(&["x"], n2.hostname())[0].as_ref().unwrap());
+    assert!(!c.exists("x").unwrap());
+    // Every replica at once.
+    assert!(c.batch_replica_clear(&["y"], "")[0].as_ref().unwrap());
+    assert!(!c.exists("y").unwrap());
+    // A read leases z: it is neither cleared nor removed without force.
+    let d = c.describe("z").unwrap();
+    assert_eq!(d.replicas.len(), 2);
+    assert_ne!(d.replicas[0].pieces[0].segment, d.replicas[1].pieces[0].segment);
+    assert!(!c.batch_replica_clear(&["z"], "")[0].as_ref().unwrap());
+    let removed = c.batch_remove(&["z", "nope"], false);
+    assert_eq!(removed[0].as_ref().unwrap_err().code(), Code::ObjectHasLease);
+    assert_eq!(removed[1].as_ref().unwrap_err().code(), Code::ObjectNotFound);
+    assert!(c.batch_remove(&["z"], true)[0].is_ok());
+    assert!(!c.exists("z").unwrap());
+    c.health().unwrap();
+}

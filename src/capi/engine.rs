@@ -457,3 +457,44 @@ pub unsafe extern "C" fn mc_probe(e: *mut McEngine, segment: u64) -> c_int {
         Ok(MC_OK)
     })
 }
+
+/// The port of the engine's RPC server, or a negative code.
+///
+/// # Safety
+/// `e` must be NULL or a live engine.
+#[no_mangle]
+pub unsafe extern "C" fn mc_engine_rpc_port(e: *mut McEngine) -> c_int {
+    guard("mc_engine_rpc_port", || {
+        // SAFETY: per the caller's contract.
+        let port = unsafe { engine(e)? }.rpc_port();
+        port.map(c_int::from)
+            .ok_or_else(|| Error::new(Code::UnavailableInCurrentStatus, "rpc server stopped"))
+    })
+}
+
+/// A segment's descriptor as Mooncake's JSON into `buf[..len]`; segment 0 is the
+/// engine's own.
+///
+/// # Safety
+/// `e` NULL or a live engine; `buf` NULL or writable for `len` bytes; `needed_out`
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_segment_describe(
+    e: *mut McEngine,
+    segment: u64,
+    buf: *mut c_char,
+    len: usize,
+    needed_out: *mut usize,
+) -> c_int {
+    guard("mc_segment_describe", || {
+        // SAFETY: per the caller's contract.
+        let engine = unsafe { engine(e)? };
+        let desc = match segment {
+            0 => engine.descriptor(),
+            s => engine.segment_descriptor(s)?,
+        };
+        let text = desc.to_json().to_string();
+        // SAFETY: per the caller's contract.
+        unsafe { super::answer_text(&text, buf, len, needed_out, "segment descriptor") }
+    })
+}

@@ -3,7 +3,7 @@
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::sync::OnceLock;
 
-use super::{guard_value, MC_ABI_VERSION};
+use super::{guard_value, MC_ABI_REVISION, MC_ABI_VERSION};
 use crate::error::Code;
 
 const SUCCESS: &CStr = c"success";
@@ -13,6 +13,12 @@ const UNKNOWN: &CStr = c"unknown error";
 #[no_mangle]
 pub extern "C" fn mc_abi_version() -> u32 {
     MC_ABI_VERSION
+}
+
+/// The revision of this ABI version the library implements (`MC_ABI_REVISION`).
+#[no_mangle]
+pub extern "C" fn mc_abi_revision() -> u32 {
+    MC_ABI_REVISION
 }
 
 /// A static description of an error code; "unknown error" for codes not in

@@ -12,11 +12,13 @@ mod config;
 mod engine;
 mod error;
 mod store;
+mod store_batch;
 
 pub use config::*;
 pub use engine::*;
 pub use error::*;
 pub use store::*;
+pub use store_batch::*;
 
 use std::any::Any;
 use std::ffi::{c_char, c_int, CStr};
@@ -27,6 +29,8 @@ use crate::error::{Code, Error, Result};
 
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
+/// `MC_ABI_REVISION`: functions added within this ABI version.
+pub const MC_ABI_REVISION: u32 = 2;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 
@@ -98,6 +102,40 @@ pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
     } else {
         Ok(())
     }
+}
+
+/// Copies a text answer into `buf[..len]` NUL-terminated, telling `*needed_out` (when
+/// not NULL) how many bytes it takes; `MC_ERR_BUFFER_OVERFLOW` (and `buf` set to "")
+/// when it does not fit.
+///
+/// # Safety
+/// `buf` must be NULL or writable for `len` bytes; `needed_out` NULL or writable.
+pub(crate) unsafe fn answer_text(
+    text: &str,
+    buf: *mut c_char,
+    len: usize,
+    needed_out: *mut usize,
+    what: &str,
+) -> Result<c_int> {
+    if !needed_out.is_null() {
+        // SAFETY: non-null and writable per the caller's contract.
+        unsafe { *needed_out = text.len() + 1 };
+    }
+    if len > 0 {
+        non_null(buf, "buf")?;
+    }
+    // SAFETY: `buf` is writable for `len` bytes (or `len` is 0 and nothing is written).
+    if len > 0 && unsafe { copy_out(text, buf, len) } {
+        return Ok(MC_OK);
+    }
+    if len > 0 {
+        // SAFETY: `buf` holds at least one byte.
+        unsafe { *buf = 0 };
+    }
+    Err(Error::new(
+        Code::BufferOverflow,
+        format!("{what} needs {} bytes, buffer has {len}", text.len() + 1),
+    ))
 }
 
 /// Copies `s` plus a NUL into `buf`; `false` (nothing copied) when it does not fit.

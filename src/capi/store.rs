@@ -150,7 +150,7 @@ pub unsafe extern "C" fn mc_replicate_config_init(cfg: *mut McReplicateConfig) {
 ///
 /// # Safety
 /// `p` must be NULL or point to `n` initialised elements that stay unchanged for `'a`.
-unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
+pub(super) unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
     if n == 0 {
         return Ok(&[]);
     }
@@ -167,7 +167,7 @@ unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
 ///
 /// # Safety
 /// `p` must be NULL or point to `n` writable elements not otherwise accessed in `'a`.
-unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T]> {
+pub(super) unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T]> {
     if n == 0 {
         return Ok(&mut []);
     }
@@ -184,7 +184,7 @@ unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T
 /// # Safety
 /// `cfg` must be NULL or readable, its `preferred_segments` NULL or
 /// `preferred_segments_count` readable pointers to NUL-terminated strings.
-unsafe fn replicate_config(cfg: *const McReplicateConfig) -> Result<ReplicateConfig> {
+pub(super) unsafe fn replicate_config(cfg: *const McReplicateConfig) -> Result<ReplicateConfig> {
     if cfg.is_null() {
         return Ok(ReplicateConfig::default());
     }
@@ -221,7 +221,7 @@ unsafe fn replicate_config(cfg: *const McReplicateConfig) -> Result<ReplicateCon
 
 /// [`guard`] for store calls: the codes engines meet in normal operation (a miss, a
 /// leased object, a full pool) are logged at debug level rather than as warnings.
-fn store_guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
+pub(super) fn store_guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
     guard(what, || {
         body().or_else(|e| match e.code() {
             Code::ObjectNotFound | Code::ObjectHasLease | Code::NoAvailableHandle => {
@@ -237,7 +237,7 @@ fn store_guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
 ///
 /// # Safety
 /// `s` must be NULL or a live pointer from `mc_store_new` not freed during `'a`.
-unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
+pub(super) unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
     non_null(s, "store")?;
     // SAFETY: non-null and live per the caller's contract; only shared access is made,
     // which `Client: Sync` allows from many threads.
@@ -249,7 +249,7 @@ unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
 ///
 /// # Safety
 /// `p` must be NULL or a NUL-terminated string unchanged during `'a`.
-unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
+pub(super) unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
     // SAFETY: per the caller's contract.
     unsafe { c_str(p, "key") }.map_err(|e| match p.is_null() {
         true => e,
@@ -258,7 +258,7 @@ unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
 }
 
 /// One negative code from a per-key result.
-fn code_of(e: &Error) -> c_int {
+pub(super) fn code_of(e: &Error) -> c_int {
     log::debug!("store key: {e}");
     e.code() as c_int
 }
@@ -268,7 +268,7 @@ fn code_of(e: &Error) -> c_int {
 ///
 /// # Safety
 /// Each of `keys` must be NULL or a NUL-terminated string unchanged during `'a`.
-unsafe fn batch_keys<'a>(
+pub(super) unsafe fn batch_keys<'a>(
     keys: &[*const c_char],
     no_buf: impl Fn(usize) -> bool,
 ) -> Vec<Result<&'a str>> {
@@ -287,7 +287,7 @@ unsafe fn batch_keys<'a>(
 
 /// Runs `run` on the usable keys (with their indexes in the batch) and puts its answers
 /// in place; the other keys keep their error.
-fn scatter<T>(
+pub(super) fn scatter<T>(
     keys: Vec<Result<&str>>,
     run: impl FnOnce(&[&str], &[usize]) -> Vec<Result<T>>,
 ) -> Vec<Result<T>> {

@@ -11,7 +11,7 @@ pub struct Args {
 }
 
 /// Flags that take no value.
-const SWITCHES: &[&str] = &["json", "help", "until-stdin-eof", "no-verify"];
+pub const SWITCHES: &[&str] = &["json", "help", "until-stdin-eof", "no-verify"];
 
 impl Args {
     pub fn parse(raw: &[String]) -> Result<Args, String> {

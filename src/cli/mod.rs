@@ -1,6 +1,7 @@
 //! Subcommands of the `mooncake` binary, over the library's public API.
 
 pub mod args;
+pub mod master_flags;
 pub mod replay;
 pub mod store;
 

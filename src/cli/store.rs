@@ -25,7 +25,8 @@ fn port_flag(a: &Args, key: &str, default: u16) -> Result<Option<u16>, String> {
 }
 
 pub fn master(raw: &[String]) -> Result<(), String> {
-    let a = Args::parse_with_aliases(raw, MASTER_ALIASES)?;
+    let translated = super::master_flags::translate(raw)?;
+    let a = Args::parse_with_aliases(&translated, MASTER_ALIASES)?;
     let mut cfg = ServerConfig {
         bind: a.get("bind", IpAddr::from([127, 0, 0, 1]))?,
         rpc_port: a.get("rpc-port", 50051)?,
@@ -36,21 +37,31 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     if !a.get("enable-http-metadata-server", true)? {
         cfg.metadata_port = None;
     }
+    if !a.get("enable-metric-reporting", true)? {
+        cfg.metrics_port = None;
+    }
     let m = &mut cfg.master;
     m.lease_ttl = Duration::from_millis(a.get("lease-ttl-ms", m.lease_ttl.as_millis() as u64)?);
     m.eviction_high_watermark = a.get("eviction-high-watermark", m.eviction_high_watermark)?;
     m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
     m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
+    m.put_start_discard_timeout = Duration::from_secs(a.get(
+        "put-start-discard-timeout",
+        m.put_start_discard_timeout.as_secs(),
+    )?);
+    m.put_start_release_timeout = Duration::from_secs(a.get(
+        "put-start-release-timeout",
+        m.put_start_release_timeout.as_secs(),
+    )?);
     if let Some(s) = a.str("allocation-strategy") {
         m.allocation_strategy = AllocationStrategy::parse(s).ok_or_else(|| {
             format!("--allocation-strategy: {s:?} (random, free_ratio_first, local_first)")
         })?;
     }
-    // Accepted for launch-script compatibility; this build keeps the soft-pin TTL per put.
-    let _ = a.str("default-kv-soft-pin-ttl");
-    let _ = a.str("cluster-id");
-    if a.get("enable-ha", false)? || a.str("etcd-endpoints").is_some() {
-        return Err("high availability through etcd is not available in this build".into());
+    // Each put carries its own soft-pin TTL (ReplicateConfig, default 30 min).
+    let soft_pin_ttl: u64 = a.get("default-soft-pin-ttl-ms", 1_800_000)?;
+    if soft_pin_ttl != 1_800_000 {
+        log::warn!("--default_kv_soft_pin_ttl: puts carry their own soft-pin TTL here (ReplicateConfig.soft_pin_ttl_ms)");
     }
     let until_eof = a.flag("until-stdin-eof");
     a.finish()?;

@@ -287,6 +287,12 @@ impl Engine {
         &self.config
     }
 
+    /// The port of the handshake/RPC server (what P2PHANDSHAKE peers dial).
+    pub fn rpc_port(&self) -> Option<u16> {
+        let server = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner());
+        server.as_ref().map(|s| s.local_addr().port())
+    }
+
     pub fn stats(&self) -> Stats {
         let c = &self.counters;
         let bytes = |k: Kind| c.bytes[k as usize].load(Ordering::Relaxed);

@@ -76,6 +76,29 @@ pub fn default_metadata(master_address: &str) -> String {
 /// the value.
 pub type Parts = Vec<(u64, u64)>;
 
+/// Local memory placed against an object's bytes: `(object offset, local address,
+/// length)` each.
+pub type Fragments = Vec<(u64, u64, u64)>;
+
+/// Parts laid end to end from the object's first byte.
+fn fragments(parts: &Parts) -> Fragments {
+    let mut off = 0;
+    parts
+        .iter()
+        .map(|&(addr, len)| {
+            let f = (off, addr, len);
+            off += len;
+            f
+        })
+        .collect()
+}
+
+/// What a read fills: whole objects, or byte ranges of them.
+enum ReadInto<'a> {
+    Whole(&'a [Parts]),
+    Ranges(&'a [Fragments]),
+}
+
 struct Shared {
     id: u64,
     rpc: RpcClient,
@@ -189,7 +212,9 @@ impl Client {
         let mut buf = vec![0u8; desc.size as usize];
         let parts = vec![(buf.as_mut_ptr() as u64, desc.size)];
         // SAFETY: `buf` is owned here and outlives the transfer.
-        one(unsafe { self.read_objects(&[key], vec![Ok(desc)], &[parts], asked) })?;
+        one(unsafe {
+            self.read_objects(&[key], vec![Ok(desc)], ReadInto::Whole(&[parts]), asked)
+        })?;
         Ok(buf)
     }
 
@@ -255,7 +280,8 @@ impl Client {
                 Err(code) => Err(Error::new(*code, format!("put {:?}", keys[i]))),
             });
         }
-        let outcome = self.move_replicas(Op::Write, &plan, parts);
+        let frags: Vec<Fragments> = parts.iter().map(fragments).collect();
+        let outcome = self.move_replicas(Op::Write, &plan, &frags);
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
         for (i, r) in started.iter().enumerate() {
@@ -313,22 +339,22 @@ impl Client {
         results
     }
 
-    /// Moves every (key index, replica) in `plan` between local `parts` and the
+    /// Moves every (key index, replica) in `plan` between local `frags` and the
     /// replicas in one engine batch. Per key: None if not in the plan, else whether
     /// every replica of it moved.
     fn move_replicas(
         &self,
         op: Op,
         plan: &[(usize, ReplicaDesc)],
-        parts: &[Parts],
+        frags: &[Fragments],
     ) -> Vec<Option<Result<()>>> {
-        let mut outcome: Vec<Option<Result<()>>> = vec![None; parts.len()];
+        let mut outcome: Vec<Option<Result<()>>> = vec![None; frags.len()];
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
         for (i, rep) in plan {
             let mut off = 0;
             for piece in &rep.pieces {
-                match self.scatter(op, &parts[*i], off, piece) {
+                match self.scatter(op, &frags[*i], off, piece) {
                     Ok(rs) => {
                         owner.extend(std::iter::repeat_n(*i, rs.len()));
                         reqs.extend(rs);
@@ -353,30 +379,29 @@ impl Client {
         outcome
     }
 
-    /// Engine requests moving the value bytes `[off, off+piece.len)` of `parts`.
+    /// Engine requests moving the value bytes `[off, off+piece.len)` that `frags`
+    /// cover.
     fn scatter(
         &self,
         op: Op,
-        parts: &Parts,
+        frags: &Fragments,
         off: u64,
         piece: &Piece,
     ) -> Result<Vec<crate::engine::Request>> {
         let segment = self.engine.open_segment(&piece.segment)?;
         let mut out = Vec::new();
-        let mut part_start = 0;
-        for &(addr, len) in parts {
-            let lo = off.max(part_start);
-            let hi = (off + piece.len).min(part_start + len);
+        for &(start, addr, len) in frags {
+            let lo = off.max(start);
+            let hi = (off + piece.len).min(start + len);
             if lo < hi {
                 out.push(crate::engine::Request {
                     op,
-                    local: addr + (lo - part_start),
+                    local: addr + (lo - start),
                     segment,
                     remote: piece.addr + (lo - off),
                     len: hi - lo,
                 });
             }
-            part_start += len;
         }
         Ok(out)
     }
@@ -443,7 +468,28 @@ impl Client {
         let asked = Instant::now();
         let descs = self.replicas(keys);
         // SAFETY: forwarded from the caller.
-        unsafe { self.read_objects(keys, descs, parts, asked) }
+        unsafe { self.read_objects(keys, descs, ReadInto::Whole(parts), asked) }
+    }
+
+    /// Reads byte ranges of several keys: per key, `(object offset, local address,
+    /// length)` ranges; per key the bytes read or an error (`INVALID_PARAMS` for a range
+    /// past the object's end). Ranges are not checked against the object's checksum,
+    /// which covers the whole value.
+    ///
+    /// # Safety
+    /// Every range's local memory must be writable for its length, and untouched by
+    /// others, until the call returns.
+    pub unsafe fn batch_get_ranges(&self, keys: &[&str], ranges: &[Fragments]) -> Vec<Result<u64>> {
+        if keys.len() != ranges.len() {
+            return all_err(
+                keys.len(),
+                Error::invalid("keys and ranges differ in count"),
+            );
+        }
+        let asked = Instant::now();
+        let descs = self.replicas(keys);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.read_objects(keys, descs, ReadInto::Ranges(ranges), asked) }
     }
 
     /// # Safety
@@ -452,27 +498,26 @@ impl Client {
         &self,
         keys: &[&str],
         descs: Vec<Result<ObjectDesc>>,
-        parts: &[Parts],
+        into: ReadInto,
         asked: Instant,
     ) -> Vec<Result<u64>> {
         let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
         let mut choices: Vec<Vec<ReplicaDesc>> = Vec::with_capacity(keys.len());
+        let frags: Vec<Fragments> = match into {
+            ReadInto::Whole(parts) => parts.iter().map(fragments).collect(),
+            ReadInto::Ranges(ranges) => ranges.to_vec(),
+        };
         for (i, d) in descs.iter().enumerate() {
             choices.push(Vec::new());
             results.push(match d {
                 Err(e) => Err(e.clone()),
-                Ok(d) => {
-                    let room: u64 = parts[i].iter().map(|p| p.1).sum();
-                    if room < d.size {
-                        Err(Error::new(
-                            Code::BufferOverflow,
-                            format!("{:?} is {} bytes, buffer {room}", keys[i], d.size),
-                        ))
-                    } else {
+                Ok(d) => match Self::fits(keys[i], d.size, &frags[i], &into) {
+                    Ok(n) => {
                         choices[i] = self.preference(&d.replicas);
-                        Ok(d.size)
+                        Ok(n)
                     }
-                }
+                    Err(e) => Err(e),
+                },
             });
         }
         // Try each key's best replica; on failure its next one, and so on.
@@ -487,7 +532,7 @@ impl Client {
             if plan.is_empty() {
                 break;
             }
-            let outcome = self.move_replicas(Op::Read, &plan, parts);
+            let outcome = self.move_replicas(Op::Read, &plan, &frags);
             pending.retain(|&i| match &outcome[i] {
                 Some(Err(e)) => {
                     last_err.insert(i, e.clone());
@@ -530,7 +575,7 @@ impl Client {
                 ));
                 continue;
             }
-            if self.config.verify_checksum {
+            if let (ReadInto::Whole(parts), true) = (&into, self.config.verify_checksum) {
                 // SAFETY: the parts were just written by the completed read.
                 let crc = unsafe { crc_prefix(&parts[i], d.size) };
                 if crc != d.crc32c {
@@ -545,6 +590,32 @@ impl Client {
             }
         }
         results
+    }
+
+    /// The bytes a read of a `size`-byte object into `frags` gives, or why it cannot.
+    fn fits(key: &str, size: u64, frags: &Fragments, into: &ReadInto) -> Result<u64> {
+        match into {
+            ReadInto::Whole(_) => {
+                let room: u64 = frags.iter().map(|f| f.2).sum();
+                if room < size {
+                    return Err(Error::new(
+                        Code::BufferOverflow,
+                        format!("{key:?} is {size} bytes, buffer {room}"),
+                    ));
+                }
+                Ok(size)
+            }
+            ReadInto::Ranges(_) => {
+                frags
+                    .iter()
+                    .try_fold(0u64, |total, &(off, _, len)| match off.checked_add(len) {
+                        Some(end) if end <= size => Ok(total + len),
+                        _ => Err(Error::invalid(format!(
+                            "range [{off}, +{len}) past the end of {key:?} ({size} bytes)"
+                        ))),
+                    })
+            }
+        }
     }
 
     /// Replicas in read preference: our own memory, then same-host peers, then remote.
@@ -597,6 +668,67 @@ impl Client {
     /// The object's size (takes a read lease, like Mooncake's).
     pub fn size(&self, key: &str) -> Result<u64> {
         one(self.replicas(&[key])).map(|d| d.size)
+    }
+
+    /// Where `key` lives: size, checksum and complete replicas (leases it, like a read).
+    pub fn describe(&self, key: &str) -> Result<ObjectDesc> {
+        one(self.replicas(&[key]))
+    }
+
+    /// Removes several keys in one round trip; per-key results.
+    pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<Result<()>> {
+        self.per_key(
+            Request::RemoveKeys {
+                keys: keys.iter().map(|k| k.to_string()).collect(),
+                force,
+            },
+            keys,
+            "remove",
+        )
+    }
+
+    /// Drops the replicas of several keys on `segment` (every replica when it is
+    /// empty); per key whether something was dropped. Objects being written or read,
+    /// and keys with no replica there, are left alone (`false`).
+    pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> Vec<Result<bool>> {
+        let req = Request::ReplicaClear {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            segment: segment.to_owned(),
+        };
+        self.per_key(req, keys, "replica clear")
+            .into_iter()
+            .map(|r| match r {
+                Ok(()) => Ok(true),
+                Err(e) => match e.code() {
+                    Code::ObjectNotFound
+                    | Code::ObjectHasLease
+                    | Code::ReplicaIsNotReady
+                    | Code::SegmentNotFound => Ok(false),
+                    _ => Err(e),
+                },
+            })
+            .collect()
+    }
+
+    /// Sends a request answered per key and names each failure after `what` and its key.
+    fn per_key(&self, req: Request, keys: &[&str], what: &str) -> Vec<Result<()>> {
+        match self.call(req) {
+            Ok(Response::PerKey(r)) if r.len() == keys.len() => r
+                .into_iter()
+                .zip(keys)
+                .map(|(r, k)| r.map_err(|c| Error::new(c, format!("{what} {k:?}"))))
+                .collect(),
+            Ok(other) => all_err(
+                keys.len(),
+                Error::protocol(format!("unexpected answer {other:?}")),
+            ),
+            Err(e) => all_err(keys.len(), e),
+        }
+    }
+
+    /// Whether the master answers.
+    pub fn health(&self) -> Result<()> {
+        self.stats().map(|_| ())
     }
 
     pub fn remove(&self, key: &str, force: bool) -> Result<()> {

@@ -133,6 +133,17 @@ pub enum Request {
         force: bool,
     },
     Stats,
+    /// Removes each key (leased ones only with `force`); per-key results.
+    RemoveKeys {
+        keys: Vec<String>,
+        force: bool,
+    },
+    /// Drops the replicas of each key on `segment` (every replica when empty); per key
+    /// `Ok` when something was dropped.
+    ReplicaClear {
+        keys: Vec<String>,
+        segment: String,
+    },
 }
 
 /// Result of one key in a batch: `Ok` or a store code.
@@ -165,6 +176,8 @@ impl Request {
             Request::RemoveAll { .. } => 10,
             Request::RemoveByRegex { .. } => 11,
             Request::Stats => 12,
+            Request::RemoveKeys { .. } => 13,
+            Request::ReplicaClear { .. } => 14,
         }
     }
 
@@ -219,6 +232,18 @@ impl Request {
                 w.str(pattern).bool(*force);
             }
             Request::Stats => {}
+            Request::RemoveKeys { keys, force } => {
+                w.list(keys, |w, k| {
+                    w.str(k);
+                });
+                w.bool(*force);
+            }
+            Request::ReplicaClear { keys, segment } => {
+                w.list(keys, |w, k| {
+                    w.str(k);
+                });
+                w.str(segment);
+            }
         }
     }
 
@@ -269,6 +294,14 @@ impl Request {
                 force: r.bool()?,
             },
             12 => Request::Stats,
+            13 => Request::RemoveKeys {
+                keys: keys(&mut r)?,
+                force: r.bool()?,
+            },
+            14 => Request::ReplicaClear {
+                keys: keys(&mut r)?,
+                segment: r.string()?,
+            },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
@@ -397,7 +430,7 @@ impl Response {
             },
             2 | 3 => Response::Done,
             4 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
-            5 | 6 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
+            5 | 6 | 13 | 14 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
             7 => Response::GetReplicas(r.list(4, |r| {
                 decode_result(r, |r| {
                     Ok(ObjectDesc {

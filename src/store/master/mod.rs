@@ -178,6 +178,14 @@ impl Master {
                 Response::Count(self.remove_matching(|k| re.is_match(k), force))
             }
             Request::Stats => Response::Stats(self.stats()),
+            Request::RemoveKeys { keys, force } => {
+                Response::PerKey(keys.iter().map(|k| self.remove(k, force)).collect())
+            }
+            Request::ReplicaClear { keys, segment } => Response::PerKey(
+                keys.iter()
+                    .map(|k| self.replica_clear(k, &segment))
+                    .collect(),
+            ),
         })
     }
 
@@ -514,6 +522,36 @@ impl Master {
                 (Removal::Kept(code), None) => Err(code),
             },
         }
+    }
+
+    /// Drops `key`'s replicas that have a piece on `segment` (every replica when
+    /// `segment` is empty); the object goes with its last replica. Objects that are
+    /// being written or read are left alone.
+    fn replica_clear(&self, key: &str, segment: &str) -> KeyResult<()> {
+        check_key(key)?;
+        let now = self.clock.now_ms();
+        let mut map = Self::lock(self.shard(key));
+        let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
+        if !o.complete {
+            return Err(Code::ReplicaIsNotReady);
+        }
+        if o.lease_until_ms > now {
+            return Err(Code::ObjectHasLease);
+        }
+        let on_segment =
+            |r: &ReplicaAlloc| segment.is_empty() || r.iter().any(|p| p.piece().segment == segment);
+        let doomed = o.replicas.iter().filter(|r| on_segment(r)).count();
+        if doomed == 0 {
+            return Err(Code::SegmentNotFound);
+        }
+        if doomed < o.replicas.len() {
+            // Not leased, so no reader can be using the dropped space.
+            o.replicas.retain(|r| !on_segment(r));
+            return Ok(());
+        }
+        map.remove(key);
+        self.objects.fetch_sub(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Decides a removal. Space that someone may still touch (a writer mid-put, a

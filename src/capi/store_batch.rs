@@ -1,0 +1,426 @@
+//! Revision 2 of the store ABI: multi-buffer and ranged batches, batch removal,
+//! replica clearing and descriptors, health. Same translation rules as `store.rs`.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use super::store::{
+    array, array_mut, batch_keys, code_of, key, replicate_config, scatter, store, store_guard,
+};
+use super::{answer_text, c_str, McReplicateConfig, McStore, MC_OK};
+use crate::error::{Error, Result};
+use crate::json::Value;
+use crate::store::client::{Fragments, Parts};
+use crate::store::protocol::ObjectDesc;
+
+/// `mc_put_options`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct McPutOptions {
+    pub group_ids: *const *const c_char,
+    pub group_ids_count: usize,
+    pub upsert: c_int,
+}
+
+/// Fills `*opts` with the defaults: no group, no upsert. NULL is ignored.
+///
+/// # Safety
+/// `opts` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_put_options_init(opts: *mut McPutOptions) {
+    if opts.is_null() {
+        return;
+    }
+    // SAFETY: non-null and writable per the caller's contract; `write` reads nothing
+    // from the old value.
+    unsafe {
+        opts.write(McPutOptions {
+            group_ids: std::ptr::null(),
+            group_ids_count: 0,
+            upsert: 0,
+        })
+    };
+}
+
+/// Group ids and the upsert flag of `opts` (NULL: none, no upsert).
+///
+/// # Safety
+/// `opts` must be NULL or readable, its `group_ids` NULL or `group_ids_count` readable
+/// pointers to NUL-terminated strings.
+unsafe fn put_options(opts: *const McPutOptions) -> Result<(Vec<String>, bool)> {
+    if opts.is_null() {
+        return Ok((Vec::new(), false));
+    }
+    // SAFETY: non-null and readable per the caller's contract.
+    let o = unsafe { &*opts };
+    // SAFETY: per the caller's contract.
+    let ids = unsafe { array(o.group_ids, o.group_ids_count, "group_ids")? };
+    let groups = ids
+        .iter()
+        // SAFETY: each is NULL (refused) or a NUL-terminated string.
+        .map(|&p| unsafe { c_str(p, "group id") }.map(str::to_owned))
+        .collect::<Result<_>>()?;
+    Ok((groups, o.upsert != 0))
+}
+
+/// Splits `n` keys' consecutive entries by `counts`: the start of each key's run, and
+/// the total number of entries.
+fn runs(counts: &[usize]) -> Result<(Vec<usize>, usize)> {
+    let mut starts = Vec::with_capacity(counts.len());
+    let mut total = 0usize;
+    for &c in counts {
+        starts.push(total);
+        total = total
+            .checked_add(c)
+            .ok_or_else(|| Error::invalid("counts overflow"))?;
+    }
+    Ok((starts, total))
+}
+
+/// A key whose run is empty or holds a NULL buffer cannot be asked.
+fn run_is_bad<T>(bufs: &[*const T], start: usize, count: usize) -> bool {
+    count == 0 || bufs[start..start + count].iter().any(|b| b.is_null())
+}
+
+/// Puts `n` keys from runs of buffers; per key 0 or a negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys`, `counts` and `results` NULL (only with `n == 0`) or arrays
+/// of `n`; `bufs` and `lens` arrays of the sum of `counts`; each key NULL or
+/// NUL-terminated; each buffer NULL or readable for its length during the call; `cfg`
+/// as for `mc_store_put`; `opts` NULL or a valid `mc_put_options`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_put_parts(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    bufs: *const *const c_void,
+    lens: *const usize,
+    counts: *const usize,
+    cfg: *const McReplicateConfig,
+    opts: *const McPutOptions,
+    results: *mut c_int,
+) -> c_int {
+    store_guard("mc_store_batch_put_parts", || {
+        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        let (client, keys, counts) = unsafe {
+            (
+                store(s)?,
+                array(keys, n, "keys")?,
+                array(counts, n, "counts")?,
+            )
+        };
+        let (starts, total) = runs(counts)?;
+        // SAFETY: per the caller's contract (`bufs` and `lens` hold `total` elements).
+        let (bufs, lens) = unsafe { (array(bufs, total, "bufs")?, array(lens, total, "lens")?) };
+        // SAFETY: per the caller's contract.
+        let (mut cfg, (groups, upsert)) = unsafe { (replicate_config(cfg)?, put_options(opts)?) };
+        cfg.group_ids = groups;
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |i| run_is_bad(bufs, starts[i], counts[i])) };
+        let answers = scatter(checked, |good, index| {
+            let parts: Vec<Parts> = index
+                .iter()
+                .map(|&i| {
+                    let run = starts[i]..starts[i] + counts[i];
+                    bufs[run.clone()]
+                        .iter()
+                        .zip(&lens[run])
+                        .map(|(&b, &l)| (b as u64, l as u64))
+                        .collect()
+                })
+                .collect();
+            // SAFETY: every buffer left is readable for its length during the call.
+            unsafe { client.batch_put_from(good, &parts, &cfg, upsert) }
+        });
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| code_of(&e), |()| MC_OK);
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Writes per-key sizes or codes into `results`.
+fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
+    for (slot, a) in results.iter_mut().zip(answers) {
+        *slot = match a {
+            Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
+            Err(e) => code_of(&e).into(),
+        };
+    }
+}
+
+/// Reads `n` keys into runs of buffers; per key the object's size or a negative code.
+///
+/// # Safety
+/// `s` a live store; `keys`, `counts` and `results` NULL (only with `n == 0`) or arrays
+/// of `n`; `bufs` and `caps` arrays of the sum of `counts`; each key NULL or
+/// NUL-terminated; each buffer NULL or writable for its capacity, untouched by others
+/// during the call, and not overlapping another.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_get_parts(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    bufs: *const *mut c_void,
+    caps: *const usize,
+    counts: *const usize,
+    results: *mut i64,
+) -> c_int {
+    store_guard("mc_store_batch_get_parts", || {
+        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        let (client, keys, counts) = unsafe {
+            (
+                store(s)?,
+                array(keys, n, "keys")?,
+                array(counts, n, "counts")?,
+            )
+        };
+        let (starts, total) = runs(counts)?;
+        // SAFETY: per the caller's contract (`bufs` and `caps` hold `total` elements).
+        let (bufs, caps) = unsafe { (array(bufs, total, "bufs")?, array(caps, total, "caps")?) };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        let consts: Vec<*const c_void> = bufs.iter().map(|&b| b.cast_const()).collect();
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |i| run_is_bad(&consts, starts[i], counts[i])) };
+        let answers = scatter(checked, |good, index| {
+            let parts: Vec<Parts> = index
+                .iter()
+                .map(|&i| {
+                    let run = starts[i]..starts[i] + counts[i];
+                    bufs[run.clone()]
+                        .iter()
+                        .zip(&caps[run])
+                        .map(|(&b, &c)| (b as u64, c as u64))
+                        .collect()
+                })
+                .collect();
+            // SAFETY: every buffer left is writable for its capacity during the call.
+            unsafe { client.batch_get_into(good, &parts) }
+        });
+        size_results(results, answers);
+        Ok(MC_OK)
+    })
+}
+
+/// Reads byte ranges of `n` keys; per key the bytes read or a negative code.
+///
+/// # Safety
+/// `s` a live store; `keys`, `counts` and `results` NULL (only with `n == 0`) or arrays
+/// of `n`; `bufs`, `offsets` and `lens` arrays of the sum of `counts`; each key NULL or
+/// NUL-terminated; each buffer NULL or writable for its length, untouched by others
+/// during the call, and not overlapping another.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_get_ranges(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    bufs: *const *mut c_void,
+    offsets: *const u64,
+    lens: *const u64,
+    counts: *const usize,
+    results: *mut i64,
+) -> c_int {
+    store_guard("mc_store_batch_get_ranges", || {
+        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        let (client, keys, counts) = unsafe {
+            (
+                store(s)?,
+                array(keys, n, "keys")?,
+                array(counts, n, "counts")?,
+            )
+        };
+        let (starts, total) = runs(counts)?;
+        // SAFETY: per the caller's contract (these hold `total` elements).
+        let (bufs, offsets, lens) = unsafe {
+            (
+                array(bufs, total, "bufs")?,
+                array(offsets, total, "offsets")?,
+                array(lens, total, "lens")?,
+            )
+        };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        let consts: Vec<*const c_void> = bufs.iter().map(|&b| b.cast_const()).collect();
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |i| run_is_bad(&consts, starts[i], counts[i])) };
+        let answers = scatter(checked, |good, index| {
+            let ranges: Vec<Fragments> = index
+                .iter()
+                .map(|&i| {
+                    (starts[i]..starts[i] + counts[i])
+                        .map(|j| (offsets[j], bufs[j] as u64, lens[j]))
+                        .collect()
+                })
+                .collect();
+            // SAFETY: every buffer left is writable for its length during the call.
+            unsafe { client.batch_get_ranges(good, &ranges) }
+        });
+        size_results(results, answers);
+        Ok(MC_OK)
+    })
+}
+
+/// Removes `n` keys; per key 0 or a negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys` and `results` NULL (only with `n == 0`) or arrays of `n`;
+/// each key NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_remove(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    force: c_int,
+    results: *mut c_int,
+) -> c_int {
+    store_guard("mc_store_batch_remove", || {
+        // SAFETY: per the caller's contract.
+        let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |_| false) };
+        let answers = scatter(checked, |good, _| client.batch_remove(good, force != 0));
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| code_of(&e), |()| MC_OK);
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Drops replicas of `n` keys on `segment` (NULL or "": all); per key 1, 0 or a
+/// negative code in `results`.
+///
+/// # Safety
+/// `s` a live store; `keys` and `results` NULL (only with `n == 0`) or arrays of `n`;
+/// each key NULL or NUL-terminated; `segment` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_replica_clear(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    segment: *const c_char,
+    results: *mut c_int,
+) -> c_int {
+    store_guard("mc_store_batch_replica_clear", || {
+        // SAFETY: per the caller's contract.
+        let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
+        let segment = match segment.is_null() {
+            true => "",
+            // SAFETY: non-null and NUL-terminated per the caller's contract.
+            false => unsafe { c_str(segment, "segment")? },
+        };
+        // SAFETY: as above; `results` is not read.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |_| false) };
+        let answers = scatter(checked, |good, _| client.batch_replica_clear(good, segment));
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| code_of(&e), c_int::from);
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// The JSON `mc_store_replica_desc` gives for an object.
+fn replica_json(d: &ObjectDesc) -> Value {
+    let replicas = d.replicas.iter().map(|r| {
+        let pieces = r.pieces.iter().map(|p| {
+            Value::object([
+                ("segment", Value::from(p.segment.as_str())),
+                ("addr", p.addr.into()),
+                ("len", p.len.into()),
+            ])
+        });
+        Value::object([
+            ("kind", Value::from("memory")),
+            ("status", Value::from("complete")),
+            ("pieces", Value::Array(pieces.collect())),
+        ])
+    });
+    Value::object([
+        ("size", Value::from(d.size)),
+        ("replicas", Value::Array(replicas.collect())),
+    ])
+}
+
+/// Where `key` lives, as JSON into `buf[..len]`.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated; `buf` NULL or writable for `len`
+/// bytes; `needed_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_replica_desc(
+    s: *mut McStore,
+    k: *const c_char,
+    buf: *mut c_char,
+    len: usize,
+    needed_out: *mut usize,
+) -> c_int {
+    store_guard("mc_store_replica_desc", || {
+        // SAFETY: per the caller's contract.
+        let (client, key) = unsafe { (store(s)?, key(k)?) };
+        let text = replica_json(&client.describe(key)?).to_string();
+        // SAFETY: per the caller's contract.
+        unsafe { answer_text(&text, buf, len, needed_out, "replica descriptor") }
+    })
+}
+
+/// 0 when the master answers, else a negative code.
+///
+/// # Safety
+/// `s` a live store.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_health(s: *mut McStore) -> c_int {
+    store_guard("mc_store_health", || {
+        // SAFETY: per the caller's contract.
+        unsafe { store(s)? }.health()?;
+        Ok(MC_OK)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_consecutive_entries() {
+        assert_eq!(runs(&[2, 0, 3]).unwrap(), (vec![0, 2, 2], 5));
+        assert!(runs(&[usize::MAX, 1]).is_err());
+        let bufs = [1 as *const u8, std::ptr::null(), 3 as *const u8];
+        assert!(!run_is_bad(&bufs, 0, 1));
+        assert!(run_is_bad(&bufs, 0, 2));
+        assert!(run_is_bad(&bufs, 2, 0));
+    }
+
+    #[test]
+    fn replica_json_lists_pieces_in_order() {
+        use crate::store::protocol::{Piece, ReplicaDesc};
+        let d = ObjectDesc {
+            size: 10,
+            crc32c: 0,
+            lease_ms: 1,
+            replicas: vec![ReplicaDesc {
+                pieces: vec![
+                    Piece {
+                        segment: "a:1".into(),
+                        addr: 4096,
+                        len: 6,
+                    },
+                    Piece {
+                        segment: "b:2".into(),
+                        addr: 8192,
+                        len: 4,
+                    },
+                ],
+            }],
+        };
+        assert_eq!(
+            replica_json(&d).to_string(),
+            r#"{"size":10,"replicas":[{"kind":"memory","status":"complete","pieces":[{"segment":"a:1","addr":4096,"len":6},{"segment":"b:2","addr":8192,"len":4}]}]}"#
+        );
+    }
+}

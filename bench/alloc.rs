@@ -24,7 +24,8 @@ const TOKENS_PER_BLOCK: u64 = 512;
 struct Params {
     ops: u64,
     batch: u64,
-    trace: String,
+    /// `None`: the shipped trace (built in).
+    trace: Option<String>,
     bytes_per_token: u64,
     capacity: u64,
     slab_size: Option<u64>,
@@ -48,7 +49,7 @@ fn parse_args(args: &[String]) -> Result<Params, String> {
     let mut p = Params {
         ops: 2_000_000,
         batch: 1000,
-        trace: default_trace(),
+        trace: None,
         bytes_per_token: 128,
         capacity: 1 << 30,
         slab_size: None,
@@ -59,7 +60,7 @@ fn parse_args(args: &[String]) -> Result<Params, String> {
         match flag.as_str() {
             "--ops" => p.ops = parse_size(value)?,
             "--batch" => p.batch = parse_size(value)?.max(1),
-            "--trace" => p.trace = value.clone(),
+            "--trace" => p.trace = Some(value.clone()),
             "--bytes-per-token" => p.bytes_per_token = parse_size(value)?.max(1),
             "--capacity" => p.capacity = parse_size(value)?,
             "--slab-size" => p.slab_size = Some(parse_size(value)?),
@@ -67,19 +68,6 @@ fn parse_args(args: &[String]) -> Result<Params, String> {
         }
     }
     Ok(p)
-}
-
-/// `../shared/traces/conversation_trace.jsonl` next to the crate root.
-fn default_trace() -> String {
-    let beside_crate = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../shared/traces/conversation_trace.jsonl"
-    );
-    if std::path::Path::new(beside_crate).exists() {
-        beside_crate.to_owned()
-    } else {
-        "../shared/traces/conversation_trace.jsonl".to_owned()
-    }
 }
 
 fn round1(x: f64) -> f64 {
@@ -197,8 +185,9 @@ fn pair_figures(p: &Params) -> Result<(), String> {
 
 /// Object sizes in trace order: one per 512-token block, the last block of a
 /// request holding the remainder of its input.
-fn trace_sizes(path: &str, bytes_per_token: u64) -> Result<Vec<u64>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("reading trace {path}: {e}"))?;
+fn trace_sizes(path: Option<&str>, bytes_per_token: u64) -> Result<Vec<u64>, String> {
+    let text = crate::cli::trace::text(path)?;
+    let path = crate::cli::trace::name(path);
     let mut sizes = Vec::new();
     for (n, line) in text
         .lines()
@@ -249,7 +238,14 @@ fn utilization(p: &Params, sizes: &[u64], config: AllocatorConfig, label: &str) 
         ("bench", Value::from("alloc")),
         ("figure", "utilization".into()),
         ("config", label.into()),
-        ("trace", p.trace.rsplit('/').next().unwrap_or("").into()),
+        (
+            "trace",
+            crate::cli::trace::name(p.trace.as_deref())
+                .rsplit('/')
+                .next()
+                .unwrap_or("")
+                .into(),
+        ),
         ("bytes_per_token", p.bytes_per_token.into()),
         ("capacity", p.capacity.into()),
         ("slab_size", a.slab_size().into()),
@@ -270,7 +266,7 @@ fn utilization(p: &Params, sizes: &[u64], config: AllocatorConfig, label: &str) 
 pub fn run(args: &[String]) -> Result<(), String> {
     let p = parse_args(args)?;
     pair_figures(&p)?;
-    let sizes = trace_sizes(&p.trace, p.bytes_per_token)?;
+    let sizes = trace_sizes(p.trace.as_deref(), p.bytes_per_token)?;
     let base = AllocatorConfig::default();
     match p.slab_size {
         Some(slab_size) => utilization(&p, &sizes, AllocatorConfig { slab_size, ..base }, "given"),

@@ -5,7 +5,7 @@ use std::fmt;
 use std::io;
 
 /// Error codes shared with the C ABI. Values that also exist in Mooncake Store's
-/// error space keep the same number (see `shared/docs/store.md`); engine-only
+/// error space keep the same number (see `docs/store.md`); engine-only
 /// codes live in the otherwise unused -1200 range.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(i32)]

@@ -4,18 +4,6 @@ use std::process::{Command, Output};
 
 use mooncake::json::{self, Value};
 
-/// Whether the shipped trace sits beside the checkout (`../shared`, as in CI); a
-/// checkout copied elsewhere has none, and the tests that replay it say so and skip.
-fn shipped_trace() -> bool {
-    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/traces/conversation_trace.jsonl");
-    let found = trace.exists();
-    if !found {
-        eprintln!("skipping: no shipped trace at {}", trace.display());
-    }
-    found
-}
-
 fn demo(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mooncake"))
         .arg("demo")
@@ -72,9 +60,6 @@ const FIELDS: &[&str] = &[
 
 #[test]
 fn demo_replays_a_trace_prefix_with_prefix_hits() {
-    if !shipped_trace() {
-        return;
-    }
     let v = demo_json(&[
         "--requests",
         "300",
@@ -104,9 +89,6 @@ fn demo_replays_a_trace_prefix_with_prefix_hits() {
 
 #[test]
 fn demo_with_a_tiny_pool_evicts_without_errors() {
-    if !shipped_trace() {
-        return;
-    }
     let v = demo_json(&[
         "--requests",
         "400",
@@ -125,9 +107,6 @@ fn demo_with_a_tiny_pool_evicts_without_errors() {
 
 #[test]
 fn demo_prints_a_human_summary() {
-    if !shipped_trace() {
-        return;
-    }
     let out = demo(&[
         "--requests",
         "50",
@@ -182,9 +161,6 @@ fn demo_names_the_bad_line_of_a_trace() {
 
 #[test]
 fn demo_refuses_a_pool_too_small_to_hold_anything() {
-    if !shipped_trace() {
-        return;
-    }
     let out = demo(&["--pool-size", "256K", "--requests", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());

@@ -4,6 +4,7 @@ pub mod args;
 pub mod master_flags;
 pub mod replay;
 pub mod store;
+pub mod trace;
 
 use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};

@@ -9,7 +9,6 @@
 //! missing rest in one batch.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::args::Args;
@@ -22,14 +21,13 @@ use mooncake::{Code, EngineConfig};
 const TOKENS_PER_BLOCK: u64 = 512;
 /// One block of a real 8B model: 128 KiB of KV cache per token × 512 tokens.
 const REAL_BLOCK_BYTES: u64 = (128 << 10) * TOKENS_PER_BLOCK;
-/// The trace shipped with the project, relative to the crate root.
-const DEFAULT_TRACE: &str = "../shared/traces/conversation_trace.jsonl";
 /// Errors whose messages are kept for the report.
 const KEPT_ERRORS: usize = 5;
 
 /// Settings shared by `demo` and `replay`.
 struct Options {
-    trace: PathBuf,
+    /// `None`: the shipped trace (built in).
+    trace: Option<String>,
     limit: Option<usize>,
     block_bytes: u64,
     /// Arrival times are replayed scaled by this; 0 = as fast as possible.
@@ -60,7 +58,7 @@ fn options(a: &Args) -> Result<Options, String> {
         return Err("--replicas must be at least 1".into());
     }
     Ok(Options {
-        trace: a.str("trace").map_or_else(default_trace, PathBuf::from),
+        trace: a.str("trace").map(str::to_owned),
         limit,
         block_bytes,
         time_scale,
@@ -70,21 +68,6 @@ fn options(a: &Args) -> Result<Options, String> {
             ..ReplicateConfig::default()
         },
     })
-}
-
-/// The shipped trace: relative to the working directory (the crate root under
-/// `cargo run`), else relative to where this crate was built.
-fn default_trace() -> PathBuf {
-    let here = PathBuf::from(DEFAULT_TRACE);
-    if here.exists() {
-        return here;
-    }
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_TRACE);
-    if built.exists() {
-        built
-    } else {
-        here
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -104,7 +87,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
             "--pool-size must hold at least two blocks (got {pool} bytes)"
         ));
     }
-    let trace = load_trace(&opts.trace, opts.limit)?;
+    let trace = load_trace(opts.trace.as_deref(), opts.limit)?;
     let cluster = Cluster::start(pool, &protocol, &engine)?;
     if !opts.json {
         println!("{}", cluster.describe());
@@ -118,7 +101,7 @@ pub fn replay(raw: &[String]) -> Result<(), String> {
     let opts = options(&a)?;
     let cfg = super::store::client_config(&a)?;
     a.finish()?;
-    let trace = load_trace(&opts.trace, opts.limit)?;
+    let trace = load_trace(opts.trace.as_deref(), opts.limit)?;
     let client = Client::new(cfg).map_err(|e| format!("connecting to the cluster: {e}"))?;
     run(&client, &opts, &trace, "replay")
 }
@@ -138,7 +121,7 @@ fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> 
     if opts.json {
         println!("{}", summary.to_json());
     } else {
-        summary.print(label, &opts.trace);
+        summary.print(label, super::trace::name(opts.trace.as_deref()));
     }
     let _ = std::io::stdout().flush();
     let s = &replayer.stats;
@@ -243,9 +226,9 @@ struct TraceRequest {
 }
 
 /// Reads up to `limit` requests (all when `None`).
-fn load_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("reading trace {}: {e}", path.display()))?;
+fn load_trace(path: Option<&str>, limit: Option<usize>) -> Result<Vec<TraceRequest>, String> {
+    let text = super::trace::text(path)?;
+    let name = super::trace::name(path);
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if limit.is_some_and(|n| out.len() >= n) {
@@ -254,10 +237,10 @@ fn load_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>, St
         if line.trim().is_empty() {
             continue;
         }
-        out.push(parse_request(line).map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?);
+        out.push(parse_request(line).map_err(|e| format!("{}:{}: {e}", name, i + 1))?);
     }
     if out.is_empty() {
-        return Err(format!("trace {} has no requests", path.display()));
+        return Err(format!("trace {} has no requests", name));
     }
     Ok(out)
 }
@@ -756,12 +739,10 @@ impl Summary {
         ])
     }
 
-    fn print(&self, label: &str, trace: &Path) {
+    fn print(&self, label: &str, trace: &str) {
         println!(
             "mooncake {label}: replayed {} requests of {} in {:.1} s",
-            self.requests,
-            trace.display(),
-            self.seconds
+            self.requests, trace, self.seconds
         );
         println!(
             "  pool          {} in {} segment(s) = {} blocks of {} ({} objects stored at the end)",

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Code, Error, Result};
 
-/// Task states, numbered as Mooncake's (`shared/docs/wire.md`).
+/// Task states, numbered as Mooncake's (`docs/wire.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum TaskState {

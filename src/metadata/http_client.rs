@@ -1,5 +1,5 @@
 //! `MetadataStore` over Mooncake's HTTP metadata REST interface
-//! (`GET/PUT/DELETE <base>?key=K`, see `shared/docs/wire.md`).
+//! (`GET/PUT/DELETE <base>?key=K`, see `docs/wire.md`).
 
 use crate::error::{Code, Error, Result};
 use crate::http::{percent_encode, HttpClient};

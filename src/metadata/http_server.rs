@@ -1,5 +1,5 @@
 //! Mooncake's HTTP metadata server: an in-memory key-value store behind the REST
-//! interface of `shared/docs/wire.md` ("Metadata service"). Embeddable in any
+//! interface of `docs/wire.md` ("Metadata service"). Embeddable in any
 //! process; the CLI wraps it as `mooncake metadata-server --port P`.
 //!
 //! - `GET /metadata?key=K` → 200 with the stored value, or 404 `metadata not found`

@@ -362,10 +362,14 @@ fn ranges_batch_remove_and_replica_clear() {
     let cleared = c.batch_replica_clear(&["x", "missing"], n1.hostname());
     assert!(cleared[0].as_ref().unwrap());
     assert!(!cleared[1].as_ref().unwrap());
-    assert!(!c.batch_replica_clear(&["x"], n1.hostname())[0].as_ref().unwrap());
+    assert!(!c.batch_replica_clear(&["x"], n1.hostname())[0]
+        .as_ref()
+        .unwrap());
     assert!(c.exists("x").unwrap());
     // Its last replica dropped: the object is gone.
-    assert!(c.batch_replica_clear(&["x"], n2.hostname())[0].as_ref().unwrap());
+    assert!(c.batch_replica_clear(&["x"], n2.hostname())[0]
+        .as_ref()
+        .unwrap());
     assert!(!c.exists("x").unwrap());
     // Every replica at once.
     assert!(c.batch_replica_clear(&["y"], "")[0].as_ref().unwrap());
@@ -373,11 +377,20 @@ fn ranges_batch_remove_and_replica_clear() {
     // A read leases z: it is neither cleared nor removed without force.
     let d = c.describe("z").unwrap();
     assert_eq!(d.replicas.len(), 2);
-    assert_ne!(d.replicas[0].pieces[0].segment, d.replicas[1].pieces[0].segment);
+    assert_ne!(
+        d.replicas[0].pieces[0].segment,
+        d.replicas[1].pieces[0].segment
+    );
     assert!(!c.batch_replica_clear(&["z"], "")[0].as_ref().unwrap());
     let removed = c.batch_remove(&["z", "nope"], false);
-    assert_eq!(removed[0].as_ref().unwrap_err().code(), Code::ObjectHasLease);
-    assert_eq!(removed[1].as_ref().unwrap_err().code(), Code::ObjectNotFound);
+    assert_eq!(
+        removed[0].as_ref().unwrap_err().code(),
+        Code::ObjectHasLease
+    );
+    assert_eq!(
+        removed[1].as_ref().unwrap_err().code(),
+        Code::ObjectNotFound
+    );
     assert!(c.batch_remove(&["z"], true)[0].is_ok());
     assert!(!c.exists("z").unwrap());
     c.health().unwrap();

@@ -13,12 +13,14 @@ mod engine;
 mod error;
 mod store;
 mod store_batch;
+mod te_compat;
 
 pub use config::*;
 pub use engine::*;
 pub use error::*;
 pub use store::*;
 pub use store_batch::*;
+pub use te_compat::*;
 
 use std::any::Any;
 use std::ffi::{c_char, c_int, CStr};

@@ -390,7 +390,8 @@ mod tests {
     fn runs_split_consecutive_entries() {
         assert_eq!(runs(&[2, 0, 3]).unwrap(), (vec![0, 2, 2], 5));
         assert!(runs(&[usize::MAX, 1]).is_err());
-        let bufs = [1 as *const u8, std::ptr::null(), 3 as *const u8];
+        let byte = 0u8;
+        let bufs = [&byte as *const u8, std::ptr::null(), &byte as *const u8];
         assert!(!run_is_bad(&bufs, 0, 1));
         assert!(run_is_bad(&bufs, 0, 2));
         assert!(run_is_bad(&bufs, 2, 0));

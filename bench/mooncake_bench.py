@@ -16,7 +16,8 @@ Everything is on 127.0.0.1, metadata P2PHANDSHAKE, protocol tcp.
       client in-process, then ends and reaps the child.
 
 Sizes take binary K/M/G suffixes, as ours do. Run through a Python that can import
-`mooncake` (e.g. /tmp/mcvenv/bin/python-mc).
+`mooncake`: Mooncake's package, or ours (the same calls measure either;
+bench/python_compare.sh runs both).
 """
 
 import argparse

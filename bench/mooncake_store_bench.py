@@ -15,7 +15,8 @@ APIs: `zero-copy` registers one buffer per thread and calls put_from/get_into (o
 object) or batch_put_from/batch_get_into; `copy` calls put(bytes)/get() (one object)
 or put_batch/get_batch. Gets compare every byte read (outside the latency window).
 
-Run through a Python that can import `mooncake` (e.g. /tmp/mcvenv/bin/python-mc).
+Run through a Python that can import `mooncake`: Mooncake's package, or ours (the same
+calls measure either; bench/python_compare.sh runs both).
 """
 
 import argparse
@@ -109,7 +110,11 @@ class Children:
 def start_cluster(children, segment_size):
     import mooncake
 
-    master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    # The package's `mooncake_master` console script (both packages install one), else
+    # the binary bundled inside Mooncake's package.
+    master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    if not os.path.exists(master_bin):
+        master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     rpc, meta, metrics = free_port(), free_port(), free_port()
     master = subprocess.Popen(
         [

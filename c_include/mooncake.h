@@ -264,6 +264,11 @@ int mc_take_notification(mc_engine *engine, char *from, size_t from_len, char *m
 /* Asks an opened segment's engine whether it is alive: 0 if it answered. */
 int mc_probe(mc_engine *engine, uint64_t segment);
 
+/* As mc_notify, with the sender name the receiver sees set to name instead of this
+ * engine's segment name (as Mooncake's notify messages carry an application-given
+ * name). (revision 2) */
+int mc_notify_as(mc_engine *engine, uint64_t segment, const char *name, const char *msg);
+
 /* ---------------------------------------------------------------- introspection */
 
 /* The port of the engine's handshake/RPC server (what P2PHANDSHAKE peers dial), or a
@@ -502,6 +507,15 @@ int mc_store_batch_replica_clear(mc_store *store, const char *const *keys, size_
  * the object like a read. *needed_out as for mc_segment_describe. (revision 2) */
 int mc_store_replica_desc(mc_store *store, const char *key, char *buf, size_t len,
                           size_t *needed_out);
+
+/* Reads the object under key into memory the library allocates (one round trip, for
+ * callers that do not know its size): the address into *buf_out, the size into
+ * *len_out. Release it with mc_store_buffer_free(*buf_out, *len_out). (revision 2) */
+int mc_store_get_buffer(mc_store *store, const char *key, void **buf_out,
+                        uint64_t *len_out);
+
+/* Releases memory from mc_store_get_buffer; NULL is ignored. (revision 2) */
+void mc_store_buffer_free(void *buf, uint64_t len);
 
 /* 0 when the master answers, else a negative error (MC_ERR_RPC_FAIL, ...). (revision 2) */
 int mc_store_health(mc_store *store);

@@ -21,6 +21,15 @@ for protocol in tcp shm; do
 done
 echo "static binary smoke test: 2 passed, 0 failed"
 
+# Python package: `pip install ./python` (a release build of the library and binary
+# inside the package) into a venv kept between runs, then its pytest suite: real
+# processes on loopback, the engines' call sequences, hostile input.
+venv="${MC_PY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/mooncake-test-venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -c 'import pytest' 2>/dev/null || "$venv/bin/python" -m pip install -q pytest
+"$venv/bin/python" -m pip install -q --no-deps --force-reinstall ./python
+"$venv/bin/python" -m pytest python/tests -q -p no:cacheprovider
+
 # Layout check: the hand-written verbs and libfabric structs against bindgen's reading of
 # the system headers (needs libclang and the -dev headers, all installed by .ci/run).
 have_libclang() {

@@ -77,6 +77,10 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
         ))
     };
     match kind {
+        // Peers and local copies would fault on a hole; refuse it now instead.
+        MemoryKind::Host if !crate::sys::is_mapped(addr, len) => {
+            return Err(mismatch("part of it is not mapped in this process".into()))
+        }
         MemoryKind::Host => {}
         MemoryKind::Cuda(n) => {
             let api = cuda::api()?;

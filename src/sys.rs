@@ -245,3 +245,23 @@ pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
         };
     }
 }
+
+/// Whether every page of `[addr, addr+len)` is mapped in this process: `msync` with
+/// `MS_ASYNC` writes nothing back and fails with ENOMEM on a hole.
+pub fn is_mapped(addr: u64, len: u64) -> bool {
+    // SAFETY: sysconf reads a constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    let start = addr & !(page - 1);
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    // SAFETY: msync only inspects this process's mappings of the range (MS_ASYNC
+    // schedules no I/O since Linux 2.6.19); no memory is read or written.
+    unsafe {
+        libc::msync(
+            start as *mut libc::c_void,
+            (end - start) as usize,
+            libc::MS_ASYNC,
+        ) == 0
+    }
+}

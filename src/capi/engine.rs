@@ -498,3 +498,22 @@ pub unsafe extern "C" fn mc_segment_describe(
         unsafe { super::answer_text(&text, buf, len, needed_out, "segment descriptor") }
     })
 }
+
+/// As `mc_notify`, under the sender name `name` instead of this engine's.
+///
+/// # Safety
+/// `e` NULL or a live engine; `name` and `msg` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mc_notify_as(
+    e: *mut McEngine,
+    segment: u64,
+    name: *const c_char,
+    msg: *const c_char,
+) -> c_int {
+    guard("mc_notify_as", || {
+        // SAFETY: per the caller's contract.
+        let (engine, name, msg) = unsafe { (engine(e)?, c_str(name, "name")?, c_str(msg, "msg")?) };
+        engine.notify_as(segment, name, msg)?;
+        Ok(MC_OK)
+    })
+}

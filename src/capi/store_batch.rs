@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int, c_void};
 use super::store::{
     array, array_mut, batch_keys, code_of, key, replicate_config, scatter, store, store_guard,
 };
-use super::{answer_text, c_str, McReplicateConfig, McStore, MC_OK};
+use super::{answer_text, c_str, non_null, McReplicateConfig, McStore, MC_OK};
 use crate::error::{Error, Result};
 use crate::json::Value;
 use crate::store::client::{Fragments, Parts};
@@ -380,6 +380,52 @@ pub unsafe extern "C" fn mc_store_health(s: *mut McStore) -> c_int {
         unsafe { store(s)? }.health()?;
         Ok(MC_OK)
     })
+}
+
+/// Reads the object under `key` into memory the library allocates: its address into
+/// `*buf_out` and size into `*len_out`; release it with `mc_store_buffer_free`.
+///
+/// # Safety
+/// `s` a live store; `key` NULL or NUL-terminated; `buf_out` and `len_out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_get_buffer(
+    s: *mut McStore,
+    k: *const c_char,
+    buf_out: *mut *mut c_void,
+    len_out: *mut u64,
+) -> c_int {
+    store_guard("mc_store_get_buffer", || {
+        // SAFETY: per the caller's contract.
+        let (client, key) = unsafe { (store(s)?, key(k)?) };
+        non_null(buf_out, "buf_out")?;
+        non_null(len_out, "len_out")?;
+        let bytes = client.get(key)?.into_boxed_slice();
+        let len = bytes.len() as u64;
+        // SAFETY: both non-null and writable per the caller's contract; the box is
+        // rebuilt from this pointer and `len` by `mc_store_buffer_free`.
+        unsafe {
+            *buf_out = Box::into_raw(bytes).cast::<c_void>();
+            *len_out = len;
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Releases memory from `mc_store_get_buffer`; NULL is ignored.
+///
+/// # Safety
+/// `buf` must be NULL or come, with this `len`, from `mc_store_get_buffer`, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_buffer_free(buf: *mut c_void, len: u64) {
+    if buf.is_null() {
+        return;
+    }
+    super::guard_value("mc_store_buffer_free", (), || {
+        let slice = std::ptr::slice_from_raw_parts_mut(buf.cast::<u8>(), len as usize);
+        // SAFETY: from `Box::into_raw` of a boxed slice of `len` bytes, per the contract.
+        drop(unsafe { Box::from_raw(slice) });
+    });
 }
 
 #[cfg(test)]

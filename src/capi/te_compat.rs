@@ -22,7 +22,6 @@ use std::ffi::{c_char, c_int, c_void};
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
 
 use super::{c_str, copy_out, guard_value, init_logging, non_null};
 use crate::engine::{BatchId, Engine, EngineConfig, Protocol, Request, SegmentId, TaskState};
@@ -30,7 +29,6 @@ use crate::error::{Code, Error, Result};
 use crate::json::Value;
 use crate::metadata::Directory;
 use crate::transport::Op;
-use crate::wire::rpc::RpcType;
 
 /// `OPCODE_READ`: remote → local.
 pub const OPCODE_READ: c_int = 0;
@@ -73,9 +71,6 @@ pub const ERR_NOT_IMPLEMENTED: c_int = -303;
 /// Upstream's status code for "not implemented" (its other status codes are the
 /// negated `ERR_*` values).
 pub const TE_STATUS_NOT_IMPLEMENTED: c_int = 999;
-
-/// How long a notification may take to be acknowledged.
-const NOTIFY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// `struct transfer_request` (40 bytes on 64-bit targets).
 #[repr(C)]
@@ -524,13 +519,8 @@ impl TeEngine {
     /// Sends a notification with a sender-chosen name to segment `target`'s engine.
     fn send_notify(&self, engine: &Engine, target: i32, name: &str, msg: &str) -> Result<()> {
         let segment_name = self.segment_name(engine, target)?;
-        let addr = self.directory.rpc_address(&segment_name)?;
-        let body = Value::object([
-            ("name", Value::from(name)),
-            ("notify_msg", Value::from(msg)),
-        ]);
-        crate::wire::rpc::call(&addr, RpcType::Notify, &body.to_string(), NOTIFY_TIMEOUT)
-            .map(|_| ())
+        let segment = engine.open_segment(&segment_name)?;
+        engine.notify_as(segment, name, msg)
     }
 
     /// Sends (or drops) a batch's pending notification once all its tasks are final.

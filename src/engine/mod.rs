@@ -596,11 +596,17 @@ impl Engine {
         self.batch(batch)?.wait(timeout)
     }
 
-    /// Sends a short message to a segment's engine.
+    /// Sends a short message to a segment's engine, signed with this engine's name.
     pub fn notify(&self, segment: SegmentId, message: &str) -> Result<()> {
+        self.notify_as(segment, &self.name, message)
+    }
+
+    /// Sends a short message to a segment's engine under a sender name of the caller's
+    /// choosing (Mooncake's notify carries whatever name the application gives).
+    pub fn notify_as(&self, segment: SegmentId, name: &str, message: &str) -> Result<()> {
         let peer = self.segments.get(segment)?;
         let body = crate::json::Value::object([
-            ("name", crate::json::Value::from(self.name.as_str())),
+            ("name", crate::json::Value::from(name)),
             ("notify_msg", message.into()),
         ]);
         crate::wire::rpc::call(

@@ -1,0 +1,251 @@
+"""Helpers shared by the engine and store modules (private)."""
+
+import bisect
+import ctypes
+import ipaddress
+import logging
+import os
+import socket
+import threading
+
+from . import _native as N
+
+logger = logging.getLogger("mooncake")
+
+
+def check_int(value, name, lo=0, hi=(1 << 64) - 1):
+    """An int argument in [lo, hi]; bool and other types raise TypeError, out of range
+    ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        # numpy integers and the like
+        if hasattr(value, "__index__") and not isinstance(value, bool):
+            value = value.__index__()
+        else:
+            raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}: {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def check_str(value, name):
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected str, got {type(value).__name__}")
+    return value
+
+
+def int_list(values, name, lo=0, hi=(1 << 64) - 1):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a list of int, got {type(values).__name__}")
+    return [check_int(v, f"{name}[{i}]", lo, hi) for i, v in enumerate(values)]
+
+
+def str_list(values, name):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a list of str, got {type(values).__name__}")
+    out = list(values)
+    for i, v in enumerate(out):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}]: expected str, got {type(v).__name__}")
+    return out
+
+
+def same_length(**lists):
+    lengths = {k: len(v) for k, v in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError("lists of different lengths: "
+                         + ", ".join(f"{k}={n}" for k, n in lengths.items()))
+
+
+def split_host_port(hostname):
+    """("host", port or None) from "host", "host:port", "[v6]:port" or a bare IPv6."""
+    s = hostname.strip()
+    if not s:
+        raise ValueError("local_hostname: empty")
+    port = None
+    if s.startswith("["):
+        host, _, rest = s[1:].partition("]")
+        if rest.startswith(":"):
+            port = rest[1:]
+        elif rest:
+            raise ValueError(f"local_hostname: malformed {hostname!r}")
+    elif s.count(":") == 1:
+        host, port = s.split(":")
+    else:
+        host = s
+    if port is not None:
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"local_hostname: bad port in {hostname!r}")
+        port = int(port)
+    return host, port
+
+
+def join_host_port(host, port):
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_address_for(host):
+    """The IP an engine should listen on for a local_hostname host part."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return "127.0.0.1"
+    return "0.0.0.0"
+
+
+def free_port(bind):
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((bind, 0))
+        return s.getsockname()[1]
+
+
+def metadata_connection(metadata_server, metadata_type=None):
+    """The mc_config "metadata" value for Mooncake's metadata_server string, or None (after
+    logging why) for a backend this build lacks."""
+    s = metadata_server.strip()
+    if s.upper() == "P2PHANDSHAKE":
+        return "P2PHANDSHAKE"
+    if "://" not in s:
+        # Upstream: a bare host:port means etcd (or initialize_ext's metadata_type).
+        s = f"{(metadata_type or 'etcd').strip()}://{s}"
+    scheme = s.split("://", 1)[0].lower()
+    if scheme == "http":
+        return s
+    if scheme in ("etcd", "redis", "https"):
+        logger.error(
+            "mooncake: metadata server %r needs the %s metadata backend, which this build "
+            "does not have yet; use P2PHANDSHAKE or http://host:port/metadata "
+            "(e.g. `mooncake_master --enable_http_metadata_server` or "
+            "`mooncake_http_metadata_server`)", metadata_server, scheme)
+        return None
+    logger.error("mooncake: unknown metadata server %r (P2PHANDSHAKE or http://...)",
+                 metadata_server)
+    return None
+
+
+def new_config(settings):
+    """An mc_config pointer with ``settings`` applied, or (None, code) after logging."""
+    cfg = N.LIB.mc_config_new()
+    if not cfg:
+        return None, N.MC_ERR_INTERNAL
+    for key, value in settings.items():
+        rc = N.LIB.mc_config_set(cfg, key.encode(), str(value).encode())
+        if rc != N.MC_OK:
+            logger.error("mooncake: setting %s=%r refused: %s (%d)", key, value,
+                         N.error_string(rc), rc)
+            N.LIB.mc_config_free(cfg)
+            return None, rc
+    return cfg, N.MC_OK
+
+
+def start_native(new_fn, settings, host, port, p2p, name_key):
+    """Creates an engine or store with ``new_fn(cfg, &out)`` from ``settings`` (updated in
+    place with what was used); returns (code, handle or None).
+
+    Without a port, a P2PHANDSHAKE segment is named after the RPC port the engine binds;
+    with a metadata server a free port is picked (a few tries). A specific non-loopback IP
+    that cannot be bound (NAT, a name for another interface) is retried on the wildcard
+    address, keeping the name."""
+    bind = settings["bind_address"]
+    binds = [bind]
+    try:
+        ip = ipaddress.ip_address(bind)
+        if not ip.is_loopback and not ip.is_unspecified:
+            binds.append("::" if ip.version == 6 else "0.0.0.0")
+    except ValueError:
+        pass
+    rc = N.MC_ERR_INTERNAL
+    for b in binds:
+        settings["bind_address"] = b
+        for _ in range(1 if (port is not None or p2p) else 3):
+            if port is not None:
+                settings["rpc_port"], settings[name_key] = port, join_host_port(host, port)
+            elif p2p:
+                settings["rpc_port"], settings[name_key] = 0, host
+            else:
+                picked = free_port(b)
+                settings["rpc_port"], settings[name_key] = picked, join_host_port(host, picked)
+            cfg, rc = new_config(settings)
+            if cfg is None:
+                return rc, None
+            out = ctypes.c_void_p()
+            try:
+                rc = new_fn(cfg, ctypes.byref(out))
+            finally:
+                N.LIB.mc_config_free(cfg)
+            if rc == N.MC_OK:
+                return rc, out.value
+            if rc != N.MC_ERR_IO:
+                return rc, None
+    return rc, None
+
+
+def transfer_timeout_ms():
+    """Upstream's MC_TRANSFER_TIMEOUT (seconds, at least 5) as transfer_timeout_ms."""
+    v = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if not v:
+        return None
+    try:
+        return max(5, int(v)) * 1000
+    except ValueError:
+        logger.warning("mooncake: ignoring MC_TRANSFER_TIMEOUT=%r (seconds expected)", v)
+        return None
+
+
+HARDWARE_PROTOCOLS = ("rdma", "efa")
+
+
+def buffer_address(obj, name="value", writable=False):
+    """(address, nbytes, keepalive) of a bytes-like object, without copying where the
+    object allows it. Read-only buffers other than bytes are copied."""
+    if isinstance(obj, bytes):
+        p = ctypes.c_char_p(obj)
+        return ctypes.cast(p, ctypes.c_void_p).value or 0, len(obj), (obj, p)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(f"{name}: expected a bytes-like object, got {type(obj).__name__}") from None
+    if not mv.readonly and mv.c_contiguous:
+        flat = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        n = flat.nbytes
+        if n == 0:
+            return 0, 0, (mv,)
+        arr = (ctypes.c_char * n).from_buffer(flat)
+        return ctypes.addressof(arr), n, (mv, flat, arr)
+    if writable:
+        raise TypeError(f"{name}: expected a writable contiguous buffer")
+    data = mv.tobytes()
+    p = ctypes.c_char_p(data)
+    return ctypes.cast(p, ctypes.c_void_p).value or 0, len(data), (data, p)
+
+
+class Registered:
+    """Memory registered with one store or engine: non-overlapping [start, end) ranges."""
+
+    def __init__(self):
+        self.starts = []
+        self.ends = {}
+        self.lock = threading.Lock()
+
+    def add(self, addr, size):
+        with self.lock:
+            if addr not in self.ends:
+                bisect.insort(self.starts, addr)
+            self.ends[addr] = addr + size
+
+    def remove(self, addr):
+        with self.lock:
+            if self.ends.pop(addr, None) is not None:
+                self.starts.pop(bisect.bisect_left(self.starts, addr))
+
+    def covers(self, addr, size):
+        with self.lock:
+            i = bisect.bisect_right(self.starts, addr) - 1
+            return i >= 0 and addr + size <= self.ends[self.starts[i]]
+
+    def clear(self):
+        with self.lock:
+            self.starts.clear()
+            self.ends.clear()

@@ -1,0 +1,342 @@
+"""Loads ``libmooncake.so`` and declares its C ABI (``c_include/mooncake.h``) with ctypes.
+
+Private to the package. Every function is called through ``ctypes.CDLL``, which releases
+the GIL for the duration of each foreign call, so blocking calls (transfers, store round
+trips) never stall other Python threads.
+
+Where the library is looked for, in order:
+  1. ``libmooncake.so`` next to this file (the copy a wheel installs);
+  2. the path in the environment variable ``MOONCAKE_LIB``.
+
+Functions of ABI revision 2 are bound when present; a method that needs one raises
+:class:`AbiRevisionError` when the loaded library is older or lacks the symbol.
+"""
+
+import ctypes
+import os
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_int,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+
+__all__ = [
+    "LIB",
+    "LIB_PATH",
+    "ABI_VERSION",
+    "ABI_REVISION",
+    "AbiRevisionError",
+    "McRequest",
+    "McTaskStatus",
+    "McReplicateConfig",
+    "McPutOptions",
+    "available",
+    "need",
+    "error_string",
+]
+
+# The ABI version this binding is written against (MC_ABI_VERSION).
+EXPECTED_ABI_VERSION = 1
+
+# ---------------------------------------------------------------- constants (mooncake.h)
+
+MC_OK = 0
+MC_ERR_INTERNAL = -1
+MC_ERR_BUFFER_OVERFLOW = -10
+MC_ERR_SEGMENT_NOT_FOUND = -101
+MC_ERR_NO_AVAILABLE_HANDLE = -200
+MC_ERR_INVALID_KEY = -400
+MC_ERR_INVALID_PARAMS = -600
+MC_ERR_OBJECT_NOT_FOUND = -704
+MC_ERR_OBJECT_HAS_LEASE = -706
+MC_ERR_TRANSFER_FAIL = -800
+MC_ERR_RPC_FAIL = -900
+MC_ERR_NOT_SUPPORTED = -1012
+MC_ERR_ADDRESS_NOT_REGISTERED = -1202
+MC_ERR_BATCH_NOT_FOUND = -1203
+MC_ERR_TIMEOUT = -1206
+MC_ERR_IO = -1210
+
+MC_OP_READ = 0
+MC_OP_WRITE = 1
+
+MC_TASK_WAITING = 0
+MC_TASK_PENDING = 1
+MC_TASK_INVALID = 2
+MC_TASK_CANCELED = 3
+MC_TASK_COMPLETED = 4
+MC_TASK_TIMEOUT = 5
+MC_TASK_FAILED = 6
+
+MC_STORE_MAX_KEY_LEN = 4096
+
+
+class AbiRevisionError(NotImplementedError):
+    """The loaded libmooncake lacks a function this method needs (an older ABI revision)."""
+
+
+# ---------------------------------------------------------------- structs
+
+
+class McRequest(Structure):
+    _fields_ = [
+        ("op", c_int),
+        ("local", c_void_p),
+        ("segment", c_uint64),
+        ("remote_addr", c_uint64),
+        ("len", c_uint64),
+    ]
+
+
+class McTaskStatus(Structure):
+    _fields_ = [("state", c_int), ("bytes", c_uint64)]
+
+
+class McReplicateConfig(Structure):
+    _fields_ = [
+        ("replica_num", c_uint32),
+        ("hard_pin", c_int),
+        ("soft_pin", c_int),
+        ("soft_pin_ttl_ms", c_uint64),
+        ("preferred_segments", POINTER(c_char_p)),
+        ("preferred_segments_count", c_size_t),
+        ("prefer_same_node", c_int),
+    ]
+
+
+class McPutOptions(Structure):
+    _fields_ = [
+        ("group_ids", POINTER(c_char_p)),
+        ("group_ids_count", c_size_t),
+        ("upsert", c_int),
+    ]
+
+
+_P = c_void_p  # opaque handles (mc_config *, mc_engine *, mc_store *) and raw addresses
+
+# name: (restype, argtypes, revision)
+_SIGNATURES = {
+    "mc_abi_version": (c_uint32, [], 1),
+    "mc_abi_revision": (c_uint32, [], 2),
+    "mc_error_string": (c_char_p, [c_int], 1),
+    # configuration
+    "mc_config_new": (_P, [], 1),
+    "mc_config_set": (c_int, [_P, c_char_p, c_char_p], 1),
+    "mc_config_free": (None, [_P], 1),
+    # engine
+    "mc_engine_new": (c_int, [_P, POINTER(_P)], 1),
+    "mc_engine_free": (None, [_P], 1),
+    "mc_engine_segment_name": (c_int, [_P, _P, c_size_t], 1),
+    "mc_register_memory": (c_int, [_P, _P, c_size_t, c_char_p], 1),
+    "mc_unregister_memory": (c_int, [_P, _P], 1),
+    "mc_allocate_buffer": (c_int, [_P, c_size_t, c_char_p, POINTER(_P)], 1),
+    "mc_free_buffer": (c_int, [_P, _P], 1),
+    "mc_open_segment": (c_int, [_P, c_char_p, POINTER(c_uint64)], 1),
+    "mc_resync_segment": (c_int, [_P, c_uint64], 1),
+    # transfers
+    "mc_batch_new": (c_int, [_P, c_size_t, POINTER(c_uint64)], 1),
+    "mc_submit": (c_int, [_P, c_uint64, POINTER(McRequest), c_size_t], 1),
+    "mc_task_status": (c_int, [_P, c_uint64, c_size_t, POINTER(McTaskStatus)], 1),
+    "mc_batch_wait": (c_int, [_P, c_uint64, c_int64], 1),
+    "mc_batch_free": (c_int, [_P, c_uint64], 1),
+    # messages
+    "mc_notify": (c_int, [_P, c_uint64, c_char_p], 1),
+    "mc_take_notification": (c_int, [_P, _P, c_size_t, _P, c_size_t], 1),
+    "mc_probe": (c_int, [_P, c_uint64], 1),
+    "mc_notify_as": (c_int, [_P, c_uint64, c_char_p, c_char_p], 2),
+    # introspection (revision 2)
+    "mc_engine_rpc_port": (c_int, [_P], 2),
+    "mc_segment_describe": (c_int, [_P, c_uint64, _P, c_size_t, POINTER(c_size_t)], 2),
+    # store
+    "mc_replicate_config_init": (None, [POINTER(McReplicateConfig)], 1),
+    "mc_store_new": (c_int, [_P, POINTER(_P)], 1),
+    "mc_store_free": (None, [_P], 1),
+    "mc_store_put": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
+    "mc_store_put_from": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
+    "mc_store_get_into": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_uint64)], 1),
+    "mc_store_exists": (c_int, [_P, c_char_p], 1),
+    "mc_store_size": (c_int, [_P, c_char_p, POINTER(c_uint64)], 1),
+    "mc_store_get_buffer": (c_int, [_P, c_char_p, POINTER(_P), POINTER(c_uint64)], 2),
+    "mc_store_buffer_free": (None, [_P, c_uint64], 2),
+    "mc_store_remove": (c_int, [_P, c_char_p, c_int], 1),
+    "mc_store_remove_all": (c_int, [_P, c_int, POINTER(c_uint64)], 1),
+    "mc_store_remove_by_regex": (c_int, [_P, c_char_p, c_int, POINTER(c_uint64)], 1),
+    "mc_store_register_buffer": (c_int, [_P, _P, c_size_t], 1),
+    "mc_store_unregister_buffer": (c_int, [_P, _P], 1),
+    "mc_store_hostname": (c_int, [_P, _P, c_size_t], 1),
+    "mc_store_batch_put_from": (
+        c_int,
+        [_P, POINTER(c_char_p), POINTER(_P), POINTER(c_size_t), c_size_t,
+         POINTER(McReplicateConfig), POINTER(c_int)],
+        1,
+    ),
+    "mc_store_batch_get_into": (
+        c_int,
+        [_P, POINTER(c_char_p), POINTER(_P), POINTER(c_size_t), c_size_t, POINTER(c_int64)],
+        1,
+    ),
+    "mc_store_batch_exists": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 1),
+    # store, revision 2
+    "mc_put_options_init": (None, [POINTER(McPutOptions)], 2),
+    "mc_store_batch_put_parts": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_size_t), POINTER(c_size_t),
+         POINTER(McReplicateConfig), POINTER(McPutOptions), POINTER(c_int)],
+        2,
+    ),
+    "mc_store_batch_get_parts": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_size_t), POINTER(c_size_t),
+         POINTER(c_int64)],
+        2,
+    ),
+    "mc_store_batch_get_ranges": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
+         POINTER(c_size_t), POINTER(c_int64)],
+        2,
+    ),
+    "mc_store_batch_remove": (c_int, [_P, POINTER(c_char_p), c_size_t, c_int, POINTER(c_int)], 2),
+    "mc_store_batch_replica_clear": (
+        c_int, [_P, POINTER(c_char_p), c_size_t, c_char_p, POINTER(c_int)], 2),
+    "mc_store_replica_desc": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_size_t)], 2),
+    "mc_store_health": (c_int, [_P], 2),
+}
+
+
+def _candidates():
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield "the copy installed with the package", os.path.join(here, "libmooncake.so")
+    env = os.environ.get("MOONCAKE_LIB")
+    if env:
+        yield "MOONCAKE_LIB", env
+
+
+def _load():
+    tried = []
+    for why, path in _candidates():
+        if not os.path.exists(path):
+            tried.append(f"{path} ({why}): not found")
+            continue
+        try:
+            # CDLL (not PyDLL): every call releases the GIL.
+            return ctypes.CDLL(path), path
+        except OSError as e:
+            tried.append(f"{path} ({why}): {e}")
+    if not os.environ.get("MOONCAKE_LIB"):
+        tried.append("MOONCAKE_LIB: not set (point it at a libmooncake.so, e.g. "
+                     "target/release/libmooncake.so of a `cargo build --release`)")
+    raise ImportError(
+        "mooncake: cannot load libmooncake.so; tried:\n  " + "\n  ".join(tried)
+        + "\nInstall the package with `pip install ./python` from a checkout (it builds "
+        "and bundles the library) or set MOONCAKE_LIB."
+    )
+
+
+class _Lib:
+    """The bound functions as attributes; absent ones are listed in ``missing``."""
+
+    def __init__(self, cdll, path):
+        self.path = path
+        self.missing = set()
+        for name, (restype, argtypes, _rev) in _SIGNATURES.items():
+            try:
+                fn = getattr(cdll, name)
+            except AttributeError:
+                self.missing.add(name)
+                continue
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, fn)
+
+
+_cdll, LIB_PATH = _load()
+LIB = _Lib(_cdll, LIB_PATH)
+
+for _required, (_r, _a, _rev) in _SIGNATURES.items():
+    if _rev == 1 and _required in LIB.missing:
+        raise ImportError(
+            f"mooncake: {LIB_PATH} is not a Mooncake C ABI library (no {_required})")
+
+ABI_VERSION = int(LIB.mc_abi_version())
+if ABI_VERSION != EXPECTED_ABI_VERSION:
+    raise ImportError(
+        f"mooncake: {LIB_PATH} implements C ABI version {ABI_VERSION}; this package "
+        f"needs version {EXPECTED_ABI_VERSION}")
+# Revision 1 libraries predate mc_abi_revision.
+ABI_REVISION = int(LIB.mc_abi_revision()) if "mc_abi_revision" not in LIB.missing else 1
+
+
+def available(name):
+    """Whether ``name`` is bound and its ABI revision is implemented by the library."""
+    if name in LIB.missing:
+        return False
+    return _SIGNATURES[name][2] <= ABI_REVISION
+
+
+def need(name, what):
+    """Returns the function ``name``, or raises AbiRevisionError naming ``what`` needs it."""
+    if not available(name):
+        rev = _SIGNATURES[name][2]
+        raise AbiRevisionError(
+            f"{what} needs {name} (C ABI revision {rev}); the loaded library "
+            f"{LIB_PATH} implements revision {ABI_REVISION}"
+            + (" and lacks that symbol" if name in LIB.missing else "")
+            + ". Rebuild it (`pip install ./python`) or point MOONCAKE_LIB at a newer one."
+        )
+    return getattr(LIB, name)
+
+
+def error_string(code):
+    """The library's description of an error code."""
+    try:
+        s = LIB.mc_error_string(int(code))
+    except Exception:  # never let error reporting fail
+        return f"error {code}"
+    return s.decode("utf-8", "replace") if s else f"error {code}"
+
+
+def read_string(fn, *args, initial=256, limit=1 << 26):
+    """Calls ``fn(*args, buf, len)`` (a copy-out-a-string function), growing buf on
+    MC_ERR_BUFFER_OVERFLOW. Returns (code, text)."""
+    size = initial
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        rc = fn(*args, buf, size)
+        if rc == MC_ERR_BUFFER_OVERFLOW and size < limit:
+            size *= 4
+            continue
+        if rc != MC_OK:
+            return rc, ""
+        return rc, buf.value.decode("utf-8", "replace")
+
+
+def read_json_text(fn, *args, initial=4096):
+    """Calls a describe-style function ``fn(*args, buf, len, &needed)``; returns (code, text)."""
+    size = initial
+    for _ in range(4):
+        buf = ctypes.create_string_buffer(size)
+        needed = c_size_t(0)
+        rc = fn(*args, buf, size, ctypes.byref(needed))
+        if rc == MC_ERR_BUFFER_OVERFLOW and needed.value > size:
+            size = needed.value
+            continue
+        if rc != MC_OK:
+            return rc, ""
+        return rc, buf.value.decode("utf-8", "replace")
+    return MC_ERR_BUFFER_OVERFLOW, ""
+
+
+def c_strings(items):
+    """A ``const char *[]`` for encoded strings (the caller keeps ``items`` alive)."""
+    return (c_char_p * max(len(items), 1))(*items)
+
+
+def c_array(ctype, values):
+    return (ctype * max(len(values), 1))(*values)

@@ -1,0 +1,162 @@
+"""Mooncake store client configuration: from a JSON file or from environment variables.
+
+Sizes are an ``int`` (bytes) or a human string: a number (decimals allowed) followed by
+k, m, g or t (binary multiples), with or without a trailing "b" or "ib", in any case, e.g.
+``"4GB"``, ``"512mb"``, ``"1.5g"``, ``"64K"``, ``"100"``. Anything else (``"10%"``, ``"abc"``,
+negative numbers) raises ``ValueError``.
+"""
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = [
+    "MooncakeConfig",
+    "parse_size",
+    "DEFAULT_GLOBAL_SEGMENT_SIZE",
+    "DEFAULT_LOCAL_BUFFER_SIZE",
+]
+
+DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200  # 3.125 GiB
+DEFAULT_LOCAL_BUFFER_SIZE = 1073741824  # 1 GiB
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value, name="size"):
+    """Bytes from an int or a human size string (see the module docstring)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int or a size string, got bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name}: {value} is negative")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}: {value!r} is not a byte count")
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(
+                f"{name}: {value!r} is not a size (an int, or a number with k/m/g/t, "
+                f"e.g. '4GB', '512MB', '1.5g'; percentages are not accepted)")
+        number, unit = m.groups()
+        mult = _UNITS[unit.lower()]
+        if "." in number:
+            return int(float(number) * mult)
+        return int(number) * mult
+    raise TypeError(f"{name}: expected an int or a size string, got {type(value).__name__}")
+
+
+def _parse_bool(value, name):
+    if isinstance(value, bool):
+        return value
+    if value is None:
+        return False
+    if isinstance(value, (int, float)):
+        return bool(value)
+    s = str(value).strip().lower()
+    if s in ("", "0", "false", "no", "off"):
+        return False
+    if s in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}: {value!r} is not a boolean")
+
+
+@dataclass
+class MooncakeConfig:
+    """A store client's settings (the fields of Mooncake's ``MooncakeConfig``).
+
+    JSON file example::
+
+        {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+         "global_segment_size": "4GB", "local_buffer_size": "512MB", "protocol": "tcp",
+         "device_name": "", "master_server_address": "localhost:50051"}
+    """
+
+    local_hostname: str
+    metadata_server: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+    device_name: Optional[str]
+    master_server_address: str
+    enable_ssd_offload: bool = False
+    ssd_offload_path: str = ""
+    tenant_id: str = "default"
+
+    @staticmethod
+    def from_file(file_path: str) -> "MooncakeConfig":
+        """Loads a JSON config file; missing required fields raise ValueError."""
+        with open(file_path) as fin:
+            config = json.load(fin)
+        if not isinstance(config, dict):
+            raise ValueError(f"{file_path}: expected a JSON object")
+        for field in ("local_hostname", "metadata_server", "master_server_address"):
+            if field not in config:
+                raise ValueError(f"Missing required config field: {field}")
+        return MooncakeConfig(
+            local_hostname=str(config["local_hostname"]),
+            metadata_server=str(config["metadata_server"]),
+            global_segment_size=parse_size(
+                config.get("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE),
+                "global_segment_size"),
+            local_buffer_size=parse_size(
+                config.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE), "local_buffer_size"),
+            protocol=str(config.get("protocol", "tcp")),
+            device_name=config.get("device_name", "") or "",
+            master_server_address=str(config["master_server_address"]),
+            enable_ssd_offload=_parse_bool(config.get("enable_ssd_offload", False),
+                                           "enable_ssd_offload"),
+            ssd_offload_path=str(config.get("ssd_offload_path") or ""),
+            tenant_id=str(config.get("tenant_id") or "default"),
+        )
+
+    @staticmethod
+    def load_from_env() -> "MooncakeConfig":
+        """From the file named by MOONCAKE_CONFIG_PATH, else from MOONCAKE_MASTER (required),
+        MOONCAKE_LOCAL_HOSTNAME (localhost), MOONCAKE_TE_META_DATA_SERVER (P2PHANDSHAKE),
+        MOONCAKE_GLOBAL_SEGMENT_SIZE, MOONCAKE_LOCAL_BUFFER_SIZE, MOONCAKE_PROTOCOL (tcp),
+        MOONCAKE_DEVICE ("")."""
+        path = os.getenv("MOONCAKE_CONFIG_PATH")
+        if path:
+            return MooncakeConfig.from_file(path)
+        master = os.getenv("MOONCAKE_MASTER")
+        if not master:
+            raise ValueError(
+                "Neither the environment variable 'MOONCAKE_CONFIG_PATH' nor "
+                "'MOONCAKE_MASTER' is set.")
+        return MooncakeConfig(
+            local_hostname=os.getenv("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
+            metadata_server=os.getenv("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
+            global_segment_size=parse_size(
+                os.getenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", DEFAULT_GLOBAL_SEGMENT_SIZE),
+                "MOONCAKE_GLOBAL_SEGMENT_SIZE"),
+            local_buffer_size=parse_size(
+                os.getenv("MOONCAKE_LOCAL_BUFFER_SIZE", DEFAULT_LOCAL_BUFFER_SIZE),
+                "MOONCAKE_LOCAL_BUFFER_SIZE"),
+            protocol=os.getenv("MOONCAKE_PROTOCOL", "tcp"),
+            device_name=os.getenv("MOONCAKE_DEVICE", ""),
+            master_server_address=master,
+            enable_ssd_offload=_parse_bool(os.getenv("MOONCAKE_OFFLOAD_ENABLED", "false"),
+                                           "MOONCAKE_OFFLOAD_ENABLED"),
+            ssd_offload_path=os.getenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""),
+            tenant_id=os.getenv("MOONCAKE_TENANT_ID", "default"),
+        )
+
+    def to_setup_dict(self) -> dict:
+        """The dict ``MooncakeDistributedStore.setup`` accepts."""
+        return {
+            "local_hostname": self.local_hostname,
+            "metadata_server": self.metadata_server,
+            "global_segment_size": self.global_segment_size,
+            "local_buffer_size": self.local_buffer_size,
+            "protocol": self.protocol,
+            "rdma_devices": self.device_name or "",
+            "master_server_addr": self.master_server_address,
+        }

@@ -1,0 +1,1288 @@
+"""``mooncake.store``: Mooncake Store's Python API over libmooncake's C ABI.
+
+Conventions (Mooncake 0.3.x): int results are 0 or a negative Mooncake error code (see
+``ErrorCode``); sizes/bytes read are >= 0 or negative; data-returning calls give ``b""`` /
+``None`` on a miss; batch calls return one result per key, in order. Calls before
+``setup`` return INVALID_PARAMS (-600) (``get`` gives ``b""``, ``health_check`` 1) rather
+than crashing. Wrong argument types raise TypeError and lists of different lengths raise
+ValueError before anything is sent.
+
+Zero-copy calls (``put_from``, ``get_into``, ``batch_*_into/from``, multi-buffer and range
+forms) take addresses that must lie inside a buffer passed to ``register_buffer`` on this
+store; any other address fails its key with INVALID_PARAMS (-600) without being sent
+(this binding's choice, checked in Python against its table of registered buffers).
+Keys are str (or UTF-8 bytes) of 1 to 4096 bytes; anything else fails its key with
+INVALID_KEY (-400).
+"""
+
+import ctypes
+import enum
+import json
+import logging
+import mmap
+import threading
+
+from . import _native as N
+from ._common import (
+    HARDWARE_PROTOCOLS,
+    Registered,
+    bind_address_for,
+    buffer_address,
+    check_int,
+    check_str,
+    int_list,
+    metadata_connection,
+    same_length,
+    split_host_port,
+    start_native,
+    transfer_timeout_ms,
+)
+from .mooncake_config import parse_size
+
+__all__ = [
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "SoftPinAction",
+    "ReplicaStatus",
+    "ErrorCode",
+    "BufferHandle",
+    "BufferDescriptor",
+    "MemoryDescriptor",
+    "DiskDescriptor",
+    "ReplicaDescriptor",
+    "MooncakeHostMemAllocator",
+]
+
+logger = logging.getLogger("mooncake")
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake Store's error numbers (what the int-returning calls give)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    ETCD_OPERATION_ERROR = -1000
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    NOT_SUPPORTED = -1012
+    FILE_NOT_FOUND = -1100
+    FILE_OPEN_FAIL = -1101
+    FILE_READ_FAIL = -1102
+    FILE_WRITE_FAIL = -1103
+
+
+INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
+INVALID_KEY = int(ErrorCode.INVALID_KEY)
+NO_AVAILABLE_HANDLE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+
+
+class SoftPinAction(enum.IntEnum):
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ReplicaStatus(enum.IntEnum):
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+_U64 = (1 << 64) - 1
+
+
+def _bool(value, name):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected bool, got {type(value).__name__}")
+    return value
+
+
+def _strs(value, name):
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of str, got {type(value).__name__}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}]: expected str, got {type(v).__name__}")
+    return list(value)
+
+
+class ReplicateConfig:
+    """How an object is stored. Attributes (read/write, type-checked):
+    replica_num (1), with_soft_pin (False), with_hard_pin (False), soft_pin_ttl_ms (None:
+    the default 30 min; else an int in [0, 2**64)), soft_pin_action (SoftPinAction,
+    tracks with_soft_pin), preferred_segment (""), preferred_segments ([]),
+    prefer_alloc_in_same_node (False), group_ids ([])."""
+
+    __slots__ = ("_replica_num", "_with_hard_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
+                 "_preferred_segment", "_preferred_segments", "_prefer_same_node", "_group_ids")
+
+    def __init__(self):
+        self._replica_num = 1
+        self._with_hard_pin = False
+        self._soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms = None
+        self._preferred_segment = ""
+        self._preferred_segments = []
+        self._prefer_same_node = False
+        self._group_ids = []
+
+    @property
+    def replica_num(self):
+        return self._replica_num
+
+    @replica_num.setter
+    def replica_num(self, v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"replica_num: expected int, got {type(v).__name__}")
+        if not 0 <= v <= 0xFFFFFFFF:
+            raise TypeError(f"replica_num: {v} is out of range")
+        self._replica_num = v
+
+    @property
+    def with_soft_pin(self):
+        return self._soft_pin_action == SoftPinAction.ENABLE
+
+    @with_soft_pin.setter
+    def with_soft_pin(self, v):
+        self._soft_pin_action = SoftPinAction.ENABLE if _bool(v, "with_soft_pin") \
+            else SoftPinAction.PRESERVE
+
+    @property
+    def soft_pin_action(self):
+        return self._soft_pin_action
+
+    @soft_pin_action.setter
+    def soft_pin_action(self, v):
+        if not isinstance(v, SoftPinAction):
+            raise TypeError(f"soft_pin_action: expected SoftPinAction, got {type(v).__name__}")
+        self._soft_pin_action = v
+
+    @property
+    def with_hard_pin(self):
+        return self._with_hard_pin
+
+    @with_hard_pin.setter
+    def with_hard_pin(self, v):
+        self._with_hard_pin = _bool(v, "with_hard_pin")
+
+    @property
+    def soft_pin_ttl_ms(self):
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, v):
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"soft_pin_ttl_ms: expected None or int, got {type(v).__name__}")
+            if not 0 <= v <= _U64:
+                raise TypeError(f"soft_pin_ttl_ms: {v} is not in [0, 2**64)")
+        self._soft_pin_ttl_ms = v
+
+    @property
+    def preferred_segment(self):
+        return self._preferred_segment
+
+    @preferred_segment.setter
+    def preferred_segment(self, v):
+        self._preferred_segment = check_str(v, "preferred_segment")
+
+    @property
+    def preferred_segments(self):
+        return self._preferred_segments
+
+    @preferred_segments.setter
+    def preferred_segments(self, v):
+        self._preferred_segments = _strs(v, "preferred_segments")
+
+    @property
+    def prefer_alloc_in_same_node(self):
+        return self._prefer_same_node
+
+    @prefer_alloc_in_same_node.setter
+    def prefer_alloc_in_same_node(self, v):
+        self._prefer_same_node = _bool(v, "prefer_alloc_in_same_node")
+
+    @property
+    def group_ids(self):
+        return self._group_ids
+
+    @group_ids.setter
+    def group_ids(self, v):
+        self._group_ids = _strs(v, "group_ids")
+
+    def __repr__(self):
+        return (f"ReplicateConfig(replica_num={self._replica_num}, "
+                f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self._with_hard_pin}, "
+                f"soft_pin_ttl_ms={self._soft_pin_ttl_ms}, "
+                f"preferred_segment={self._preferred_segment!r}, "
+                f"preferred_segments={self._preferred_segments!r}, "
+                f"prefer_alloc_in_same_node={self._prefer_same_node}, "
+                f"group_ids={self._group_ids!r})")
+
+    __str__ = __repr__
+
+    def _to_c(self):
+        """(mc_replicate_config, keepalive)."""
+        c = N.McReplicateConfig()
+        N.LIB.mc_replicate_config_init(ctypes.byref(c))
+        c.replica_num = self._replica_num
+        c.hard_pin = int(self._with_hard_pin)
+        c.soft_pin = int(self.with_soft_pin)
+        if self._soft_pin_ttl_ms is not None:
+            c.soft_pin_ttl_ms = self._soft_pin_ttl_ms
+        segs = list(self._preferred_segments)
+        if not segs and self._preferred_segment:
+            segs = [self._preferred_segment]
+        encoded = [s.encode() for s in segs]
+        arr = N.c_strings(encoded)
+        c.preferred_segments = ctypes.cast(arr, ctypes.POINTER(ctypes.c_char_p))
+        c.preferred_segments_count = len(encoded)
+        c.prefer_same_node = int(self._prefer_same_node)
+        return c, (encoded, arr)
+
+
+def _config(config):
+    if config is None:
+        return ReplicateConfig()
+    if not isinstance(config, ReplicateConfig):
+        raise TypeError(f"config: expected ReplicateConfig, got {type(config).__name__}")
+    return config
+
+
+def _encode_key(key, name="key"):
+    """The key's bytes, or None when it cannot be a key (not UTF-8, contains NUL)."""
+    if isinstance(key, str):
+        try:
+            b = key.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    elif isinstance(key, bytes):
+        b = key
+    else:
+        raise TypeError(f"{name}: expected str, got {type(key).__name__}")
+    if not b or len(b) > N.MC_STORE_MAX_KEY_LEN or b"\0" in b:
+        return None
+    return b
+
+
+def _key_list(keys, name="keys"):
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise TypeError(f"{name}: expected a list of str, got {type(keys).__name__}")
+    return list(keys)
+
+
+def _keys(keys, name="keys"):
+    """Encoded keys (None where a key is invalid); TypeError for non-str keys."""
+    return [_encode_key(k, f"{name}[{i}]") for i, k in enumerate(_key_list(keys, name))]
+
+
+class BufferHandle(bytearray):
+    """The value of ``get_buffer``: a bytearray (so it exposes the buffer protocol) with
+    upstream's ``ptr()`` and ``size()``. The memory stays put for the object's life."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self._view = (ctypes.c_char * size).from_buffer(self) if size else None
+
+    def ptr(self):
+        return ctypes.addressof(self._view) if self._view is not None else 0
+
+    def size(self):
+        return len(self)
+
+
+class BufferDescriptor:
+    """Where one piece of a memory replica lives."""
+
+    __slots__ = ("size", "buffer_address", "protocol", "transport_endpoint")
+
+    def __init__(self, size=0, buffer_address=0, protocol="", transport_endpoint=""):
+        self.size = size
+        self.buffer_address = buffer_address
+        self.protocol = protocol
+        self.transport_endpoint = transport_endpoint
+
+    def __repr__(self):
+        return (f"<BufferDescriptor size={self.size} buffer_address={self.buffer_address} "
+                f"transport_endpoint={self.transport_endpoint}>")
+
+
+class MemoryDescriptor:
+    """``buffer_descriptor``: the first piece (upstream's field); ``buffer_descriptors``:
+    every piece, which concatenate to the value."""
+
+    __slots__ = ("buffer_descriptor", "buffer_descriptors")
+
+    def __init__(self, pieces):
+        self.buffer_descriptors = pieces
+        self.buffer_descriptor = pieces[0] if pieces else BufferDescriptor()
+
+
+class DiskDescriptor:
+    __slots__ = ("file_path", "object_size")
+
+    def __init__(self, file_path="", object_size=0):
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+_STATUS = {s.name.lower(): s for s in ReplicaStatus}
+
+
+class ReplicaDescriptor:
+    """One replica of an object (from mc_store_replica_desc)."""
+
+    __slots__ = ("status", "kind", "size", "_memory", "_disk")
+
+    def __init__(self, obj, size):
+        self.kind = str(obj.get("kind", "memory"))
+        self.status = _STATUS.get(str(obj.get("status", "")).lower(), ReplicaStatus.UNDEFINED)
+        self.size = size
+        pieces = [
+            BufferDescriptor(int(p.get("len", 0)), int(p.get("addr", 0)),
+                             str(p.get("protocol", "")), str(p.get("segment", "")))
+            for p in obj.get("pieces") or []
+        ]
+        self._memory = MemoryDescriptor(pieces) if self.kind == "memory" else None
+        self._disk = (DiskDescriptor(str(obj.get("file_path", obj.get("path", ""))),
+                                     int(obj.get("object_size", size)))
+                      if self.kind != "memory" else None)
+
+    def is_memory_replica(self):
+        return self._memory is not None
+
+    def is_disk_replica(self):
+        return self._disk is not None
+
+    def get_memory_descriptor(self):
+        if self._memory is None:
+            raise RuntimeError("not a memory replica")
+        return self._memory
+
+    def get_disk_descriptor(self):
+        if self._disk is None:
+            raise RuntimeError("not a disk replica")
+        return self._disk
+
+    def __repr__(self):
+        return f"<ReplicaDescriptor kind={self.kind} status={self.status.name} size={self.size}>"
+
+
+_SETUP_EXTRAS = ("enable_ssd_offload", "ssd_offload_path", "tenant_id", "ipc_socket_path")
+_DICT_KEYS = {
+    "local_hostname": "local_hostname",
+    "metadata_server": "metadata_server",
+    "global_segment_size": "global_segment_size",
+    "local_buffer_size": "local_buffer_size",
+    "protocol": "protocol",
+    "rdma_devices": "rdma_devices",
+    "device_name": "rdma_devices",
+    "master_server_addr": "master_server_addr",
+    "master_server_address": "master_server_addr",
+}
+_MISSING = object()
+
+
+class MooncakeDistributedStore:
+    """A client of Mooncake Store (optionally lending memory to the pool)."""
+
+    def __init__(self):
+        self._store = None
+        self._registered = Registered()
+        self._local_buffer_size = 0
+        self._protocol = "tcp"
+
+    # ------------------------------------------------------------ lifecycle
+
+    def setup(self, local_hostname=_MISSING, metadata_server=_MISSING,
+              global_segment_size=_MISSING, local_buffer_size=_MISSING, protocol=_MISSING,
+              rdma_devices=_MISSING, master_server_addr=_MISSING, engine=None, *,
+              enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+              ipc_socket_path=""):
+        """Connects to the master and mounts ``global_segment_size`` bytes (0 = a pure
+        client). Either the seven positional settings (plus optional ``engine``) or one
+        dict with keys local_hostname, metadata_server (required), global_segment_size,
+        local_buffer_size (ints or sizes like "4GB"), protocol, rdma_devices,
+        master_server_addr. 0 on success, else a negative error code."""
+        if isinstance(local_hostname, dict):
+            rest = (metadata_server, global_segment_size, local_buffer_size, protocol,
+                    rdma_devices, master_server_addr)
+            if any(v is not _MISSING for v in rest) or engine is not None:
+                raise TypeError("setup(config): a config dict is the only argument")
+            args = self._from_dict(local_hostname)
+        else:
+            given = [local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                     protocol, rdma_devices, master_server_addr]
+            names = ["local_hostname", "metadata_server", "global_segment_size",
+                     "local_buffer_size", "protocol", "rdma_devices", "master_server_addr"]
+            missing = [n for n, v in zip(names, given) if v is _MISSING]
+            if missing:
+                raise TypeError("setup() missing required arguments: " + ", ".join(missing))
+            args = dict(zip(names, given))
+        check_str(args["local_hostname"], "local_hostname")
+        check_str(args["metadata_server"], "metadata_server")
+        check_str(args["protocol"], "protocol")
+        if args["rdma_devices"] is None:
+            args["rdma_devices"] = ""
+        check_str(args["rdma_devices"], "rdma_devices")
+        check_str(args["master_server_addr"], "master_server_addr")
+        gss = parse_size(args["global_segment_size"], "global_segment_size")
+        lbs = parse_size(args["local_buffer_size"], "local_buffer_size")
+        if engine is not None and not hasattr(engine, "get_session_id"):
+            raise TypeError(f"engine: expected a TransferEngine (get_engine()), got "
+                            f"{type(engine).__name__}")
+        _bool(enable_ssd_offload, "enable_ssd_offload")
+        check_str(ssd_offload_path, "ssd_offload_path")
+        check_str(tenant_id, "tenant_id")
+        check_str(ipc_socket_path, "ipc_socket_path")
+        if enable_ssd_offload:
+            logger.warning("mooncake: SSD offload is not available in this build; ignored")
+        if engine is not None:
+            logger.info("mooncake: the store runs its own transfer engine (the C ABI cannot "
+                        "share one); the engine argument is accepted for compatibility")
+        host, port = split_host_port(args["local_hostname"])
+        conn = metadata_connection(args["metadata_server"])
+        if conn is None:
+            return -1
+        if self._store is not None:
+            self.close()
+        proto = args["protocol"].strip().lower()
+        bind = bind_address_for(host)
+        settings = {
+            "master_address": args["master_server_addr"],
+            "metadata": conn,
+            "protocol": proto,
+            "bind_address": bind,
+            "global_segment_size": gss,
+            "local_buffer_size": lbs,
+        }
+        if proto in HARDWARE_PROTOCOLS and args["rdma_devices"] and \
+                args["rdma_devices"] != "auto-discovery":
+            settings["device_name"] = args["rdma_devices"]
+        timeout = transfer_timeout_ms()
+        if timeout is not None:
+            settings["transfer_timeout_ms"] = timeout
+        p2p = conn == "P2PHANDSHAKE"
+        rc, handle = start_native(N.LIB.mc_store_new, settings, host, port, p2p,
+                                  "local_hostname")
+        if rc != N.MC_OK:
+            logger.error("mooncake: store setup (master %s, metadata %s) failed: %s (%d)",
+                         args["master_server_addr"], args["metadata_server"],
+                         N.error_string(rc), rc)
+            return rc
+        self._store = handle
+        self._local_buffer_size = lbs
+        self._protocol = proto
+        return 0
+
+    @staticmethod
+    def _from_dict(config):
+        args = {
+            "global_segment_size": 16 << 20,
+            "local_buffer_size": 16 << 20,
+            "protocol": "tcp",
+            "rdma_devices": "",
+            "master_server_addr": "127.0.0.1:50051",
+        }
+        for key, value in config.items():
+            if key in _DICT_KEYS:
+                args[_DICT_KEYS[key]] = value
+            elif key in _SETUP_EXTRAS:
+                continue
+            else:
+                raise ValueError(f"setup(config): unknown key {key!r} (known: "
+                                 f"{', '.join(sorted(set(_DICT_KEYS) | set(_SETUP_EXTRAS)))})")
+        for required in ("local_hostname", "metadata_server"):
+            if required not in args:
+                raise ValueError(f"setup(config): {required!r} is required")
+        return args
+
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
+        """Upstream's dummy client (shared memory with a local real client): not available
+        in this build; returns NOT_SUPPORTED (-1012)."""
+        logger.error("mooncake: setup_dummy is not available in this build")
+        return int(ErrorCode.NOT_SUPPORTED)
+
+    def close(self):
+        """Unmounts this client's segment (objects only stored there are gone) and
+        disconnects. 0 (also when not set up)."""
+        store, self._store = self._store, None
+        if store:
+            N.LIB.mc_store_free(store)
+        self._registered.clear()
+        return 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def health_check(self):
+        """0 healthy, 1 not set up, 2 master unreachable."""
+        if not self._store:
+            return 1
+        if N.available("mc_store_health"):
+            return 0 if N.LIB.mc_store_health(self._store) == N.MC_OK else 2
+        # Revision-1 library: any answer from the master (found or not) means it is up.
+        return 0 if N.LIB.mc_store_exists(self._store, b"__mooncake_health_probe__") >= 0 else 2
+
+    def get_hostname(self):
+        """This client's segment name (host:port); "" before setup."""
+        if not self._store:
+            return ""
+        rc, name = N.read_string(N.LIB.mc_store_hostname, self._store)
+        return name if rc == N.MC_OK else ""
+
+    # ------------------------------------------------------------ internals
+
+    def _put_options(self, config, upsert):
+        fn = N.need("mc_put_options_init", "this call")
+        opts = N.McPutOptions()
+        fn(ctypes.byref(opts))
+        groups = [g.encode() for g in config.group_ids]
+        arr = N.c_strings(groups)
+        if groups:
+            opts.group_ids = ctypes.cast(arr, ctypes.POINTER(ctypes.c_char_p))
+        opts.group_ids_count = len(groups)
+        opts.upsert = int(upsert)
+        return opts, (groups, arr)
+
+    def _put_parts(self, keys, parts, config, upsert, what):
+        """Puts key i from the (addr, len) pairs parts[i] with mc_store_batch_put_parts.
+        ``keys`` are encoded (None = invalid key). Returns per-key results."""
+        fn = N.need("mc_store_batch_put_parts", what)
+        results = [0] * len(keys)
+        idx = []
+        for i, (k, p) in enumerate(zip(keys, parts)):
+            if k is None:
+                results[i] = INVALID_KEY
+            elif p is None:
+                results[i] = INVALID_PARAMS
+            else:
+                idx.append(i)
+        if not idx:
+            return results
+        flat_addr, flat_len, counts = [], [], []
+        for i in idx:
+            counts.append(len(parts[i]))
+            for a, n in parts[i]:
+                flat_addr.append(a)
+                flat_len.append(n)
+        ckeys = [keys[i] for i in idx]
+        c_keys = N.c_strings(ckeys)
+        c_bufs = N.c_array(ctypes.c_void_p, flat_addr)
+        c_lens = N.c_array(ctypes.c_size_t, flat_len)
+        c_counts = N.c_array(ctypes.c_size_t, counts)
+        c_res = (ctypes.c_int * len(idx))()
+        cfg, keep = config._to_c()
+        opts, keep2 = self._put_options(config, upsert)
+        rc = fn(self._store, c_keys, len(idx), c_bufs, c_lens, c_counts, ctypes.byref(cfg),
+                ctypes.byref(opts), c_res)
+        for j, i in enumerate(idx):
+            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        return results
+
+    def _zero_copy(self, addr, size):
+        return self._registered.covers(addr, size)
+
+    def _log_unregistered(self, addr, size):
+        logger.error("mooncake: buffer [0x%x, +%d) is not inside a buffer registered with "
+                     "register_buffer on this store; refused (-600)", addr, size)
+
+    # ------------------------------------------------------------ copying API
+
+    def _copy_put(self, key, value, config, upsert, what):
+        k = _encode_key(key)
+        config = _config(config)
+        addr, n, keep = buffer_address(value)
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        if n > self._local_buffer_size:
+            # Upstream stages copying puts through the local buffer.
+            logger.error("mooncake: %s of %d bytes exceeds local_buffer_size (%d)", what, n,
+                         self._local_buffer_size)
+            return NO_AVAILABLE_HANDLE
+        if upsert or config.group_ids:
+            return self._put_parts([k], [[(addr, n)]], config, upsert, what)[0]
+        cfg, keep2 = config._to_c()
+        return N.LIB.mc_store_put(self._store, k, addr, n, ctypes.byref(cfg))
+
+    def put(self, key, value, config=None):
+        """Stores ``value`` (bytes-like) under ``key``; an existing key keeps its value (0)."""
+        return self._copy_put(key, value, config, False, "put")
+
+    def upsert(self, key, value, config=None):
+        """As put, replacing an existing value (OBJECT_HAS_LEASE while a reader holds it)."""
+        return self._copy_put(key, value, config, True, "upsert")
+
+    def _copy_put_parts(self, key, parts, config, upsert, what):
+        k = _encode_key(key)
+        config = _config(config)
+        bufs = [buffer_address(p, f"parts[{i}]") for i, p in enumerate(parts)]
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        total = sum(b[1] for b in bufs)
+        if total > self._local_buffer_size:
+            logger.error("mooncake: %s of %d bytes exceeds local_buffer_size (%d)", what, total,
+                         self._local_buffer_size)
+            return NO_AVAILABLE_HANDLE
+        if N.available("mc_store_batch_put_parts"):
+            return self._put_parts([k], [[(a, n) for a, n, _ in bufs]], config, upsert, what)[0]
+        if upsert or config.group_ids:
+            N.need("mc_store_batch_put_parts", what)
+        value = b"".join(bytes(ctypes.string_at(a, n)) for a, n, _ in bufs)
+        return self._copy_put(key, value, config, False, what)
+
+    def put_parts(self, key, *parts, config=None):
+        """Stores the concatenation of ``parts`` under ``key``."""
+        return self._copy_put_parts(key, parts, config, False, "put_parts")
+
+    def upsert_parts(self, key, *parts, config=None):
+        return self._copy_put_parts(key, parts, config, True, "upsert_parts")
+
+    def _copy_put_batch(self, keys, values, config, upsert, what):
+        ks = _keys(keys)
+        vals = list(values) if not isinstance(values, (str, bytes)) else None
+        if vals is None:
+            raise TypeError("values: expected a list of bytes-like objects")
+        same_length(keys=ks, values=vals)
+        config = _config(config)
+        bufs = [buffer_address(v, f"values[{i}]") for i, v in enumerate(vals)]
+        if not self._store:
+            return INVALID_PARAMS
+        if not ks:
+            return 0
+        results = [0] * len(ks)
+        parts = []
+        for i, (k, (a, n, _)) in enumerate(zip(ks, bufs)):
+            if n > self._local_buffer_size:
+                parts.append(None)
+                results[i] = NO_AVAILABLE_HANDLE
+            else:
+                parts.append([(a, n)])
+        if upsert or config.group_ids or self._protocol in HARDWARE_PROTOCOLS:
+            if upsert or config.group_ids:
+                res = self._put_parts(ks, parts, config, upsert, what)
+            else:
+                # RDMA moves bytes from registered memory only: mc_store_put stages them.
+                cfg, keep = config._to_c()
+                res = [(INVALID_KEY if ks[i] is None else
+                        N.LIB.mc_store_put(self._store, ks[i], parts[i][0][0], parts[i][0][1],
+                                           ctypes.byref(cfg)))
+                       if parts[i] is not None else NO_AVAILABLE_HANDLE
+                       for i in range(len(ks))]
+        else:
+            res = self._batch_put_from(ks, [p[0] if p else None for p in parts], config)
+        for i, r in enumerate(res):
+            if results[i] == 0:
+                results[i] = r
+        return next((r for r in results if r != 0), 0)
+
+    def put_batch(self, keys, values, config=None):
+        """Stores every key; 0 if all succeeded, else the first error."""
+        return self._copy_put_batch(keys, values, config, False, "put_batch")
+
+    def upsert_batch(self, keys, values, config=None):
+        return self._copy_put_batch(keys, values, config, True, "upsert_batch")
+
+    def _read(self, key_bytes, factory):
+        """Reads one object into a new buffer from ``factory(size)``; (code, buffer)."""
+        for _ in range(3):
+            size = ctypes.c_uint64(0)
+            rc = N.LIB.mc_store_size(self._store, key_bytes, ctypes.byref(size))
+            if rc != N.MC_OK:
+                return rc, None
+            buf = factory(size.value)
+            got = ctypes.c_uint64(0)
+            addr = buf.ptr() if isinstance(buf, BufferHandle) else ctypes.addressof(buf)
+            rc = N.LIB.mc_store_get_into(self._store, key_bytes, addr, size.value,
+                                         ctypes.byref(got))
+            if rc == N.MC_ERR_BUFFER_OVERFLOW:
+                continue  # replaced by a larger value meanwhile
+            if rc != N.MC_OK:
+                return rc, None
+            return rc, (buf, got.value)
+        return N.MC_ERR_BUFFER_OVERFLOW, None
+
+    def get(self, key):
+        """The value under ``key``, or b"" on a miss or error."""
+        k = _encode_key(key)
+        if not self._store or k is None:
+            return b""
+        if N.available("mc_store_get_buffer"):
+            # One round trip: the library sizes the buffer.
+            ptr, size = ctypes.c_void_p(), ctypes.c_uint64(0)
+            rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(ptr),
+                                           ctypes.byref(size))
+            if rc == N.MC_OK:
+                try:
+                    return ctypes.string_at(ptr.value, size.value) if size.value else b""
+                finally:
+                    N.LIB.mc_store_buffer_free(ptr, size.value)
+        else:
+            rc, got = self._read(k, lambda n: (ctypes.c_char * max(n, 1))())
+            if rc == N.MC_OK:
+                buf, n = got
+                return ctypes.string_at(ctypes.addressof(buf), n)
+        if rc != N.MC_ERR_OBJECT_NOT_FOUND:
+            logger.debug("mooncake: get(%r): %s (%d)", key, N.error_string(rc), rc)
+        return b""
+
+    def get_buffer(self, key):
+        """The value as a BufferHandle (buffer protocol, ptr(), size()), or None."""
+        k = _encode_key(key)
+        if not self._store or k is None:
+            return None
+        rc, got = self._read(k, BufferHandle)
+        if rc != N.MC_OK:
+            return None
+        buf, n = got
+        if n < len(buf):
+            del buf[n:]
+        return buf
+
+    def _batch_read(self, keys, factory):
+        ks = _keys(keys)
+        out = [None] * len(ks)
+        if not self._store:
+            return out
+        sizes = []
+        for i, k in enumerate(ks):
+            if k is None:
+                sizes.append(None)
+                continue
+            size = ctypes.c_uint64(0)
+            rc = N.LIB.mc_store_size(self._store, k, ctypes.byref(size))
+            sizes.append(size.value if rc == N.MC_OK else None)
+        idx = [i for i, s in enumerate(sizes) if s is not None]
+        if not idx:
+            return out
+        bufs = {i: factory(sizes[i]) for i in idx}
+        addrs = [bufs[i].ptr() if isinstance(bufs[i], BufferHandle)
+                 else ctypes.addressof(bufs[i]) for i in idx]
+        res = self._batch_get_into([ks[i] for i in idx], addrs, [sizes[i] for i in idx])
+        for j, i in enumerate(idx):
+            if res[j] >= 0:
+                out[i] = (bufs[i], res[j])
+            elif res[j] == N.MC_ERR_BUFFER_OVERFLOW:
+                rc, got = self._read(ks[i], factory)
+                out[i] = got if rc == N.MC_OK else None
+        return out
+
+    def get_batch(self, keys):
+        """Values of ``keys`` (b"" for each miss)."""
+        got = self._batch_read(keys, lambda n: (ctypes.c_char * max(n, 1))())
+        return [ctypes.string_at(ctypes.addressof(g[0]), g[1]) if g else b"" for g in got]
+
+    def batch_get_buffer(self, keys):
+        """BufferHandles (None for each miss)."""
+        out = []
+        for g in self._batch_read(keys, BufferHandle):
+            if g is None:
+                out.append(None)
+                continue
+            buf, n = g
+            if n < len(buf):
+                del buf[n:]
+            out.append(buf)
+        return out
+
+    # ------------------------------------------------------------ query / remove
+
+    def is_exist(self, key):
+        """1 if stored, 0 if not, negative on error. Takes no lease."""
+        k = _encode_key(key)
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        return N.LIB.mc_store_exists(self._store, k)
+
+    def batch_is_exist(self, keys):
+        ks = _keys(keys)
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        results = [INVALID_KEY] * len(ks)
+        idx = [i for i, k in enumerate(ks) if k is not None]
+        if idx:
+            c_keys = N.c_strings([ks[i] for i in idx])
+            c_res = (ctypes.c_int * len(idx))()
+            rc = N.LIB.mc_store_batch_exists(self._store, c_keys, len(idx), c_res)
+            for j, i in enumerate(idx):
+                results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        return results
+
+    def get_size(self, key):
+        """The object's size in bytes, or a negative error. Leases the object."""
+        k = _encode_key(key)
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        size = ctypes.c_uint64(0)
+        rc = N.LIB.mc_store_size(self._store, k, ctypes.byref(size))
+        return size.value if rc == N.MC_OK else rc
+
+    def remove(self, key, force=False):
+        k = _encode_key(key)
+        _bool(force, "force")
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        return N.LIB.mc_store_remove(self._store, k, int(force))
+
+    def remove_by_regex(self, regex_pattern, force=False):
+        """The number of objects removed, or a negative error."""
+        check_str(regex_pattern, "regex_pattern")
+        _bool(force, "force")
+        if not self._store:
+            return INVALID_PARAMS
+        n = ctypes.c_uint64(0)
+        rc = N.LIB.mc_store_remove_by_regex(self._store, regex_pattern.encode(), int(force),
+                                            ctypes.byref(n))
+        return n.value if rc == N.MC_OK else rc
+
+    def remove_all(self, force=False):
+        """The number of objects removed (leased ones skipped unless ``force``)."""
+        _bool(force, "force")
+        if not self._store:
+            return INVALID_PARAMS
+        n = ctypes.c_uint64(0)
+        rc = N.LIB.mc_store_remove_all(self._store, int(force), ctypes.byref(n))
+        return n.value if rc == N.MC_OK else rc
+
+    def batch_remove(self, keys, force=False):
+        ks = _keys(keys)
+        _bool(force, "force")
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        results = [INVALID_KEY] * len(ks)
+        idx = [i for i, k in enumerate(ks) if k is not None]
+        if not idx:
+            return results
+        if not N.available("mc_store_batch_remove"):
+            for i in idx:
+                results[i] = N.LIB.mc_store_remove(self._store, ks[i], int(force))
+            return results
+        c_keys = N.c_strings([ks[i] for i in idx])
+        c_res = (ctypes.c_int * len(idx))()
+        rc = N.LIB.mc_store_batch_remove(self._store, c_keys, len(idx), int(force), c_res)
+        for j, i in enumerate(idx):
+            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        return results
+
+    def _replica_desc(self, k):
+        fn = N.need("mc_store_replica_desc", "get_replica_desc")
+        rc, text = N.read_json_text(fn, self._store, k)
+        if rc != N.MC_OK:
+            return None
+        try:
+            obj = json.loads(text)
+            size = int(obj.get("size", 0))
+            return [ReplicaDescriptor(r, size) for r in obj.get("replicas") or []]
+        except (ValueError, AttributeError, TypeError):
+            logger.error("mooncake: malformed replica descriptor: %.200s", text)
+            return None
+
+    def get_replica_desc(self, key):
+        """The object's replicas (ReplicaDescriptor list; [] on a miss). Leases it."""
+        k = _encode_key(key)
+        N.need("mc_store_replica_desc", "get_replica_desc")
+        if not self._store or k is None:
+            return []
+        return self._replica_desc(k) or []
+
+    def batch_get_replica_desc(self, keys):
+        """{key: [ReplicaDescriptor, ...]} for the keys found."""
+        keys = _key_list(keys)
+        ks = _keys(keys)
+        N.need("mc_store_replica_desc", "batch_get_replica_desc")
+        out = {}
+        if not self._store:
+            return out
+        for key, k in zip(keys, ks):
+            if k is None:
+                continue
+            desc = self._replica_desc(k)
+            if desc is not None:
+                out[key] = desc
+        return out
+
+    def batch_replica_clear(self, keys, segment_name=""):
+        """Drops replicas (all, or those on ``segment_name``); the keys where something
+        was dropped."""
+        keys = _key_list(keys)
+        ks = _keys(keys)
+        check_str(segment_name, "segment_name")
+        fn = N.need("mc_store_batch_replica_clear", "batch_replica_clear")
+        if not self._store:
+            return []
+        idx = [i for i, k in enumerate(ks) if k is not None]
+        if not idx:
+            return []
+        c_keys = N.c_strings([ks[i] for i in idx])
+        c_res = (ctypes.c_int * len(idx))()
+        rc = fn(self._store, c_keys, len(idx), segment_name.encode(), c_res)
+        if rc != N.MC_OK:
+            return []
+        return [keys[i] for j, i in enumerate(idx) if c_res[j] == 1]
+
+    # ------------------------------------------------------------ zero-copy API
+
+    def register_buffer(self, buffer_ptr, size):
+        """Registers [buffer_ptr, buffer_ptr+size) for zero-copy puts and gets."""
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        n = check_int(size, "size")
+        if not self._store:
+            return INVALID_PARAMS
+        rc = N.LIB.mc_store_register_buffer(self._store, addr, n)
+        if rc == N.MC_OK:
+            self._registered.add(addr, n)
+        else:
+            logger.error("mooncake: register_buffer(0x%x, %d): %s (%d)", addr, n,
+                         N.error_string(rc), rc)
+        return rc
+
+    def unregister_buffer(self, buffer_ptr):
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        if not self._store:
+            return INVALID_PARAMS
+        rc = N.LIB.mc_store_unregister_buffer(self._store, addr)
+        if rc == N.MC_OK:
+            self._registered.remove(addr)
+        return rc
+
+    def _batch_put_from(self, ks, spans, config):
+        """mc_store_batch_put_from over encoded keys and (addr, len) spans (None = fail
+        with INVALID_PARAMS)."""
+        results = [0] * len(ks)
+        idx = []
+        for i, (k, s) in enumerate(zip(ks, spans)):
+            if k is None:
+                results[i] = INVALID_KEY
+            elif s is None:
+                results[i] = INVALID_PARAMS
+            else:
+                idx.append(i)
+        if not idx:
+            return results
+        c_keys = N.c_strings([ks[i] for i in idx])
+        c_bufs = N.c_array(ctypes.c_void_p, [spans[i][0] for i in idx])
+        c_lens = N.c_array(ctypes.c_size_t, [spans[i][1] for i in idx])
+        c_res = (ctypes.c_int * len(idx))()
+        cfg, keep = config._to_c()
+        rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, len(idx),
+                                           ctypes.byref(cfg), c_res)
+        for j, i in enumerate(idx):
+            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        return results
+
+    def _batch_get_into(self, ks, addrs, caps):
+        n = len(ks)
+        c_keys = N.c_strings(ks)
+        c_bufs = N.c_array(ctypes.c_void_p, addrs)
+        c_caps = N.c_array(ctypes.c_size_t, caps)
+        c_res = (ctypes.c_int64 * max(n, 1))()
+        rc = N.LIB.mc_store_batch_get_into(self._store, c_keys, c_bufs, c_caps, n, c_res)
+        return [rc if rc != N.MC_OK else int(c_res[j]) for j in range(n)]
+
+    def _checked_spans(self, addrs, sizes):
+        spans = []
+        for a, n in zip(addrs, sizes):
+            if self._zero_copy(a, n):
+                spans.append((a, n))
+            else:
+                self._log_unregistered(a, n)
+                spans.append(None)
+        return spans
+
+    def put_from(self, key, buffer_ptr, size, config=None):
+        """Stores ``size`` bytes at ``buffer_ptr`` (inside a registered buffer)."""
+        k = _encode_key(key)
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        n = check_int(size, "size")
+        config = _config(config)
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        if not self._zero_copy(addr, n):
+            self._log_unregistered(addr, n)
+            return INVALID_PARAMS
+        cfg, keep = config._to_c()
+        return N.LIB.mc_store_put_from(self._store, k, addr, n, ctypes.byref(cfg))
+
+    def upsert_from(self, key, buffer_ptr, size, config=None):
+        k = _encode_key(key)
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        n = check_int(size, "size")
+        config = _config(config)
+        N.need("mc_store_batch_put_parts", "upsert_from")
+        if not self._store:
+            return INVALID_PARAMS
+        spans = self._checked_spans([addr], [n])
+        return self._put_parts([k], [[spans[0]] if spans[0] else None], config, True,
+                               "upsert_from")[0]
+
+    def put_from_with_metadata(self, key, buffer_ptr, metadata_buffer_ptr, size,
+                               metadata_size, config=None):
+        """Stores metadata (``metadata_size`` bytes) followed by data (``size`` bytes)."""
+        k = _encode_key(key)
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        maddr = check_int(metadata_buffer_ptr, "metadata_buffer_ptr")
+        n = check_int(size, "size")
+        mn = check_int(metadata_size, "metadata_size")
+        config = _config(config)
+        N.need("mc_store_batch_put_parts", "put_from_with_metadata")
+        if not self._store:
+            return INVALID_PARAMS
+        pieces = [(a, m) for a, m in ((maddr, mn), (addr, n)) if m > 0]
+        spans = self._checked_spans([a for a, _ in pieces], [m for _, m in pieces])
+        parts = spans if spans and None not in spans else None
+        return self._put_parts([k], [parts], config, False, "put_from_with_metadata")[0]
+
+    def _zero_copy_batch_put(self, keys, buffer_ptrs, sizes, config, upsert, what):
+        ks = _keys(keys)
+        addrs = int_list(buffer_ptrs, "buffer_ptrs")
+        lens = int_list(sizes, "sizes")
+        same_length(keys=ks, buffer_ptrs=addrs, sizes=lens)
+        config = _config(config)
+        if upsert:
+            N.need("mc_store_batch_put_parts", what)
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        spans = self._checked_spans(addrs, lens)
+        if upsert or config.group_ids:
+            return self._put_parts(ks, [[s] if s else None for s in spans], config, upsert, what)
+        return self._batch_put_from(ks, spans, config)
+
+    def batch_put_from(self, keys, buffer_ptrs, sizes, config=None):
+        return self._zero_copy_batch_put(keys, buffer_ptrs, sizes, config, False,
+                                         "batch_put_from")
+
+    def batch_upsert_from(self, keys, buffer_ptrs, sizes, config=None):
+        return self._zero_copy_batch_put(keys, buffer_ptrs, sizes, config, True,
+                                         "batch_upsert_from")
+
+    def get_into(self, key, buffer_ptr, size):
+        """Reads the object into ``buffer_ptr`` (``size`` bytes, registered); the bytes
+        read or a negative error (BUFFER_OVERFLOW -10 when the buffer is too small)."""
+        k = _encode_key(key)
+        addr = check_int(buffer_ptr, "buffer_ptr")
+        n = check_int(size, "size")
+        if not self._store:
+            return INVALID_PARAMS
+        if k is None:
+            return INVALID_KEY
+        if not self._zero_copy(addr, n):
+            self._log_unregistered(addr, n)
+            return INVALID_PARAMS
+        got = ctypes.c_uint64(0)
+        rc = N.LIB.mc_store_get_into(self._store, k, addr, n, ctypes.byref(got))
+        return got.value if rc == N.MC_OK else rc
+
+    def batch_get_into(self, keys, buffer_ptrs, sizes):
+        ks = _keys(keys)
+        addrs = int_list(buffer_ptrs, "buffer_ptrs")
+        lens = int_list(sizes, "sizes")
+        same_length(keys=ks, buffer_ptrs=addrs, sizes=lens)
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        spans = self._checked_spans(addrs, lens)
+        results = [0] * len(ks)
+        idx = []
+        for i, (k, s) in enumerate(zip(ks, spans)):
+            if k is None:
+                results[i] = INVALID_KEY
+            elif s is None:
+                results[i] = INVALID_PARAMS
+            else:
+                idx.append(i)
+        if idx:
+            res = self._batch_get_into([ks[i] for i in idx], [addrs[i] for i in idx],
+                                       [lens[i] for i in idx])
+            for j, i in enumerate(idx):
+                results[i] = res[j]
+        return results
+
+    @staticmethod
+    def _nested(all_buffer_ptrs, all_sizes, n):
+        if isinstance(all_buffer_ptrs, (str, bytes)) or isinstance(all_sizes, (str, bytes)):
+            raise TypeError("expected lists of lists of int")
+        ptrs = [int_list(p, f"all_buffer_ptrs[{i}]") for i, p in enumerate(all_buffer_ptrs)]
+        sizes = [int_list(s, f"all_sizes[{i}]") for i, s in enumerate(all_sizes)]
+        if len(ptrs) != n or len(sizes) != n:
+            raise ValueError(f"lists of different lengths: keys={n}, all_buffer_ptrs="
+                             f"{len(ptrs)}, all_sizes={len(sizes)}")
+        for i, (p, s) in enumerate(zip(ptrs, sizes)):
+            if len(p) != len(s):
+                raise ValueError(f"key {i}: {len(p)} buffer pointers but {len(s)} sizes")
+        return ptrs, sizes
+
+    def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
+        """Stores key i as the concatenation of its buffers (zero-copy, registered)."""
+        ks = _keys(keys)
+        ptrs, sizes = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        config = _config(config)
+        N.need("mc_store_batch_put_parts", "batch_put_from_multi_buffers")
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        parts = []
+        for p, s in zip(ptrs, sizes):
+            spans = self._checked_spans(p, s)
+            parts.append(spans if spans and None not in spans else None)
+        return self._put_parts(ks, parts, config, False, "batch_put_from_multi_buffers")
+
+    def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
+                                     prefer_alloc_in_same_node=False):
+        """Reads key i into its buffers, filled in order; bytes read per key or negative."""
+        ks = _keys(keys)
+        ptrs, sizes = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        _bool(prefer_alloc_in_same_node, "prefer_alloc_in_same_node")
+        fn = N.need("mc_store_batch_get_parts", "batch_get_into_multi_buffers")
+        if not self._store:
+            return [INVALID_PARAMS] * len(ks)
+        results = [0] * len(ks)
+        idx = []
+        for i, (k, p, s) in enumerate(zip(ks, ptrs, sizes)):
+            if k is None:
+                results[i] = INVALID_KEY
+                continue
+            spans = self._checked_spans(p, s)
+            if not spans or None in spans:
+                results[i] = INVALID_PARAMS
+                continue
+            idx.append(i)
+        if not idx:
+            return results
+        flat_a = [a for i in idx for a in ptrs[i]]
+        flat_s = [n for i in idx for n in sizes[i]]
+        c_keys = N.c_strings([ks[i] for i in idx])
+        c_bufs = N.c_array(ctypes.c_void_p, flat_a)
+        c_caps = N.c_array(ctypes.c_size_t, flat_s)
+        c_counts = N.c_array(ctypes.c_size_t, [len(ptrs[i]) for i in idx])
+        c_res = (ctypes.c_int64 * len(idx))()
+        rc = fn(self._store, c_keys, len(idx), c_bufs, c_caps, c_counts, c_res)
+        for j, i in enumerate(idx):
+            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        return results
+
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
+                        all_sizes):
+        """Fragment gather: for buffer b, key k of all_keys[b] and range r, copies the
+        object's bytes [src, src+size) to buffer_ptrs[b] + dst. Returns
+        results[b][k][r]: the range's size, or the key's negative error."""
+        bufs = int_list(buffer_ptrs, "buffer_ptrs")
+        nb = len(bufs)
+        for name, v in (("all_keys", all_keys), ("all_dst_offsets", all_dst_offsets),
+                        ("all_src_offsets", all_src_offsets), ("all_sizes", all_sizes)):
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__len__"):
+                raise TypeError(f"{name}: expected a list")
+            if len(v) != nb:
+                raise ValueError(f"{name} has {len(v)} entries for {nb} buffers")
+        entries = []  # (b, k, encoded key, dsts, srcs, sizes)
+        for b in range(nb):
+            keys_b = _keys(all_keys[b], f"all_keys[{b}]")
+            d_b, s_b, z_b = all_dst_offsets[b], all_src_offsets[b], all_sizes[b]
+            if not len(d_b) == len(s_b) == len(z_b) == len(keys_b):
+                raise ValueError(f"buffer {b}: keys, offsets and sizes differ in length")
+            for k in range(len(keys_b)):
+                d = int_list(d_b[k], f"all_dst_offsets[{b}][{k}]")
+                s = int_list(s_b[k], f"all_src_offsets[{b}][{k}]")
+                z = int_list(z_b[k], f"all_sizes[{b}][{k}]")
+                same_length(dst_offsets=d, src_offsets=s, sizes=z)
+                entries.append((b, k, keys_b[k], d, s, z))
+        fn = N.need("mc_store_batch_get_ranges", "get_into_ranges")
+        results = [[[] for _ in range(len(all_keys[b]))] for b in range(nb)]
+        if not self._store:
+            for b, k, _, d, _, _ in entries:
+                results[b][k] = [INVALID_PARAMS] * len(d)
+            return results
+        send = []
+        for e in entries:
+            b, k, key, d, s, z = e
+            if key is None:
+                results[b][k] = [INVALID_KEY] * len(d)
+            elif not d or not all(self._zero_copy(bufs[b] + dd, zz) for dd, zz in zip(d, z)):
+                if d:
+                    self._log_unregistered(bufs[b], max(dd + zz for dd, zz in zip(d, z)))
+                results[b][k] = [INVALID_PARAMS] * len(d)
+            else:
+                send.append(e)
+        if not send:
+            return results
+        c_keys = N.c_strings([e[2] for e in send])
+        c_bufs = N.c_array(ctypes.c_void_p, [bufs[e[0]] + dd for e in send for dd in e[3]])
+        c_offs = N.c_array(ctypes.c_uint64, [ss for e in send for ss in e[4]])
+        c_lens = N.c_array(ctypes.c_uint64, [zz for e in send for zz in e[5]])
+        c_counts = N.c_array(ctypes.c_size_t, [len(e[3]) for e in send])
+        c_res = (ctypes.c_int64 * len(send))()
+        rc = fn(self._store, c_keys, len(send), c_bufs, c_offs, c_lens, c_counts, c_res)
+        for j, (b, k, _, d, _, z) in enumerate(send):
+            r = rc if rc != N.MC_OK else int(c_res[j])
+            results[b][k] = list(z) if r >= 0 else [r] * len(d)
+        return results
+
+
+class MooncakeHostMemAllocator:
+    """Shared (MAP_SHARED) host memory by address: ``alloc(size) -> int`` (0 on failure),
+    ``free(addr) -> int`` (0, or -1 for an unknown address)."""
+
+    def __init__(self):
+        self._maps = {}
+        self._lock = threading.Lock()
+
+    def alloc(self, size):
+        n = check_int(size, "size")
+        if n == 0:
+            return 0
+        try:
+            m = mmap.mmap(-1, n, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError, OverflowError):
+            return 0
+        view = (ctypes.c_char * n).from_buffer(m)
+        addr = ctypes.addressof(view)
+        with self._lock:
+            self._maps[addr] = (m, view)
+        return addr
+
+    def free(self, ptr):
+        addr = check_int(ptr, "ptr")
+        with self._lock:
+            entry = self._maps.pop(addr, None)
+        if entry is None:
+            return -1
+        m, view = entry
+        del view, entry
+        m.close()
+        return 0

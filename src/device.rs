@@ -580,6 +580,12 @@ mod tests {
         assert!(MemoryKind::parse_location("npu:-1").is_err());
         assert!(MemoryKind::location_is_device("cuda:0"));
         assert!(!MemoryKind::location_is_device("cpu:1"));
-        assert_eq!(classify(0x1000, 10, "cpu:0").unwrap(), MemoryKind::Host);
+        let mem = [0u8; 10];
+        let addr = mem.as_ptr() as u64;
+        assert_eq!(classify(addr, 10, "cpu:0").unwrap(), MemoryKind::Host);
+        assert!(
+            classify(0x1000, 10, "cpu:0").is_err(),
+            "page 1 is never mapped"
+        );
     }
 }

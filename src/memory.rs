@@ -245,52 +245,62 @@ impl LocalMemory {
 mod tests {
     use super::*;
 
+    /// Mapped memory to register (registration refuses holes), and the page-aligned
+    /// address the tests count from.
+    fn arena() -> (Vec<u8>, u64) {
+        let mem = vec![0u8; 0x6000];
+        let base = (mem.as_ptr() as u64 + 0xfff) & !0xfff;
+        (mem, base)
+    }
+
     #[test]
     fn overlap_and_validation() {
+        let (_mem, b) = arena();
         let m = LocalMemory::new();
-        m.register(0x1000, 0x1000, "cpu:0").unwrap();
+        m.register(b + 0x1000, 0x1000, "cpu:0").unwrap();
         assert_eq!(
-            m.register(0x1800, 0x100, "cpu:0").unwrap_err().code(),
+            m.register(b + 0x1800, 0x100, "cpu:0").unwrap_err().code(),
             Code::AddressOverlap
         );
         assert_eq!(
-            m.register(0x800, 0x900, "cpu:0").unwrap_err().code(),
+            m.register(b + 0x800, 0x900, "cpu:0").unwrap_err().code(),
             Code::AddressOverlap
         );
         assert_eq!(
-            m.register(0x3000, 0, "cpu:0").unwrap_err().code(),
+            m.register(b + 0x3000, 0, "cpu:0").unwrap_err().code(),
             Code::InvalidParams
         );
         assert_eq!(
             m.register(u64::MAX - 1, 4, "cpu:0").unwrap_err().code(),
             Code::InvalidParams
         );
-        m.register(0x2000, 0x1000, "cpu:0").unwrap();
-        m.register(0x800, 0x800, "cpu:0").unwrap();
-        assert!(m.guard(0x1000, 0x1000).is_ok());
+        m.register(b + 0x2000, 0x1000, "cpu:0").unwrap();
+        m.register(b + 0x800, 0x800, "cpu:0").unwrap();
+        assert!(m.guard(b + 0x1000, 0x1000).is_ok());
         // Spanning two adjacent buffers is not "inside one buffer".
         assert_eq!(
-            m.guard(0x1800, 0x1000).unwrap_err().code(),
+            m.guard(b + 0x1800, 0x1000).unwrap_err().code(),
             Code::AddressNotRegistered
         );
-        assert!(m.guard(0x2fff, 2).is_err());
+        assert!(m.guard(b + 0x2fff, 2).is_err());
         assert!(m.guard(u64::MAX, 2).is_err());
-        assert!(m.guard(0x1000, 0).is_err());
-        m.unregister(0x1000).unwrap();
-        assert!(m.guard(0x1000, 1).is_err());
-        assert!(m.unregister(0x1000).is_err());
+        assert!(m.guard(b + 0x1000, 0).is_err());
+        m.unregister(b + 0x1000).unwrap();
+        assert!(m.guard(b + 0x1000, 1).is_err());
+        assert!(m.unregister(b + 0x1000).is_err());
     }
 
     #[test]
     fn unregister_waits_for_guards() {
+        let (_mem, b) = arena();
         let m = Arc::new(LocalMemory::new());
-        m.register(0x1000, 0x1000, "cpu:0").unwrap();
-        let g = m.guard(0x1000, 8).unwrap();
+        m.register(b + 0x1000, 0x1000, "cpu:0").unwrap();
+        let g = m.guard(b + 0x1000, 8).unwrap();
         let m2 = m.clone();
-        let t = std::thread::spawn(move || m2.unregister(0x1000).map(|_| ()));
+        let t = std::thread::spawn(move || m2.unregister(b + 0x1000).map(|_| ()));
         // New accesses are refused as soon as unregistration starts; the waiting
         // unregister completes only once the guard is dropped.
-        while m.find(0x1000, 8).is_some() {
+        while m.find(b + 0x1000, 8).is_some() {
             std::thread::yield_now();
         }
         assert!(!t.is_finished());

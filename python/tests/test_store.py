@@ -529,3 +529,14 @@ def test_health_check_reports_an_unreachable_master(mooncake_bin, tmp_path):
             wait_until(lambda: peer_call(child, "health_check") == 2, "health_check() == 2 with the master gone", timeout=30, interval=0.1)
         finally:
             child.kill()
+
+
+def test_setup_against_an_unreachable_master_fails():
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    dead = "127.0.0.1:%d" % free_port()
+    # A pure client (no segment) as well as a node: neither can reach the master.
+    for segment in (0, 4 * MiB):
+        assert s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 4 * MiB, "tcp", "", dead) != 0
+        assert s.health_check() == 1

@@ -150,6 +150,11 @@ impl Client {
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         });
+        if shared.segment.is_none() {
+            // A pure client mounts nothing; still, a master that cannot be reached is a
+            // set-up error, as with Mooncake, not a surprise at the first put.
+            shared.rpc.call(&Request::Stats)?;
+        }
         match shared.register() {
             // A previous incarnation under the same name still holds it: the master
             // releases it after the client TTL, and the pinger remounts then.

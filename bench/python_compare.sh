@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Python to Python: the same calls through our package and through Mooncake's wheel, one
 # after the other (never both running), tcp on 127.0.0.1, plus the loopback TCP socket
-# baseline from the same run. Prints the JSON lines, then a table of ratios to stderr.
+# baseline from the same run (our Rust engine's `bench transfer`, which also shows what
+# the Python layer costs). A run that fails prints nothing and drops out of the table. Prints the JSON lines, then a table of ratios to stderr.
 #   OUR_PYTHON  a Python where `pip install ./python` put our package
 #               (default: the test venv, ~/.cache/mooncake-test-venv/bin/python)
 #   MC_PYTHON   a Python with Mooncake's wheel (pip install mooncake-transfer-engine-non-cuda)
@@ -17,7 +18,7 @@ for py in "$ours" "$theirs"; do
     exit 0
   fi
 done
-bin=$("$ours" -c "import mooncake._native as n, os; print(os.path.join(os.path.dirname(n.__file__), 'mooncake'))")
+bin=$("$ours" -c "import mooncake._native as n, os; print(os.path.join(os.path.dirname(n.__file__), 'bin', 'mooncake'))")
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
@@ -30,22 +31,22 @@ store=(
   "--op put --size 4K --segment-size 1G"
   "--op get --size 4K --segment-size 1G"
   "--op get --size 4K --batch 64 --segment-size 1G"
-  "--op get --size 16M --segment-size 1G"
+  "--op get --size 16M --segment-size 2G"
 )
 label() { sed "s/^{/{\"package\":\"$1\",/"; }
 for config in "${transfer[@]}"; do
   # shellcheck disable=SC2086
   {
     "$bin" bench transfer --protocol tcp $config --duration "$duration" | label rust-engine
-    "$ours" bench/mooncake_bench.py run $config --duration "$duration" 2>/dev/null | label ours
-    MC_TCP_BIND_ADDRESS=127.0.0.1 "$theirs" bench/mooncake_bench.py run $config --duration "$duration" 2>/dev/null | label mooncake
+    "$ours" bench/mooncake_bench.py run $config --duration "$duration" 2>/dev/null | label ours || true
+    MC_TCP_BIND_ADDRESS=127.0.0.1 "$theirs" bench/mooncake_bench.py run $config --duration "$duration" 2>/dev/null | label mooncake || true
   } | tee -a "$out"
 done
 for config in "${store[@]}"; do
   # shellcheck disable=SC2086
   {
-    "$ours" bench/mooncake_store_bench.py run $config --duration "$duration" 2>/dev/null | label ours
-    MC_TCP_BIND_ADDRESS=127.0.0.1 "$theirs" bench/mooncake_store_bench.py run $config --duration "$duration" 2>/dev/null | label mooncake
+    "$ours" bench/mooncake_store_bench.py run $config --duration "$duration" 2>/dev/null | label ours || true
+    MC_TCP_BIND_ADDRESS=127.0.0.1 "$theirs" bench/mooncake_store_bench.py run $config --duration "$duration" 2>/dev/null | label mooncake || true
   } | tee -a "$out"
 done
 

@@ -249,6 +249,12 @@ int mc_batch_wait(mc_engine *engine, uint64_t batch, int64_t timeout_ms);
 /* Frees a batch; MC_ERR_BATCH_BUSY while any task is unfinished. */
 int mc_batch_free(mc_engine *engine, uint64_t batch);
 
+/* Moves n requests and returns once every one is final (each bounded by the engine's
+ * transfer_timeout_ms): 0 when all completed, MC_ERR_TRANSFER_FAIL when any failed or
+ * timed out, or a submit error (nothing moved). The batch calls in one; the local
+ * buffers need only stay valid during the call. (revision 2) */
+int mc_transfer_sync(mc_engine *engine, const mc_request *reqs, size_t n);
+
 /* ---------------------------------------------------------------- messages */
 
 /* Sends a short text message to an opened segment's engine (waits for its ack). */

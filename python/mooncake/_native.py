@@ -145,6 +145,7 @@ _SIGNATURES = {
     "mc_task_status": (c_int, [_P, c_uint64, c_size_t, POINTER(McTaskStatus)], 1),
     "mc_batch_wait": (c_int, [_P, c_uint64, c_int64], 1),
     "mc_batch_free": (c_int, [_P, c_uint64], 1),
+    "mc_transfer_sync": (c_int, [_P, POINTER(McRequest), c_size_t], 2),
     # messages
     "mc_notify": (c_int, [_P, c_uint64, c_char_p], 1),
     "mc_take_notification": (c_int, [_P, _P, c_size_t, _P, c_size_t], 1),

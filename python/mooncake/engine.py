@@ -103,6 +103,7 @@ class TransferEngine:
     def __init__(self):
         self._engine = None
         self._lock = threading.Lock()
+        self._segments = {}  # session name -> segment handle
         self._batches = {}  # batch id -> number of tasks
         self._local = Registered()  # registered local memory (transfer sources/targets)
         self._notify_bufs = (1024, 64 << 10)
@@ -409,12 +410,17 @@ class TransferEngine:
     # ------------------------------------------------------------ transfers
 
     def _open(self, target):
+        # Segment handles never change for an engine (the library caches them too).
+        seg = self._segments.get(target)
+        if seg is not None:
+            return seg
         out = ctypes.c_uint64(0)
         rc = N.LIB.mc_open_segment(self._engine, target.encode(), ctypes.byref(out))
         if rc != N.MC_OK:
             logger.error("mooncake: cannot open segment %r: %s (%d)", target,
                          N.error_string(rc), rc)
             return None
+        self._segments[target] = out.value
         return out.value
 
     @staticmethod
@@ -428,33 +434,47 @@ class TransferEngine:
             raise TypeError(f"opcode: expected TransferOpcode, got {type(opcode).__name__}")
         return locals_, peers, lens, int(TransferOpcode(opcode))
 
-    def _submit(self, target, buffers, peer_addresses, lengths, opcode):
-        """Submits one batch; (batch id, segment) or (0, segment-or-None) after logging."""
+    def _prepare(self, target, buffers, peer_addresses, lengths, opcode):
+        """Checks a transfer and builds its requests: (requests, count, segment); count 0
+        when there is nothing to move; requests None after logging why it cannot run."""
         locals_, peers, lens, op = self._requests(target, buffers, peer_addresses, lengths, opcode)
-        if not self._engine or not locals_:
-            return 0, None
+        if not self._engine:
+            return None, 0, None
+        if not locals_:
+            return (), 0, None
         for a, n in zip(locals_, lens):
             if not self._local.covers(a, n):
                 logger.error("mooncake: local buffer [0x%x, +%d) is not inside memory registered "
                              "with register_memory or allocate_managed_buffer; transfer refused",
                              a, n)
-                return 0, None
+                return None, 0, None
         seg = self._open(target)
         if seg is None:
-            return 0, None
+            return None, 0, None
         n = len(locals_)
         reqs = (N.McRequest * n)()
         for i in range(n):
-            r = reqs[i]
-            r.op, r.local, r.segment, r.remote_addr, r.len = op, locals_[i], seg, peers[i], lens[i]
+            reqs[i] = N.McRequest(op, locals_[i], seg, peers[i], lens[i])
+        return reqs, n, seg
+
+    def _retrying(self, seg, call):
+        """``call()``, once more after refetching the peer's descriptor when the peer may
+        have registered memory since it was cached."""
+        rc = call()
+        if rc in (N.MC_ERR_ADDRESS_NOT_REGISTERED, N.MC_ERR_SEGMENT_NOT_FOUND):
+            if N.LIB.mc_resync_segment(self._engine, seg) == N.MC_OK:
+                rc = call()
+        return rc
+
+    def _submit(self, target, buffers, peer_addresses, lengths, opcode):
+        """Submits one batch; (batch id, segment) or (0, segment-or-None) after logging."""
+        reqs, n, seg = self._prepare(target, buffers, peer_addresses, lengths, opcode)
+        if not n:
+            return 0, seg
         batch = ctypes.c_uint64(0)
         rc = N.LIB.mc_batch_new(self._engine, n, ctypes.byref(batch))
         if rc == N.MC_OK:
-            rc = N.LIB.mc_submit(self._engine, batch.value, reqs, n)
-            if rc in (N.MC_ERR_ADDRESS_NOT_REGISTERED, N.MC_ERR_SEGMENT_NOT_FOUND):
-                # The peer may have registered memory after its descriptor was cached.
-                if N.LIB.mc_resync_segment(self._engine, seg) == N.MC_OK:
-                    rc = N.LIB.mc_submit(self._engine, batch.value, reqs, n)
+            rc = self._retrying(seg, lambda: N.LIB.mc_submit(self._engine, batch.value, reqs, n))
             if rc != N.MC_OK:
                 N.LIB.mc_batch_free(self._engine, batch.value)
         if rc != N.MC_OK:
@@ -475,12 +495,17 @@ class TransferEngine:
     def _sync(self, target, buffers, peers, lengths, opcode, notify):
         if notify is not None and not isinstance(notify, TransferNotify):
             raise TypeError(f"notify: expected TransferNotify or None, got {type(notify).__name__}")
-        if not self._requests(target, buffers, peers, lengths, opcode)[0]:
-            return 0 if self._engine else -1  # nothing to move
-        batch, seg = self._submit(target, buffers, peers, lengths, opcode)
-        if not batch:
-            return -1
-        rc = self._wait_free(batch)
+        reqs, n, seg = self._prepare(target, buffers, peers, lengths, opcode)
+        if reqs is None:
+            return -1  # refused (logged)
+        if not n:
+            return 0  # nothing to move
+        if N.available("mc_transfer_sync"):
+            # One foreign call (GIL released) for submit, wait and free.
+            rc = self._retrying(seg, lambda: N.LIB.mc_transfer_sync(self._engine, reqs, n))
+        else:
+            batch, seg = self._submit(target, buffers, peers, lengths, opcode)
+            rc = self._wait_free(batch) if batch else N.MC_ERR_INVALID_PARAMS
         if rc != N.MC_OK:
             logger.error("mooncake: transfer to %r failed: %s (%d)", target,
                          N.error_string(rc), rc)
@@ -501,15 +526,39 @@ class TransferEngine:
                 return -1
         return 0
 
+    def _sync_one(self, target, buffer, peer, length, op):
+        """One transfer with `_sync`'s checks and outcome, minus its lists: the path
+        small synchronous reads and writes take, where Python's own cost shows."""
+        check_str(target, "target_hostname")
+        buffer = check_int(buffer, "buffer")
+        peer = check_int(peer, "peer_buffer_address")
+        length = check_int(length, "length")
+        if not self._engine or not N.available("mc_transfer_sync"):
+            return self._sync(target, [buffer], [peer], [length], op, None)
+        if not self._local.covers(buffer, length):
+            logger.error("mooncake: local buffer [0x%x, +%d) is not inside memory registered "
+                         "with register_memory or allocate_managed_buffer; transfer refused",
+                         buffer, length)
+            return -1
+        seg = self._open(target)
+        if seg is None:
+            return -1
+        req = N.McRequest(op, buffer, seg, peer, length)
+        rc = self._retrying(seg, lambda: N.LIB.mc_transfer_sync(self._engine, ctypes.byref(req), 1))
+        if rc != N.MC_OK:
+            logger.error("mooncake: transfer to %r failed: %s (%d)", target,
+                         N.error_string(rc), rc)
+            N.LIB.mc_resync_segment(self._engine, seg)
+            return -1
+        return 0
+
     def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length,
                             transport_hint=""):
-        return self._sync(target_hostname, [buffer], [peer_buffer_address], [length],
-                          TransferOpcode.Write, None)
+        return self._sync_one(target_hostname, buffer, peer_buffer_address, length, 1)
 
     def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length,
                            transport_hint=""):
-        return self._sync(target_hostname, [buffer], [peer_buffer_address], [length],
-                          TransferOpcode.Read, None)
+        return self._sync_one(target_hostname, buffer, peer_buffer_address, length, 0)
 
     def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode,
                       notify=None, transport_hint=""):

@@ -130,6 +130,42 @@ def _strs(value, name):
     return list(value)
 
 
+def _checked(name, check, slot=None):
+    """A read/write attribute whose assignments pass through ``check(value, name)``."""
+    slot = slot or "_" + name
+
+    def get(self):
+        return getattr(self, slot)
+
+    def set(self, value):
+        setattr(self, slot, check(value, name))
+
+    return property(get, set)
+
+
+def _u32(value, name):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise TypeError(f"{name}: {value} is out of range")
+    return value
+
+
+def _ttl(value, name):
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected None or int, got {type(value).__name__}")
+        if not 0 <= value <= _U64:
+            raise TypeError(f"{name}: {value} is not in [0, 2**64)")
+    return value
+
+
+def _soft_pin_action(value, name):
+    if not isinstance(value, SoftPinAction):
+        raise TypeError(f"{name}: expected SoftPinAction, got {type(value).__name__}")
+    return value
+
+
 class ReplicateConfig:
     """How an object is stored. Attributes (read/write, type-checked):
     replica_num (1), with_soft_pin (False), with_hard_pin (False), soft_pin_ttl_ms (None:
@@ -150,17 +186,14 @@ class ReplicateConfig:
         self._prefer_same_node = False
         self._group_ids = []
 
-    @property
-    def replica_num(self):
-        return self._replica_num
-
-    @replica_num.setter
-    def replica_num(self, v):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"replica_num: expected int, got {type(v).__name__}")
-        if not 0 <= v <= 0xFFFFFFFF:
-            raise TypeError(f"replica_num: {v} is out of range")
-        self._replica_num = v
+    replica_num = _checked("replica_num", _u32)
+    with_hard_pin = _checked("with_hard_pin", _bool)
+    soft_pin_action = _checked("soft_pin_action", _soft_pin_action)
+    soft_pin_ttl_ms = _checked("soft_pin_ttl_ms", _ttl)
+    preferred_segment = _checked("preferred_segment", check_str)
+    preferred_segments = _checked("preferred_segments", _strs)
+    prefer_alloc_in_same_node = _checked("prefer_alloc_in_same_node", _bool, "_prefer_same_node")
+    group_ids = _checked("group_ids", _strs)
 
     @property
     def with_soft_pin(self):
@@ -170,69 +203,6 @@ class ReplicateConfig:
     def with_soft_pin(self, v):
         self._soft_pin_action = SoftPinAction.ENABLE if _bool(v, "with_soft_pin") \
             else SoftPinAction.PRESERVE
-
-    @property
-    def soft_pin_action(self):
-        return self._soft_pin_action
-
-    @soft_pin_action.setter
-    def soft_pin_action(self, v):
-        if not isinstance(v, SoftPinAction):
-            raise TypeError(f"soft_pin_action: expected SoftPinAction, got {type(v).__name__}")
-        self._soft_pin_action = v
-
-    @property
-    def with_hard_pin(self):
-        return self._with_hard_pin
-
-    @with_hard_pin.setter
-    def with_hard_pin(self, v):
-        self._with_hard_pin = _bool(v, "with_hard_pin")
-
-    @property
-    def soft_pin_ttl_ms(self):
-        return self._soft_pin_ttl_ms
-
-    @soft_pin_ttl_ms.setter
-    def soft_pin_ttl_ms(self, v):
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"soft_pin_ttl_ms: expected None or int, got {type(v).__name__}")
-            if not 0 <= v <= _U64:
-                raise TypeError(f"soft_pin_ttl_ms: {v} is not in [0, 2**64)")
-        self._soft_pin_ttl_ms = v
-
-    @property
-    def preferred_segment(self):
-        return self._preferred_segment
-
-    @preferred_segment.setter
-    def preferred_segment(self, v):
-        self._preferred_segment = check_str(v, "preferred_segment")
-
-    @property
-    def preferred_segments(self):
-        return self._preferred_segments
-
-    @preferred_segments.setter
-    def preferred_segments(self, v):
-        self._preferred_segments = _strs(v, "preferred_segments")
-
-    @property
-    def prefer_alloc_in_same_node(self):
-        return self._prefer_same_node
-
-    @prefer_alloc_in_same_node.setter
-    def prefer_alloc_in_same_node(self, v):
-        self._prefer_same_node = _bool(v, "prefer_alloc_in_same_node")
-
-    @property
-    def group_ids(self):
-        return self._group_ids
-
-    @group_ids.setter
-    def group_ids(self, v):
-        self._group_ids = _strs(v, "group_ids")
 
     def __repr__(self):
         return (f"ReplicateConfig(replica_num={self._replica_num}, "

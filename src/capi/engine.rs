@@ -306,25 +306,53 @@ pub unsafe extern "C" fn mc_submit(
 ) -> c_int {
     guard("mc_submit", || {
         // SAFETY: per the caller's contract.
-        let engine = unsafe { engine(e)? };
-        let reqs: &[McRequest] = if n == 0 {
-            &[]
-        } else {
-            non_null(reqs, "reqs")?;
-            if !reqs.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<McRequest>() {
-                return Err(Error::invalid(format!("reqs {reqs:p} with n = {n}")));
-            }
-            // SAFETY: non-null, aligned, size checked, and `n` readable requests per
-            // the caller's contract; only read during this call.
-            unsafe { std::slice::from_raw_parts(reqs, n) }
-        };
-        let requests = reqs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| to_request(i, r))
-            .collect::<Result<Vec<_>>>()?;
+        let (engine, requests) = unsafe { (engine(e)?, requests(reqs, n)?) };
         // SAFETY: the caller keeps each local buffer valid until its task is final.
         unsafe { engine.submit(batch, &requests)? };
+        Ok(MC_OK)
+    })
+}
+
+/// The engine requests `n` C requests at `reqs` describe.
+///
+/// # Safety
+/// `reqs` NULL (only with `n == 0`) or `n` readable requests.
+unsafe fn requests(reqs: *const McRequest, n: usize) -> Result<Vec<Request>> {
+    let reqs: &[McRequest] = if n == 0 {
+        &[]
+    } else {
+        non_null(reqs, "reqs")?;
+        if !reqs.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<McRequest>() {
+            return Err(Error::invalid(format!("reqs {reqs:p} with n = {n}")));
+        }
+        // SAFETY: non-null, aligned, size checked, and `n` readable requests per the
+        // caller's contract; only read during this call.
+        unsafe { std::slice::from_raw_parts(reqs, n) }
+    };
+    reqs.iter()
+        .enumerate()
+        .map(|(i, r)| to_request(i, r))
+        .collect()
+}
+
+/// Moves `n` requests and returns once every one is final: one call where a
+/// batch takes five (new, submit, wait, status, free).
+///
+/// # Safety
+/// `e` as for every engine call; `reqs` NULL (only with `n == 0`) or `n` readable
+/// requests whose local buffers stay valid and untouched during the call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_transfer_sync(
+    e: *mut McEngine,
+    reqs: *const McRequest,
+    n: usize,
+) -> c_int {
+    guard("mc_transfer_sync", || {
+        // SAFETY: per the caller's contract.
+        let (engine, requests) = unsafe { (engine(e)?, requests(reqs, n)?) };
+        // SAFETY: the caller keeps each local buffer valid for the call, which returns
+        // only once every task is final.
+        unsafe { engine.transfer_sync(&requests)? };
         Ok(MC_OK)
     })
 }

@@ -591,6 +591,36 @@ impl Engine {
         self.batch(batch)?.task_status(task)
     }
 
+    /// Moves `requests` in one batch and returns once each is final: `Ok` when all
+    /// completed, else `TRANSFER_FAIL` naming the first task that did not.
+    ///
+    /// # Safety
+    /// As `submit`; the call returns only when no task can touch a local buffer.
+    pub unsafe fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
+        if requests.is_empty() {
+            return Ok(());
+        }
+        let batch = self.allocate_batch(requests.len())?;
+        // SAFETY: forwarded contract.
+        if let Err(e) = unsafe { self.submit(batch, requests) } {
+            let _ = self.free_batch(batch);
+            return Err(e);
+        }
+        // Unbounded: every task has its own deadline (`transfer_timeout_ms`).
+        let waited = self.wait_batch(batch, None);
+        let failed = (0..requests.len()).find_map(|t| match self.task_status(batch, t) {
+            Ok(s) if s.state == TaskState::Completed => None,
+            Ok(s) => Some(Error::new(
+                Code::TransferFail,
+                format!("task {t} ended {:?}", s.state),
+            )),
+            Err(e) => Some(e),
+        });
+        let _ = self.free_batch(batch);
+        waited?;
+        failed.map_or(Ok(()), Err)
+    }
+
     /// Waits for every submitted task of the batch (None: no limit).
     pub fn wait_batch(&self, batch: BatchId, timeout: Option<Duration>) -> Result<()> {
         self.batch(batch)?.wait(timeout)

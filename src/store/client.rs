@@ -442,18 +442,10 @@ impl Client {
         let req = Request::GetReplicas {
             keys: keys.iter().map(|k| k.to_string()).collect(),
         };
-        match self.call(req) {
-            Ok(Response::GetReplicas(r)) if r.len() == keys.len() => r
-                .into_iter()
-                .zip(keys)
-                .map(|(r, k)| r.map_err(|c| Error::new(c, format!("get {k:?}"))))
-                .collect(),
-            Ok(other) => all_err(
-                keys.len(),
-                Error::protocol(format!("unexpected answer {other:?}")),
-            ),
-            Err(e) => all_err(keys.len(), e),
-        }
+        self.per_key(req, keys, "get", |r| match r {
+            Response::GetReplicas(v) => Ok(v),
+            other => Err(other),
+        })
     }
 
     /// Reads several keys into caller buffers; per key the object's size or an error
@@ -655,19 +647,13 @@ impl Client {
 
     /// Existence without taking a lease (probing never blocks eviction).
     pub fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
-        match self.call(Request::Exists {
+        let req = Request::Exists {
             keys: keys.iter().map(|k| k.to_string()).collect(),
-        }) {
-            Ok(Response::Exists(r)) if r.len() == keys.len() => r
-                .into_iter()
-                .map(|r: KeyResult<bool>| r.map_err(|c| Error::new(c, "exists")))
-                .collect(),
-            Ok(other) => all_err(
-                keys.len(),
-                Error::protocol(format!("unexpected answer {other:?}")),
-            ),
-            Err(e) => all_err(keys.len(), e),
-        }
+        };
+        self.per_key(req, keys, "exists", |r| match r {
+            Response::Exists(v) => Ok(v),
+            other => Err(other),
+        })
     }
 
     /// The object's size (takes a read lease, like Mooncake's).
@@ -682,7 +668,7 @@ impl Client {
 
     /// Removes several keys in one round trip; per-key results.
     pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<Result<()>> {
-        self.per_key(
+        self.done_per_key(
             Request::RemoveKeys {
                 keys: keys.iter().map(|k| k.to_string()).collect(),
                 force,
@@ -700,7 +686,7 @@ impl Client {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             segment: segment.to_owned(),
         };
-        self.per_key(req, keys, "replica clear")
+        self.done_per_key(req, keys, "replica clear")
             .into_iter()
             .map(|r| match r {
                 Ok(()) => Ok(true),
@@ -715,20 +701,41 @@ impl Client {
             .collect()
     }
 
-    /// Sends a request answered per key and names each failure after `what` and its key.
-    fn per_key(&self, req: Request, keys: &[&str], what: &str) -> Vec<Result<()>> {
-        match self.call(req) {
-            Ok(Response::PerKey(r)) if r.len() == keys.len() => r
-                .into_iter()
-                .zip(keys)
-                .map(|(r, k)| r.map_err(|c| Error::new(c, format!("{what} {k:?}"))))
-                .collect(),
-            Ok(other) => all_err(
-                keys.len(),
-                Error::protocol(format!("unexpected answer {other:?}")),
-            ),
-            Err(e) => all_err(keys.len(), e),
-        }
+    /// Sends a request answered per key (`pick` takes the per-key answers out of the
+    /// response, or gives it back when it is of the wrong kind) and names each failure
+    /// after `what` and its key.
+    fn per_key<T>(
+        &self,
+        req: Request,
+        keys: &[&str],
+        what: &str,
+        pick: impl FnOnce(Response) -> std::result::Result<Vec<KeyResult<T>>, Response>,
+    ) -> Vec<Result<T>> {
+        let answers = match self.call(req).map(pick) {
+            Ok(Ok(v)) if v.len() == keys.len() => v,
+            Ok(Ok(v)) => {
+                let e = format!("{} answers for {} keys", v.len(), keys.len());
+                return all_err(keys.len(), Error::protocol(e));
+            }
+            Ok(Err(other)) => {
+                let e = Error::protocol(format!("unexpected answer {other:?}"));
+                return all_err(keys.len(), e);
+            }
+            Err(e) => return all_err(keys.len(), e),
+        };
+        answers
+            .into_iter()
+            .zip(keys)
+            .map(|(r, k)| r.map_err(|c| Error::new(c, format!("{what} {k:?}"))))
+            .collect()
+    }
+
+    /// [`Client::per_key`] for requests answered `Ok` or a code per key.
+    fn done_per_key(&self, req: Request, keys: &[&str], what: &str) -> Vec<Result<()>> {
+        self.per_key(req, keys, what, |r| match r {
+            Response::PerKey(v) => Ok(v),
+            other => Err(other),
+        })
     }
 
     /// Whether the master answers.

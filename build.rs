@@ -1,10 +1,19 @@
-//! Build script: gives the C shared library its SONAME and, with the `layout-check`
+//! Build script: gives the C shared library its SONAME, marks a static build
+//! (`MC_STATIC_BINARY`) and, with the `layout-check`
 //! feature, generates bindings from the system verbs and libfabric headers for
 //! `tests/layout.rs` to check the hand-written ffi structs against.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=c_include/mooncake.h");
+    // MC_STATIC_BINARY=1: the `mooncake` binary of this build is linked with a static C
+    // runtime (scripts/test.sh links only the binary so, keeping the library's crate
+    // types buildable), so runtime-loaded backends must stay off.
+    println!("cargo:rerun-if-env-changed=MC_STATIC_BINARY");
+    println!("cargo:rustc-check-cfg=cfg(mc_static_binary)");
+    if std::env::var("MC_STATIC_BINARY").as_deref() == Ok("1") {
+        println!("cargo:rustc-cfg=mc_static_binary");
+    }
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmooncake.so.0");
     }

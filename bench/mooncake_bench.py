@@ -160,7 +160,8 @@ def run(a):
         words = child.stdout.readline().split()
         if len(words) < 2 or words[0] != "ready":
             raise RuntimeError("target did not report ready: %r" % " ".join(words))
-        addr = int(words[2]) if len(words) > 2 else 0  # ours: ask the segment
+        # Upstream's target: `ready NAME ADDR`; ours: `ready NAME addr=0x... size=N`.
+        addr = int(words[2].split("=")[-1], 0) if len(words) > 2 else 0
         a.peer = a.target
         return client(a, words[1], addr)
     finally:

@@ -606,7 +606,10 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let verify_checksum = cfg.verify_checksum;
     let protocol = cfg.engine.protocol.name().to_owned();
     let cluster = match external {
-        true => None,
+        true => {
+            crate::cli::store::metadata_from_master(&a, &mut cfg)?;
+            None
+        }
         false => {
             let c = Cluster::start(node_segment)?;
             cfg.master_address = c.rpc.clone();

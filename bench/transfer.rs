@@ -299,7 +299,13 @@ pub fn run(raw: &[String]) -> Result<(), String> {
             )
             .collect();
             let child = ChildProc::spawn("target", &args)?;
-            let name = child.ready.clone();
+            // `ready <segment> addr=0x... size=N`
+            let name = child
+                .ready
+                .split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
             (Some(child), name)
         }
     };

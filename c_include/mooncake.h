@@ -59,6 +59,17 @@ uint32_t mc_abi_version(void);
 /* The ABI revision the loaded library implements (revision 2). */
 uint32_t mc_abi_revision(void);
 
+/* The release this header ships with (semantic versioning; the ABI is versioned
+ * separately above). Compare with mc_version() to see which library was loaded. */
+#define MC_VERSION_MAJOR 0
+#define MC_VERSION_MINOR 1
+#define MC_VERSION_PATCH 0
+#define MC_VERSION_STRING "0.1.0"
+
+/* The loaded library's release, "MAJOR.MINOR.PATCH" (a static string, never NULL).
+ * (revision 2) */
+const char *mc_version(void);
+
 /* ---------------------------------------------------------------- errors */
 
 /* One error space for the engine and the store. Codes that Mooncake Store also has
@@ -168,7 +179,8 @@ typedef struct mc_engine mc_engine;
 int mc_engine_new(const mc_config *cfg, mc_engine **out);
 
 /* Stops the engine, unpublishes it and frees it; NULL is ignored. Registered memory
- * is no longer accessed once this returns. */
+ * is no longer accessed once this returns (unless a store set up with
+ * mc_store_new_with_engine still shares the engine: then once that store is freed). */
 void mc_engine_free(mc_engine *engine);
 
 /* Copies the engine's segment name (what peers pass to mc_open_segment) into buf as a
@@ -313,8 +325,10 @@ int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t l
  *
  * The engine keys apply to the store's own transfer engine, with one difference:
  *
- *   metadata            Default for a store: the master's embedded metadata server,
- *                       "http://<host of master_address>:8080/metadata". Setting the key
+ *   metadata            Default for a store: the metadata server the master reports
+ *                       (its embedded one, on whatever port it uses; a master too old
+ *                       to say gives "http://<host of master_address>:8080/metadata",
+ *                       one running none makes mc_store_new fail). Setting the key
  *                       (even to "P2PHANDSHAKE") overrides that.
  *   protocol            As for the engine; "auto" by default.
  *
@@ -383,6 +397,13 @@ void mc_replicate_config_init(mc_replicate_config *cfg);
  * into the pool). cfg NULL uses the defaults. On success *out is the store; on failure
  * *out is NULL. */
 int mc_store_new(const mc_config *cfg, mc_store **out);
+
+/* As mc_store_new, but the store moves bytes with engine instead of starting its own
+ * (Mooncake's setup(..., engine=)): its segment name is the engine's, memory the engine
+ * registered serves zero-copy calls, and the engine keys of cfg are not used. The
+ * engine keeps running until both mc_engine_free and mc_store_free of every store
+ * sharing it have been called. (revision 2) */
+int mc_store_new_with_engine(const mc_config *cfg, mc_engine *engine, mc_store **out);
 
 /* Unmounts the store's segment (objects whose only replica was there are lost),
  * disconnects and frees the store; NULL is ignored. */

@@ -590,7 +590,8 @@ unsafe impl Sync for FabricLib {}
 impl FabricLib {
     fn load() -> Result<FabricLib, String> {
         let (lib, path) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(|e| {
-            format!("libfabric unavailable: {e} (set {OVERRIDE_VAR} to the library's path)")
+            let why = e.with_hint(&format!("set {OVERRIDE_VAR} to the library's path"));
+            format!("libfabric unavailable: {why}")
         })?;
         fn sym<T: Copy>(lib: &Library, path: &str, name: &str) -> Result<T, String> {
             // SAFETY: each call names a libfabric export whose C signature matches `T`

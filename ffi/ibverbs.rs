@@ -434,7 +434,7 @@ pub struct ibv_port_attr {
     pub port_cap_flags2: u16,
 }
 
-// Sizes from rdma-core 44's verbs.h on LP64 (checked against the header by tests/rdma.rs).
+// Sizes from rdma-core 44's verbs.h on LP64 (checked against the header by tests/layout.rs).
 const _: () = {
     assert!(std::mem::size_of::<ibv_wc>() == 48);
     assert!(std::mem::size_of::<ibv_send_wr>() == 128);
@@ -506,9 +506,9 @@ pub fn verbs() -> Result<&'static Verbs, String> {
 
 fn load() -> Result<Verbs, String> {
     let (lib, library) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(|e| {
-        format!(
-            "{e} (install rdma-core's libibverbs, or set {OVERRIDE_VAR}=/path/to/libibverbs.so.1)"
-        )
+        e.with_hint(&format!(
+            "install rdma-core's libibverbs, or set {OVERRIDE_VAR}=/path/to/libibverbs.so.1"
+        ))
     })?;
     macro_rules! sym {
         ($name:literal) => {{

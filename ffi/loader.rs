@@ -20,8 +20,8 @@ impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LoadError::StaticBinary => f.write_str(
-                "this is a static binary, which cannot load shared libraries safely; \
-                 use the dynamically linked build for hardware backends",
+                "this static binary has no runtime-loaded backends (it cannot load shared \
+                 libraries); use the dynamically linked build for hardware backends",
             ),
             LoadError::NotFound { tried } => {
                 f.write_str("could not load ")?;
@@ -39,9 +39,21 @@ impl fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
-/// Whether this binary was linked with a static C runtime.
+impl LoadError {
+    /// This error followed by `hint` (what to install, which variable to set), except
+    /// in a static binary, where no library or variable can help.
+    pub fn with_hint(&self, hint: &str) -> String {
+        match self {
+            LoadError::StaticBinary => self.to_string(),
+            LoadError::NotFound { .. } => format!("{self} ({hint})"),
+        }
+    }
+}
+
+/// Whether this binary was linked with a static C runtime: built with crt-static, or
+/// for a binary that will be (`MC_STATIC_BINARY=1` at build time, see build.rs).
 pub const fn is_static_binary() -> bool {
-    cfg!(target_feature = "crt-static")
+    cfg!(any(target_feature = "crt-static", mc_static_binary))
 }
 
 /// Opens the first loadable library among `candidates`.
@@ -106,10 +118,13 @@ pub fn open_driver(
         None => open_backend(override_var, candidates),
     };
     opened.map_err(|why| {
-        crate::Error::new(
-            crate::Code::BackendUnavailable,
-            format!("{what} unavailable ({override_var} overrides the library): {why}"),
-        )
+        let text = match why {
+            LoadError::StaticBinary => format!("{what} unavailable: {why}"),
+            LoadError::NotFound { .. } => {
+                format!("{what} unavailable ({override_var} overrides the library): {why}")
+            }
+        };
+        crate::Error::new(crate::Code::BackendUnavailable, text)
     })
 }
 
@@ -237,6 +252,17 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    #[test]
+    fn hints_are_left_out_where_they_cannot_help() {
+        let e = LoadError::StaticBinary.with_hint("set MC_IBVERBS_LIB");
+        assert!(!e.contains("MC_IBVERBS_LIB"), "{e}");
+        assert!(e.contains("no runtime-loaded backends"), "{e}");
+        let e = LoadError::NotFound {
+            tried: vec![("libx.so".into(), "missing".into())],
+        };
+        assert!(e.with_hint("set MC_X_LIB").ends_with("(set MC_X_LIB)"));
     }
 
     #[test]

@@ -14,45 +14,166 @@ mod transfer_bench;
 
 use std::process::ExitCode;
 
-const USAGE: &str = "\
-mooncake — transfer engine (Mooncake-compatible)
-
-USAGE:
-  mooncake target --metadata URL --name NAME --size BYTES [--location cpu:0|cuda:N|hip:N|npu:N]
-      [--bind IP] [--protocol P]
+/// Each subcommand's usage: its name (with `bench`'s second word) and its text.
+const COMMANDS: &[(&str, &str)] = &[
+    (
+        "target",
+        "\
+  mooncake target --size BYTES [--location cpu:0|cuda:N|hip:N|npu:N] [--metadata URL]
+      [--name HOST:PORT] [--bind IP] [--protocol tcp|shm|auto|rdma|efa]
       Allocate and register a SIZE-byte buffer (host memory, or device memory from the
-      location's driver), publish it, print `ready <segment>`, serve until killed.
-  mooncake metadata-server [--port P] [--bind IP]
-      Run Mooncake's HTTP metadata server (REST on /metadata, /health).
-  mooncake bench transfer [--protocol tcp|shm|auto|rdma|efa] [--fabric-provider P] [--op read|write] [--block-size B]
-      [--batch-size N] [--threads N] [--duration S] [--workers N] [--segment NAME --metadata URL]
-      Measure transfers; prints one JSON object per line with a same-run baseline.
+      location's driver), publish it, print `ready <segment> addr=0x... size=BYTES`,
+      serve until killed. Metadata defaults to P2PHANDSHAKE (the name is the address).",
+    ),
+    (
+        "metadata-server",
+        "\
+  mooncake metadata-server [--port 8080] [--bind 127.0.0.1]
+      Run Mooncake's HTTP metadata server (REST on /metadata, /health).",
+    ),
+    (
+        "bench transfer",
+        "\
+  mooncake bench transfer [--protocol tcp|shm|auto|rdma|efa] [--fabric-provider P] [--op read|write]
+      [--block-size B] [--batch-size N] [--threads N] [--duration S] [--workers N]
+      [--segment NAME --metadata URL]
+      Measure transfers; prints one JSON object per line with a same-run baseline.",
+    ),
+    (
+        "bench store",
+        "\
   mooncake bench store [--op get|put|exists] [--size 4K] [--batch N] [--threads N]
       [--duration S] [--api zero-copy|copy] [--protocol tcp|auto] [--verify-checksum B]
       [--no-verify] [--segment-size B] [--master HOST:PORT --metadata URL]
-      Store objects/s and latency against a master and node in child processes.
+      Store objects/s and latency against a master and node in child processes.",
+    ),
+    (
+        "bench master",
+        "\
   mooncake bench master [--threads 1,2] [--duration S] [--keys K] [--batch N]
-      Metadata requests/s of an in-process master (put, get_replicas, exists, mix).
+      Metadata requests/s of an in-process master (put, get_replicas, exists, mix).",
+    ),
+    (
+        "bench alloc",
+        "\
+  mooncake bench alloc [--ops 2000000] [--batch 1000] [--trace PATH] [--bytes-per-token 128]
+      [--capacity 1G] [--slab-size BYTES]
+      The store allocator: alloc+free latency next to std::alloc, and how full a segment
+      gets on the trace's object sizes.",
+    ),
+    (
+        "info",
+        "\
   mooncake info
-      Every transport backend: loaded or not and why, library and version, devices found.
+      Every transport backend: loaded or not and why, library and version, devices found.",
+    ),
+    (
+        "master",
+        "\
   mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
-      [--lease-ttl-ms 10000] [--eviction-high-watermark 0.9] [--eviction-ratio 0.05]
-      [--client-ttl 10] [--allocation-strategy random|free_ratio_first|local_first]
+      [--bind 127.0.0.1] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 0.9]
+      [--eviction-ratio 0.05] [--client-ttl 10]
+      [--allocation-strategy random|free_ratio_first|local_first]
       The store's control plane (Mooncake's mooncake_master flag names are accepted too).
+      Nodes and clients that give no --metadata ask it for its metadata server.",
+    ),
+    (
+        "node",
+        "\
   mooncake node --master HOST:PORT --segment-size BYTES [--metadata URL] [--name HOST:PORT]
-      Lend SIZE bytes of this machine's memory to the store pool.
+      [--bind IP] [--protocol tcp|shm|auto|rdma|efa]
+      Lend SIZE bytes (positive, at most this machine's memory) to the store pool.
+      Without --metadata, the master's metadata server is used. With --bind 0.0.0.0,
+      the name published is --name, else the address of the default route's interface.",
+    ),
+    (
+        "demo",
+        "\
   mooncake demo [--trace FILE] [--requests N] [--block-bytes 64K] [--pool-size 3G]
       [--time-scale X] [--replicas 1] [--protocol tcp] [--json]
       Start a master, two store nodes and a client in this process and replay the
-      conversation trace through the store (prefix reads, writes, eviction); print a summary.
+      conversation trace through the store (prefix reads, writes, eviction); print a summary.",
+    ),
+    (
+        "replay",
+        "\
   mooncake replay --master HOST:PORT [--metadata URL] [same options as demo, less --pool-size]
-      The same replay, as a pure client of a running cluster.
+      The same replay, as a pure client of a running cluster (metadata: as for node).",
+    ),
+];
 
-Sizes accept K/M/G suffixes. Logging: RUST_LOG=info|debug.";
+const HEADER: &str = "mooncake — transfer engine and KV store (Mooncake-compatible)";
+const FOOTER: &str = "\
+Sizes accept K/M/G/T suffixes. Logging: RUST_LOG=info|debug.
+`mooncake COMMAND --help` shows one command; `mooncake --version` the version.";
+
+/// The whole usage text.
+fn usage() -> String {
+    let body: Vec<&str> = COMMANDS.iter().map(|(_, text)| *text).collect();
+    format!("{HEADER}\n\nUSAGE:\n{}\n\n{FOOTER}", body.join("\n"))
+}
+
+/// The usage of the command `words` start with (`bench` takes a second word), if any.
+fn usage_of(words: &[String]) -> Option<String> {
+    let first = words.first()?.as_str();
+    let name = match (first, words.get(1)) {
+        ("bench", Some(sub)) if !sub.starts_with('-') => format!("bench {sub}"),
+        ("backends", _) => "info".to_owned(),
+        _ => first.to_owned(),
+    };
+    let matching: Vec<&str> = COMMANDS
+        .iter()
+        .filter(|(n, _)| *n == name || (name == "bench" && n.starts_with("bench ")))
+        .map(|(_, text)| *text)
+        .collect();
+    (!matching.is_empty()).then(|| format!("USAGE:\n{}", matching.join("\n")))
+}
+
+/// Whether `raw` (after the command words) asks for help.
+fn wants_help(raw: &[String]) -> bool {
+    raw.iter().any(|a| a == "--help" || a == "-h")
+}
+
+/// An error about the command line gets a pointer to the command's usage.
+fn with_hint(e: String, words: &[String]) -> String {
+    let about_flags = [
+        "unknown option",
+        "unexpected argument",
+        "needs a value",
+        "--",
+    ]
+    .iter()
+    .any(|p| e.starts_with(p) || e.contains(&format!(": {p}")));
+    let command = match words.first().map(String::as_str) {
+        Some("bench") => match words.get(1) {
+            Some(sub) if !sub.starts_with('-') => format!("bench {sub}"),
+            _ => "bench".to_owned(),
+        },
+        Some(c) => c.to_owned(),
+        None => return e,
+    };
+    if about_flags && usage_of(words).is_some() {
+        format!("{e}\n(`mooncake {command} --help` lists the options)")
+    } else {
+        e
+    }
+}
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.len() > 1 && !raw[0].starts_with('-') && wants_help(&raw[1..]) {
+        return match usage_of(&raw) {
+            Some(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            None => {
+                eprintln!("mooncake: unknown command {:?}\n\n{}", raw[0], usage());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let result = match raw.first().map(String::as_str) {
         Some("target") => cli::target(&raw[1..]),
         Some("metadata-server") => cli::metadata_server(&raw[1..]),
@@ -63,22 +184,80 @@ fn main() -> ExitCode {
             Some("master") => master_bench::run(&raw[2..]),
             _ => Err("usage: mooncake bench transfer|alloc|store|master [options]".to_owned()),
         },
-        Some("info" | "backends") => cli::info(),
+        Some("info" | "backends") => cli::info(&raw[1..]),
         Some("master") => cli::store::master(&raw[1..]),
         Some("node") => cli::store::node(&raw[1..]),
         Some("demo") => cli::replay::demo(&raw[1..]),
         Some("replay") => cli::replay::replay(&raw[1..]),
-        Some("help" | "--help" | "-h") | None => {
-            println!("{USAGE}");
+        Some("--version" | "-V" | "version") => {
+            println!("mooncake {}", env!("CARGO_PKG_VERSION"));
             Ok(())
         }
-        Some(other) => Err(format!("unknown command {other:?}\n\n{USAGE}")),
+        Some("help") => {
+            match usage_of(&raw[1..]) {
+                Some(text) => println!("{text}"),
+                None => println!("{}", usage()),
+            }
+            Ok(())
+        }
+        Some("--help" | "-h") | None => {
+            println!("{}", usage());
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown command {other:?}\n\n{}", usage())),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("mooncake: {e}");
+            eprintln!("mooncake: {}", with_hint(e, &raw));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn every_command_has_its_own_usage() {
+        for cmd in [
+            "target",
+            "metadata-server",
+            "info",
+            "master",
+            "node",
+            "demo",
+            "replay",
+        ] {
+            let text = usage_of(&words(&[cmd])).unwrap();
+            assert!(text.contains(&format!("mooncake {cmd}")), "{text}");
+        }
+        let text = usage_of(&words(&["bench", "store"])).unwrap();
+        assert!(text.contains("bench store") && !text.contains("bench master"));
+        let text = usage_of(&words(&["bench", "--help"])).unwrap();
+        assert!(text.contains("bench store") && text.contains("bench master"));
+        assert!(usage_of(&words(&["frobnicate"])).is_none());
+        assert!(usage().contains("mooncake replay"));
+    }
+
+    #[test]
+    fn flag_errors_point_at_the_usage() {
+        let e = with_hint("unknown option(s): --sise".into(), &words(&["node"]));
+        assert!(
+            e.ends_with("(`mooncake node --help` lists the options)"),
+            "{e}"
+        );
+        let e = with_hint(
+            "--size: cannot parse \"x\"".into(),
+            &words(&["bench", "store"]),
+        );
+        assert!(e.contains("`mooncake bench store --help`"), "{e}");
+        let e = with_hint("connection refused".into(), &words(&["node"]));
+        assert_eq!(e, "connection refused");
     }
 }

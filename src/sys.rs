@@ -4,6 +4,7 @@
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
     if ret < 0 {
@@ -111,6 +112,32 @@ impl EventFd {
 
     pub fn raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+
+    /// Sleeps until `fd` (when given) is readable, this eventfd is notified, or
+    /// `timeout` passes (`None`: no limit). Returns whether it was notified; the
+    /// count is left pending (see [`EventFd::drain`]). A signal ends the wait early,
+    /// like a timeout, so callers wait in a loop that re-checks their condition.
+    pub fn wait(&self, fd: Option<RawFd>, timeout: Option<Duration>) -> io::Result<bool> {
+        let poll_fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut fds = [poll_fd(self.fd.as_raw_fd()), poll_fd(fd.unwrap_or(-1))];
+        let n = if fd.is_some() { 2 } else { 1 };
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const _);
+        // SAFETY: `fds` holds `n` valid pollfds and `ts_ptr` is null or points at a
+        // live timespec; both outlive the call.
+        match cvt(unsafe { libc::ppoll(fds.as_mut_ptr(), n, ts_ptr, std::ptr::null()) }) {
+            Ok(_) => Ok(fds[0].revents != 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 }
 

@@ -357,6 +357,34 @@ fn header_matches_the_rust_definitions() {
         consts.get("MC_ABI_VERSION"),
         Some(&(mc_abi_version() as i64))
     );
+    assert_eq!(
+        consts.get("MC_ABI_REVISION"),
+        Some(&(mc_abi_revision() as i64))
+    );
+    // The release macros are the crate's version, and mc_version() says the same.
+    for (name, part) in [
+        ("MC_VERSION_MAJOR", env!("CARGO_PKG_VERSION_MAJOR")),
+        ("MC_VERSION_MINOR", env!("CARGO_PKG_VERSION_MINOR")),
+        ("MC_VERSION_PATCH", env!("CARGO_PKG_VERSION_PATCH")),
+    ] {
+        assert_eq!(
+            consts.get(name).map(i64::to_string).as_deref(),
+            Some(part),
+            "{name} in mooncake.h"
+        );
+    }
+    let version = format!(
+        "#define MC_VERSION_STRING \"{}\"",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(header.contains(&version), "{version} in mooncake.h");
+    // SAFETY: mc_version returns a static NUL-terminated string.
+    let loaded = unsafe { CStr::from_ptr(mc_version()) };
+    assert_eq!(loaded.to_str(), Ok(env!("CARGO_PKG_VERSION")));
+    assert!(header.contains("const char *mc_version(void);"));
+    let pc = std::fs::read_to_string(header_path().join("mooncake.pc.in")).unwrap();
+    let line = format!("Version: {}", env!("CARGO_PKG_VERSION"));
+    assert!(pc.lines().any(|l| l == line), "{line} in mooncake.pc.in");
     assert_eq!(consts.get("MC_OP_READ"), Some(&(MC_OP_READ as i64)));
     assert_eq!(consts.get("MC_OP_WRITE"), Some(&(MC_OP_WRITE as i64)));
     let states = [

@@ -608,6 +608,17 @@ fn header_declares_the_store_abi() {
         "mc_store_batch_put_from",
         "mc_store_batch_get_into",
         "mc_store_batch_exists",
+        "mc_put_options_init",
+        "mc_store_batch_put_parts",
+        "mc_store_batch_get_parts",
+        "mc_store_batch_get_ranges",
+        "mc_store_batch_remove",
+        "mc_store_batch_replica_clear",
+        "mc_store_replica_desc",
+        "mc_store_get_buffer",
+        "mc_store_buffer_free",
+        "mc_store_health",
+        "mc_store_new_with_engine",
     ] {
         assert!(header.contains(&format!(" {f}(")), "{f} declared");
     }
@@ -802,4 +813,214 @@ fn c_program_uses_a_running_cluster() {
             out.stderr
         );
     }
+}
+
+#[test]
+fn revision_2_calls_through_the_abi() {
+    quiet_logs();
+    assert!(mc_abi_revision() >= 2);
+    let m = master();
+    let n1 = node(&m, 32 * MIB);
+    let s = Store::client_of(&m);
+    // SAFETY (whole test): `s.0` is a live store; every array below holds the count
+    // passed with it and outlives the call; keys are NUL-terminated.
+    assert_eq!(unsafe { mc_store_health(s.0) }, MC_OK);
+
+    // Two keys from parts: "a" = 3 parts, "b" = 1 part; "c" has no part.
+    let (a0, a1, a2, b0) = (value(1, 1000), value(2, 3000), value(3, 5), value(4, 4096));
+    let keys = [cstring("a"), cstring("b"), cstring("c")];
+    let kp: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr()).collect();
+    let bufs: Vec<*const c_void> = [&a0, &a1, &a2, &b0]
+        .iter()
+        .map(|v| v.as_ptr().cast())
+        .collect();
+    let lens = [a0.len(), a1.len(), a2.len(), b0.len()];
+    let counts = [3usize, 1, 0];
+    let groups = [cstring("g1")];
+    let gp: Vec<*const c_char> = groups.iter().map(|g| g.as_ptr()).collect();
+    let mut opts = McPutOptions {
+        group_ids: null(),
+        group_ids_count: 7,
+        upsert: 9,
+    };
+    unsafe { mc_put_options_init(&mut opts) };
+    assert_eq!((opts.group_ids_count, opts.upsert), (0, 0));
+    opts.group_ids = gp.as_ptr();
+    opts.group_ids_count = 1;
+    let mut results = [1 as c_int; 3];
+    let rc = unsafe {
+        mc_store_batch_put_parts(
+            s.0,
+            kp.as_ptr(),
+            3,
+            bufs.as_ptr(),
+            lens.as_ptr(),
+            counts.as_ptr(),
+            null(),
+            &opts,
+            results.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, MC_OK);
+    assert_eq!(results, [MC_OK, MC_OK, INVALID]);
+    let whole_a: Vec<u8> = [a0.clone(), a1.clone(), a2.clone()].concat();
+    assert_eq!(s.get("a", 8192), (MC_OK, whole_a.clone()));
+
+    // Read "a" back split differently; "b" into a buffer too small.
+    let (mut x, mut y, mut z) = (vec![0u8; 2500], vec![0u8; 2000], vec![0u8; 100]);
+    let out: Vec<*mut c_void> = [&mut x, &mut y, &mut z]
+        .iter_mut()
+        .map(|v| v.as_mut_ptr().cast())
+        .collect();
+    let caps = [2500usize, 2000, 100];
+    let mut sizes = [0i64; 2];
+    let rc = unsafe {
+        mc_store_batch_get_parts(
+            s.0,
+            kp.as_ptr(),
+            2,
+            out.as_ptr(),
+            caps.as_ptr(),
+            [2usize, 1].as_ptr(),
+            sizes.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, MC_OK);
+    assert_eq!(sizes, [4005, OVERFLOW as i64]);
+    assert_eq!([&x[..], &y[..1505]].concat(), whole_a);
+
+    // Ranges: bytes 990..1010 of "a", and past its end.
+    let mut r = vec![0u8; 20];
+    let rp = [r.as_mut_ptr().cast::<c_void>()];
+    let mut got = [0i64; 1];
+    let rc = unsafe {
+        mc_store_batch_get_ranges(
+            s.0,
+            kp.as_ptr(),
+            1,
+            rp.as_ptr(),
+            [990u64].as_ptr(),
+            [20u64].as_ptr(),
+            [1usize].as_ptr(),
+            got.as_mut_ptr(),
+        )
+    };
+    assert_eq!((rc, got[0]), (MC_OK, 20));
+    assert_eq!(r, whole_a[990..1010]);
+    let rc = unsafe {
+        mc_store_batch_get_ranges(
+            s.0,
+            kp.as_ptr(),
+            1,
+            rp.as_ptr(),
+            [4000u64].as_ptr(),
+            [20u64].as_ptr(),
+            [1usize].as_ptr(),
+            got.as_mut_ptr(),
+        )
+    };
+    assert_eq!((rc, got[0]), (MC_OK, INVALID as i64));
+
+    // One round trip get into library memory.
+    let (mut p, mut len) = (null_mut(), 0u64);
+    assert_eq!(
+        unsafe { mc_store_get_buffer(s.0, kp[1], &mut p, &mut len) },
+        MC_OK
+    );
+    assert_eq!(
+        unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len as usize) },
+        &b0[..]
+    );
+    unsafe { mc_store_buffer_free(p, len) };
+    assert_eq!(
+        unsafe { mc_store_get_buffer(s.0, kp[2], &mut p, &mut len) },
+        NOT_FOUND
+    );
+
+    // The replica descriptor names the node's segment; a small buffer tells the size.
+    let mut needed = 0usize;
+    let mut tiny = [0 as c_char; 4];
+    assert_eq!(
+        unsafe { mc_store_replica_desc(s.0, kp[0], tiny.as_mut_ptr(), 4, &mut needed) },
+        OVERFLOW
+    );
+    let mut text = vec![0 as c_char; needed];
+    assert_eq!(
+        unsafe { mc_store_replica_desc(s.0, kp[0], text.as_mut_ptr(), needed, null_mut()) },
+        MC_OK
+    );
+    let text = unsafe { CStr::from_ptr(text.as_ptr()) }
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        text.contains(&format!("\"segment\":\"{}\"", n1.hostname())),
+        "{text}"
+    );
+    assert!(text.starts_with("{\"size\":4005,"), "{text}");
+
+    // "a" and "b" were read: leased, so neither cleared nor removed without force.
+    let mut res = [9 as c_int; 2];
+    assert_eq!(
+        unsafe { mc_store_batch_replica_clear(s.0, kp.as_ptr(), 2, null(), res.as_mut_ptr()) },
+        MC_OK
+    );
+    assert_eq!(res, [0, 0]);
+    assert_eq!(
+        unsafe { mc_store_batch_remove(s.0, kp.as_ptr(), 3, 0, [0; 3].as_mut_ptr()) },
+        MC_OK
+    );
+    let mut rm = [9 as c_int; 3];
+    assert_eq!(
+        unsafe { mc_store_batch_remove(s.0, kp.as_ptr(), 3, 1, rm.as_mut_ptr()) },
+        MC_OK
+    );
+    assert_eq!(rm, [MC_OK, MC_OK, NOT_FOUND]);
+    assert_eq!(s.exists("a"), 0);
+}
+
+#[test]
+fn a_store_can_share_an_engine() {
+    quiet_logs();
+    let m = master();
+    let metadata = m.metadata_url().unwrap();
+    let cfg = config(&[("metadata", &metadata), ("protocol", "tcp")]);
+    let mut engine = null_mut();
+    // SAFETY: live config; `engine` writable.
+    assert_eq!(unsafe { mc_engine_new(cfg, &mut engine) }, MC_OK);
+    unsafe { mc_config_free(cfg) };
+    let master_addr = m.rpc_addr().to_string();
+    let cfg = config(&[
+        ("master_address", &master_addr),
+        ("global_segment_size", "8M"),
+    ]);
+    let mut s = null_mut();
+    // SAFETY: live config; NULL engine refused; `s` writable.
+    assert_eq!(
+        unsafe { mc_store_new_with_engine(cfg, null_mut(), &mut s) },
+        INVALID
+    );
+    assert!(s.is_null());
+    // SAFETY: live config and engine; `s` writable.
+    assert_eq!(
+        unsafe { mc_store_new_with_engine(cfg, engine, &mut s) },
+        MC_OK
+    );
+    // SAFETY: from mc_config_new, not used again.
+    unsafe { mc_config_free(cfg) };
+    let store = Store(s);
+    let mut name = [0 as c_char; 128];
+    assert_eq!(
+        unsafe { mc_engine_segment_name(engine, name.as_mut_ptr(), 128) },
+        MC_OK
+    );
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(store.hostname(), name);
+    // The engine handle goes first; the store keeps working on the engine it shares.
+    unsafe { mc_engine_free(engine) };
+    assert_eq!(store.put("shared", &value(5, 777)), MC_OK);
+    assert_eq!(store.get("shared", 1000), (MC_OK, value(5, 777)));
 }

@@ -90,6 +90,132 @@ fn bad_flags_fail_with_a_clear_message() {
     }
 }
 
+/// Runs the binary; (success, stdout, stderr).
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_subcommand_explains_itself() {
+    for cmd in [
+        &["target"][..],
+        &["metadata-server"],
+        &["info"],
+        &["master"],
+        &["node"],
+        &["demo"],
+        &["replay"],
+        &["bench", "transfer"],
+        &["bench", "store"],
+        &["bench", "master"],
+        &["bench", "alloc"],
+    ] {
+        for help in ["--help", "-h"] {
+            let mut args = cmd.to_vec();
+            args.push(help);
+            let (ok, stdout, stderr) = run(&args);
+            assert!(ok, "{args:?}: {stderr}");
+            assert!(
+                stdout.contains(&format!("mooncake {}", cmd.join(" "))),
+                "{args:?}: {stdout}"
+            );
+        }
+    }
+    // `help CMD` is the same; the help of a command that does not exist is an error.
+    let (ok, stdout, _) = run(&["help", "node"]);
+    assert!(ok && stdout.contains("--segment-size"), "{stdout}");
+    let (ok, _, stderr) = run(&["frobnicate", "--help"]);
+    assert!(!ok && stderr.contains("unknown command"), "{stderr}");
+    for v in ["--version", "-V", "version"] {
+        let (ok, stdout, _) = run(&[v]);
+        assert!(ok, "{v}");
+        assert_eq!(
+            stdout.trim(),
+            format!("mooncake {}", env!("CARGO_PKG_VERSION"))
+        );
+    }
+    // A misspelt flag is named, with where to look.
+    let (ok, _, stderr) = run(&["master", "--lease-tl-ms", "5"]);
+    assert!(!ok);
+    assert!(stderr.contains("--lease-tl-ms"), "{stderr}");
+    assert!(stderr.contains("`mooncake master --help`"), "{stderr}");
+}
+
+#[test]
+fn settings_people_get_wrong_are_refused_by_name() {
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["node", "--master", "127.0.0.1:1"],
+            &["--segment-size is required"],
+        ),
+        (
+            &["node", "--master", "127.0.0.1:1", "--segment-size", "0"],
+            &["--segment-size must be positive"],
+        ),
+        // 16 PiB: more than any machine this runs on; both sizes are named.
+        (
+            &[
+                "node",
+                "--master",
+                "127.0.0.1:1",
+                "--segment-size",
+                "16384T",
+            ],
+            &["--segment-size 18014398509481984 bytes", "this machine's"],
+        ),
+        (
+            &["master", "--rpc-port", "0", "--lease-ttl-ms", "0"],
+            &["--lease-ttl-ms must be positive"],
+        ),
+        (
+            &["master", "--rpc-port", "0", "--default_kv_lease_ttl=0"],
+            &["--lease-ttl-ms must be positive"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let (ok, _, stderr) = run(args);
+        assert!(!ok, "{args:?} accepted");
+        for n in *needles {
+            assert!(stderr.contains(n), "{args:?}: {stderr}");
+        }
+    }
+}
+
+#[test]
+fn target_names_its_buffer_on_the_ready_line() {
+    let mut child = Command::new(BIN)
+        .args(["target", "--size", "64K", "--bind", "127.0.0.1"])
+        .args(["--protocol", "tcp", "--until-stdin-eof"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    drop(child.stdin.take());
+    let status = child.wait().unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(words.len(), 4, "{line:?}");
+    assert_eq!(words[0], "ready");
+    assert!(words[1].starts_with("127.0.0.1:"), "{line:?}");
+    let addr = words[2]
+        .strip_prefix("addr=0x")
+        .unwrap_or_else(|| panic!("{line:?}"));
+    assert!(
+        u64::from_str_radix(addr, 16).is_ok_and(|a| a != 0),
+        "{line:?}"
+    );
+    assert_eq!(words[3], "size=65536");
+    assert!(status.success());
+}
+
 #[test]
 fn metadata_server_command_serves_rest_until_stdin_closes() {
     let mut child = Command::new(BIN)

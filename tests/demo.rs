@@ -124,7 +124,8 @@ fn demo_prints_a_human_summary() {
     for needle in [
         "replayed 50 requests",
         "prefix hits",
-        "real KV cache",
+        "block here stands for one 512-token block",
+        "hit rates are those of a",
         "evictions",
         "errors        0",
     ] {

@@ -360,6 +360,7 @@ fn mooncake_reads_and_writes_our_segment() {
     let ready = target.line(START);
     let name = ready
         .strip_prefix("ready ")
+        .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("our target said {ready:?}"))
         .to_owned();
 

@@ -215,14 +215,15 @@ struct NodeProcess(Child);
 
 impl NodeProcess {
     fn spawn(s: &MasterServer, size: &str) -> NodeProcess {
+        let metadata = s.metadata_url().unwrap();
+        NodeProcess::spawn_with(s, size, &["--metadata", &metadata])
+    }
+
+    /// A node given `extra` flags on top of the master, size and protocol.
+    fn spawn_with(s: &MasterServer, size: &str, extra: &[&str]) -> NodeProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_mooncake"))
-            .args([
-                "node",
-                "--master",
-                &s.rpc_addr().to_string(),
-                "--metadata",
-                &s.metadata_url().unwrap(),
-            ])
+            .args(["node", "--master", &s.rpc_addr().to_string()])
+            .args(extra)
             .args([
                 "--segment-size",
                 size,
@@ -394,4 +395,50 @@ fn ranges_batch_remove_and_replica_clear() {
     assert!(c.batch_remove(&["z"], true)[0].is_ok());
     assert!(!c.exists("z").unwrap());
     c.health().unwrap();
+}
+
+/// A node given no metadata URL asks the master, whose metadata server is on a port of
+/// its own choosing (not 8080): a pure client then reads what was stored on the node.
+#[test]
+fn a_node_without_metadata_uses_the_masters_metadata_server() {
+    let s = server(10_000);
+    let url = s.metadata_url().unwrap();
+    assert_eq!(
+        mooncake::store::metadata_of_master(&s.rpc_addr().to_string()).unwrap(),
+        url
+    );
+    let _node = NodeProcess::spawn_with(&s, "16M", &[]);
+    let c = client(&s, 0);
+    let v = value(3, 300_000);
+    c.put("from-node", &v, &ReplicateConfig::default()).unwrap();
+    assert_eq!(c.get("from-node").unwrap(), v);
+
+    // A master without a metadata server says so instead of a guess.
+    let quiet = MasterServer::start(ServerConfig {
+        rpc_port: 0,
+        metadata_port: None,
+        metrics_port: None,
+        ..Default::default()
+    })
+    .unwrap();
+    let e = mooncake::store::metadata_of_master(&quiet.rpc_addr().to_string()).unwrap_err();
+    assert!(e.to_string().contains("runs no metadata server"), "{e}");
+}
+
+/// A key far over the limit is refused with a message that quotes only its start.
+#[test]
+fn an_oversized_key_is_cut_in_the_error() {
+    let s = server(10_000);
+    let _n = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    let key = "k".repeat(1 << 20);
+    let e = c
+        .put(&key, b"value", &ReplicateConfig::default())
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidKey);
+    let text = e.to_string();
+    assert!(text.len() < 400, "{} bytes of error text", text.len());
+    assert!(text.contains(&format!("({} bytes)", 1 << 20)), "{text}");
+    let e = c.get(&key).unwrap_err();
+    assert!(e.to_string().len() < 400);
 }

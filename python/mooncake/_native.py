@@ -158,6 +158,7 @@ _SIGNATURES = {
     "mc_replicate_config_init": (None, [POINTER(McReplicateConfig)], 1),
     "mc_store_new": (c_int, [_P, POINTER(_P)], 1),
     "mc_store_free": (None, [_P], 1),
+    "mc_store_new_with_engine": (c_int, [_P, _P, POINTER(_P)], 2),
     "mc_store_put": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
     "mc_store_put_from": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
     "mc_store_get_into": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_uint64)], 1),

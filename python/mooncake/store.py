@@ -32,6 +32,7 @@ from ._common import (
     check_str,
     int_list,
     metadata_connection,
+    new_config,
     same_length,
     split_host_port,
     start_native,
@@ -383,6 +384,7 @@ class MooncakeDistributedStore:
     def __init__(self):
         self._store = None
         self._registered = Registered()
+        self._engine = None  # a TransferEngine shared through setup(engine=)
         self._local_buffer_size = 0
         self._protocol = "tcp"
 
@@ -431,9 +433,11 @@ class MooncakeDistributedStore:
         check_str(ipc_socket_path, "ipc_socket_path")
         if enable_ssd_offload:
             logger.warning("mooncake: SSD offload is not available in this build; ignored")
-        if engine is not None:
-            logger.info("mooncake: the store runs its own transfer engine (the C ABI cannot "
-                        "share one); the engine argument is accepted for compatibility")
+        shared = engine is not None and getattr(engine, "_engine", None) and \
+            N.available("mc_store_new_with_engine")
+        if engine is not None and not shared:
+            logger.warning("mooncake: the engine given to setup() is not initialized (or the "
+                           "library predates engine sharing): the store starts its own")
         host, port = split_host_port(args["local_hostname"])
         conn = metadata_connection(args["metadata_server"])
         if conn is None:
@@ -457,17 +461,36 @@ class MooncakeDistributedStore:
         if timeout is not None:
             settings["transfer_timeout_ms"] = timeout
         p2p = conn == "P2PHANDSHAKE"
-        rc, handle = start_native(N.LIB.mc_store_new, settings, host, port, p2p,
-                                  "local_hostname")
+        if shared:
+            # The engine's identity, transports and memory serve the store.
+            rc, handle = self._start_on(engine, {k: settings[k] for k in (
+                "master_address", "global_segment_size", "local_buffer_size")})
+        else:
+            rc, handle = start_native(N.LIB.mc_store_new, settings, host, port, p2p,
+                                      "local_hostname")
         if rc != N.MC_OK:
             logger.error("mooncake: store setup (master %s, metadata %s) failed: %s (%d)",
                          args["master_server_addr"], args["metadata_server"],
                          N.error_string(rc), rc)
             return rc
         self._store = handle
+        self._engine = engine if shared else None
         self._local_buffer_size = lbs
         self._protocol = proto
         return 0
+
+    @staticmethod
+    def _start_on(engine, settings):
+        """A store on ``engine``'s native handle: (code, handle or None)."""
+        cfg, rc = new_config(settings)
+        if cfg is None:
+            return rc, None
+        out = ctypes.c_void_p()
+        try:
+            rc = N.LIB.mc_store_new_with_engine(cfg, engine._engine, ctypes.byref(out))
+        finally:
+            N.LIB.mc_config_free(cfg)
+        return rc, (out.value if rc == N.MC_OK else None)
 
     @staticmethod
     def _from_dict(config):
@@ -504,6 +527,7 @@ class MooncakeDistributedStore:
         if store:
             N.LIB.mc_store_free(store)
         self._registered.clear()
+        self._engine = None
         return 0
 
     def __del__(self):
@@ -578,7 +602,9 @@ class MooncakeDistributedStore:
         return results
 
     def _zero_copy(self, addr, size):
-        return self._registered.covers(addr, size)
+        # With a shared engine, what it registered is registered for the store too.
+        return self._registered.covers(addr, size) or (
+            self._engine is not None and self._engine._local.covers(addr, size))
 
     def _log_unregistered(self, addr, size):
         logger.error("mooncake: buffer [0x%x, +%d) is not inside a buffer registered with "

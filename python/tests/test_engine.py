@@ -396,8 +396,22 @@ def test_get_engine_is_shareable_with_a_store(master):
     s = MooncakeDistributedStore()
     try:
         assert s.setup("127.0.0.1", master.metadata, 16 * MiB, 16 * MiB, "tcp", "", master.rpc, handle) == 0
+        # One engine: the store's segment is the engine's, and memory the engine
+        # registered serves the store's zero-copy calls without register_buffer.
+        assert s.get_hostname() == e.get_session_id()
         k = unique("shared-engine")
         assert s.put(k, b"through a shared engine") == 0
         assert s.get(k) == b"through a shared engine"
+        buf = e.allocate_managed_buffer(8192)
+        assert buf != 0
+        e.write_bytes_to_buffer(buf, b"z" * 4096, 4096)
+        k2 = unique("shared-zero-copy")
+        assert s.put_from(k2, buf, 4096) == 0
+        assert s.get_into(k2, buf + 4096, 4096) == 4096
+        assert e.read_bytes_from_buffer(buf + 4096, 4096) == b"z" * 4096
     finally:
         s.close()
+    # The engine outlives the store that shared it.
+    peer = TransferEngine()
+    assert peer.initialize("127.0.0.1:%d" % free_port(), master.metadata, "tcp", "") == 0
+    assert peer.send_probe(e.get_session_id()) == 0

@@ -10,7 +10,8 @@ use crate::transport::Op;
 
 /// `mc_engine`: a running engine behind an opaque pointer.
 pub struct McEngine {
-    engine: Engine,
+    /// Shared with the stores set up on this engine (`mc_store_new_with_engine`).
+    pub(crate) engine: std::sync::Arc<Engine>,
 }
 
 // The header promises that one engine may be used from many threads at once.
@@ -73,7 +74,9 @@ pub unsafe extern "C" fn mc_engine_new(cfg: *const McConfig, out: *mut *mut McEn
             unsafe { (*cfg).config.clone() }
         };
         let engine = Engine::new(config)?;
-        let handle = Box::into_raw(Box::new(McEngine { engine }));
+        let handle = Box::into_raw(Box::new(McEngine {
+            engine: std::sync::Arc::new(engine),
+        }));
         // SAFETY: as above.
         unsafe { *out = handle };
         Ok(MC_OK)

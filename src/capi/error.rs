@@ -1,4 +1,4 @@
-//! `mc_abi_version` and `mc_error_string`.
+//! `mc_abi_version`, `mc_abi_revision`, `mc_version` and `mc_error_string`.
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::sync::OnceLock;
@@ -19,6 +19,20 @@ pub extern "C" fn mc_abi_version() -> u32 {
 #[no_mangle]
 pub extern "C" fn mc_abi_revision() -> u32 {
     MC_ABI_REVISION
+}
+
+/// This crate's version as a C string (`MC_VERSION_STRING`).
+const VERSION: &CStr =
+    match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+        Ok(v) => v,
+        Err(_) => panic!("the package version contains a NUL"),
+    };
+
+/// The library's release, `"MAJOR.MINOR.PATCH"` (`MC_VERSION_STRING`); static, never
+/// NULL.
+#[no_mangle]
+pub extern "C" fn mc_version() -> *const c_char {
+    VERSION.as_ptr()
 }
 
 /// A static description of an error code; "unknown error" for codes not in

@@ -323,6 +323,46 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
         non_null(out, "out")?;
         // SAFETY: `out` is non-null and writable per the caller's contract.
         unsafe { *out = std::ptr::null_mut() };
+        let (mut config, metadata_set) = if cfg.is_null() {
+            let c = StoreSettings::default().client_config(&EngineConfig::default());
+            (c, false)
+        } else {
+            // SAFETY: non-null and live per the caller's contract; only read.
+            let c = unsafe { &*cfg };
+            (c.store.client_config(&c.config), c.store.metadata_set)
+        };
+        if !metadata_set {
+            // No metadata given: the master says which server its nodes use.
+            config.engine.metadata = crate::store::metadata_of_master(&config.master_address)?;
+        }
+        let client = Client::new(config)?;
+        let handle = Box::into_raw(Box::new(McStore { client }));
+        // SAFETY: as above.
+        unsafe { *out = handle };
+        Ok(MC_OK)
+    })
+}
+
+/// As `mc_store_new`, moving bytes with `engine` instead of an engine of its own.
+///
+/// # Safety
+/// `cfg` NULL or a live `mc_config`; `engine` NULL or a live `mc_engine`; `out` NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_new_with_engine(
+    cfg: *const McConfig,
+    engine: *mut super::McEngine,
+    out: *mut *mut McStore,
+) -> c_int {
+    store_guard("mc_store_new_with_engine", || {
+        init_logging();
+        non_null(out, "out")?;
+        // SAFETY: `out` is non-null and writable per the caller's contract.
+        unsafe { *out = std::ptr::null_mut() };
+        non_null(engine, "engine")?;
+        // SAFETY: non-null and live per the caller's contract; the Arc is cloned, so
+        // the engine outlives this store whatever happens to the handle.
+        let engine = unsafe { (*engine).engine.clone() };
         let config = if cfg.is_null() {
             StoreSettings::default().client_config(&EngineConfig::default())
         } else {
@@ -330,7 +370,7 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
             let c = unsafe { &*cfg };
             c.store.client_config(&c.config)
         };
-        let client = Client::new(config)?;
+        let client = Client::with_engine(config, engine)?;
         let handle = Box::into_raw(Box::new(McStore { client }));
         // SAFETY: as above.
         unsafe { *out = handle };

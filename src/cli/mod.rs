@@ -139,7 +139,13 @@ pub fn target(raw: &[String]) -> Result<(), String> {
     let buffer = engine
         .allocate_buffer(size, &location)
         .map_err(|e| e.to_string())?;
-    println!("ready {}", engine.segment_name());
+    // `ready <segment>` first (tests and benches take the second word); then the
+    // buffer, for people and scripts that read or write it directly.
+    println!(
+        "ready {} addr={:#x} size={size}",
+        engine.segment_name(),
+        buffer as usize
+    );
     let _ = std::io::stdout().flush();
     let mut registered = true;
     if until_eof {
@@ -203,9 +209,10 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
 
 /// `mooncake info`: every transport backend, whether it loaded and why not, where
 /// from, which devices it sees.
-pub fn info() -> Result<(), String> {
+pub fn info(raw: &[String]) -> Result<(), String> {
+    Args::parse(raw)?.finish()?;
     let static_note = if loader::is_static_binary() {
-        " (static binary)"
+        " (static binary: no runtime-loaded backends; tcp and shm only)"
     } else {
         ""
     };

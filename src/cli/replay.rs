@@ -99,8 +99,9 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
 pub fn replay(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let opts = options(&a)?;
-    let cfg = super::store::client_config(&a)?;
+    let mut cfg = super::store::client_config(&a)?;
     a.finish()?;
+    super::store::metadata_from_master(&a, &mut cfg)?;
     let trace = load_trace(opts.trace.as_deref(), opts.limit)?;
     let client = Client::new(cfg).map_err(|e| format!("connecting to the cluster: {e}"))?;
     run(&client, &opts, &trace, "replay")
@@ -753,9 +754,9 @@ impl Summary {
             self.objects_stored,
         );
         println!(
-            "  as real KV    pool of {} blocks ≈ {} blocks × 64 MiB (8B model: 128 KiB/token × 512 tokens) = {:.0} GiB of real KV cache",
-            self.capacity_blocks,
-            self.capacity_blocks,
+            "  scale         one {} block here stands for one 512-token block of an 8B model's KV cache \
+             (128 KiB/token = 64 MiB): the hit rates are those of a {:.0} GiB cache",
+            human_bytes(self.block_bytes),
             self.real_model_equivalent_gib(),
         );
         println!(

@@ -41,7 +41,12 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         cfg.metrics_port = None;
     }
     let m = &mut cfg.master;
-    m.lease_ttl = Duration::from_millis(a.get("lease-ttl-ms", m.lease_ttl.as_millis() as u64)?);
+    let lease_ttl_ms: u64 = a.get("lease-ttl-ms", m.lease_ttl.as_millis() as u64)?;
+    if lease_ttl_ms == 0 {
+        // Every read would find its lease already expired.
+        return Err("--lease-ttl-ms must be positive (a read holds its lease this long)".into());
+    }
+    m.lease_ttl = Duration::from_millis(lease_ttl_ms);
     m.eviction_high_watermark = a.get("eviction-high-watermark", m.eviction_high_watermark)?;
     m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
     m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
@@ -89,12 +94,15 @@ pub fn master(raw: &[String]) -> Result<(), String> {
 
 pub fn node(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
+    let size = match a.str("segment-size") {
+        None => return Err("--segment-size is required: the bytes this node lends to the pool (e.g. --segment-size 4G)".into()),
+        Some(_) => a.get::<u64>("segment-size", 0)?,
+    };
+    check_segment_size(size, physical_memory())?;
     let mut cfg = client_config(&a)?;
-    if cfg.global_segment_size == 0 {
-        cfg.global_segment_size = 1 << 30;
-    }
     let until_eof = a.flag("until-stdin-eof");
     a.finish()?;
+    metadata_from_master(&a, &mut cfg)?;
     if !until_eof {
         super::block_signals_for_wait();
     }
@@ -105,7 +113,21 @@ pub fn node(raw: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// Client settings shared by `node`, `replay` and `bench store`.
+/// When no `--metadata` was given, asks the master which metadata server its nodes use
+/// (its embedded one, whatever its port) and sets it in `cfg`.
+pub fn metadata_from_master(a: &Args, cfg: &mut ClientConfig) -> Result<(), String> {
+    if a.str("metadata").is_some() {
+        return Ok(());
+    }
+    let metadata = mooncake::store::metadata_of_master(&cfg.master_address)
+        .map_err(|e| format!("no --metadata given, and asking the master failed: {e}"))?;
+    cfg.engine
+        .set("metadata", &metadata)
+        .map_err(|e| e.to_string())
+}
+
+/// Client settings shared by `node`, `replay` and `bench store` (without `--metadata`,
+/// call `metadata_from_master` once the flags are checked).
 pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     let mut cfg = ClientConfig {
         master_address: a.str("master").unwrap_or("127.0.0.1:50051").to_owned(),
@@ -114,6 +136,7 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
         ..ClientConfig::default()
     };
     if a.str("metadata").is_none() {
+        // A placeholder until `metadata_from_master` asks (after the flags are checked).
         let metadata = mooncake::store::default_metadata(&cfg.master_address);
         cfg.engine
             .set("metadata", &metadata)
@@ -123,4 +146,69 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
         cfg.verify_checksum = v != "false" && v != "0";
     }
     Ok(cfg)
+}
+
+/// This machine's physical memory in bytes, when the system says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let (pages, page) = (u64::try_from(pages).ok()?, u64::try_from(page).ok()?);
+    pages.checked_mul(page).filter(|&b| b > 0)
+}
+
+/// A node's `--segment-size`: positive, and no more than the machine's memory.
+fn check_segment_size(size: u64, physical: Option<u64>) -> Result<(), String> {
+    if size == 0 {
+        return Err(
+            "--segment-size must be positive (the bytes this node lends to the pool)".into(),
+        );
+    }
+    match physical {
+        Some(total) if size > total => Err(format!(
+            "--segment-size {size} bytes ({}) is more than this machine's {total} bytes ({}) of memory",
+            human(size),
+            human(total)
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Bytes in the largest binary unit that keeps a number of at least 1 (`24.0 GiB`).
+fn human(bytes: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < units.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    match i {
+        0 => format!("{bytes} B"),
+        _ => format!("{v:.1} {}", units[i]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_size_must_be_positive_and_fit_in_memory() {
+        let gib24 = 24u64 << 30;
+        assert!(check_segment_size(1 << 30, Some(gib24)).is_ok());
+        assert!(check_segment_size(gib24, Some(gib24)).is_ok());
+        assert!(check_segment_size(1 << 40, None).is_ok());
+        let e = check_segment_size(0, Some(gib24)).unwrap_err();
+        assert!(e.contains("--segment-size must be positive"), "{e}");
+        let e = check_segment_size(1 << 40, Some(gib24)).unwrap_err();
+        assert!(e.contains("1099511627776 bytes (1.0 TiB)"), "{e}");
+        assert!(e.contains("25769803776 bytes (24.0 GiB)"), "{e}");
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+    }
 }

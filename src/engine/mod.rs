@@ -8,7 +8,7 @@ pub mod segments;
 mod worker;
 
 use std::collections::{HashMap, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -112,6 +112,11 @@ impl Engine {
             )
         })?;
         let rpc_port = rpc_server.local_addr().port();
+        let host = advertised_host(
+            config.bind_address,
+            config.local_server_name.as_deref(),
+            default_route_source,
+        )?;
         let name = match &config.local_server_name {
             Some(n)
                 if directory.is_p2p()
@@ -123,7 +128,7 @@ impl Engine {
                 metadata::directory::join_host_port(host, rpc_port)
             }
             Some(n) => n.clone(),
-            None => metadata::directory::join_host_port(&config.bind_address.to_string(), rpc_port),
+            None => metadata::directory::join_host_port(&host, rpc_port),
         };
         let memory = Arc::new(LocalMemory::new());
         let data_bind = SocketAddr::new(config.bind_address, 0);
@@ -178,7 +183,6 @@ impl Engine {
             .desc
             .write()
             .unwrap_or_else(|e| e.into_inner()) = desc.clone();
-        let host = engine.config.bind_address.to_string();
         engine.segments.directory.publish(
             &desc,
             &RpcMeta {
@@ -753,5 +757,81 @@ impl Drop for OwnedBuffer {
                 log::warn!("freeing device buffer {addr:#x}: {e}");
             }
         }
+    }
+}
+
+/// The host this engine tells peers to reach it at: the address it binds; for a
+/// wildcard bind (0.0.0.0, ::), the host of its configured name, else `route_source`'s
+/// answer (this host's address on its default route), else an error asking for a name.
+/// A wildcard is never published: no peer can reach it.
+fn advertised_host(
+    bind: IpAddr,
+    name: Option<&str>,
+    route_source: impl FnOnce(IpAddr) -> Option<IpAddr>,
+) -> Result<String> {
+    if !bind.is_unspecified() {
+        return Ok(bind.to_string());
+    }
+    if let Some(n) = name {
+        let host = segments::host_of(n);
+        if host.parse::<IpAddr>().is_ok_and(|ip| ip.is_unspecified()) {
+            return Err(Error::invalid(format!(
+                "local_server_name {n:?}: {host} is not an address peers can reach"
+            )));
+        }
+        return Ok(host.to_owned());
+    }
+    match route_source(bind) {
+        Some(ip) if !ip.is_unspecified() => Ok(ip.to_string()),
+        _ => Err(Error::invalid(format!(
+            "bind_address {bind} is not an address peers can reach, and this host has no \
+             default route to take one from; give a name (local_server_name, `--name HOST:PORT`) \
+             or bind a specific address"
+        ))),
+    }
+}
+
+/// This host's source address for traffic on its default route (the family of
+/// `wildcard`): a UDP socket connected to a documentation address (connecting sends
+/// nothing; it only picks the route) reports the local address chosen.
+fn default_route_source(wildcard: IpAddr) -> Option<IpAddr> {
+    let probe = match wildcard {
+        IpAddr::V4(_) => SocketAddr::from(([192, 0, 2, 1], 9)),
+        IpAddr::V6(_) => SocketAddr::from(([0x2001, 0xdb8, 0, 0, 0, 0, 0, 1], 9)),
+    };
+    let socket = UdpSocket::bind(SocketAddr::new(wildcard, 0)).ok()?;
+    socket.connect(probe).ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then_some(ip)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wildcard_bind_is_never_published() {
+        let any = IpAddr::from([0, 0, 0, 0]);
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        // A specific address is published as it is; the route is not asked.
+        let host = advertised_host(lo, None, |_| panic!("not asked")).unwrap();
+        assert_eq!(host, "127.0.0.1");
+        // A wildcard takes the name's host, else the default route's address.
+        let host = advertised_host(any, Some("127.0.0.7:1234"), |_| None).unwrap();
+        assert_eq!(host, "127.0.0.7");
+        let host = advertised_host(any, None, |w| {
+            assert!(w.is_unspecified());
+            Some(IpAddr::from([127, 0, 0, 9]))
+        })
+        .unwrap();
+        assert_eq!(host, "127.0.0.9");
+        // No route: refused, naming the way out.
+        let e = advertised_host(any, None, |_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0.0.0.0") && e.contains("--name"), "{e}");
+        let e = advertised_host(any, None, |_| Some(any)).unwrap_err();
+        assert_eq!(e.code(), Code::InvalidParams);
+        assert!(advertised_host("::".parse().unwrap(), Some("0.0.0.0:5"), |_| None).is_err());
     }
 }

@@ -9,8 +9,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig, Request, Response,
-    SegmentInfo,
+    shown_key, KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig, Request,
+    Response, SegmentInfo,
 };
 use super::rpc::RpcClient;
 use crate::engine::{Engine, EngineConfig, TaskState};
@@ -72,6 +72,63 @@ pub fn default_metadata(master_address: &str) -> String {
     )
 }
 
+/// The metadata URL for a client of the master at `master_address` that was given none:
+/// the one the master reports (its embedded metadata server; a loopback or unspecified
+/// host there becomes the host this client reaches the master at). A master too old to
+/// answer gets `default_metadata`; one that runs no metadata server is an error asking
+/// for the URL.
+pub fn metadata_of_master(master_address: &str) -> Result<String> {
+    let rpc = RpcClient::new(master_address)?;
+    let url = match rpc.call(&Request::MetadataUrl) {
+        Ok(Response::MetadataUrl(url)) => url,
+        Ok(other) => {
+            return Err(Error::protocol(format!(
+                "master {master_address} answered {other:?} to a metadata URL request"
+            )))
+        }
+        // An older master drops the connection on a method it does not know; if it
+        // answers a request it does know, that is what happened.
+        Err(e) => {
+            return match rpc.call(&Request::Stats) {
+                Ok(_) => Ok(default_metadata(master_address)),
+                Err(_) => Err(e),
+            }
+        }
+    };
+    if url.is_empty() {
+        return Err(Error::invalid(format!(
+            "the master at {master_address} runs no metadata server; give the metadata URL"
+        )));
+    }
+    Ok(reachable_metadata_url(&url, master_address))
+}
+
+/// `url` with a loopback or unspecified host replaced by the master's host (the
+/// metadata server listens on the master's address, which this client reaches).
+fn reachable_metadata_url(url: &str, master_address: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let Some(port) = authority
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+    else {
+        return url.to_owned();
+    };
+    let local = crate::engine::segments::host_of(authority)
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified());
+    if !local {
+        return url.to_owned();
+    }
+    let master_host = crate::engine::segments::host_of(master_address);
+    format!(
+        "{scheme}://{}{path}",
+        crate::metadata::directory::join_host_port(master_host, port)
+    )
+}
+
 /// Where one key's bytes are, locally: `(address, length)` parts that concatenate to
 /// the value.
 pub type Parts = Vec<(u64, u64)>;
@@ -130,6 +187,13 @@ fn random_id() -> u64 {
 impl Client {
     pub fn new(config: ClientConfig) -> Result<Client> {
         let engine = Arc::new(Engine::new(config.engine.clone())?);
+        Client::with_engine(config, engine)
+    }
+
+    /// A client moving bytes with an engine the caller also uses (Mooncake's
+    /// `setup(..., engine=)`): its segment name and memory are the engine's, and
+    /// `config.engine` is not used.
+    pub fn with_engine(config: ClientConfig, engine: Arc<Engine>) -> Result<Client> {
         let rpc = RpcClient::new(&config.master_address)?;
         let (segment, segment_ptr) = if config.global_segment_size > 0 {
             let size = config.global_segment_size;
@@ -282,7 +346,7 @@ impl Client {
                 }
                 // Immutable values: someone already stored (or is storing) this key.
                 Err(Code::ObjectAlreadyExists) if !upsert => Ok(()),
-                Err(code) => Err(Error::new(*code, format!("put {:?}", keys[i]))),
+                Err(code) => Err(Error::new(*code, format!("put {}", shown_key(keys[i])))),
             });
         }
         let frags: Vec<Fragments> = parts.iter().map(fragments).collect();
@@ -323,8 +387,10 @@ impl Client {
                 Ok(Response::PerKey(r)) if r.len() == ends.len() => {
                     for (&(i, _), res) in ends.iter().zip(r) {
                         if let Err(code) = res {
-                            results[i] =
-                                Err(Error::new(code, format!("finishing put of {:?}", keys[i])));
+                            results[i] = Err(Error::new(
+                                code,
+                                format!("finishing put of {}", shown_key(keys[i])),
+                            ));
                         }
                     }
                 }
@@ -555,8 +621,8 @@ impl Client {
             results[i] = Err(Error::new(
                 e.code(),
                 format!(
-                    "reading {:?}: every replica failed: {}",
-                    keys[i],
+                    "reading {}: every replica failed: {}",
+                    shown_key(keys[i]),
                     e.context()
                 ),
             ));
@@ -568,7 +634,7 @@ impl Client {
             if asked.elapsed() >= Duration::from_millis(d.lease_ms) {
                 results[i] = Err(Error::new(
                     Code::LeaseExpired,
-                    format!("read of {:?} outlived its lease", keys[i]),
+                    format!("read of {} outlived its lease", shown_key(keys[i])),
                 ));
                 continue;
             }
@@ -579,8 +645,9 @@ impl Client {
                     results[i] = Err(Error::new(
                         Code::ChecksumMismatch,
                         format!(
-                            "{:?}: crc32c {crc:#010x}, stored {:#010x}",
-                            keys[i], d.crc32c
+                            "{}: crc32c {crc:#010x}, stored {:#010x}",
+                            shown_key(keys[i]),
+                            d.crc32c
                         ),
                     ));
                 }
@@ -597,7 +664,7 @@ impl Client {
                 if room < size {
                     return Err(Error::new(
                         Code::BufferOverflow,
-                        format!("{key:?} is {size} bytes, buffer {room}"),
+                        format!("{} is {size} bytes, buffer {room}", shown_key(key)),
                     ));
                 }
                 Ok(size)
@@ -608,7 +675,8 @@ impl Client {
                     .try_fold(0u64, |total, &(off, _, len)| match off.checked_add(len) {
                         Some(end) if end <= size => Ok(total + len),
                         _ => Err(Error::invalid(format!(
-                            "range [{off}, +{len}) past the end of {key:?} ({size} bytes)"
+                            "range [{off}, +{len}) past the end of {} ({size} bytes)",
+                            shown_key(key)
                         ))),
                     })
             }
@@ -726,7 +794,7 @@ impl Client {
         answers
             .into_iter()
             .zip(keys)
-            .map(|(r, k)| r.map_err(|c| Error::new(c, format!("{what} {k:?}"))))
+            .map(|(r, k)| r.map_err(|c| Error::new(c, format!("{what} {}", shown_key(k)))))
             .collect()
     }
 
@@ -894,4 +962,33 @@ unsafe fn crc_prefix(parts: &Parts, size: u64) -> u32 {
         }
     }
     crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_url_takes_the_masters_host_when_local() {
+        let m = "10.1.2.3:50051";
+        assert_eq!(
+            reachable_metadata_url("http://127.0.0.1:8081/metadata", m),
+            "http://10.1.2.3:8081/metadata"
+        );
+        assert_eq!(
+            reachable_metadata_url("http://[::1]:9000/metadata", "[fd00::5]:1"),
+            "http://[fd00::5]:9000/metadata"
+        );
+        // A routable host, or a URL without a port, is kept as it is.
+        let kept = "http://meta.example:8080/metadata";
+        assert_eq!(reachable_metadata_url(kept, m), kept);
+        assert_eq!(
+            reachable_metadata_url("http://127.0.0.1/metadata", m),
+            "http://127.0.0.1/metadata"
+        );
+        assert_eq!(
+            reachable_metadata_url("http://127.0.0.1:8080/metadata", "127.0.0.1:50051"),
+            "http://127.0.0.1:8080/metadata"
+        );
+    }
 }

@@ -10,7 +10,7 @@ pub mod protocol;
 pub mod rpc;
 pub mod server;
 
-pub use client::{default_metadata, Client, ClientConfig};
+pub use client::{default_metadata, metadata_of_master, Client, ClientConfig};
 pub use master::{Master, MasterConfig};
 pub use protocol::ReplicateConfig;
 pub use server::{MasterServer, ServerConfig};

@@ -144,6 +144,9 @@ pub enum Request {
         keys: Vec<String>,
         segment: String,
     },
+    /// The URL of the metadata service the master's nodes publish to (its embedded
+    /// server). Added within protocol version 1: an older master closes the connection.
+    MetadataUrl,
 }
 
 /// Result of one key in a batch: `Ok` or a store code.
@@ -151,7 +154,9 @@ pub type KeyResult<T> = std::result::Result<T, Code>;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Response {
-    Ping { need_remount: bool },
+    Ping {
+        need_remount: bool,
+    },
     Done,
     PutStart(Vec<KeyResult<Vec<ReplicaDesc>>>),
     PerKey(Vec<KeyResult<()>>),
@@ -159,6 +164,8 @@ pub enum Response {
     Exists(Vec<KeyResult<bool>>),
     Count(u64),
     Stats(PoolStats),
+    /// Empty when the master runs no metadata server.
+    MetadataUrl(String),
 }
 
 impl Request {
@@ -178,6 +185,7 @@ impl Request {
             Request::Stats => 12,
             Request::RemoveKeys { .. } => 13,
             Request::ReplicaClear { .. } => 14,
+            Request::MetadataUrl => 15,
         }
     }
 
@@ -231,7 +239,7 @@ impl Request {
             Request::RemoveByRegex { pattern, force } => {
                 w.str(pattern).bool(*force);
             }
-            Request::Stats => {}
+            Request::Stats | Request::MetadataUrl => {}
             Request::RemoveKeys { keys, force } => {
                 w.list(keys, |w, k| {
                     w.str(k);
@@ -302,6 +310,7 @@ impl Request {
                 keys: keys(&mut r)?,
                 segment: r.string()?,
             },
+            15 => Request::MetadataUrl,
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
@@ -418,6 +427,9 @@ impl Response {
                 w.u64(s.segments).u64(s.capacity).u64(s.used).u64(s.objects);
                 w.u64(s.evicted_objects).u64(s.evicted_bytes);
             }
+            Response::MetadataUrl(url) => {
+                w.str(url);
+            }
         }
     }
 
@@ -451,11 +463,29 @@ impl Response {
                 evicted_objects: r.u64()?,
                 evicted_bytes: r.u64()?,
             }),
+            15 => Response::MetadataUrl(r.string()?),
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
         Ok(resp)
     }
+}
+
+/// The most bytes of a key that error and log text shows.
+pub const SHOWN_KEY_BYTES: usize = 128;
+
+/// A key for error and log text: quoted, and cut to its first `SHOWN_KEY_BYTES` bytes
+/// (at a character boundary) with a note of its full length when longer, so a rejected
+/// multi-megabyte key does not flood the log.
+pub fn shown_key(key: &str) -> String {
+    if key.len() <= SHOWN_KEY_BYTES {
+        return format!("{key:?}");
+    }
+    let mut end = SHOWN_KEY_BYTES;
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}... ({} bytes)", &key[..end], key.len())
 }
 
 /// Checks a key: non-empty and at most `MAX_KEY_LEN` bytes.
@@ -464,5 +494,41 @@ pub fn check_key(key: &str) -> KeyResult<()> {
         Err(Code::InvalidKey)
     } else {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_keys_are_cut_in_messages() {
+        assert_eq!(shown_key("a/b"), "\"a/b\"");
+        let long = "k".repeat(10 << 20);
+        let shown = shown_key(&long);
+        assert!(shown.len() < SHOWN_KEY_BYTES + 40, "{shown}");
+        assert!(
+            shown.ends_with(&format!("... ({} bytes)", 10 << 20)),
+            "{shown}"
+        );
+        // A cut never splits a character.
+        let wide = "é".repeat(100);
+        assert!(shown_key(&wide).contains("(200 bytes)"));
+    }
+
+    #[test]
+    fn metadata_url_round_trips() {
+        let req = Request::MetadataUrl;
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        let bytes = w.into_bytes();
+        assert_eq!(Request::decode(req.method(), &bytes).unwrap(), req);
+        for url in ["", "http://127.0.0.1:8080/metadata"] {
+            let resp = Response::MetadataUrl(url.to_owned());
+            let mut w = Writer::new();
+            resp.encode(&mut w);
+            let bytes = w.into_bytes();
+            assert_eq!(Response::decode(req.method(), &bytes).unwrap(), resp);
+        }
     }
 }

@@ -196,6 +196,7 @@ impl RpcClient {
                 | Request::GetReplicas { .. }
                 | Request::Exists { .. }
                 | Request::Stats
+                | Request::MetadataUrl
         );
         let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let fresh = pooled.is_none();

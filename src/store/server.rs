@@ -53,16 +53,21 @@ impl MasterServer {
     pub fn start(config: ServerConfig) -> Result<MasterServer> {
         let master = Arc::new(Master::new(config.master.clone()));
         let bind = |port| SocketAddr::new(config.bind, port);
+        // The metadata server first, so that the RPC can tell clients its URL from the
+        // first request on.
+        let metadata = config
+            .metadata_port
+            .map(|p| MetadataServer::start(bind(p)))
+            .transpose()?;
+        if let Some(m) = &metadata {
+            master.set_metadata_url(&m.url());
+        }
         let rpc = super::rpc::serve(bind(config.rpc_port), master.clone()).map_err(|e| {
             Error::io(
                 format!("binding master rpc on {}", bind(config.rpc_port)),
                 e,
             )
         })?;
-        let metadata = config
-            .metadata_port
-            .map(|p| MetadataServer::start(bind(p)))
-            .transpose()?;
         let admin = match config.metrics_port {
             Some(p) => {
                 let m = master.clone();

@@ -134,6 +134,7 @@ static int client(const char *name, uint64_t addr, uint64_t size) {
 
     if (local == NULL) die("out of memory");
     if (mc_abi_version() != MC_ABI_VERSION) die("abi version %u", (unsigned)mc_abi_version());
+    if (mc_version() == NULL || strcmp(mc_version(), MC_VERSION_STRING) != 0) die("version");
     if (sizeof(void *) == 8 && (sizeof(mc_request) != 40 || sizeof(mc_task_status_t) != 16)) {
         die("struct sizes %u %u", (unsigned)sizeof(mc_request), (unsigned)sizeof(mc_task_status_t));
     }

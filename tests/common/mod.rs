@@ -84,7 +84,12 @@ impl Target {
         let mut line = String::new();
         let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
         stdout.read_line(&mut line).unwrap();
-        let name = line.trim().strip_prefix("ready ").map(str::to_owned);
+        // `ready <segment> addr=0x... size=N`: the segment is the second word.
+        let name = line
+            .trim()
+            .strip_prefix("ready ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .map(str::to_owned);
         let mut t = Target {
             child,
             name: String::new(),

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Code, Error, Result};
 use crate::store::protocol::{
-    check_key, KeyResult, ObjectDesc, PoolStats, ReplicaDesc, ReplicateConfig, Request, Response,
-    SegmentInfo, MAX_SOFT_PIN_TTL_MS,
+    check_key, shown_key, KeyResult, ObjectDesc, PoolStats, ReplicaDesc, ReplicateConfig, Request,
+    Response, SegmentInfo, MAX_SOFT_PIN_TTL_MS,
 };
 use crate::util::regex::Regex;
 use segments::{ReplicaAlloc, SegmentTable};
@@ -64,6 +64,8 @@ pub struct Master {
     evicted_objects: AtomicU64,
     evicted_bytes: AtomicU64,
     seed: AtomicU64,
+    /// The metadata service nodes publish to, as `MetadataUrl` reports it.
+    metadata_url: std::sync::OnceLock<String>,
 }
 
 /// A per-key outcome of removal.
@@ -93,11 +95,23 @@ impl Master {
             evicted_objects: AtomicU64::new(0),
             evicted_bytes: AtomicU64::new(0),
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
+            metadata_url: std::sync::OnceLock::new(),
         }
     }
 
     pub fn config(&self) -> &MasterConfig {
         &self.config
+    }
+
+    /// Records the metadata service this master's nodes use (once; later calls are
+    /// ignored). Clients that give no metadata URL ask for it (`Request::MetadataUrl`).
+    pub fn set_metadata_url(&self, url: &str) {
+        let _ = self.metadata_url.set(url.to_owned());
+    }
+
+    /// The metadata URL set by `set_metadata_url`, if any.
+    pub fn metadata_url(&self) -> Option<&str> {
+        self.metadata_url.get().map(String::as_str)
     }
 
     pub fn clock(&self) -> &Clock {
@@ -168,7 +182,7 @@ impl Master {
             }
             Request::Remove { key, force } => {
                 self.remove(&key, force)
-                    .map_err(|c| Error::new(c, format!("remove {key:?}")))?;
+                    .map_err(|c| Error::new(c, format!("remove {}", shown_key(&key))))?;
                 Response::Count(1)
             }
             Request::RemoveAll { force } => Response::Count(self.remove_matching(|_| true, force)),
@@ -178,6 +192,9 @@ impl Master {
                 Response::Count(self.remove_matching(|k| re.is_match(k), force))
             }
             Request::Stats => Response::Stats(self.stats()),
+            Request::MetadataUrl => {
+                Response::MetadataUrl(self.metadata_url().unwrap_or_default().to_owned())
+            }
             Request::RemoveKeys { keys, force } => {
                 Response::PerKey(keys.iter().map(|k| self.remove(k, force)).collect())
             }
@@ -305,7 +322,8 @@ impl Master {
                             o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
                         self.quarantine_replicas(std::mem::take(&mut o.replicas), until);
                         log::warn!(
-                            "put of {key:?} by client {:#x} abandoned; taken over",
+                            "put of {} by client {:#x} abandoned; taken over",
+                            shown_key(key),
                             o.writer
                         );
                     }

@@ -590,20 +590,7 @@ fn serve_waiting(
         if unsafe { fi::fi_trywait(fabric, std::ptr::addr_of_mut!((*cq).fid)) } != 0 {
             continue;
         }
-        let mut fds = [
-            libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: wake.raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: two valid pollfds.
-        unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        let _ = wake.wait(Some(fd), Some(Duration::from_millis(100)));
     }
 }
 
@@ -637,11 +624,6 @@ fn serve_polling(
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000, 0, 0, 0) };
     let (mut writes, mut reads) = (0u64, 0u64);
     let (mut last_write, mut last_any) = (Instant::now(), Instant::now());
-    let mut fds = [libc::pollfd {
-        fd: wake.raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    }];
     while !stop.load(Ordering::SeqCst) {
         drain(cq);
         let interval = match counters {
@@ -666,11 +648,7 @@ fn serve_polling(
                 }
             }
         };
-        let ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: interval.as_nanos() as libc::c_long,
-        };
-        // SAFETY: one valid pollfd and timeout; the eventfd wakes us for shutdown.
-        unsafe { libc::ppoll(fds.as_mut_ptr(), 1, &ts, std::ptr::null()) };
+        // The eventfd wakes us for shutdown.
+        let _ = wake.wait(None, Some(interval));
     }
 }

@@ -30,6 +30,7 @@
 mod nic;
 mod shared;
 mod topology;
+pub mod verbs;
 mod worker;
 
 use std::ffi::c_int;

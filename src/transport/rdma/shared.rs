@@ -5,8 +5,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
 
-use super::nic::{connect_qp, create_qp, port_active, Nic, RegionMrs};
+use super::nic::{Nic, RegionMrs};
 use super::topology::Topology;
+use super::verbs::QueuePair;
 use super::{MAX_PASSIVE_QPS, RAIL_ERRORS, RAIL_PAUSE, RAIL_WINDOW};
 use crate::ffi::ibverbs::{self as ibv, Verbs};
 use crate::json::{self, Value};
@@ -19,7 +20,7 @@ struct RailHealth {
 
 /// QPs created to answer one peer handshake.
 struct PassiveEndpoint {
-    qps: Vec<*mut ibv::ibv_qp>,
+    qps: Vec<QueuePair>,
 }
 
 pub(super) struct Shared {
@@ -34,41 +35,6 @@ pub(super) struct Shared {
     /// (peer segment, local NIC, remote NIC) → health.
     health: Mutex<HashMap<(String, usize, usize), RailHealth>>,
     passive: Mutex<VecDeque<PassiveEndpoint>>,
-}
-
-// SAFETY: verbs objects may be used from any thread; the raw pointers are owned by
-// `Shared` and freed only in its Drop.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        let v = self.verbs;
-        // SAFETY: everything here was created by this transport and is freed once.
-        unsafe {
-            for p in self
-                .passive
-                .get_mut()
-                .unwrap_or_else(|e| e.into_inner())
-                .drain(..)
-            {
-                for qp in p.qps {
-                    (v.destroy_qp)(qp);
-                }
-            }
-            for (_, r) in std::mem::take(self.regions.get_mut().unwrap_or_else(|e| e.into_inner()))
-            {
-                for mr in r.mrs {
-                    (v.dereg_mr)(mr);
-                }
-            }
-            for nic in &self.nics {
-                (v.destroy_cq)(nic.passive_cq);
-                (v.dealloc_pd)(nic.pd);
-                (v.close_device)(nic.ctx);
-            }
-        }
-    }
 }
 
 fn nic_of_path(path: &str) -> &str {
@@ -143,31 +109,17 @@ impl Shared {
         if qpns.is_empty() || qpns.len() > 64 {
             return Err(format!("bad qp_num list ({} entries)", qpns.len()));
         }
-        if !port_active(self, nic) {
+        if !nic.port_active() {
             return Err(format!("port {} of {} is not active", nic.port, nic.name));
         }
-        let v = self.verbs;
+        // On a failure the QPs made so far are dropped, and so destroyed.
         let mut qps = Vec::new();
-        let mut ours = Vec::new();
         for &remote in &qpns {
-            // SAFETY: QPs are created on our PD and CQ; on failure all made so far go.
-            let made = unsafe {
-                create_qp(v, nic, nic.passive_cq).and_then(|qp| {
-                    qps.push(qp);
-                    connect_qp(v, nic, qp, remote, gid, lid).map(|()| (*qp).qp_num)
-                })
-            };
-            match made {
-                Ok(n) => ours.push(n),
-                Err(e) => {
-                    for qp in qps {
-                        // SAFETY: created just above, never shared.
-                        unsafe { (v.destroy_qp)(qp) };
-                    }
-                    return Err(e);
-                }
-            }
+            let qp = nic.create_qp(&nic.passive_cq)?;
+            nic.connect(&qp, remote, gid, lid)?;
+            qps.push(qp);
         }
+        let ours: Vec<u32> = qps.iter().map(QueuePair::qp_num).collect();
         let mut passive = self.passive.lock().unwrap_or_else(|e| e.into_inner());
         passive.push_back(PassiveEndpoint { qps });
         let mut total: usize = passive.iter().map(|p| p.qps.len()).sum();
@@ -176,10 +128,6 @@ impl Shared {
                 break;
             };
             total -= old.qps.len();
-            for qp in old.qps {
-                // SAFETY: evicted from the table, so nothing else refers to it.
-                unsafe { (v.destroy_qp)(qp) };
-            }
         }
         drop(passive);
         log::debug!(
@@ -256,8 +204,7 @@ impl Shared {
         if end > start + r.len {
             return None;
         }
-        // SAFETY: the MRs live while they are in the table (we hold its read lock).
-        let keys = r.mrs.iter().map(|mr| unsafe { (**mr).lkey }).collect();
+        let keys = r.mrs.iter().map(|mr| mr.lkey()).collect();
         Some((r.location.clone(), keys))
     }
 }

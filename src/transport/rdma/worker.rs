@@ -15,14 +15,14 @@
 //! engine retries them on another rail.
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::c_int;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::nic::{connect_qp, create_qp, port_active, Nic};
+use super::nic::Nic;
 use super::shared::Shared;
 use super::topology::Topology;
+use super::verbs::{CompChannel, CompletionQueue, QueuePair};
 use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_HANDSHAKES, MAX_WR};
 use crate::error::{Error, Result};
 use crate::ffi::ibverbs as ibv;
@@ -34,21 +34,18 @@ use crate::wire::rpc::{self, RpcType};
 
 type RailKey = (u64, usize, usize);
 
-/// CQ events are acknowledged this many at a time (each acknowledgement takes a lock
-/// in libibverbs); the rest when the worker goes.
-const ACK_BATCH: u32 = 64;
 /// Token of the connector eventfd in the worker's epoll set (channels use their NIC index).
 const CONNECTOR_TOKEN: u64 = u64::MAX;
 
 struct Endpoint {
-    qp: *mut ibv::ibv_qp,
+    qp: QueuePair,
     outstanding: u32,
     last_used: Instant,
 }
 
 /// A QP whose Connection handshake is under way, and the slices waiting for it.
 struct Connecting {
-    qp: *mut ibv::ibv_qp,
+    qp: QueuePair,
     peer: Arc<Peer>,
     /// The remote device's address from the descriptor, for a reply that omits it.
     gid: String,
@@ -69,7 +66,10 @@ struct Reply {
     reply: std::result::Result<String, String>,
 }
 
-/// Runs Connection RPCs on their own threads and hands the replies back.
+/// Runs Connection RPCs on their own threads and hands the replies back. Threads still
+/// running when the worker goes finish on their own (within HANDSHAKE_TIMEOUT): they
+/// hold no verbs objects, only their request, a sender nobody reads any more and the
+/// eventfd they share.
 struct Connector {
     queue: VecDeque<Job>,
     running: usize,
@@ -80,14 +80,11 @@ struct Connector {
     wake: Arc<EventFd>,
 }
 
-/// One local NIC's completion queue and the channel its events arrive on.
+/// One local NIC's completion queue, reporting to a channel of its own.
 struct Cq {
-    cq: *mut ibv::ibv_cq,
-    channel: *mut ibv::ibv_comp_channel,
+    cq: Arc<CompletionQueue>,
     /// Armed, and its event not read yet.
     armed: bool,
-    /// Events read but not acknowledged yet.
-    unacked: u32,
 }
 
 struct Pending {
@@ -145,9 +142,6 @@ pub(super) struct RdmaWorker {
     polls: u32,
 }
 
-// SAFETY: the worker is moved to its thread once; verbs objects are thread-safe.
-unsafe impl Send for RdmaWorker {}
-
 enum PostError {
     /// Finish the slice with this outcome.
     Finish(Outcome),
@@ -156,41 +150,18 @@ enum PostError {
 }
 
 /// Opens a completion channel (non-blocking) and a CQ reporting to it on `nic`.
-///
-/// # Safety
-/// `nic.ctx` must be an open device context.
-unsafe fn open_cq(v: &ibv::Verbs, nic: &Nic) -> Result<Cq> {
-    let channel = (v.create_comp_channel)(nic.ctx);
-    if channel.is_null() {
-        let e = std::io::Error::last_os_error();
-        return Err(unavailable(format!(
-            "ibv_create_comp_channel on {}: {e}",
-            nic.name
-        )));
-    }
+fn open_cq(nic: &Nic) -> Result<Arc<CompletionQueue>> {
+    let channel = CompChannel::new(&nic.ctx)
+        .map_err(|e| unavailable(format!("ibv_create_comp_channel on {}: {e}", nic.name)))?;
     // Events are read in `progress`, which must never block.
-    let fd = (*channel).fd;
-    let flags = libc::fcntl(fd, libc::F_GETFL);
-    if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
-        let e = std::io::Error::last_os_error();
-        (v.destroy_comp_channel)(channel);
-        return Err(Error::io(
+    channel.set_nonblocking().map_err(|e| {
+        Error::io(
             format!("making the completion channel of {} non-blocking", nic.name),
             e,
-        ));
-    }
-    let cq = (v.create_cq)(nic.ctx, CQ_DEPTH, std::ptr::null_mut(), channel, 0);
-    if cq.is_null() {
-        let e = std::io::Error::last_os_error();
-        (v.destroy_comp_channel)(channel);
-        return Err(unavailable(format!("ibv_create_cq on {}: {e}", nic.name)));
-    }
-    Ok(Cq {
-        cq,
-        channel,
-        armed: false,
-        unacked: 0,
-    })
+        )
+    })?;
+    CompletionQueue::new(&nic.ctx, CQ_DEPTH, Some(&channel))
+        .map_err(|e| unavailable(format!("ibv_create_cq on {}: {e}", nic.name)))
 }
 
 impl RdmaWorker {
@@ -227,15 +198,13 @@ impl RdmaWorker {
             polls: 0,
         };
         for (i, nic) in s.nics.iter().enumerate() {
-            // SAFETY: the context is open for the transport's lifetime; what is made
-            // here is freed by the worker's Drop, also when a later NIC fails.
-            let cq = unsafe { open_cq(s.verbs, nic)? };
-            // SAFETY: a live channel.
-            let fd = unsafe { (*cq.channel).fd };
-            w.cqs.push(cq);
-            w.epoll
-                .add(fd, READABLE, i as u64)
-                .map_err(|e| Error::io("epoll add", e))?;
+            let cq = open_cq(nic)?;
+            if let Some(channel) = cq.channel() {
+                w.epoll
+                    .add(channel.fd(), READABLE, i as u64)
+                    .map_err(|e| Error::io("epoll add", e))?;
+            }
+            w.cqs.push(Cq { cq, armed: false });
         }
         Ok(w)
     }
@@ -246,16 +215,10 @@ impl RdmaWorker {
         }
     }
 
+    /// Destroys the endpoints out of service that are drained (or given up on).
     fn reap(&mut self, now: Instant) {
-        let v = self.shared.verbs;
         self.graveyard.retain(|(ep, since)| {
-            if ep.outstanding == 0 || now.duration_since(*since) > Duration::from_secs(60) {
-                // SAFETY: out of service and drained (or given up on).
-                unsafe { (v.destroy_qp)(ep.qp) };
-                false
-            } else {
-                true
-            }
+            ep.outstanding != 0 && now.duration_since(*since) <= Duration::from_secs(60)
         });
     }
 
@@ -270,7 +233,7 @@ impl RdmaWorker {
     ) -> std::result::Result<(), String> {
         let s = self.shared.clone();
         let nic = &s.nics[l];
-        if !port_active(&s, nic) {
+        if !nic.port_active() {
             return Err(format!(
                 "local port {} of {} is not active",
                 nic.port, nic.name
@@ -281,10 +244,8 @@ impl RdmaWorker {
             .devices
             .get(r)
             .ok_or_else(|| format!("peer has no device #{r}"))?;
-        // SAFETY: QP on our PD and this worker's CQ for the NIC.
-        let qp = unsafe { create_qp(s.verbs, nic, self.cqs[l].cq)? };
-        // SAFETY: a fresh QP.
-        let qpn = unsafe { (*qp).qp_num };
+        let qp = nic.create_qp(&self.cqs[l].cq)?;
+        let qpn = qp.qp_num();
         let request = Value::object([
             (
                 "local_nic_path",
@@ -383,8 +344,8 @@ impl RdmaWorker {
                     }
                 }
                 Err(e) => {
-                    // SAFETY: never posted on, and no longer reachable.
-                    unsafe { (self.shared.verbs.destroy_qp)(c.qp) };
+                    // Never posted on: destroyed now.
+                    drop(c.qp);
                     let why = format!(
                         "connecting {}->{}#{rn}: {e}",
                         self.shared.nics[l].name, c.peer.name
@@ -432,17 +393,7 @@ impl RdmaWorker {
             .get("local_lid")
             .and_then(Value::as_u64)
             .map_or(c.lid, |l| l as u16);
-        // SAFETY: our QP, connected once.
-        unsafe {
-            connect_qp(
-                self.shared.verbs,
-                &self.shared.nics[l],
-                c.qp,
-                remote_qpn as u32,
-                gid,
-                lid,
-            )
-        }
+        self.shared.nics[l].connect(&c.qp, remote_qpn as u32, gid, lid)
     }
 
     /// Posts a slice that waited for rail `key` to connect, on that rail.
@@ -620,11 +571,10 @@ impl RdmaWorker {
         };
         wr.rdma.remote_addr = slice.remote;
         wr.rdma.rkey = rkey;
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: a live, connected QP; `wr` and `sge` outlive the call (the provider
-        // copies them into its send queue).
-        let rc = unsafe { ibv::post_send(ep.qp, &mut wr, &mut bad) };
-        if rc != 0 {
+        // SAFETY: `wr` and `sge` outlive the call (the provider copies them into its send
+        // queue); the local range lies in a registered region (`target` found its lkey)
+        // that the engine keeps valid until the slice is finished.
+        if let Err(rc) = unsafe { ep.qp.post_send(&mut wr) } {
             let e = format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name);
             self.shared.rail_failed(&slice.peer.name, l, r, &e);
             self.drop_endpoint(key);
@@ -707,34 +657,21 @@ impl RdmaWorker {
 
     /// Reads the events of armed CQs that got a completion (without blocking).
     fn read_cq_events(&mut self) {
-        let v = self.shared.verbs;
-        for i in 0..self.cqs.len() {
+        for (i, c) in self.cqs.iter_mut().enumerate() {
             loop {
-                let mut cq = std::ptr::null_mut();
-                let mut cq_context = std::ptr::null_mut();
-                // SAFETY: our channel, made non-blocking when it was opened.
-                let rc = unsafe { (v.get_cq_event)(self.cqs[i].channel, &mut cq, &mut cq_context) };
-                if rc != 0 {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::WouldBlock {
-                        log::warn!(
-                            "rdma: ibv_get_cq_event on {}: {e}",
-                            self.shared.nics[i].name
-                        );
+                match c.cq.read_event() {
+                    Ok(true) => c.armed = false,
+                    // Another CQ's event (acknowledged): each channel serves one CQ here.
+                    Ok(false) => {}
+                    Err(e) => {
+                        if e.kind() != std::io::ErrorKind::WouldBlock {
+                            log::warn!(
+                                "rdma: ibv_get_cq_event on {}: {e}",
+                                self.shared.nics[i].name
+                            );
+                        }
+                        break;
                     }
-                    break;
-                }
-                let Some(c) = self.cqs.iter_mut().find(|c| c.cq == cq) else {
-                    // SAFETY: the event was just read for this CQ.
-                    unsafe { (v.ack_cq_events)(cq, 1) };
-                    continue;
-                };
-                c.armed = false;
-                c.unacked += 1;
-                if c.unacked >= ACK_BATCH {
-                    // SAFETY: events of our CQ, all read above.
-                    unsafe { (v.ack_cq_events)(c.cq, c.unacked) };
-                    c.unacked = 0;
                 }
             }
         }
@@ -744,20 +681,21 @@ impl RdmaWorker {
     fn poll(&mut self, i: usize, wcs: &mut [ibv::ibv_wc], done: &mut Vec<Finished>) -> bool {
         let mut any = false;
         loop {
-            // SAFETY: our CQ; `wcs` has room for its length.
-            let n = unsafe { ibv::poll_cq(self.cqs[i].cq, wcs.len() as c_int, wcs.as_mut_ptr()) };
-            if n < 0 {
-                log::error!(
-                    "rdma: ibv_poll_cq on {}: error {n}",
-                    self.shared.nics[i].name
-                );
-                return any;
-            }
-            for wc in &wcs[..n as usize] {
+            let n = match self.cqs[i].cq.poll(wcs) {
+                Ok(n) => n,
+                Err(rc) => {
+                    log::error!(
+                        "rdma: ibv_poll_cq on {}: error {rc}",
+                        self.shared.nics[i].name
+                    );
+                    return any;
+                }
+            };
+            for wc in &wcs[..n] {
                 self.complete(wc, done);
             }
             any |= n > 0;
-            if (n as usize) < wcs.len() {
+            if n < wcs.len() {
                 return any;
             }
         }
@@ -771,10 +709,11 @@ impl RdmaWorker {
         let (_, l, r) = p.rail;
         if let Some(ep) = self.endpoints.get_mut(&p.rail) {
             ep.outstanding = ep.outstanding.saturating_sub(1);
-        } else if let Some((ep, _)) = self.graveyard.iter_mut().find(|(e, _)| {
-            // SAFETY: graveyard QPs are alive until reaped.
-            unsafe { (*e.qp).qp_num == wc.qp_num }
-        }) {
+        } else if let Some((ep, _)) = self
+            .graveyard
+            .iter_mut()
+            .find(|(e, _)| e.qp.qp_num() == wc.qp_num)
+        {
             ep.outstanding = ep.outstanding.saturating_sub(1);
         }
         let s = self.shared.clone();
@@ -866,9 +805,7 @@ impl TransportWorker for RdmaWorker {
         for i in 0..self.cqs.len() {
             moved |= self.poll(i, &mut wcs, done);
             if !self.cqs[i].armed {
-                // SAFETY: our CQ.
-                let rc = unsafe { ibv::req_notify_cq(self.cqs[i].cq, false) };
-                if rc != 0 {
+                if let Err(rc) = self.cqs[i].cq.arm() {
                     log::warn!(
                         "rdma: ibv_req_notify_cq on {}: error {rc}; a parked worker sees \
                          its completions on the engine's tick only",
@@ -970,40 +907,5 @@ impl TransportWorker for RdmaWorker {
 
     fn wait_fd(&self) -> Option<std::os::fd::RawFd> {
         Some(self.epoll.raw_fd())
-    }
-}
-
-impl Drop for RdmaWorker {
-    fn drop(&mut self) {
-        // Connector threads still running are left to finish on their own (within
-        // HANDSHAKE_TIMEOUT): they hold no verbs objects, only their request, a sender
-        // nobody reads any more and the eventfd they share.
-        let v = self.shared.verbs;
-        // SAFETY: the worker owns its QPs, CQs and channels; QPs go before the CQs they
-        // use, CQs (their events acknowledged) before their channels.
-        unsafe {
-            for (_, ep) in self.endpoints.drain() {
-                (v.destroy_qp)(ep.qp);
-            }
-            for (ep, _) in self.graveyard.drain(..) {
-                (v.destroy_qp)(ep.qp);
-            }
-            for (_, c) in self.connecting.drain() {
-                (v.destroy_qp)(c.qp);
-            }
-            for c in self.cqs.drain(..) {
-                if c.unacked > 0 {
-                    (v.ack_cq_events)(c.cq, c.unacked);
-                }
-                let rc = (v.destroy_cq)(c.cq);
-                if rc != 0 {
-                    log::warn!("rdma: ibv_destroy_cq: error {rc}");
-                }
-                let rc = (v.destroy_comp_channel)(c.channel);
-                if rc != 0 {
-                    log::warn!("rdma: ibv_destroy_comp_channel: error {rc}");
-                }
-            }
-        }
     }
 }

@@ -1,0 +1,338 @@
+//! The HTTP client: one persistent connection to one URL.
+
+use std::io::{self, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::wire::{
+    body_framing, is_token, keep_alive, parse_head, parse_status_line, Framing, ReadErr, Wire,
+};
+use super::{CLIENT_CONNECT_TIMEOUT, CLIENT_IO_TIMEOUT, MAX_RESPONSE_BODY};
+use crate::error::{Code, Error, Result};
+
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A blocking HTTP/1.1 client bound to one `http://host:port[/base]` URL, keeping
+/// one persistent connection. Safe to share between threads (requests serialize).
+pub struct HttpClient {
+    url: String,
+    host: String,
+    port: u16,
+    host_header: String,
+    base_path: String,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    conn: Mutex<Option<Wire<TcpStream>>>,
+}
+
+impl std::fmt::Debug for HttpClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpClient")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+/// Why one exchange failed, and whether a fresh connection may fix it.
+struct ExchangeError {
+    err: Error,
+    /// The connection died before any byte of a response arrived.
+    dead_connection: bool,
+}
+
+fn is_disconnect(kind: io::ErrorKind) -> bool {
+    matches!(
+        kind,
+        io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof
+    )
+}
+
+impl HttpClient {
+    /// Parses `http://host[:port][/base/path]` (port defaults to 80). No connection
+    /// is made until the first request.
+    pub fn new(url: &str) -> Result<HttpClient> {
+        let bad = |why: &str| Error::invalid(format!("invalid http url {url:?}: {why}"));
+        let rest = match url.get(..7) {
+            Some(s) if s.eq_ignore_ascii_case("http://") => &url[7..],
+            _ => return Err(bad("only http://host:port[/path] is supported")),
+        };
+        if rest.contains(['?', '#']) || rest.bytes().any(|b| b <= b' ' || b == 0x7f) {
+            return Err(bad(
+                "query, fragment, spaces and control characters are not allowed",
+            ));
+        }
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, ""),
+        };
+        if authority.contains('@') {
+            return Err(bad("user info is not supported"));
+        }
+        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+            let (h, after) = v6.split_once(']').ok_or_else(|| bad("unterminated '['"))?;
+            let port = match after {
+                "" => None,
+                p => Some(p.strip_prefix(':').ok_or_else(|| bad("junk after ']'"))?),
+            };
+            (h, port)
+        } else {
+            match authority.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            }
+        };
+        if host.is_empty() || (host.contains([':', '[', ']']) && !authority.starts_with('[')) {
+            return Err(bad("missing or invalid host"));
+        }
+        let port = match port {
+            None => 80,
+            Some(p) => p
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| bad("invalid port"))?,
+        };
+        let base_path = path.trim_end_matches('/').to_owned();
+        let host_header = if authority.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Ok(HttpClient {
+            url: url.to_owned(),
+            host: host.to_owned(),
+            port,
+            host_header,
+            base_path,
+            connect_timeout: CLIENT_CONNECT_TIMEOUT,
+            io_timeout: CLIENT_IO_TIMEOUT,
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// Overrides the connect and read/write timeouts.
+    pub fn with_timeouts(mut self, connect: Duration, io: Duration) -> HttpClient {
+        self.connect_timeout = connect;
+        self.io_timeout = io;
+        self
+    }
+
+    /// The URL's path without trailing slashes (`""` when the URL has none).
+    pub fn base_path(&self) -> &str {
+        &self.base_path
+    }
+
+    /// The URL this client was created from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Sends one request; `path_and_query` is absolute (`/metadata?key=...`) and is
+    /// sent as given (the base path is not prepended). Returns status and body for
+    /// every status code; errors are transport or protocol failures only. A reused
+    /// keep-alive connection found dead before any response byte arrives is
+    /// replaced once and the request re-sent.
+    pub fn request(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+    ) -> Result<(u16, Vec<u8>)> {
+        if !is_token(method) {
+            return Err(Error::invalid(format!("invalid http method {method:?}")));
+        }
+        if !path_and_query.starts_with('/')
+            || path_and_query.bytes().any(|b| b <= b' ' || b == 0x7f)
+        {
+            return Err(Error::invalid(format!(
+                "invalid request path {path_and_query:?}"
+            )));
+        }
+        let mut conn = lock(&self.conn);
+        let mut retried = false;
+        loop {
+            let reused = conn.is_some();
+            let wire = match conn.as_mut() {
+                Some(w) => w,
+                None => conn.insert(self.connect()?),
+            };
+            match self.exchange(wire, method, path_and_query, body) {
+                Ok((status, resp, keep)) => {
+                    if !keep {
+                        *conn = None;
+                    }
+                    return Ok((status, resp));
+                }
+                Err(e) => {
+                    *conn = None;
+                    if reused && e.dead_connection && !retried {
+                        log::debug!("http client {}: stale connection, reconnecting", self.url);
+                        retried = true;
+                        continue;
+                    }
+                    return Err(e.err);
+                }
+            }
+        }
+    }
+
+    fn connect(&self) -> Result<Wire<TcpStream>> {
+        let what = format!("connect to {}", self.host_header);
+        let addrs = (self.host.as_str(), self.port)
+            .to_socket_addrs()
+            .map_err(|e| Error::io(&what, e))?;
+        let mut last = io::Error::new(io::ErrorKind::NotFound, "host resolved to no addresses");
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, self.connect_timeout) {
+                Ok(s) => {
+                    let setup = s
+                        .set_nodelay(true)
+                        .and_then(|_| s.set_read_timeout(Some(self.io_timeout)))
+                        .and_then(|_| s.set_write_timeout(Some(self.io_timeout)));
+                    return match setup {
+                        Ok(()) => Ok(Wire::new(s)),
+                        Err(e) => Err(Error::io(&what, e)),
+                    };
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(Error::io(&what, last))
+    }
+
+    fn exchange(
+        &self,
+        wire: &mut Wire<TcpStream>,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+    ) -> std::result::Result<(u16, Vec<u8>, bool), ExchangeError> {
+        let what = || format!("{method} http://{}{path_and_query}", self.host_header);
+        let mut req = format!(
+            "{method} {path_and_query} HTTP/1.1\r\nHost: {}\r\nUser-Agent: mooncake\r\nAccept: */*\r\n",
+            self.host_header
+        );
+        if !body.is_empty() {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
+            req.push_str(&format!("Content-Length: {}\r\n", body.len()));
+        }
+        req.push_str("\r\n");
+        let mut out = req.into_bytes();
+        out.extend_from_slice(body);
+        if let Err(e) = wire
+            .stream
+            .write_all(&out)
+            .and_then(|_| wire.stream.flush())
+        {
+            return Err(ExchangeError {
+                dead_connection: is_disconnect(e.kind()),
+                err: Error::io(what(), e),
+            });
+        }
+
+        let received_before = wire.received;
+        let fail = |wire: &Wire<TcpStream>, e: ReadErr| {
+            let nothing = wire.received == received_before;
+            let (err, dead) = match e {
+                ReadErr::Eof => (
+                    Error::new(
+                        Code::Io,
+                        format!("{}: connection closed before a complete response", what()),
+                    ),
+                    nothing,
+                ),
+                ReadErr::Io(e) => {
+                    let dead = nothing && is_disconnect(e.kind());
+                    (Error::io(what(), e), dead)
+                }
+                ReadErr::TooLarge => (
+                    Error::protocol(format!("{}: response exceeds size limits", what())),
+                    false,
+                ),
+                ReadErr::Malformed(m) => (
+                    Error::protocol(format!("{}: malformed response: {m}", what())),
+                    false,
+                ),
+            };
+            ExchangeError {
+                err,
+                dead_connection: dead,
+            }
+        };
+        loop {
+            let head = match wire.read_head(MAX_RESPONSE_HEAD) {
+                Ok(Some(h)) => h,
+                Ok(None) => return Err(fail(wire, ReadErr::Eof)),
+                Err(e) => return Err(fail(wire, e)),
+            };
+            let (start, headers) = parse_head(&head).map_err(|e| fail(wire, e))?;
+            let (http11, status) = parse_status_line(&start)
+                .ok_or_else(|| fail(wire, ReadErr::Malformed("bad status line")))?;
+            if (100..200).contains(&status) {
+                if status == 101 {
+                    return Err(fail(wire, ReadErr::Malformed("unexpected protocol switch")));
+                }
+                continue; // interim response (e.g. 100 Continue)
+            }
+            let mut keep = keep_alive(&headers, http11);
+            let framing = if method == "HEAD" || status == 204 || status == 304 {
+                Framing::Length(0)
+            } else {
+                match body_framing(&headers).map_err(|e| fail(wire, e))? {
+                    Some(f) => f,
+                    None => Framing::ToEof,
+                }
+            };
+            if framing == Framing::ToEof {
+                keep = false;
+            }
+            let resp = wire
+                .read_body(framing, MAX_RESPONSE_BODY)
+                .map_err(|e| fail(wire, e))?;
+            if !wire.avail().is_empty() {
+                keep = false; // unsolicited bytes: do not trust this connection
+            }
+            return Ok((status, resp, keep));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let c = HttpClient::new("http://127.0.0.1:8080/metadata/").unwrap();
+        assert_eq!(c.base_path(), "/metadata");
+        assert_eq!(c.port, 8080);
+        let c = HttpClient::new("http://[::1]:9/x").unwrap();
+        assert_eq!((c.host.as_str(), c.port), ("::1", 9));
+        assert_eq!(c.host_header, "[::1]:9");
+        let c = HttpClient::new("HTTP://example.com").unwrap();
+        assert_eq!((c.port, c.base_path()), (80, ""));
+        for bad in [
+            "https://h:1/",
+            "h:1",
+            "http://",
+            "http://h:x/",
+            "http://h:0/",
+            "http://u@h:1/",
+            "http://h:1/a?b",
+            "http://::1:80/",
+        ] {
+            assert!(HttpClient::new(bad).is_err(), "{bad}");
+        }
+    }
+}

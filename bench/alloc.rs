@@ -13,9 +13,9 @@ use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
 
-use crate::bench_common::percentile;
 use mooncake::json::{self, Value};
 use mooncake::store::allocator::{AllocatorConfig, SlabAllocator};
+use mooncake::util::percentile;
 
 /// 48..64 KiB: a few neighbouring classes around a 512-token KV block.
 const PAIR_SIZES: [u64; 8] = [65536, 61440, 57344, 53248, 49152, 63488, 59392, 65535];

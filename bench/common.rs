@@ -1,16 +1,8 @@
 //! Pieces every benchmark uses: a child process of our own binary that reports
-//! `ready ...`, and percentiles.
+//! `ready ...`. Percentiles are `mooncake::util::percentile`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-
-/// The `p` quantile (0..=1) of sorted samples; 0 for none.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
-}
 
 /// A `mooncake master` or `mooncake node` we started; killed and reaped on drop.
 pub struct ChildProc {

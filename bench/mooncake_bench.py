@@ -23,6 +23,7 @@ bench/python_compare.sh runs both).
 import argparse
 import ctypes
 import json
+import math
 import os
 import subprocess
 import sys
@@ -66,10 +67,11 @@ def target(nbytes):
     return 0
 
 
-def percentile(sorted_values, p):  # same nearest-rank rule as bench/transfer.rs
-    if not sorted_values:
+def percentile(sorted_values, p):  # nearest rank, as mooncake::util::percentile
+    n = len(sorted_values)
+    if n == 0:
         return 0.0
-    return sorted_values[round((len(sorted_values) - 1) * p)]
+    return sorted_values[min(max(math.ceil(p * n - 1e-9), 1), n) - 1]
 
 
 def client(a, segment, remote_base):

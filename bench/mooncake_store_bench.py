@@ -22,6 +22,7 @@ calls measure either; bench/python_compare.sh runs both).
 import argparse
 import ctypes
 import json
+import math
 import os
 import socket
 import subprocess
@@ -77,10 +78,11 @@ def node(args):
     store.close()
 
 
-def percentile(sorted_values, p):
-    if not sorted_values:
+def percentile(sorted_values, p):  # nearest rank, as mooncake::util::percentile
+    n = len(sorted_values)
+    if n == 0:
         return 0.0
-    return sorted_values[round((len(sorted_values) - 1) * p)]
+    return sorted_values[min(max(math.ceil(p * n - 1e-9), 1), n) - 1]
 
 
 class Children:

@@ -19,11 +19,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::bench_common::{percentile, ChildProc};
+use crate::bench_common::ChildProc;
 use crate::cli::args::Args;
 use mooncake::json::Value;
 use mooncake::store::protocol::ReplicateConfig;
 use mooncake::store::Client;
+use mooncake::util::percentile;
 use mooncake::{Engine, Op, Request};
 
 const MIB: u64 = 1 << 20;

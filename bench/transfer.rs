@@ -7,9 +7,10 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::bench_common::{percentile, ChildProc};
+use crate::bench_common::ChildProc;
 use crate::cli::args::Args;
 use mooncake::json::Value;
+use mooncake::util::percentile;
 use mooncake::{Engine, Op, Request};
 
 struct Params {

@@ -269,7 +269,10 @@ int mc_transfer_sync(mc_engine *engine, const mc_request *reqs, size_t n);
 
 /* ---------------------------------------------------------------- messages */
 
-/* Sends a short text message to an opened segment's engine (waits for its ack). */
+/* Sends a short text message to an opened segment's engine (waits for its ack).
+ * MC_ERR_NO_AVAILABLE_HANDLE when the receiver had no room for it: an engine queues at
+ * most 64 KiB per message (sender name plus text), 4 MiB per sender and 64 MiB in all
+ * until they are taken; what does not fit is dropped and counted. */
 int mc_notify(mc_engine *engine, uint64_t segment, const char *msg);
 
 /* Takes the oldest received notification: copies the sender's segment name into

@@ -10,12 +10,11 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use libloading::Library;
-
+use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
-use crate::error::{Error, Result};
+use super::table::function_table;
 
 pub const OVERRIDE_VAR: &str = "MC_ACL_LIB";
 pub const CANDIDATES: &[&str] = &["libascendcl.so"];
@@ -32,26 +31,33 @@ pub const ACL_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `ACL_MEM_MALLOC_HUGE_FIRST`.
 pub const ACL_MEM_MALLOC_HUGE_FIRST: c_int = 0;
 
-pub struct Acl {
-    _lib: Arc<Library>,
-    pub library: String,
-    init_error: Option<String>,
-    acl_init: unsafe extern "C" fn(*const c_char) -> AclError,
-    aclrt_get_version: unsafe extern "C" fn(*mut i32, *mut i32, *mut i32) -> AclError,
-    aclrt_get_device_count: unsafe extern "C" fn(*mut u32) -> AclError,
-    aclrt_set_device: unsafe extern "C" fn(i32) -> AclError,
-    aclrt_memcpy: unsafe extern "C" fn(*mut c_void, usize, *const c_void, usize, c_int) -> AclError,
-    aclrt_malloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> AclError,
-    aclrt_free_host: unsafe extern "C" fn(*mut c_void) -> AclError,
-    aclrt_malloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_int) -> AclError,
-    aclrt_free: unsafe extern "C" fn(*mut c_void) -> AclError,
-    acl_get_recent_err_msg: unsafe extern "C" fn() -> *const c_char,
-}
-
-/// A runtime entry point.
-fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
-    // SAFETY: every `T` used here is the `extern "C"` signature acl.h declares.
-    unsafe { loader::driver_symbol(lib, library, &[name], OVERRIDE_VAR) }
+function_table! {
+    /// The loaded runtime: its function table, with the library kept alive beside it.
+    pub struct Acl (override OVERRIDE_VAR) {
+        state {
+            /// Why `aclInit` failed, if it did.
+            init_error: Option<DriverError> = None,
+        }
+        symbols {
+            acl_init: required ["aclInit"] unsafe extern "C" fn(*const c_char) -> AclError,
+            aclrt_get_version: required ["aclrtGetVersion"]
+                unsafe extern "C" fn(*mut i32, *mut i32, *mut i32) -> AclError,
+            aclrt_get_device_count: required ["aclrtGetDeviceCount"]
+                unsafe extern "C" fn(*mut u32) -> AclError,
+            aclrt_set_device: required ["aclrtSetDevice"] unsafe extern "C" fn(i32) -> AclError,
+            aclrt_memcpy: required ["aclrtMemcpy"]
+                unsafe extern "C" fn(*mut c_void, usize, *const c_void, usize, c_int) -> AclError,
+            aclrt_malloc_host: required ["aclrtMallocHost"]
+                unsafe extern "C" fn(*mut *mut c_void, usize) -> AclError,
+            aclrt_free_host: required ["aclrtFreeHost"]
+                unsafe extern "C" fn(*mut c_void) -> AclError,
+            aclrt_malloc: required ["aclrtMalloc"]
+                unsafe extern "C" fn(*mut *mut c_void, usize, c_int) -> AclError,
+            aclrt_free: required ["aclrtFree"] unsafe extern "C" fn(*mut c_void) -> AclError,
+            acl_get_recent_err_msg: required ["aclGetRecentErrMsg"]
+                unsafe extern "C" fn() -> *const c_char,
+        }
+    }
 }
 
 thread_local! {
@@ -61,37 +67,21 @@ thread_local! {
 impl Acl {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Acl> {
-        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "Ascend ACL")?;
-        Acl::bind(lib, name)
+        Acl::open(Some(path))
     }
 
-    fn open() -> Result<Acl> {
-        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "Ascend ACL")?;
-        Acl::bind(lib, name)
-    }
-
-    fn bind(lib: Arc<Library>, library: String) -> Result<Acl> {
-        let l = &*lib;
-        let n = library.as_str();
-        let mut acl = Acl {
-            acl_init: sym(l, n, "aclInit")?,
-            aclrt_get_version: sym(l, n, "aclrtGetVersion")?,
-            aclrt_get_device_count: sym(l, n, "aclrtGetDeviceCount")?,
-            aclrt_set_device: sym(l, n, "aclrtSetDevice")?,
-            aclrt_memcpy: sym(l, n, "aclrtMemcpy")?,
-            aclrt_malloc_host: sym(l, n, "aclrtMallocHost")?,
-            aclrt_free_host: sym(l, n, "aclrtFreeHost")?,
-            aclrt_malloc: sym(l, n, "aclrtMalloc")?,
-            aclrt_free: sym(l, n, "aclrtFree")?,
-            acl_get_recent_err_msg: sym(l, n, "aclGetRecentErrMsg")?,
-            init_error: None,
-            library,
-            _lib: lib,
-        };
+    fn open(path: Option<&str>) -> Result<Acl> {
+        let (lib, name) = loader::open(Backend::Acl, path, OVERRIDE_VAR, CANDIDATES, None)?;
+        let mut acl = Acl::bind(lib, name)?;
         // SAFETY: a null config path means defaults.
         let rc = unsafe { (acl.acl_init)(std::ptr::null()) };
         if rc != ACL_SUCCESS && rc != ACL_ERROR_REPEAT_INITIALIZE {
-            acl.init_error = Some(acl.describe(rc));
+            acl.init_error = Some(DriverError {
+                backend: Backend::Acl,
+                call: "aclInit",
+                code: rc,
+                text: acl.describe(rc),
+            });
         }
         Ok(acl)
     }
@@ -109,12 +99,20 @@ impl Acl {
         }
     }
 
-    fn check(&self, what: &str, rc: AclError) -> Result<()> {
-        loader::driver_check(what, rc == ACL_SUCCESS, || self.describe(rc))
+    fn check(&self, call: &'static str, rc: AclError) -> Result<()> {
+        DriverError::check(Backend::Acl, call, rc, rc == ACL_SUCCESS, || {
+            self.describe(rc)
+        })
     }
 
     fn initialized(&self) -> Result<()> {
-        loader::driver_initialized(&self.init_error, "aclInit", &self.library)
+        match &self.init_error {
+            None => Ok(()),
+            Some(error) => Err(Error::NotInitialized {
+                library: self.library.clone(),
+                error: error.clone(),
+            }),
+        }
     }
 
     pub fn version(&self) -> Option<(i32, i32, i32)> {
@@ -150,7 +148,7 @@ impl Acl {
 
     unsafe fn memcpy(
         &self,
-        what: &str,
+        what: &'static str,
         dst: *mut c_void,
         src: *const c_void,
         len: usize,
@@ -242,18 +240,20 @@ impl Acl {
     }
 }
 
-static API: OnceLock<std::result::Result<Acl, Error>> = OnceLock::new();
+static API: OnceLock<Result<Acl>> = OnceLock::new();
 
 /// The process-wide runtime table, loaded on first use (from `MC_ACL_LIB` if set).
 pub fn api() -> Result<&'static Acl> {
-    API.get_or_init(Acl::open).as_ref().map_err(Clone::clone)
+    API.get_or_init(|| Acl::open(None))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// What `mooncake info` shows for Ascend.
 pub fn info() -> BackendInfo {
     match api() {
         Ok(acl) => info_of(acl),
-        Err(e) => BackendInfo::unavailable("ascend", e.context()),
+        Err(e) => BackendInfo::unavailable("ascend", e),
     }
 }
 
@@ -269,7 +269,7 @@ pub fn info_of(acl: &Acl) -> BackendInfo {
     match acl.device_count() {
         Ok(0) => info.notes.push("no device".into()),
         Ok(n) => info.devices.extend((0..n).map(|i| format!("npu:{i}"))),
-        Err(e) => info.notes.push(format!("no device: {}", e.context())),
+        Err(e) => info.notes.push(format!("no device: {e}")),
     }
     info
 }

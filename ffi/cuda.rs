@@ -10,12 +10,11 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
-use libloading::Library;
-
+use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
-use crate::error::{Code, Error, Result};
+use super::table::function_table;
 
 pub const OVERRIDE_VAR: &str = "MC_CUDA_LIB";
 pub const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
@@ -46,48 +45,64 @@ pub struct CUipcMemHandle {
     pub reserved: [u8; 64],
 }
 
-/// The loaded driver: its function table, with the library kept alive beside it.
-pub struct Cuda {
-    _lib: Arc<Library>,
-    /// The name or path the library was opened under.
-    pub library: String,
-    /// Why `cuInit` failed (e.g. no device), if it did; calls needing a device fail.
-    init_error: Option<String>,
-    contexts: Mutex<Vec<(CUdevice, usize)>>,
-    cu_init: unsafe extern "C" fn(c_uint) -> CUresult,
-    cu_driver_get_version: unsafe extern "C" fn(*mut c_int) -> CUresult,
-    cu_device_get_count: unsafe extern "C" fn(*mut c_int) -> CUresult,
-    cu_device_get: unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult,
-    cu_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
-    cu_device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
-    cu_device_primary_ctx_retain: unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult,
-    cu_ctx_set_current: unsafe extern "C" fn(CUcontext) -> CUresult,
-    cu_ctx_get_current: unsafe extern "C" fn(*mut CUcontext) -> CUresult,
-    cu_pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, CUdeviceptr) -> CUresult,
-    cu_memcpy_dtoh: unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult,
-    cu_memcpy_htod: unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult,
-    cu_memcpy_dtod: unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult,
-    cu_mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult,
-    cu_mem_free_host: unsafe extern "C" fn(*mut c_void) -> CUresult,
-    cu_mem_alloc: unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
-    cu_mem_free: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
-    cu_mem_get_address_range:
-        unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, CUdeviceptr) -> CUresult,
-    cu_ipc_get_mem_handle: unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult,
-    cu_ipc_open_mem_handle:
-        unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult,
-    cu_ipc_close_mem_handle: unsafe extern "C" fn(CUdeviceptr) -> CUresult,
-    cu_get_error_string: unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult,
-    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+): dma-buf export; absent on old drivers.
-    cu_mem_get_handle_for_address_range:
-        Option<unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_int, u64) -> CUresult>,
-}
-
-/// A driver entry point (the first of `names` exported).
-fn sym<T: Copy>(lib: &Library, library: &str, names: &[&str]) -> Result<T> {
-    // SAFETY: every `T` used here is the `extern "C"` signature that cuda.h declares
-    // for the symbols looked up.
-    unsafe { loader::driver_symbol(lib, library, names, OVERRIDE_VAR) }
+function_table! {
+    /// The loaded driver: its function table, with the library kept alive beside it.
+    pub struct Cuda (override OVERRIDE_VAR) {
+        state {
+            /// Why `cuInit` failed (e.g. no device), if it did; calls needing a device fail.
+            init_error: Option<DriverError> = None,
+            contexts: Mutex<Vec<(CUdevice, usize)>> = Mutex::new(Vec::new()),
+        }
+        symbols {
+            cu_init: required ["cuInit"] unsafe extern "C" fn(c_uint) -> CUresult,
+            cu_driver_get_version: required ["cuDriverGetVersion"]
+                unsafe extern "C" fn(*mut c_int) -> CUresult,
+            cu_device_get_count: required ["cuDeviceGetCount"]
+                unsafe extern "C" fn(*mut c_int) -> CUresult,
+            cu_device_get: required ["cuDeviceGet"]
+                unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult,
+            cu_device_get_name: required ["cuDeviceGetName"]
+                unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
+            cu_device_get_pci_bus_id: required ["cuDeviceGetPCIBusId"]
+                unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
+            cu_device_primary_ctx_retain: required ["cuDevicePrimaryCtxRetain"]
+                unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult,
+            cu_ctx_set_current: required ["cuCtxSetCurrent"]
+                unsafe extern "C" fn(CUcontext) -> CUresult,
+            cu_ctx_get_current: required ["cuCtxGetCurrent"]
+                unsafe extern "C" fn(*mut CUcontext) -> CUresult,
+            cu_pointer_get_attribute: required ["cuPointerGetAttribute"]
+                unsafe extern "C" fn(*mut c_void, c_int, CUdeviceptr) -> CUresult,
+            cu_memcpy_dtoh: required ["cuMemcpyDtoH_v2", "cuMemcpyDtoH"]
+                unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize) -> CUresult,
+            cu_memcpy_htod: required ["cuMemcpyHtoD_v2", "cuMemcpyHtoD"]
+                unsafe extern "C" fn(CUdeviceptr, *const c_void, usize) -> CUresult,
+            cu_memcpy_dtod: required ["cuMemcpyDtoD_v2", "cuMemcpyDtoD"]
+                unsafe extern "C" fn(CUdeviceptr, CUdeviceptr, usize) -> CUresult,
+            cu_mem_host_alloc: required ["cuMemHostAlloc"]
+                unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult,
+            cu_mem_free_host: required ["cuMemFreeHost"]
+                unsafe extern "C" fn(*mut c_void) -> CUresult,
+            cu_mem_alloc: required ["cuMemAlloc_v2", "cuMemAlloc"]
+                unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
+            cu_mem_free: required ["cuMemFree_v2", "cuMemFree"]
+                unsafe extern "C" fn(CUdeviceptr) -> CUresult,
+            cu_mem_get_address_range: required ["cuMemGetAddressRange_v2", "cuMemGetAddressRange"]
+                unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, CUdeviceptr) -> CUresult,
+            cu_ipc_get_mem_handle: required ["cuIpcGetMemHandle"]
+                unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult,
+            cu_ipc_open_mem_handle: required ["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"]
+                unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult,
+            cu_ipc_close_mem_handle: required ["cuIpcCloseMemHandle"]
+                unsafe extern "C" fn(CUdeviceptr) -> CUresult,
+            cu_get_error_string: required ["cuGetErrorString"]
+                unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult,
+            /// `cuMemGetHandleForAddressRange` (CUDA 11.7+): dma-buf export; absent on
+            /// old drivers.
+            cu_mem_get_handle_for_address_range: optional ["cuMemGetHandleForAddressRange"]
+                unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, c_int, u64) -> CUresult,
+        }
+    }
 }
 
 thread_local! {
@@ -98,55 +113,16 @@ thread_local! {
 impl Cuda {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Cuda> {
-        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "CUDA driver")?;
-        Cuda::bind(lib, name)
+        Cuda::open(Some(path))
     }
 
-    fn open() -> Result<Cuda> {
-        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "CUDA driver")?;
-        Cuda::bind(lib, name)
-    }
-
-    fn bind(lib: Arc<Library>, library: String) -> Result<Cuda> {
-        let l = &*lib;
-        let n = library.as_str();
-        let mut cuda = Cuda {
-            cu_init: sym(l, n, &["cuInit"])?,
-            cu_driver_get_version: sym(l, n, &["cuDriverGetVersion"])?,
-            cu_device_get_count: sym(l, n, &["cuDeviceGetCount"])?,
-            cu_device_get: sym(l, n, &["cuDeviceGet"])?,
-            cu_device_get_name: sym(l, n, &["cuDeviceGetName"])?,
-            cu_device_get_pci_bus_id: sym(l, n, &["cuDeviceGetPCIBusId"])?,
-            cu_device_primary_ctx_retain: sym(l, n, &["cuDevicePrimaryCtxRetain"])?,
-            cu_ctx_set_current: sym(l, n, &["cuCtxSetCurrent"])?,
-            cu_ctx_get_current: sym(l, n, &["cuCtxGetCurrent"])?,
-            cu_pointer_get_attribute: sym(l, n, &["cuPointerGetAttribute"])?,
-            cu_memcpy_dtoh: sym(l, n, &["cuMemcpyDtoH_v2", "cuMemcpyDtoH"])?,
-            cu_memcpy_htod: sym(l, n, &["cuMemcpyHtoD_v2", "cuMemcpyHtoD"])?,
-            cu_memcpy_dtod: sym(l, n, &["cuMemcpyDtoD_v2", "cuMemcpyDtoD"])?,
-            cu_mem_host_alloc: sym(l, n, &["cuMemHostAlloc"])?,
-            cu_mem_free_host: sym(l, n, &["cuMemFreeHost"])?,
-            cu_mem_alloc: sym(l, n, &["cuMemAlloc_v2", "cuMemAlloc"])?,
-            cu_mem_free: sym(l, n, &["cuMemFree_v2", "cuMemFree"])?,
-            cu_mem_get_address_range: sym(
-                l,
-                n,
-                &["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
-            )?,
-            cu_ipc_get_mem_handle: sym(l, n, &["cuIpcGetMemHandle"])?,
-            cu_ipc_open_mem_handle: sym(l, n, &["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"])?,
-            cu_ipc_close_mem_handle: sym(l, n, &["cuIpcCloseMemHandle"])?,
-            cu_get_error_string: sym(l, n, &["cuGetErrorString"])?,
-            cu_mem_get_handle_for_address_range: sym(l, n, &["cuMemGetHandleForAddressRange"]).ok(),
-            init_error: None,
-            contexts: Mutex::new(Vec::new()),
-            library,
-            _lib: lib,
-        };
+    fn open(path: Option<&str>) -> Result<Cuda> {
+        let (lib, name) = loader::open(Backend::Cuda, path, OVERRIDE_VAR, CANDIDATES, None)?;
+        let mut cuda = Cuda::bind(lib, name)?;
         // SAFETY: cuInit takes flags (must be 0).
         let rc = unsafe { (cuda.cu_init)(0) };
         if rc != CUDA_SUCCESS {
-            cuda.init_error = Some(cuda.describe(rc));
+            cuda.init_error = Some(cuda.error("cuInit", rc));
         }
         Ok(cuda)
     }
@@ -165,12 +141,29 @@ impl Cuda {
         }
     }
 
-    fn check(&self, what: &str, rc: CUresult) -> Result<()> {
-        loader::driver_check(what, rc == CUDA_SUCCESS, || self.describe(rc))
+    fn error(&self, call: &'static str, rc: CUresult) -> DriverError {
+        DriverError {
+            backend: Backend::Cuda,
+            call,
+            code: rc,
+            text: self.describe(rc),
+        }
+    }
+
+    fn check(&self, call: &'static str, rc: CUresult) -> Result<()> {
+        DriverError::check(Backend::Cuda, call, rc, rc == CUDA_SUCCESS, || {
+            self.describe(rc)
+        })
     }
 
     fn initialized(&self) -> Result<()> {
-        loader::driver_initialized(&self.init_error, "cuInit", &self.library)
+        match &self.init_error {
+            None => Ok(()),
+            Some(error) => Err(Error::NotInitialized {
+                library: self.library.clone(),
+                error: error.clone(),
+            }),
+        }
     }
 
     pub fn driver_version(&self) -> Option<i32> {
@@ -206,7 +199,7 @@ impl Cuda {
     fn device_string(
         &self,
         ordinal: i32,
-        call: &str,
+        call: &'static str,
         f: unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult,
     ) -> Result<String> {
         self.initialized()?;
@@ -411,15 +404,12 @@ impl Cuda {
     /// A dma-buf file descriptor for `[addr, addr+len)` (page-aligned device memory);
     /// the caller owns (and closes) it.
     pub fn dma_buf_fd(&self, addr: u64, len: usize) -> Result<i32> {
-        let f = self.cu_mem_get_handle_for_address_range.ok_or_else(|| {
-            Error::new(
-                Code::NotSupported,
-                format!(
-                    "{} has no cuMemGetHandleForAddressRange (driver too old for dma-buf)",
-                    self.library
-                ),
-            )
-        })?;
+        let f = self
+            .cu_mem_get_handle_for_address_range
+            .ok_or_else(|| Error::Unsupported {
+                library: self.library.clone(),
+                what: "cuMemGetHandleForAddressRange (driver too old for dma-buf)",
+            })?;
         let mut fd: c_int = -1;
         // SAFETY: for DMA_BUF_FD the handle is one int.
         self.check("cuMemGetHandleForAddressRange", unsafe {
@@ -435,18 +425,20 @@ impl Cuda {
     }
 }
 
-static API: OnceLock<std::result::Result<Cuda, Error>> = OnceLock::new();
+static API: OnceLock<Result<Cuda>> = OnceLock::new();
 
 /// The process-wide driver table, loaded on first use (from `MC_CUDA_LIB` if set).
 pub fn api() -> Result<&'static Cuda> {
-    API.get_or_init(Cuda::open).as_ref().map_err(Clone::clone)
+    API.get_or_init(|| Cuda::open(None))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// What `mooncake info` shows for CUDA.
 pub fn info() -> BackendInfo {
     match api() {
         Ok(cuda) => info_of(cuda),
-        Err(e) => BackendInfo::unavailable("cuda", e.context()),
+        Err(e) => BackendInfo::unavailable("cuda", e),
     }
 }
 
@@ -472,7 +464,7 @@ pub fn info_of(cuda: &Cuda) -> BackendInfo {
                 info.notes.push("dma-buf export available".into());
             }
         }
-        Err(e) => info.notes.push(format!("no device: {}", e.context())),
+        Err(e) => info.notes.push(format!("no device: {e}")),
     }
     info
 }

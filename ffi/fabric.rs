@@ -13,9 +13,9 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
 
-use libloading::Library;
-
+use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
+use super::table::function_table;
 
 /// The variable that overrides which libfabric is loaded.
 pub const OVERRIDE_VAR: &str = "MC_FABRIC_LIB";
@@ -565,59 +565,43 @@ type GetinfoFn = unsafe extern "C" fn(
     *mut *mut fi_info,
 ) -> c_int;
 
-/// The exported entry points of one loaded libfabric. The library stays loaded as long
-/// as the table lives.
-pub struct FabricLib {
-    _lib: Arc<Library>,
-    /// Where it was loaded from (the override or the candidate name).
-    pub path: String,
-    /// `fi_version()` of the loaded library.
-    pub version: u32,
-    pub getinfo: GetinfoFn,
-    pub freeinfo: unsafe extern "C" fn(*mut fi_info),
-    pub dupinfo: unsafe extern "C" fn(*const fi_info) -> *mut fi_info,
-    pub fabric:
-        unsafe extern "C" fn(*mut fi_fabric_attr, *mut *mut fid_fabric, *mut c_void) -> c_int,
-    pub strerror_fn: unsafe extern "C" fn(c_int) -> *const c_char,
+function_table! {
+    /// The exported entry points of one loaded libfabric. The library stays loaded as
+    /// long as the table lives.
+    pub struct FabricLib (override OVERRIDE_VAR) {
+        state {
+            /// `fi_version()` of the loaded library.
+            pub version: u32 = 0,
+        }
+        symbols {
+            version_fn: required ["fi_version"] unsafe extern "C" fn() -> u32,
+            pub getinfo: required ["fi_getinfo"] GetinfoFn,
+            pub freeinfo: required ["fi_freeinfo"] unsafe extern "C" fn(*mut fi_info),
+            pub dupinfo: required ["fi_dupinfo"]
+                unsafe extern "C" fn(*const fi_info) -> *mut fi_info,
+            pub fabric: required ["fi_fabric"]
+                unsafe extern "C" fn(*mut fi_fabric_attr, *mut *mut fid_fabric, *mut c_void) -> c_int,
+            pub strerror_fn: required ["fi_strerror"] unsafe extern "C" fn(c_int) -> *const c_char,
+        }
+    }
 }
 
-// SAFETY: the table holds plain function pointers into a library that stays loaded;
-// libfabric's exported setup calls are thread-safe.
-unsafe impl Send for FabricLib {}
-// SAFETY: as above; nothing in the table is mutated after loading.
-unsafe impl Sync for FabricLib {}
-
 impl FabricLib {
-    fn load() -> Result<FabricLib, String> {
-        let (lib, path) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(|e| {
-            let why = e.with_hint(&format!("set {OVERRIDE_VAR} to the library's path"));
-            format!("libfabric unavailable: {why}")
-        })?;
-        fn sym<T: Copy>(lib: &Library, path: &str, name: &str) -> Result<T, String> {
-            // SAFETY: each call names a libfabric export whose C signature matches `T`
-            // (the types above are written after the headers).
-            unsafe { loader::symbol(lib, path, &[name], OVERRIDE_VAR) }
-        }
-        let version_fn: unsafe extern "C" fn() -> u32 = sym(&lib, &path, "fi_version")?;
+    fn load() -> Result<FabricLib> {
+        let (lib, path) = loader::open(Backend::Fabric, None, OVERRIDE_VAR, CANDIDATES, None)?;
+        let mut table = FabricLib::bind(lib, path)?;
         // SAFETY: fi_version takes no arguments and only returns a constant.
-        let version = unsafe { version_fn() };
-        if version < FI_MIN_VERSION {
-            return Err(format!(
-                "{path} is libfabric {}.{}; at least 1.9 is needed (point {OVERRIDE_VAR} at a newer one)",
-                version >> 16,
-                version & 0xffff
-            ));
+        table.version = unsafe { (table.version_fn)() };
+        if table.version < FI_MIN_VERSION {
+            return Err(Error::TooOld {
+                library: table.library.clone(),
+                what: Backend::Fabric,
+                found: table.version_string(),
+                needed: "1.9",
+                override_var: OVERRIDE_VAR,
+            });
         }
-        Ok(FabricLib {
-            getinfo: sym(&lib, &path, "fi_getinfo")?,
-            freeinfo: sym(&lib, &path, "fi_freeinfo")?,
-            dupinfo: sym(&lib, &path, "fi_dupinfo")?,
-            fabric: sym(&lib, &path, "fi_fabric")?,
-            strerror_fn: sym(&lib, &path, "fi_strerror")?,
-            version,
-            path,
-            _lib: lib,
-        })
+        Ok(table)
     }
 
     /// The API version to ask for: ours, or the library's when it is older.
@@ -642,6 +626,16 @@ impl FabricLib {
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 
+    /// A failed call's error: the code as returned, in libfabric's words.
+    pub fn error(&self, call: &'static str, code: c_int) -> Error {
+        Error::Driver(DriverError {
+            backend: Backend::Fabric,
+            call,
+            code,
+            text: self.strerror(i64::from(code)),
+        })
+    }
+
     /// `fi_allocinfo()`: a zeroed info with every attribute struct allocated.
     pub fn allocinfo(&self) -> *mut fi_info {
         // SAFETY: fi_dupinfo(NULL) allocates a fresh, zeroed info (what the header's
@@ -652,16 +646,18 @@ impl FabricLib {
 
 /// The process-wide libfabric, loaded on first use. The outcome of the first attempt
 /// is kept, so a missing library is reported the same way every time.
-pub fn library() -> Result<Arc<FabricLib>, String> {
-    static LIB: OnceLock<Result<Arc<FabricLib>, String>> = OnceLock::new();
+pub fn library() -> Result<Arc<FabricLib>> {
+    static LIB: OnceLock<Result<Arc<FabricLib>>> = OnceLock::new();
     // An override pointing elsewhere than what was loaded first is reported, not ignored.
     let loaded = LIB.get_or_init(|| FabricLib::load().map(Arc::new)).clone();
     if let (Ok(lib), Ok(path)) = (&loaded, std::env::var(OVERRIDE_VAR)) {
-        if !path.is_empty() && path != lib.path {
-            return Err(format!(
-                "{OVERRIDE_VAR}={path}, but this process already loaded libfabric from {}",
-                lib.path
-            ));
+        if !path.is_empty() && path != lib.library {
+            return Err(Error::AlreadyLoaded {
+                what: Backend::Fabric,
+                override_var: OVERRIDE_VAR,
+                requested: path,
+                loaded: lib.library.clone(),
+            });
         }
     }
     loaded
@@ -682,107 +678,215 @@ pub unsafe fn cstr(p: *const c_char) -> String {
 
 // ---- the headers' inline functions, through the ops tables -----------------------------------
 
-/// `-FI_ENOSYS` for an ops slot a provider left empty.
-const NOSYS: c_int = -FI_ENOSYS;
-
-/// `fi_close`.
-///
-/// # Safety
-/// `f` is a live libfabric object not used again afterwards.
-pub unsafe fn fi_close(f: *mut fid) -> c_int {
-    // SAFETY: per the contract `f` is live and its ops table valid.
-    unsafe { (*(*f).ops).close.map_or(NOSYS, |c| c(f)) }
+/// What a header's inline call gives back when the provider left its ops slot (or the
+/// whole ops table) empty: `-FI_ENOSYS`, or 0 for a counter read.
+trait Nosys {
+    const NOSYS: Self;
 }
 
-/// `fi_control`.
-///
-/// # Safety
-/// `f` is live; `arg` is what `command` expects.
-pub unsafe fn fi_control(f: *mut fid, command: c_int, arg: *mut c_void) -> c_int {
-    // SAFETY: per the contract.
-    unsafe { (*(*f).ops).control.map_or(NOSYS, |c| c(f, command, arg)) }
+impl Nosys for c_int {
+    const NOSYS: c_int = -FI_ENOSYS;
 }
 
-/// `fi_domain`.
-///
-/// # Safety
-/// `fabric` is live; `info` came from `fi_getinfo` for it.
-pub unsafe fn fi_domain(
-    fabric: *mut fid_fabric,
-    info: *mut fi_info,
-    domain: *mut *mut fid_domain,
-) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*fabric).ops)
-            .domain
-            .map_or(NOSYS, |f| f(fabric, info, domain, std::ptr::null_mut()))
-    }
+impl Nosys for isize {
+    const NOSYS: isize = -(FI_ENOSYS as isize);
 }
 
-/// `fi_trywait` for one object.
-///
-/// # Safety
-/// `fabric` and `f` are live, `f` belongs to `fabric`.
-pub unsafe fn fi_trywait(fabric: *mut fid_fabric, f: *mut fid) -> c_int {
-    let mut fids = [f];
-    // SAFETY: per the contract; the array outlives the call.
-    unsafe {
-        (*(*fabric).ops)
-            .trywait
-            .map_or(NOSYS, |t| t(fabric, fids.as_mut_ptr(), 1))
-    }
+impl Nosys for u64 {
+    const NOSYS: u64 = 0;
 }
 
-/// `fi_cq_open`.
-///
-/// # Safety
-/// `domain` is live; `attr` valid for the call.
-pub unsafe fn fi_cq_open(
-    domain: *mut fid_domain,
-    attr: *mut fi_cq_attr,
-    cq: *mut *mut fid_cq,
-) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*domain).ops)
-            .cq_open
-            .map_or(NOSYS, |f| f(domain, attr, cq, std::ptr::null_mut()))
-    }
+/// Each header inline is one call through an ops table of a libfabric object:
+/// `pub unsafe fn NAME(ARGS) -> RET = (TABLE) . SLOT(CALL ARGS);` calls slot `SLOT` of
+/// the ops table `TABLE` points at, or returns `Nosys::NOSYS` when the table or the
+/// slot is empty. Every such function has the contract "the object whose table is read
+/// is live, and the arguments are what the slot expects", spelled out in its docs.
+macro_rules! ops_call {
+    ($(
+        $(#[$meta:meta])*
+        pub unsafe fn $name:ident($($arg:ident: $aty:ty),* $(,)?) -> $ret:ty
+            = ($table:expr) . $slot:ident ($($call:expr),* $(,)?);
+    )*) => {$(
+        $(#[$meta])*
+        pub unsafe fn $name($($arg: $aty),*) -> $ret {
+            // SAFETY: per the function's contract the object is live, so the pointer to
+            // its ops table is valid or NULL (checked), and the slot has the header's
+            // signature; the arguments are what that slot expects.
+            unsafe {
+                let table = $table;
+                if table.is_null() {
+                    return <$ret as Nosys>::NOSYS;
+                }
+                match (*table).$slot {
+                    Some(f) => f($($call),*),
+                    None => <$ret as Nosys>::NOSYS,
+                }
+            }
+        }
+    )*};
 }
 
-/// `fi_av_open`.
-///
-/// # Safety
-/// `domain` is live; `attr` valid for the call.
-pub unsafe fn fi_av_open(
-    domain: *mut fid_domain,
-    attr: *mut fi_av_attr,
-    av: *mut *mut fid_av,
-) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*domain).ops)
-            .av_open
-            .map_or(NOSYS, |f| f(domain, attr, av, std::ptr::null_mut()))
-    }
-}
+ops_call! {
+    /// `fi_close`.
+    ///
+    /// # Safety
+    /// `f` is a live libfabric object not used again afterwards.
+    pub unsafe fn fi_close(f: *mut fid) -> c_int = ((*f).ops).close(f);
 
-/// `fi_endpoint`.
-///
-/// # Safety
-/// `domain` is live; `info` is the info the domain was opened with (or a copy).
-pub unsafe fn fi_endpoint(
-    domain: *mut fid_domain,
-    info: *mut fi_info,
-    ep: *mut *mut fid_ep,
-) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*domain).ops)
-            .endpoint
-            .map_or(NOSYS, |f| f(domain, info, ep, std::ptr::null_mut()))
-    }
+    /// `fi_control`.
+    ///
+    /// # Safety
+    /// `f` is live; `arg` is what `command` expects.
+    pub unsafe fn fi_control(f: *mut fid, command: c_int, arg: *mut c_void) -> c_int =
+        ((*f).ops).control(f, command, arg);
+
+    /// `fi_bind`.
+    ///
+    /// # Safety
+    /// `f` and `bfid` are live objects of one domain.
+    pub unsafe fn fi_bind(f: *mut fid, bfid: *mut fid, flags: u64) -> c_int =
+        ((*f).ops).bind(f, bfid, flags);
+
+    /// `fi_domain`.
+    ///
+    /// # Safety
+    /// `fabric` is live; `info` came from `fi_getinfo` for it.
+    pub unsafe fn fi_domain(
+        fabric: *mut fid_fabric,
+        info: *mut fi_info,
+        domain: *mut *mut fid_domain,
+    ) -> c_int = ((*fabric).ops).domain(fabric, info, domain, std::ptr::null_mut());
+
+    /// `fi_trywait` for one object.
+    ///
+    /// # Safety
+    /// `fabric` and `f` are live, `f` belongs to `fabric`.
+    pub unsafe fn fi_trywait(fabric: *mut fid_fabric, f: *mut fid) -> c_int =
+        // The one-element array lives until the end of the call's statement.
+        ((*fabric).ops).trywait(fabric, [f].as_mut_ptr(), 1);
+
+    /// `fi_cq_open`.
+    ///
+    /// # Safety
+    /// `domain` is live; `attr` valid for the call.
+    pub unsafe fn fi_cq_open(
+        domain: *mut fid_domain,
+        attr: *mut fi_cq_attr,
+        cq: *mut *mut fid_cq,
+    ) -> c_int = ((*domain).ops).cq_open(domain, attr, cq, std::ptr::null_mut());
+
+    /// `fi_av_open`.
+    ///
+    /// # Safety
+    /// `domain` is live; `attr` valid for the call.
+    pub unsafe fn fi_av_open(
+        domain: *mut fid_domain,
+        attr: *mut fi_av_attr,
+        av: *mut *mut fid_av,
+    ) -> c_int = ((*domain).ops).av_open(domain, attr, av, std::ptr::null_mut());
+
+    /// `fi_cntr_open` with the caller's attributes.
+    ///
+    /// # Safety
+    /// `domain` is live; `attr` valid for the call.
+    pub unsafe fn fi_cntr_open_attr(
+        domain: *mut fid_domain,
+        attr: *mut fi_cntr_attr,
+        cntr: *mut *mut fid_cntr,
+    ) -> c_int = ((*domain).ops).cntr_open(domain, attr, cntr, std::ptr::null_mut());
+
+    /// `fi_endpoint`.
+    ///
+    /// # Safety
+    /// `domain` is live; `info` is the info the domain was opened with (or a copy).
+    pub unsafe fn fi_endpoint(
+        domain: *mut fid_domain,
+        info: *mut fi_info,
+        ep: *mut *mut fid_ep,
+    ) -> c_int = ((*domain).ops).endpoint(domain, info, ep, std::ptr::null_mut());
+
+    /// `fi_getname`: the endpoint's address.
+    ///
+    /// # Safety
+    /// `ep` is live and enabled; `addr` has `*len` writable bytes.
+    pub unsafe fn fi_getname(ep: *mut fid_ep, addr: *mut c_void, len: *mut usize) -> c_int =
+        ((*ep).cm).getname(std::ptr::addr_of_mut!((*ep).fid), addr, len);
+
+    /// `fi_mr_reg` (offset and flags 0, as the man page requires).
+    ///
+    /// # Safety
+    /// `domain` is live; `[buf, buf+len)` stays mapped while the MR is open.
+    pub unsafe fn fi_mr_reg(
+        domain: *mut fid_domain,
+        buf: *const c_void,
+        len: usize,
+        access: u64,
+        requested_key: u64,
+        mr: *mut *mut fid_mr,
+    ) -> c_int = ((*domain).mr).reg(
+        std::ptr::addr_of_mut!((*domain).fid),
+        buf,
+        len,
+        access,
+        0,
+        requested_key,
+        0,
+        mr,
+        std::ptr::null_mut(),
+    );
+
+    /// `fi_mr_regattr`.
+    ///
+    /// # Safety
+    /// `domain` is live; `attr` describes memory that stays valid while the MR is open.
+    pub unsafe fn fi_mr_regattr(
+        domain: *mut fid_domain,
+        attr: *const fi_mr_attr,
+        mr: *mut *mut fid_mr,
+    ) -> c_int = ((*domain).mr).regattr(std::ptr::addr_of_mut!((*domain).fid), attr, 0, mr);
+
+    /// `fi_av_insert` of one address; returns how many were inserted (1) or a negated
+    /// error.
+    ///
+    /// # Safety
+    /// `av` is live; `addr` points at one address in the provider's format.
+    pub unsafe fn fi_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u64) -> c_int =
+        ((*av).ops).insert(av, addr, 1, fi_addr, 0, std::ptr::null_mut());
+
+    /// `fi_readmsg`.
+    ///
+    /// # Safety
+    /// `ep` is live; the `msg.msg_iov` buffers stay writable and `msg.context` valid
+    /// until the completion is read.
+    pub unsafe fn fi_readmsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize =
+        ((*ep).rma).readmsg(ep, msg, flags);
+
+    /// `fi_writemsg`.
+    ///
+    /// # Safety
+    /// As `fi_readmsg`, with the buffers readable.
+    pub unsafe fn fi_writemsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize =
+        ((*ep).rma).writemsg(ep, msg, flags);
+
+    /// `fi_cntr_read`.
+    ///
+    /// # Safety
+    /// `cntr` is live.
+    pub unsafe fn fi_cntr_read(cntr: *mut fid_cntr) -> u64 = ((*cntr).ops).read(cntr);
+
+    /// `fi_cq_read` into `FI_CQ_FORMAT_CONTEXT` entries (the slice bounds the count).
+    ///
+    /// # Safety
+    /// `cq` is live and was opened with the context format.
+    pub unsafe fn fi_cq_read(cq: *mut fid_cq, entries: &mut [fi_cq_entry]) -> isize =
+        ((*cq).ops).read(cq, entries.as_mut_ptr().cast(), entries.len());
+
+    /// `fi_cq_readerr`.
+    ///
+    /// # Safety
+    /// `cq` is live.
+    pub unsafe fn fi_cq_readerr(cq: *mut fid_cq, entry: *mut fi_cq_err_entry) -> isize =
+        ((*cq).ops).readerr(cq, entry, 0);
 }
 
 /// `fi_ep_bind`.
@@ -790,11 +894,8 @@ pub unsafe fn fi_endpoint(
 /// # Safety
 /// `ep` and `bfid` are live objects of one domain.
 pub unsafe fn fi_ep_bind(ep: *mut fid_ep, bfid: *mut fid, flags: u64) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        let f = std::ptr::addr_of_mut!((*ep).fid);
-        (*(*f).ops).bind.map_or(NOSYS, |b| b(f, bfid, flags))
-    }
+    // SAFETY: per the contract; an endpoint starts with its fid.
+    unsafe { fi_bind(std::ptr::addr_of_mut!((*ep).fid), bfid, flags) }
 }
 
 /// `fi_enable`.
@@ -802,136 +903,13 @@ pub unsafe fn fi_ep_bind(ep: *mut fid_ep, bfid: *mut fid, flags: u64) -> c_int {
 /// # Safety
 /// `ep` is live and bound.
 pub unsafe fn fi_enable(ep: *mut fid_ep) -> c_int {
-    // SAFETY: per the contract.
+    // SAFETY: per the contract; FI_ENABLE takes no argument.
     unsafe {
         fi_control(
             std::ptr::addr_of_mut!((*ep).fid),
             FI_ENABLE,
             std::ptr::null_mut(),
         )
-    }
-}
-
-/// `fi_getname`: the endpoint's address.
-///
-/// # Safety
-/// `ep` is live and enabled; `addr` has `*len` writable bytes.
-pub unsafe fn fi_getname(ep: *mut fid_ep, addr: *mut c_void, len: *mut usize) -> c_int {
-    // SAFETY: per the contract; the header goes through `ep->cm`.
-    unsafe {
-        let cm = (*ep).cm;
-        if cm.is_null() {
-            return NOSYS;
-        }
-        (*cm)
-            .getname
-            .map_or(NOSYS, |g| g(std::ptr::addr_of_mut!((*ep).fid), addr, len))
-    }
-}
-
-/// `fi_mr_reg`.
-///
-/// # Safety
-/// `domain` is live; `[buf, buf+len)` stays mapped while the MR is open.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn fi_mr_reg(
-    domain: *mut fid_domain,
-    buf: *const c_void,
-    len: usize,
-    access: u64,
-    requested_key: u64,
-    mr: *mut *mut fid_mr,
-) -> c_int {
-    // SAFETY: per the contract; offset and flags are 0 as the man page requires.
-    unsafe {
-        let ops = (*domain).mr;
-        if ops.is_null() {
-            return NOSYS;
-        }
-        let f = std::ptr::addr_of_mut!((*domain).fid);
-        (*ops).reg.map_or(NOSYS, |r| {
-            r(
-                f,
-                buf,
-                len,
-                access,
-                0,
-                requested_key,
-                0,
-                mr,
-                std::ptr::null_mut(),
-            )
-        })
-    }
-}
-
-/// `fi_mr_regattr`.
-///
-/// # Safety
-/// `domain` is live; `attr` describes memory that stays valid while the MR is open.
-pub unsafe fn fi_mr_regattr(
-    domain: *mut fid_domain,
-    attr: *const fi_mr_attr,
-    mr: *mut *mut fid_mr,
-) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        let ops = (*domain).mr;
-        if ops.is_null() {
-            return NOSYS;
-        }
-        let f = std::ptr::addr_of_mut!((*domain).fid);
-        (*ops).regattr.map_or(NOSYS, |r| r(f, attr, 0, mr))
-    }
-}
-
-/// `fi_av_insert` of one address; returns how many were inserted (1) or a negated error.
-///
-/// # Safety
-/// `av` is live; `addr` points at one address in the provider's format.
-pub unsafe fn fi_av_insert(av: *mut fid_av, addr: *const c_void, fi_addr: *mut u64) -> c_int {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*av).ops)
-            .insert
-            .map_or(NOSYS, |f| f(av, addr, 1, fi_addr, 0, std::ptr::null_mut()))
-    }
-}
-
-/// `fi_readmsg`.
-///
-/// # Safety
-/// `ep` is live; the `msg.msg_iov` buffers stay writable and `msg.context` valid until
-/// the completion is read.
-pub unsafe fn fi_readmsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize {
-    // SAFETY: per the contract.
-    unsafe { rma_msg(ep, msg, flags, false) }
-}
-
-/// `fi_writemsg`.
-///
-/// # Safety
-/// As `fi_readmsg`, with the buffers readable.
-pub unsafe fn fi_writemsg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64) -> isize {
-    // SAFETY: per the contract.
-    unsafe { rma_msg(ep, msg, flags, true) }
-}
-
-/// # Safety
-/// As `fi_readmsg`.
-unsafe fn rma_msg(ep: *mut fid_ep, msg: &fi_msg_rma, flags: u64, write: bool) -> isize {
-    // SAFETY: per the contract `ep` is live, so its ops tables are valid.
-    unsafe {
-        let rma = (*ep).rma;
-        if rma.is_null() {
-            return NOSYS as isize;
-        }
-        let f = if write {
-            (*rma).writemsg
-        } else {
-            (*rma).readmsg
-        };
-        f.map_or(NOSYS as isize, |f| f(ep, msg, flags))
     }
 }
 
@@ -947,46 +925,7 @@ pub unsafe fn fi_cntr_open(domain: *mut fid_domain, cntr: *mut *mut fid_cntr) ->
         flags: 0,
     };
     // SAFETY: per the contract; `attr` outlives the call.
-    unsafe {
-        (*(*domain).ops)
-            .cntr_open
-            .map_or(NOSYS, |f| f(domain, &mut attr, cntr, std::ptr::null_mut()))
-    }
-}
-
-/// `fi_cntr_read`.
-///
-/// # Safety
-/// `cntr` is live.
-pub unsafe fn fi_cntr_read(cntr: *mut fid_cntr) -> u64 {
-    // SAFETY: per the contract.
-    unsafe { (*(*cntr).ops).read.map_or(0, |f| f(cntr)) }
-}
-
-/// `fi_cq_read` into `FI_CQ_FORMAT_CONTEXT` entries.
-///
-/// # Safety
-/// `cq` is live and was opened with the context format.
-pub unsafe fn fi_cq_read(cq: *mut fid_cq, entries: &mut [fi_cq_entry]) -> isize {
-    // SAFETY: per the contract; the slice bounds the count.
-    unsafe {
-        (*(*cq).ops).read.map_or(NOSYS as isize, |f| {
-            f(cq, entries.as_mut_ptr().cast(), entries.len())
-        })
-    }
-}
-
-/// `fi_cq_readerr`.
-///
-/// # Safety
-/// `cq` is live.
-pub unsafe fn fi_cq_readerr(cq: *mut fid_cq, entry: *mut fi_cq_err_entry) -> isize {
-    // SAFETY: per the contract.
-    unsafe {
-        (*(*cq).ops)
-            .readerr
-            .map_or(NOSYS as isize, |f| f(cq, entry, 0))
-    }
+    unsafe { fi_cntr_open_attr(domain, &mut attr, cntr) }
 }
 
 /// `fi_cq_strerror`: the provider's text for an error entry.
@@ -1060,10 +999,11 @@ pub unsafe fn summarize(info: *const fi_info) -> InfoSummary {
 
 /// Providers offering RMA on reliable-datagram endpoints: `(provider, domain, fabric)`
 /// in libfabric's order, without duplicates. Opens nothing.
-pub fn rma_providers(lib: &FabricLib) -> Result<Vec<(String, String, String)>, String> {
+pub fn rma_providers(lib: &FabricLib) -> Result<Vec<(String, String, String)>> {
     let hints = lib.allocinfo();
     if hints.is_null() {
-        return Err("fi_allocinfo failed".into());
+        // fi_dupinfo fails only for want of memory.
+        return Err(lib.error("fi_allocinfo", -libc::ENOMEM));
     }
     // SAFETY: `hints` is a fresh info with all attribute structs allocated.
     unsafe {
@@ -1091,7 +1031,7 @@ pub fn rma_providers(lib: &FabricLib) -> Result<Vec<(String, String, String)>, S
         return Ok(Vec::new());
     }
     if rc != 0 {
-        return Err(format!("fi_getinfo: {}", lib.strerror(rc as i64)));
+        return Err(lib.error("fi_getinfo", rc));
     }
     let mut out: Vec<(String, String, String)> = Vec::new();
     let mut p = list;
@@ -1120,7 +1060,7 @@ pub fn info() -> BackendInfo {
     };
     let mut info = BackendInfo {
         name: "efa (libfabric)",
-        library: Ok(lib.path.clone()),
+        library: Ok(lib.library.clone()),
         version: Some(lib.version_string()),
         devices: Vec::new(),
         notes: Vec::new(),
@@ -1135,7 +1075,7 @@ pub fn info() -> BackendInfo {
                 .map(|(p, d, f)| format!("{p} {d} {f}"))
                 .collect()
         }
-        Err(e) => info.notes.push(e),
+        Err(e) => info.notes.push(e.to_string()),
     }
     info
 }

@@ -10,12 +10,11 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use libloading::Library;
-
+use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
-use crate::error::{Error, Result};
+use super::table::function_table;
 
 pub const OVERRIDE_VAR: &str = "MC_HIP_LIB";
 pub const CANDIDATES: &[&str] = &["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"];
@@ -58,39 +57,49 @@ pub enum HipMemory {
     Device(i32),
 }
 
-pub struct Hip {
-    _lib: Arc<Library>,
-    pub library: String,
-    /// Why `hipInit` failed (e.g. `hipErrorNoDevice`), if it did.
-    init_error: Option<String>,
-    runtime_version: Option<i32>,
-    hip_init: unsafe extern "C" fn(c_uint) -> HipError,
-    hip_runtime_get_version: unsafe extern "C" fn(*mut c_int) -> HipError,
-    hip_get_device_count: unsafe extern "C" fn(*mut c_int) -> HipError,
-    hip_device_get_name: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
-    hip_device_get_pci_bus_id: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
-    hip_set_device: unsafe extern "C" fn(c_int) -> HipError,
-    hip_pointer_get_attributes:
-        unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipError,
-    hip_memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> HipError,
-    hip_host_malloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> HipError,
-    hip_host_free: unsafe extern "C" fn(*mut c_void) -> HipError,
-    hip_malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
-    hip_free: unsafe extern "C" fn(*mut c_void) -> HipError,
-    hip_mem_get_address_range:
-        unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError,
-    hip_ipc_get_mem_handle: unsafe extern "C" fn(*mut HipIpcMemHandle, *mut c_void) -> HipError,
-    hip_ipc_open_mem_handle:
-        unsafe extern "C" fn(*mut *mut c_void, HipIpcMemHandle, c_uint) -> HipError,
-    hip_ipc_close_mem_handle: unsafe extern "C" fn(*mut c_void) -> HipError,
-    hip_get_error_string: unsafe extern "C" fn(HipError) -> *const c_char,
-    hip_get_error_name: unsafe extern "C" fn(HipError) -> *const c_char,
-}
-
-/// A runtime entry point.
-fn sym<T: Copy>(lib: &Library, library: &str, name: &str) -> Result<T> {
-    // SAFETY: every `T` used here is the `extern "C"` signature hip_runtime_api.h declares.
-    unsafe { loader::driver_symbol(lib, library, &[name], OVERRIDE_VAR) }
+function_table! {
+    /// The loaded runtime: its function table, with the library kept alive beside it.
+    pub struct Hip (override OVERRIDE_VAR) {
+        state {
+            /// Why `hipInit` failed (e.g. `hipErrorNoDevice`), if it did.
+            init_error: Option<DriverError> = None,
+            runtime_version: Option<i32> = None,
+        }
+        symbols {
+            hip_init: required ["hipInit"] unsafe extern "C" fn(c_uint) -> HipError,
+            hip_runtime_get_version: required ["hipRuntimeGetVersion"]
+                unsafe extern "C" fn(*mut c_int) -> HipError,
+            hip_get_device_count: required ["hipGetDeviceCount"]
+                unsafe extern "C" fn(*mut c_int) -> HipError,
+            hip_device_get_name: required ["hipDeviceGetName"]
+                unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
+            hip_device_get_pci_bus_id: required ["hipDeviceGetPCIBusId"]
+                unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
+            hip_set_device: required ["hipSetDevice"] unsafe extern "C" fn(c_int) -> HipError,
+            hip_pointer_get_attributes: required ["hipPointerGetAttributes"]
+                unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipError,
+            hip_memcpy: required ["hipMemcpy"]
+                unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> HipError,
+            hip_host_malloc: required ["hipHostMalloc"]
+                unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> HipError,
+            hip_host_free: required ["hipHostFree"] unsafe extern "C" fn(*mut c_void) -> HipError,
+            hip_malloc: required ["hipMalloc"]
+                unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError,
+            hip_free: required ["hipFree"] unsafe extern "C" fn(*mut c_void) -> HipError,
+            hip_mem_get_address_range: required ["hipMemGetAddressRange"]
+                unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError,
+            hip_ipc_get_mem_handle: required ["hipIpcGetMemHandle"]
+                unsafe extern "C" fn(*mut HipIpcMemHandle, *mut c_void) -> HipError,
+            hip_ipc_open_mem_handle: required ["hipIpcOpenMemHandle"]
+                unsafe extern "C" fn(*mut *mut c_void, HipIpcMemHandle, c_uint) -> HipError,
+            hip_ipc_close_mem_handle: required ["hipIpcCloseMemHandle"]
+                unsafe extern "C" fn(*mut c_void) -> HipError,
+            hip_get_error_string: required ["hipGetErrorString"]
+                unsafe extern "C" fn(HipError) -> *const c_char,
+            hip_get_error_name: required ["hipGetErrorName"]
+                unsafe extern "C" fn(HipError) -> *const c_char,
+        }
+    }
 }
 
 thread_local! {
@@ -100,46 +109,21 @@ thread_local! {
 impl Hip {
     /// Opens the library `path` (no caching): for tests and tools.
     pub fn load_from(path: &str) -> Result<Hip> {
-        let (lib, name) = loader::open_driver(Some(path), OVERRIDE_VAR, CANDIDATES, "HIP runtime")?;
-        Hip::bind(lib, name)
+        Hip::open(Some(path))
     }
 
-    fn open() -> Result<Hip> {
-        let (lib, name) = loader::open_driver(None, OVERRIDE_VAR, CANDIDATES, "HIP runtime")?;
-        Hip::bind(lib, name)
-    }
-
-    fn bind(lib: Arc<Library>, library: String) -> Result<Hip> {
-        let l = &*lib;
-        let n = library.as_str();
-        let mut hip = Hip {
-            hip_init: sym(l, n, "hipInit")?,
-            hip_runtime_get_version: sym(l, n, "hipRuntimeGetVersion")?,
-            hip_get_device_count: sym(l, n, "hipGetDeviceCount")?,
-            hip_device_get_name: sym(l, n, "hipDeviceGetName")?,
-            hip_device_get_pci_bus_id: sym(l, n, "hipDeviceGetPCIBusId")?,
-            hip_set_device: sym(l, n, "hipSetDevice")?,
-            hip_pointer_get_attributes: sym(l, n, "hipPointerGetAttributes")?,
-            hip_memcpy: sym(l, n, "hipMemcpy")?,
-            hip_host_malloc: sym(l, n, "hipHostMalloc")?,
-            hip_host_free: sym(l, n, "hipHostFree")?,
-            hip_malloc: sym(l, n, "hipMalloc")?,
-            hip_free: sym(l, n, "hipFree")?,
-            hip_mem_get_address_range: sym(l, n, "hipMemGetAddressRange")?,
-            hip_ipc_get_mem_handle: sym(l, n, "hipIpcGetMemHandle")?,
-            hip_ipc_open_mem_handle: sym(l, n, "hipIpcOpenMemHandle")?,
-            hip_ipc_close_mem_handle: sym(l, n, "hipIpcCloseMemHandle")?,
-            hip_get_error_string: sym(l, n, "hipGetErrorString")?,
-            hip_get_error_name: sym(l, n, "hipGetErrorName")?,
-            init_error: None,
-            runtime_version: None,
-            library,
-            _lib: lib,
-        };
+    fn open(path: Option<&str>) -> Result<Hip> {
+        let (lib, name) = loader::open(Backend::Hip, path, OVERRIDE_VAR, CANDIDATES, None)?;
+        let mut hip = Hip::bind(lib, name)?;
         // SAFETY: flags must be 0.
         let rc = unsafe { (hip.hip_init)(0) };
         if rc != HIP_SUCCESS {
-            hip.init_error = Some(hip.describe(rc));
+            hip.init_error = Some(DriverError {
+                backend: Backend::Hip,
+                call: "hipInit",
+                code: rc,
+                text: hip.describe(rc),
+            });
         }
         let mut v = 0;
         // SAFETY: writes one int.
@@ -169,12 +153,20 @@ impl Hip {
         format!("{name}: {desc} (hipError_t {rc})")
     }
 
-    fn check(&self, what: &str, rc: HipError) -> Result<()> {
-        loader::driver_check(what, rc == HIP_SUCCESS, || self.describe(rc))
+    fn check(&self, call: &'static str, rc: HipError) -> Result<()> {
+        DriverError::check(Backend::Hip, call, rc, rc == HIP_SUCCESS, || {
+            self.describe(rc)
+        })
     }
 
     fn initialized(&self) -> Result<()> {
-        loader::driver_initialized(&self.init_error, "hipInit", &self.library)
+        match &self.init_error {
+            None => Ok(()),
+            Some(error) => Err(Error::NotInitialized {
+                library: self.library.clone(),
+                error: error.clone(),
+            }),
+        }
     }
 
     /// HIP_VERSION-style number (major * 10^7 + minor * 10^5 + patch).
@@ -209,7 +201,7 @@ impl Hip {
     fn device_string(
         &self,
         ordinal: i32,
-        call: &str,
+        call: &'static str,
         f: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
     ) -> Result<String> {
         let mut text = [0 as c_char; 256];
@@ -268,7 +260,7 @@ impl Hip {
 
     fn memcpy(
         &self,
-        what: &str,
+        what: &'static str,
         dst: *mut c_void,
         src: *const c_void,
         len: usize,
@@ -384,18 +376,20 @@ impl Hip {
     }
 }
 
-static API: OnceLock<std::result::Result<Hip, Error>> = OnceLock::new();
+static API: OnceLock<Result<Hip>> = OnceLock::new();
 
 /// The process-wide runtime table, loaded on first use (from `MC_HIP_LIB` if set).
 pub fn api() -> Result<&'static Hip> {
-    API.get_or_init(Hip::open).as_ref().map_err(Clone::clone)
+    API.get_or_init(|| Hip::open(None))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// What `mooncake info` shows for HIP.
 pub fn info() -> BackendInfo {
     match api() {
         Ok(hip) => info_of(hip),
-        Err(e) => BackendInfo::unavailable("hip", e.context()),
+        Err(e) => BackendInfo::unavailable("hip", e),
     }
 }
 
@@ -418,7 +412,7 @@ pub fn info_of(hip: &Hip) -> BackendInfo {
                 info.devices.push(format!("hip:{i} {name}"));
             }
         }
-        Err(e) => info.notes.push(format!("no device: {}", e.context())),
+        Err(e) => info.notes.push(format!("no device: {e}")),
     }
     info
 }

@@ -17,11 +17,11 @@
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
-use libloading::Library;
-
+use super::error::{Backend, Result};
 use super::loader::{self, BackendInfo};
+use super::table::function_table;
 
 /// Environment variable naming the libibverbs to load instead of the system one.
 pub const OVERRIDE_VAR: &str = "MC_IBVERBS_LIB";
@@ -454,97 +454,86 @@ const _: () = {
 
 // ---- the loaded library ----
 
-/// Function pointers into the loaded libibverbs; the library stays loaded with them.
-pub struct Verbs {
-    _lib: Arc<Library>,
-    /// What was loaded (a path or a soname).
-    pub library: String,
-    pub get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device,
-    pub free_device_list: unsafe extern "C" fn(*mut *mut ibv_device),
-    pub get_device_name: unsafe extern "C" fn(*mut ibv_device) -> *const c_char,
-    pub open_device: unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context,
-    pub close_device: unsafe extern "C" fn(*mut ibv_context) -> c_int,
-    /// The exported `ibv_query_port@IBVERBS_1.1` (takes the compat struct prefix).
-    pub query_port_compat: unsafe extern "C" fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int,
-    pub query_gid: unsafe extern "C" fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int,
-    pub alloc_pd: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
-    pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
-    pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
-    pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
-    /// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)` (rdma-core 34+):
-    /// registers device memory exported as a dma-buf (GPUDirect RDMA without
-    /// nvidia-peermem); absent from older libraries.
-    pub reg_dmabuf_mr:
-        Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
-    pub create_cq: unsafe extern "C" fn(
-        *mut ibv_context,
-        c_int,
-        *mut c_void,
-        *mut ibv_comp_channel,
-        c_int,
-    ) -> *mut ibv_cq,
-    pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
-    pub create_comp_channel: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel,
-    pub destroy_comp_channel: unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int,
-    /// Returns 0 and the CQ of the next event, or -1 with errno (EAGAIN on a
-    /// non-blocking channel with nothing queued).
-    pub get_cq_event:
-        unsafe extern "C" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int,
-    pub ack_cq_events: unsafe extern "C" fn(*mut ibv_cq, c_uint),
-    pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
-    pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
-    pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
+function_table! {
+    /// Function pointers into the loaded libibverbs; the library stays loaded with them.
+    pub struct Verbs (override OVERRIDE_VAR) {
+        state {}
+        symbols {
+            pub get_device_list: required ["ibv_get_device_list"]
+                unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device,
+            pub free_device_list: required ["ibv_free_device_list"]
+                unsafe extern "C" fn(*mut *mut ibv_device),
+            pub get_device_name: required ["ibv_get_device_name"]
+                unsafe extern "C" fn(*mut ibv_device) -> *const c_char,
+            pub open_device: required ["ibv_open_device"]
+                unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context,
+            pub close_device: required ["ibv_close_device"]
+                unsafe extern "C" fn(*mut ibv_context) -> c_int,
+            /// The exported `ibv_query_port@IBVERBS_1.1` (takes the compat struct prefix).
+            pub query_port_compat: required ["ibv_query_port"]
+                unsafe extern "C" fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int,
+            pub query_gid: required ["ibv_query_gid"]
+                unsafe extern "C" fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int,
+            pub alloc_pd: required ["ibv_alloc_pd"]
+                unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
+            pub dealloc_pd: required ["ibv_dealloc_pd"] unsafe extern "C" fn(*mut ibv_pd) -> c_int,
+            pub reg_mr: required ["ibv_reg_mr"]
+                unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
+            pub dereg_mr: required ["ibv_dereg_mr"] unsafe extern "C" fn(*mut ibv_mr) -> c_int,
+            /// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)` (rdma-core 34+):
+            /// registers device memory exported as a dma-buf (GPUDirect RDMA without
+            /// nvidia-peermem); absent from older libraries.
+            pub reg_dmabuf_mr: optional ["ibv_reg_dmabuf_mr"]
+                unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr,
+            pub create_cq: required ["ibv_create_cq"]
+                unsafe extern "C" fn(
+                    *mut ibv_context,
+                    c_int,
+                    *mut c_void,
+                    *mut ibv_comp_channel,
+                    c_int,
+                ) -> *mut ibv_cq,
+            pub destroy_cq: required ["ibv_destroy_cq"] unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+            pub create_comp_channel: required ["ibv_create_comp_channel"]
+                unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel,
+            pub destroy_comp_channel: required ["ibv_destroy_comp_channel"]
+                unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int,
+            /// Returns 0 and the CQ of the next event, or -1 with errno (EAGAIN on a
+            /// non-blocking channel with nothing queued).
+            pub get_cq_event: required ["ibv_get_cq_event"]
+                unsafe extern "C" fn(
+                    *mut ibv_comp_channel,
+                    *mut *mut ibv_cq,
+                    *mut *mut c_void,
+                ) -> c_int,
+            pub ack_cq_events: required ["ibv_ack_cq_events"]
+                unsafe extern "C" fn(*mut ibv_cq, c_uint),
+            pub create_qp: required ["ibv_create_qp"]
+                unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
+            pub modify_qp: required ["ibv_modify_qp"]
+                unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
+            pub destroy_qp: required ["ibv_destroy_qp"] unsafe extern "C" fn(*mut ibv_qp) -> c_int,
+        }
+    }
 }
 
-static VERBS: OnceLock<Result<Verbs, String>> = OnceLock::new();
+static VERBS: OnceLock<Result<Verbs>> = OnceLock::new();
 
 /// Loads libibverbs once (`MC_IBVERBS_LIB` overrides the search); later calls return
 /// the same table or the same error.
-pub fn verbs() -> Result<&'static Verbs, String> {
+pub fn verbs() -> Result<&'static Verbs> {
     VERBS.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
-fn load() -> Result<Verbs, String> {
-    let (lib, library) = loader::open_backend(OVERRIDE_VAR, CANDIDATES).map_err(|e| {
-        e.with_hint(&format!(
-            "install rdma-core's libibverbs, or set {OVERRIDE_VAR}=/path/to/libibverbs.so.1"
-        ))
-    })?;
-    macro_rules! sym {
-        ($name:literal) => {{
-            // SAFETY: the field's type is the C prototype of this verbs.h function.
-            unsafe { loader::symbol(&lib, &library, &[$name], OVERRIDE_VAR) }?
-        }};
-    }
-    Ok(Verbs {
-        get_device_list: sym!("ibv_get_device_list"),
-        free_device_list: sym!("ibv_free_device_list"),
-        get_device_name: sym!("ibv_get_device_name"),
-        open_device: sym!("ibv_open_device"),
-        close_device: sym!("ibv_close_device"),
-        query_port_compat: sym!("ibv_query_port"),
-        query_gid: sym!("ibv_query_gid"),
-        alloc_pd: sym!("ibv_alloc_pd"),
-        dealloc_pd: sym!("ibv_dealloc_pd"),
-        reg_mr: sym!("ibv_reg_mr"),
-        dereg_mr: sym!("ibv_dereg_mr"),
-        // SAFETY: the field's type is verbs.h's prototype of ibv_reg_dmabuf_mr.
-        reg_dmabuf_mr: unsafe {
-            loader::symbol(&lib, &library, &["ibv_reg_dmabuf_mr"], OVERRIDE_VAR)
-        }
-        .ok(),
-        create_cq: sym!("ibv_create_cq"),
-        destroy_cq: sym!("ibv_destroy_cq"),
-        create_comp_channel: sym!("ibv_create_comp_channel"),
-        destroy_comp_channel: sym!("ibv_destroy_comp_channel"),
-        get_cq_event: sym!("ibv_get_cq_event"),
-        ack_cq_events: sym!("ibv_ack_cq_events"),
-        create_qp: sym!("ibv_create_qp"),
-        modify_qp: sym!("ibv_modify_qp"),
-        destroy_qp: sym!("ibv_destroy_qp"),
-        _lib: lib.clone(),
-        library,
-    })
+fn load() -> Result<Verbs> {
+    let (lib, library) = loader::open(
+        Backend::Ibverbs,
+        None,
+        OVERRIDE_VAR,
+        CANDIDATES,
+        Some("install rdma-core's libibverbs"),
+    )?;
+    Verbs::bind(lib, library)
 }
 
 impl Verbs {

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use libloading::Library;
 
+use super::error::{Backend, Error};
+
 /// Why a backend's library could not be opened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -38,17 +40,6 @@ impl fmt::Display for LoadError {
 }
 
 impl std::error::Error for LoadError {}
-
-impl LoadError {
-    /// This error followed by `hint` (what to install, which variable to set), except
-    /// in a static binary, where no library or variable can help.
-    pub fn with_hint(&self, hint: &str) -> String {
-        match self {
-            LoadError::StaticBinary => self.to_string(),
-            LoadError::NotFound { .. } => format!("{self} ({hint})"),
-        }
-    }
-}
 
 /// Whether this binary was linked with a static C runtime: built with crt-static, or
 /// for a binary that will be (`MC_STATIC_BINARY=1` at build time, see build.rs).
@@ -104,27 +95,25 @@ pub fn open_backend(
     }
 }
 
-/// Opens a driver library as an engine error: `path` when given (tests and tools), else
-/// the override variable or the first loadable candidate. `what` names the driver in
-/// the message, e.g. "CUDA driver".
-pub fn open_driver(
+/// Opens a backend's library: `path` when given (tests and tools), else the override
+/// variable or the first loadable candidate. `hint` says what to install when nothing
+/// loads.
+pub fn open(
+    backend: Backend,
     path: Option<&str>,
-    override_var: &str,
+    override_var: &'static str,
     candidates: &[&str],
-    what: &str,
-) -> crate::Result<(Arc<Library>, String)> {
+    hint: Option<&'static str>,
+) -> Result<(Arc<Library>, String), Error> {
     let opened = match path {
         Some(p) => open_first(&[p]).map(|lib| (lib, p.to_owned())),
         None => open_backend(override_var, candidates),
     };
-    opened.map_err(|why| {
-        let text = match why {
-            LoadError::StaticBinary => format!("{what} unavailable: {why}"),
-            LoadError::NotFound { .. } => {
-                format!("{what} unavailable ({override_var} overrides the library): {why}")
-            }
-        };
-        crate::Error::new(crate::Code::BackendUnavailable, text)
+    opened.map_err(|error| Error::Load {
+        backend,
+        override_var,
+        hint,
+        error,
     })
 }
 
@@ -137,76 +126,20 @@ pub fn open_driver(
 pub unsafe fn symbol<T: Copy>(
     lib: &Library,
     library: &str,
-    names: &[&str],
-    override_var: &str,
-) -> Result<T, String> {
+    names: &[&'static str],
+    override_var: &'static str,
+) -> Result<T, Error> {
     for name in names {
         // SAFETY: the caller guarantees `T` matches the symbol's signature.
         if let Ok(s) = unsafe { lib.get::<T>(*name) } {
             return Ok(*s);
         }
     }
-    Err(missing_symbol(
-        library,
-        names.first().copied().unwrap_or("?"),
+    Err(Error::MissingSymbol {
+        library: library.to_owned(),
+        symbol: names.first().copied().unwrap_or("?"),
         override_var,
-    ))
-}
-
-/// `symbol` for a GPU driver table: a missing entry point makes the backend
-/// unavailable.
-///
-/// # Safety
-/// As `symbol`.
-pub unsafe fn driver_symbol<T: Copy>(
-    lib: &Library,
-    library: &str,
-    names: &[&str],
-    override_var: &str,
-) -> crate::Result<T> {
-    // SAFETY: per the contract.
-    unsafe { symbol(lib, library, names, override_var) }
-        .map_err(|e| crate::Error::new(crate::Code::BackendUnavailable, e))
-}
-
-/// A driver call's outcome: `Ok` when it `succeeded`, else an error naming the call
-/// with the driver's own words for the code.
-pub fn driver_check(
-    call: &str,
-    succeeded: bool,
-    describe: impl FnOnce() -> String,
-) -> crate::Result<()> {
-    if succeeded {
-        Ok(())
-    } else {
-        Err(crate::Error::new(
-            crate::Code::TransferFail,
-            format!("{call}: {}", describe()),
-        ))
-    }
-}
-
-/// Whether a driver table is usable: its initialization call (`init_call`) failed at
-/// load when `init_error` is set, and every call needing a device reports that.
-pub fn driver_initialized(
-    init_error: &Option<String>,
-    init_call: &str,
-    library: &str,
-) -> crate::Result<()> {
-    match init_error {
-        None => Ok(()),
-        Some(why) => Err(crate::Error::new(
-            crate::Code::BackendUnavailable,
-            format!("{init_call} failed in {library}: {why}"),
-        )),
-    }
-}
-
-/// A missing symbol, as an error naming the library, the symbol and the override.
-pub fn missing_symbol(library: &str, symbol: &str, override_var: &str) -> String {
-    format!(
-        "{library} has no symbol {symbol} (wrong library? point {override_var} at the right one)"
-    )
+    })
 }
 
 /// What `mooncake info` shows for one backend.
@@ -214,7 +147,7 @@ pub fn missing_symbol(library: &str, symbol: &str, override_var: &str) -> String
 pub struct BackendInfo {
     pub name: &'static str,
     /// The library it was loaded from, or why it could not be.
-    pub library: Result<String, String>,
+    pub library: Result<String, Error>,
     pub version: Option<String>,
     /// Devices found (HCAs with ports/GIDs, fabric providers, GPUs), one line each.
     pub devices: Vec<String>,
@@ -224,10 +157,10 @@ pub struct BackendInfo {
 
 impl BackendInfo {
     /// A backend whose library did not load.
-    pub fn unavailable(name: &'static str, why: impl std::fmt::Display) -> BackendInfo {
+    pub fn unavailable(name: &'static str, why: Error) -> BackendInfo {
         BackendInfo {
             name,
-            library: Err(why.to_string()),
+            library: Err(why),
             version: None,
             devices: Vec::new(),
             notes: Vec::new(),
@@ -252,17 +185,6 @@ mod tests {
                 "{text}"
             );
         }
-    }
-
-    #[test]
-    fn hints_are_left_out_where_they_cannot_help() {
-        let e = LoadError::StaticBinary.with_hint("set MC_IBVERBS_LIB");
-        assert!(!e.contains("MC_IBVERBS_LIB"), "{e}");
-        assert!(e.contains("no runtime-loaded backends"), "{e}");
-        let e = LoadError::NotFound {
-            tried: vec![("libx.so".into(), "missing".into())],
-        };
-        assert!(e.with_hint("set MC_X_LIB").ends_with("(set MC_X_LIB)"));
     }
 
     #[test]

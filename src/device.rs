@@ -161,33 +161,33 @@ macro_rules! runtime_table {
     ($t:ty) => {
         impl Runtime for $t {
             fn make_current(&self, ordinal: i32) -> Result<()> {
-                <$t>::make_current(self, ordinal)
+                Ok(<$t>::make_current(self, ordinal)?)
             }
             unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
                 // SAFETY: forwarded contract.
-                unsafe { <$t>::copy_dtoh(self, dst, src, len) }
+                Ok(unsafe { <$t>::copy_dtoh(self, dst, src, len) }?)
             }
             unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
                 // SAFETY: forwarded contract.
-                unsafe { <$t>::copy_htod(self, dst, src, len) }
+                Ok(unsafe { <$t>::copy_htod(self, dst, src, len) }?)
             }
             unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
                 // SAFETY: forwarded contract.
-                unsafe { <$t>::copy_dtod(self, dst, src, len) }
+                Ok(unsafe { <$t>::copy_dtod(self, dst, src, len) }?)
             }
             fn host_alloc(&self, len: usize) -> Result<*mut u8> {
-                <$t>::host_alloc(self, len)
+                Ok(<$t>::host_alloc(self, len)?)
             }
             unsafe fn host_free(&self, p: *mut u8) {
                 // SAFETY: forwarded contract.
                 unsafe { <$t>::host_free(self, p) }
             }
             fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
-                <$t>::mem_alloc(self, ordinal, len)
+                Ok(<$t>::mem_alloc(self, ordinal, len)?)
             }
             unsafe fn mem_free(&self, p: u64) -> Result<()> {
                 // SAFETY: forwarded contract.
-                unsafe { <$t>::mem_free(self, p) }
+                Ok(unsafe { <$t>::mem_free(self, p) }?)
             }
         }
     };
@@ -329,7 +329,7 @@ fn pinned_alloc(kind: MemoryKind) -> Result<*mut u8> {
 /// # Safety
 /// `p` must come from `pinned_alloc` for the runtime of pool `index`.
 unsafe fn pinned_free(index: usize, p: *mut u8) {
-    let table: Result<&'static dyn Runtime> = match index {
+    let table: crate::ffi::error::Result<&'static dyn Runtime> = match index {
         0 => cuda::api().map(|a| a as &dyn Runtime),
         1 => hip::api().map(|a| a as &dyn Runtime),
         _ => acl::api().map(|a| a as &dyn Runtime),
@@ -476,17 +476,17 @@ macro_rules! ipc_table {
     ($t:ty, $handle:expr) => {
         impl IpcRuntime for $t {
             fn mem_range(&self, addr: u64) -> Result<(u64, usize)> {
-                <$t>::mem_range(self, addr)
+                Ok(<$t>::mem_range(self, addr)?)
             }
             fn ipc_handle(&self, base: u64) -> Result<[u8; 64]> {
                 Ok(self.ipc_get_handle(base)?.reserved)
             }
             fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64> {
-                <$t>::ipc_open(self, &$handle(*handle))
+                Ok(<$t>::ipc_open(self, &$handle(*handle))?)
             }
             unsafe fn ipc_close(&self, addr: u64) -> Result<()> {
                 // SAFETY: forwarded contract.
-                unsafe { <$t>::ipc_close(self, addr) }
+                Ok(unsafe { <$t>::ipc_close(self, addr) }?)
             }
         }
     };

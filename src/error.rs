@@ -4,6 +4,8 @@
 use std::fmt;
 use std::io;
 
+use crate::ffi::error as ffi;
+
 /// Error codes shared with the C ABI. Values that also exist in Mooncake Store's
 /// error space keep the same number (see `docs/store.md`); engine-only
 /// codes live in the otherwise unused -1200 range.
@@ -149,11 +151,13 @@ impl Code {
     }
 }
 
-/// A crate error: a code plus a human-readable context saying what failed and why.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A crate error: a code plus a human-readable context saying what failed and why,
+/// and, for a failure of a native library, that library's own error as the `source()`.
+#[derive(Clone, Debug)]
 pub struct Error {
     code: Code,
     context: String,
+    source: Option<Box<ffi::Error>>,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -163,7 +167,34 @@ impl Error {
         Error {
             code,
             context: context.into(),
+            source: None,
         }
+    }
+
+    /// The native library's error this one came from, if any (also `source()`).
+    pub fn ffi(&self) -> Option<&ffi::Error> {
+        self.source.as_deref()
+    }
+
+    /// A native library's failure while setting something up (opening, registering,
+    /// connecting): out of memory stays `NoAvailableHandle`, and a failed call is
+    /// `BackendUnavailable` rather than `TransferFail`.
+    pub fn backend(e: ffi::Error) -> Error {
+        let mut err = Error::from(e);
+        if err.code == Code::TransferFail {
+            err.code = Code::BackendUnavailable;
+        }
+        err
+    }
+
+    /// This error with `what` put in front of its context; the code and the source stay.
+    pub fn prefixed(mut self, what: impl fmt::Display) -> Error {
+        self.context = if self.context.is_empty() {
+            what.to_string()
+        } else {
+            format!("{what}: {}", self.context)
+        };
+        self
     }
 
     pub fn code(&self) -> Code {
@@ -202,4 +233,98 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+/// Errors compare by code and context (the source only details the context).
+impl PartialEq for Error {
+    fn eq(&self, other: &Error) -> bool {
+        self.code == other.code && self.context == other.context
+    }
+}
+
+impl Eq for Error {}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// A native library's failure as a crate error. A library that cannot be used at all
+/// (not loadable, wrong, too old, not initialized) is `BackendUnavailable`; a call that
+/// ran out of memory is `NoAvailableHandle` (no space, not a transfer failure); a call
+/// that found no device is `BackendUnavailable`; any other failed call is `TransferFail`.
+impl From<ffi::Error> for Error {
+    fn from(e: ffi::Error) -> Error {
+        let code = match &e {
+            ffi::Error::Driver(d) if d.is_out_of_memory() => Code::NoAvailableHandle,
+            ffi::Error::Driver(d) if d.is_no_device() => Code::BackendUnavailable,
+            ffi::Error::Driver(_) => Code::TransferFail,
+            ffi::Error::Unsupported { .. } => Code::NotSupported,
+            _ => Code::BackendUnavailable,
+        };
+        Error {
+            code,
+            context: e.to_string(),
+            source: Some(Box::new(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    fn driver(backend: ffi::Backend, code: i32) -> ffi::Error {
+        ffi::Error::Driver(ffi::DriverError {
+            backend,
+            call: "cuMemAlloc_v2",
+            code,
+            text: format!("text (code {code})"),
+        })
+    }
+
+    #[test]
+    fn native_failures_map_to_codes_and_stay_the_source() {
+        let oom = Error::from(driver(ffi::Backend::Cuda, 2));
+        assert_eq!(oom.code(), Code::NoAvailableHandle);
+        assert_eq!(oom.context(), "cuMemAlloc_v2: text (code 2)");
+        let source = oom.source().expect("the ffi error is the source");
+        assert_eq!(source.to_string(), oom.context());
+        assert!(matches!(oom.ffi(), Some(ffi::Error::Driver(d)) if d.code == 2));
+
+        assert_eq!(
+            Error::from(driver(ffi::Backend::Cuda, 1)).code(),
+            Code::TransferFail
+        );
+        assert_eq!(
+            Error::backend(driver(ffi::Backend::Fabric, -libc::EINVAL)).code(),
+            Code::BackendUnavailable
+        );
+        assert_eq!(
+            Error::backend(driver(ffi::Backend::Fabric, -libc::ENOMEM)).code(),
+            Code::NoAvailableHandle
+        );
+        let missing = Error::from(ffi::Error::MissingSymbol {
+            library: "libx.so".into(),
+            symbol: "cuInit",
+            override_var: "MC_CUDA_LIB",
+        });
+        assert_eq!(missing.code(), Code::BackendUnavailable);
+        let unsupported = Error::from(ffi::Error::Unsupported {
+            library: "libcuda.so.1".into(),
+            what: "cuMemGetHandleForAddressRange",
+        });
+        assert_eq!(unsupported.code(), Code::NotSupported);
+    }
+
+    #[test]
+    fn prefixing_keeps_code_and_source() {
+        let e = Error::from(driver(ffi::Backend::Hip, 2)).prefixed("staging");
+        assert_eq!(e.code(), Code::NoAvailableHandle);
+        assert!(e.context().starts_with("staging: cuMemAlloc_v2"));
+        assert!(e.source().is_some());
+        assert_eq!(Error::invalid("x").source().map(|s| s.to_string()), None);
+    }
+}

@@ -597,12 +597,6 @@ impl From<Vec<Value>> for Value {
     }
 }
 
-/// Writes `s` as a quoted JSON string to `out`.
-pub fn escape_into(out: &mut String, s: &str) {
-    // Writing to a String cannot fail.
-    let _ = write_escaped(out, s);
-}
-
 fn write_escaped<W: fmt::Write + ?Sized>(w: &mut W, s: &str) -> fmt::Result {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     w.write_char('"')?;
@@ -861,8 +855,7 @@ mod tests {
             parse("\"héllo 中 😀\"").unwrap().as_str(),
             Some("héllo 中 😀")
         );
-        let mut out = String::new();
-        escape_into(&mut out, "q\"\\\n\u{1}\u{1f}\u{7f}é");
+        let out = Value::from("q\"\\\n\u{1}\u{1f}\u{7f}é").to_string();
         assert_eq!(out, "\"q\\\"\\\\\\n\\u0001\\u001f\u{7f}é\"");
         let all_ctrl: String = (0u8..0x20).map(char::from).collect();
         roundtrip(&Value::from(all_ctrl));

@@ -1,8 +1,8 @@
 //! Mooncake in Rust: a transfer engine and KV-cache store data plane.
 //!
 //! Layering (arrows point one way): `ffi` → `transport` → `engine` → `capi`.
-//! `json`, `http`, `wire`, `sys`, `net`, `memory` and `metadata` are shared
-//! building blocks below them.
+//! `json`, `http`, `wire`, `sys`, `net`, `registry` (registered buffers), `memfd`
+//! (shareable mappings) and `metadata` are shared building blocks below them.
 
 #[path = "../ffi/mod.rs"]
 pub mod ffi;
@@ -13,10 +13,10 @@ pub mod engine;
 pub mod error;
 pub mod http;
 pub mod json;
-pub mod memory;
+pub mod memfd;
 pub mod metadata;
 pub mod net;
-pub mod shared_memory;
+pub mod registry;
 pub mod store;
 pub mod sys;
 pub mod transport;

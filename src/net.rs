@@ -27,7 +27,9 @@ struct Conns {
     threads: Vec<JoinHandle<()>>,
 }
 
-struct Shared {
+/// What a `ConnServer` shares with its accept and connection threads: the shutdown
+/// wake-up, the connection limit and the live connections.
+struct ConnServerState {
     /// Notified once, on shutdown.
     wake: EventFd,
     max_conns: usize,
@@ -40,7 +42,7 @@ fn lock(m: &Mutex<Conns>) -> MutexGuard<'_, Conns> {
 
 pub struct ConnServer {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<ConnServerState>,
     accept: Option<JoinHandle<()>>,
 }
 
@@ -62,7 +64,7 @@ impl ConnServer {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ConnServerState {
             wake: EventFd::new()?,
             max_conns,
             conns: Mutex::new(Conns::default()),
@@ -113,7 +115,12 @@ impl Drop for ConnServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: &Arc<Shared>, name: &str, handler: &ConnHandler) {
+fn accept_loop(
+    listener: TcpListener,
+    shared: &Arc<ConnServerState>,
+    name: &str,
+    handler: &ConnHandler,
+) {
     let fd = listener.as_raw_fd();
     loop {
         match shared.wake.wait(Some(fd), None) {
@@ -147,7 +154,7 @@ fn accept_loop(listener: TcpListener, shared: &Arc<Shared>, name: &str, handler:
 }
 
 /// Removes a connection from the table when its thread ends, even by a panic.
-struct Deregister(Arc<Shared>, u64);
+struct Deregister(Arc<ConnServerState>, u64);
 
 impl Drop for Deregister {
     fn drop(&mut self) {
@@ -156,7 +163,7 @@ impl Drop for Deregister {
 }
 
 fn register(
-    shared: &Arc<Shared>,
+    shared: &Arc<ConnServerState>,
     name: &str,
     handler: &ConnHandler,
     stream: TcpStream,

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 mod common;
@@ -553,21 +553,11 @@ fn c_and_cpp_programs_transfer_between_processes() {
         return;
     }
     let lib = static_lib().expect("cargo builds libmooncake.a along with the library");
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let dir = profile.join("capi-test");
-    std::fs::create_dir_all(&dir).unwrap();
-
     let mut programs = Vec::new();
-    let c_bin = dir.join("transfer_c");
-    compile("cc", "-std=c99", "transfer.c", &lib, &c_bin);
+    let c_bin = program("cc", "-std=c99", "transfer.c", &lib);
     programs.push(("C".to_owned(), c_bin));
     if have("c++") {
-        let cpp_bin = dir.join("transfer_cpp");
-        compile("c++", "-std=c++17", "transfer.cpp", &lib, &cpp_bin);
+        let cpp_bin = program("c++", "-std=c++17", "transfer.cpp", &lib);
         programs.push(("C++".to_owned(), cpp_bin));
     } else {
         eprintln!("skipping the C++ program: no `c++` on PATH");

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::ptr::{null, null_mut};
 use std::sync::OnceLock;
@@ -660,39 +660,7 @@ fn store_program() -> Option<PathBuf> {
                 return None;
             }
             let lib = static_lib().expect("cargo builds libmooncake.a along with the library");
-            let exe = std::env::current_exe().expect("test binary path");
-            let dir = exe
-                .parent()
-                .and_then(Path::parent)
-                .expect("target/<profile>")
-                .join("capi-test");
-            std::fs::create_dir_all(&dir).unwrap();
-            let out = dir.join("store_c");
-            let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/store.c");
-            let output = Command::new("cc")
-                .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
-                .arg(header_path())
-                .arg(&src)
-                .arg(&lib)
-                .args([
-                    "-lgcc_s",
-                    "-lutil",
-                    "-lrt",
-                    "-lpthread",
-                    "-lm",
-                    "-ldl",
-                    "-lc",
-                    "-o",
-                ])
-                .arg(&out)
-                .output()
-                .expect("running cc");
-            assert!(
-                output.status.success(),
-                "cc store.c failed:\n{}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-            Some(out)
+            Some(program("cc", "-std=c99", "store.c", &lib))
         })
         .clone()
 }

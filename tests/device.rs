@@ -372,7 +372,10 @@ fn missing_library_or_symbol_names_the_override_variable() {
     let err = cuda::Cuda::load_from("/nonexistent/libcuda.so.1")
         .err()
         .unwrap();
-    assert_eq!(err.code(), Code::BackendUnavailable);
+    assert_eq!(
+        mooncake::Error::from(err.clone()).code(),
+        Code::BackendUnavailable
+    );
     let text = err.to_string();
     assert!(
         text.contains("MC_CUDA_LIB") && text.contains("/nonexistent/libcuda.so.1"),

@@ -151,6 +151,36 @@ fn notifications_and_probe() {
 }
 
 #[test]
+fn a_notification_flood_is_bounded_in_bytes() {
+    let a = engine_with("P2PHANDSHAKE", "tcp");
+    let b = engine_with("P2PHANDSHAKE", "tcp");
+    let seg = a.open_segment(b.segment_name()).unwrap();
+    // Over the per-message limit: refused, and the sender is told.
+    let huge = "x".repeat(200 << 10);
+    assert_eq!(
+        a.notify(seg, &huge).unwrap_err().code(),
+        Code::NoAvailableHandle
+    );
+    // 60 KiB messages from one sender: its 4 MiB share fills, the rest is dropped.
+    let msg = "y".repeat(60 << 10);
+    let mut accepted = 0usize;
+    for _ in 0..100 {
+        if a.notify(seg, &msg).is_ok() {
+            accepted += 1;
+        }
+    }
+    assert!(accepted > 0 && accepted < 100, "accepted {accepted}");
+    assert_eq!(b.dropped_notifications(), 1 + (100 - accepted) as u64);
+    let queued = b.take_notifications();
+    assert_eq!(queued.len(), accepted);
+    let bytes: usize = queued.iter().map(|n| n.from.len() + n.message.len()).sum();
+    assert!(bytes <= 4 << 20, "{bytes} bytes queued from one sender");
+    // Draining frees the share.
+    a.notify(seg, &msg).unwrap();
+    assert_eq!(b.take_notifications().len(), 1);
+}
+
+#[test]
 fn concurrent_batches_on_several_workers_move_exact_bytes() {
     let mut cfg = mooncake::EngineConfig::default();
     for (k, v) in [

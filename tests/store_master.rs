@@ -437,3 +437,91 @@ fn groups_share_leases_and_eviction() {
     let alive = ["g0", "g1", "g2"].iter().filter(|k| exists(&m, k)).count();
     assert!(alive == 0 || alive == 3, "{alive} of 3 group members left");
 }
+
+#[test]
+fn a_costly_regex_fails_within_its_budget_and_removes_nothing() {
+    let clock = Clock::manual();
+    // A small budget, so that the debug build finds out quickly.
+    let m = Master::with_clock(
+        MasterConfig {
+            regex_budget: 20_000_000,
+            ..MasterConfig::default()
+        },
+        clock.clone(),
+    );
+    mount(&m, 1, "a", 256 * MIB);
+    let cfg = ReplicateConfig::default();
+    // Long keys and a pattern whose automaton keeps many states alive on them.
+    let keys: Vec<String> = (0..200)
+        .map(|i| format!("{i:05}{}", "a".repeat(3000)))
+        .collect();
+    for k in &keys {
+        put(&m, 1, k, 4096, &cfg).unwrap();
+    }
+    let costly = "(.*a){100}x";
+    let err = m
+        .handle(Request::RemoveByRegex {
+            pattern: costly.into(),
+            force: true,
+        })
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidParams);
+    assert!(err.context().contains("costs more"), "{err}");
+    assert!(keys.iter().all(|k| exists(&m, k)), "nothing removed");
+    // An anchored pattern stops at the first character that cannot match: cheap.
+    let Response::Count(n) = m
+        .handle(Request::RemoveByRegex {
+            pattern: "^0000[0-9]a".into(),
+            force: true,
+        })
+        .unwrap()
+    else {
+        panic!("wrong answer")
+    };
+    assert_eq!(n, 10);
+    assert!(!exists(&m, &keys[3]) && exists(&m, &keys[10]));
+}
+
+#[test]
+fn absurd_mounts_are_refused_and_owners_never_echoed() {
+    let clock = Clock::manual();
+    let m = master(&clock);
+    for size in [1u64 << 62, 64 << 40] {
+        let err = m
+            .handle(Request::Mount {
+                client: 7,
+                segment: SegmentInfo {
+                    name: format!("huge-{size}"),
+                    base: 4096,
+                    size,
+                },
+            })
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidParams, "{err}");
+    }
+    let owner = 0x5eed_cafe_f00d_u64;
+    mount(&m, owner, "victim", 16 * MIB);
+    let err = m
+        .handle(Request::Mount {
+            client: 9,
+            segment: SegmentInfo {
+                name: "victim".into(),
+                base: 0,
+                size: MIB,
+            },
+        })
+        .unwrap_err();
+    assert_eq!(err.code(), Code::SegmentAlreadyExists);
+    let text = err.to_string();
+    assert!(
+        !text.contains("5eedcafef00d") && !text.contains(&owner.to_string()),
+        "the owner's id leaked: {text}"
+    );
+    // Without the owner's id, nobody unmounts it.
+    assert!(m
+        .handle(Request::Unmount {
+            client: 9,
+            name: "victim".into()
+        })
+        .is_err());
+}

@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
@@ -527,7 +526,10 @@ fn engines_found_through_a_metadata_server() {
         assert_eq!(CStr::from_ptr((*notes).msg).to_str().unwrap(), "done");
         assert_eq!(freeNotifsMsgBuf(notes, n), 0);
 
-        assert_eq!(removeLocalSegment(a.0, c"te-node-b".as_ptr()), 0);
+        // Only what an engine published may be removed by it: A cannot withdraw B.
+        assert_eq!(removeLocalSegment(a.0, c"te-node-b".as_ptr()), -1);
+        assert!(openSegmentNoCache(a.0, c"te-node-b".as_ptr()) >= 0);
+        assert_eq!(removeLocalSegment(b.0, c"te-node-b".as_ptr()), 0);
         assert_eq!(
             openSegmentNoCache(a.0, c"te-node-b".as_ptr()),
             -1,
@@ -620,15 +622,7 @@ fn c_program_moves_bytes_and_notifications() {
         return;
     }
     let lib = static_lib().expect("cargo builds libmooncake.a along with the library");
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .join("te-compat-test");
-    std::fs::create_dir_all(&dir).unwrap();
-    let bin = dir.join("te_compat");
-    compile("cc", "-std=c99", "te_compat.c", &lib, &bin);
+    let bin = program("cc", "-std=c99", "te_compat.c", &lib);
     if have("c++") {
         cpp_accepts_the_header();
     }

@@ -524,24 +524,26 @@ impl TeEngine {
     }
 
     /// Sends (or drops) a batch's pending notification once all its tasks are final.
-    fn settle_notify(&self, engine: &Engine, batch: BatchId) {
+    /// Whether no notification is left pending for the batch afterwards (false: its
+    /// tasks are still running, so it cannot be sent yet).
+    fn settle_notify(&self, engine: &Engine, batch: BatchId) -> bool {
         let mut batches = lock(&self.batches);
         let Some(info) = batches.get_mut(&batch) else {
-            return;
+            return true;
         };
         if info.notify.is_none() {
-            return;
+            return true;
         }
         let mut all_completed = true;
         for task in 0..info.submitted {
             match engine.task_status(batch, task).map(|s| s.state) {
                 Ok(TaskState::Completed) => {}
                 Ok(s) if s.is_final() => all_completed = false,
-                _ => return, // still running
+                _ => return false, // still running
             }
         }
         let Some(note) = info.notify.take() else {
-            return;
+            return true;
         };
         drop(batches);
         self.pending_notifies.fetch_sub(1, Ordering::Relaxed);
@@ -550,11 +552,12 @@ impl TeEngine {
                 "batch {batch}: not every task completed; notification {:?} not sent",
                 note.name
             );
-            return;
+            return true;
         }
         if let Err(e) = self.send_notify(engine, note.target, &note.name, &note.msg) {
             log::error!("batch {batch}: sending notification {:?}: {e}", note.name);
         }
+        true
     }
 
     /// Our requests for upstream's.
@@ -908,7 +911,15 @@ pub unsafe extern "C" fn removeLocalSegment(
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(segment_name, "segment_name")? };
-        te.directory.unpublish(name)?;
+        // Only what this engine published may be removed by it.
+        let engine = te.engine()?;
+        if name != engine.segment_name() {
+            return Err(Error::invalid(format!(
+                "removeLocalSegment({name:?}): this engine is {:?}; another's records are not its to remove",
+                engine.segment_name()
+            )));
+        }
+        engine.unpublish()?;
         Ok(0)
     })
 }
@@ -1189,10 +1200,15 @@ pub unsafe extern "C" fn freeBatchID(engine: *mut TeEngine, batch_id: u64) -> c_
         // SAFETY: per the caller's contract.
         let te = unsafe { handle(engine)? };
         let eng = te.engine()?;
-        if te.pending_notifies.load(Ordering::Relaxed) > 0 {
-            // Sends the batch's notification if every task completed (and drops it if
-            // every task is final but some did not); with tasks running, nothing.
-            te.settle_notify(eng, batch_id);
+        // Sends the batch's notification if every task completed (and drops it if
+        // every task is final but some did not). With tasks running the batch is busy,
+        // and stays so even if they finish right after this look: freeing it then
+        // would lose the notification.
+        if te.pending_notifies.load(Ordering::Relaxed) > 0 && !te.settle_notify(eng, batch_id) {
+            return Err(Error::new(
+                Code::BatchBusy,
+                format!("batch {batch_id} has unfinished tasks"),
+            ));
         }
         eng.free_batch(batch_id)?;
         lock(&te.batches).remove(&batch_id);
@@ -1336,8 +1352,7 @@ pub unsafe extern "C" fn discoverTopology(engine: *mut TeEngine) -> c_int {
     run("discoverTopology", || {
         // SAFETY: per the caller's contract.
         unsafe { handle(engine)? };
-        let verbs = crate::ffi::ibverbs::verbs()
-            .map_err(|why| Error::new(Code::BackendUnavailable, format!("libibverbs: {why}")))?;
+        let verbs = crate::ffi::ibverbs::verbs()?;
         let nics = verbs.device_names();
         if nics.is_empty() {
             return Err(Error::new(

@@ -15,6 +15,7 @@ use super::args::Args;
 use mooncake::json::{self, Value};
 use mooncake::store::protocol::PoolStats;
 use mooncake::store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
+use mooncake::util::percentile;
 use mooncake::{Code, EngineConfig};
 
 /// Tokens per KV block (the trace's hash-id granularity).
@@ -614,17 +615,6 @@ impl Progress {
 // Summary
 // ---------------------------------------------------------------------------
 
-/// Nearest-rank percentile of unsorted samples (0 when there are none).
-fn percentile(samples: &[u64], p: f64) -> u64 {
-    if samples.is_empty() {
-        return 0;
-    }
-    let mut v = samples.to_vec();
-    v.sort_unstable();
-    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}
-
 struct Latency {
     p50: u64,
     p99: u64,
@@ -633,9 +623,11 @@ struct Latency {
 
 impl Latency {
     fn of(samples: &[u64]) -> Latency {
+        let mut sorted = samples.to_vec();
+        sorted.sort_unstable();
         Latency {
-            p50: percentile(samples, 0.50),
-            p99: percentile(samples, 0.99),
+            p50: percentile(&sorted, 0.50),
+            p99: percentile(&sorted, 0.99),
             count: samples.len(),
         }
     }
@@ -849,11 +841,11 @@ mod tests {
     }
 
     #[test]
-    fn percentiles_are_nearest_rank() {
+    fn latency_summary_sorts_before_taking_nearest_ranks() {
         let v: Vec<u64> = (1..=100).rev().collect();
-        assert_eq!(percentile(&v, 0.5), 50);
-        assert_eq!(percentile(&v, 0.99), 99);
-        assert_eq!(percentile(&[], 0.5), 0);
-        assert_eq!(percentile(&[3], 0.99), 3);
+        let l = Latency::of(&v);
+        assert_eq!((l.p50, l.p99, l.count), (50, 99, 100));
+        let none = Latency::of(&[]);
+        assert_eq!((none.p50, none.p99, none.count), (0, 0, 0));
     }
 }

@@ -50,6 +50,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     m.eviction_high_watermark = a.get("eviction-high-watermark", m.eviction_high_watermark)?;
     m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
     m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
+    m.max_segment_size = a.get("max-segment-size", m.max_segment_size)?;
     m.put_start_discard_timeout = Duration::from_secs(a.get(
         "put-start-discard-timeout",
         m.put_start_discard_timeout.as_secs(),

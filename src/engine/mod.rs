@@ -3,11 +3,12 @@
 
 pub mod batch;
 pub mod config;
+pub mod inbox;
 mod rpc;
 pub mod segments;
 mod worker;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -17,13 +18,13 @@ use std::time::Duration;
 
 pub use batch::{TaskState, TaskStatus};
 pub use config::{EngineConfig, Protocol};
-pub use segments::Notification;
+pub use inbox::{Inbox, Notification};
 
 use crate::error::{Code, Error, Result};
-use crate::memory::LocalMemory;
+use crate::memfd::SharedMemory;
 use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
 use crate::net::ConnServer;
-use crate::shared_memory::SharedMemory;
+use crate::registry::LocalMemory;
 use crate::transport::fabric::FabricTransport;
 use crate::transport::local::LocalTransport;
 use crate::transport::rdma::RdmaTransport;
@@ -72,6 +73,9 @@ pub struct Engine {
     keys: Mutex<HashMap<u64, RegionKeys>>,
     /// Buffers from `allocate_buffer`, by address.
     owned: Mutex<HashMap<u64, OwnedBuffer>>,
+    /// The records this engine published, once it has: only those are removed when
+    /// it stops (an engine that failed to start must not unpublish a live namesake).
+    published: Option<RpcMeta>,
 }
 
 /// Bytes moved per transport and failure counts since the engine started.
@@ -94,7 +98,7 @@ impl Engine {
         let directory = metadata::open(&config.metadata, &config.cluster_id)?;
         let published = Arc::new(Published {
             desc: RwLock::new(SegmentDesc::new("")),
-            notifications: Mutex::new(VecDeque::new()),
+            inbox: Inbox::default(),
         });
         let handshakers = rpc::Handshakers::default();
         let rpc_server = rpc::start(
@@ -174,6 +178,7 @@ impl Engine {
             counters: Arc::default(),
             owned: Mutex::default(),
             keys: Mutex::default(),
+            published: None,
             config,
         };
         let desc = engine.build_desc();
@@ -183,13 +188,12 @@ impl Engine {
             .desc
             .write()
             .unwrap_or_else(|e| e.into_inner()) = desc.clone();
-        engine.segments.directory.publish(
-            &desc,
-            &RpcMeta {
-                ip_or_host_name: host,
-                rpc_port,
-            },
-        )?;
+        let meta = RpcMeta {
+            ip_or_host_name: host,
+            rpc_port,
+        };
+        engine.segments.directory.publish(&desc, &meta)?;
+        engine.published = Some(meta);
         engine.spawn_workers()?;
         log::info!(
             "engine {} up: rpc {}:{}, tcp data port {}, transports [{}]",
@@ -643,24 +647,40 @@ impl Engine {
             ("name", crate::json::Value::from(name)),
             ("notify_msg", message.into()),
         ]);
-        crate::wire::rpc::call(
+        let reply = crate::wire::rpc::call(
             &peer.rpc_addr(),
             RpcType::Notify,
             &body.to_string(),
             RPC_TIMEOUT,
-        )
-        .map(|_| ())
+        )?;
+        // Mooncake peers answer anything; ours say when their inbox had no room.
+        if reply.contains("\"dropped") {
+            return Err(Error::new(
+                Code::NoAvailableHandle,
+                format!("{} dropped the notification: its inbox is full", peer.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Withdraws this engine's records from the metadata service (peers can no longer
+    /// find it by name); they are never published again by this engine.
+    pub fn unpublish(&self) -> Result<()> {
+        match &self.published {
+            Some(meta) => self.segments.directory.unpublish(&self.name, meta),
+            None => Ok(()),
+        }
+    }
+
+    /// Notifications dropped because they did not fit the inbox's limits (64 KiB a
+    /// message, 4 MiB queued per sender, 64 MiB in all) since the engine started.
+    pub fn dropped_notifications(&self) -> u64 {
+        self.segments.own.inbox.dropped()
     }
 
     /// Takes every notification received so far.
     pub fn take_notifications(&self) -> Vec<Notification> {
-        self.segments
-            .own
-            .notifications
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect()
+        self.segments.own.inbox.take_all()
     }
 
     /// Shows the oldest notification to `f` and removes it only if `f` returns `Ok`
@@ -669,13 +689,7 @@ impl Engine {
         &self,
         f: impl FnOnce(&Notification) -> Result<T>,
     ) -> Option<Result<T>> {
-        let own = &self.segments.own;
-        let mut queue = own.notifications.lock().unwrap_or_else(|e| e.into_inner());
-        let result = f(queue.front()?);
-        if result.is_ok() {
-            queue.pop_front();
-        }
-        Some(result)
+        self.segments.own.inbox.take_with(f)
     }
 
     /// Asks a segment's engine whether it is alive.
@@ -706,8 +720,10 @@ impl Drop for Engine {
         {
             let _ = t.join();
         }
-        if let Err(e) = self.segments.directory.unpublish(&self.name) {
-            log::warn!("unpublishing {}: {e}", self.name);
+        if let Some(meta) = &self.published {
+            if let Err(e) = self.segments.directory.unpublish(&self.name, meta) {
+                log::warn!("unpublishing {}: {e}", self.name);
+            }
         }
         if let Some(mut s) = self
             .rpc_server

@@ -6,15 +6,14 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::segments::{Notification, Published};
+use super::inbox::Notification;
+use super::segments::Published;
 use crate::error::Result;
 use crate::json::{self, Value};
 use crate::net::ConnServer;
 use crate::transport::Transport;
 use crate::wire::rpc::{self, RpcType, MAX_FRAME_LEN};
 
-/// Notifications kept before the oldest are dropped (a peer must not exhaust memory).
-pub const MAX_QUEUED_NOTIFICATIONS: usize = 65536;
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Transports that answer Connection (queue-pair exchange) requests; filled once the
@@ -92,15 +91,13 @@ fn answer(
                     .map_err(|e| crate::Error::protocol(e.to_string()))?
                     .to_owned(),
             };
-            let mut queue = published
-                .notifications
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if queue.len() >= MAX_QUEUED_NOTIFICATIONS {
-                queue.pop_front();
+            // Bounded per message, per sender and in all; what does not fit is
+            // dropped (counted), and the sender is told.
+            if published.inbox.push(note) {
+                r#"{"name":"","notify_msg":"success"}"#.to_owned()
+            } else {
+                r#"{"name":"","notify_msg":"dropped: inbox limits"}"#.to_owned()
             }
-            queue.push_back(note);
-            r#"{"name":"","notify_msg":"success"}"#.to_owned()
         }
         RpcType::Connection => {
             let transports = handshakers.get().map(Vec::as_slice).unwrap_or(&[]);

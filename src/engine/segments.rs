@@ -1,26 +1,20 @@
 //! The engine's view of segments: its own published descriptor, and a cache of remote
 //! ones resolved through the directory.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+use super::inbox::Inbox;
 use crate::error::{Code, Error, Result};
 use crate::metadata::{Directory, SegmentDesc};
 use crate::transport::{Endpoints, Peer};
 
-/// A message another engine sent us with `notify`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Notification {
-    pub from: String,
-    pub message: String,
-}
-
 /// What this engine shows the world; shared with the RPC server.
 pub struct Published {
     pub desc: RwLock<SegmentDesc>,
-    pub notifications: Mutex<VecDeque<Notification>>,
+    pub inbox: Inbox,
 }
 
 /// Resolves, caches and refreshes remote segment descriptors.

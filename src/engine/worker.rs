@@ -233,26 +233,21 @@ impl Worker {
         started
     }
 
-    /// The most preferred transport that reaches the slice's peer and carries it.
     fn choose(&self, slice: &Slice) -> Option<usize> {
-        let desc = slice.peer.desc();
-        self.transports
-            .iter()
-            .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc) && t.carries(slice))
+        choose(&self.transports, slice)
     }
 
     fn start(&mut self, item: WorkItem) {
         let mut item = item;
-        // Device memory goes straight to a transport that moves it natively (IPC,
-        // GPUDirect RDMA, FI_HMEM); otherwise through a host bounce buffer.
-        let must_stage = !item.slice.local_kind.is_host() && self.choose(&item.slice).is_none();
-        let staged = if !must_stage {
-            None
-        } else if self.staged_in_flight >= MAX_STAGED {
-            self.deferred.push_back(item);
-            return;
-        } else {
-            match stage(&mut item.slice) {
+        let native = self.choose(&item.slice).is_some();
+        let host = item.slice.local_kind.is_host();
+        let staged = match admit(host, native, self.staged_in_flight) {
+            Admit::Direct => None,
+            Admit::Defer => {
+                self.deferred.push_back(item);
+                return;
+            }
+            Admit::Stage => match stage(&mut item.slice) {
                 Ok(s) => {
                     self.staged_in_flight += 1;
                     Some(s)
@@ -265,7 +260,7 @@ impl Worker {
                         .slice_finished(item.task, item.slice.len, TaskState::Failed);
                     return;
                 }
-            }
+            },
         };
         let id = match self.free.pop() {
             Some(i) => i,
@@ -335,60 +330,56 @@ impl Worker {
                 log::error!("worker: completion for unknown slice {id}");
                 continue;
             };
-            let state = match f.outcome {
-                Outcome::Done => TaskState::Completed,
-                Outcome::TimedOut => {
-                    log::warn!("slice to {} timed out", entry.slice.peer.name);
-                    TaskState::Timeout
-                }
-                Outcome::Rejected(why) => {
-                    log::warn!("slice rejected: {why}");
-                    TaskState::Failed
-                }
-                Outcome::Stale | Outcome::PathFailed(_)
-                    if entry.attempts >= self.config.max_retries =>
-                {
-                    let why = match &f.outcome {
-                        Outcome::PathFailed(why) => why.as_str(),
-                        _ => "descriptor kept changing",
-                    };
-                    log::warn!(
-                        "slice to {} failed after {} attempts: {why}",
-                        entry.slice.peer.name,
-                        entry.attempts + 1
-                    );
-                    TaskState::Failed
-                }
-                Outcome::Stale | Outcome::PathFailed(_)
-                    if Instant::now() >= entry.slice.deadline =>
-                {
-                    TaskState::Timeout
-                }
-                Outcome::Stale | Outcome::PathFailed(_) => {
-                    entry.attempts += 1;
-                    self.config.counters.retries.fetch_add(1, Ordering::Relaxed);
-                    let slice = entry.slice.clone();
-                    if let Outcome::PathFailed(why) = &f.outcome {
-                        log::debug!("slice to {}: {why}; retrying", slice.peer.name);
-                    }
-                    if f.outcome == Outcome::Stale {
-                        if let Err(e) = self.segments.resync(&slice.peer) {
-                            log::warn!("resync of {} failed: {e}", slice.peer.name);
+            let retriable = matches!(f.outcome, Outcome::Stale | Outcome::PathFailed(_));
+            let expired = retriable && Instant::now() >= entry.slice.deadline;
+            let state =
+                match next_step(&f.outcome, entry.attempts, self.config.max_retries, expired) {
+                    Next::Retire(state) => {
+                        match (&f.outcome, state) {
+                            (Outcome::TimedOut, _) => {
+                                log::warn!("slice to {} timed out", entry.slice.peer.name)
+                            }
+                            (Outcome::Rejected(why), _) => log::warn!("slice rejected: {why}"),
+                            (Outcome::Stale | Outcome::PathFailed(_), TaskState::Failed) => {
+                                let why = match &f.outcome {
+                                    Outcome::PathFailed(why) => why.as_str(),
+                                    _ => "descriptor kept changing",
+                                };
+                                log::warn!(
+                                    "slice to {} failed after {} attempts: {why}",
+                                    entry.slice.peer.name,
+                                    entry.attempts + 1
+                                );
+                            }
+                            _ => {}
                         }
-                        if slice
-                            .peer
-                            .desc()
-                            .buffer_for(slice.remote, slice.len)
-                            .is_none()
-                        {
-                            self.retire(id, TaskState::Failed);
-                            continue;
-                        }
+                        state
                     }
-                    self.post(slice);
-                    continue;
-                }
-            };
+                    Next::Retry { resync } => {
+                        entry.attempts += 1;
+                        self.config.counters.retries.fetch_add(1, Ordering::Relaxed);
+                        let slice = entry.slice.clone();
+                        if let Outcome::PathFailed(why) = &f.outcome {
+                            log::debug!("slice to {}: {why}; retrying", slice.peer.name);
+                        }
+                        if resync {
+                            if let Err(e) = self.segments.resync(&slice.peer) {
+                                log::warn!("resync of {} failed: {e}", slice.peer.name);
+                            }
+                            if slice
+                                .peer
+                                .desc()
+                                .buffer_for(slice.remote, slice.len)
+                                .is_none()
+                            {
+                                self.retire(id, TaskState::Failed);
+                                continue;
+                            }
+                        }
+                        self.post(slice);
+                        continue;
+                    }
+                };
             self.retire(id, state);
         }
     }
@@ -433,6 +424,64 @@ impl Worker {
     }
 }
 
+/// The most preferred transport (the first in `transports`) that reaches the slice's
+/// peer, is not disabled for it, and carries the slice.
+fn choose(transports: &[Arc<dyn Transport>], slice: &Slice) -> Option<usize> {
+    let desc = slice.peer.desc();
+    transports
+        .iter()
+        .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc) && t.carries(slice))
+}
+
+/// How a new slice starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admit {
+    /// Posted as it is: host memory, or device memory a transport moves natively
+    /// (IPC, GPUDirect RDMA, FI_HMEM).
+    Direct,
+    /// Device memory no transport carries: through a host bounce buffer.
+    Stage,
+    /// As `Stage`, but every bounce buffer is taken: waits in `deferred`.
+    Defer,
+}
+
+fn admit(host: bool, native: bool, staged_in_flight: usize) -> Admit {
+    if host || native {
+        Admit::Direct
+    } else if staged_in_flight >= MAX_STAGED {
+        Admit::Defer
+    } else {
+        Admit::Stage
+    }
+}
+
+/// What becomes of a slice a transport handed back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    /// Final: its task learns `TaskState`.
+    Retire(TaskState),
+    /// Posted again (on whichever transport `choose` now prefers), after re-reading
+    /// the peer's descriptor if `resync`.
+    Retry { resync: bool },
+}
+
+/// A completed slice is done; a timed-out or refused one is final; one whose path
+/// failed or whose descriptor was stale is retried until `max_retries` retries were
+/// spent (then it failed) or its deadline passed (then it timed out).
+fn next_step(outcome: &Outcome, attempts: u32, max_retries: u32, expired: bool) -> Next {
+    match outcome {
+        Outcome::Done => Next::Retire(TaskState::Completed),
+        Outcome::TimedOut => Next::Retire(TaskState::Timeout),
+        Outcome::Rejected(_) => Next::Retire(TaskState::Failed),
+        Outcome::Stale | Outcome::PathFailed(_) if attempts >= max_retries => {
+            Next::Retire(TaskState::Failed)
+        }
+        Outcome::Stale | Outcome::PathFailed(_) if expired => Next::Retire(TaskState::Timeout),
+        Outcome::Stale => Next::Retry { resync: true },
+        Outcome::PathFailed(_) => Next::Retry { resync: false },
+    }
+}
+
 /// Points `slice.local` at a bounce buffer standing in for its device memory; for a
 /// WRITE, first copies the device bytes into it.
 fn stage(slice: &mut Slice) -> crate::Result<Staged> {
@@ -458,4 +507,176 @@ fn stage(slice: &mut Slice) -> crate::Result<Staged> {
         device_addr,
         kind,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::SegmentDesc;
+    use crate::transport::{Endpoints, Peer};
+
+    /// A transport that reaches a peer or not, and carries device memory or not.
+    struct Fake {
+        kind: Kind,
+        reaches: bool,
+        device: bool,
+    }
+
+    impl Transport for Fake {
+        fn kind(&self) -> Kind {
+            self.kind
+        }
+        fn describe(&self, _desc: &mut SegmentDesc) {}
+        fn reaches(&self, _peer: &SegmentDesc) -> bool {
+            self.reaches
+        }
+        fn carries(&self, slice: &Slice) -> bool {
+            slice.local_kind.is_host() || self.device
+        }
+        fn slice_size(&self) -> u64 {
+            1 << 20
+        }
+        fn new_worker(&self) -> crate::Result<Box<dyn TransportWorker>> {
+            Err(crate::Error::new(crate::Code::Internal, "not used here"))
+        }
+    }
+
+    fn fake(kind: Kind, reaches: bool, device: bool) -> Arc<dyn Transport> {
+        Arc::new(Fake {
+            kind,
+            reaches,
+            device,
+        })
+    }
+
+    fn slice(kind: MemoryKind) -> Slice {
+        let endpoints = Endpoints {
+            data: "127.0.0.1:9".parse().unwrap(),
+            rpc: String::new(),
+        };
+        Slice {
+            id: 0,
+            op: Op::Write,
+            local: 0x1000,
+            local_kind: kind,
+            remote: 0x2000,
+            len: 64,
+            peer: Arc::new(Peer::new(1, SegmentDesc::new("peer"), endpoints)),
+            deadline: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn the_first_enabled_transport_that_reaches_and_carries_is_chosen() {
+        let ts = [
+            fake(Kind::Rdma, false, true),
+            fake(Kind::Shm, true, false),
+            fake(Kind::Tcp, true, false),
+        ];
+        let host = slice(MemoryKind::Host);
+        assert_eq!(choose(&ts, &host), Some(1), "RDMA does not reach the peer");
+        host.peer.disable(Kind::Shm);
+        assert_eq!(choose(&ts, &host), Some(2), "a failed path is skipped");
+        host.peer.disable(Kind::Tcp);
+        assert_eq!(choose(&ts, &host), None);
+
+        let device = slice(MemoryKind::Cuda(0));
+        assert_eq!(choose(&ts, &device), None, "nothing moves device memory");
+        let with_native: Vec<_> = ts
+            .iter()
+            .cloned()
+            .chain([fake(Kind::Fabric, true, true)])
+            .collect();
+        assert_eq!(choose(&with_native, &device), Some(3));
+    }
+
+    #[test]
+    fn device_slices_take_bounce_buffers_until_they_run_out() {
+        assert_eq!(admit(true, false, MAX_STAGED), Admit::Direct);
+        assert_eq!(admit(false, true, MAX_STAGED), Admit::Direct, "native path");
+        assert_eq!(admit(false, false, 0), Admit::Stage);
+        assert_eq!(admit(false, false, MAX_STAGED - 1), Admit::Stage);
+        assert_eq!(admit(false, false, MAX_STAGED), Admit::Defer);
+    }
+
+    #[test]
+    fn failed_paths_retry_until_the_budget_or_the_deadline_runs_out() {
+        let failed = Outcome::PathFailed("lane broke".into());
+        let retire = Next::Retire;
+        assert_eq!(
+            next_step(&Outcome::Done, 0, 3, true),
+            retire(TaskState::Completed)
+        );
+        assert_eq!(
+            next_step(&Outcome::TimedOut, 0, 3, false),
+            retire(TaskState::Timeout)
+        );
+        let refused = Outcome::Rejected("out of range".into());
+        assert_eq!(
+            next_step(&refused, 0, 3, false),
+            retire(TaskState::Failed),
+            "never retried"
+        );
+        assert_eq!(
+            next_step(&failed, 0, 3, false),
+            Next::Retry { resync: false }
+        );
+        assert_eq!(
+            next_step(&failed, 2, 3, false),
+            Next::Retry { resync: false }
+        );
+        assert_eq!(
+            next_step(&Outcome::Stale, 0, 3, false),
+            Next::Retry { resync: true }
+        );
+        assert_eq!(next_step(&failed, 3, 3, false), retire(TaskState::Failed));
+        assert_eq!(
+            next_step(&Outcome::Stale, 3, 3, true),
+            retire(TaskState::Failed)
+        );
+        assert_eq!(next_step(&failed, 1, 3, true), retire(TaskState::Timeout));
+        assert_eq!(
+            next_step(&failed, 0, 0, false),
+            retire(TaskState::Failed),
+            "no retries"
+        );
+    }
+
+    fn readable(fd: std::os::fd::RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 }
+    }
+
+    #[test]
+    fn submitters_wake_only_a_parked_worker_and_stop_always_wakes() {
+        let h = WorkerHandle::new().unwrap();
+        let item = || WorkItem {
+            batch: Arc::new(Batch::new(1)),
+            task: 0,
+            slice: slice(MemoryKind::Host),
+        };
+        h.push([item()]);
+        assert!(
+            !readable(h.wake.raw_fd()),
+            "a spinning worker needs no wake-up"
+        );
+        h.parked.store(true, Ordering::SeqCst);
+        h.push([item(), item()]);
+        assert!(readable(h.wake.raw_fd()), "a parked worker is woken");
+        assert_eq!(
+            h.queue.lock().unwrap().len(),
+            3,
+            "items queue in order of arrival"
+        );
+        h.wake.drain();
+        h.parked.store(false, Ordering::SeqCst);
+        h.stop();
+        assert!(h.stop.load(Ordering::SeqCst));
+        assert!(readable(h.wake.raw_fd()));
+    }
 }

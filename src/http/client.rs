@@ -119,13 +119,6 @@ impl HttpClient {
         })
     }
 
-    /// Overrides the connect and read/write timeouts.
-    pub fn with_timeouts(mut self, connect: Duration, io: Duration) -> HttpClient {
-        self.connect_timeout = connect;
-        self.io_timeout = io;
-        self
-    }
-
     /// The URL's path without trailing slashes (`""` when the URL has none).
     pub fn base_path(&self) -> &str {
         &self.base_path

@@ -41,11 +41,13 @@ impl Directory {
     /// live server already uses this name.
     pub fn publish(&self, desc: &SegmentDesc, rpc_meta: &RpcMeta) -> Result<()> {
         if let Directory::Store { store, prefix } = self {
-            store.put(
-                &format!("{prefix}rpc_meta/{}", desc.name),
-                &rpc_meta.to_json().to_string(),
-            )?;
-            self.republish(desc)?;
+            let key = format!("{prefix}rpc_meta/{}", desc.name);
+            store.put(&key, &rpc_meta.to_json().to_string())?;
+            if let Err(e) = self.republish(desc) {
+                // Half a publication would name a server nobody can reach.
+                let _ = store.remove(&key);
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -61,10 +63,23 @@ impl Directory {
         Ok(())
     }
 
-    pub fn unpublish(&self, name: &str) -> Result<()> {
+    /// Removes the records `publish(_, ours)` made, unless the name's RPC record now
+    /// belongs to someone else (a server that took the name over): only what this
+    /// server published may be removed by it.
+    pub fn unpublish(&self, name: &str, ours: &RpcMeta) -> Result<()> {
         if let Directory::Store { store, prefix } = self {
+            let key = format!("{prefix}rpc_meta/{name}");
+            match store.get(&key)?.map(|t| RpcMeta::parse(&t)) {
+                // Removed already (publish writes this record first, so the other went too).
+                None => return Ok(()),
+                Some(Ok(meta)) if &meta != ours => {
+                    log::info!("{name} is now published by another server; its records stay");
+                    return Ok(());
+                }
+                _ => {}
+            }
             store.remove(&format!("{prefix}ram/{name}"))?;
-            store.remove(&format!("{prefix}rpc_meta/{name}"))?;
+            store.remove(&key)?;
         }
         Ok(())
     }

@@ -4,9 +4,9 @@
 
 pub mod descriptor;
 pub mod directory;
+pub mod embedded;
 pub mod http_client;
 pub mod http_server;
-pub mod memory;
 
 use std::sync::Arc;
 
@@ -33,7 +33,10 @@ pub fn open(connection: &str, cluster_id: &str) -> Result<Directory> {
         return Ok(Directory::P2p);
     }
     if conn == "embedded" {
-        return Ok(Directory::over(Arc::new(memory::MemoryStore), cluster_id));
+        return Ok(Directory::over(
+            Arc::new(embedded::EmbeddedStore),
+            cluster_id,
+        ));
     }
     if conn.starts_with("http://") {
         let store = http_client::HttpMetadataStore::new(conn)?;

@@ -156,7 +156,9 @@ enum ReadInto<'a> {
     Ranges(&'a [Fragments]),
 }
 
-struct Shared {
+/// This client as the master knows it (shared with the pinger thread): its id, the
+/// RPC connection, the segment it mounts, and the pinger's stop flag and wake-up.
+struct MasterSession {
     id: u64,
     rpc: RpcClient,
     segment: Option<SegmentInfo>,
@@ -167,7 +169,7 @@ struct Shared {
 pub struct Client {
     config: ClientConfig,
     engine: Arc<Engine>,
-    shared: Arc<Shared>,
+    shared: Arc<MasterSession>,
     pinger: Option<JoinHandle<()>>,
     segment_ptr: Option<*mut u8>,
 }
@@ -207,7 +209,7 @@ impl Client {
         } else {
             (None, None)
         };
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(MasterSession {
             id: random_id(),
             rpc,
             segment,
@@ -852,7 +854,7 @@ impl Client {
     }
 }
 
-impl Shared {
+impl MasterSession {
     /// Introduces this client to the master and mounts its segment.
     fn register(&self) -> Result<()> {
         if let Some(seg) = &self.segment {

@@ -39,8 +39,8 @@ use super::{BackendConfig, Kind, RegionKeys, Transport, TransportWorker};
 use crate::error::{Code, Error, Result};
 use crate::ffi::fabric::{self as fi, FabricLib};
 use crate::json::Value;
-use crate::memory::{LocalMemory, Region};
 use crate::metadata::{DeviceDesc, SegmentDesc};
+use crate::registry::{LocalMemory, Region};
 use nic::{Device, Nic};
 use regions::Registrations;
 
@@ -72,7 +72,7 @@ pub struct FabricTransport {
 
 impl FabricTransport {
     pub fn start(config: &BackendConfig, _memory: Arc<LocalMemory>) -> Result<FabricTransport> {
-        let lib = fi::library().map_err(|e| Error::new(Code::BackendUnavailable, e))?;
+        let lib = fi::library()?;
         let infos = discover(&lib, config)?;
         let mut nics = Vec::with_capacity(infos.len());
         let mut infos = infos.into_iter();
@@ -99,7 +99,7 @@ impl FabricTransport {
         log::info!(
             "libfabric {} from {}: {}",
             lib.version_string(),
-            lib.path,
+            lib.library,
             nics.iter()
                 .map(|n| n.name.as_str())
                 .collect::<Vec<_>>()
@@ -127,21 +127,18 @@ impl Transport for FabricTransport {
     }
 
     fn register(&self, region: &Region) -> Result<RegionKeys> {
-        let device =
-            Device::of_location(&region.location).map_err(|e| Error::new(Code::NotSupported, e))?;
+        let device = Device::of_location(&region.location)?;
         let key = self.keys.fetch_add(1, Ordering::Relaxed);
         let mut mrs = Vec::with_capacity(self.nics.len());
         let mut keys = RegionKeys::default();
         for nic in &self.nics {
-            let mr = nic
-                .register(
-                    region.addr,
-                    region.len,
-                    fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE | fi::FI_READ | fi::FI_WRITE,
-                    key,
-                    device,
-                )
-                .map_err(|e| Error::new(Code::BackendUnavailable, e))?;
+            let mr = nic.register(
+                region.addr,
+                region.len,
+                fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE | fi::FI_READ | fi::FI_WRITE,
+                key,
+                device,
+            )?;
             let k = u32::try_from(mr.key).map_err(|_| {
                 Error::new(
                     Code::NotSupported,
@@ -439,7 +436,7 @@ fn discover(lib: &FabricLib, config: &BackendConfig) -> Result<Vec<*mut fi::fi_i
             filter.join(","),
             tried.join(", "),
             lib.version_string(),
-            lib.path
+            lib.library
         ),
     ))
 }

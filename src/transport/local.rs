@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use super::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 use crate::error::Result;
-use crate::memory::LocalMemory;
 use crate::metadata::SegmentDesc;
+use crate::registry::LocalMemory;
 
 pub struct LocalTransport {
     memory: Arc<LocalMemory>,

@@ -17,8 +17,8 @@ use std::time::Instant;
 
 use crate::device::MemoryKind;
 use crate::error::Result;
-use crate::memory::Region;
 use crate::metadata::SegmentDesc;
+use crate::registry::Region;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {

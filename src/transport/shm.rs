@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 use super::{Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker};
 use crate::device::{self, IpcExport, MemoryKind};
 use crate::error::{Error, Result};
-use crate::memory::Region;
+use crate::memfd::{self, Mapping, SharedMemory};
 use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
-use crate::shared_memory::{self, Mapping, SharedMemory};
+use crate::registry::Region;
 
 const PAGE: usize = 4096;
 /// How long an unregistration waits for a crashed copier's count before going on.
@@ -232,7 +232,7 @@ impl Drop for Import {
 /// to device), else the peer's ordinal if we have it, else device 0. `None` when this
 /// process cannot open that family's handles.
 fn import_kind(remote: MemoryKind, local: MemoryKind) -> Option<MemoryKind> {
-    let count = |n: Result<i32>| n.ok().filter(|c| *c > 0);
+    let count = |n: crate::ffi::error::Result<i32>| n.ok().filter(|c| *c > 0);
     match (remote, local) {
         (MemoryKind::Cuda(_), MemoryKind::Cuda(l)) => Some(MemoryKind::Cuda(l)),
         (MemoryKind::Hip(_), MemoryKind::Hip(l)) => Some(MemoryKind::Hip(l)),
@@ -259,7 +259,7 @@ impl Attached {
         }
         // SAFETY: fresh descriptor.
         let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-        let guard = shared_memory::map_peer(h.pid, h.guard_fd, PAGE)
+        let guard = memfd::map_peer(h.pid, h.guard_fd, PAGE)
             .map_err(|e| CopyError::Denied(e.to_string()))?;
         let attached = Attached {
             pid,
@@ -308,7 +308,7 @@ impl Attached {
         if let Some(m) = self.buffers.get(&buf.addr) {
             return Ok(m.ptr());
         }
-        let m = shared_memory::map_peer(self.pid as u32, fd, buf.length as usize)
+        let m = memfd::map_peer(self.pid as u32, fd, buf.length as usize)
             .map_err(|e| CopyError::Failed(e.to_string()))?;
         let ptr = m.ptr();
         self.buffers.insert(buf.addr, m);

@@ -2,4 +2,7 @@
 
 pub mod crc32c;
 pub mod hex;
+pub mod percentile;
 pub mod regex;
+
+pub use percentile::percentile;

@@ -706,6 +706,15 @@ impl Regex {
     /// Runs in `O(text.chars().count() × program size)` time and
     /// `O(program size)` space.
     pub fn is_match(&self, text: &str) -> bool {
+        let mut unlimited = u64::MAX;
+        self.is_match_within(text, &mut unlimited).unwrap_or(false)
+    }
+
+    /// As [`Regex::is_match`], spending at most `*budget` units of work (one unit per
+    /// live state per character, about a nanosecond each) and deducting what it spent;
+    /// `None` when the budget ran out before an answer. Lets a caller bound the cost of
+    /// matching many texts with an expensive pattern.
+    pub fn is_match_within(&self, text: &str, budget: &mut u64) -> Option<bool> {
         let n = self.prog.len();
         let mut clist = StateSet::new(n);
         let mut nlist = StateSet::new(n);
@@ -714,9 +723,10 @@ impl Regex {
         let mut chars = text.chars();
         let mut next = chars.next();
         if self.add(&mut clist, &mut stack, 0, true, next.is_none()) {
-            return true;
+            return Some(true);
         }
         while let Some(c) = next {
+            *budget = budget.checked_sub(clist.len() as u64 + 1)?;
             next = chars.next();
             let at_end = next.is_none();
             nlist.clear();
@@ -728,20 +738,20 @@ impl Regex {
                     _ => false,
                 };
                 if step && self.add(&mut nlist, &mut stack, pc + 1, false, at_end) {
-                    return true;
+                    return Some(true);
                 }
             }
             // Unanchored search: a new attempt may start at every position.
             if !self.anchored && self.add(&mut nlist, &mut stack, 0, false, at_end) {
-                return true;
+                return Some(true);
             }
             if nlist.is_empty() {
                 // Only reachable when anchored: no thread can ever revive.
-                return false;
+                return Some(false);
             }
             std::mem::swap(&mut clist, &mut nlist);
         }
-        false
+        Some(false)
     }
 
     /// Adds `pc` and its epsilon closure (at a position described by
@@ -832,6 +842,10 @@ impl StateSet {
         self.dense.is_empty()
     }
 
+    fn len(&self) -> usize {
+        self.dense.len()
+    }
+
     fn clear(&mut self) {
         self.dense.clear();
     }
@@ -896,5 +910,28 @@ mod tests {
         let re = Regex::new("((((a{0}){1000}){1000}){1000}){1000}x").unwrap();
         assert_eq!(re.prog.len(), 2);
         assert!(re.is_match("x"));
+    }
+
+    #[test]
+    fn a_budget_bounds_the_work() {
+        let re = Regex::new("(a|aa)*b(x|y|z){50}").unwrap();
+        let text = "a".repeat(5000);
+        let mut budget = 1_000;
+        assert_eq!(re.is_match_within(&text, &mut budget), None);
+        let mut budget = u64::MAX;
+        assert_eq!(re.is_match_within(&text, &mut budget), Some(false));
+        let spent = u64::MAX - budget;
+        assert!(
+            spent >= 5000,
+            "at least a unit per character, spent {spent}"
+        );
+        let mut small = 10_000;
+        assert_eq!(
+            Regex::new("^k1$")
+                .unwrap()
+                .is_match_within("k1", &mut small),
+            Some(true)
+        );
+        assert!(small < 10_000);
     }
 }

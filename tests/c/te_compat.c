@@ -375,7 +375,8 @@ int main(int argc, char **argv) {
     expect(getNicLoadStats(a, text, sizeof text), ERR_NOT_IMPLEMENTED, "getNicLoadStats");
     rc = discoverTopology(a);
     if (rc != 0 && rc != ERR_DEVICE_NOT_FOUND) die("discoverTopology: %d", rc);
-    expect(removeLocalSegment(a, "nobody"), 0, "removeLocalSegment (P2P)");
+    expect(removeLocalSegment(a, "nobody"), ERR_INVALID_ARGUMENT,
+           "removeLocalSegment of another engine's name");
 
     /* ---- unregistration */
     addrs[0] = spare;

@@ -167,31 +167,120 @@ pub fn have(tool: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-pub fn compile(compiler: &str, std_flag: &str, source: &str, lib: &Path, out: &Path) {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/c")
-        .join(source);
-    let output = Command::new(compiler)
-        .args([std_flag, "-Wall", "-Wextra", "-Werror", "-pedantic", "-I"])
-        .arg(header_path())
-        .arg(&src)
-        .arg(lib)
-        .args([
-            "-lgcc_s",
-            "-lutil",
-            "-lrt",
-            "-lpthread",
-            "-lm",
-            "-ldl",
-            "-lc",
-            "-o",
-        ])
-        .arg(out)
+/// What a C or C++ source becomes.
+pub enum Output<'a> {
+    /// An executable linked with the static library at this path.
+    Program(&'a Path),
+    /// A shared object (`-shared -fPIC`), loaded by path.
+    SharedObject,
+}
+
+/// Where built test programs and libraries go: `target/<profile>/cbuild/`, next to the
+/// test binaries, so each target directory (and profile) has its own.
+pub fn build_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    profile.join("cbuild")
+}
+
+fn modified(path: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Every C or C++ build of the tests goes through here: `tests/<source>` compiled by
+/// `compiler` with `flags` into [`build_dir`]`/<name>`. The build is skipped when that
+/// output was made by the same command and is newer than every input (the source,
+/// the headers beside it and in `c_include/`, the library linked). Written under a
+/// temporary name and renamed, so a process that has the old one loaded keeps it.
+/// `Err` carries the compiler's complaint.
+pub fn build(
+    compiler: &str,
+    source: &str,
+    name: &str,
+    flags: &[&str],
+    output: Output,
+) -> Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("tests").join(source);
+    let dir = build_dir();
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let out = dir.join(name);
+    let mut cmd = Command::new(compiler);
+    cmd.args(flags).arg("-I").arg(header_path()).arg(&src);
+    let mut inputs = vec![src.clone()];
+    match output {
+        Output::Program(lib) => {
+            cmd.arg(lib).args(LINK_LIBS);
+            inputs.push(lib.to_owned());
+        }
+        Output::SharedObject => {
+            cmd.args(["-shared", "-fPIC", "-lpthread"]);
+        }
+    }
+    for headers in [src.parent(), Some(header_path().as_path())]
+        .into_iter()
+        .flatten()
+    {
+        for entry in std::fs::read_dir(headers).into_iter().flatten().flatten() {
+            if entry.path().extension().is_some_and(|e| e == "h") {
+                inputs.push(entry.path());
+            }
+        }
+    }
+    let recipe = format!("{cmd:?}");
+    let stamp = dir.join(format!("{name}.cmd"));
+    let fresh = modified(&out).is_some_and(|built| {
+        inputs
+            .iter()
+            .all(|i| modified(i).is_some_and(|m| m <= built))
+    }) && std::fs::read_to_string(&stamp).is_ok_and(|s| s == recipe);
+    if fresh {
+        return Ok(out);
+    }
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
+    let result = cmd
+        .arg("-o")
+        .arg(&tmp)
         .output()
-        .unwrap_or_else(|e| panic!("running {compiler}: {e}"));
-    assert!(
-        output.status.success(),
-        "{compiler} {source} failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+        .map_err(|e| format!("running {compiler}: {e}"))?;
+    if !result.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!(
+            "{compiler} {source} failed:\n{}",
+            String::from_utf8_lossy(&result.stderr)
+        ));
+    }
+    std::fs::rename(&tmp, &out).map_err(|e| format!("renaming to {}: {e}", out.display()))?;
+    std::fs::write(&stamp, recipe).map_err(|e| format!("writing {}: {e}", stamp.display()))?;
+    Ok(out)
+}
+
+/// What the static library needs from the system when linked into a program.
+const LINK_LIBS: &[&str] = &[
+    "-lgcc_s",
+    "-lutil",
+    "-lrt",
+    "-lpthread",
+    "-lm",
+    "-ldl",
+    "-lc",
+];
+
+/// A test program from `tests/c/<source>` (C or C++ by `compiler`), strictly warned,
+/// linked with the static library; panics if it does not build. Named after the
+/// source (`transfer.cpp` → `transfer_cpp`).
+pub fn program(compiler: &str, std_flag: &str, source: &str, lib: &Path) -> PathBuf {
+    let name = source.replace('.', "_");
+    let flags = [std_flag, "-Wall", "-Wextra", "-Werror", "-pedantic"];
+    build(
+        compiler,
+        &format!("c/{source}"),
+        &name,
+        &flags,
+        Output::Program(lib),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }

@@ -1,9 +1,10 @@
-//! The fake GPU drivers (tests/emu/fake_{cuda,hip,acl}.c), built once per test
-//! binary with the system C compiler and selected through the override variables.
+//! The fake GPU drivers (tests/emu/fake_{cuda,hip,acl}.c), built by `cprog::build`
+//! and selected through the override variables.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
+
+use super::cprog::{build, have, Output};
 
 pub struct Fakes {
     pub cuda: PathBuf,
@@ -17,24 +18,17 @@ pub fn fakes() -> Option<&'static Fakes> {
     static FAKES: OnceLock<Option<Fakes>> = OnceLock::new();
     FAKES
         .get_or_init(|| {
-            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emu");
-            std::fs::create_dir_all(&dir).unwrap();
-            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/emu");
+            if !have("cc") {
+                eprintln!("skipping device tests: no C compiler (cc)");
+                return None;
+            }
             let mut built = Vec::new();
             for name in ["cuda", "hip", "acl"] {
-                let out = dir.join(format!("libfake_{name}.so"));
-                let status = Command::new("cc")
-                    .args(["-O1", "-shared", "-fPIC", "-o"])
-                    .arg(&out)
-                    .arg(src.join(format!("fake_{name}.c")))
-                    .status();
-                match status {
-                    Ok(s) if s.success() => built.push(out),
-                    Ok(s) => panic!("building fake_{name}.c failed: {s}"),
-                    Err(e) => {
-                        eprintln!("skipping device tests: no C compiler (cc: {e})");
-                        return None;
-                    }
+                let source = format!("emu/fake_{name}.c");
+                let so = format!("libfake_{name}.so");
+                match build("cc", &source, &so, &["-O1"], Output::SharedObject) {
+                    Ok(path) => built.push(path),
+                    Err(e) => panic!("{e}"),
                 }
             }
             std::env::set_var("MC_CUDA_LIB", &built[0]);

@@ -2,7 +2,7 @@
 //! this process's libibverbs, and driven through its fault-injection and counter entry
 //! points.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::common;
@@ -99,29 +99,6 @@ pub fn readable(fd: std::os::fd::RawFd, timeout_ms: i32) -> bool {
     n == 1 && p.revents & libc::POLLIN != 0
 }
 
-pub fn have_cc() -> bool {
-    std::process::Command::new("cc")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-pub fn build_emulator() -> Result<PathBuf, String> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu/verbs_emu.c");
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("libverbs_emu.so");
-    let status = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .arg("-lpthread")
-        .status()
-        .map_err(|e| format!("running cc: {e}"))?;
-    if !status.success() {
-        return Err(format!("cc failed on {}", src.display()));
-    }
-    Ok(out)
-}
-
 /// Builds and installs the emulator as this process's libibverbs (once, before any
 /// engine loads verbs). `None` (test skipped) when no C compiler is present.
 pub fn emu() -> Option<&'static Emu> {
@@ -130,11 +107,18 @@ pub fn emu() -> Option<&'static Emu> {
         if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
             return None;
         }
-        if !have_cc() {
+        if !common::cprog::have("cc") {
             eprintln!("skipping: no C compiler (cc) to build the emulated verbs provider");
             return None;
         }
-        let path = build_emulator().expect("emulator builds");
+        let path = common::cprog::build(
+            "cc",
+            "emu/verbs_emu.c",
+            "libverbs_emu.so",
+            &["-O2", "-Wall"],
+            common::cprog::Output::SharedObject,
+        )
+        .unwrap_or_else(|e| panic!("emulator builds: {e}"));
         std::env::set_var("MC_IBVERBS_LIB", &path);
         // The fake GPU drivers too, before any engine start looks for GPUs (the
         // driver tables load once per process).

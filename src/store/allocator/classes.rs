@@ -115,6 +115,7 @@ impl SizeClasses {
 
     /// Worst internal waste (`block / request - 1`) over requests in `from..=to`:
     /// a request one byte above a class lands in the next one.
+    #[cfg(test)]
     pub(crate) fn worst_waste(&self, from: u64, to: u64) -> f64 {
         let mut worst: f64 = 0.0;
         let mut lower = 0; // largest request that fits the previous class

@@ -67,7 +67,12 @@ impl TaggedStack {
                 .head
                 .compare_exchange_weak(head, new, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return Some((first - 1, cell)),
+                Ok(_) => {
+                    // The head did not move between reading the link and the CAS, so
+                    // `next` is the link of a block that was on this stack.
+                    debug_assert_ne!(next, ALLOCATED, "an allocated block was on a free list");
+                    return Some((first - 1, cell));
+                }
                 Err(seen) => head = seen,
             }
         }
@@ -76,6 +81,7 @@ impl TaggedStack {
     /// Pushes a chain already linked from `first` to the id whose cell is
     /// `last_cell` (that cell is overwritten): one CAS however long the chain.
     pub(crate) fn push_chain(&self, first: u32, last_cell: &AtomicU32) {
+        debug_assert!(first <= MAX_ID, "block id {first} out of range");
         let mut head = self.head.load(Ordering::Relaxed);
         loop {
             last_cell.store(top(head), Ordering::Relaxed);
@@ -94,6 +100,7 @@ impl TaggedStack {
     /// nothing) if it does not, i.e. the id is already free.
     #[inline]
     pub(crate) fn push_allocated(&self, id: u32, cell: &AtomicU32) -> bool {
+        debug_assert!(id <= MAX_ID, "block id {id} out of range");
         let mut head = self.head.load(Ordering::Relaxed);
         if cell
             .compare_exchange(ALLOCATED, top(head), Ordering::Relaxed, Ordering::Relaxed)

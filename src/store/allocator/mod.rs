@@ -228,8 +228,18 @@ impl SlabAllocator {
         let block_size = self.classes.size(class);
         let (slab, block) = self.slabs.split(id);
         self.counters.add(slot, block_size, size);
+        let offset = slab as u64 * self.slab_size + u64::from(block) * block_size;
+        debug_assert!(size <= block_size && block_size % ALIGN == 0);
+        debug_assert!(
+            offset % ALIGN == 0 && offset + block_size <= (slab as u64 + 1) * self.slab_size,
+            "block {block} of slab {slab} ({block_size} bytes) crosses its slab"
+        );
+        debug_assert!(
+            offset + block_size <= self.capacity,
+            "block past the segment"
+        );
         Some(Allocation {
-            offset: slab as u64 * self.slab_size + u64::from(block) * block_size,
+            offset,
             size,
             block: id,
             units: (block_size / ALIGN) as u32,
@@ -298,11 +308,6 @@ impl SlabAllocator {
         self.classes.sizes()
     }
 
-    /// Worst `block / request - 1` over requests of `from..=to` bytes.
-    pub fn worst_internal_waste(&self, from: u64, to: u64) -> f64 {
-        self.classes.worst_waste(from, to)
-    }
-
     /// The block size `alloc(size)` would use.
     pub fn block_size_for(&self, size: u64) -> Option<u64> {
         self.classes.class_of(size).map(|c| self.classes.size(c))
@@ -342,16 +347,33 @@ impl SlabAllocator {
             let stack = self.head(class, (shard + k) & self.shard_mask);
             if let Some((id, cell)) = stack.pop(|id| self.slabs.link(id)) {
                 cell.store(ALLOCATED, Ordering::Relaxed);
+                self.debug_check_taken(class, id);
                 return Some(id);
             }
         }
         None
     }
 
+    /// A block just taken off `class`'s lists belongs to a slab bound to `class` and
+    /// is one of its blocks (the slab cannot be released meanwhile: a reclaim pass
+    /// releases only slabs whose every block it found on the lists).
+    #[inline]
+    fn debug_check_taken(&self, class: usize, id: u32) {
+        if cfg!(debug_assertions) {
+            let (slab, block) = self.slabs.split(id);
+            let shape = self.slabs.meta(slab).and_then(SlabMeta::shape);
+            debug_assert!(
+                shape.is_some_and(|s| s.class == class && block < s.blocks),
+                "block {id:#x} on class {class}'s list, but its slab is {shape:?}"
+            );
+        }
+    }
+
     /// Binds a slab to `class`, keeps its first block and frees the rest.
     fn carve(&self, class: usize, shard: usize) -> Option<u32> {
         let size = self.classes.size(class);
         let per_slab = (self.slab_size / size) as u32;
+        debug_assert!(per_slab >= 1, "class {class} is larger than a slab");
         let (slab, meta) = self.slabs.claim(per_slab)?;
         let blocks = per_slab.min(meta.link_capacity());
         self.reclaim.bound(u64::from(blocks) * size);

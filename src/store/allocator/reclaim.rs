@@ -13,7 +13,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use super::freelist::{link_to, NIL};
+use super::freelist::{link_to, ALLOCATED, NIL};
 use super::SlabAllocator;
 
 pub(super) struct ReclaimState {
@@ -113,6 +113,7 @@ impl SlabAllocator {
             for shard in 0..=self.shard_mask {
                 let mut at = self.head(class, shard).take_all();
                 while at != NIL {
+                    debug_assert_ne!(at, ALLOCATED, "an allocated block was on a free list");
                     ids.push(at - 1);
                     at = self.slabs.link(at - 1).load(Ordering::Relaxed);
                 }
@@ -121,16 +122,25 @@ impl SlabAllocator {
                 continue;
             }
             ids.sort_unstable();
+            debug_assert!(
+                ids.windows(2).all(|w| w[0] != w[1]),
+                "a block was on class {class}'s free lists twice (freed twice)"
+            );
             kept.clear();
             let size = self.classes.size(class);
             for group in ids.chunk_by(|a, b| a >> shift == b >> shift) {
                 let slab = (group[0] >> shift) as usize;
                 let shape = self.slabs.meta(slab).and_then(|m| m.shape());
                 debug_assert_eq!(shape.map(|s| s.class), Some(class));
+                debug_assert!(
+                    shape.is_some_and(|s| group.len() as u64 <= u64::from(s.blocks)),
+                    "more free blocks than slab {slab} has"
+                );
                 match shape {
                     Some(s) if s.class == class && group.len() as u64 == u64::from(s.blocks) => {
-                        r.bound_block_bytes
-                            .fetch_sub(u64::from(s.blocks) * size, Ordering::Relaxed);
+                        let bytes = u64::from(s.blocks) * size;
+                        let was = r.bound_block_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                        debug_assert!(was >= bytes, "bound block bytes went negative");
                         self.slabs.release(slab);
                         recycled += 1;
                     }

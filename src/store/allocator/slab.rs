@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use super::freelist::{link_to, TaggedStack, ALLOCATED};
+use super::freelist::{link_to, TaggedStack, ALLOCATED, MAX_ID};
 
 const LINKS_PER_LINE: usize = 16;
 
@@ -52,6 +52,7 @@ impl SlabMeta {
 
     #[inline]
     pub(crate) fn link(&self, block: u32) -> &AtomicU32 {
+        debug_assert!(block < self.link_capacity(), "block {block} has no link");
         let b = block as usize;
         &self.links[b & (self.links.len() - 1)].0[b >> self.line_bits]
     }
@@ -133,6 +134,10 @@ impl SlabTable {
     #[inline]
     pub(crate) fn link(&self, id: u32) -> &AtomicU32 {
         let (slab, block) = self.split(id);
+        debug_assert!(
+            slab < self.slots.len(),
+            "block id {id:#x} past the last slab"
+        );
         self.slots[slab]
             .meta
             .get()
@@ -144,26 +149,27 @@ impl SlabTable {
     /// for at least `blocks` blocks. The caller owns it until it binds it.
     pub(crate) fn claim(&self, blocks: u32) -> Option<(usize, &SlabMeta)> {
         if let Some((slab, _)) = self.free.pop(|s| &self.slots[s as usize].next_free) {
-            self.free_count.fetch_sub(1, Ordering::Relaxed);
+            let was = self.free_count.fetch_sub(1, Ordering::Relaxed);
+            // `release` counts a slab before pushing it, so the count covers every pop.
+            debug_assert!(was > 0, "free-slab count went negative");
             let slab = slab as usize;
-            return Some((
-                slab,
-                self.slots[slab]
-                    .meta
-                    .get()
-                    .expect("recycled slabs have metadata"),
-            ));
+            let meta = self.slots[slab]
+                .meta
+                .get()
+                .expect("recycled slabs have metadata");
+            debug_assert_eq!(meta.shape(), None, "a slab on the free stack is unbound");
+            return Some((slab, meta));
         }
         if self.fresh.load(Ordering::Relaxed) >= self.slots.len() {
             return None;
         }
         let slab = self.fresh.fetch_add(1, Ordering::Relaxed);
         let slot = self.slots.get(slab)?;
-        Some((
-            slab,
-            slot.meta
-                .get_or_init(|| SlabMeta::new(blocks.max(self.min_links))),
-        ))
+        let meta = slot
+            .meta
+            .get_or_init(|| SlabMeta::new(blocks.max(self.min_links)));
+        debug_assert_eq!(meta.shape(), None, "a fresh slab is unbound");
+        Some((slab, meta))
     }
 
     /// Binds a claimed slab to `class` with `blocks` blocks: block 0 is returned
@@ -177,6 +183,15 @@ impl SlabTable {
         blocks: u32,
     ) -> Option<(u32, &'a AtomicU32)> {
         debug_assert!(blocks >= 1 && blocks <= meta.link_capacity());
+        debug_assert_eq!(
+            meta.shape(),
+            None,
+            "binding a slab that already serves a class"
+        );
+        debug_assert!(
+            ((slab as u64) << self.shift | u64::from(blocks - 1)) <= u64::from(MAX_ID),
+            "slab {slab} has block ids past MAX_ID"
+        );
         meta.link(0).store(ALLOCATED, Ordering::Relaxed);
         for b in 1..blocks.saturating_sub(1) {
             meta.link(b)
@@ -196,6 +211,7 @@ impl SlabTable {
             .meta
             .get()
             .expect("released slabs were claimed");
+        debug_assert!(meta.shape().is_some(), "releasing slab {slab} twice");
         meta.shape.store(0, Ordering::Release);
         self.free_count.fetch_add(1, Ordering::Relaxed);
         self.free

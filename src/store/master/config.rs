@@ -26,6 +26,9 @@ impl AllocationStrategy {
     }
 }
 
+/// 16 TiB: with 4 MiB slabs, about 4M slab entries (some 200 MB of master memory).
+pub const DEFAULT_MAX_SEGMENT_SIZE: u64 = 16 << 40;
+
 #[derive(Clone, Debug)]
 pub struct MasterConfig {
     /// How long a reader may use a replica list (`default_kv_lease_ttl`).
@@ -45,6 +48,12 @@ pub struct MasterConfig {
     pub allocator: AllocatorConfig,
     /// Shards of the object table (more shards, less contention).
     pub shards: usize,
+    /// Largest segment a client may mount. The master's memory grows with mounted
+    /// bytes (a slab table entry per slab), so this bounds what one Mount can cost it.
+    pub max_segment_size: u64,
+    /// Work one remove-by-regex may spend matching keys (a unit is about a nanosecond
+    /// in a release build): a costlier pattern is refused, removing nothing.
+    pub regex_budget: u64,
 }
 
 impl Default for MasterConfig {
@@ -59,6 +68,8 @@ impl Default for MasterConfig {
             allocation_strategy: AllocationStrategy::Random,
             allocator: AllocatorConfig::default(),
             shards: 64,
+            max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
+            regex_budget: 300_000_000,
         }
     }
 }

@@ -125,3 +125,156 @@ impl Master {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Victim choice, driven with a manual clock and one object shard, so that a
+    //! round's sample holds every candidate and the order is exact.
+
+    use super::super::{Clock, Master, MasterConfig};
+    use crate::store::protocol::{ReplicateConfig, SegmentInfo};
+
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const OBJ: u64 = 64 * KIB;
+
+    fn master(clock: &Clock, segment: u64) -> Master {
+        let mut cfg = MasterConfig::default();
+        cfg.allocator.slab_size = MIB;
+        cfg.shards = 1;
+        let m = Master::with_clock(cfg, clock.clone());
+        let seg = SegmentInfo {
+            name: "seg".into(),
+            base: 1 << 40,
+            size: segment,
+        };
+        m.mount(1, seg).unwrap();
+        m
+    }
+
+    /// A complete object of `OBJ` bytes, last touched now; the clock then moves on a
+    /// millisecond so every object has its own age.
+    fn put(m: &Master, clock: &Clock, key: &str, cfg: &ReplicateConfig) {
+        m.put_start(1, key, OBJ, cfg, false).unwrap();
+        m.put_end(1, key, 0).unwrap();
+        clock.advance(1);
+    }
+
+    fn present(m: &Master, keys: &[&str]) -> Vec<bool> {
+        keys.iter().map(|k| m.exists(k).unwrap()).collect()
+    }
+
+    #[test]
+    fn least_recently_used_first_and_pins_leases_and_writers_hold() {
+        let clock = Clock::manual();
+        let m = master(&clock, 8 * MIB);
+        let plain = ReplicateConfig::default();
+        let soft = ReplicateConfig {
+            soft_pin: true,
+            ..Default::default()
+        };
+        let hard = ReplicateConfig {
+            hard_pin: true,
+            ..Default::default()
+        };
+        // Oldest first: pins would be the first victims if they counted for nothing.
+        put(&m, &clock, "soft", &soft);
+        put(&m, &clock, "hard", &hard);
+        put(&m, &clock, "old", &plain);
+        put(&m, &clock, "mid", &plain);
+        put(&m, &clock, "new", &plain);
+        put(&m, &clock, "leased", &plain);
+        m.get_replicas("leased").unwrap();
+        m.put_start(1, "writing", OBJ, &plain, false).unwrap();
+        put(&m, &clock, "older", &plain);
+        let all = ["soft", "hard", "old", "mid", "new", "leased", "older"];
+        // Seven objects and the one being written hold a block each.
+        let block = m.stats().used / 8;
+        assert_eq!(block, OBJ, "a 64 KiB object takes one 64 KiB block");
+
+        // One byte wanted: exactly one victim, the least recently used plain object.
+        assert_eq!(m.evict(1, false), block);
+        assert_eq!(
+            present(&m, &all),
+            [true, true, false, true, true, true, true]
+        );
+        // As much as possible without soft-pinned objects: the other plain ones.
+        assert_eq!(m.evict(u64::MAX, false), 3 * block);
+        assert_eq!(
+            present(&m, &all),
+            [true, true, false, false, false, true, false]
+        );
+        // Soft pins give way when asked; a lease, a hard pin and a writer do not.
+        assert_eq!(m.evict(u64::MAX, true), block);
+        assert!(!m.exists("soft").unwrap());
+        assert_eq!(m.evict(u64::MAX, true), 0, "nothing evictable is left");
+        // Once the lease runs out the leased object goes; the hard pin never does.
+        clock.advance(MasterConfig::default().lease_ttl.as_millis() as u64);
+        assert_eq!(m.evict(u64::MAX, true), block);
+        assert_eq!(present(&m, &["hard", "leased"]), [true, false]);
+        assert!(
+            m.query("writing").is_some(),
+            "a put in progress is never evicted"
+        );
+        assert_eq!(m.stats().evicted_objects, 6);
+        assert_eq!(m.stats().evicted_bytes, 6 * block);
+    }
+
+    #[test]
+    fn an_expired_soft_pin_counts_for_nothing() {
+        let clock = Clock::manual();
+        let m = master(&clock, 8 * MIB);
+        let soft = ReplicateConfig {
+            soft_pin: true,
+            soft_pin_ttl_ms: 100,
+            ..Default::default()
+        };
+        put(&m, &clock, "soft", &soft);
+        assert_eq!(m.evict(u64::MAX, false), 0, "soft pin still holds");
+        clock.advance(100);
+        assert_eq!(m.evict(u64::MAX, false), OBJ);
+        assert!(!m.exists("soft").unwrap());
+    }
+
+    #[test]
+    fn the_watermark_frees_down_to_its_target_unpinned_first() {
+        let clock = Clock::manual();
+        let mut m = master(&clock, 4 * MIB);
+        let (capacity, _) = m.segments.capacity_and_used();
+        assert_eq!(capacity, 4 * MIB);
+        let soft = ReplicateConfig {
+            soft_pin: true,
+            ..Default::default()
+        };
+        // 40 objects: 2.5 MiB of 4, under the default 90% watermark.
+        for i in 0..30 {
+            put(&m, &clock, &format!("p{i}"), &ReplicateConfig::default());
+        }
+        for i in 0..10 {
+            put(&m, &clock, &format!("s{i}"), &soft);
+        }
+        m.evict_above_watermark();
+        assert_eq!(m.stats().objects, 40, "below the watermark nothing goes");
+
+        // Above 50%, free down to 50% - 10% = 1.6 MiB: 0.9 MiB, more than the
+        // soft-pinned objects alone could give but less than the unpinned ones.
+        m.config.eviction_high_watermark = 0.5;
+        m.config.eviction_ratio = 0.1;
+        let target = (capacity as f64 * 0.4) as u64;
+        let want = 40 * OBJ - target;
+        m.evict_above_watermark();
+        let s = m.stats();
+        assert_eq!(s.evicted_bytes, want.div_ceil(OBJ) * OBJ);
+        assert!(s.used <= target);
+        assert!(
+            (0..10).all(|i| m.exists(&format!("s{i}")).unwrap()),
+            "soft-pinned objects stay while unpinned ones can go"
+        );
+
+        // Wanting more than the unpinned objects hold takes soft-pinned ones too.
+        m.config.eviction_high_watermark = 0.05;
+        m.config.eviction_ratio = 0.05;
+        m.evict_above_watermark();
+        assert_eq!(m.stats().objects, 0);
+    }
+}

@@ -189,7 +189,7 @@ impl Master {
             Request::RemoveByRegex { pattern, force } => {
                 let re = Regex::new(&pattern)
                     .map_err(|e| Error::invalid(format!("regex {pattern:?}: {e}")))?;
-                Response::Count(self.remove_matching(|k| re.is_match(k), force))
+                Response::Count(self.remove_by_regex(&re, force)?)
             }
             Request::Stats => Response::Stats(self.stats()),
             Request::MetadataUrl => {
@@ -226,13 +226,22 @@ impl Master {
         {
             return Err(Error::invalid(format!("bad segment {segment:?}")));
         }
+        // The master keeps a slab table per mounted byte range: an absurd size must be
+        // refused here, never allocated.
+        if segment.size > self.config.max_segment_size {
+            return Err(Error::invalid(format!(
+                "segment {} of {} bytes exceeds this master's limit of {} bytes (--max_segment_size)",
+                segment.name, segment.size, self.config.max_segment_size
+            )));
+        }
         let name = segment.name.clone();
         self.segments
             .mount(client, segment, &self.config.allocator)
-            .map_err(|owner| {
+            .map_err(|_owner| {
+                // Never echo the owner: a client id is all an unmount asks for.
                 Error::new(
                     Code::SegmentAlreadyExists,
-                    format!("segment {name} is mounted by client {owner:#x}"),
+                    format!("segment {name} is already mounted by another client"),
                 )
             })?;
         let now = self.clock.now_ms();
@@ -590,6 +599,33 @@ impl Master {
             }
             (true, false, _) => (Removal::Removed, None),
         }
+    }
+
+    /// Removes the keys `re` matches. Matching runs outside the shard locks (other calls
+    /// go on meanwhile) within `regex_budget` units of work in all; a pattern too
+    /// costly for the keys stored fails the request and removes nothing.
+    fn remove_by_regex(&self, re: &Regex, force: bool) -> Result<u64> {
+        let mut budget = self.config.regex_budget;
+        let mut matched = std::collections::HashSet::new();
+        for shard in self.shards.iter() {
+            let keys: Vec<String> = Self::lock(shard).keys().cloned().collect();
+            for k in keys {
+                match re.is_match_within(&k, &mut budget) {
+                    Some(true) => {
+                        matched.insert(k);
+                    }
+                    Some(false) => {}
+                    None => {
+                        return Err(Error::invalid(format!(
+                            "regex {:?} costs more than this master allows over the keys stored \
+                             (nothing removed); use a simpler or anchored pattern",
+                            crate::store::protocol::shown_key(re.as_str())
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(self.remove_matching(|k| matched.contains(k), force))
     }
 
     fn remove_matching(&self, pred: impl Fn(&str) -> bool, force: bool) -> u64 {

@@ -210,7 +210,7 @@ pub(super) struct Device {
 impl Device {
     /// `cuda:1` → CUDA device 1; host locations (`cpu:0`, `*`, ...) → None; device
     /// memory libfabric has no interface for (`npu:0`) → an error.
-    pub fn of_location(location: &str) -> std::result::Result<Option<Device>, String> {
+    pub fn of_location(location: &str) -> Result<Option<Device>> {
         let Some((kind, id)) = location.split_once(':') else {
             return Ok(None);
         };
@@ -221,8 +221,11 @@ impl Device {
             "neuron" => fi::FI_HMEM_NEURON,
             "synapseai" | "hpu" => fi::FI_HMEM_SYNAPSEAI,
             "npu" | "ascend" => {
-                return Err(format!(
-                    "libfabric cannot register {location} memory (no FI_HMEM interface for it)"
+                return Err(Error::new(
+                    Code::NotSupported,
+                    format!(
+                        "libfabric cannot register {location} memory (no FI_HMEM interface for it)"
+                    ),
                 ))
             }
             _ => return Ok(None),
@@ -230,7 +233,7 @@ impl Device {
         let id = id
             .trim()
             .parse()
-            .map_err(|_| format!("bad device location {location:?}"))?;
+            .map_err(|_| Error::invalid(format!("bad device location {location:?}")))?;
         Ok(Some(Device { iface, id }))
     }
 }
@@ -380,7 +383,10 @@ impl Nic {
     fn error(&self, what: &str, why: impl std::fmt::Display) -> Error {
         Error::new(
             Code::BackendUnavailable,
-            format!("libfabric {} ({}): {what}: {why}", self.name, self.lib.path),
+            format!(
+                "libfabric {} ({}): {what}: {why}",
+                self.name, self.lib.library
+            ),
         )
     }
 
@@ -438,7 +444,7 @@ impl Nic {
         access: u64,
         key: u64,
         device: Option<Device>,
-    ) -> std::result::Result<Mr, String> {
+    ) -> Result<Mr> {
         let mut mr: *mut fi::fid_mr = std::ptr::null_mut();
         let rc = match device {
             None => {
@@ -456,10 +462,13 @@ impl Nic {
                 }
             }
             Some(_) if !self.hmem => {
-                return Err(format!(
-                    "provider {} was opened without FI_HMEM and cannot register device memory \
-                     (set MC_FABRIC_HMEM=1 to ask for it)",
-                    self.provider
+                return Err(Error::new(
+                    Code::NotSupported,
+                    format!(
+                        "provider {} was opened without FI_HMEM and cannot register device \
+                         memory (set MC_FABRIC_HMEM=1 to ask for it)",
+                        self.provider
+                    ),
                 ))
             }
             Some(d) => {
@@ -484,11 +493,17 @@ impl Nic {
             }
         };
         if rc != 0 || mr.is_null() {
-            return Err(format!(
-                "fi_mr_reg of {len} bytes at {addr:#x} on {}: {}",
-                self.name,
-                self.lib.strerror(rc as i64)
-            ));
+            let call = if device.is_some() {
+                "fi_mr_regattr"
+            } else {
+                "fi_mr_reg"
+            };
+            return Err(
+                Error::backend(self.lib.error(call, rc)).prefixed(format_args!(
+                    "registering {len} bytes at {addr:#x} on {}",
+                    self.name
+                )),
+            );
         }
         // SAFETY: a freshly registered MR.
         let (key, desc) = unsafe { ((*mr).key, (*mr).mem_desc) };

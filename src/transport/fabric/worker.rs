@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::nic::{Endpoint, Mr, Nic};
 use super::regions::Registrations;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ffi::fabric as fi;
 use crate::metadata::SegmentDesc;
 use crate::sys::{Epoll, EventFd, READABLE};
@@ -188,25 +188,24 @@ impl FabricWorker {
     }
 
     /// The AV handle of `peer`'s endpoint `gid` on `lane`, inserting it on first use.
-    fn peer_address(&mut self, lane: usize, peer: u64, gid: &str) -> Result<u64, String> {
+    fn peer_address(&mut self, lane: usize, peer: u64, gid: &str) -> Result<u64> {
         let l = &mut self.lanes[lane];
         if let Some((known, addr)) = l.peers.get(&peer) {
             if known == gid {
                 return Ok(*addr);
             }
         }
-        let bytes =
-            crate::util::hex::decode(gid).ok_or_else(|| format!("bad endpoint address {gid:?}"))?;
+        let bytes = crate::util::hex::decode(gid)
+            .ok_or_else(|| Error::protocol(format!("bad endpoint address {gid:?}")))?;
         let mut addr = 0u64;
         // SAFETY: live AV; `bytes` holds one address in the provider's format (a
         // malformed one is refused by the provider).
         let rc = unsafe { fi::fi_av_insert(l.ep.av, bytes.as_ptr().cast(), &mut addr) };
         if rc != 1 {
-            return Err(format!(
-                "fi_av_insert of {gid} on {}: {}",
-                l.nic.name,
-                l.nic.lib.strerror(if rc < 0 { rc as i64 } else { 22 })
-            ));
+            // It inserts the one address or fails; any other count is an invalid address.
+            let code = if rc < 0 { rc } else { -libc::EINVAL };
+            return Err(Error::backend(l.nic.lib.error("fi_av_insert", code))
+                .prefixed(format_args!("endpoint {gid} on {}", l.nic.name)));
         }
         l.peers.insert(peer, (gid.to_owned(), addr));
         Ok(addr)
@@ -247,7 +246,7 @@ impl FabricWorker {
         };
         let peer = self
             .peer_address(lane, slice.peer.id, gid)
-            .map_err(Outcome::PathFailed)?;
+            .map_err(|e| Outcome::PathFailed(e.to_string()))?;
         let max = self.lanes[lane].nic.max_msg;
         let count = slice.len.div_ceil(max).max(1);
         let count =
@@ -323,7 +322,7 @@ impl FabricWorker {
             let key = self.keys.fetch_add(1, Ordering::Relaxed);
             Some(
                 nic.register(q.local, q.len, fi::FI_READ | fi::FI_WRITE, key, None)
-                    .map_err(Outcome::PathFailed)?,
+                    .map_err(|e| Outcome::PathFailed(e.to_string()))?,
             )
         } else {
             None

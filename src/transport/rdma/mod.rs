@@ -27,14 +27,13 @@
 //!   access error → `Stale` once (the engine refreshes the descriptor: keys may have
 //!   changed), then `Rejected`; a local protection error → `Rejected`.
 
+mod context;
 mod nic;
-mod shared;
 mod topology;
 pub mod verbs;
 mod worker;
 
 use std::ffi::c_int;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,11 +41,11 @@ use super::{BackendConfig, Kind, RegionKeys, Transport, TransportWorker};
 use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs as ibv;
 use crate::json::{self, Value};
-use crate::memory::{LocalMemory, Region};
 use crate::metadata::descriptor::DeviceDesc;
 use crate::metadata::SegmentDesc;
+use crate::registry::{LocalMemory, Region};
+use context::RdmaContext;
 use nic::open_nics;
-use shared::Shared;
 use topology::Topology;
 use worker::RdmaWorker;
 
@@ -84,14 +83,14 @@ pub fn discovered_matrix(nics: &[String]) -> String {
 }
 
 pub struct RdmaTransport {
-    shared: Arc<Shared>,
+    shared: Arc<RdmaContext>,
 }
 
 impl RdmaTransport {
     /// Loads libibverbs (`MC_IBVERBS_LIB` overrides), opens the devices and
     /// allocates their protection domains.
     pub fn start(config: &BackendConfig, _memory: Arc<LocalMemory>) -> Result<RdmaTransport> {
-        let verbs = ibv::verbs().map_err(unavailable)?;
+        let verbs = ibv::verbs()?;
         let spec = config.devices.trim();
         let (wanted, matrix): (Vec<String>, Option<Value>) = if spec.starts_with('{') {
             let m = json::parse(spec)
@@ -139,22 +138,8 @@ impl RdmaTransport {
                 .join(", ")
         );
         Ok(RdmaTransport {
-            shared: Arc::new(Shared::new(verbs, nics, topology, matrix)),
+            shared: Arc::new(RdmaContext::new(verbs, nics, topology, matrix)),
         })
-    }
-
-    /// Names of the NICs in use, in descriptor order.
-    pub fn nic_names(&self) -> Vec<String> {
-        self.shared.nics.iter().map(|n| n.name.clone()).collect()
-    }
-
-    /// Bytes this engine moved through each NIC as the requester.
-    pub fn nic_bytes(&self) -> Vec<(String, u64)> {
-        self.shared
-            .nics
-            .iter()
-            .map(|n| (n.name.clone(), n.bytes.load(Ordering::Relaxed)))
-            .collect()
     }
 }
 

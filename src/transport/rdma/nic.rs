@@ -1,17 +1,16 @@
 //! Opened HCA ports, queue-pair set-up and memory registration on every NIC.
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use super::shared::Shared;
+use super::context::RdmaContext;
 use super::verbs::{
     CompletionQueue, Context, DeviceList, MemoryRegion, ProtectionDomain, QueuePair, RcPath,
 };
 use super::{unavailable, ACCESS, MAX_WR, PARALLEL_REG_BYTES};
 use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs::{self as ibv, Verbs};
-use crate::memory::Region;
+use crate::registry::Region;
 use crate::transport::RegionKeys;
 
 /// One opened HCA port.
@@ -26,7 +25,6 @@ pub(super) struct Nic {
     pub(super) mtu: u32,
     /// CQ shared by the QPs created for peers' handshakes (they never post).
     pub(super) passive_cq: Arc<CompletionQueue>,
-    pub(super) bytes: AtomicU64,
 }
 
 /// A buffer registered on every NIC.
@@ -108,18 +106,14 @@ fn open_nic(list: &DeviceList, index: usize) -> Result<Nic> {
         gid,
         mtu: attr.active_mtu.clamp(ibv::IBV_MTU_1024, ibv::IBV_MTU_4096),
         passive_cq,
-        bytes: AtomicU64::new(0),
     })
 }
 
 impl Nic {
     /// A fresh RC QP on this NIC whose completions go to `cq`.
-    pub(super) fn create_qp(
-        &self,
-        cq: &Arc<CompletionQueue>,
-    ) -> std::result::Result<QueuePair, String> {
+    pub(super) fn create_qp(&self, cq: &Arc<CompletionQueue>) -> Result<QueuePair> {
         QueuePair::new_rc(&self.pd, cq, MAX_WR, false)
-            .map_err(|e| format!("ibv_create_qp on {}: {e}", self.name))
+            .map_err(|e| verbs_error(format!("ibv_create_qp on {}", self.name), e))
     }
 
     /// Moves a fresh QP through INIT → RTR → RTS towards `remote_qpn` at `gid`/`lid`.
@@ -129,7 +123,7 @@ impl Nic {
         remote_qpn: u32,
         gid: ibv::ibv_gid,
         lid: u16,
-    ) -> std::result::Result<(), String> {
+    ) -> Result<()> {
         let path = RcPath {
             port: self.port,
             gid_index: self.gid_index,
@@ -139,6 +133,7 @@ impl Nic {
             remote_lid: lid,
         };
         qp.connect(ACCESS, &path)
+            .map_err(|e| verbs_error(format!("connecting a QP on {}", self.name), e))
     }
 
     pub(super) fn port_active(&self) -> bool {
@@ -147,9 +142,9 @@ impl Nic {
 }
 
 /// Registers `region` on every NIC (in parallel for large ones) and records its MRs.
-pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
+pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
     let dma_buf = gpudirect_dma_buf(s, region);
-    let reg = |nic: &Nic| -> std::result::Result<MemoryRegion, String> {
+    let reg = |nic: &Nic| -> Result<MemoryRegion> {
         let (mr, call) = match &dma_buf {
             Some(buf) => {
                 // SAFETY: the descriptor exports the allocation holding the region; the
@@ -189,32 +184,37 @@ pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
                 " (device memory: GPUDirect RDMA needs a dma-buf capable driver, or \
                  nvidia-peermem / amdgpu peer memory; use protocol tcp otherwise)"
             };
-            format!(
-                "{call}({:#x}, {} bytes, {}) on {}: {e}{hint}",
+            let what = format!(
+                "{call}({:#x}, {} bytes, {}) on {}",
                 region.addr, region.len, region.location, nic.name
-            )
+            );
+            let err = verbs_error(what, e);
+            if hint.is_empty() {
+                err
+            } else {
+                let context = format!("{}{hint}", err.context());
+                Error::new(err.code(), context)
+            }
         })
     };
-    let results: Vec<std::result::Result<MemoryRegion, String>> =
-        if region.len >= PARALLEL_REG_BYTES && s.nics.len() > 1 {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = s.nics.iter().map(|n| scope.spawn(move || reg(n))).collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| Err("registration thread panicked".into()))
+    let results: Vec<Result<MemoryRegion>> = if region.len >= PARALLEL_REG_BYTES && s.nics.len() > 1
+    {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = s.nics.iter().map(|n| scope.spawn(move || reg(n))).collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::new(Code::Internal, "registration thread panicked"))
                     })
-                    .collect()
-            })
-        } else {
-            s.nics.iter().map(reg).collect()
-        };
+                })
+                .collect()
+        })
+    } else {
+        s.nics.iter().map(reg).collect()
+    };
     // On a failure the MRs made on the other NICs are dropped, and so deregistered.
-    let mrs = results
-        .into_iter()
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::new(Code::BackendUnavailable, e))?;
+    let mrs = results.into_iter().collect::<Result<Vec<_>>>()?;
     let keys = RegionKeys {
         lkey: mrs.iter().map(MemoryRegion::lkey).collect(),
         rkey: mrs.iter().map(MemoryRegion::rkey).collect(),
@@ -236,7 +236,7 @@ pub(super) fn register(s: &Shared, region: &Region) -> Result<RegionKeys> {
 /// For device memory, a dma-buf of it when both the GPU driver and libibverbs can
 /// register one (GPUDirect RDMA through the kernel's dma-buf support); `None` means
 /// plain `ibv_reg_mr`, which reaches device memory only through a peer-memory module.
-fn gpudirect_dma_buf(s: &Shared, region: &Region) -> Option<crate::device::DmaBuf> {
+fn gpudirect_dma_buf(s: &RdmaContext, region: &Region) -> Option<crate::device::DmaBuf> {
     if region.device.is_host() || s.verbs.reg_dmabuf_mr.is_none() {
         return None;
     }
@@ -255,11 +255,22 @@ fn gpudirect_dma_buf(s: &Shared, region: &Region) -> Option<crate::device::DmaBu
 
 /// Deregisters `region` on every NIC (dropping its MRs; once they are, no peer can use
 /// their rkeys).
-pub(super) fn unregister(s: &Shared, region: &Region) {
+pub(super) fn unregister(s: &RdmaContext, region: &Region) {
     let old = s
         .regions
         .write()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&region.addr);
     drop(old);
+}
+
+/// A verbs call's failure (`what` names it and its object): `NoAvailableHandle` when
+/// the provider or the kernel ran out of memory (`ENOMEM`), else `BackendUnavailable`.
+pub(super) fn verbs_error(what: impl std::fmt::Display, e: std::io::Error) -> Error {
+    let code = if e.kind() == std::io::ErrorKind::OutOfMemory {
+        Code::NoAvailableHandle
+    } else {
+        Code::BackendUnavailable
+    };
+    Error::new(code, format!("{what}: {e}"))
 }

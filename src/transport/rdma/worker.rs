@@ -15,16 +15,15 @@
 //! engine retries them on another rail.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use super::context::RdmaContext;
 use super::nic::Nic;
-use super::shared::Shared;
 use super::topology::Topology;
 use super::verbs::{CompChannel, CompletionQueue, QueuePair};
 use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_HANDSHAKES, MAX_WR};
-use crate::error::{Error, Result};
+use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs as ibv;
 use crate::json::{self, Value};
 use crate::metadata::SegmentDesc;
@@ -63,7 +62,7 @@ struct Job {
 /// A connector thread's answer: the peer's reply, or why there is none.
 struct Reply {
     key: RailKey,
-    reply: std::result::Result<String, String>,
+    reply: Result<String>,
 }
 
 /// Runs Connection RPCs on their own threads and hands the replies back. Threads still
@@ -117,7 +116,7 @@ struct Target {
 }
 
 pub(super) struct RdmaWorker {
-    shared: Arc<Shared>,
+    shared: Arc<RdmaContext>,
     /// One per local NIC.
     cqs: Vec<Cq>,
     /// The channels' descriptors and the connector's eventfd: what `wait_fd` shows.
@@ -166,7 +165,7 @@ fn open_cq(nic: &Nic) -> Result<Arc<CompletionQueue>> {
 
 impl RdmaWorker {
     /// Creates one CQ and completion channel per local NIC for a new worker.
-    pub(super) fn new(s: Arc<Shared>) -> Result<RdmaWorker> {
+    pub(super) fn new(s: Arc<RdmaContext>) -> Result<RdmaWorker> {
         let epoll = Epoll::new().map_err(|e| Error::io("epoll for RDMA completions", e))?;
         let wake = EventFd::new().map_err(|e| Error::io("eventfd for RDMA handshakes", e))?;
         epoll
@@ -225,25 +224,20 @@ impl RdmaWorker {
     /// Starts connecting a QP for `slice`'s peer on rail (l, r), with the slice waiting
     /// for it. Fails at once when the rail cannot work (local port down, no such remote
     /// device, no QP).
-    fn start_connect(
-        &mut self,
-        slice: &Slice,
-        l: usize,
-        r: usize,
-    ) -> std::result::Result<(), String> {
+    fn start_connect(&mut self, slice: &Slice, l: usize, r: usize) -> Result<()> {
         let s = self.shared.clone();
         let nic = &s.nics[l];
         if !nic.port_active() {
-            return Err(format!(
-                "local port {} of {} is not active",
-                nic.port, nic.name
+            return Err(Error::new(
+                Code::BackendUnavailable,
+                format!("local port {} of {} is not active", nic.port, nic.name),
             ));
         }
         let desc = slice.peer.desc();
         let dev = desc
             .devices
             .get(r)
-            .ok_or_else(|| format!("peer has no device #{r}"))?;
+            .ok_or_else(|| Error::new(Code::SegmentNotFound, format!("peer has no device #{r}")))?;
         let qp = nic.create_qp(&self.cqs[l].cq)?;
         let qpn = qp.qp_num();
         let request = Value::object([
@@ -300,7 +294,7 @@ impl RdmaWorker {
                         &job.request,
                         HANDSHAKE_TIMEOUT,
                     )
-                    .map_err(|e| format!("handshake with {}: {e}", job.addr));
+                    .map_err(|e| e.prefixed(format!("handshake with {}", job.addr)));
                     // A worker that is gone no longer listens; nothing else to tidy.
                     let _ = tx.send(Reply { key, reply });
                     wake.notify();
@@ -308,7 +302,7 @@ impl RdmaWorker {
             if let Err(e) = spawned {
                 let _ = c.tx.send(Reply {
                     key,
-                    reply: Err(format!("spawning a handshake thread: {e}")),
+                    reply: Err(Error::io("spawning a handshake thread", e)),
                 });
                 c.wake.notify();
             }
@@ -351,7 +345,7 @@ impl RdmaWorker {
                         self.shared.nics[l].name, c.peer.name
                     );
                     log::debug!("rdma: {why}");
-                    self.shared.rail_failed(&c.peer.name, l, rn, &e);
+                    self.shared.rail_failed(&c.peer.name, l, rn, &e.to_string());
                     for slice in c.waiting {
                         self.note_tried(slice.id, slice.local, slice.remote, (l, rn));
                         done.push(Finished {
@@ -367,28 +361,28 @@ impl RdmaWorker {
     }
 
     /// Checks a Connection reply and connects our QP to the peer's.
-    fn accept_reply(
-        &self,
-        c: &Connecting,
-        l: usize,
-        text: &str,
-    ) -> std::result::Result<(), String> {
-        let reply = json::parse(text).map_err(|e| format!("handshake reply: {e}"))?;
+    fn accept_reply(&self, c: &Connecting, l: usize, text: &str) -> Result<()> {
+        let reply =
+            json::parse(text).map_err(|e| Error::protocol(format!("handshake reply: {e}")))?;
         let msg = reply.get("reply_msg").and_then(Value::as_str).unwrap_or("");
         if !msg.is_empty() {
-            return Err(format!("{} refused the connection: {msg}", c.peer.name));
+            return Err(Error::new(
+                Code::TransferFail,
+                format!("{} refused the connection: {msg}", c.peer.name),
+            ));
         }
         let remote_qpn = reply
             .get("qp_num")
             .and_then(Value::as_array)
             .and_then(|a| a.first())
             .and_then(Value::as_u64)
-            .ok_or_else(|| "handshake reply has no qp_num".to_owned())?;
+            .ok_or_else(|| Error::protocol("handshake reply has no qp_num"))?;
         let gid_text = reply
             .get("local_gid")
             .and_then(Value::as_str)
             .unwrap_or(&c.gid);
-        let gid = ibv::parse_gid(gid_text).ok_or_else(|| format!("bad peer gid {gid_text:?}"))?;
+        let gid = ibv::parse_gid(gid_text)
+            .ok_or_else(|| Error::protocol(format!("bad peer gid {gid_text:?}")))?;
         let lid = reply
             .get("local_lid")
             .and_then(Value::as_u64)
@@ -409,7 +403,7 @@ impl RdmaWorker {
                 Err(None) => self.backlog.push_back(slice),
                 Err(Some(e)) => done.push(Finished {
                     id: slice.id,
-                    outcome: Outcome::PathFailed(e),
+                    outcome: Outcome::PathFailed(e.to_string()),
                 }),
             },
             // The descriptor changed meanwhile: choose again.
@@ -543,10 +537,13 @@ impl RdmaWorker {
         key: RailKey,
         lkey: u32,
         rkey: u32,
-    ) -> std::result::Result<(), Option<String>> {
+    ) -> std::result::Result<(), Option<Error>> {
         let (_, l, r) = key;
         let Some(ep) = self.endpoints.get_mut(&key) else {
-            return Err(Some(format!("no endpoint for rail {l}->#{r}")));
+            return Err(Some(Error::new(
+                Code::Internal,
+                format!("no endpoint for rail {l}->#{r}"),
+            )));
         };
         if ep.outstanding >= MAX_WR {
             return Err(None);
@@ -575,8 +572,11 @@ impl RdmaWorker {
         // queue); the local range lies in a registered region (`target` found its lkey)
         // that the engine keeps valid until the slice is finished.
         if let Err(rc) = unsafe { ep.qp.post_send(&mut wr) } {
-            let e = format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name);
-            self.shared.rail_failed(&slice.peer.name, l, r, &e);
+            let e = Error::new(
+                Code::TransferFail,
+                format!("ibv_post_send on {}: error {rc}", self.shared.nics[l].name),
+            );
+            self.shared.rail_failed(&slice.peer.name, l, r, e.context());
             self.drop_endpoint(key);
             self.note_tried(slice.id, slice.local, slice.remote, (l, r));
             return Err(Some(e));
@@ -633,9 +633,10 @@ impl RdmaWorker {
                     Ok(()) => return Ok(()),
                     Err(e) => {
                         log::debug!("rdma: connecting rail {l}->{}@{r}: {e}", slice.peer.name);
-                        self.shared.rail_failed(&slice.peer.name, l, r, &e);
+                        self.shared
+                            .rail_failed(&slice.peer.name, l, r, &e.to_string());
                         self.note_tried(slice.id, slice.local, slice.remote, (l, r));
-                        last_error = e;
+                        last_error = e.to_string();
                         continue;
                     }
                 }
@@ -643,7 +644,7 @@ impl RdmaWorker {
             match self.post_on(slice, key, t.lkeys[l], t.rkeys[r]) {
                 Ok(()) => return Ok(()),
                 Err(None) => busy = true,
-                Err(Some(e)) => last_error = e,
+                Err(Some(e)) => last_error = e.to_string(),
             }
         }
         if busy {
@@ -719,7 +720,6 @@ impl RdmaWorker {
         let s = self.shared.clone();
         let outcome = match wc.status {
             ibv::IBV_WC_SUCCESS => {
-                s.nics[l].bytes.fetch_add(p.len, Ordering::Relaxed);
                 s.rail_ok(&p.peer.name, l, r);
                 self.tried.remove(&p.slice);
                 self.stale.remove(&p.slice);

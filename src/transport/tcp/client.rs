@@ -405,3 +405,262 @@ impl TransportWorker for TcpWorker {
         Some(self.epoll.raw_fd())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Lanes against an in-test server on 127.0.0.1 (a port from the OS): which lane
+    //! a slice takes, that answers finish slices in posting order, and what a broken,
+    //! refusing or silent lane does with the slices it holds.
+
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpListener};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::device::MemoryKind;
+    use crate::metadata::SegmentDesc;
+    use crate::transport::{Endpoints, Peer};
+
+    fn listener() -> (TcpListener, SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        (l, addr)
+    }
+
+    fn peer(id: u64, data: SocketAddr) -> Arc<Peer> {
+        let endpoints = Endpoints {
+            data,
+            rpc: String::new(),
+        };
+        Arc::new(Peer::new(id, SegmentDesc::new("peer"), endpoints))
+    }
+
+    fn worker(lanes: usize) -> TcpWorker {
+        crate::sys::ignore_sigpipe();
+        TcpWorker::new(TcpConfig {
+            lanes_per_peer: lanes,
+            ..TcpConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// Slice `id` of `buf`, at remote address `0x1000 * id`.
+    fn slice(id: u64, op: Op, buf: &mut [u8], peer: &Arc<Peer>, deadline: Instant) -> Slice {
+        Slice {
+            id,
+            op,
+            local: buf.as_mut_ptr() as u64,
+            local_kind: MemoryKind::Host,
+            remote: 0x1000 * id,
+            len: buf.len() as u64,
+            peer: peer.clone(),
+            deadline,
+        }
+    }
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(120)
+    }
+
+    /// Drives `w` until `want` slices are done, waiting on its descriptor between
+    /// rounds (bounded: a stuck lane fails the test instead of hanging it).
+    fn run_until(w: &mut TcpWorker, done: &mut Vec<Finished>, want: usize) {
+        for _ in 0..10_000 {
+            if done.len() >= want {
+                return;
+            }
+            let mut p = libc::pollfd {
+                fd: w.wait_fd().unwrap(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut p, 1, 1000) };
+            w.progress(Instant::now(), done);
+        }
+        panic!("only {} of {want} slices finished", done.len());
+    }
+
+    /// Serves one connection: reads a request per entry of `answers` and answers it
+    /// when the entry is `Some` (a READ's payload is its request's low address byte
+    /// ^ 0x5a, repeated), then closes (after reading everything sent, so with a FIN,
+    /// not a reset). Returns each request's (op, addr, WRITE payload).
+    fn serve(l: &TcpListener, answers: &[Option<Status>]) -> Vec<(DataOp, u64, Vec<u8>)> {
+        let (mut s, _) = l.accept().unwrap();
+        let mut seen = Vec::new();
+        for status in answers {
+            let mut h = [0u8; HEADER_LEN];
+            s.read_exact(&mut h).unwrap();
+            let h = Header::decode(&h).unwrap();
+            let mut payload = vec![
+                0u8;
+                if h.op == DataOp::Write {
+                    h.size as usize
+                } else {
+                    0
+                }
+            ];
+            s.read_exact(&mut payload).unwrap();
+            if let Some(status) = status {
+                s.write_all(&status.encode()).unwrap();
+            }
+            if *status == Some(Status::Ok) && h.op == DataOp::Read {
+                s.write_all(&vec![h.addr as u8 ^ 0x5a; h.size as usize])
+                    .unwrap();
+            }
+            seen.push((h.op, h.addr, payload));
+        }
+        seen
+    }
+
+    fn queue_lens(w: &TcpWorker, peer: u64) -> Vec<usize> {
+        w.by_peer[&peer]
+            .iter()
+            .map(|t| w.lanes[t].queue.len())
+            .collect()
+    }
+
+    #[test]
+    fn lanes_open_up_to_the_limit_then_the_least_loaded_takes_the_slice() {
+        // Nobody accepts: connections wait in the backlog, requests in socket buffers.
+        let (_l, addr) = listener();
+        let (a, b) = (peer(1, addr), peer(2, addr));
+        let mut w = worker(2);
+        let mut bufs = vec![[7u8; 64]; 6];
+        let mut done = Vec::new();
+        let mut it = bufs.iter_mut();
+        let mut post = |w: &mut TcpWorker, id, p: &Arc<Peer>| {
+            let s = slice(id, Op::Write, it.next().unwrap(), p, later());
+            w.post(s, &mut done);
+        };
+        post(&mut w, 0, &a);
+        assert_eq!(queue_lens(&w, 1), [1]);
+        post(&mut w, 1, &a); // the only lane is busy: a second one opens
+        assert_eq!(queue_lens(&w, 1), [1, 1]);
+        post(&mut w, 2, &a); // at the limit: shares a lane
+        post(&mut w, 3, &a); // the less loaded one
+        assert_eq!(queue_lens(&w, 1), [2, 2]);
+        post(&mut w, 4, &b); // another peer has its own lanes
+        assert_eq!(queue_lens(&w, 2), [1]);
+        assert_eq!(w.lanes.len(), 3);
+        assert!(done.is_empty(), "nothing can finish without answers");
+        assert_eq!((w.in_flight(), w.in_flight_bytes()), (5, 5 * 64));
+    }
+
+    #[test]
+    fn answers_finish_slices_in_posting_order() {
+        let (l, addr) = listener();
+        let p = peer(1, addr);
+        let mut w = worker(1);
+        // Reads and writes of uneven sizes, pipelined on one lane.
+        let sizes = [1usize, 4096, 3, 200_000, 17, 65_536];
+        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xEE; n]).collect();
+        let ops: Vec<Op> = (0..sizes.len())
+            .map(|i| if i % 2 == 0 { Op::Write } else { Op::Read })
+            .collect();
+        let seen = std::thread::scope(|s| {
+            let server = s.spawn(|| serve(&l, &[Some(Status::Ok); 6]));
+            let mut done = Vec::new();
+            for (i, buf) in bufs.iter_mut().enumerate() {
+                w.post(slice(i as u64, ops[i], buf, &p, later()), &mut done);
+            }
+            assert_eq!(w.lanes.len(), 1);
+            run_until(&mut w, &mut done, sizes.len());
+            let ids: Vec<u64> = done.iter().map(|f| f.id).collect();
+            assert_eq!(ids, [0, 1, 2, 3, 4, 5]);
+            assert!(done.iter().all(|f| f.outcome == Outcome::Done));
+            server.join().unwrap()
+        });
+        for (i, (op, addr, payload)) in seen.iter().enumerate() {
+            assert_eq!(*addr, 0x1000 * i as u64, "requests go out in posting order");
+            match ops[i] {
+                Op::Write => {
+                    assert_eq!(*op, DataOp::Write);
+                    assert_eq!(payload, &vec![0xEE; sizes[i]]);
+                }
+                Op::Read => {
+                    assert_eq!(*op, DataOp::Read);
+                    let want = (0x1000 * i as u64) as u8 ^ 0x5a;
+                    assert!(bufs[i].iter().all(|&b| b == want), "read {i} landed");
+                }
+            }
+        }
+        assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_broken_lane_hands_every_slice_back_and_the_next_post_reconnects() {
+        let (l, addr) = listener();
+        let p = peer(1, addr);
+        let mut w = worker(1);
+        let mut bufs = vec![[1u8; 100]; 4];
+        let mut done = Vec::new();
+        std::thread::scope(|s| {
+            // Answers the first request, then hangs up.
+            let server = s.spawn(|| serve(&l, &[Some(Status::Ok), None, None]));
+            for (i, buf) in bufs.iter_mut().take(3).enumerate() {
+                w.post(slice(i as u64, Op::Write, buf, &p, later()), &mut done);
+            }
+            let old: Vec<u64> = w.by_peer[&1].clone();
+            run_until(&mut w, &mut done, 3);
+            server.join().unwrap();
+            assert_eq!(done[0].id, 0);
+            assert_eq!(done[0].outcome, Outcome::Done);
+            let rest: Vec<_> = done[1..].iter().map(|f| f.id).collect();
+            assert_eq!(rest, [1, 2], "handed back in queue order");
+            assert!(done[1..]
+                .iter()
+                .all(|f| matches!(f.outcome, Outcome::PathFailed(_))));
+            assert_eq!(w.in_flight(), 0);
+            assert!(
+                w.by_peer[&1].is_empty() && w.lanes.is_empty(),
+                "lane closed"
+            );
+            w.post(slice(3, Op::Write, &mut bufs[3], &p, later()), &mut done);
+            assert_eq!(w.by_peer[&1].len(), 1);
+            assert_ne!(w.by_peer[&1], old, "a new connection, not the broken one");
+        });
+    }
+
+    #[test]
+    fn a_refusal_fails_the_front_slice_and_hands_back_the_rest() {
+        let (l, addr) = listener();
+        let p = peer(1, addr);
+        let mut w = worker(1);
+        let mut bufs = vec![[1u8; 100]; 3];
+        let mut done = Vec::new();
+        std::thread::scope(|s| {
+            let server = s.spawn(|| serve(&l, &[Some(Status::Rejected), None, None]));
+            for (i, buf) in bufs.iter_mut().enumerate() {
+                w.post(slice(i as u64, Op::Write, buf, &p, later()), &mut done);
+            }
+            run_until(&mut w, &mut done, 3);
+            server.join().unwrap();
+        });
+        let ids: Vec<u64> = done.iter().map(|f| f.id).collect();
+        assert_eq!(ids, [0, 1, 2]);
+        assert!(matches!(done[0].outcome, Outcome::Rejected(_)));
+        assert!(done[1..]
+            .iter()
+            .all(|f| matches!(f.outcome, Outcome::PathFailed(_))));
+    }
+
+    #[test]
+    fn a_silent_lane_past_its_deadline_times_out_its_front_slice() {
+        let (_l, addr) = listener(); // accepts nothing, answers nothing
+        let p = peer(1, addr);
+        let mut w = worker(1);
+        let mut bufs = [[1u8; 10]; 2];
+        let mut done = Vec::new();
+        let past = Instant::now();
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            w.post(slice(i as u64, Op::Read, buf, &p, past), &mut done);
+        }
+        run_until(&mut w, &mut done, 2);
+        assert_eq!(done[0].outcome, Outcome::TimedOut);
+        assert_eq!(done[1].id, 1);
+        assert!(matches!(done[1].outcome, Outcome::PathFailed(_)));
+        assert_eq!(w.in_flight(), 0);
+    }
+}

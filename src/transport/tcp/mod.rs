@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use super::{Kind, Transport, TransportWorker};
 use crate::error::{Error, Result};
-use crate::memory::LocalMemory;
 use crate::metadata::SegmentDesc;
 use crate::net::ConnServer;
+use crate::registry::LocalMemory;
 
 #[derive(Clone, Debug)]
 pub struct TcpConfig {

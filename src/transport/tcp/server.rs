@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use crate::device::{self, Bounce};
-use crate::memory::{LocalMemory, RangeGuard};
+use crate::registry::{LocalMemory, RangeGuard};
 use crate::sys;
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 

@@ -177,14 +177,18 @@ impl QueuePair {
         self.modify(&mut a, mask)
     }
 
-    /// Connects a fresh (RESET) QP to the peer at `path`: INIT → RTR → RTS.
-    pub fn connect(&self, access: c_int, path: &RcPath) -> Result<(), String> {
-        self.to_init(path.port, access)
-            .map_err(|rc| format!("modify QP to INIT: error {rc}"))?;
-        self.to_rtr(path)
-            .map_err(|rc| format!("modify QP to RTR: error {rc}"))?;
-        self.to_rts()
-            .map_err(|rc| format!("modify QP to RTS: error {rc}"))
+    /// Connects a fresh (RESET) QP to the peer at `path`: INIT → RTR → RTS. An error
+    /// names the transition that failed and carries `ibv_modify_qp`'s errno.
+    pub fn connect(&self, access: c_int, path: &RcPath) -> io::Result<()> {
+        fn failed(to: &'static str) -> impl Fn(c_int) -> io::Error {
+            move |rc| {
+                let e = io::Error::from_raw_os_error(rc);
+                io::Error::new(e.kind(), format!("modify QP to {to}: error {rc} ({e})"))
+            }
+        }
+        self.to_init(path.port, access).map_err(failed("INIT"))?;
+        self.to_rtr(path).map_err(failed("RTR"))?;
+        self.to_rts().map_err(failed("RTS"))
     }
 
     /// verbs.h's `ibv_post_send` on this QP.

@@ -9,6 +9,7 @@ use super::nic::{Nic, RegionMrs};
 use super::topology::Topology;
 use super::verbs::QueuePair;
 use super::{MAX_PASSIVE_QPS, RAIL_ERRORS, RAIL_PAUSE, RAIL_WINDOW};
+use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs::{self as ibv, Verbs};
 use crate::json::{self, Value};
 
@@ -23,7 +24,7 @@ struct PassiveEndpoint {
     qps: Vec<QueuePair>,
 }
 
-pub(super) struct Shared {
+pub(super) struct RdmaContext {
     pub(super) verbs: &'static Verbs,
     pub(super) nics: Vec<Nic>,
     pub(super) topology: Topology,
@@ -41,15 +42,15 @@ fn nic_of_path(path: &str) -> &str {
     path.rsplit_once('@').map_or(path, |(_, nic)| nic)
 }
 
-impl Shared {
+impl RdmaContext {
     /// Shared state for opened NICs, with no regions, rail history or passive QPs yet.
     pub(super) fn new(
         verbs: &'static Verbs,
         nics: Vec<Nic>,
         topology: Topology,
         matrix: Value,
-    ) -> Shared {
-        Shared {
+    ) -> RdmaContext {
+        RdmaContext {
             verbs,
             nics,
             topology,
@@ -79,12 +80,12 @@ impl Shared {
             Ok(reply) => reply,
             Err(why) => {
                 log::warn!("rdma: refusing handshake: {why}");
-                refusal(&req, &why)
+                refusal(&req, why.context())
             }
         }
     }
 
-    fn accept(&self, req: &Value) -> std::result::Result<String, String> {
+    fn accept(&self, req: &Value) -> Result<String> {
         let field = |k: &str| req.get(k).and_then(Value::as_str).unwrap_or("");
         let peer_path = field("local_nic_path");
         let our_path = field("peer_nic_path");
@@ -94,9 +95,14 @@ impl Shared {
             .iter()
             .enumerate()
             .find(|(_, n)| n.name == nic_name)
-            .ok_or_else(|| format!("no RDMA device {nic_name:?} here"))?;
+            .ok_or_else(|| {
+                Error::new(
+                    Code::SegmentNotFound,
+                    format!("no RDMA device {nic_name:?} here"),
+                )
+            })?;
         let gid = ibv::parse_gid(field("local_gid"))
-            .ok_or_else(|| format!("bad local_gid {:?}", field("local_gid")))?;
+            .ok_or_else(|| Error::protocol(format!("bad local_gid {:?}", field("local_gid"))))?;
         let lid = req.get("local_lid").and_then(Value::as_u64).unwrap_or(0) as u16;
         let qpns: Vec<u32> = req
             .get("qp_num")
@@ -107,10 +113,16 @@ impl Shared {
             .map(|n| n as u32)
             .collect();
         if qpns.is_empty() || qpns.len() > 64 {
-            return Err(format!("bad qp_num list ({} entries)", qpns.len()));
+            return Err(Error::protocol(format!(
+                "bad qp_num list ({} entries)",
+                qpns.len()
+            )));
         }
         if !nic.port_active() {
-            return Err(format!("port {} of {} is not active", nic.port, nic.name));
+            return Err(Error::new(
+                Code::BackendUnavailable,
+                format!("port {} of {} is not active", nic.port, nic.name),
+            ));
         }
         // On a failure the QPs made so far are dropped, and so destroyed.
         let mut qps = Vec::new();

@@ -6,14 +6,14 @@ use std::sync::{Mutex, OnceLock};
 use super::MetadataStore;
 use crate::error::Result;
 
-pub struct MemoryStore;
+pub struct EmbeddedStore;
 
 fn table() -> &'static Mutex<HashMap<String, String>> {
     static TABLE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
     TABLE.get_or_init(Default::default)
 }
 
-impl MetadataStore for MemoryStore {
+impl MetadataStore for EmbeddedStore {
     fn get(&self, key: &str) -> Result<Option<String>> {
         Ok(table()
             .lock()

@@ -378,6 +378,22 @@ _DICT_KEYS = {
 _MISSING = object()
 
 
+def _triage(keys, items):
+    """Per-key results pre-filled with INVALID_KEY for keys that failed to encode (None)
+    and INVALID_PARAMS for items that failed their checks (None), 0 elsewhere; and the
+    indexes of the keys left to ask the library about."""
+    results = [0] * len(keys)
+    idx = []
+    for i, (k, item) in enumerate(zip(keys, items)):
+        if k is None:
+            results[i] = INVALID_KEY
+        elif item is None:
+            results[i] = INVALID_PARAMS
+        else:
+            idx.append(i)
+    return results, idx
+
+
 class MooncakeDistributedStore:
     """A client of Mooncake Store (optionally lending memory to the pool)."""
 
@@ -570,15 +586,7 @@ class MooncakeDistributedStore:
         """Puts key i from the (addr, len) pairs parts[i] with mc_store_batch_put_parts.
         ``keys`` are encoded (None = invalid key). Returns per-key results."""
         fn = N.need("mc_store_batch_put_parts", what)
-        results = [0] * len(keys)
-        idx = []
-        for i, (k, p) in enumerate(zip(keys, parts)):
-            if k is None:
-                results[i] = INVALID_KEY
-            elif p is None:
-                results[i] = INVALID_PARAMS
-            else:
-                idx.append(i)
+        results, idx = _triage(keys, parts)
         if not idx:
             return results
         flat_addr, flat_len, counts = [], [], []
@@ -981,15 +989,7 @@ class MooncakeDistributedStore:
     def _batch_put_from(self, ks, spans, config):
         """mc_store_batch_put_from over encoded keys and (addr, len) spans (None = fail
         with INVALID_PARAMS)."""
-        results = [0] * len(ks)
-        idx = []
-        for i, (k, s) in enumerate(zip(ks, spans)):
-            if k is None:
-                results[i] = INVALID_KEY
-            elif s is None:
-                results[i] = INVALID_PARAMS
-            else:
-                idx.append(i)
+        results, idx = _triage(ks, spans)
         if not idx:
             return results
         c_keys = N.c_strings([ks[i] for i in idx])
@@ -1115,15 +1115,7 @@ class MooncakeDistributedStore:
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         spans = self._checked_spans(addrs, lens)
-        results = [0] * len(ks)
-        idx = []
-        for i, (k, s) in enumerate(zip(ks, spans)):
-            if k is None:
-                results[i] = INVALID_KEY
-            elif s is None:
-                results[i] = INVALID_PARAMS
-            else:
-                idx.append(i)
+        results, idx = _triage(ks, spans)
         if idx:
             res = self._batch_get_into([ks[i] for i in idx], [addrs[i] for i in idx],
                                        [lens[i] for i in idx])
@@ -1168,17 +1160,8 @@ class MooncakeDistributedStore:
         fn = N.need("mc_store_batch_get_parts", "batch_get_into_multi_buffers")
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
-        results = [0] * len(ks)
-        idx = []
-        for i, (k, p, s) in enumerate(zip(ks, ptrs, sizes)):
-            if k is None:
-                results[i] = INVALID_KEY
-                continue
-            spans = self._checked_spans(p, s)
-            if not spans or None in spans:
-                results[i] = INVALID_PARAMS
-                continue
-            idx.append(i)
+        checked = [self._checked_spans(p, s) for p, s in zip(ptrs, sizes)]
+        results, idx = _triage(ks, [c if c and None not in c else None for c in checked])
         if not idx:
             return results
         flat_a = [a for i in idx for a in ptrs[i]]

@@ -455,10 +455,8 @@ fn populate(client: &Client, p: &Params) -> Result<(), String> {
             .map(|b| vec![(b.as_ptr() as u64, b.len() as u64)])
             .collect();
         // SAFETY: `bufs` outlives the call.
-        for (k, res) in keys
-            .iter()
-            .zip(unsafe { client.batch_put_from(&keys, &parts, &cfg, false) })
-        {
+        let results = unsafe { client.batch_put_from(&keys, &parts, &cfg, false) };
+        for (k, res) in keys.iter().zip(results) {
             res.map_err(|e| format!("populating {k:?}: {e}"))?;
         }
         i += n;

@@ -132,13 +132,18 @@ fn main() {
     api.make_current(0).unwrap();
     // SAFETY (the three blocks): device buffers of `len` bytes, host Vecs of `len`.
     let base_htod = best(iters, || {
+        // SAFETY: `da` is a device buffer of `len` bytes, `src` a host Vec of `len`.
         unsafe { api.copy_htod(da, src.as_ptr(), len) }.unwrap()
     });
     let base_dtoh = best(iters, || {
+        // SAFETY: `sink` is a host Vec of `len` bytes, `da` a device buffer of `len`.
         unsafe { api.copy_dtoh(sink.as_mut_ptr(), da, len) }.unwrap()
     });
     verify("baseline round trip", &sink, &src);
-    let base_dtod = best(iters, || unsafe { api.copy_dtod(dc, da, len) }.unwrap());
+    let base_dtod = best(iters, || {
+        // SAFETY: `dc` and `da` are distinct device buffers of `len` bytes.
+        unsafe { api.copy_dtod(dc, da, len) }.unwrap()
+    });
     verify("baseline device to device", &dev_bytes(k0, dc, len), &src);
 
     let server = engine();
@@ -184,8 +189,8 @@ fn main() {
         req(Op::Write, h, peer, da),
         &|| verify("tcp host→device", &dev_bytes(k0, da, len), &want),
     );
-    // SAFETY: refill the device buffer with a new pattern for the next direction.
     let p3 = pattern(3, len);
+    // SAFETY: refill the device buffer with a new pattern for the next direction.
     unsafe { device::copy_from_host(k0, da, p3.as_ptr(), len) }.unwrap();
     run(
         "tcp_device_to_host",
@@ -194,6 +199,7 @@ fn main() {
         &|| {
             verify(
                 "tcp device→host",
+                // SAFETY: `h` is the `len`-byte host buffer, no transfer in flight.
                 unsafe { std::slice::from_raw_parts(h as *const u8, len) },
                 &p3,
             )
@@ -230,6 +236,7 @@ fn main() {
         &|| {
             verify(
                 "local device→host",
+                // SAFETY: `h` is the `len`-byte host buffer, no transfer in flight.
                 unsafe { std::slice::from_raw_parts(h as *const u8, len) },
                 &p4,
             )

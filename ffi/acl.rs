@@ -16,17 +16,23 @@ use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
 use super::table::function_table;
 
+/// Environment variable naming the libascendcl to load instead of the system one.
 pub const OVERRIDE_VAR: &str = "MC_ACL_LIB";
+/// Library names tried when the override is not set.
 pub const CANDIDATES: &[&str] = &["libascendcl.so"];
 
+/// `aclError`: 0 on success, an ACL error number otherwise.
 pub type AclError = c_int;
+/// The call succeeded.
 pub const ACL_SUCCESS: AclError = 0;
 /// `aclInit` called twice in one process: harmless.
 pub const ACL_ERROR_REPEAT_INITIALIZE: AclError = 100002;
 
 /// `aclrtMemcpyKind`.
 pub const ACL_MEMCPY_HOST_TO_DEVICE: c_int = 1;
+/// Device to host.
 pub const ACL_MEMCPY_DEVICE_TO_HOST: c_int = 2;
+/// Device to device.
 pub const ACL_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `ACL_MEM_MALLOC_HUGE_FIRST`.
 pub const ACL_MEM_MALLOC_HUGE_FIRST: c_int = 0;
@@ -115,6 +121,7 @@ impl Acl {
         }
     }
 
+    /// The runtime's `(major, minor, patch)` version, when it reports one.
     pub fn version(&self) -> Option<(i32, i32, i32)> {
         let (mut a, mut b, mut c) = (0, 0, 0);
         // SAFETY: writes three ints.
@@ -122,6 +129,7 @@ impl Acl {
             .then_some((a, b, c))
     }
 
+    /// Number of NPUs the runtime sees.
     pub fn device_count(&self) -> Result<u32> {
         self.initialized()?;
         let mut n = 0u32;
@@ -163,7 +171,8 @@ impl Acl {
     /// # Safety
     /// `dst` valid for `len` bytes of writes; `src` device memory of `len` bytes.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `dst` is writable for `len` bytes and `src` is `len` bytes
+        // of device memory, which is exactly what the DtoH `memcpy` requires.
         unsafe {
             self.memcpy(
                 "aclrtMemcpy(DtoH)",
@@ -178,7 +187,8 @@ impl Acl {
     /// # Safety
     /// `src` valid for `len` bytes of reads; `dst` device memory of `len` bytes.
     pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `src` is readable for `len` bytes and `dst` is `len` bytes
+        // of device memory, which is exactly what the HtoD `memcpy` requires.
         unsafe {
             self.memcpy(
                 "aclrtMemcpy(HtoD)",
@@ -193,7 +203,8 @@ impl Acl {
     /// # Safety
     /// Both ranges must be device memory of `len` bytes.
     pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees both `src` and `dst` are `len` bytes of device memory, as
+        // the DtoD `memcpy` requires.
         unsafe {
             self.memcpy(
                 "aclrtMemcpy(DtoD)",
@@ -205,6 +216,7 @@ impl Acl {
         }
     }
 
+    /// Allocates `len` bytes of page-locked host memory (free with `host_free`).
     pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
         self.initialized()?;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -218,10 +230,12 @@ impl Acl {
     /// # Safety
     /// `p` must come from `host_alloc` and not be used afterwards.
     pub unsafe fn host_free(&self, p: *mut u8) {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `host_alloc` (aclrtMallocHost) and is never
+        // used again, so freeing it once here is sound.
         unsafe { (self.aclrt_free_host)(p.cast()) };
     }
 
+    /// Allocates `len` bytes on NPU `ordinal`; returns the device address.
     pub fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
         self.make_current(ordinal)?;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -235,7 +249,8 @@ impl Acl {
     /// # Safety
     /// `p` must come from `mem_alloc` and not be used afterwards.
     pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `mem_alloc` (aclrtMalloc) and is never used
+        // again, so freeing it once here is sound.
         self.check("aclrtFree", unsafe { (self.aclrt_free)(p as *mut c_void) })
     }
 }

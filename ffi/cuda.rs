@@ -16,32 +16,50 @@ use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
 use super::table::function_table;
 
+/// Environment variable naming the libcuda to load instead of the system one.
 pub const OVERRIDE_VAR: &str = "MC_CUDA_LIB";
+/// Library names tried when the override is not set.
 pub const CANDIDATES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
+/// `CUresult`: a driver API status code.
 pub type CUresult = c_int;
+/// `CUdevice`: a device ordinal handle.
 pub type CUdevice = c_int;
+/// `CUdeviceptr`: a device virtual address.
 pub type CUdeviceptr = u64;
+/// `CUcontext`: an opaque driver context.
 pub type CUcontext = *mut c_void;
 
+/// The call succeeded.
 pub const CUDA_SUCCESS: CUresult = 0;
+/// An argument was out of range (also: the pointer is not CUDA memory).
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+/// No CUDA-capable device is present.
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+/// `cuPointerGetAttribute`: which memory type the pointer names.
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+/// `cuPointerGetAttribute`: the ordinal of the device owning the pointer.
 pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+/// `CUmemorytype`: host memory.
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;
+/// `CUmemorytype`: device memory.
 pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+/// `CUmemorytype`: a CUDA array.
 pub const CU_MEMORYTYPE_ARRAY: c_uint = 3;
+/// `CUmemorytype`: unified (managed) memory.
 pub const CU_MEMORYTYPE_UNIFIED: c_uint = 4;
 /// Pinned memory usable from every context, not just the allocating one.
 pub const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// `cuIpcOpenMemHandle` flag: enable peer access lazily when the mapping is used.
 pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
+/// `cuMemGetHandleForAddressRange`: export the range as a dma-buf descriptor.
 pub const CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD: c_int = 1;
 
 /// `CUipcMemHandle`: 64 opaque bytes, passed by value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CUipcMemHandle {
+    /// Opaque handle bytes, passed to the importing process as is.
     pub reserved: [u8; 64],
 }
 
@@ -166,12 +184,14 @@ impl Cuda {
         }
     }
 
+    /// The driver's API version (`1000 * major + 10 * minor`), when it reports one.
     pub fn driver_version(&self) -> Option<i32> {
         let mut v = 0;
         // SAFETY: writes one int.
         (unsafe { (self.cu_driver_get_version)(&mut v) } == CUDA_SUCCESS).then_some(v)
     }
 
+    /// Number of CUDA devices the driver sees.
     pub fn device_count(&self) -> Result<i32> {
         self.initialized()?;
         let mut n = 0;
@@ -191,6 +211,7 @@ impl Cuda {
         )
     }
 
+    /// The marketing name of device `ordinal`.
     pub fn device_name(&self, ordinal: i32) -> Result<String> {
         self.device_string(ordinal, "cuDeviceGetName", self.cu_device_get_name)
     }
@@ -294,7 +315,8 @@ impl Cuda {
     /// # Safety
     /// `dst` must be valid for `len` bytes of writes; `src` device memory of `len` bytes.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `dst` is writable for `len` bytes and `src` is `len` bytes
+        // of device memory, which is all cuMemcpyDtoH requires.
         self.check("cuMemcpyDtoH_v2", unsafe {
             (self.cu_memcpy_dtoh)(dst.cast(), src, len)
         })
@@ -305,7 +327,8 @@ impl Cuda {
     /// # Safety
     /// `src` must be valid for `len` bytes of reads; `dst` device memory of `len` bytes.
     pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `src` is readable for `len` bytes and `dst` is `len` bytes
+        // of device memory, which is all cuMemcpyHtoD requires.
         self.check("cuMemcpyHtoD_v2", unsafe {
             (self.cu_memcpy_htod)(dst, src.cast(), len)
         })
@@ -316,7 +339,8 @@ impl Cuda {
     /// # Safety
     /// Both ranges must be device memory of `len` bytes.
     pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees both ranges are `len` bytes of device memory (unified
+        // addressing lets them be on different devices), as cuMemcpyDtoD requires.
         self.check("cuMemcpyDtoD_v2", unsafe {
             (self.cu_memcpy_dtod)(dst, src, len)
         })
@@ -336,7 +360,8 @@ impl Cuda {
     /// # Safety
     /// `p` must come from `host_alloc` and not be used afterwards.
     pub unsafe fn host_free(&self, p: *mut u8) {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `host_alloc` (cuMemHostAlloc) and is never
+        // used again, so freeing it once here is sound.
         unsafe { (self.cu_mem_free_host)(p.cast()) };
     }
 
@@ -352,7 +377,8 @@ impl Cuda {
     /// # Safety
     /// `p` must come from `mem_alloc` and not be used afterwards.
     pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `mem_alloc` (cuMemAlloc) and is never used
+        // again, so freeing it once here is sound.
         self.check("cuMemFree_v2", unsafe { (self.cu_mem_free)(p) })
     }
 
@@ -390,7 +416,8 @@ impl Cuda {
     /// # Safety
     /// `p` must come from `ipc_open` and not be used afterwards.
     pub unsafe fn ipc_close(&self, p: u64) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` is a mapping returned by `ipc_open` and is never used
+        // again, so unmapping it once here is sound.
         self.check("cuIpcCloseMemHandle", unsafe {
             (self.cu_ipc_close_mem_handle)(p)
         })

@@ -11,14 +11,20 @@ use super::loader::LoadError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Backend {
+    /// libibverbs (RDMA verbs).
     Ibverbs,
+    /// libfabric.
     Fabric,
+    /// The CUDA driver API (libcuda).
     Cuda,
+    /// The HIP runtime (ROCm).
     Hip,
+    /// Ascend CL (Huawei NPUs).
     Acl,
 }
 
 impl Backend {
+    /// The library's human-readable name, as errors and `mooncake info` print it.
     pub fn name(self) -> &'static str {
         match self {
             Backend::Ibverbs => "libibverbs",
@@ -46,6 +52,7 @@ const ACL_ERROR_RT_NO_DEVICE: i32 = 207_004;
 /// A native call that returned a failure code.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverError {
+    /// The library whose call failed.
     pub backend: Backend,
     /// The call, as its header names it (a variant in parentheses: `hipMemcpy(DtoH)`).
     pub call: &'static str,
@@ -114,42 +121,61 @@ impl std::error::Error for DriverError {}
 pub enum Error {
     /// The library could not be opened.
     Load {
+        /// The library that failed to load.
         backend: Backend,
         /// The variable that names the library to load instead.
         override_var: &'static str,
         /// What to install, where it helps (never in a static binary).
         hint: Option<&'static str>,
+        /// Why every candidate name failed.
         error: LoadError,
     },
     /// The library lacks a required entry point (wrong library, or too old).
     MissingSymbol {
         /// The name or path it was opened under.
         library: String,
+        /// The entry point that is missing.
         symbol: &'static str,
+        /// The environment variable that selects another library.
         override_var: &'static str,
     },
     /// The library is older than the oldest version these bindings support.
     TooOld {
+        /// The name or path it was opened under.
         library: String,
+        /// Which library it is.
         what: Backend,
+        /// The version it reports.
         found: String,
+        /// The oldest version supported.
         needed: &'static str,
+        /// The environment variable that selects another library.
         override_var: &'static str,
     },
     /// The override variable names another library than the one this process loaded.
     AlreadyLoaded {
+        /// Which library it is.
         what: Backend,
+        /// The environment variable that was set.
         override_var: &'static str,
+        /// What the variable names now.
         requested: String,
+        /// What this process loaded earlier.
         loaded: String,
     },
     /// The library's initialization call failed when it was loaded (no device, no
     /// kernel driver, ...); every call needing a device reports it.
-    NotInitialized { library: String, error: DriverError },
+    NotInitialized {
+        /// The name or path it was opened under.
+        library: String,
+        /// What the initialization call returned.
+        error: DriverError,
+    },
     /// A call returned a failure code.
     Driver(DriverError),
     /// The loaded library lacks an optional entry point an operation needs.
     Unsupported {
+        /// The name or path it was opened under.
         library: String,
         /// The missing entry point and what it means.
         what: &'static str,
@@ -238,6 +264,7 @@ impl std::error::Error for Error {
     }
 }
 
+/// Results of the native-library layer.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[cfg(test)]

@@ -9,6 +9,10 @@
 //! reached through function pointers inside each object, exactly as the headers do.
 
 #![allow(non_camel_case_types)]
+// The `fi_*`/`FI_*` items mirror the libfabric headers one to one under their C names; their
+// documentation is libfabric's (`man fi_getinfo`, ...), so they carry no doc comments
+// of their own. The Rust-side helpers below are documented.
+#![allow(missing_docs)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
@@ -24,6 +28,7 @@ pub const CANDIDATES: &[&str] = &["libfabric.so.1", "libfabric.so"];
 
 // ---- versions -------------------------------------------------------------------------
 
+/// `FI_VERSION(major, minor)`: the packed version number `fi_getinfo` takes.
 pub const fn fi_version(major: u32, minor: u32) -> u32 {
     (major << 16) | minor
 }
@@ -671,7 +676,8 @@ pub unsafe fn cstr(p: *const c_char) -> String {
     if p.is_null() {
         String::new()
     } else {
-        // SAFETY: per the contract.
+        // SAFETY: `p` is non-null (checked just above) and the caller guarantees it points at a
+        // NUL-terminated string, which is what `CStr::from_ptr` needs.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 }
@@ -709,9 +715,9 @@ macro_rules! ops_call {
     )*) => {$(
         $(#[$meta])*
         pub unsafe fn $name($($arg: $aty),*) -> $ret {
-            // SAFETY: per the function's contract the object is live, so the pointer to
-            // its ops table is valid or NULL (checked), and the slot has the header's
-            // signature; the arguments are what that slot expects.
+            // SAFETY: each generated fn's `# Safety` makes the caller keep the object live, so the
+            // ops table pointer read from it is valid or NULL (NULL is checked here), and a present
+            // slot has the header's signature; the arguments passed are the ones that slot expects.
             unsafe {
                 let table = $table;
                 if table.is_null() {
@@ -894,7 +900,8 @@ ops_call! {
 /// # Safety
 /// `ep` and `bfid` are live objects of one domain.
 pub unsafe fn fi_ep_bind(ep: *mut fid_ep, bfid: *mut fid, flags: u64) -> c_int {
-    // SAFETY: per the contract; an endpoint starts with its fid.
+    // SAFETY: the caller keeps `ep` live, and a `fid_ep` begins with its `fid`, so `addr_of_mut!`
+    // yields the endpoint's live fid; `bfid` is live in the same domain, as fi_bind requires.
     unsafe { fi_bind(std::ptr::addr_of_mut!((*ep).fid), bfid, flags) }
 }
 
@@ -903,7 +910,8 @@ pub unsafe fn fi_ep_bind(ep: *mut fid_ep, bfid: *mut fid, flags: u64) -> c_int {
 /// # Safety
 /// `ep` is live and bound.
 pub unsafe fn fi_enable(ep: *mut fid_ep) -> c_int {
-    // SAFETY: per the contract; FI_ENABLE takes no argument.
+    // SAFETY: the caller keeps `ep` live and bound, so its embedded `fid` is a valid control
+    // target; FI_ENABLE takes no argument, so passing NULL is what the header does.
     unsafe {
         fi_control(
             std::ptr::addr_of_mut!((*ep).fid),
@@ -924,7 +932,9 @@ pub unsafe fn fi_cntr_open(domain: *mut fid_domain, cntr: *mut *mut fid_cntr) ->
         wait_set: std::ptr::null_mut(),
         flags: 0,
     };
-    // SAFETY: per the contract; `attr` outlives the call.
+    // SAFETY: the caller keeps `domain` live and `attr` is a local that outlives the call; `cntr`
+    // is handed on as the out-slot for the new counter (its writability is assumed, not stated in
+    // this fn's `# Safety`).
     unsafe { fi_cntr_open_attr(domain, &mut attr, cntr) }
 }
 
@@ -934,7 +944,9 @@ pub unsafe fn fi_cntr_open(domain: *mut fid_domain, cntr: *mut *mut fid_cntr) ->
 /// `cq` is live and `entry` was just read from it.
 pub unsafe fn fi_cq_strerror(cq: *mut fid_cq, entry: &fi_cq_err_entry) -> Option<String> {
     let mut buf = [0 as c_char; 256];
-    // SAFETY: per the contract; the provider writes at most `buf.len()` bytes.
+    // SAFETY: the caller keeps `cq` live, so its ops table is readable (a live provider cq has
+    // one); the provider writes at most `buf.len()` bytes into the local `buf`, and `cstr` reads
+    // the NUL-terminated text it returns (or we skip NULL).
     unsafe {
         let f = (*(*cq).ops).strerror?;
         let p = f(
@@ -966,7 +978,8 @@ pub struct InfoSummary {
 /// # Safety
 /// `info` points at a live `fi_info` from `fi_getinfo`.
 pub unsafe fn summarize(info: *const fi_info) -> InfoSummary {
-    // SAFETY: per the contract; attribute pointers of a getinfo answer are valid or NULL.
+    // SAFETY: the caller guarantees `info` is a live fi_info from fi_getinfo, whose attribute
+    // pointers are valid or NULL (each is NULL-checked before use) and whose names are C strings.
     unsafe {
         let fa = (*info).fabric_attr;
         let da = (*info).domain_attr;
@@ -1042,7 +1055,8 @@ pub fn rma_providers(lib: &FabricLib) -> Result<Vec<(String, String, String)>> {
         if !out.contains(&entry) {
             out.push(entry);
         }
-        // SAFETY: as above.
+        // SAFETY: `p` is non-null (loop condition) and still an entry of the list fi_getinfo
+        // returned, which is not freed until after the loop.
         p = unsafe { (*p).next };
     }
     // SAFETY: the list came from fi_getinfo and is not used again.

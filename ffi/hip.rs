@@ -16,30 +16,46 @@ use super::error::{Backend, DriverError, Error, Result};
 use super::loader::{self, BackendInfo};
 use super::table::function_table;
 
+/// Environment variable naming the libamdhip64 to load instead of the system one.
 pub const OVERRIDE_VAR: &str = "MC_HIP_LIB";
+/// Library names tried when the override is not set.
 pub const CANDIDATES: &[&str] = &["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"];
 
+/// `hipError_t`: a HIP status code.
 pub type HipError = c_int;
+/// The call succeeded.
 pub const HIP_SUCCESS: HipError = 0;
+/// An argument was out of range (also: the pointer is not HIP memory).
 pub const HIP_ERROR_INVALID_VALUE: HipError = 1;
+/// No HIP-capable device is present.
 pub const HIP_ERROR_NO_DEVICE: HipError = 100;
 
 /// `hipMemcpyKind`.
 pub const HIP_MEMCPY_HOST_TO_DEVICE: c_int = 1;
+/// Device to host.
 pub const HIP_MEMCPY_DEVICE_TO_HOST: c_int = 2;
+/// Device to device.
 pub const HIP_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
+/// `hipHostMalloc` flag: pinned memory usable from every device context.
 pub const HIP_HOST_MALLOC_PORTABLE: c_uint = 1;
+/// `hipIpcOpenMemHandle` flag: enable peer access lazily.
 pub const HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
 /// `hipPointerAttribute_t` (hip_runtime_api.h).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct HipPointerAttribute {
+    /// A `hipMemoryType`: host, device, unified, ...
     pub memory_type: c_int,
+    /// Ordinal of the device owning the memory.
     pub device: c_int,
+    /// The device-side address of the allocation.
     pub device_pointer: *mut c_void,
+    /// The host-side address, for host or managed memory.
     pub host_pointer: *mut c_void,
+    /// Non-zero for managed memory.
     pub is_managed: c_int,
+    /// The flags the memory was allocated with.
     pub allocation_flags: c_uint,
 }
 
@@ -47,13 +63,16 @@ pub struct HipPointerAttribute {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HipIpcMemHandle {
+    /// Opaque handle bytes, passed to the importing process as is.
     pub reserved: [u8; 64],
 }
 
 /// Where the memory a pointer names lives, as far as HIP knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HipMemory {
+    /// Host memory (or memory HIP does not know).
     Host,
+    /// Memory of the device with this ordinal.
     Device(i32),
 }
 
@@ -174,6 +193,7 @@ impl Hip {
         self.runtime_version
     }
 
+    /// Number of HIP devices the runtime sees.
     pub fn device_count(&self) -> Result<i32> {
         self.initialized()?;
         let mut n = 0;
@@ -184,6 +204,7 @@ impl Hip {
         Ok(n)
     }
 
+    /// The marketing name of device `ordinal`.
     pub fn device_name(&self, ordinal: i32) -> Result<String> {
         self.device_string(ordinal, "hipDeviceGetName", self.hip_device_get_name)
     }
@@ -306,6 +327,7 @@ impl Hip {
         )
     }
 
+    /// Allocates `len` bytes of pinned host memory (free with `host_free`).
     pub fn host_alloc(&self, len: usize) -> Result<*mut u8> {
         self.initialized()?;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -319,10 +341,12 @@ impl Hip {
     /// # Safety
     /// `p` must come from `host_alloc` and not be used afterwards.
     pub unsafe fn host_free(&self, p: *mut u8) {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `host_alloc` (hipHostMalloc) and is never
+        // used again, so freeing it once here is sound.
         unsafe { (self.hip_host_free)(p.cast()) };
     }
 
+    /// Allocates `len` bytes on device `ordinal`; returns the device address.
     pub fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
         self.make_current(ordinal)?;
         let mut p: *mut c_void = std::ptr::null_mut();
@@ -334,7 +358,8 @@ impl Hip {
     /// # Safety
     /// `p` must come from `mem_alloc` and not be used afterwards.
     pub unsafe fn mem_free(&self, p: u64) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` came from `mem_alloc` (hipMalloc) and is never used
+        // again, so freeing it once here is sound.
         self.check("hipFree", unsafe { (self.hip_free)(p as *mut c_void) })
     }
 
@@ -348,6 +373,7 @@ impl Hip {
         Ok((base as u64, size))
     }
 
+    /// Exports the allocation holding `addr` for another process to open.
     pub fn ipc_get_handle(&self, addr: u64) -> Result<HipIpcMemHandle> {
         let mut h = HipIpcMemHandle { reserved: [0; 64] };
         // SAFETY: writes one handle.
@@ -357,6 +383,7 @@ impl Hip {
         Ok(h)
     }
 
+    /// Maps another process's exported allocation; returns its address here.
     pub fn ipc_open(&self, handle: &HipIpcMemHandle) -> Result<u64> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: writes one pointer; the handle is passed by value.
@@ -369,7 +396,8 @@ impl Hip {
     /// # Safety
     /// `p` must come from `ipc_open` and not be used afterwards.
     pub unsafe fn ipc_close(&self, p: u64) -> Result<()> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `p` is a mapping returned by `ipc_open` and is never used
+        // again, so unmapping it once here is sound.
         self.check("hipIpcCloseMemHandle", unsafe {
             (self.hip_ipc_close_mem_handle)(p as *mut c_void)
         })

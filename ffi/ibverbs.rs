@@ -9,12 +9,16 @@
 //! `static inline` in verbs.h: they call through `context->ops`. [`post_send`],
 //! [`post_recv`], [`poll_cq`] and [`req_notify_cq`] do exactly the same. `ibv_query_port` is a macro around an inline function that uses
 //! the extended context when there is one and otherwise calls the exported
-//! `ibv_query_port@IBVERBS_1.1` on a zeroed struct; [`query_port`] takes the latter
+//! `ibv_query_port@IBVERBS_1.1` on a zeroed struct; [`Verbs::query_port`] takes the latter
 //! path, which every provider supports (it fills the fields up to `link_layer`).
 //! `ibv_reg_mr` is a macro that calls the exported `ibv_reg_mr` when the access flags
 //! have no optional bits (ours never do).
 
 #![allow(non_camel_case_types)]
+// The `ibv_*`/`IBV_*` items mirror verbs.h one to one under their C names; their
+// documentation is rdma-core's (`man ibv_post_send`, ...), so they carry no doc comments
+// of their own. The Rust-side helpers below are documented.
+#![allow(missing_docs)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
@@ -548,7 +552,9 @@ impl Verbs {
         port: u8,
     ) -> Result<ibv_port_attr, c_int> {
         let mut attr = ibv_port_attr::default();
-        match (self.query_port_compat)(ctx, port, &mut attr) {
+        // SAFETY: `ctx` is an open context (this function's contract) and `attr` is a
+        // zeroed, writable `ibv_port_attr` that outlives the call.
+        match unsafe { (self.query_port_compat)(ctx, port, &mut attr) } {
             0 => Ok(attr),
             rc => Err(rc),
         }
@@ -577,11 +583,14 @@ impl Verbs {
 /// # Safety
 /// `dev` must come from a live device list.
 pub unsafe fn device_name(verbs: &Verbs, dev: *mut ibv_device) -> String {
-    let p = (verbs.get_device_name)(dev);
+    // SAFETY: `dev` comes from a live device list (this function's contract).
+    let p = unsafe { (verbs.get_device_name)(dev) };
     if p.is_null() {
         return String::new();
     }
-    CStr::from_ptr(p).to_string_lossy().into_owned()
+    // SAFETY: libibverbs returns a NUL-terminated name owned by the device, which
+    // lives as long as the list; it is copied out before returning.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
 /// verbs.h's inline `ibv_post_send`: through the QP's context ops.
@@ -594,9 +603,13 @@ pub unsafe fn post_send(
     wr: *mut ibv_send_wr,
     bad: *mut *mut ibv_send_wr,
 ) -> c_int {
-    match (*(*qp).context).ops.post_send {
-        Some(f) => f(qp, wr, bad),
-        None => libc::EOPNOTSUPP,
+    // SAFETY: `qp` is a live QP (this function's contract), so it and its context can
+    // be read; the provider's op gets the caller's valid QP and work-request chain.
+    unsafe {
+        match (*(*qp).context).ops.post_send {
+            Some(f) => f(qp, wr, bad),
+            None => libc::EOPNOTSUPP,
+        }
     }
 }
 
@@ -610,9 +623,13 @@ pub unsafe fn post_recv(
     wr: *mut ibv_recv_wr,
     bad: *mut *mut ibv_recv_wr,
 ) -> c_int {
-    match (*(*qp).context).ops.post_recv {
-        Some(f) => f(qp, wr, bad),
-        None => libc::EOPNOTSUPP,
+    // SAFETY: `qp` is a live QP (this function's contract), so it and its context can
+    // be read; the provider's op gets the caller's valid QP and work-request chain.
+    unsafe {
+        match (*(*qp).context).ops.post_recv {
+            Some(f) => f(qp, wr, bad),
+            None => libc::EOPNOTSUPP,
+        }
     }
 }
 
@@ -622,9 +639,13 @@ pub unsafe fn post_recv(
 /// `cq` must be a live CQ and `wc` point to `n` writable entries.
 #[inline]
 pub unsafe fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
-    match (*(*cq).context).ops.poll_cq {
-        Some(f) => f(cq, n, wc),
-        None => -libc::EOPNOTSUPP,
+    // SAFETY: `cq` is a live CQ (this function's contract), so it and its context can
+    // be read; the provider's op gets room for `n` completions at `wc`.
+    unsafe {
+        match (*(*cq).context).ops.poll_cq {
+            Some(f) => f(cq, n, wc),
+            None => -libc::EOPNOTSUPP,
+        }
     }
 }
 
@@ -635,9 +656,13 @@ pub unsafe fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
 /// `cq` must be a live CQ.
 #[inline]
 pub unsafe fn req_notify_cq(cq: *mut ibv_cq, solicited_only: bool) -> c_int {
-    match (*(*cq).context).ops.req_notify_cq {
-        Some(f) => f(cq, c_int::from(solicited_only)),
-        None => libc::EOPNOTSUPP,
+    // SAFETY: `cq` is a live CQ (this function's contract), so it and its context can
+    // be read and the provider's op called on it.
+    unsafe {
+        match (*(*cq).context).ops.req_notify_cq {
+            Some(f) => f(cq, c_int::from(solicited_only)),
+            None => libc::EOPNOTSUPP,
+        }
     }
 }
 

@@ -15,7 +15,10 @@ pub enum LoadError {
     /// impossible (musl), so runtime-loaded backends are disabled.
     StaticBinary,
     /// None of the candidate names could be opened; one reason per candidate.
-    NotFound { tried: Vec<(String, String)> },
+    NotFound {
+        /// `(name, why it failed)` for each candidate tried.
+        tried: Vec<(String, String)>,
+    },
 }
 
 impl fmt::Display for LoadError {
@@ -145,9 +148,11 @@ pub unsafe fn symbol<T: Copy>(
 /// What `mooncake info` shows for one backend.
 #[derive(Clone, Debug)]
 pub struct BackendInfo {
+    /// The backend's display name.
     pub name: &'static str,
     /// The library it was loaded from, or why it could not be.
     pub library: Result<String, Error>,
+    /// The version the library reports, once loaded.
     pub version: Option<String>,
     /// Devices found (HCAs with ports/GIDs, fabric providers, GPUs), one line each.
     pub devices: Vec<String>,

@@ -21,14 +21,19 @@ use crate::ffi::{acl, cuda, hip};
 /// Where a registered buffer's bytes live.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum MemoryKind {
+    /// Ordinary host memory.
     #[default]
     Host,
+    /// Memory of CUDA device `n`.
     Cuda(i32),
+    /// Memory of HIP (ROCm) device `n`.
     Hip(i32),
+    /// Memory of Ascend NPU `n`.
     Npu(i32),
 }
 
 impl MemoryKind {
+    /// True for host memory.
     pub fn is_host(self) -> bool {
         self == MemoryKind::Host
     }
@@ -164,29 +169,36 @@ macro_rules! runtime_table {
                 Ok(<$t>::make_current(self, ordinal)?)
             }
             unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-                // SAFETY: forwarded contract.
+                // SAFETY: this trait method's `# Safety` is the table method's, so the caller's
+                // guarantee (`dst` writable for `len` bytes, `src` `len` bytes of device memory) is
+                // passed on unchanged.
                 Ok(unsafe { <$t>::copy_dtoh(self, dst, src, len) }?)
             }
             unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
-                // SAFETY: forwarded contract.
+                // SAFETY: the caller guarantees what the table's `copy_htod` needs (`src` readable
+                // for `len` bytes, `dst` `len` bytes of device memory); the arguments are passed on
+                // unchanged.
                 Ok(unsafe { <$t>::copy_htod(self, dst, src, len) }?)
             }
             unsafe fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<()> {
-                // SAFETY: forwarded contract.
+                // SAFETY: the caller guarantees what the table's `copy_dtod` needs (both ranges
+                // `len` bytes of device memory); the arguments are passed on unchanged.
                 Ok(unsafe { <$t>::copy_dtod(self, dst, src, len) }?)
             }
             fn host_alloc(&self, len: usize) -> Result<*mut u8> {
                 Ok(<$t>::host_alloc(self, len)?)
             }
             unsafe fn host_free(&self, p: *mut u8) {
-                // SAFETY: forwarded contract.
+                // SAFETY: the caller guarantees `p` came from this table's `host_alloc` and is not
+                // used again, which is the table's `host_free` contract.
                 unsafe { <$t>::host_free(self, p) }
             }
             fn mem_alloc(&self, ordinal: i32, len: usize) -> Result<u64> {
                 Ok(<$t>::mem_alloc(self, ordinal, len)?)
             }
             unsafe fn mem_free(&self, p: u64) -> Result<()> {
-                // SAFETY: forwarded contract.
+                // SAFETY: the caller guarantees `p` came from this table's `mem_alloc` and is not
+                // used again, which is the table's `mem_free` contract.
                 Ok(unsafe { <$t>::mem_free(self, p) }?)
             }
         }
@@ -214,7 +226,9 @@ fn runtime(kind: MemoryKind) -> Result<&'static dyn Runtime> {
 /// `dst` must be valid for `len` bytes of writes; `src` must be `len` bytes of device
 /// memory of `kind`.
 pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize) -> Result<()> {
-    // SAFETY: per the contract.
+    // SAFETY: the caller guarantees `dst` is writable for `len` bytes and `src` is `len` bytes of
+    // device memory of `kind`, and `runtime(kind)` picks that kind's table, so its `copy_dtoh`
+    // contract holds.
     unsafe { runtime(kind)?.copy_dtoh(dst, src, len) }
 }
 
@@ -224,7 +238,9 @@ pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize)
 /// `src` must be valid for `len` bytes of reads; `dst` must be `len` bytes of device
 /// memory of `kind`.
 pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: usize) -> Result<()> {
-    // SAFETY: per the contract.
+    // SAFETY: the caller guarantees `src` is readable for `len` bytes and `dst` is `len` bytes of
+    // device memory of `kind`, and `runtime(kind)` picks that kind's table, so its `copy_htod`
+    // contract holds.
     unsafe { runtime(kind)?.copy_htod(dst, src, len) }
 }
 
@@ -255,7 +271,8 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
 /// # Safety
 /// `addr` must come from `alloc(kind, ..)` and not be used afterwards.
 pub unsafe fn free(kind: MemoryKind, addr: u64) -> Result<()> {
-    // SAFETY: per the contract.
+    // SAFETY: the caller guarantees `addr` came from `alloc(kind, ..)`, i.e. from the `mem_alloc`
+    // of the same table `runtime(kind)` returns, and is not used again.
     unsafe { runtime(kind)?.mem_free(addr) }
 }
 
@@ -273,23 +290,33 @@ pub unsafe fn copy(
     len: usize,
 ) -> Result<()> {
     use MemoryKind::*;
-    // SAFETY (all arms): per the contract.
+    // SAFETY (all arms): the caller guarantees both ranges are valid for `len` bytes of the
+    // stated kinds, and not overlapping on a device; each arm says how its callee is satisfied.
     match (dst_kind, src_kind) {
         (Host, Host) => {
+            // SAFETY: both host ranges are valid for `len` bytes (contract); `copy` is
+            // memmove, so overlap is fine.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
             Ok(())
         }
+        // SAFETY: `dst` is host memory and `src` memory of kind `k`, both `len` bytes.
         (Host, k) => unsafe { copy_to_host(k, dst as *mut u8, src, len) },
+        // SAFETY: `dst` is memory of kind `k` and `src` host memory, both `len` bytes.
         (k, Host) => unsafe { copy_from_host(k, dst, src as *const u8, len) },
+        // SAFETY: both ranges are `len` bytes of the same runtime's device memory and
+        // do not overlap (contract).
         (Cuda(_), Cuda(_)) | (Hip(_), Hip(_)) => unsafe {
             runtime(src_kind)?.copy_dtod(dst, src, len)
         },
+        // SAFETY: both ranges are `len` bytes of one NPU's memory and do not overlap.
         (Npu(d), Npu(n)) if d == n => unsafe { runtime(src_kind)?.copy_dtod(dst, src, len) },
         (d, s) => {
             let bounce = Bounce::take(s);
             let mut off = 0;
             while off < len {
                 let n = (len - off).min(bounce.len());
+                // SAFETY: the bounce holds `n` bytes, and `[off, off + n)` lies inside
+                // both caller ranges, which are valid for `len` bytes of their kinds.
                 unsafe {
                     copy_to_host(s, bounce.ptr(), src + off as u64, n)?;
                     copy_from_host(d, dst + off as u64, bounce.ptr(), n)?;
@@ -335,7 +362,8 @@ unsafe fn pinned_free(index: usize, p: *mut u8) {
         _ => acl::api().map(|a| a as &dyn Runtime),
     };
     if let Ok(rt) = table {
-        // SAFETY: per the contract; the table loaded when `p` was allocated.
+        // SAFETY: the caller guarantees `p` came from `pinned_alloc` of pool `index`'s runtime, and
+        // the `api()` cells keep the table loaded then, so this is the same table's `host_free`.
         unsafe { rt.host_free(p) }
     }
 }
@@ -385,18 +413,22 @@ impl Bounce {
         }
     }
 
+    /// Start of the bounce buffer.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
+    /// Its size in bytes (always `BOUNCE_SIZE`).
     pub fn len(&self) -> usize {
         BOUNCE_SIZE
     }
 
+    /// Always false: a bounce buffer is never empty.
     pub fn is_empty(&self) -> bool {
         false
     }
 
+    /// True when the buffer is page-locked by the device runtime (DMA-capable).
     pub fn is_pinned(&self) -> bool {
         self.pool.is_some()
     }
@@ -407,8 +439,10 @@ impl Bounce {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, len.min(BOUNCE_SIZE)) }
     }
 
+    /// The first `len` bytes (at most the buffer's size), read-only.
     pub fn bytes(&self, len: usize) -> &[u8] {
-        // SAFETY: as above.
+        // SAFETY: `self.ptr` points at BOUNCE_SIZE bytes owned by `self` (pinned or `_heap`), and
+        // the length is capped at BOUNCE_SIZE; `&self` rules out a concurrent `bytes_mut`.
         unsafe { std::slice::from_raw_parts(self.ptr, len.min(BOUNCE_SIZE)) }
     }
 }
@@ -433,7 +467,9 @@ impl Drop for Bounce {
 /// offset inside that allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IpcExport {
+    /// The runtime's IPC handle for the allocation.
     pub handle: [u8; 64],
+    /// Where the buffer starts inside that allocation.
     pub offset: u64,
 }
 
@@ -457,7 +493,8 @@ pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
 /// # Safety
 /// `addr` must come from `ipc_open(kind, ..)` and not be used afterwards.
 pub unsafe fn ipc_close(kind: MemoryKind, addr: u64) -> Result<()> {
-    // SAFETY: per the contract.
+    // SAFETY: the caller guarantees `addr` came from `ipc_open(kind, ..)`, i.e. from the same table
+    // `ipc_runtime(kind)` returns, and is not used again.
     unsafe { ipc_runtime(kind)?.ipc_close(addr) }
 }
 
@@ -485,7 +522,8 @@ macro_rules! ipc_table {
                 Ok(<$t>::ipc_open(self, &$handle(*handle))?)
             }
             unsafe fn ipc_close(&self, addr: u64) -> Result<()> {
-                // SAFETY: forwarded contract.
+                // SAFETY: the caller guarantees `addr` came from this table's `ipc_open` and is not
+                // used again, which is the table's `ipc_close` contract.
                 Ok(unsafe { <$t>::ipc_close(self, addr) }?)
             }
         }
@@ -516,7 +554,9 @@ fn ipc_runtime(kind: MemoryKind) -> Result<&'static dyn IpcRuntime> {
 /// buffer starts inside it.
 #[derive(Debug)]
 pub struct DmaBuf {
+    /// The dma-buf descriptor.
     pub fd: std::os::fd::OwnedFd,
+    /// Where the buffer starts inside it.
     pub offset: u64,
 }
 

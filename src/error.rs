@@ -13,45 +13,85 @@ use crate::ffi::error as ffi;
 #[repr(i32)]
 #[non_exhaustive]
 pub enum Code {
+    /// An unexpected internal failure (a bug, or a panic caught at the ABI).
     Internal = -1,
+    /// The caller's buffer is too small for the result.
     BufferOverflow = -10,
+    /// No such segment.
     SegmentNotFound = -101,
+    /// A segment with that name is already mounted.
     SegmentAlreadyExists = -102,
+    /// The master does not know this client.
     ClientNotFound = -103,
+    /// No free handle is left.
     NoAvailableHandle = -200,
+    /// Version mismatch.
     InvalidVersion = -300,
+    /// The key is empty or otherwise unusable.
     InvalidKey = -400,
+    /// A write failed.
     WriteFail = -500,
+    /// An argument is invalid.
     InvalidParams = -600,
+    /// The client is not allowed to do this.
     IllegalClient = -601,
+    /// The write is not allowed in the object's current state.
     InvalidWrite = -700,
+    /// The read is not allowed in the object's current state.
     InvalidRead = -701,
+    /// The replica is unusable.
     InvalidReplica = -702,
+    /// The object is still being written.
     ReplicaIsNotReady = -703,
+    /// No such object.
     ObjectNotFound = -704,
+    /// The object already exists.
     ObjectAlreadyExists = -705,
+    /// The object is leased to a reader and cannot be removed now.
     ObjectHasLease = -706,
+    /// The object's lease expired while it was being read.
     LeaseExpired = -707,
+    /// Moving the bytes failed.
     TransferFail = -800,
+    /// The bytes read do not match the stored checksum.
     ChecksumMismatch = -801,
+    /// An RPC failed.
     RpcFail = -900,
+    /// An RPC got no answer in time.
     RpcTimeout = -901,
+    /// The etcd metadata backend failed.
     EtcdOperationError = -1000,
+    /// Not possible in the current state.
     UnavailableInCurrentStatus = -1010,
+    /// Not supported by this build or configuration.
     NotSupported = -1012,
+    /// No such file.
     FileNotFound = -1100,
+    /// A file could not be opened.
     FileOpenFail = -1101,
+    /// Reading a file failed.
     FileReadFail = -1102,
+    /// Writing a file failed.
     FileWriteFail = -1103,
+    /// The range overlaps memory already registered.
     AddressOverlap = -1201,
+    /// An address is not inside registered memory.
     AddressNotRegistered = -1202,
+    /// No such batch.
     BatchNotFound = -1203,
+    /// The batch still has unfinished tasks.
     BatchBusy = -1204,
+    /// The batch has no room for more tasks.
     BatchFull = -1205,
+    /// Time ran out.
     Timeout = -1206,
+    /// The metadata store failed or holds something unusable.
     Metadata = -1207,
+    /// A peer sent something that breaks the wire protocol.
     Protocol = -1208,
+    /// A runtime-loaded library (verbs, libfabric, a GPU runtime) is unavailable.
     BackendUnavailable = -1209,
+    /// An operating-system I/O error.
     Io = -1210,
 }
 
@@ -100,6 +140,7 @@ impl Code {
         Code::Io,
     ];
 
+    /// The code with this number, if there is one.
     pub fn from_i32(v: i32) -> Option<Code> {
         Code::ALL.iter().copied().find(|c| *c as i32 == v)
     }
@@ -160,9 +201,11 @@ pub struct Error {
     source: Option<Box<ffi::Error>>,
 }
 
+/// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// An error with `code` and a message saying what failed.
     pub fn new(code: Code, context: impl Into<String>) -> Error {
         Error {
             code,
@@ -197,10 +240,12 @@ impl Error {
         self
     }
 
+    /// The error's code.
     pub fn code(&self) -> Code {
         self.code
     }
 
+    /// What failed, in words.
     pub fn context(&self) -> &str {
         &self.context
     }
@@ -214,10 +259,12 @@ impl Error {
         Error::new(code, format!("{what}: {err}"))
     }
 
+    /// An [`Code::InvalidParams`] error.
     pub fn invalid(context: impl Into<String>) -> Error {
         Error::new(Code::InvalidParams, context)
     }
 
+    /// A [`Code::Protocol`] error: a peer broke the wire format.
     pub fn protocol(context: impl Into<String>) -> Error {
         Error::new(Code::Protocol, context)
     }

@@ -13,7 +13,8 @@ pub struct Mapping {
 
 // SAFETY: a mapping is plain memory; synchronization of its contents is the users' job.
 unsafe impl Send for Mapping {}
-// SAFETY: as above.
+// SAFETY: `&Mapping` only exposes the address and length, never unsynchronized access of its own;
+// the mapping stays valid until drop, and users synchronize the shared contents.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
@@ -46,14 +47,17 @@ impl Mapping {
         })
     }
 
+    /// Start of the mapping.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
+    /// Length of the mapping in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// True for a zero-length mapping.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -73,6 +77,7 @@ pub struct SharedMemory {
 }
 
 impl SharedMemory {
+    /// Creates a memfd named `name` of `len` bytes and maps it here.
     pub fn create(name: &str, len: usize) -> io::Result<SharedMemory> {
         let cname = CString::new(name)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in name"))?;
@@ -93,18 +98,22 @@ impl SharedMemory {
         Ok(SharedMemory { fd, mapping })
     }
 
+    /// The memfd, for peers to map through `/proc/<pid>/fd`.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
 
+    /// Start of the local mapping.
     pub fn ptr(&self) -> *mut u8 {
         self.mapping.ptr()
     }
 
+    /// Length in bytes.
     pub fn len(&self) -> usize {
         self.mapping.len()
     }
 
+    /// True for a zero-length buffer.
     pub fn is_empty(&self) -> bool {
         self.mapping.is_empty()
     }

@@ -12,7 +12,9 @@ use crate::error::{Code, Error, Result};
 /// One registered buffer.
 #[derive(Debug)]
 pub struct Region {
+    /// Start address.
     pub addr: u64,
+    /// Length in bytes.
     pub len: u64,
     /// Where the memory lives, e.g. `cpu:0` or `cuda:1`.
     pub location: String,
@@ -28,6 +30,7 @@ pub struct Region {
 }
 
 impl Region {
+    /// One past the last address.
     pub fn end(&self) -> u64 {
         self.addr + self.len
     }
@@ -47,18 +50,22 @@ pub struct RangeGuard {
 }
 
 impl RangeGuard {
+    /// Start address of the guarded range.
     pub fn addr(&self) -> u64 {
         self.addr
     }
 
+    /// Length of the range in bytes.
     pub fn len(&self) -> u64 {
         self.len
     }
 
+    /// True for an empty range.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The start address as a pointer.
     pub fn ptr(&self) -> *mut u8 {
         self.addr as usize as *mut u8
     }
@@ -104,6 +111,7 @@ pub struct LocalMemory {
 }
 
 impl LocalMemory {
+    /// An empty registry.
     pub fn new() -> LocalMemory {
         LocalMemory::default()
     }

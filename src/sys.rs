@@ -35,9 +35,8 @@ impl Epoll {
         // SAFETY: plain syscall; the returned descriptor is owned from here on.
         let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
-        Ok(Epoll {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
     }
 
     pub fn add(&self, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
@@ -49,7 +48,8 @@ impl Epoll {
 
     pub fn delete(&self, fd: RawFd) -> io::Result<()> {
         let mut ev = libc::epoll_event { events: 0, u64: 0 };
-        // SAFETY: as in `add`.
+        // SAFETY: `ev` is a valid epoll_event for the call (EPOLL_CTL_DEL ignores it, but pre-2.6.9
+        // kernels require a non-null pointer); `self.fd` is our open epoll descriptor.
         cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) })?;
         Ok(())
     }
@@ -92,9 +92,8 @@ impl EventFd {
         // SAFETY: plain syscall.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
         // SAFETY: fresh descriptor.
-        Ok(EventFd {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
     }
 
     pub fn notify(&self) {
@@ -199,7 +198,8 @@ pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
             (libc::AF_INET, std::mem::size_of::<libc::sockaddr_in>())
         }
         SocketAddr::V6(a) => {
-            // SAFETY: as above, for sockaddr_in6.
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in6 and was zeroed
+            // above, so the `&mut` reborrow is a valid, exclusive view of it.
             let sin6 = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in6) };
             sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
             sin6.sin6_port = a.port().to_be();

@@ -134,8 +134,8 @@ impl Store {
 
     fn hostname(&self) -> String {
         let mut buf = [0 as c_char; 256];
-        // SAFETY: live store; `buf` writable for its length.
         assert_eq!(
+            // SAFETY: live store; `buf` writable for its length.
             unsafe { mc_store_hostname(self.0, buf.as_mut_ptr(), buf.len()) },
             MC_OK
         );
@@ -790,8 +790,8 @@ fn revision_2_calls_through_the_abi() {
     let m = master();
     let n1 = node(&m, 32 * MIB);
     let s = Store::client_of(&m);
-    // SAFETY (whole test): `s.0` is a live store; every array below holds the count
-    // passed with it and outlives the call; keys are NUL-terminated.
+    // SAFETY: `s.0` is a live store. Below, every array holds the count passed with
+    // it and outlives the call; keys are NUL-terminated.
     assert_eq!(unsafe { mc_store_health(s.0) }, MC_OK);
 
     // Two keys from parts: "a" = 3 parts, "b" = 1 part; "c" has no part.
@@ -811,11 +811,14 @@ fn revision_2_calls_through_the_abi() {
         group_ids_count: 7,
         upsert: 9,
     };
+    // SAFETY: live `opts`, writable.
     unsafe { mc_put_options_init(&mut opts) };
     assert_eq!((opts.group_ids_count, opts.upsert), (0, 0));
     opts.group_ids = gp.as_ptr();
     opts.group_ids_count = 1;
     let mut results = [1 as c_int; 3];
+    // SAFETY: `s.0` is live; `kp`, `bufs`, `lens`, `counts` and `results` hold the
+    // counts passed and outlive the call.
     let rc = unsafe {
         mc_store_batch_put_parts(
             s.0,
@@ -842,6 +845,8 @@ fn revision_2_calls_through_the_abi() {
         .collect();
     let caps = [2500usize, 2000, 100];
     let mut sizes = [0i64; 2];
+    // SAFETY: `s.0` is live; `out`, `caps`, the part counts and `sizes` hold two keys'
+    // worth and outlive the call.
     let rc = unsafe {
         mc_store_batch_get_parts(
             s.0,
@@ -861,6 +866,8 @@ fn revision_2_calls_through_the_abi() {
     let mut r = vec![0u8; 20];
     let rp = [r.as_mut_ptr().cast::<c_void>()];
     let mut got = [0i64; 1];
+    // SAFETY: `s.0` is live; `rp` and the offset, length, count and `got` arrays hold
+    // one key's worth.
     let rc = unsafe {
         mc_store_batch_get_ranges(
             s.0,
@@ -875,6 +882,7 @@ fn revision_2_calls_through_the_abi() {
     };
     assert_eq!((rc, got[0]), (MC_OK, 20));
     assert_eq!(r, whole_a[990..1010]);
+    // SAFETY: `s.0` is live; every array holds one key's worth and outlives the call.
     let rc = unsafe {
         mc_store_batch_get_ranges(
             s.0,
@@ -892,15 +900,19 @@ fn revision_2_calls_through_the_abi() {
     // One round trip get into library memory.
     let (mut p, mut len) = (null_mut(), 0u64);
     assert_eq!(
+        // SAFETY: `s.0` is live, `kp[1]` NUL-terminated; `p` and `len` writable.
         unsafe { mc_store_get_buffer(s.0, kp[1], &mut p, &mut len) },
         MC_OK
     );
     assert_eq!(
+        // SAFETY: the library handed out `len` readable bytes at `p`, not yet freed.
         unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len as usize) },
         &b0[..]
     );
+    // SAFETY: `p`/`len` came from mc_store_get_buffer and are not used again.
     unsafe { mc_store_buffer_free(p, len) };
     assert_eq!(
+        // SAFETY: `s.0` is live, `kp[2]` NUL-terminated; `p` and `len` writable.
         unsafe { mc_store_get_buffer(s.0, kp[2], &mut p, &mut len) },
         NOT_FOUND
     );
@@ -909,14 +921,17 @@ fn revision_2_calls_through_the_abi() {
     let mut needed = 0usize;
     let mut tiny = [0 as c_char; 4];
     assert_eq!(
+        // SAFETY: `s.0` is live; `tiny` is writable for 4 bytes; `needed` writable.
         unsafe { mc_store_replica_desc(s.0, kp[0], tiny.as_mut_ptr(), 4, &mut needed) },
         OVERFLOW
     );
     let mut text = vec![0 as c_char; needed];
     assert_eq!(
+        // SAFETY: `s.0` is live; `text` is writable for `needed` bytes.
         unsafe { mc_store_replica_desc(s.0, kp[0], text.as_mut_ptr(), needed, null_mut()) },
         MC_OK
     );
+    // SAFETY: NUL-terminated on success.
     let text = unsafe { CStr::from_ptr(text.as_ptr()) }
         .to_str()
         .unwrap()
@@ -930,16 +945,19 @@ fn revision_2_calls_through_the_abi() {
     // "a" and "b" were read: leased, so neither cleared nor removed without force.
     let mut res = [9 as c_int; 2];
     assert_eq!(
+        // SAFETY: `s.0` is live; `kp` and `res` hold two entries.
         unsafe { mc_store_batch_replica_clear(s.0, kp.as_ptr(), 2, null(), res.as_mut_ptr()) },
         MC_OK
     );
     assert_eq!(res, [0, 0]);
     assert_eq!(
+        // SAFETY: `s.0` is live; `kp` and the result array hold three entries.
         unsafe { mc_store_batch_remove(s.0, kp.as_ptr(), 3, 0, [0; 3].as_mut_ptr()) },
         MC_OK
     );
     let mut rm = [9 as c_int; 3];
     assert_eq!(
+        // SAFETY: `s.0` is live; `kp` and `rm` hold three entries.
         unsafe { mc_store_batch_remove(s.0, kp.as_ptr(), 3, 1, rm.as_mut_ptr()) },
         MC_OK
     );
@@ -956,6 +974,7 @@ fn a_store_can_share_an_engine() {
     let mut engine = null_mut();
     // SAFETY: live config; `engine` writable.
     assert_eq!(unsafe { mc_engine_new(cfg, &mut engine) }, MC_OK);
+    // SAFETY: from mc_config_new, not used again.
     unsafe { mc_config_free(cfg) };
     let master_addr = m.rpc_addr().to_string();
     let cfg = config(&[
@@ -963,14 +982,14 @@ fn a_store_can_share_an_engine() {
         ("global_segment_size", "8M"),
     ]);
     let mut s = null_mut();
-    // SAFETY: live config; NULL engine refused; `s` writable.
     assert_eq!(
+        // SAFETY: live config; NULL engine refused; `s` writable.
         unsafe { mc_store_new_with_engine(cfg, null_mut(), &mut s) },
         INVALID
     );
     assert!(s.is_null());
-    // SAFETY: live config and engine; `s` writable.
     assert_eq!(
+        // SAFETY: live config and engine; `s` writable.
         unsafe { mc_store_new_with_engine(cfg, engine, &mut s) },
         MC_OK
     );
@@ -979,15 +998,18 @@ fn a_store_can_share_an_engine() {
     let store = Store(s);
     let mut name = [0 as c_char; 128];
     assert_eq!(
+        // SAFETY: live engine; `name` writable for 128 bytes.
         unsafe { mc_engine_segment_name(engine, name.as_mut_ptr(), 128) },
         MC_OK
     );
+    // SAFETY: NUL-terminated on success.
     let name = unsafe { CStr::from_ptr(name.as_ptr()) }
         .to_str()
         .unwrap()
         .to_owned();
     assert_eq!(store.hostname(), name);
     // The engine handle goes first; the store keeps working on the engine it shares.
+    // SAFETY: live handle, not used again; the store holds its own reference.
     unsafe { mc_engine_free(engine) };
     assert_eq!(store.put("shared", &value(5, 777)), MC_OK);
     assert_eq!(store.get("shared", 1000), (MC_OK, value(5, 777)));

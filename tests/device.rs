@@ -97,6 +97,7 @@ fn classification_asks_the_driver_once_at_registration() {
     assert!(device::classify(h, 1, "npu:7").is_err());
 
     let engine = engine_with("P2PHANDSHAKE", "tcp");
+    // SAFETY: `host` is a live 4096-byte buffer (refused here: not CUDA memory).
     let err =
         unsafe { engine.register_memory(host.as_ptr() as *mut u8, 4096, "cuda:0") }.unwrap_err();
     assert_eq!(err.code(), Code::InvalidParams);
@@ -420,10 +421,12 @@ fn child_registers_cuda_without_a_driver() {
     }
     let engine = engine_with("P2PHANDSHAKE", "tcp");
     let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` is 4096 bytes and outlives `engine`.
     let err = unsafe { engine.register_memory(buf.as_mut_ptr(), 4096, "cuda:0") }.unwrap_err();
     assert_eq!(err.code(), Code::BackendUnavailable, "{err}");
     assert!(err.to_string().contains("MC_CUDA_LIB"), "{err}");
     // Host memory is unaffected.
+    // SAFETY: `buf` is 4096 bytes and outlives `engine`.
     unsafe { engine.register_memory(buf.as_mut_ptr(), 4096, "cpu:0") }.unwrap();
     assert!(cuda::info().library.is_err());
 }

@@ -417,8 +417,8 @@ impl Te {
 
     fn address(&self) -> String {
         let mut buf = [0 as c_char; 128];
-        // SAFETY: live engine; `buf` is writable for its length.
         assert_eq!(
+            // SAFETY: live engine; `buf` is writable for its length.
             unsafe { getLocalIpAndPort(self.0, buf.as_mut_ptr(), buf.len()) },
             0
         );

@@ -63,8 +63,8 @@ pub unsafe extern "C" fn mc_config_free(cfg: *mut McConfig) {
         return;
     }
     guard_value("mc_config_free", (), || {
-        // SAFETY: the pointer came from `Box::into_raw` in `mc_config_new` and is
-        // freed only once, per the caller's contract.
+        // SAFETY: `cfg` is non-null (checked above) and, as mooncake.h requires of callers, came
+        // from `Box::into_raw` in `mc_config_new` and is freed only this once.
         drop(unsafe { Box::from_raw(cfg) });
     });
 }

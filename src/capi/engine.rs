@@ -29,10 +29,15 @@ pub const MC_OP_WRITE: c_int = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct McRequest {
+    /// `MC_OP_READ` or `MC_OP_WRITE`.
     pub op: c_int,
+    /// The local buffer: read into for reads, copied from for writes.
     pub local: *mut c_void,
+    /// The peer segment's handle, from `mc_engine_open_segment`.
     pub segment: u64,
+    /// Absolute address in the peer segment.
     pub remote_addr: u64,
+    /// Bytes to move.
     pub len: u64,
 }
 
@@ -42,6 +47,7 @@ pub struct McRequest {
 pub struct McTaskStatus {
     /// A `MC_TASK_*` value (the numbering of [`crate::engine::TaskState`]).
     pub state: c_int,
+    /// Bytes moved so far.
     pub bytes: u64,
 }
 
@@ -51,8 +57,9 @@ pub struct McTaskStatus {
 /// `e` must be NULL or a live pointer from `mc_engine_new` that is not freed during `'a`.
 unsafe fn engine<'a>(e: *mut McEngine) -> Result<&'a Engine> {
     non_null(e, "engine")?;
-    // SAFETY: non-null and live per the caller's contract; only shared access is made,
-    // which `Engine: Sync` allows from many threads.
+    // SAFETY: `e` is non-null (checked by `non_null`) and the caller guarantees a live engine from
+    // mc_engine_new that mc_engine_free does not free during `'a` (mooncake.h); only shared access
+    // is made, which `Engine: Sync` allows from many threads.
     Ok(unsafe { &(*e).engine })
 }
 
@@ -65,19 +72,23 @@ pub unsafe extern "C" fn mc_engine_new(cfg: *const McConfig, out: *mut *mut McEn
     guard("mc_engine_new", || {
         init_logging();
         non_null(out, "out")?;
-        // SAFETY: `out` is non-null and writable per the caller's contract.
+        // SAFETY: `out` is non-null (checked just above) and the caller guarantees a non-null `out`
+        // is writable, as this fn's `# Safety` and mooncake.h require.
         unsafe { *out = std::ptr::null_mut() };
         let config = if cfg.is_null() {
             EngineConfig::default()
         } else {
-            // SAFETY: non-null and live per the caller's contract; only read.
+            // SAFETY: `cfg` is non-null (checked) and the caller guarantees a live mc_config that
+            // no other thread uses meanwhile (mooncake.h's rule for configs); it is only read
+            // (cloned).
             unsafe { (*cfg).config.clone() }
         };
         let engine = Engine::new(config)?;
         let handle = Box::into_raw(Box::new(McEngine {
             engine: std::sync::Arc::new(engine),
         }));
-        // SAFETY: as above.
+        // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
+        // caller guarantees; storing the handle is its only use.
         unsafe { *out = handle };
         Ok(MC_OK)
     })
@@ -110,7 +121,8 @@ pub unsafe extern "C" fn mc_engine_segment_name(
     len: usize,
 ) -> c_int {
     guard("mc_engine_segment_name", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(buf, "buf")?;
         let name = engine.segment_name();
@@ -145,13 +157,15 @@ pub unsafe extern "C" fn mc_register_memory(
     location: *const c_char,
 ) -> c_int {
     guard("mc_register_memory", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(addr, "addr")?;
         let location = if location.is_null() {
             "cpu:0"
         } else {
-            // SAFETY: non-null NUL-terminated string per the caller's contract.
+            // SAFETY: `location` is non-null (this branch) and the caller guarantees a non-null
+            // `location` is a NUL-terminated string unchanged during the call, as `c_str` requires.
             unsafe { c_str(location, "location")? }
         };
         // SAFETY: the caller keeps the memory valid until it unregisters it.
@@ -172,17 +186,20 @@ pub unsafe extern "C" fn mc_allocate_buffer(
     out: *mut *mut c_void,
 ) -> c_int {
     guard("mc_allocate_buffer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(out, "out")?;
         let location = if location.is_null() {
             "cpu:0"
         } else {
-            // SAFETY: non-null NUL-terminated string per the caller's contract.
+            // SAFETY: `location` is non-null (this branch) and the caller guarantees a non-null
+            // `location` is a NUL-terminated string unchanged during the call, as `c_str` requires.
             unsafe { c_str(location, "location")? }
         };
         let ptr = engine.allocate_buffer(len, location)?;
-        // SAFETY: `out` is non-null and writable per the caller's contract.
+        // SAFETY: `out` is non-null (checked above) and the caller guarantees it is writable (this
+        // fn's `# Safety`).
         unsafe { *out = ptr.cast() };
         Ok(MC_OK)
     })
@@ -195,7 +212,8 @@ pub unsafe extern "C" fn mc_allocate_buffer(
 #[no_mangle]
 pub unsafe extern "C" fn mc_free_buffer(e: *mut McEngine, addr: *mut c_void) -> c_int {
     guard("mc_free_buffer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(addr, "addr")?;
         engine.free_buffer(addr.cast())?;
@@ -210,7 +228,8 @@ pub unsafe extern "C" fn mc_free_buffer(e: *mut McEngine, addr: *mut c_void) -> 
 #[no_mangle]
 pub unsafe extern "C" fn mc_unregister_memory(e: *mut McEngine, addr: *mut c_void) -> c_int {
     guard("mc_unregister_memory", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(addr, "addr")?;
         engine.unregister_memory(addr.cast())?;
@@ -230,7 +249,8 @@ pub unsafe extern "C" fn mc_open_segment(
     segment_out: *mut u64,
 ) -> c_int {
     guard("mc_open_segment", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(segment_out, "segment_out")?;
         // SAFETY: NULL (rejected) or a NUL-terminated string.
@@ -249,7 +269,8 @@ pub unsafe extern "C" fn mc_open_segment(
 #[no_mangle]
 pub unsafe extern "C" fn mc_resync_segment(e: *mut McEngine, segment: u64) -> c_int {
     guard("mc_resync_segment", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         unsafe { engine(e)? }.resync_segment(segment)?;
         Ok(MC_OK)
     })
@@ -266,7 +287,8 @@ pub unsafe extern "C" fn mc_batch_new(
     batch_out: *mut u64,
 ) -> c_int {
     guard("mc_batch_new", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(batch_out, "batch_out")?;
         let id: BatchId = engine.allocate_batch(capacity)?;
@@ -308,7 +330,8 @@ pub unsafe extern "C" fn mc_submit(
     n: usize,
 ) -> c_int {
     guard("mc_submit", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine not being freed (`engine`'s
+        // contract) and `reqs` NULL only with `n == 0` or `n` readable requests (`requests`'s).
         let (engine, requests) = unsafe { (engine(e)?, requests(reqs, n)?) };
         // SAFETY: the caller keeps each local buffer valid until its task is final.
         unsafe { engine.submit(batch, &requests)? };
@@ -351,7 +374,8 @@ pub unsafe extern "C" fn mc_transfer_sync(
     n: usize,
 ) -> c_int {
     guard("mc_transfer_sync", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine not being freed (`engine`'s
+        // contract) and `reqs` NULL only with `n == 0` or `n` readable requests (`requests`'s).
         let (engine, requests) = unsafe { (engine(e)?, requests(reqs, n)?) };
         // SAFETY: the caller keeps each local buffer valid for the call, which returns
         // only once every task is final.
@@ -372,7 +396,8 @@ pub unsafe extern "C" fn mc_task_status(
     out: *mut McTaskStatus,
 ) -> c_int {
     guard("mc_task_status", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(out, "out")?;
         let st = engine.task_status(batch, task)?;
@@ -394,7 +419,8 @@ pub unsafe extern "C" fn mc_task_status(
 #[no_mangle]
 pub unsafe extern "C" fn mc_batch_wait(e: *mut McEngine, batch: u64, timeout_ms: i64) -> c_int {
     guard("mc_batch_wait", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
         engine.wait_batch(batch, timeout)?;
@@ -409,7 +435,8 @@ pub unsafe extern "C" fn mc_batch_wait(e: *mut McEngine, batch: u64, timeout_ms:
 #[no_mangle]
 pub unsafe extern "C" fn mc_batch_free(e: *mut McEngine, batch: u64) -> c_int {
     guard("mc_batch_free", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         unsafe { engine(e)? }.free_batch(batch)?;
         Ok(MC_OK)
     })
@@ -422,7 +449,8 @@ pub unsafe extern "C" fn mc_batch_free(e: *mut McEngine, batch: u64) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn mc_notify(e: *mut McEngine, segment: u64, msg: *const c_char) -> c_int {
     guard("mc_notify", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         // SAFETY: NULL (rejected) or a NUL-terminated string.
         let msg = unsafe { c_str(msg, "msg")? };
@@ -446,7 +474,8 @@ pub unsafe extern "C" fn mc_take_notification(
     msg_len: usize,
 ) -> c_int {
     guard("mc_take_notification", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         non_null(from, "from")?;
         non_null(msg, "msg")?;
@@ -483,7 +512,8 @@ pub unsafe extern "C" fn mc_take_notification(
 #[no_mangle]
 pub unsafe extern "C" fn mc_probe(e: *mut McEngine, segment: u64) -> c_int {
     guard("mc_probe", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         unsafe { engine(e)? }.probe(segment)?;
         Ok(MC_OK)
     })
@@ -496,7 +526,8 @@ pub unsafe extern "C" fn mc_probe(e: *mut McEngine, segment: u64) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn mc_engine_rpc_port(e: *mut McEngine) -> c_int {
     guard("mc_engine_rpc_port", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let port = unsafe { engine(e)? }.rpc_port();
         port.map(c_int::from)
             .ok_or_else(|| Error::new(Code::UnavailableInCurrentStatus, "rpc server stopped"))
@@ -518,14 +549,17 @@ pub unsafe extern "C" fn mc_segment_describe(
     needed_out: *mut usize,
 ) -> c_int {
     guard("mc_segment_describe", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
         let desc = match segment {
             0 => engine.descriptor(),
             s => engine.segment_descriptor(s)?,
         };
         let text = desc.to_json().to_string();
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `buf` is NULL or writable for `len` bytes and `needed_out`
+        // NULL or writable, which is exactly `answer_text`'s contract (it rejects a NULL `buf` with
+        // `len > 0`).
         unsafe { super::answer_text(&text, buf, len, needed_out, "segment descriptor") }
     })
 }
@@ -542,7 +576,9 @@ pub unsafe extern "C" fn mc_notify_as(
     msg: *const c_char,
 ) -> c_int {
     guard("mc_notify_as", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `e` is NULL or a live engine not being freed and `name` and
+        // `msg` NULL or NUL-terminated strings: the contracts of `engine` and `c_str` (both reject
+        // NULL).
         let (engine, name, msg) = unsafe { (engine(e)?, c_str(name, "name")?, c_str(msg, "msg")?) };
         engine.notify_as(segment, name, msg)?;
         Ok(MC_OK)

@@ -110,12 +110,19 @@ const _: fn() = || {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct McReplicateConfig {
+    /// Copies to keep (at least 1).
     pub replica_num: u32,
+    /// Non-zero: never evicted.
     pub hard_pin: c_int,
+    /// Non-zero: evicted only after unpinned objects, until the TTL passes.
     pub soft_pin: c_int,
+    /// The soft pin's lifetime in milliseconds (0: the default).
     pub soft_pin_ttl_ms: u64,
+    /// Segment names to place replicas on first (`preferred_segments_count` entries).
     pub preferred_segments: *const *const c_char,
+    /// Number of entries in `preferred_segments`.
     pub preferred_segments_count: usize,
+    /// Non-zero: prefer the caller's own node for the first replica.
     pub prefer_same_node: c_int,
 }
 
@@ -131,8 +138,9 @@ pub unsafe extern "C" fn mc_replicate_config_init(cfg: *mut McReplicateConfig) {
     }
     let d = ReplicateConfig::default();
     debug_assert_eq!(d.soft_pin_ttl_ms, DEFAULT_SOFT_PIN_TTL_MS);
-    // SAFETY: non-null and writable per the caller's contract; `write` reads nothing
-    // from the (possibly uninitialised) old value.
+    // SAFETY: `cfg` is non-null (checked above) and the caller guarantees a non-null `cfg` is a
+    // writable mc_replicate_config; `write` neither reads nor drops the possibly uninitialised old
+    // value.
     unsafe {
         cfg.write(McReplicateConfig {
             replica_num: d.replica_num,
@@ -175,7 +183,8 @@ pub(super) unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result
     if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
         return Err(Error::invalid(format!("{what} {p:p} with n = {n}")));
     }
-    // SAFETY: as in `array`, and exclusive per the caller's contract.
+    // SAFETY: non-null, aligned and `n * size_of::<T>() <= isize::MAX` (all checked above); the
+    // caller guarantees `n` writable elements that nothing else accesses during `'a`.
     Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
 }
 
@@ -188,14 +197,17 @@ pub(super) unsafe fn replicate_config(cfg: *const McReplicateConfig) -> Result<R
     if cfg.is_null() {
         return Ok(ReplicateConfig::default());
     }
-    // SAFETY: non-null and readable per the caller's contract.
+    // SAFETY: `cfg` is non-null (checked above) and the caller guarantees a non-null `cfg` points
+    // at a readable mc_replicate_config, unchanged for the duration of the call.
     let c = unsafe { &*cfg };
     if c.replica_num == 0 {
         return Err(Error::invalid(
             "replica_num is 0 (at least 1; see mc_replicate_config_init)",
         ));
     }
-    // SAFETY: per the caller's contract.
+    // SAFETY: the caller guarantees `preferred_segments` is NULL or `preferred_segments_count`
+    // readable pointers, unchanged during the call, which is what `array` needs (it rejects NULL
+    // with a nonzero count and misalignment itself).
     let names = unsafe {
         array(
             c.preferred_segments,
@@ -239,8 +251,9 @@ pub(super) fn store_guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c
 /// `s` must be NULL or a live pointer from `mc_store_new` not freed during `'a`.
 pub(super) unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
     non_null(s, "store")?;
-    // SAFETY: non-null and live per the caller's contract; only shared access is made,
-    // which `Client: Sync` allows from many threads.
+    // SAFETY: `s` is non-null (checked by `non_null`) and the caller guarantees a live store from
+    // mc_store_new that mc_store_free does not free during `'a` (mooncake.h); only shared access is
+    // made, which `Client: Sync` allows from many threads.
     Ok(unsafe { &(*s).client })
 }
 
@@ -250,7 +263,8 @@ pub(super) unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
 /// # Safety
 /// `p` must be NULL or a NUL-terminated string unchanged during `'a`.
 pub(super) unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
-    // SAFETY: per the caller's contract.
+    // SAFETY: the caller guarantees `p` is NULL or a NUL-terminated string unchanged during `'a`,
+    // which is exactly `c_str`'s contract (it rejects NULL itself).
     unsafe { c_str(p, "key") }.map_err(|e| match p.is_null() {
         true => e,
         false => Error::new(Code::InvalidKey, "key is not valid UTF-8"),
@@ -275,7 +289,8 @@ pub(super) unsafe fn batch_keys<'a>(
     keys.iter()
         .enumerate()
         .map(|(i, &p)| {
-            // SAFETY: per the caller's contract.
+            // SAFETY: `p` is an element of `keys`, each of which the caller guarantees is NULL or a
+            // NUL-terminated string unchanged during `'a`, as `key` requires.
             let k = unsafe { key(p) }?;
             match no_buf(i) {
                 true => Err(Error::invalid(format!("buffer {i} is NULL"))),
@@ -321,13 +336,15 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
     store_guard("mc_store_new", || {
         init_logging();
         non_null(out, "out")?;
-        // SAFETY: `out` is non-null and writable per the caller's contract.
+        // SAFETY: `out` is non-null (checked just above) and the caller guarantees a non-null `out`
+        // is writable, as this fn's `# Safety` and mooncake.h require.
         unsafe { *out = std::ptr::null_mut() };
         let (mut config, metadata_set) = if cfg.is_null() {
             let c = StoreSettings::default().client_config(&EngineConfig::default());
             (c, false)
         } else {
-            // SAFETY: non-null and live per the caller's contract; only read.
+            // SAFETY: `cfg` is non-null (checked) and the caller guarantees a live mc_config that
+            // no other thread uses meanwhile (mooncake.h's rule for configs); it is only read.
             let c = unsafe { &*cfg };
             (c.store.client_config(&c.config), c.store.metadata_set)
         };
@@ -337,7 +354,8 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
         }
         let client = Client::new(config)?;
         let handle = Box::into_raw(Box::new(McStore { client }));
-        // SAFETY: as above.
+        // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
+        // caller guarantees; storing the handle is its only use.
         unsafe { *out = handle };
         Ok(MC_OK)
     })
@@ -357,22 +375,26 @@ pub unsafe extern "C" fn mc_store_new_with_engine(
     store_guard("mc_store_new_with_engine", || {
         init_logging();
         non_null(out, "out")?;
-        // SAFETY: `out` is non-null and writable per the caller's contract.
+        // SAFETY: `out` is non-null (checked just above) and the caller guarantees a non-null `out`
+        // is writable, as this fn's `# Safety` and mooncake.h require.
         unsafe { *out = std::ptr::null_mut() };
         non_null(engine, "engine")?;
-        // SAFETY: non-null and live per the caller's contract; the Arc is cloned, so
-        // the engine outlives this store whatever happens to the handle.
+        // SAFETY: `engine` is non-null (checked above) and the caller guarantees a live mc_engine
+        // that mc_engine_free is not freeing concurrently (mooncake.h); the Arc is cloned, so the
+        // engine outlives this store whatever happens to the handle.
         let engine = unsafe { (*engine).engine.clone() };
         let config = if cfg.is_null() {
             StoreSettings::default().client_config(&EngineConfig::default())
         } else {
-            // SAFETY: non-null and live per the caller's contract; only read.
+            // SAFETY: `cfg` is non-null (checked) and the caller guarantees a live mc_config that
+            // no other thread uses meanwhile (mooncake.h's rule for configs); it is only read.
             let c = unsafe { &*cfg };
             c.store.client_config(&c.config)
         };
         let client = Client::with_engine(config, engine)?;
         let handle = Box::into_raw(Box::new(McStore { client }));
-        // SAFETY: as above.
+        // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
+        // caller guarantees; storing the handle is its only use.
         unsafe { *out = handle };
         Ok(MC_OK)
     })
@@ -405,15 +427,19 @@ unsafe fn put_one(
     len: usize,
     cfg: *const McReplicateConfig,
 ) -> Result<c_int> {
-    // SAFETY: per the caller's contract.
+    // SAFETY: the caller guarantees, as for mc_store_put, that `s` is NULL or a live store not
+    // freed during the call, which is what `store` needs (it rejects NULL).
     let client = unsafe { store(s)? };
-    // SAFETY: as above.
+    // SAFETY: the caller guarantees `k` is NULL or a NUL-terminated string unchanged during the
+    // call, which is `key`'s contract.
     let key = unsafe { key(k)? };
     non_null(buf, "buf")?;
-    // SAFETY: as above.
+    // SAFETY: the caller guarantees `cfg` is NULL or a valid mc_replicate_config (its
+    // `preferred_segments` readable C strings), which is `replicate_config`'s contract.
     let cfg = unsafe { replicate_config(cfg)? };
     let parts: Parts = vec![(buf as u64, len as u64)];
-    // SAFETY: `buf` is readable for `len` bytes during the call per the contract.
+    // SAFETY: `buf` is non-null (checked above) and, as mc_store_put requires, readable for `len`
+    // bytes during the call, which is `batch_put_from`'s contract.
     let mut r = unsafe { client.batch_put_from(&[key], &[parts], &cfg, false) };
     r.pop()
         .unwrap_or_else(|| Err(Error::new(Code::Internal, "empty batch result")))?;
@@ -433,7 +459,8 @@ pub unsafe extern "C" fn mc_store_put(
     len: usize,
     cfg: *const McReplicateConfig,
 ) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `put_one`'s contract is this fn's own `# Safety` (live `s`, C-string `key`, `buf`
+    // readable for `len` bytes, valid `cfg`), and the arguments are passed through unchanged.
     store_guard("mc_store_put", || unsafe { put_one(s, key, buf, len, cfg) })
 }
 
@@ -449,7 +476,8 @@ pub unsafe extern "C" fn mc_store_put_from(
     len: usize,
     cfg: *const McReplicateConfig,
 ) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `put_one`'s contract is this fn's own `# Safety` (as mc_store_put), and the arguments
+    // are passed through unchanged.
     store_guard("mc_store_put_from", || unsafe {
         put_one(s, key, buf, len, cfg)
     })
@@ -469,9 +497,11 @@ pub unsafe extern "C" fn mc_store_get_into(
     len_out: *mut u64,
 ) -> c_int {
     store_guard("mc_store_get_into", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         let client = unsafe { store(s)? };
-        // SAFETY: as above.
+        // SAFETY: the caller guarantees `key` is NULL or a NUL-terminated string unchanged during
+        // the call, which is `key`'s contract.
         let key = unsafe { self::key(key)? };
         non_null(buf, "buf")?;
         let parts: Parts = vec![(buf as u64, cap as u64)];
@@ -481,7 +511,8 @@ pub unsafe extern "C" fn mc_store_get_into(
             .pop()
             .unwrap_or_else(|| Err(Error::new(Code::Internal, "empty batch result")))?;
         if !len_out.is_null() {
-            // SAFETY: non-null and writable per the caller's contract.
+            // SAFETY: `len_out` is non-null (just checked) and the caller guarantees a non-null
+            // `len_out` is a writable u64.
             unsafe { *len_out = size };
         }
         Ok(MC_OK)
@@ -495,7 +526,8 @@ pub unsafe extern "C" fn mc_store_get_into(
 #[no_mangle]
 pub unsafe extern "C" fn mc_store_exists(s: *mut McStore, key: *const c_char) -> c_int {
     store_guard("mc_store_exists", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `key` NULL
+        // or a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, self::key(key)?) };
         Ok(client.exists(key)?.into())
     })
@@ -512,7 +544,8 @@ pub unsafe extern "C" fn mc_store_size(
     size_out: *mut u64,
 ) -> c_int {
     store_guard("mc_store_size", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `key` NULL
+        // or a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, self::key(key)?) };
         non_null(size_out, "size_out")?;
         let size = client.size(key)?;
@@ -533,7 +566,8 @@ pub unsafe extern "C" fn mc_store_remove(
     force: c_int,
 ) -> c_int {
     store_guard("mc_store_remove", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `key` NULL
+        // or a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, self::key(key)?) };
         client.remove(key, force != 0)?;
         Ok(MC_OK)
@@ -546,7 +580,8 @@ pub unsafe extern "C" fn mc_store_remove(
 /// `out` must be NULL or writable.
 unsafe fn put_count(out: *mut u64, n: u64) {
     if !out.is_null() {
-        // SAFETY: non-null and writable per the caller's contract.
+        // SAFETY: `out` is non-null (just checked) and the caller guarantees a non-null `out` is a
+        // writable u64.
         unsafe { *out = n };
     }
 }
@@ -563,9 +598,11 @@ pub unsafe extern "C" fn mc_store_remove_all(
     removed_out: *mut u64,
 ) -> c_int {
     store_guard("mc_store_remove_all", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         let n = unsafe { store(s)? }.remove_all(force != 0)?;
-        // SAFETY: as above.
+        // SAFETY: the caller guarantees `removed_out` is NULL or writable, which is `put_count`'s
+        // contract.
         unsafe { put_count(removed_out, n) };
         Ok(MC_OK)
     })
@@ -584,10 +621,13 @@ pub unsafe extern "C" fn mc_store_remove_by_regex(
     removed_out: *mut u64,
 ) -> c_int {
     store_guard("mc_store_remove_by_regex", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `pattern`
+        // NULL or a NUL-terminated string, which is what `store` and `c_str` need (both reject
+        // NULL).
         let (client, pattern) = unsafe { (store(s)?, c_str(pattern, "pattern")?) };
         let n = client.remove_by_regex(pattern, force != 0)?;
-        // SAFETY: as above.
+        // SAFETY: the caller guarantees `removed_out` is NULL or writable, which is `put_count`'s
+        // contract.
         unsafe { put_count(removed_out, n) };
         Ok(MC_OK)
     })
@@ -605,7 +645,8 @@ pub unsafe extern "C" fn mc_store_register_buffer(
     len: usize,
 ) -> c_int {
     store_guard("mc_store_register_buffer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         let client = unsafe { store(s)? };
         non_null(addr, "addr")?;
         // SAFETY: the caller keeps the memory valid until it unregisters it.
@@ -621,7 +662,8 @@ pub unsafe extern "C" fn mc_store_register_buffer(
 #[no_mangle]
 pub unsafe extern "C" fn mc_store_unregister_buffer(s: *mut McStore, addr: *mut c_void) -> c_int {
     store_guard("mc_store_unregister_buffer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         let client = unsafe { store(s)? };
         non_null(addr, "addr")?;
         client.unregister_buffer(addr.cast())?;
@@ -636,7 +678,8 @@ pub unsafe extern "C" fn mc_store_unregister_buffer(s: *mut McStore, addr: *mut 
 #[no_mangle]
 pub unsafe extern "C" fn mc_store_hostname(s: *mut McStore, buf: *mut c_char, len: usize) -> c_int {
     store_guard("mc_store_hostname", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         let client = unsafe { store(s)? };
         non_null(buf, "buf")?;
         let name = client.hostname();
@@ -675,7 +718,9 @@ pub unsafe extern "C" fn mc_store_batch_put_from(
     results: *mut c_int,
 ) -> c_int {
     store_guard("mc_store_batch_put_from", || {
-        // SAFETY: per the caller's contract (every array holds `n` elements).
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`), `keys`, `bufs` and
+        // `lens` each NULL only with `n == 0` or `n` readable elements (mooncake.h "Batches"), and
+        // `cfg` as for mc_store_put: the contracts of `store`, `array` and `replicate_config`.
         let (client, keys, bufs, lens, cfg) = unsafe {
             (
                 store(s)?,
@@ -685,7 +730,9 @@ pub unsafe extern "C" fn mc_store_batch_put_from(
                 replicate_config(cfg)?,
             )
         };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable ints
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |i| bufs[i].is_null()) };
@@ -721,7 +768,9 @@ pub unsafe extern "C" fn mc_store_batch_get_into(
     results: *mut i64,
 ) -> c_int {
     store_guard("mc_store_batch_get_into", || {
-        // SAFETY: per the caller's contract (every array holds `n` elements).
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys`, `bufs`
+        // and `caps` each NULL only with `n == 0` or `n` readable elements (mooncake.h "Batches"):
+        // the contracts of `store` and `array`.
         let (client, keys, bufs, caps) = unsafe {
             (
                 store(s)?,
@@ -730,7 +779,9 @@ pub unsafe extern "C" fn mc_store_batch_get_into(
                 array(caps, n, "caps")?,
             )
         };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable i64s
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |i| bufs[i].is_null()) };
@@ -765,9 +816,12 @@ pub unsafe extern "C" fn mc_store_batch_exists(
     results: *mut c_int,
 ) -> c_int {
     store_guard("mc_store_batch_exists", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` NULL
+        // only with `n == 0` or `n` readable pointers: the contracts of `store` and `array`.
         let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable ints
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |_| false) };

@@ -16,8 +16,11 @@ use crate::store::protocol::ObjectDesc;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct McPutOptions {
+    /// Group ids to add every key to (`group_ids_count` entries, may be NULL when 0).
     pub group_ids: *const *const c_char,
+    /// Number of entries in `group_ids`.
     pub group_ids_count: usize,
+    /// Non-zero: overwrite keys that already exist instead of failing them.
     pub upsert: c_int,
 }
 
@@ -30,8 +33,9 @@ pub unsafe extern "C" fn mc_put_options_init(opts: *mut McPutOptions) {
     if opts.is_null() {
         return;
     }
-    // SAFETY: non-null and writable per the caller's contract; `write` reads nothing
-    // from the old value.
+    // SAFETY: `opts` is non-null (checked above) and the caller guarantees a non-null `opts` is a
+    // writable mc_put_options; `write` neither reads nor drops the possibly uninitialised old
+    // value.
     unsafe {
         opts.write(McPutOptions {
             group_ids: std::ptr::null(),
@@ -50,9 +54,12 @@ unsafe fn put_options(opts: *const McPutOptions) -> Result<(Vec<String>, bool)> 
     if opts.is_null() {
         return Ok((Vec::new(), false));
     }
-    // SAFETY: non-null and readable per the caller's contract.
+    // SAFETY: `opts` is non-null (checked above) and the caller guarantees a non-null `opts` points
+    // at a readable mc_put_options, unchanged for the duration of the call.
     let o = unsafe { &*opts };
-    // SAFETY: per the caller's contract.
+    // SAFETY: the caller guarantees `group_ids` is NULL or `group_ids_count` readable pointers,
+    // unchanged during the call, which is what `array` needs (it rejects NULL with a nonzero
+    // count).
     let ids = unsafe { array(o.group_ids, o.group_ids_count, "group_ids")? };
     let groups = ids
         .iter()
@@ -101,7 +108,9 @@ pub unsafe extern "C" fn mc_store_batch_put_parts(
     results: *mut c_int,
 ) -> c_int {
     store_guard("mc_store_batch_put_parts", || {
-        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` and
+        // `counts` each NULL only with `n == 0` or `n` readable elements: the contracts of `store`
+        // and `array`.
         let (client, keys, counts) = unsafe {
             (
                 store(s)?,
@@ -110,12 +119,16 @@ pub unsafe extern "C" fn mc_store_batch_put_parts(
             )
         };
         let (starts, total) = runs(counts)?;
-        // SAFETY: per the caller's contract (`bufs` and `lens` hold `total` elements).
+        // SAFETY: the caller guarantees `bufs` and `lens` hold the sum of `counts` elements, which
+        // is `total` (overflow rejected by `runs`), so `array`'s contract holds for both.
         let (bufs, lens) = unsafe { (array(bufs, total, "bufs")?, array(lens, total, "lens")?) };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `cfg` is NULL or valid as for mc_store_put and `opts` NULL
+        // or a valid mc_put_options: the contracts of `replicate_config` and `put_options`.
         let (mut cfg, (groups, upsert)) = unsafe { (replicate_config(cfg)?, put_options(opts)?) };
         cfg.group_ids = groups;
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable ints
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |i| run_is_bad(bufs, starts[i], counts[i])) };
@@ -169,7 +182,9 @@ pub unsafe extern "C" fn mc_store_batch_get_parts(
     results: *mut i64,
 ) -> c_int {
     store_guard("mc_store_batch_get_parts", || {
-        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` and
+        // `counts` each NULL only with `n == 0` or `n` readable elements: the contracts of `store`
+        // and `array`.
         let (client, keys, counts) = unsafe {
             (
                 store(s)?,
@@ -178,9 +193,12 @@ pub unsafe extern "C" fn mc_store_batch_get_parts(
             )
         };
         let (starts, total) = runs(counts)?;
-        // SAFETY: per the caller's contract (`bufs` and `caps` hold `total` elements).
+        // SAFETY: the caller guarantees `bufs` and `caps` hold the sum of `counts` elements, which
+        // is `total` (overflow rejected by `runs`), so `array`'s contract holds for both.
         let (bufs, caps) = unsafe { (array(bufs, total, "bufs")?, array(caps, total, "caps")?) };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable i64s
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         let consts: Vec<*const c_void> = bufs.iter().map(|&b| b.cast_const()).collect();
         // SAFETY: each key is NULL or NUL-terminated.
@@ -224,7 +242,9 @@ pub unsafe extern "C" fn mc_store_batch_get_ranges(
     results: *mut i64,
 ) -> c_int {
     store_guard("mc_store_batch_get_ranges", || {
-        // SAFETY: per the caller's contract (`keys` and `counts` hold `n` elements).
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` and
+        // `counts` each NULL only with `n == 0` or `n` readable elements: the contracts of `store`
+        // and `array`.
         let (client, keys, counts) = unsafe {
             (
                 store(s)?,
@@ -233,7 +253,9 @@ pub unsafe extern "C" fn mc_store_batch_get_ranges(
             )
         };
         let (starts, total) = runs(counts)?;
-        // SAFETY: per the caller's contract (these hold `total` elements).
+        // SAFETY: the caller guarantees `bufs`, `offsets` and `lens` hold the sum of `counts`
+        // elements, which is `total` (overflow rejected by `runs`), so `array`'s contract holds for
+        // each.
         let (bufs, offsets, lens) = unsafe {
             (
                 array(bufs, total, "bufs")?,
@@ -241,7 +263,9 @@ pub unsafe extern "C" fn mc_store_batch_get_ranges(
                 array(lens, total, "lens")?,
             )
         };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable i64s
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         let consts: Vec<*const c_void> = bufs.iter().map(|&b| b.cast_const()).collect();
         // SAFETY: each key is NULL or NUL-terminated.
@@ -277,9 +301,12 @@ pub unsafe extern "C" fn mc_store_batch_remove(
     results: *mut c_int,
 ) -> c_int {
     store_guard("mc_store_batch_remove", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` NULL
+        // only with `n == 0` or `n` readable pointers: the contracts of `store` and `array`.
         let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable ints
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |_| false) };
@@ -306,14 +333,18 @@ pub unsafe extern "C" fn mc_store_batch_replica_clear(
     results: *mut c_int,
 ) -> c_int {
     store_guard("mc_store_batch_replica_clear", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` NULL
+        // only with `n == 0` or `n` readable pointers: the contracts of `store` and `array`.
         let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
         let segment = match segment.is_null() {
             true => "",
-            // SAFETY: non-null and NUL-terminated per the caller's contract.
+            // SAFETY: `segment` is non-null (this match arm) and the caller guarantees a non-null
+            // `segment` is a NUL-terminated string unchanged during the call, as `c_str` requires.
             false => unsafe { c_str(segment, "segment")? },
         };
-        // SAFETY: as above; `results` is not read.
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable ints
+        // that nothing else touches during the call (`array_mut`'s contract); it is only written,
+        // never read.
         let results = unsafe { array_mut(results, n, "results")? };
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |_| false) };
@@ -361,10 +392,13 @@ pub unsafe extern "C" fn mc_store_replica_desc(
     needed_out: *mut usize,
 ) -> c_int {
     store_guard("mc_store_replica_desc", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `k` NULL or
+        // a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, key(k)?) };
         let text = replica_json(&client.describe(key)?).to_string();
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `buf` is NULL or writable for `len` bytes and `needed_out`
+        // NULL or writable, which is exactly `answer_text`'s contract (it rejects a NULL `buf` with
+        // `len > 0`).
         unsafe { answer_text(&text, buf, len, needed_out, "replica descriptor") }
     })
 }
@@ -376,7 +410,8 @@ pub unsafe extern "C" fn mc_store_replica_desc(
 #[no_mangle]
 pub unsafe extern "C" fn mc_store_health(s: *mut McStore) -> c_int {
     store_guard("mc_store_health", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not freed during the call
+        // (mooncake.h), which is what `store` needs.
         unsafe { store(s)? }.health()?;
         Ok(MC_OK)
     })
@@ -396,14 +431,16 @@ pub unsafe extern "C" fn mc_store_get_buffer(
     len_out: *mut u64,
 ) -> c_int {
     store_guard("mc_store_get_buffer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `k` NULL or
+        // a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, key(k)?) };
         non_null(buf_out, "buf_out")?;
         non_null(len_out, "len_out")?;
         let bytes = client.get(key)?.into_boxed_slice();
         let len = bytes.len() as u64;
-        // SAFETY: both non-null and writable per the caller's contract; the box is
-        // rebuilt from this pointer and `len` by `mc_store_buffer_free`.
+        // SAFETY: `buf_out` and `len_out` are non-null (checked above) and the caller guarantees
+        // non-null ones are writable; `mc_store_buffer_free` rebuilds the box from this pointer and
+        // `len`.
         unsafe {
             *buf_out = Box::into_raw(bytes).cast::<c_void>();
             *len_out = len;

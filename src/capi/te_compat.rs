@@ -41,31 +41,54 @@ pub const INVALID_BATCH: u64 = u64::MAX;
 
 /// `STATUS_*`: task states, numbered as [`TaskState`].
 pub const STATUS_WAITING: c_int = TaskState::Waiting as c_int;
+/// Submitted, slices in flight.
 pub const STATUS_PENDING: c_int = TaskState::Pending as c_int;
+/// No such task.
 pub const STATUS_INVALID: c_int = TaskState::Invalid as c_int;
+/// Canceled before it finished.
 pub const STATUS_CANCELED: c_int = TaskState::Canceled as c_int;
+/// Every byte moved.
 pub const STATUS_COMPLETED: c_int = TaskState::Completed as c_int;
+/// Ran out of time.
 pub const STATUS_TIMEOUT: c_int = TaskState::Timeout as c_int;
+/// At least one slice failed.
 pub const STATUS_FAILED: c_int = TaskState::Failed as c_int;
 
 /// `ERR_*`: upstream's error codes.
 pub const ERR_INVALID_ARGUMENT: c_int = -1;
+/// The batch has no room for this many requests.
 pub const ERR_TOO_MANY_REQUESTS: c_int = -2;
+/// A local address is not inside registered memory.
 pub const ERR_ADDRESS_NOT_REGISTERED: c_int = -3;
+/// The batch still has unfinished tasks.
 pub const ERR_BATCH_BUSY: c_int = -4;
+/// No usable device was found.
 pub const ERR_DEVICE_NOT_FOUND: c_int = -6;
+/// The range overlaps one already registered.
 pub const ERR_ADDRESS_OVERLAPPED: c_int = -7;
+/// The segment is neither local nor reachable through shared memory.
 pub const ERR_NOT_LOCAL_SEGMENT_OR_SHM: c_int = -8;
+/// A host name did not resolve.
 pub const ERR_DNS: c_int = -101;
+/// A socket call failed.
 pub const ERR_SOCKET: c_int = -102;
+/// A descriptor or message was not valid JSON.
 pub const ERR_MALFORMED_JSON: c_int = -103;
+/// The peer refused the handshake.
 pub const ERR_REJECT_HANDSHAKE: c_int = -104;
+/// The metadata store failed.
 pub const ERR_METADATA: c_int = -200;
+/// An endpoint could not be set up.
 pub const ERR_ENDPOINT: c_int = -201;
+/// A device context could not be set up.
 pub const ERR_CONTEXT: c_int = -202;
+/// NUMA placement failed.
 pub const ERR_NUMA: c_int = -300;
+/// The clock could not be read.
 pub const ERR_CLOCK: c_int = -301;
+/// Out of memory.
 pub const ERR_MEMORY: c_int = -302;
+/// Not implemented.
 pub const ERR_NOT_IMPLEMENTED: c_int = -303;
 
 /// Upstream's status code for "not implemented" (its other status codes are the
@@ -76,10 +99,15 @@ pub const TE_STATUS_NOT_IMPLEMENTED: c_int = 999;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TransferRequest {
+    /// `OPCODE_READ` or `OPCODE_WRITE`.
     pub opcode: c_int,
+    /// The local buffer.
     pub source: *mut c_void,
+    /// The peer segment's handle, from `openSegment`.
     pub target_id: i32,
+    /// Absolute address in the peer segment.
     pub target_offset: u64,
+    /// Bytes to move.
     pub length: u64,
 }
 
@@ -87,7 +115,9 @@ pub struct TransferRequest {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TransferStatus {
+    /// A `STATUS_*` value.
     pub status: c_int,
+    /// Bytes moved so far.
     pub transferred_bytes: u64,
 }
 
@@ -95,7 +125,9 @@ pub struct TransferStatus {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct NotifyMsg {
+    /// The sender's segment name (NUL-terminated, owned by the library).
     pub name: *mut c_char,
+    /// The message text (NUL-terminated, owned by the library).
     pub msg: *mut c_char,
 }
 
@@ -103,7 +135,9 @@ pub struct NotifyMsg {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct BufferEntry {
+    /// Start of the buffer.
     pub addr: *mut c_void,
+    /// Its length in bytes.
     pub length: usize,
 }
 
@@ -306,8 +340,9 @@ const _: fn() = || {
 /// during `'a`.
 unsafe fn handle<'a>(e: *mut TeEngine) -> Result<&'a TeEngine> {
     non_null(e, "engine")?;
-    // SAFETY: non-null and live per the caller's contract; only shared access is made,
-    // which `TeEngine: Sync` allows from many threads.
+    // SAFETY: `e` is non-null (checked by `non_null`) and the caller guarantees a live handle from
+    // createTransferEngine not destroyed during `'a` (transfer_engine_c.h); only shared access is
+    // made, which `TeEngine: Sync` allows from many threads.
     Ok(unsafe { &*e })
 }
 
@@ -319,7 +354,8 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
     if p.is_null() {
         return Ok(None);
     }
-    // SAFETY: non-null, NUL-terminated per the caller's contract.
+    // SAFETY: `p` is non-null (checked above) and the caller guarantees a non-null `p` is a
+    // NUL-terminated string valid during `'a`, which is `c_str`'s contract.
     let s = unsafe { c_str(p, what)? };
     Ok((!s.is_empty()).then_some(s))
 }
@@ -589,7 +625,12 @@ impl TeEngine {
             .collect()
     }
 
-    fn submit(
+    /// Submits upstream's requests to a batch, remembering `notify` for its completion.
+    ///
+    /// # Safety
+    /// Every request's `source` must stay valid, and untouched by the program, until
+    /// its task is final (as `submitTransfer` requires of its caller).
+    unsafe fn submit(
         &self,
         batch: BatchId,
         entries: &[TransferRequest],
@@ -597,7 +638,7 @@ impl TeEngine {
     ) -> Result<()> {
         let engine = self.engine()?;
         let requests = self.requests(engine, entries)?;
-        // SAFETY: the caller keeps each source buffer valid until its task is final.
+        // SAFETY: this fn's contract: each source buffer stays valid until its task is final.
         unsafe { engine.submit(batch, &requests)? };
         let mut batches = lock(&self.batches);
         let info = batches.entry(batch).or_default();
@@ -688,7 +729,8 @@ pub unsafe extern "C" fn createTransferEngine(
 ) -> *mut TeEngine {
     run_value("createTransferEngine", std::ptr::null_mut(), || {
         init_logging();
-        // SAFETY: NULL or NUL-terminated strings per the caller's contract.
+        // SAFETY: the caller guarantees each string is NULL or NUL-terminated and unchanged during
+        // the call: the contracts of `c_str` (which rejects NULL) and `opt_str`.
         let (metadata, name, host) = unsafe {
             (
                 c_str(metadata_conn_string, "metadata_conn_string")?,
@@ -733,7 +775,9 @@ pub unsafe extern "C" fn getLocalIpAndPort(
     buf_len: usize,
 ) -> c_int {
     run("getLocalIpAndPort", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let addr = match te.local_addr.get() {
             Some(a) => a,
@@ -743,7 +787,8 @@ pub unsafe extern "C" fn getLocalIpAndPort(
                 te.local_addr.get_or_init(|| addr)
             }
         };
-        // SAFETY: writable for `buf_len` bytes per the caller's contract.
+        // SAFETY: the caller guarantees `buf_out` is NULL or writable for `buf_len` bytes, which is
+        // `write_out`'s contract (it rejects NULL).
         unsafe { write_out(addr, buf_out, buf_len, "the address") }
     })
 }
@@ -761,7 +806,9 @@ pub unsafe extern "C" fn installTransport(
     args: *mut *mut c_void,
 ) -> *mut c_void {
     run_value("installTransport", std::ptr::null_mut(), || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
@@ -773,9 +820,11 @@ pub unsafe extern "C" fn installTransport(
         };
         let hardware = matches!(protocol, Protocol::Rdma | Protocol::Fabric);
         let matrix = if hardware && !args.is_null() {
-            // SAFETY: `args` points to at least one pointer per the caller's contract.
+            // SAFETY: `args` is non-null (checked in the `if`) and the caller guarantees a non-null
+            // `args` points to at least one readable pointer.
             let first = unsafe { *args };
-            // SAFETY: NULL or a NUL-terminated string per the caller's contract.
+            // SAFETY: the caller guarantees `args[0]` is NULL or a NUL-terminated string unchanged
+            // during the call, which is `opt_str`'s contract.
             unsafe { opt_str(first.cast_const().cast(), "args[0]")? }.map(str::to_owned)
         } else {
             None
@@ -826,7 +875,9 @@ pub unsafe extern "C" fn installTransport(
 #[no_mangle]
 pub unsafe extern "C" fn uninstallTransport(engine: *mut TeEngine, proto: *const c_char) -> c_int {
     run("uninstallTransport", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
@@ -851,7 +902,9 @@ pub unsafe extern "C" fn uninstallTransport(engine: *mut TeEngine, proto: *const
 #[no_mangle]
 pub unsafe extern "C" fn openSegment(engine: *mut TeEngine, segment_name: *const c_char) -> i32 {
     run_value("openSegment", -1, || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         te.open(unsafe { c_str(segment_name, "segment_name")? }, false)
@@ -868,7 +921,9 @@ pub unsafe extern "C" fn openSegmentNoCache(
     segment_name: *const c_char,
 ) -> i32 {
     run_value("openSegmentNoCache", -1, || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         te.open(unsafe { c_str(segment_name, "segment_name")? }, true)
@@ -882,7 +937,9 @@ pub unsafe extern "C" fn openSegmentNoCache(
 #[no_mangle]
 pub unsafe extern "C" fn closeSegment(engine: *mut TeEngine, segment_id: i32) -> c_int {
     run("closeSegment", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         if segment_id == LOCAL_SEGMENT {
             return Ok(0);
@@ -907,7 +964,9 @@ pub unsafe extern "C" fn removeLocalSegment(
     segment_name: *const c_char,
 ) -> c_int {
     run("removeLocalSegment", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(segment_name, "segment_name")? };
@@ -931,7 +990,9 @@ pub unsafe extern "C" fn removeLocalSegment(
 #[no_mangle]
 pub unsafe extern "C" fn syncSegmentCache(engine: *mut TeEngine) -> c_int {
     run("syncSegmentCache", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let eng = te.engine()?;
         let segments: Vec<SegmentId> = lock(&te.segments).ids.values().map(|o| o.segment).collect();
@@ -962,7 +1023,9 @@ pub unsafe extern "C" fn registerLocalMemory(
     remote_accessible: c_int,
 ) -> c_int {
     run("registerLocalMemory", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         non_null(addr, "addr")?;
         // SAFETY: NULL or NUL-terminated.
@@ -986,7 +1049,9 @@ pub unsafe extern "C" fn registerLocalMemory(
 #[no_mangle]
 pub unsafe extern "C" fn unregisterLocalMemory(engine: *mut TeEngine, addr: *mut c_void) -> c_int {
     run("unregisterLocalMemory", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         non_null(addr, "addr")?;
         te.engine()?.unregister_memory(addr.cast())?;
@@ -1023,9 +1088,12 @@ pub unsafe extern "C" fn registerLocalMemoryBatch(
     location: *const c_char,
 ) -> c_int {
     run("registerLocalMemoryBatch", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `buffer_list` is NULL only with `buffer_len` 0 or
+        // `buffer_len` readable entries, unchanged during the call, which is `c_array`'s contract.
         let list = unsafe { c_array(buffer_list.cast_const(), buffer_len, "buffer_list")? };
         // SAFETY: NULL or NUL-terminated.
         let location = unsafe { opt_str(location, "location")? };
@@ -1061,9 +1129,12 @@ pub unsafe extern "C" fn unregisterLocalMemoryBatch(
     addr_len: usize,
 ) -> c_int {
     run("unregisterLocalMemoryBatch", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `addr_list` is NULL only with `addr_len` 0 or `addr_len`
+        // readable pointers, unchanged during the call, which is `c_array`'s contract.
         let list = unsafe { c_array(addr_list.cast_const(), addr_len, "addr_list")? };
         let eng = te.engine()?;
         let mut first = Ok(());
@@ -1087,7 +1158,9 @@ pub unsafe extern "C" fn unregisterLocalMemoryBatch(
 #[no_mangle]
 pub unsafe extern "C" fn allocateBatchID(engine: *mut TeEngine, batch_size: usize) -> u64 {
     run_value("allocateBatchID", INVALID_BATCH, || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let id = te.engine()?.allocate_batch(batch_size)?;
         lock(&te.batches).insert(id, BatchInfo::default());
@@ -1109,11 +1182,16 @@ pub unsafe extern "C" fn submitTransfer(
     count: usize,
 ) -> c_int {
     run_status("submitTransfer", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `entries` is NULL only with `count` 0 or `count` readable
+        // requests, unchanged during the call, which is `c_array`'s contract.
         let entries = unsafe { c_array(entries.cast_const(), count, "entries")? };
-        te.submit(batch_id, entries, None)
+        // SAFETY: submitTransfer's contract (transfer_engine_c.h): the caller keeps every
+        // source buffer valid and untouched until its task is final.
+        unsafe { te.submit(batch_id, entries, None) }
     })
 }
 
@@ -1131,16 +1209,21 @@ pub unsafe extern "C" fn submitTransferWithNotify(
     notify_msg: NotifyMsg,
 ) -> c_int {
     run_status("submitTransferWithNotify", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        // SAFETY: NULL or NUL-terminated strings per the caller's contract.
+        // SAFETY: `notify_msg.name` and `.msg` are NULL or NUL-terminated strings unchanged during
+        // the call, as the caller guarantees; that is what `opt_str` and `c_str` need (`c_str`
+        // rejects NULL).
         let (name, msg) = unsafe {
             (
                 opt_str(notify_msg.name, "notify_msg.name")?,
                 c_str(notify_msg.msg, "notify_msg.msg")?,
             )
         };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `entries` is NULL only with `count` 0 or `count` readable
+        // requests, unchanged during the call, which is `c_array`'s contract.
         let entries = unsafe { c_array(entries.cast_const(), count, "entries")? };
         let target = entries
             .first()
@@ -1155,7 +1238,9 @@ pub unsafe extern "C" fn submitTransferWithNotify(
             name,
             msg: msg.to_owned(),
         };
-        te.submit(batch_id, entries, Some(note))
+        // SAFETY: submitTransfer's contract (transfer_engine_c.h): the caller keeps every
+        // source buffer valid and untouched until its task is final.
+        unsafe { te.submit(batch_id, entries, Some(note)) }
     })
 }
 
@@ -1171,12 +1256,15 @@ pub unsafe extern "C" fn getTransferStatus(
     status: *mut TransferStatus,
 ) -> c_int {
     run_status("getTransferStatus", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         non_null(status, "status")?;
         let eng = te.engine()?;
         let st = eng.task_status(batch_id, task_id)?;
-        // SAFETY: non-null and writable per the caller's contract.
+        // SAFETY: `status` is non-null (checked above) and the caller guarantees a non-null
+        // `status` is a writable transfer_status.
         unsafe {
             *status = TransferStatus {
                 status: st.state as c_int,
@@ -1197,7 +1285,9 @@ pub unsafe extern "C" fn getTransferStatus(
 #[no_mangle]
 pub unsafe extern "C" fn freeBatchID(engine: *mut TeEngine, batch_id: u64) -> c_int {
     run_status("freeBatchID", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let eng = te.engine()?;
         // Sends the batch's notification if every task completed (and drops it if
@@ -1243,9 +1333,12 @@ pub unsafe extern "C" fn getNotifsFromEngine(
 ) -> *mut NotifyMsg {
     run_value("getNotifsFromEngine", std::ptr::null_mut(), || {
         non_null(size, "size")?;
-        // SAFETY: non-null and writable per the caller's contract.
+        // SAFETY: `size` is non-null (checked just above) and the caller guarantees a non-null
+        // `size` is a writable int.
         unsafe { *size = 0 };
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let notes = te.engine()?.take_notifications();
         if notes.is_empty() {
@@ -1278,7 +1371,8 @@ pub unsafe extern "C" fn getNotifsFromEngine(
                 ));
             }
         }
-        // SAFETY: non-null and writable per the caller's contract.
+        // SAFETY: `size` was checked non-null at the top of this closure and is a writable int, as
+        // the caller guarantees.
         unsafe { *size = n };
         Ok(array)
     })
@@ -1323,9 +1417,13 @@ pub unsafe extern "C" fn genNotifyInEngine(
     notify_msg: NotifyMsg,
 ) -> c_int {
     run("genNotifyInEngine", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        // SAFETY: NULL or NUL-terminated strings per the caller's contract.
+        // SAFETY: `notify_msg.name` and `.msg` are NULL or NUL-terminated strings unchanged during
+        // the call, as the caller guarantees; that is what `opt_str` and `c_str` need (`c_str`
+        // rejects NULL).
         let (name, msg) = unsafe {
             (
                 opt_str(notify_msg.name, "notify_msg.name")?,
@@ -1350,7 +1448,9 @@ pub unsafe extern "C" fn genNotifyInEngine(
 #[no_mangle]
 pub unsafe extern "C" fn discoverTopology(engine: *mut TeEngine) -> c_int {
     run("discoverTopology", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         unsafe { handle(engine)? };
         let verbs = crate::ffi::ibverbs::verbs()?;
         let nics = verbs.device_names();
@@ -1376,7 +1476,9 @@ pub unsafe extern "C" fn discoverTopology(engine: *mut TeEngine) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn enableGracefulShutdown(engine: *mut TeEngine) {
     run("enableGracefulShutdown", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         unsafe { handle(engine)? }
             .graceful
             .store(true, Ordering::Relaxed);
@@ -1396,7 +1498,9 @@ pub unsafe extern "C" fn showLinks(
     json: c_int,
 ) -> c_int {
     run("showLinks", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let (own, protocol) = match te.engine.get() {
             Some(e) => (e.segment_name().to_owned(), e.config().protocol.name()),
@@ -1435,7 +1539,8 @@ pub unsafe extern "C" fn showLinks(
             }
             s
         };
-        // SAFETY: writable for `buf_len` bytes per the caller's contract.
+        // SAFETY: the caller guarantees `buf_out` is NULL or writable for `buf_len` bytes, which is
+        // `write_out`'s contract (it rejects NULL).
         unsafe { write_out(&text, buf_out, buf_len, "the links") }
     })
 }
@@ -1451,7 +1556,9 @@ pub unsafe extern "C" fn getNicLoadStats(
     _buf_len: usize,
 ) -> c_int {
     run("getNicLoadStats", || {
-        // SAFETY: per the caller's contract.
+        // SAFETY: the caller guarantees `engine` is NULL or a live handle from createTransferEngine
+        // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
+        // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let protocol = te
             .engine

@@ -11,12 +11,19 @@ use crate::error::{Code, Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum TaskState {
+    /// Reserved, not yet submitted.
     Waiting = 0,
+    /// Submitted, slices in flight.
     Pending = 1,
+    /// No such task.
     Invalid = 2,
+    /// Canceled before it finished.
     Canceled = 3,
+    /// Every byte moved.
     Completed = 4,
+    /// Ran out of time.
     Timeout = 5,
+    /// At least one slice failed.
     Failed = 6,
 }
 
@@ -33,6 +40,7 @@ impl TaskState {
         }
     }
 
+    /// True once the task can no longer change state.
     pub fn is_final(self) -> bool {
         matches!(
             self,
@@ -41,8 +49,10 @@ impl TaskState {
     }
 }
 
+/// A task's state and the bytes it has moved so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TaskStatus {
+    /// Where the task stands.
     pub state: TaskState,
     /// Bytes moved so far (a lower bound while pending).
     pub bytes: u64,
@@ -57,6 +67,7 @@ struct Task {
     worst: AtomicU8,
 }
 
+/// A fixed-capacity set of tasks submitted and waited on together.
 pub struct Batch {
     tasks: Box<[Task]>,
     /// Tasks handed out so far; taken under a lock so concurrent submits get disjoint
@@ -81,6 +92,7 @@ const YIELD_EVERY: u32 = 64;
 const YIELD_MAX_PENDING: u64 = 64 << 10;
 
 impl Batch {
+    /// A batch with room for `capacity` tasks.
     pub fn new(capacity: usize) -> Batch {
         Batch {
             tasks: (0..capacity).map(|_| Task::default()).collect(),
@@ -93,10 +105,12 @@ impl Batch {
         }
     }
 
+    /// How many tasks the batch can hold.
     pub fn capacity(&self) -> usize {
         self.tasks.len()
     }
 
+    /// How many task slots have been reserved so far.
     pub fn submitted(&self) -> usize {
         *self.submitted.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -158,6 +172,7 @@ impl Batch {
         }
     }
 
+    /// The state and bytes of task `task`.
     pub fn task_status(&self, task: usize) -> Result<TaskStatus> {
         if task >= self.submitted() {
             return Err(Error::invalid(format!(
@@ -171,6 +186,7 @@ impl Batch {
         })
     }
 
+    /// Number of submitted tasks not yet final.
     pub fn unfinished(&self) -> usize {
         self.unfinished.load(Ordering::SeqCst)
     }

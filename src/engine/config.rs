@@ -8,10 +8,12 @@ use crate::error::{Error, Result};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::BackendConfig;
 
+/// Which transports an engine may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
     /// Same-host peers through shared memory, everything else through TCP.
     Auto,
+    /// TCP only, even between processes on one host.
     Tcp,
     /// Same-host shared memory only.
     Shm,
@@ -22,6 +24,7 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    /// Parses a protocol name as configuration files spell it.
     pub fn parse(s: &str) -> Result<Protocol> {
         match s.to_ascii_lowercase().as_str() {
             "auto" => Ok(Protocol::Auto),
@@ -39,6 +42,7 @@ impl Protocol {
         }
     }
 
+    /// The protocol's configuration name.
     pub fn name(self) -> &'static str {
         match self {
             Protocol::Auto => "auto",
@@ -50,25 +54,32 @@ impl Protocol {
     }
 }
 
+/// Everything an [`Engine`](crate::Engine) is built from.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Metadata connection string: `P2PHANDSHAKE`, `http://h:p/metadata`, `embedded`.
     pub metadata: String,
     /// Segment name; default `<bind_address>:<rpc_port>`.
     pub local_server_name: Option<String>,
+    /// Address the data and RPC servers listen on.
     pub bind_address: IpAddr,
     /// Handshake RPC port; 0 picks a free one.
     pub rpc_port: u16,
+    /// Which transports to use.
     pub protocol: Protocol,
+    /// Worker threads that drive transfers.
     pub workers: usize,
     /// Idle poll iterations before a worker parks.
     pub spin_budget: u32,
+    /// TCP transport settings.
     pub tcp: TcpConfig,
     /// RDMA and libfabric settings.
     pub backend: BackendConfig,
+    /// How long a transfer may take before its task times out.
     pub transfer_timeout: Duration,
     /// Extra attempts per slice after a path failure.
     pub max_retries: u32,
+    /// Cluster namespace in the metadata store (empty: none).
     pub cluster_id: String,
 }
 

@@ -9,7 +9,9 @@ use std::sync::Mutex;
 /// A message another engine sent us with `notify`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
+    /// The sender's segment name.
     pub from: String,
+    /// The message text.
     pub message: String,
 }
 
@@ -28,6 +30,7 @@ pub struct InboxLimits {
     pub max_per_sender: usize,
     /// Bytes and notifications queued in all.
     pub max_total: usize,
+    /// Notifications queued in all.
     pub max_count: usize,
 }
 
@@ -63,6 +66,7 @@ impl Queue {
     }
 }
 
+/// Bounded queue of notifications received from peers.
 #[derive(Default)]
 pub struct Inbox {
     limits: InboxLimits,
@@ -71,6 +75,7 @@ pub struct Inbox {
 }
 
 impl Inbox {
+    /// An empty inbox that enforces `limits`.
     pub fn new(limits: InboxLimits) -> Inbox {
         Inbox {
             limits,

@@ -45,15 +45,21 @@ pub type BatchId = u64;
 /// published by the peer segment).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
+    /// Read from or write to the peer.
     pub op: Op,
+    /// Address of the local buffer.
     pub local: u64,
+    /// The peer segment, from `open_segment`.
     pub segment: SegmentId,
+    /// Absolute address in the peer segment.
     pub remote: u64,
+    /// Bytes to move.
     pub len: u64,
 }
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A transfer engine: registered memory, peer segments, transports and workers.
 pub struct Engine {
     config: EngineConfig,
     name: String,
@@ -81,10 +87,15 @@ pub struct Engine {
 /// Bytes moved per transport and failure counts since the engine started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Bytes moved in-process by the local transport.
     pub local_bytes: u64,
+    /// Bytes moved through shared memory to same-host peers.
     pub shm_bytes: u64,
+    /// Bytes moved over RDMA verbs.
     pub rdma_bytes: u64,
+    /// Bytes moved over libfabric.
     pub fabric_bytes: u64,
+    /// Bytes moved over TCP.
     pub tcp_bytes: u64,
     /// Slices re-sent after a path failure or a stale descriptor.
     pub retries: u64,
@@ -93,6 +104,7 @@ pub struct Stats {
 }
 
 impl Engine {
+    /// Starts an engine: binds its servers, publishes its segment and spawns workers.
     pub fn new(config: EngineConfig) -> Result<Engine> {
         crate::sys::ignore_sigpipe();
         let directory = metadata::open(&config.metadata, &config.cluster_id)?;
@@ -291,6 +303,7 @@ impl Engine {
         &self.name
     }
 
+    /// The configuration the engine was started with.
     pub fn config(&self) -> &EngineConfig {
         &self.config
     }
@@ -301,6 +314,7 @@ impl Engine {
         server.as_ref().map(|s| s.local_addr().port())
     }
 
+    /// Bytes moved per transport and failure counts so far.
     pub fn stats(&self) -> Stats {
         let c = &self.counters;
         let bytes = |k: Kind| c.bytes[k as usize].load(Ordering::Relaxed);
@@ -448,6 +462,7 @@ impl Engine {
         self.segments.resync(&peer)
     }
 
+    /// Allocates a batch with room for `capacity` tasks.
     pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
         if capacity == 0 || capacity > 1 << 20 {
             return Err(Error::invalid(format!(
@@ -595,6 +610,7 @@ impl Engine {
         Ok(())
     }
 
+    /// The state and bytes of task `task` of `batch`.
     pub fn task_status(&self, batch: BatchId, task: usize) -> Result<TaskStatus> {
         self.batch(batch)?.task_status(task)
     }
@@ -609,7 +625,9 @@ impl Engine {
             return Ok(());
         }
         let batch = self.allocate_batch(requests.len())?;
-        // SAFETY: forwarded contract.
+        // SAFETY: `submit`'s contract is this fn's, so the caller's guarantee that every local
+        // buffer in `requests` stays valid until its task is final carries over; we wait on the
+        // batch below.
         if let Err(e) = unsafe { self.submit(batch, requests) } {
             let _ = self.free_batch(batch);
             return Err(e);

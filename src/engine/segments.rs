@@ -13,13 +13,17 @@ use crate::transport::{Endpoints, Peer};
 
 /// What this engine shows the world; shared with the RPC server.
 pub struct Published {
+    /// This engine's own segment descriptor.
     pub desc: RwLock<SegmentDesc>,
+    /// Notifications peers sent to this engine.
     pub inbox: Inbox,
 }
 
 /// Resolves, caches and refreshes remote segment descriptors.
 pub struct Segments {
+    /// Where descriptors are looked up and published.
     pub directory: Directory,
+    /// What this engine publishes.
     pub own: Arc<Published>,
     by_name: RwLock<HashMap<String, Arc<Peer>>>,
     by_id: RwLock<HashMap<u64, Arc<Peer>>>,
@@ -29,6 +33,7 @@ pub struct Segments {
 }
 
 impl Segments {
+    /// A resolver over `directory`, publishing `own`.
     pub fn new(directory: Directory, own: Arc<Published>) -> Segments {
         Segments {
             directory,
@@ -40,6 +45,7 @@ impl Segments {
         }
     }
 
+    /// A copy of this engine's own descriptor.
     pub fn own_desc(&self) -> SegmentDesc {
         self.own
             .desc
@@ -79,6 +85,7 @@ impl Segments {
         Ok((desc, Endpoints { data, rpc }))
     }
 
+    /// Resolves segment `name`, reusing the cached peer when there is one.
     pub fn open(&self, name: &str) -> Result<Arc<Peer>> {
         if let Some(p) = self
             .by_name
@@ -106,6 +113,7 @@ impl Segments {
         Ok(peer)
     }
 
+    /// The peer with handle `id`.
     pub fn get(&self, id: u64) -> Result<Arc<Peer>> {
         self.by_id
             .read()

@@ -1,7 +1,7 @@
 //! A minimal HTTP/1.1 server and client for small JSON/text bodies.
 //!
 //! This is an internal building block (metadata REST, admin/metrics endpoints),
-//! not a general web stack. The `server` runs on [`crate::net::ConnServer`] (one
+//! not a general web stack. The `server` runs on `crate::net::ConnServer` (one
 //! accept thread plus one thread per connection), supports keep-alive,
 //! `Content-Length` and chunked request bodies, and enforces limits on the request
 //! head ([`MAX_REQUEST_HEAD`]) and body ([`MAX_REQUEST_BODY`]). The `client` keeps

@@ -48,12 +48,16 @@ impl Request {
 /// `Content-Length` and `Connection`; for `HEAD` requests it sends the head only.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Response {
+    /// HTTP status code.
     pub status: u16,
+    /// `Content-Type` header value.
     pub content_type: &'static str,
+    /// The body bytes.
     pub body: Vec<u8>,
 }
 
 impl Response {
+    /// A response with this status, content type and body.
     pub fn new(status: u16, content_type: &'static str, body: Vec<u8>) -> Response {
         Response {
             status,

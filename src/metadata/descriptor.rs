@@ -11,6 +11,7 @@ use crate::util::hex;
 pub struct HostInfo {
     /// `/proc/sys/kernel/random/boot_id` plus the PID namespace: equal means same host view.
     pub host_id: String,
+    /// The owner's process id.
     pub pid: u32,
     /// Descriptor of the shared guard page in the owner's fd table.
     pub guard_fd: i32,
@@ -20,20 +21,29 @@ pub struct HostInfo {
     pub generation: u64,
 }
 
+/// One RDMA device a segment can be reached through.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceDesc {
+    /// Device name (`mlx5_0`, ...).
     pub name: String,
+    /// InfiniBand local identifier (0 on RoCE).
     pub lid: u16,
+    /// Port GID as 32 hex digits.
     pub gid: String,
 }
 
+/// One registered buffer a segment exposes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BufferDesc {
     /// The location (`cpu:0`, `cuda:1`, ...).
     pub name: String,
+    /// Start address in the owner's address space.
     pub addr: u64,
+    /// Length in bytes.
     pub length: u64,
+    /// Remote keys, one per entry of the segment's `devices`.
     pub rkey: Vec<u32>,
+    /// Local keys, one per entry of the segment's `devices`.
     pub lkey: Vec<u32>,
     /// Our extension: the owner's memfd for this buffer, mappable by same-host peers.
     pub shm_fd: Option<i32>,
@@ -42,6 +52,7 @@ pub struct BufferDesc {
 }
 
 impl BufferDesc {
+    /// True when `[addr, addr + len)` lies inside this buffer.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr
             && addr
@@ -50,23 +61,33 @@ impl BufferDesc {
     }
 }
 
+/// A segment's descriptor as published in the metadata store (Mooncake's JSON).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SegmentDesc {
+    /// The segment name.
     pub name: String,
+    /// The transport the owner was started with (`tcp`, `rdma`, ...).
     pub protocol: String,
+    /// Port of the owner's TCP data server.
     pub tcp_data_port: u16,
     /// Host of the TCP data server, when it differs from the segment name's host.
     pub tcp_data_host: Option<String>,
+    /// Version of the TCP data protocol the owner speaks.
     pub tcp_proto_version: u32,
+    /// When the descriptor was written.
     pub timestamp: String,
+    /// RDMA devices the segment is reachable through.
     pub devices: Vec<DeviceDesc>,
     /// Kept as raw JSON: only RDMA/EFA transports interpret it.
     pub priority_matrix: Value,
+    /// Registered buffers.
     pub buffers: Vec<BufferDesc>,
+    /// Same-host identity, for shared-memory transfers (our extension).
     pub host: Option<HostInfo>,
 }
 
 impl SegmentDesc {
+    /// An empty descriptor for segment `name`.
     pub fn new(name: &str) -> SegmentDesc {
         SegmentDesc {
             name: name.to_owned(),
@@ -87,6 +108,7 @@ impl SegmentDesc {
         self.buffers.iter().find(|b| b.contains(addr, len))
     }
 
+    /// The descriptor in Mooncake's JSON form.
     pub fn to_json(&self) -> Value {
         let buffers = self
             .buffers
@@ -237,6 +259,7 @@ impl SegmentDesc {
         Ok(desc)
     }
 
+    /// Parses Mooncake's JSON form.
     pub fn parse(text: &str) -> Result<SegmentDesc> {
         let v = json::parse(text)
             .map_err(|e| Error::new(Code::Metadata, format!("segment descriptor: {e}")))?;
@@ -275,11 +298,14 @@ fn parse_keys(v: Option<&Value>) -> Vec<u32> {
 /// `mooncake/rpc_meta/<server_name>`: where a server's handshake port listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RpcMeta {
+    /// Host the handshake server listens on.
     pub ip_or_host_name: String,
+    /// Its port.
     pub rpc_port: u16,
 }
 
 impl RpcMeta {
+    /// The record in Mooncake's JSON form.
     pub fn to_json(&self) -> Value {
         Value::object([
             (
@@ -290,6 +316,7 @@ impl RpcMeta {
         ])
     }
 
+    /// Parses Mooncake's JSON form.
     pub fn parse(text: &str) -> Result<RpcMeta> {
         let bad = |e: String| Error::new(Code::Metadata, format!("rpc_meta: {e}"));
         let v = json::parse(text).map_err(|e| bad(e.to_string()))?;

@@ -15,7 +15,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum Directory {
     /// Descriptors live in a key-value store under `mooncake/[cluster/]ram/<name>`.
     Store {
+        /// The key-value store.
         store: Arc<dyn MetadataStore>,
+        /// Key prefix, including the cluster id.
         prefix: String,
     },
     /// No store: a segment's name is its `host:port` RPC address and the descriptor
@@ -24,6 +26,7 @@ pub enum Directory {
 }
 
 impl Directory {
+    /// A directory in `store` under `cluster_id`'s namespace.
     pub fn over(store: Arc<dyn MetadataStore>, cluster_id: &str) -> Directory {
         let prefix = if cluster_id.is_empty() {
             "mooncake/".to_owned()
@@ -33,6 +36,7 @@ impl Directory {
         Directory::Store { store, prefix }
     }
 
+    /// True when descriptors are exchanged peer to peer instead of stored.
     pub fn is_p2p(&self) -> bool {
         matches!(self, Directory::P2p)
     }

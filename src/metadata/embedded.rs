@@ -6,6 +6,7 @@ use std::sync::{Mutex, OnceLock};
 use super::MetadataStore;
 use crate::error::Result;
 
+/// The in-process metadata store: a map shared by the engines of one process.
 pub struct EmbeddedStore;
 
 fn table() -> &'static Mutex<HashMap<String, String>> {

@@ -18,6 +18,7 @@ use crate::error::{Code, Error, Result};
 use crate::transport::Op;
 use crate::util::crc32c::crc32c_append;
 
+/// What a store [`Client`] connects to and how it behaves.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
     /// `host:port` of the master's RPC.
@@ -29,6 +30,7 @@ pub struct ClientConfig {
     pub local_buffer_size: u64,
     /// Check each object's CRC32C on read.
     pub verify_checksum: bool,
+    /// How often the client pings the master (and remounts when asked).
     pub ping_interval: Duration,
     /// The client's transfer engine: metadata connection, segment name
     /// (`local_server_name`, Mooncake's `local_hostname`), protocol, workers, ...
@@ -166,6 +168,7 @@ struct MasterSession {
     wake: (Mutex<()>, Condvar),
 }
 
+/// A store client: an engine for the bytes and an RPC channel to the master.
 pub struct Client {
     config: ClientConfig,
     engine: Arc<Engine>,
@@ -176,7 +179,8 @@ pub struct Client {
 
 // SAFETY: the raw segment pointer is only handed back to the engine that owns it.
 unsafe impl Send for Client {}
-// SAFETY: as above; everything else is Sync.
+// SAFETY: `segment_ptr` is only set at construction and taken in Drop (`&mut self`), so `&Client`
+// never touches it; every other field is Sync.
 unsafe impl Sync for Client {}
 
 fn random_id() -> u64 {
@@ -187,6 +191,7 @@ fn random_id() -> u64 {
 }
 
 impl Client {
+    /// Starts the engine, connects to the master and mounts the global segment.
     pub fn new(config: ClientConfig) -> Result<Client> {
         let engine = Arc::new(Engine::new(config.engine.clone())?);
         Client::with_engine(config, engine)
@@ -244,6 +249,7 @@ impl Client {
         })
     }
 
+    /// The transfer engine that moves this client's bytes.
     pub fn engine(&self) -> &Engine {
         &self.engine
     }
@@ -253,6 +259,7 @@ impl Client {
         self.engine.segment_name()
     }
 
+    /// The client id the master knows this client by.
     pub fn id(&self) -> u64 {
         self.shared.id
     }
@@ -272,7 +279,8 @@ impl Client {
     /// Replaces `key`'s value (refused while a reader holds its lease).
     pub fn upsert(&self, key: &str, value: &[u8], config: &ReplicateConfig) -> Result<()> {
         let parts = vec![(value.as_ptr() as u64, value.len() as u64)];
-        // SAFETY: as in `put`.
+        // SAFETY: `value` is a borrowed slice, readable for its length for the whole call, and
+        // `batch_put_from` returns only after the transfer reading it is done.
         one(unsafe { self.batch_put_from(&[key], &[parts], config, true) })
     }
 
@@ -532,7 +540,9 @@ impl Client {
         // The lease counts from before the request left: a conservative reading.
         let asked = Instant::now();
         let descs = self.replicas(keys);
-        // SAFETY: forwarded from the caller.
+        // SAFETY: `read_objects` has this fn's contract: the caller keeps every part writable for
+        // its length, and untouched by others, until the call returns, and the parts are passed
+        // unchanged.
         unsafe { self.read_objects(keys, descs, ReadInto::Whole(parts), asked) }
     }
 
@@ -553,7 +563,8 @@ impl Client {
         }
         let asked = Instant::now();
         let descs = self.replicas(keys);
-        // SAFETY: forwarded from the caller.
+        // SAFETY: `read_objects` needs each local range writable and untouched until the call
+        // returns, which is exactly what the caller guarantees for `ranges`, passed unchanged.
         unsafe { self.read_objects(keys, descs, ReadInto::Ranges(ranges), asked) }
     }
 
@@ -711,6 +722,7 @@ impl Client {
         v.into_iter().map(|(_, r)| r).collect()
     }
 
+    /// True when `key` exists and is complete.
     pub fn exists(&self, key: &str) -> Result<bool> {
         one(self.batch_exists(&[key]))
     }
@@ -813,6 +825,7 @@ impl Client {
         self.stats().map(|_| ())
     }
 
+    /// Removes `key` (even when leased, with `force`).
     pub fn remove(&self, key: &str, force: bool) -> Result<()> {
         self.call(Request::Remove {
             key: key.to_owned(),
@@ -821,10 +834,12 @@ impl Client {
         .map(|_| ())
     }
 
+    /// Removes every object (leased ones too, with `force`); returns how many.
     pub fn remove_all(&self, force: bool) -> Result<u64> {
         count(self.call(Request::RemoveAll { force }))
     }
 
+    /// Removes the objects whose key matches `pattern`; returns how many.
     pub fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64> {
         count(self.call(Request::RemoveByRegex {
             pattern: pattern.to_owned(),
@@ -832,6 +847,7 @@ impl Client {
         }))
     }
 
+    /// The master's pool statistics.
     pub fn stats(&self) -> Result<PoolStats> {
         match self.call(Request::Stats)? {
             Response::Stats(s) => Ok(s),
@@ -845,10 +861,12 @@ impl Client {
     /// # Safety
     /// As `Engine::register_memory`.
     pub unsafe fn register_buffer(&self, addr: *mut u8, len: usize) -> Result<()> {
-        // SAFETY: forwarded contract.
+        // SAFETY: this fn's contract is `Engine::register_memory`'s: the caller keeps `[addr,
+        // addr+len)` valid, and open to peer access, until it is unregistered.
         unsafe { self.engine.register_memory(addr, len, "cpu:0") }
     }
 
+    /// Unregisters a buffer registered with `register_buffer`.
     pub fn unregister_buffer(&self, addr: *mut u8) -> Result<()> {
         self.engine.unregister_memory(addr)
     }
@@ -937,12 +955,17 @@ fn count(r: Result<Response>) -> Result<u64> {
 /// # Safety
 /// Every part must be readable.
 unsafe fn crc_of(parts: &Parts) -> u32 {
-    parts.iter().fold(0, |crc, &(addr, len)| {
-        // SAFETY: per the contract.
-        crc32c_append(crc, unsafe {
-            std::slice::from_raw_parts(addr as *const u8, len as usize)
+    parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .fold(0, |crc, &(addr, len)| {
+            // SAFETY: the caller guarantees every part is readable for its length, and
+            // empty parts (whose address may be anything) are skipped, so `addr` is a
+            // valid pointer to `len` bytes.
+            crc32c_append(crc, unsafe {
+                std::slice::from_raw_parts(addr as *const u8, len as usize)
+            })
         })
-    })
 }
 
 /// CRC32C of the first `size` bytes spread over `parts`.
@@ -954,7 +977,11 @@ unsafe fn crc_prefix(parts: &Parts, size: u64) -> u32 {
     let mut crc = 0;
     for &(addr, len) in parts {
         let n = len.min(left);
-        // SAFETY: per the contract.
+        if n == 0 {
+            continue; // an empty part's address may be anything
+        }
+        // SAFETY: the caller guarantees every part is readable for its length, and
+        // `0 < n <= len`, so `addr` is valid for `n` bytes.
         crc = crc32c_append(crc, unsafe {
             std::slice::from_raw_parts(addr as *const u8, n as usize)
         });

@@ -4,54 +4,65 @@
 
 use crate::error::{Error, Result};
 
+/// Builds a store RPC payload (little-endian, length-prefixed strings and lists).
 #[derive(Default)]
 pub struct Writer {
     buf: Vec<u8>,
 }
 
 impl Writer {
+    /// An empty payload.
     pub fn new() -> Writer {
         Writer::default()
     }
 
+    /// The bytes written so far.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf
     }
 
+    /// Appends one byte.
     pub fn u8(&mut self, v: u8) -> &mut Self {
         self.buf.push(v);
         self
     }
 
+    /// Appends a bool as one byte.
     pub fn bool(&mut self, v: bool) -> &mut Self {
         self.u8(v as u8)
     }
 
+    /// Appends a little-endian `u32`.
     pub fn u32(&mut self, v: u32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// Appends a little-endian `i32`.
     pub fn i32(&mut self, v: i32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// Appends a little-endian `u64`.
     pub fn u64(&mut self, v: u64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
+    /// Appends a length-prefixed byte string.
     pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
         self.u32(v.len() as u32);
         self.buf.extend_from_slice(v);
         self
     }
 
+    /// Appends a length-prefixed UTF-8 string.
     pub fn str(&mut self, v: &str) -> &mut Self {
         self.bytes(v.as_bytes())
     }
 
+    /// Appends a count, then each item through `each`.
     pub fn list<T>(&mut self, items: &[T], mut each: impl FnMut(&mut Self, &T)) -> &mut Self {
         self.u32(items.len() as u32);
         for item in items {
@@ -61,12 +72,14 @@ impl Writer {
     }
 }
 
+/// Reads a payload [`Writer`] built; every read fails cleanly on short input.
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
+    /// A reader at the start of `buf`.
     pub fn new(buf: &'a [u8]) -> Reader<'a> {
         Reader { buf, pos: 0 }
     }
@@ -87,10 +100,12 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    /// Reads one byte.
     pub fn u8(&mut self) -> Result<u8> {
         Ok(self.take(1)?[0])
     }
 
+    /// Reads a bool (0 or 1).
     pub fn bool(&mut self) -> Result<bool> {
         match self.u8()? {
             0 => Ok(false),
@@ -99,33 +114,39 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Reads a little-endian `u32`.
     pub fn u32(&mut self) -> Result<u32> {
         Ok(u32::from_le_bytes(
             self.take(4)?.try_into().expect("4 bytes"),
         ))
     }
 
+    /// Reads a little-endian `i32`.
     pub fn i32(&mut self) -> Result<i32> {
         Ok(i32::from_le_bytes(
             self.take(4)?.try_into().expect("4 bytes"),
         ))
     }
 
+    /// Reads a little-endian `u64`.
     pub fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
     }
 
+    /// Reads a length-prefixed byte string, borrowed from the payload.
     pub fn bytes(&mut self) -> Result<&'a [u8]> {
         let n = self.u32()? as usize;
         self.take(n)
     }
 
+    /// Reads a length-prefixed UTF-8 string, borrowed from the payload.
     pub fn str(&mut self) -> Result<&'a str> {
         std::str::from_utf8(self.bytes()?).map_err(|_| Error::protocol("string is not UTF-8"))
     }
 
+    /// Reads a length-prefixed UTF-8 string into an owned `String`.
     pub fn string(&mut self) -> Result<String> {
         self.str().map(str::to_owned)
     }

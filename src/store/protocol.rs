@@ -18,6 +18,7 @@ pub struct ReplicateConfig {
     pub hard_pin: bool,
     /// Evicted only after every unpinned object, until `soft_pin_ttl_ms` passes.
     pub soft_pin: bool,
+    /// Soft pin lifetime in milliseconds.
     pub soft_pin_ttl_ms: u64,
     /// Segments to try first, in order.
     pub preferred_segments: Vec<String>,
@@ -29,6 +30,7 @@ pub struct ReplicateConfig {
 
 /// Mooncake's default soft-pin TTL (30 min) and its ceiling (24 h).
 pub const DEFAULT_SOFT_PIN_TTL_MS: u64 = 30 * 60 * 1000;
+/// Ceiling for `soft_pin_ttl_ms`.
 pub const MAX_SOFT_PIN_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
 impl Default for ReplicateConfig {
@@ -48,8 +50,11 @@ impl Default for ReplicateConfig {
 /// A contiguous range of a node's memory: `len` bytes at absolute `addr` of `segment`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
+    /// The segment holding the bytes.
     pub segment: String,
+    /// Absolute address in that segment.
     pub addr: u64,
+    /// Length in bytes.
     pub len: u64,
 }
 
@@ -57,15 +62,20 @@ pub struct Piece {
 /// unless the object is striped).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicaDesc {
+    /// The pieces, in order; together they hold the whole value.
     pub pieces: Vec<Piece>,
 }
 
 /// What a reader needs: size, checksum, complete replicas, and how long its lease lasts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectDesc {
+    /// Value size in bytes.
     pub size: u64,
+    /// CRC32C of the whole value.
     pub crc32c: u32,
+    /// How long the reader's lease lasts, in milliseconds.
     pub lease_ms: u64,
+    /// The complete replicas.
     pub replicas: Vec<ReplicaDesc>,
 }
 
@@ -74,74 +84,120 @@ pub struct ObjectDesc {
 pub struct SegmentInfo {
     /// The transfer-engine segment name the bytes are reached through.
     pub name: String,
+    /// Absolute start address of the space lent to the pool.
     pub base: u64,
+    /// Length of that space in bytes.
     pub size: u64,
 }
 
+/// Pool-wide figures the master reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
+    /// Mounted segments.
     pub segments: u64,
+    /// Bytes lent to the pool.
     pub capacity: u64,
+    /// Bytes allocated to objects.
     pub used: u64,
+    /// Objects stored.
     pub objects: u64,
+    /// Objects evicted since start.
     pub evicted_objects: u64,
+    /// Bytes evicted since start.
     pub evicted_bytes: u64,
 }
 
+/// A client → master RPC.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
+    /// Keep-alive; the answer says whether to remount.
     Ping {
+        /// The calling client.
         client: u64,
     },
+    /// Lends a segment to the pool.
     Mount {
+        /// The calling client.
         client: u64,
+        /// The segment lent.
         segment: SegmentInfo,
     },
+    /// Takes a segment back.
     Unmount {
+        /// The calling client.
         client: u64,
+        /// The segment's name.
         name: String,
     },
+    /// Allocates replicas for each `(key, size)`; per-key placements.
     PutStart {
+        /// The calling client.
         client: u64,
+        /// `(key, size)` pairs.
         items: Vec<(String, u64)>,
+        /// Replication and pinning.
         config: ReplicateConfig,
+        /// Overwrite existing keys instead of failing them.
         upsert: bool,
     },
+    /// Marks each `(key, crc32c)` written and readable.
     PutEnd {
+        /// The calling client.
         client: u64,
+        /// `(key, crc32c)` pairs.
         items: Vec<(String, u32)>,
     },
+    /// Abandons puts started but not finished.
     PutRevoke {
+        /// The calling client.
         client: u64,
+        /// Keys whose put is abandoned.
         keys: Vec<String>,
     },
+    /// Looks up each key's replicas and takes a read lease.
     GetReplicas {
+        /// Keys to look up.
         keys: Vec<String>,
     },
+    /// Whether each key exists and is complete.
     Exists {
+        /// Keys to check.
         keys: Vec<String>,
     },
+    /// Removes one key.
     Remove {
+        /// The key.
         key: String,
+        /// Remove even when leased.
         force: bool,
     },
+    /// Removes every object; answers how many.
     RemoveAll {
+        /// Remove leased objects too.
         force: bool,
     },
+    /// Removes the keys matching a regex; answers how many.
     RemoveByRegex {
+        /// The regex.
         pattern: String,
+        /// Remove leased objects too.
         force: bool,
     },
+    /// Pool statistics.
     Stats,
     /// Removes each key (leased ones only with `force`); per-key results.
     RemoveKeys {
+        /// Keys to remove.
         keys: Vec<String>,
+        /// Remove even when leased.
         force: bool,
     },
     /// Drops the replicas of each key on `segment` (every replica when empty); per key
     /// `Ok` when something was dropped.
     ReplicaClear {
+        /// Keys whose replicas go.
         keys: Vec<String>,
+        /// The segment to clear them from (empty: all).
         segment: String,
     },
     /// The URL of the metadata service the master's nodes publish to (its embedded
@@ -152,23 +208,34 @@ pub enum Request {
 /// Result of one key in a batch: `Ok` or a store code.
 pub type KeyResult<T> = std::result::Result<T, Code>;
 
+/// The master's answer to a [`Request`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Response {
+    /// Answer to `Ping`.
     Ping {
+        /// The master lost this client's segments: mount them again.
         need_remount: bool,
     },
+    /// Success with nothing to report.
     Done,
+    /// Per key: where to write its replicas.
     PutStart(Vec<KeyResult<Vec<ReplicaDesc>>>),
+    /// Per key: success or the code it failed with.
     PerKey(Vec<KeyResult<()>>),
+    /// Per key: the object's descriptor.
     GetReplicas(Vec<KeyResult<ObjectDesc>>),
+    /// Per key: whether it exists.
     Exists(Vec<KeyResult<bool>>),
+    /// How many objects an operation affected.
     Count(u64),
+    /// Pool statistics.
     Stats(PoolStats),
     /// Empty when the master runs no metadata server.
     MetadataUrl(String),
 }
 
 impl Request {
+    /// The method number this request travels under.
     pub fn method(&self) -> u16 {
         match self {
             Request::Ping { .. } => 1,
@@ -189,6 +256,7 @@ impl Request {
         }
     }
 
+    /// Writes the request's payload.
     pub fn encode(&self, w: &mut Writer) {
         match self {
             Request::Ping { client } => {
@@ -255,6 +323,7 @@ impl Request {
         }
     }
 
+    /// Reads a request of method `method` from its payload.
     pub fn decode(method: u16, payload: &[u8]) -> Result<Request> {
         let mut r = Reader::new(payload);
         let keys = |r: &mut Reader| r.list(4, |r| r.string());
@@ -391,6 +460,7 @@ fn decode_replicas(r: &mut Reader) -> Result<Vec<ReplicaDesc>> {
 }
 
 impl Response {
+    /// Writes the response's payload.
     pub fn encode(&self, w: &mut Writer) {
         match self {
             Response::Ping { need_remount } => {

@@ -19,6 +19,7 @@ use super::protocol::{Request, Response, PROTOCOL_VERSION};
 use crate::error::{Code, Error, Result};
 use crate::net::ConnServer;
 
+/// Largest RPC frame accepted, in bytes.
 pub const MAX_FRAME: usize = 16 << 20;
 const HEADER: usize = 12;
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -148,6 +149,7 @@ pub struct RpcClient {
 }
 
 impl RpcClient {
+    /// A client for the master at `addr` (`host:port`).
     pub fn new(addr: &str) -> Result<RpcClient> {
         let addr = addr
             .to_socket_addrs()
@@ -166,6 +168,7 @@ impl RpcClient {
         })
     }
 
+    /// The master's resolved address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

@@ -14,8 +14,10 @@ use crate::json::Value;
 use crate::metadata::http_server::MetadataServer;
 use crate::net::ConnServer;
 
+/// What a [`MasterServer`] listens on and how it runs.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// Address every server listens on.
     pub bind: IpAddr,
     /// 0 picks a free port (for every port below).
     pub rpc_port: u16,
@@ -23,7 +25,9 @@ pub struct ServerConfig {
     pub metadata_port: Option<u16>,
     /// Admin HTTP (`/metrics`, `/health`, ...); `None` disables it.
     pub metrics_port: Option<u16>,
+    /// How often leases, puts and client liveness are checked.
     pub tick: Duration,
+    /// The master's own tunables.
     pub master: MasterConfig,
 }
 
@@ -40,6 +44,7 @@ impl Default for ServerConfig {
     }
 }
 
+/// A running master: its RPC server, optional HTTP servers and housekeeping thread.
 pub struct MasterServer {
     master: Arc<Master>,
     rpc: ConnServer,
@@ -50,6 +55,7 @@ pub struct MasterServer {
 }
 
 impl MasterServer {
+    /// Starts the servers and the housekeeping thread.
     pub fn start(config: ServerConfig) -> Result<MasterServer> {
         let master = Arc::new(Master::new(config.master.clone()));
         let bind = |port| SocketAddr::new(config.bind, port);
@@ -104,18 +110,22 @@ impl MasterServer {
         })
     }
 
+    /// The master behind the servers.
     pub fn master(&self) -> &Arc<Master> {
         &self.master
     }
 
+    /// Where the RPC server listens.
     pub fn rpc_addr(&self) -> SocketAddr {
         self.rpc.local_addr()
     }
 
+    /// URL of the embedded metadata server, when enabled.
     pub fn metadata_url(&self) -> Option<String> {
         self.metadata.as_ref().map(MetadataServer::url)
     }
 
+    /// Where the admin HTTP server listens, when enabled.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin.as_ref().map(HttpServer::local_addr)
     }

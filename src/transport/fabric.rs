@@ -58,6 +58,7 @@ const SLICE_SIZE: u64 = 1 << 20;
 const BASE_CAPS: u64 =
     fi::FI_RMA | fi::FI_READ | fi::FI_WRITE | fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE;
 
+/// libfabric RMA transport (AWS EFA and other RMA providers).
 pub struct FabricTransport {
     /// The engine's buffers, registered on every NIC (shared with the workers).
     regions: Arc<Registrations>,
@@ -71,6 +72,7 @@ pub struct FabricTransport {
 }
 
 impl FabricTransport {
+    /// Opens the configured NICs and starts the transport.
     pub fn start(config: &BackendConfig, _memory: Arc<LocalMemory>) -> Result<FabricTransport> {
         let lib = fi::library()?;
         let infos = discover(&lib, config)?;
@@ -354,7 +356,8 @@ fn pick(lib: &FabricLib, list: *mut fi::fi_info, filter: &[String]) -> Vec<*mut 
                 out.push(copy);
             }
         }
-        // SAFETY: as above.
+        // SAFETY: `p` is non-null (loop condition) and still an entry of the fi_getinfo list, which
+        // the caller frees only after `pick` returns.
         p = unsafe { (*p).next };
     }
     out

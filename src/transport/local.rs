@@ -7,12 +7,14 @@ use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::LocalMemory;
 
+/// Transfers within one engine: a memcpy (or driver copy) between its own buffers.
 pub struct LocalTransport {
     memory: Arc<LocalMemory>,
     own_name: String,
 }
 
 impl LocalTransport {
+    /// A local transport over `memory`, for the segment named `own_name`.
     pub fn new(memory: Arc<LocalMemory>, own_name: &str) -> LocalTransport {
         LocalTransport {
             memory,

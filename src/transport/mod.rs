@@ -20,6 +20,7 @@ use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::Region;
 
+/// Transfer direction, seen from the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
     /// Remote → local.
@@ -39,6 +40,7 @@ pub enum Kind {
     Rdma,
     /// libfabric RMA (AWS EFA in the field) through runtime-loaded libfabric.
     Fabric,
+    /// TCP through the peer's data server.
     Tcp,
 }
 
@@ -46,6 +48,7 @@ impl Kind {
     /// How many kinds there are (for per-kind tables).
     pub const COUNT: usize = 5;
 
+    /// The kind's short name, as logs and statistics print it.
     pub fn name(self) -> &'static str {
         match self {
             Kind::Local => "local",
@@ -77,7 +80,9 @@ pub struct BackendConfig {
 /// in the buffer's descriptor (`lkey`/`rkey`, indexed like `devices`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RegionKeys {
+    /// Local keys, one per device.
     pub lkey: Vec<u32>,
+    /// Remote keys, one per device.
     pub rkey: Vec<u32>,
     /// For device memory: the IPC export same-host peers map it through.
     pub ipc: Option<crate::device::IpcExport>,
@@ -94,7 +99,9 @@ pub struct Endpoints {
 
 /// A resolved remote segment as transports see it.
 pub struct Peer {
+    /// The engine's handle for the peer.
     pub id: u64,
+    /// The peer's segment name.
     pub name: String,
     desc: RwLock<Arc<SegmentDesc>>,
     endpoints: RwLock<Endpoints>,
@@ -103,6 +110,7 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// A peer with handle `id`, descriptor `desc`, reached at `endpoints`.
     pub fn new(id: u64, desc: SegmentDesc, endpoints: Endpoints) -> Peer {
         Peer {
             id,
@@ -113,10 +121,12 @@ impl Peer {
         }
     }
 
+    /// The current descriptor.
     pub fn desc(&self) -> Arc<SegmentDesc> {
         self.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Address of the peer's TCP data server.
     pub fn data_addr(&self) -> SocketAddr {
         self.endpoints
             .read()
@@ -124,6 +134,7 @@ impl Peer {
             .data
     }
 
+    /// Address of the peer's handshake RPC server.
     pub fn rpc_addr(&self) -> String {
         self.endpoints
             .read()
@@ -132,15 +143,18 @@ impl Peer {
             .clone()
     }
 
+    /// Replaces the descriptor and endpoints after a resync.
     pub fn update(&self, desc: SegmentDesc, endpoints: Endpoints) {
         *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
         *self.endpoints.write().unwrap_or_else(|e| e.into_inner()) = endpoints;
     }
 
+    /// Stops using transport `kind` for this peer.
     pub fn disable(&self, kind: Kind) {
         self.disabled.fetch_or(kind.bit(), Ordering::Relaxed);
     }
 
+    /// True when transport `kind` was disabled for this peer.
     pub fn is_disabled(&self, kind: Kind) -> bool {
         self.disabled.load(Ordering::Relaxed) & kind.bit() != 0
     }
@@ -151,20 +165,27 @@ impl Peer {
 pub struct Slice {
     /// The engine's handle for this slice; echoed back in `Finished`.
     pub id: u64,
+    /// Read or write.
     pub op: Op,
+    /// Local address.
     pub local: u64,
     /// What `local` points at: host memory, or registered device memory that only a
     /// transport whose `carries` accepts the slice may touch (others get it staged).
     pub local_kind: MemoryKind,
+    /// Absolute address in the peer segment.
     pub remote: u64,
+    /// Bytes to move.
     pub len: u64,
+    /// The peer segment.
     pub peer: Arc<Peer>,
     /// When the slice must have completed.
     pub deadline: Instant,
 }
 
+/// How a slice ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
+    /// Every byte moved.
     Done,
     /// The peer refused the range (not inside one registered buffer): final.
     Rejected(String),
@@ -172,16 +193,21 @@ pub enum Outcome {
     PathFailed(String),
     /// The cached descriptor is out of date: resync, revalidate, retry.
     Stale,
+    /// No answer in time.
     TimedOut,
 }
 
+/// A finished slice, reported back to the engine.
 pub struct Finished {
+    /// The slice's id.
     pub id: u64,
+    /// How it ended.
     pub outcome: Outcome,
 }
 
 /// One way of moving bytes, shared by all engine workers.
 pub trait Transport: Send + Sync {
+    /// Which transport this is.
     fn kind(&self) -> Kind;
 
     /// Called for each newly registered buffer; returns keys to publish.
@@ -232,6 +258,7 @@ pub trait TransportWorker: Send {
         false
     }
 
+    /// Slices submitted and not yet finished.
     fn in_flight(&self) -> usize {
         0
     }

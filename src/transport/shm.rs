@@ -47,8 +47,9 @@ struct GuardPage {
 /// # Safety
 /// `ptr` must point at a live mapping of at least one page.
 unsafe fn guard_page<'a>(ptr: *mut u8) -> &'a GuardPage {
-    // SAFETY: per the contract the page is mapped; all its fields are atomics, so
-    // shared access from several processes is sound.
+    // SAFETY: the caller guarantees `ptr` is a live mapping of at least a page, so the 24-byte
+    // GuardPage is in bounds; callers pass a mapping's start, which is page-aligned (the contract
+    // leaves that and `'a` to them). All fields are atomics, so sharing across processes is sound.
     unsafe { &*(ptr as *const GuardPage) }
 }
 
@@ -76,12 +77,14 @@ fn random_u64() -> u64 {
     }
 }
 
+/// Same-host transport: peer memfds mapped here, or `process_vm_readv`/`writev`.
 pub struct ShmTransport {
     guard: SharedMemory,
     host_id: String,
 }
 
 impl ShmTransport {
+    /// A transport for peers on this host.
     pub fn new() -> Result<ShmTransport> {
         let guard = SharedMemory::create("mooncake-shm-guard", PAGE)
             .map_err(|e| Error::io("creating the shm guard page", e))?;

@@ -1,6 +1,7 @@
 //! Lower-case hex strings for binary values carried in JSON descriptors (endpoint
 //! addresses, IPC handles).
 
+/// Lower-case hex of `bytes`.
 pub fn encode(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -2,13 +2,16 @@
 
 use crate::error::{Error, Result};
 
+/// Size of a data-channel request header.
 pub const HEADER_LEN: usize = 24;
+/// Size of a data-channel status word.
 pub const STATUS_LEN: usize = 8;
 /// Bit 7 of the opcode byte marks protocol v2.
 pub const V2_FLAG: u8 = 0x80;
 /// High 32 bits of every status frame: "MCTV".
 pub const STATUS_MAGIC: u32 = 0x4D43_5456;
 
+/// Direction of a data-channel request, seen from the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DataOp {
     /// Remote → caller.
@@ -17,15 +20,19 @@ pub enum DataOp {
     Write,
 }
 
+/// A data-channel request header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// Bytes to move.
     pub size: u64,
     /// Absolute address in the server's address space.
     pub addr: u64,
+    /// Read or write.
     pub op: DataOp,
 }
 
 impl Header {
+    /// The header's wire form.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         out[0..8].copy_from_slice(&self.size.to_le_bytes());
@@ -58,13 +65,17 @@ impl Header {
     }
 }
 
+/// A data-channel request's outcome, as the server reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
+    /// The request was served.
     Ok,
+    /// The server refused the request (bad range or unregistered memory).
     Rejected,
 }
 
 impl Status {
+    /// The status word's wire form.
     pub fn encode(self) -> [u8; STATUS_LEN] {
         let low = match self {
             Status::Ok => 0u64,
@@ -73,6 +84,7 @@ impl Status {
         (((STATUS_MAGIC as u64) << 32) | low).to_le_bytes()
     }
 
+    /// Parses a status word; fails on a bad magic or value.
     pub fn decode(bytes: &[u8; STATUS_LEN]) -> Result<Status> {
         let v = u64::from_le_bytes(*bytes);
         if (v >> 32) as u32 != STATUS_MAGIC {

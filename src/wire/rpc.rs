@@ -9,6 +9,7 @@ use crate::error::{Code, Error, Result};
 /// Default and hard upper bound on one frame's length field.
 pub const MAX_FRAME_LEN: u64 = 1 << 20;
 
+/// Kinds of handshake RPC frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum RpcType {
@@ -16,11 +17,14 @@ pub enum RpcType {
     Connection = 0,
     /// Peer-to-peer segment descriptor exchange.
     Metadata = 1,
+    /// A notification message for the peer's inbox.
     Notify = 2,
+    /// A liveness probe.
     Probe = 3,
 }
 
 impl RpcType {
+    /// The frame kind with this number, if there is one.
     pub fn from_u8(v: u8) -> Option<RpcType> {
         match v {
             0 => Some(RpcType::Connection),
@@ -95,6 +99,7 @@ pub fn read_frame(stream: &mut impl Read, max: u64) -> Result<(RpcType, String)>
     Ok((kind, text.to_owned()))
 }
 
+/// Writes one frame of kind `kind` carrying `json`.
 pub fn write_frame(stream: &mut impl Write, kind: RpcType, json: &str) -> Result<()> {
     stream
         .write_all(&encode(kind, json))

@@ -31,8 +31,8 @@ impl Emu {
 
     pub fn set_down(&self, dev: &str, down: bool) {
         let name = std::ffi::CString::new(dev).unwrap();
-        // SAFETY: as above.
         assert_eq!(
+            // SAFETY: emulator entry point taking a C string, live for the call.
             unsafe { (self.fail_device)(name.as_ptr(), down as libc::c_int) },
             0
         );

@@ -107,6 +107,7 @@ impl AllocatorConfig {
 /// inside a block of [`Allocation::block_size`] bytes starting at `offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Allocation {
+    /// Offset of the block inside the allocator's range.
     pub offset: u64,
     /// The requested size.
     pub size: u64,
@@ -149,6 +150,7 @@ const MAX_SLAB: u64 = 1 << 37;
 /// many blocks.
 const MIN_LINKS: u64 = 4096;
 
+/// Lock-free slab allocator for the space of one mounted segment.
 pub struct SlabAllocator {
     capacity: u64,
     slab_size: u64,
@@ -294,6 +296,7 @@ impl SlabAllocator {
         self.slabs.bound() as u64 * self.slab_size
     }
 
+    /// Bytes per slab.
     pub fn slab_size(&self) -> u64 {
         self.slab_size
     }

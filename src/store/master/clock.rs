@@ -5,13 +5,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The master's time source, in milliseconds since it started (never 0).
 #[derive(Clone)]
 pub enum Clock {
+    /// Real monotonic time since this instant.
     System(Instant),
+    /// Test time, moved by hand.
     Manual(Arc<AtomicU64>),
 }
 
 impl Clock {
+    /// A clock following real monotonic time.
     pub fn system() -> Clock {
         Clock::System(Instant::now())
     }
@@ -21,6 +25,7 @@ impl Clock {
         Clock::Manual(Arc::new(AtomicU64::new(1)))
     }
 
+    /// Milliseconds now.
     pub fn now_ms(&self) -> u64 {
         match self {
             Clock::System(start) => start.elapsed().as_millis() as u64 + 1,

@@ -16,6 +16,7 @@ pub enum AllocationStrategy {
 }
 
 impl AllocationStrategy {
+    /// Parses a strategy name (`random`, `free_ratio_first`, `local_first`).
     pub fn parse(s: &str) -> Option<AllocationStrategy> {
         match s {
             "random" => Some(AllocationStrategy::Random),
@@ -29,6 +30,7 @@ impl AllocationStrategy {
 /// 16 TiB: with 4 MiB slabs, about 4M slab entries (some 200 MB of master memory).
 pub const DEFAULT_MAX_SEGMENT_SIZE: u64 = 16 << 40;
 
+/// Tunables of the store [`Master`](super::Master).
 #[derive(Clone, Debug)]
 pub struct MasterConfig {
     /// How long a reader may use a replica list (`default_kv_lease_ttl`).
@@ -44,7 +46,9 @@ pub struct MasterConfig {
     /// Space of an abandoned put is reused only after this long (its writer may still
     /// be writing into it).
     pub put_start_release_timeout: Duration,
+    /// How replicas are placed across segments.
     pub allocation_strategy: AllocationStrategy,
+    /// Per-segment allocator settings.
     pub allocator: AllocatorConfig,
     /// Shards of the object table (more shards, less contention).
     pub shards: usize,

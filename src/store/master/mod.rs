@@ -51,6 +51,7 @@ struct ClientState {
     last_ping_ms: u64,
 }
 
+/// The store master: object metadata, leases, placement and eviction.
 pub struct Master {
     config: MasterConfig,
     clock: Clock,
@@ -75,10 +76,12 @@ enum Removal {
 }
 
 impl Master {
+    /// A master on the system clock.
     pub fn new(config: MasterConfig) -> Master {
         Master::with_clock(config, Clock::system())
     }
 
+    /// A master on `clock` (tests pass a manual one).
     pub fn with_clock(config: MasterConfig, clock: Clock) -> Master {
         let shards = (0..config.shards.max(1))
             .map(|_| Mutex::new(HashMap::new()))
@@ -99,6 +102,7 @@ impl Master {
         }
     }
 
+    /// The configuration the master was built with.
     pub fn config(&self) -> &MasterConfig {
         &self.config
     }
@@ -114,6 +118,7 @@ impl Master {
         self.metadata_url.get().map(String::as_str)
     }
 
+    /// The master's clock.
     pub fn clock(&self) -> &Clock {
         &self.clock
     }
@@ -219,6 +224,7 @@ impl Master {
         }
     }
 
+    /// Adds `segment` of `client` to the pool.
     pub fn mount(&self, client: u64, segment: SegmentInfo) -> Result<()> {
         if segment.size == 0
             || segment.name.is_empty()
@@ -253,6 +259,7 @@ impl Master {
         Ok(())
     }
 
+    /// Removes `client`'s segment `name` from the pool, dropping the replicas on it.
     pub fn unmount(&self, client: u64, name: &str) -> Result<()> {
         let segs = self.segments.snapshot();
         match segs.iter().find(|s| s.info.name == name) {
@@ -531,6 +538,7 @@ impl Master {
             .is_some_and(|o| o.complete))
     }
 
+    /// Removes `key` (even when leased, with `force`).
     pub fn remove(&self, key: &str, force: bool) -> KeyResult<()> {
         check_key(key)?;
         let now = self.clock.now_ms();
@@ -649,6 +657,7 @@ impl Master {
         removed
     }
 
+    /// Pool statistics: segments, capacity, use, objects and evictions.
     pub fn stats(&self) -> PoolStats {
         let (capacity, used) = self.segments.capacity_and_used();
         PoolStats {
@@ -710,6 +719,7 @@ impl Master {
             .map(|o| (o.size, o.complete, segments::describe(&o.replicas)))
     }
 
+    /// Every key, complete or not.
     pub fn all_keys(&self) -> Vec<String> {
         self.shards
             .iter()
@@ -717,6 +727,7 @@ impl Master {
             .collect()
     }
 
+    /// Every mounted segment with its capacity and bytes in use.
     pub fn all_segments(&self) -> Vec<(SegmentInfo, u64, u64)> {
         self.segments
             .snapshot()

@@ -278,7 +278,8 @@ pub(super) struct Nic {
 // SAFETY: all objects belong to a domain opened with FI_THREAD_SAFE; the pointers are
 // only closed in Drop, when no other reference remains.
 unsafe impl Send for Nic {}
-// SAFETY: as above.
+// SAFETY: `&Nic` only makes libfabric calls on objects of its FI_THREAD_SAFE domain (safe from any
+// thread at once) and reads `info`, which nothing mutates after open; `progress` is behind a Mutex.
 unsafe impl Sync for Nic {}
 
 impl Nic {
@@ -288,7 +289,9 @@ impl Nic {
     /// # Safety
     /// `info` is a single `fi_info` from `fi_dupinfo`, not owned by anyone else.
     pub unsafe fn open(lib: Arc<FabricLib>, info: *mut fi::fi_info) -> Result<Arc<Nic>> {
-        // SAFETY: per the contract.
+        // SAFETY: the caller guarantees `info` is a live single fi_info from fi_dupinfo (a deep
+        // copy of a getinfo entry), so its attribute pointers are valid or NULL, as `summarize`
+        // requires.
         let s = unsafe { fi::summarize(info) };
         // SAFETY: attribute pointers of a getinfo answer are valid.
         let (max_msg, av_type, tx_flags) = unsafe {
@@ -351,7 +354,8 @@ impl Nic {
             let rc = unsafe { fi::fi_cntr_open(nic.domain, &mut c.writes) };
             nic.counters = Some(c);
             nic.check("fi_cntr_open", rc)?;
-            // SAFETY: as above.
+            // SAFETY: `nic.domain` is live (fi_domain succeeded above) and `c.reads` is a writable
+            // local out-slot; as with `writes`, Drop closes whatever was opened.
             let rc = unsafe { fi::fi_cntr_open(nic.domain, &mut c.reads) };
             nic.counters = Some(c);
             nic.check("fi_cntr_open", rc)?;
@@ -576,7 +580,8 @@ fn drain(cq: *mut fi::fid_cq) {
         if n == -(fi::FI_EAVAIL as isize) {
             // SAFETY: zeroed entry is a valid out-buffer; live CQ.
             let mut err: fi::fi_cq_err_entry = unsafe { std::mem::zeroed() };
-            // SAFETY: as above.
+            // SAFETY: `cq` is still open (the progress thread is joined before it is closed) and
+            // `err` is a zeroed, writable fi_cq_err_entry for the provider to fill.
             unsafe { fi::fi_cq_readerr(cq, &mut err) };
             log::debug!("fabric serving endpoint: error entry {}", err.err);
         } else if n <= 0 {

@@ -82,6 +82,7 @@ pub fn discovered_matrix(nics: &[String]) -> String {
     topology::discover(nics).to_string()
 }
 
+/// RDMA verbs transport: one or more NICs, reliable-connected QPs to each peer.
 pub struct RdmaTransport {
     shared: Arc<RdmaContext>,
 }

@@ -14,10 +14,12 @@ use crate::metadata::SegmentDesc;
 use crate::net::ConnServer;
 use crate::registry::LocalMemory;
 
+/// TCP transport settings.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
     /// Connections per peer per engine worker.
     pub lanes_per_peer: usize,
+    /// Largest slice a transfer is cut into, in bytes.
     pub slice_size: u64,
     /// SO_SNDBUF/SO_RCVBUF; 0 keeps the kernel's auto-tuning.
     pub socket_buffer: usize,
@@ -41,6 +43,7 @@ fn default_lanes() -> usize {
     (cores / 2).clamp(1, 4)
 }
 
+/// TCP transport: a data server for peers, pooled connections to theirs.
 pub struct TcpTransport {
     config: TcpConfig,
     server: ConnServer,
@@ -61,6 +64,7 @@ impl TcpTransport {
         Ok(TcpTransport { config, server })
     }
 
+    /// Port of this engine's data server.
     pub fn data_port(&self) -> u16 {
         self.server.local_addr().port()
     }

@@ -18,10 +18,12 @@ pub struct CompChannel {
 // SAFETY: a channel may be used from any thread (libibverbs is thread-safe); it is
 // destroyed only by Drop, when no reference remains.
 unsafe impl Send for CompChannel {}
-// SAFETY: as above.
+// SAFETY: `&CompChannel` only reads the immutable `fd` and passes the channel to thread-safe
+// libibverbs calls (get_cq_event); destruction needs `&mut` (Drop).
 unsafe impl Sync for CompChannel {}
 
 impl CompChannel {
+    /// Creates a completion event channel on `ctx`.
     pub fn new(ctx: &Arc<Context>) -> io::Result<Arc<CompChannel>> {
         // SAFETY: an open context; the channel returned is owned by the value made here.
         let ch = unsafe { (ctx.verbs().create_comp_channel)(ctx.as_ptr()) };
@@ -32,10 +34,12 @@ impl CompChannel {
         }))
     }
 
+    /// The device context the channel belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
 
+    /// The raw channel, for verbs calls.
     pub fn as_ptr(&self) -> *mut ibv::ibv_comp_channel {
         self.ch.as_ptr()
     }
@@ -51,7 +55,8 @@ impl CompChannel {
         let fd = self.fd();
         // SAFETY: fcntl on the channel's own open descriptor.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        // SAFETY: as above.
+        // SAFETY: `fd` is the channel's own descriptor, open while `self` lives; F_SETFL takes an
+        // int and touches no memory of ours.
         if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
             return Err(io::Error::last_os_error());
         }

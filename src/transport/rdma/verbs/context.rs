@@ -73,7 +73,8 @@ pub struct Context {
 // SAFETY: a device context may be used from any thread (libibverbs is thread-safe),
 // and it is closed only by Drop, when no reference remains.
 unsafe impl Send for Context {}
-// SAFETY: as above; shared use only makes thread-safe verbs calls on it.
+// SAFETY: `&Context` only passes the context to thread-safe libibverbs calls and reads the
+// immutable `verbs` table and `name`; closing it needs `&mut` (Drop).
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -87,6 +88,7 @@ impl Context {
         &self.name
     }
 
+    /// The raw context, for verbs calls.
     pub fn as_ptr(&self) -> *mut ibv::ibv_context {
         self.ctx.as_ptr()
     }

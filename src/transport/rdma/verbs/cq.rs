@@ -26,7 +26,8 @@ pub struct CompletionQueue {
 // SAFETY: a CQ may be used from any thread (libibverbs is thread-safe); it is
 // destroyed only by Drop, when no reference remains.
 unsafe impl Send for CompletionQueue {}
-// SAFETY: as above; the unacknowledged count is atomic.
+// SAFETY: `&CompletionQueue` only passes the CQ to thread-safe libibverbs calls (poll, notify, ack)
+// and updates `unacked`, an AtomicU32; destruction needs `&mut` (Drop).
 unsafe impl Sync for CompletionQueue {}
 
 impl CompletionQueue {
@@ -51,14 +52,17 @@ impl CompletionQueue {
         }))
     }
 
+    /// The device context the CQ belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
 
+    /// The event channel completions are signalled on, if any.
     pub fn channel(&self) -> Option<&Arc<CompChannel>> {
         self.channel.as_ref()
     }
 
+    /// The raw CQ, for verbs calls.
     pub fn as_ptr(&self) -> *mut ibv::ibv_cq {
         self.cq.as_ptr()
     }

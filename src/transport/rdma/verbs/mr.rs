@@ -19,7 +19,8 @@ pub struct MemoryRegion {
 // SAFETY: an MR may be used from any thread (libibverbs is thread-safe); shared use
 // only reads its keys, and it is deregistered only by Drop.
 unsafe impl Send for MemoryRegion {}
-// SAFETY: as above.
+// SAFETY: `&MemoryRegion` only reads `lkey`, `rkey` and `addr`, fixed at registration, and clones
+// nothing but the `Arc` PD; deregistration needs `&mut` (Drop).
 unsafe impl Sync for MemoryRegion {}
 
 impl MemoryRegion {
@@ -71,10 +72,12 @@ impl MemoryRegion {
         Ok(MemoryRegion { pd: pd.clone(), mr })
     }
 
+    /// The protection domain the region is registered in.
     pub fn pd(&self) -> &Arc<ProtectionDomain> {
         &self.pd
     }
 
+    /// The raw memory region, for verbs calls and its keys.
     pub fn as_ptr(&self) -> *mut ibv::ibv_mr {
         self.mr.as_ptr()
     }

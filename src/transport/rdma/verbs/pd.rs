@@ -17,10 +17,12 @@ pub struct ProtectionDomain {
 // SAFETY: a PD may be used from any thread (libibverbs is thread-safe); it is
 // deallocated only by Drop, when no reference remains.
 unsafe impl Send for ProtectionDomain {}
-// SAFETY: as above.
+// SAFETY: `&ProtectionDomain` only passes the PD to thread-safe libibverbs calls (reg_mr,
+// create_qp); nothing is mutated through it, and dealloc needs `&mut` (Drop).
 unsafe impl Sync for ProtectionDomain {}
 
 impl ProtectionDomain {
+    /// Allocates a protection domain on `ctx`.
     pub fn new(ctx: &Arc<Context>) -> io::Result<Arc<ProtectionDomain>> {
         // SAFETY: an open context; the PD returned is owned by the value made here.
         let pd = unsafe { (ctx.verbs().alloc_pd)(ctx.as_ptr()) };
@@ -31,10 +33,12 @@ impl ProtectionDomain {
         }))
     }
 
+    /// The device context the domain belongs to.
     pub fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
 
+    /// The raw protection domain, for verbs calls.
     pub fn as_ptr(&self) -> *mut ibv::ibv_pd {
         self.pd.as_ptr()
     }

@@ -35,7 +35,8 @@ pub struct QueuePair {
 // SAFETY: a QP may be used from any thread (libibverbs is thread-safe, posting
 // included); it is destroyed only by Drop.
 unsafe impl Send for QueuePair {}
-// SAFETY: as above.
+// SAFETY: `&QueuePair` only hands the pointer to libibverbs calls (post, modify, query), which are
+// thread-safe, and reads `qp_num`, which never changes; no Rust-side state is mutated.
 unsafe impl Sync for QueuePair {}
 
 impl QueuePair {
@@ -74,14 +75,17 @@ impl QueuePair {
         })
     }
 
+    /// The protection domain the QP was created in.
     pub fn pd(&self) -> &Arc<ProtectionDomain> {
         &self.pd
     }
 
+    /// The CQ its send and receive completions go to.
     pub fn cq(&self) -> &Arc<CompletionQueue> {
         &self.cq
     }
 
+    /// The raw QP, for verbs calls.
     pub fn as_ptr(&self) -> *mut ibv::ibv_qp {
         self.qp.as_ptr()
     }

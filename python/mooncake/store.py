@@ -820,15 +820,23 @@ class MooncakeDistributedStore:
             out.append(buf)
         return out
 
+    def _one_key(self, key):
+        """(encoded key, 0), or (None, the code a single-key call returns): INVALID_PARAMS
+        before setup, INVALID_KEY for a key that cannot be encoded."""
+        k = _encode_key(key)
+        if not self._store:
+            return None, INVALID_PARAMS
+        if k is None:
+            return None, INVALID_KEY
+        return k, 0
+
     # ------------------------------------------------------------ query / remove
 
     def is_exist(self, key):
         """1 if stored, 0 if not, negative on error. Takes no lease."""
-        k = _encode_key(key)
-        if not self._store:
-            return INVALID_PARAMS
-        if k is None:
-            return INVALID_KEY
+        k, refused = self._one_key(key)
+        if refused:
+            return refused
         return N.LIB.mc_store_exists(self._store, k)
 
     def batch_is_exist(self, keys):
@@ -847,11 +855,9 @@ class MooncakeDistributedStore:
 
     def get_size(self, key):
         """The object's size in bytes, or a negative error. Leases the object."""
-        k = _encode_key(key)
-        if not self._store:
-            return INVALID_PARAMS
-        if k is None:
-            return INVALID_KEY
+        k, refused = self._one_key(key)
+        if refused:
+            return refused
         size = ctypes.c_uint64(0)
         rc = N.LIB.mc_store_size(self._store, k, ctypes.byref(size))
         return size.value if rc == N.MC_OK else rc

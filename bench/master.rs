@@ -7,6 +7,12 @@
 //! and a PutEnd of a fresh key, counted as two requests), `get_replicas`, `exists`, and
 //! a `mix` of one put pair, four get_replicas and four exists per round. Prints one
 //! JSON object per thread count (`--threads 1,2` gives two).
+//!
+//! `--objects N` (e.g. 10000000) runs the scale test instead, one thread: N objects
+//! put into a pool that holds exactly N, the master's resident memory per object
+//! (RSS growth over the run / N), then `--duration` of puts that each evict one
+//! object, and of get_replicas, at that size. Baseline, printed first: the same on
+//! `--keys` objects, in the same run.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
@@ -251,7 +257,16 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     };
     // Paper bytes: big enough that the put phases never evict.
     let segment_size: u64 = a.get("segment-size", 64u64 << 30)?;
+    let objects: usize = a.get("objects", 0usize)?;
     a.finish()?;
+    if objects > 0 {
+        // The baseline first: the same phases on `--keys` objects.
+        for n in [p.keys, objects] {
+            let line = scale_run(n, &p)?;
+            println!("{line}");
+        }
+        return Ok(());
+    }
     if p.keys == 0 || p.batch == 0 || p.size == 0 || threads.contains(&0) {
         return Err("--keys, --batch, --size and --threads must be positive".into());
     }
@@ -265,4 +280,91 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         return Err(format!("{errors} metadata request(s) failed"));
     }
     Ok(())
+}
+
+/// Resident memory of this process, in bytes (Linux; 0 elsewhere).
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * page.max(0) as u64
+}
+
+/// The scale test on `objects` objects (see the module's comment).
+fn scale_run(objects: usize, p: &Params) -> Result<Value, String> {
+    let rss_before = rss_bytes();
+    let master = Master::new(MasterConfig::default());
+    // Whole slabs, exactly `objects` blocks of this size class.
+    let slab = MasterConfig::default().allocator.slab_size;
+    let per_slab = (slab / p.size.max(1)).max(1);
+    let slabs = (objects as u64).div_ceil(per_slab);
+    master
+        .mount(
+            CLIENT,
+            SegmentInfo {
+                name: "paper-node:1".to_owned(),
+                base: 1 << 44,
+                size: slabs * slab,
+            },
+        )
+        .map_err(|e| format!("mount: {e}"))?;
+    let t0 = Instant::now();
+    let mut errors = 0;
+    let mut keys = Vec::with_capacity(256);
+    for i in 0..objects {
+        keys.push(format!("key/{i}"));
+        if keys.len() == 256 || i + 1 == objects {
+            errors += put_pair(&master, std::mem::take(&mut keys), p.size);
+        }
+    }
+    let populate_s = t0.elapsed().as_secs_f64();
+    let rss_after = rss_bytes();
+    let stored = master.stats().objects;
+    // Every put now evicts (the pool is full); keys read are picked among all.
+    let mut rng = Rng(0x5EED);
+    let (mut puts, mut gets) = (0u64, 0u64);
+    let t1 = Instant::now();
+    while t1.elapsed() < p.duration {
+        errors += put_pair(&master, vec![format!("fresh/{puts}")], p.size);
+        puts += 1;
+    }
+    let put_s = t1.elapsed().as_secs_f64();
+    let t2 = Instant::now();
+    while t2.elapsed() < p.duration {
+        let key = format!("key/{}", rng.below(objects));
+        // Evicted keys fail: counted as requests all the same.
+        let _ = master.handle(Request::GetReplicas { keys: vec![key] });
+        gets += 1;
+    }
+    let get_s = t2.elapsed().as_secs_f64();
+    let evicted = master.stats().evicted_objects;
+    drop(master);
+    let per_object = rss_after.saturating_sub(rss_before) as f64 / objects.max(1) as f64;
+    Ok(Value::object([
+        ("bench", Value::from("master_scale")),
+        ("objects", objects.into()),
+        ("objects_stored", stored.into()),
+        ("size", p.size.into()),
+        (
+            "populate_put_pairs_per_s",
+            (objects as f64 / populate_s).round().into(),
+        ),
+        (
+            "rss_delta_bytes",
+            rss_after.saturating_sub(rss_before).into(),
+        ),
+        ("bytes_per_object", per_object.round().into()),
+        (
+            "evicting_put_pairs_per_s",
+            (puts as f64 / put_s).round().into(),
+        ),
+        ("get_replicas_per_s", (gets as f64 / get_s).round().into()),
+        ("evicted_objects", evicted.into()),
+        ("errors", errors.into()),
+    ]))
 }

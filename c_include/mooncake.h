@@ -49,14 +49,14 @@ extern "C" {
 
 /* Revision within MC_ABI_VERSION; bumped whenever functions are added (additions never
  * change an existing function or struct). Revision 2 added the functions marked
- * "(revision 2)". A program loading the library at run time checks
- * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 2
+ * "(revision 2)", revision 3 those marked "(revision 3)". A program loading the
+ * library at run time checks mc_abi_revision() >= the revision it needs. */
+#define MC_ABI_REVISION 3
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 2). */
+/* The ABI revision the loaded library implements (revision 3). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -156,6 +156,14 @@ typedef struct mc_config mc_config;
  *                       or a NIC priority matrix as JSON; "" (default) uses all found.
  *   fabric_provider     libfabric provider for protocol "efa" ("efa", "tcp;ofi_rxm",
  *                       "shm", "sockets"); "" (default) picks the first with RMA.
+ *   cluster_secret      The secret every member of the cluster shares: with it, every
+ *                       connection to or from this engine (data, handshake RPC, master
+ *                       RPC) authenticates first, and HTTP metadata writes are signed;
+ *                       peers without it are refused (docs/security.md). "" turns it
+ *                       off. Default: the environment variable MC_CLUSTER_SECRET, else
+ *                       off (every wire exactly as Mooncake's).
+ *   cluster_secret_file As cluster_secret, read from this file (one trailing newline
+ *                       is not part of it).
  */
 
 /* A config holding the defaults (NULL only on an internal error). Free it with
@@ -195,6 +203,19 @@ int mc_engine_segment_name(mc_engine *engine, char *buf, size_t len);
  * for same-host peers, or stage it through pinned host buffers). See "Memory
  * lifetime". */
 int mc_register_memory(mc_engine *engine, void *addr, size_t len, const char *location);
+
+/* What peers may do with a registered buffer; the engine's own transfers may always
+ * read and write it. (revision 3) */
+#define MC_ACCESS_READ_WRITE 0 /* peers read and write it (mc_register_memory) */
+#define MC_ACCESS_READ_ONLY 1  /* peers read it; their writes are refused */
+#define MC_ACCESS_LOCAL 2      /* peers can neither read nor write it */
+
+/* As mc_register_memory, with access one of MC_ACCESS_* (anything else is
+ * MC_ERR_INVALID_PARAMS). The engine's TCP server and NIC registrations enforce it;
+ * same-host peers of this library honour it, but a process of the same user can
+ * always reach this process's memory (docs/security.md). (revision 3) */
+int mc_register_memory_with_access(mc_engine *engine, void *addr, size_t len,
+                                   const char *location, uint32_t access);
 
 /* Withdraws the buffer registered at addr; returns once no transfer can touch it. */
 int mc_unregister_memory(mc_engine *engine, void *addr);

@@ -7,15 +7,18 @@
 #[path = "../ffi/mod.rs"]
 pub mod ffi;
 
+pub mod auth;
 pub mod capi;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod etcd;
 pub mod http;
 pub mod json;
 pub mod memfd;
 pub mod metadata;
 pub(crate) mod net;
+pub mod redis;
 pub mod registry;
 pub mod store;
 pub(crate) mod sys;
@@ -25,4 +28,5 @@ pub mod wire;
 
 pub use engine::{Engine, EngineConfig, Protocol, Request};
 pub use error::{Code, Error, Result};
+pub use net::ServerLimits;
 pub use transport::Op;

@@ -2,9 +2,17 @@
 
 #[path = "../bench/alloc.rs"]
 mod alloc_bench;
+#[path = "../bench/auth.rs"]
+mod auth_bench;
 #[path = "../bench/common.rs"]
 mod bench_common;
 mod cli;
+#[path = "../bench/disk.rs"]
+mod disk_bench;
+#[path = "../bench/first_touch.rs"]
+mod first_touch_bench;
+#[path = "../bench/floor.rs"]
+mod floor_bench;
 #[path = "../bench/master.rs"]
 mod master_bench;
 #[path = "../bench/store.rs"]
@@ -21,6 +29,7 @@ const COMMANDS: &[(&str, &str)] = &[
         "\
   mooncake target --size BYTES [--location cpu:0|cuda:N|hip:N|npu:N] [--metadata URL]
       [--name HOST:PORT] [--bind IP] [--protocol tcp|shm|auto|rdma|efa]
+      [--cluster-secret-file PATH]
       Allocate and register a SIZE-byte buffer (host memory, or device memory from the
       location's driver), publish it, print `ready <segment> addr=0x... size=BYTES`,
       serve until killed. Metadata defaults to P2PHANDSHAKE (the name is the address).",
@@ -28,8 +37,9 @@ const COMMANDS: &[(&str, &str)] = &[
     (
         "metadata-server",
         "\
-  mooncake metadata-server [--port 8080] [--bind 127.0.0.1]
-      Run Mooncake's HTTP metadata server (REST on /metadata, /health).",
+  mooncake metadata-server [--port 8080] [--bind 127.0.0.1] [--cluster-secret-file PATH]
+      Run Mooncake's HTTP metadata server (REST on /metadata, /health). With a secret,
+      writes must be signed with it (docs/security.md); reads stay open.",
     ),
     (
         "bench transfer",
@@ -54,12 +64,42 @@ const COMMANDS: &[(&str, &str)] = &[
       Metadata requests/s of an in-process master (put, get_replicas, exists, mix).",
     ),
     (
+        "bench first-touch",
+        "\
+  mooncake bench first-touch [--size 2G] [--protocol shm|auto]
+      Open a fresh SIZE-byte segment of a target in a child process and read 4 KiB of it:
+      the time, the same read again, and the shared memory the machine gained.",
+    ),
+    (
+        "bench auth",
+        "\
+  mooncake bench auth [--duration 4] [--control]
+      What the cluster secret costs over TCP: 4 KiB latency and 16 MiB bandwidth with the
+      secret on and off (the baseline) in the same run, the sides taking turns, S seconds
+      each; and a probe RPC on a fresh connection (where the handshake is paid).
+      --control runs both sides without the secret: the comparison's noise floor.",
+    ),
+    (
         "bench alloc",
         "\
   mooncake bench alloc [--ops 2000000] [--batch 1000] [--trace PATH] [--bytes-per-token 128]
       [--capacity 1G] [--slab-size BYTES]
       The store allocator: alloc+free latency next to std::alloc, and how full a segment
       gets on the trace's object sizes.",
+    ),
+    (
+        "bench disk",
+        "\
+  mooncake bench disk [--dir DIR] [--total 1G] [--object 4M] [--reps 3] [--cached]
+      The store's disk tier: put and read-back GB/s next to a plain pwrite/pread loop
+      on the same file system (read back from the device, or the page cache).",
+    ),
+    (
+        "bench floor",
+        "\
+  mooncake bench floor [--request 32] [--answer 4K] [--duration 2]
+      The latency floor: a loopback TCP ping-pong with both ends busy-polling, and the
+      same with blocking sockets.",
     ),
     (
         "info",
@@ -71,17 +111,22 @@ const COMMANDS: &[(&str, &str)] = &[
         "master",
         "\
   mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
-      [--bind 127.0.0.1] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 0.9]
+      [--bind 127.0.0.1] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 1.0 = off]
       [--eviction-ratio 0.05] [--client-ttl 10]
       [--allocation-strategy random|free_ratio_first|local_first]
+      [--max-unfinished-put-ratio 0.5] [--cluster-secret-file PATH]
       The store's control plane (Mooncake's mooncake_master flag names are accepted too).
-      Nodes and clients that give no --metadata ask it for its metadata server.",
+      Nodes and clients that give no --metadata ask it for its metadata server.
+      Only clients that mounted a segment or pinged may put; one client's unfinished
+      puts may hold at most --max-unfinished-put-ratio of the pool. Connection caps and
+      timeouts: MC_MAX_CONNECTIONS, MC_MAX_CONNECTIONS_PER_PEER, MC_IDLE_TIMEOUT_SECS,
+      MC_FRAME_TIMEOUT_SECS (see README).",
     ),
     (
         "node",
         "\
   mooncake node --master HOST:PORT --segment-size BYTES [--metadata URL] [--name HOST:PORT]
-      [--bind IP] [--protocol tcp|shm|auto|rdma|efa]
+      [--bind IP] [--protocol tcp|shm|auto|rdma|efa] [--cluster-secret-file PATH]
       Lend SIZE bytes (positive, at most this machine's memory) to the store pool.
       Without --metadata, the master's metadata server is used. With --bind 0.0.0.0,
       the name published is --name, else the address of the default route's interface.",
@@ -90,7 +135,7 @@ const COMMANDS: &[(&str, &str)] = &[
         "demo",
         "\
   mooncake demo [--trace FILE] [--requests N] [--block-bytes 64K] [--pool-size 3G]
-      [--time-scale X] [--replicas 1] [--protocol tcp] [--json]
+      [--time-scale X] [--replicas 1] [--protocol tcp] [--json] [--cluster-secret-file PATH]
       Start a master, two store nodes and a client in this process and replay the
       conversation trace through the store (prefix reads, writes, eviction); print a summary.",
     ),
@@ -100,11 +145,34 @@ const COMMANDS: &[(&str, &str)] = &[
   mooncake replay --master HOST:PORT [--metadata URL] [same options as demo, less --pool-size]
       The same replay, as a pure client of a running cluster (metadata: as for node).",
     ),
+    (
+        "simulate",
+        "\
+  mooncake simulate [--trace FILE] [--model ID | --config config.json [--precision P]
+      [--indexer-precision P] [--draft] [--estimate-tokens N] | --block-bytes N]
+      [--capacities 8192,16384,64GiB] [--policies fifo,lru,optimal,store] [--json] [--svg FILE]
+      [--block-tokens 512] [--requests N] [--segments 2] [--threads N]
+      Replay the trace's block ids (no bytes moved) through caches of each capacity (blocks,
+      or sizes through the block bytes) and print prefix hit rates, all requests and the last
+      half: fifo/lru/optimal as the kvcache-simulator package computes them, store = the real
+      master (allocator, eviction, leases) on a clock following the trace.",
+    ),
+    (
+        "calc",
+        "\
+  mooncake calc --model ID | --config config.json [--precision bf16|fp8|fp4]
+      [--indexer-precision P] [--draft] [--tokens N] [--block-tokens 512] [--pool-size SIZE]
+      [--json] | --list
+      KV-cache bytes per token, per block and for N tokens (catalog of models, or a Hugging
+      Face config); with --pool-size, how many blocks and tokens fit.",
+    ),
 ];
 
 const HEADER: &str = "mooncake — transfer engine and KV store (Mooncake-compatible)";
 const FOOTER: &str = "\
-Sizes accept K/M/G/T suffixes. Logging: RUST_LOG=info|debug.
+Sizes accept K/M/G/T suffixes. Logging: RUST_LOG=info|debug. Authentication: every
+serving or connecting command takes --cluster-secret-file PATH (or MC_CLUSTER_SECRET;
+docs/security.md).
 `mooncake COMMAND --help` shows one command; `mooncake --version` the version.";
 
 /// The whole usage text.
@@ -180,15 +248,24 @@ fn main() -> ExitCode {
         Some("bench") => match raw.get(1).map(String::as_str) {
             Some("transfer") => transfer_bench::run(&raw[2..]),
             Some("alloc") => alloc_bench::run(&raw[2..]),
+            Some("disk") => disk_bench::run(&raw[2..]),
+            Some("floor") => floor_bench::run(&raw[2..]),
             Some("store") => store_bench::run(&raw[2..]),
             Some("master") => master_bench::run(&raw[2..]),
-            _ => Err("usage: mooncake bench transfer|alloc|store|master [options]".to_owned()),
+            Some("first-touch") => first_touch_bench::run(&raw[2..]),
+            Some("auth") => auth_bench::run(&raw[2..]),
+            _ => Err(
+                "usage: mooncake bench transfer|alloc|store|master|first-touch|auth [options]"
+                    .to_owned(),
+            ),
         },
         Some("info" | "backends") => cli::info(&raw[1..]),
         Some("master") => cli::store::master(&raw[1..]),
         Some("node") => cli::store::node(&raw[1..]),
         Some("demo") => cli::replay::demo(&raw[1..]),
         Some("replay") => cli::replay::replay(&raw[1..]),
+        Some("simulate") => cli::simulate::simulate(&raw[1..]),
+        Some("calc") => cli::calc::calc(&raw[1..]),
         Some("--version" | "-V" | "version") => {
             println!("mooncake {}", env!("CARGO_PKG_VERSION"));
             Ok(())
@@ -233,6 +310,8 @@ mod tests {
             "node",
             "demo",
             "replay",
+            "simulate",
+            "calc",
         ] {
             let text = usage_of(&words(&[cmd])).unwrap();
             assert!(text.contains(&format!("mooncake {cmd}")), "{text}");

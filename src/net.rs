@@ -1,38 +1,226 @@
 //! A thread-per-connection TCP server with a clean shutdown: the accept loop (woken
 //! through an eventfd) and every connection thread are stopped and joined when the
 //! server is dropped. The RPC servers, the TCP transport and HTTP all run on it.
+//!
+//! A thread per connection is affordable only because connections are capped
+//! ([`ServerLimits`]): per port, and per peer address so one remote host cannot take
+//! the whole port. A connection over a cap is closed at once, unless room can be made
+//! by closing a connection that is not *proven*. A handler proves its connection
+//! ([`ConnTicket::prove`]) once the peer sent a valid request; until then the peer
+//! may be anyone. Proven connections are never closed for a newcomer, so a flood of
+//! connections (all loopback peers share 127.0.0.1, so the per-peer cap alone cannot
+//! tell a flood from a neighbour) only ever displaces itself: the oldest unproven
+//! connection goes first, and the peers already served keep being served.
+//!
+//! Handlers read with [`TimedReader`]: a proven peer may sit idle between requests
+//! for `idle_timeout` (generous: clients pool connections), a peer that has not
+//! spoken yet or stopped in the middle of a frame only for `frame_timeout`.
 
 use std::collections::HashMap;
-use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io::{self, Read};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::sys::EventFd;
 
-pub type ConnHandler = Arc<dyn Fn(TcpStream) + Send + Sync>;
+/// Caps and timeouts of one listening port. [`ServerLimits::from_env`] reads
+/// overrides from `MC_MAX_CONNECTIONS`, `MC_MAX_CONNECTIONS_PER_PEER`,
+/// `MC_IDLE_TIMEOUT_SECS` and `MC_FRAME_TIMEOUT_SECS`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Connections served at once on the port.
+    pub max_conns: usize,
+    /// Connections served at once from one peer IP address.
+    pub max_per_peer: usize,
+    /// How long a proven connection may stay silent between requests.
+    pub idle_timeout: Duration,
+    /// How long a frame may take to arrive once its first byte did, and how long a
+    /// new connection may take to start its first request.
+    pub frame_timeout: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_conns: 2048,
+            max_per_peer: 512,
+            idle_timeout: Duration::from_secs(600),
+            frame_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl ServerLimits {
+    /// The defaults with the `MC_*` overrides of this process's environment applied
+    /// (an unparsable or zero value is reported and ignored).
+    pub fn from_env() -> ServerLimits {
+        let d = ServerLimits::default();
+        let secs = |name, default: Duration| env_number(name).map_or(default, Duration::from_secs);
+        ServerLimits {
+            max_conns: env_number("MC_MAX_CONNECTIONS").map_or(d.max_conns, |n| n as usize),
+            max_per_peer: env_number("MC_MAX_CONNECTIONS_PER_PEER")
+                .map_or(d.max_per_peer, |n| n as usize),
+            idle_timeout: secs("MC_IDLE_TIMEOUT_SECS", d.idle_timeout),
+            frame_timeout: secs("MC_FRAME_TIMEOUT_SECS", d.frame_timeout),
+        }
+    }
+}
+
+fn env_number(name: &str) -> Option<u64> {
+    let raw = std::env::var(name).ok()?;
+    match raw.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Some(n),
+        _ => {
+            log::warn!("ignoring {name}={raw:?}: expected a positive whole number");
+            None
+        }
+    }
+}
+
+/// Serves one accepted connection; the ticket carries the server's limits and lets
+/// the handler prove the connection.
+pub type ConnHandler = Arc<dyn Fn(TcpStream, &ConnTicket) + Send + Sync>;
+
+/// A connection's standing with its server.
+pub struct ConnTicket {
+    proven: Arc<AtomicBool>,
+    limits: Arc<ServerLimits>,
+}
+
+impl ConnTicket {
+    /// Marks the connection as serving a real peer (it sent a valid request): it is
+    /// no longer closed to make room for newcomers, and may idle for `idle_timeout`.
+    pub fn prove(&self) {
+        self.proven.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`ConnTicket::prove`] was called.
+    pub fn is_proven(&self) -> bool {
+        self.proven.load(Ordering::Relaxed)
+    }
+
+    /// The server's limits.
+    pub fn limits(&self) -> &ServerLimits {
+        &self.limits
+    }
+}
+
+/// A reader over a server connection that applies the server's timeouts: before a
+/// frame, `idle_timeout` (or `frame_timeout` while the connection is unproven); once
+/// a frame's first byte arrived, the whole frame must be in within `frame_timeout`
+/// of it, however slowly the peer trickles. The handler calls
+/// [`TimedReader::frame_done`] after each frame. An expired wait is `TimedOut`.
+pub struct TimedReader<'a> {
+    stream: &'a TcpStream,
+    ticket: &'a ConnTicket,
+    deadline: Option<Instant>,
+}
+
+impl<'a> TimedReader<'a> {
+    /// A reader of `stream`, between frames.
+    pub fn new(stream: &'a TcpStream, ticket: &'a ConnTicket) -> TimedReader<'a> {
+        TimedReader {
+            stream,
+            ticket,
+            deadline: None,
+        }
+    }
+
+    /// The frame being read is complete: the next read waits for a new one.
+    pub fn frame_done(&mut self) {
+        self.deadline = None;
+    }
+}
+
+impl Read for TimedReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let limits = self.ticket.limits();
+        let wait = match self.deadline {
+            None if self.ticket.is_proven() => limits.idle_timeout,
+            None => limits.frame_timeout,
+            Some(deadline) => deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "frame timed out"))?,
+        };
+        self.stream.set_read_timeout(Some(wait))?;
+        let n = match (&mut &*self.stream).read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let what = if self.deadline.is_some() {
+                    "frame timed out"
+                } else {
+                    "connection idle too long"
+                };
+                return Err(io::Error::new(io::ErrorKind::TimedOut, what));
+            }
+            r => r?,
+        };
+        if n > 0 && self.deadline.is_none() {
+            self.deadline = Some(Instant::now() + limits.frame_timeout);
+        }
+        Ok(n)
+    }
+}
 
 /// How long the accept loop backs off after a failed accept (out of descriptors and
 /// the like); shutdown still wakes it at once.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
+/// One live connection.
+struct Entry {
+    /// A clone of the stream, so shutdown or eviction can unblock its thread.
+    stream: TcpStream,
+    peer: IpAddr,
+    proven: Arc<AtomicBool>,
+}
+
 #[derive(Default)]
 struct Conns {
+    /// Ids grow with time, so the smallest id is the oldest connection.
     next_id: u64,
-    /// A clone of every live connection's stream, so shutdown can unblock its thread.
-    streams: HashMap<u64, TcpStream>,
+    live: HashMap<u64, Entry>,
     /// Connection threads not yet joined (finished ones are reaped on each accept).
     threads: Vec<JoinHandle<()>>,
 }
 
+impl Conns {
+    /// Makes room for a connection from `peer`, closing the oldest unproven
+    /// connections if a cap is reached; false if the caps are held by proven ones.
+    fn make_room(&mut self, peer: IpAddr, limits: &ServerLimits) -> bool {
+        let from_peer = self.live.values().filter(|e| e.peer == peer).count();
+        if from_peer >= limits.max_per_peer && !self.evict_unproven(Some(peer)) {
+            return false;
+        }
+        self.live.len() < limits.max_conns || self.evict_unproven(None)
+    }
+
+    /// Closes the oldest unproven connection (from `peer` if given); false if none.
+    fn evict_unproven(&mut self, peer: Option<IpAddr>) -> bool {
+        let oldest = self
+            .live
+            .iter()
+            .filter(|(_, e)| !e.proven.load(Ordering::Relaxed))
+            .filter(|(_, e)| peer.is_none_or(|p| e.peer == p))
+            .map(|(id, _)| *id)
+            .min();
+        let Some(entry) = oldest.and_then(|id| self.live.remove(&id)) else {
+            return false;
+        };
+        let _ = entry.stream.shutdown(Shutdown::Both);
+        true
+    }
+}
+
 /// What a `ConnServer` shares with its accept and connection threads: the shutdown
-/// wake-up, the connection limit and the live connections.
+/// wake-up, the limits and the live connections.
 struct ConnServerState {
     /// Notified once, on shutdown.
     wake: EventFd,
-    max_conns: usize,
+    limits: Arc<ServerLimits>,
     conns: Mutex<Conns>,
 }
 
@@ -40,6 +228,7 @@ fn lock(m: &Mutex<Conns>) -> MutexGuard<'_, Conns> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A listening port served by a thread per connection (see the module docs).
 pub struct ConnServer {
     addr: SocketAddr,
     shared: Arc<ConnServerState>,
@@ -48,17 +237,11 @@ pub struct ConnServer {
 
 impl ConnServer {
     /// Binds `addr` (port 0 picks one) and serves each accepted connection on its own
-    /// thread named after `name`.
-    pub fn spawn(addr: SocketAddr, name: &str, handler: ConnHandler) -> io::Result<ConnServer> {
-        ConnServer::spawn_limited(addr, name, usize::MAX, handler)
-    }
-
-    /// As [`ConnServer::spawn`], closing new connections at once while `max_conns`
-    /// are being served.
-    pub fn spawn_limited(
+    /// thread named after `name`, within `limits`.
+    pub fn spawn(
         addr: SocketAddr,
         name: &str,
-        max_conns: usize,
+        limits: ServerLimits,
         handler: ConnHandler,
     ) -> io::Result<ConnServer> {
         let listener = TcpListener::bind(addr)?;
@@ -66,7 +249,7 @@ impl ConnServer {
         let addr = listener.local_addr()?;
         let shared = Arc::new(ConnServerState {
             wake: EventFd::new()?,
-            max_conns,
+            limits: Arc::new(limits),
             conns: Mutex::new(Conns::default()),
         });
         let s = shared.clone();
@@ -81,8 +264,15 @@ impl ConnServer {
         })
     }
 
+    /// The bound address (with the real port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections being served now.
+    #[cfg(test)]
+    fn live_connections(&self) -> usize {
+        lock(&self.shared.conns).live.len()
     }
 
     /// Stops accepting, shuts every connection's socket down and joins all threads.
@@ -98,8 +288,8 @@ impl ConnServer {
         // The listener is closed now: no connection can be added.
         let threads = {
             let mut conns = lock(&self.shared.conns);
-            for stream in conns.streams.values() {
-                let _ = stream.shutdown(Shutdown::Both);
+            for entry in conns.live.values() {
+                let _ = entry.stream.shutdown(Shutdown::Both);
             }
             std::mem::take(&mut conns.threads)
         };
@@ -142,7 +332,7 @@ fn accept_loop(
                     ) => {}
                 Err(e) => {
                     // Out of descriptors and the like: log, back off, keep serving.
-                    log::warn!("{name}: accept failed: {e}");
+                    crate::warn_limited!("{name}: accept failed: {e}");
                     if !matches!(shared.wake.wait(None, Some(ACCEPT_BACKOFF)), Ok(false)) {
                         return;
                     }
@@ -158,7 +348,7 @@ struct Deregister(Arc<ConnServerState>, u64);
 
 impl Drop for Deregister {
     fn drop(&mut self) {
-        lock(&self.0.conns).streams.remove(&self.1);
+        lock(&self.0.conns).live.remove(&self.1);
     }
 }
 
@@ -175,19 +365,28 @@ fn register(
     {
         Ok(c) => c,
         Err(e) => {
-            log::warn!("{name}: setting up connection from {peer}: {e}");
+            crate::warn_limited!("{name}: setting up connection from {peer}: {e}");
             return;
         }
     };
     let finished = {
         let mut conns = lock(&shared.conns);
-        if conns.streams.len() >= shared.max_conns {
-            log::warn!("{name}: refusing connection from {peer} (too many)");
+        if !conns.make_room(peer.ip(), &shared.limits) {
+            crate::warn_limited!("{name}: refusing connection from {peer} (connection limit)");
             return;
         }
         let id = conns.next_id;
         conns.next_id += 1;
-        conns.streams.insert(id, control);
+        let ticket = ConnTicket {
+            proven: Arc::new(AtomicBool::new(false)),
+            limits: shared.limits.clone(),
+        };
+        let entry = Entry {
+            stream: control,
+            peer: peer.ip(),
+            proven: ticket.proven.clone(),
+        };
+        conns.live.insert(id, entry);
         let (h, s) = (handler.clone(), shared.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("{name}-{}", stream.as_raw_fd()))
@@ -195,13 +394,13 @@ fn register(
                 // Made in the thread: a failed spawn must not drop one here, under
                 // the lock it takes.
                 let _guard = Deregister(s, id);
-                h(stream);
+                h(stream, &ticket);
             });
         match spawned {
             Ok(t) => conns.threads.push(t),
             Err(e) => {
-                log::warn!("{name}: cannot spawn connection thread: {e}");
-                conns.streams.remove(&id);
+                crate::warn_limited!("{name}: cannot spawn connection thread: {e}");
+                conns.live.remove(&id);
             }
         }
         // Reap finished threads so the list tracks only live ones.
@@ -219,16 +418,32 @@ fn register(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
+    use std::io::Write;
 
-    /// Echoes bytes until the peer closes.
-    fn echo(mut s: TcpStream) {
+    /// Echoes bytes until the peer closes; the first byte proves the connection.
+    fn echo(s: TcpStream, ticket: &ConnTicket) {
         let mut b = [0u8; 64];
-        while let Ok(n @ 1..) = s.read(&mut b) {
-            if s.write_all(&b[..n]).is_err() {
+        let mut reader = TimedReader::new(&s, ticket);
+        while let Ok(n @ 1..) = reader.read(&mut b) {
+            ticket.prove();
+            reader.frame_done();
+            if (&s).write_all(&b[..n]).is_err() {
                 return;
             }
         }
+    }
+
+    fn limits(max_conns: usize, max_per_peer: usize) -> ServerLimits {
+        ServerLimits {
+            max_conns,
+            max_per_peer,
+            ..ServerLimits::default()
+        }
+    }
+
+    fn server(limits: ServerLimits) -> ConnServer {
+        let addr = "127.0.0.1:0".parse().unwrap();
+        ConnServer::spawn(addr, "t", limits, Arc::new(echo)).unwrap()
     }
 
     fn connect(server: &ConnServer) -> TcpStream {
@@ -242,31 +457,126 @@ mod tests {
         s.write_all(b"x").is_ok() && matches!(s.read(&mut b), Ok(1))
     }
 
+    /// Whether the server closed `s` (a read sees the end or a reset; running into
+    /// the test's read timeout is not a close).
+    fn closed(s: &mut TcpStream) -> bool {
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(n) => n == 0,
+            Err(e) => !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+        }
+    }
+
     #[test]
     fn limit_refuses_and_shutdown_closes_open_connections() {
-        let addr = "127.0.0.1:0".parse().unwrap();
-        let mut server = ConnServer::spawn_limited(addr, "t", 1, Arc::new(echo)).unwrap();
+        let mut server = server(limits(1, 1));
         let mut first = connect(&server);
-        assert!(round_trip(&mut first)); // served, so it holds the only slot
+        assert!(round_trip(&mut first)); // proven, so it holds the only slot
         let mut second = connect(&server);
         assert!(!round_trip(&mut second)); // closed by the server
+        assert!(round_trip(&mut first)); // still served
         server.shutdown(); // must not wait for `first` to close
-        let mut b = [0u8; 1];
-        assert!(matches!(first.read(&mut b), Ok(0) | Err(_)));
+        assert!(closed(&mut first));
         server.shutdown(); // idempotent
     }
 
     #[test]
     fn a_finished_connection_frees_its_slot() {
-        let addr = "127.0.0.1:0".parse().unwrap();
-        let server = ConnServer::spawn_limited(addr, "t", 1, Arc::new(echo)).unwrap();
+        let server = server(limits(1, 1));
         for _ in 0..3 {
             let mut s = connect(&server);
             assert!(round_trip(&mut s));
             s.shutdown(Shutdown::Write).unwrap();
-            let mut b = [0u8; 1];
             // The handler returns on our EOF and closes: its slot is free once we see it.
-            assert!(matches!(s.read(&mut b), Ok(0)));
+            assert!(closed(&mut s));
         }
+    }
+
+    #[test]
+    fn a_flood_of_silent_connections_displaces_only_itself() {
+        let server = server(limits(8, 4));
+        let mut known: Vec<_> = (0..3).map(|_| connect(&server)).collect();
+        for s in &mut known {
+            assert!(round_trip(s));
+        }
+        // A flood from the same address: each newcomer takes the place of the
+        // oldest silent one, never a proven one, and the threads stay capped.
+        let mut flood: Vec<_> = (0..50).map(|_| connect(&server)).collect();
+        for s in &mut known {
+            assert!(round_trip(s));
+        }
+        // A real peer connecting in the middle of the flood is still served.
+        let mut late = connect(&server);
+        assert!(round_trip(&mut late));
+        assert!(server.live_connections() <= 4);
+        // All but the newest silent connection were closed by the server.
+        let newest = flood.pop().unwrap();
+        assert!(flood.iter_mut().all(closed));
+        drop(newest);
+    }
+
+    #[test]
+    fn per_peer_and_per_port_caps_hold_when_every_slot_is_proven() {
+        let server = server(limits(3, 2));
+        let mut a = connect(&server);
+        let mut b = connect(&server);
+        assert!(round_trip(&mut a) && round_trip(&mut b));
+        let mut c = connect(&server); // third from 127.0.0.1: over the per-peer cap
+        assert!(!round_trip(&mut c));
+        assert!(round_trip(&mut a) && round_trip(&mut b));
+    }
+
+    #[test]
+    fn silent_connections_time_out_while_idle_served_ones_stay() {
+        let server = server(ServerLimits {
+            frame_timeout: Duration::from_millis(50),
+            ..ServerLimits::default()
+        });
+        // Never says anything: closed after the frame timeout.
+        let mut silent = connect(&server);
+        assert!(closed(&mut silent));
+        // A proven peer idle between frames is kept (idle timeout of minutes) ...
+        let mut idle = connect(&server);
+        assert!(round_trip(&mut idle));
+        // ... while the silent ones are gone.
+        let mut other = connect(&server);
+        assert!(closed(&mut other));
+        assert!(round_trip(&mut idle));
+    }
+
+    #[test]
+    fn a_frame_trickled_byte_by_byte_still_meets_its_deadline() {
+        let limits = Arc::new(ServerLimits {
+            frame_timeout: Duration::from_millis(50),
+            ..ServerLimits::default()
+        });
+        let ticket = ConnTicket {
+            proven: Arc::new(AtomicBool::new(true)),
+            limits,
+        };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server_side, _) = l.accept().unwrap();
+        let mut reader = TimedReader::new(&server_side, &ticket);
+        client.write_all(b"a").unwrap();
+        let mut b = [0u8; 4];
+        assert_eq!(reader.read(&mut b).unwrap(), 1);
+        // The frame started: the rest must come within the frame timeout, in total.
+        let mut total = 1;
+        let err = loop {
+            client.write_all(b"b").unwrap();
+            match reader.read(&mut b) {
+                Ok(n) => total += n,
+                Err(e) => break e,
+            }
+            assert!(total < 1_000_000, "the deadline never came");
+        };
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        reader.frame_done();
+        client.write_all(b"c").unwrap();
+        assert!(reader.read(&mut b).is_ok());
     }
 }

@@ -9,6 +9,51 @@ use std::sync::{Arc, Condvar, Mutex, RwLock};
 
 use crate::error::{Code, Error, Result};
 
+/// What peers may do with a registered buffer (its owner's own transfers may always
+/// read and write it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Access {
+    /// Peers read and write it (Mooncake's only mode).
+    #[default]
+    ReadWrite,
+    /// Peers read it; a write is refused.
+    ReadOnly,
+    /// Peers can neither read nor write it: it serves only this engine's transfers.
+    LocalOnly,
+}
+
+impl Access {
+    /// Its name in configuration and descriptors: `read_write`, `read_only`, `local`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Access::ReadWrite => "read_write",
+            Access::ReadOnly => "read_only",
+            Access::LocalOnly => "local",
+        }
+    }
+
+    /// Parses a name as [`Access::name`] gives it.
+    pub fn parse(s: &str) -> Result<Access> {
+        match s {
+            "read_write" | "rw" => Ok(Access::ReadWrite),
+            "read_only" | "ro" => Ok(Access::ReadOnly),
+            "local" | "local_only" | "none" => Ok(Access::LocalOnly),
+            _ => Err(Error::invalid(format!(
+                "unknown access {s:?} (read_write, read_only, local)"
+            ))),
+        }
+    }
+
+    /// Whether a peer may read (`write` false) or write (`write` true) the buffer.
+    pub fn allows_peer(self, write: bool) -> bool {
+        match self {
+            Access::ReadWrite => true,
+            Access::ReadOnly => !write,
+            Access::LocalOnly => false,
+        }
+    }
+}
+
 /// One registered buffer.
 #[derive(Debug)]
 pub struct Region {
@@ -24,6 +69,8 @@ pub struct Region {
     /// For engine-allocated buffers: the memfd backing them, which same-host peers
     /// may map to copy with plain memcpy.
     pub shared_fd: Option<RawFd>,
+    /// What peers may do with it.
+    pub access: Access,
     valid: AtomicBool,
     in_flight: AtomicUsize,
     drained: (Mutex<()>, Condvar),
@@ -68,6 +115,12 @@ impl RangeGuard {
     /// The start address as a pointer.
     pub fn ptr(&self) -> *mut u8 {
         self.addr as usize as *mut u8
+    }
+
+    /// Whether the buffer is being unregistered: a transfer stalled on this range
+    /// should give up, since unregistration waits for it.
+    pub fn is_revoked(&self) -> bool {
+        !self.region.valid.load(Ordering::SeqCst)
     }
 
     /// Where the guarded bytes live; anything but `Host` must not be touched by the CPU.
@@ -118,16 +171,18 @@ impl LocalMemory {
 
     /// Adds a buffer; zero length, address overflow and any overlap are refused.
     pub fn register(&self, addr: u64, len: u64, location: &str) -> Result<Arc<Region>> {
-        self.register_with(addr, len, location, None)
+        self.register_with(addr, len, location, None, Access::ReadWrite)
     }
 
-    /// As `register`, for memory backed by a shareable memfd.
+    /// As `register`, for memory backed by a shareable memfd and with what peers may
+    /// do with it.
     pub fn register_with(
         &self,
         addr: u64,
         len: u64,
         location: &str,
         shared_fd: Option<RawFd>,
+        access: Access,
     ) -> Result<Arc<Region>> {
         if len == 0 {
             return Err(Error::invalid("cannot register a zero-length buffer"));
@@ -157,6 +212,7 @@ impl LocalMemory {
             location: location.to_owned(),
             device,
             shared_fd,
+            access,
             valid: AtomicBool::new(true),
             in_flight: AtomicUsize::new(0),
             drained: (Mutex::new(()), Condvar::new()),
@@ -224,6 +280,23 @@ impl LocalMemory {
             ));
         }
         Ok(guard)
+    }
+
+    /// As [`guard`](Self::guard), for a peer's request: refused unless the buffer's
+    /// [`Access`] lets peers read (or, with `write`, write) it.
+    pub fn guard_for_peer(&self, addr: u64, len: u64, write: bool) -> Result<RangeGuard> {
+        let guard = self.guard(addr, len)?;
+        match guard.region.access {
+            a if a.allows_peer(write) => Ok(guard),
+            Access::LocalOnly => Err(Error::new(
+                Code::AddressNotRegistered,
+                format!("buffer at {:#x} is not open to peers", guard.region.addr),
+            )),
+            _ => Err(Error::new(
+                Code::InvalidWrite,
+                format!("buffer at {:#x} is read-only to peers", guard.region.addr),
+            )),
+        }
     }
 
     /// Whether any device-memory buffer is registered (one atomic load).

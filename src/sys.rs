@@ -253,6 +253,26 @@ pub fn connect_result(stream: &TcpStream) -> Option<io::Result<()>> {
     }
 }
 
+/// Whether an idle connection is over: the peer closed it (or reset it, or sent
+/// something unasked), so a request must not be sent on it. One non-blocking peek.
+pub fn idle_connection_closed(stream: &TcpStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte buffer we own, valid for the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error().kind();
+        return !matches!(e, io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
+    }
+    true
+}
+
 /// Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's auto-tuning alone).
 pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
     if bytes == 0 {
@@ -290,5 +310,19 @@ pub fn is_mapped(addr: u64, len: u64) -> bool {
             (end - start) as usize,
             libc::MS_ASYNC,
         ) == 0
+    }
+}
+
+/// Asks the kernel to drop `file`'s cached pages (only clean ones go: write the file
+/// out first).
+pub fn drop_page_cache(file: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open
+    // for the duration of the call because `file` is borrowed.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
     }
 }

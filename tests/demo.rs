@@ -55,6 +55,7 @@ const FIELDS: &[&str] = &[
     "put_p99_us",
     "block_bytes",
     "pool_bytes",
+    "idle_fraction",
     "real_model_equivalent_gib",
 ];
 
@@ -103,6 +104,8 @@ fn demo_with_a_tiny_pool_evicts_without_errors() {
         num(&v, "objects_written") > num(&v, "capacity_blocks"),
         "{v}"
     );
+    // Puts evict just what they need: once full, the pool stays full.
+    assert!(num(&v, "idle_fraction") < 0.05, "pool left idle: {v}");
 }
 
 #[test]

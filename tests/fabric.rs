@@ -579,6 +579,7 @@ fn connection_rpc_answers_efa_addr() {
         mooncake::wire::rpc::RpcType::Connection,
         &request,
         Duration::from_secs(5),
+        None,
     )
     .unwrap();
     let v = mooncake::json::parse(&reply).unwrap();

@@ -11,6 +11,7 @@ use common::{engine_with, pattern, Target};
 use mooncake::engine::TaskState;
 use mooncake::json::Value;
 use mooncake::metadata::http_server::MetadataServer;
+use mooncake::metadata::SegmentDesc;
 use mooncake::wire::data::{Header, Status, HEADER_LEN};
 use mooncake::wire::rpc::{self, MAX_FRAME_LEN};
 use mooncake::{Code, Engine, EngineConfig, Op, Request};
@@ -274,4 +275,67 @@ fn buffer_withdrawn_by_its_owner_is_never_touched_again() {
         let err = unsafe { e.submit(b2, &[w]) }.unwrap_err();
         assert_eq!(err.code(), Code::AddressNotRegistered, "{protocol}");
     }
+}
+
+/// Start and length of the `[heap]` mapping of process `pid`.
+fn heap_of(pid: u32) -> (u64, u64) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let line = maps.lines().find(|l| l.ends_with("[heap]")).unwrap();
+    let range = line.split_whitespace().next().unwrap();
+    let (a, b) = range.split_once('-').unwrap();
+    let a = u64::from_str_radix(a, 16).unwrap();
+    (a, u64::from_str_radix(b, 16).unwrap() - a)
+}
+
+/// Answers one descriptor request with `desc`, renamed to the listener's address.
+fn serve_descriptor_once(mut desc: SegmentDesc) -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    desc.name = l.local_addr().unwrap().to_string();
+    let text = desc.to_json().to_string();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let (kind, _) = rpc::read_frame(&mut s, MAX_FRAME_LEN).unwrap();
+        rpc::write_frame(&mut s, kind, &text).unwrap();
+    });
+    (desc.name, h)
+}
+
+#[test]
+fn a_forged_descriptor_cannot_touch_its_victims_memory() {
+    let mut victim = Target::spawn("P2PHANDSHAKE", 1 << 20);
+    let before = victim.command("checksum");
+    let probe = engine_with("P2PHANDSHAKE", "tcp");
+    let seg = probe.open_segment(&victim.name).unwrap();
+    let honest = probe.segment_descriptor(seg).unwrap();
+    let (heap, heap_len) = heap_of(victim.child.id());
+    let attacker = engine_with("P2PHANDSHAKE", "shm");
+    // A copy of the victim's descriptor, renamed, its buffer moved onto the victim's
+    // heap (never registered): as a plain buffer, and still claiming the memfd.
+    for shm_fd in [None, honest.buffers[0].shm_fd] {
+        let mut forged = honest.clone();
+        forged.buffers[0].addr = heap;
+        forged.buffers[0].length = heap_len;
+        forged.buffers[0].shm_fd = shm_fd;
+        let (name, server) = serve_descriptor_once(forged);
+        let seg = attacker.open_segment(&name).unwrap();
+        server.join().unwrap();
+        for op in [Op::Write, Op::Read] {
+            let mut local = pattern(3, 4096);
+            let req = Request {
+                op,
+                local: local.as_mut_ptr() as u64,
+                segment: seg,
+                remote: heap,
+                len: 4096,
+            };
+            // SAFETY: `local` outlives the synchronous call.
+            let err = unsafe { attacker.transfer_sync(&[req]) }.unwrap_err();
+            assert_eq!(err.code(), Code::TransferFail, "{op:?}: {err}");
+            assert!(local == pattern(3, 4096), "{op:?}: nothing was read");
+        }
+    }
+    assert_eq!(attacker.stats().shm_bytes, 0);
+    // The victim lives on, its buffer as it was.
+    assert!(victim.child.try_wait().unwrap().is_none());
+    assert_eq!(victim.command("checksum"), before);
 }

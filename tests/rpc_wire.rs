@@ -58,6 +58,7 @@ fn malformed_frames_close_only_that_connection() {
         RpcType::Probe,
         "{}",
         Duration::from_secs(5),
+        None,
     )
     .unwrap();
     assert_eq!(reply, r#"{"status":"success"}"#);
@@ -73,11 +74,12 @@ fn replies_match_mooncake_shapes() {
         RpcType::Notify,
         r#"{"name":"peer","notify_msg":"hi"}"#,
         t,
+        None,
     )
     .unwrap();
     assert_eq!(notify, r#"{"name":"","notify_msg":"success"}"#);
-    let meta =
-        json::parse(&rpc::call(e.segment_name(), RpcType::Metadata, "{}", t).unwrap()).unwrap();
+    let meta = json::parse(&rpc::call(e.segment_name(), RpcType::Metadata, "{}", t, None).unwrap())
+        .unwrap();
     assert_eq!(
         meta.get("name").and_then(|v| v.as_str()),
         Some(e.segment_name())
@@ -93,7 +95,7 @@ fn replies_match_mooncake_shapes() {
     assert!(meta.get("buffers").and_then(|v| v.as_array()).is_some());
     let conn_req = r#"{"local_nic_path":"a@mlx5_0","local_lid":1,"local_gid":"00","peer_nic_path":"b@mlx5_0","qp_num":[1],"ready_ack":false,"reply_msg":""}"#;
     let reply =
-        json::parse(&rpc::call(e.segment_name(), RpcType::Connection, conn_req, t).unwrap())
+        json::parse(&rpc::call(e.segment_name(), RpcType::Connection, conn_req, t, None).unwrap())
             .unwrap();
     assert!(
         !reply

@@ -404,7 +404,7 @@ fn a_node_without_metadata_uses_the_masters_metadata_server() {
     let s = server(10_000);
     let url = s.metadata_url().unwrap();
     assert_eq!(
-        mooncake::store::metadata_of_master(&s.rpc_addr().to_string()).unwrap(),
+        mooncake::store::metadata_of_master(&s.rpc_addr().to_string(), None).unwrap(),
         url
     );
     let _node = NodeProcess::spawn_with(&s, "16M", &[]);
@@ -421,7 +421,7 @@ fn a_node_without_metadata_uses_the_masters_metadata_server() {
         ..Default::default()
     })
     .unwrap();
-    let e = mooncake::store::metadata_of_master(&quiet.rpc_addr().to_string()).unwrap_err();
+    let e = mooncake::store::metadata_of_master(&quiet.rpc_addr().to_string(), None).unwrap_err();
     assert!(e.to_string().contains("runs no metadata server"), "{e}");
 }
 
@@ -441,4 +441,61 @@ fn an_oversized_key_is_cut_in_the_error() {
     assert!(text.contains(&format!("({} bytes)", 1 << 20)), "{text}");
     let e = c.get(&key).unwrap_err();
     assert!(e.to_string().len() < 400);
+}
+
+/// A master restarted on the same address: the node remounts and republishes its
+/// descriptor (the new master's embedded metadata server starts empty), so new puts
+/// and gets work again, from new clients too, without restarting the node.
+#[test]
+fn a_restarted_master_is_usable_again_without_restarting_nodes() {
+    let first = server(10_000);
+    let (rpc_port, meta_url) = (first.rpc_addr().port(), first.metadata_url().unwrap());
+    let meta_port: u16 = meta_url
+        .trim_start_matches("http://")
+        .split(['/', ':'])
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .expect("metadata port in the URL");
+    let rpc_addr = first.rpc_addr().to_string();
+    let fast = |segment| ClientConfig {
+        global_segment_size: segment,
+        ping_interval: Duration::from_millis(50),
+        ..ClientConfig::connect(&rpc_addr, &meta_url, "tcp").unwrap()
+    };
+    let _node = Client::new(fast(32 * MIB)).unwrap();
+    let c = Client::new(fast(0)).unwrap();
+    let cfg = ReplicateConfig::default();
+    c.put("before", &value(1, 50_000), &cfg).unwrap();
+    drop(first);
+
+    let second = MasterServer::start(ServerConfig {
+        rpc_port,
+        metadata_port: Some(meta_port),
+        metrics_port: Some(0),
+        ..Default::default()
+    })
+    .expect("the old ports are free again");
+    // A client that never saw the node needs its descriptor from the new master's
+    // metadata server. The node remounts at its next ping; until then puts fail.
+    let c = Client::new(fast(0)).unwrap();
+    let v = value(2, 50_000);
+    let mut last = None;
+    for attempt in 0..400 {
+        match c.put(&format!("after-{attempt}"), &v, &cfg) {
+            Ok(()) => {
+                last = Some(attempt);
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(25)),
+        }
+    }
+    let attempt = last.expect("puts work again after the node remounted");
+    assert_eq!(c.get(&format!("after-{attempt}")).unwrap(), v);
+    // And keep working: the descriptor is there, not just a lucky first call.
+    for i in 0..20 {
+        let v = value(100 + i, 4096 + i as usize);
+        c.put(&format!("more-{i}"), &v, &cfg).unwrap();
+        assert_eq!(c.get(&format!("more-{i}")).unwrap(), v);
+    }
+    drop(second);
 }

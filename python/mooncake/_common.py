@@ -111,17 +111,15 @@ def metadata_connection(metadata_server, metadata_type=None):
         # Upstream: a bare host:port means etcd (or initialize_ext's metadata_type).
         s = f"{(metadata_type or 'etcd').strip()}://{s}"
     scheme = s.split("://", 1)[0].lower()
-    if scheme == "http":
+    if scheme in ("http", "etcd", "redis"):
         return s
-    if scheme in ("etcd", "redis", "https"):
+    if scheme == "https":
         logger.error(
-            "mooncake: metadata server %r needs the %s metadata backend, which this build "
-            "does not have yet; use P2PHANDSHAKE or http://host:port/metadata "
-            "(e.g. `mooncake_master --enable_http_metadata_server` or "
-            "`mooncake_http_metadata_server`)", metadata_server, scheme)
+            "mooncake: metadata server %r: https is not supported; use http://, etcd://, "
+            "redis:// or P2PHANDSHAKE", metadata_server)
         return None
-    logger.error("mooncake: unknown metadata server %r (P2PHANDSHAKE or http://...)",
-                 metadata_server)
+    logger.error("mooncake: unknown metadata server %r (P2PHANDSHAKE, http://, etcd:// or "
+                 "redis://)", metadata_server)
     return None
 
 

@@ -8,7 +8,7 @@ Where the library is looked for, in order:
   1. ``libmooncake.so`` next to this file (the copy a wheel installs);
   2. the path in the environment variable ``MOONCAKE_LIB``.
 
-Functions of ABI revision 2 are bound when present; a method that needs one raises
+Functions of ABI revisions 2 and 3 are bound when present; a method that needs one raises
 :class:`AbiRevisionError` when the loaded library is older or lacks the symbol.
 """
 
@@ -134,6 +134,7 @@ _SIGNATURES = {
     "mc_engine_free": (None, [_P], 1),
     "mc_engine_segment_name": (c_int, [_P, _P, c_size_t], 1),
     "mc_register_memory": (c_int, [_P, _P, c_size_t, c_char_p], 1),
+    "mc_register_memory_with_access": (c_int, [_P, _P, c_size_t, c_char_p, c_uint32], 3),
     "mc_unregister_memory": (c_int, [_P, _P], 1),
     "mc_allocate_buffer": (c_int, [_P, c_size_t, c_char_p, POINTER(_P)], 1),
     "mc_free_buffer": (c_int, [_P, _P], 1),

@@ -89,6 +89,10 @@ _FINAL_STATES = (N.MC_TASK_CANCELED, N.MC_TASK_COMPLETED, N.MC_TASK_TIMEOUT, N.M
                  N.MC_TASK_INVALID)
 
 
+# register_memory's access names and their MC_ACCESS_* values.
+_ACCESS = {"read_write": 0, "read_only": 1, "local": 2}
+
+
 def _location(location, addr):
     check_str(location, "location")
     if location in ("", "*"):
@@ -116,8 +120,8 @@ class TransferEngine:
 
     def initialize(self, local_hostname, metadata_server, protocol, device_name):
         """Starts the engine. ``local_hostname`` is an IP or host name, with or without a
-        port (none: a free one); ``metadata_server`` "P2PHANDSHAKE", "http://h:p/metadata"
-        (etcd/redis are refused with -1 until supported); ``protocol`` "tcp", "rdma",
+        port (none: a free one); ``metadata_server`` "P2PHANDSHAKE", "http://h:p/metadata",
+        "etcd://h:p[;h:p]" (or a bare "h:p"), "redis://h:p"; ``protocol`` "tcp", "rdma",
         "efa", "auto", ...; ``device_name`` is ignored for tcp. 0 or -1."""
         check_str(metadata_server, "metadata_server")
         return self._initialize(local_hostname, metadata_server, protocol, device_name, None)
@@ -292,15 +296,23 @@ class TransferEngine:
 
     # ------------------------------------------------------------ memory
 
-    def register_memory(self, buffer_addr, capacity, location="*"):
+    def register_memory(self, buffer_addr, capacity, location="*", access=None):
         """Publishes ``[buffer_addr, buffer_addr+capacity)`` to peers. ``location`` "*"
-        (default) classifies the memory itself (CUDA device memory or host)."""
+        (default) classifies the memory itself (CUDA device memory or host). ``access``
+        (optional) limits what peers may do: "read_write" (the default), "read_only"
+        (their writes are refused) or "local" (peers can neither read nor write it)."""
         addr = check_int(buffer_addr, "buffer_addr")
         size = check_int(capacity, "capacity")
         loc = _location(location, addr)
+        if access is not None and access not in _ACCESS:
+            raise ValueError(f"access: {access!r} (one of {', '.join(_ACCESS)})")
         if not self._engine:
             return -1
-        rc = N.LIB.mc_register_memory(self._engine, addr, size, loc.encode())
+        if access is None:
+            rc = N.LIB.mc_register_memory(self._engine, addr, size, loc.encode())
+        else:
+            register = N.need("mc_register_memory_with_access", "register_memory(access=...)")
+            rc = register(self._engine, addr, size, loc.encode(), _ACCESS[access])
         if rc == N.MC_OK:
             self._local.add(addr, size)
         else:

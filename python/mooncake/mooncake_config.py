@@ -89,6 +89,10 @@ class MooncakeConfig:
     enable_ssd_offload: bool = False
     ssd_offload_path: str = ""
     tenant_id: str = "default"
+    # Our extension (docs/security.md): the cluster secret, or a file holding it. Unset,
+    # the library takes MC_CLUSTER_SECRET from the environment.
+    cluster_secret: str = ""
+    cluster_secret_file: str = ""
 
     @staticmethod
     def from_file(file_path: str) -> "MooncakeConfig":
@@ -115,6 +119,8 @@ class MooncakeConfig:
                                            "enable_ssd_offload"),
             ssd_offload_path=str(config.get("ssd_offload_path") or ""),
             tenant_id=str(config.get("tenant_id") or "default"),
+            cluster_secret=str(config.get("cluster_secret") or ""),
+            cluster_secret_file=str(config.get("cluster_secret_file") or ""),
         )
 
     @staticmethod
@@ -151,7 +157,7 @@ class MooncakeConfig:
 
     def to_setup_dict(self) -> dict:
         """The dict ``MooncakeDistributedStore.setup`` accepts."""
-        return {
+        setup = {
             "local_hostname": self.local_hostname,
             "metadata_server": self.metadata_server,
             "global_segment_size": self.global_segment_size,
@@ -160,3 +166,7 @@ class MooncakeConfig:
             "rdma_devices": self.device_name or "",
             "master_server_addr": self.master_server_address,
         }
+        for key in ("cluster_secret", "cluster_secret_file"):
+            if getattr(self, key):
+                setup[key] = getattr(self, key)
+        return setup

@@ -364,6 +364,8 @@ class ReplicaDescriptor:
 
 
 _SETUP_EXTRAS = ("enable_ssd_offload", "ssd_offload_path", "tenant_id", "ipc_socket_path")
+# Our extension: the cluster secret (docs/security.md), as the secret or a file holding it.
+_SECRET_KEYS = ("cluster_secret", "cluster_secret_file")
 _DICT_KEYS = {
     "local_hostname": "local_hostname",
     "metadata_server": "metadata_server",
@@ -415,7 +417,9 @@ class MooncakeDistributedStore:
         client). Either the seven positional settings (plus optional ``engine``) or one
         dict with keys local_hostname, metadata_server (required), global_segment_size,
         local_buffer_size (ints or sizes like "4GB"), protocol, rdma_devices,
-        master_server_addr. 0 on success, else a negative error code."""
+        master_server_addr, and optionally cluster_secret or cluster_secret_file
+        (docs/security.md; otherwise MC_CLUSTER_SECRET applies). 0 on success, else a
+        negative error code."""
         if isinstance(local_hostname, dict):
             rest = (metadata_server, global_segment_size, local_buffer_size, protocol,
                     rdma_devices, master_server_addr)
@@ -476,6 +480,9 @@ class MooncakeDistributedStore:
         timeout = transfer_timeout_ms()
         if timeout is not None:
             settings["transfer_timeout_ms"] = timeout
+        for key in _SECRET_KEYS:
+            if args.get(key):
+                settings[key] = args[key]
         p2p = conn == "P2PHANDSHAKE"
         if shared:
             # The engine's identity, transports and memory serve the store.
@@ -522,9 +529,12 @@ class MooncakeDistributedStore:
                 args[_DICT_KEYS[key]] = value
             elif key in _SETUP_EXTRAS:
                 continue
+            elif key in _SECRET_KEYS:
+                check_str(value, key)
+                args[key] = value
             else:
                 raise ValueError(f"setup(config): unknown key {key!r} (known: "
-                                 f"{', '.join(sorted(set(_DICT_KEYS) | set(_SETUP_EXTRAS)))})")
+                                 f"{', '.join(sorted(set(_DICT_KEYS) | set(_SETUP_EXTRAS) | set(_SECRET_KEYS)))})")
         for required in ("local_hostname", "metadata_server"):
             if required not in args:
                 raise ValueError(f"setup(config): {required!r} is required")

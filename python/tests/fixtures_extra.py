@@ -38,6 +38,7 @@ __all__ = [
     "port_is_open",
     "start_master",
     "start_peer",
+    "start_etcd",
     "wait_until",
     "unique",
     "new_store",
@@ -428,3 +429,28 @@ def engine_factory():
 
     yield make
     made.clear()
+
+
+def start_etcd(tmp_path):
+    """A one-member etcd on loopback ports the OS picked, as (Child, "127.0.0.1:PORT"),
+    or pytest.skip when etcd is not installed. etcd logs to stderr; "serving client
+    traffic" there means its client port is ready. The caller kills it."""
+    import shutil
+
+    if not shutil.which("etcd"):
+        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
+    client, peer = free_port(), free_port()
+    curl, purl = "http://127.0.0.1:%d" % client, "http://127.0.0.1:%d" % peer
+    argv = ["etcd", "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+            "--listen-client-urls", curl, "--advertise-client-urls", curl,
+            "--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+            "--initial-cluster", "t=" + purl, "--logger", "zap", "--log-outputs", "stdout"]
+    child = Child("etcd", argv)
+    try:
+        for _ in range(500):
+            if "serving client traffic" in child.line(30):
+                return child, "127.0.0.1:%d" % client
+        pytest.fail("etcd never said it serves clients")
+    except BaseException:
+        child.kill()
+        raise

@@ -134,3 +134,34 @@ def test_mooncake_reads_and_writes_our_segment(mooncake_python):
         assert mine.raw == bytes(want)
     finally:
         peer.kill()
+
+
+def test_our_engine_and_mooncakes_meet_through_etcd(mooncake_python, tmp_path):
+    """Both engines publish to and look each other up in one etcd (Mooncake's keys and
+    JSON), then move bytes both ways."""
+    etcd, addr = start_etcd(tmp_path)
+    try:
+        metadata = "etcd://" + addr
+        peer, ready = start_peer("peer.py", "engine", "cpu:0", python=mooncake_python, what="Mooncake peer",
+                                 ready_timeout=60, env={"MC_PEER_METADATA": metadata})
+        try:
+            theirs_name = ready[0]
+            remote = peer_buf(peer, SIZE, 5)
+            e = TransferEngine()
+            port = free_port()
+            assert e.initialize("127.0.0.1:%d" % port, metadata, "tcp", "") == 0
+            ours_name = "127.0.0.1:%d" % port
+            assert e.get_first_buffer_address(theirs_name) == remote, "Mooncake's descriptor, read from etcd"
+            local = Buf(SIZE)
+            assert e.register_memory(local.addr, SIZE) == 0
+            assert e.transfer_sync_read(theirs_name, local.addr, remote, SIZE) == 0
+            assert local.raw == pattern(SIZE, 5), "bytes read from Mooncake"
+
+            local.write(0, pattern(SIZE, 6))
+            assert peer_call(peer, "get_first_buffer_address", ours_name) == local.addr, "ours, read by Mooncake"
+            assert peer_call(peer, "transfer_sync_read", ours_name, remote, local.addr, SIZE) == 0
+            assert peer_digest(peer, remote, SIZE) == digest(pattern(SIZE, 6)), "bytes Mooncake read from us"
+        finally:
+            peer.kill()
+    finally:
+        etcd.kill()

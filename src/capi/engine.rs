@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
 use super::{c_str, copy_out, guard, guard_value, init_logging, non_null, McConfig, MC_OK};
-use crate::engine::{BatchId, Engine, EngineConfig, Request, SegmentId};
+use crate::engine::{Access, BatchId, Engine, EngineConfig, Request, SegmentId};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
 
@@ -170,6 +170,49 @@ pub unsafe extern "C" fn mc_register_memory(
         };
         // SAFETY: the caller keeps the memory valid until it unregisters it.
         unsafe { engine.register_memory(addr.cast(), len, location)? };
+        Ok(MC_OK)
+    })
+}
+
+/// `MC_ACCESS_*` as an [`Access`]; `None` for any other number.
+fn access_from_c(access: u32) -> Option<Access> {
+    match access {
+        0 => Some(Access::ReadWrite),
+        1 => Some(Access::ReadOnly),
+        2 => Some(Access::LocalOnly),
+        _ => None,
+    }
+}
+
+/// As `mc_register_memory`, with what peers may do with the buffer (`MC_ACCESS_*`).
+///
+/// # Safety
+/// As `mc_register_memory`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_register_memory_with_access(
+    e: *mut McEngine,
+    addr: *mut c_void,
+    len: usize,
+    location: *const c_char,
+    access: u32,
+) -> c_int {
+    guard("mc_register_memory_with_access", || {
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
+        let engine = unsafe { engine(e)? };
+        non_null(addr, "addr")?;
+        let access = access_from_c(access).ok_or_else(|| {
+            Error::invalid(format!("access {access} is not an MC_ACCESS_* value"))
+        })?;
+        let location = if location.is_null() {
+            "cpu:0"
+        } else {
+            // SAFETY: `location` is non-null (this branch) and the caller guarantees a non-null
+            // `location` is a NUL-terminated string unchanged during the call, as `c_str` requires.
+            unsafe { c_str(location, "location")? }
+        };
+        // SAFETY: the caller keeps the memory valid until it unregisters it.
+        unsafe { engine.register_memory_with_access(addr.cast(), len, location, access)? };
         Ok(MC_OK)
     })
 }

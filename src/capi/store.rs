@@ -350,7 +350,10 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
         };
         if !metadata_set {
             // No metadata given: the master says which server its nodes use.
-            config.engine.metadata = crate::store::metadata_of_master(&config.master_address)?;
+            config.engine.metadata = crate::store::metadata_of_master(
+                &config.master_address,
+                config.engine.cluster_secret.as_ref(),
+            )?;
         }
         let client = Client::new(config)?;
         let handle = Box::into_raw(Box::new(McStore { client }));

@@ -437,7 +437,11 @@ fn create_config(
 
 impl TeEngine {
     fn new(config: EngineConfig, protocol_set: bool) -> Result<TeEngine> {
-        let directory = crate::metadata::open(&config.metadata, &config.cluster_id)?;
+        let directory = crate::metadata::open(
+            &config.metadata,
+            &config.cluster_id,
+            config.cluster_secret.as_ref(),
+        )?;
         let mut config = config;
         if directory.is_p2p() {
             if let Some(n) = config.local_server_name.take() {

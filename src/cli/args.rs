@@ -11,7 +11,15 @@ pub struct Args {
 }
 
 /// Flags that take no value.
-pub const SWITCHES: &[&str] = &["json", "help", "until-stdin-eof", "no-verify"];
+pub const SWITCHES: &[&str] = &[
+    "json",
+    "help",
+    "until-stdin-eof",
+    "no-verify",
+    "draft",
+    "list",
+    "control",
+];
 
 impl Args {
     pub fn parse(raw: &[String]) -> Result<Args, String> {

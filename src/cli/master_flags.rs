@@ -127,6 +127,9 @@ const FLAGS: &[Flag] = &[
     flag("snapshot_catalog_backend_type", false, Action::Inert),
     flag("snapshot_catalog_backend_connstring", false, Action::Inert),
     flag("config_path", false, Action::Inert),
+    // Ours, so a `--config_path` file may name it too.
+    flag("cluster_secret_file", false, Action::Ours("cluster-secret-file", same)),
+    flag("max_unfinished_put_ratio", false, Action::Ours("max-unfinished-put-ratio", same)),
 ];
 
 fn upstream(name: &str) -> Option<&'static Flag> {

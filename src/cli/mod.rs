@@ -1,8 +1,10 @@
 //! Subcommands of the `mooncake` binary, over the library's public API.
 
 pub mod args;
+pub mod calc;
 pub mod master_flags;
 pub mod replay;
+pub mod simulate;
 pub mod store;
 pub mod trace;
 
@@ -10,6 +12,7 @@ use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};
 
 use args::Args;
+use mooncake::auth::ClusterSecret;
 use mooncake::device::{self, Bounce, MemoryKind};
 use mooncake::ffi::loader;
 use mooncake::metadata::http_server::MetadataServer;
@@ -85,8 +88,20 @@ pub fn engine_tuning(a: &Args) -> Result<EngineConfig, String> {
             ("socket-buffer", "socket_buffer"),
             ("device-name", "device_name"),
             ("fabric-provider", "fabric_provider"),
+            ("cluster-secret-file", "cluster_secret_file"),
         ],
     )
+}
+
+/// The cluster secret of a serving command: `--cluster-secret-file`, else
+/// `MC_CLUSTER_SECRET`, else none (no authentication).
+pub fn cluster_secret(a: &Args) -> Result<Option<ClusterSecret>, String> {
+    match a.str("cluster-secret-file") {
+        Some(path) => ClusterSecret::from_file(path)
+            .map(Some)
+            .map_err(|e| format!("--cluster-secret-file: {e}")),
+        None => Ok(ClusterSecret::from_env()),
+    }
 }
 
 /// Builds an engine config from the flags shared by all subcommands: identity and
@@ -194,12 +209,14 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let port: u16 = a.get("port", 8080)?;
     let bind: IpAddr = a.get("bind", IpAddr::from([127, 0, 0, 1]))?;
+    let secret = cluster_secret(&a)?;
     let until_eof = a.flag("until-stdin-eof");
     a.finish()?;
     if !until_eof {
         block_signals_for_wait();
     }
-    let server = MetadataServer::start(SocketAddr::new(bind, port)).map_err(|e| e.to_string())?;
+    let server = MetadataServer::start_with_secret(SocketAddr::new(bind, port), secret)
+        .map_err(|e| e.to_string())?;
     println!("ready {}", server.url());
     let _ = std::io::stdout().flush();
     serve_until_done(until_eof);

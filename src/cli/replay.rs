@@ -12,7 +12,8 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use super::args::Args;
-use mooncake::json::{self, Value};
+use super::trace::{self, Request as TraceRequest};
+use mooncake::json::Value;
 use mooncake::store::protocol::PoolStats;
 use mooncake::store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
 use mooncake::util::percentile;
@@ -24,6 +25,8 @@ const TOKENS_PER_BLOCK: u64 = 512;
 const REAL_BLOCK_BYTES: u64 = (128 << 10) * TOKENS_PER_BLOCK;
 /// Errors whose messages are kept for the report.
 const KEPT_ERRORS: usize = 5;
+/// The pool's use is sampled every this many requests of the last half.
+const IDLE_SAMPLE_EVERY: usize = 64;
 
 /// Settings shared by `demo` and `replay`.
 struct Options {
@@ -88,7 +91,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
             "--pool-size must hold at least two blocks (got {pool} bytes)"
         ));
     }
-    let trace = load_trace(opts.trace.as_deref(), opts.limit)?;
+    let trace = trace::load(opts.trace.as_deref(), opts.limit)?;
     let cluster = Cluster::start(pool, &protocol, &engine)?;
     if !opts.json {
         println!("{}", cluster.describe());
@@ -103,7 +106,7 @@ pub fn replay(raw: &[String]) -> Result<(), String> {
     let mut cfg = super::store::client_config(&a)?;
     a.finish()?;
     super::store::metadata_from_master(&a, &mut cfg)?;
-    let trace = load_trace(opts.trace.as_deref(), opts.limit)?;
+    let trace = trace::load(opts.trace.as_deref(), opts.limit)?;
     let client = Client::new(cfg).map_err(|e| format!("connecting to the cluster: {e}"))?;
     run(&client, &opts, &trace, "replay")
 }
@@ -123,7 +126,7 @@ fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> 
     if opts.json {
         println!("{}", summary.to_json());
     } else {
-        summary.print(label, super::trace::name(opts.trace.as_deref()));
+        summary.print(label, trace::name(opts.trace.as_deref()));
     }
     let _ = std::io::stdout().flush();
     let s = &replayer.stats;
@@ -154,6 +157,7 @@ impl Cluster {
             rpc_port: 0,
             metadata_port: Some(0),
             metrics_port: Some(0),
+            cluster_secret: engine.cluster_secret.clone(),
             ..ServerConfig::default()
         };
         // The allocator carves segments into whole slabs; a smaller segment holds nothing.
@@ -218,62 +222,6 @@ impl Cluster {
 }
 
 // ---------------------------------------------------------------------------
-// The trace
-// ---------------------------------------------------------------------------
-
-struct TraceRequest {
-    timestamp_ms: f64,
-    input_length: u64,
-    hash_ids: Vec<u64>,
-}
-
-/// Reads up to `limit` requests (all when `None`).
-fn load_trace(path: Option<&str>, limit: Option<usize>) -> Result<Vec<TraceRequest>, String> {
-    let text = super::trace::text(path)?;
-    let name = super::trace::name(path);
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if limit.is_some_and(|n| out.len() >= n) {
-            break;
-        }
-        if line.trim().is_empty() {
-            continue;
-        }
-        out.push(parse_request(line).map_err(|e| format!("{}:{}: {e}", name, i + 1))?);
-    }
-    if out.is_empty() {
-        return Err(format!("trace {} has no requests", name));
-    }
-    Ok(out)
-}
-
-fn parse_request(line: &str) -> Result<TraceRequest, String> {
-    let v = json::parse(line).map_err(|e| e.to_string())?;
-    let timestamp_ms = v
-        .get("timestamp")
-        .and_then(Value::as_f64)
-        .filter(|t| *t >= 0.0)
-        .ok_or("field `timestamp`: expected a non-negative number")?;
-    let input_length = v.u64_field("input_length").map_err(|e| e.to_string())?;
-    let ids = v
-        .get("hash_ids")
-        .and_then(Value::as_array)
-        .ok_or("field `hash_ids`: expected an array")?;
-    let hash_ids = ids
-        .iter()
-        .map(|x| {
-            x.as_u64()
-                .ok_or("field `hash_ids`: expected unsigned integers")
-        })
-        .collect::<Result<Vec<u64>, _>>()?;
-    Ok(TraceRequest {
-        timestamp_ms,
-        input_length,
-        hash_ids,
-    })
-}
-
-// ---------------------------------------------------------------------------
 // Block contents
 // ---------------------------------------------------------------------------
 
@@ -312,8 +260,8 @@ fn block_matches(words: &[u64], hash_id: u64) -> bool {
 // ---------------------------------------------------------------------------
 
 /// What is known about one block of the request being replayed.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Block {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Block {
     /// Reported present, not read (beyond the stored prefix).
     Present,
     /// Absent, or gone by the time it was read (evicted): to be written.
@@ -322,6 +270,19 @@ enum Block {
     Read,
     /// Probe or read failed with an error (counted).
     Failed,
+}
+
+/// How many leading blocks the probe found: the prefix worth reading. (Shared with
+/// `mooncake simulate`'s `store` policy, which sends the same requests to a master.)
+pub(crate) fn stored_prefix(blocks: &[Block]) -> usize {
+    blocks.iter().take_while(|b| **b == Block::Present).count()
+}
+
+/// The blocks to write once `hit` leading blocks were read: the missing ones after them.
+pub(crate) fn blocks_to_write(blocks: &[Block], hit: usize) -> Vec<usize> {
+    (hit..blocks.len())
+        .filter(|&i| blocks[i] == Block::Missing)
+        .collect()
 }
 
 #[derive(Default)]
@@ -339,6 +300,9 @@ struct Stats {
     puts_rejected: u64,
     /// Blocks reported present that were gone when read (evicted in between).
     read_misses: u64,
+    /// Sum and count of samples of the pool's unused share of capacity.
+    idle_sum: f64,
+    idle_samples: u64,
     errors: u64,
     error_messages: Vec<String>,
     exists_us: Vec<u64>,
@@ -410,10 +374,25 @@ impl<'a> Replayer<'a> {
                     std::thread::sleep(Duration::from_secs_f64(wait));
                 }
             }
-            self.request(req, i >= trace.len() / 2);
+            let last_half = i >= trace.len() / 2;
+            self.request(req, last_half);
+            if last_half && i % IDLE_SAMPLE_EVERY == 0 {
+                self.sample_idle();
+            }
             progress.tick(i + 1, &self.stats, started);
         }
         progress.finish();
+    }
+
+    /// Samples the pool's unused share of capacity (skipped when stats fail).
+    fn sample_idle(&mut self) {
+        if let Ok(p) = self.client.stats() {
+            if p.capacity > 0 {
+                let used = p.used.min(p.capacity) as f64 / p.capacity as f64;
+                self.stats.idle_sum += 1.0 - used;
+                self.stats.idle_samples += 1;
+            }
+        }
     }
 
     /// Probe, read the stored prefix, write the rest.
@@ -425,7 +404,7 @@ impl<'a> Replayer<'a> {
             .collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         let mut blocks = self.probe(&keys);
-        let stored = blocks.iter().take_while(|b| **b == Block::Present).count();
+        let stored = stored_prefix(&blocks);
         let hit = self.read_prefix(
             &keys[..stored],
             &req.hash_ids[..stored],
@@ -523,9 +502,7 @@ impl<'a> Replayer<'a> {
 
     /// Writes every missing block from the first one not hit onwards, in one batch.
     fn write_missing(&mut self, keys: &[&str], ids: &[u64], blocks: &[Block], hit: usize) {
-        let todo: Vec<usize> = (hit..keys.len())
-            .filter(|&i| blocks[i] == Block::Missing)
-            .collect();
+        let todo = blocks_to_write(blocks, hit);
         if todo.is_empty() {
             return;
         }
@@ -650,6 +627,8 @@ struct Summary {
     evictions: u64,
     evicted_bytes: u64,
     objects_stored: u64,
+    /// Mean unused share of the pool's capacity over the last half of the requests.
+    idle_fraction: f64,
     errors: u64,
     seconds: f64,
     exists: Latency,
@@ -682,6 +661,7 @@ impl Summary {
             evictions: after.evicted_objects.saturating_sub(before.evicted_objects),
             evicted_bytes: after.evicted_bytes.saturating_sub(before.evicted_bytes),
             objects_stored: after.objects,
+            idle_fraction: s.idle_sum / s.idle_samples.max(1) as f64,
             errors: s.errors,
             seconds,
             exists: Latency::of(&s.exists_us),
@@ -725,6 +705,7 @@ impl Summary {
             ("put_p99_us", u(self.put.p99)),
             ("block_bytes", u(self.block_bytes)),
             ("pool_bytes", u(self.pool_bytes)),
+            ("idle_fraction", self.idle_fraction.into()),
             (
                 "real_model_equivalent_gib",
                 self.real_model_equivalent_gib().into(),
@@ -744,6 +725,11 @@ impl Summary {
             self.capacity_blocks,
             human_bytes(self.block_bytes),
             self.objects_stored,
+        );
+        println!(
+            "  idle pool     {:.1}% of capacity unused (mean over the last half of the requests, \
+             sampled every {IDLE_SAMPLE_EVERY})",
+            self.idle_fraction * 100.0
         );
         println!(
             "  scale         one {} block here stands for one 512-token block of an 8B model's KV cache \
@@ -821,23 +807,6 @@ mod tests {
         assert!(!block_matches(&w, 8));
         w[100] ^= 1;
         assert!(!block_matches(&w, 7));
-    }
-
-    #[test]
-    fn trace_lines_parse_or_explain() {
-        let r = parse_request(
-            r#"{"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            (r.timestamp_ms, r.input_length, r.hash_ids),
-            (5.0, 600, vec![0, 1])
-        );
-        assert!(parse_request("{").is_err());
-        let e = parse_request(r#"{"timestamp": 0, "input_length": 1}"#)
-            .err()
-            .unwrap();
-        assert!(e.contains("hash_ids"), "{e}");
     }
 
     #[test]

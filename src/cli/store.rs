@@ -32,6 +32,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         rpc_port: a.get("rpc-port", 50051)?,
         metadata_port: port_flag(&a, "metadata-port", 8080)?,
         metrics_port: port_flag(&a, "metrics-port", 9003)?,
+        cluster_secret: super::cluster_secret(&a)?,
         ..ServerConfig::default()
     };
     if !a.get("enable-http-metadata-server", true)? {
@@ -51,6 +52,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
     m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
     m.max_segment_size = a.get("max-segment-size", m.max_segment_size)?;
+    m.max_unfinished_put_ratio = a.get("max-unfinished-put-ratio", m.max_unfinished_put_ratio)?;
     m.put_start_discard_timeout = Duration::from_secs(a.get(
         "put-start-discard-timeout",
         m.put_start_discard_timeout.as_secs(),
@@ -75,6 +77,9 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         || !(0.0..=1.0).contains(&cfg.master.eviction_ratio)
     {
         return Err("eviction ratios must lie in [0, 1]".into());
+    }
+    if !(0.0..=1.0).contains(&cfg.master.max_unfinished_put_ratio) {
+        return Err("--max-unfinished-put-ratio must lie in [0, 1]".into());
     }
     if !until_eof {
         super::block_signals_for_wait();
@@ -120,7 +125,8 @@ pub fn metadata_from_master(a: &Args, cfg: &mut ClientConfig) -> Result<(), Stri
     if a.str("metadata").is_some() {
         return Ok(());
     }
-    let metadata = mooncake::store::metadata_of_master(&cfg.master_address)
+    let secret = cfg.engine.cluster_secret.as_ref();
+    let metadata = mooncake::store::metadata_of_master(&cfg.master_address, secret)
         .map_err(|e| format!("no --metadata given, and asking the master failed: {e}"))?;
     cfg.engine
         .set("metadata", &metadata)

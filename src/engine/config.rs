@@ -4,6 +4,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use crate::auth::ClusterSecret;
 use crate::error::{Error, Result};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::BackendConfig;
@@ -81,6 +82,10 @@ pub struct EngineConfig {
     pub max_retries: u32,
     /// Cluster namespace in the metadata store (empty: none).
     pub cluster_id: String,
+    /// With a secret, every connection to and from this engine authenticates first
+    /// (`crate::auth`); `None` (the default unless `MC_CLUSTER_SECRET` is set) keeps
+    /// every wire as Mooncake's.
+    pub cluster_secret: Option<ClusterSecret>,
 }
 
 impl Default for EngineConfig {
@@ -98,6 +103,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             max_retries: 2,
             cluster_id: String::new(),
+            cluster_secret: ClusterSecret::from_env(),
         }
     }
 }
@@ -119,6 +125,8 @@ pub const KEYS: &[&str] = &[
     "cluster_id",
     "device_name",
     "fabric_provider",
+    "cluster_secret",
+    "cluster_secret_file",
 ];
 
 /// Parses a byte count with an optional binary suffix: `4096`, `4K`, `1M`, `2GiB`.
@@ -190,6 +198,14 @@ impl EngineConfig {
             "cluster_id" => self.cluster_id = value.to_owned(),
             "device_name" => self.backend.devices = value.to_owned(),
             "fabric_provider" => self.backend.fabric_provider = value.to_owned(),
+            // Empty turns authentication off (even when MC_CLUSTER_SECRET is set).
+            "cluster_secret" => {
+                self.cluster_secret = match value {
+                    "" => None,
+                    v => Some(ClusterSecret::new(v.as_bytes())?),
+                }
+            }
+            "cluster_secret_file" => self.cluster_secret = Some(ClusterSecret::from_file(value)?),
             _ => {
                 return Err(Error::invalid(format!(
                     "unknown config key {key:?} (known: {})",

@@ -16,12 +16,13 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+pub use crate::registry::Access;
 pub use batch::{TaskState, TaskStatus};
 pub use config::{EngineConfig, Protocol};
 pub use inbox::{Inbox, Notification};
 
 use crate::error::{Code, Error, Result};
-use crate::memfd::SharedMemory;
+use crate::memfd::{SharedMemory, Sharing};
 use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
 use crate::net::ConnServer;
 use crate::registry::LocalMemory;
@@ -107,7 +108,8 @@ impl Engine {
     /// Starts an engine: binds its servers, publishes its segment and spawns workers.
     pub fn new(config: EngineConfig) -> Result<Engine> {
         crate::sys::ignore_sigpipe();
-        let directory = metadata::open(&config.metadata, &config.cluster_id)?;
+        let secret = config.cluster_secret.clone();
+        let directory = metadata::open(&config.metadata, &config.cluster_id, secret.as_ref())?;
         let published = Arc::new(Published {
             desc: RwLock::new(SegmentDesc::new("")),
             inbox: Inbox::default(),
@@ -117,6 +119,7 @@ impl Engine {
             SocketAddr::new(config.bind_address, config.rpc_port),
             published.clone(),
             handshakers.clone(),
+            secret.clone(),
         )
         .map_err(|e| {
             Error::io(
@@ -160,6 +163,7 @@ impl Engine {
         // A requested hardware backend must load, or start-up fails saying why.
         let backend = crate::transport::BackendConfig {
             bind: Some(config.bind_address),
+            cluster_secret: secret.clone(),
             ..config.backend.clone()
         };
         match config.protocol {
@@ -171,7 +175,7 @@ impl Engine {
             }
             Protocol::Auto | Protocol::Tcp | Protocol::Shm => {}
         }
-        let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone())?;
+        let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone(), secret)?;
         transports.push(Arc::new(tcp));
         let _ = handshakers.set(transports.clone());
         let segments = Arc::new(Segments::new(directory, published));
@@ -273,14 +277,18 @@ impl Engine {
             .iter()
             .map(|r| {
                 let k = keys.get(&r.addr).cloned().unwrap_or_default();
+                // A local buffer is listed (so a peer's error can say why) but with
+                // nothing a peer could reach it through.
+                let open = r.access != Access::LocalOnly;
                 BufferDesc {
                     name: r.location.clone(),
                     addr: r.addr,
                     length: r.len,
-                    rkey: k.rkey,
+                    rkey: if open { k.rkey } else { Vec::new() },
                     lkey: k.lkey,
-                    shm_fd: r.shared_fd,
-                    ipc: k.ipc,
+                    shm_fd: r.shared_fd.filter(|_| open),
+                    ipc: k.ipc.filter(|_| open),
+                    access: r.access,
                 }
             })
             .collect();
@@ -296,6 +304,19 @@ impl Engine {
             .write()
             .unwrap_or_else(|e| e.into_inner()) = desc.clone();
         self.segments.directory.republish(&desc)
+    }
+
+    /// Publishes this engine's records again (RPC address and descriptor), for a
+    /// metadata server that lost them: a restarted master's embedded one starts empty.
+    /// Does nothing for an engine that published nothing (P2P, or not started).
+    pub fn restore_publication(&self) -> Result<()> {
+        let Some(meta) = &self.published else {
+            return Ok(());
+        };
+        // Registration changes republish in order; this one must not interleave.
+        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let desc = self.build_desc();
+        self.segments.directory.publish(&desc, meta)
     }
 
     /// This engine's segment name (for P2P: `host:rpc_port`).
@@ -340,7 +361,26 @@ impl Engine {
     /// The memory must stay valid, and may be read and written by peers at any time,
     /// until `unregister_memory(addr)` returns.
     pub unsafe fn register_memory(&self, addr: *mut u8, len: usize, location: &str) -> Result<()> {
-        self.register_region(addr as u64, len as u64, location, None)
+        self.register_region(addr as u64, len as u64, location, None, Access::ReadWrite)
+    }
+
+    /// As [`register_memory`](Self::register_memory), saying what peers may do with
+    /// the buffer: [`Access::ReadOnly`] refuses their writes, [`Access::LocalOnly`]
+    /// serves only this engine's own transfers. This engine's servers (TCP) and NIC
+    /// registrations (RDMA, EFA) enforce it; same-host peers honour it from the
+    /// descriptor, but a process of the same user can reach any memory of ours (see
+    /// `docs/security.md`).
+    ///
+    /// # Safety
+    /// As `register_memory` (peers' access limited to what `access` allows).
+    pub unsafe fn register_memory_with_access(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        location: &str,
+        access: Access,
+    ) -> Result<()> {
+        self.register_region(addr as u64, len as u64, location, None, access)
     }
 
     fn register_region(
@@ -349,9 +389,12 @@ impl Engine {
         len: u64,
         location: &str,
         shared_fd: Option<RawFd>,
+        access: Access,
     ) -> Result<()> {
         let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        let region = self.memory.register_with(addr, len, location, shared_fd)?;
+        let region = self
+            .memory
+            .register_with(addr, len, location, shared_fd, access)?;
         let mut keys = RegionKeys::default();
         for (i, t) in self.transports.iter().enumerate() {
             match t.register(&region) {
@@ -401,7 +444,7 @@ impl Engine {
         }
         let kind = crate::device::MemoryKind::parse_location(location)?;
         let (buffer, shared_fd) = if kind.is_host() {
-            let mem = SharedMemory::create("mooncake-buffer", len)
+            let mem = SharedMemory::create("mooncake-buffer", len, Sharing::PeersWrite)
                 .map_err(|e| Error::io(format!("allocating {len} shared bytes"), e))?;
             let fd = mem.fd();
             (OwnedBuffer::Shared(mem), Some(fd))
@@ -412,7 +455,7 @@ impl Engine {
             )
         };
         let addr = buffer.addr();
-        self.register_region(addr, len as u64, location, shared_fd)?;
+        self.register_region(addr, len as u64, location, shared_fd, Access::ReadWrite)?;
         self.owned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -527,7 +570,32 @@ impl Engine {
                 ));
             }
         }
+        self.check_access(&peer, r)?;
         Ok(peer)
+    }
+
+    /// Refuses, before anything moves, a request the peer's descriptor says it will
+    /// refuse (its servers enforce it anyway). Our own segment is not limited.
+    fn check_access(&self, peer: &crate::transport::Peer, r: &Request) -> Result<()> {
+        if peer.name == self.name {
+            return Ok(());
+        }
+        let desc = peer.desc();
+        let Some(buf) = desc.buffer_for(r.remote, r.len) else {
+            return Ok(());
+        };
+        let write = r.op == Op::Write;
+        if buf.access.allows_peer(write) {
+            return Ok(());
+        }
+        let (code, what) = match buf.access {
+            Access::LocalOnly => (Code::AddressNotRegistered, "is not open to peers"),
+            _ => (Code::InvalidWrite, "is read-only to peers"),
+        };
+        Err(Error::new(
+            code,
+            format!("{}: buffer at {:#x} {what}", peer.name, buf.addr),
+        ))
     }
 
     /// Every transport serves peers; which ones carry our own requests depends on the
@@ -670,6 +738,7 @@ impl Engine {
             RpcType::Notify,
             &body.to_string(),
             RPC_TIMEOUT,
+            self.config.cluster_secret.as_ref(),
         )?;
         // Mooncake peers answer anything; ours say when their inbox had no room.
         if reply.contains("\"dropped") {
@@ -713,7 +782,13 @@ impl Engine {
     /// Asks a segment's engine whether it is alive.
     pub fn probe(&self, segment: SegmentId) -> Result<()> {
         let peer = self.segments.get(segment)?;
-        let reply = crate::wire::rpc::call(&peer.rpc_addr(), RpcType::Probe, "{}", RPC_TIMEOUT)?;
+        let reply = crate::wire::rpc::call(
+            &peer.rpc_addr(),
+            RpcType::Probe,
+            "{}",
+            RPC_TIMEOUT,
+            self.config.cluster_secret.as_ref(),
+        )?;
         if reply.contains("success") {
             Ok(())
         } else {

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use super::inbox::Notification;
 use super::segments::Published;
+use crate::auth::ClusterSecret;
 use crate::error::Result;
 use crate::json::{self, Value};
-use crate::net::ConnServer;
+use crate::net::{ConnServer, ConnTicket, ServerLimits, TimedReader};
 use crate::transport::Transport;
 use crate::wire::rpc::{self, RpcType, MAX_FRAME_LEN};
 
@@ -24,25 +25,31 @@ pub fn start(
     bind: SocketAddr,
     published: Arc<Published>,
     handshakers: Handshakers,
+    secret: Option<ClusterSecret>,
 ) -> std::io::Result<ConnServer> {
+    let handler =
+        Arc::new(move |s, ticket: &ConnTicket| serve(s, ticket, &published, &handshakers));
     ConnServer::spawn(
         bind,
         "mc-rpc",
-        Arc::new(move |s| serve(s, &published, &handshakers)),
+        ServerLimits::from_env(),
+        crate::auth::guard(secret, "engine rpc", handler),
     )
 }
 
-fn serve(mut stream: TcpStream, published: &Published, handshakers: &Handshakers) {
+fn serve(stream: TcpStream, ticket: &ConnTicket, published: &Published, handshakers: &Handshakers) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let _ = stream.set_nodelay(true);
+    let mut reader = TimedReader::new(&stream, ticket);
     // Mooncake sends one request per connection; accepting more costs nothing.
     loop {
-        let (kind, body) = match rpc::read_frame(&mut stream, MAX_FRAME_LEN) {
+        let read = rpc::read_frame(&mut reader, MAX_FRAME_LEN);
+        reader.frame_done();
+        let (kind, body) = match read {
             Ok(frame) => frame,
             Err(e) => {
                 if !e.context().contains("failed to fill whole buffer") {
@@ -54,11 +61,12 @@ fn serve(mut stream: TcpStream, published: &Published, handshakers: &Handshakers
         let reply = match answer(kind, &body, published, handshakers) {
             Ok(r) => r,
             Err(e) => {
-                log::warn!("rpc {peer}: bad {kind:?} request: {e}; closing");
+                crate::warn_limited!("rpc {peer}: bad {kind:?} request: {e}; closing");
                 return;
             }
         };
-        if rpc::write_frame(&mut stream, kind, &reply).is_err() {
+        ticket.prove();
+        if rpc::write_frame(&mut &stream, kind, &reply).is_err() {
             return;
         }
     }

@@ -1,14 +1,16 @@
 //! The HTTP client: one persistent connection to one URL.
 
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::wire::{
-    body_framing, is_token, keep_alive, parse_head, parse_status_line, Framing, ReadErr, Wire,
+    body_framing, is_token, keep_alive, parse_head, parse_status_line, parse_target, Framing,
+    ReadErr, Wire,
 };
 use super::{CLIENT_CONNECT_TIMEOUT, CLIENT_IO_TIMEOUT, MAX_RESPONSE_BODY};
+use crate::auth::{self, ClusterSecret};
 use crate::error::{Code, Error, Result};
 
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -28,6 +30,8 @@ pub struct HttpClient {
     connect_timeout: Duration,
     io_timeout: Duration,
     conn: Mutex<Option<Wire<TcpStream>>>,
+    /// With a secret, every write request carries a signature (`crate::auth::http`).
+    secret: Option<ClusterSecret>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -116,12 +120,19 @@ impl HttpClient {
             connect_timeout: CLIENT_CONNECT_TIMEOUT,
             io_timeout: CLIENT_IO_TIMEOUT,
             conn: Mutex::new(None),
+            secret: None,
         })
     }
 
     /// The URL's path without trailing slashes (`""` when the URL has none).
     pub fn base_path(&self) -> &str {
         &self.base_path
+    }
+
+    /// Signs every write request with `secret` from now on (`None`: none is signed).
+    pub fn with_secret(mut self, secret: Option<ClusterSecret>) -> HttpClient {
+        self.secret = secret;
+        self
     }
 
     /// The URL this client was created from.
@@ -220,6 +231,24 @@ impl HttpClient {
         if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
             req.push_str(&format!("Content-Length: {}\r\n", body.len()));
         }
+        if let Some(secret) = self
+            .secret
+            .as_ref()
+            .filter(|_| auth::http::is_write(method))
+        {
+            let signed = parse_target(path_and_query)
+                .ok_or_else(|| io::Error::other("unparsable request path"))
+                .and_then(|(path, query)| auth::http::sign(secret, method, &path, &query, body));
+            match signed {
+                Ok(v) => req.push_str(&format!("{}: {v}\r\n", auth::http::HEADER)),
+                Err(e) => {
+                    return Err(ExchangeError {
+                        err: Error::io(format!("signing {}", what()), e),
+                        dead_connection: false,
+                    })
+                }
+            }
+        }
         req.push_str("\r\n");
         let mut out = req.into_bytes();
         out.extend_from_slice(body);
@@ -263,41 +292,41 @@ impl HttpClient {
                 dead_connection: dead,
             }
         };
-        loop {
-            let head = match wire.read_head(MAX_RESPONSE_HEAD) {
-                Ok(Some(h)) => h,
-                Ok(None) => return Err(fail(wire, ReadErr::Eof)),
-                Err(e) => return Err(fail(wire, e)),
-            };
-            let (start, headers) = parse_head(&head).map_err(|e| fail(wire, e))?;
-            let (http11, status) = parse_status_line(&start)
-                .ok_or_else(|| fail(wire, ReadErr::Malformed("bad status line")))?;
-            if (100..200).contains(&status) {
-                if status == 101 {
-                    return Err(fail(wire, ReadErr::Malformed("unexpected protocol switch")));
-                }
-                continue; // interim response (e.g. 100 Continue)
+        read_response(wire, method).map_err(|e| fail(wire, e))
+    }
+}
+
+/// Reads the response to a `method` request: skips interim (1xx) answers, then reads
+/// the final head and its body. Answers (status, body, whether to keep the connection).
+pub(super) fn read_response<R: Read>(
+    wire: &mut Wire<R>,
+    method: &str,
+) -> std::result::Result<(u16, Vec<u8>, bool), ReadErr> {
+    loop {
+        let head = wire.read_head(MAX_RESPONSE_HEAD)?.ok_or(ReadErr::Eof)?;
+        let (start, headers) = parse_head(&head)?;
+        let (http11, status) =
+            parse_status_line(&start).ok_or(ReadErr::Malformed("bad status line"))?;
+        if (100..200).contains(&status) {
+            if status == 101 {
+                return Err(ReadErr::Malformed("unexpected protocol switch"));
             }
-            let mut keep = keep_alive(&headers, http11);
-            let framing = if method == "HEAD" || status == 204 || status == 304 {
-                Framing::Length(0)
-            } else {
-                match body_framing(&headers).map_err(|e| fail(wire, e))? {
-                    Some(f) => f,
-                    None => Framing::ToEof,
-                }
-            };
-            if framing == Framing::ToEof {
-                keep = false;
-            }
-            let resp = wire
-                .read_body(framing, MAX_RESPONSE_BODY)
-                .map_err(|e| fail(wire, e))?;
-            if !wire.avail().is_empty() {
-                keep = false; // unsolicited bytes: do not trust this connection
-            }
-            return Ok((status, resp, keep));
+            continue; // interim response (e.g. 100 Continue)
         }
+        let mut keep = keep_alive(&headers, http11);
+        let framing = if method == "HEAD" || status == 204 || status == 304 {
+            Framing::Length(0)
+        } else {
+            body_framing(&headers)?.unwrap_or(Framing::ToEof)
+        };
+        if framing == Framing::ToEof {
+            keep = false;
+        }
+        let resp = wire.read_body(framing, MAX_RESPONSE_BODY)?;
+        if !wire.avail().is_empty() {
+            keep = false; // unsolicited bytes: do not trust this connection
+        }
+        return Ok((status, resp, keep));
     }
 }
 

@@ -10,6 +10,8 @@
 //! to [`MAX_RESPONSE_BODY`]. Both read and write messages through `wire`.
 
 mod client;
+#[doc(hidden)]
+pub mod fuzzing;
 mod server;
 mod wire;
 

@@ -13,9 +13,8 @@ use super::wire::{
     Framing, ReadErr, Request, Response, Wire,
 };
 use super::{MAX_REQUEST_BODY, MAX_REQUEST_HEAD, SERVER_IDLE_TIMEOUT};
-use crate::net::ConnServer;
+use crate::net::{ConnServer, ConnTicket, ServerLimits, TimedReader};
 
-const MAX_CONNECTIONS: usize = 4096;
 /// After an error response we keep reading (and discarding) what the client still
 /// sends, so that closing does not reset the connection before it reads our answer.
 const LINGER_BYTES: usize = 1024 * 1024;
@@ -34,11 +33,15 @@ pub struct HttpServer {
 impl HttpServer {
     /// Binds `addr` (port 0 picks a free port) and starts serving with `handler`.
     pub fn bind(addr: SocketAddr, handler: Handler) -> io::Result<HttpServer> {
-        let server = ConnServer::spawn_limited(
+        let limits = ServerLimits {
+            idle_timeout: SERVER_IDLE_TIMEOUT,
+            ..ServerLimits::from_env()
+        };
+        let server = ConnServer::spawn(
             addr,
             "http",
-            MAX_CONNECTIONS,
-            Arc::new(move |stream| serve_connection(&handler, stream)),
+            limits,
+            Arc::new(move |stream, ticket| serve_connection(&handler, stream, ticket)),
         )?;
         Ok(HttpServer {
             local_addr: server.local_addr(),
@@ -66,28 +69,30 @@ impl Drop for HttpServer {
     }
 }
 
-enum RequestFailure {
+pub(super) enum RequestFailure {
     /// Answer with this status and close.
     Respond(u16, &'static str),
     /// Just close the connection.
     Close,
 }
 
-fn serve_connection(handler: &Handler, stream: TcpStream) {
+fn serve_connection(handler: &Handler, stream: TcpStream, ticket: &ConnTicket) {
     let setup = stream
         .set_nodelay(true)
-        .and_then(|_| stream.set_read_timeout(Some(SERVER_IDLE_TIMEOUT)))
         .and_then(|_| stream.set_write_timeout(Some(SERVER_IDLE_TIMEOUT)));
     if let Err(e) = setup {
         log::warn!("http server: setting up a connection: {e}");
         return;
     }
     let stream = &stream;
-    let mut wire = Wire::new(stream);
+    let mut wire = Wire::new(TimedReader::new(stream, ticket));
     loop {
-        match read_request(&mut wire, stream) {
+        let read = read_request(&mut wire, stream);
+        wire.stream.frame_done();
+        match read {
             Ok(None) => return,
             Ok(Some((req, keep_alive))) => {
+                ticket.prove();
                 let head_only = req.method == "HEAD";
                 let resp =
                     panic::catch_unwind(AssertUnwindSafe(|| handler(&req))).unwrap_or_else(|_| {
@@ -126,9 +131,11 @@ fn linger(mut stream: &TcpStream) {
     }
 }
 
-fn read_request(
-    wire: &mut Wire<&TcpStream>,
-    mut stream: &TcpStream,
+/// Reads one request from `wire`; `interim` receives a `100 Continue` when the client
+/// waits for one (the connection itself, or a sink when fuzzing).
+pub(super) fn read_request<R: Read>(
+    wire: &mut Wire<R>,
+    mut interim: impl Write,
 ) -> std::result::Result<Option<(Request, bool)>, RequestFailure> {
     use RequestFailure::{Close, Respond};
     let head = match wire.read_head(MAX_REQUEST_HEAD) {
@@ -183,7 +190,7 @@ fn read_request(
             return Err(Respond(417, "unsupported expectation"));
         }
         if http11 && expects_body && wire.avail().is_empty() {
-            let _ = stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+            let _ = interim.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
         }
     }
     let body = match framing {

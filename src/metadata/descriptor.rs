@@ -3,6 +3,7 @@
 use crate::device::IpcExport;
 use crate::error::{Code, Error, Result};
 use crate::json::{self, Value};
+use crate::registry::Access;
 use crate::util::hex;
 
 /// Our extension to the descriptor, ignored by Mooncake peers: what a same-host peer
@@ -15,9 +16,13 @@ pub struct HostInfo {
     pub pid: u32,
     /// Descriptor of the shared guard page in the owner's fd table.
     pub guard_fd: i32,
+    /// Descriptor of the owner's range table (what peers may touch, written only by
+    /// the owner) in its fd table; -1 when not published.
+    pub ranges_fd: i32,
     /// Random value written into the guard page; proves the page belongs to this segment.
     pub token: u64,
-    /// Bumped on every unregistration; a stale cached descriptor must not be trusted.
+    /// The owner's generation (bumped on every unregistration) when it published this;
+    /// copiers read the live one from the guard page.
     pub generation: u64,
 }
 
@@ -49,6 +54,9 @@ pub struct BufferDesc {
     pub shm_fd: Option<i32>,
     /// Our extension, for device memory: the CUDA/HIP IPC handle same-host peers open.
     pub ipc: Option<IpcExport>,
+    /// Our extension (`mc_access`, present unless read-write): what peers may do with
+    /// the buffer. Cooperating peers honour it; the owner's servers enforce it.
+    pub access: Access,
 }
 
 impl BufferDesc {
@@ -124,6 +132,9 @@ impl SegmentDesc {
                 if let Some(fd) = b.shm_fd {
                     fields.push(("mc_shm_fd", fd.into()));
                 }
+                if b.access != Access::ReadWrite {
+                    fields.push(("mc_access", b.access.name().into()));
+                }
                 if let Some(ipc) = &b.ipc {
                     fields.push(("mc_ipc_handle", hex::encode(&ipc.handle).into()));
                     fields.push(("mc_ipc_offset", ipc.offset.into()));
@@ -162,6 +173,7 @@ impl SegmentDesc {
                     ("host_id", Value::from(h.host_id.as_str())),
                     ("pid", h.pid.into()),
                     ("guard_fd", (h.guard_fd as i64).into()),
+                    ("ranges_fd", (h.ranges_fd as i64).into()),
                     ("token", h.token.into()),
                     ("generation", h.generation.into()),
                 ]),
@@ -233,6 +245,11 @@ impl SegmentDesc {
                     .and_then(|fd| i32::try_from(fd).ok())
                     .filter(|fd| *fd >= 0),
                 ipc: parse_ipc(b)?,
+                // An access this build does not know is taken as the strictest.
+                access: match b.get("mc_access").and_then(Value::as_str) {
+                    None => Access::ReadWrite,
+                    Some(a) => Access::parse(a).unwrap_or(Access::LocalOnly),
+                },
             };
             if buf.addr.checked_add(buf.length).is_none() {
                 return Err(Error::new(
@@ -247,11 +264,8 @@ impl SegmentDesc {
                 host_id: h.str_field("host_id").map_err(bad)?.to_owned(),
                 pid: u32::try_from(h.u64_field("pid").map_err(bad)?)
                     .map_err(|_| Error::new(Code::Metadata, "segment descriptor: bad pid"))?,
-                guard_fd: h
-                    .get("guard_fd")
-                    .and_then(Value::as_i64)
-                    .and_then(|fd| i32::try_from(fd).ok())
-                    .unwrap_or(-1),
+                guard_fd: fd_field(h, "guard_fd"),
+                ranges_fd: fd_field(h, "ranges_fd"),
                 token: h.u64_field("token").map_err(bad)?,
                 generation: h.u64_field("generation").map_err(bad)?,
             });
@@ -265,6 +279,14 @@ impl SegmentDesc {
             .map_err(|e| Error::new(Code::Metadata, format!("segment descriptor: {e}")))?;
         SegmentDesc::from_json(&v)
     }
+}
+
+/// A descriptor number in `mc_host`; -1 when absent or not one.
+fn fd_field(h: &Value, key: &str) -> i32 {
+    h.get(key)
+        .and_then(Value::as_i64)
+        .and_then(|fd| i32::try_from(fd).ok())
+        .unwrap_or(-1)
 }
 
 /// A buffer's IPC export: both fields or neither; a malformed handle is an error
@@ -348,6 +370,7 @@ mod tests {
             lkey: vec![],
             shm_fd: Some(9),
             ipc: None,
+            access: Access::ReadWrite,
         });
         d.buffers.push(BufferDesc {
             name: "cuda:1".into(),
@@ -360,11 +383,13 @@ mod tests {
                 handle: [0xa5; 64],
                 offset: 4096,
             }),
+            access: Access::ReadOnly,
         });
         d.host = Some(HostInfo {
             host_id: "abc".into(),
             pid: 42,
             guard_fd: 5,
+            ranges_fd: 6,
             token: u64::MAX,
             generation: 3,
         });
@@ -373,6 +398,12 @@ mod tests {
         assert_eq!(SegmentDesc::parse(&text).unwrap(), d);
         assert!(d.buffer_for(140_737_488_355_328 + 10, 100).is_some());
         assert!(d.buffer_for(140_737_488_355_328 + (1 << 30), 1).is_none());
+        // Read-write (Mooncake's only mode) adds nothing to the wire; an access this
+        // build does not know is taken as the strictest.
+        assert_eq!(text.matches("mc_access").count(), 1);
+        let odd = r#"{"name":"x","buffers":[{"addr":1,"length":2,"mc_access":"later"}]}"#;
+        let odd = SegmentDesc::parse(odd).unwrap();
+        assert_eq!(odd.buffers[0].access, Access::LocalOnly);
     }
 
     #[test]

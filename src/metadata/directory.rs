@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::descriptor::{RpcMeta, SegmentDesc};
 use super::MetadataStore;
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 use crate::wire::rpc::{self, RpcType};
 
@@ -22,7 +23,10 @@ pub enum Directory {
     },
     /// No store: a segment's name is its `host:port` RPC address and the descriptor
     /// is exchanged with a Metadata RPC.
-    P2p,
+    P2p {
+        /// Authenticates the exchange when set.
+        secret: Option<ClusterSecret>,
+    },
 }
 
 impl Directory {
@@ -38,7 +42,7 @@ impl Directory {
 
     /// True when descriptors are exchanged peer to peer instead of stored.
     pub fn is_p2p(&self) -> bool {
-        matches!(self, Directory::P2p)
+        matches!(self, Directory::P2p { .. })
     }
 
     /// Publishes both records of a server; a clash on the RPC record means another
@@ -100,12 +104,13 @@ impl Directory {
                 })?;
                 SegmentDesc::parse(&text)
             }
-            Directory::P2p => {
+            Directory::P2p { secret } => {
                 let reply = rpc::call(
                     name,
                     RpcType::Metadata,
                     &own.to_json().to_string(),
                     HANDSHAKE_TIMEOUT,
+                    secret.as_ref(),
                 )
                 .map_err(|e| {
                     Error::new(Code::SegmentNotFound, format!("handshake with {name}: {e}"))
@@ -127,7 +132,7 @@ impl Directory {
                 let meta = RpcMeta::parse(&text)?;
                 Ok(join_host_port(&meta.ip_or_host_name, meta.rpc_port))
             }
-            Directory::P2p => Ok(name.to_owned()),
+            Directory::P2p { .. } => Ok(name.to_owned()),
         }
     }
 }

@@ -1,17 +1,18 @@
-//! `embedded`: an in-process metadata store shared by every engine of this process.
+//! `embedded`: an in-process metadata store shared by every engine of this process,
+//! within the same bounds as the HTTP server's ([`MetadataLimits::from_env`]).
 
-use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+use super::quota::{BoundedMap, MetadataLimits};
 use super::MetadataStore;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The in-process metadata store: a map shared by the engines of one process.
 pub struct EmbeddedStore;
 
-fn table() -> &'static Mutex<HashMap<String, String>> {
-    static TABLE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
-    TABLE.get_or_init(Default::default)
+fn table() -> &'static Mutex<BoundedMap> {
+    static TABLE: OnceLock<Mutex<BoundedMap>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(BoundedMap::new(MetadataLimits::from_env())))
 }
 
 impl MetadataStore for EmbeddedStore {
@@ -27,8 +28,8 @@ impl MetadataStore for EmbeddedStore {
         table()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key.to_owned(), value.to_owned());
-        Ok(())
+            .insert(key, value)
+            .map_err(Error::invalid)
     }
 
     fn remove(&self, key: &str) -> Result<()> {

@@ -1,6 +1,7 @@
 //! `MetadataStore` over Mooncake's HTTP metadata REST interface
 //! (`GET/PUT/DELETE <base>?key=K`, see `docs/wire.md`).
 
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 use crate::http::{percent_encode, HttpClient};
 use crate::metadata::MetadataStore;
@@ -35,6 +36,12 @@ impl HttpMetadataStore {
             url: url.to_owned(),
             base,
         })
+    }
+
+    /// Signs every write with `secret` (`crate::auth::http`); `None` signs nothing.
+    pub fn with_secret(mut self, secret: Option<ClusterSecret>) -> HttpMetadataStore {
+        self.client = self.client.with_secret(secret);
+        self
     }
 
     /// The URL this store talks to.

@@ -8,18 +8,21 @@
 //! - `DELETE /metadata?key=K` → 200, or 404 when absent
 //! - missing/empty `key` → 400; `GET /health` → 200 `OK`; other paths → 404;
 //!   other methods → 405.
+//! - a put over the store's bounds ([`MetadataLimits`]: value size, keys, total
+//!   bytes) → 413, storing nothing.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
 
+use super::quota::{BoundedMap, MetadataLimits};
+use crate::auth::ClusterSecret;
 use crate::error::{Error, Result};
 use crate::http::{HttpServer, Request, Response};
 
 /// The REST path under which values live.
 pub const METADATA_PATH: &str = "/metadata";
 
-type Store = RwLock<HashMap<String, String>>;
+type Store = RwLock<BoundedMap>;
 
 /// A running metadata server. Dropping it shuts it down.
 pub struct MetadataServer {
@@ -28,13 +31,24 @@ pub struct MetadataServer {
 }
 
 impl MetadataServer {
-    /// Starts serving on `bind` (port 0 picks a free port).
+    /// Starts serving on `bind` (port 0 picks a free port), open to every writer.
     pub fn start(bind: SocketAddr) -> Result<MetadataServer> {
-        let store: Arc<Store> = Arc::new(RwLock::new(HashMap::new()));
+        MetadataServer::start_with_secret(bind, None)
+    }
+
+    /// As [`start`](Self::start); with a secret, PUT, POST and DELETE must be signed
+    /// with it (`crate::auth::http`) or get 401, while GET stays open.
+    pub fn start_with_secret(
+        bind: SocketAddr,
+        secret: Option<ClusterSecret>,
+    ) -> Result<MetadataServer> {
+        let limits = MetadataLimits::from_env();
+        let store: Arc<Store> = Arc::new(RwLock::new(BoundedMap::new(limits)));
         let handler_store = store.clone();
+        let handler = Arc::new(move |req: &Request| handle(&handler_store, req));
         let server = HttpServer::bind(
             bind,
-            Arc::new(move |req: &Request| handle(&handler_store, req)),
+            crate::auth::http::guard(secret, "metadata http", handler),
         )
         .map_err(|e| Error::io(format!("start metadata server on {bind}"), e))?;
         log::info!("metadata server listening on {}", server.local_addr());
@@ -56,6 +70,12 @@ impl MetadataServer {
             ip => ip,
         };
         format!("http://{}{METADATA_PATH}", SocketAddr::new(ip, addr.port()))
+    }
+
+    /// Replaces the store's bounds (the defaults come from [`MetadataLimits::from_env`]).
+    pub fn set_limits(&self, limits: MetadataLimits) {
+        let mut map = self.store.write().unwrap_or_else(|e| e.into_inner());
+        map.set_limits(limits);
     }
 
     /// Number of stored keys.
@@ -143,6 +163,11 @@ fn put(store: &Store, key: &str, body: &[u8]) -> Response {
             return Response::text(200, "metadata updated");
         }
     }
-    map.insert(key.to_owned(), value.to_owned());
-    Response::text(200, "metadata updated")
+    match map.insert(key, value) {
+        Ok(()) => Response::text(200, "metadata updated"),
+        Err(why) => {
+            crate::warn_limited!("metadata: refusing {key}: {why}");
+            Response::text(413, why)
+        }
+    }
 }

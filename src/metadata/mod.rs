@@ -1,19 +1,23 @@
 //! Where segment descriptors and RPC addresses live. `MetadataStore` is the key-value
-//! seam (HTTP and in-process now; etcd and redis later); `Directory` puts Mooncake's
-//! key layout, or the server-less P2P handshake, on top.
+//! seam (HTTP, etcd, redis, in-process); `Directory` puts Mooncake's key layout, or the
+//! server-less P2P handshake, on top.
 
 pub mod descriptor;
 pub mod directory;
 pub mod embedded;
+pub mod etcd_store;
 pub mod http_client;
 pub mod http_server;
+pub mod quota;
+pub mod redis_store;
 
 use std::sync::Arc;
 
 pub use descriptor::{BufferDesc, DeviceDesc, HostInfo, RpcMeta, SegmentDesc};
 pub use directory::Directory;
 
-use crate::error::{Code, Error, Result};
+use crate::auth::ClusterSecret;
+use crate::error::{Error, Result};
 
 /// A key-value metadata backend holding JSON strings under Mooncake's keys.
 pub trait MetadataStore: Send + Sync {
@@ -26,29 +30,35 @@ pub trait MetadataStore: Send + Sync {
 }
 
 /// Opens the directory named by a Mooncake connection string: `P2PHANDSHAKE`,
-/// `http://host:port/metadata`, or `embedded` (in-process, for one-process setups).
-pub fn open(connection: &str, cluster_id: &str) -> Result<Directory> {
+/// `http://host:port/metadata`, `etcd://host:port[,host:port...]` (a string without a
+/// scheme means etcd too, as in Mooncake), `redis://host:port`, or `embedded`
+/// (in-process, for one-process setups). With a cluster secret, P2P handshakes
+/// authenticate and HTTP writes are signed (`crate::auth`).
+pub fn open(
+    connection: &str,
+    cluster_id: &str,
+    secret: Option<&ClusterSecret>,
+) -> Result<Directory> {
     let conn = connection.trim();
-    if conn.eq_ignore_ascii_case("P2PHANDSHAKE") {
-        return Ok(Directory::P2p);
-    }
-    if conn == "embedded" {
-        return Ok(Directory::over(
-            Arc::new(embedded::EmbeddedStore),
-            cluster_id,
-        ));
-    }
-    if conn.starts_with("http://") {
-        let store = http_client::HttpMetadataStore::new(conn)?;
-        return Ok(Directory::over(Arc::new(store), cluster_id));
-    }
-    if conn.starts_with("etcd://") || conn.starts_with("redis://") || !conn.contains("://") {
-        return Err(Error::new(
-            Code::NotSupported,
-            format!("metadata backend {conn:?} is not available yet (use P2PHANDSHAKE, http://…, or embedded)"),
-        ));
-    }
-    Err(Error::invalid(format!(
-        "unknown metadata connection string {conn:?}"
-    )))
+    let store: Arc<dyn MetadataStore> = if conn.eq_ignore_ascii_case("P2PHANDSHAKE") {
+        return Ok(Directory::P2p {
+            secret: secret.cloned(),
+        });
+    } else if conn == "embedded" {
+        Arc::new(embedded::EmbeddedStore)
+    } else if conn.starts_with("http://") {
+        Arc::new(http_client::HttpMetadataStore::new(conn)?.with_secret(secret.cloned()))
+    } else if let Some(endpoints) = conn.strip_prefix("etcd://") {
+        Arc::new(etcd_store::EtcdMetadataStore::new(endpoints)?)
+    } else if let Some(addr) = conn.strip_prefix("redis://") {
+        Arc::new(redis_store::RedisMetadataStore::new(addr)?)
+    } else if !conn.contains("://") && !conn.is_empty() {
+        Arc::new(etcd_store::EtcdMetadataStore::new(conn)?)
+    } else {
+        return Err(Error::invalid(format!(
+            "unknown metadata connection string {conn:?} (use P2PHANDSHAKE, http://…, \
+             etcd://…, redis://… or embedded)"
+        )));
+    };
+    Ok(Directory::over(store, cluster_id))
 }

@@ -13,6 +13,7 @@ use super::protocol::{
     Response, SegmentInfo,
 };
 use super::rpc::RpcClient;
+use crate::auth::ClusterSecret;
 use crate::engine::{Engine, EngineConfig, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
@@ -79,8 +80,8 @@ pub fn default_metadata(master_address: &str) -> String {
 /// host there becomes the host this client reaches the master at). A master too old to
 /// answer gets `default_metadata`; one that runs no metadata server is an error asking
 /// for the URL.
-pub fn metadata_of_master(master_address: &str) -> Result<String> {
-    let rpc = RpcClient::new(master_address)?;
+pub fn metadata_of_master(master_address: &str, secret: Option<&ClusterSecret>) -> Result<String> {
+    let rpc = RpcClient::new(master_address, secret.cloned())?;
     let url = match rpc.call(&Request::MetadataUrl) {
         Ok(Response::MetadataUrl(url)) => url,
         Ok(other) => {
@@ -163,6 +164,8 @@ enum ReadInto<'a> {
 struct MasterSession {
     id: u64,
     rpc: RpcClient,
+    /// The engine whose descriptor peers need to reach this client's segment.
+    engine: Arc<Engine>,
     segment: Option<SegmentInfo>,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
@@ -201,7 +204,10 @@ impl Client {
     /// `setup(..., engine=)`): its segment name and memory are the engine's, and
     /// `config.engine` is not used.
     pub fn with_engine(config: ClientConfig, engine: Arc<Engine>) -> Result<Client> {
-        let rpc = RpcClient::new(&config.master_address)?;
+        let rpc = RpcClient::new(
+            &config.master_address,
+            engine.config().cluster_secret.clone(),
+        )?;
         let (segment, segment_ptr) = if config.global_segment_size > 0 {
             let size = config.global_segment_size;
             let ptr = engine.allocate_buffer(size as usize, "cpu:0")?;
@@ -217,6 +223,7 @@ impl Client {
         let shared = Arc::new(MasterSession {
             id: random_id(),
             rpc,
+            engine: engine.clone(),
             segment,
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
@@ -873,14 +880,16 @@ impl Client {
 }
 
 impl MasterSession {
-    /// Introduces this client to the master and mounts its segment.
+    /// Introduces this client to the master (only known clients may put): mounts its
+    /// segment, or for a client lending no memory, pings.
     fn register(&self) -> Result<()> {
-        if let Some(seg) = &self.segment {
-            self.rpc.call(&Request::Mount {
+        match &self.segment {
+            Some(seg) => self.rpc.call(&Request::Mount {
                 client: self.id,
                 segment: seg.clone(),
-            })?;
-        }
+            })?,
+            None => self.rpc.call(&Request::Ping { client: self.id })?,
+        };
         Ok(())
     }
 
@@ -899,6 +908,11 @@ impl MasterSession {
             match self.rpc.call(&Request::Ping { client: self.id }) {
                 Ok(Response::Ping { need_remount: true }) if self.segment.is_some() => {
                     log::warn!("master asks client {:#x} to remount", self.id);
+                    // A restarted master's embedded metadata server starts empty:
+                    // without the descriptor no peer could reach the segment.
+                    if let Err(e) = self.engine.restore_publication() {
+                        log::warn!("republishing the segment's descriptor failed: {e}");
+                    }
                     if let Err(e) = self.register() {
                         log::warn!("remount failed: {e}");
                     }

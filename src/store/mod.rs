@@ -5,6 +5,8 @@
 pub mod allocator;
 pub mod client;
 pub mod codec;
+pub mod disk;
+pub mod ha;
 pub mod master;
 pub mod protocol;
 pub mod rpc;

@@ -16,8 +16,9 @@ use std::time::Duration;
 use super::codec::Writer;
 use super::master::Master;
 use super::protocol::{Request, Response, PROTOCOL_VERSION};
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
-use crate::net::ConnServer;
+use crate::net::{ConnServer, ConnTicket, ServerLimits, TimedReader};
 
 /// Largest RPC frame accepted, in bytes.
 pub const MAX_FRAME: usize = 16 << 20;
@@ -81,29 +82,43 @@ fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
 }
 
 /// Serves the master's RPC on `bind` until dropped.
-pub fn serve(bind: SocketAddr, master: Arc<Master>) -> std::io::Result<ConnServer> {
-    ConnServer::spawn(bind, "mc-master", Arc::new(move |s| serve_conn(s, &master)))
+pub fn serve(
+    bind: SocketAddr,
+    limits: ServerLimits,
+    master: Arc<Master>,
+    secret: Option<ClusterSecret>,
+) -> std::io::Result<ConnServer> {
+    let handler = Arc::new(move |s, ticket: &ConnTicket| serve_conn(s, ticket, &master));
+    ConnServer::spawn(
+        bind,
+        "mc-master",
+        limits,
+        crate::auth::guard(secret, "master rpc", handler),
+    )
 }
 
-fn serve_conn(mut stream: TcpStream, master: &Master) {
+fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    let mut reader = TimedReader::new(&stream, ticket);
     loop {
+        let read = read_frame(&mut reader);
+        reader.frame_done();
         let Frame {
             version,
             method,
             id,
             body: payload,
-        } = match read_frame(&mut stream) {
+        } = match read {
             Ok(Some(f)) => f,
             Ok(None) => return,
             // A malformed frame is worth a warning; a peer that went away is not.
             Err(e) if e.code() == Code::Protocol => {
-                log::warn!("master rpc {peer}: {e}; closing");
+                crate::warn_limited!("master rpc {peer}: {e}; closing");
                 return;
             }
             Err(e) => {
@@ -117,20 +132,23 @@ fn serve_conn(mut stream: TcpStream, master: &Master) {
         } else {
             match Request::decode(method, &payload) {
                 Err(e) => {
-                    log::warn!("master rpc {peer}: method {method}: {e}; closing");
+                    crate::warn_limited!("master rpc {peer}: method {method}: {e}; closing");
                     return;
                 }
-                Ok(req) => match master.handle(req) {
-                    Ok(resp) => {
-                        let mut w = Writer::new();
-                        resp.encode(&mut w);
-                        (0, w.into_bytes())
+                Ok(req) => {
+                    ticket.prove();
+                    match master.handle(req) {
+                        Ok(resp) => {
+                            let mut w = Writer::new();
+                            resp.encode(&mut w);
+                            (0, w.into_bytes())
+                        }
+                        Err(e) => (e.code() as i32, e.context().as_bytes().to_vec()),
                     }
-                    Err(e) => (e.code() as i32, e.context().as_bytes().to_vec()),
-                },
+                }
             }
         };
-        if stream
+        if (&stream)
             .write_all(&frame(method, id, Some(status), &body))
             .is_err()
             || version != PROTOCOL_VERSION
@@ -146,11 +164,13 @@ pub struct RpcClient {
     addr: SocketAddr,
     pool: Mutex<Vec<TcpStream>>,
     next_id: AtomicU64,
+    secret: Option<ClusterSecret>,
 }
 
 impl RpcClient {
     /// A client for the master at `addr` (`host:port`).
-    pub fn new(addr: &str) -> Result<RpcClient> {
+    /// With a secret, each connection authenticates before its first request.
+    pub fn new(addr: &str, secret: Option<ClusterSecret>) -> Result<RpcClient> {
         let addr = addr
             .to_socket_addrs()
             .map_err(|e| Error::new(Code::RpcFail, format!("master address {addr:?}: {e}")))?
@@ -165,6 +185,7 @@ impl RpcClient {
             addr,
             pool: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
+            secret,
         })
     }
 
@@ -174,7 +195,8 @@ impl RpcClient {
     }
 
     fn connect(&self) -> Result<TcpStream> {
-        let s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(5)).map_err(|e| {
+        let secret = self.secret.as_ref();
+        let s = crate::auth::connect(&self.addr, Duration::from_secs(5), secret).map_err(|e| {
             Error::new(
                 Code::RpcFail,
                 format!("connecting to master {}: {e}", self.addr),
@@ -186,8 +208,20 @@ impl RpcClient {
         Ok(s)
     }
 
-    /// One request and its response. Read-only requests are retried once on a fresh
-    /// connection when a pooled one turns out dead.
+    /// A pooled connection still open (the master closes idle ones), if any.
+    fn pooled(&self) -> Option<TcpStream> {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(s) = pool.pop() {
+            if !crate::sys::idle_connection_closed(&s) {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    /// One request and its response. A pooled connection the master closed while
+    /// idle is never used; read-only requests are also retried once on a fresh
+    /// connection when a pooled one dies during the call.
     pub fn call(&self, req: &Request) -> Result<Response> {
         let mut w = Writer::new();
         req.encode(&mut w);
@@ -201,7 +235,7 @@ impl RpcClient {
                 | Request::Stats
                 | Request::MetadataUrl
         );
-        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = self.pooled();
         let fresh = pooled.is_none();
         let mut stream = match pooled {
             Some(s) => s,
@@ -274,5 +308,39 @@ impl RpcClient {
             )));
         }
         Ok(Response::decode(method, rest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::store::master::MasterConfig;
+    use crate::store::protocol::SegmentInfo;
+
+    #[test]
+    fn a_pooled_connection_closed_while_idle_is_replaced_not_failed() {
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        let client = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+        // A pooled connection whose far end went away while it sat idle (as a master
+        // closing idle connections does).
+        let other = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stale = TcpStream::connect(other.local_addr().unwrap()).unwrap();
+        drop(other.accept().unwrap());
+        client.pool.lock().unwrap().push(stale);
+        // Mount is not retried after a failure mid-call, so only skipping the dead
+        // connection lets it succeed.
+        let mount = Request::Mount {
+            client: 7,
+            segment: SegmentInfo {
+                name: "s".into(),
+                base: 1 << 40,
+                size: 64 << 20,
+            },
+        };
+        assert!(matches!(client.call(&mount), Ok(Response::Done)));
     }
 }

@@ -8,11 +8,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::master::{Master, MasterConfig};
+use crate::auth::{self, ClusterSecret};
 use crate::error::{Error, Result};
 use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
 use crate::json::Value;
 use crate::metadata::http_server::MetadataServer;
-use crate::net::ConnServer;
+use crate::net::{ConnServer, ServerLimits};
 
 /// What a [`MasterServer`] listens on and how it runs.
 #[derive(Clone, Debug)]
@@ -29,6 +30,11 @@ pub struct ServerConfig {
     pub tick: Duration,
     /// The master's own tunables.
     pub master: MasterConfig,
+    /// Connection caps and timeouts of the RPC port.
+    pub connections: ServerLimits,
+    /// With a secret, RPC connections authenticate first and HTTP writes must be
+    /// signed (`crate::auth`); default from `MC_CLUSTER_SECRET`.
+    pub cluster_secret: Option<ClusterSecret>,
 }
 
 impl Default for ServerConfig {
@@ -40,6 +46,8 @@ impl Default for ServerConfig {
             metrics_port: Some(9003),
             tick: Duration::from_millis(100),
             master: MasterConfig::default(),
+            connections: ServerLimits::from_env(),
+            cluster_secret: ClusterSecret::from_env(),
         }
     }
 }
@@ -63,12 +71,18 @@ impl MasterServer {
         // first request on.
         let metadata = config
             .metadata_port
-            .map(|p| MetadataServer::start(bind(p)))
+            .map(|p| MetadataServer::start_with_secret(bind(p), config.cluster_secret.clone()))
             .transpose()?;
         if let Some(m) = &metadata {
             master.set_metadata_url(&m.url());
         }
-        let rpc = super::rpc::serve(bind(config.rpc_port), master.clone()).map_err(|e| {
+        let rpc = super::rpc::serve(
+            bind(config.rpc_port),
+            config.connections.clone(),
+            master.clone(),
+            config.cluster_secret.clone(),
+        )
+        .map_err(|e| {
             Error::io(
                 format!("binding master rpc on {}", bind(config.rpc_port)),
                 e,
@@ -78,6 +92,8 @@ impl MasterServer {
             Some(p) => {
                 let m = master.clone();
                 let handler = Arc::new(move |req: &HttpRequest| admin(&m, req));
+                let handler =
+                    auth::http::guard(config.cluster_secret.clone(), "admin http", handler);
                 Some(
                     HttpServer::bind(bind(p), handler)
                         .map_err(|e| Error::io(format!("binding admin http on {}", bind(p)), e))?,
@@ -145,7 +161,15 @@ impl Drop for MasterServer {
     }
 }
 
+/// Keys `/get_all_keys` lists when no `limit` is given, and the most it lists at all.
+const DEFAULT_KEY_LIMIT: usize = 10_000;
+const MAX_KEY_LIMIT: usize = 1_000_000;
+
 fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
+    // Every admin endpoint only reads.
+    if !matches!(req.method.as_str(), "GET" | "HEAD") {
+        return HttpResponse::text(405, "method not allowed");
+    }
     match req.path.as_str() {
         "/health" => HttpResponse::text(200, "OK"),
         "/metrics" => {
@@ -194,8 +218,24 @@ fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
             },
         },
         "/get_all_keys" => {
-            let keys: Vec<Value> = master.all_keys().into_iter().map(Value::from).collect();
-            HttpResponse::json(200, Value::Array(keys).to_string())
+            let limit = match req.query_param("limit").map(str::parse::<usize>) {
+                None => DEFAULT_KEY_LIMIT,
+                Some(Ok(n)) => n.min(MAX_KEY_LIMIT),
+                Some(Err(_)) => return HttpResponse::text(400, "limit must be a whole number"),
+            };
+            let (keys, total) = master.keys(limit);
+            let listed = keys.len();
+            let keys = Value::Array(keys.into_iter().map(Value::from).collect());
+            if listed == total {
+                return HttpResponse::json(200, keys.to_string());
+            }
+            // Cut short: say so, and how many there are.
+            let v = Value::object([
+                ("keys", keys),
+                ("truncated", true.into()),
+                ("total", (total as u64).into()),
+            ]);
+            HttpResponse::json(200, v.to_string())
         }
         "/get_all_segments" => {
             let segs: Vec<Value> = master

@@ -74,6 +74,8 @@ pub struct BackendConfig {
     pub devices: String,
     /// libfabric provider, e.g. `efa`, `tcp;ofi_rxm`, `shm`, `sockets`; empty picks one.
     pub fabric_provider: String,
+    /// Authenticates the handshakes a transport starts over the engine RPC.
+    pub cluster_secret: Option<crate::auth::ClusterSecret>,
 }
 
 /// Per-device memory keys a transport obtained when a buffer was registered; published

@@ -1,15 +1,39 @@
 //! Same-host transfers between processes with one copy and no network: plain memcpy
 //! through a mapping of the peer's buffer when the peer allocated it from the engine
-//! (memfd-backed), otherwise `process_vm_readv` / `process_vm_writev`.
+//! (memfd-backed), otherwise `process_vm_readv` / `process_vm_writev` where the system
+//! already permits it.
+//!
+//! **The owner is the authority.** A descriptor published to the metadata server is
+//! only a hint: anyone can publish one, naming any process and any addresses. So every
+//! engine lists the ranges it registered in its own range table (`ranges`: a memfd
+//! only the owner can write), and a copier looks each range up there before touching
+//! it, then uses what the owner listed (memfd number, which file it is, IPC offset),
+//! never what the descriptor claims. A memfd is opened through `/proc/<pid>/fd`, and
+//! its device and inode must be the ones the owner listed, so only the owner's buffer
+//! memfds are ever mapped. A descriptor naming someone else's process, or pointing at
+//! memory its owner never registered, gets a clear refusal and no byte moves.
+//!
+//! **No ptrace grant.** Engines do not call `PR_SET_PTRACER` (with `ANY` it switches
+//! off Yama for every same-user process). Mapping a peer's memfd needs only the access
+//! `/proc/<pid>/fd` asks (ptrace *read*, which Yama does not restrict), so engine-
+//! allocated memory (`allocate_buffer`, store segments) moves by memcpy whatever the
+//! Yama setting. Memory the application registered itself can only be reached with
+//! process_vm, which needs ptrace *attach*: it is used where the system allows that
+//! (Yama off, `ptrace_scope` 0, or CAP_SYS_PTRACE) and otherwise, after the first
+//! `EPERM`, such buffers of that peer go another way (TCP under `auto`).
+//!
+//! **Lazy mapping.** A peer's buffer is mapped whole on first use without prefaulting:
+//! the mapping reserves address space only, and memory is spent on the pages a copy
+//! touches, so opening a 1 TiB segment costs nothing until it is used.
 //!
 //! Safety across processes rests on a shared guard page (a memfd every engine exposes):
 //! it holds a random token (proving which process we are talking to), a generation
-//! bumped on every unregistration, and a count of copies in progress. A copier
-//! increments the count, checks the generation against the descriptor it validated
-//! against, copies, and decrements; an unregistering owner bumps the generation and
-//! waits for the count to drain. So no copy touches a buffer after
-//! `unregister_memory` returns. A pidfd tells whether the peer still lives, so a
-//! recycled PID is never written to.
+//! bumped on every unregistration, and a count of copies in progress. A copier reads
+//! the generation, validates its range against the owner's table, increments the
+//! count, checks the generation again, copies, and decrements; an unregistering owner
+//! withdraws the range from its table, bumps the generation and waits for the count to
+//! drain. So no copy touches a buffer after `unregister_memory` returns. A pidfd tells
+//! whether the peer still lives, so a recycled PID is never written to.
 //!
 //! Device memory (CUDA, HIP) moves GPU to GPU without touching the CPU: a registered
 //! device buffer is exported with an IPC handle (published as `mc_ipc_handle`), which
@@ -20,19 +44,27 @@
 //! local device memory against a peer buffer reachable only by process_vm) is left to
 //! other paths by `carries`.
 
-use std::collections::HashMap;
+mod ranges;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use super::{Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker};
 use crate::device::{self, IpcExport, MemoryKind};
 use crate::error::{Error, Result};
-use crate::memfd::{self, Mapping, SharedMemory};
+use crate::memfd::{self, Mapping, SharedMemory, Sharing};
 use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
-use crate::registry::Region;
+use crate::registry::{Access, Region};
+use ranges::{Backing, Entry, Lookup, OwnerTable, TableView};
 
 const PAGE: usize = 4096;
+/// The guard page memfd's name; a copier checks it on the file it opened.
+const GUARD_NAME: &str = "mooncake-shm-guard";
 /// How long an unregistration waits for a crashed copier's count before going on.
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 
@@ -77,25 +109,32 @@ fn random_u64() -> u64 {
     }
 }
 
+/// Peers (by engine handle) whose process_vm calls the system refused.
+type VmDenied = Arc<RwLock<HashSet<u64>>>;
+
 /// Same-host transport: peer memfds mapped here, or `process_vm_readv`/`writev`.
 pub struct ShmTransport {
     guard: SharedMemory,
+    table: OwnerTable,
     host_id: String,
+    vm_denied: VmDenied,
 }
 
 impl ShmTransport {
     /// A transport for peers on this host.
     pub fn new() -> Result<ShmTransport> {
-        let guard = SharedMemory::create("mooncake-shm-guard", PAGE)
+        let guard = SharedMemory::create(GUARD_NAME, PAGE, Sharing::PeersWrite)
             .map_err(|e| Error::io("creating the shm guard page", e))?;
+        let token = random_u64() | 1;
+        let table =
+            OwnerTable::new(token).map_err(|e| Error::io("creating the shm range table", e))?;
         let t = ShmTransport {
             guard,
+            table,
             host_id: host_id(),
+            vm_denied: VmDenied::default(),
         };
-        t.page().token.store(random_u64() | 1, Ordering::SeqCst);
-        // Under Yama's ptrace_scope=1 only ancestors may process_vm_* us: allow peers.
-        // SAFETY: prctl with integer arguments only.
-        unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        t.page().token.store(token, Ordering::SeqCst);
         Ok(t)
     }
 
@@ -103,6 +142,31 @@ impl ShmTransport {
         // SAFETY: the guard memory is one page, alive as long as `self`.
         unsafe { guard_page(self.guard.ptr()) }
     }
+}
+
+/// How the owner lists `region` in its table; `None` when no peer can reach it here.
+fn entry_for(region: &Region, ipc: Option<&IpcExport>) -> Option<Entry> {
+    let backing = match (region.device, region.shared_fd, ipc) {
+        (MemoryKind::Host, Some(fd), _) => match memfd::identify(fd) {
+            Ok((id, _)) => Backing::Memfd { fd, id },
+            Err(e) => {
+                log::info!("shm: {:#x}: fstat of its memfd: {e}", region.addr);
+                Backing::Plain
+            }
+        },
+        (MemoryKind::Host, None, _) => Backing::Plain,
+        (_, _, Some(ipc)) => Backing::Device {
+            offset: ipc.offset,
+            handle_hash: ranges::handle_hash(&ipc.handle),
+        },
+        _ => return None,
+    };
+    Some(Entry {
+        addr: region.addr,
+        len: region.len,
+        backing,
+        access: region.access,
+    })
 }
 
 impl Transport for ShmTransport {
@@ -124,10 +188,17 @@ impl Transport for ShmTransport {
                 ),
             }
         }
+        if let Some(entry) = entry_for(region, keys.ipc.as_ref()) {
+            self.table.insert(entry);
+        }
         Ok(keys)
     }
 
     fn unregister(&self, region: &Region) {
+        // Withdrawn before the generation moves: a copier that validated against the
+        // old table then fails its generation check, one that reads the table now
+        // does not find the range.
+        self.table.remove(region.addr);
         let page = self.page();
         page.generation.fetch_add(1, Ordering::SeqCst);
         let start = Instant::now();
@@ -152,6 +223,7 @@ impl Transport for ShmTransport {
             host_id: self.host_id.clone(),
             pid: std::process::id(),
             guard_fd: self.guard.fd(),
+            ranges_fd: self.table.fd(),
             token: page.token.load(Ordering::SeqCst),
             generation: page.generation.load(Ordering::SeqCst),
         });
@@ -159,7 +231,10 @@ impl Transport for ShmTransport {
 
     fn reaches(&self, peer: &SegmentDesc) -> bool {
         peer.host.as_ref().is_some_and(|h| {
-            h.host_id == self.host_id && h.pid != std::process::id() && h.guard_fd >= 0
+            h.host_id == self.host_id
+                && h.pid != std::process::id()
+                && h.guard_fd >= 0
+                && h.ranges_fd >= 0
         })
     }
 
@@ -170,7 +245,15 @@ impl Transport for ShmTransport {
             return true;
         };
         match MemoryKind::parse_location(&buf.name) {
-            Ok(MemoryKind::Host) => slice.local_kind.is_host() || buf.shm_fd.is_some(),
+            Ok(MemoryKind::Host) if buf.shm_fd.is_some() => true,
+            Ok(MemoryKind::Host) => {
+                slice.local_kind.is_host()
+                    && !self
+                        .vm_denied
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains(&slice.peer.id)
+            }
             Ok(remote) => buf.ipc.is_some() && import_kind(remote, slice.local_kind).is_some(),
             Err(_) => false,
         }
@@ -183,18 +266,22 @@ impl Transport for ShmTransport {
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
         Ok(Box::new(ShmWorker {
             peers: HashMap::new(),
+            vm_denied: self.vm_denied.clone(),
         }))
     }
 }
 
 /// Why a copy could not happen.
+#[derive(Debug)]
 enum CopyError {
-    /// The descriptor we validated against is out of date.
+    /// The owner's buffers changed while we validated.
     Stale,
-    /// The peer refused or the address is bad: final.
+    /// The owner does not allow it or the address is bad: final.
     Rejected(String),
     /// Not permitted from here: stop trying shared memory with this peer.
     Denied(String),
+    /// The system refuses process_vm with this peer: its plain buffers go another way.
+    VmDenied(String),
     /// Anything else: retry on another path.
     Failed(String),
 }
@@ -205,13 +292,28 @@ struct Attached {
     token: u64,
     pidfd: OwnedFd,
     guard: Mapping,
-    /// Mappings of the peer's memfd-backed buffers, by buffer address, valid for
-    /// `generation`.
-    buffers: HashMap<u64, Mapping>,
-    /// The peer's device allocations opened through IPC, by buffer address, valid
-    /// for `generation`.
-    imports: HashMap<u64, Import>,
+    table: TableView,
+    /// What we learnt of the owner's ranges (and made of them) this `generation`,
+    /// by start address.
+    known: BTreeMap<u64, Known>,
     generation: u64,
+}
+
+/// One of the owner's ranges as listed in its table, with our view of it.
+struct Known {
+    entry: Entry,
+    view: View,
+}
+
+/// How this process reaches a range of the owner.
+enum View {
+    /// Our mapping of the owner's memfd; read-only when the owner allows no writes.
+    Mapped { map: Mapping, writable: bool },
+    /// The owner's device allocation, opened through IPC, and where the range
+    /// starts in it.
+    Imported(Import, u64),
+    /// Only process_vm reaches it.
+    ProcessVm,
 }
 
 /// A peer's device allocation mapped into this process; closed on drop.
@@ -262,25 +364,38 @@ impl Attached {
         }
         // SAFETY: fresh descriptor.
         let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-        let guard = memfd::map_peer(h.pid, h.guard_fd, PAGE)
-            .map_err(|e| CopyError::Denied(e.to_string()))?;
+        let denied = |e: String| CopyError::Denied(e);
+        let guard_file =
+            memfd::open_peer(h.pid, h.guard_fd, true).map_err(|e| denied(e.to_string()))?;
+        let name = memfd::name_of(&guard_file).map_err(|e| denied(e.to_string()))?;
+        if name != memfd::memfd_link(GUARD_NAME)
+            || !memfd::holds(guard_file.as_raw_fd(), PAGE as u64)
+        {
+            return Err(denied(format!(
+                "fd {} of process {pid} is not a guard page ({name})",
+                h.guard_fd
+            )));
+        }
+        let guard = Mapping::map(guard_file.as_raw_fd(), PAGE, true)
+            .map_err(|e| denied(format!("mapping the guard page of {pid}: {e}")))?;
+        let table = TableView::open(h.pid, h.ranges_fd, h.token).map_err(denied)?;
         let attached = Attached {
             pid,
             token: h.token,
             pidfd,
             guard,
-            buffers: HashMap::new(),
-            imports: HashMap::new(),
-            generation: h.generation,
+            table,
+            known: BTreeMap::new(),
+            generation: 0,
         };
         if attached.page().token.load(Ordering::SeqCst) != h.token {
-            return Err(CopyError::Denied(format!(
+            return Err(denied(format!(
                 "fd {} of {pid} is not its guard page",
                 h.guard_fd
             )));
         }
-        // The pidfd was taken before the page was checked, so a live pidfd proves the
-        // token belongs to the process we will copy to.
+        // The pidfd was taken before the files were opened, so a live pidfd proves they
+        // belong to the process we will copy to.
         if !attached.alive() {
             return Err(CopyError::Failed(format!("process {pid} exited")));
         }
@@ -302,95 +417,185 @@ impl Attached {
         unsafe { libc::poll(&mut pfd, 1, 0) == 0 }
     }
 
-    /// Our mapping of a memfd-backed peer buffer, made on first use.
-    fn buffer_mapping(
-        &mut self,
-        buf: &BufferDesc,
-        fd: i32,
-    ) -> std::result::Result<*mut u8, CopyError> {
-        if let Some(m) = self.buffers.get(&buf.addr) {
-            return Ok(m.ptr());
+    /// The owner's range holding the slice's remote range, looked up in its table on
+    /// first use this generation.
+    fn known(&mut self, slice: &Slice, buf: &BufferDesc) -> std::result::Result<&Known, CopyError> {
+        let (addr, len) = (slice.remote, slice.len);
+        let cached = self
+            .known
+            .range(..=addr)
+            .next_back()
+            .filter(|(_, k)| {
+                addr.checked_add(len)
+                    .is_some_and(|end| end <= k.entry.addr.saturating_add(k.entry.len))
+            })
+            .map(|(start, _)| *start);
+        if let Some(start) = cached {
+            return Ok(&self.known[&start]);
         }
-        let m = memfd::map_peer(self.pid as u32, fd, buf.length as usize)
-            .map_err(|e| CopyError::Failed(e.to_string()))?;
-        let ptr = m.ptr();
-        self.buffers.insert(buf.addr, m);
-        Ok(ptr)
+        let entry = match self.table.find(addr, len) {
+            Lookup::Found(e) => e,
+            Lookup::Absent => {
+                return Err(CopyError::Rejected(format!(
+                    "refused: [{addr:#x}, +{len}) is not memory process {} registered \
+                     (its descriptor as published claims what its owner does not list)",
+                    self.pid
+                )))
+            }
+            Lookup::Unlisted => {
+                return Err(CopyError::Failed(format!(
+                    "process {} lists too many buffers to vouch for [{addr:#x}, +{len})",
+                    self.pid
+                )))
+            }
+            Lookup::Busy => {
+                return Err(CopyError::Failed(format!(
+                    "process {} kept changing its range table",
+                    self.pid
+                )))
+            }
+        };
+        if entry.access == Access::LocalOnly {
+            return Err(CopyError::Rejected(format!(
+                "refused: process {} keeps [{:#x}, +{}) to itself",
+                self.pid, entry.addr, entry.len
+            )));
+        }
+        let view = self.view_of(&entry, buf, slice.local_kind)?;
+        Ok(self
+            .known
+            .entry(entry.addr)
+            .or_insert(Known { entry, view }))
     }
 
-    /// A peer device allocation opened through its IPC handle, made on first use.
-    fn import(
-        &mut self,
+    /// How we reach the owner's `entry`: its memfd (verified to be the file the owner
+    /// listed) mapped here, its device allocation opened, or process_vm.
+    fn view_of(
+        &self,
+        entry: &Entry,
         buf: &BufferDesc,
-        remote: MemoryKind,
         local: MemoryKind,
-        ipc: &IpcExport,
-    ) -> std::result::Result<&Import, CopyError> {
-        use std::collections::hash_map::Entry;
-        match self.imports.entry(buf.addr) {
-            Entry::Occupied(e) => Ok(e.into_mut()),
-            Entry::Vacant(v) => {
+    ) -> std::result::Result<View, CopyError> {
+        match entry.backing {
+            Backing::Plain => Ok(View::ProcessVm),
+            Backing::Memfd { fd, id } => match self.map_memfd(entry, fd, id) {
+                Ok(view) => Ok(view),
+                Err(CopyError::Failed(why)) => {
+                    // Unmappable here (e.g. a policy on /proc): process_vm may still work.
+                    log::debug!("shm: {why}; trying process_vm");
+                    Ok(View::ProcessVm)
+                }
+                Err(e) => Err(e),
+            },
+            Backing::Device {
+                offset,
+                handle_hash,
+            } => {
+                let ipc = buf
+                    .ipc
+                    .filter(|ipc| ranges::handle_hash(&ipc.handle) == handle_hash)
+                    .ok_or_else(|| {
+                        CopyError::Rejected(format!(
+                            "refused: the IPC handle published for {:#x} is not the one \
+                             process {} exported",
+                            entry.addr, self.pid
+                        ))
+                    })?;
+                let remote = match MemoryKind::parse_location(&buf.name) {
+                    Ok(k) if !k.is_host() => k,
+                    _ => {
+                        return Err(CopyError::Rejected(format!(
+                            "refused: {:#x} of process {} is device memory, published as {:?}",
+                            entry.addr, self.pid, buf.name
+                        )))
+                    }
+                };
                 let kind = import_kind(remote, local).ok_or_else(|| {
                     CopyError::Denied(format!("cannot open {} IPC handles here", buf.name))
                 })?;
                 let base = device::ipc_open(kind, &ipc.handle).map_err(|e| {
                     // Another container or driver instance: the handle is useless here.
-                    CopyError::Denied(format!("opening the IPC handle of {:#x}: {e}", buf.addr))
+                    CopyError::Denied(format!("opening the IPC handle of {:#x}: {e}", entry.addr))
                 })?;
-                Ok(v.insert(Import { kind, base }))
+                Ok(View::Imported(Import { kind, base }, offset))
             }
         }
     }
 
-    /// Where `slice`'s remote range is as this process sees it: inside a mapping of
-    /// the peer's memfd or an opened IPC allocation; `None`: reachable only through
-    /// process_vm.
-    fn remote_view(
-        &mut self,
-        slice: &Slice,
-        buf: &BufferDesc,
-    ) -> std::result::Result<Option<(MemoryKind, u64)>, CopyError> {
-        let within = slice.remote - buf.addr;
-        match MemoryKind::parse_location(&buf.name) {
-            Ok(MemoryKind::Host) => Ok(match buf.shm_fd {
-                // Unmappable (e.g. sealed): process_vm still works for this buffer.
-                Some(fd) => self
-                    .buffer_mapping(buf, fd)
-                    .ok()
-                    .map(|base| (MemoryKind::Host, base as u64 + within)),
-                None => None,
-            }),
-            Ok(remote) => {
-                let ipc = buf.ipc.ok_or_else(|| {
-                    CopyError::Failed(format!("device buffer {:#x} has no IPC handle", buf.addr))
-                })?;
-                let import = self.import(buf, remote, slice.local_kind, &ipc)?;
-                Ok(Some((import.kind, import.base + ipc.offset + within)))
-            }
-            Err(e) => Err(CopyError::Rejected(e.to_string())),
+    /// Opens the owner's memfd `fd`, checks it is the file the owner listed, and maps
+    /// it whole, without prefaulting.
+    fn map_memfd(
+        &self,
+        entry: &Entry,
+        fd: i32,
+        id: memfd::FileId,
+    ) -> std::result::Result<View, CopyError> {
+        let failed = |e: std::io::Error| CopyError::Failed(e.to_string());
+        let (file, writable) = match memfd::open_peer(self.pid as u32, fd, true) {
+            Ok(f) => (f, true),
+            Err(_) => (
+                memfd::open_peer(self.pid as u32, fd, false).map_err(failed)?,
+                false,
+            ),
+        };
+        let (found, _) = memfd::identify(file.as_raw_fd()).map_err(failed)?;
+        if found != id || !memfd::holds(file.as_raw_fd(), entry.len) {
+            return Err(CopyError::Rejected(format!(
+                "refused: fd {fd} of process {} is not the sealed memfd it registered at {:#x}",
+                self.pid, entry.addr
+            )));
         }
+        if !self.alive() {
+            return Err(CopyError::Failed(format!("process {} exited", self.pid)));
+        }
+        let len = usize::try_from(entry.len)
+            .map_err(|_| CopyError::Failed(format!("{} bytes do not map here", entry.len)))?;
+        // A buffer read-only to peers, or a memfd sealed against their writes, maps
+        // read-only.
+        let writable = writable
+            && entry.access == Access::ReadWrite
+            && memfd::seals(file.as_raw_fd()) & libc::F_SEAL_FUTURE_WRITE as u32 == 0;
+        let map = Mapping::map(file.as_raw_fd(), len, writable).map_err(failed)?;
+        Ok(View::Mapped { map, writable })
     }
 
-    /// One guarded copy of a range inside `buf`, validated against `generation`.
-    fn copy(
-        &mut self,
-        slice: &Slice,
-        buf: &BufferDesc,
-        generation: u64,
-    ) -> std::result::Result<(), CopyError> {
+    /// One guarded copy of the slice, validated against the owner's table.
+    fn copy(&mut self, slice: &Slice, buf: &BufferDesc) -> std::result::Result<(), CopyError> {
+        let generation = self.page().generation.load(Ordering::SeqCst);
         if generation != self.generation {
-            // The peer's buffers changed: drop mappings of buffers that may be gone.
-            self.buffers.clear();
-            self.imports.clear();
+            // The owner withdrew something: forget what we learnt of its buffers.
+            self.known.clear();
             self.generation = generation;
         }
-        let remote = self.remote_view(slice, buf)?;
+        let pid = self.pid;
+        let known = self.known(slice, buf)?;
+        let within = slice.remote - known.entry.addr;
+        // Read-only as the owner listed it, or as its memfd is sealed.
+        let read_only = known.entry.access != Access::ReadWrite
+            || matches!(
+                known.view,
+                View::Mapped {
+                    writable: false,
+                    ..
+                }
+            );
+        if slice.op == Op::Write && read_only {
+            return Err(CopyError::Rejected(format!(
+                "refused: process {pid} shares {:#x} read-only",
+                known.entry.addr
+            )));
+        }
+        let remote = match &known.view {
+            View::Mapped { map, .. } => Some((MemoryKind::Host, map.ptr() as u64 + within)),
+            View::Imported(import, offset) => Some((import.kind, import.base + offset + within)),
+            View::ProcessVm => None,
+        };
         let page = self.page();
         page.active.fetch_add(1, Ordering::SeqCst);
         let result = if page.generation.load(Ordering::SeqCst) != generation {
             Err(CopyError::Stale)
         } else if !self.alive() {
-            Err(CopyError::Failed(format!("process {} exited", self.pid)))
+            Err(CopyError::Failed(format!("process {pid} exited")))
         } else {
             match remote {
                 Some((kind, addr)) => {
@@ -399,10 +604,10 @@ impl Attached {
                         Op::Read => (local, (kind, addr)),
                         Op::Write => ((kind, addr), local),
                     };
-                    // SAFETY: the remote range lies inside our mapping of the peer
-                    // buffer or allocation (range validated against the descriptor of
-                    // this generation, which the guard count pins); the local side is
-                    // the caller's buffer of `local_kind`. `copy` uses the driver for
+                    // SAFETY: the remote range lies inside our mapping of the owner's
+                    // buffer or allocation (range validated against the owner's own
+                    // table this generation, which the guard count pins); the local side
+                    // is the caller's buffer of `local_kind`. `copy` uses the driver for
                     // device memory and memmove for host memory.
                     unsafe { device::copy(dk, d, sk, s, slice.len as usize) }
                         .map_err(|e| CopyError::Failed(e.to_string()))
@@ -430,8 +635,8 @@ impl Attached {
                 iov_len: (len - done) as usize,
             };
             // SAFETY: the local range is the caller's buffer (submit contract); the
-            // remote range was validated against the peer's published buffers under
-            // the guard protocol. The kernel checks both mappings.
+            // remote range was validated against the owner's table under the guard
+            // protocol. The kernel checks both mappings.
             let n = unsafe {
                 match slice.op {
                     Op::Read => libc::process_vm_readv(self.pid, &l, 1, &r, 1, 0),
@@ -446,7 +651,7 @@ impl Attached {
                         CopyError::Rejected(format!("process_vm: bad address: {err}"))
                     }
                     Some(libc::EPERM) => {
-                        CopyError::Denied(format!("process_vm({}): {err}", self.pid))
+                        CopyError::VmDenied(format!("process_vm({}): {err}", self.pid))
                     }
                     _ => CopyError::Failed(format!("process_vm({}): {err}", self.pid)),
                 });
@@ -459,6 +664,7 @@ impl Attached {
 
 struct ShmWorker {
     peers: HashMap<u64, Attached>,
+    vm_denied: VmDenied,
 }
 
 impl ShmWorker {
@@ -488,7 +694,7 @@ impl ShmWorker {
                 slice.remote, slice.len, slice.peer.name
             ));
         };
-        match attached.copy(slice, buf, host.generation) {
+        match attached.copy(slice, buf) {
             Ok(()) => Outcome::Done,
             Err(e) => self.failed(slice, e),
         }
@@ -506,6 +712,20 @@ impl ShmWorker {
                 );
                 slice.peer.disable(Kind::Shm);
                 self.peers.remove(&slice.peer.id);
+                Outcome::PathFailed(why)
+            }
+            CopyError::VmDenied(why) => {
+                // Yama or a container policy: memfd buffers still map, the rest of
+                // this peer's buffers go another way from now on.
+                log::info!(
+                    "shm: process_vm to {} not permitted ({why}); its application-registered \
+                     buffers go another way",
+                    slice.peer.name
+                );
+                self.vm_denied
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(slice.peer.id);
                 Outcome::PathFailed(why)
             }
             CopyError::Failed(why) => {

@@ -1,8 +1,12 @@
 //! Small self-contained helpers.
 
+pub mod base64;
 pub mod crc32c;
 pub mod hex;
+pub mod hmac;
 pub mod percentile;
+pub mod ratelimit;
 pub mod regex;
+pub mod sha256;
 
 pub use percentile::percentile;

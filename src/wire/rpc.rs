@@ -1,9 +1,10 @@
 //! Control-plane ("handshake") frames: `u64 length` (= 1 + JSON bytes), `u8 type`, JSON.
 
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 use std::time::Duration;
 
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 
 /// Default and hard upper bound on one frame's length field.
@@ -106,8 +107,15 @@ pub fn write_frame(stream: &mut impl Write, kind: RpcType, json: &str) -> Result
         .map_err(|e| Error::io("writing rpc frame", e))
 }
 
-/// One request and one response on a fresh connection, as Mooncake peers expect.
-pub fn call(addr: &str, kind: RpcType, json: &str, timeout: Duration) -> Result<String> {
+/// One request and one response on a fresh connection, as Mooncake peers expect;
+/// with a cluster secret the connection authenticates first (`crate::auth`).
+pub fn call(
+    addr: &str,
+    kind: RpcType,
+    json: &str,
+    timeout: Duration,
+    secret: Option<&ClusterSecret>,
+) -> Result<String> {
     let fail =
         |what: &str, e: std::io::Error| Error::new(Code::RpcFail, format!("{what} {addr}: {e}"));
     let sock = addr
@@ -116,7 +124,7 @@ pub fn call(addr: &str, kind: RpcType, json: &str, timeout: Duration) -> Result<
         .next()
         .ok_or_else(|| Error::new(Code::RpcFail, format!("{addr} resolves to nothing")))?;
     let mut stream =
-        TcpStream::connect_timeout(&sock, timeout).map_err(|e| fail("connecting to", e))?;
+        crate::auth::connect(&sock, timeout, secret).map_err(|e| fail("connecting to", e))?;
     stream
         .set_read_timeout(Some(timeout))
         .map_err(|e| fail("configuring", e))?;

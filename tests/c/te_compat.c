@@ -188,7 +188,7 @@ int main(int argc, char **argv) {
 
     /* ---- creation: bad arguments give NULL */
     if (createTransferEngine(NULL, NULL, "127.0.0.1", 0, 0) != NULL) die("NULL metadata accepted");
-    if (createTransferEngine("etcd://127.0.0.1:2379", NULL, "127.0.0.1", 0, 0) != NULL) die("etcd accepted");
+    if (createTransferEngine("zookeeper://127.0.0.1:2181", NULL, "127.0.0.1", 0, 0) != NULL) die("unknown metadata scheme accepted");
     if (createTransferEngine("P2PHANDSHAKE;no_such_key=1", NULL, "127.0.0.1", 0, 0) != NULL) die("bad key accepted");
     if (createTransferEngine("P2PHANDSHAKE", NULL, "127.0.0.1", 70000, 0) != NULL) die("port 70000 accepted");
     if (createTransferEngine("P2PHANDSHAKE", NULL, "0.0.0.0", 0, 0) != NULL) die("0.0.0.0 accepted");

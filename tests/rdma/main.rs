@@ -780,3 +780,25 @@ fn system_libibverbs_without_devices() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// With a cluster secret, the queue-pair exchange rides on the authenticated handshake
+/// RPC: engines sharing it move bytes over RDMA, one without it reaches nothing.
+#[test]
+fn queue_pairs_are_exchanged_only_between_engines_sharing_the_secret() {
+    let Some(_emu) = emu() else { return };
+    let _g = serial();
+    let secret = ("cluster_secret", "rdma test cluster secret");
+    let server = rdma_engine_with(1, &[secret]);
+    let client = rdma_engine_with(1, &[secret]);
+    let remote = Buf::new(&server, pattern(61, 1 << 16));
+    let mut local = Buf::new(&client, vec![0; 1 << 16]);
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let st = run(&client, seg, Op::Read, local.addr(), remote.addr(), 1 << 16);
+    assert_eq!(st, TaskState::Completed);
+    assert!(local.buf == remote.buf);
+    assert!(client.stats().rdma_bytes >= 1 << 16);
+    local.buf.fill(0);
+    drop(local);
+    let stranger = rdma_engine_with(1, &[("cluster_secret", "")]);
+    assert!(stranger.open_segment(server.segment_name()).is_err());
+}

@@ -8,7 +8,9 @@ real `mooncake-transfer-engine-non-cuda` wheel) for interop.
 Usage:
   peer.py engine [LOCATION]
       TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""); prints
-      `ready <session> <pid> <mooncake module file>`. Buffers are registered with
+      `ready <session> <pid> <mooncake module file>`. With $MC_PEER_METADATA set (e.g.
+      etcd://127.0.0.1:PORT) it initializes on that metadata server instead, named
+      127.0.0.1:<a free port>. Buffers are registered with
       register_memory(addr, len, LOCATION) (default "*") or batch_register_memory.
   peer.py store CONFIG_JSON_PATH file|dict
       MooncakeDistributedStore set up from a JSON config: `file` goes through
@@ -107,13 +109,26 @@ def main(argv):
         obj = TransferEngine()
         if len(argv) > 1:
             location = argv[1]
-        rc = obj.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        metadata = os.environ.get("MC_PEER_METADATA", "P2PHANDSHAKE")
+        session = None
+        if metadata == "P2PHANDSHAKE":
+            rc = obj.initialize("127.0.0.1", metadata, "tcp", "")
+        else:
+            # With a metadata server the hostname is the segment name: give it a port.
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            session = "127.0.0.1:%d" % port
+            rc = obj.initialize(session, metadata, "tcp", "")
         if rc != 0:
             say("error initialize returned %r" % (rc,))
             return 1
         import mooncake
 
-        say("ready 127.0.0.1:%d %d %s" % (obj.get_rpc_port(), os.getpid(), os.path.realpath(mooncake.__file__)))
+        session = session or "127.0.0.1:%d" % obj.get_rpc_port()
+        say("ready %s %d %s" % (session, os.getpid(), os.path.realpath(mooncake.__file__)))
         default_reg = "reg"
     elif mode == "store":
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig

@@ -35,9 +35,10 @@ pub const DEFAULT_MAX_SEGMENT_SIZE: u64 = 16 << 40;
 pub struct MasterConfig {
     /// How long a reader may use a replica list (`default_kv_lease_ttl`).
     pub lease_ttl: Duration,
-    /// Pool usage above which eviction runs.
+    /// Pool usage above which background eviction (on `tick`) runs; 1.0 (the
+    /// default) turns it off, since a put evicts just what it needs itself.
     pub eviction_high_watermark: f64,
-    /// Share of the pool one eviction round frees at least.
+    /// Share of the pool background eviction frees below the watermark.
     pub eviction_ratio: f64,
     /// A client silent this long loses its segments.
     pub client_ttl: Duration,
@@ -58,13 +59,16 @@ pub struct MasterConfig {
     /// Work one remove-by-regex may spend matching keys (a unit is about a nanosecond
     /// in a release build): a costlier pattern is refused, removing nothing.
     pub regex_budget: u64,
+    /// Share of the pool's capacity one client may hold in unfinished puts (started,
+    /// not ended); a PutStart beyond it gets `NoAvailableHandle` and changes nothing.
+    pub max_unfinished_put_ratio: f64,
 }
 
 impl Default for MasterConfig {
     fn default() -> Self {
         MasterConfig {
             lease_ttl: Duration::from_millis(10_000),
-            eviction_high_watermark: 0.90,
+            eviction_high_watermark: 1.0,
             eviction_ratio: 0.05,
             client_ttl: Duration::from_secs(10),
             put_start_discard_timeout: Duration::from_secs(30),
@@ -74,6 +78,7 @@ impl Default for MasterConfig {
             shards: 64,
             max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
             regex_budget: 300_000_000,
+            max_unfinished_put_ratio: 0.5,
         }
     }
 }

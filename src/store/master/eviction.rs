@@ -1,16 +1,45 @@
-//! Approximate-LRU eviction by sampling: a round looks at a bounded sample of objects
-//! whose lease has expired, evicts the least recently used first, soft-pinned ones
-//! only when nothing else is left, hard-pinned never.
+//! Eviction: just enough, just in time. A put that does not fit evicts what it needs
+//! at once; victims are the lowest of all shards' victim orders (`policy.rs`:
+//! frequency with aging), soft-pinned objects only when nothing else is left,
+//! hard-pinned, leased and unfinished ones never.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
+use super::policy::{Head, Lowest, Policy};
+use super::table::Shard;
 use super::{Master, Object};
 
-/// Objects sampled per shard per round.
-const SAMPLE_PER_SHARD: usize = 8;
+/// The pool's age, shared by the shards' victim orders.
+#[derive(Default)]
+pub(super) struct Aging {
+    /// The level of the last victim: the level an object with no hits would get now.
+    floor: AtomicU64,
+    /// Insertion order across shards.
+    seq: AtomicU32,
+}
+
+impl Aging {
+    fn floor(&self) -> u64 {
+        self.floor.load(Ordering::Relaxed)
+    }
+
+    fn next_seq(&self) -> u32 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Runs `f` on a batch's items from the last to the first and returns the results in
+/// the batch's order. A batch lists one request's blocks in prefix order; touching it
+/// tail first leaves the head the most recently used, so of equally hit blocks the
+/// tail goes first (a block is no use once a block before it is gone).
+pub(super) fn tail_first<T, R>(items: &[T], f: impl FnMut(&T) -> R) -> Vec<R> {
+    let mut out: Vec<R> = items.iter().rev().map(f).collect();
+    out.reverse();
+    out
+}
 
 /// Whether an object may be evicted now: complete, not hard-pinned, lease expired, and
-/// soft pin expired unless soft-pinned objects are fair game this round.
+/// soft pin expired unless soft-pinned objects are fair game this time.
 fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
     o.complete
         && !o.hard_pin
@@ -18,64 +47,133 @@ fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
         && (allow_soft_pinned || o.soft_pin_until_ms <= now)
 }
 
+/// Leased or pinned objects a look at a shard's bottom passes over before giving up.
+const PASS_OVER: usize = 64;
+
+/// What one look at every shard found.
+#[derive(Default)]
+struct Round {
+    /// The shard with the lowest evictable entry.
+    best: Option<usize>,
+    /// The second-lowest evictable entry (in another shard).
+    second: Option<Head>,
+    /// Objects in all orders.
+    listed: usize,
+    /// Blocked shard bottoms moved up.
+    moved_up: usize,
+}
+
 impl Master {
-    /// Evicts until at least `want` bytes are freed or nothing evictable is left in a
-    /// round's sample. Returns the bytes freed.
+    /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
+    pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
+        let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
+        shard.hit(key, Self::key_hash(key), floor, seq);
+    }
+
+    /// Evicts the lowest evictable objects of all shards until at least `want` bytes
+    /// are freed or nothing evictable is left. Returns the bytes freed. The cost per
+    /// victim is a look at the bottom of each shard's order (passing over at most
+    /// `PASS_OVER` leased or pinned objects), independent of how many objects there are.
     pub(super) fn evict(&self, want: u64, allow_soft_pinned: bool) -> u64 {
         let mut freed = 0;
-        // Bounded: each round evicts at least one object or stops.
-        for _ in 0..1024 {
-            if freed >= want {
-                break;
-            }
+        let mut moved_up = 0;
+        while freed < want {
             let now = self.clock.now_ms();
-            let mut sample = Vec::new();
-            let start = (self.next_seed() % self.shards.len() as u64) as usize;
-            for i in 0..self.shards.len() {
-                let shard = &self.shards[(start + i) % self.shards.len()];
-                let map = Self::lock(shard);
-                // Start at a random position: always sampling the head of the table
-                // would leave objects further along it never evicted.
-                let skip = (self.next_seed() % map.len().max(1) as u64) as usize;
-                let rotated = map.iter().skip(skip).chain(map.iter().take(skip));
-                let candidates = rotated.filter(|(_, o)| evictable(o, now, allow_soft_pinned));
-                for (k, o) in candidates.take(SAMPLE_PER_SHARD) {
-                    sample.push((o.soft_pin_until_ms > now, o.last_access_ms, k.clone()));
-                }
-            }
-            if sample.is_empty() {
-                break;
-            }
-            sample.sort();
-            // Evict the older half of the sample (at least one) per round.
-            let take = sample.len().div_ceil(2);
-            let mut progressed = false;
-            for (_, _, key) in sample.into_iter().take(take) {
-                let mut map = Self::lock(self.shard(&key));
-                // Recheck under the lock: it may have been leased or removed meanwhile.
-                if !map
-                    .get(&key)
-                    .is_some_and(|o| evictable(o, now, allow_soft_pinned))
-                {
+            let round = self.lowest_heads(now, allow_soft_pinned);
+            moved_up += round.moved_up;
+            let Some(best) = round.best else {
+                // Some shards were blocked and moved up: look again, once per object.
+                if round.moved_up > 0 && moved_up <= round.listed {
                     continue;
                 }
-                if let Some(o) = map.remove(&key) {
-                    drop(map);
-                    freed += self.account_eviction(&o);
-                    progressed = true;
-                    if !o.groups.is_empty() {
-                        freed += self.evict_group(&key, &o.groups, now, allow_soft_pinned);
-                    }
+                break;
+            };
+            let mut shard = Self::lock(&self.shards[best]);
+            let mut groups = Vec::new();
+            // Take from this shard while its lowest stays below every other shard's.
+            for first in [true].into_iter().chain(std::iter::repeat(false)) {
+                let Lowest::Found(head, id) = Self::lowest(&mut shard, now, allow_soft_pinned)
+                else {
+                    break;
+                };
+                if !first && round.second.is_some_and(|s| !head.before(&s)) {
+                    break;
                 }
-                if freed >= want {
+                let Some((bytes, g)) = self.evict_node(&mut shard, head, id) else {
+                    break;
+                };
+                freed += bytes;
+                groups = g;
+                if freed >= want || !groups.is_empty() {
                     break;
                 }
             }
-            if !progressed {
-                break;
+            drop(shard);
+            if !groups.is_empty() {
+                freed += self.evict_group(&groups, allow_soft_pinned);
             }
         }
         freed
+    }
+
+    /// The lowest evictable entry of `shard`.
+    fn lowest(shard: &mut Shard, now: u64, allow_soft_pinned: bool) -> Lowest {
+        let Shard { objects, policy } = shard;
+        policy.lowest_where(PASS_OVER, |k| {
+            objects
+                .get(k)
+                .is_some_and(|o| evictable(o, now, allow_soft_pinned))
+        })
+    }
+
+    /// One look at every shard: where the lowest evictable entry is, the second
+    /// lowest, how many objects all orders hold. A shard whose bottom is blocked by
+    /// more than `PASS_OVER` leased or pinned objects moves its lowest up to the top,
+    /// so that the next look gets further.
+    fn lowest_heads(&self, now: u64, allow_soft_pinned: bool) -> Round {
+        let mut round = Round::default();
+        let mut best_head: Option<Head> = None;
+        for (i, s) in self.shards.iter().enumerate() {
+            let mut shard = Self::lock(s);
+            round.listed += shard.policy.len();
+            let h = match Self::lowest(&mut shard, now, allow_soft_pinned) {
+                Lowest::Found(h, _) => h,
+                Lowest::Blocked(id) => {
+                    let top = Policy::top(self.aging.floor());
+                    shard.policy.requeue(id, top, self.aging.next_seq());
+                    round.moved_up += 1;
+                    continue;
+                }
+                Lowest::None => continue,
+            };
+            match best_head {
+                Some(b) if !h.before(&b) => {
+                    if round.second.is_none_or(|s2| h.before(&s2)) {
+                        round.second = Some(h);
+                    }
+                }
+                _ => {
+                    round.second = best_head;
+                    best_head = Some(h);
+                    round.best = Some(i);
+                }
+            }
+        }
+        round
+    }
+
+    /// Evicts the object of node `id` at `head` of `shard`'s order (found evictable
+    /// under the same lock): its bytes and its groups.
+    fn evict_node(&self, shard: &mut Shard, head: Head, id: u32) -> Option<(u64, Vec<String>)> {
+        let key = shard.policy.key(id).cloned()?;
+        let o = shard.evict(&key, Self::key_hash(&key))?;
+        self.aging.floor.fetch_max(head.level, Ordering::Relaxed);
+        let bytes = self.account_eviction(&o);
+        let groups = o.groups.clone();
+        if !groups.is_empty() {
+            self.forget_member(&groups, &key);
+        }
+        Some((bytes, groups))
     }
 
     /// Counts an evicted object; returns its bytes (freed when `o` drops).
@@ -92,32 +190,49 @@ impl Master {
         bytes
     }
 
+    /// Drops an evicted key from its groups' member lists.
+    fn forget_member(&self, groups: &[String], key: &str) {
+        let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        for g in groups {
+            if let Some(v) = index.get_mut(g) {
+                v.retain(|m| m != key);
+                if v.is_empty() {
+                    index.remove(g);
+                }
+            }
+        }
+    }
+
     /// Group members share an evicted object's fate (pins and leases still hold).
-    fn evict_group(&self, key: &str, groups: &[String], now: u64, allow_soft_pinned: bool) -> u64 {
+    fn evict_group(&self, groups: &[String], allow_soft_pinned: bool) -> u64 {
+        let now = self.clock.now_ms();
         let mut freed = 0;
-        for m in self.group_members(key, groups) {
-            let mut map = Self::lock(self.shard(&m));
-            if map
+        for m in self.group_members("", groups) {
+            let mut shard = Self::lock(self.shard(&m));
+            if !shard
                 .get(&m)
                 .is_some_and(|o| evictable(o, now, allow_soft_pinned))
             {
-                if let Some(o) = map.remove(&m) {
-                    drop(map);
-                    freed += self.account_eviction(&o);
-                }
+                continue;
+            }
+            if let Some(o) = shard.remove(&m) {
+                drop(shard);
+                freed += self.account_eviction(&o);
             }
         }
         freed
     }
 
-    /// Above the high watermark, frees down to `watermark - ratio` of capacity.
+    /// Background eviction, off unless the high watermark is set below 1: above it,
+    /// frees down to `watermark - ratio` of capacity. Puts never need it (they evict
+    /// what they need themselves); it only keeps headroom for bursts.
     pub(super) fn evict_above_watermark(&self) {
+        let high = self.config.eviction_high_watermark;
         let (capacity, used) = self.segments.capacity_and_used();
-        if capacity == 0 || (used as f64) < capacity as f64 * self.config.eviction_high_watermark {
+        if high >= 1.0 || capacity == 0 || (used as f64) < capacity as f64 * high {
             return;
         }
-        let target = capacity as f64
-            * (self.config.eviction_high_watermark - self.config.eviction_ratio).max(0.0);
+        let target = capacity as f64 * (high - self.config.eviction_ratio).max(0.0);
         let want = used.saturating_sub(target as u64);
         let freed = self.evict(want, false);
         if freed < want {
@@ -128,20 +243,20 @@ impl Master {
 
 #[cfg(test)]
 mod tests {
-    //! Victim choice, driven with a manual clock and one object shard, so that a
-    //! round's sample holds every candidate and the order is exact.
+    //! Victim choice, driven with a manual clock: exact orders, no timing.
 
     use super::super::{Clock, Master, MasterConfig};
-    use crate::store::protocol::{ReplicateConfig, SegmentInfo};
+    use super::tail_first;
+    use crate::store::protocol::{ReplicateConfig, Request, SegmentInfo};
 
     const KIB: u64 = 1 << 10;
     const MIB: u64 = 1 << 20;
     const OBJ: u64 = 64 * KIB;
 
-    fn master(clock: &Clock, segment: u64) -> Master {
+    fn master_with(clock: &Clock, segment: u64, shards: usize) -> Master {
         let mut cfg = MasterConfig::default();
         cfg.allocator.slab_size = MIB;
-        cfg.shards = 1;
+        cfg.shards = shards;
         let m = Master::with_clock(cfg, clock.clone());
         let seg = SegmentInfo {
             name: "seg".into(),
@@ -152,12 +267,21 @@ mod tests {
         m
     }
 
-    /// A complete object of `OBJ` bytes, last touched now; the clock then moves on a
-    /// millisecond so every object has its own age.
+    fn master(clock: &Clock, segment: u64) -> Master {
+        master_with(clock, segment, 1)
+    }
+
+    /// A complete object of `OBJ` bytes; the clock then moves on a millisecond.
     fn put(m: &Master, clock: &Clock, key: &str, cfg: &ReplicateConfig) {
         m.put_start(1, key, OBJ, cfg, false).unwrap();
         m.put_end(1, key, 0).unwrap();
         clock.advance(1);
+    }
+
+    /// A read that leaves no lease behind (the clock moves past it).
+    fn read(m: &Master, clock: &Clock, key: &str) {
+        m.get_replicas(key).unwrap();
+        clock.advance(MasterConfig::default().lease_ttl.as_millis() as u64);
     }
 
     fn present(m: &Master, keys: &[&str]) -> Vec<bool> {
@@ -165,7 +289,7 @@ mod tests {
     }
 
     #[test]
-    fn least_recently_used_first_and_pins_leases_and_writers_hold() {
+    fn oldest_first_among_equals_and_pins_leases_and_writers_hold() {
         let clock = Clock::manual();
         let m = master(&clock, 8 * MIB);
         let plain = ReplicateConfig::default();
@@ -188,11 +312,10 @@ mod tests {
         m.put_start(1, "writing", OBJ, &plain, false).unwrap();
         put(&m, &clock, "older", &plain);
         let all = ["soft", "hard", "old", "mid", "new", "leased", "older"];
-        // Seven objects and the one being written hold a block each.
         let block = m.stats().used / 8;
         assert_eq!(block, OBJ, "a 64 KiB object takes one 64 KiB block");
 
-        // One byte wanted: exactly one victim, the least recently used plain object.
+        // One byte wanted: exactly one victim, the oldest plain object.
         assert_eq!(m.evict(1, false), block);
         assert_eq!(
             present(&m, &all),
@@ -237,7 +360,113 @@ mod tests {
     }
 
     #[test]
-    fn the_watermark_frees_down_to_its_target_unpinned_first() {
+    fn a_frequently_read_object_survives_a_scan_of_one_time_objects() {
+        let clock = Clock::manual();
+        // 16 blocks, many shards: the victim is the lowest across all of them.
+        let m = master_with(&clock, MIB, 8);
+        let plain = ReplicateConfig::default();
+        put(&m, &clock, "hot", &plain);
+        for _ in 0..4 {
+            read(&m, &clock, "hot");
+        }
+        let scan = |from: usize, to: usize| {
+            for i in from..to {
+                put(&m, &clock, &format!("scan{i}"), &plain);
+            }
+        };
+        // A scan twice the pool, each object written once and never read: under
+        // plain recency the hot object, the least recently used, would go first.
+        scan(0, 32);
+        assert!(m.exists("hot").unwrap(), "the hot object was evicted");
+        assert!(m.exists("scan31").unwrap());
+        assert!(!m.exists("scan0").unwrap());
+        assert_eq!(m.stats().used, MIB, "the whole pool in use");
+        // Popularity fades: a long enough scan ages it out.
+        scan(32, 320);
+        assert!(!m.exists("hot").unwrap(), "a once-hot object stays forever");
+    }
+
+    #[test]
+    fn a_put_into_a_full_pool_evicts_just_enough() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, MIB, 4);
+        let plain = ReplicateConfig::default();
+        for i in 0..16 {
+            put(&m, &clock, &format!("k{i}"), &plain);
+        }
+        let full = m.stats();
+        assert_eq!((full.used, full.capacity), (MIB, MIB), "the pool is full");
+        assert_eq!(full.evicted_objects, 0);
+        for (n, key) in ["one-more", "two-more"].into_iter().enumerate() {
+            put(&m, &clock, key, &plain);
+            let s = m.stats();
+            assert_eq!(s.evicted_objects, n as u64 + 1, "exactly one victim a put");
+            assert_eq!((s.used, s.objects), (MIB, 16), "no pool left idle");
+        }
+        assert_eq!(present(&m, &["k0", "k1", "k2"]), [false, false, true]);
+    }
+
+    #[test]
+    fn a_batch_keeps_its_head_longest() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, MIB, 4);
+        let keys: Vec<String> = (0..4).map(|i| format!("block{i}")).collect();
+        let items = keys.iter().map(|k| (k.clone(), OBJ)).collect();
+        m.handle(Request::PutStart {
+            client: 1,
+            items,
+            config: ReplicateConfig::default(),
+            upsert: false,
+        })
+        .unwrap();
+        let items = keys.iter().map(|k| (k.clone(), 0)).collect();
+        m.handle(Request::PutEnd { client: 1, items }).unwrap();
+        let alive = || -> Vec<bool> { keys.iter().map(|k| m.exists(k).unwrap()).collect() };
+        // A block is no use without the ones before it: the deepest goes first.
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(alive(), [true, true, true, false]);
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(alive(), [true, true, false, false]);
+        // Reading the batch keeps the same order.
+        m.handle(Request::GetReplicas {
+            keys: keys[..2].to_vec(),
+        })
+        .unwrap();
+        clock.advance(MasterConfig::default().lease_ttl.as_millis() as u64);
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(alive(), [true, false, false, false]);
+    }
+
+    #[test]
+    fn more_leased_objects_than_a_look_passes_over_still_let_a_victim_through() {
+        let clock = Clock::manual();
+        let m = master(&clock, 8 * MIB);
+        let plain = ReplicateConfig::default();
+        let n = super::PASS_OVER + 6;
+        for i in 0..n {
+            put(&m, &clock, &format!("leased{i}"), &plain);
+            m.get_replicas(&format!("leased{i}")).unwrap();
+        }
+        put(&m, &clock, "free", &plain);
+        assert_eq!(m.evict(1, false), OBJ);
+        assert!(!m.exists("free").unwrap());
+        assert_eq!(m.stats().objects, n as u64, "every leased object stays");
+        assert_eq!(m.evict(1, true), 0, "then nothing is evictable");
+    }
+
+    #[test]
+    fn tail_first_keeps_the_batch_order_of_results() {
+        let mut seen = Vec::new();
+        let out = tail_first(&[1, 2, 3], |x| {
+            seen.push(*x);
+            x * 10
+        });
+        assert_eq!(seen, [3, 2, 1]);
+        assert_eq!(out, [10, 20, 30]);
+    }
+
+    #[test]
+    fn no_background_eviction_by_default_and_the_watermark_when_asked() {
         let clock = Clock::manual();
         let mut m = master(&clock, 4 * MIB);
         let (capacity, _) = m.segments.capacity_and_used();
@@ -246,22 +475,22 @@ mod tests {
             soft_pin: true,
             ..Default::default()
         };
-        // 40 objects: 2.5 MiB of 4, under the default 90% watermark.
-        for i in 0..30 {
+        // The whole pool: 64 objects.
+        for i in 0..54 {
             put(&m, &clock, &format!("p{i}"), &ReplicateConfig::default());
         }
         for i in 0..10 {
             put(&m, &clock, &format!("s{i}"), &soft);
         }
-        m.evict_above_watermark();
-        assert_eq!(m.stats().objects, 40, "below the watermark nothing goes");
+        m.tick();
+        assert_eq!(m.stats().objects, 64, "a full pool is no reason to evict");
 
-        // Above 50%, free down to 50% - 10% = 1.6 MiB: 0.9 MiB, more than the
-        // soft-pinned objects alone could give but less than the unpinned ones.
+        // Above 50%, free down to 50% - 10% = 1.6 MiB: more than the soft-pinned
+        // objects alone could give but less than the unpinned ones.
         m.config.eviction_high_watermark = 0.5;
         m.config.eviction_ratio = 0.1;
         let target = (capacity as f64 * 0.4) as u64;
-        let want = 40 * OBJ - target;
+        let want = 64 * OBJ - target;
         m.evict_above_watermark();
         let s = m.stats();
         assert_eq!(s.evicted_bytes, want.div_ceil(OBJ) * OBJ);

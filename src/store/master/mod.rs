@@ -4,7 +4,10 @@
 mod clock;
 mod config;
 mod eviction;
+mod policy;
+mod quota;
 mod segments;
+mod table;
 
 pub use clock::Clock;
 pub use config::{AllocationStrategy, MasterConfig};
@@ -22,6 +25,7 @@ use crate::store::protocol::{
 };
 use crate::util::regex::Regex;
 use segments::{ReplicaAlloc, SegmentTable};
+use table::Shard;
 
 /// One object's metadata.
 struct Object {
@@ -33,11 +37,15 @@ struct Object {
     started_ms: u64,
     replicas: Vec<ReplicaAlloc>,
     lease_until_ms: u64,
-    last_access_ms: u64,
+    /// This object's place in its shard's victim order (`policy::NONE`: not evictable
+    /// by policy, being unfinished or hard-pinned).
+    node: u32,
     hard_pin: bool,
     soft_pin_until_ms: u64,
     /// Groups whose members share this object's lease and eviction fate.
     groups: Vec<String>,
+    /// The writer's unfinished-put quota this object takes until its PutEnd.
+    hold: Option<quota::Hold>,
 }
 
 /// Space that must not be reused yet (an abandoned writer or a force-removed object's
@@ -55,24 +63,20 @@ struct ClientState {
 pub struct Master {
     config: MasterConfig,
     clock: Clock,
-    shards: Box<[Mutex<HashMap<String, Object>>]>,
+    shards: Box<[Mutex<Shard>]>,
     segments: SegmentTable,
     clients: Mutex<HashMap<u64, ClientState>>,
+    put_quota: quota::PutQuota,
     quarantine: Mutex<Vec<Quarantined>>,
     /// Group id → member keys (pruned lazily when a member is gone).
     groups: Mutex<HashMap<String, Vec<String>>>,
     objects: AtomicU64,
     evicted_objects: AtomicU64,
     evicted_bytes: AtomicU64,
+    aging: eviction::Aging,
     seed: AtomicU64,
     /// The metadata service nodes publish to, as `MetadataUrl` reports it.
     metadata_url: std::sync::OnceLock<String>,
-}
-
-/// A per-key outcome of removal.
-enum Removal {
-    Removed,
-    Kept(Code),
 }
 
 impl Master {
@@ -84,7 +88,7 @@ impl Master {
     /// A master on `clock` (tests pass a manual one).
     pub fn with_clock(config: MasterConfig, clock: Clock) -> Master {
         let shards = (0..config.shards.max(1))
-            .map(|_| Mutex::new(HashMap::new()))
+            .map(|_| Mutex::new(Shard::default()))
             .collect();
         Master {
             config,
@@ -92,11 +96,13 @@ impl Master {
             shards,
             segments: SegmentTable::default(),
             clients: Mutex::new(HashMap::new()),
+            put_quota: quota::PutQuota::default(),
             quarantine: Mutex::new(Vec::new()),
             groups: Mutex::new(HashMap::new()),
             objects: AtomicU64::new(0),
             evicted_objects: AtomicU64::new(0),
             evicted_bytes: AtomicU64::new(0),
+            aging: eviction::Aging::default(),
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
             metadata_url: std::sync::OnceLock::new(),
         }
@@ -123,15 +129,17 @@ impl Master {
         &self.clock
     }
 
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Object>> {
+    fn key_hash(key: &str) -> u64 {
         let mut h = DefaultHasher::new();
         key.hash(&mut h);
-        &self.shards[(h.finish() % self.shards.len() as u64) as usize]
+        h.finish()
     }
 
-    fn lock<'a>(
-        m: &'a Mutex<HashMap<String, Object>>,
-    ) -> std::sync::MutexGuard<'a, HashMap<String, Object>> {
+    fn shard(&self, key: &str) -> &Mutex<Shard> {
+        &self.shards[(Self::key_hash(key) % self.shards.len() as u64) as usize]
+    }
+
+    fn lock(m: &Mutex<Shard>) -> std::sync::MutexGuard<'_, Shard> {
         m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -170,17 +178,16 @@ impl Master {
                     .map(|(k, s)| self.put_start(client, k, *s, &config, upsert))
                     .collect(),
             ),
-            Request::PutEnd { client, items } => Response::PerKey(
-                items
-                    .iter()
-                    .map(|(k, crc)| self.put_end(client, k, *crc))
-                    .collect(),
-            ),
+            Request::PutEnd { client, items } => {
+                Response::PerKey(eviction::tail_first(&items, |(k, crc)| {
+                    self.put_end(client, k, *crc)
+                }))
+            }
             Request::PutRevoke { client, keys } => {
                 Response::PerKey(keys.iter().map(|k| self.put_revoke(client, k)).collect())
             }
             Request::GetReplicas { keys } => {
-                Response::GetReplicas(keys.iter().map(|k| self.get_replicas(k)).collect())
+                Response::GetReplicas(eviction::tail_first(&keys, |k| self.get_replicas(k)))
             }
             Request::Exists { keys } => {
                 Response::Exists(keys.iter().map(|k| self.exists(k)).collect())
@@ -211,17 +218,22 @@ impl Master {
         })
     }
 
-    /// Records a client's heartbeat; false when the client is unknown (it must remount).
+    /// Records a client's heartbeat (a first one makes the client known, so it may
+    /// put); false when the client has no segment mounted (one that lends memory must
+    /// remount).
     pub fn ping(&self, client: u64) -> bool {
         let now = self.clock.now_ms();
-        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
-        match clients.get_mut(&client) {
-            Some(c) => {
-                c.last_ping_ms = now;
-                true
-            }
-            None => false,
-        }
+        self.clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(client, ClientState { last_ping_ms: now });
+        self.segments.snapshot().iter().any(|s| s.client == client)
+    }
+
+    /// Whether `client` mounted a segment or pinged within its TTL.
+    fn is_known(&self, client: u64) -> bool {
+        let clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        clients.contains_key(&client)
     }
 
     /// Adds `segment` of `client` to the pool.
@@ -315,10 +327,21 @@ impl Master {
         if size == 0 {
             return Err(Code::InvalidParams);
         }
+        if !self.is_known(client) {
+            return Err(Code::ClientNotFound);
+        }
+        let (capacity, _) = self.segments.capacity_and_used();
+        let cap = quota::cap(capacity, self.config.max_unfinished_put_ratio);
+        let bytes = size.saturating_mul(config.replica_num.max(1) as u64);
+        let hold = self
+            .put_quota
+            .reserve(client, bytes, cap)
+            .ok_or(Code::NoAvailableHandle)?;
         let now = self.clock.now_ms();
         {
-            let mut map = Self::lock(self.shard(key));
-            match map.entry(key.to_owned()) {
+            let mut guard = Self::lock(self.shard(key));
+            let shard = &mut *guard;
+            match shard.objects.entry(Arc::from(key)) {
                 Entry::Occupied(mut e) => {
                     let o = e.get_mut();
                     if o.complete {
@@ -343,11 +366,15 @@ impl Master {
                             o.writer
                         );
                     }
-                    let placeholder = self.placeholder(client, size, now, config);
+                    if o.node != policy::NONE {
+                        // Replaced: the old object leaves the victim order.
+                        shard.policy.remove(o.node);
+                    }
+                    let placeholder = self.placeholder(client, size, now, config, hold);
                     *o = placeholder;
                 }
                 Entry::Vacant(v) => {
-                    v.insert(self.placeholder(client, size, now, config));
+                    v.insert(self.placeholder(client, size, now, config, hold));
                     self.objects.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -374,7 +401,14 @@ impl Master {
         Ok(desc)
     }
 
-    fn placeholder(&self, client: u64, size: u64, now: u64, config: &ReplicateConfig) -> Object {
+    fn placeholder(
+        &self,
+        client: u64,
+        size: u64,
+        now: u64,
+        config: &ReplicateConfig,
+        hold: quota::Hold,
+    ) -> Object {
         let soft_ttl = config.soft_pin_ttl_ms.min(MAX_SOFT_PIN_TTL_MS);
         Object {
             size,
@@ -384,17 +418,22 @@ impl Master {
             started_ms: now,
             replicas: Vec::new(),
             lease_until_ms: 0,
-            last_access_ms: now,
+            node: policy::NONE,
             hard_pin: config.hard_pin,
             groups: config.group_ids.clone(),
             soft_pin_until_ms: if config.soft_pin { now + soft_ttl } else { 0 },
+            hold: Some(hold),
         }
     }
 
-    /// Places replicas, evicting when the pool is full; empty when nothing fits even
-    /// after eviction.
+    /// Places replicas, evicting just enough when the pool is full (unpinned objects
+    /// first, soft-pinned ones only when nothing else is left); empty when nothing fits
+    /// even then.
     fn allocate(&self, client: u64, size: u64, config: &ReplicateConfig) -> Vec<ReplicaAlloc> {
-        for round in 0..8 {
+        let mut want = size.saturating_mul(u64::from(config.replica_num.max(1)));
+        // Bounded: each round evicts something or stops. Space freed in another size
+        // class may not serve this one until whole slabs come free: want more then.
+        for _ in 0..32 {
             let order = segments::placement_order(
                 self.segments.snapshot(),
                 self.config.allocation_strategy,
@@ -404,14 +443,16 @@ impl Master {
             );
             let replicas = segments::allocate(&order, size, config.replica_num);
             if !replicas.is_empty() {
-                self.evict_above_watermark();
                 return replicas;
             }
-            let (capacity, _) = self.segments.capacity_and_used();
-            let want = size.max((capacity as f64 * self.config.eviction_ratio) as u64);
-            if self.evict(want, round > 0) == 0 {
+            let freed = match self.evict(want, false) {
+                0 => self.evict(want, true),
+                n => n,
+            };
+            if freed == 0 {
                 break;
             }
+            want = want.saturating_mul(2);
         }
         Vec::new()
     }
@@ -434,9 +475,10 @@ impl Master {
         match map.get_mut(key) {
             Some(o) if !o.complete && o.writer == client && !o.replicas.is_empty() => {
                 o.complete = true;
+                o.hold = None;
                 o.crc32c = crc32c;
-                o.last_access_ms = self.clock.now_ms();
                 let groups = o.groups.clone();
+                self.touch(&mut map, key);
                 drop(map);
                 self.join_groups(key, &groups);
                 Ok(())
@@ -470,16 +512,16 @@ impl Master {
             return Err(Code::ReplicaIsNotReady);
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);
-        o.last_access_ms = now;
         let desc = ObjectDesc {
             size: o.size,
             crc32c: o.crc32c,
             lease_ms: ttl,
             replicas: segments::describe(&o.replicas),
         };
-        if !o.groups.is_empty() {
+        let groups = o.groups.clone();
+        self.touch(&mut map, key);
+        if !groups.is_empty() {
             // Members are leased one shard lock at a time, never two at once.
-            let groups = o.groups.clone();
             drop(map);
             self.for_group_members(key, &groups, |m| {
                 m.lease_until_ms = m.lease_until_ms.max(now + ttl)
@@ -543,20 +585,15 @@ impl Master {
         check_key(key)?;
         let now = self.clock.now_ms();
         let mut map = Self::lock(self.shard(key));
-        match map.remove(key) {
-            None => Err(Code::ObjectNotFound),
-            Some(o) => match self.removal(o, force, now) {
-                (Removal::Removed, _) => {
-                    self.objects.fetch_sub(1, Ordering::Relaxed);
-                    Ok(())
-                }
-                (Removal::Kept(code), Some(o)) => {
-                    map.insert(key.to_owned(), o);
-                    Err(code)
-                }
-                (Removal::Kept(code), None) => Err(code),
-            },
+        let o = map.get(key).ok_or(Code::ObjectNotFound)?;
+        if let Some(code) = Self::refusal(o, force, now) {
+            return Err(code);
         }
+        if let Some(o) = map.remove(key) {
+            self.dispose(o, now);
+            self.objects.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// Drops `key`'s replicas that have a piece on `segment` (every replica when
@@ -589,23 +626,28 @@ impl Master {
         Ok(())
     }
 
-    /// Decides a removal. Space that someone may still touch (a writer mid-put, a
-    /// reader within its lease) is quarantined rather than freed.
-    fn removal(&self, o: Object, force: bool, now: u64) -> (Removal, Option<Object>) {
-        let leased = o.complete && o.lease_until_ms > now;
-        match (o.complete, leased, force) {
-            (false, _, false) => (Removal::Kept(Code::ReplicaIsNotReady), Some(o)),
-            (true, true, false) => (Removal::Kept(Code::ObjectHasLease), Some(o)),
-            (false, _, true) => {
-                let until = o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
-                self.quarantine_replicas(o.replicas, until);
-                (Removal::Removed, None)
-            }
-            (true, true, true) => {
-                self.quarantine_replicas(o.replicas, o.lease_until_ms);
-                (Removal::Removed, None)
-            }
-            (true, false, _) => (Removal::Removed, None),
+    /// Why `o` may not be removed (a writer mid-put, a reader within its lease), unless
+    /// `force`d.
+    fn refusal(o: &Object, force: bool, now: u64) -> Option<Code> {
+        if force {
+            None
+        } else if !o.complete {
+            Some(Code::ReplicaIsNotReady)
+        } else if o.lease_until_ms > now {
+            Some(Code::ObjectHasLease)
+        } else {
+            None
+        }
+    }
+
+    /// Lets go of a removed object. Space that someone may still touch (a writer
+    /// mid-put, a reader within its lease) is quarantined rather than freed.
+    fn dispose(&self, o: Object, now: u64) {
+        if !o.complete {
+            let until = o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
+            self.quarantine_replicas(o.replicas, until);
+        } else if o.lease_until_ms > now {
+            self.quarantine_replicas(o.replicas, o.lease_until_ms);
         }
     }
 
@@ -616,7 +658,7 @@ impl Master {
         let mut budget = self.config.regex_budget;
         let mut matched = std::collections::HashSet::new();
         for shard in self.shards.iter() {
-            let keys: Vec<String> = Self::lock(shard).keys().cloned().collect();
+            let keys: Vec<String> = Self::lock(shard).keys().map(str::to_owned).collect();
             for k in keys {
                 match re.is_match_within(&k, &mut budget) {
                     Some(true) => {
@@ -641,15 +683,17 @@ impl Master {
         let mut removed = 0;
         for shard in self.shards.iter() {
             let mut map = Self::lock(shard);
-            let keys: Vec<String> = map.keys().filter(|k| pred(k)).cloned().collect();
+            let keys: Vec<String> = map.keys().filter(|k| pred(k)).map(str::to_owned).collect();
             for k in keys {
-                let Some(o) = map.remove(&k) else { continue };
-                match self.removal(o, force, now) {
-                    (Removal::Removed, _) => removed += 1,
-                    (Removal::Kept(_), Some(o)) => {
-                        map.insert(k, o);
-                    }
-                    (Removal::Kept(_), None) => {}
+                let allowed = map
+                    .get(&k)
+                    .is_some_and(|o| Self::refusal(o, force, now).is_none());
+                if !allowed {
+                    continue;
+                }
+                if let Some(o) = map.remove(&k) {
+                    self.dispose(o, now);
+                    removed += 1;
                 }
             }
         }
@@ -719,12 +763,21 @@ impl Master {
             .map(|o| (o.size, o.complete, segments::describe(&o.replicas)))
     }
 
-    /// Every key, complete or not.
+    /// Every key, complete or not (unbounded: for tests and tools, not for serving).
     pub fn all_keys(&self) -> Vec<String> {
-        self.shards
-            .iter()
-            .flat_map(|s| Self::lock(s).keys().cloned().collect::<Vec<_>>())
-            .collect()
+        self.keys(usize::MAX).0
+    }
+
+    /// Up to `limit` keys, complete or not, and how many keys there are in all.
+    pub fn keys(&self, limit: usize) -> (Vec<String>, usize) {
+        let (mut keys, mut total) = (Vec::new(), 0);
+        for shard in self.shards.iter() {
+            let map = Self::lock(shard);
+            total += map.len();
+            let room = limit.saturating_sub(keys.len());
+            keys.extend(map.keys().take(room).map(str::to_owned));
+        }
+        (keys, total)
     }
 
     /// Every mounted segment with its capacity and bytes in use.

@@ -85,6 +85,8 @@ pub fn discovered_matrix(nics: &[String]) -> String {
 /// RDMA verbs transport: one or more NICs, reliable-connected QPs to each peer.
 pub struct RdmaTransport {
     shared: Arc<RdmaContext>,
+    /// Authenticates the queue-pair exchanges this engine starts.
+    secret: Option<crate::auth::ClusterSecret>,
 }
 
 impl RdmaTransport {
@@ -140,6 +142,7 @@ impl RdmaTransport {
         );
         Ok(RdmaTransport {
             shared: Arc::new(RdmaContext::new(verbs, nics, topology, matrix)),
+            secret: config.cluster_secret.clone(),
         })
     }
 }
@@ -192,7 +195,10 @@ impl Transport for RdmaTransport {
     }
 
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
-        Ok(Box::new(RdmaWorker::new(self.shared.clone())?))
+        Ok(Box::new(RdmaWorker::new(
+            self.shared.clone(),
+            self.secret.clone(),
+        )?))
     }
 
     fn handshake(&self, request: &str) -> Option<String> {

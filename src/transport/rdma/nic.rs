@@ -10,7 +10,7 @@ use super::verbs::{
 use super::{unavailable, ACCESS, MAX_WR, PARALLEL_REG_BYTES};
 use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs::{self as ibv, Verbs};
-use crate::registry::Region;
+use crate::registry::{Access, Region};
 use crate::transport::RegionKeys;
 
 /// One opened HCA port.
@@ -144,6 +144,13 @@ impl Nic {
 /// Registers `region` on every NIC (in parallel for large ones) and records its MRs.
 pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
     let dma_buf = gpudirect_dma_buf(s, region);
+    // The NIC enforces what peers may do (`Access`): no remote write to a read-only
+    // buffer, no remote access at all to a local one.
+    let access = match region.access {
+        Access::ReadWrite => ACCESS,
+        Access::ReadOnly => ibv::IBV_ACCESS_LOCAL_WRITE | ibv::IBV_ACCESS_REMOTE_READ,
+        Access::LocalOnly => ibv::IBV_ACCESS_LOCAL_WRITE,
+    };
     let reg = |nic: &Nic| -> Result<MemoryRegion> {
         let (mr, call) = match &dma_buf {
             Some(buf) => {
@@ -158,7 +165,7 @@ pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
                         region.len as usize,
                         region.addr,
                         buf.fd.as_raw_fd(),
-                        ACCESS,
+                        access,
                     )
                 };
                 (mr, "ibv_reg_dmabuf_mr")
@@ -171,7 +178,7 @@ pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
                         &nic.pd,
                         region.addr as *mut _,
                         region.len as usize,
-                        ACCESS,
+                        access,
                     )
                 };
                 (mr, "ibv_reg_mr")

@@ -23,6 +23,7 @@ use super::nic::Nic;
 use super::topology::Topology;
 use super::verbs::{CompChannel, CompletionQueue, QueuePair};
 use super::{unavailable, CQ_DEPTH, HANDSHAKE_TIMEOUT, MAX_ENDPOINTS, MAX_HANDSHAKES, MAX_WR};
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs as ibv;
 use crate::json::{self, Value};
@@ -77,6 +78,8 @@ struct Connector {
     /// Signalled after each reply; part of the worker's wait set. Shared with the
     /// threads so that one outliving the worker still writes to a live descriptor.
     wake: Arc<EventFd>,
+    /// Authenticates each Connection RPC.
+    secret: Option<ClusterSecret>,
 }
 
 /// One local NIC's completion queue, reporting to a channel of its own.
@@ -165,7 +168,7 @@ fn open_cq(nic: &Nic) -> Result<Arc<CompletionQueue>> {
 
 impl RdmaWorker {
     /// Creates one CQ and completion channel per local NIC for a new worker.
-    pub(super) fn new(s: Arc<RdmaContext>) -> Result<RdmaWorker> {
+    pub(super) fn new(s: Arc<RdmaContext>, secret: Option<ClusterSecret>) -> Result<RdmaWorker> {
         let epoll = Epoll::new().map_err(|e| Error::io("epoll for RDMA completions", e))?;
         let wake = EventFd::new().map_err(|e| Error::io("eventfd for RDMA handshakes", e))?;
         epoll
@@ -184,6 +187,7 @@ impl RdmaWorker {
                 tx,
                 rx,
                 wake: Arc::new(wake),
+                secret,
             },
             graveyard: Vec::new(),
             pending: HashMap::new(),
@@ -284,7 +288,7 @@ impl RdmaWorker {
                 break;
             };
             let key = job.key;
-            let (tx, wake) = (c.tx.clone(), c.wake.clone());
+            let (tx, wake, secret) = (c.tx.clone(), c.wake.clone(), c.secret.clone());
             let spawned = std::thread::Builder::new()
                 .name("mc-rdma-connect".into())
                 .spawn(move || {
@@ -293,6 +297,7 @@ impl RdmaWorker {
                         RpcType::Connection,
                         &job.request,
                         HANDSHAKE_TIMEOUT,
+                        secret.as_ref(),
                     )
                     .map_err(|e| e.prefixed(format!("handshake with {}", job.addr)));
                     // A worker that is gone no longer listens; nothing else to tidy.

@@ -10,6 +10,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::time::Instant;
 
 use super::TcpConfig;
+use crate::auth::challenge::ClientHandshake;
+use crate::auth::ClusterSecret;
 use crate::error::Result;
 use crate::sys::{self, Epoll};
 use crate::transport::{Finished, Op, Outcome, Slice, TransportWorker};
@@ -49,6 +51,8 @@ struct Lane {
     stream: TcpStream,
     peer: u64,
     connecting: bool,
+    /// The cluster handshake, while it runs (requests wait until it is accepted).
+    auth: Option<ClientHandshake>,
     queue: VecDeque<Pending>,
     /// Index of the first slice not fully sent, and bytes of it already sent.
     send_idx: usize,
@@ -80,6 +84,13 @@ impl Lane {
                     self.connecting = false;
                     let _ = self.stream.set_nodelay(true);
                 }
+            }
+        }
+        if let Some(auth) = &mut self.auth {
+            match auth.advance(&mut self.stream) {
+                Ok(true) => self.auth = None,
+                Ok(false) => return Ok(false),
+                Err(e) => return Err(LaneError::Broken(format!("cluster handshake: {e}"))),
             }
         }
         let sent = self.send()?;
@@ -210,6 +221,7 @@ impl Lane {
 
 pub struct TcpWorker {
     config: TcpConfig,
+    secret: Option<ClusterSecret>,
     epoll: Epoll,
     /// Lanes by token; a token is never reused while its lane is registered.
     lanes: HashMap<u64, Lane>,
@@ -220,10 +232,11 @@ pub struct TcpWorker {
 }
 
 impl TcpWorker {
-    pub fn new(config: TcpConfig) -> Result<TcpWorker> {
+    pub fn new(config: TcpConfig, secret: Option<ClusterSecret>) -> Result<TcpWorker> {
         let epoll = Epoll::new().map_err(|e| crate::Error::io("creating epoll", e))?;
         Ok(TcpWorker {
             config,
+            secret,
             epoll,
             lanes: HashMap::new(),
             by_peer: HashMap::new(),
@@ -235,6 +248,7 @@ impl TcpWorker {
 
     /// The least loaded lane to `slice`'s peer, opening a new one while under the limit.
     fn pick_lane(&mut self, slice: &Slice) -> std::result::Result<u64, String> {
+        self.close_hung_up_lanes(slice.peer.id);
         let tokens = self.by_peer.entry(slice.peer.id).or_default();
         let best = tokens
             .iter()
@@ -251,6 +265,10 @@ impl TcpWorker {
         let addr = slice.peer.data_addr();
         let stream = sys::connect_nonblocking(addr).map_err(|e| format!("connect {addr}: {e}"))?;
         sys::set_socket_buffers(&stream, self.config.socket_buffer);
+        let auth = match &self.secret {
+            Some(secret) => Some(ClientHandshake::new(secret).map_err(|e| format!("nonce: {e}"))?),
+            None => None,
+        };
         let token = self.next_token;
         self.next_token += 1;
         self.epoll
@@ -267,6 +285,7 @@ impl TcpWorker {
                 stream,
                 peer: slice.peer.id,
                 connecting: true,
+                auth,
                 queue: VecDeque::new(),
                 send_idx: 0,
                 send_off: 0,
@@ -274,6 +293,32 @@ impl TcpWorker {
             },
         );
         Ok(token)
+    }
+
+    /// Closes `peer`'s idle lanes whose server hung up (servers close connections
+    /// idle too long), so that no slice is sent on a dead one: one non-blocking peek
+    /// per idle lane, none for a busy one.
+    fn close_hung_up_lanes(&mut self, peer: u64) {
+        let Some(tokens) = self.by_peer.get(&peer) else {
+            return;
+        };
+        let hung_up: Vec<u64> = tokens
+            .iter()
+            .copied()
+            .filter(|t| {
+                self.lanes.get(t).is_some_and(|l| {
+                    l.queue.is_empty()
+                        && !l.connecting
+                        && l.auth.is_none()
+                        && sys::idle_connection_closed(&l.stream)
+                })
+            })
+            .collect();
+        for token in hung_up {
+            // No slice is queued on it: nothing is handed back.
+            let why = LaneError::Broken("closed by the peer while idle".into());
+            self.close_lane(token, why, &mut Vec::new());
+        }
     }
 
     fn drive(&mut self, token: u64, done: &mut Vec<Finished>) -> bool {
@@ -438,10 +483,13 @@ mod tests {
 
     fn worker(lanes: usize) -> TcpWorker {
         crate::sys::ignore_sigpipe();
-        TcpWorker::new(TcpConfig {
-            lanes_per_peer: lanes,
-            ..TcpConfig::default()
-        })
+        TcpWorker::new(
+            TcpConfig {
+                lanes_per_peer: lanes,
+                ..TcpConfig::default()
+            },
+            None,
+        )
         .unwrap()
     }
 
@@ -620,6 +668,37 @@ mod tests {
             w.post(slice(3, Op::Write, &mut bufs[3], &p, later()), &mut done);
             assert_eq!(w.by_peer[&1].len(), 1);
             assert_ne!(w.by_peer[&1], old, "a new connection, not the broken one");
+        });
+    }
+
+    #[test]
+    fn a_lane_the_server_closed_while_idle_is_replaced_before_use() {
+        let (l, addr) = listener();
+        let p = peer(1, addr);
+        let mut w = worker(1);
+        let mut bufs = [[1u8; 100]; 2];
+        let mut done = Vec::new();
+        std::thread::scope(|s| {
+            // Answers one request, then closes the connection (an idle timeout).
+            let server = s.spawn(|| serve(&l, &[Some(Status::Ok)]));
+            w.post(slice(0, Op::Write, &mut bufs[0], &p, later()), &mut done);
+            run_until(&mut w, &mut done, 1);
+            server.join().unwrap();
+            assert_eq!(done[0].outcome, Outcome::Done);
+            // Bounded wait until the hang-up reached the lane.
+            let mut hung_up = libc::pollfd {
+                fd: w.lanes.values().next().unwrap().fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            assert_eq!(unsafe { libc::poll(&mut hung_up, 1, 10_000) }, 1);
+            // The next slice goes out on a fresh connection and succeeds at once.
+            let server = s.spawn(|| serve(&l, &[Some(Status::Ok)]));
+            w.post(slice(1, Op::Write, &mut bufs[1], &p, later()), &mut done);
+            run_until(&mut w, &mut done, 2);
+            server.join().unwrap();
+            assert_eq!(done[1].outcome, Outcome::Done);
         });
     }
 

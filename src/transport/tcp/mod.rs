@@ -9,9 +9,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::{Kind, Transport, TransportWorker};
+use crate::auth::ClusterSecret;
 use crate::error::{Error, Result};
 use crate::metadata::SegmentDesc;
-use crate::net::ConnServer;
+use crate::net::{ConnServer, ServerLimits};
 use crate::registry::LocalMemory;
 
 /// TCP transport settings.
@@ -47,6 +48,8 @@ fn default_lanes() -> usize {
 pub struct TcpTransport {
     config: TcpConfig,
     server: ConnServer,
+    /// With a secret, lanes authenticate before their first request.
+    secret: Option<ClusterSecret>,
 }
 
 impl TcpTransport {
@@ -55,13 +58,20 @@ impl TcpTransport {
         bind: SocketAddr,
         memory: Arc<LocalMemory>,
         config: TcpConfig,
+        secret: Option<ClusterSecret>,
     ) -> Result<TcpTransport> {
         crate::sys::ignore_sigpipe();
         let buffers = config.socket_buffer;
-        let handler = Arc::new(move |stream| server::serve(stream, &memory, buffers));
-        let server = ConnServer::spawn(bind, "mc-tcp", handler)
+        let handler =
+            Arc::new(move |stream, ticket: &_| server::serve(stream, ticket, &memory, buffers));
+        let handler = crate::auth::guard(secret.clone(), "tcp data", handler);
+        let server = ConnServer::spawn(bind, "mc-tcp", ServerLimits::from_env(), handler)
             .map_err(|e| Error::io(format!("binding tcp data server on {bind}"), e))?;
-        Ok(TcpTransport { config, server })
+        Ok(TcpTransport {
+            config,
+            server,
+            secret,
+        })
     }
 
     /// Port of this engine's data server.
@@ -91,6 +101,9 @@ impl Transport for TcpTransport {
     }
 
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
-        Ok(Box::new(client::TcpWorker::new(self.config.clone())?))
+        Ok(Box::new(client::TcpWorker::new(
+            self.config.clone(),
+            self.secret.clone(),
+        )?))
     }
 }

@@ -6,20 +6,28 @@
 //! Pipelined requests are cheap: headers are read in bulk into a small buffer, and the
 //! answers to every request already parsed go out in one `writev` before the server
 //! blocks for more, so a burst of small reads costs a few syscalls, not two each.
+//!
+//! Blocking calls wake every [`TICK`] (the socket's timeouts), which costs nothing
+//! while data flows. On each wake a stalled connection is checked: between requests
+//! it may idle for the server's `idle_timeout` (`frame_timeout` until it sent a valid
+//! request); mid-request or mid-answer it must progress within `frame_timeout`; and a
+//! transfer against a buffer being unregistered is abandoned (the connection closed,
+//! so the peer sees an error), so a slow or stalled reader cannot hold
+//! `unregister_memory` for longer than a tick.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::device::{self, Bounce};
+use crate::net::ConnTicket;
 use crate::registry::{LocalMemory, RangeGuard};
 use crate::sys;
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 
-/// A peer that stalls mid-payload longer than this loses its connection, so it cannot
-/// hold a buffer's unregistration hostage.
-const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a blocked connection wakes to check its timeouts and pinned buffers.
+const TICK: Duration = Duration::from_millis(200);
 /// Bytes of headers (and small write payloads) read per syscall.
 const INPUT_BUFFER: usize = 64 << 10;
 /// Answers gathered into one `writev` at most (two iovecs each, under IOV_MAX).
@@ -35,6 +43,7 @@ struct Reply {
 struct Connection<'a> {
     stream: TcpStream,
     memory: &'a LocalMemory,
+    ticket: &'a ConnTicket,
     peer: String,
     input: Vec<u8>,
     /// Unconsumed input is `input[start..end]`.
@@ -43,18 +52,19 @@ struct Connection<'a> {
     replies: Vec<Reply>,
 }
 
-pub fn serve(stream: TcpStream, memory: &LocalMemory, socket_buffer: usize) {
+pub fn serve(stream: TcpStream, ticket: &ConnTicket, memory: &LocalMemory, socket_buffer: usize) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(STALL_TIMEOUT));
-    let _ = stream.set_write_timeout(Some(STALL_TIMEOUT));
+    let _ = stream.set_read_timeout(Some(TICK));
+    let _ = stream.set_write_timeout(Some(TICK));
     sys::set_socket_buffers(&stream, socket_buffer);
     let mut conn = Connection {
         stream,
         memory,
+        ticket,
         peer,
         input: vec![0; INPUT_BUFFER],
         start: 0,
@@ -85,10 +95,12 @@ impl Connection<'_> {
                 Ok(h) => h,
                 Err(e) => return self.reject(&format!("{e}")),
             };
-            let guard = match self.memory.guard(header.addr, header.size) {
+            let write = header.op == DataOp::Write;
+            let guard = match self.memory.guard_for_peer(header.addr, header.size, write) {
                 Ok(g) => g,
                 Err(e) => return self.reject(&format!("{:?} rejected: {e}", header.op)),
             };
+            self.ticket.prove();
             match header.op {
                 // Device memory is never touched by the CPU: it goes through a bounce.
                 DataOp::Write if !guard.device().is_host() => {
@@ -132,6 +144,14 @@ impl Connection<'_> {
             self.end -= self.start;
             self.start = 0;
         }
+        let since = Instant::now();
+        let limits = self.ticket.limits();
+        // Only a served peer between requests may idle long.
+        let patience = if self.end == 0 && self.ticket.is_proven() {
+            limits.idle_timeout
+        } else {
+            limits.frame_timeout
+        };
         loop {
             match self.stream.read(&mut self.input[self.end..]) {
                 Ok(0) if self.end == 0 => return Ok(false),
@@ -145,8 +165,7 @@ impl Connection<'_> {
                     self.end += n;
                     return Ok(true);
                 }
-                // An idle persistent connection is normal: keep waiting.
-                Err(e) if is_timeout(&e) && self.end == 0 => {}
+                Err(e) if is_timeout(&e) => keep_waiting(since, patience, false)?,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -162,21 +181,15 @@ impl Connection<'_> {
         let buffered = (self.end - self.start).min(dst.len());
         dst[..buffered].copy_from_slice(&self.input[self.start..self.start + buffered]);
         self.start += buffered;
-        let mut got = buffered;
-        while got < dst.len() {
-            match self.stream.read(&mut dst[got..]) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("write payload short by {} bytes", dst.len() - got),
-                    ))
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+        let total = dst.len();
+        let patience = self.ticket.limits().frame_timeout;
+        read_full(
+            &mut self.stream,
+            &mut dst[buffered..],
+            total - buffered,
+            patience,
+            guard,
+        )
     }
 
     /// A WRITE into device memory: the payload lands in a host bounce buffer, a
@@ -198,6 +211,8 @@ impl Connection<'_> {
                 &mut self.stream,
                 &mut chunk[buffered..],
                 total - off - buffered,
+                self.ticket.limits().frame_timeout,
+                guard,
             )?;
             if failed.is_none() {
                 // SAFETY: the bounce holds `n` received bytes; the target is inside the
@@ -242,7 +257,13 @@ impl Connection<'_> {
                 parts.push((status.as_ptr(), STATUS_LEN));
             }
             parts.push((bounce.ptr() as *const u8, n));
-            send_all(&self.stream, &mut parts)?;
+            let revoked = || guard.is_revoked();
+            send_all(
+                &self.stream,
+                &mut parts,
+                self.ticket.limits().frame_timeout,
+                &revoked,
+            )?;
             off += n;
         }
         Ok(Ok(()))
@@ -260,7 +281,18 @@ impl Connection<'_> {
                 parts.push((g.ptr() as *const u8, g.len() as usize));
             }
         }
-        let result = send_all(&self.stream, &mut parts);
+        let replies = &self.replies;
+        let revoked = || {
+            replies
+                .iter()
+                .any(|r| r.payload.as_ref().is_some_and(RangeGuard::is_revoked))
+        };
+        let result = send_all(
+            &self.stream,
+            &mut parts,
+            self.ticket.limits().frame_timeout,
+            &revoked,
+        );
         // Dropping the replies releases their guards only now that the bytes are out.
         self.replies.clear();
         result
@@ -268,7 +300,7 @@ impl Connection<'_> {
 
     /// Answers what came before, refuses this request, and ends the connection.
     fn reject(&mut self, why: &str) -> io::Result<()> {
-        log::warn!("tcp data {}: {why}; closing", self.peer);
+        crate::warn_limited!("tcp data {}: {why}; closing", self.peer);
         self.replies.push(Reply {
             status: Status::Rejected.encode(),
             payload: None,
@@ -277,10 +309,17 @@ impl Connection<'_> {
     }
 }
 
-/// Reads exactly `buf.len()` bytes of a payload (`left` bytes of which remain, for
-/// the error message).
-fn read_full(stream: &mut TcpStream, buf: &mut [u8], left: usize) -> io::Result<()> {
+/// Reads exactly `buf.len()` bytes of a payload into `guard`'s buffer (`left` bytes
+/// of which remain, for the error message), progressing at least every `patience`.
+fn read_full(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    left: usize,
+    patience: Duration,
+    guard: &RangeGuard,
+) -> io::Result<()> {
     let mut got = 0;
+    let mut since = Instant::now();
     while got < buf.len() {
         match stream.read(&mut buf[got..]) {
             Ok(0) => {
@@ -289,10 +328,28 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], left: usize) -> io::Result<
                     format!("write payload short by {} bytes", left - got),
                 ))
             }
-            Ok(n) => got += n,
+            Ok(n) => {
+                got += n;
+                since = Instant::now();
+            }
+            Err(e) if is_timeout(&e) => keep_waiting(since, patience, guard.is_revoked())?,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
+    }
+    Ok(())
+}
+
+/// After a blocked call woke without progress: fine to block again, unless the wait
+/// began `patience` ago or the transfer's buffer is being unregistered.
+fn keep_waiting(since: Instant, patience: Duration, revoked: bool) -> io::Result<()> {
+    if revoked {
+        return Err(io::Error::other(
+            "buffer unregistered mid-transfer; abandoning it",
+        ));
+    }
+    if since.elapsed() >= patience {
+        return Err(io::Error::new(io::ErrorKind::TimedOut, "peer stalled"));
     }
     Ok(())
 }
@@ -304,9 +361,17 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-/// Writes all parts, `writev` at a time, in chunks the kernel accepts.
-fn send_all(stream: &TcpStream, parts: &mut [(*const u8, usize)]) -> io::Result<()> {
+/// Writes all parts, `writev` at a time, in chunks the kernel accepts, progressing at
+/// least every `patience` and giving up once `revoked` says a sent buffer is being
+/// unregistered.
+fn send_all(
+    stream: &TcpStream,
+    parts: &mut [(*const u8, usize)],
+    patience: Duration,
+    revoked: &dyn Fn() -> bool,
+) -> io::Result<()> {
     let mut first = 0;
+    let mut since = Instant::now();
     while first < parts.len() {
         // IOV_MAX is 1024 on Linux.
         let window = &parts[first..parts.len().min(first + 1024)];
@@ -315,9 +380,14 @@ fn send_all(stream: &TcpStream, parts: &mut [(*const u8, usize)]) -> io::Result<
         let n = match unsafe { sys::writev(stream.as_raw_fd(), window) } {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
+            Err(e) if is_timeout(&e) => {
+                keep_waiting(since, patience, revoked())?;
+                continue;
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
+        since = Instant::now();
         first += advance(&mut parts[first..], n);
     }
     Ok(())
@@ -337,4 +407,67 @@ fn advance(parts: &mut [(*const u8, usize)], mut n: usize) -> usize {
         done += 1;
     }
     done
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{mpsc, Arc};
+
+    use super::*;
+    use crate::net::{ConnServer, ServerLimits};
+
+    #[test]
+    fn unregister_returns_while_a_reader_stalls_mid_answer() {
+        crate::sys::ignore_sigpipe();
+        let len = 64 << 20; // far more than the socket buffers hold
+        let buf = vec![7u8; len];
+        let addr = buf.as_ptr() as u64;
+        let memory = Arc::new(LocalMemory::new());
+        memory.register(addr, len as u64, "cpu:0").unwrap();
+        // Timeouts far beyond the test: only the unregistration may end the answer.
+        let patient = ServerLimits {
+            idle_timeout: Duration::from_secs(3600),
+            frame_timeout: Duration::from_secs(3600),
+            ..ServerLimits::default()
+        };
+        let m = memory.clone();
+        let handler = Arc::new(move |s, t: &_| serve(s, t, &m, 0));
+        let server = ConnServer::spawn("127.0.0.1:0".parse().unwrap(), "t", patient, handler);
+        let server = server.unwrap();
+        let mut peer = TcpStream::connect(server.local_addr()).unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let read = Header {
+            size: len as u64,
+            addr,
+            op: DataOp::Read,
+        };
+        peer.write_all(&read.encode()).unwrap();
+        // The status goes out with the first payload bytes: from here on the server
+        // pins the buffer, blocked sending what this reader never drains.
+        let mut status = [0u8; STATUS_LEN];
+        peer.read_exact(&mut status).unwrap();
+        assert_eq!(Status::decode(&status).unwrap(), Status::Ok);
+        let (tx, rx) = mpsc::channel();
+        let m = memory.clone();
+        let unregister = std::thread::spawn(move || tx.send(m.unregister(addr).is_ok()));
+        // Bounded wait (the old server held it for its 30 s stall timeout, and longer
+        // against a reader that drains a little now and then).
+        let outcome = rx.recv_timeout(Duration::from_secs(20));
+        assert_eq!(
+            outcome,
+            Ok(true),
+            "unregister stayed blocked by a stalled reader"
+        );
+        unregister.join().unwrap().unwrap();
+        // The reader sees its answer cut short.
+        let mut sink = vec![0u8; 1 << 20];
+        let mut got = 0;
+        while let Ok(n @ 1..) = peer.read(&mut sink) {
+            got += n;
+        }
+        assert!(got < len);
+        drop(server);
+    }
 }

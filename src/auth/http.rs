@@ -1,0 +1,250 @@
+//! Signed HTTP writes. Reads (GET, HEAD) stay open so `curl` and dashboards keep
+//! working; any other method must carry
+//!
+//! ```text
+//! X-Mooncake-Auth: v1 ts=<unix seconds> nonce=<32 hex digits> mac=<64 hex digits>
+//! mac = HMAC-SHA256(secret, CONTEXT | method | path | query pairs | ts | nonce | SHA-256(body))
+//! ```
+//!
+//! (each field length-prefixed; path and query as decoded by the server). A request
+//! is refused with 401 when the header is missing or wrong, when `ts` is more than
+//! [`REPLAY_WINDOW`] from the server's clock, or when its nonce was seen within the
+//! window (a replay). Our own HTTP client adds the header when it has a secret.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::ClusterSecret;
+use crate::http::{Handler, Request, Response};
+use crate::util::hmac::{self, HmacSha256};
+use crate::util::{hex, sha256};
+
+/// The request header carrying the proof.
+pub const HEADER: &str = "X-Mooncake-Auth";
+/// How far a signed request's time may be from the server's, either way.
+pub const REPLAY_WINDOW: Duration = Duration::from_secs(60);
+/// Nonces remembered at most; past this, signed writes are refused until old ones
+/// leave the window (a bound on what a flood of valid writes can cost).
+const MAX_SEEN: usize = 1 << 16;
+const NONCE_LEN: usize = 16;
+const CONTEXT: &[u8] = b"mooncake http auth v1\0";
+
+/// Whether `method` changes state and so needs a proof.
+pub fn is_write(method: &str) -> bool {
+    !matches!(method, "GET" | "HEAD")
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn mac(
+    secret: &ClusterSecret,
+    method: &str,
+    path: &str,
+    query: &[(String, String)],
+    ts: u64,
+    nonce: &[u8],
+    body: &[u8],
+) -> [u8; 32] {
+    let mut m = HmacSha256::new(secret.key());
+    let mut field = |bytes: &[u8]| {
+        m.update(&(bytes.len() as u64).to_le_bytes());
+        m.update(bytes);
+    };
+    field(CONTEXT);
+    field(method.as_bytes());
+    field(path.as_bytes());
+    field(&(query.len() as u64).to_le_bytes());
+    for (k, v) in query {
+        field(k.as_bytes());
+        field(v.as_bytes());
+    }
+    field(&ts.to_le_bytes());
+    field(nonce);
+    field(&sha256::digest(body));
+    m.finish()
+}
+
+/// The `X-Mooncake-Auth` value for a request (path and query decoded, as the server
+/// will see them), with a fresh nonce and the current time.
+pub fn sign(
+    secret: &ClusterSecret,
+    method: &str,
+    path: &str,
+    query: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<String> {
+    let mut nonce = [0u8; NONCE_LEN];
+    super::fill_random(&mut nonce)?;
+    let ts = now_secs();
+    let tag = mac(secret, method, path, query, ts, &nonce, body);
+    Ok(format!(
+        "v1 ts={ts} nonce={} mac={}",
+        hex::encode(&nonce),
+        hex::encode(&tag)
+    ))
+}
+
+/// Checks signed writes: proof, time window and nonce reuse.
+pub struct Verifier {
+    secret: ClusterSecret,
+    /// Nonces accepted within the window, with their request time.
+    seen: Mutex<HashMap<[u8; NONCE_LEN], u64>>,
+}
+
+impl Verifier {
+    /// A verifier for requests signed with `secret`.
+    pub fn new(secret: ClusterSecret) -> Verifier {
+        Verifier {
+            secret,
+            seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `Ok` for a read, or for a write with a valid, fresh proof; else why not.
+    pub fn check(&self, req: &Request) -> Result<(), &'static str> {
+        self.check_at(req, now_secs())
+    }
+
+    fn check_at(&self, req: &Request, now: u64) -> Result<(), &'static str> {
+        if !is_write(&req.method) {
+            return Ok(());
+        }
+        let value = req
+            .headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(HEADER))
+            .map(|(_, v)| v.as_str())
+            .ok_or("this server requires the cluster secret for writes (X-Mooncake-Auth)")?;
+        let (ts, nonce, tag) = parse(value).ok_or("malformed X-Mooncake-Auth header")?;
+        let want = mac(
+            &self.secret,
+            &req.method,
+            &req.path,
+            &req.query,
+            ts,
+            &nonce,
+            &req.body,
+        );
+        if !hmac::equal(&tag, &want) {
+            return Err("wrong proof of the cluster secret");
+        }
+        let window = REPLAY_WINDOW.as_secs();
+        if ts.abs_diff(now) > window {
+            return Err("signed request outside the replay window (clock skew?)");
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.len() >= MAX_SEEN {
+            seen.retain(|_, t| t.abs_diff(now) <= window);
+            if seen.len() >= MAX_SEEN {
+                return Err("too many signed writes in the replay window; retry later");
+            }
+        }
+        if seen.insert(nonce, ts).is_some() {
+            return Err("replayed request (nonce already used)");
+        }
+        Ok(())
+    }
+}
+
+fn parse(value: &str) -> Option<(u64, [u8; NONCE_LEN], Vec<u8>)> {
+    let mut parts = value.split_ascii_whitespace();
+    if parts.next()? != "v1" {
+        return None;
+    }
+    let (mut ts, mut nonce, mut tag) = (None, None, None);
+    for part in parts {
+        match part.split_once('=')? {
+            ("ts", v) => ts = v.parse().ok(),
+            ("nonce", v) => nonce = hex::decode(v)?.try_into().ok(),
+            ("mac", v) => tag = hex::decode(v),
+            _ => return None,
+        }
+    }
+    Some((ts?, nonce?, tag?))
+}
+
+/// Wraps an HTTP handler: with a secret, writes without a valid proof get 401 and
+/// never reach `handler` (reads always do). Without a secret, `handler` as it is.
+pub fn guard(secret: Option<ClusterSecret>, what: &'static str, handler: Handler) -> Handler {
+    let Some(secret) = secret else {
+        return handler;
+    };
+    let verifier = Verifier::new(secret);
+    Arc::new(move |req: &Request| match verifier.check(req) {
+        Ok(()) => handler(req),
+        Err(why) => {
+            super::log_refusal(what, &format!("{} {}", req.method, req.path), why);
+            Response::text(401, why)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(s: &str) -> ClusterSecret {
+        ClusterSecret::new(s.as_bytes()).unwrap()
+    }
+
+    fn request(method: &str, key: &str, body: &[u8], auth: Option<String>) -> Request {
+        Request {
+            method: method.to_owned(),
+            path: "/metadata".to_owned(),
+            query: vec![("key".to_owned(), key.to_owned())],
+            headers: auth.map(|v| (HEADER.to_owned(), v)).into_iter().collect(),
+            body: body.to_vec(),
+        }
+    }
+
+    fn signed(k: &ClusterSecret, method: &str, key: &str, body: &[u8]) -> Request {
+        let query = vec![("key".to_owned(), key.to_owned())];
+        let auth = sign(k, method, "/metadata", &query, body).unwrap();
+        request(method, key, body, Some(auth))
+    }
+
+    #[test]
+    fn reads_pass_and_writes_need_a_valid_fresh_proof() {
+        let k = secret("http signing secret");
+        let v = Verifier::new(k.clone());
+        assert!(v.check(&request("GET", "a", b"", None)).is_ok());
+        assert!(v.check(&request("HEAD", "a", b"", None)).is_ok());
+        for m in ["PUT", "POST", "DELETE", "PATCH"] {
+            assert!(v.check(&request(m, "a", b"x", None)).is_err(), "{m}");
+        }
+        let put = signed(&k, "PUT", "a", b"value");
+        assert!(v.check(&put).is_ok());
+        assert_eq!(v.check(&put), Err("replayed request (nonce already used)"));
+        // A proof from another secret, or for other content, fails.
+        assert!(v
+            .check(&signed(&secret("another secret"), "PUT", "a", b"v"))
+            .is_err());
+        let mut tampered = signed(&k, "PUT", "a", b"value");
+        tampered.body = b"evil".to_vec();
+        assert!(v.check(&tampered).is_err());
+        let mut moved = signed(&k, "PUT", "a", b"value");
+        moved.query[0].1 = "b".to_owned();
+        assert!(v.check(&moved).is_err());
+        let mut method = signed(&k, "PUT", "a", b"");
+        method.method = "DELETE".to_owned();
+        assert!(v.check(&method).is_err());
+        assert!(v
+            .check(&request("PUT", "a", b"", Some("v1 ts=1".into())))
+            .is_err());
+    }
+
+    #[test]
+    fn a_request_outside_the_window_is_refused() {
+        let k = secret("http window secret");
+        let v = Verifier::new(k.clone());
+        let put = signed(&k, "DELETE", "a", b"");
+        let later = now_secs() + REPLAY_WINDOW.as_secs() + 5;
+        assert!(v.check_at(&put, later).is_err());
+        assert!(v.check_at(&put, now_secs()).is_ok());
+    }
+}

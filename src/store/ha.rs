@@ -1,0 +1,236 @@
+//! Master leader election through etcd, with Mooncake's key and value: the leader
+//! holds `mooncake-store/<cluster_id>/master_view` (value: its RPC address) under a
+//! lease it keeps alive; standbys wait for the key to go and race to create it.
+//!
+//! Fencing: the key's create revision is the leader's **epoch**. etcd hands out
+//! revisions in order, so every later leader has a larger epoch, and a leader knows it
+//! still leads only while its keep-alives succeed: [`Leadership::is_current`] turns
+//! false the moment a keep-alive fails or reports the lease gone, before etcd can
+//! have let anyone else in (the keep-alive period is a third of the TTL).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Code, Error, Result};
+use crate::etcd::EtcdClient;
+
+/// Mooncake's default cluster id.
+pub const DEFAULT_CLUSTER_ID: &str = "mooncake_cluster";
+/// Mooncake's lease TTL for the master view.
+pub const DEFAULT_LEASE_TTL_S: i64 = 5;
+
+/// The etcd key holding the leader's address.
+pub fn view_key(cluster_id: &str) -> String {
+    format!("mooncake-store/{cluster_id}/master_view")
+}
+
+/// Who leads, as etcd says now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MasterView {
+    /// The leader's RPC address (`host:port`).
+    pub address: String,
+    /// The leader's epoch: the create revision of its view key.
+    pub epoch: i64,
+}
+
+/// The current leader, if any.
+pub fn read_view(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<MasterView>> {
+    let Some(kv) = etcd.get(view_key(cluster_id).as_bytes())? else {
+        return Ok(None);
+    };
+    let address = String::from_utf8(kv.value)
+        .map_err(|_| Error::new(Code::EtcdOperationError, "master view is not UTF-8"))?
+        .trim()
+        .to_owned();
+    Ok(Some(MasterView {
+        address,
+        epoch: kv.create_revision,
+    }))
+}
+
+/// A stop signal that wakes waiters at once.
+#[derive(Debug, Default)]
+pub struct StopSignal {
+    stopped: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl StopSignal {
+    /// A signal not yet raised.
+    pub fn new() -> Arc<StopSignal> {
+        Arc::new(StopSignal::default())
+    }
+
+    /// Raises it; every waiter returns.
+    pub fn raise(&self) {
+        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.cv.notify_all();
+    }
+
+    /// Whether it was raised.
+    pub fn is_raised(&self) -> bool {
+        *self.stopped.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits up to `d`; true if raised.
+    pub fn wait(&self, d: Duration) -> bool {
+        let guard = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = self
+            .cv
+            .wait_timeout_while(guard, d, |stopped| !*stopped)
+            .unwrap_or_else(|e| e.into_inner());
+        *guard
+    }
+}
+
+/// Held while this process leads; dropping it resigns.
+pub struct Leadership {
+    etcd: Arc<EtcdClient>,
+    key: String,
+    lease: i64,
+    epoch: i64,
+    current: Arc<AtomicBool>,
+    stop: Arc<StopSignal>,
+    keeper: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Leadership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leadership")
+            .field("key", &self.key)
+            .field("epoch", &self.epoch)
+            .finish()
+    }
+}
+
+impl Leadership {
+    /// This leader's epoch.
+    pub fn epoch(&self) -> i64 {
+        self.epoch
+    }
+
+    /// Whether this process still leads (every keep-alive so far succeeded). Check it
+    /// before acting as leader; once false it never turns true again.
+    pub fn is_current(&self) -> bool {
+        self.current.load(Ordering::SeqCst)
+    }
+
+    /// A flag that turns false when leadership is lost, for code that must stop then.
+    pub fn current_flag(&self) -> Arc<AtomicBool> {
+        self.current.clone()
+    }
+
+    /// Steps down: stops the keep-alives and revokes the lease, which removes the view
+    /// key so a standby takes over at once.
+    pub fn resign(mut self) {
+        self.stop_keeper();
+        if let Err(e) = self.etcd.lease_revoke(self.lease) {
+            log::warn!("resigning: revoking lease {:#x}: {e}", self.lease);
+        }
+    }
+
+    fn stop_keeper(&mut self) {
+        self.current.store(false, Ordering::SeqCst);
+        self.stop.raise();
+        if let Some(k) = self.keeper.take() {
+            let _ = k.join();
+        }
+    }
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        if self.keeper.is_some() {
+            self.stop_keeper();
+            let _ = self.etcd.lease_revoke(self.lease);
+        }
+    }
+}
+
+fn keep_alive(etcd: &EtcdClient, lease: i64, ttl_s: i64, current: &AtomicBool, stop: &StopSignal) {
+    let period = Duration::from_millis((ttl_s.max(1) as u64 * 1000) / 3);
+    let mut last_ok = Instant::now();
+    while !stop.wait(period) {
+        match etcd.lease_keepalive(lease) {
+            Ok(ttl) if ttl > 0 => last_ok = Instant::now(),
+            Ok(_) => {
+                log::error!("master lease {lease:#x} expired: no longer the leader");
+                current.store(false, Ordering::SeqCst);
+                return;
+            }
+            Err(e) => {
+                // etcd may still count the lease as alive; we cannot know, so stop
+                // leading once a whole TTL passed without a confirmed renewal.
+                log::warn!("master lease keep-alive failed: {e}");
+                if last_ok.elapsed() >= Duration::from_secs(ttl_s.max(1) as u64) * 2 / 3 {
+                    log::error!(
+                        "master lease {lease:#x} not renewed in time: no longer the leader"
+                    );
+                    current.store(false, Ordering::SeqCst);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Blocks until this process leads `cluster_id` with `address` as the view, or `stop`
+/// is raised (then `Code::UnavailableInCurrentStatus`). Standbys look again every
+/// third of the TTL.
+pub fn campaign(
+    etcd: Arc<EtcdClient>,
+    cluster_id: &str,
+    address: &str,
+    ttl_s: i64,
+    stop: &StopSignal,
+) -> Result<Leadership> {
+    let key = view_key(cluster_id);
+    let poll = Duration::from_millis((ttl_s.max(1) as u64 * 1000) / 3);
+    let mut announced = None;
+    loop {
+        if stop.is_raised() {
+            return Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                "stopped while standing by for leadership",
+            ));
+        }
+        let lease = etcd.lease_grant(ttl_s)?;
+        if etcd.put_if(key.as_bytes(), 0, address.as_bytes(), lease)? {
+            let epoch = match etcd.get(key.as_bytes())? {
+                Some(kv) if kv.lease == lease => kv.create_revision,
+                _ => {
+                    // Lost between the two calls (the lease expired already): retry.
+                    let _ = etcd.lease_revoke(lease);
+                    continue;
+                }
+            };
+            let current = Arc::new(AtomicBool::new(true));
+            let keeper_stop = StopSignal::new();
+            let (e, c, s) = (etcd.clone(), current.clone(), keeper_stop.clone());
+            let keeper = std::thread::Builder::new()
+                .name("mc-ha-lease".into())
+                .spawn(move || keep_alive(&e, lease, ttl_s, &c, &s))
+                .map_err(|e| Error::io("spawning the lease keeper", e))?;
+            log::info!("leading cluster {cluster_id} as {address} (epoch {epoch})");
+            return Ok(Leadership {
+                etcd,
+                key,
+                lease,
+                epoch,
+                current,
+                stop: keeper_stop,
+                keeper: Some(keeper),
+            });
+        }
+        let _ = etcd.lease_revoke(lease);
+        if let Ok(Some(view)) = read_view(&etcd, cluster_id) {
+            if announced.as_ref() != Some(&view) {
+                log::info!("standing by: {} leads (epoch {})", view.address, view.epoch);
+                announced = Some(view);
+            }
+        }
+        stop.wait(poll);
+    }
+}

@@ -1,0 +1,480 @@
+//! Victim order of one shard: frequency with aging, in O(1) per operation.
+//!
+//! An evictable object sits at a priority *level* `floor + weight(hits)`: `floor` is
+//! the level of the last victim (the pool's age, shared by all shards) and `weight`
+//! grows sublinearly with the object's hit count, so many hits buy a longer stay but
+//! not a permanent one. An object nobody touches sinks as the floor rises past it;
+//! one-time objects (a scan) enter at the lowest weight and go first. Victims come
+//! from the lowest level, oldest first.
+//!
+//! Levels are the buckets of a ring of intrusive lists (a calendar queue): insert,
+//! move, remove and pop are O(1), apart from stepping over at most `RING` empty
+//! buckets. Each object counts its hits; a small table of ghosts (key fingerprint and
+//! hit count of evicted objects) gives an object written again soon after its
+//! eviction its history back.
+
+use std::sync::{Arc, OnceLock};
+
+/// Levels per unit of weight: weights are quantized to 1/`STEPS`.
+const STEPS: f64 = 8.0;
+/// Hit counts saturate here.
+const MAX_HITS: u8 = 255;
+/// Buckets in the ring; more than the largest weight, so every level a touch can ask
+/// for lies within one turn of the ring above the floor.
+const RING: usize = 512;
+/// "No node": the end of a list, or an object not in the policy.
+pub(super) const NONE: u32 = u32::MAX;
+
+/// Weight of an object with `hits` hits, in levels: `STEPS × hits^0.7` (the exponent
+/// was chosen on the conversation trace; see bench/README.md).
+fn weight(hits: u8) -> u64 {
+    static TABLE: OnceLock<[u16; 256]> = OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        std::array::from_fn(|h| (STEPS * (h.max(1) as f64).powf(0.7)).round() as u16)
+    });
+    u64::from(table[usize::from(hits)])
+}
+
+/// Ghost slots per listed object: history pays when it covers the keys that come back,
+/// many times more than the pool holds (measured on the conversation trace).
+const GHOSTS_PER_OBJECT: usize = 256;
+/// At most this many ghost slots per shard (4 bytes each): 16 MiB for 64 shards, so
+/// a master of millions of objects spends a byte or two per object on them.
+const MAX_GHOSTS: usize = 1 << 16;
+
+/// The largest weight, the level skipped objects are moved to above the floor.
+fn max_weight() -> u64 {
+    weight(MAX_HITS)
+}
+
+struct Node {
+    /// The object's key (shared with the table), for the table to find a victim;
+    /// `None` in a free slot.
+    key: Option<Arc<str>>,
+    prev: u32,
+    next: u32,
+    /// Insertion order, to break ties between shards (wrapping).
+    seq: u32,
+    /// The ring bucket the node is in.
+    bucket: u16,
+    /// Hits so far (the put that wrote it counts as one), saturating.
+    hits: u8,
+}
+
+#[derive(Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+}
+
+const EMPTY: List = List {
+    head: NONE,
+    tail: NONE,
+};
+
+/// The lowest entry of a policy: (level, insertion order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Head {
+    pub level: u64,
+    pub seq: u32,
+}
+
+impl Head {
+    /// Whether `self` goes before `other` (lower level, then older).
+    pub fn before(&self, other: &Head) -> bool {
+        self.level < other.level
+            || (self.level == other.level && (self.seq.wrapping_sub(other.seq) as i32) < 0)
+    }
+}
+
+/// What [`Policy::lowest_where`] found.
+pub(super) enum Lowest {
+    /// The entry, and its node.
+    Found(Head, u32),
+    /// None accepted within the limit: the lowest entry's node.
+    Blocked(u32),
+    /// None accepted at all.
+    None,
+}
+
+/// One shard's victim order and hit history.
+pub(super) struct Policy {
+    nodes: Vec<Node>,
+    /// Free node slots, linked through `next`.
+    free: u32,
+    ring: Box<[List; RING]>,
+    /// No node lies below this level; bucket `base % RING` is the lowest.
+    base: u64,
+    /// No node lies above this level.
+    top: u64,
+    len: usize,
+    ghosts: Ghosts,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            nodes: Vec::new(),
+            free: NONE,
+            ring: Box::new([EMPTY; RING]),
+            base: 0,
+            top: 0,
+            len: 0,
+            ghosts: Ghosts::default(),
+        }
+    }
+}
+
+impl Policy {
+    /// Objects in the order.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Counts a hit of node `id` and moves it to the level that earns now.
+    pub fn hit(&mut self, id: u32, floor: u64, seq: u32) {
+        let n = &mut self.nodes[id as usize];
+        n.hits = n.hits.saturating_add(1);
+        let level = floor + weight(n.hits);
+        self.requeue(id, level, seq);
+    }
+
+    /// Adds `key` (hashed to `hash`) with its first hit, or with its ghost's hits and
+    /// one more; returns its node.
+    pub fn insert_hit(&mut self, key: Arc<str>, hash: u64, floor: u64, seq: u32) -> u32 {
+        let hits = self.ghosts.recall(hash).saturating_add(1);
+        let id = self.insert(key, floor + weight(hits), seq);
+        self.nodes[id as usize].hits = hits;
+        id
+    }
+
+    /// Drops evicted node `id` (its key hashed to `hash`), leaving a ghost of its hits.
+    pub fn evicted(&mut self, id: u32, hash: u64) {
+        let hits = self.nodes[id as usize].hits;
+        let room = (self.len * GHOSTS_PER_OBJECT).min(MAX_GHOSTS);
+        self.ghosts.remember(hash, hits, room);
+        self.remove(id);
+    }
+
+    /// The level for an object that must be passed over (leased or pinned): as high
+    /// as any hit could put it.
+    pub fn top(floor: u64) -> u64 {
+        floor + max_weight()
+    }
+
+    /// Adds `key` at `level`; returns its node.
+    pub fn insert(&mut self, key: Arc<str>, level: u64, seq: u32) -> u32 {
+        let node = Node {
+            key: Some(key),
+            prev: NONE,
+            next: NONE,
+            seq,
+            bucket: 0,
+            hits: 1,
+        };
+        let id = if self.free == NONE {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        } else {
+            let id = self.free;
+            self.free = self.nodes[id as usize].next;
+            self.nodes[id as usize] = node;
+            id
+        };
+        if self.len == 0 {
+            (self.base, self.top) = (level, level);
+        }
+        self.len += 1;
+        self.link(id, level);
+        id
+    }
+
+    /// Moves `id` to the back of `level`, with a new insertion order.
+    pub fn requeue(&mut self, id: u32, level: u64, seq: u32) {
+        self.unlink(id);
+        self.nodes[id as usize].seq = seq;
+        self.link(id, level);
+    }
+
+    /// Drops `id` from the order.
+    pub fn remove(&mut self, id: u32) {
+        self.unlink(id);
+        let n = &mut self.nodes[id as usize];
+        n.key = None;
+        n.next = self.free;
+        self.free = id;
+        self.len -= 1;
+        // Give back slack once the slots are mostly free (an order that shrank a lot).
+        if self.len == 0 && self.nodes.len() > 1024 {
+            self.nodes = Vec::new();
+            self.free = NONE;
+        }
+    }
+
+    /// The lowest entry, if any.
+    pub fn head(&mut self) -> Option<(Head, u32)> {
+        if self.len == 0 {
+            return None;
+        }
+        // Bounded: some bucket within one turn of the ring holds a node.
+        for _ in 0..RING {
+            let list = self.ring[self.base as usize % RING];
+            if list.head != NONE {
+                let seq = self.nodes[list.head as usize].seq;
+                let head = Head {
+                    level: self.base,
+                    seq,
+                };
+                return Some((head, list.head));
+            }
+            self.base += 1;
+        }
+        None
+    }
+
+    /// The lowest entry whose key `pick` accepts, looking at no more than `limit`
+    /// entries from the bottom.
+    pub fn lowest_where(&mut self, limit: usize, mut pick: impl FnMut(&str) -> bool) -> Lowest {
+        let Some((first, lowest)) = self.head() else {
+            return Lowest::None;
+        };
+        let (mut level, mut id) = (first.level, lowest);
+        for _ in 0..limit {
+            let n = &self.nodes[id as usize];
+            if n.key.as_deref().is_some_and(&mut pick) {
+                return Lowest::Found(Head { level, seq: n.seq }, id);
+            }
+            let mut next = n.next;
+            // Bounded: the nodes lie within one turn of the ring.
+            while next == NONE {
+                level += 1;
+                if level >= self.base + RING as u64 {
+                    return Lowest::None;
+                }
+                next = self.ring[level as usize % RING].head;
+            }
+            id = next;
+        }
+        Lowest::Blocked(lowest)
+    }
+
+    /// The key of node `id`.
+    pub fn key(&self, id: u32) -> Option<&Arc<str>> {
+        self.nodes[id as usize].key.as_ref()
+    }
+
+    fn link(&mut self, id: u32, level: u64) {
+        // Below the lowest: the ring turns down as far as the highest node allows
+        // (one turn); lower still shares the lowest level, behind its nodes.
+        if level < self.base {
+            self.base = level.max(self.top.saturating_sub(RING as u64 - 1));
+        }
+        let level = level.max(self.base);
+        self.top = self.top.max(level);
+        // Keep the ring one turn wide: fold the lowest buckets upwards (their nodes
+        // stay the oldest of the new lowest level).
+        while level >= self.base + RING as u64 {
+            let low = self.base as usize % RING;
+            let next = (self.base + 1) as usize % RING;
+            self.splice_before(low, next);
+            self.base += 1;
+        }
+        let b = level as usize % RING;
+        let tail = self.ring[b].tail;
+        {
+            let n = &mut self.nodes[id as usize];
+            n.bucket = b as u16;
+            n.prev = tail;
+            n.next = NONE;
+        }
+        if tail == NONE {
+            self.ring[b].head = id;
+        } else {
+            self.nodes[tail as usize].next = id;
+        }
+        self.ring[b].tail = id;
+    }
+
+    fn unlink(&mut self, id: u32) {
+        let (prev, next, b) = {
+            let n = &self.nodes[id as usize];
+            (n.prev, n.next, n.bucket as usize)
+        };
+        if prev == NONE {
+            self.ring[b].head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NONE {
+            self.ring[b].tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+    }
+
+    /// Moves every node of bucket `from` to the front of bucket `to`.
+    fn splice_before(&mut self, from: usize, to: usize) {
+        let src = self.ring[from];
+        if src.head == NONE {
+            return;
+        }
+        let mut id = src.head;
+        while id != NONE {
+            // Relabel. Rare: victims are the lowest of all shards, so the floor stays
+            // at or below every shard's lowest node and new levels stay within a turn.
+            self.nodes[id as usize].bucket = to as u16;
+            id = self.nodes[id as usize].next;
+        }
+        let dst = self.ring[to];
+        if dst.head == NONE {
+            self.ring[to] = src;
+        } else {
+            self.nodes[src.tail as usize].next = dst.head;
+            self.nodes[dst.head as usize].prev = src.tail;
+            self.ring[to].head = src.head;
+        }
+        self.ring[from] = EMPTY;
+    }
+}
+
+/// Hit counts of evicted objects by key hash: a direct-mapped table of (fingerprint,
+/// hits), a few slots per listed object. A newer ghost overwrites an older one; a
+/// fingerprint that differs means "no history", so collisions lose history but never
+/// invent it.
+#[derive(Default)]
+struct Ghosts {
+    slots: Vec<Ghost>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Ghost {
+    /// High hash bits; 0 = empty.
+    fingerprint: u16,
+    hits: u8,
+}
+
+impl Ghosts {
+    fn index_and_fingerprint(&self, hash: u64) -> Option<(usize, u16)> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        // Remix: the shard index already took the hash's low bits.
+        let h = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let index = (h >> 16) as usize & (self.slots.len() - 1);
+        Some((index, ((h >> 48) as u16).max(1)))
+    }
+
+    fn remember(&mut self, hash: u64, hits: u8, room: usize) {
+        let want = room.max(16).next_power_of_two();
+        if self.slots.len() < want {
+            // Grown empty: ghosts are a hint, not worth rehashing.
+            self.slots = vec![Ghost::default(); want];
+        }
+        if let Some((i, fingerprint)) = self.index_and_fingerprint(hash) {
+            self.slots[i] = Ghost { fingerprint, hits };
+        }
+    }
+
+    /// The hits of the ghost of `hash` (0 without one), which it leaves.
+    fn recall(&mut self, hash: u64) -> u8 {
+        match self.index_and_fingerprint(hash) {
+            Some((i, fp)) if self.slots[i].fingerprint == fp => {
+                std::mem::take(&mut self.slots[i]).hits
+            }
+            _ => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u32) -> Arc<str> {
+        Arc::from(format!("k{i}"))
+    }
+
+    fn pop(p: &mut Policy) -> Option<String> {
+        let (_, id) = p.head()?;
+        let k = p.key(id)?.to_string();
+        p.remove(id);
+        Some(k)
+    }
+
+    #[test]
+    fn lowest_level_first_then_oldest() {
+        let mut p = Policy::default();
+        p.insert(key(0), 10, 0);
+        p.insert(key(1), 5, 1);
+        p.insert(key(2), 10, 2);
+        let id3 = p.insert(key(3), 5, 3);
+        p.requeue(id3, 12, 4);
+        assert_eq!(p.len(), 4);
+        let order: Vec<_> = std::iter::from_fn(|| pop(&mut p)).collect();
+        assert_eq!(order, ["k1", "k0", "k2", "k3"]);
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn a_rising_floor_folds_old_levels_without_reordering() {
+        let mut p = Policy::default();
+        p.insert(key(0), 0, 0);
+        p.insert(key(1), 3, 1);
+        // Far above one turn of the ring: the old nodes fold into the lowest bucket,
+        // oldest level first.
+        p.insert(key(2), 10 * RING as u64, 2);
+        p.insert(key(3), 10 * RING as u64 - 1, 3);
+        let order: Vec<_> = std::iter::from_fn(|| pop(&mut p)).collect();
+        assert_eq!(order, ["k0", "k1", "k3", "k2"]);
+    }
+
+    #[test]
+    fn freed_slots_are_reused() {
+        let mut p = Policy::default();
+        let a = p.insert(key(0), 1, 0);
+        p.remove(a);
+        let b = p.insert(key(1), 1, 1);
+        assert_eq!(a, b);
+        assert_eq!(p.nodes.len(), 1);
+    }
+
+    #[test]
+    fn hits_raise_the_level_sublinearly_and_ghosts_remember_them() {
+        let mut p = Policy::default();
+        let a = p.insert_hit(key(0), 42, 100, 0);
+        let b = p.insert_hit(key(1), 43, 100, 1);
+        for seq in 2..6 {
+            p.hit(a, 100, seq);
+        }
+        // Five hits against one: `a` sits higher, so `b` goes first.
+        assert_eq!(pop(&mut p).as_deref(), Some("k1"));
+        assert_eq!(p.head().map(|(h, _)| h.level), Some(100 + weight(5)));
+        assert!(weight(200) < 200 * weight(1) / 4, "sublinear");
+        assert!(max_weight() < RING as u64);
+        let _ = b;
+        // Evicted with its five hits, written again: it comes back with six.
+        p.evicted(a, 42);
+        let again = p.insert_hit(key(0), 42, 100, 7);
+        assert_eq!(p.nodes[again as usize].hits, 6);
+        // A ghost is recalled once; another key finds none.
+        p.evicted(again, 42);
+        assert_eq!(p.ghosts.recall(42), 6);
+        assert_eq!(p.ghosts.recall(42), 0);
+        assert_eq!(p.ghosts.recall(44), 0);
+    }
+
+    #[test]
+    fn ties_between_shards_go_to_the_older() {
+        let a = Head { level: 3, seq: 7 };
+        let b = Head { level: 3, seq: 9 };
+        let c = Head { level: 2, seq: 100 };
+        assert!(a.before(&b) && !b.before(&a));
+        assert!(c.before(&a) && !a.before(&c));
+        let wrapped = Head {
+            level: 3,
+            seq: u32::MAX,
+        };
+        let after_wrap = Head { level: 3, seq: 1 };
+        assert!(wrapped.before(&after_wrap));
+    }
+}

@@ -1,0 +1,84 @@
+//! Unfinished-put quotas: the bytes a client holds in puts it started and has not
+//! ended (PutStart without PutEnd) are capped, so a client cannot fill the pool with
+//! space nobody may read while real objects are evicted to make room for it.
+//!
+//! A put's reservation is a [`Hold`] kept in its object: it is returned when the put
+//! ends, and however else the object goes (revoked, taken over, removed, cleared),
+//! since dropping the hold returns it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Unfinished bytes per client.
+#[derive(Default)]
+pub(super) struct PutQuota {
+    held: Arc<Mutex<HashMap<u64, u64>>>,
+}
+
+/// `bytes` of `client`'s quota, returned on drop.
+pub(super) struct Hold {
+    held: Arc<Mutex<HashMap<u64, u64>>>,
+    client: u64,
+    bytes: u64,
+}
+
+impl PutQuota {
+    /// Reserves `bytes` for `client` if its unfinished bytes stay within `cap`.
+    pub(super) fn reserve(&self, client: u64, bytes: u64, cap: u64) -> Option<Hold> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = held.entry(client).or_default();
+        let after = mine.checked_add(bytes).filter(|after| *after <= cap)?;
+        *mine = after;
+        Some(Hold {
+            held: self.held.clone(),
+            client,
+            bytes,
+        })
+    }
+
+    /// Bytes `client` holds in unfinished puts.
+    #[cfg(test)]
+    fn held_by(&self, client: u64) -> u64 {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.get(&client).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(mine) = held.get_mut(&self.client) {
+            *mine = mine.saturating_sub(self.bytes);
+            if *mine == 0 {
+                held.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// The cap on one client's unfinished bytes: `ratio` of the pool's capacity.
+pub(super) fn cap(capacity: u64, ratio: f64) -> u64 {
+    (capacity as f64 * ratio.clamp(0.0, 1.0)) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holds_count_until_dropped_and_the_cap_is_per_client() {
+        let q = PutQuota::default();
+        let a = q.reserve(1, 60, 100).unwrap();
+        assert!(q.reserve(1, 41, 100).is_none());
+        let b = q.reserve(2, 100, 100).unwrap(); // another client has its own share
+        let c = q.reserve(1, 40, 100).unwrap();
+        assert_eq!(q.held_by(1), 100);
+        drop(a);
+        assert_eq!(q.held_by(1), 40);
+        drop((b, c));
+        assert_eq!((q.held_by(1), q.held_by(2)), (0, 0));
+        let all = q.reserve(1, u64::MAX, u64::MAX).unwrap();
+        assert!(q.reserve(1, 1, u64::MAX).is_none()); // overflow refused
+        drop(all);
+    }
+}

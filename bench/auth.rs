@@ -32,29 +32,12 @@ struct Side {
 
 impl Side {
     fn start(secret_file: Option<&str>) -> Result<Side, String> {
-        let mut args: Vec<String> = [
-            "target",
-            "--metadata",
-            "P2PHANDSHAKE",
-            "--bind",
-            "127.0.0.1",
-            "--until-stdin-eof",
-            "--size",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.push((16u64 << 20).to_string());
-        if let Some(f) = secret_file {
-            args.extend(["--cluster-secret-file".to_owned(), f.to_owned()]);
-        }
-        let target = ChildProc::spawn("target", &args)?;
-        let name = target
-            .ready
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_owned();
+        let extra = match secret_file {
+            Some(f) => vec!["--cluster-secret-file".to_owned(), f.to_owned()],
+            None => Vec::new(),
+        };
+        let target = ChildProc::target(16 << 20, &extra)?;
+        let name = target.name().to_owned();
         let mut cfg = EngineConfig::default();
         let set =
             |cfg: &mut EngineConfig, k: &str, v: &str| cfg.set(k, v).map_err(|e| e.to_string());

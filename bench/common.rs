@@ -36,6 +36,31 @@ impl ChildProc {
         }
     }
 
+    /// A `mooncake target` on loopback with P2P metadata lending `size` bytes, with
+    /// `extra` arguments; stopped when dropped (its stdin closes).
+    pub fn target(size: u64, extra: &[String]) -> Result<ChildProc, String> {
+        let mut args: Vec<String> = [
+            "target",
+            "--metadata",
+            "P2PHANDSHAKE",
+            "--bind",
+            "127.0.0.1",
+            "--until-stdin-eof",
+            "--size",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(size.to_string());
+        args.extend_from_slice(extra);
+        ChildProc::spawn("target", &args)
+    }
+
+    /// The segment name: the first word of the ready line.
+    pub fn name(&self) -> &str {
+        self.ready.split_whitespace().next().unwrap_or_default()
+    }
+
     /// `KEY=VALUE` from the ready line.
     pub fn field(&self, key: &str) -> Option<&str> {
         self.ready

@@ -56,21 +56,8 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         cfg.set("protocol", "shm").map_err(|e| e.to_string())?;
     }
     a.finish()?;
-    let args: Vec<String> = [
-        "target",
-        "--metadata",
-        "P2PHANDSHAKE",
-        "--bind",
-        "127.0.0.1",
-        "--until-stdin-eof",
-        "--size",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([size.to_string()])
-    .collect();
-    let child = ChildProc::spawn("target", &args)?;
-    let name = child.ready.split_whitespace().next().unwrap_or_default();
+    let child = ChildProc::target(size, &[])?;
+    let name = child.name();
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; 4096];
     let before = shared_kib()?;

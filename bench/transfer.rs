@@ -276,37 +276,15 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let (_child, name) = match segment {
         Some(name) => (None, name),
         None => {
-            let args: Vec<String> = [
-                "target",
-                "--metadata",
-                "P2PHANDSHAKE",
-                "--bind",
-                "127.0.0.1",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([
-                "--until-stdin-eof".into(),
-                "--size".into(),
-                need.to_string(),
-            ])
             // Hardware protocols: the target serves over the same backend (the
             // child inherits MC_FABRIC_PROVIDER, MC_IBVERBS_LIB, ...).
-            .chain(
-                (fabric || rdma)
-                    .then(|| ["--protocol".to_owned(), p.protocol.clone()])
-                    .into_iter()
-                    .flatten(),
-            )
-            .collect();
-            let child = ChildProc::spawn("target", &args)?;
+            let extra = match fabric || rdma {
+                true => vec!["--protocol".to_owned(), p.protocol.clone()],
+                false => Vec::new(),
+            };
+            let child = ChildProc::target(need, &extra)?;
             // `ready <segment> addr=0x... size=N`
-            let name = child
-                .ready
-                .split_whitespace()
-                .next()
-                .unwrap_or_default()
-                .to_owned();
+            let name = child.name().to_owned();
             (Some(child), name)
         }
     };

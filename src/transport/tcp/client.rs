@@ -710,10 +710,13 @@ mod tests {
         let mut bufs = vec![[1u8; 100]; 3];
         let mut done = Vec::new();
         std::thread::scope(|s| {
-            let server = s.spawn(|| serve(&l, &[Some(Status::Rejected), None, None]));
+            // All three go out on the one connection (waiting in the listener's backlog)
+            // before the server answers the first: a refusal read while posting would
+            // send the later slices on a new connection instead.
             for (i, buf) in bufs.iter_mut().enumerate() {
                 w.post(slice(i as u64, Op::Write, buf, &p, later()), &mut done);
             }
+            let server = s.spawn(|| serve(&l, &[Some(Status::Rejected), None, None]));
             run_until(&mut w, &mut done, 3);
             server.join().unwrap();
         });

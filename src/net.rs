@@ -174,8 +174,24 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 struct Entry {
     /// A clone of the stream, so shutdown or eviction can unblock its thread.
     stream: TcpStream,
+    /// The peer's [`peer_group`].
     peer: IpAddr,
     proven: Arc<AtomicBool>,
+}
+
+/// What the per-peer cap counts by: an IPv4 address, or an IPv6 /64 (one host
+/// commonly holds a whole /64, so single addresses would not cap it).
+fn peer_group(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+        v4 => v4,
+    }
 }
 
 #[derive(Default)]
@@ -371,7 +387,7 @@ fn register(
     };
     let finished = {
         let mut conns = lock(&shared.conns);
-        if !conns.make_room(peer.ip(), &shared.limits) {
+        if !conns.make_room(peer_group(peer.ip()), &shared.limits) {
             crate::warn_limited!("{name}: refusing connection from {peer} (connection limit)");
             return;
         }
@@ -383,7 +399,7 @@ fn register(
         };
         let entry = Entry {
             stream: control,
-            peer: peer.ip(),
+            peer: peer_group(peer.ip()),
             proven: ticket.proven.clone(),
         };
         conns.live.insert(id, entry);
@@ -417,6 +433,19 @@ fn register(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ipv6_peers_count_by_their_64() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(super::peer_group(a), super::peer_group(b));
+        assert_ne!(super::peer_group(a), super::peer_group(c));
+        let v4: IpAddr = "127.0.0.1".parse().unwrap();
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        assert_eq!(super::peer_group(mapped), v4);
+        assert_eq!(super::peer_group(v4), v4);
+    }
+
     use super::*;
     use std::io::Write;
 

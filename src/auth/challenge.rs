@@ -6,17 +6,22 @@
 //! server → client  CHALLENGE  "MCAUTH1\n" | server nonce (32) | server proof (32)
 //! client → server  PROOF      client proof (32)
 //! server → client  VERDICT    "MCAUTHOK"
-//! proof(role) = HMAC-SHA256(secret, CONTEXT | role | client nonce | server nonce)
+//! proof(role) = HMAC-SHA256(secret, CONTEXT | role | len32 | server address | client nonce | server nonce)
 //! ```
 //!
 //! Both nonces are fresh per connection, so a recorded proof is worth nothing on
 //! another one; the role ("server" / "client") is inside the MAC, so a proof cannot
-//! be reflected back to its sender. The client checks the server's proof before it
+//! be reflected back to its sender; the server's address (as dialled by the client and
+//! as accepted by the server) is inside it too, so a peer that gets a client to dial it
+//! cannot relay that client's handshake to a real server. A client that reaches the
+//! server through address translation (NAT, a proxy) sees another address than the
+//! server does and is refused. The client checks the server's proof before it
 //! sends its own (a fake server learns nothing it can use), and sends no request
 //! before the verdict. A refusal is a closed connection: a peer without the secret
 //! is told nothing more.
 
 use std::io::{self, Read, Write};
+use std::net::SocketAddr;
 
 use super::ClusterSecret;
 use crate::util::hmac::{self, HmacSha256};
@@ -45,10 +50,15 @@ pub enum Role {
     Client,
 }
 
-/// The proof `role` gives for a connection with these nonces.
+/// The proof `role` gives for a connection to `server` (the server's address as the
+/// client dialled it and the server accepted it) with these nonces. Binding the
+/// address means a proof relayed from a connection to another server is worthless: a
+/// peer without the secret that gets a client to dial it cannot pass the client's
+/// handshake on to a real server, nor the server's back.
 pub fn proof(
     secret: &ClusterSecret,
     role: Role,
+    server: &SocketAddr,
     client_nonce: &[u8; NONCE_LEN],
     server_nonce: &[u8; NONCE_LEN],
 ) -> [u8; PROOF_LEN] {
@@ -58,6 +68,9 @@ pub fn proof(
         Role::Server => b"server",
         Role::Client => b"client",
     });
+    let endpoint = server.to_string();
+    m.update(&(endpoint.len() as u32).to_le_bytes());
+    m.update(endpoint.as_bytes());
     m.update(client_nonce);
     m.update(server_nonce);
     m.finish()
@@ -69,7 +82,12 @@ fn refused(why: &str) -> io::Error {
 
 /// Runs the server's half on a blocking stream (the caller bounds its time). `Err`
 /// means the peer is refused; the caller closes the connection.
-pub fn serve(stream: &mut (impl Read + Write), secret: &ClusterSecret) -> io::Result<()> {
+/// `local` is the address the connection was accepted on.
+pub fn serve(
+    stream: &mut (impl Read + Write),
+    secret: &ClusterSecret,
+    local: &SocketAddr,
+) -> io::Result<()> {
     let mut magic = [0u8; MAGIC.len()];
     stream.read_exact(&mut magic)?;
     if &magic != MAGIC {
@@ -82,11 +100,17 @@ pub fn serve(stream: &mut (impl Read + Write), secret: &ClusterSecret) -> io::Re
     let mut challenge = Vec::with_capacity(CHALLENGE_LEN);
     challenge.extend_from_slice(MAGIC);
     challenge.extend_from_slice(&server_nonce);
-    challenge.extend_from_slice(&proof(secret, Role::Server, &client_nonce, &server_nonce));
+    challenge.extend_from_slice(&proof(
+        secret,
+        Role::Server,
+        local,
+        &client_nonce,
+        &server_nonce,
+    ));
     stream.write_all(&challenge)?;
     let mut answer = [0u8; PROOF_LEN];
     stream.read_exact(&mut answer)?;
-    let want = proof(secret, Role::Client, &client_nonce, &server_nonce);
+    let want = proof(secret, Role::Client, local, &client_nonce, &server_nonce);
     if !hmac::equal(&answer, &want) {
         return Err(refused("wrong proof of the cluster secret"));
     }
@@ -107,6 +131,7 @@ enum Stage {
 /// once.
 pub struct ClientHandshake {
     secret: ClusterSecret,
+    server: SocketAddr,
     client_nonce: [u8; NONCE_LEN],
     stage: Stage,
     out: Vec<u8>,
@@ -116,8 +141,9 @@ pub struct ClientHandshake {
 }
 
 impl ClientHandshake {
-    /// A handshake with a fresh nonce.
-    pub fn new(secret: &ClusterSecret) -> io::Result<ClientHandshake> {
+    /// A handshake with a fresh nonce, for a connection to `server` (the address
+    /// dialled).
+    pub fn new(secret: &ClusterSecret, server: SocketAddr) -> io::Result<ClientHandshake> {
         let mut client_nonce = [0u8; NONCE_LEN];
         super::fill_random(&mut client_nonce)?;
         let mut out = Vec::with_capacity(HELLO_LEN);
@@ -125,6 +151,7 @@ impl ClientHandshake {
         out.extend_from_slice(&client_nonce);
         Ok(ClientHandshake {
             secret: secret.clone(),
+            server,
             client_nonce,
             stage: Stage::SendHello,
             out,
@@ -198,6 +225,7 @@ impl ClientHandshake {
                 let want = proof(
                     &self.secret,
                     Role::Server,
+                    &self.server,
                     &self.client_nonce,
                     &server_nonce,
                 );
@@ -207,6 +235,7 @@ impl ClientHandshake {
                 self.out = proof(
                     &self.secret,
                     Role::Client,
+                    &self.server,
                     &self.client_nonce,
                     &server_nonce,
                 )
@@ -253,8 +282,9 @@ mod tests {
         let (mut c, mut s) = pair();
         let (cs, ss) = (secret(client), secret(server));
         std::thread::scope(|scope| {
-            let srv = scope.spawn(move || serve(&mut s, &ss));
-            let mut h = ClientHandshake::new(&cs).unwrap();
+            let local = s.local_addr().unwrap();
+            let srv = scope.spawn(move || serve(&mut s, &ss, &local));
+            let mut h = ClientHandshake::new(&cs, c.peer_addr().unwrap()).unwrap();
             let r = h.advance(&mut c);
             drop(c);
             (r, srv.join().unwrap())
@@ -281,7 +311,8 @@ mod tests {
         let (mut c, mut s) = pair();
         // A Mooncake data header or RPC frame instead of HELLO.
         c.write_all(&[0u8; 40]).unwrap();
-        let e = serve(&mut s, &secret("k")).unwrap_err();
+        let local = s.local_addr().unwrap();
+        let e = serve(&mut s, &secret("k"), &local).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
     }
 
@@ -289,8 +320,9 @@ mod tests {
     fn a_reflected_server_proof_is_refused() {
         let (mut c, mut s) = pair();
         let k = secret("reflection test secret");
+        let local = s.local_addr().unwrap();
         std::thread::scope(|scope| {
-            let srv = scope.spawn(|| serve(&mut s, &k));
+            let srv = scope.spawn(|| serve(&mut s, &k, &local));
             // The attacker sends a HELLO, then hands the server its own proof back.
             let mut hello = MAGIC.to_vec();
             hello.extend_from_slice(&[7u8; NONCE_LEN]);
@@ -311,23 +343,25 @@ mod tests {
         let nonce = [9u8; NONCE_LEN];
         // Recorded from an accepted connection: HELLO with `nonce`, then its proof.
         let (mut c, mut s) = pair();
+        let local = s.local_addr().unwrap();
         let recorded = std::thread::scope(|scope| {
-            let srv = scope.spawn(|| serve(&mut s, &k));
+            let srv = scope.spawn(|| serve(&mut s, &k, &local));
             let mut hello = MAGIC.to_vec();
             hello.extend_from_slice(&nonce);
             c.write_all(&hello).unwrap();
             let mut ch = [0u8; CHALLENGE_LEN];
             c.read_exact(&mut ch).unwrap();
             let sn: [u8; NONCE_LEN] = ch[MAGIC.len()..MAGIC.len() + NONCE_LEN].try_into().unwrap();
-            let p = proof(&k, Role::Client, &nonce, &sn);
+            let p = proof(&k, Role::Client, &local, &nonce, &sn);
             c.write_all(&p).unwrap();
             srv.join().unwrap().unwrap();
             p
         });
         // The same HELLO and proof on a new connection meet a new server nonce.
         let (mut c, mut s) = pair();
+        let local = s.local_addr().unwrap();
         std::thread::scope(|scope| {
-            let srv = scope.spawn(|| serve(&mut s, &k));
+            let srv = scope.spawn(|| serve(&mut s, &k, &local));
             let mut hello = MAGIC.to_vec();
             hello.extend_from_slice(&nonce);
             c.write_all(&hello).unwrap();
@@ -343,11 +377,12 @@ mod tests {
         let (mut c, mut s) = pair();
         let k = secret("non-blocking secret");
         c.set_nonblocking(true).unwrap();
-        let mut h = ClientHandshake::new(&k).unwrap();
+        let mut h = ClientHandshake::new(&k, c.peer_addr().unwrap()).unwrap();
         // Nothing to read yet: HELLO goes out, then it would block.
         assert!(!h.advance(&mut c).unwrap());
+        let local = s.local_addr().unwrap();
         std::thread::scope(|scope| {
-            let srv = scope.spawn(|| serve(&mut s, &k));
+            let srv = scope.spawn(|| serve(&mut s, &k, &local));
             let mut rounds = 0;
             while !h.advance(&mut c).unwrap() {
                 rounds += 1;
@@ -363,5 +398,39 @@ mod tests {
             srv.join().unwrap().unwrap();
         });
         assert!(h.is_done());
+    }
+
+    #[test]
+    fn a_handshake_relayed_to_another_server_is_refused() {
+        // The client dials a relay (no secret) believing it a cluster server; the relay
+        // dials a real server and passes every message along both ways.
+        let k = secret("relay test secret");
+        let (mut client, mut relay_in) = pair();
+        let (mut relay_out, mut server) = pair();
+        let dialled = client.peer_addr().unwrap();
+        let server_local = server.local_addr().unwrap();
+        assert_ne!(dialled, server_local);
+        std::thread::scope(|scope| {
+            let srv = scope.spawn(|| serve(&mut server, &k, &server_local));
+            let relay = scope.spawn(move || {
+                let mut hello = [0u8; HELLO_LEN];
+                relay_in.read_exact(&mut hello)?;
+                relay_out.write_all(&hello)?;
+                let mut challenge = [0u8; CHALLENGE_LEN];
+                relay_out.read_exact(&mut challenge)?;
+                relay_in.write_all(&challenge)?;
+                let mut answer = [0u8; PROOF_LEN];
+                relay_in.read_exact(&mut answer)?;
+                relay_out.write_all(&answer)?;
+                io::Result::Ok(())
+            });
+            let mut h = ClientHandshake::new(&k, dialled).unwrap();
+            let e = h.advance(&mut client).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+            drop(client);
+            // The server never accepts: the relay has no valid proof to give it.
+            assert!(srv.join().unwrap().is_err());
+            let _ = relay.join();
+        });
     }
 }

@@ -25,7 +25,8 @@ pub fn connect(
 ) -> io::Result<TcpStream> {
     let mut stream = TcpStream::connect_timeout(addr, timeout)?;
     if let Some(secret) = secret {
-        let mut handshake = ClientHandshake::new(secret)?;
+        // The address actually dialled (resolved), as the server sees it accepted.
+        let mut handshake = ClientHandshake::new(secret, stream.peer_addr()?)?;
         let mut io = Deadline::new(&mut stream, timeout.min(HANDSHAKE_TIMEOUT));
         // A blocking read that times out reports WouldBlock, which `advance` treats
         // as "not yet".
@@ -56,8 +57,12 @@ pub fn guard(
         let peer = stream
             .peer_addr()
             .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+        let local = match stream.local_addr() {
+            Ok(a) => a,
+            Err(e) => return super::log_refusal(what, &peer, &e.to_string()),
+        };
         let mut io = Deadline::new(&mut stream, HANDSHAKE_TIMEOUT);
-        let outcome = challenge::serve(&mut io, &secret).and_then(|_| io.restore());
+        let outcome = challenge::serve(&mut io, &secret, &local).and_then(|_| io.restore());
         match outcome {
             Ok(()) => {
                 // An authenticated peer is a known one: never displaced by a flood.

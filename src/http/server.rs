@@ -92,13 +92,17 @@ fn serve_connection(handler: &Handler, stream: TcpStream, ticket: &ConnTicket) {
         match read {
             Ok(None) => return,
             Ok(Some((req, keep_alive))) => {
-                ticket.prove();
                 let head_only = req.method == "HEAD";
                 let resp =
                     panic::catch_unwind(AssertUnwindSafe(|| handler(&req))).unwrap_or_else(|_| {
                         log::error!("http handler panicked on {} {}", req.method, req.path);
                         Response::text(500, "internal server error")
                     });
+                // Only a request the handler served earns the connection a protected
+                // slot: refused ones (401 without the secret, 405, 413, ...) do not.
+                if resp.status < 400 {
+                    ticket.prove();
+                }
                 if write_response(stream, &resp, head_only, keep_alive).is_err() || !keep_alive {
                     return;
                 }

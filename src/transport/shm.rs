@@ -28,11 +28,12 @@
 //!
 //! Safety across processes rests on a shared guard page (a memfd every engine exposes):
 //! it holds a random token (proving which process we are talking to), a generation
-//! bumped on every unregistration, and a count of copies in progress. A copier reads
-//! the generation, validates its range against the owner's table, increments the
-//! count, checks the generation again, copies, and decrements; an unregistering owner
-//! withdraws the range from its table, bumps the generation and waits for the count to
-//! drain. So no copy touches a buffer after `unregister_memory` returns. A pidfd tells
+//! bumped on every unregistration, and counts of copies in progress, one per parity of
+//! the generation. A copier reads the generation, validates its range against the
+//! owner's table, increments that generation's count, checks the generation again,
+//! copies, and decrements; an unregistering owner withdraws the range from its table,
+//! bumps the generation and waits for the old generation's count to drain (copies
+//! starting meanwhile count on the other one, so a busy engine cannot stall it). So no copy touches a buffer after `unregister_memory` returns. A pidfd tells
 //! whether the peer still lives, so a recycled PID is never written to.
 //!
 //! Device memory (CUDA, HIP) moves GPU to GPU without touching the CPU: a registered
@@ -73,7 +74,23 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(2);
 struct GuardPage {
     token: AtomicU64,
     generation: AtomicU64,
-    active: AtomicU64,
+    /// Copies in flight, by the parity of the generation they validated against: an
+    /// unregistration moves the generation on and waits only for the old parity's
+    /// copies, so copies arriving meanwhile (counted on the other one) never keep it
+    /// waiting.
+    active: [AtomicU64; 2],
+}
+
+impl GuardPage {
+    fn active(&self, generation: u64) -> &AtomicU64 {
+        &self.active[(generation & 1) as usize]
+    }
+}
+
+/// Takes one from `count`, never below zero: after an unregistration gave up on a
+/// crashed copier and reset the count, a late decrement must not wrap it.
+fn release(count: &AtomicU64) {
+    let _ = count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1));
 }
 
 /// # Safety
@@ -200,17 +217,18 @@ impl Transport for ShmTransport {
         // does not find the range.
         self.table.remove(region.addr);
         let page = self.page();
-        page.generation.fetch_add(1, Ordering::SeqCst);
+        let old = page.generation.fetch_add(1, Ordering::SeqCst);
+        let draining = page.active(old);
         let start = Instant::now();
-        while page.active.load(Ordering::SeqCst) != 0 {
+        while draining.load(Ordering::SeqCst) != 0 {
             if start.elapsed() > DRAIN_LIMIT {
                 // Only a copier that died mid-copy leaves the count raised.
                 log::warn!(
                     "shm: unregistering {:#x}: {} peer copies never finished; going on",
                     region.addr,
-                    page.active.load(Ordering::SeqCst)
+                    draining.load(Ordering::SeqCst)
                 );
-                page.active.store(0, Ordering::SeqCst);
+                draining.store(0, Ordering::SeqCst);
                 break;
             }
             std::thread::yield_now();
@@ -591,7 +609,8 @@ impl Attached {
             View::ProcessVm => None,
         };
         let page = self.page();
-        page.active.fetch_add(1, Ordering::SeqCst);
+        let active = page.active(generation);
+        active.fetch_add(1, Ordering::SeqCst);
         let result = if page.generation.load(Ordering::SeqCst) != generation {
             Err(CopyError::Stale)
         } else if !self.alive() {
@@ -618,7 +637,7 @@ impl Attached {
                 )),
             }
         };
-        page.active.fetch_sub(1, Ordering::SeqCst);
+        release(active);
         result
     }
 

@@ -266,7 +266,9 @@ impl TcpWorker {
         let stream = sys::connect_nonblocking(addr).map_err(|e| format!("connect {addr}: {e}"))?;
         sys::set_socket_buffers(&stream, self.config.socket_buffer);
         let auth = match &self.secret {
-            Some(secret) => Some(ClientHandshake::new(secret).map_err(|e| format!("nonce: {e}"))?),
+            Some(secret) => {
+                Some(ClientHandshake::new(secret, addr).map_err(|e| format!("nonce: {e}"))?)
+            }
             None => None,
         };
         let token = self.next_token;

@@ -183,12 +183,14 @@ impl Connection<'_> {
         self.start += buffered;
         let total = dst.len();
         let patience = self.ticket.limits().frame_timeout;
+        let replies = &self.replies;
+        let revoked = || guard.is_revoked() || any_revoked(replies);
         read_full(
             &mut self.stream,
             &mut dst[buffered..],
             total - buffered,
             patience,
-            guard,
+            &revoked,
         )
     }
 
@@ -207,12 +209,14 @@ impl Connection<'_> {
             let buffered = (self.end - self.start).min(n);
             chunk[..buffered].copy_from_slice(&self.input[self.start..self.start + buffered]);
             self.start += buffered;
+            let replies = &self.replies;
+            let revoked = || guard.is_revoked() || any_revoked(replies);
             read_full(
                 &mut self.stream,
                 &mut chunk[buffered..],
                 total - off - buffered,
                 self.ticket.limits().frame_timeout,
-                guard,
+                &revoked,
             )?;
             if failed.is_none() {
                 // SAFETY: the bounce holds `n` received bytes; the target is inside the
@@ -282,11 +286,7 @@ impl Connection<'_> {
             }
         }
         let replies = &self.replies;
-        let revoked = || {
-            replies
-                .iter()
-                .any(|r| r.payload.as_ref().is_some_and(RangeGuard::is_revoked))
-        };
+        let revoked = || any_revoked(replies);
         let result = send_all(
             &self.stream,
             &mut parts,
@@ -309,14 +309,16 @@ impl Connection<'_> {
     }
 }
 
-/// Reads exactly `buf.len()` bytes of a payload into `guard`'s buffer (`left` bytes
-/// of which remain, for the error message), progressing at least every `patience`.
+/// Reads exactly `buf.len()` bytes of a payload (`left` bytes of which remain, for the
+/// error message), progressing at least every `patience`, and giving up as soon as
+/// `revoked` says a buffer this connection holds is being unregistered: checked after
+/// every read, so a peer trickling bytes steadily cannot hold an unregister either.
 fn read_full(
     stream: &mut TcpStream,
     buf: &mut [u8],
     left: usize,
     patience: Duration,
-    guard: &RangeGuard,
+    revoked: &dyn Fn() -> bool,
 ) -> io::Result<()> {
     let mut got = 0;
     let mut since = Instant::now();
@@ -331,8 +333,9 @@ fn read_full(
             Ok(n) => {
                 got += n;
                 since = Instant::now();
+                keep_waiting(since, patience, revoked())?;
             }
-            Err(e) if is_timeout(&e) => keep_waiting(since, patience, guard.is_revoked())?,
+            Err(e) if is_timeout(&e) => keep_waiting(since, patience, revoked())?,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -340,8 +343,8 @@ fn read_full(
     Ok(())
 }
 
-/// After a blocked call woke without progress: fine to block again, unless the wait
-/// began `patience` ago or the transfer's buffer is being unregistered.
+/// Between two blocking calls: fine to go on, unless the last progress was `patience`
+/// ago or a buffer of the transfer is being unregistered.
 fn keep_waiting(since: Instant, patience: Duration, revoked: bool) -> io::Result<()> {
     if revoked {
         return Err(io::Error::other(
@@ -389,8 +392,18 @@ fn send_all(
         };
         since = Instant::now();
         first += advance(&mut parts[first..], n);
+        if first < parts.len() {
+            keep_waiting(since, patience, revoked())?;
+        }
     }
     Ok(())
+}
+
+/// Whether a buffer a queued reply reads from is being unregistered.
+fn any_revoked(replies: &[Reply]) -> bool {
+    replies
+        .iter()
+        .any(|r| r.payload.as_ref().is_some_and(RangeGuard::is_revoked))
 }
 
 /// Drops `n` sent bytes from the front of a part list; returns how many parts are done.
@@ -468,6 +481,60 @@ mod tests {
             got += n;
         }
         assert!(got < len);
+        drop(server);
+    }
+
+    #[test]
+    fn unregister_returns_while_a_reader_trickles_steadily() {
+        crate::sys::ignore_sigpipe();
+        let len = 64 << 20;
+        let buf = vec![7u8; len];
+        let addr = buf.as_ptr() as u64;
+        let memory = Arc::new(LocalMemory::new());
+        memory.register(addr, len as u64, "cpu:0").unwrap();
+        let patient = ServerLimits {
+            idle_timeout: Duration::from_secs(3600),
+            frame_timeout: Duration::from_secs(3600),
+            ..ServerLimits::default()
+        };
+        let m = memory.clone();
+        let handler = Arc::new(move |s, t: &_| serve(s, t, &m, 0));
+        let server = ConnServer::spawn("127.0.0.1:0".parse().unwrap(), "t", patient, handler);
+        let server = server.unwrap();
+        let mut peer = TcpStream::connect(server.local_addr()).unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let read = Header {
+            size: len as u64,
+            addr,
+            op: DataOp::Read,
+        };
+        peer.write_all(&read.encode()).unwrap();
+        let mut status = [0u8; STATUS_LEN];
+        peer.read_exact(&mut status).unwrap();
+        assert_eq!(Status::decode(&status).unwrap(), Status::Ok);
+        // A peer that never stalls but drains slowly (16 KiB every 10 ms: the whole
+        // answer would take 40 s), so the server always makes some progress.
+        let reader = std::thread::spawn(move || {
+            let mut chunk = vec![0u8; 16 << 10];
+            let mut got = 0;
+            while let Ok(n @ 1..) = peer.read(&mut chunk) {
+                got += n;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            got
+        });
+        let (tx, rx) = mpsc::channel();
+        let m = memory.clone();
+        let unregister = std::thread::spawn(move || tx.send(m.unregister(addr).is_ok()));
+        let outcome = rx.recv_timeout(Duration::from_secs(20));
+        assert_eq!(
+            outcome,
+            Ok(true),
+            "unregister stayed blocked by a slow but steady reader"
+        );
+        unregister.join().unwrap().unwrap();
+        assert!(reader.join().unwrap() < len, "the answer was cut short");
         drop(server);
     }
 }

@@ -115,7 +115,12 @@ const COMMANDS: &[(&str, &str)] = &[
       [--eviction-ratio 0.05] [--client-ttl 10]
       [--allocation-strategy random|free_ratio_first|local_first]
       [--max-unfinished-put-ratio 0.5] [--cluster-secret-file PATH]
+      [--enable-ha --etcd-endpoints H:P[;H:P] [--cluster-id mooncake_cluster] [--ha-lease-ttl 5]]
       The store's control plane (Mooncake's mooncake_master flag names are accepted too).
+      With --enable-ha, masters elect a leader through an etcd lease (key
+      mooncake-store/<cluster-id>/master_view); standbys wait, and clients given
+      etcd://H:P[;H:P] as the master address follow the leader. A leader that loses
+      its lease exits (status 3). Object metadata is not yet handed over on failover.
       Nodes and clients that give no --metadata ask it for its metadata server.
       Only clients that mounted a segment or pinged may put; one client's unfinished
       puts may hold at most --max-unfinished-put-ratio of the pool. Connection caps and

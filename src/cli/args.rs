@@ -19,6 +19,7 @@ pub const SWITCHES: &[&str] = &[
     "draft",
     "list",
     "control",
+    "enable-ha",
 ];
 
 impl Args {

@@ -57,6 +57,10 @@ fn truthy(v: &str) -> bool {
     )
 }
 
+fn not_etcd(v: &str) -> bool {
+    !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("etcd")
+}
+
 fn nonempty(v: &str) -> bool {
     !v.trim().is_empty()
 }
@@ -87,12 +91,12 @@ const FLAGS: &[Flag] = &[
     flag("eviction_high_watermark_ratio", false, Action::Ours("eviction-high-watermark", same)),
     flag("put_start_discard_timeout_sec", false, Action::Ours("put-start-discard-timeout", same)),
     flag("put_start_release_timeout_sec", false, Action::Ours("put-start-release-timeout", same)),
-    flag("enable_ha", true, Action::Lacking("high availability (--enable_ha)", truthy)),
-    flag("etcd_endpoints", false, Action::Inert),
-    flag("ha_backend_type", false, Action::Inert),
-    flag("ha_backend_connstring", false, Action::Inert),
+    flag("enable_ha", true, Action::Ours("enable-ha", same)),
+    flag("etcd_endpoints", false, Action::Ours("etcd-endpoints", same)),
+    flag("ha_backend_type", false, Action::Lacking("an HA backend other than etcd (--ha_backend_type)", not_etcd)),
+    flag("ha_backend_connstring", false, Action::Ours("etcd-endpoints", same)),
     flag("client_ttl", false, Action::Ours("client-ttl", same)),
-    flag("cluster_id", false, Action::Inert),
+    flag("cluster_id", false, Action::Ours("cluster-id", same)),
     flag("enable_offload", true, Action::Lacking("SSD offload (--enable_offload)", truthy)),
     flag("root_fs_dir", false, Action::Lacking("shared-filesystem replicas (--root_fs_dir)", nonempty)),
     flag("global_file_segment_size", false, Action::Inert),
@@ -296,13 +300,23 @@ mod tests {
     }
 
     #[test]
-    fn lacking_features_are_named() {
-        let e = translate(&args(&[
-            "--enable_ha=true",
-            "--etcd_endpoints=127.0.0.1:2379",
+    fn ha_flags_become_ours() {
+        let out = translate(&args(&[
+            "--enable_ha",
+            "--etcd_endpoints=127.0.0.1:2379;127.0.0.1:2380",
+            "--cluster_id=c1",
         ]))
-        .unwrap_err();
-        assert!(e.contains("high availability"), "{e}");
+        .unwrap();
+        assert!(out.contains(&"--enable-ha=true".to_owned()), "{out:?}");
+        assert!(out.contains(&"--etcd-endpoints=127.0.0.1:2379;127.0.0.1:2380".to_owned()));
+        assert!(out.contains(&"--cluster-id=c1".to_owned()));
+        let e = translate(&args(&["--ha_backend_type=redis"])).unwrap_err();
+        assert!(e.contains("HA backend"), "{e}");
+        assert!(translate(&args(&["--ha_backend_type=etcd"])).is_ok());
+    }
+
+    #[test]
+    fn lacking_features_are_named() {
         let e = translate(&args(&["--root_fs_dir", "/tmp/x"])).unwrap_err();
         assert!(e.contains("root_fs_dir"), "{e}");
         assert!(translate(&args(&["--enable_offload=false", "--root_fs_dir="])).is_ok());

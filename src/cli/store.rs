@@ -2,9 +2,13 @@
 
 use std::io::Write;
 use std::net::IpAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::args::Args;
+use mooncake::etcd::EtcdClient;
+use mooncake::store::ha;
 use mooncake::store::master::AllocationStrategy;
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 
@@ -72,6 +76,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         log::warn!("--default_kv_soft_pin_ttl: puts carry their own soft-pin TTL here (ReplicateConfig.soft_pin_ttl_ms)");
     }
     let until_eof = a.flag("until-stdin-eof");
+    let ha = ha_settings(&a)?;
     a.finish()?;
     if !(0.0..=1.0).contains(&cfg.master.eviction_high_watermark)
         || !(0.0..=1.0).contains(&cfg.master.eviction_ratio)
@@ -81,11 +86,23 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     if !(0.0..=1.0).contains(&cfg.master.max_unfinished_put_ratio) {
         return Err("--max-unfinished-put-ratio must lie in [0, 1]".into());
     }
+    // A standby waits here (a termination signal ends it as usual) until it leads.
+    let leadership = match &ha {
+        Some(ha) => Some(ha.campaign(&cfg)?),
+        None => None,
+    };
     if !until_eof {
         super::block_signals_for_wait();
     }
     let server = MasterServer::start(cfg).map_err(|e| e.to_string())?;
     let mut line = format!("ready rpc={}", server.rpc_addr());
+    if let Some(leader) = &leadership {
+        leader
+            .announce(&server.rpc_addr().to_string())
+            .map_err(|e| format!("announcing this master in etcd: {e}"))?;
+        line += &format!(" leader epoch={}", leader.epoch());
+    }
+    let fence = leadership.as_ref().map(watch_leadership);
     if let Some(url) = server.metadata_url() {
         line += &format!(" metadata={url}");
     }
@@ -95,7 +112,95 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     println!("{line}");
     let _ = std::io::stdout().flush();
     super::serve_until_done(until_eof);
+    // Stepping down on purpose: stop serving, then give the lease back so a standby
+    // takes over at once.
+    if let Some(fence) = fence {
+        fence.raise();
+    }
+    drop(server);
+    if let Some(leader) = leadership {
+        leader.resign();
+    }
     Ok(())
+}
+
+/// `--enable-ha`: masters elect a leader through etcd (Mooncake's `--enable_ha`,
+/// `--etcd_endpoints`, `--cluster_id`).
+struct HaSettings {
+    etcd: Arc<EtcdClient>,
+    cluster_id: String,
+    lease_ttl_s: i64,
+}
+
+fn ha_settings(a: &Args) -> Result<Option<HaSettings>, String> {
+    let endpoints = a.str("etcd-endpoints").map(str::to_owned);
+    let cluster_id = a.str("cluster-id").map(str::to_owned);
+    let lease_ttl_s: i64 = a.get("ha-lease-ttl", ha::DEFAULT_LEASE_TTL_S)?;
+    if !a.flag("enable-ha") {
+        return Ok(None);
+    }
+    let endpoints = endpoints.ok_or("--enable-ha needs --etcd-endpoints HOST:PORT[;HOST:PORT]")?;
+    if !(1..=3600).contains(&lease_ttl_s) {
+        return Err("--ha-lease-ttl must be 1..=3600 seconds".into());
+    }
+    let cluster_id = cluster_id
+        .or_else(|| std::env::var("MC_STORE_CLUSTER_ID").ok())
+        .filter(|c| !c.trim().is_empty())
+        .unwrap_or_else(|| ha::DEFAULT_CLUSTER_ID.to_owned());
+    let etcd = EtcdClient::new(&endpoints).map_err(|e| e.to_string())?;
+    Ok(Some(HaSettings {
+        etcd: Arc::new(etcd),
+        cluster_id,
+        lease_ttl_s,
+    }))
+}
+
+impl HaSettings {
+    /// Blocks until this master leads.
+    fn campaign(&self, cfg: &ServerConfig) -> Result<ha::Leadership, String> {
+        let planned = format!("{}:{}", cfg.bind, cfg.rpc_port);
+        eprintln!(
+            "campaigning to lead cluster {:?} (etcd {}); standing by while another leads",
+            self.cluster_id,
+            self.etcd.describe()
+        );
+        let never = ha::StopSignal::new();
+        ha::campaign(
+            self.etcd.clone(),
+            &self.cluster_id,
+            &planned,
+            self.lease_ttl_s,
+            &never,
+        )
+        .map_err(|e| format!("leader election: {e}"))
+    }
+}
+
+/// Fencing: a master that loses its lease stops at once (its supervisor restarts it
+/// as a standby), so two masters never both act as leader. Raise the returned signal
+/// before stepping down on purpose.
+fn watch_leadership(leader: &ha::Leadership) -> Arc<ha::StopSignal> {
+    let current = leader.current_flag();
+    let done = ha::StopSignal::new();
+    let quiet = done.clone();
+    let spawned = std::thread::Builder::new()
+        .name("mc-ha-fence".into())
+        .spawn(move || {
+            while current.load(Ordering::SeqCst) {
+                if quiet.wait(Duration::from_millis(100)) {
+                    return;
+                }
+            }
+            if !quiet.is_raised() {
+                log::error!("lost the master lease: stopping so that the new leader alone serves");
+                std::process::exit(3);
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot watch the master lease ({e}); stopping");
+        std::process::exit(3);
+    }
+    done
 }
 
 pub fn node(raw: &[String]) -> Result<(), String> {

@@ -117,6 +117,38 @@ impl Leadership {
         self.current.load(Ordering::SeqCst)
     }
 
+    /// Replaces the address in the view (the leader learnt its own, e.g. a port the
+    /// OS picked, only after winning); fails once leadership is lost.
+    pub fn announce(&self, address: &str) -> Result<()> {
+        if !self.is_current() {
+            return Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                "no longer the leader",
+            ));
+        }
+        let kv = self.etcd.get(self.key.as_bytes())?;
+        match kv {
+            Some(kv) if kv.lease == self.lease => {
+                if self.etcd.put_if(
+                    self.key.as_bytes(),
+                    kv.mod_revision,
+                    address.as_bytes(),
+                    self.lease,
+                )? {
+                    return Ok(());
+                }
+                Err(Error::new(
+                    Code::UnavailableInCurrentStatus,
+                    "the master view changed under the leader",
+                ))
+            }
+            _ => Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                "the master view is no longer this leader's",
+            )),
+        }
+    }
+
     /// A flag that turns false when leadership is lost, for code that must stop then.
     pub fn current_flag(&self) -> Arc<AtomicBool> {
         self.current.clone()

@@ -14,10 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::codec::Writer;
+use super::ha;
 use super::master::Master;
 use super::protocol::{Request, Response, PROTOCOL_VERSION};
 use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
+use crate::etcd::EtcdClient;
 use crate::net::{ConnServer, ConnTicket, ServerLimits, TimedReader};
 
 /// Largest RPC frame accepted, in bytes.
@@ -158,70 +160,152 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     }
 }
 
+/// Where the master is: a fixed address, or (Mooncake's `etcd://h:p;h:p` form) the
+/// leader named in etcd's master view, looked up again whenever it stops answering.
+enum MasterTarget {
+    Fixed(SocketAddr),
+    Elected {
+        etcd: EtcdClient,
+        cluster_id: String,
+        /// The leader last read from etcd.
+        leader: Mutex<Option<SocketAddr>>,
+    },
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::new(Code::RpcFail, format!("master address {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!("master address {addr:?} resolves to nothing"),
+            )
+        })
+}
+
+impl MasterTarget {
+    /// The master to talk to now; `fresh` asks etcd again instead of trusting the
+    /// leader read last.
+    fn current(&self, fresh: bool) -> Result<SocketAddr> {
+        let (etcd, cluster_id, leader) = match self {
+            MasterTarget::Fixed(a) => return Ok(*a),
+            MasterTarget::Elected {
+                etcd,
+                cluster_id,
+                leader,
+            } => (etcd, cluster_id, leader),
+        };
+        let mut cached = leader.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(a), false) = (*cached, fresh) {
+            return Ok(a);
+        }
+        let view = ha::read_view(etcd, cluster_id)?.ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!(
+                    "no master leads cluster {cluster_id:?} (etcd {} has no {})",
+                    etcd.describe(),
+                    ha::view_key(cluster_id)
+                ),
+            )
+        })?;
+        let a = resolve(&view.address)?;
+        *cached = Some(a);
+        Ok(a)
+    }
+}
+
 /// A client of the master's RPC: a pool of persistent connections, one per concurrent
 /// caller, so calls from many threads never queue behind each other.
 pub struct RpcClient {
-    addr: SocketAddr,
-    pool: Mutex<Vec<TcpStream>>,
+    target: MasterTarget,
+    pool: Mutex<Vec<(SocketAddr, TcpStream)>>,
     next_id: AtomicU64,
     secret: Option<ClusterSecret>,
 }
 
 impl RpcClient {
-    /// A client for the master at `addr` (`host:port`).
+    /// A client for the master at `addr`: `host:port`, or `etcd://h:p[;h:p]` to follow
+    /// the elected leader of the cluster named by `MC_STORE_CLUSTER_ID` (default
+    /// `mooncake_cluster`) as Mooncake's clients do.
     /// With a secret, each connection authenticates before its first request.
     pub fn new(addr: &str, secret: Option<ClusterSecret>) -> Result<RpcClient> {
-        let addr = addr
-            .to_socket_addrs()
-            .map_err(|e| Error::new(Code::RpcFail, format!("master address {addr:?}: {e}")))?
-            .next()
-            .ok_or_else(|| {
-                Error::new(
-                    Code::RpcFail,
-                    format!("master address {addr:?} resolves to nothing"),
-                )
-            })?;
+        let target = match addr.trim().strip_prefix("etcd://") {
+            Some(endpoints) => MasterTarget::Elected {
+                etcd: EtcdClient::new(endpoints)?,
+                cluster_id: std::env::var("MC_STORE_CLUSTER_ID")
+                    .ok()
+                    .filter(|c| !c.trim().is_empty())
+                    .unwrap_or_else(|| ha::DEFAULT_CLUSTER_ID.to_owned()),
+                leader: Mutex::new(None),
+            },
+            None => MasterTarget::Fixed(resolve(addr)?),
+        };
         Ok(RpcClient {
-            addr,
+            target,
             pool: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             secret,
         })
     }
 
-    /// The master's resolved address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
+    /// The master's address (for an elected master, the leader as last looked up).
+    pub fn addr(&self) -> Result<SocketAddr> {
+        self.target.current(false)
     }
 
-    fn connect(&self) -> Result<TcpStream> {
+    fn connect(&self) -> Result<(SocketAddr, TcpStream)> {
+        let addr = self.target.current(false)?;
+        match self.connect_to(addr) {
+            Err(e) if matches!(self.target, MasterTarget::Elected { .. }) => {
+                // The leader we knew is gone: ask etcd who leads now.
+                let now = self.target.current(true)?;
+                if now == addr {
+                    return Err(e);
+                }
+                log::info!("master moved from {addr} to {now}");
+                self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                Ok((now, self.connect_to(now)?))
+            }
+            other => Ok((addr, other?)),
+        }
+    }
+
+    fn connect_to(&self, addr: SocketAddr) -> Result<TcpStream> {
         let secret = self.secret.as_ref();
-        let s = crate::auth::connect(&self.addr, Duration::from_secs(5), secret).map_err(|e| {
-            Error::new(
-                Code::RpcFail,
-                format!("connecting to master {}: {e}", self.addr),
-            )
-        })?;
+        let s = crate::auth::connect(&addr, Duration::from_secs(5), secret)
+            .map_err(|e| Error::new(Code::RpcFail, format!("connecting to master {addr}: {e}")))?;
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(IO_TIMEOUT));
         let _ = s.set_write_timeout(Some(IO_TIMEOUT));
         Ok(s)
     }
 
-    /// A pooled connection still open (the master closes idle ones), if any.
-    fn pooled(&self) -> Option<TcpStream> {
+    /// A pooled connection still open (the master closes idle ones) to the current
+    /// master, if any.
+    fn pooled(&self) -> Option<(SocketAddr, TcpStream)> {
+        let current = self.target.current(false).ok()?;
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        while let Some(s) = pool.pop() {
-            if !crate::sys::idle_connection_closed(&s) {
-                return Some(s);
+        while let Some((addr, s)) = pool.pop() {
+            if addr == current && !crate::sys::idle_connection_closed(&s) {
+                return Some((addr, s));
             }
         }
         None
     }
 
+    fn keep(&self, conn: (SocketAddr, TcpStream)) {
+        self.pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(conn);
+    }
+
     /// One request and its response. A pooled connection the master closed while
     /// idle is never used; read-only requests are also retried once on a fresh
-    /// connection when a pooled one dies during the call.
+    /// connection when a pooled one dies during the call (for an elected master, to
+    /// whoever leads by then).
     pub fn call(&self, req: &Request) -> Result<Response> {
         let mut w = Writer::new();
         req.encode(&mut w);
@@ -237,29 +321,29 @@ impl RpcClient {
         );
         let pooled = self.pooled();
         let fresh = pooled.is_none();
-        let mut stream = match pooled {
-            Some(s) => s,
+        let (addr, mut stream) = match pooled {
+            Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(&mut stream, method, &bytes) {
+        match self.exchange(addr, &mut stream, method, &bytes) {
             Ok(resp) => {
-                self.pool
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(stream);
+                self.keep((addr, stream));
                 resp
             }
             Err(e) if !fresh && retryable => {
                 log::debug!("master connection went stale ({e}); reconnecting");
-                let mut stream = self.connect()?;
-                let resp = self.exchange(&mut stream, method, &bytes)?;
-                self.pool
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(stream);
+                let (addr, mut stream) = self.connect()?;
+                let resp = self.exchange(addr, &mut stream, method, &bytes)?;
+                self.keep((addr, stream));
                 resp
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                if let MasterTarget::Elected { leader, .. } = &self.target {
+                    // Look the leader up again next time.
+                    *leader.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
+                Err(e)
+            }
         }
     }
 
@@ -267,17 +351,17 @@ impl RpcClient {
     /// unusable; the inner result is the master's answer.
     fn exchange(
         &self,
+        addr: SocketAddr,
         stream: &mut TcpStream,
         method: u16,
         payload: &[u8],
     ) -> Result<Result<Response>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let rpc = |e: Error| match e.code() {
-            Code::Timeout => Error::new(
-                Code::RpcTimeout,
-                format!("master {}: {}", self.addr, e.context()),
-            ),
-            _ => Error::new(Code::RpcFail, format!("master {}: {e}", self.addr)),
+            Code::Timeout => {
+                Error::new(Code::RpcTimeout, format!("master {addr}: {}", e.context()))
+            }
+            _ => Error::new(Code::RpcFail, format!("master {addr}: {e}")),
         };
         stream
             .write_all(&frame(method, id, None, payload))
@@ -290,7 +374,7 @@ impl RpcClient {
         } = read_frame(stream).map_err(rpc)?.ok_or_else(|| {
             Error::new(
                 Code::RpcFail,
-                format!("master {} closed the connection", self.addr),
+                format!("master {addr} closed the connection"),
             )
         })?;
         if got_method != method || got_id != id || body.len() < 4 {
@@ -330,7 +414,11 @@ mod tests {
         let other = TcpListener::bind("127.0.0.1:0").unwrap();
         let stale = TcpStream::connect(other.local_addr().unwrap()).unwrap();
         drop(other.accept().unwrap());
-        client.pool.lock().unwrap().push(stale);
+        client
+            .pool
+            .lock()
+            .unwrap()
+            .push((server.local_addr(), stale));
         // Mount is not retried after a failure mid-call, so only skipping the dead
         // connection lets it succeed.
         let mount = Request::Mount {

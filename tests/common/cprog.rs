@@ -92,6 +92,13 @@ impl Proc {
         }
     }
 
+    /// Kills the child at once (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.reaped = true;
+    }
+
     /// Closes stdin, collects stdout to EOF (killing the child if that takes longer
     /// than `limit`) and reaps the child.
     pub fn finish(&mut self, limit: Duration) -> Outcome {

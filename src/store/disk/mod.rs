@@ -429,25 +429,26 @@ impl DiskTier {
         self.lock().index.get(key).map(|l| l.value_len)
     }
 
+    /// Where `key`'s value is now, and its file (kept open even if evicted meanwhile).
+    fn locate(&self, key: &str) -> Result<(Loc, Arc<File>)> {
+        let inner = self.lock();
+        let loc = *inner.index.get(key).ok_or_else(|| {
+            Error::new(
+                Code::ObjectNotFound,
+                format!("disk tier: no object {key:?}"),
+            )
+        })?;
+        let file = inner
+            .files
+            .get(&loc.file)
+            .map(|f| f.file.clone())
+            .ok_or_else(|| Error::new(Code::Internal, "disk tier: index names a missing file"))?;
+        Ok((loc, file))
+    }
+
     /// Reads `key`'s value into `buf` (which must hold it); returns its length.
     pub fn read_into(&self, key: &str, buf: &mut [u8]) -> Result<u64> {
-        let (loc, file) = {
-            let inner = self.lock();
-            let loc = *inner.index.get(key).ok_or_else(|| {
-                Error::new(
-                    Code::ObjectNotFound,
-                    format!("disk tier: no object {key:?}"),
-                )
-            })?;
-            let file = inner
-                .files
-                .get(&loc.file)
-                .map(|f| f.file.clone())
-                .ok_or_else(|| {
-                    Error::new(Code::Internal, "disk tier: index names a missing file")
-                })?;
-            (loc, file)
-        };
+        let (loc, file) = self.locate(key)?;
         let len = usize::try_from(loc.value_len).unwrap_or(usize::MAX);
         if buf.len() < len {
             return Err(Error::new(
@@ -458,13 +459,28 @@ impl DiskTier {
                 ),
             ));
         }
+        self.read_record(key, loc, &file, &mut buf[..len])
+    }
+
+    /// `key`'s value.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        // One lookup: a value replaced meanwhile by a longer one cannot overflow.
+        let (loc, file) = self.locate(key)?;
+        let mut buf = vec![0u8; usize::try_from(loc.value_len).unwrap_or(usize::MAX)];
+        self.read_record(key, loc, &file, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Reads the record at `loc` (whose value is `value.len()` bytes) and checks it;
+    /// a record that fails is dropped from the index and reported, never returned.
+    fn read_record(&self, key: &str, loc: Loc, file: &File, value: &mut [u8]) -> Result<u64> {
         let mut head = vec![0u8; HEADER_LEN + loc.key_len];
         file.read_exact_at(&mut head, loc.offset)
             .map_err(|e| io_err(Code::FileReadFail, "pread", e))?;
         // Checksummed chunk by chunk while each is still in cache.
         let mut crc = crc32c(&[]);
         let mut at = loc.offset + head.len() as u64;
-        for chunk in buf[..len].chunks_mut(CHUNK) {
+        for chunk in value.chunks_mut(CHUNK) {
             file.read_exact_at(chunk, at)
                 .map_err(|e| io_err(Code::FileReadFail, "pread", e))?;
             crc = crc32c_append(crc, chunk);
@@ -502,20 +518,6 @@ impl DiskTier {
             ));
         }
         Ok(loc.value_len)
-    }
-
-    /// `key`'s value.
-    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
-        let size = self.size(key).ok_or_else(|| {
-            Error::new(
-                Code::ObjectNotFound,
-                format!("disk tier: no object {key:?}"),
-            )
-        })?;
-        let mut buf = vec![0u8; usize::try_from(size).unwrap_or(usize::MAX)];
-        let n = self.read_into(key, &mut buf)?;
-        buf.truncate(n as usize);
-        Ok(buf)
     }
 
     /// Removes `key`; a tombstone keeps it removed across a restart. Returns whether

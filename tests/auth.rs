@@ -43,9 +43,10 @@ fn closed_silently(s: &mut TcpStream) -> bool {
     matches!(s.read(&mut b), Ok(0) | Err(_))
 }
 
-fn read(e: &Engine, seg: u64, local: &mut [u8], remote: u64) -> mooncake::Result<()> {
+/// One synchronous transfer of all of `local` to or from `remote`.
+fn transfer(e: &Engine, op: Op, seg: u64, local: &mut [u8], remote: u64) -> mooncake::Result<()> {
     let r = Request {
-        op: Op::Read,
+        op,
         local: local.as_mut_ptr() as u64,
         segment: seg,
         remote,
@@ -55,16 +56,12 @@ fn read(e: &Engine, seg: u64, local: &mut [u8], remote: u64) -> mooncake::Result
     unsafe { e.transfer_sync(&[r]) }
 }
 
+fn read(e: &Engine, seg: u64, local: &mut [u8], remote: u64) -> mooncake::Result<()> {
+    transfer(e, Op::Read, seg, local, remote)
+}
+
 fn write(e: &Engine, seg: u64, local: &mut [u8], remote: u64) -> mooncake::Result<()> {
-    let r = Request {
-        op: Op::Write,
-        local: local.as_mut_ptr() as u64,
-        segment: seg,
-        remote,
-        len: local.len() as u64,
-    };
-    // SAFETY: as for `read`.
-    unsafe { e.transfer_sync(&[r]) }
+    transfer(e, Op::Write, seg, local, remote)
 }
 
 #[test]

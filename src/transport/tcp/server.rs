@@ -430,15 +430,28 @@ mod tests {
     use super::*;
     use crate::net::{ConnServer, ServerLimits};
 
-    #[test]
-    fn unregister_returns_while_a_reader_stalls_mid_answer() {
+    /// Bytes of the registered buffer each test reads: far more than the socket
+    /// buffers hold.
+    const LEN: usize = 64 << 20;
+
+    /// A data server over one registered `LEN`-byte buffer (timeouts far beyond the
+    /// test: only an unregistration may end an answer) and a peer whose READ of the
+    /// whole buffer has begun: the status came with the first payload bytes, so from
+    /// here on the server pins the buffer while it sends.
+    struct ReadUnderway {
+        memory: Arc<LocalMemory>,
+        _buf: Vec<u8>,
+        addr: u64,
+        server: ConnServer,
+        peer: TcpStream,
+    }
+
+    fn read_underway() -> ReadUnderway {
         crate::sys::ignore_sigpipe();
-        let len = 64 << 20; // far more than the socket buffers hold
-        let buf = vec![7u8; len];
+        let buf = vec![7u8; LEN];
         let addr = buf.as_ptr() as u64;
         let memory = Arc::new(LocalMemory::new());
-        memory.register(addr, len as u64, "cpu:0").unwrap();
-        // Timeouts far beyond the test: only the unregistration may end the answer.
+        memory.register(addr, LEN as u64, "cpu:0").unwrap();
         let patient = ServerLimits {
             idle_timeout: Duration::from_secs(3600),
             frame_timeout: Duration::from_secs(3600),
@@ -452,69 +465,56 @@ mod tests {
         peer.set_read_timeout(Some(Duration::from_secs(30)))
             .unwrap();
         let read = Header {
-            size: len as u64,
+            size: LEN as u64,
             addr,
             op: DataOp::Read,
         };
         peer.write_all(&read.encode()).unwrap();
-        // The status goes out with the first payload bytes: from here on the server
-        // pins the buffer, blocked sending what this reader never drains.
         let mut status = [0u8; STATUS_LEN];
         peer.read_exact(&mut status).unwrap();
         assert_eq!(Status::decode(&status).unwrap(), Status::Ok);
+        ReadUnderway {
+            memory,
+            _buf: buf,
+            addr,
+            server,
+            peer,
+        }
+    }
+
+    /// Unregisters the buffer on another thread; whether that returned within a bound
+    /// far above a prompt return (the old server held it for its 30 s stall timeout,
+    /// and indefinitely against a reader that drains a little now and then).
+    fn unregister_returns(r: &ReadUnderway) -> bool {
         let (tx, rx) = mpsc::channel();
-        let m = memory.clone();
-        let unregister = std::thread::spawn(move || tx.send(m.unregister(addr).is_ok()));
-        // Bounded wait (the old server held it for its 30 s stall timeout, and longer
-        // against a reader that drains a little now and then).
-        let outcome = rx.recv_timeout(Duration::from_secs(20));
-        assert_eq!(
-            outcome,
-            Ok(true),
+        let (m, addr) = (r.memory.clone(), r.addr);
+        std::thread::spawn(move || tx.send(m.unregister(addr).is_ok()));
+        rx.recv_timeout(Duration::from_secs(20)) == Ok(true)
+    }
+
+    #[test]
+    fn unregister_returns_while_a_reader_stalls_mid_answer() {
+        let mut r = read_underway();
+        assert!(
+            unregister_returns(&r),
             "unregister stayed blocked by a stalled reader"
         );
-        unregister.join().unwrap().unwrap();
         // The reader sees its answer cut short.
         let mut sink = vec![0u8; 1 << 20];
         let mut got = 0;
-        while let Ok(n @ 1..) = peer.read(&mut sink) {
+        while let Ok(n @ 1..) = r.peer.read(&mut sink) {
             got += n;
         }
-        assert!(got < len);
-        drop(server);
+        assert!(got < LEN);
+        drop(r.server);
     }
 
     #[test]
     fn unregister_returns_while_a_reader_trickles_steadily() {
-        crate::sys::ignore_sigpipe();
-        let len = 64 << 20;
-        let buf = vec![7u8; len];
-        let addr = buf.as_ptr() as u64;
-        let memory = Arc::new(LocalMemory::new());
-        memory.register(addr, len as u64, "cpu:0").unwrap();
-        let patient = ServerLimits {
-            idle_timeout: Duration::from_secs(3600),
-            frame_timeout: Duration::from_secs(3600),
-            ..ServerLimits::default()
-        };
-        let m = memory.clone();
-        let handler = Arc::new(move |s, t: &_| serve(s, t, &m, 0));
-        let server = ConnServer::spawn("127.0.0.1:0".parse().unwrap(), "t", patient, handler);
-        let server = server.unwrap();
-        let mut peer = TcpStream::connect(server.local_addr()).unwrap();
-        peer.set_read_timeout(Some(Duration::from_secs(30)))
-            .unwrap();
-        let read = Header {
-            size: len as u64,
-            addr,
-            op: DataOp::Read,
-        };
-        peer.write_all(&read.encode()).unwrap();
-        let mut status = [0u8; STATUS_LEN];
-        peer.read_exact(&mut status).unwrap();
-        assert_eq!(Status::decode(&status).unwrap(), Status::Ok);
+        let r = read_underway();
         // A peer that never stalls but drains slowly (16 KiB every 10 ms: the whole
         // answer would take 40 s), so the server always makes some progress.
+        let mut peer = r.peer.try_clone().unwrap();
         let reader = std::thread::spawn(move || {
             let mut chunk = vec![0u8; 16 << 10];
             let mut got = 0;
@@ -524,17 +524,11 @@ mod tests {
             }
             got
         });
-        let (tx, rx) = mpsc::channel();
-        let m = memory.clone();
-        let unregister = std::thread::spawn(move || tx.send(m.unregister(addr).is_ok()));
-        let outcome = rx.recv_timeout(Duration::from_secs(20));
-        assert_eq!(
-            outcome,
-            Ok(true),
+        assert!(
+            unregister_returns(&r),
             "unregister stayed blocked by a slow but steady reader"
         );
-        unregister.join().unwrap().unwrap();
-        assert!(reader.join().unwrap() < len, "the answer was cut short");
-        drop(server);
+        drop(r.server);
+        assert!(reader.join().unwrap() < LEN, "the answer was cut short");
     }
 }

@@ -62,28 +62,26 @@ impl Side {
         })
     }
 
-    /// Writes `data` at the start of the target's buffer (what the reads then verify).
-    fn seed(&self, data: &mut [u8]) -> Result<(), String> {
-        let r = Request {
-            op: Op::Write,
-            local: data.as_mut_ptr() as u64,
+    /// `buf`, whole, against the start of the target's buffer.
+    fn request(&self, op: Op, buf: &mut [u8]) -> Request {
+        Request {
+            op,
+            local: buf.as_mut_ptr() as u64,
             segment: self.seg,
             remote: self.remote,
-            len: data.len() as u64,
-        };
+            len: buf.len() as u64,
+        }
+    }
+
+    fn seed(&self, data: &mut [u8]) -> Result<(), String> {
+        let r = self.request(Op::Write, data);
         // SAFETY: `data` outlives the synchronous call.
         unsafe { self.engine.transfer_sync(&[r]) }.map_err(|e| e.to_string())
     }
 
     /// Reads `block` bytes in a loop for `duration`: bytes moved, seconds, latencies.
     fn read_for(&self, buf: &mut [u8], duration: Duration) -> Result<(u64, f64, Vec<f64>), String> {
-        let r = Request {
-            op: Op::Read,
-            local: buf.as_mut_ptr() as u64,
-            segment: self.seg,
-            remote: self.remote,
-            len: buf.len() as u64,
-        };
+        let r = self.request(Op::Read, buf);
         let (start, mut lat, mut bytes) = (Instant::now(), Vec::new(), 0);
         while start.elapsed() < duration {
             let t0 = Instant::now();

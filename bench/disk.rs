@@ -19,18 +19,8 @@ use std::time::Instant;
 
 use mooncake::json::Value;
 
-/// Drops `file`'s clean cached pages.
-fn drop_page_cache(file: &std::fs::File) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: posix_fadvise only reads its integer arguments; `file` keeps the
-    // descriptor open for the call.
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    match rc {
-        0 => Ok(()),
-        e => Err(std::io::Error::from_raw_os_error(e)),
-    }
-}
-use mooncake::store::disk::{DiskConfig, DiskTier};
+use mooncake::store::disk::{drop_page_cache, DiskConfig, DiskTier};
+use mooncake::util::percentile;
 
 struct Params {
     dir: Option<PathBuf>,
@@ -81,7 +71,7 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    percentile(&v, 0.5)
 }
 
 /// (put GB/s, read GB/s) of the plain loop: one file, objects back to back.

@@ -189,18 +189,22 @@ fn phase(
     (ops as f64 / secs, bad)
 }
 
-fn one_run(threads: usize, p: &Params, segment_size: u64) -> Result<Value, String> {
+/// A default master with one segment of `size` bytes mounted by `CLIENT`.
+fn mounted_master(size: u64) -> Result<Master, String> {
     let master = Master::new(MasterConfig::default());
+    let segment = SegmentInfo {
+        name: "paper-node:1".to_owned(),
+        base: 1 << 44,
+        size,
+    };
     master
-        .mount(
-            CLIENT,
-            SegmentInfo {
-                name: "paper-node:1".to_owned(),
-                base: 1 << 44,
-                size: segment_size,
-            },
-        )
+        .mount(CLIENT, segment)
         .map_err(|e| format!("mount: {e}"))?;
+    Ok(master)
+}
+
+fn one_run(threads: usize, p: &Params, segment_size: u64) -> Result<Value, String> {
+    let master = mounted_master(segment_size)?;
     let names: Vec<String> = (0..p.keys).map(|i| format!("key/{i}")).collect();
     let mut errors = 0;
     for chunk in names.chunks(256) {
@@ -298,21 +302,11 @@ fn rss_bytes() -> u64 {
 /// The scale test on `objects` objects (see the module's comment).
 fn scale_run(objects: usize, p: &Params) -> Result<Value, String> {
     let rss_before = rss_bytes();
-    let master = Master::new(MasterConfig::default());
     // Whole slabs, exactly `objects` blocks of this size class.
     let slab = MasterConfig::default().allocator.slab_size;
     let per_slab = (slab / p.size.max(1)).max(1);
     let slabs = (objects as u64).div_ceil(per_slab);
-    master
-        .mount(
-            CLIENT,
-            SegmentInfo {
-                name: "paper-node:1".to_owned(),
-                base: 1 << 44,
-                size: slabs * slab,
-            },
-        )
-        .map_err(|e| format!("mount: {e}"))?;
+    let master = mounted_master(slabs * slab)?;
     let t0 = Instant::now();
     let mut errors = 0;
     let mut keys = Vec::with_capacity(256);

@@ -118,6 +118,9 @@ pub struct TimedReader<'a> {
     stream: &'a TcpStream,
     ticket: &'a ConnTicket,
     deadline: Option<Instant>,
+    /// The read timeout last set on the stream: between frames it rarely changes, so
+    /// most reads need no `setsockopt`.
+    timeout_set: Option<Duration>,
 }
 
 impl<'a> TimedReader<'a> {
@@ -127,6 +130,7 @@ impl<'a> TimedReader<'a> {
             stream,
             ticket,
             deadline: None,
+            timeout_set: None,
         }
     }
 
@@ -147,7 +151,10 @@ impl Read for TimedReader<'_> {
                 .filter(|d| !d.is_zero())
                 .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "frame timed out"))?,
         };
-        self.stream.set_read_timeout(Some(wait))?;
+        if self.timeout_set != Some(wait) {
+            self.stream.set_read_timeout(Some(wait))?;
+            self.timeout_set = Some(wait);
+        }
         let n = match (&mut &*self.stream).read(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 let what = if self.deadline.is_some() {

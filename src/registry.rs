@@ -46,10 +46,17 @@ impl Access {
 
     /// Whether a peer may read (`write` false) or write (`write` true) the buffer.
     pub fn allows_peer(self, write: bool) -> bool {
+        self.peer_refusal(write).is_none()
+    }
+
+    /// Why a peer may not read (`write` false) or write the buffer: the error code and
+    /// what to say of the buffer; `None` when it may.
+    pub fn peer_refusal(self, write: bool) -> Option<(Code, &'static str)> {
         match self {
-            Access::ReadWrite => true,
-            Access::ReadOnly => !write,
-            Access::LocalOnly => false,
+            Access::ReadWrite => None,
+            Access::ReadOnly if !write => None,
+            Access::ReadOnly => Some((Code::InvalidWrite, "is read-only to peers")),
+            Access::LocalOnly => Some((Code::AddressNotRegistered, "is not open to peers")),
         }
     }
 }
@@ -286,15 +293,11 @@ impl LocalMemory {
     /// [`Access`] lets peers read (or, with `write`, write) it.
     pub fn guard_for_peer(&self, addr: u64, len: u64, write: bool) -> Result<RangeGuard> {
         let guard = self.guard(addr, len)?;
-        match guard.region.access {
-            a if a.allows_peer(write) => Ok(guard),
-            Access::LocalOnly => Err(Error::new(
-                Code::AddressNotRegistered,
-                format!("buffer at {:#x} is not open to peers", guard.region.addr),
-            )),
-            _ => Err(Error::new(
-                Code::InvalidWrite,
-                format!("buffer at {:#x} is read-only to peers", guard.region.addr),
+        match guard.region.access.peer_refusal(write) {
+            None => Ok(guard),
+            Some((code, what)) => Err(Error::new(
+                code,
+                format!("buffer at {:#x} {what}", guard.region.addr),
             )),
         }
     }

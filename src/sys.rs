@@ -326,3 +326,48 @@ pub fn drop_page_cache(file: &std::fs::File) -> io::Result<()> {
         Err(io::Error::from_raw_os_error(rc))
     }
 }
+
+/// Fills `buf` from the kernel's random pool, blocking only until it is seeded.
+pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the kernel writes at most `rest.len()` bytes into `rest`.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// A random u64 from the kernel; if the kernel has none to give, one still unique per
+/// process and time.
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    match fill_random(&mut b) {
+        Ok(()) => u64::from_ne_bytes(b),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
+        }
+    }
+}
+
+#[cfg(test)]
+mod random_tests {
+    #[test]
+    fn two_draws_differ() {
+        let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+        super::fill_random(&mut a).unwrap();
+        super::fill_random(&mut b).unwrap();
+        assert_ne!(a, b);
+    }
+}

@@ -161,11 +161,6 @@ impl ClientHandshake {
         })
     }
 
-    /// Whether the server accepted us.
-    pub fn is_done(&self) -> bool {
-        self.stage == Stage::Done
-    }
-
     /// Moves the handshake on as far as the stream allows: `Ok(true)` once accepted,
     /// `Ok(false)` when the stream would block, `Err` when it failed (the server did
     /// not prove the secret, refused ours, or went away).
@@ -324,17 +319,23 @@ mod tests {
         std::thread::scope(|scope| {
             let srv = scope.spawn(|| serve(&mut s, &k, &local));
             // The attacker sends a HELLO, then hands the server its own proof back.
-            let mut hello = MAGIC.to_vec();
-            hello.extend_from_slice(&[7u8; NONCE_LEN]);
-            c.write_all(&hello).unwrap();
-            let mut challenge = [0u8; CHALLENGE_LEN];
-            c.read_exact(&mut challenge).unwrap();
+            let challenge = hello(&mut c, &[7u8; NONCE_LEN]);
             c.write_all(&challenge[MAGIC.len() + NONCE_LEN..]).unwrap();
             let e = srv.join().unwrap().unwrap_err();
             assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
             let mut b = [0u8; 1];
             assert!(matches!(c.read(&mut b), Ok(0) | Err(_)), "no verdict");
         });
+    }
+
+    /// Sends a HELLO with `nonce` as a client would and returns the server's CHALLENGE.
+    fn hello(c: &mut TcpStream, nonce: &[u8; NONCE_LEN]) -> [u8; CHALLENGE_LEN] {
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(nonce);
+        c.write_all(&hello).unwrap();
+        let mut ch = [0u8; CHALLENGE_LEN];
+        c.read_exact(&mut ch).unwrap();
+        ch
     }
 
     #[test]
@@ -346,11 +347,7 @@ mod tests {
         let local = s.local_addr().unwrap();
         let recorded = std::thread::scope(|scope| {
             let srv = scope.spawn(|| serve(&mut s, &k, &local));
-            let mut hello = MAGIC.to_vec();
-            hello.extend_from_slice(&nonce);
-            c.write_all(&hello).unwrap();
-            let mut ch = [0u8; CHALLENGE_LEN];
-            c.read_exact(&mut ch).unwrap();
+            let ch = hello(&mut c, &nonce);
             let sn: [u8; NONCE_LEN] = ch[MAGIC.len()..MAGIC.len() + NONCE_LEN].try_into().unwrap();
             let p = proof(&k, Role::Client, &local, &nonce, &sn);
             c.write_all(&p).unwrap();
@@ -362,11 +359,7 @@ mod tests {
         let local = s.local_addr().unwrap();
         std::thread::scope(|scope| {
             let srv = scope.spawn(|| serve(&mut s, &k, &local));
-            let mut hello = MAGIC.to_vec();
-            hello.extend_from_slice(&nonce);
-            c.write_all(&hello).unwrap();
-            let mut ch = [0u8; CHALLENGE_LEN];
-            c.read_exact(&mut ch).unwrap();
+            hello(&mut c, &nonce);
             c.write_all(&recorded).unwrap();
             assert!(srv.join().unwrap().is_err());
         });
@@ -397,7 +390,7 @@ mod tests {
             }
             srv.join().unwrap().unwrap();
         });
-        assert!(h.is_done());
+        assert!(h.advance(&mut c).unwrap(), "stays accepted");
     }
 
     #[test]

@@ -15,14 +15,13 @@
 pub mod challenge;
 mod connect;
 pub mod http;
-mod random;
 
 use std::fmt;
 use std::io::Read;
 use std::sync::Arc;
 
+pub use crate::sys::fill_random;
 pub use connect::{connect, guard};
-pub use random::fill_random;
 
 use crate::error::{Code, Error, Result};
 

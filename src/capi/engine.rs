@@ -156,22 +156,8 @@ pub unsafe extern "C" fn mc_register_memory(
     len: usize,
     location: *const c_char,
 ) -> c_int {
-    guard("mc_register_memory", || {
-        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
-        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
-        let engine = unsafe { engine(e)? };
-        non_null(addr, "addr")?;
-        let location = if location.is_null() {
-            "cpu:0"
-        } else {
-            // SAFETY: `location` is non-null (this branch) and the caller guarantees a non-null
-            // `location` is a NUL-terminated string unchanged during the call, as `c_str` requires.
-            unsafe { c_str(location, "location")? }
-        };
-        // SAFETY: the caller keeps the memory valid until it unregisters it.
-        unsafe { engine.register_memory(addr.cast(), len, location)? };
-        Ok(MC_OK)
-    })
+    // SAFETY: the same contract, passed on unchanged; 0 is MC_ACCESS_READ_WRITE.
+    unsafe { mc_register_memory_with_access(e, addr, len, location, 0) }
 }
 
 /// `MC_ACCESS_*` as an [`Access`]; `None` for any other number.

@@ -143,10 +143,7 @@ fn ha_settings(a: &Args) -> Result<Option<HaSettings>, String> {
     if !(1..=3600).contains(&lease_ttl_s) {
         return Err("--ha-lease-ttl must be 1..=3600 seconds".into());
     }
-    let cluster_id = cluster_id
-        .or_else(|| std::env::var("MC_STORE_CLUSTER_ID").ok())
-        .filter(|c| !c.trim().is_empty())
-        .unwrap_or_else(|| ha::DEFAULT_CLUSTER_ID.to_owned());
+    let cluster_id = ha::cluster_id(cluster_id);
     let etcd = EtcdClient::new(&endpoints).map_err(|e| e.to_string())?;
     Ok(Some(HaSettings {
         etcd: Arc::new(etcd),

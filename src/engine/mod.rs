@@ -584,18 +584,13 @@ impl Engine {
         let Some(buf) = desc.buffer_for(r.remote, r.len) else {
             return Ok(());
         };
-        let write = r.op == Op::Write;
-        if buf.access.allows_peer(write) {
-            return Ok(());
+        match buf.access.peer_refusal(r.op == Op::Write) {
+            None => Ok(()),
+            Some((code, what)) => Err(Error::new(
+                code,
+                format!("{}: buffer at {:#x} {what}", peer.name, buf.addr),
+            )),
         }
-        let (code, what) = match buf.access {
-            Access::LocalOnly => (Code::AddressNotRegistered, "is not open to peers"),
-            _ => (Code::InvalidWrite, "is read-only to peers"),
-        };
-        Err(Error::new(
-            code,
-            format!("{}: buffer at {:#x} {what}", peer.name, buf.addr),
-        ))
     }
 
     /// Every transport serves peers; which ones carry our own requests depends on the

@@ -2,7 +2,7 @@
 //! as Mooncake reads it): the same keys and JSON values as Mooncake's etcd backend, so
 //! engines of both find each other through one etcd.
 
-use crate::error::{Code, Error, Result};
+use crate::error::Result;
 use crate::etcd::EtcdClient;
 use crate::metadata::MetadataStore;
 
@@ -26,15 +26,8 @@ impl MetadataStore for EtcdMetadataStore {
         let Some(kv) = self.client.get(key.as_bytes())? else {
             return Ok(None);
         };
-        String::from_utf8(kv.value).map(Some).map_err(|_| {
-            Error::new(
-                Code::Metadata,
-                format!(
-                    "etcd {}: value of {key:?} is not UTF-8",
-                    self.client.describe()
-                ),
-            )
-        })
+        let backend = format!("etcd {}", self.client.describe());
+        super::utf8_value(&backend, key, kv.value).map(Some)
     }
 
     fn put(&self, key: &str, value: &str) -> Result<()> {

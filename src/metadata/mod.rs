@@ -40,11 +40,12 @@ pub fn open(
     secret: Option<&ClusterSecret>,
 ) -> Result<Directory> {
     let conn = connection.trim();
-    let store: Arc<dyn MetadataStore> = if conn.eq_ignore_ascii_case("P2PHANDSHAKE") {
+    if conn.eq_ignore_ascii_case("P2PHANDSHAKE") {
         return Ok(Directory::P2p {
             secret: secret.cloned(),
         });
-    } else if conn == "embedded" {
+    }
+    let store: Arc<dyn MetadataStore> = if conn == "embedded" {
         Arc::new(embedded::EmbeddedStore)
     } else if conn.starts_with("http://") {
         Arc::new(http_client::HttpMetadataStore::new(conn)?.with_secret(secret.cloned()))
@@ -61,4 +62,15 @@ pub fn open(
         )));
     };
     Ok(Directory::over(store, cluster_id))
+}
+
+/// A stored value as text: descriptors are JSON, so anything else is an error naming
+/// the backend and key.
+fn utf8_value(backend: &str, key: &str, value: Vec<u8>) -> Result<String> {
+    String::from_utf8(value).map_err(|_| {
+        Error::new(
+            crate::error::Code::Metadata,
+            format!("{backend}: value of {key:?} is not UTF-8"),
+        )
+    })
 }

@@ -2,7 +2,7 @@
 //! Mooncake's keys with JSON values, as Mooncake's redis backend does; credentials and
 //! database from `MC_REDIS_USERNAME`, `MC_REDIS_PASSWORD`, `MC_REDIS_DB_INDEX`.
 
-use crate::error::{Code, Error, Result};
+use crate::error::Result;
 use crate::metadata::MetadataStore;
 use crate::redis::{RedisClient, RedisOptions};
 
@@ -27,15 +27,8 @@ impl MetadataStore for RedisMetadataStore {
         let Some(value) = self.client.get(key.as_bytes())? else {
             return Ok(None);
         };
-        String::from_utf8(value).map(Some).map_err(|_| {
-            Error::new(
-                Code::Metadata,
-                format!(
-                    "redis {}: value of {key:?} is not UTF-8",
-                    self.client.addr()
-                ),
-            )
-        })
+        let backend = format!("redis {}", self.client.addr());
+        super::utf8_value(&backend, key, value).map(Some)
     }
 
     fn put(&self, key: &str, value: &str) -> Result<()> {

@@ -187,10 +187,7 @@ unsafe impl Send for Client {}
 unsafe impl Sync for Client {}
 
 fn random_id() -> u64 {
-    let mut v = 0u64;
-    // SAFETY: fills 8 bytes of a live u64.
-    unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
-    v | 1
+    crate::sys::random_u64() | 1
 }
 
 impl Client {

@@ -21,6 +21,15 @@ pub const DEFAULT_CLUSTER_ID: &str = "mooncake_cluster";
 /// Mooncake's lease TTL for the master view.
 pub const DEFAULT_LEASE_TTL_S: i64 = 5;
 
+/// The cluster id to use: `explicit` if given, else `MC_STORE_CLUSTER_ID` (Mooncake's
+/// variable), else [`DEFAULT_CLUSTER_ID`].
+pub fn cluster_id(explicit: Option<String>) -> String {
+    explicit
+        .or_else(|| std::env::var("MC_STORE_CLUSTER_ID").ok())
+        .filter(|c| !c.trim().is_empty())
+        .unwrap_or_else(|| DEFAULT_CLUSTER_ID.to_owned())
+}
+
 /// The etcd key holding the leader's address.
 pub fn view_key(cluster_id: &str) -> String {
     format!("mooncake-store/{cluster_id}/master_view")
@@ -228,6 +237,15 @@ pub fn campaign(
                 "stopped while standing by for leadership",
             ));
         }
+        // While someone leads, only look: no lease is granted just to be thrown away.
+        if let Some(view) = read_view(&etcd, cluster_id)? {
+            if announced.as_ref() != Some(&view) {
+                log::info!("standing by: {} leads (epoch {})", view.address, view.epoch);
+                announced = Some(view);
+            }
+            stop.wait(poll);
+            continue;
+        }
         let lease = etcd.lease_grant(ttl_s)?;
         if etcd.put_if(key.as_bytes(), 0, address.as_bytes(), lease)? {
             let epoch = match etcd.get(key.as_bytes())? {
@@ -256,13 +274,7 @@ pub fn campaign(
                 keeper: Some(keeper),
             });
         }
+        // Someone else got in between the look and the put: look again.
         let _ = etcd.lease_revoke(lease);
-        if let Ok(Some(view)) = read_view(&etcd, cluster_id) {
-            if announced.as_ref() != Some(&view) {
-                log::info!("standing by: {} leads (epoch {})", view.address, view.epoch);
-                announced = Some(view);
-            }
-        }
-        stop.wait(poll);
     }
 }

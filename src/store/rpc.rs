@@ -234,10 +234,7 @@ impl RpcClient {
         let target = match addr.trim().strip_prefix("etcd://") {
             Some(endpoints) => MasterTarget::Elected {
                 etcd: EtcdClient::new(endpoints)?,
-                cluster_id: std::env::var("MC_STORE_CLUSTER_ID")
-                    .ok()
-                    .filter(|c| !c.trim().is_empty())
-                    .unwrap_or_else(|| ha::DEFAULT_CLUSTER_ID.to_owned()),
+                cluster_id: ha::cluster_id(None),
                 leader: Mutex::new(None),
             },
             None => MasterTarget::Fixed(resolve(addr)?),

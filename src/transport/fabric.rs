@@ -40,7 +40,7 @@ use crate::error::{Code, Error, Result};
 use crate::ffi::fabric::{self as fi, FabricLib};
 use crate::json::Value;
 use crate::metadata::{DeviceDesc, SegmentDesc};
-use crate::registry::{Access, LocalMemory, Region};
+use crate::registry::{LocalMemory, Region};
 use nic::{Device, Nic};
 use regions::Registrations;
 
@@ -134,13 +134,13 @@ impl Transport for FabricTransport {
         let mut mrs = Vec::with_capacity(self.nics.len());
         let mut keys = RegionKeys::default();
         // The provider enforces what peers may do (`Access`).
-        let access = match region.access {
-            Access::ReadWrite => {
-                fi::FI_REMOTE_READ | fi::FI_REMOTE_WRITE | fi::FI_READ | fi::FI_WRITE
-            }
-            Access::ReadOnly => fi::FI_REMOTE_READ | fi::FI_READ | fi::FI_WRITE,
-            Access::LocalOnly => fi::FI_READ | fi::FI_WRITE,
-        };
+        let mut access = fi::FI_READ | fi::FI_WRITE;
+        if region.access.allows_peer(false) {
+            access |= fi::FI_REMOTE_READ;
+        }
+        if region.access.allows_peer(true) {
+            access |= fi::FI_REMOTE_WRITE;
+        }
         for nic in &self.nics {
             let mr = nic.register(region.addr, region.len, access, key, device)?;
             let k = u32::try_from(mr.key).map_err(|_| {

@@ -111,21 +111,6 @@ pub fn host_id() -> String {
     format!("{}/{}", boot.trim(), ns)
 }
 
-fn random_u64() -> u64 {
-    let mut v = 0u64;
-    // SAFETY: fills 8 bytes of a live u64.
-    let n = unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
-    if n == 8 {
-        v
-    } else {
-        // Weak fallback: still unique per process and time.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
-    }
-}
-
 /// Peers (by engine handle) whose process_vm calls the system refused.
 type VmDenied = Arc<RwLock<HashSet<u64>>>;
 
@@ -142,7 +127,7 @@ impl ShmTransport {
     pub fn new() -> Result<ShmTransport> {
         let guard = SharedMemory::create(GUARD_NAME, PAGE, Sharing::PeersWrite)
             .map_err(|e| Error::io("creating the shm guard page", e))?;
-        let token = random_u64() | 1;
+        let token = crate::sys::random_u64() | 1;
         let table =
             OwnerTable::new(token).map_err(|e| Error::io("creating the shm range table", e))?;
         let t = ShmTransport {

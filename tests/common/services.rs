@@ -6,6 +6,8 @@ use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+
+use super::cprog::have;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -17,15 +19,6 @@ const READY_LIMIT: Duration = Duration::from_secs(30);
 fn os_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind port 0");
     l.local_addr().expect("local addr").port()
-}
-
-fn have(binary: &str) -> bool {
-    Command::new(binary)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
 }
 
 /// A child server, killed and reaped on drop, with its data directory removed.

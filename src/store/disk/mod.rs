@@ -15,6 +15,10 @@
 
 pub mod record;
 
+/// Drops a file's clean cached pages (what [`DiskTier::release_page_cache`] does to
+/// the tier's files), for callers comparing against plain files.
+pub use crate::sys::drop_page_cache;
+
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufReader, Read, Seek, SeekFrom};

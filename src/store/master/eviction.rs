@@ -67,7 +67,7 @@ impl Master {
     /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
     pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
         let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
-        shard.hit(key, Self::key_hash(key), floor, seq);
+        shard.hit(key, || Self::key_hash(key), floor, seq);
     }
 
     /// Evicts the lowest evictable objects of all shards until at least `want` bytes

@@ -227,7 +227,7 @@ impl Master {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(client, ClientState { last_ping_ms: now });
-        self.segments.snapshot().iter().any(|s| s.client == client)
+        self.segments.has_client(client)
     }
 
     /// Whether `client` mounted a segment or pinged within its TTL.

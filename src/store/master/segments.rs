@@ -96,6 +96,11 @@ impl SegmentTable {
         v
     }
 
+    pub fn has_client(&self, client: u64) -> bool {
+        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        map.values().any(|s| s.client == client)
+    }
+
     pub fn of_client(&self, client: u64) -> Vec<String> {
         let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
         map.values()

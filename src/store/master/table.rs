@@ -59,10 +59,10 @@ impl Shard {
         }
     }
 
-    /// Counts a hit of `key` (hashed to `hash`) in the victim order, adding it there
-    /// first if needed; objects that may never be evicted (unfinished, hard-pinned)
-    /// stay out.
-    pub fn hit(&mut self, key: &str, hash: u64, floor: u64, seq: u32) {
+    /// Counts a hit of `key` in the victim order, adding it there first if needed (only
+    /// then is `hash` asked for the key's hash); objects that may never be evicted
+    /// (unfinished, hard-pinned) stay out.
+    pub fn hit(&mut self, key: &str, hash: impl FnOnce() -> u64, floor: u64, seq: u32) {
         let Some((k, o)) = self.objects.get_key_value(key) else {
             return;
         };
@@ -73,7 +73,7 @@ impl Shard {
             self.policy.hit(o.node, floor, seq);
             return;
         }
-        let node = self.policy.insert_hit(k.clone(), hash, floor, seq);
+        let node = self.policy.insert_hit(k.clone(), hash(), floor, seq);
         if let Some(o) = self.objects.get_mut(key) {
             o.node = node;
         }

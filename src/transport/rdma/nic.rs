@@ -10,7 +10,7 @@ use super::verbs::{
 use super::{unavailable, ACCESS, MAX_WR, PARALLEL_REG_BYTES};
 use crate::error::{Code, Error, Result};
 use crate::ffi::ibverbs::{self as ibv, Verbs};
-use crate::registry::{Access, Region};
+use crate::registry::Region;
 use crate::transport::RegionKeys;
 
 /// One opened HCA port.
@@ -146,11 +146,13 @@ pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
     let dma_buf = gpudirect_dma_buf(s, region);
     // The NIC enforces what peers may do (`Access`): no remote write to a read-only
     // buffer, no remote access at all to a local one.
-    let access = match region.access {
-        Access::ReadWrite => ACCESS,
-        Access::ReadOnly => ibv::IBV_ACCESS_LOCAL_WRITE | ibv::IBV_ACCESS_REMOTE_READ,
-        Access::LocalOnly => ibv::IBV_ACCESS_LOCAL_WRITE,
-    };
+    let mut access = ibv::IBV_ACCESS_LOCAL_WRITE;
+    if region.access.allows_peer(false) {
+        access |= ibv::IBV_ACCESS_REMOTE_READ;
+    }
+    if region.access.allows_peer(true) {
+        access |= ACCESS;
+    }
     let reg = |nic: &Nic| -> Result<MemoryRegion> {
         let (mr, call) = match &dma_buf {
             Some(buf) => {

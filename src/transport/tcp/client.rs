@@ -74,6 +74,14 @@ impl Lane {
         self.stream.as_raw_fd()
     }
 
+    /// Whether nothing is queued on it and its server closed it meanwhile.
+    fn hung_up_while_idle(&self) -> bool {
+        self.queue.is_empty()
+            && !self.connecting
+            && self.auth.is_none()
+            && sys::idle_connection_closed(&self.stream)
+    }
+
     /// Moves as many bytes as the socket takes, both ways, until it would block.
     fn drive(&mut self, done: &mut Vec<Finished>) -> Result<bool, LaneError> {
         if self.connecting {
@@ -248,12 +256,25 @@ impl TcpWorker {
 
     /// The least loaded lane to `slice`'s peer, opening a new one while under the limit.
     fn pick_lane(&mut self, slice: &Slice) -> std::result::Result<u64, String> {
-        self.close_hung_up_lanes(slice.peer.id);
+        // The lane about to be used, if idle, is checked for a server that hung up
+        // (servers close connections idle too long): one peek, none for a busy lane.
+        let best = loop {
+            let best = self.by_peer.get(&slice.peer.id).and_then(|tokens| {
+                tokens
+                    .iter()
+                    .copied()
+                    .min_by_key(|t| self.lanes.get(t).map_or(usize::MAX, |l| l.queue.len()))
+            });
+            match best {
+                Some(t) if self.lanes.get(&t).is_some_and(Lane::hung_up_while_idle) => {
+                    // No slice is queued on it: nothing is handed back.
+                    let why = LaneError::Broken("closed by the peer while idle".into());
+                    self.close_lane(t, why, &mut Vec::new());
+                }
+                _ => break best,
+            }
+        };
         let tokens = self.by_peer.entry(slice.peer.id).or_default();
-        let best = tokens
-            .iter()
-            .copied()
-            .min_by_key(|t| self.lanes.get(t).map_or(usize::MAX, |l| l.queue.len()));
         let best_len = best.and_then(|t| self.lanes.get(&t)).map(|l| l.queue.len());
         let want_new = match best_len {
             None => true,
@@ -295,32 +316,6 @@ impl TcpWorker {
             },
         );
         Ok(token)
-    }
-
-    /// Closes `peer`'s idle lanes whose server hung up (servers close connections
-    /// idle too long), so that no slice is sent on a dead one: one non-blocking peek
-    /// per idle lane, none for a busy one.
-    fn close_hung_up_lanes(&mut self, peer: u64) {
-        let Some(tokens) = self.by_peer.get(&peer) else {
-            return;
-        };
-        let hung_up: Vec<u64> = tokens
-            .iter()
-            .copied()
-            .filter(|t| {
-                self.lanes.get(t).is_some_and(|l| {
-                    l.queue.is_empty()
-                        && !l.connecting
-                        && l.auth.is_none()
-                        && sys::idle_connection_closed(&l.stream)
-                })
-            })
-            .collect();
-        for token in hung_up {
-            // No slice is queued on it: nothing is handed back.
-            let why = LaneError::Broken("closed by the peer while idle".into());
-            self.close_lane(token, why, &mut Vec::new());
-        }
     }
 
     fn drive(&mut self, token: u64, done: &mut Vec<Finished>) -> bool {

@@ -42,7 +42,7 @@ fn write_full(s: &mut TcpStream, buf: &[u8]) -> io::Result<()> {
 }
 
 /// Latencies (µs) of ping-pongs for `duration`, both ends polling when `spin`.
-fn ping_pong(
+pub fn ping_pong(
     spin: bool,
     request: usize,
     answer: usize,

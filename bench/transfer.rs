@@ -1,6 +1,12 @@
 //! `mooncake bench transfer`: throughput and latency of the transfer engine against a
 //! target in another process, next to a baseline measured in the same run (a plain
 //! loopback TCP stream for tcp, memcpy for shm/auto). Prints one JSON object per line.
+//!
+//! `--api sync` times `Engine::transfer_sync` (what `mc_transfer_sync` and Python's
+//! `transfer_sync_*` call) instead of a batch's submit and wait; `--floor true` adds the
+//! loopback ping-pong of `bench floor` (32-byte request, one block of answer; both ends
+//! busy-polling, then both blocking) measured in the same run, and our latency's
+//! ratios to them.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -16,6 +22,8 @@ use mooncake::{Engine, Op, Request};
 struct Params {
     protocol: String,
     op: Op,
+    /// Time `transfer_sync` rather than submit + wait.
+    sync: bool,
     block: u64,
     batch: usize,
     threads: usize,
@@ -122,7 +130,12 @@ fn bench_thread(
     let mut bytes = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let t0 = Instant::now();
-        one_batch(engine, &timed)?;
+        if p.sync {
+            // SAFETY: `local` outlives the call, which returns once every task is final.
+            unsafe { engine.transfer_sync(&timed) }.map_err(|e| format!("transfer: {e}"))?;
+        } else {
+            one_batch(engine, &timed)?;
+        }
         latencies_us.push(t0.elapsed().as_secs_f64() * 1e6);
         bytes += span as u64;
     }
@@ -216,6 +229,56 @@ fn tcp_baseline(block: u64, duration: Duration) -> Result<f64, String> {
     Ok(received.min(sent) as f64 / secs / 1e9)
 }
 
+/// The loopback ping-pong floors for a `block`-byte answer, measured now (busy-poll,
+/// the floor, and blocking, which holds up better on a crowded machine where
+/// a spinning end loses its core), and our latencies' ratios to each.
+fn floor_fields(
+    lat: &[f64],
+    block: u64,
+    duration: Duration,
+) -> Result<Vec<(&'static str, Value)>, String> {
+    let answer = usize::try_from(block).map_err(|_| "block too large for the floor")?;
+    let round = |x: f64| (x * 1000.0).round() / 1000.0;
+    let mut fields = Vec::new();
+    let names = [
+        (
+            true,
+            [
+                "floor_p50_us",
+                "floor_p99_us",
+                "p50_to_floor",
+                "p99_to_floor",
+            ],
+        ),
+        (
+            false,
+            [
+                "blocking_floor_p50_us",
+                "blocking_floor_p99_us",
+                "p50_to_blocking_floor",
+                "p99_to_blocking_floor",
+            ],
+        ),
+    ];
+    for (spin, [p50_name, p99_name, p50_ratio, p99_ratio]) in names {
+        let mut floor = crate::floor_bench::ping_pong(spin, 32, answer, duration)
+            .map_err(|e| format!("floor ping-pong: {e}"))?;
+        floor.sort_by(f64::total_cmp);
+        let (p50, p99) = (percentile(&floor, 0.5), percentile(&floor, 0.99));
+        fields.push((p50_name, round(p50).into()));
+        fields.push((p99_name, round(p99).into()));
+        fields.push((
+            p50_ratio,
+            round(percentile(lat, 0.5) / p50.max(1e-9)).into(),
+        ));
+        fields.push((
+            p99_ratio,
+            round(percentile(lat, 0.99) / p99.max(1e-9)).into(),
+        ));
+    }
+    Ok(fields)
+}
+
 /// memcpy between two buffers of the bench's working-set size.
 fn memcpy_baseline(block: u64, batch: usize, duration: Duration) -> f64 {
     let span = (block as usize) * batch;
@@ -243,9 +306,16 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         "write" => Op::Write,
         other => return Err(format!("--op: {other:?} is not read or write")),
     };
+    let sync = match a.str("api").unwrap_or("batch") {
+        "batch" => false,
+        "sync" => true,
+        other => return Err(format!("--api: {other:?} is not batch or sync")),
+    };
+    let with_floor: bool = a.get("floor", false)?;
     let p = Params {
         protocol: a.str("protocol").unwrap_or("tcp").to_owned(),
         op,
+        sync,
         block: a.get("block-size", 1u64 << 20)?,
         batch: a.get("batch-size", 1usize)?,
         threads: a.get("threads", 1usize)?,
@@ -296,8 +366,25 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         .iter()
         .find(|b| b.length >= need)
         .ok_or_else(|| format!("segment {name} has no buffer of {need} bytes"))?;
+    let before = engine.stats();
     let (bytes, seconds, lat, verified) = measure(&engine, seg, buffer.addr, &p)?;
+    let after = engine.stats();
     let mut extra = Vec::new();
+    // What each operation cost in hand-offs and sends, setup and verification included.
+    let ops_run = (lat.len() as f64).max(1.0);
+    let per_op = |a: u64, b: u64| Value::from(((a - b) as f64 / ops_run * 1000.0).round() / 1000.0);
+    extra.push(("api", Value::from(if p.sync { "sync" } else { "batch" })));
+    extra.push((
+        "worker_handoffs_per_op",
+        per_op(after.worker_handoffs, before.worker_handoffs),
+    ));
+    extra.push((
+        "tcp_sends_per_op",
+        per_op(after.tcp_sends, before.tcp_sends),
+    ));
+    if with_floor {
+        extra.extend(floor_fields(&lat, p.block, p.duration)?);
+    }
     let (baseline, baseline_gbps) = if fabric {
         // The provider's own figure: fi_pingpong, same provider and message size.
         let prov = provider.unwrap_or_else(|| fabric_bench::provider_of(&engine));

@@ -1,13 +1,17 @@
 //! An etcd v3 client over etcd's JSON gateway (`POST /v3/kv/range` and friends) on our
 //! own HTTP client: keys and values travel base64-encoded, 64-bit integers as decimal
 //! strings (proto3's JSON mapping). Covers what Mooncake needs from etcd: get, put,
-//! delete, prefix listing, leases and compare-and-set transactions.
+//! delete, prefix listing, leases, compare-and-set transactions, and a watch for the
+//! next change of one key (`/v3/watch`, read as a chunked stream of JSON messages).
 //!
 //! Several endpoints (`h1:p1,h2:p2` or `;`-separated, as Mooncake accepts) are tried
 //! in turn: a transport failure moves to the next one; an answer from etcd, even an
 //! error, is final.
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::{Code, Error, Result};
 use crate::http::HttpClient;
@@ -167,6 +171,60 @@ impl EtcdClient {
         ))
     }
 
+    /// Waits up to `wait` for a change (put or delete) of `key` at or after revision
+    /// `from` (changes since then that etcd still remembers count too). True when one
+    /// came, false when the time ran out or etcd ended the watch.
+    pub fn watch_change(&self, key: &[u8], from: i64, wait: Duration) -> Result<bool> {
+        let ep = &self.endpoints[self.current.load(Ordering::Relaxed) % self.endpoints.len()];
+        let host = ep.url().trim_start_matches("http://").to_owned();
+        let transport =
+            |e: std::io::Error| Error::new(Code::Metadata, format!("etcd watch on {host}: {e}"));
+        let addr = host
+            .to_socket_addrs()
+            .map_err(transport)?
+            .next()
+            .ok_or_else(|| {
+                Error::new(
+                    Code::Metadata,
+                    format!("etcd watch: {host} resolves to nothing"),
+                )
+            })?;
+        let deadline = Instant::now() + wait;
+        let stream = TcpStream::connect_timeout(
+            &addr,
+            wait.clamp(Duration::from_millis(1), Duration::from_secs(2)),
+        )
+        .map_err(transport)?;
+        let body = Value::object([(
+            "create_request",
+            Value::object([
+                ("key", b64(key)),
+                ("start_revision", Value::from(from.to_string())),
+            ]),
+        )])
+        .to_string();
+        let head = format!(
+            "POST /v3/watch HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        (&stream)
+            .write_all([head.as_bytes(), body.as_bytes()].concat().as_slice())
+            .map_err(transport)?;
+        let mut r = BufReader::new(&stream);
+        match watch_stream(&mut r, &stream, deadline) {
+            Ok(changed) => Ok(changed),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(transport(e)),
+        }
+    }
+
     fn key_values(answer: &Value) -> Result<Vec<KeyValue>> {
         let Some(kvs) = answer.get("kvs") else {
             return Ok(Vec::new());
@@ -283,6 +341,78 @@ impl EtcdClient {
             &Value::object([("ID", Value::from(lease.to_string()))]),
         )
         .map(drop)
+    }
+}
+
+/// Largest chunk or message of a watch stream accepted.
+const MAX_WATCH_CHUNK: usize = 1 << 20;
+
+/// Reads a watch answer until a message reports events (true), etcd cancels or ends
+/// it (false), or `deadline` passes (a timeout error).
+fn watch_stream(
+    r: &mut BufReader<&TcpStream>,
+    stream: &TcpStream,
+    deadline: Instant,
+) -> std::io::Result<bool> {
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
+    let mut line = String::new();
+    let next_line = |r: &mut BufReader<&TcpStream>, line: &mut String| -> std::io::Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        line.clear();
+        r.by_ref().take(1024).read_line(line)?;
+        if line.is_empty() {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    };
+    next_line(r, &mut line)?;
+    if !line.starts_with("HTTP/1.1 200") {
+        return Err(invalid("watch refused"));
+    }
+    loop {
+        next_line(r, &mut line)?;
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut pending: Vec<u8> = Vec::new();
+    loop {
+        next_line(r, &mut line)?;
+        let size = usize::from_str_radix(line.trim(), 16).map_err(|_| invalid("chunk size"))?;
+        if size == 0 {
+            return Ok(false);
+        }
+        if size > MAX_WATCH_CHUNK || pending.len() + size > MAX_WATCH_CHUNK {
+            return Err(invalid("watch message too large"));
+        }
+        let mut chunk = vec![0u8; size + 2];
+        r.read_exact(&mut chunk)?;
+        pending.extend_from_slice(&chunk[..size]);
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let message: Vec<u8> = pending.drain(..=end).collect();
+            let text = String::from_utf8_lossy(&message);
+            let Ok(v) = json::parse(text.trim()) else {
+                continue;
+            };
+            let Some(result) = v.get("result") else {
+                continue;
+            };
+            if result.get("canceled").and_then(Value::as_bool) == Some(true) {
+                return Ok(false);
+            }
+            if result
+                .get("events")
+                .and_then(Value::as_array)
+                .is_some_and(|e| !e.is_empty())
+            {
+                return Ok(true);
+            }
+        }
     }
 }
 

@@ -120,7 +120,11 @@ const COMMANDS: &[(&str, &str)] = &[
       With --enable-ha, masters elect a leader through an etcd lease (key
       mooncake-store/<cluster-id>/master_view); standbys wait, and clients given
       etcd://H:P[;H:P] as the master address follow the leader. A leader that loses
-      its lease exits (status 3). Object metadata is not yet handed over on failover.
+      its lease exits (status 3). A new leader, or a restarted master, gets the
+      objects back from the nodes' catalogs when they remount.
+      [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
+      Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
+      brings one back, kept in memory from its Nth read from disk.
       Nodes and clients that give no --metadata ask it for its metadata server.
       Only clients that mounted a segment or pinged may put; one client's unfinished
       puts may hold at most --max-unfinished-put-ratio of the pool. Connection caps and
@@ -132,7 +136,9 @@ const COMMANDS: &[(&str, &str)] = &[
         "\
   mooncake node --master HOST:PORT --segment-size BYTES [--metadata URL] [--name HOST:PORT]
       [--bind IP] [--protocol tcp|shm|auto|rdma|efa] [--cluster-secret-file PATH]
-      Lend SIZE bytes (positive, at most this machine's memory) to the store pool.
+      [--ssd-path DIR --ssd-size BYTES]
+      Lend SIZE bytes (positive, at most this machine's memory) to the store pool,
+      and with --ssd-path a disk tier for what is evicted from it (kept across restarts).
       Without --metadata, the master's metadata server is used. With --bind 0.0.0.0,
       the name published is --name, else the address of the default route's interface.",
     ),
@@ -141,8 +147,11 @@ const COMMANDS: &[(&str, &str)] = &[
         "\
   mooncake demo [--trace FILE] [--requests N] [--block-bytes 64K] [--pool-size 3G]
       [--time-scale X] [--replicas 1] [--protocol tcp] [--json] [--cluster-secret-file PATH]
+      [--ssd-size BYTES [--ssd-path DIR]]
       Start a master, two store nodes and a client in this process and replay the
-      conversation trace through the store (prefix reads, writes, eviction); print a summary.",
+      conversation trace through the store (prefix reads, writes, eviction); print a summary.
+      --ssd-size gives the nodes a disk tier (split between them; a temporary directory
+      unless --ssd-path) that evicted blocks go to and are read back from.",
     ),
     (
         "replay",

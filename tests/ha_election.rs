@@ -122,3 +122,29 @@ fn a_standby_can_be_stopped_and_an_unreachable_etcd_is_an_error() {
     let nowhere = Arc::new(EtcdClient::new(&addr.to_string()).unwrap());
     assert!(ha::campaign(nowhere, "c", "127.0.0.1:3", TTL_S, &never).is_err());
 }
+
+#[test]
+fn a_watch_wakes_on_the_keys_next_change_and_not_before() {
+    let Some(etcd) = services::etcd() else { return };
+    let client = Arc::new(EtcdClient::new(&etcd.addr).unwrap());
+    let rev = client.put(b"watched/k", b"1", 0).unwrap();
+    // Nothing changes: the watch ends empty when its time is up.
+    assert!(!client
+        .watch_change(b"watched/k", rev + 1, Duration::from_millis(300))
+        .unwrap());
+    // A change made before the watch starts, but after `from`, counts too.
+    client.put(b"watched/k", b"2", 0).unwrap();
+    assert!(client
+        .watch_change(b"watched/k", rev + 1, Duration::from_secs(30))
+        .unwrap());
+    // A deletion while watching wakes it.
+    let now = client.get(b"watched/k").unwrap().unwrap().mod_revision;
+    let deleter = {
+        let c = client.clone();
+        std::thread::spawn(move || c.delete(b"watched/k").unwrap())
+    };
+    assert!(client
+        .watch_change(b"watched/k", now + 1, Duration::from_secs(30))
+        .unwrap());
+    deleter.join().unwrap();
+}

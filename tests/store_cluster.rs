@@ -445,7 +445,8 @@ fn an_oversized_key_is_cut_in_the_error() {
 
 /// A master restarted on the same address: the node remounts and republishes its
 /// descriptor (the new master's embedded metadata server starts empty), so new puts
-/// and gets work again, from new clients too, without restarting the node.
+/// and gets work again, from new clients too, without restarting the node; and the
+/// node's catalog gives the new master every object committed before.
 #[test]
 fn a_restarted_master_is_usable_again_without_restarting_nodes() {
     let first = server(10_000);
@@ -465,7 +466,23 @@ fn a_restarted_master_is_usable_again_without_restarting_nodes() {
     let _node = Client::new(fast(32 * MIB)).unwrap();
     let c = Client::new(fast(0)).unwrap();
     let cfg = ReplicateConfig::default();
-    c.put("before", &value(1, 50_000), &cfg).unwrap();
+    // Objects of many sizes, one of them striped (larger than a slab of this
+    // segment), one hard-pinned; one removed again.
+    let sizes = |i: u64| match i {
+        0 => 600_000,
+        _ => 1000 + 977 * i as usize,
+    };
+    let pinned = ReplicateConfig {
+        hard_pin: true,
+        ..Default::default()
+    };
+    for i in 0..40u64 {
+        let config = if i == 7 { &pinned } else { &cfg };
+        c.put(&format!("before-{i}"), &value(i, sizes(i)), config)
+            .unwrap();
+    }
+    c.remove("before-39", false).unwrap();
+    drop(c);
     drop(first);
 
     let second = MasterServer::start(ServerConfig {
@@ -491,6 +508,15 @@ fn a_restarted_master_is_usable_again_without_restarting_nodes() {
     }
     let attempt = last.expect("puts work again after the node remounted");
     assert_eq!(c.get(&format!("after-{attempt}")).unwrap(), v);
+    // What was committed before the restart came back with the node's remount,
+    // byte for byte; what was removed did not.
+    for i in 0..39u64 {
+        let got = c
+            .get(&format!("before-{i}"))
+            .unwrap_or_else(|e| panic!("before-{i}: {e}"));
+        assert!(got == value(i, sizes(i)), "before-{i} bytes");
+    }
+    assert_eq!(c.get("before-39").unwrap_err().code(), Code::ObjectNotFound);
     // And keep working: the descriptor is there, not just a lucky first call.
     for i in 0..20 {
         let v = value(100 + i, 4096 + i as usize);

@@ -20,6 +20,7 @@ import enum
 import json
 import logging
 import mmap
+import os
 import threading
 
 from . import _native as N
@@ -451,8 +452,10 @@ class MooncakeDistributedStore:
         check_str(ssd_offload_path, "ssd_offload_path")
         check_str(tenant_id, "tenant_id")
         check_str(ipc_socket_path, "ipc_socket_path")
-        if enable_ssd_offload:
-            logger.warning("mooncake: SSD offload is not available in this build; ignored")
+        ssd_path = ssd_offload_path or os.getenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
+        if enable_ssd_offload and not ssd_path:
+            logger.warning("mooncake: enable_ssd_offload needs ssd_offload_path (or "
+                           "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH); no disk tier")
         shared = engine is not None and getattr(engine, "_engine", None) and \
             N.available("mc_store_new_with_engine")
         if engine is not None and not shared:
@@ -474,6 +477,8 @@ class MooncakeDistributedStore:
             "global_segment_size": gss,
             "local_buffer_size": lbs,
         }
+        if enable_ssd_offload and ssd_path and gss > 0:
+            settings["ssd_path"] = ssd_path
         if proto in HARDWARE_PROTOCOLS and args["rdma_devices"] and \
                 args["rdma_devices"] != "auto-discovery":
             settings["device_name"] = args["rdma_devices"]

@@ -540,3 +540,18 @@ def test_setup_against_an_unreachable_master_fails():
     for segment in (0, 4 * MiB):
         assert s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 4 * MiB, "tcp", "", dead) != 0
         assert s.health_check() == 1
+
+
+# ------------------------------------------------------------------ disk tier
+
+
+def test_ssd_offload_keeps_evicted_objects_readable(private_master, store_factory, tmp_path):
+    node = store_factory(private_master, 4 * MiB, 4 * MiB, enable_ssd_offload=True,
+                         ssd_offload_path=str(tmp_path / "ssd"))
+    keys = [unique() for _ in range(40)]  # 10 MiB into a 4 MiB segment
+    for i, k in enumerate(keys):
+        assert node.put(k, pattern(256 * KiB, i)) == 0
+    assert any((tmp_path / "ssd").iterdir()), "evicted objects went to disk"
+    assert node.batch_is_exist(keys) == [1] * len(keys), "nothing was dropped"
+    for i in range(5):  # the oldest ones: evicted to disk, read back byte for byte
+        assert node.get(keys[i]) == pattern(256 * KiB, i)

@@ -26,6 +26,8 @@ pub const STORE_CONFIG_KEYS: &[&str] = &[
     "global_segment_size",
     "local_buffer_size",
     "verify_checksum",
+    "ssd_path",
+    "ssd_size",
 ];
 
 /// The store's part of an `mc_config`: what [`ClientConfig`] has beyond the engine.
@@ -36,6 +38,9 @@ pub(crate) struct StoreSettings {
     client: ClientConfig,
     /// Whether `metadata` was set: if not, a store uses its master's embedded server.
     metadata_set: bool,
+    /// `ssd_path` and `ssd_size` (both, for a disk tier).
+    ssd_path: Option<String>,
+    ssd_size: u64,
 }
 
 fn store_size(key: &str, value: &str) -> Result<u64> {
@@ -57,6 +62,8 @@ impl StoreSettings {
             "local_hostname" => engine.set("local_server_name", value)?,
             "global_segment_size" => c.global_segment_size = store_size(key, value)?,
             "local_buffer_size" => c.local_buffer_size = store_size(key, value)?,
+            "ssd_path" => self.ssd_path = Some(value.to_owned()).filter(|v| !v.is_empty()),
+            "ssd_size" => self.ssd_size = store_size(key, value)?,
             "verify_checksum" => {
                 c.verify_checksum = match value.to_ascii_lowercase().as_str() {
                     "1" | "true" => true,
@@ -88,6 +95,15 @@ impl StoreSettings {
     fn client_config(&self, engine: &EngineConfig) -> ClientConfig {
         let mut c = self.client.clone();
         c.engine = engine.clone();
+        if let (Some(dir), size) = (&self.ssd_path, self.ssd_size) {
+            // Without a size: four times the segment, at least 1 GiB.
+            let quota = if size > 0 {
+                size
+            } else {
+                c.global_segment_size.saturating_mul(4).max(1 << 30)
+            };
+            c.disk = Some(crate::store::disk::DiskConfig::new(dir, quota));
+        }
         if !self.metadata_set {
             c.engine.metadata = crate::store::default_metadata(&c.master_address);
         }

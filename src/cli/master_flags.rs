@@ -97,8 +97,11 @@ const FLAGS: &[Flag] = &[
     flag("ha_backend_connstring", false, Action::Ours("etcd-endpoints", same)),
     flag("client_ttl", false, Action::Ours("client-ttl", same)),
     flag("cluster_id", false, Action::Ours("cluster-id", same)),
-    flag("enable_offload", true, Action::Lacking("SSD offload (--enable_offload)", truthy)),
-    flag("root_fs_dir", false, Action::Lacking("shared-filesystem replicas (--root_fs_dir)", nonempty)),
+    flag("enable_offload", true, Action::Ours("offload-on-evict", same)),
+    flag("offload_on_evict", true, Action::Ours("offload-on-evict", same)),
+    flag("promotion_on_hit", true, Action::Ours("promotion-on-hit", same)),
+    flag("promotion_admission_threshold", false, Action::Ours("promotion-admission-threshold", same)),
+    flag("root_fs_dir", false, Action::Ours("root-fs-dir", same)),
     flag("global_file_segment_size", false, Action::Inert),
     flag("enable_disk_eviction", true, Action::Inert),
     flag("quota_bytes", false, Action::Inert),
@@ -317,9 +320,21 @@ mod tests {
 
     #[test]
     fn lacking_features_are_named() {
-        let e = translate(&args(&["--root_fs_dir", "/tmp/x"])).unwrap_err();
-        assert!(e.contains("root_fs_dir"), "{e}");
-        assert!(translate(&args(&["--enable_offload=false", "--root_fs_dir="])).is_ok());
+        let e = translate(&args(&["--enable_cxl"])).unwrap_err();
+        assert!(e.contains("enable_cxl"), "{e}");
+        let out = translate(&args(&[
+            "--enable_offload=false",
+            "--promotion_admission_threshold=3",
+        ]))
+        .unwrap();
+        assert!(
+            out.contains(&"--offload-on-evict=false".to_owned()),
+            "{out:?}"
+        );
+        assert!(
+            out.contains(&"--promotion-admission-threshold=3".to_owned()),
+            "{out:?}"
+        );
         assert!(translate(&args(&["--memory_allocator=offset"])).is_ok());
         assert!(translate(&args(&["--memory_allocator=jemalloc"])).is_err());
     }

@@ -85,6 +85,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
     let pool: u64 = a.get("pool-size", 3 << 30)?;
     let protocol = a.str("protocol").unwrap_or("tcp").to_owned();
     let engine = super::engine_tuning(&a)?;
+    let ssd = DemoDisk::from_args(&a)?;
     a.finish()?;
     if pool < 2 * opts.block_bytes {
         return Err(format!(
@@ -92,7 +93,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
         ));
     }
     let trace = trace::load(opts.trace.as_deref(), opts.limit)?;
-    let cluster = Cluster::start(pool, &protocol, &engine)?;
+    let cluster = Cluster::start(pool, &protocol, &engine, ssd.as_ref())?;
     if !opts.json {
         println!("{}", cluster.describe());
     }
@@ -143,6 +144,47 @@ fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> 
 // The embedded cluster
 // ---------------------------------------------------------------------------
 
+/// The demo's disk tier (`--ssd-size BYTES [--ssd-path DIR]`), split between the two
+/// nodes; a directory the demo made for it is removed at the end.
+struct DemoDisk {
+    dir: std::path::PathBuf,
+    size: u64,
+    made: bool,
+}
+
+impl DemoDisk {
+    fn from_args(a: &Args) -> Result<Option<DemoDisk>, String> {
+        let size: u64 = a.get("ssd-size", 0)?;
+        if size == 0 {
+            return Ok(None);
+        }
+        if size < (8 << 20) {
+            return Err("--ssd-size must be at least 8M (shared by the two nodes)".into());
+        }
+        let (dir, made) = match a.str("ssd-path") {
+            Some(d) => (std::path::PathBuf::from(d), false),
+            None => (
+                std::env::temp_dir().join(format!("mooncake-demo-ssd-{}", std::process::id())),
+                true,
+            ),
+        };
+        Ok(Some(DemoDisk { dir, size, made }))
+    }
+
+    /// The disk tier of node `i`.
+    fn node(&self, i: usize) -> mooncake::store::disk::DiskConfig {
+        mooncake::store::disk::DiskConfig::new(self.dir.join(format!("node-{i}")), self.size / 2)
+    }
+}
+
+impl Drop for DemoDisk {
+    fn drop(&mut self) {
+        if self.made {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
 /// Fields drop in order: the client first, then the nodes, then the master.
 struct Cluster {
     client: Client,
@@ -151,7 +193,12 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start(pool: u64, protocol: &str, engine: &EngineConfig) -> Result<Cluster, String> {
+    fn start(
+        pool: u64,
+        protocol: &str,
+        engine: &EngineConfig,
+        ssd: Option<&DemoDisk>,
+    ) -> Result<Cluster, String> {
         let server_config = ServerConfig {
             bind: [127, 0, 0, 1].into(),
             rpc_port: 0,
@@ -194,8 +241,13 @@ impl Cluster {
         let halves = [pool / 2, pool - pool / 2];
         let nodes = halves
             .iter()
-            .map(|&size| {
-                Client::new(config(size)).map_err(|e| format!("starting a store node: {e}"))
+            .enumerate()
+            .map(|(i, &size)| {
+                let node = ClientConfig {
+                    disk: ssd.map(|d| d.node(i)),
+                    ..config(size)
+                };
+                Client::new(node).map_err(|e| format!("starting a store node: {e}"))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let client = Client::new(config(0)).map_err(|e| format!("starting the client: {e}"))?;
@@ -216,6 +268,9 @@ impl Cluster {
         }
         for n in &self.nodes {
             s += &format!("\n         node {}", n.hostname());
+            if let Some(d) = &n.config().disk {
+                s += &format!(" + disk tier {} bytes at {}", d.quota, d.dir.display());
+            }
         }
         s + &format!("\n         client {}", self.client.hostname())
     }

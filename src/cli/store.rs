@@ -70,6 +70,17 @@ pub fn master(raw: &[String]) -> Result<(), String> {
             format!("--allocation-strategy: {s:?} (random, free_ratio_first, local_first)")
         })?;
     }
+    m.offload_on_evict = a.get("offload-on-evict", m.offload_on_evict)?;
+    m.promotion_admission_threshold = a.get(
+        "promotion-admission-threshold",
+        m.promotion_admission_threshold,
+    )?;
+    if !a.get("promotion-on-hit", true)? {
+        m.promotion_admission_threshold = u32::MAX; // read back for the reader only
+    }
+    if a.str("root-fs-dir").is_some_and(|d| !d.is_empty()) {
+        log::warn!("--root_fs_dir: here each node keeps its own disk tier; start nodes with --ssd-path DIR --ssd-size BYTES");
+    }
     // Each put carries its own soft-pin TTL (ReplicateConfig, default 30 min).
     let soft_pin_ttl: u64 = a.get("default-soft-pin-ttl-ms", 1_800_000)?;
     if soft_pin_ttl != 1_800_000 {
@@ -208,6 +219,7 @@ pub fn node(raw: &[String]) -> Result<(), String> {
     };
     check_segment_size(size, physical_memory())?;
     let mut cfg = client_config(&a)?;
+    cfg.disk = disk_tier(&a)?;
     let until_eof = a.flag("until-stdin-eof");
     a.finish()?;
     metadata_from_master(&a, &mut cfg)?;
@@ -218,7 +230,32 @@ pub fn node(raw: &[String]) -> Result<(), String> {
     println!("ready {}", client.hostname());
     let _ = std::io::stdout().flush();
     super::serve_until_done(until_eof);
+    // An orderly exit (SIGTERM, SIGINT, end of stdin) drains first; SIGKILL cannot.
+    match client.drain() {
+        Ok(r) => eprintln!(
+            "drained: {} objects moved to other nodes, {} had replicas elsewhere, {} lost",
+            r.moved, r.safe_elsewhere, r.lost
+        ),
+        Err(e) => eprintln!("drain failed ({e}); objects only this node held are gone"),
+    }
     Ok(())
+}
+
+/// A node's disk tier: `--ssd-path DIR --ssd-size BYTES` (both or neither).
+fn disk_tier(a: &Args) -> Result<Option<mooncake::store::disk::DiskConfig>, String> {
+    match (a.str("ssd-path"), a.str("ssd-size")) {
+        (None, None) => Ok(None),
+        (Some(dir), Some(_)) if !dir.is_empty() => {
+            let quota: u64 = a.get("ssd-size", 0)?;
+            if quota < (4 << 20) {
+                return Err(
+                    "--ssd-size must be at least 4M (the bytes of disk the tier may use)".into(),
+                );
+            }
+            Ok(Some(mooncake::store::disk::DiskConfig::new(dir, quota)))
+        }
+        _ => Err("a disk tier needs both --ssd-path DIR and --ssd-size BYTES".into()),
+    }
 }
 
 /// When no `--metadata` was given, asks the master which metadata server its nodes use

@@ -59,6 +59,15 @@ pub struct Request {
 }
 
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// Synchronous transfers of at most this many bytes run on the calling thread: a
+/// hand-off to a worker and back costs more than moving them. Larger ones go to the
+/// workers, which spread their slices and keep the caller's core free.
+const INLINE_MAX_BYTES: u64 = 1 << 20;
+/// Calling threads that may run transfers at once, each with its own transport state
+/// (TCP connections to each peer it reached); more concurrent callers use the workers.
+const MAX_INLINE_RUNNERS: usize = 8;
+/// Most tasks one batch may hold.
+const MAX_BATCH_TASKS: usize = 1 << 20;
 
 /// A transfer engine: registered memory, peer segments, transports and workers.
 pub struct Engine {
@@ -72,6 +81,12 @@ pub struct Engine {
     workers: Vec<Arc<WorkerHandle>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     next_worker: AtomicUsize,
+    /// The transports that carry this engine's own requests, in order of preference.
+    own_transports: Vec<Arc<dyn Transport>>,
+    /// Idle poll loops for calling threads that run their transfers themselves, and
+    /// how many were made (at most `MAX_INLINE_RUNNERS`).
+    inline_runners: Mutex<Vec<Worker>>,
+    inline_made: AtomicUsize,
     /// Serializes registration changes so descriptor publishes happen in order.
     registry: Mutex<()>,
     rpc_server: Mutex<Option<ConnServer>>,
@@ -102,6 +117,15 @@ pub struct Stats {
     pub retries: u64,
     /// Slices that ended FAILED or TIMEOUT.
     pub failed_slices: u64,
+    /// Submissions handed to a worker thread.
+    pub worker_handoffs: u64,
+    /// Of those, the ones that had to wake a parked worker.
+    pub worker_wakeups: u64,
+    /// Synchronous transfers the calling thread ran itself, with no hand-off.
+    pub inline_transfers: u64,
+    /// System calls that put TCP requests on the wire (each carries one request or a
+    /// gathered run of many).
+    pub tcp_sends: u64,
 }
 
 impl Engine {
@@ -189,6 +213,9 @@ impl Engine {
             workers: Vec::new(),
             threads: Mutex::new(Vec::new()),
             next_worker: AtomicUsize::new(0),
+            own_transports: Vec::new(),
+            inline_runners: Mutex::default(),
+            inline_made: AtomicUsize::new(0),
             registry: Mutex::new(()),
             rpc_server: Mutex::new(Some(rpc_server)),
             counters: Arc::default(),
@@ -228,25 +255,14 @@ impl Engine {
     }
 
     fn spawn_workers(&mut self) -> Result<()> {
-        let usable: Vec<Arc<dyn Transport>> = self
+        self.own_transports = self
             .transports
             .iter()
             .filter(|t| self.carries_own_requests(t.kind()))
             .cloned()
             .collect();
         for i in 0..self.config.workers.max(1) {
-            let handle =
-                Arc::new(WorkerHandle::new().map_err(|e| Error::io("creating eventfd", e))?);
-            let worker = Worker::new(
-                handle.clone(),
-                usable.clone(),
-                self.segments.clone(),
-                WorkerConfig {
-                    spin_budget: self.config.spin_budget,
-                    max_retries: self.config.max_retries,
-                    counters: self.counters.clone(),
-                },
-            )?;
+            let (handle, worker) = self.new_poll_loop()?;
             let thread = std::thread::Builder::new()
                 .name(format!("mc-worker-{i}"))
                 .spawn(move || worker.run())
@@ -258,6 +274,60 @@ impl Engine {
                 .push(thread);
         }
         Ok(())
+    }
+
+    /// A poll loop over this engine's own transports, for a worker thread or a
+    /// calling thread.
+    fn new_poll_loop(&self) -> Result<(Arc<WorkerHandle>, Worker)> {
+        let handle = Arc::new(WorkerHandle::new().map_err(|e| Error::io("creating eventfd", e))?);
+        let worker = Worker::new(
+            handle.clone(),
+            self.own_transports.clone(),
+            self.segments.clone(),
+            WorkerConfig {
+                spin_budget: self.config.spin_budget,
+                max_retries: self.config.max_retries,
+                counters: self.counters.clone(),
+            },
+        )?;
+        Ok((handle, worker))
+    }
+
+    /// A poll loop the calling thread may run a transfer of `bytes` on, or `None`
+    /// when the workers should take it: it is large, it goes over a hardware protocol
+    /// (whose per-thread state is costly), or every runner is busy.
+    fn take_inline_runner(&self, bytes: u64) -> Option<Worker> {
+        let software = matches!(
+            self.config.protocol,
+            Protocol::Auto | Protocol::Tcp | Protocol::Shm
+        );
+        if bytes > INLINE_MAX_BYTES || !software {
+            return None;
+        }
+        let pooled = self
+            .inline_runners
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        if pooled.is_some() {
+            return pooled;
+        }
+        let made = self
+            .inline_made
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < MAX_INLINE_RUNNERS).then_some(n + 1)
+            });
+        if made.is_err() {
+            return None;
+        }
+        match self.new_poll_loop() {
+            Ok((_, runner)) => Some(runner),
+            Err(e) => {
+                self.inline_made.fetch_sub(1, Ordering::Relaxed);
+                log::debug!("no poll loop for a calling thread ({e}); the workers take it");
+                None
+            }
+        }
     }
 
     fn build_desc(&self) -> SegmentDesc {
@@ -347,6 +417,15 @@ impl Engine {
             tcp_bytes: bytes(Kind::Tcp),
             retries: c.retries.load(Ordering::Relaxed),
             failed_slices: c.failed_slices.load(Ordering::Relaxed),
+            worker_handoffs: c.handoffs.load(Ordering::Relaxed),
+            worker_wakeups: c.wakeups.load(Ordering::Relaxed),
+            inline_transfers: c.inline_runs.load(Ordering::Relaxed),
+            tcp_sends: self
+                .transports
+                .iter()
+                .filter(|t| t.kind() == Kind::Tcp)
+                .map(|t| t.sends())
+                .sum(),
         }
     }
 
@@ -507,7 +586,7 @@ impl Engine {
 
     /// Allocates a batch with room for `capacity` tasks.
     pub fn allocate_batch(&self, capacity: usize) -> Result<BatchId> {
-        if capacity == 0 || capacity > 1 << 20 {
+        if capacity == 0 || capacity > MAX_BATCH_TASKS {
             return Err(Error::invalid(format!(
                 "batch capacity {capacity} (must be 1..=1048576)"
             )));
@@ -547,7 +626,7 @@ impl Engine {
 
     /// Checks one request and returns its peer; refreshes the peer's descriptor once
     /// when the remote range is unknown (the peer may have registered it since).
-    fn validate(&self, r: &Request) -> Result<Arc<crate::transport::Peer>> {
+    fn validate(&self, r: &Request) -> Result<(Arc<crate::transport::Peer>, Arc<SegmentDesc>)> {
         if r.len == 0 {
             return Err(Error::invalid("zero-length request"));
         }
@@ -558,32 +637,35 @@ impl Engine {
             )));
         }
         let peer = self.segments.get(r.segment)?;
-        if peer.desc().buffer_for(r.remote, r.len).is_none() {
+        let mut desc = peer.desc();
+        if desc.buffer_for(r.remote, r.len).is_none() {
             self.segments.resync(&peer)?;
-            if peer.desc().buffer_for(r.remote, r.len).is_none() {
-                return Err(Error::new(
-                    Code::AddressNotRegistered,
-                    format!(
-                        "[{:#x}, +{}) is not inside one registered buffer of {}",
-                        r.remote, r.len, peer.name
-                    ),
-                ));
-            }
+            desc = peer.desc();
         }
-        self.check_access(&peer, r)?;
-        Ok(peer)
+        let Some(buf) = desc.buffer_for(r.remote, r.len) else {
+            return Err(Error::new(
+                Code::AddressNotRegistered,
+                format!(
+                    "[{:#x}, +{}) is not inside one registered buffer of {}",
+                    r.remote, r.len, peer.name
+                ),
+            ));
+        };
+        self.check_access(&peer, buf, r)?;
+        Ok((peer, desc))
     }
 
     /// Refuses, before anything moves, a request the peer's descriptor says it will
     /// refuse (its servers enforce it anyway). Our own segment is not limited.
-    fn check_access(&self, peer: &crate::transport::Peer, r: &Request) -> Result<()> {
+    fn check_access(
+        &self,
+        peer: &crate::transport::Peer,
+        buf: &BufferDesc,
+        r: &Request,
+    ) -> Result<()> {
         if peer.name == self.name {
             return Ok(());
         }
-        let desc = peer.desc();
-        let Some(buf) = desc.buffer_for(r.remote, r.len) else {
-            return Ok(());
-        };
         match buf.access.peer_refusal(r.op == Op::Write) {
             None => Ok(()),
             Some((code, what)) => Err(Error::new(
@@ -606,12 +688,10 @@ impl Engine {
         }
     }
 
-    fn slice_size_for(&self, peer: &crate::transport::Peer) -> u64 {
-        let desc = peer.desc();
-        self.transports
+    fn slice_size_for(&self, peer: &crate::transport::Peer, desc: &SegmentDesc) -> u64 {
+        self.own_transports
             .iter()
-            .filter(|t| self.carries_own_requests(t.kind()))
-            .find(|t| !peer.is_disabled(t.kind()) && t.reaches(&desc))
+            .find(|t| !peer.is_disabled(t.kind()) && t.reaches(desc))
             .map_or(self.config.tcp.slice_size, |t| t.slice_size())
             .max(4096)
     }
@@ -623,10 +703,24 @@ impl Engine {
     /// Each `local..local+len` must stay valid until its task is final; READs write it.
     pub unsafe fn submit(&self, batch: BatchId, requests: &[Request]) -> Result<()> {
         let b = self.batch(batch)?;
+        let items = self.plan(&b, requests, std::time::Instant::now())?;
+        self.hand_to_workers(items);
+        Ok(())
+    }
+
+    /// Validates `requests`, reserves their tasks in `batch` and cuts them into
+    /// slices due `transfer_timeout` after `now`. On error nothing is reserved.
+    fn plan(
+        &self,
+        batch: &Arc<Batch>,
+        requests: &[Request],
+        now: std::time::Instant,
+    ) -> Result<Vec<WorkItem>> {
         let mut plan = Vec::with_capacity(requests.len());
+        let mut counts = Vec::with_capacity(requests.len());
         for r in requests {
-            let peer = self.validate(r)?;
-            let mut size = self.slice_size_for(&peer);
+            let (peer, desc) = self.validate(r)?;
+            let mut size = self.slice_size_for(&peer, &desc);
             // Device memory on the local side (registered as cuda:/hip:/npu:) goes to a
             // transport that moves it natively, or else the worker stages it through
             // host bounce buffers, a bounce per slice. Host memory: one atomic load.
@@ -636,20 +730,18 @@ impl Engine {
             }
             let count = r.len.div_ceil(size);
             let count = u32::try_from(count).map_err(|_| Error::invalid("request too large"))?;
-            plan.push((peer, size, count, local_kind));
+            counts.push(count);
+            plan.push((peer, size, local_kind));
         }
-        let counts: Vec<u32> = plan.iter().map(|p| p.2).collect();
         let bytes = requests.iter().map(|r| r.len).sum();
-        let first = b.reserve(&counts, bytes)?;
-        let deadline = std::time::Instant::now() + self.config.transfer_timeout;
-        let n = self.workers.len();
-        let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
-        let mut next = self.next_worker.fetch_add(1, Ordering::Relaxed);
-        for (i, (r, (peer, size, count, local_kind))) in requests.iter().zip(plan).enumerate() {
-            for s in 0..count as u64 {
-                let off = s * size;
-                per_worker[next % n].push(WorkItem {
-                    batch: b.clone(),
+        let first = batch.reserve(&counts, bytes)?;
+        let deadline = now + self.config.transfer_timeout;
+        let slices = counts.iter().map(|&c| c as usize).sum();
+        let mut items = Vec::with_capacity(slices);
+        for (i, (r, (peer, size, local_kind))) in requests.iter().zip(plan).enumerate() {
+            for off in (0..r.len).step_by(size as usize) {
+                items.push(WorkItem {
+                    batch: batch.clone(),
                     task: first + i,
                     slice: Slice {
                         id: 0,
@@ -662,15 +754,27 @@ impl Engine {
                         deadline,
                     },
                 });
-                next += 1;
             }
+        }
+        Ok(items)
+    }
+
+    /// Deals slices round-robin over the worker threads, one queue push per worker.
+    fn hand_to_workers(&self, items: Vec<WorkItem>) {
+        let n = self.workers.len();
+        let mut per_worker: Vec<Vec<WorkItem>> = (0..n).map(|_| Vec::new()).collect();
+        let next = self.next_worker.fetch_add(1, Ordering::Relaxed);
+        for (i, item) in items.into_iter().enumerate() {
+            per_worker[(next + i) % n].push(item);
         }
         for (w, items) in self.workers.iter().zip(per_worker) {
             if !items.is_empty() {
-                w.push(items);
+                self.counters.handoffs.fetch_add(1, Ordering::Relaxed);
+                if w.push(items) {
+                    self.counters.wakeups.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
-        Ok(())
     }
 
     /// The state and bytes of task `task` of `batch`.
@@ -679,35 +783,65 @@ impl Engine {
     }
 
     /// Moves `requests` in one batch and returns once each is final: `Ok` when all
-    /// completed, else `TRANSFER_FAIL` naming the first task that did not.
+    /// completed, else `TRANSFER_FAIL` naming the first task that did not. A small
+    /// transfer runs on the calling thread (posted and polled here, no worker woken);
+    /// a large one is handed to the workers and waited for.
     ///
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.
     pub unsafe fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
-        if requests.is_empty() {
-            return Ok(());
-        }
-        let batch = self.allocate_batch(requests.len())?;
-        // SAFETY: `submit`'s contract is this fn's, so the caller's guarantee that every local
-        // buffer in `requests` stays valid until its task is final carries over; we wait on the
-        // batch below.
-        if let Err(e) = unsafe { self.submit(batch, requests) } {
-            let _ = self.free_batch(batch);
-            return Err(e);
-        }
-        // Unbounded: every task has its own deadline (`transfer_timeout_ms`).
-        let waited = self.wait_batch(batch, None);
-        let failed = (0..requests.len()).find_map(|t| match self.task_status(batch, t) {
-            Ok(s) if s.state == TaskState::Completed => None,
-            Ok(s) => Some(Error::new(
+        // SAFETY: this fn's contract is `transfer_sync_states`'s.
+        let states = unsafe { self.transfer_sync_states(requests) }?;
+        match states.iter().position(|s| *s != TaskState::Completed) {
+            None => Ok(()),
+            Some(t) => Err(Error::new(
                 Code::TransferFail,
-                format!("task {t} ended {:?}", s.state),
+                format!("task {t} ended {:?}", states[t]),
             )),
-            Err(e) => Some(e),
-        });
-        let _ = self.free_batch(batch);
-        waited?;
-        failed.map_or(Ok(()), Err)
+        }
+    }
+
+    /// As [`transfer_sync`](Self::transfer_sync), telling each request's final
+    /// state (for callers that answer per request, as a store batch does). `Err` only
+    /// when nothing was moved: a request was refused before any slice started.
+    ///
+    /// # Safety
+    /// As `submit`; the call returns only when no task can touch a local buffer.
+    pub unsafe fn transfer_sync_states(&self, requests: &[Request]) -> Result<Vec<TaskState>> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        if requests.len() > MAX_BATCH_TASKS {
+            return Err(Error::invalid(format!(
+                "{} requests in one transfer (at most {MAX_BATCH_TASKS})",
+                requests.len()
+            )));
+        }
+        // A batch of its own, never listed: nobody else can ask for it.
+        let batch = Arc::new(Batch::new(requests.len()));
+        // One clock read serves the deadlines and the inline poll loop.
+        let now = std::time::Instant::now();
+        let items = self.plan(&batch, requests, now)?;
+        let bytes = requests.iter().map(|r| r.len).sum();
+        match self.take_inline_runner(bytes) {
+            Some(mut runner) => {
+                runner.run_inline(items, &batch, now);
+                self.counters.inline_runs.fetch_add(1, Ordering::Relaxed);
+                self.inline_runners
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(runner);
+            }
+            None => {
+                self.hand_to_workers(items);
+                // Unbounded: every task has its own deadline (`transfer_timeout_ms`);
+                // failures are told per task below.
+                let _ = batch.wait(None);
+            }
+        }
+        Ok((0..requests.len())
+            .map(|t| batch.task_status(t).map_or(TaskState::Invalid, |s| s.state))
+            .collect())
     }
 
     /// Waits for every submitted task of the batch (None: no limit).

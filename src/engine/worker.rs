@@ -41,16 +41,19 @@ impl WorkerHandle {
         })
     }
 
-    pub fn push(&self, items: impl IntoIterator<Item = WorkItem>) {
+    /// Queues items for the worker; true when it was parked and had to be woken.
+    pub fn push(&self, items: impl IntoIterator<Item = WorkItem>) -> bool {
         self.queue
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(items);
         // Pairs with the fence in `park`: either we see `parked`, or it sees the items.
         fence(Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
+        let parked = self.parked.load(Ordering::SeqCst);
+        if parked {
             self.wake.notify();
         }
+        parked
     }
 
     pub fn stop(&self) {
@@ -95,6 +98,12 @@ pub struct Counters {
     pub bytes: [AtomicU64; Kind::COUNT],
     pub retries: AtomicU64,
     pub failed_slices: AtomicU64,
+    /// Submissions handed to a worker thread's queue.
+    pub handoffs: AtomicU64,
+    /// Of those, the ones that had to wake a parked worker.
+    pub wakeups: AtomicU64,
+    /// Synchronous transfers the calling thread ran to completion itself.
+    pub inline_runs: AtomicU64,
 }
 
 pub struct Worker {
@@ -111,6 +120,33 @@ pub struct Worker {
     /// Staged slices waiting for a bounce buffer, and how many hold one.
     deferred: std::collections::VecDeque<WorkItem>,
     staged_in_flight: usize,
+}
+
+/// The time the poll loop hands transports for their deadlines, read from the clock
+/// only when the loop is idle or every `CLOCK_EVERY` busy rounds: deadlines are
+/// seconds away, and a busy loop need not pay for a clock read per round.
+struct Clock {
+    now: Instant,
+    rounds: u32,
+}
+
+const CLOCK_EVERY: u32 = 64;
+
+impl Clock {
+    fn starting_at(now: Instant) -> Clock {
+        Clock { now, rounds: 0 }
+    }
+
+    /// The time, `idle` rounds into an idle stretch (0: the loop was busy).
+    fn now(&mut self, idle: u32) -> Instant {
+        self.rounds += 1;
+        // Idle: each spin re-reads it from the 8th on, so an expiring lane is seen.
+        if self.rounds >= CLOCK_EVERY || idle >= 8 {
+            self.rounds = 0;
+            self.now = Instant::now();
+        }
+        self.now
+    }
 }
 
 /// Token of the wake-up eventfd in the parking epoll; transports use their index.
@@ -161,6 +197,7 @@ impl Worker {
 
     pub fn run(mut self) {
         let mut idle = 0u32;
+        let mut clock = Clock::starting_at(Instant::now());
         let mut intake = Vec::new();
         while !self.handle.stop.load(Ordering::Relaxed) {
             std::mem::swap(
@@ -171,23 +208,68 @@ impl Worker {
             for item in intake.drain(..) {
                 self.start(item);
             }
-            let now = Instant::now();
-            for w in &mut self.workers {
-                busy |= w.progress(now, &mut self.done);
-            }
-            busy |= !self.done.is_empty();
-            self.finish_done();
-            busy |= self.start_deferred();
+            busy |= self.step(clock.now(idle));
             if busy {
                 idle = 0;
             } else {
                 idle += 1;
-                let waiting_on_bulk = idle == BULK_SPINS && self.bulk_in_flight();
-                if idle >= self.config.spin_budget || waiting_on_bulk {
+                if self.should_park(idle) {
                     self.park();
                     idle = 0;
                 }
             }
+        }
+    }
+
+    /// Runs `items`, all of `batch`, on the calling thread until every task of the
+    /// batch is final: the thread posts the slices and polls their completions itself
+    /// (no hand-off, no wake-up), spinning while answers are near and sleeping on the
+    /// transports' descriptors when they are not. `now` is when it was submitted.
+    pub fn run_inline(&mut self, items: Vec<WorkItem>, batch: &Batch, now: Instant) {
+        for item in items {
+            self.start(item);
+        }
+        let mut idle = 0u32;
+        let mut clock = Clock::starting_at(now);
+        // Slices posted above may already be done (memcpy transports finish in `post`).
+        self.finish_done();
+        while batch.unfinished() != 0 {
+            if self.step(clock.now(idle)) {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if self.should_park(idle) {
+                self.wait_for_transports();
+                idle = 0;
+            }
+        }
+    }
+
+    /// One round of polling: advances every transport, settles what finished and
+    /// starts deferred slices; true when anything moved.
+    fn step(&mut self, now: Instant) -> bool {
+        let mut busy = false;
+        for w in &mut self.workers {
+            busy |= w.progress(now, &mut self.done);
+        }
+        busy |= !self.done.is_empty();
+        self.finish_done();
+        busy | self.start_deferred()
+    }
+
+    /// After `idle` empty rounds: whether to stop spinning (the budget is spent, or
+    /// only bulk data is awaited, which arrives at the kernel's pace).
+    fn should_park(&self, idle: u32) -> bool {
+        idle >= self.config.spin_budget || (idle == BULK_SPINS && self.bulk_in_flight())
+    }
+
+    /// Sleeps until a transport has something to progress, or a tick passes (for
+    /// deadlines); an inline runner's own wake-up descriptor is never signalled.
+    fn wait_for_transports(&mut self) {
+        let mut tokens = Vec::new();
+        if let Err(e) = self.epoll.wait(&mut tokens, PARKED_TICK_MS) {
+            log::warn!("inline transfer: epoll_wait: {e}");
         }
     }
 
@@ -239,8 +321,9 @@ impl Worker {
 
     fn start(&mut self, item: WorkItem) {
         let mut item = item;
-        let native = self.choose(&item.slice).is_some();
         let host = item.slice.local_kind.is_host();
+        // Host memory goes direct whatever carries it: `post` chooses, once.
+        let native = !host && self.choose(&item.slice).is_some();
         let staged = match admit(host, native, self.staged_in_flight) {
             Admit::Direct => None,
             Admit::Defer => {
@@ -660,13 +743,13 @@ mod tests {
             task: 0,
             slice: slice(MemoryKind::Host),
         };
-        h.push([item()]);
+        assert!(!h.push([item()]), "no wake-up is counted");
         assert!(
             !readable(h.wake.raw_fd()),
             "a spinning worker needs no wake-up"
         );
         h.parked.store(true, Ordering::SeqCst);
-        h.push([item(), item()]);
+        assert!(h.push([item(), item()]), "the wake-up is counted");
         assert!(readable(h.wake.raw_fd()), "a parked worker is woken");
         assert_eq!(
             h.queue.lock().unwrap().len(),

@@ -8,9 +8,12 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::disk::DiskConfig;
+use super::node_catalog::NodeCatalog;
+use super::node_disk::NodeDisk;
 use super::protocol::{
-    shown_key, KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig, Request,
-    Response, SegmentInfo,
+    shown_key, CatalogEntry, KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig,
+    Request, Response, SegmentInfo,
 };
 use super::rpc::RpcClient;
 use crate::auth::ClusterSecret;
@@ -36,6 +39,9 @@ pub struct ClientConfig {
     /// The client's transfer engine: metadata connection, segment name
     /// (`local_server_name`, Mooncake's `local_hostname`), protocol, workers, ...
     pub engine: EngineConfig,
+    /// A disk tier for objects evicted from this node's segment (`--ssd-path`,
+    /// `--ssd-size`); nodes only.
+    pub disk: Option<DiskConfig>,
 }
 
 impl Default for ClientConfig {
@@ -47,6 +53,7 @@ impl Default for ClientConfig {
             verify_checksum: true,
             ping_interval: Duration::from_secs(1),
             engine: EngineConfig::default(),
+            disk: None,
         }
     }
 }
@@ -167,8 +174,27 @@ struct MasterSession {
     /// The engine whose descriptor peers need to reach this client's segment.
     engine: Arc<Engine>,
     segment: Option<SegmentInfo>,
+    /// What this node's segment holds, for a master that lost its state.
+    catalog: Mutex<NodeCatalog>,
+    /// The segment was drained and unmounted: never mount it again.
+    drained: AtomicBool,
+    /// A drain runs (one at a time; a second caller waits for it).
+    draining: Mutex<()>,
+    /// The drain the master asked for, running beside the cataloger.
+    drain_thread: Mutex<Option<JoinHandle<()>>>,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
+}
+
+/// What a drain did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DrainReport {
+    /// Objects moved to other nodes.
+    pub moved: u64,
+    /// Objects that had a replica elsewhere already.
+    pub safe_elsewhere: u64,
+    /// Objects that found no place elsewhere, or failed to move.
+    pub lost: u64,
 }
 
 /// A store client: an engine for the bytes and an RPC channel to the master.
@@ -177,6 +203,8 @@ pub struct Client {
     engine: Arc<Engine>,
     shared: Arc<MasterSession>,
     pinger: Option<JoinHandle<()>>,
+    /// Keeps the segment's catalog (nodes only).
+    cataloger: Option<JoinHandle<()>>,
     segment_ptr: Option<*mut u8>,
 }
 
@@ -217,11 +245,24 @@ impl Client {
         } else {
             (None, None)
         };
+        let disk = match (&config.disk, &segment) {
+            (Some(d), Some(_)) => Some(NodeDisk::open(d.clone())?),
+            (Some(_), None) => {
+                return Err(Error::invalid(
+                    "a disk tier needs a segment to offload from (global_segment_size > 0)",
+                ))
+            }
+            _ => None,
+        };
         let shared = Arc::new(MasterSession {
             id: random_id(),
             rpc,
             engine: engine.clone(),
             segment,
+            catalog: Mutex::new(NodeCatalog::new(disk)),
+            drained: AtomicBool::new(false),
+            draining: Mutex::new(()),
+            drain_thread: Mutex::new(None),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         });
@@ -244,13 +285,42 @@ impl Client {
             .name("mc-store-ping".into())
             .spawn(move || s.ping_loop(interval))
             .map_err(|e| Error::io("spawning pinger", e))?;
+        let cataloger = match &shared.segment {
+            Some(_) => {
+                // Follow the segment's log before anyone can ask this node to read
+                // from its disk tier (the first answer comes at once).
+                shared.catalog_poll();
+                let s = shared.clone();
+                Some(
+                    std::thread::Builder::new()
+                        .name("mc-store-catalog".into())
+                        .spawn(move || s.catalog_loop())
+                        .map_err(|e| Error::io("spawning cataloger", e))?,
+                )
+            }
+            None => None,
+        };
         Ok(Client {
             config,
             engine,
             shared,
             pinger: Some(pinger),
+            cataloger,
             segment_ptr,
         })
+    }
+
+    /// Drains this node before it leaves: no new object is placed on its segment,
+    /// every object only it holds gets a replica on another node (written from this
+    /// node's memory), then the segment is unmounted for good. Objects that found no
+    /// place elsewhere are counted as lost.
+    pub fn drain(&self) -> Result<DrainReport> {
+        self.shared.drain()
+    }
+
+    /// The settings this client was made with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
     }
 
     /// The transfer engine that moves this client's bytes.
@@ -439,7 +509,7 @@ impl Client {
         for (i, rep) in plan {
             let mut off = 0;
             for piece in &rep.pieces {
-                match self.scatter(op, &frags[*i], off, piece) {
+                match scatter(&self.engine, op, &frags[*i], off, piece) {
                     Ok(rs) => {
                         owner.extend(std::iter::repeat_n(*i, rs.len()));
                         reqs.extend(rs);
@@ -453,7 +523,7 @@ impl Client {
         if reqs.is_empty() {
             return outcome;
         }
-        let states = self.run_batch(&reqs);
+        let states = run_batch(&self.engine, &reqs);
         for (task, i) in owner.iter().enumerate() {
             if let Err(e) = &states[task] {
                 if matches!(outcome[*i], Some(Ok(()))) {
@@ -462,60 +532,6 @@ impl Client {
             }
         }
         outcome
-    }
-
-    /// Engine requests moving the value bytes `[off, off+piece.len)` that `frags`
-    /// cover.
-    fn scatter(
-        &self,
-        op: Op,
-        frags: &Fragments,
-        off: u64,
-        piece: &Piece,
-    ) -> Result<Vec<crate::engine::Request>> {
-        let segment = self.engine.open_segment(&piece.segment)?;
-        let mut out = Vec::new();
-        for &(start, addr, len) in frags {
-            let lo = off.max(start);
-            let hi = (off + piece.len).min(start + len);
-            if lo < hi {
-                out.push(crate::engine::Request {
-                    op,
-                    local: addr + (lo - start),
-                    segment,
-                    remote: piece.addr + (lo - off),
-                    len: hi - lo,
-                });
-            }
-        }
-        Ok(out)
-    }
-
-    /// Runs requests as one batch; a result per request.
-    fn run_batch(&self, reqs: &[crate::engine::Request]) -> Vec<Result<()>> {
-        let fail = |e: &Error| vec![Err(e.clone()); reqs.len()];
-        let batch = match self.engine.allocate_batch(reqs.len()) {
-            Ok(b) => b,
-            Err(e) => return fail(&e),
-        };
-        // SAFETY: the callers' buffers outlive this function, which waits for the batch.
-        if let Err(e) = unsafe { self.engine.submit(batch, reqs) } {
-            let _ = self.engine.free_batch(batch);
-            return fail(&e);
-        }
-        let _ = self.engine.wait_batch(batch, None);
-        let out = (0..reqs.len())
-            .map(|t| match self.engine.task_status(batch, t) {
-                Ok(s) if s.state == TaskState::Completed => Ok(()),
-                Ok(s) => Err(Error::new(
-                    Code::TransferFail,
-                    format!("task ended {:?}", s.state),
-                )),
-                Err(e) => Err(e),
-            })
-            .collect();
-        let _ = self.engine.free_batch(batch);
-        out
     }
 
     fn replicas(&self, keys: &[&str]) -> Vec<Result<ObjectDesc>> {
@@ -881,13 +897,247 @@ impl MasterSession {
     /// segment, or for a client lending no memory, pings.
     fn register(&self) -> Result<()> {
         match &self.segment {
-            Some(seg) => self.rpc.call(&Request::Mount {
-                client: self.id,
-                segment: seg.clone(),
-            })?,
-            None => self.rpc.call(&Request::Ping { client: self.id })?,
+            // A remount with an empty catalog is a mount; one with a disk tier that
+            // survived a restart announces what it holds.
+            Some(_) => self.remount(),
+            None => self.rpc.call(&Request::Ping { client: self.id }).map(drop),
+        }
+    }
+
+    /// Mounts this node's segment again on a master that lost it, handing over the
+    /// catalog so the objects still in the segment are served again.
+    fn remount(&self) -> Result<()> {
+        let Some(seg) = &self.segment else {
+            return Ok(());
         };
+        let (requests, announced) = {
+            let mut catalog = self.catalog.lock().unwrap_or_else(|e| e.into_inner());
+            catalog.forget_master();
+            // SAFETY: the segment is this client's own buffer, allocated at
+            // construction and freed only after the pinger (this thread) is joined.
+            unsafe { catalog.remount_requests(self.id, seg) }
+        };
+        let started = Instant::now();
+        for req in &requests {
+            self.rpc.call(req)?;
+        }
+        let seconds = announced.seconds + started.elapsed().as_secs_f64();
+        log::info!(
+            "mounted {}: {} object pieces ({} bytes) and {} disk-tier objects announced in {:.3} s ({:.1} MB/s), {} dropped as corrupt",
+            seg.name,
+            announced.pieces,
+            announced.bytes,
+            announced.on_disk,
+            seconds,
+            announced.bytes as f64 / seconds.max(1e-9) / 1e6,
+            announced.corrupt
+        );
         Ok(())
+    }
+
+    /// Follows the master's log of this node's segment (see `node_catalog`) until the
+    /// client closes.
+    fn catalog_loop(self: Arc<Self>) {
+        while !self.stop.load(Ordering::SeqCst) && !self.drained.load(Ordering::SeqCst) {
+            self.catalog_poll();
+            let asked = self
+                .catalog
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take_drain_request();
+            if asked && self.draining.try_lock().is_ok() {
+                // Draining waits on the master, which waits on this loop's
+                // acknowledgements: it runs beside it.
+                let s = self.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("mc-store-drain".into())
+                    .spawn(move || match s.drain() {
+                        Ok(r) => log::info!("drained as the master asked: {r:?}"),
+                        Err(e) => log::warn!("drain failed: {e}"),
+                    });
+                match spawned {
+                    Ok(t) => *self.drain_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
+                    Err(e) => log::warn!("spawning the drain: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Moves every object only this node holds to other nodes (the master places
+    /// them; this node writes its bytes there), then unmounts the segment for good.
+    fn drain(&self) -> Result<DrainReport> {
+        let Some(seg) = &self.segment else {
+            return Err(Error::invalid(
+                "this client lends no memory: nothing to drain",
+            ));
+        };
+        let _one_at_a_time = self.draining.lock().unwrap_or_else(|e| e.into_inner());
+        if self.drained.load(Ordering::SeqCst) {
+            return Ok(DrainReport::default()); // drained already
+        }
+        self.rpc.call(&Request::Drain {
+            client: self.id,
+            segment: seg.name.clone(),
+        })?;
+        let mut report = DrainReport::default();
+        // Puts that were placed here before the drain began may end after it began:
+        // look again until a pass finds nothing new (bounded).
+        let mut done = std::collections::HashSet::new();
+        for _pass in 0..8 {
+            let movable: Vec<CatalogEntry> = self
+                .catalog
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .movable(&seg.name)
+                .into_iter()
+                .filter(|e| done.insert(e.key.clone()))
+                .collect();
+            if movable.is_empty() {
+                break;
+            }
+            self.relocate(seg, &movable, &mut report)?;
+        }
+        self.drained.store(true, Ordering::SeqCst);
+        self.rpc.call(&Request::Unmount {
+            client: self.id,
+            name: seg.name.clone(),
+        })?;
+        Ok(report)
+    }
+
+    /// Moves `movable` (objects wholly in this node's segment `seg`) elsewhere.
+    fn relocate(
+        &self,
+        seg: &SegmentInfo,
+        movable: &[CatalogEntry],
+        report: &mut DrainReport,
+    ) -> Result<()> {
+        for chunk in movable.chunks(64) {
+            if self.stop.load(Ordering::SeqCst) {
+                return Err(Error::new(
+                    Code::UnavailableInCurrentStatus,
+                    "drain interrupted: the client is closing",
+                ));
+            }
+            let keys: Vec<String> = chunk.iter().map(|e| e.key.clone()).collect();
+            let places = match self.rpc.call(&Request::Relocate {
+                client: self.id,
+                segment: seg.name.clone(),
+                keys,
+            })? {
+                Response::PutStart(v) if v.len() == chunk.len() => v,
+                other => {
+                    return Err(Error::protocol(format!(
+                        "unexpected Relocate answer {other:?}"
+                    )))
+                }
+            };
+            let mut reqs = Vec::new();
+            let mut owner = Vec::new();
+            let mut moving = Vec::new();
+            for (entry, place) in chunk.iter().zip(places) {
+                let target = match place {
+                    Ok(t) if t.is_empty() => {
+                        report.safe_elsewhere += 1;
+                        continue;
+                    }
+                    Ok(mut t) => t.remove(0),
+                    Err(code) => {
+                        log::warn!("drain: no place for {}: {code:?}", shown_key(&entry.key));
+                        report.lost += 1;
+                        continue;
+                    }
+                };
+                let local: Parts = entry
+                    .replica
+                    .pieces
+                    .iter()
+                    .map(|p| (p.addr, p.len))
+                    .collect();
+                let frags = fragments(&local);
+                let mut off = 0;
+                let mut ok = true;
+                for piece in &target.pieces {
+                    match scatter(&self.engine, Op::Write, &frags, off, piece) {
+                        Ok(rs) => {
+                            owner.extend(std::iter::repeat_n(moving.len(), rs.len()));
+                            reqs.extend(rs);
+                        }
+                        Err(_) => ok = false,
+                    }
+                    off += piece.len;
+                }
+                moving.push((entry.key.clone(), ok));
+            }
+            for (task, result) in run_batch(&self.engine, &reqs).into_iter().enumerate() {
+                if result.is_err() {
+                    moving[owner[task]].1 = false;
+                }
+            }
+            if moving.is_empty() {
+                continue;
+            }
+            let ended = self.rpc.call(&Request::RelocateEnd {
+                client: self.id,
+                segment: seg.name.clone(),
+                items: moving.clone(),
+            })?;
+            let results = match ended {
+                Response::PerKey(v) if v.len() == moving.len() => v,
+                other => {
+                    return Err(Error::protocol(format!(
+                        "unexpected RelocateEnd answer {other:?}"
+                    )))
+                }
+            };
+            for ((key, moved), result) in moving.iter().zip(results) {
+                if *moved && result.is_ok() {
+                    report.moved += 1;
+                } else {
+                    log::warn!("drain: {} did not move", shown_key(key));
+                    report.lost += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One poll of the segment's log (see `catalog_loop`).
+    fn catalog_poll(&self) {
+        let Some(seg) = &self.segment else { return };
+        let req = self
+            .catalog
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .poll_request(self.id, &seg.name);
+        let answer = self.rpc.call(&req);
+        let mut catalog = self.catalog.lock().unwrap_or_else(|e| e.into_inner());
+        match answer {
+            // SAFETY: the segment is this client's own buffer, freed only after the
+            // polling threads are joined.
+            Ok(Response::SegmentEvents(ev)) => unsafe { catalog.apply(ev, seg) },
+            Ok(other) => {
+                drop(catalog);
+                log::warn!("catalog poll: unexpected answer {other:?}");
+                self.pause(Duration::from_secs(1));
+            }
+            Err(e) => {
+                catalog.unsent(req);
+                drop(catalog);
+                // Master away or the segment not (yet) mounted: the pinger sorts that
+                // out; keep the catalog and ask again shortly.
+                log::debug!("catalog poll: {e}");
+                self.pause(Duration::from_millis(200));
+            }
+        }
+    }
+
+    /// Waits `d`, or less when the client closes.
+    fn pause(&self, d: Duration) {
+        let guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.stop.load(Ordering::SeqCst) {
+            let _ = self.wake.1.wait_timeout(guard, d);
+        }
     }
 
     fn ping_loop(&self, interval: Duration) {
@@ -903,14 +1153,16 @@ impl MasterSession {
                 break;
             }
             match self.rpc.call(&Request::Ping { client: self.id }) {
-                Ok(Response::Ping { need_remount: true }) if self.segment.is_some() => {
+                Ok(Response::Ping { need_remount: true })
+                    if self.segment.is_some() && !self.drained.load(Ordering::SeqCst) =>
+                {
                     log::warn!("master asks client {:#x} to remount", self.id);
                     // A restarted master's embedded metadata server starts empty:
                     // without the descriptor no peer could reach the segment.
                     if let Err(e) = self.engine.restore_publication() {
                         log::warn!("republishing the segment's descriptor failed: {e}");
                     }
-                    if let Err(e) = self.register() {
+                    if let Err(e) = self.remount() {
                         log::warn!("remount failed: {e}");
                     }
                 }
@@ -931,7 +1183,13 @@ impl Drop for Client {
         if let Some(p) = self.pinger.take() {
             let _ = p.join();
         }
-        if let Some(seg) = &self.shared.segment {
+        if let Some(seg) = self
+            .shared
+            .segment
+            .as_ref()
+            .filter(|_| !self.shared.drained.load(Ordering::SeqCst))
+        {
+            // The unmount also ends the cataloger's poll at once.
             if let Err(e) = self.shared.rpc.call(&Request::Unmount {
                 client: self.shared.id,
                 name: seg.name.clone(),
@@ -939,9 +1197,65 @@ impl Drop for Client {
                 log::debug!("unmount on close: {e}");
             }
         }
+        if let Some(c) = self.cataloger.take() {
+            let _ = c.join();
+        }
+        // It reads the segment, which goes below: it stops at its next chunk.
+        let drain = self
+            .shared
+            .drain_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(d) = drain {
+            let _ = d.join();
+        }
         if let Some(ptr) = self.segment_ptr.take() {
             let _ = self.engine.free_buffer(ptr);
         }
+    }
+}
+
+/// Engine requests moving the value bytes `[off, off+piece.len)` that `frags`
+/// cover.
+fn scatter(
+    engine: &Engine,
+    op: Op,
+    frags: &Fragments,
+    off: u64,
+    piece: &Piece,
+) -> Result<Vec<crate::engine::Request>> {
+    let segment = engine.open_segment(&piece.segment)?;
+    let mut out = Vec::new();
+    for &(start, addr, len) in frags {
+        let lo = off.max(start);
+        let hi = (off + piece.len).min(start + len);
+        if lo < hi {
+            out.push(crate::engine::Request {
+                op,
+                local: addr + (lo - start),
+                segment,
+                remote: piece.addr + (lo - off),
+                len: hi - lo,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Runs requests as one batch; a result per request.
+fn run_batch(engine: &Engine, reqs: &[crate::engine::Request]) -> Vec<Result<()>> {
+    // SAFETY: the callers' buffers outlive this call, which returns only when no task
+    // can touch them any more. Small batches run on this thread (no worker hand-off).
+    match unsafe { engine.transfer_sync_states(reqs) } {
+        Ok(states) => states
+            .into_iter()
+            .map(|s| match s {
+                TaskState::Completed => Ok(()),
+                s => Err(Error::new(Code::TransferFail, format!("task ended {s:?}"))),
+            })
+            .collect(),
+        Err(e) => vec![Err(e); reqs.len()],
     }
 }
 

@@ -241,9 +241,14 @@ pub fn campaign(
         if let Some(view) = read_view(&etcd, cluster_id)? {
             if announced.as_ref() != Some(&view) {
                 log::info!("standing by: {} leads (epoch {})", view.address, view.epoch);
-                announced = Some(view);
             }
-            stop.wait(poll);
+            // Woken by the view's change (the leader's lease running out deletes it),
+            // else look again after `poll`.
+            if let Err(e) = etcd.watch_change(key.as_bytes(), view.epoch + 1, poll) {
+                log::debug!("watching the master view: {e}; polling");
+                stop.wait(poll);
+            }
+            announced = Some(view);
             continue;
         }
         let lease = etcd.lease_grant(ttl_s)?;

@@ -8,11 +8,13 @@ pub mod codec;
 pub mod disk;
 pub mod ha;
 pub mod master;
+pub mod node_catalog;
+pub mod node_disk;
 pub mod protocol;
 pub mod rpc;
 pub mod server;
 
-pub use client::{default_metadata, metadata_of_master, Client, ClientConfig};
+pub use client::{default_metadata, metadata_of_master, Client, ClientConfig, DrainReport};
 pub use master::{Master, MasterConfig};
 pub use protocol::ReplicateConfig;
 pub use server::{MasterServer, ServerConfig};

@@ -90,6 +90,109 @@ pub struct SegmentInfo {
     pub size: u64,
 }
 
+/// What a node knows of one object piece in its segment, so that a master that lost
+/// its state (restart, failover) can take the object back without moving a byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CatalogEntry {
+    /// The object's key.
+    pub key: String,
+    /// The put that wrote it: a later put of the same key has a larger version.
+    pub version: u64,
+    /// Value size in bytes.
+    pub size: u64,
+    /// CRC32C of the whole value.
+    pub crc32c: u32,
+    /// Never evicted.
+    pub hard_pin: bool,
+    /// The whole replica this piece belongs to, in value order.
+    pub replica: ReplicaDesc,
+    /// Which of `replica.pieces` lies in the node's segment.
+    pub index: u32,
+}
+
+impl CatalogEntry {
+    /// This entry's piece (the one in the node's segment).
+    pub fn piece(&self) -> Option<&Piece> {
+        self.replica.pieces.get(self.index as usize)
+    }
+
+    /// About how many bytes the entry takes on the wire (for sizing messages).
+    pub fn wire_size(&self) -> usize {
+        let pieces: usize = self
+            .replica
+            .pieces
+            .iter()
+            .map(|p| p.segment.len() + 24)
+            .sum();
+        self.key.len() + 48 + pieces
+    }
+}
+
+/// An object a node keeps in its disk tier (as it announces it to a master).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskEntry {
+    /// The object's key.
+    pub key: String,
+    /// The put that wrote it.
+    pub version: u64,
+    /// Value size in bytes.
+    pub size: u64,
+    /// CRC32C of the value.
+    pub crc32c: u32,
+}
+
+/// One change to a segment's catalog, in the master's order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CatalogEvent {
+    /// An object piece was committed at `entry.piece().addr`.
+    Commit(CatalogEntry),
+    /// The piece at this address is gone (removed, evicted, replaced).
+    Free(u64),
+    /// The object at this address was evicted from memory: keep it in the disk tier
+    /// (before acknowledging: the space is reused only then).
+    Offload(u64),
+    /// Read the disk tier's copy of `key` (`version`) into memory at `addr` (before
+    /// acknowledging; a copy that cannot be read is reported lost).
+    Load {
+        /// The object.
+        key: String,
+        /// The version the master expects.
+        version: u64,
+        /// Where its `size` bytes go in the node's segment.
+        addr: u64,
+        /// Bytes.
+        size: u64,
+    },
+    /// Drop the disk tier's copy of `key` if it is of `version` (the object was
+    /// removed or replaced).
+    Forget {
+        /// The object.
+        key: String,
+        /// The version whose copy goes (a later one stays).
+        version: u64,
+    },
+}
+
+/// The master's answer to `SegmentEvents`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentEvents {
+    /// The master incarnation the sequence numbers belong to.
+    pub instance: u64,
+    /// The catalog starts over: the events from here on list the segment's every
+    /// object (then what changed since); entries they have not named by
+    /// `snapshot_end` are gone.
+    pub reset: bool,
+    /// With `reset`: the sequence number by which the snapshot is complete.
+    pub snapshot_end: u64,
+    /// The segment is draining: its node moves every object only it holds elsewhere
+    /// (`Relocate`), then unmounts.
+    pub draining: bool,
+    /// Sequence number of the last event here (acknowledge it with the next call).
+    pub last: u64,
+    /// The changes, oldest first.
+    pub events: Vec<CatalogEvent>,
+}
+
 /// Pool-wide figures the master reports.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
@@ -203,6 +306,64 @@ pub enum Request {
     /// The URL of the metadata service the master's nodes publish to (its embedded
     /// server). Added within protocol version 1: an older master closes the connection.
     MetadataUrl,
+    /// Mounts a segment that already holds objects (after the master lost its state):
+    /// the node's catalog, in chunks; the segment is mounted with those objects at the
+    /// `last` one.
+    Remount {
+        /// The calling client.
+        client: u64,
+        /// The segment lent.
+        segment: SegmentInfo,
+        /// A chunk of the node's catalog.
+        entries: Vec<CatalogEntry>,
+        /// A chunk of what the node's disk tier holds.
+        disk: Vec<DiskEntry>,
+        /// This is the final chunk.
+        last: bool,
+    },
+    /// Waits (briefly) for changes to a segment's catalog, acknowledging those up to
+    /// `acked` of master `instance` (0: none yet; the answer then resets the catalog).
+    SegmentEvents {
+        /// The calling client (the segment's owner).
+        client: u64,
+        /// The segment.
+        segment: String,
+        /// The master incarnation `acked` counts in.
+        instance: u64,
+        /// The last event applied.
+        acked: u64,
+        /// Bytes of the node's disk tier (0: none): evicted objects may go there.
+        disk_capacity: u64,
+        /// Keys whose disk-tier copy is gone (evicted there, corrupt, unreadable).
+        lost: Vec<String>,
+    },
+    /// Stops placing anything new on a segment of the caller's, before it leaves.
+    Drain {
+        /// The calling client (the segment's owner).
+        client: u64,
+        /// The segment.
+        segment: String,
+    },
+    /// For each key with no replica outside the draining `segment`: a new replica's
+    /// place elsewhere (empty when the object is safe already).
+    Relocate {
+        /// The calling client (the segment's owner).
+        client: u64,
+        /// The draining segment.
+        segment: String,
+        /// Objects with a piece in it.
+        keys: Vec<String>,
+    },
+    /// Ends relocations: each `(key, moved)` whose bytes were (or were not) written to
+    /// the place `Relocate` gave; a moved replica replaces the one in the segment.
+    RelocateEnd {
+        /// The calling client.
+        client: u64,
+        /// The draining segment.
+        segment: String,
+        /// Keys and whether their bytes moved.
+        items: Vec<(String, bool)>,
+    },
 }
 
 /// Result of one key in a batch: `Ok` or a store code.
@@ -232,6 +393,8 @@ pub enum Response {
     Stats(PoolStats),
     /// Empty when the master runs no metadata server.
     MetadataUrl(String),
+    /// Answer to `SegmentEvents`.
+    SegmentEvents(SegmentEvents),
 }
 
 impl Request {
@@ -253,6 +416,11 @@ impl Request {
             Request::RemoveKeys { .. } => 13,
             Request::ReplicaClear { .. } => 14,
             Request::MetadataUrl => 15,
+            Request::Remount { .. } => 16,
+            Request::SegmentEvents { .. } => 17,
+            Request::Drain { .. } => 18,
+            Request::Relocate { .. } => 19,
+            Request::RelocateEnd { .. } => 20,
         }
     }
 
@@ -320,6 +488,60 @@ impl Request {
                 });
                 w.str(segment);
             }
+            Request::Remount {
+                client,
+                segment,
+                entries,
+                disk,
+                last,
+            } => {
+                w.u64(*client)
+                    .str(&segment.name)
+                    .u64(segment.base)
+                    .u64(segment.size);
+                w.list(entries, encode_entry);
+                w.list(disk, |w, d| {
+                    w.str(&d.key).u64(d.version).u64(d.size).u32(d.crc32c);
+                });
+                w.bool(*last);
+            }
+            Request::SegmentEvents {
+                client,
+                segment,
+                instance,
+                acked,
+                disk_capacity,
+                lost,
+            } => {
+                w.u64(*client).str(segment).u64(*instance).u64(*acked);
+                w.u64(*disk_capacity);
+                w.list(lost, |w, k| {
+                    w.str(k);
+                });
+            }
+            Request::Drain { client, segment } => {
+                w.u64(*client).str(segment);
+            }
+            Request::Relocate {
+                client,
+                segment,
+                keys,
+            } => {
+                w.u64(*client).str(segment);
+                w.list(keys, |w, k| {
+                    w.str(k);
+                });
+            }
+            Request::RelocateEnd {
+                client,
+                segment,
+                items,
+            } => {
+                w.u64(*client).str(segment);
+                w.list(items, |w, (k, moved)| {
+                    w.str(k).bool(*moved);
+                });
+            }
         }
     }
 
@@ -380,11 +602,85 @@ impl Request {
                 segment: r.string()?,
             },
             15 => Request::MetadataUrl,
+            16 => Request::Remount {
+                client: r.u64()?,
+                segment: SegmentInfo {
+                    name: r.string()?,
+                    base: r.u64()?,
+                    size: r.u64()?,
+                },
+                entries: r.list(40, decode_entry)?,
+                disk: r.list(24, |r| {
+                    Ok(DiskEntry {
+                        key: r.string()?,
+                        version: r.u64()?,
+                        size: r.u64()?,
+                        crc32c: r.u32()?,
+                    })
+                })?,
+                last: r.bool()?,
+            },
+            17 => Request::SegmentEvents {
+                client: r.u64()?,
+                segment: r.string()?,
+                instance: r.u64()?,
+                acked: r.u64()?,
+                disk_capacity: r.u64()?,
+                lost: keys(&mut r)?,
+            },
+            18 => Request::Drain {
+                client: r.u64()?,
+                segment: r.string()?,
+            },
+            19 => Request::Relocate {
+                client: r.u64()?,
+                segment: r.string()?,
+                keys: keys(&mut r)?,
+            },
+            20 => Request::RelocateEnd {
+                client: r.u64()?,
+                segment: r.string()?,
+                items: r.list(5, |r| Ok((r.string()?, r.bool()?)))?,
+            },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
         Ok(req)
     }
+}
+
+fn encode_entry(w: &mut Writer, e: &CatalogEntry) {
+    w.str(&e.key)
+        .u64(e.version)
+        .u64(e.size)
+        .u32(e.crc32c)
+        .bool(e.hard_pin);
+    encode_replicas(w, std::slice::from_ref(&e.replica));
+    w.u32(e.index);
+}
+
+fn decode_entry(r: &mut Reader) -> Result<CatalogEntry> {
+    let key = r.string()?;
+    let (version, size, crc32c, hard_pin) = (r.u64()?, r.u64()?, r.u32()?, r.bool()?);
+    let mut replicas = decode_replicas(r)?;
+    let index = r.u32()?;
+    let replica = match (replicas.pop(), replicas.is_empty()) {
+        (Some(rep), true) if (index as usize) < rep.pieces.len() => rep,
+        _ => {
+            return Err(Error::protocol(
+                "catalog entry: one replica holding its piece",
+            ))
+        }
+    };
+    Ok(CatalogEntry {
+        key,
+        version,
+        size,
+        crc32c,
+        hard_pin,
+        replica,
+        index,
+    })
 }
 
 fn encode_config(w: &mut Writer, c: &ReplicateConfig) {
@@ -500,6 +796,36 @@ impl Response {
             Response::MetadataUrl(url) => {
                 w.str(url);
             }
+            Response::SegmentEvents(ev) => {
+                w.u64(ev.instance)
+                    .bool(ev.reset)
+                    .u64(ev.snapshot_end)
+                    .bool(ev.draining)
+                    .u64(ev.last);
+                w.list(&ev.events, |w, e| match e {
+                    CatalogEvent::Commit(entry) => {
+                        w.u8(1);
+                        encode_entry(w, entry);
+                    }
+                    CatalogEvent::Free(addr) => {
+                        w.u8(2).u64(*addr);
+                    }
+                    CatalogEvent::Offload(addr) => {
+                        w.u8(3).u64(*addr);
+                    }
+                    CatalogEvent::Load {
+                        key,
+                        version,
+                        addr,
+                        size,
+                    } => {
+                        w.u8(4).str(key).u64(*version).u64(*addr).u64(*size);
+                    }
+                    CatalogEvent::Forget { key, version } => {
+                        w.u8(5).str(key).u64(*version);
+                    }
+                });
+            }
         }
     }
 
@@ -510,9 +836,9 @@ impl Response {
             1 => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 => Response::Done,
-            4 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
-            5 | 6 | 13 | 14 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
+            2 | 3 | 16 | 18 => Response::Done,
+            4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
+            5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
             7 => Response::GetReplicas(r.list(4, |r| {
                 decode_result(r, |r| {
                     Ok(ObjectDesc {
@@ -534,6 +860,29 @@ impl Response {
                 evicted_bytes: r.u64()?,
             }),
             15 => Response::MetadataUrl(r.string()?),
+            17 => Response::SegmentEvents(SegmentEvents {
+                instance: r.u64()?,
+                reset: r.bool()?,
+                snapshot_end: r.u64()?,
+                draining: r.bool()?,
+                last: r.u64()?,
+                events: r.list(9, |r| match r.u8()? {
+                    1 => Ok(CatalogEvent::Commit(decode_entry(r)?)),
+                    2 => Ok(CatalogEvent::Free(r.u64()?)),
+                    3 => Ok(CatalogEvent::Offload(r.u64()?)),
+                    4 => Ok(CatalogEvent::Load {
+                        key: r.string()?,
+                        version: r.u64()?,
+                        addr: r.u64()?,
+                        size: r.u64()?,
+                    }),
+                    5 => Ok(CatalogEvent::Forget {
+                        key: r.string()?,
+                        version: r.u64()?,
+                    }),
+                    t => Err(Error::protocol(format!("catalog event type {t}"))),
+                })?,
+            }),
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
@@ -584,6 +933,100 @@ mod tests {
         // A cut never splits a character.
         let wide = "é".repeat(100);
         assert!(shown_key(&wide).contains("(200 bytes)"));
+    }
+
+    fn round_trip(req: Request, resp: Response) {
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        assert_eq!(Request::decode(req.method(), &w.into_bytes()).unwrap(), req);
+        let mut w = Writer::new();
+        resp.encode(&mut w);
+        assert_eq!(
+            Response::decode(req.method(), &w.into_bytes()).unwrap(),
+            resp
+        );
+    }
+
+    #[test]
+    fn catalog_messages_round_trip() {
+        let entry = CatalogEntry {
+            key: "k/1".into(),
+            version: 7 << 32 | 3,
+            size: 5000,
+            crc32c: 0xDEAD_BEEF,
+            hard_pin: true,
+            replica: ReplicaDesc {
+                pieces: vec![
+                    Piece {
+                        segment: "a".into(),
+                        addr: 4096,
+                        len: 4000,
+                    },
+                    Piece {
+                        segment: "b".into(),
+                        addr: 0,
+                        len: 1000,
+                    },
+                ],
+            },
+            index: 1,
+        };
+        let segment = SegmentInfo {
+            name: "b".into(),
+            base: 0,
+            size: 1 << 20,
+        };
+        round_trip(
+            Request::Remount {
+                client: 9,
+                segment,
+                entries: vec![entry.clone()],
+                disk: vec![DiskEntry {
+                    key: "d".into(),
+                    version: 3,
+                    size: 10,
+                    crc32c: 5,
+                }],
+                last: true,
+            },
+            Response::Done,
+        );
+        round_trip(
+            Request::SegmentEvents {
+                client: 9,
+                segment: "b".into(),
+                instance: 4,
+                acked: 12,
+                disk_capacity: 1 << 30,
+                lost: vec!["gone".into()],
+            },
+            Response::SegmentEvents(SegmentEvents {
+                instance: 4,
+                reset: false,
+                snapshot_end: 0,
+                draining: true,
+                last: 14,
+                events: vec![
+                    CatalogEvent::Free(4096),
+                    CatalogEvent::Commit(entry.clone()),
+                    CatalogEvent::Offload(64),
+                    CatalogEvent::Load {
+                        key: "k".into(),
+                        version: 2,
+                        addr: 128,
+                        size: 9,
+                    },
+                    CatalogEvent::Forget {
+                        key: "k".into(),
+                        version: 2,
+                    },
+                ],
+            }),
+        );
+        // An entry whose index names no piece is malformed.
+        let mut w = Writer::new();
+        encode_entry(&mut w, &CatalogEntry { index: 2, ..entry });
+        assert!(decode_entry(&mut Reader::new(&w.into_bytes())).is_err());
     }
 
     #[test]

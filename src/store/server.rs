@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::master::{Master, MasterConfig};
+use super::master::{Clock, Master, MasterConfig};
 use crate::auth::{self, ClusterSecret};
 use crate::error::{Error, Result};
 use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
@@ -65,7 +65,13 @@ pub struct MasterServer {
 impl MasterServer {
     /// Starts the servers and the housekeeping thread.
     pub fn start(config: ServerConfig) -> Result<MasterServer> {
-        let master = Arc::new(Master::new(config.master.clone()));
+        MasterServer::start_with_clock(config, Clock::system())
+    }
+
+    /// Starts the servers with the master on `clock` (tests drive leases and
+    /// liveness with a manual one).
+    pub fn start_with_clock(config: ServerConfig, clock: Clock) -> Result<MasterServer> {
+        let master = Arc::new(Master::with_clock(config.master.clone(), clock));
         let bind = |port| SocketAddr::new(config.bind, port);
         // The metadata server first, so that the RPC can tell clients its URL from the
         // first request on.
@@ -161,12 +167,34 @@ impl Drop for MasterServer {
     }
 }
 
+/// `POST /drain?segment=NAME`: the segment's node moves what only it holds elsewhere,
+/// then leaves (signed like every write when the cluster has a secret).
+fn drain(master: &Master, req: &HttpRequest) -> HttpResponse {
+    let Some(segment) = req.query_param("segment") else {
+        return HttpResponse::text(400, "missing segment parameter");
+    };
+    match master.drain(None, segment) {
+        Ok(()) => HttpResponse::json(
+            200,
+            Value::object([("segment", Value::from(segment)), ("draining", true.into())])
+                .to_string(),
+        ),
+        Err(e) if e.code() == crate::error::Code::SegmentNotFound => {
+            HttpResponse::text(404, "no such segment")
+        }
+        Err(e) => HttpResponse::text(500, e.to_string()),
+    }
+}
+
 /// Keys `/get_all_keys` lists when no `limit` is given, and the most it lists at all.
 const DEFAULT_KEY_LIMIT: usize = 10_000;
 const MAX_KEY_LIMIT: usize = 1_000_000;
 
 fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
-    // Every admin endpoint only reads.
+    if req.method == "POST" && req.path == "/drain" {
+        return drain(master, req);
+    }
+    // Every other admin endpoint only reads.
     if !matches!(req.method.as_str(), "GET" | "HEAD") {
         return HttpResponse::text(405, "method not allowed");
     }

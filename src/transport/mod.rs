@@ -20,6 +20,18 @@ use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::Region;
 
+/// The monotonic clock at tick resolution (a few ms), for ages that need no more: a
+/// read costs a fraction of a precise one, which matters on a per-operation path.
+pub(crate) fn coarse_now() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill; the clock id is constant.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 /// Transfer direction, seen from the caller.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -241,6 +253,13 @@ pub trait Transport: Send + Sync {
 
     /// State for one engine worker thread.
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>>;
+
+    /// System calls (or posted work requests) that put requests on the wire since
+    /// the transport started: how well small slices are coalesced. 0 where nothing
+    /// is sent (memcpy transports).
+    fn sends(&self) -> u64 {
+        0
+    }
 
     /// Answers a peer's Connection RPC (queue-pair exchange, JSON in and out);
     /// `None` when this transport takes no part in it.

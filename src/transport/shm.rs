@@ -34,7 +34,9 @@
 //! copies, and decrements; an unregistering owner withdraws the range from its table,
 //! bumps the generation and waits for the old generation's count to drain (copies
 //! starting meanwhile count on the other one, so a busy engine cannot stall it). So no copy touches a buffer after `unregister_memory` returns. A pidfd tells
-//! whether the peer still lives, so a recycled PID is never written to.
+//! whether the peer still lives, so a recycled PID is never written to: checked before
+//! every process_vm copy; a copy through a mapping (which cannot reach another
+//! process) relies on a check at most `LIVENESS_AGE` old.
 //!
 //! Device memory (CUDA, HIP) moves GPU to GPU without touching the CPU: a registered
 //! device buffer is exported with an IPC handle (published as `mc_ipc_handle`), which
@@ -55,7 +57,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::{Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker};
+use super::{
+    coarse_now, Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker,
+};
 use crate::device::{self, IpcExport, MemoryKind};
 use crate::error::{Error, Result};
 use crate::memfd::{self, Mapping, SharedMemory, Sharing};
@@ -68,6 +72,11 @@ const PAGE: usize = 4096;
 const GUARD_NAME: &str = "mooncake-shm-guard";
 /// How long an unregistration waits for a crashed copier's count before going on.
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+/// How old a liveness check a copy through a mapping may rely on: the mapping holds
+/// the peer's file, never another process's memory, so the check only decides how
+/// soon copies to an exited peer start failing, and one syscall per small copy would
+/// cost more than the copy. Measured on the coarse clock (a tick is a few ms).
+const LIVENESS_AGE: Duration = Duration::from_millis(10);
 
 /// The guard page layout, shared by owner and copiers.
 #[repr(C)]
@@ -120,6 +129,8 @@ pub struct ShmTransport {
     table: OwnerTable,
     host_id: String,
     vm_denied: VmDenied,
+    /// This process's id, asked once (every lookup is a system call).
+    pid: u32,
 }
 
 impl ShmTransport {
@@ -135,6 +146,7 @@ impl ShmTransport {
             table,
             host_id: host_id(),
             vm_denied: VmDenied::default(),
+            pid: std::process::id(),
         };
         t.page().token.store(token, Ordering::SeqCst);
         Ok(t)
@@ -224,7 +236,7 @@ impl Transport for ShmTransport {
         let page = self.page();
         desc.host = Some(HostInfo {
             host_id: self.host_id.clone(),
-            pid: std::process::id(),
+            pid: self.pid,
             guard_fd: self.guard.fd(),
             ranges_fd: self.table.fd(),
             token: page.token.load(Ordering::SeqCst),
@@ -234,10 +246,7 @@ impl Transport for ShmTransport {
 
     fn reaches(&self, peer: &SegmentDesc) -> bool {
         peer.host.as_ref().is_some_and(|h| {
-            h.host_id == self.host_id
-                && h.pid != std::process::id()
-                && h.guard_fd >= 0
-                && h.ranges_fd >= 0
+            h.host_id == self.host_id && h.pid != self.pid && h.guard_fd >= 0 && h.ranges_fd >= 0
         })
     }
 
@@ -300,6 +309,8 @@ struct Attached {
     /// by start address.
     known: BTreeMap<u64, Known>,
     generation: u64,
+    /// When the pidfd last said the peer lives (`coarse_now`).
+    seen_alive: std::cell::Cell<Duration>,
 }
 
 /// One of the owner's ranges as listed in its table, with our view of it.
@@ -390,6 +401,7 @@ impl Attached {
             table,
             known: BTreeMap::new(),
             generation: 0,
+            seen_alive: std::cell::Cell::new(Duration::ZERO),
         };
         if attached.page().token.load(Ordering::SeqCst) != h.token {
             return Err(denied(format!(
@@ -417,7 +429,16 @@ impl Attached {
             revents: 0,
         };
         // SAFETY: one valid pollfd; a pidfd turns readable when the process exits.
-        unsafe { libc::poll(&mut pfd, 1, 0) == 0 }
+        let alive = unsafe { libc::poll(&mut pfd, 1, 0) == 0 };
+        if alive {
+            self.seen_alive.set(coarse_now());
+        }
+        alive
+    }
+
+    /// Whether the peer lives, by a check at most `LIVENESS_AGE` old.
+    fn alive_lately(&self) -> bool {
+        coarse_now().saturating_sub(self.seen_alive.get()) < LIVENESS_AGE || self.alive()
     }
 
     /// The owner's range holding the slice's remote range, looked up in its table on
@@ -598,7 +619,12 @@ impl Attached {
         active.fetch_add(1, Ordering::SeqCst);
         let result = if page.generation.load(Ordering::SeqCst) != generation {
             Err(CopyError::Stale)
-        } else if !self.alive() {
+        } else if !(if remote.is_some() {
+            self.alive_lately()
+        } else {
+            self.alive()
+        }) {
+            // process_vm addresses the peer by pid: a fresh check, always.
             Err(CopyError::Failed(format!("process {pid} exited")))
         } else {
             match remote {

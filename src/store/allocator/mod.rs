@@ -220,6 +220,78 @@ impl SlabAllocator {
         }
     }
 
+    /// An allocator for a segment some of whose space is already in use: each claim
+    /// `(offset, size)` names a block this allocator's layout (same `capacity` and
+    /// `config`) would have handed out. It is taken back as allocated, in claim order;
+    /// a claim that does not fit the layout (misaligned, past the end, a block taken
+    /// twice, a slab claimed by two size classes) gets `None`. Used to rebuild a
+    /// restarted master's view of a node that still holds its objects.
+    pub fn with_claims(
+        capacity: u64,
+        config: AllocatorConfig,
+        claims: &[(u64, u64)],
+    ) -> (SlabAllocator, Vec<Option<Allocation>>) {
+        let a = SlabAllocator::new(capacity, config);
+        // Per slab: its class and which blocks are taken.
+        let mut slabs: std::collections::BTreeMap<usize, (usize, Vec<bool>)> =
+            std::collections::BTreeMap::new();
+        let mut out = Vec::with_capacity(claims.len());
+        for &(offset, size) in claims {
+            out.push(a.place_claim(offset, size, &mut slabs));
+        }
+        let slot = shards::thread_slot();
+        let mut bound = vec![false; slabs.keys().next_back().map_or(0, |s| s + 1)];
+        for (&slab, (class, taken)) in &slabs {
+            let block_size = a.classes.size(*class);
+            let blocks = taken.len() as u32;
+            a.reclaim.bound(u64::from(blocks) * block_size);
+            if let Some((first, last)) = a.slabs.bind_taken(slab, *class, blocks, taken) {
+                a.head(*class, 0).push_chain(first, last);
+            }
+            bound[slab] = true;
+        }
+        let smallest = (a.slab_size / a.classes.size(0)) as u32;
+        a.slabs.settle_rebuilt(bound.len(), &bound, smallest);
+        for x in out.iter().flatten() {
+            a.counters.add(slot, x.block_size(), x.size);
+        }
+        (a, out)
+    }
+
+    /// Places one claim of [`with_claims`](Self::with_claims) in `slabs`.
+    fn place_claim(
+        &self,
+        offset: u64,
+        size: u64,
+        slabs: &mut std::collections::BTreeMap<usize, (usize, Vec<bool>)>,
+    ) -> Option<Allocation> {
+        let class = self.classes.class_of(size)?;
+        let block_size = self.classes.size(class);
+        let slab = usize::try_from(offset / self.slab_size).ok()?;
+        let within = offset % self.slab_size;
+        if slab >= self.slabs.len() || within % block_size != 0 {
+            return None;
+        }
+        let per_slab = (self.slab_size / block_size) as u32;
+        let block = (within / block_size) as u32;
+        if block >= per_slab {
+            return None;
+        }
+        let (bound_class, taken) = slabs
+            .entry(slab)
+            .or_insert_with(|| (class, vec![false; per_slab as usize]));
+        if *bound_class != class || taken[block as usize] {
+            return None;
+        }
+        taken[block as usize] = true;
+        Some(Allocation {
+            offset,
+            size,
+            block: self.slabs.id(slab, block),
+            units: (block_size / ALIGN) as u32,
+        })
+    }
+
     /// Allocates a block for `size` bytes; `None` for 0, for sizes above
     /// [`max_object_size`](Self::max_object_size), or when no space is left.
     #[inline]
@@ -515,6 +587,65 @@ mod tests {
         a.free(x);
         assert_eq!(a.reclaim_free_slabs(), 2);
         assert_eq!(a.carved_bytes(), 0);
+    }
+
+    #[test]
+    fn claims_rebuild_the_same_allocations_and_the_rest_stays_free() {
+        let cfg = AllocatorConfig {
+            slab_size: 64 * 1024,
+            ..AllocatorConfig::default()
+        };
+        let first = SlabAllocator::new(8 * 64 * 1024, cfg.clone());
+        let mut live: Vec<Allocation> = (0..40)
+            .map(|i| first.alloc(if i % 2 == 0 { 1000 } else { 20_000 }).unwrap())
+            .collect();
+        // Leave some out so the rebuilt allocator has holes inside slabs.
+        live.drain(..10);
+        live.remove(7);
+        let claims: Vec<(u64, u64)> = live.iter().map(|x| (x.offset, x.size)).collect();
+        let (again, got) = SlabAllocator::with_claims(first.capacity(), cfg, &claims);
+        assert!(got.iter().all(Option::is_some));
+        assert_eq!(
+            again.requested_bytes(),
+            claims.iter().map(|c| c.1).sum::<u64>()
+        );
+        // New allocations never overlap a claimed block.
+        let taken: Vec<(u64, u64)> = got
+            .iter()
+            .flatten()
+            .map(|x| (x.offset, x.block_size()))
+            .collect();
+        let mut fresh = Vec::new();
+        while let Some(x) = again.alloc(1000) {
+            assert!(taken
+                .iter()
+                .all(|(o, l)| x.offset + x.block_size() <= *o || x.offset >= o + l));
+            fresh.push(x);
+        }
+        assert!(!fresh.is_empty());
+        for x in got.into_iter().flatten().chain(fresh) {
+            assert_eq!(again.try_free(x), Ok(()));
+        }
+        assert_eq!(again.used_bytes(), 0);
+    }
+
+    #[test]
+    fn claims_that_do_not_fit_the_layout_are_refused() {
+        let cfg = AllocatorConfig {
+            slab_size: 64 * 1024,
+            ..AllocatorConfig::default()
+        };
+        let claims = [
+            (0, 1000),          // ok: block 0 of a 1024-byte class
+            (0, 1000),          // the same block twice
+            (64, 1000),         // misaligned for its class
+            (1024, 20_000),     // a second class in the same slab
+            (10 * 65536, 1000), // past the end
+            (65536, 0),         // empty
+        ];
+        let (_, got) = SlabAllocator::with_claims(4 * 64 * 1024, cfg, &claims);
+        let ok: Vec<bool> = got.iter().map(Option::is_some).collect();
+        assert_eq!(ok, [true, false, false, false, false, false]);
     }
 
     #[test]

@@ -218,6 +218,57 @@ impl SlabTable {
             .push_chain(slab as u32, &self.slots[slab].next_free);
     }
 
+    /// Rebuild only (one thread, before the table is shared): binds slab `slab` to
+    /// `class` with `blocks` blocks of which those with `taken[b]` are allocated, and
+    /// returns the chain of the others for one `push_chain`, as `bind` does.
+    pub(crate) fn bind_taken(
+        &self,
+        slab: usize,
+        class: usize,
+        blocks: u32,
+        taken: &[bool],
+    ) -> Option<(u32, &AtomicU32)> {
+        let meta = self.slots[slab]
+            .meta
+            .get_or_init(|| SlabMeta::new(blocks.max(self.min_links)));
+        debug_assert!(blocks <= meta.link_capacity() && taken.len() == blocks as usize);
+        let mut first: Option<u32> = None;
+        let mut prev: Option<u32> = None;
+        for b in 0..blocks {
+            if taken[b as usize] {
+                meta.link(b).store(ALLOCATED, Ordering::Relaxed);
+                continue;
+            }
+            match prev {
+                Some(p) => meta
+                    .link(p)
+                    .store(link_to(self.id(slab, b)), Ordering::Relaxed),
+                None => first = Some(b),
+            }
+            prev = Some(b);
+        }
+        meta.shape.store(
+            BOUND | ((class as u64) << 32) | u64::from(blocks),
+            Ordering::Release,
+        );
+        Some((self.id(slab, first?), meta.link(prev?)))
+    }
+
+    /// Rebuild only: the slabs below `end` are claimed; those of them not bound
+    /// (`bound[s]` false) go on the free-slab stack, with `links` links each (as many
+    /// as a fresh slab of the smallest class gets), the rest stay fresh.
+    pub(crate) fn settle_rebuilt(&self, end: usize, bound: &[bool], links: u32) {
+        self.fresh.store(end, Ordering::Relaxed);
+        for slab in (0..end).filter(|s| !bound[*s]) {
+            self.slots[slab]
+                .meta
+                .get_or_init(|| SlabMeta::new(links.max(self.min_links)));
+            self.free_count.fetch_add(1, Ordering::Relaxed);
+            self.free
+                .push_chain(slab as u32, &self.slots[slab].next_free);
+        }
+    }
+
     /// Slabs currently serving a class (claimed and not back on the free stack).
     pub(crate) fn bound(&self) -> usize {
         let claimed = self.fresh.load(Ordering::Relaxed).min(self.slots.len());

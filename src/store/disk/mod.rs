@@ -103,6 +103,8 @@ struct Inner {
     /// Keys dropped by eviction, and records found corrupt at read time.
     evicted: u64,
     corrupt: u64,
+    /// Keys dropped (evicted or corrupt) since `take_dropped` last ran.
+    dropped: Vec<String>,
 }
 
 /// Figures of a disk tier.
@@ -286,6 +288,7 @@ impl DiskTier {
                 used,
                 evicted: 0,
                 corrupt: 0,
+                dropped: Vec::new(),
             }),
         };
         // Appends never follow bytes a scan could not account for: start a new file.
@@ -335,6 +338,7 @@ impl DiskTier {
             if inner.index.get(&key).is_some_and(|l| l.file == id) {
                 inner.index.remove(&key);
                 inner.evicted += 1;
+                inner.dropped.push(key);
             }
         }
         inner.used -= f.tail;
@@ -507,6 +511,7 @@ impl DiskTier {
                 .is_some_and(|l| l.file == loc.file && l.offset == loc.offset)
             {
                 inner.index.remove(key);
+                inner.dropped.push(key.to_owned());
             }
             inner.corrupt += 1;
             log::error!(
@@ -537,6 +542,22 @@ impl DiskTier {
         file.write_all_at(&head, offset)
             .map_err(|e| io_err(Code::FileWriteFail, "pwrite", e))?;
         Ok(true)
+    }
+
+    /// Keys the tier dropped by itself (evicted to stay within the quota, or found
+    /// corrupt) since the last call: whoever indexes the tier forgets them.
+    pub fn take_dropped(&self) -> Vec<String> {
+        std::mem::take(&mut self.lock().dropped)
+    }
+
+    /// The first bytes of `key`'s value (up to `buf.len()`), unchecked: for a look at a
+    /// header of the caller's own, whose full value is checked when read.
+    pub fn read_prefix(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        let (loc, file) = self.locate(key)?;
+        let n = buf.len().min(usize::try_from(loc.value_len).unwrap_or(usize::MAX));
+        file.read_exact_at(&mut buf[..n], loc.offset + (HEADER_LEN + loc.key_len) as u64)
+            .map_err(|e| io_err(Code::FileReadFail, "pread", e))?;
+        Ok(n)
     }
 
     /// Every readable key.

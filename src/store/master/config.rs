@@ -62,6 +62,15 @@ pub struct MasterConfig {
     /// Share of the pool's capacity one client may hold in unfinished puts (started,
     /// not ended); a PutStart beyond it gets `NoAvailableHandle` and changes nothing.
     pub max_unfinished_put_ratio: f64,
+    /// How long a `PutEnd` waits for the nodes holding the object to record it in
+    /// their catalogs (what a restarted master rebuilds from); zero: do not wait.
+    pub catalog_ack_timeout: Duration,
+    /// An object evicted from a node that has a disk tier goes there instead of away
+    /// (Mooncake's `--enable_offload` / `--offload_on_evict`).
+    pub offload_on_evict: bool,
+    /// Reads of an object on disk before it is kept in memory again; below that a read
+    /// stages it in memory for the reader only (`--promotion_admission_threshold`).
+    pub promotion_admission_threshold: u32,
 }
 
 impl Default for MasterConfig {
@@ -79,6 +88,9 @@ impl Default for MasterConfig {
             max_segment_size: DEFAULT_MAX_SEGMENT_SIZE,
             regex_budget: 300_000_000,
             max_unfinished_put_ratio: 0.5,
+            catalog_ack_timeout: Duration::from_secs(2),
+            offload_on_evict: true,
+            promotion_admission_threshold: 1,
         }
     }
 }

@@ -2,21 +2,36 @@
 //! at once; victims are the lowest of all shards' victim orders (`policy.rs`:
 //! frequency with aging), soft-pinned objects only when nothing else is left,
 //! hard-pinned, leased and unfinished ones never.
+//!
+//! Two things beyond hit counts place an object in the order: the pool ages with every
+//! object listed, not only with every victim (else, while a pool fills, an object read
+//! once long ago outranks everything written since), and the last block of a put batch
+//! (a prefix's tail, which the next turn of a conversation rewrites rather than reads)
+//! starts at the bottom.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::policy::{Head, Lowest, Policy};
 use super::table::Shard;
 use super::{Master, Object};
+use crate::store::protocol::KeyResult;
 
 /// The pool's age, shared by the shards' victim orders.
 #[derive(Default)]
 pub(super) struct Aging {
-    /// The level of the last victim: the level an object with no hits would get now.
+    /// The level of the last victim, or higher as objects are listed: the level an
+    /// object with no hits would get now.
     floor: AtomicU64,
     /// Insertion order across shards.
     seq: AtomicU32,
+    /// Objects listed since the floor last rose by itself.
+    listed: AtomicU64,
 }
+
+/// Levels the floor rises by itself while as many objects are listed as the pool
+/// holds: one one-hit weight, as victims alone would raise it once the pool is full
+/// (chosen on the conversation trace, bench/README.md).
+const LEVELS_PER_TURNOVER: u64 = 8;
 
 impl Aging {
     fn floor(&self) -> u64 {
@@ -25,6 +40,20 @@ impl Aging {
 
     fn next_seq(&self) -> u32 {
         self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Counts an object newly listed in a pool of `objects`: the floor rises by one
+    /// level each `objects / LEVELS_PER_TURNOVER` of them.
+    fn listed(&self, objects: u64) {
+        let n = self.listed.fetch_add(1, Ordering::Relaxed) + 1;
+        if n * LEVELS_PER_TURNOVER >= objects
+            && self
+                .listed
+                .compare_exchange(n, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.floor.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -67,7 +96,22 @@ impl Master {
     /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
     pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
         let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
-        shard.hit(key, || Self::key_hash(key), floor, seq);
+        if shard.hit(key, || Self::key_hash(key), floor, seq) {
+            self.aging.listed(self.objects.load(Ordering::Relaxed));
+        }
+    }
+
+    /// After a PutEnd batch of several blocks: its last one, if written, goes to the
+    /// bottom of the order (see the module's comment). A batch of one is not taken for
+    /// a prefix.
+    pub(super) fn sink_batch_tail<T, R>(&self, items: &[(String, T)], results: &[KeyResult<R>]) {
+        if items.len() < 2 {
+            return;
+        }
+        if let (Some((key, _)), Some(Ok(_))) = (items.last(), results.last()) {
+            let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
+            Self::lock(self.shard(key)).sink(key, floor, seq);
+        }
     }
 
     /// Evicts the lowest evictable objects of all shards until at least `want` bytes
@@ -173,6 +217,7 @@ impl Master {
         if !groups.is_empty() {
             self.forget_member(&groups, &key);
         }
+        self.keep_on_disk(shard, &key, o);
         Some((bytes, groups))
     }
 
@@ -215,9 +260,11 @@ impl Master {
             {
                 continue;
             }
-            if let Some(o) = shard.remove(&m) {
-                drop(shard);
+            // Like any victim it leaves a ghost of its hits; the floor stays (the member
+            // was not the lowest).
+            if let Some(o) = shard.evict(&m, Self::key_hash(&m)) {
                 freed += self.account_eviction(&o);
+                self.keep_on_disk(&mut shard, &m, o);
             }
         }
         freed
@@ -274,7 +321,7 @@ mod tests {
     /// A complete object of `OBJ` bytes; the clock then moves on a millisecond.
     fn put(m: &Master, clock: &Clock, key: &str, cfg: &ReplicateConfig) {
         m.put_start(1, key, OBJ, cfg, false).unwrap();
-        m.put_end(1, key, 0).unwrap();
+        m.put_end(1, key, 0, &mut Default::default()).unwrap();
         clock.advance(1);
     }
 
@@ -435,6 +482,93 @@ mod tests {
         clock.advance(MasterConfig::default().lease_ttl.as_millis() as u64);
         assert_eq!(m.evict(1, false), OBJ);
         assert_eq!(alive(), [true, false, false, false]);
+    }
+
+    /// Puts `keys` as one batch (PutStart, then PutEnd), as a client writes a prefix.
+    fn put_batch(m: &Master, keys: &[&str]) {
+        let items = keys.iter().map(|k| (k.to_string(), OBJ)).collect();
+        m.handle(Request::PutStart {
+            client: 1,
+            items,
+            config: ReplicateConfig::default(),
+            upsert: false,
+        })
+        .unwrap();
+        let items = keys.iter().map(|k| (k.to_string(), 0)).collect();
+        m.handle(Request::PutEnd { client: 1, items }).unwrap();
+    }
+
+    #[test]
+    fn the_tail_of_a_put_batch_goes_before_older_objects() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, MIB, 4);
+        put(&m, &clock, "old", &ReplicateConfig::default());
+        put_batch(&m, &["head", "middle", "tail"]);
+        put_batch(&m, &["single"]);
+        let all = ["old", "head", "middle", "tail", "single"];
+        // The tail, written last, goes first; then the oldest as usual.
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(present(&m, &all), [true, true, true, false, true]);
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(present(&m, &all), [false, true, true, false, true]);
+        // A batch of one is no prefix: "single" outlasts the older batch.
+        assert_eq!(m.evict(2 * OBJ, false), 2 * OBJ);
+        assert_eq!(present(&m, &all), [false, false, false, false, true]);
+    }
+
+    #[test]
+    fn a_tail_that_is_read_earns_its_place_back() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, MIB, 4);
+        put_batch(&m, &["head", "tail"]);
+        put(&m, &clock, "newer", &ReplicateConfig::default());
+        read(&m, &clock, "tail");
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(present(&m, &["head", "tail", "newer"]), [false, true, true]);
+    }
+
+    #[test]
+    fn the_pool_ages_while_it_fills() {
+        let clock = Clock::manual();
+        // 128 blocks, never full here: no victim raises the floor.
+        let m = master_with(&clock, 8 * MIB, 4);
+        let plain = ReplicateConfig::default();
+        put(&m, &clock, "early", &plain);
+        read(&m, &clock, "early");
+        for i in 0..100 {
+            put(&m, &clock, &format!("later{i}"), &plain);
+        }
+        assert_eq!(m.stats().evicted_objects, 0);
+        // One read long ago outranks the objects written just after it, not the
+        // hundred written since (were the floor to wait for victims, it would go last).
+        assert_eq!(m.evict(10 * OBJ, false), 10 * OBJ);
+        assert!(!m.exists("early").unwrap());
+        assert!((10..100).all(|i| m.exists(&format!("later{i}")).unwrap()));
+    }
+
+    #[test]
+    fn group_members_evicted_with_a_victim_leave_ghosts() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, MIB, 4);
+        let grouped = ReplicateConfig {
+            group_ids: vec!["g".into()],
+            ..Default::default()
+        };
+        let plain = ReplicateConfig::default();
+        put(&m, &clock, "member", &grouped);
+        for _ in 0..6 {
+            read(&m, &clock, "member");
+        }
+        put(&m, &clock, "victim", &grouped);
+        // Hits aside, the fresh victim is the lowest; its group goes with it.
+        assert_eq!(m.evict(1, false), 2 * OBJ);
+        assert_eq!(present(&m, &["member", "victim"]), [false, false]);
+        // Written again, the member gets its seven hits back from its ghost and
+        // outlasts an object written after it.
+        put(&m, &clock, "member", &plain);
+        put(&m, &clock, "fresh", &plain);
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(present(&m, &["member", "fresh"]), [true, false]);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The store's control plane: object metadata (sharded), mounted segments with one
 //! slab allocator each, leases, eviction, client liveness. It never touches data bytes.
 
+mod catalog;
 mod clock;
 mod config;
+mod drain;
 mod eviction;
 mod policy;
 mod quota;
@@ -46,6 +48,11 @@ struct Object {
     groups: Vec<String>,
     /// The writer's unfinished-put quota this object takes until its PutEnd.
     hold: Option<quota::Hold>,
+    /// Which put wrote it (`Master::next_version`), so that of two copies of a key
+    /// nodes re-announce, the later one wins.
+    version: u64,
+    /// Its copy in a node's disk tier, if any.
+    disk: Option<Box<catalog::DiskCopy>>,
 }
 
 /// Space that must not be reused yet (an abandoned writer or a force-removed object's
@@ -77,6 +84,8 @@ pub struct Master {
     seed: AtomicU64,
     /// The metadata service nodes publish to, as `MetadataUrl` reports it.
     metadata_url: std::sync::OnceLock<String>,
+    /// Node catalogs: this incarnation, versions, remounts in progress.
+    catalogs: catalog::Catalogs,
 }
 
 impl Master {
@@ -105,6 +114,7 @@ impl Master {
             aging: eviction::Aging::default(),
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
             metadata_url: std::sync::OnceLock::new(),
+            catalogs: catalog::Catalogs::new(),
         }
     }
 
@@ -179,9 +189,13 @@ impl Master {
                     .collect(),
             ),
             Request::PutEnd { client, items } => {
-                Response::PerKey(eviction::tail_first(&items, |(k, crc)| {
-                    self.put_end(client, k, *crc)
-                }))
+                let mut committed = catalog::Commits::default();
+                let results = eviction::tail_first(&items, |(k, crc)| {
+                    self.put_end(client, k, *crc, &mut committed)
+                });
+                self.sink_batch_tail(&items, &results);
+                self.await_catalogs(committed);
+                Response::PerKey(results)
             }
             Request::PutRevoke { client, keys } => {
                 Response::PerKey(keys.iter().map(|k| self.put_revoke(client, k)).collect())
@@ -193,28 +207,88 @@ impl Master {
                 Response::Exists(keys.iter().map(|k| self.exists(k)).collect())
             }
             Request::Remove { key, force } => {
-                self.remove(&key, force)
-                    .map_err(|c| Error::new(c, format!("remove {}", shown_key(&key))))?;
+                let removed = self.remove(&key, force);
+                self.await_all_catalogs();
+                removed.map_err(|c| Error::new(c, format!("remove {}", shown_key(&key))))?;
                 Response::Count(1)
             }
-            Request::RemoveAll { force } => Response::Count(self.remove_matching(|_| true, force)),
+            Request::RemoveAll { force } => {
+                let n = self.remove_matching(|_| true, force);
+                self.await_all_catalogs();
+                Response::Count(n)
+            }
             Request::RemoveByRegex { pattern, force } => {
                 let re = Regex::new(&pattern)
                     .map_err(|e| Error::invalid(format!("regex {pattern:?}: {e}")))?;
-                Response::Count(self.remove_by_regex(&re, force)?)
+                let n = self.remove_by_regex(&re, force);
+                self.await_all_catalogs();
+                Response::Count(n?)
             }
             Request::Stats => Response::Stats(self.stats()),
             Request::MetadataUrl => {
                 Response::MetadataUrl(self.metadata_url().unwrap_or_default().to_owned())
             }
             Request::RemoveKeys { keys, force } => {
-                Response::PerKey(keys.iter().map(|k| self.remove(k, force)).collect())
+                let results = keys.iter().map(|k| self.remove(k, force)).collect();
+                self.await_all_catalogs();
+                Response::PerKey(results)
             }
             Request::ReplicaClear { keys, segment } => Response::PerKey(
                 keys.iter()
                     .map(|k| self.replica_clear(k, &segment))
                     .collect(),
             ),
+            Request::Drain { client, segment } => {
+                self.drain(Some(client), &segment)?;
+                Response::Done
+            }
+            Request::Relocate {
+                client,
+                segment,
+                keys,
+            } => Response::PutStart(
+                keys.iter()
+                    .map(|k| self.relocate(client, &segment, k))
+                    .collect(),
+            ),
+            Request::RelocateEnd {
+                client,
+                segment,
+                items,
+            } => {
+                let mut committed = catalog::Commits::default();
+                let results = items
+                    .iter()
+                    .map(|(k, moved)| self.relocate_end(client, &segment, k, *moved, &mut committed))
+                    .collect();
+                self.await_catalogs(committed);
+                Response::PerKey(results)
+            }
+            Request::Remount {
+                client,
+                segment,
+                entries,
+                disk,
+                last,
+            } => {
+                self.remount(client, segment, entries, disk, last)?;
+                Response::Done
+            }
+            Request::SegmentEvents {
+                client,
+                segment,
+                instance,
+                acked,
+                disk_capacity,
+                lost,
+            } => Response::SegmentEvents(self.segment_events(
+                client,
+                &segment,
+                instance,
+                acked,
+                disk_capacity,
+                lost,
+            )?),
         })
     }
 
@@ -238,20 +312,7 @@ impl Master {
 
     /// Adds `segment` of `client` to the pool.
     pub fn mount(&self, client: u64, segment: SegmentInfo) -> Result<()> {
-        if segment.size == 0
-            || segment.name.is_empty()
-            || segment.base.checked_add(segment.size).is_none()
-        {
-            return Err(Error::invalid(format!("bad segment {segment:?}")));
-        }
-        // The master keeps a slab table per mounted byte range: an absurd size must be
-        // refused here, never allocated.
-        if segment.size > self.config.max_segment_size {
-            return Err(Error::invalid(format!(
-                "segment {} of {} bytes exceeds this master's limit of {} bytes (--max_segment_size)",
-                segment.name, segment.size, self.config.max_segment_size
-            )));
-        }
+        self.check_segment(&segment)?;
         let name = segment.name.clone();
         self.segments
             .mount(client, segment, &self.config.allocator)
@@ -268,6 +329,25 @@ impl Master {
             .unwrap_or_else(|e| e.into_inner())
             .insert(client, ClientState { last_ping_ms: now });
         log::info!("mounted segment {name} of client {client:#x}");
+        Ok(())
+    }
+
+    /// Refuses a segment no allocator could be built for.
+    fn check_segment(&self, segment: &SegmentInfo) -> Result<()> {
+        if segment.size == 0
+            || segment.name.is_empty()
+            || segment.base.checked_add(segment.size).is_none()
+        {
+            return Err(Error::invalid(format!("bad segment {segment:?}")));
+        }
+        // The master keeps a slab table per mounted byte range: an absurd size must be
+        // refused here, never allocated.
+        if segment.size > self.config.max_segment_size {
+            return Err(Error::invalid(format!(
+                "segment {} of {} bytes exceeds this master's limit of {} bytes (--max_segment_size)",
+                segment.name, segment.size, self.config.max_segment_size
+            )));
+        }
         Ok(())
     }
 
@@ -293,14 +373,18 @@ impl Master {
         let Some(seg) = self.segments.unmount(name) else {
             return;
         };
+        seg.log.close();
         let mut lost = 0;
         for shard in self.shards.iter() {
             let mut map = Self::lock(shard);
             map.retain(|_, o| {
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
+                if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
+                    o.disk = None;
+                }
                 // An unfinished put keeps its entry: its PutEnd then fails, or the
                 // release timeout clears it.
-                let keep = !o.replicas.is_empty() || !o.complete;
+                let keep = !o.replicas.is_empty() || o.disk.is_some() || !o.complete;
                 if !keep {
                     lost += 1;
                 }
@@ -423,6 +507,8 @@ impl Master {
             groups: config.group_ids.clone(),
             soft_pin_until_ms: if config.soft_pin { now + soft_ttl } else { 0 },
             hold: Some(hold),
+            version: 0,
+            disk: None,
         }
     }
 
@@ -449,6 +535,8 @@ impl Master {
                 0 => self.evict(want, true),
                 n => n,
             };
+            // Space of objects going to a disk tier comes back once it is copied.
+            self.await_offloads();
             if freed == 0 {
                 break;
             }
@@ -469,7 +557,13 @@ impl Master {
         }
     }
 
-    fn put_end(&self, client: u64, key: &str, crc32c: u32) -> KeyResult<()> {
+    fn put_end(
+        &self,
+        client: u64,
+        key: &str,
+        crc32c: u32,
+        committed: &mut catalog::Commits,
+    ) -> KeyResult<()> {
         check_key(key)?;
         let mut map = Self::lock(self.shard(key));
         match map.get_mut(key) {
@@ -477,6 +571,8 @@ impl Master {
                 o.complete = true;
                 o.hold = None;
                 o.crc32c = crc32c;
+                o.version = self.catalogs.next_version();
+                committed.record(key, o);
                 let groups = o.groups.clone();
                 self.touch(&mut map, key);
                 drop(map);
@@ -503,6 +599,12 @@ impl Master {
     }
 
     fn get_replicas(&self, key: &str) -> KeyResult<ObjectDesc> {
+        self.lookup(key, true)
+    }
+
+    /// An object's descriptor, leased; one kept only on disk is read back into memory
+    /// first when `load` allows.
+    fn lookup(&self, key: &str, load: bool) -> KeyResult<ObjectDesc> {
         check_key(key)?;
         let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
@@ -510,6 +612,15 @@ impl Master {
         let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
         if !o.complete {
             return Err(Code::ReplicaIsNotReady);
+        }
+        if o.replicas.is_empty() {
+            let on_disk = o.disk.as_ref().map(|d| (d.seg.clone(), o.version, o.size));
+            drop(map);
+            return match on_disk {
+                Some((seg, version, size)) if load => self.read_back(key, &seg, version, size),
+                Some(_) => Err(Code::ReplicaIsNotReady),
+                None => Err(Code::ObjectNotFound),
+            };
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);
         let desc = ObjectDesc {
@@ -647,6 +758,8 @@ impl Master {
             let until = o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
             self.quarantine_replicas(o.replicas, until);
         } else if o.lease_until_ms > now {
+            // Gone for the nodes' catalogs now, though its space waits for the readers.
+            catalog::forget_pieces(&o.replicas);
             self.quarantine_replicas(o.replicas, o.lease_until_ms);
         }
     }
@@ -753,6 +866,7 @@ impl Master {
             });
         }
         self.objects.fetch_sub(released, Ordering::Relaxed);
+        self.catalogs.expire(now);
         self.evict_above_watermark();
     }
 

@@ -1,7 +1,8 @@
 //! Victim order of one shard: frequency with aging, in O(1) per operation.
 //!
 //! An evictable object sits at a priority *level* `floor + weight(hits)`: `floor` is
-//! the level of the last victim (the pool's age, shared by all shards) and `weight`
+//! the pool's age, shared by all shards (the level of the last victim, or higher as
+//! objects are listed: `eviction.rs`), and `weight`
 //! grows sublinearly with the object's hit count, so many hits buy a longer stay but
 //! not a permanent one. An object nobody touches sinks as the floor rises past it;
 //! one-time objects (a scan) enter at the lowest weight and go first. Victims come
@@ -25,12 +26,12 @@ const RING: usize = 512;
 /// "No node": the end of a list, or an object not in the policy.
 pub(super) const NONE: u32 = u32::MAX;
 
-/// Weight of an object with `hits` hits, in levels: `STEPS × hits^0.7` (the exponent
+/// Weight of an object with `hits` hits, in levels: `STEPS × hits^0.6` (the exponent
 /// was chosen on the conversation trace; see bench/README.md).
 fn weight(hits: u8) -> u64 {
     static TABLE: OnceLock<[u16; 256]> = OnceLock::new();
     let table = TABLE.get_or_init(|| {
-        std::array::from_fn(|h| (STEPS * (h.max(1) as f64).powf(0.7)).round() as u16)
+        std::array::from_fn(|h| (STEPS * (h.max(1) as f64).powf(0.6)).round() as u16)
     });
     u64::from(table[usize::from(hits)])
 }

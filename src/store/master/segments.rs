@@ -1,12 +1,13 @@
 //! Mounted segments, each with its own allocator, and replica placement across them.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
+use super::catalog::SegmentLog;
 use super::config::AllocationStrategy;
 use crate::store::allocator::{Allocation, AllocatorConfig, SlabAllocator};
-use crate::store::protocol::{Piece, ReplicaDesc, ReplicateConfig, SegmentInfo};
+use crate::store::protocol::{CatalogEvent, Piece, ReplicaDesc, ReplicateConfig, SegmentInfo};
 
 /// One node's memory in the pool.
 pub struct Segment {
@@ -14,6 +15,12 @@ pub struct Segment {
     pub info: SegmentInfo,
     pub client: u64,
     pub alloc: SlabAllocator,
+    /// What the owner's catalog of this segment has yet to learn.
+    pub log: SegmentLog,
+    /// Bytes of the owner's disk tier (0: none), as its catalog polls report.
+    pub disk_capacity: AtomicU64,
+    /// Leaving the pool: nothing new is placed here.
+    pub draining: AtomicBool,
 }
 
 /// An allocated range; dropping it gives the space back.
@@ -34,6 +41,10 @@ impl PieceAlloc {
 
 impl Drop for PieceAlloc {
     fn drop(&mut self) {
+        // Before the space can be handed out again, so the owner's catalog learns of
+        // the free before any later commit at the same address.
+        let addr = self.seg.info.base + self.alloc.offset;
+        self.seg.log.record(|| CatalogEvent::Free(addr));
         self.seg.alloc.free(self.alloc);
     }
 }
@@ -77,9 +88,42 @@ impl SegmentTable {
             alloc: SlabAllocator::new(info.size, config.for_segment(info.size)),
             client,
             info,
+            log: SegmentLog::default(),
+            disk_capacity: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
         };
         map.insert(seg.info.name.clone(), Arc::new(seg));
         Ok(())
+    }
+
+    /// Adds a segment whose space is partly in use already (`alloc` was rebuilt from
+    /// its owner's catalog); `Err(existing owner)` if the name is taken.
+    pub fn mount_rebuilt(
+        &self,
+        client: u64,
+        info: SegmentInfo,
+        alloc: SlabAllocator,
+    ) -> Result<Arc<Segment>, u64> {
+        let mut map = self.by_name.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(&info.name) {
+            return Err(s.client);
+        }
+        let seg = Arc::new(Segment {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            alloc,
+            client,
+            info,
+            log: SegmentLog::default(),
+            disk_capacity: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+        });
+        map.insert(seg.info.name.clone(), seg.clone());
+        Ok(seg)
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Segment>> {
+        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        map.get(name).cloned()
     }
 
     pub fn unmount(&self, name: &str) -> Option<Arc<Segment>> {
@@ -130,6 +174,7 @@ pub fn placement_order(
     writer: u64,
     seed: u64,
 ) -> Vec<Arc<Segment>> {
+    segs.retain(|s| !s.draining.load(Ordering::Relaxed));
     if segs.is_empty() {
         return segs;
     }
@@ -163,7 +208,8 @@ pub fn placement_order(
 /// subset of segments and its pieces go round-robin over it.
 pub fn allocate(order: &[Arc<Segment>], size: u64, replicas: u32) -> Vec<ReplicaAlloc> {
     let replicas = (replicas.max(1) as usize).min(order.len());
-    let mut out = Vec::new();
+    // Exact: the list lives as long as the object (a growing Vec would hold four).
+    let mut out = Vec::with_capacity(replicas);
     let mut used = vec![false; order.len()];
     for r in 0..replicas {
         let single = order.iter().enumerate().find_map(|(i, s)| {

@@ -61,21 +61,32 @@ impl Shard {
 
     /// Counts a hit of `key` in the victim order, adding it there first if needed (only
     /// then is `hash` asked for the key's hash); objects that may never be evicted
-    /// (unfinished, hard-pinned) stay out.
-    pub fn hit(&mut self, key: &str, hash: impl FnOnce() -> u64, floor: u64, seq: u32) {
+    /// (unfinished, hard-pinned) stay out. True when `key` was added.
+    pub fn hit(&mut self, key: &str, hash: impl FnOnce() -> u64, floor: u64, seq: u32) -> bool {
         let Some((k, o)) = self.objects.get_key_value(key) else {
-            return;
+            return false;
         };
         if !o.complete || o.hard_pin {
-            return;
+            return false;
         }
         if o.node != NONE {
             self.policy.hit(o.node, floor, seq);
-            return;
+            return false;
         }
         let node = self.policy.insert_hit(k.clone(), hash(), floor, seq);
         if let Some(o) = self.objects.get_mut(key) {
             o.node = node;
+        }
+        true
+    }
+
+    /// Moves `key` to the back of level `floor`, below every object written or read
+    /// since (its hits stay counted for its next read).
+    pub fn sink(&mut self, key: &str, floor: u64, seq: u32) {
+        if let Some(o) = self.objects.get(key) {
+            if o.node != NONE {
+                self.policy.requeue(o.node, floor, seq);
+            }
         }
     }
 

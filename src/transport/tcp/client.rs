@@ -7,18 +7,25 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::TcpConfig;
 use crate::auth::challenge::ClientHandshake;
 use crate::auth::ClusterSecret;
 use crate::error::Result;
 use crate::sys::{self, Epoll};
-use crate::transport::{Finished, Op, Outcome, Slice, TransportWorker};
+use crate::transport::{coarse_now, Finished, Op, Outcome, Slice, TransportWorker};
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 
 /// Slices gathered into one `writev`/`readv` at most (two iovecs each).
 const MAX_GATHER: usize = 64;
+/// A lane idle at least this long is checked for a server that hung up before it is
+/// used again (one system call). Servers close only connections idle far longer
+/// (`idle_timeout`), so one that answered more recently is used as it is; should its
+/// server have gone meanwhile, the slice fails over to a new lane like any broken one.
+const HANG_UP_CHECK_AGE: Duration = Duration::from_secs(1);
 
 struct Pending {
     slice: Slice,
@@ -59,6 +66,10 @@ struct Lane {
     send_off: u64,
     /// Bytes of the front slice's answer received (status, then READ payload).
     recv_off: u64,
+    /// Requests were queued since the lane was last driven (it is in `unsent`).
+    unsent: bool,
+    /// When its last answer completed (`coarse_now`).
+    answered_at: Duration,
 }
 
 /// Why a lane stopped.
@@ -74,16 +85,26 @@ impl Lane {
         self.stream.as_raw_fd()
     }
 
-    /// Whether nothing is queued on it and its server closed it meanwhile.
+    /// Whether nothing is queued on it and, idle for `HANG_UP_CHECK_AGE` or more,
+    /// its server closed it meanwhile.
     fn hung_up_while_idle(&self) -> bool {
         self.queue.is_empty()
             && !self.connecting
             && self.auth.is_none()
+            && coarse_now().saturating_sub(self.answered_at) >= HANG_UP_CHECK_AGE
             && sys::idle_connection_closed(&self.stream)
     }
 
-    /// Moves as many bytes as the socket takes, both ways, until it would block.
-    fn drive(&mut self, done: &mut Vec<Finished>) -> Result<bool, LaneError> {
+    /// Moves as many bytes as the socket takes until it would block: requests out,
+    /// and answers in unless `send_only` (just after sending, when no answer can be
+    /// there yet and epoll will say when one is); counts request `writev`s in `sends`.
+    fn drive(
+        &mut self,
+        done: &mut Vec<Finished>,
+        sends: &AtomicU64,
+        send_only: bool,
+    ) -> Result<bool, LaneError> {
+        self.unsent = false;
         if self.connecting {
             match sys::connect_result(&self.stream) {
                 None => return Ok(false),
@@ -101,14 +122,17 @@ impl Lane {
                 Err(e) => return Err(LaneError::Broken(format!("cluster handshake: {e}"))),
             }
         }
-        let sent = self.send()?;
+        let sent = self.send(sends)?;
+        if send_only {
+            return Ok(sent);
+        }
         let received = self.receive(done)?;
         Ok(sent || received)
     }
 
     /// Sends queued requests, many per `writev`: each one's unsent header part, then
     /// a WRITE's unsent payload.
-    fn send(&mut self) -> Result<bool, LaneError> {
+    fn send(&mut self, sends: &AtomicU64) -> Result<bool, LaneError> {
         let mut moved = false;
         let mut parts: Vec<(*const u8, usize)> = Vec::with_capacity(2 * MAX_GATHER);
         while self.send_idx < self.queue.len() {
@@ -133,6 +157,7 @@ impl Lane {
             match unsafe { sys::writev(self.fd(), &parts) } {
                 Ok(n) => {
                     moved = true;
+                    sends.fetch_add(1, Ordering::Relaxed);
                     self.advance_send(n as u64);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -217,6 +242,7 @@ impl Lane {
                 let p = self.queue.pop_front().expect("front exists");
                 self.send_idx -= 1;
                 self.recv_off = 0;
+                self.answered_at = coarse_now();
                 done.push(Finished {
                     id: p.slice.id,
                     outcome: Outcome::Done,
@@ -237,10 +263,18 @@ pub struct TcpWorker {
     next_token: u64,
     in_flight: usize,
     ready: Vec<u64>,
+    /// Lanes with requests queued by `post` and not yet sent: they go out together
+    /// at the next `progress`, so a burst of small slices leaves in one `writev`.
+    unsent: Vec<u64>,
+    sends: Arc<AtomicU64>,
 }
 
 impl TcpWorker {
-    pub fn new(config: TcpConfig, secret: Option<ClusterSecret>) -> Result<TcpWorker> {
+    pub fn new(
+        config: TcpConfig,
+        secret: Option<ClusterSecret>,
+        sends: Arc<AtomicU64>,
+    ) -> Result<TcpWorker> {
         let epoll = Epoll::new().map_err(|e| crate::Error::io("creating epoll", e))?;
         Ok(TcpWorker {
             config,
@@ -251,6 +285,8 @@ impl TcpWorker {
             next_token: 0,
             in_flight: 0,
             ready: Vec::new(),
+            unsent: Vec::new(),
+            sends,
         })
     }
 
@@ -313,17 +349,19 @@ impl TcpWorker {
                 send_idx: 0,
                 send_off: 0,
                 recv_off: 0,
+                unsent: false,
+                answered_at: Duration::ZERO,
             },
         );
         Ok(token)
     }
 
-    fn drive(&mut self, token: u64, done: &mut Vec<Finished>) -> bool {
+    fn drive(&mut self, token: u64, done: &mut Vec<Finished>, send_only: bool) -> bool {
         let Some(lane) = self.lanes.get_mut(&token) else {
             return false;
         };
         let before = done.len();
-        let result = lane.drive(done);
+        let result = lane.drive(done, &self.sends, send_only);
         self.in_flight -= done.len() - before;
         match result {
             Ok(moved) => moved,
@@ -411,21 +449,30 @@ impl TransportWorker for TcpWorker {
             header,
             status: [0; STATUS_LEN],
         });
+        if !lane.unsent {
+            lane.unsent = true;
+            self.unsent.push(token);
+        }
         self.in_flight += 1;
-        self.drive(token, done);
     }
 
     fn progress(&mut self, now: Instant, done: &mut Vec<Finished>) -> bool {
         if self.in_flight == 0 {
             return false;
         }
+        let mut moved = false;
+        let mut unsent = std::mem::take(&mut self.unsent);
+        for &token in &unsent {
+            moved |= self.drive(token, done, true);
+        }
+        unsent.clear();
+        self.unsent = unsent;
         let mut ready = std::mem::take(&mut self.ready);
         if let Err(e) = self.epoll.wait(&mut ready, 0) {
             log::warn!("tcp worker: epoll_wait: {e}");
         }
-        let mut moved = false;
         for &token in &ready {
-            moved |= self.drive(token, done);
+            moved |= self.drive(token, done, false);
         }
         self.ready = ready;
         if !moved {
@@ -486,6 +533,7 @@ mod tests {
                 ..TcpConfig::default()
             },
             None,
+            Arc::default(),
         )
         .unwrap()
     }
@@ -690,6 +738,8 @@ mod tests {
             };
             // SAFETY: one valid pollfd for the duration of the call.
             assert_eq!(unsafe { libc::poll(&mut hung_up, 1, 10_000) }, 1);
+            // As if the lane had idled past the check age since its answer.
+            w.lanes.values_mut().next().unwrap().answered_at = Duration::ZERO;
             // The next slice goes out on a fresh connection and succeeds at once.
             let server = s.spawn(|| serve(&l, &[Some(Status::Ok)]));
             w.post(slice(1, Op::Write, &mut bufs[1], &p, later()), &mut done);

@@ -6,6 +6,7 @@ mod client;
 mod server;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{Kind, Transport, TransportWorker};
@@ -50,6 +51,8 @@ pub struct TcpTransport {
     server: ConnServer,
     /// With a secret, lanes authenticate before their first request.
     secret: Option<ClusterSecret>,
+    /// `writev` calls that sent requests, over every worker's lanes.
+    sends: Arc<AtomicU64>,
 }
 
 impl TcpTransport {
@@ -71,6 +74,7 @@ impl TcpTransport {
             config,
             server,
             secret,
+            sends: Arc::default(),
         })
     }
 
@@ -104,6 +108,11 @@ impl Transport for TcpTransport {
         Ok(Box::new(client::TcpWorker::new(
             self.config.clone(),
             self.secret.clone(),
+            self.sends.clone(),
         )?))
+    }
+
+    fn sends(&self) -> u64 {
+        self.sends.load(Ordering::Relaxed)
     }
 }

@@ -49,14 +49,15 @@ extern "C" {
 
 /* Revision within MC_ABI_VERSION; bumped whenever functions are added (additions never
  * change an existing function or struct). Revision 2 added the functions marked
- * "(revision 2)", revision 3 those marked "(revision 3)". A program loading the
+ * "(revision 2)", revision 3 those marked "(revision 3)", revision 4 Mooncake PG
+ * (mc_pg_*) and the store keys ssd_path and ssd_size. A program loading the
  * library at run time checks mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 3
+#define MC_ABI_REVISION 4
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 3). */
+/* The ABI revision the loaded library implements (revision 4). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -346,6 +347,11 @@ int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t l
  *                       same suffixes. Default 16M. TCP and shared memory need none.
  *   verify_checksum     "1" (default): check each object's CRC32C on read (a mismatch
  *                       gives MC_ERR_CHECKSUM_MISMATCH); "0": skip the check.
+ *   ssd_path            With a global segment: a directory for this node's disk tier,
+ *                       where objects evicted from its memory go and are read back from
+ *                       (kept across restarts). Default none.
+ *   ssd_size            Bytes the disk tier may use; suffixes as above. Default four
+ *                       times global_segment_size, at least 1G.
  *
  * The engine keys apply to the store's own transfer engine, with one difference:
  *
@@ -570,6 +576,112 @@ void mc_store_buffer_free(void *buf, uint64_t len);
 
 /* 0 when the master answers, else a negative error (MC_ERR_RPC_FAIL, ...). (revision 2) */
 int mc_store_health(mc_store *store);
+
+/* ===================================================================== Mooncake PG
+ * Fault-tolerant collectives (revision 4). One mc_pg is one rank of a group of
+ * world_size ranks, each running its own engine and one registered buffer that peers
+ * write into. Ranks find each other through a rendezvous the caller runs: each rank
+ * publishes mc_pg_address() and passes everyone's to mc_pg_connect() ("" or NULL for a
+ * rank not running yet).
+ *
+ * Failure model: an operation that does not hear from a rank within timeout_ms fails
+ * with MC_ERR_TIMEOUT; mc_pg_failed_ranks() names the ranks it missed. With
+ * auto_sync_on_failure (default) the next call first reconciles membership: the
+ * survivors agree on a new epoch without the failed ranks, which become holes (rank
+ * numbers never change; collectives skip inactive ranks). A replacement started with
+ * is_extension=1 calls mc_pg_join(); a member activates it with mc_pg_propose().
+ * Messages carry their epoch and a CRC: nothing from an older epoch or half-written is
+ * ever used. An operation on a rank that is not active fails with
+ * MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS.
+ *
+ * Threads: one operation at a time per mc_pg (calls serialize). Every call returns 0
+ * or a negative mc_error. Buffers are host memory; sizes in bytes unless "count"
+ * (elements of dtype). Per-rank arrays (sizes, counts) have world_size entries. */
+
+typedef struct mc_pg mc_pg;
+
+enum mc_pg_dtype {
+    MC_PG_F32 = 0, MC_PG_F64 = 1, MC_PG_F16 = 2, MC_PG_BF16 = 3,
+    MC_PG_I32 = 4, MC_PG_I64 = 5, MC_PG_U8 = 6
+};
+
+/* MC_PG_AVG divides the sum by the number of active ranks (integers: truncated). */
+enum mc_pg_reduce_op {
+    MC_PG_SUM = 0, MC_PG_MIN = 1, MC_PG_MAX = 2, MC_PG_PRODUCT = 3, MC_PG_AVG = 4
+};
+
+/* mc_pg_propose's *status (upstream's ProposalStatus). */
+enum mc_pg_proposal_status {
+    MC_PG_PROPOSAL_REJECTED = 0,
+    MC_PG_PROPOSAL_APPLIED = 1,
+    MC_PG_PROPOSAL_APPLIED_WITH_DROPPED_RANKS = 2
+};
+
+/* mc_pg_sync_after_failure's *status (upstream's SyncAfterFailureStatus). */
+enum mc_pg_sync_status {
+    MC_PG_SYNC_RECONCILED = 0, MC_PG_SYNC_NO_PENDING = 1, MC_PG_SYNC_REJECTED = 2
+};
+
+/* One point-to-point send or receive. */
+typedef struct mc_pg_message {
+    int32_t peer;
+    void *buf;
+    size_t len;
+} mc_pg_message;
+
+/* Starts rank `rank` of `world_size` (at most 256). options: NULL or "key=value;..."
+ * with timeout_ms (5000), is_extension (0), auto_deactivate_on_failure (1),
+ * auto_sync_on_failure (1), active_ranks ("1101": one digit per rank), cells_per_peer
+ * (4), cell_bytes (1048576; every rank must agree on these two), max_group_size
+ * (accepted; capacity is world_size), and any mc_config_set key for the rank's engine
+ * (bind_address, protocol, workers, ...). */
+int mc_pg_new(int rank, int world_size, const char *options, mc_pg **out);
+/* Stops the rank (its last messages land first); NULL is ignored. */
+void mc_pg_free(mc_pg *pg);
+/* This rank's rendezvous address, NUL-terminated; *needed_out as mc_segment_describe. */
+int mc_pg_address(mc_pg *pg, char *buf, size_t len, size_t *needed_out);
+int mc_pg_connect(mc_pg *pg, const char *const *addresses, size_t count);
+/* Claims this rank (extension or deactivated) and blocks until a member activates it,
+ * at most timeout_ms (MC_ERR_TIMEOUT). */
+int mc_pg_join(mc_pg *pg, uint32_t timeout_ms);
+
+int mc_pg_all_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op);
+int mc_pg_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op, int root);
+int mc_pg_broadcast(mc_pg *pg, void *buf, size_t len, int root);
+/* output: the blocks of every rank (sizes[r] bytes each) in rank order; blocks of
+ * inactive ranks are left as they were. */
+int mc_pg_all_gather(mc_pg *pg, const void *input, void *output, const size_t *sizes);
+/* input: counts[r] elements per rank block; output: this rank's reduced block. */
+int mc_pg_reduce_scatter(mc_pg *pg, const void *input, void *output, const size_t *counts,
+                         int dtype, int op);
+int mc_pg_all_to_all(mc_pg *pg, const void *input, const size_t *send_sizes, void *output,
+                     const size_t *recv_sizes);
+/* output (gather) / input (scatter) is only used on root; NULL elsewhere is fine. */
+int mc_pg_gather(mc_pg *pg, const void *input, void *output, const size_t *sizes, int root);
+int mc_pg_scatter(mc_pg *pg, const void *input, void *output, const size_t *sizes, int root);
+int mc_pg_barrier(mc_pg *pg);
+/* Sends and receives done together (at most one of each per peer), so two ranks
+ * exchanging large messages cannot wait on each other; a receive's len must equal
+ * what the peer sends. */
+int mc_pg_send_recv(mc_pg *pg, const mc_pg_message *sends, size_t nsends,
+                    const mc_pg_message *recvs, size_t nrecvs);
+
+/* Ranks the last failed operation missed: up to cap into ranks, the count in *count. */
+int mc_pg_failed_ranks(mc_pg *pg, int32_t *ranks, size_t cap, size_t *count);
+/* mask[r] = 1 for each active rank; len must be world_size. */
+int mc_pg_active_ranks(mc_pg *pg, uint8_t *mask, size_t len);
+int mc_pg_epoch(mc_pg *pg, uint64_t *epoch);
+/* states[i] = 1 when ranks[i] is active or has claimed its rank (mc_pg_join). */
+int mc_pg_peer_state(mc_pg *pg, const int32_t *ranks, size_t n, uint8_t *states);
+/* Activates (activate = 1) or deactivates ranks. Every active member takes part in the
+ * change at its next operation or proposal within timeout_ms; members that do not are
+ * left out (AppliedWithDroppedRanks). Outputs may be NULL; reason gets why a proposal
+ * was rejected. */
+int mc_pg_propose(mc_pg *pg, int activate, const int32_t *ranks, size_t n, int *status,
+                  uint64_t *new_epoch, int32_t *dropped, size_t dropped_cap,
+                  size_t *dropped_count, char *reason, size_t reason_len);
+int mc_pg_sync_after_failure(mc_pg *pg, int *status);
+/* =================================================================== end Mooncake PG */
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,7 @@ pub mod ffi;
 
 pub mod auth;
 pub mod capi;
+pub mod collective;
 pub mod device;
 pub mod engine;
 pub mod error;

@@ -121,7 +121,9 @@ const COMMANDS: &[(&str, &str)] = &[
       mooncake-store/<cluster-id>/master_view); standbys wait, and clients given
       etcd://H:P[;H:P] as the master address follow the leader. A leader that loses
       its lease exits (status 3). A new leader, or a restarted master, gets the
-      objects back from the nodes' catalogs when they remount.
+      objects back from the nodes' catalogs when they remount; a put is answered once
+      its nodes recorded it (--catalog-ack-timeout-ms 2000; 0: do not wait, faster
+      puts, but the last ones before a master crash may be lost).
       [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
       Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
       brings one back, kept in memory from its Nth read from disk.

@@ -210,6 +210,33 @@ _SIGNATURES = {
         c_int, [_P, POINTER(c_char_p), c_size_t, c_char_p, POINTER(c_int)], 2),
     "mc_store_replica_desc": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_size_t)], 2),
     "mc_store_health": (c_int, [_P], 2),
+    # Mooncake PG (revision 4)
+    "mc_pg_new": (c_int, [c_int, c_int, c_char_p, POINTER(_P)], 4),
+    "mc_pg_free": (None, [_P], 4),
+    "mc_pg_address": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
+    "mc_pg_connect": (c_int, [_P, POINTER(c_char_p), c_size_t], 4),
+    "mc_pg_join": (c_int, [_P, c_uint32], 4),
+    "mc_pg_all_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int], 4),
+    "mc_pg_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int, c_int], 4),
+    "mc_pg_broadcast": (c_int, [_P, _P, c_size_t, c_int], 4),
+    "mc_pg_all_gather": (c_int, [_P, _P, _P, POINTER(c_size_t)], 4),
+    "mc_pg_reduce_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int, c_int], 4),
+    "mc_pg_all_to_all": (c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t)], 4),
+    "mc_pg_gather": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
+    "mc_pg_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
+    "mc_pg_barrier": (c_int, [_P], 4),
+    "mc_pg_send_recv": (c_int, [_P, _P, c_size_t, _P, c_size_t], 4),
+    "mc_pg_failed_ranks": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
+    "mc_pg_active_ranks": (c_int, [_P, _P, c_size_t], 4),
+    "mc_pg_epoch": (c_int, [_P, POINTER(c_uint64)], 4),
+    "mc_pg_peer_state": (c_int, [_P, _P, c_size_t, _P], 4),
+    "mc_pg_propose": (
+        c_int,
+        [_P, c_int, _P, c_size_t, POINTER(c_int), POINTER(c_uint64), _P, c_size_t,
+         POINTER(c_size_t), _P, c_size_t],
+        4,
+    ),
+    "mc_pg_sync_after_failure": (c_int, [_P, POINTER(c_int)], 4),
 }
 
 

@@ -5,6 +5,7 @@
 //! into C: a panic becomes `MC_ERR_INTERNAL`), and turns an [`Error`] into its negative
 //! code, logging the context so users can see why a call failed.
 
+mod collective;
 mod config;
 mod engine;
 mod error;
@@ -12,6 +13,7 @@ mod store;
 mod store_batch;
 mod te_compat;
 
+pub use collective::*;
 pub use config::*;
 pub use engine::*;
 pub use error::*;
@@ -29,7 +31,7 @@ use crate::error::{Code, Error, Result};
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
 /// `MC_ABI_REVISION`: functions added within this ABI version.
-pub const MC_ABI_REVISION: u32 = 3;
+pub const MC_ABI_REVISION: u32 = 4;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 

@@ -70,6 +70,10 @@ pub fn master(raw: &[String]) -> Result<(), String> {
             format!("--allocation-strategy: {s:?} (random, free_ratio_first, local_first)")
         })?;
     }
+    m.catalog_ack_timeout = Duration::from_millis(a.get(
+        "catalog-ack-timeout-ms",
+        m.catalog_ack_timeout.as_millis() as u64,
+    )?);
     m.offload_on_evict = a.get("offload-on-evict", m.offload_on_evict)?;
     m.promotion_admission_threshold = a.get(
         "promotion-admission-threshold",

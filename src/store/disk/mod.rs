@@ -554,9 +554,14 @@ impl DiskTier {
     /// header of the caller's own, whose full value is checked when read.
     pub fn read_prefix(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
         let (loc, file) = self.locate(key)?;
-        let n = buf.len().min(usize::try_from(loc.value_len).unwrap_or(usize::MAX));
-        file.read_exact_at(&mut buf[..n], loc.offset + (HEADER_LEN + loc.key_len) as u64)
-            .map_err(|e| io_err(Code::FileReadFail, "pread", e))?;
+        let n = buf
+            .len()
+            .min(usize::try_from(loc.value_len).unwrap_or(usize::MAX));
+        file.read_exact_at(
+            &mut buf[..n],
+            loc.offset + (HEADER_LEN + loc.key_len) as u64,
+        )
+        .map_err(|e| io_err(Code::FileReadFail, "pread", e))?;
         Ok(n)
     }
 

@@ -259,7 +259,9 @@ impl Master {
                 let mut committed = catalog::Commits::default();
                 let results = items
                     .iter()
-                    .map(|(k, moved)| self.relocate_end(client, &segment, k, *moved, &mut committed))
+                    .map(|(k, moved)| {
+                        self.relocate_end(client, &segment, k, *moved, &mut committed)
+                    })
                     .collect();
                 self.await_catalogs(committed);
                 Response::PerKey(results)

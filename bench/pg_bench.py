@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Mooncake PG against torch's gloo backend, same run, same host.
+
+For each rank count (2, 4), operation (all_reduce, all_gather) and size (4 KiB, 1 MiB,
+64 MiB): one process per rank, a warm-up, then timed iterations; the median per-op
+latency of each backend. Then recovery: four mooncake-cpu ranks stream all_reduces, one
+is killed with SIGKILL, and the survivors report when their first correct all_reduce
+over the rest finished (wall clock, same host as the kill).
+
+Prints one JSON object per line: {bench, op, ranks, bytes, backend, lat_p50_us, gbps,
+baseline, baseline_lat_p50_us, ratio_to_baseline} (ratio > 1: mooncake faster), and
+{bench: "pg_recovery", ...}. Usage: python bench/pg_bench.py [--quick]
+(needs torch and the mooncake package in the interpreter running it).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+WORKER = r"""
+import os, sys, time, json, datetime, statistics
+import torch, torch.distributed as dist
+from mooncake import pg
+
+rank, world = int(os.environ["B_RANK"]), int(os.environ["B_WORLD"])
+backend, op, nbytes, iters = (os.environ["B_BACKEND"], os.environ["B_OP"],
+                              int(os.environ["B_BYTES"]), int(os.environ["B_ITERS"]))
+store = dist.TCPStore("127.0.0.1", int(os.environ["B_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=120))
+kw = {}
+if backend == "mooncake-cpu":
+    cell = os.environ.get("B_CELL_BYTES")
+    kw["pg_options"] = pg.MooncakeBackendOptions(
+        timeout_ms=int(os.environ.get("B_TIMEOUT", "30000")),
+        cell_bytes=int(cell) if cell else None)
+dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, **kw)
+n = nbytes // 4
+x = torch.ones(n, dtype=torch.float32)
+outs = torch.empty(n * world, dtype=torch.float32)
+
+def once():
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    else:
+        dist.all_gather_into_tensor(outs, x)
+
+if op == "recovery":
+    deadline = time.time() + 120
+    first_fail = None
+    while time.time() < deadline:
+        t = torch.full((1024,), float(rank + 1))
+        w = dist.all_reduce(t, async_op=True)
+        try:
+            w.wait()
+        except pg.MooncakeCollectiveError:
+            first_fail = first_fail or time.time()
+            pg.sync_after_failure(dist.group.WORLD)
+            continue
+        active = pg.get_active_ranks(dist.group.WORLD)
+        if first_fail is not None or int(active.sum()) < world:
+            want = float(sum(r + 1 for r in range(world) if active[r]))
+            assert float(t[0]) == want
+            print(json.dumps({"recovered_at": time.time(), "failed_at": first_fail}), flush=True)
+            break
+        print("tick", flush=True)
+    sys.exit(0)
+
+for _ in range(max(2, iters // 10)):
+    once()
+dist.barrier()
+lat = []
+for _ in range(iters):
+    t0 = time.perf_counter()
+    once()
+    lat.append(time.perf_counter() - t0)
+if rank == 0:
+    print(json.dumps({"lat_p50_us": statistics.median(lat) * 1e6}), flush=True)
+dist.barrier()
+"""
+
+
+def store():
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def spawn(env_extra, world, port):
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, B_RANK=str(r), B_WORLD=str(world), B_PORT=str(port), **env_extra)
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def run(backend, op, world, nbytes, iters):
+    s = store()
+    procs = spawn({"B_BACKEND": backend, "B_OP": op, "B_BYTES": str(nbytes),
+                   "B_ITERS": str(iters)}, world, s.port)
+    try:
+        out = procs[0].communicate(timeout=600)[0]
+        for p in procs[1:]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{backend} {op} {world} {nbytes}: no result")
+    return lines[-1]["lat_p50_us"]
+
+
+def recovery(timeout_ms):
+    s = store()
+    world, victim = 4, 2
+    procs = spawn({"B_BACKEND": "mooncake-cpu", "B_OP": "recovery", "B_BYTES": "4096",
+                   "B_ITERS": "0", "B_TIMEOUT": str(timeout_ms)}, world, s.port)
+    try:
+        for p in procs:  # every rank is streaming
+            while p.stdout.readline().strip() != "tick":
+                pass
+        killed_at = time.time()
+        procs[victim].send_signal(signal.SIGKILL)
+        done = []
+        for i, p in enumerate(procs):
+            if i == victim:
+                continue
+            for line in p.stdout:
+                if line.startswith("{"):
+                    done.append(json.loads(line)["recovered_at"] - killed_at)
+                    break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return max(done)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    sizes = [4 << 10, 1 << 20] if quick else [4 << 10, 1 << 20, 64 << 20]
+    for world in (2, 4):
+        for op in ("all_reduce", "all_gather"):
+            for nbytes in sizes:
+                iters = 200 if nbytes <= 4096 else (50 if nbytes <= (1 << 20) else 5)
+                base = run("gloo", op, world, nbytes, iters)
+                ours = run("mooncake-cpu", op, world, nbytes, iters)
+                moved = nbytes * (world if op == "all_gather" else 1)
+                print(json.dumps({
+                    "bench": "pg", "op": op, "ranks": world, "bytes": nbytes,
+                    "backend": "mooncake-cpu", "lat_p50_us": round(ours, 1),
+                    "gbps": round(moved * 8 / ours / 1e3, 3),
+                    "baseline": "gloo", "baseline_lat_p50_us": round(base, 1),
+                    "ratio_to_baseline": round(base / ours, 3),
+                }), flush=True)
+    timeout_ms = 1000
+    took = recovery(timeout_ms)
+    print(json.dumps({"bench": "pg_recovery", "ranks": 4, "timeout_ms": timeout_ms,
+                      "death_to_first_good_allreduce_ms": round(took * 1e3, 1),
+                      "ratio_to_2x_timeout": round(took * 1e3 / (2 * timeout_ms), 3)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

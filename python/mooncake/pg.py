@@ -1,0 +1,716 @@
+"""Mooncake PG: fault-tolerant collectives as a ``torch.distributed`` backend.
+
+Importing this module registers the backend ``mooncake-cpu`` (host tensors) with
+``torch.distributed`` when torch is importable; torch is not a dependency of the package.
+
+    import torch.distributed as dist
+    from mooncake import pg
+
+    dist.init_process_group(backend="mooncake-cpu", rank=r, world_size=n,
+                            pg_options=pg.MooncakeBackendOptions(timeout_ms=2000))
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        work.wait()                      # raises MooncakeCollectiveError on a failure
+    except pg.MooncakeCollectiveError:
+        pg.get_failed_ranks_hint(work)   # the ranks it did not hear from
+        pg.sync_after_failure(backend)   # survivors agree on a view without them
+
+A rank that dies is detected by timeout; inactive ranks are holes (rank numbers never
+change, collectives skip them). A replacement process starts with
+``MooncakeBackendOptions(is_extension=True)``, calls ``join_group(backend)`` and takes
+part once a member calls ``activate_ranks(backend, [rank])``. Every rank runs its own
+transfer engine; peers write into its registered buffer one-sidedly (``c_include/
+mooncake.h``, "Mooncake PG"). Collectives run when called; the Work returned is already
+complete and ``wait()`` raises the failure, if any.
+
+The CUDA backend ``mooncake`` is not provided here.
+"""
+
+import ctypes
+import enum
+import threading
+from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
+
+from . import _native
+from ._native import LIB, MC_OK, error_string
+
+__all__ = [
+    "MooncakeBackendOptions",
+    "MooncakeCollectiveError",
+    "ProcessGroupHandle",
+    "ProposalStatus",
+    "ViewUpdateStatus",
+    "SyncAfterFailureStatus",
+    "ProposalResponse",
+    "SyncAfterFailureResponse",
+    "get_active_ranks",
+    "get_peer_state",
+    "activate_ranks",
+    "recover_ranks",
+    "deactivate_ranks",
+    "join_group",
+    "sync_after_failure",
+    "get_failed_ranks_hint",
+    "get_local_success",
+    "get_current_epoch",
+    "set_device_filter",
+]
+
+BACKEND_NAME = "mooncake-cpu"
+
+# mc_pg_dtype and mc_pg_reduce_op numbers
+DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_I32, DTYPE_I64, DTYPE_U8 = range(7)
+OP_SUM, OP_MIN, OP_MAX, OP_PRODUCT, OP_AVG = range(5)
+
+
+class ProposalStatus(enum.IntEnum):
+    """What a membership proposal came to (upstream's names)."""
+
+    Rejected = 0
+    Applied = 1
+    AppliedWithDroppedRanks = 2
+
+
+ViewUpdateStatus = ProposalStatus
+
+
+class SyncAfterFailureStatus(enum.IntEnum):
+    Reconciled = 0
+    NoPending = 1
+    Rejected = 2
+
+
+class ProposalResponse:
+    def __init__(self, status, new_epoch, dropped_ranks, reject_reason):
+        self.status = ProposalStatus(status)
+        self.new_epoch = new_epoch
+        self.dropped_ranks = list(dropped_ranks)
+        self.reject_reason = reject_reason
+
+    def __repr__(self):
+        return (f"ProposalResponse(status={self.status.name}, new_epoch={self.new_epoch}, "
+                f"dropped_ranks={self.dropped_ranks}, reject_reason={self.reject_reason!r})")
+
+
+class SyncAfterFailureResponse:
+    def __init__(self, status, reject_reason=""):
+        self.status = SyncAfterFailureStatus(status)
+        self.reject_reason = reject_reason
+
+    def __repr__(self):
+        return f"SyncAfterFailureResponse(status={self.status.name})"
+
+
+class MooncakeCollectiveError(RuntimeError):
+    """A collective failed; ``failed_ranks`` are the ranks it did not hear from."""
+
+    def __init__(self, what, code, failed_ranks):
+        super().__init__(f"{what}: {error_string(code)} ({code}); failed ranks {failed_ranks}")
+        self.code = code
+        self.failed_ranks = list(failed_ranks)
+
+
+class MooncakeBackendOptions:
+    """Options of a Mooncake PG group (``pg_options`` of ``init_process_group``).
+
+    ``active_ranks``: ranks active at start (a sequence or int32 tensor of 0/1; default
+    all). ``max_group_size`` is accepted; the capacity is the world size (start with the
+    final size and an ``active_ranks`` mask to grow). ``engine`` takes extra engine
+    settings (``mc_config_set`` keys, e.g. ``{"protocol": "tcp"}``).
+    """
+
+    def __init__(self, active_ranks=None, is_extension=False, max_group_size=None,
+                 auto_deactivate_on_failure=True, auto_sync_on_failure=True,
+                 timeout_ms=5000, cells_per_peer=None, cell_bytes=None, engine=None):
+        self.active_ranks = active_ranks
+        self.is_extension = bool(is_extension)
+        self.max_group_size = max_group_size
+        self.auto_deactivate_on_failure = bool(auto_deactivate_on_failure)
+        self.auto_sync_on_failure = bool(auto_sync_on_failure)
+        self.timeout_ms = int(timeout_ms)
+        self.cells_per_peer = cells_per_peer
+        self.cell_bytes = cell_bytes
+        self.engine = dict(engine or {})
+
+    def to_string(self, world_size):
+        items = {
+            "is_extension": int(self.is_extension),
+            "auto_deactivate_on_failure": int(self.auto_deactivate_on_failure),
+            "auto_sync_on_failure": int(self.auto_sync_on_failure),
+            "timeout_ms": self.timeout_ms,
+        }
+        if self.max_group_size is not None:
+            items["max_group_size"] = int(self.max_group_size)
+        if self.cells_per_peer is not None:
+            items["cells_per_peer"] = int(self.cells_per_peer)
+        if self.cell_bytes is not None:
+            items["cell_bytes"] = int(self.cell_bytes)
+        if self.active_ranks is not None:
+            mask = [int(bool(int(v))) for v in list(self.active_ranks)]
+            if len(mask) != world_size:
+                raise ValueError(f"active_ranks has {len(mask)} entries for world size "
+                                 f"{world_size}")
+            items["active_ranks"] = "".join(map(str, mask))
+        for k, v in self.engine.items():
+            if any(c in f"{k}{v}" for c in ";="):
+                raise ValueError(f"engine option {k}={v!r}: ';' and '=' are not allowed")
+            items[k] = v
+        return ";".join(f"{k}={v}" for k, v in items.items())
+
+
+def _fn(name):
+    if name in LIB.missing:
+        raise _native.AbiRevisionError(
+            f"{_native.LIB_PATH} has no {name}: rebuild it (pip install ./python)")
+    return getattr(LIB, name)
+
+
+def _sizes(values):
+    return (c_size_t * max(len(values), 1))(*values)
+
+
+class ProcessGroupHandle:
+    """One rank of a group over the C ABI, on raw host memory (no torch needed).
+
+    Buffers are given as ``(address, nbytes)`` of memory the caller keeps alive.
+    """
+
+    def __init__(self, rank, world_size, options=None):
+        opts = options or MooncakeBackendOptions()
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.options = opts
+        handle = c_void_p()
+        text = opts.to_string(self.world_size).encode()
+        rc = _fn("mc_pg_new")(self.rank, self.world_size, text, byref(handle))
+        if rc != MC_OK:
+            raise RuntimeError(f"mc_pg_new: {error_string(rc)} ({rc})")
+        self._h = handle
+        self._lock = threading.Lock()
+
+    def close(self):
+        if self._h:
+            _fn("mc_pg_free")(self._h)
+            self._h = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def address(self):
+        rc, text = _native.read_json_text(_fn("mc_pg_address"), self._h, initial=256)
+        if rc != MC_OK:
+            raise RuntimeError(f"mc_pg_address: {error_string(rc)}")
+        return text
+
+    def connect(self, addresses):
+        if len(addresses) != self.world_size:
+            raise ValueError(f"{len(addresses)} addresses for world size {self.world_size}")
+        arr = (c_char_p * self.world_size)(*[(a or "").encode() for a in addresses])
+        self._check("connect", _fn("mc_pg_connect")(self._h, arr, self.world_size))
+
+    def failed_ranks(self):
+        buf = (ctypes.c_int32 * max(self.world_size, 1))()
+        n = c_size_t(0)
+        if _fn("mc_pg_failed_ranks")(self._h, buf, self.world_size, byref(n)) != MC_OK:
+            return []
+        return [int(buf[i]) for i in range(min(n.value, self.world_size))]
+
+    def _check(self, what, rc):
+        if rc != MC_OK:
+            raise MooncakeCollectiveError(what, rc, self.failed_ranks())
+
+    def join(self, timeout_ms=600_000):
+        self._check("join_group", _fn("mc_pg_join")(self._h, int(timeout_ms)))
+
+    def active_ranks(self):
+        buf = (ctypes.c_uint8 * self.world_size)()
+        self._check("active_ranks", _fn("mc_pg_active_ranks")(self._h, buf, self.world_size))
+        return [bool(v) for v in buf]
+
+    def epoch(self):
+        e = c_uint64(0)
+        self._check("epoch", _fn("mc_pg_epoch")(self._h, byref(e)))
+        return e.value
+
+    def peer_state(self, ranks):
+        ranks = [int(r) for r in ranks]
+        arr = (ctypes.c_int32 * max(len(ranks), 1))(*ranks)
+        out = (ctypes.c_uint8 * max(len(ranks), 1))()
+        self._check("peer_state", _fn("mc_pg_peer_state")(self._h, arr, len(ranks), out))
+        return [bool(out[i]) for i in range(len(ranks))]
+
+    def propose(self, activate, ranks):
+        ranks = [int(r) for r in ranks]
+        for r in ranks:
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"rank {r} out of range (world size {self.world_size})")
+        arr = (ctypes.c_int32 * max(len(ranks), 1))(*ranks)
+        status, epoch, count = c_int(0), c_uint64(0), c_size_t(0)
+        dropped = (ctypes.c_int32 * max(self.world_size, 1))()
+        reason = ctypes.create_string_buffer(512)
+        rc = _fn("mc_pg_propose")(self._h, int(bool(activate)), arr, len(ranks), byref(status),
+                                  byref(epoch), dropped, self.world_size, byref(count),
+                                  reason, len(reason))
+        self._check("activate_ranks" if activate else "deactivate_ranks", rc)
+        return ProposalResponse(status.value, epoch.value,
+                                [int(dropped[i]) for i in range(min(count.value, self.world_size))],
+                                reason.value.decode("utf-8", "replace"))
+
+    def sync_after_failure(self):
+        status = c_int(0)
+        self._check("sync_after_failure", _fn("mc_pg_sync_after_failure")(self._h, byref(status)))
+        return SyncAfterFailureResponse(status.value)
+
+    # ---- collectives on raw memory: (address, nbytes) ----
+
+    def all_reduce(self, addr, count, dtype, op):
+        self._check("all_reduce", _fn("mc_pg_all_reduce")(self._h, addr, count, dtype, op))
+
+    def reduce(self, addr, count, dtype, op, root):
+        self._check("reduce", _fn("mc_pg_reduce")(self._h, addr, count, dtype, op, root))
+
+    def broadcast(self, addr, nbytes, root):
+        self._check("broadcast", _fn("mc_pg_broadcast")(self._h, addr, nbytes, root))
+
+    def all_gather(self, inp, out, sizes):
+        self._check("all_gather", _fn("mc_pg_all_gather")(self._h, inp, out, _sizes(sizes)))
+
+    def reduce_scatter(self, inp, out, counts, dtype, op):
+        self._check("reduce_scatter", _fn("mc_pg_reduce_scatter")(
+            self._h, inp, out, _sizes(counts), dtype, op))
+
+    def all_to_all(self, inp, send, out, recv):
+        self._check("all_to_all", _fn("mc_pg_all_to_all")(
+            self._h, inp, _sizes(send), out, _sizes(recv)))
+
+    def gather(self, inp, out, sizes, root):
+        self._check("gather", _fn("mc_pg_gather")(self._h, inp, out, _sizes(sizes), root))
+
+    def scatter(self, inp, out, sizes, root):
+        self._check("scatter", _fn("mc_pg_scatter")(self._h, inp, out, _sizes(sizes), root))
+
+    def barrier(self):
+        self._check("barrier", _fn("mc_pg_barrier")(self._h))
+
+    def send_recv(self, sends, recvs):
+        """``sends``/``recvs``: lists of (peer, address, nbytes)."""
+        def arr(items):
+            a = (_PgMessage * max(len(items), 1))()
+            for i, (peer, addr, n) in enumerate(items):
+                a[i].peer, a[i].buf, a[i].len = int(peer), addr, int(n)
+            return a
+        s, r = arr(sends), arr(recvs)
+        self._check("send/recv", _fn("mc_pg_send_recv")(self._h, s, len(sends), r, len(recvs)))
+
+
+class _PgMessage(ctypes.Structure):
+    _fields_ = [("peer", ctypes.c_int32), ("buf", c_void_p), ("len", c_size_t)]
+
+
+# ---------------------------------------------------------------- torch backend
+
+try:  # torch is optional: the backend exists only where it is installed
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend as _TorchBackend
+    from torch._C._distributed_c10d import Work as _TorchWork
+except ImportError:  # pragma: no cover - exercised where torch is absent
+    torch = None
+
+
+def _require_torch():
+    if torch is None:
+        raise ImportError("mooncake.pg's torch backend needs torch (pip install torch)")
+
+
+if torch is not None:
+    _DTYPES = {
+        torch.float32: DTYPE_F32, torch.float64: DTYPE_F64, torch.float16: DTYPE_F16,
+        torch.bfloat16: DTYPE_BF16, torch.int32: DTYPE_I32, torch.int64: DTYPE_I64,
+        torch.uint8: DTYPE_U8,
+    }
+
+    def _dtype(t):
+        try:
+            return _DTYPES[t.dtype]
+        except KeyError:
+            raise TypeError(f"mooncake-cpu: unsupported dtype {t.dtype}") from None
+
+    def _op(reduce_op):
+        table = {dist.ReduceOp.SUM: OP_SUM, dist.ReduceOp.MIN: OP_MIN,
+                 dist.ReduceOp.MAX: OP_MAX, dist.ReduceOp.PRODUCT: OP_PRODUCT,
+                 dist.ReduceOp.AVG: OP_AVG}
+        for k, v in table.items():
+            if reduce_op == k:
+                return v
+        raise ValueError(f"mooncake-cpu: unsupported reduce op {reduce_op}")
+
+    def _host(t):
+        if t.device.type != "cpu":
+            raise ValueError(f"mooncake-cpu takes host tensors, not {t.device}")
+        return t
+
+    class _Contig:
+        """A contiguous view of ``t`` for the call; copied back when it was a copy."""
+
+        def __init__(self, t):
+            self.orig = _host(t)
+            self.t = t if t.is_contiguous() else t.contiguous()
+
+        @property
+        def addr(self):
+            return self.t.data_ptr()
+
+        @property
+        def nbytes(self):
+            return self.t.numel() * self.t.element_size()
+
+        def done(self):
+            if self.t is not self.orig:
+                self.orig.copy_(self.t)
+
+    class MooncakeWork(_TorchWork):
+        """A finished operation: ``wait()`` raises its failure (torch's future-based
+        helper would swallow it)."""
+
+        def __init__(self, backend, error=None, failed_ranks=(), result=None, flush=False):
+            super().__init__()
+            self._backend = backend
+            self._error = error
+            self._failed = list(failed_ranks)
+            self._result = result or []
+            self._flush = flush
+
+        def _settle(self):
+            if self._flush:
+                self._flush = False
+                try:
+                    self._backend._flush_p2p()
+                except MooncakeCollectiveError as e:
+                    self._error, self._failed = e, e.failed_ranks
+
+        def wait(self, timeout=None):
+            self._settle()
+            if self._error is not None:
+                raise self._error
+            return True
+
+        def is_completed(self):
+            return True
+
+        def is_success(self):
+            self._settle()
+            return self._error is None
+
+        def exception(self):
+            self._settle()
+            return self._error
+
+        def result(self):
+            return self._result
+
+        def get_future(self):
+            self._settle()
+            fut = torch.futures.Future()
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._result)
+            return fut
+
+    class MooncakeBackend(_TorchBackend):
+        """The ``mooncake-cpu`` backend: one group rank, collectives over the C ABI."""
+
+        def __init__(self, store, rank, size, options):
+            super().__init__(rank, size)
+            self._rank, self._size = rank, size
+            self.handle = ProcessGroupHandle(rank, size, options)
+            store.set(f"mooncake_pg/{rank}", self.handle.address())
+            active = options.active_ranks
+            addresses = []
+            for r in range(size):
+                key = f"mooncake_pg/{r}"
+                if r == rank:
+                    addresses.append("")
+                elif options.is_extension or (active is not None and not int(active[r])):
+                    # A rank that may not be running: take its address only if published.
+                    addresses.append(store.get(key).decode() if store.check([key]) else "")
+                else:
+                    addresses.append(store.get(key).decode())
+            self.handle.connect(addresses)
+            self._p2p = []
+
+        def getBackendName(self):
+            return BACKEND_NAME
+
+        def _run(self, what, fn, *tensors, result=None):
+            try:
+                fn()
+            except MooncakeCollectiveError as e:
+                return MooncakeWork(self, e, e.failed_ranks)
+            for c in tensors:
+                c.done()
+            return MooncakeWork(self, result=result)
+
+        def allreduce(self, tensors, opts):
+            cs = [_Contig(t) for t in tensors]
+
+            def run():
+                op = _op(opts.reduceOp)
+                for c in cs:
+                    self.handle.all_reduce(c.addr, c.t.numel(), _dtype(c.t), op)
+            return self._run("all_reduce", run, *cs, result=tensors)
+
+        def broadcast(self, tensors, opts):
+            cs = [_Contig(t) for t in tensors]
+
+            def run():
+                for c in cs:
+                    self.handle.broadcast(c.addr, c.nbytes, opts.rootRank)
+            return self._run("broadcast", run, *cs, result=tensors)
+
+        def reduce(self, tensors, opts):
+            cs = [_Contig(t) for t in tensors]
+
+            def run():
+                for c in cs:
+                    self.handle.reduce(c.addr, c.t.numel(), _dtype(c.t), _op(opts.reduceOp),
+                                       opts.rootRank)
+            return self._run("reduce", run, *cs, result=tensors)
+
+        def allgather(self, output_tensors, input_tensors, opts):
+            inp = _Contig(input_tensors[0])
+            outs = output_tensors[0]
+            sizes = [o.numel() * o.element_size() for o in outs]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+
+            def run():
+                self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
+                off = 0
+                for o, n in zip(outs, sizes):
+                    o.view(-1).view(torch.uint8).copy_(flat[off:off + n]) if n else None
+                    off += n
+            return self._run("all_gather", run, result=output_tensors)
+
+        def _allgather_base(self, output, input, opts):
+            out, inp = _Contig(output), _Contig(input)
+
+            def run():
+                self.handle.all_gather(inp.addr, out.addr, [inp.nbytes] * self._size)
+            return self._run("all_gather_into_tensor", run, out, result=[output])
+
+        def reduce_scatter(self, output_tensors, input_tensors, opts):
+            out = _Contig(output_tensors[0])
+            ins = input_tensors[0]
+            flat = torch.cat([i.reshape(-1) for i in ins])
+            counts = [i.numel() for i in ins]
+
+            def run():
+                self.handle.reduce_scatter(flat.data_ptr(), out.addr, counts, _dtype(flat),
+                                           _op(opts.reduceOp))
+            return self._run("reduce_scatter", run, out, result=output_tensors)
+
+        def _reduce_scatter_base(self, output, input, opts):
+            out, inp = _Contig(output), _Contig(input)
+
+            def run():
+                self.handle.reduce_scatter(inp.addr, out.addr, [out.t.numel()] * self._size,
+                                           _dtype(inp.t), _op(opts.reduceOp))
+            return self._run("reduce_scatter_tensor", run, out, result=[output])
+
+        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+            out, inp = _Contig(output), _Contig(input)
+
+            def row_bytes(t):
+                return (t.numel() // t.shape[0]) * t.element_size() if t.dim() and t.shape[0] else 0
+
+            def splits(t, given):
+                if given:
+                    return [int(s) * row_bytes(t) for s in given]
+                n = t.numel() * t.element_size()
+                return [n // self._size] * self._size
+
+            def run():
+                self.handle.all_to_all(inp.addr, splits(inp.t, input_split_sizes), out.addr,
+                                       splits(out.t, output_split_sizes))
+            return self._run("all_to_all_single", run, out, result=[output])
+
+        def alltoall(self, output_tensors, input_tensors, opts):
+            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in input_tensors]) \
+                if input_tensors else torch.empty(0, dtype=torch.uint8)
+            send = [t.numel() * t.element_size() for t in input_tensors]
+            recv = [t.numel() * t.element_size() for t in output_tensors]
+            flat_out = torch.empty(sum(recv), dtype=torch.uint8)
+
+            def run():
+                self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
+                off = 0
+                for o, n in zip(output_tensors, recv):
+                    if n:
+                        o.view(-1).view(torch.uint8).copy_(flat_out[off:off + n])
+                    off += n
+            return self._run("all_to_all", run, result=output_tensors)
+
+        def gather(self, output_tensors, input_tensors, opts):
+            inp = _Contig(input_tensors[0])
+            root = opts.rootRank
+            sizes = [inp.nbytes] * self._size
+            flat = torch.empty(sum(sizes) if self._rank == root else 0, dtype=torch.uint8)
+
+            def run():
+                self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
+                if self._rank == root:
+                    for r, o in enumerate(output_tensors[0]):
+                        o.view(-1).view(torch.uint8).copy_(flat[r * sizes[0]:(r + 1) * sizes[0]])
+            return self._run("gather", run, result=output_tensors)
+
+        def scatter(self, output_tensors, input_tensors, opts):
+            out = _Contig(output_tensors[0])
+            root = opts.rootRank
+            sizes = [out.nbytes] * self._size
+            if self._rank == root:
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in input_tensors[0]])
+            else:
+                flat = torch.empty(0, dtype=torch.uint8)
+
+            def run():
+                self.handle.scatter(flat.data_ptr() or None, out.addr, sizes, root)
+            return self._run("scatter", run, out, result=output_tensors)
+
+        # Newer torch calls these names for the tensor forms.
+        all_gather_single = _allgather_base
+        reduce_scatter_single = _reduce_scatter_base
+        all_to_all_single = alltoall_base
+
+        def barrier(self, opts=None):
+            return self._run("barrier", self.handle.barrier)
+
+        # Point-to-point: queued, and done together at the first wait(), so a pair of
+        # ranks that each send before receiving cannot wait on each other.
+        def send(self, tensors, dst, tag=0):
+            self._p2p.append(("send", int(dst), _Contig(tensors[0])))
+            return MooncakeWork(self, flush=True)
+
+        def recv(self, tensors, src, tag=0):
+            self._p2p.append(("recv", int(src), _Contig(tensors[0])))
+            return MooncakeWork(self, result=tensors, flush=True)
+
+        def _flush_p2p(self):
+            pending, self._p2p = self._p2p, []
+            while pending:
+                # One message each way per peer per round; the rest keep their order.
+                sends, recvs, rest, seen = [], [], [], set()
+                for kind, peer, c in pending:
+                    if (kind, peer) in seen:
+                        rest.append((kind, peer, c))
+                        continue
+                    seen.add((kind, peer))
+                    (sends if kind == "send" else recvs).append((peer, c))
+                self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
+                                      [(p, c.addr, c.nbytes) for p, c in recvs])
+                for _, c in recvs:
+                    c.done()
+                pending = rest
+
+    def _create_backend(dist_opts, backend_options):
+        options = backend_options if isinstance(backend_options, MooncakeBackendOptions) \
+            else MooncakeBackendOptions()
+        return MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                               options)
+
+    if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
+                                      devices=["cpu"])
+
+
+def _handle(backend):
+    """The ProcessGroupHandle of a backend, a process group or None (the default group)."""
+    if isinstance(backend, ProcessGroupHandle):
+        return backend
+    if torch is not None:
+        if backend is None:
+            backend = dist.group.WORLD
+        if isinstance(backend, MooncakeBackend):
+            return backend.handle
+        if isinstance(backend, dist.ProcessGroup):
+            inner = backend._get_backend(torch.device("cpu"))
+            if isinstance(inner, MooncakeBackend):
+                return inner.handle
+    raise TypeError(f"not a Mooncake PG backend: {backend!r}")
+
+
+def get_active_ranks(backend=None):
+    """The active-rank mask: an int32 tensor (a list without torch)."""
+    mask = [int(v) for v in _handle(backend).active_ranks()]
+    return torch.tensor(mask, dtype=torch.int32) if torch is not None else mask
+
+
+def get_peer_state(backend, ranks):
+    """For each rank: active, or ready to be activated (a process claimed it)."""
+    return _handle(backend).peer_state(ranks)
+
+
+def activate_ranks(backend, ranks):
+    """Proposes activating ``ranks`` (each must have called ``join_group``)."""
+    return _handle(backend).propose(True, ranks)
+
+
+recover_ranks = activate_ranks
+
+
+def deactivate_ranks(backend, ranks):
+    """Proposes deactivating ``ranks``."""
+    return _handle(backend).propose(False, ranks)
+
+
+def join_group(backend=None, timeout_ms=600_000):
+    """Claims this rank and blocks until a member activates it."""
+    _handle(backend).join(timeout_ms)
+
+
+def sync_after_failure(backend=None):
+    """After a failure, the survivors agree on a view without the failed ranks."""
+    return _handle(backend).sync_after_failure()
+
+
+def _failure(work):
+    """The error a work ended with, or None. torch may hand back its own wrapper of our
+    work; its ``wait()`` still runs ours, which raises the failure."""
+    if torch is not None and isinstance(work, MooncakeWork):
+        work._settle()
+        return work._error
+    if not hasattr(work, "wait"):
+        raise TypeError(f"not a work: {work!r}")
+    try:
+        work.wait()
+    except MooncakeCollectiveError as e:
+        return e
+    return None
+
+
+def get_failed_ranks_hint(work):
+    """The ranks a failed operation did not hear from (empty if it succeeded)."""
+    e = _failure(work)
+    return list(e.failed_ranks) if e is not None else []
+
+
+def get_local_success(work):
+    """Whether the operation succeeded on this rank."""
+    return _failure(work) is None
+
+
+def get_current_epoch(backend=None):
+    return _handle(backend).epoch()
+
+
+_DEVICE_FILTER = []
+
+
+def set_device_filter(devices):
+    """Which NICs/devices the engines may use. Kept for upstream compatibility: host
+    collectives choose their transport from the engine settings
+    (``MooncakeBackendOptions(engine={...})``), so the list is only recorded."""
+    _DEVICE_FILTER[:] = list(devices)

@@ -1,0 +1,297 @@
+"""Mooncake PG as a torch.distributed backend, with real processes.
+
+Every collective on four ranks against a reference computed in the rank itself, and a
+rank killed with SIGKILL during a stream of all_reduces: the survivors' operation fails
+naming it, ``sync_after_failure`` leaves a mask without it, later operations succeed
+over the survivors, and a replacement started with ``is_extension=True`` joins with the
+old rank number. The parent hosts the c10d TCPStore; every child is killed at the end.
+"""
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (a test-time dependency)")
+import torch.distributed as dist  # noqa: E402
+
+WORLD = 4
+STEP = 60  # seconds: bound on any one step a test waits for
+
+_PRELUDE = r"""
+import os, sys, datetime
+import torch, torch.distributed as dist
+from mooncake import pg
+
+rank, world = int(os.environ["PG_RANK"]), int(os.environ["PG_WORLD"])
+extension = os.environ.get("PG_EXTENSION") == "1"
+store = dist.TCPStore("127.0.0.1", int(os.environ["PG_STORE_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(timeout_ms=int(os.environ["PG_TIMEOUT_MS"]),
+                                                             is_extension=extension))
+WORLD_PG = dist.group.WORLD
+
+def say(*a):
+    print(*a, flush=True)
+"""
+
+_COLLECTIVES = r"""
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+          torch.int64, torch.uint8]
+
+def inp(r, n, seed, small=False):
+    m = 2 if small else 5
+    return (torch.arange(n, dtype=torch.int64) * 3 + r * 7 + seed) % m + 1
+
+for di, dt in enumerate(DTYPES):
+    for n in (1, 1001, 40000):
+        seed = di * 3 + n % 7
+        for op, name in [(dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MIN, "min"),
+                         (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "product"),
+                         (dist.ReduceOp.AVG, "avg")]:
+            small = name == "product"
+            stack = torch.stack([inp(r, n, seed, small) for r in range(world)])
+            want = {"sum": stack.sum(0), "min": stack.min(0).values,
+                    "max": stack.max(0).values, "product": stack.prod(0),
+                    "avg": stack.sum(0)}[name]
+            if name == "avg":
+                want = (want.to(torch.float64) / world).to(dt) if dt.is_floating_point \
+                    else torch.div(want, world, rounding_mode="trunc")
+            t = inp(rank, n, seed, small).to(dt)
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, want.to(dt)), (dt, n, name)
+            t = inp(rank, n, seed, small).to(dt)
+            dist.reduce(t, dst=(seed + 1) % world, op=op)
+            if rank == (seed + 1) % world:
+                assert torch.equal(t, want.to(dt)), ("reduce", dt, n, name)
+        # uneven: rank r's piece has n + 3r elements
+        pieces = [inp(r, n + 3 * r, seed).to(dt) for r in range(world)]
+        outs = [torch.zeros(n + 3 * r, dtype=dt) for r in range(world)]
+        dist.all_gather(outs, pieces[rank])
+        assert all(torch.equal(o, p) for o, p in zip(outs, pieces)), ("all_gather", dt, n)
+        flat = torch.zeros(world * n, dtype=dt)
+        dist.all_gather_into_tensor(flat, inp(rank, n, seed).to(dt))
+        assert torch.equal(flat, torch.cat([inp(r, n, seed).to(dt) for r in range(world)]))
+        root = seed % world
+        t = pieces[root].clone() if rank == root else torch.zeros_like(pieces[root])
+        dist.broadcast(t, src=root)
+        assert torch.equal(t, pieces[root]), ("broadcast", dt, n)
+        # reduce_scatter_tensor: rank r gets block r of the sum
+        big = inp(rank, world * n, seed).to(dt)
+        out = torch.zeros(n, dtype=dt)
+        dist.reduce_scatter_tensor(out, big)
+        total = torch.stack([inp(r, world * n, seed) for r in range(world)]).sum(0)
+        assert torch.equal(out, total[rank * n:(rank + 1) * n].to(dt)), ("rs", dt, n)
+        # all_to_all_single with uneven splits: r sends r + 2p + 1 rows to p
+        send = [r_ + 2 * p + 1 for r_, p in [(rank, p) for p in range(world)]]
+        recv = [r + 2 * rank + 1 for r in range(world)]
+        x = torch.cat([torch.full((send[p],), rank * 10 + p, dtype=dt) for p in range(world)])
+        y = torch.zeros(sum(recv), dtype=dt)
+        dist.all_to_all_single(y, x, output_split_sizes=recv, input_split_sizes=send)
+        want = torch.cat([torch.full((recv[r],), r * 10 + rank, dtype=dt) for r in range(world)])
+        assert torch.equal(y, want), ("a2a", dt, n)
+        ins = [torch.full((p + 1,), rank * 10 + p, dtype=dt) for p in range(world)]
+        outs = [torch.zeros(rank + 1, dtype=dt) for _ in range(world)]
+        dist.all_to_all(outs, ins)
+        assert all(torch.equal(o, torch.full((rank + 1,), r * 10 + rank, dtype=dt))
+                   for r, o in enumerate(outs)), ("all_to_all", dt, n)
+        g = [torch.zeros(n, dtype=dt) for _ in range(world)] if rank == root else None
+        dist.gather(inp(rank, n, seed).to(dt), gather_list=g, dst=root)
+        if rank == root:
+            assert all(torch.equal(g[r], inp(r, n, seed).to(dt)) for r in range(world))
+        s = [inp(r, n, seed).to(dt) for r in range(world)] if rank == root else None
+        o = torch.zeros(n, dtype=dt)
+        dist.scatter(o, scatter_list=s, src=root)
+        assert torch.equal(o, inp(rank, n, seed).to(dt)), ("scatter", dt, n)
+        # point-to-point ring, both directions posted before either waits
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        mine = inp(rank, n + rank, seed).to(dt)
+        got = torch.zeros(n + prv, dtype=dt)
+        works = [dist.isend(mine, nxt), dist.irecv(got, prv)]
+        for w in works:
+            w.wait()
+        assert torch.equal(got, inp(prv, n + prv, seed).to(dt)), ("p2p", dt, n)
+        dist.barrier()
+    say("ok", dt)
+w = dist.all_reduce(torch.ones(8), async_op=True)
+w.wait()
+assert pg.get_local_success(w) and pg.get_failed_ranks_hint(w) == []
+say("done")
+"""
+
+_STREAM = r"""
+import time
+deadline = time.time() + 60
+epoch_ok = [pg.get_current_epoch(WORLD_PG), 0]
+failed_seen = False
+while True:
+    assert time.time() < deadline, "no recovery"
+    vote = 1.0 if epoch_ok[0] > 1 and epoch_ok[1] >= 5 else 0.0
+    t = torch.full((1001,), float(rank + 1))
+    t[-1] = vote
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        work.wait()
+    except pg.MooncakeCollectiveError:
+        hint = pg.get_failed_ranks_hint(work)
+        assert not pg.get_local_success(work)
+        say("failed", ",".join(map(str, hint)))
+        resp = pg.sync_after_failure(WORLD_PG)
+        assert resp.status in (pg.SyncAfterFailureStatus.Reconciled,
+                               pg.SyncAfterFailureStatus.NoPending), resp
+        continue
+    active = pg.get_active_ranks(WORLD_PG)
+    want = float(sum(r + 1 for r in range(world) if active[r]))
+    assert torch.equal(t[:-1], torch.full((1000,), want)), (t[:3], active)
+    if int(t[-1].item()) == int(active.sum().item()):
+        break
+    e = pg.get_current_epoch(WORLD_PG)
+    if e != epoch_ok[0]:
+        epoch_ok = [e, 0]
+    epoch_ok[1] += 1
+    say("progress")
+active = pg.get_active_ranks(WORLD_PG)
+dead = [r for r in range(world) if not active[r]]
+assert pg.get_peer_state(WORLD_PG, dead) == [False] * len(dead)
+resp = pg.deactivate_ranks(WORLD_PG, dead)
+assert resp.status in (pg.ProposalStatus.Applied, pg.ProposalStatus.AppliedWithDroppedRanks)
+say("recovered", ",".join(map(str, dead)))
+assert sys.stdin.readline().strip() == "activate"
+while True:
+    assert time.time() < deadline + 60, "replacement never activated"
+    resp = pg.activate_ranks(WORLD_PG, dead)
+    if resp.status != pg.ProposalStatus.Rejected:
+        break
+    time.sleep(0.02)  # the replacement's claim may still be on its way
+"""
+
+_FULL = r"""
+assert pg.get_active_ranks(WORLD_PG).tolist() == [1] * world
+for _ in range(5):
+    t = torch.full((300,), rank + 1, dtype=torch.int64)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((300,), sum(range(1, world + 1)), dtype=torch.int64))
+say("full", pg.get_current_epoch(WORLD_PG))
+say("done")
+"""
+
+_REPLACEMENT = r"""
+say("joining")
+pg.join_group(WORLD_PG, timeout_ms=60000)
+say("joined", pg.get_current_epoch(WORLD_PG))
+"""
+
+
+class Rank:
+    """A rank process: stdout lines on a queue; killed at the end whatever happened."""
+
+    def __init__(self, script, store_port, rank, extension=False, timeout_ms=3000):
+        # One intra-op thread: four ranks' OpenMP teams spinning on a small host can
+        # stall one rank past the timeout.
+        env = dict(os.environ, PG_RANK=str(rank), PG_WORLD=str(WORLD),
+                   PG_STORE_PORT=str(store_port), PG_EXTENSION="1" if extension else "0",
+                   PG_TIMEOUT_MS=str(timeout_ms), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", _PRELUDE + script], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lines = queue.Queue()
+        self.log = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(self, prefix):
+        deadline = time.monotonic() + STEP
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                pytest.fail(f"no {prefix!r} line; saw {self.log}, exit {self.proc.poll()}")
+            self.log.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def tell(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self):
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=STEP) == 0, self.log
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=STEP)
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield s
+
+
+@pytest.fixture
+def ranks():
+    started = []
+    yield started
+    for r in started:
+        r.kill()
+
+
+def test_every_collective_matches_the_reference(store, ranks):
+    ranks.extend(Rank(_COLLECTIVES, store.port, r, timeout_ms=20000) for r in range(WORLD))
+    for r in ranks:
+        r.expect("ok torch.uint8")
+        r.expect("done")
+    for r in ranks:
+        r.finish()
+
+
+def test_killed_rank_is_named_excluded_and_replaced(store, ranks):
+    victim = 1
+    ranks.extend(Rank(_STREAM + _FULL, store.port, r) for r in range(WORLD))
+    for r in ranks:
+        r.expect("progress")
+    ranks[victim].kill()
+    named = 0
+    for i, r in enumerate(ranks):
+        if i == victim:
+            continue
+        assert r.expect("recovered") == f"recovered {victim}"
+        for line in r.log:
+            if line.startswith("failed"):
+                assert line == f"failed {victim}", (i, line)
+                named += 1
+    assert named > 0, "no survivor saw the failure"
+    replacement = Rank(_REPLACEMENT + _FULL, store.port, victim, extension=True)
+    ranks.append(replacement)
+    replacement.expect("joining")
+    for i, r in enumerate(ranks[:WORLD]):
+        if i != victim:
+            r.tell("activate")
+    for r in [replacement] + [r for i, r in enumerate(ranks[:WORLD]) if i != victim]:
+        r.expect("full")
+        r.expect("done")
+    for r in [replacement] + [r for i, r in enumerate(ranks[:WORLD]) if i != victim]:
+        r.finish()
+
+
+def test_options_are_checked_before_anything_starts():
+    from mooncake import pg
+
+    with pytest.raises(ValueError):
+        pg.MooncakeBackendOptions(active_ranks=[1, 0]).to_string(4)
+    with pytest.raises(RuntimeError):
+        pg.ProcessGroupHandle(5, 4)
+    with pytest.raises(TypeError):
+        pg.get_current_epoch(object())

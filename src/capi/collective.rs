@@ -1,0 +1,637 @@
+//! `mc_pg_*`: Mooncake PG collectives ([`crate::collective`]) for C callers.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::time::Duration;
+
+use super::{answer_text, c_str, copy_out, guard, init_logging, non_null, MC_OK};
+use crate::collective::{DType, Group, GroupOptions, ReduceOp};
+use crate::error::{Error, Result};
+
+/// `mc_pg`: one rank of a collective group behind an opaque pointer.
+pub struct McPg {
+    group: Group,
+}
+
+/// `mc_pg_message`: one point-to-point send or receive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct McPgMessage {
+    /// The peer rank.
+    pub peer: i32,
+    /// What to send, or where to receive.
+    pub buf: *mut c_void,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// Borrows the group behind a handle.
+///
+/// # Safety
+/// `pg` must be NULL or a live pointer from `mc_pg_new`, not freed during `'a`.
+unsafe fn group<'a>(pg: *mut McPg) -> Result<&'a Group> {
+    non_null(pg, "pg")?;
+    // SAFETY: non-null, and the caller guarantees it came from mc_pg_new and is live;
+    // only shared access is made (Group locks internally).
+    Ok(unsafe { &(*pg).group })
+}
+
+/// `len` bytes at `p` (NULL allowed when `len` is 0).
+///
+/// # Safety
+/// `p` must be readable for `len` bytes and not written during `'a`.
+unsafe fn bytes<'a>(p: *const c_void, len: usize, what: &str) -> Result<&'a [u8]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    non_null(p, what)?;
+    // SAFETY: non-null and readable for `len` bytes (caller's guarantee).
+    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
+}
+
+/// `len` writable bytes at `p` (NULL allowed when `len` is 0).
+///
+/// # Safety
+/// `p` must be writable for `len` bytes and not otherwise accessed during `'a`.
+unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, what: &str) -> Result<&'a mut [u8]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    non_null(p, what)?;
+    // SAFETY: non-null and writable for `len` bytes (caller's guarantee).
+    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+}
+
+/// The group's `world_size` entries at `p`.
+///
+/// # Safety
+/// `p` must be readable for `n` entries.
+unsafe fn sizes<'a>(p: *const usize, n: usize, what: &str) -> Result<&'a [usize]> {
+    non_null(p, what)?;
+    // SAFETY: non-null and readable for `n` entries (caller's guarantee, per mooncake.h).
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+fn total(s: &[usize], scale: usize) -> Result<usize> {
+    s.iter()
+        .try_fold(0usize, |a, &x| a.checked_add(x.checked_mul(scale)?))
+        .ok_or_else(|| Error::invalid("sizes overflow"))
+}
+
+fn rank_arg(r: c_int) -> Result<usize> {
+    usize::try_from(r).map_err(|_| Error::invalid(format!("rank {r}")))
+}
+
+fn elements(count: usize, dtype: DType) -> Result<usize> {
+    count
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::invalid("count overflows"))
+}
+
+/// Starts rank `rank` of `world_size` with `options` ("key=value;..." or NULL; see
+/// mooncake.h) and stores it in `*out` (NULL on error).
+///
+/// # Safety
+/// `options` NULL or a NUL-terminated string; `out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_new(
+    rank: c_int,
+    world_size: c_int,
+    options: *const c_char,
+    out: *mut *mut McPg,
+) -> c_int {
+    guard("mc_pg_new", || {
+        init_logging();
+        non_null(out, "out")?;
+        // SAFETY: non-null and writable (caller's guarantee).
+        unsafe { *out = std::ptr::null_mut() };
+        let mut o = GroupOptions::new(rank_arg(rank)?, rank_arg(world_size)?);
+        if !options.is_null() {
+            // SAFETY: a NUL-terminated string (caller's guarantee).
+            let text = unsafe { c_str(options, "options") }?;
+            for item in text.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+                let (k, v) = item
+                    .split_once('=')
+                    .ok_or_else(|| Error::invalid(format!("option {item:?} is not key=value")))?;
+                o.set(k.trim(), v.trim())?;
+            }
+        }
+        let group = Group::new(o)?;
+        // SAFETY: as above.
+        unsafe { *out = Box::into_raw(Box::new(McPg { group })) };
+        Ok(MC_OK)
+    })
+}
+
+/// Stops the rank and frees the handle; NULL is ignored.
+///
+/// # Safety
+/// `pg` NULL or from `mc_pg_new`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_free(pg: *mut McPg) {
+    super::guard_value("mc_pg_free", (), || {
+        if !pg.is_null() {
+            // SAFETY: from Box::into_raw in mc_pg_new, freed once (caller's guarantee).
+            drop(unsafe { Box::from_raw(pg) });
+        }
+    })
+}
+
+/// Copies this rank's rendezvous address into `buf` (NUL-terminated).
+///
+/// # Safety
+/// `buf` writable for `len` bytes; `needed_out` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_address(
+    pg: *mut McPg,
+    buf: *mut c_char,
+    len: usize,
+    needed_out: *mut usize,
+) -> c_int {
+    guard("mc_pg_address", || {
+        // SAFETY: caller's guarantees, passed on.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        unsafe { answer_text(&g.address(), buf, len, needed_out, "address") }
+    })
+}
+
+/// Reaches the peers: `addresses[r]` is rank r's address, "" or NULL when not running.
+///
+/// # Safety
+/// `addresses` readable for `count` pointers, each NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_connect(
+    pg: *mut McPg,
+    addresses: *const *const c_char,
+    count: usize,
+) -> c_int {
+    guard("mc_pg_connect", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        non_null(addresses, "addresses")?;
+        let mut list = Vec::with_capacity(count);
+        for i in 0..count {
+            // SAFETY: `addresses` holds `count` pointers (caller's guarantee).
+            let p = unsafe { *addresses.add(i) };
+            list.push(if p.is_null() {
+                String::new()
+            } else {
+                // SAFETY: a NUL-terminated string (caller's guarantee).
+                unsafe { c_str(p, "address") }?.to_owned()
+            });
+        }
+        g.connect(&list)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Claims this rank and waits up to `timeout_ms` until a member activates it.
+///
+/// # Safety
+/// `pg` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_join(pg: *mut McPg, timeout_ms: u32) -> c_int {
+    guard("mc_pg_join", || {
+        // SAFETY: caller's guarantee.
+        unsafe { group(pg) }?.join(Duration::from_millis(timeout_ms.into()))?;
+        Ok(MC_OK)
+    })
+}
+
+/// All-reduce of `count` elements in place.
+///
+/// # Safety
+/// `buf` readable and writable for `count` elements of `dtype`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_all_reduce(
+    pg: *mut McPg,
+    buf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+) -> c_int {
+    guard("mc_pg_all_reduce", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
+        // SAFETY: as above.
+        let b = unsafe { bytes_mut(buf, elements(count, dt)?, "buf") }?;
+        g.all_reduce(b, dt, op)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Reduce of `count` elements into `root`'s `buf`.
+///
+/// # Safety
+/// As `mc_pg_all_reduce`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_reduce(
+    pg: *mut McPg,
+    buf: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    op: c_int,
+    root: c_int,
+) -> c_int {
+    guard("mc_pg_reduce", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
+        // SAFETY: as above.
+        let b = unsafe { bytes_mut(buf, elements(count, dt)?, "buf") }?;
+        g.reduce(b, dt, op, rank_arg(root)?)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Broadcast of `len` bytes from `root`.
+///
+/// # Safety
+/// `buf` readable and writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_broadcast(
+    pg: *mut McPg,
+    buf: *mut c_void,
+    len: usize,
+    root: c_int,
+) -> c_int {
+    guard("mc_pg_broadcast", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let b = unsafe { bytes_mut(buf, len, "buf") }?;
+        g.broadcast(b, rank_arg(root)?)?;
+        Ok(MC_OK)
+    })
+}
+
+/// All-gather: `sizes[r]` bytes from each rank r, concatenated in rank order.
+///
+/// # Safety
+/// `sizes` holds world_size entries; `input` readable for `sizes[rank]` bytes, `output`
+/// writable for their sum.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_all_gather(
+    pg: *mut McPg,
+    input: *const c_void,
+    output: *mut c_void,
+    sizes: *const usize,
+) -> c_int {
+    guard("mc_pg_all_gather", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, s[g.rank()], "input") }?;
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, total(s, 1)?, "output") }?;
+        g.all_gather(i, o, s)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Reduce-scatter: `counts[r]` elements per rank block; this rank's reduced block into
+/// `output`.
+///
+/// # Safety
+/// `counts` holds world_size entries; `input` readable for their sum, `output` writable
+/// for `counts[rank]` elements.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_reduce_scatter(
+    pg: *mut McPg,
+    input: *const c_void,
+    output: *mut c_void,
+    counts: *const usize,
+    dtype: c_int,
+    op: c_int,
+) -> c_int {
+    guard("mc_pg_reduce_scatter", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
+        // SAFETY: as above.
+        let c = unsafe { self::sizes(counts, g.size(), "counts") }?;
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, total(c, dt.size())?, "input") }?;
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, elements(c[g.rank()], dt)?, "output") }?;
+        g.reduce_scatter(i, o, c, dt, op)?;
+        Ok(MC_OK)
+    })
+}
+
+/// All-to-all: block r of `input` (`send[r]` bytes) to rank r, block r of `output`
+/// (`recv[r]` bytes) from rank r.
+///
+/// # Safety
+/// `send`, `recv` hold world_size entries; buffers cover their sums.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_all_to_all(
+    pg: *mut McPg,
+    input: *const c_void,
+    send: *const usize,
+    output: *mut c_void,
+    recv: *const usize,
+) -> c_int {
+    guard("mc_pg_all_to_all", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let s = unsafe { sizes(send, g.size(), "send") }?;
+        // SAFETY: as above.
+        let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, total(s, 1)?, "input") }?;
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, total(r, 1)?, "output") }?;
+        g.all_to_all(i, s, o, r)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Gather to `root` (`output`, the sum of `sizes`, only used there; may be NULL elsewhere).
+///
+/// # Safety
+/// As `mc_pg_all_gather`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_gather(
+    pg: *mut McPg,
+    input: *const c_void,
+    output: *mut c_void,
+    sizes: *const usize,
+    root: c_int,
+) -> c_int {
+    guard("mc_pg_gather", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        let root = rank_arg(root)?;
+        // SAFETY: as above.
+        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, s[g.rank()], "input") }?;
+        let out_len = if g.rank() == root { total(s, 1)? } else { 0 };
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, out_len, "output") }?;
+        g.gather(i, o, s, root)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Scatter from `root` (`input`, the sum of `sizes`, only read there; may be NULL elsewhere).
+///
+/// # Safety
+/// As `mc_pg_all_gather`, with input and output swapped.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_scatter(
+    pg: *mut McPg,
+    input: *const c_void,
+    output: *mut c_void,
+    sizes: *const usize,
+    root: c_int,
+) -> c_int {
+    guard("mc_pg_scatter", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        let root = rank_arg(root)?;
+        // SAFETY: as above.
+        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        let in_len = if g.rank() == root { total(s, 1)? } else { 0 };
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, in_len, "input") }?;
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, s[g.rank()], "output") }?;
+        g.scatter(i, o, s, root)?;
+        Ok(MC_OK)
+    })
+}
+
+/// Waits until every active rank has entered the barrier.
+///
+/// # Safety
+/// `pg` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_barrier(pg: *mut McPg) -> c_int {
+    guard("mc_pg_barrier", || {
+        // SAFETY: caller's guarantee.
+        unsafe { group(pg) }?.barrier()?;
+        Ok(MC_OK)
+    })
+}
+
+/// Point-to-point sends and receives, done together.
+///
+/// # Safety
+/// `sends` / `recvs` hold `nsends` / `nrecvs` entries whose buffers are valid for their
+/// lengths (receive buffers writable and distinct).
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_send_recv(
+    pg: *mut McPg,
+    sends: *const McPgMessage,
+    nsends: usize,
+    recvs: *const McPgMessage,
+    nrecvs: usize,
+) -> c_int {
+    guard("mc_pg_send_recv", || {
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        let list = |p: *const McPgMessage, n: usize| -> Result<&[McPgMessage]> {
+            if n == 0 {
+                return Ok(&[]);
+            }
+            non_null(p, "messages")?;
+            // SAFETY: `n` entries (caller's guarantee).
+            Ok(unsafe { std::slice::from_raw_parts(p, n) })
+        };
+        let mut out = Vec::new();
+        for m in list(sends, nsends)? {
+            // SAFETY: as above.
+            out.push((rank_arg(m.peer)?, unsafe {
+                bytes(m.buf, m.len, "send buf")
+            }?));
+        }
+        let mut inc = Vec::new();
+        for m in list(recvs, nrecvs)? {
+            // SAFETY: as above.
+            inc.push((rank_arg(m.peer)?, unsafe {
+                bytes_mut(m.buf, m.len, "recv buf")
+            }?));
+        }
+        g.send_recv(&out, &mut inc)?;
+        Ok(MC_OK)
+    })
+}
+
+/// The ranks the last failed operation did not hear from: up to `cap` into `ranks`,
+/// how many in `*count`.
+///
+/// # Safety
+/// `ranks` writable for `cap` entries (NULL when 0); `count` writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_failed_ranks(
+    pg: *mut McPg,
+    ranks: *mut i32,
+    cap: usize,
+    count: *mut usize,
+) -> c_int {
+    guard("mc_pg_failed_ranks", || {
+        // SAFETY: caller's guarantee.
+        let failed = unsafe { group(pg) }?.failed_ranks();
+        non_null(count, "count")?;
+        // SAFETY: non-null, writable.
+        unsafe { *count = failed.len() };
+        for (i, r) in failed.iter().take(cap).enumerate() {
+            non_null(ranks, "ranks")?;
+            // SAFETY: `i < cap` entries are writable.
+            unsafe { *ranks.add(i) = *r as i32 };
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// The active ranks: `mask[r]` 1 or 0 for each of `len` (= world_size) ranks.
+///
+/// # Safety
+/// `mask` writable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_active_ranks(pg: *mut McPg, mask: *mut u8, len: usize) -> c_int {
+    guard("mc_pg_active_ranks", || {
+        // SAFETY: caller's guarantee.
+        let active = unsafe { group(pg) }?.active_ranks();
+        if len != active.len() {
+            return Err(Error::invalid(format!(
+                "mask of {len} for world_size {}",
+                active.len()
+            )));
+        }
+        // SAFETY: as above.
+        let m = unsafe { bytes_mut(mask.cast(), len, "mask") }?;
+        for (d, a) in m.iter_mut().zip(active) {
+            *d = a.into();
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// The current membership epoch.
+///
+/// # Safety
+/// `epoch` writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_epoch(pg: *mut McPg, epoch: *mut u64) -> c_int {
+    guard("mc_pg_epoch", || {
+        // SAFETY: caller's guarantee.
+        let e = unsafe { group(pg) }?.epoch();
+        non_null(epoch, "epoch")?;
+        // SAFETY: non-null, writable.
+        unsafe { *epoch = e };
+        Ok(MC_OK)
+    })
+}
+
+/// For each of `n` ranks, 1 when active or ready to be activated, else 0.
+///
+/// # Safety
+/// `ranks` readable and `states` writable for `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_peer_state(
+    pg: *mut McPg,
+    ranks: *const i32,
+    n: usize,
+    states: *mut u8,
+) -> c_int {
+    guard("mc_pg_peer_state", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let rs = unsafe { bytes(ranks.cast(), n * 4, "ranks") }?;
+        let list: Vec<usize> = rs
+            .chunks_exact(4)
+            .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .map(|r| usize::try_from(r).unwrap_or(usize::MAX))
+            .collect();
+        // SAFETY: as above.
+        let out = unsafe { bytes_mut(states.cast(), n, "states") }?;
+        for (o, s) in out.iter_mut().zip(g.peer_state(&list)) {
+            *o = s.into();
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Proposes activating (`activate` 1) or deactivating (0) `n` ranks. `*status` gets a
+/// `MC_PG_PROPOSAL_*`, `*new_epoch` the epoch after, `dropped` (up to `dropped_cap`)
+/// the members left out and `*dropped_count` how many, `reason` (NUL-terminated,
+/// `reason_len` bytes, may be 0) why a rejection.
+///
+/// # Safety
+/// Pointers valid for the sizes given; any output may be NULL when not wanted.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_propose(
+    pg: *mut McPg,
+    activate: c_int,
+    ranks: *const i32,
+    n: usize,
+    status: *mut c_int,
+    new_epoch: *mut u64,
+    dropped: *mut i32,
+    dropped_cap: usize,
+    dropped_count: *mut usize,
+    reason: *mut c_char,
+    reason_len: usize,
+) -> c_int {
+    guard("mc_pg_propose", || {
+        // SAFETY: caller's guarantees, for each access below.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let rs = unsafe { bytes(ranks.cast(), n * 4, "ranks") }?;
+        let mut list = Vec::with_capacity(n);
+        for c in rs.chunks_exact(4) {
+            list.push(rank_arg(i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))?);
+        }
+        let resp = g.propose(activate != 0, &list)?;
+        // SAFETY: each output is NULL or writable (caller's guarantee).
+        unsafe {
+            if !status.is_null() {
+                *status = resp.status as c_int;
+            }
+            if !new_epoch.is_null() {
+                *new_epoch = resp.new_epoch;
+            }
+            if !dropped_count.is_null() {
+                *dropped_count = resp.dropped_ranks.len();
+            }
+            if !dropped.is_null() {
+                for (i, r) in resp.dropped_ranks.iter().take(dropped_cap).enumerate() {
+                    *dropped.add(i) = *r as i32;
+                }
+            }
+            if !reason.is_null() && reason_len > 0 {
+                let text = &resp.reject_reason;
+                let mut end = text.len().min(reason_len - 1);
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                copy_out(&text[..end], reason, reason_len);
+            }
+        }
+        Ok(MC_OK)
+    })
+}
+
+/// Reconciles membership after a failure; `*status` gets a `MC_PG_SYNC_*`.
+///
+/// # Safety
+/// `status` writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_sync_after_failure(pg: *mut McPg, status: *mut c_int) -> c_int {
+    guard("mc_pg_sync_after_failure", || {
+        // SAFETY: caller's guarantee.
+        let s = unsafe { group(pg) }?.sync_after_failure()?;
+        non_null(status, "status")?;
+        // SAFETY: non-null, writable.
+        unsafe { *status = s as c_int };
+        Ok(MC_OK)
+    })
+}

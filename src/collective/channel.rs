@@ -1,0 +1,572 @@
+//! Channels between ranks: staged one-sided writes of stamped cells, credits, and the
+//! exchange loop every collective is built from.
+
+use std::time::{Duration, Instant};
+
+use super::dtype::{reduce_into, DType, ReduceOp};
+use super::layout::{check_cell, encode_cell, CellStamp, Layout, Mask, CELL_HEADER};
+use super::{Group, GroupOptions};
+use crate::engine::{BatchId, SegmentId, TaskState};
+use crate::error::{Code, Error, Result};
+use crate::transport::Op;
+use crate::Request;
+
+/// Where a peer's buffer is.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Peer {
+    pub segment: SegmentId,
+    pub base: u64,
+    /// The join record's incarnation this entry came from (0: from the rendezvous).
+    pub incarnation: u64,
+}
+
+/// Per-peer channel counters within the current epoch.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Channel {
+    /// Messages (cells) sent to the peer.
+    pub sent: u64,
+    /// Cells received from the peer and consumed.
+    pub consumed: u64,
+    /// `consumed` as last written to the peer's credit word.
+    pub credited: u64,
+}
+
+/// Everything that changes as a rank runs; guarded by the group's lock.
+pub(super) struct State {
+    pub epoch: u64,
+    pub mask: Mask,
+    pub peers: Vec<Option<Peer>>,
+    pub channels: Vec<Channel>,
+    /// Collective sequence number within the epoch (tags cells; all members agree).
+    pub seq: u64,
+    /// Writes posted and not yet reaped: the batch and, for each task, the peer whose
+    /// failure it proves (`None` for credit words: a peer that has everything it needs
+    /// from us may exit before our last credit reaches it).
+    pub outstanding: Vec<(BatchId, Vec<Option<usize>>)>,
+    pub last_failed: Vec<usize>,
+    /// A failure was seen and membership has not been reconciled since.
+    pub needs_sync: bool,
+    /// This process's incarnation (for join records).
+    pub incarnation: u64,
+}
+
+impl State {
+    pub fn new(o: &GroupOptions, layout: Layout) -> State {
+        let mask = match (&o.active_ranks, o.is_extension) {
+            (Some(a), _) => {
+                let mut m = Mask::default();
+                for (r, _) in a.iter().enumerate().filter(|(_, on)| **on) {
+                    m.set(r);
+                }
+                m
+            }
+            (None, false) => Mask::first(o.world_size),
+            (None, true) => {
+                let mut m = Mask::first(o.world_size);
+                m.clear(o.rank);
+                m
+            }
+        };
+        State {
+            // Epochs start at 1, so zeroed memory never passes for a current cell; an
+            // extension is at 0 until a view admits it.
+            epoch: if o.is_extension { 0 } else { 1 },
+            mask,
+            peers: vec![None; layout.ranks],
+            channels: vec![Channel::default(); layout.ranks],
+            seq: 0,
+            outstanding: Vec::new(),
+            last_failed: Vec::new(),
+            needs_sync: false,
+            incarnation: crate::sys::random_u64() | 1,
+        }
+    }
+
+    pub fn set_peer(&mut self, r: usize, segment: SegmentId, base: u64, incarnation: u64) {
+        self.peers[r] = Some(Peer {
+            segment,
+            base,
+            incarnation,
+        });
+    }
+}
+
+/// What a receive does with the bytes.
+pub(super) enum Sink<'a> {
+    /// Store them.
+    Copy(&'a mut [u8]),
+    /// Combine them, as they arrive, into an accumulator that every receive of the
+    /// exchange shares (so it is held by pointer; the exchange runs on one thread).
+    Reduce(Accumulator<'a>),
+}
+
+/// `len` bytes at `ptr` that several receives of one exchange reduce into.
+#[derive(Clone, Copy)]
+pub(super) struct Accumulator<'a> {
+    ptr: *mut u8,
+    len: usize,
+    dtype: DType,
+    op: ReduceOp,
+    _borrow: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> Accumulator<'a> {
+    pub fn new(acc: &'a mut [u8], dtype: DType, op: ReduceOp) -> Self {
+        Accumulator {
+            ptr: acc.as_mut_ptr(),
+            len: acc.len(),
+            dtype,
+            op,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Sink<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Sink::Copy(b) => b.len(),
+            Sink::Reduce(a) => a.len,
+        }
+    }
+
+    fn take(&mut self, offset: usize, payload: &[u8]) {
+        match self {
+            Sink::Copy(b) => b[offset..offset + payload.len()].copy_from_slice(payload),
+            Sink::Reduce(a) => {
+                // SAFETY: `offset + payload.len() <= a.len` (the caller clamps), the
+                // accumulator outlives the exchange ('a), and receives run one at a
+                // time on this thread, so this is the only live reference to it.
+                let acc =
+                    unsafe { std::slice::from_raw_parts_mut(a.ptr.add(offset), payload.len()) };
+                reduce_into(acc, payload, a.dtype, a.op);
+            }
+        }
+    }
+}
+
+/// One message to send in an exchange.
+pub(super) struct Outgoing<'a> {
+    pub peer: usize,
+    pub data: &'a [u8],
+    offset: usize,
+    started: bool,
+}
+
+impl<'a> Outgoing<'a> {
+    pub fn new(peer: usize, data: &'a [u8]) -> Self {
+        Outgoing {
+            peer,
+            data,
+            offset: 0,
+            started: false,
+        }
+    }
+    fn done(&self) -> bool {
+        self.started && self.offset >= self.data.len()
+    }
+}
+
+/// One message to receive in an exchange.
+pub(super) struct Incoming<'a> {
+    pub peer: usize,
+    pub sink: Sink<'a>,
+    offset: usize,
+    started: bool,
+}
+
+impl<'a> Incoming<'a> {
+    pub fn new(peer: usize, sink: Sink<'a>) -> Self {
+        Incoming {
+            peer,
+            sink,
+            offset: 0,
+            started: false,
+        }
+    }
+    fn done(&self) -> bool {
+        self.started && self.offset >= self.sink.len()
+    }
+}
+
+/// Operation kinds, in the low byte of a cell's tag.
+pub(super) const KIND_P2P: u64 = 0xff;
+
+/// Packs a credit word: the epoch (low 24 bits) and a count (40 bits).
+fn credit_word(epoch: u64, consumed: u64) -> u64 {
+    (epoch & 0xff_ffff) << 40 | (consumed & 0xff_ffff_ffff)
+}
+
+/// Spins, then yields, then sleeps briefly: a waiting rank must not starve the
+/// engine threads that move its peers' bytes on a busy host.
+pub(super) fn backoff(idle: u32) {
+    if idle < 32 {
+        std::hint::spin_loop();
+    } else if idle < 2048 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+impl Group {
+    /// Posts writes as one batch; the peers of failed submissions are returned.
+    pub(super) fn post(
+        &self,
+        st: &mut State,
+        reqs: Vec<Request>,
+        peers: Vec<Option<usize>>,
+    ) -> Vec<usize> {
+        if reqs.is_empty() {
+            return Vec::new();
+        }
+        let batch = match self.engine.allocate_batch(reqs.len()) {
+            Ok(b) => b,
+            Err(e) => {
+                log::warn!("group rank {}: {e}", self.rank());
+                return peers.into_iter().flatten().collect();
+            }
+        };
+        // SAFETY: every local range is inside our buffer, which outlives the engine's
+        // use of it (the engine owns and frees it last).
+        if let Err(e) = unsafe { self.engine.submit(batch, &reqs) } {
+            log::debug!("group rank {}: write refused: {e}", self.rank());
+            let _ = self.engine.free_batch(batch);
+            return peers.into_iter().flatten().collect();
+        }
+        st.outstanding.push((batch, peers));
+        Vec::new()
+    }
+
+    /// Frees finished batches; returns the peers whose writes failed.
+    pub(super) fn reap(&self, st: &mut State) -> Vec<usize> {
+        let mut failed = Vec::new();
+        st.outstanding.retain(|(batch, peers)| {
+            let mut all_final = true;
+            let mut bad: Vec<usize> = Vec::new();
+            for (t, p) in peers.iter().enumerate() {
+                match self.engine.task_status(*batch, t) {
+                    Ok(s) if s.state == TaskState::Completed => {}
+                    Ok(s) if s.state.is_final() => bad.extend(p),
+                    Ok(_) => all_final = false,
+                    Err(_) => bad.extend(p),
+                }
+            }
+            if all_final {
+                failed.extend(bad);
+                let _ = self.engine.free_batch(*batch);
+            }
+            !all_final
+        });
+        failed
+    }
+
+    /// Waits (bounded by the timeout) until no posted write can still land, so a new
+    /// epoch starts with no write of the old one in flight.
+    pub(super) fn drain(&self, st: &mut State) {
+        let deadline = Instant::now() + self.options.timeout + Duration::from_secs(1);
+        let mut idle = 0;
+        while !st.outstanding.is_empty() && Instant::now() < deadline {
+            self.reap(st);
+            idle += 1;
+            backoff(idle);
+        }
+        if !st.outstanding.is_empty() {
+            log::warn!(
+                "group rank {}: {} write batches still pending at epoch change",
+                self.rank(),
+                st.outstanding.len()
+            );
+        }
+    }
+
+    /// Writes `record` into slot `slot(me)` of each peer in `to`, in one batch, waiting
+    /// up to `timeout`; returns the peers the write did not reach.
+    pub(super) fn write_records(
+        &self,
+        st: &mut State,
+        to: &[usize],
+        slot: impl Fn(&Layout, usize) -> usize,
+        record: &[u8],
+        timeout: Duration,
+    ) -> Vec<usize> {
+        let me = self.rank();
+        let mut reqs = Vec::new();
+        let mut peers = Vec::new();
+        let mut unreached = Vec::new();
+        for &p in to {
+            let Some(peer) = st.peers[p] else {
+                unreached.push(p);
+                continue;
+            };
+            let stage = self.layout.record_stage(p);
+            // SAFETY: the staging slot (RECORD bytes) lies inside our buffer and
+            // `record` is at most RECORD bytes (encoders guarantee it).
+            unsafe {
+                std::ptr::copy_nonoverlapping(record.as_ptr(), self.buf(stage), record.len())
+            };
+            reqs.push(Request {
+                op: Op::Write,
+                local: (self.base + stage) as u64,
+                segment: peer.segment,
+                remote: peer.base + slot(&self.layout, me) as u64,
+                len: record.len() as u64,
+            });
+            peers.push(p);
+        }
+        if reqs.is_empty() {
+            return unreached;
+        }
+        let Ok(batch) = self.engine.allocate_batch(reqs.len()) else {
+            unreached.extend(peers);
+            return unreached;
+        };
+        // SAFETY: local ranges are staging slots of our buffer (see `post`).
+        if unsafe { self.engine.submit(batch, &reqs) }.is_err() {
+            let _ = self.engine.free_batch(batch);
+            unreached.extend(peers);
+            return unreached;
+        }
+        let _ = self.engine.wait_batch(batch, Some(timeout));
+        for (t, &p) in peers.iter().enumerate() {
+            match self.engine.task_status(batch, t) {
+                Ok(s) if s.state == TaskState::Completed => {}
+                _ => unreached.push(p),
+            }
+        }
+        st.outstanding
+            .push((batch, peers.into_iter().map(Some).collect()));
+        self.reap(st);
+        unreached
+    }
+
+    /// Cells consumed from `p` so far as `p` told us (0 when its word is from an older
+    /// epoch).
+    fn credit_seen(&self, st: &State, p: usize) -> u64 {
+        // SAFETY: the credit word is inside our buffer; 8-byte aligned.
+        let w = unsafe { std::ptr::read_volatile(self.buf(self.layout.credit(p)).cast::<u64>()) };
+        if w >> 40 == st.epoch & 0xff_ffff {
+            w & 0xff_ffff_ffff
+        } else {
+            0
+        }
+    }
+
+    /// Runs one exchange: sends every `out`, receives every `inc`, until all are done
+    /// or the timeout; at most one message each way per peer. On failure the ranks not
+    /// heard from (or not reached) are recorded in `last_failed`.
+    pub(super) fn exchange(
+        &self,
+        st: &mut State,
+        kind: u64,
+        out: &mut [Outgoing<'_>],
+        inc: &mut [Incoming<'_>],
+    ) -> Result<()> {
+        // Point-to-point traffic involves two ranks only, so it must not advance the
+        // sequence all members share.
+        let tag = if kind == KIND_P2P {
+            KIND_P2P
+        } else {
+            st.seq += 1;
+            st.seq << 8 | kind
+        };
+        let cells = self.layout.cells as u64;
+        let cap = self.layout.payload();
+        let deadline = Instant::now() + self.options.timeout;
+        let mut idle = 0u32;
+        loop {
+            let mut progressed = false;
+            let mut reqs = Vec::new();
+            let mut req_peers = Vec::new();
+            // Receive first: consuming frees cells, and credits ride in the same batch.
+            for m in inc.iter_mut().filter(|m| !m.done()) {
+                let p = m.peer;
+                while !m.done() {
+                    let ch = st.channels[p];
+                    let k = (ch.consumed % cells) as usize;
+                    let cell = self.buf(self.layout.recv_cell(p, k));
+                    // SAFETY: the cell lies inside our buffer with `cap` payload bytes.
+                    let Some(stamp) = (unsafe { check_cell(cell, cap, st.epoch, ch.consumed + 1) })
+                    else {
+                        break;
+                    };
+                    if stamp.tag != tag || stamp.total != m.sink.len() as u64 {
+                        st.last_failed = vec![p];
+                        st.needs_sync = true;
+                        return Err(Error::new(
+                            Code::InvalidParams,
+                            format!(
+                                "rank {p} sent operation {:#x} of {} bytes where this rank runs \
+                                 {tag:#x} expecting {}: ranks called different collectives",
+                                stamp.tag,
+                                stamp.total,
+                                m.sink.len()
+                            ),
+                        ));
+                    }
+                    let len = stamp.len.min(m.sink.len() - m.offset);
+                    // SAFETY: `len <= cap` payload bytes follow the stamp in the cell.
+                    let payload = unsafe { std::slice::from_raw_parts(cell.add(CELL_HEADER), len) };
+                    m.sink.take(m.offset, payload);
+                    m.offset += len;
+                    m.started = true;
+                    st.channels[p].consumed += 1;
+                    progressed = true;
+                }
+                let ch = st.channels[p];
+                if ch.consumed - ch.credited >= (cells / 2).max(1)
+                    || (m.done() && ch.consumed > ch.credited)
+                {
+                    if let Some(peer) = st.peers[p] {
+                        let stage = self.layout.credit_stage(p);
+                        // SAFETY: the credit staging word is inside our buffer, aligned.
+                        unsafe {
+                            std::ptr::write_volatile(
+                                self.buf(stage).cast::<u64>(),
+                                credit_word(st.epoch, ch.consumed),
+                            )
+                        };
+                        reqs.push(Request {
+                            op: Op::Write,
+                            local: (self.base + stage) as u64,
+                            segment: peer.segment,
+                            remote: peer.base + self.layout.credit(self.rank()) as u64,
+                            len: 8,
+                        });
+                        req_peers.push(None);
+                        st.channels[p].credited = ch.consumed;
+                    }
+                }
+            }
+            for m in out.iter_mut().filter(|m| !m.done()) {
+                let p = m.peer;
+                let Some(peer) = st.peers[p] else { continue };
+                while !m.done()
+                    && st.channels[p].sent.saturating_sub(self.credit_seen(st, p)) < cells
+                {
+                    let sent = st.channels[p].sent;
+                    let k = (sent % cells) as usize;
+                    let len = (m.data.len() - m.offset).min(cap);
+                    let stage = self.layout.send_cell(p, k);
+                    // SAFETY: the staging cell lies inside our buffer; its previous
+                    // write has landed (the peer consumed it: the credit says so).
+                    let cell = unsafe {
+                        std::slice::from_raw_parts_mut(self.buf(stage), CELL_HEADER + len)
+                    };
+                    let stamp = CellStamp {
+                        epoch: st.epoch,
+                        msg: sent + 1,
+                        tag,
+                        len,
+                        total: m.data.len() as u64,
+                    };
+                    encode_cell(cell, &stamp, &m.data[m.offset..m.offset + len]);
+                    reqs.push(Request {
+                        op: Op::Write,
+                        local: (self.base + stage) as u64,
+                        segment: peer.segment,
+                        remote: peer.base + self.layout.recv_cell(self.rank(), k) as u64,
+                        len: (CELL_HEADER + len) as u64,
+                    });
+                    req_peers.push(Some(p));
+                    m.offset += len;
+                    m.started = true;
+                    st.channels[p].sent += 1;
+                    progressed = true;
+                }
+            }
+            let mut failed = self.post(st, reqs, req_peers);
+            failed.extend(self.reap(st));
+            if !failed.is_empty() {
+                failed.sort_unstable();
+                failed.dedup();
+                return Err(self.fail(st, failed, "writes to them failed"));
+            }
+            if out.iter().all(|m| m.done()) && inc.iter().all(|m| m.done()) {
+                st.last_failed.clear();
+                return Ok(());
+            }
+            if progressed {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            backoff(idle);
+            if idle % 64 == 0 {
+                if let Some(suspects) = self.change_announced(st) {
+                    // The announcer's evidence names the failed ranks; ranks we were
+                    // merely still waiting for may be waiting on those same ranks.
+                    let missing = if suspects.is_empty() {
+                        self.unfinished(out, inc)
+                    } else {
+                        suspects.ranks()
+                    };
+                    return Err(self.fail(st, missing, "a membership change was announced"));
+                }
+                if Instant::now() >= deadline {
+                    let missing = self.unfinished(out, inc);
+                    for m in inc.iter().filter(|m| !m.done()) {
+                        let ch = st.channels[m.peer];
+                        let cell = self.buf(
+                            self.layout
+                                .recv_cell(m.peer, (ch.consumed % cells) as usize),
+                        );
+                        // SAFETY: a cell header inside our buffer.
+                        let word = |at: usize| unsafe {
+                            std::ptr::read_volatile(cell.add(at).cast::<u64>())
+                        };
+                        log::debug!(
+                            "group rank {}: epoch {} tag {tag:#x}: from {} expecting message {}, cell holds epoch {} message {} tag {:#x}",
+                            self.rank(), st.epoch, m.peer, ch.consumed + 1, word(8), word(16), word(24)
+                        );
+                    }
+                    for m in out.iter().filter(|m| !m.done()) {
+                        log::debug!(
+                            "group rank {}: to {} sent {} credit {}",
+                            self.rank(),
+                            m.peer,
+                            st.channels[m.peer].sent,
+                            self.credit_seen(st, m.peer)
+                        );
+                    }
+                    return Err(self.fail(st, missing, "timed out"));
+                }
+            }
+        }
+    }
+
+    fn unfinished(&self, out: &[Outgoing<'_>], inc: &[Incoming<'_>]) -> Vec<usize> {
+        let mut v: Vec<usize> = out
+            .iter()
+            .filter(|m| !m.done())
+            .map(|m| m.peer)
+            .chain(inc.iter().filter(|m| !m.done()).map(|m| m.peer))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Records a failed operation and, with auto-sync, tells the other members at once
+    /// so they stop waiting and reconcile too.
+    fn fail(&self, st: &mut State, missing: Vec<usize>, why: &str) -> Error {
+        st.last_failed = missing.clone();
+        st.needs_sync = true;
+        if self.options.auto_sync_on_failure {
+            let suspects = if self.options.auto_deactivate_on_failure {
+                Mask::of(&missing)
+            } else {
+                Mask::default()
+            };
+            self.announce(st, suspects, Mask::default(), Mask::default());
+        }
+        Error::new(
+            Code::Timeout,
+            format!(
+                "rank {}: collective failed at epoch {} ({why}); failed ranks {missing:?}",
+                self.rank(),
+                st.epoch
+            ),
+        )
+    }
+}

@@ -1,0 +1,426 @@
+//! Where everything lives in a rank's registered buffer, and the self-checking
+//! records peers write into it.
+//!
+//! Every write a peer makes is stamped and checksummed: a data cell carries the
+//! membership epoch, its message number on that (sender, receiver) channel, the
+//! collective it belongs to, and a CRC-32C over the stamp and the payload; a control
+//! record carries a CRC over its body. A reader accepts a cell only when the stamp is
+//! the one it expects and the CRC matches, so a write from an older epoch, a late
+//! duplicate, or one still landing (torn) is never taken for data.
+
+use crate::util::crc32c::crc32c;
+
+/// Most ranks a group can have (the width of [`Mask`]).
+pub const MAX_RANKS: usize = 256;
+/// Bytes of a data cell's stamp, ahead of its payload.
+pub const CELL_HEADER: usize = 48;
+/// Bytes of one control record slot.
+pub const RECORD: usize = 256;
+const CELL_MAGIC: u32 = 0x4d43_5047;
+const RECORD_MAGIC: u32 = 0x4d43_5052;
+
+/// A set of ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mask(pub [u64; MAX_RANKS / 64]);
+
+impl Mask {
+    /// The ranks `0..n`.
+    pub fn first(n: usize) -> Mask {
+        let mut m = Mask::default();
+        for r in 0..n.min(MAX_RANKS) {
+            m.set(r);
+        }
+        m
+    }
+    /// Adds `r`.
+    pub fn set(&mut self, r: usize) {
+        if r < MAX_RANKS {
+            self.0[r / 64] |= 1 << (r % 64);
+        }
+    }
+    /// Removes `r`.
+    pub fn clear(&mut self, r: usize) {
+        if r < MAX_RANKS {
+            self.0[r / 64] &= !(1 << (r % 64));
+        }
+    }
+    /// Whether `r` is in the set.
+    pub fn has(&self, r: usize) -> bool {
+        r < MAX_RANKS && self.0[r / 64] & (1 << (r % 64)) != 0
+    }
+    /// Ranks in ascending order.
+    pub fn ranks(&self) -> Vec<usize> {
+        (0..MAX_RANKS).filter(|&r| self.has(r)).collect()
+    }
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+    /// Ranks in either set.
+    pub fn union(&self, o: &Mask) -> Mask {
+        Mask(std::array::from_fn(|i| self.0[i] | o.0[i]))
+    }
+    /// Ranks in `self` but not in `o`.
+    pub fn minus(&self, o: &Mask) -> Mask {
+        Mask(std::array::from_fn(|i| self.0[i] & !o.0[i]))
+    }
+    /// The set of `ranks`.
+    pub fn of(ranks: &[usize]) -> Mask {
+        let mut m = Mask::default();
+        for &r in ranks {
+            m.set(r);
+        }
+        m
+    }
+    fn put(&self, out: &mut Vec<u8>) {
+        for w in self.0 {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+    fn get(bytes: &[u8]) -> Mask {
+        Mask(std::array::from_fn(|i| le64(bytes, i * 8)))
+    }
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    b.get(at..at + 8)
+        .and_then(|s| s.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    b.get(at..at + 4)
+        .and_then(|s| s.try_into().ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+/// Offsets of the regions of one rank's buffer. Every rank of a group uses the same
+/// layout (peers compute where to write from it), so its parameters travel in the
+/// rank's address and a mismatch is refused at connect.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Ranks the buffer has room for.
+    pub ranks: usize,
+    /// Cells per (sender, receiver) channel: how many messages may be in flight.
+    pub cells: usize,
+    /// Bytes per cell, stamp included.
+    pub cell_bytes: usize,
+}
+
+fn align(v: usize) -> usize {
+    v.div_ceil(4096) * 4096
+}
+
+impl Layout {
+    /// Payload bytes a cell carries (whole 8-byte words, so no element straddles two).
+    pub fn payload(&self) -> usize {
+        (self.cell_bytes - CELL_HEADER) / 8 * 8
+    }
+    /// The credit word `src` writes: how many of our messages it has consumed.
+    pub fn credit(&self, src: usize) -> usize {
+        src * 8
+    }
+    fn control(&self) -> usize {
+        align(self.ranks * 8)
+    }
+    /// `src`'s announcement that it starts a membership change.
+    pub fn announce(&self, src: usize) -> usize {
+        self.control() + src * RECORD
+    }
+    /// `src`'s report to us as coordinator of a membership change.
+    pub fn sync(&self, src: usize) -> usize {
+        self.control() + (self.ranks + src) * RECORD
+    }
+    /// The view `src` published as coordinator.
+    pub fn view(&self, src: usize) -> usize {
+        self.control() + (2 * self.ranks + src) * RECORD
+    }
+    /// Where a process taking rank `src` says how to reach it.
+    pub fn join(&self, src: usize) -> usize {
+        self.control() + (3 * self.ranks + src) * RECORD
+    }
+    /// Our staging copy of the record we are writing to `dst`.
+    pub fn record_stage(&self, dst: usize) -> usize {
+        self.control() + (4 * self.ranks + dst) * RECORD
+    }
+    /// Our staging copy of the credit word we are writing to `dst`.
+    pub fn credit_stage(&self, dst: usize) -> usize {
+        self.control() + 5 * self.ranks * RECORD + dst * 8
+    }
+    fn data(&self) -> usize {
+        align(self.control() + 5 * self.ranks * RECORD + self.ranks * 8)
+    }
+    /// Cell `k` of the channel from `src` to us.
+    pub fn recv_cell(&self, src: usize, k: usize) -> usize {
+        self.data() + (src * self.cells + k) * self.cell_bytes
+    }
+    /// Our staging copy of cell `k` of the channel to `dst`.
+    pub fn send_cell(&self, dst: usize, k: usize) -> usize {
+        self.data() + ((self.ranks + dst) * self.cells + k) * self.cell_bytes
+    }
+    /// Bytes of the whole buffer.
+    pub fn total(&self) -> usize {
+        self.data() + 2 * self.ranks * self.cells * self.cell_bytes
+    }
+}
+
+/// The stamp of one data cell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CellStamp {
+    /// Membership epoch the message was sent in.
+    pub epoch: u64,
+    /// Message number on its channel within the epoch, from 1.
+    pub msg: u64,
+    /// Which operation: `(sequence << 8) | kind`.
+    pub tag: u64,
+    /// Payload bytes in this cell.
+    pub len: usize,
+    /// Bytes of the whole message this cell is part of.
+    pub total: u64,
+}
+
+/// Writes a cell (stamp, payload, CRC) into `cell`, which holds at least
+/// `CELL_HEADER + payload.len()` bytes.
+pub fn encode_cell(cell: &mut [u8], stamp: &CellStamp, payload: &[u8]) {
+    cell[0..4].copy_from_slice(&CELL_MAGIC.to_le_bytes());
+    cell[8..16].copy_from_slice(&stamp.epoch.to_le_bytes());
+    cell[16..24].copy_from_slice(&stamp.msg.to_le_bytes());
+    cell[24..32].copy_from_slice(&stamp.tag.to_le_bytes());
+    cell[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    cell[40..48].copy_from_slice(&stamp.total.to_le_bytes());
+    cell[CELL_HEADER..CELL_HEADER + payload.len()].copy_from_slice(payload);
+    let crc = crc32c(&cell[8..CELL_HEADER + payload.len()]);
+    cell[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Reads the stamp of a cell that may be changing under us: `None` unless the magic,
+/// the epoch and the message number are the expected ones, the length fits and the CRC
+/// over stamp and payload matches (a write still landing fails the CRC).
+///
+/// # Safety
+/// `cell` must be readable for `cap + CELL_HEADER` bytes.
+pub unsafe fn check_cell(cell: *const u8, cap: usize, epoch: u64, msg: u64) -> Option<CellStamp> {
+    // SAFETY: the caller guarantees the header is readable; volatile because a peer
+    // writes it behind the compiler's back.
+    let word = |at: usize| unsafe { std::ptr::read_volatile(cell.add(at).cast::<u64>()) };
+    let head = word(0);
+    if head as u32 != CELL_MAGIC || word(8) != epoch || word(16) != msg {
+        return None;
+    }
+    let len = usize::try_from(word(32)).ok().filter(|&l| l <= cap)?;
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    // SAFETY: `len <= cap`, so the range is inside what the caller vouched for.
+    let body = unsafe { std::slice::from_raw_parts(cell.add(8), CELL_HEADER - 8 + len) };
+    if crc32c(body) != (head >> 32) as u32 {
+        return None;
+    }
+    Some(CellStamp {
+        epoch,
+        msg,
+        tag: word(24),
+        len,
+        total: word(40),
+    })
+}
+
+/// Kinds of control records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// "I start a membership change of epoch `base`."
+    Announce = 1,
+    /// "Coordinator, here is what I know for the change of epoch `base`."
+    Sync = 2,
+    /// "Epoch `epoch` has members `mask`."
+    View = 3,
+    /// "Rank r is now reachable here."
+    Join = 4,
+}
+
+/// A proposal (announcement or sync report): what its writer wants changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Proposal {
+    /// The epoch the change starts from.
+    pub base: u64,
+    /// Ranks the writer believes failed.
+    pub suspects: Mask,
+    /// Ranks to activate.
+    pub add: Mask,
+    /// Ranks to deactivate.
+    pub remove: Mask,
+}
+
+/// A published membership view.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct View {
+    /// The epoch it starts.
+    pub epoch: u64,
+    /// Its active ranks.
+    pub mask: Mask,
+    /// Members of the previous view left out although nobody asked to remove them.
+    pub dropped: Mask,
+}
+
+/// A process's claim of a rank: where to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JoinRecord {
+    /// Random per process: tells a replacement from the process it replaces.
+    pub incarnation: u64,
+    /// Address of its group buffer.
+    pub addr: u64,
+    /// Its engine's segment name.
+    pub segment: String,
+}
+
+fn seal(kind: RecordKind, body: &[u8]) -> Vec<u8> {
+    let mut rec = Vec::with_capacity(16 + body.len());
+    rec.extend_from_slice(&RECORD_MAGIC.to_le_bytes());
+    rec.extend_from_slice(&[0; 4]);
+    rec.extend_from_slice(&(kind as u32).to_le_bytes());
+    rec.extend_from_slice(&((16 + body.len()) as u32).to_le_bytes());
+    rec.extend_from_slice(body);
+    let crc = crc32c(&rec[8..]);
+    rec[4..8].copy_from_slice(&crc.to_le_bytes());
+    rec
+}
+
+/// The body of a record of `kind` in `slot` (a copy of one slot), if it is complete.
+fn open(slot: &[u8], kind: RecordKind) -> Option<&[u8]> {
+    if le32(slot, 0) != RECORD_MAGIC || le32(slot, 8) != kind as u32 {
+        return None;
+    }
+    let len = le32(slot, 12) as usize;
+    if !(16..=RECORD).contains(&len) || len > slot.len() || crc32c(&slot[8..len]) != le32(slot, 4) {
+        return None;
+    }
+    Some(&slot[16..len])
+}
+
+/// Encodes a proposal as a record of `kind` (announce or sync).
+pub fn encode_proposal(kind: RecordKind, p: &Proposal) -> Vec<u8> {
+    let mut body = p.base.to_le_bytes().to_vec();
+    p.suspects.put(&mut body);
+    p.add.put(&mut body);
+    p.remove.put(&mut body);
+    seal(kind, &body)
+}
+
+/// Decodes a proposal record of `kind`.
+pub fn decode_proposal(slot: &[u8], kind: RecordKind) -> Option<Proposal> {
+    let b = open(slot, kind)?;
+    (b.len() == 8 + 96).then(|| Proposal {
+        base: le64(b, 0),
+        suspects: Mask::get(&b[8..40]),
+        add: Mask::get(&b[40..72]),
+        remove: Mask::get(&b[72..104]),
+    })
+}
+
+/// Encodes a view record.
+pub fn encode_view(v: &View) -> Vec<u8> {
+    let mut body = v.epoch.to_le_bytes().to_vec();
+    v.mask.put(&mut body);
+    v.dropped.put(&mut body);
+    seal(RecordKind::View, &body)
+}
+
+/// Decodes a view record.
+pub fn decode_view(slot: &[u8]) -> Option<View> {
+    let b = open(slot, RecordKind::View)?;
+    (b.len() == 8 + 64).then(|| View {
+        epoch: le64(b, 0),
+        mask: Mask::get(&b[8..40]),
+        dropped: Mask::get(&b[40..72]),
+    })
+}
+
+/// Longest segment name a join record carries.
+pub const MAX_SEGMENT_NAME: usize = RECORD - 16 - 20;
+
+/// Encodes a join record; `None` when the segment name does not fit.
+pub fn encode_join(j: &JoinRecord) -> Option<Vec<u8>> {
+    if j.segment.len() > MAX_SEGMENT_NAME {
+        return None;
+    }
+    let mut body = j.incarnation.to_le_bytes().to_vec();
+    body.extend_from_slice(&j.addr.to_le_bytes());
+    body.extend_from_slice(&(j.segment.len() as u32).to_le_bytes());
+    body.extend_from_slice(j.segment.as_bytes());
+    Some(seal(RecordKind::Join, &body))
+}
+
+/// Decodes a join record.
+pub fn decode_join(slot: &[u8]) -> Option<JoinRecord> {
+    let b = open(slot, RecordKind::Join)?;
+    let n = le32(b, 16) as usize;
+    let name = b.get(20..20 + n)?;
+    Some(JoinRecord {
+        incarnation: le64(b, 0),
+        addr: le64(b, 8),
+        segment: String::from_utf8(name.to_vec()).ok()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_are_accepted_only_complete_and_current() {
+        let mut cell = vec![0u8; CELL_HEADER + 64];
+        let stamp = CellStamp {
+            epoch: 3,
+            msg: 7,
+            tag: 0x105,
+            len: 40,
+            total: 40,
+        };
+        encode_cell(&mut cell, &stamp, &[9u8; 40]);
+        // SAFETY: `cell` holds CELL_HEADER + 64 bytes.
+        let seen = unsafe { check_cell(cell.as_ptr(), 64, 3, 7) };
+        assert_eq!(seen, Some(stamp));
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(check_cell(cell.as_ptr(), 64, 2, 7), None, "older epoch");
+            assert_eq!(check_cell(cell.as_ptr(), 64, 3, 8), None, "other message");
+        }
+        cell[CELL_HEADER + 39] = 0; // the payload's last bytes not landed yet
+                                    // SAFETY: as above.
+        assert_eq!(unsafe { check_cell(cell.as_ptr(), 64, 3, 7) }, None, "torn");
+    }
+
+    #[test]
+    fn records_round_trip_and_refuse_damage() {
+        let p = Proposal {
+            base: 4,
+            suspects: Mask::of(&[2]),
+            add: Mask::of(&[5, 200]),
+            remove: Mask::default(),
+        };
+        let mut slot = encode_proposal(RecordKind::Sync, &p);
+        assert_eq!(decode_proposal(&slot, RecordKind::Sync), Some(p));
+        assert_eq!(decode_proposal(&slot, RecordKind::Announce), None);
+        slot[20] ^= 1;
+        assert_eq!(decode_proposal(&slot, RecordKind::Sync), None);
+        let j = JoinRecord {
+            incarnation: 77,
+            addr: 0x1000,
+            segment: "127.0.0.1:5555".into(),
+        };
+        assert_eq!(decode_join(&encode_join(&j).unwrap()), Some(j));
+        let v = View {
+            epoch: 9,
+            mask: Mask::first(3),
+            dropped: Mask::of(&[3]),
+        };
+        assert_eq!(decode_view(&encode_view(&v)), Some(v));
+        assert!(
+            Layout {
+                ranks: 4,
+                cells: 2,
+                cell_bytes: 4096
+            }
+            .total()
+                > 4 * 2 * 4096 * 2
+        );
+    }
+}

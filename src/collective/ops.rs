@@ -1,0 +1,453 @@
+//! The collectives, each a short sequence of exchanges among the active ranks.
+
+use super::channel::{Accumulator, Incoming, Outgoing, Sink, State, KIND_P2P};
+use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
+use super::Group;
+use crate::error::{Error, Result};
+
+const KIND_ALL_REDUCE: u64 = 1;
+const KIND_REDUCE_SCATTER_PHASE: u64 = 2;
+const KIND_ALL_GATHER_PHASE: u64 = 3;
+const KIND_BROADCAST: u64 = 4;
+const KIND_ALL_GATHER: u64 = 5;
+const KIND_REDUCE_SCATTER: u64 = 6;
+const KIND_ALL_TO_ALL: u64 = 7;
+const KIND_BARRIER: u64 = 8;
+const KIND_REDUCE: u64 = 9;
+const KIND_GATHER: u64 = 10;
+const KIND_SCATTER: u64 = 11;
+
+/// Up to this size an all-reduce sends the whole buffer to every member in one round;
+/// above it, a reduce-scatter then an all-gather move each byte fewer times.
+const ONE_ROUND_MAX: usize = 64 << 10;
+
+/// Cuts `buf` into consecutive blocks of `sizes` bytes.
+fn split_mut<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::with_capacity(sizes.len());
+    for &s in sizes {
+        let (head, rest) = std::mem::take(&mut buf).split_at_mut(s);
+        out.push(head);
+        buf = rest;
+    }
+    out
+}
+
+fn offsets(sizes: &[usize]) -> Vec<usize> {
+    sizes
+        .iter()
+        .scan(0, |acc, &s| {
+            let o = *acc;
+            *acc += s;
+            Some(o)
+        })
+        .collect()
+}
+
+/// Reduces `parts` (in order) into `out`, then divides for `Avg`.
+fn reduce_parts(out: &mut [u8], parts: &[&[u8]], dtype: DType, op: ReduceOp) {
+    if let Some((first, rest)) = parts.split_first() {
+        out.copy_from_slice(first);
+        for p in rest {
+            reduce_into(out, p, dtype, op);
+        }
+    }
+    if op == ReduceOp::Avg {
+        finish_avg(out, dtype, parts.len());
+    }
+}
+
+impl Group {
+    fn begin(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        let mut st = self.lock();
+        self.begin_op(&mut st)?;
+        Ok(st)
+    }
+
+    fn others(&self, st: &State) -> Vec<usize> {
+        st.mask
+            .ranks()
+            .into_iter()
+            .filter(|&r| r != self.rank())
+            .collect()
+    }
+
+    fn check_sizes(&self, sizes: &[usize], what: &str) -> Result<usize> {
+        if sizes.len() != self.size() {
+            return Err(Error::invalid(format!(
+                "{what}: {} sizes for world_size {}",
+                sizes.len(),
+                self.size()
+            )));
+        }
+        sizes
+            .iter()
+            .try_fold(0usize, |a, &s| a.checked_add(s))
+            .ok_or_else(|| Error::invalid(format!("{what}: sizes overflow")))
+    }
+
+    fn check_root(&self, st: &State, root: usize) -> Result<()> {
+        if st.mask.has(root) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!("root {root} is not an active rank")))
+        }
+    }
+
+    /// Combines `buf` (elements of `dtype`) across the active ranks; every active rank
+    /// ends with the same result.
+    pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        if buf.len() % dtype.size() != 0 {
+            return Err(Error::invalid("buffer is not a whole number of elements"));
+        }
+        let mut st = self.begin()?;
+        let members = st.mask.ranks();
+        let others = self.others(&st);
+        if buf.len() <= ONE_ROUND_MAX {
+            let mut got: Vec<Vec<u8>> = others.iter().map(|_| vec![0; buf.len()]).collect();
+            {
+                let mut out: Vec<Outgoing> =
+                    others.iter().map(|&p| Outgoing::new(p, buf)).collect();
+                let mut inc: Vec<Incoming> = others
+                    .iter()
+                    .zip(got.iter_mut())
+                    .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
+                    .collect();
+                self.exchange(&mut st, KIND_ALL_REDUCE, &mut out, &mut inc)?;
+            }
+            let mine = buf.to_vec();
+            // Every rank combines in rank order, so all get bit-identical results.
+            let parts: Vec<&[u8]> = members
+                .iter()
+                .map(|&r| match others.iter().position(|&p| p == r) {
+                    Some(i) => got[i].as_slice(),
+                    None => mine.as_slice(),
+                })
+                .collect();
+            reduce_parts(buf, &parts, dtype, op);
+            return Ok(());
+        }
+        let n = members.len();
+        let elems = buf.len() / dtype.size();
+        let sizes: Vec<usize> = (0..n)
+            .map(|i| (elems * (i + 1) / n - elems * i / n) * dtype.size())
+            .collect();
+        let me = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
+        // Phase 1: member i reduces block i from everyone's copy of it, each cell as it
+        // arrives (the order varies between runs; every rank gets the owner's result).
+        let offs = offsets(&sizes);
+        let mut acc = buf[offs[me]..offs[me] + sizes[me]].to_vec();
+        {
+            let blocks: Vec<&[u8]> = (0..n).map(|i| &buf[offs[i]..offs[i] + sizes[i]]).collect();
+            let shared = Accumulator::new(&mut acc, dtype, op);
+            let mut out: Vec<Outgoing> = members
+                .iter()
+                .enumerate()
+                .filter(|(_, &r)| r != self.rank())
+                .map(|(i, &r)| Outgoing::new(r, blocks[i]))
+                .collect();
+            let mut inc: Vec<Incoming> = others
+                .iter()
+                .map(|&p| Incoming::new(p, Sink::Reduce(shared)))
+                .collect();
+            self.exchange(&mut st, KIND_REDUCE_SCATTER_PHASE, &mut out, &mut inc)?;
+        }
+        if op == ReduceOp::Avg {
+            finish_avg(&mut acc, dtype, n);
+        }
+        // Phase 2: every member sends its reduced block to all.
+        let mut blocks = split_mut(buf, &sizes);
+        blocks[me].copy_from_slice(&acc);
+        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &acc)).collect();
+        let mut inc: Vec<Incoming> = Vec::new();
+        for (i, b) in blocks.into_iter().enumerate() {
+            if i != me {
+                inc.push(Incoming::new(members[i], Sink::Copy(b)));
+            }
+        }
+        self.exchange(&mut st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc)
+    }
+
+    /// Copies `root`'s `buf` into every active rank's `buf`.
+    pub fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        let mut st = self.begin()?;
+        self.check_root(&st, root)?;
+        if root == self.rank() {
+            let mut out: Vec<Outgoing> = self
+                .others(&st)
+                .into_iter()
+                .map(|p| Outgoing::new(p, buf))
+                .collect();
+            self.exchange(&mut st, KIND_BROADCAST, &mut out, &mut [])
+        } else {
+            let mut inc = [Incoming::new(root, Sink::Copy(buf))];
+            self.exchange(&mut st, KIND_BROADCAST, &mut [], &mut inc)
+        }
+    }
+
+    /// Every active rank's `input` into block r of `output` (blocks of `sizes[r]`
+    /// bytes, in rank order); blocks of inactive ranks are left as they are.
+    pub fn all_gather(&self, input: &[u8], output: &mut [u8], sizes: &[usize]) -> Result<()> {
+        let total = self.check_sizes(sizes, "all_gather")?;
+        if output.len() != total || input.len() != sizes[self.rank()] {
+            return Err(Error::invalid(format!(
+                "all_gather: input {} bytes (size says {}), output {} (sizes sum to {total})",
+                input.len(),
+                sizes[self.rank()],
+                output.len()
+            )));
+        }
+        let mut st = self.begin()?;
+        let others = self.others(&st);
+        let mut blocks = split_mut(output, sizes);
+        blocks[self.rank()].copy_from_slice(input);
+        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, input)).collect();
+        let mut inc: Vec<Incoming> = blocks
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| others.contains(r))
+            .map(|(r, b)| Incoming::new(r, Sink::Copy(b)))
+            .collect();
+        self.exchange(&mut st, KIND_ALL_GATHER, &mut out, &mut inc)
+    }
+
+    /// Reduces `input` (blocks of `counts[r]` elements, in rank order) across the active
+    /// ranks; this rank gets its reduced block in `output`.
+    pub fn reduce_scatter(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let sizes: Vec<usize> = counts
+            .iter()
+            .map(|c| c.saturating_mul(dtype.size()))
+            .collect();
+        let total = self.check_sizes(&sizes, "reduce_scatter")?;
+        let me = self.rank();
+        if input.len() != total || output.len() != sizes[me] {
+            return Err(Error::invalid(
+                "reduce_scatter: input or output size mismatch",
+            ));
+        }
+        let mut st = self.begin()?;
+        let others = self.others(&st);
+        let offs = offsets(&sizes);
+        let block = |r: usize| &input[offs[r]..offs[r] + sizes[r]];
+        let mut got: Vec<Vec<u8>> = others.iter().map(|_| vec![0; sizes[me]]).collect();
+        {
+            let mut out: Vec<Outgoing> =
+                others.iter().map(|&p| Outgoing::new(p, block(p))).collect();
+            let mut inc: Vec<Incoming> = others
+                .iter()
+                .zip(got.iter_mut())
+                .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
+                .collect();
+            self.exchange(&mut st, KIND_REDUCE_SCATTER, &mut out, &mut inc)?;
+        }
+        let parts: Vec<&[u8]> = st
+            .mask
+            .ranks()
+            .iter()
+            .map(|&r| match others.iter().position(|&p| p == r) {
+                Some(i) => got[i].as_slice(),
+                None => block(me),
+            })
+            .collect();
+        reduce_parts(output, &parts, dtype, op);
+        Ok(())
+    }
+
+    /// Block r of `input` (`send[r]` bytes) goes to rank r, which stores it as block
+    /// `self` of its `output` (`recv[self]` bytes); blocks of inactive ranks are skipped.
+    pub fn all_to_all(
+        &self,
+        input: &[u8],
+        send: &[usize],
+        output: &mut [u8],
+        recv: &[usize],
+    ) -> Result<()> {
+        let in_total = self.check_sizes(send, "all_to_all send")?;
+        let out_total = self.check_sizes(recv, "all_to_all recv")?;
+        let me = self.rank();
+        if input.len() != in_total || output.len() != out_total || send[me] != recv[me] {
+            return Err(Error::invalid(
+                "all_to_all: buffer sizes do not match the splits",
+            ));
+        }
+        let mut st = self.begin()?;
+        let others = self.others(&st);
+        let offs = offsets(send);
+        let mut blocks = split_mut(output, recv);
+        blocks[me].copy_from_slice(&input[offs[me]..offs[me] + send[me]]);
+        let mut out: Vec<Outgoing> = others
+            .iter()
+            .map(|&p| Outgoing::new(p, &input[offs[p]..offs[p] + send[p]]))
+            .collect();
+        let mut inc: Vec<Incoming> = blocks
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| others.contains(r))
+            .map(|(r, b)| Incoming::new(r, Sink::Copy(b)))
+            .collect();
+        self.exchange(&mut st, KIND_ALL_TO_ALL, &mut out, &mut inc)
+    }
+
+    /// Returns once every active rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        let mut st = self.begin()?;
+        let others = self.others(&st);
+        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &[])).collect();
+        let mut sinks: Vec<[u8; 0]> = vec![[]; others.len()];
+        let mut inc: Vec<Incoming> = others
+            .iter()
+            .zip(sinks.iter_mut())
+            .map(|(&p, s)| Incoming::new(p, Sink::Copy(s)))
+            .collect();
+        self.exchange(&mut st, KIND_BARRIER, &mut out, &mut inc)
+    }
+
+    /// Combines `buf` across the active ranks into `root`'s `buf` (others' unchanged).
+    pub fn reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+        if buf.len() % dtype.size() != 0 {
+            return Err(Error::invalid("buffer is not a whole number of elements"));
+        }
+        let mut st = self.begin()?;
+        self.check_root(&st, root)?;
+        if root != self.rank() {
+            let mut out = [Outgoing::new(root, buf)];
+            return self.exchange(&mut st, KIND_REDUCE, &mut out, &mut []);
+        }
+        let others = self.others(&st);
+        let mut got: Vec<Vec<u8>> = others.iter().map(|_| vec![0; buf.len()]).collect();
+        {
+            let mut inc: Vec<Incoming> = others
+                .iter()
+                .zip(got.iter_mut())
+                .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
+                .collect();
+            self.exchange(&mut st, KIND_REDUCE, &mut [], &mut inc)?;
+        }
+        let mine = buf.to_vec();
+        let parts: Vec<&[u8]> = st
+            .mask
+            .ranks()
+            .iter()
+            .map(|&r| match others.iter().position(|&p| p == r) {
+                Some(i) => got[i].as_slice(),
+                None => mine.as_slice(),
+            })
+            .collect();
+        reduce_parts(buf, &parts, dtype, op);
+        Ok(())
+    }
+
+    /// Every active rank's `input` into block r of `root`'s `output` (blocks of
+    /// `sizes[r]` bytes); `output` is only used on the root.
+    pub fn gather(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        sizes: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let total = self.check_sizes(sizes, "gather")?;
+        if input.len() != sizes[self.rank()] {
+            return Err(Error::invalid(
+                "gather: input size differs from sizes[rank]",
+            ));
+        }
+        let mut st = self.begin()?;
+        self.check_root(&st, root)?;
+        if root != self.rank() {
+            let mut out = [Outgoing::new(root, input)];
+            return self.exchange(&mut st, KIND_GATHER, &mut out, &mut []);
+        }
+        if output.len() != total {
+            return Err(Error::invalid(
+                "gather: output size differs from the sum of sizes",
+            ));
+        }
+        let others = self.others(&st);
+        let mut blocks = split_mut(output, sizes);
+        blocks[root].copy_from_slice(input);
+        let mut inc: Vec<Incoming> = blocks
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| others.contains(r))
+            .map(|(r, b)| Incoming::new(r, Sink::Copy(b)))
+            .collect();
+        self.exchange(&mut st, KIND_GATHER, &mut [], &mut inc)
+    }
+
+    /// Block r of `root`'s `input` (blocks of `sizes[r]` bytes) into rank r's `output`.
+    pub fn scatter(
+        &self,
+        input: &[u8],
+        output: &mut [u8],
+        sizes: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let total = self.check_sizes(sizes, "scatter")?;
+        if output.len() != sizes[self.rank()] {
+            return Err(Error::invalid(
+                "scatter: output size differs from sizes[rank]",
+            ));
+        }
+        let mut st = self.begin()?;
+        self.check_root(&st, root)?;
+        if root != self.rank() {
+            let mut inc = [Incoming::new(root, Sink::Copy(output))];
+            return self.exchange(&mut st, KIND_SCATTER, &mut [], &mut inc);
+        }
+        if input.len() != total {
+            return Err(Error::invalid(
+                "scatter: input size differs from the sum of sizes",
+            ));
+        }
+        let offs = offsets(sizes);
+        output.copy_from_slice(&input[offs[root]..offs[root] + sizes[root]]);
+        let mut out: Vec<Outgoing> = self
+            .others(&st)
+            .into_iter()
+            .map(|p| Outgoing::new(p, &input[offs[p]..offs[p] + sizes[p]]))
+            .collect();
+        self.exchange(&mut st, KIND_SCATTER, &mut out, &mut [])
+    }
+
+    /// Point-to-point: sends and receives done together (at most one of each per peer),
+    /// so paired sends cannot wait on each other. Messages between two ranks arrive in
+    /// the order they were sent; a receive's buffer must be the size sent.
+    pub fn send_recv(
+        &self,
+        sends: &[(usize, &[u8])],
+        recvs: &mut [(usize, &mut [u8])],
+    ) -> Result<()> {
+        let mut st = self.begin()?;
+        let mut seen_send = super::Mask::default();
+        let mut seen_recv = super::Mask::default();
+        for &(p, _) in sends {
+            if p == self.rank() || !st.mask.has(p) || seen_send.has(p) {
+                return Err(Error::invalid(format!(
+                    "send to rank {p}: not an active peer, or twice"
+                )));
+            }
+            seen_send.set(p);
+        }
+        for (p, _) in recvs.iter() {
+            if *p == self.rank() || !st.mask.has(*p) || seen_recv.has(*p) {
+                return Err(Error::invalid(format!(
+                    "receive from rank {p}: not an active peer, or twice"
+                )));
+            }
+            seen_recv.set(*p);
+        }
+        let mut out: Vec<Outgoing> = sends.iter().map(|&(p, d)| Outgoing::new(p, d)).collect();
+        let mut inc: Vec<Incoming> = recvs
+            .iter_mut()
+            .map(|(p, b)| Incoming::new(*p, Sink::Copy(b)))
+            .collect();
+        self.exchange(&mut st, KIND_P2P, &mut out, &mut inc)
+    }
+}

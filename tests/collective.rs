@@ -1,0 +1,698 @@
+//! Mooncake PG with real processes: every collective on four ranks against a reference
+//! computed here, and a rank killed with SIGKILL during a stream of all-reduces, named,
+//! excluded, and replaced by a new process that takes its old rank number.
+//!
+//! The ranks are this test binary started again with `MC_PG_CHILD` set: the `pg_child`
+//! test then runs one rank's script and reports on stdout.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use mooncake::collective::dtype::{f32_to_bf16, f32_to_f16};
+use mooncake::collective::{DType, Group, GroupOptions, ProposalStatus, ReduceOp, SyncStatus};
+
+const WORLD: usize = 4;
+/// Bound on any single step a parent waits for.
+const STEP: Duration = Duration::from_secs(60);
+const OP_TIMEOUT_MS: u64 = 3000;
+
+// ---------------------------------------------------------------- children
+
+#[test]
+fn pg_child() {
+    let Ok(script) = std::env::var("MC_PG_CHILD") else {
+        return;
+    };
+    let _ = env_logger::builder().is_test(false).try_init();
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let rank: usize = var("MC_PG_RANK").parse().unwrap();
+    let dir = PathBuf::from(var("MC_PG_DIR"));
+    let extension = std::env::var("MC_PG_EXTENSION").is_ok();
+    let group = start_rank(&dir, rank, extension);
+    match script.as_str() {
+        "collectives" => run_collectives(&group),
+        "stream" => run_stream(&group),
+        "replacement" => run_replacement(&group),
+        other => panic!("unknown script {other}"),
+    }
+    say("done");
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Creates the rank, publishes its address in `dir` and connects to every address there
+/// (waiting, bounded, until all ranks have published).
+fn start_rank(dir: &Path, rank: usize, extension: bool) -> Group {
+    let mut o = GroupOptions::new(rank, WORLD);
+    o.timeout = Duration::from_millis(OP_TIMEOUT_MS);
+    o.is_extension = extension;
+    // Small cells, so large messages are cut into many.
+    o.cell_bytes = 64 << 10;
+    if let Ok(p) = std::env::var("MC_PG_PROTOCOL") {
+        o.set("protocol", &p).unwrap();
+    }
+    let g = Group::new(o).expect("group starts");
+    eprintln!(
+        "rank {rank} pid {} address {}",
+        std::process::id(),
+        g.address()
+    );
+    let tmp = dir.join(format!("rank-{rank}.tmp"));
+    std::fs::write(&tmp, g.address()).unwrap();
+    std::fs::rename(&tmp, dir.join(format!("rank-{rank}"))).unwrap();
+    let deadline = Instant::now() + STEP;
+    let addrs: Vec<String> = loop {
+        let got: Vec<Option<String>> = (0..WORLD)
+            .map(|r| std::fs::read_to_string(dir.join(format!("rank-{r}"))).ok())
+            .collect();
+        if got.iter().all(Option::is_some) {
+            break got.into_iter().map(Option::unwrap_or_default).collect();
+        }
+        assert!(Instant::now() < deadline, "rendezvous incomplete: {got:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    g.connect(&addrs).expect("connect");
+    if !extension {
+        // Everyone connected before the first operation's clock starts: a slow start
+        // on a loaded host must not look like a failure.
+        let ready = dir.join(format!("ready-{rank}"));
+        std::fs::write(&ready, b"").unwrap();
+        while !(0..WORLD).all(|r| dir.join(format!("ready-{r}")).exists()) {
+            assert!(
+                Instant::now() < deadline + STEP,
+                "ranks never all connected"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    g
+}
+
+const DTYPES: [DType; 7] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+];
+
+/// `v` (a small integer, or a quarter of one) as one element of `dt`.
+fn enc(dt: DType, v: f64) -> Vec<u8> {
+    match dt {
+        DType::F32 => (v as f32).to_ne_bytes().to_vec(),
+        DType::F64 => v.to_ne_bytes().to_vec(),
+        DType::F16 => f32_to_f16(v as f32).to_ne_bytes().to_vec(),
+        DType::BF16 => f32_to_bf16(v as f32).to_ne_bytes().to_vec(),
+        DType::I32 => (v as i32).to_ne_bytes().to_vec(),
+        DType::I64 => (v as i64).to_ne_bytes().to_vec(),
+        DType::U8 => vec![v as u8],
+    }
+}
+
+fn encode(dt: DType, vals: &[f64]) -> Vec<u8> {
+    vals.iter().flat_map(|&v| enc(dt, v)).collect()
+}
+
+/// Element `i` of rank `r`'s input for test `seed`: 1..=5 (1..=2 for products, so
+/// every result is exact in every type, bfloat16 included).
+fn value(r: usize, i: usize, seed: usize, op: ReduceOp) -> f64 {
+    let m = if op == ReduceOp::Product { 2 } else { 5 };
+    ((r * 7 + i * 3 + seed) % m + 1) as f64
+}
+
+fn reference(dt: DType, op: ReduceOp, ranks: &[usize], len: usize, seed: usize) -> Vec<u8> {
+    let vals: Vec<f64> = (0..len)
+        .map(|i| {
+            let xs = ranks.iter().map(|&r| value(r, i, seed, op));
+            match op {
+                ReduceOp::Sum => xs.sum(),
+                ReduceOp::Product => xs.product(),
+                ReduceOp::Min => xs.fold(f64::MAX, f64::min),
+                ReduceOp::Max => xs.fold(f64::MIN, f64::max),
+                ReduceOp::Avg => {
+                    let s: f64 = xs.sum();
+                    let integer = !matches!(dt, DType::F32 | DType::F64 | DType::F16 | DType::BF16);
+                    if integer {
+                        (s as i64 / ranks.len() as i64) as f64
+                    } else {
+                        s / ranks.len() as f64
+                    }
+                }
+            }
+        })
+        .collect();
+    encode(dt, &vals)
+}
+
+fn input(dt: DType, r: usize, len: usize, seed: usize, op: ReduceOp) -> Vec<u8> {
+    let vals: Vec<f64> = (0..len).map(|i| value(r, i, seed, op)).collect();
+    encode(dt, &vals)
+}
+
+fn run_collectives(g: &Group) {
+    let me = g.rank();
+    let all: Vec<usize> = (0..WORLD).collect();
+    // 70001 elements of 8 bytes take the two-phase path and many 64 KiB cells.
+    let lens = [1usize, 7, 1000, 70001];
+    for (t, dt) in DTYPES.into_iter().enumerate() {
+        let sz = dt.size();
+        for (l, &len) in lens.iter().enumerate() {
+            let seed = t * 10 + l;
+            for op in [
+                ReduceOp::Sum,
+                ReduceOp::Min,
+                ReduceOp::Max,
+                ReduceOp::Product,
+                ReduceOp::Avg,
+            ] {
+                let mut buf = input(dt, me, len, seed, op);
+                g.all_reduce(&mut buf, dt, op).unwrap();
+                assert!(
+                    buf == reference(dt, op, &all, len, seed),
+                    "all_reduce {dt:?} {op:?} {len}"
+                );
+                let root = (seed + 1) % WORLD;
+                let mut buf = input(dt, me, len, seed, op);
+                let before = buf.clone();
+                g.reduce(&mut buf, dt, op, root).unwrap();
+                if me == root {
+                    assert!(
+                        buf == reference(dt, op, &all, len, seed),
+                        "reduce {dt:?} {op:?} {len}"
+                    );
+                } else {
+                    assert_eq!(buf, before, "reduce leaves non-roots alone");
+                }
+            }
+            // Uneven blocks: rank r's block has len + 3r elements.
+            let sizes: Vec<usize> = (0..WORLD).map(|r| (len + 3 * r) * sz).collect();
+            let blocks: Vec<Vec<u8>> = (0..WORLD)
+                .map(|r| input(dt, r, len + 3 * r, seed, ReduceOp::Sum))
+                .collect();
+            let concat: Vec<u8> = blocks.concat();
+            let mut out = vec![0u8; concat.len()];
+            g.all_gather(&blocks[me], &mut out, &sizes).unwrap();
+            assert!(out == concat, "all_gather {dt:?} {len}");
+
+            let root = seed % WORLD;
+            let mut buf = if me == root {
+                blocks[me].clone()
+            } else {
+                vec![0; blocks[root].len()]
+            };
+            g.broadcast(&mut buf, root).unwrap();
+            assert!(buf == blocks[root], "broadcast {dt:?} {len}");
+
+            let mut out = vec![0u8; if me == root { concat.len() } else { 0 }];
+            g.gather(&blocks[me], &mut out, &sizes, root).unwrap();
+            if me == root {
+                assert!(out == concat, "gather {dt:?} {len}");
+            }
+            let src = if me == root {
+                concat.clone()
+            } else {
+                Vec::new()
+            };
+            let mut out = vec![0u8; sizes[me]];
+            g.scatter(&src, &mut out, &sizes, root).unwrap();
+            assert!(out == blocks[me], "scatter {dt:?} {len}");
+
+            // reduce_scatter: rank r gets the reduction of block r (len/4 + r elements).
+            let counts: Vec<usize> = (0..WORLD).map(|r| len / 4 + r).collect();
+            let total: usize = counts.iter().sum();
+            let offsets: Vec<usize> = counts
+                .iter()
+                .scan(0, |a, &c| {
+                    let o = *a;
+                    *a += c;
+                    Some(o)
+                })
+                .collect();
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+                let inp = input(dt, me, total, seed, op);
+                let mut out = vec![0u8; counts[me] * sz];
+                g.reduce_scatter(&inp, &mut out, &counts, dt, op).unwrap();
+                let full = reference(dt, op, &all, total, seed);
+                let want = &full[offsets[me] * sz..(offsets[me] + counts[me]) * sz];
+                assert!(out == want, "reduce_scatter {dt:?} {op:?} {len}");
+            }
+
+            // all_to_all: rank r sends (r + 2p + 1) + len/8 elements to p.
+            let n = |r: usize, p: usize| (r + 2 * p + 1 + len / 8) * sz;
+            let piece =
+                |r: usize, p: usize| input(dt, r * WORLD + p, n(r, p) / sz, seed, ReduceOp::Sum);
+            let send: Vec<usize> = (0..WORLD).map(|p| n(me, p)).collect();
+            let recv: Vec<usize> = (0..WORLD).map(|r| n(r, me)).collect();
+            let inp: Vec<u8> = (0..WORLD).flat_map(|p| piece(me, p)).collect();
+            let mut out = vec![0u8; recv.iter().sum()];
+            g.all_to_all(&inp, &send, &mut out, &recv).unwrap();
+            let want: Vec<u8> = (0..WORLD).flat_map(|r| piece(r, me)).collect();
+            assert!(out == want, "all_to_all {dt:?} {len}");
+
+            // A ring of point-to-point messages of different sizes.
+            let next = (me + 1) % WORLD;
+            let prev = (me + WORLD - 1) % WORLD;
+            let msg = |r: usize| input(dt, r, len + r, seed, ReduceOp::Sum);
+            let mine = msg(me);
+            let mut got = vec![0u8; msg(prev).len()];
+            g.send_recv(&[(next, &mine)], &mut [(prev, &mut got)])
+                .unwrap();
+            assert!(got == msg(prev), "send/recv {dt:?} {len}");
+            g.barrier().unwrap();
+        }
+        say(&format!("ok {dt:?}"));
+    }
+    // Ranks that disagree about the operation get an error, not a wrong answer (the
+    // root of the broadcast only sends, so it cannot tell).
+    let mut buf = vec![1u8; 16];
+    if me == 0 {
+        g.broadcast(&mut buf, 0).unwrap();
+    } else {
+        let r = g.all_reduce(&mut buf, DType::U8, ReduceOp::Sum);
+        assert!(r.is_err(), "mismatched collectives must fail");
+        assert!(g.failed_ranks().contains(&0), "{:?}", g.failed_ranks());
+    }
+}
+
+/// All-reduces of (rank + 1) until a failure has been seen and five operations have
+/// succeeded after it (every rank decides from the same all-reduced vote, so all stop
+/// after the same operation); then, on the parent's word, activates the replacement
+/// and runs five more over all ranks.
+fn run_stream(g: &Group) {
+    let deadline = Instant::now() + STEP;
+    // Successful operations since the membership last changed: a rank whose own
+    // operation completed (it had every byte) sees the change only as a new epoch.
+    let mut ok_in_epoch = (g.epoch(), 0usize);
+    let mut iter = 0usize;
+    loop {
+        assert!(Instant::now() < deadline, "no recovery within {STEP:?}");
+        iter += 1;
+        let started = Instant::now();
+        let vote = if ok_in_epoch.0 > 1 && ok_in_epoch.1 >= 5 {
+            1.0
+        } else {
+            0.0
+        };
+        let mut vals = vec![(g.rank() + 1) as f64; 1000];
+        vals.push(vote);
+        let mut buf = encode(DType::F32, &vals);
+        match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
+            Ok(()) => {
+                let active = g.active_ranks();
+                let sum: usize = (0..WORLD).filter(|&r| active[r]).map(|r| r + 1).sum();
+                assert!(
+                    buf[..4000] == encode(DType::F32, &vec![sum as f64; 1000]),
+                    "sum over {active:?}"
+                );
+                let votes = f32::from_ne_bytes(buf[4000..].try_into().unwrap()) as usize;
+                if votes == active.iter().filter(|a| **a).count() {
+                    break;
+                }
+                if ok_in_epoch.0 != g.epoch() {
+                    ok_in_epoch = (g.epoch(), 0);
+                }
+                ok_in_epoch.1 += 1;
+                if iter % 20 == 0 {
+                    say(&format!("progress {iter}"));
+                }
+            }
+            Err(e) => {
+                let failed = g.failed_ranks();
+                say(&format!(
+                    "failed {} {failed:?} after {} ms: {e}",
+                    failed
+                        .iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    started.elapsed().as_millis()
+                ));
+                let status = g.sync_after_failure().expect("sync_after_failure");
+                assert!(
+                    matches!(status, SyncStatus::Reconciled | SyncStatus::NoPending),
+                    "{status:?}"
+                );
+                say(&format!(
+                    "synced {:?} epoch {}",
+                    g.active_ranks(),
+                    g.epoch()
+                ));
+            }
+        }
+    }
+    let active = g.active_ranks();
+    let dead: Vec<usize> = (0..WORLD).filter(|&r| !active[r]).collect();
+    assert_eq!(
+        g.peer_state(&dead),
+        vec![false; dead.len()],
+        "dead ranks not activatable"
+    );
+    say(&format!(
+        "recovered {}",
+        dead.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    ));
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "activate");
+    loop {
+        assert!(
+            Instant::now() < deadline + STEP,
+            "replacement never activated"
+        );
+        let resp = g.propose(true, &dead).expect("propose");
+        match resp.status {
+            ProposalStatus::Applied | ProposalStatus::AppliedWithDroppedRanks => break,
+            // The replacement's claim may still be on its way.
+            ProposalStatus::Rejected => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    full_rounds(g);
+}
+
+fn full_rounds(g: &Group) {
+    assert_eq!(g.active_ranks(), vec![true; WORLD]);
+    let sum: usize = (1..=WORLD).sum();
+    for _ in 0..5 {
+        let mut buf = encode(DType::I64, &vec![(g.rank() + 1) as f64; 300]);
+        g.all_reduce(&mut buf, DType::I64, ReduceOp::Sum)
+            .expect("all_reduce over all ranks");
+        assert!(buf == encode(DType::I64, &vec![sum as f64; 300]));
+    }
+    say(&format!("full epoch {}", g.epoch()));
+}
+
+fn run_replacement(g: &Group) {
+    say("joining");
+    g.join(STEP).expect("activated");
+    say(&format!(
+        "joined epoch {} {:?}",
+        g.epoch(),
+        g.active_ranks()
+    ));
+    full_rounds(g);
+}
+
+// ---------------------------------------------------------------- parent
+
+/// A rank process: stdout lines on a channel, killed and reaped on drop.
+struct Rank {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    log: Vec<String>,
+}
+
+impl Rank {
+    fn start(script: &str, dir: &Path, rank: usize, extension: bool) -> Rank {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["pg_child", "--exact", "--nocapture", "--test-threads=1"])
+            .env("MC_PG_CHILD", script)
+            .env("MC_PG_RANK", rank.to_string())
+            .env("MC_PG_DIR", dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if extension {
+            cmd.env("MC_PG_EXTENSION", "1");
+        }
+        let mut child = cmd.spawn().expect("spawning a rank");
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                // The harness starts the child's first line with the test's name.
+                let line = line.trim_start_matches("test pg_child ... ").to_owned();
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Rank {
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            log: Vec::new(),
+        }
+    }
+
+    /// Waits (bounded) for a line starting with `prefix`; returns it.
+    fn expect(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + STEP;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.log.push(l.clone());
+                    if l.starts_with(prefix) {
+                        return l;
+                    }
+                }
+                Err(_) => panic!("no {prefix:?} line; saw {:?}", self.log),
+            }
+        }
+    }
+
+    fn tell(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits (bounded) for a clean exit.
+    fn finish(&mut self) {
+        drop(self.stdin.take());
+        let deadline = Instant::now() + STEP;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                assert!(s.success(), "rank exited {s}; saw {:?}", self.log);
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank did not exit; saw {:?}",
+                self.log
+            );
+            // Draining stdout doubles as the wait between checks.
+            if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(50)) {
+                self.log.push(l);
+            }
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn rendezvous_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mc-pg-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn every_collective_matches_the_reference_on_four_ranks() {
+    let dir = rendezvous_dir("all");
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| Rank::start("collectives", &dir, r, false))
+        .collect();
+    for r in &mut ranks {
+        r.expect("ok U8");
+        r.expect("done");
+    }
+    for r in &mut ranks {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn kill_and_replace(victim: usize) {
+    let dir = rendezvous_dir(&format!("kill{victim}"));
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| Rank::start("stream", &dir, r, false))
+        .collect();
+    for r in &mut ranks {
+        r.expect("progress");
+    }
+    ranks[victim].kill();
+    let mut named = 0;
+    for (i, r) in ranks.iter_mut().enumerate().filter(|(i, _)| *i != victim) {
+        // A survivor that had every byte of its operation before the death completes
+        // it; every one that fails must name the dead rank, and only it.
+        let recovered = r.expect("recovered");
+        assert_eq!(recovered, format!("recovered {victim}"), "rank {i}");
+        for failed in r.log.iter().filter(|l| l.starts_with("failed")) {
+            let ranks: Vec<&str> = failed.split(' ').nth(1).unwrap().split(',').collect();
+            assert_eq!(ranks, [victim.to_string()], "rank {i}: {failed}");
+            eprintln!("rank {i}: {failed}");
+            named += 1;
+        }
+    }
+    assert!(named > 0, "no survivor saw the failure");
+    let mut replacement = Rank::start("replacement", &dir, victim, true);
+    replacement.expect("joining");
+    for r in ranks.iter_mut().filter(|r| r.stdin.is_some()) {
+        if r.child.try_wait().unwrap().is_none() {
+            r.tell("activate");
+        }
+    }
+    ranks[victim] = replacement;
+    ranks.swap(0, victim);
+    for r in &mut ranks {
+        r.expect("full epoch");
+        r.expect("done");
+    }
+    for r in &mut ranks {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_killed_member_is_named_excluded_and_replaced_with_its_rank() {
+    kill_and_replace(2);
+}
+
+#[test]
+fn a_killed_coordinator_is_named_excluded_and_replaced_with_its_rank() {
+    kill_and_replace(0);
+}
+
+// ---------------------------------------------------------------- C ABI
+
+mod abi {
+    use std::ffi::{c_char, CStr, CString};
+    use std::ptr;
+
+    use mooncake::capi::*;
+
+    /// A `mc_pg *` that may cross to the thread running the other rank.
+    struct Pg(*mut McPg);
+    // SAFETY: mooncake.h allows a mc_pg to be used from any thread, one call at a time;
+    // each handle here is used by one thread at a time.
+    unsafe impl Send for Pg {}
+
+    fn new_rank(rank: i32, options: &str) -> Pg {
+        let opts = CString::new(options).unwrap();
+        let mut pg = ptr::null_mut();
+        // SAFETY: valid string and out pointer.
+        assert_eq!(unsafe { mc_pg_new(rank, 2, opts.as_ptr(), &mut pg) }, 0);
+        Pg(pg)
+    }
+
+    fn address(pg: &Pg) -> CString {
+        let mut buf = vec![0 as c_char; 512];
+        // SAFETY: `buf` is writable for its length; NULL needed_out is allowed.
+        let rc = unsafe { mc_pg_address(pg.0, buf.as_mut_ptr(), buf.len(), ptr::null_mut()) };
+        assert_eq!(rc, 0);
+        // SAFETY: NUL-terminated by mc_pg_address.
+        unsafe { CStr::from_ptr(buf.as_ptr()) }.to_owned()
+    }
+
+    #[test]
+    fn two_ranks_through_the_c_abi_and_bad_input_refused() {
+        // Bad input: a clear error, nothing created.
+        let mut pg = ptr::null_mut();
+        let bad = CString::new("timeout_ms=soon").unwrap();
+        // SAFETY: valid pointers.
+        unsafe {
+            assert_eq!(
+                mc_pg_new(0, 2, bad.as_ptr(), &mut pg),
+                MC_ERR_INVALID_PARAMS_CODE
+            );
+            assert!(pg.is_null());
+            assert_eq!(
+                mc_pg_new(2, 2, ptr::null(), &mut pg),
+                MC_ERR_INVALID_PARAMS_CODE
+            );
+            assert_eq!(mc_pg_barrier(ptr::null_mut()), MC_ERR_INVALID_PARAMS_CODE);
+        }
+        let ranks = [
+            new_rank(0, "timeout_ms=20000"),
+            new_rank(1, "timeout_ms=20000"),
+        ];
+        let addrs = [address(&ranks[0]), address(&ranks[1])];
+        let list: Vec<*const c_char> = addrs.iter().map(|a| a.as_ptr()).collect();
+        for pg in &ranks {
+            // SAFETY: `list` holds two valid strings.
+            assert_eq!(unsafe { mc_pg_connect(pg.0, list.as_ptr(), 2) }, 0);
+        }
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .enumerate()
+            .map(|(r, pg)| {
+                std::thread::spawn(move || {
+                    let mut v = vec![r as i32 + 1; 5000];
+                    // SAFETY: `v` holds 5000 i32 (dtype 4).
+                    let rc =
+                        unsafe { mc_pg_all_reduce(pg.0, v.as_mut_ptr().cast(), v.len(), 4, 0) };
+                    assert_eq!(rc, 0);
+                    assert!(v.iter().all(|&x| x == 3));
+                    // A wrong dtype is refused, and the group still works afterwards.
+                    // SAFETY: as above.
+                    let rc =
+                        unsafe { mc_pg_all_reduce(pg.0, v.as_mut_ptr().cast(), v.len(), 9, 0) };
+                    assert_eq!(rc, MC_ERR_INVALID_PARAMS_CODE);
+                    let sizes = [3usize, 5];
+                    let mine = vec![r as u8 + 10; sizes[r]];
+                    let mut out = vec![0u8; 8];
+                    // SAFETY: buffers sized as `sizes` says.
+                    let rc = unsafe {
+                        mc_pg_all_gather(
+                            pg.0,
+                            mine.as_ptr().cast(),
+                            out.as_mut_ptr().cast(),
+                            sizes.as_ptr(),
+                        )
+                    };
+                    assert_eq!(rc, 0);
+                    assert_eq!(out, [10, 10, 10, 11, 11, 11, 11, 11]);
+                    let mut epoch = 0u64;
+                    let mut mask = [0u8; 2];
+                    // SAFETY: valid outputs.
+                    unsafe {
+                        assert_eq!(mc_pg_epoch(pg.0, &mut epoch), 0);
+                        assert_eq!(mc_pg_active_ranks(pg.0, mask.as_mut_ptr(), 2), 0);
+                        assert_eq!(
+                            mc_pg_active_ranks(pg.0, mask.as_mut_ptr(), 3),
+                            MC_ERR_INVALID_PARAMS_CODE
+                        );
+                    }
+                    assert_eq!((epoch, mask), (1, [1, 1]));
+                    let mut status = -1;
+                    // SAFETY: valid output.
+                    assert_eq!(unsafe { mc_pg_sync_after_failure(pg.0, &mut status) }, 0);
+                    assert_eq!(status, 1, "nothing pending");
+                    pg
+                })
+            })
+            .collect();
+        for t in threads {
+            let pg = t.join().unwrap();
+            // SAFETY: from mc_pg_new, freed once.
+            unsafe { mc_pg_free(pg.0) };
+        }
+    }
+
+    const MC_ERR_INVALID_PARAMS_CODE: i32 = mooncake::Code::InvalidParams as i32;
+}

@@ -373,7 +373,10 @@ fn the_c_abi_registers_with_access_and_refuses_unknown_values() {
             "{name}"
         );
     }
-    assert_eq!(mc_abi_revision(), 3);
+    assert!(
+        mc_abi_revision() >= 3,
+        "mc_register_memory_with_access came in revision 3"
+    );
     let cfg = mc_config_new();
     let mut e = std::ptr::null_mut();
     let mut buf = vec![3u8; 4096];

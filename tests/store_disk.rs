@@ -200,3 +200,44 @@ fn a_restarted_node_serves_its_disk_tier_and_a_corrupt_record_is_never_returned(
     assert!(refused >= 1, "a corrupted record was detected");
     assert!(good >= 1, "the other records still serve");
 }
+
+/// A node's disk copy that the pool no longer counts (here: a later version of the key
+/// was put while the node was away) is refused at remount and then dropped from the
+/// disk, so it can never come back.
+#[test]
+fn a_disk_copy_the_pool_does_not_count_is_dropped_after_the_remount() {
+    let dir = TempDir::new("stale");
+    let clock = Clock::manual();
+    let s = server(1, &clock);
+    let c = Client::new(config(&s, 0, None)).unwrap();
+    {
+        let _node = Client::new(config(&s, 4 * MIB, Some(&dir))).unwrap();
+        fill(&s, &c);
+    }
+    // The disk node is gone, and its objects with it; d0 is written again elsewhere.
+    let _other = Client::new(config(&s, 16 * MIB, None)).unwrap();
+    c.put("d0", &pattern(999, SIZE), &ReplicateConfig::default())
+        .unwrap();
+    {
+        let node = Client::new(config(&s, 4 * MIB, Some(&dir))).unwrap();
+        assert_eq!(
+            read(&c, &clock, 0).unwrap(),
+            pattern(999, SIZE),
+            "the later d0 wins"
+        );
+        // A put on the node is answered once the node acknowledged its commit, which
+        // comes after the reset snapshot in its log: the snapshot is applied by then.
+        let here = ReplicateConfig {
+            preferred_segments: vec![node.hostname().to_owned()],
+            ..Default::default()
+        };
+        c.put("marker", b"after the snapshot", &here).unwrap();
+    }
+    let (tier, _) =
+        mooncake::store::disk::DiskTier::open(DiskConfig::new(&dir.0, 64 * MIB)).unwrap();
+    assert!(!tier.contains("d0"), "the stale copy of d0 left the disk");
+    assert!(
+        (1..OBJECTS).any(|i| tier.contains(&format!("d{i}"))),
+        "copies the pool took back stay"
+    );
+}

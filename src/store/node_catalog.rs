@@ -32,6 +32,8 @@ pub struct NodeCatalog {
     lost: Vec<String>,
     /// The master asked this node to drain (and leave).
     drain_asked: bool,
+    /// Disk copies the current reset's snapshot (or an offload since) confirmed.
+    disk_kept: std::collections::HashSet<String>,
 }
 
 /// What one remount sent.
@@ -105,6 +107,7 @@ impl NodeCatalog {
         if ev.reset {
             self.instance = ev.instance;
             self.generation += 1;
+            self.disk_kept.clear();
             self.snapshot_end = Some(ev.snapshot_end);
             self.acked = ev.last;
             return;
@@ -134,6 +137,9 @@ impl NodeCatalog {
                         Some(b) if entry.replica.pieces.len() == 1 => disk.offload(&entry, b),
                         _ => continue, // striped objects stay in memory only
                     };
+                    if kept.is_ok() {
+                        self.disk_kept.insert(entry.key.clone());
+                    }
                     if let Err(e) = kept {
                         log::warn!("offloading {}: {e}", super::protocol::shown_key(&entry.key));
                         self.lost.push(entry.key);
@@ -165,6 +171,10 @@ impl NodeCatalog {
                     if let Some(disk) = &self.disk {
                         disk.forget(&key, version);
                     }
+                    self.disk_kept.remove(&key);
+                }
+                CatalogEvent::Keep(key) => {
+                    self.disk_kept.insert(key);
                 }
             }
         }
@@ -174,6 +184,16 @@ impl NodeCatalog {
             let generation = self.generation;
             self.entries.retain(|_, (_, g)| *g == generation);
             self.snapshot_end = None;
+            // Likewise on disk: a copy the pool no longer counts (its Forget was lost
+            // while nobody followed the log) must not come back at the next restart.
+            if let Some(disk) = &self.disk {
+                for key in disk.keys() {
+                    if !self.disk_kept.contains(&key) {
+                        disk.forget(&key, u64::MAX);
+                    }
+                }
+            }
+            self.disk_kept.clear();
         }
     }
 

@@ -119,6 +119,11 @@ impl NodeDisk {
         }
     }
 
+    /// Every key the tier holds (from its index: no disk read).
+    pub fn keys(&self) -> Vec<String> {
+        self.tier.keys()
+    }
+
     /// Keys the tier dropped by itself since the last call.
     pub fn take_dropped(&self) -> Vec<String> {
         self.tier.take_dropped()

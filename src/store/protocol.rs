@@ -163,6 +163,9 @@ pub enum CatalogEvent {
         /// Bytes.
         size: u64,
     },
+    /// In a reset's snapshot: the disk tier's copy of `key` is the object's (copies
+    /// the snapshot does not name by its end are dropped).
+    Keep(String),
     /// Drop the disk tier's copy of `key` if it is of `version` (the object was
     /// removed or replaced).
     Forget {
@@ -824,6 +827,9 @@ impl Response {
                     CatalogEvent::Forget { key, version } => {
                         w.u8(5).str(key).u64(*version);
                     }
+                    CatalogEvent::Keep(key) => {
+                        w.u8(6).str(key);
+                    }
                 });
             }
         }
@@ -866,7 +872,7 @@ impl Response {
                 snapshot_end: r.u64()?,
                 draining: r.bool()?,
                 last: r.u64()?,
-                events: r.list(9, |r| match r.u8()? {
+                events: r.list(6, |r| match r.u8()? {
                     1 => Ok(CatalogEvent::Commit(decode_entry(r)?)),
                     2 => Ok(CatalogEvent::Free(r.u64()?)),
                     3 => Ok(CatalogEvent::Offload(r.u64()?)),
@@ -876,6 +882,7 @@ impl Response {
                         addr: r.u64()?,
                         size: r.u64()?,
                     }),
+                    6 => Ok(CatalogEvent::Keep(r.string()?)),
                     5 => Ok(CatalogEvent::Forget {
                         key: r.string()?,
                         version: r.u64()?,
@@ -1020,9 +1027,22 @@ mod tests {
                         key: "k".into(),
                         version: 2,
                     },
+                    CatalogEvent::Keep("k".into()),
                 ],
             }),
         );
+        // The shortest events (a one-byte key) decode too, however many there are.
+        let keeps = Response::SegmentEvents(SegmentEvents {
+            instance: 1,
+            reset: false,
+            snapshot_end: 0,
+            draining: false,
+            last: 3,
+            events: vec![CatalogEvent::Keep("a".into()); 3],
+        });
+        let mut w = Writer::new();
+        keeps.encode(&mut w);
+        assert_eq!(Response::decode(17, &w.into_bytes()).unwrap(), keeps);
         // An entry whose index names no piece is malformed.
         let mut w = Writer::new();
         encode_entry(&mut w, &CatalogEntry { index: 2, ..entry });

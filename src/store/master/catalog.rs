@@ -298,7 +298,9 @@ impl SegmentLog {
 fn encoded_size(e: &CatalogEvent) -> usize {
     match e {
         CatalogEvent::Free(_) | CatalogEvent::Offload(_) => 9,
-        CatalogEvent::Load { key, .. } | CatalogEvent::Forget { key, .. } => key.len() + 32,
+        CatalogEvent::Load { key, .. }
+        | CatalogEvent::Forget { key, .. }
+        | CatalogEvent::Keep(key) => key.len() + 32,
         CatalogEvent::Commit(entry) => entry.wire_size(),
     }
 }
@@ -598,11 +600,15 @@ impl Master {
         })
     }
 
-    /// Records a commit for every piece of every complete object in `seg`.
+    /// Records a commit for every piece of every complete object in `seg`, and a
+    /// `Keep` for every disk copy its node holds for the pool.
     fn record_snapshot(&self, seg: &Arc<Segment>) {
         for shard in self.shards.iter() {
             let map = Self::lock(shard);
             for (key, o) in map.objects.iter().filter(|(_, o)| o.complete) {
+                if o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
+                    seg.log.record(|| CatalogEvent::Keep(key.to_string()));
+                }
                 for replica in &o.replicas {
                     for (index, piece) in replica.iter().enumerate() {
                         if Arc::ptr_eq(&piece.seg, seg) {

@@ -5,7 +5,10 @@ For each rank count (2, 4), operation (all_reduce, all_gather) and size (4 KiB, 
 64 MiB): one process per rank, a warm-up, then timed iterations; the median per-op
 latency of each backend. Then recovery: four mooncake-cpu ranks stream all_reduces, one
 is killed with SIGKILL, and the survivors report when their first correct all_reduce
-over the rest finished (wall clock, same host as the kill).
+over the rest finished (wall clock, same host as the kill). Then Mooncake EP: four ranks
+each dispatch and combine 128 tokens (hidden 1024, f32, top-4 of 16 experts) with
+``mooncake.ep``; the baseline moves the same rows with gloo's all_to_all_single (counts,
+rows out, rows back; no per-expert layout), reported as tokens/s over all ranks.
 
 Prints one JSON object per line: {bench, op, ranks, bytes, backend, lat_p50_us, gbps,
 baseline, baseline_lat_p50_us, ratio_to_baseline} (ratio > 1: mooncake faster), and
@@ -46,6 +49,37 @@ def once():
         dist.all_reduce(x)
     else:
         dist.all_gather_into_tensor(outs, x)
+
+if op == "ep":
+    from mooncake import ep
+    T, H, K, E = 128, 1024, 4, 16
+    g = torch.Generator().manual_seed(rank)
+    xt = torch.randn(T, H, generator=g)
+    topk = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    if backend == "mooncake-cpu":
+        buf = ep.Buffer(dist.group.WORLD, ep.Buffer.get_ep_buffer_size_hint(T, H, world, E))
+        active = torch.ones(world, dtype=torch.int32)
+
+        def once():
+            rx, cnt, h, _, _ = buf.dispatch(xt, topk, active, T, E, 30_000_000)
+            buf.combine(rx, topk, w, active, 30_000_000, h)
+    else:
+        flat = topk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        dest = flat[order] // (E // world)
+
+        def once():
+            send = torch.bincount(dest, minlength=world)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send)
+            rows = xt[order // K]
+            got = torch.empty(int(recv.sum()), H)
+            dist.all_to_all_single(got, rows, recv.tolist(), send.tolist())
+            back = torch.empty_like(rows)
+            dist.all_to_all_single(back, got, send.tolist(), recv.tolist())
+            out = torch.zeros(T, H)
+            out.index_add_(0, order // K, back * w.reshape(-1)[order].reshape(-1, 1))
 
 if op == "recovery":
     deadline = time.time() + 120
@@ -159,6 +193,16 @@ def main():
                     "baseline": "gloo", "baseline_lat_p50_us": round(base, 1),
                     "ratio_to_baseline": round(base / ours, 3),
                 }), flush=True)
+    ep_iters = 20 if quick else 100
+    base = run("gloo", "ep", 4, 0, ep_iters)
+    ours = run("mooncake-cpu", "ep", 4, 0, ep_iters)
+    tokens = 4 * 128  # per dispatch+combine, all ranks
+    print(json.dumps({
+        "bench": "ep_dispatch_combine", "ranks": 4, "tokens_per_rank": 128, "hidden": 1024,
+        "topk": 4, "experts": 16, "backend": "mooncake-cpu", "lat_p50_us": round(ours, 1),
+        "tokens_per_s": round(tokens / ours * 1e6), "baseline": "gloo all_to_all_single",
+        "baseline_tokens_per_s": round(tokens / base * 1e6),
+        "ratio_to_baseline": round(base / ours, 3)}), flush=True)
     timeout_ms = 1000
     took = recovery(timeout_ms)
     print(json.dumps({"bench": "pg_recovery", "ranks": 4, "timeout_ms": timeout_ms,

@@ -656,6 +656,10 @@ int mc_pg_reduce_scatter(mc_pg *pg, const void *input, void *output, const size_
                          int dtype, int op);
 int mc_pg_all_to_all(mc_pg *pg, const void *input, const size_t *send_sizes, void *output,
                      const size_t *recv_sizes);
+/* mc_pg_all_to_all waiting at most timeout_us (> 0) for peers instead of timeout_ms
+ * (expert-parallel dispatch/combine); reconciling after a failure uses timeout_ms. */
+int mc_pg_all_to_all_timeout(mc_pg *pg, const void *input, const size_t *send_sizes,
+                             void *output, const size_t *recv_sizes, uint64_t timeout_us);
 /* output (gather) / input (scatter) is only used on root; NULL elsewhere is fine. */
 int mc_pg_gather(mc_pg *pg, const void *input, void *output, const size_t *sizes, int root);
 int mc_pg_scatter(mc_pg *pg, const void *input, void *output, const size_t *sizes, int root);

@@ -257,6 +257,17 @@ fn run_collectives(g: &Group) {
             g.all_to_all(&inp, &send, &mut out, &recv).unwrap();
             let want: Vec<u8> = (0..WORLD).flat_map(|r| piece(r, me)).collect();
             assert!(out == want, "all_to_all {dt:?} {len}");
+            // The same with its own wait bound; a zero bound is refused before any
+            // message moves, so the ranks stay in step.
+            let own = Some(Duration::from_millis(OP_TIMEOUT_MS / 2));
+            let mut out = vec![0u8; recv.iter().sum()];
+            g.all_to_all_within(&inp, &send, &mut out, &recv, own)
+                .unwrap();
+            assert!(out == want, "all_to_all_within {dt:?} {len}");
+            let zero = Some(Duration::ZERO);
+            assert!(g
+                .all_to_all_within(&inp, &send, &mut out, &recv, zero)
+                .is_err());
 
             // A ring of point-to-point messages of different sizes.
             let next = (me + 1) % WORLD;
@@ -667,6 +678,27 @@ mod abi {
                     };
                     assert_eq!(rc, 0);
                     assert_eq!(out, [10, 10, 10, 11, 11, 11, 11, 11]);
+                    // all_to_all with its own wait bound: rank r sends r + 1 bytes to
+                    // each; a zero bound is refused before anything moves.
+                    let send = [r + 1; 2];
+                    let recv = [1usize, 2];
+                    let mine = vec![r as u8 + 20; 2 * (r + 1)];
+                    let mut got = vec![0u8; 3];
+                    for (timeout_us, want) in [(0u64, MC_ERR_INVALID_PARAMS_CODE), (5_000_000, 0)] {
+                        // SAFETY: buffers sized as `send` and `recv` say.
+                        let rc = unsafe {
+                            mc_pg_all_to_all_timeout(
+                                pg.0,
+                                mine.as_ptr().cast(),
+                                send.as_ptr(),
+                                got.as_mut_ptr().cast(),
+                                recv.as_ptr(),
+                                timeout_us,
+                            )
+                        };
+                        assert_eq!(rc, want);
+                    }
+                    assert_eq!(got, [20, 21, 21]);
                     let mut epoch = 0u64;
                     let mut mask = [0u8; 2];
                     // SAFETY: valid outputs.

@@ -116,6 +116,8 @@ fn one_lane_client() -> Engine {
     let mut cfg = EngineConfig::default();
     cfg.set("protocol", "tcp").unwrap();
     cfg.set("lanes_per_peer", "1").unwrap();
+    // One worker: the send count below is per lane, and each worker has its own.
+    cfg.set("workers", "1").unwrap();
     Engine::new(cfg).unwrap()
 }
 

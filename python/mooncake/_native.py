@@ -222,6 +222,8 @@ _SIGNATURES = {
     "mc_pg_all_gather": (c_int, [_P, _P, _P, POINTER(c_size_t)], 4),
     "mc_pg_reduce_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int, c_int], 4),
     "mc_pg_all_to_all": (c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t)], 4),
+    "mc_pg_all_to_all_timeout": (
+        c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t), c_uint64], 4),
     "mc_pg_gather": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
     "mc_pg_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
     "mc_pg_barrier": (c_int, [_P], 4),

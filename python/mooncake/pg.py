@@ -286,6 +286,13 @@ class ProcessGroupHandle:
         self._check("all_to_all", _fn("mc_pg_all_to_all")(
             self._h, inp, _sizes(send), out, _sizes(recv)))
 
+    def all_to_all_timeout(self, inp, send, out, recv, timeout_us):
+        """``all_to_all`` waiting at most ``timeout_us`` microseconds for peers."""
+        if int(timeout_us) <= 0:
+            raise ValueError(f"timeout_us must be positive, not {timeout_us}")
+        self._check("all_to_all", _fn("mc_pg_all_to_all_timeout")(
+            self._h, inp, _sizes(send), out, _sizes(recv), int(timeout_us)))
+
     def gather(self, inp, out, sizes, root):
         self._check("gather", _fn("mc_pg_gather")(self._h, inp, out, _sizes(sizes), root))
 

@@ -351,6 +351,40 @@ pub unsafe extern "C" fn mc_pg_all_to_all(
     })
 }
 
+/// `mc_pg_all_to_all` whose wait for peers is bounded by `timeout_us` (> 0) instead
+/// of the group's `timeout_ms`.
+///
+/// # Safety
+/// As `mc_pg_all_to_all`.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_all_to_all_timeout(
+    pg: *mut McPg,
+    input: *const c_void,
+    send: *const usize,
+    output: *mut c_void,
+    recv: *const usize,
+    timeout_us: u64,
+) -> c_int {
+    guard("mc_pg_all_to_all_timeout", || {
+        if timeout_us == 0 {
+            return Err(Error::invalid("timeout_us must be positive"));
+        }
+        // SAFETY: caller's guarantees, for each borrow below.
+        let g = unsafe { group(pg) }?;
+        // SAFETY: as above.
+        let s = unsafe { sizes(send, g.size(), "send") }?;
+        // SAFETY: as above.
+        let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        // SAFETY: as above.
+        let i = unsafe { bytes(input, total(s, 1)?, "input") }?;
+        // SAFETY: as above.
+        let o = unsafe { bytes_mut(output, total(r, 1)?, "output") }?;
+        let timeout = Duration::from_micros(timeout_us);
+        g.all_to_all_within(i, s, o, r, Some(timeout))?;
+        Ok(MC_OK)
+    })
+}
+
 /// Gather to `root` (`output`, the sum of `sizes`, only used there; may be NULL elsewhere).
 ///
 /// # Safety

@@ -48,6 +48,9 @@ pub(super) struct State {
     pub needs_sync: bool,
     /// This process's incarnation (for join records).
     pub incarnation: u64,
+    /// The running operation's own wait bound, when the caller gave one (else the
+    /// group's timeout).
+    pub op_timeout: Option<Duration>,
 }
 
 impl State {
@@ -76,6 +79,7 @@ impl State {
             channels: vec![Channel::default(); layout.ranks],
             seq: 0,
             outstanding: Vec::new(),
+            op_timeout: None,
             last_failed: Vec::new(),
             needs_sync: false,
             incarnation: crate::sys::random_u64() | 1,
@@ -372,7 +376,7 @@ impl Group {
         };
         let cells = self.layout.cells as u64;
         let cap = self.layout.payload();
-        let deadline = Instant::now() + self.options.timeout;
+        let deadline = Instant::now() + st.op_timeout.unwrap_or(self.options.timeout);
         let mut idle = 0u32;
         loop {
             let mut progressed = false;

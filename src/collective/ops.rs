@@ -268,6 +268,23 @@ impl Group {
         output: &mut [u8],
         recv: &[usize],
     ) -> Result<()> {
+        self.all_to_all_within(input, send, output, recv, None)
+    }
+
+    /// [`all_to_all`](Self::all_to_all) whose wait for peers is bounded by `timeout`
+    /// instead of the group's (expert-parallel dispatch gives each call its own).
+    /// Reconciling membership after a failure still uses the group's timeout.
+    pub fn all_to_all_within(
+        &self,
+        input: &[u8],
+        send: &[usize],
+        output: &mut [u8],
+        recv: &[usize],
+        timeout: Option<std::time::Duration>,
+    ) -> Result<()> {
+        if timeout.is_some_and(|t| t.is_zero()) {
+            return Err(Error::invalid("all_to_all: timeout must be positive"));
+        }
         let in_total = self.check_sizes(send, "all_to_all send")?;
         let out_total = self.check_sizes(recv, "all_to_all recv")?;
         let me = self.rank();
@@ -291,7 +308,10 @@ impl Group {
             .filter(|(r, _)| others.contains(r))
             .map(|(r, b)| Incoming::new(r, Sink::Copy(b)))
             .collect();
-        self.exchange(&mut st, KIND_ALL_TO_ALL, &mut out, &mut inc)
+        st.op_timeout = timeout;
+        let result = self.exchange(&mut st, KIND_ALL_TO_ALL, &mut out, &mut inc);
+        st.op_timeout = None;
+        result
     }
 
     /// Returns once every active rank has entered the barrier.

@@ -406,7 +406,7 @@ if torch is not None:
             return True
 
         def is_completed(self):
-            return True
+            return not self._flush
 
         def is_success(self):
             self._settle()
@@ -496,9 +496,11 @@ if torch is not None:
 
             def run():
                 self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
+                active = self.handle.active_ranks()
                 off = 0
-                for o, n in zip(outs, sizes):
-                    o.view(-1).view(torch.uint8).copy_(flat[off:off + n]) if n else None
+                for r, (o, n) in enumerate(zip(outs, sizes)):
+                    if n and active[r]:  # an inactive rank's tensor is left as it was
+                        o.view(-1).view(torch.uint8).copy_(flat[off:off + n])
                     off += n
             return self._run("all_gather", run, result=output_tensors)
 
@@ -554,9 +556,10 @@ if torch is not None:
 
             def run():
                 self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
+                active = self.handle.active_ranks()
                 off = 0
-                for o, n in zip(output_tensors, recv):
-                    if n:
+                for r, (o, n) in enumerate(zip(output_tensors, recv)):
+                    if n and active[r]:  # an inactive rank's tensor is left as it was
                         o.view(-1).view(torch.uint8).copy_(flat_out[off:off + n])
                     off += n
             return self._run("all_to_all", run, result=output_tensors)
@@ -570,8 +573,11 @@ if torch is not None:
             def run():
                 self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
                 if self._rank == root:
+                    active = self.handle.active_ranks()
                     for r, o in enumerate(output_tensors[0]):
-                        o.view(-1).view(torch.uint8).copy_(flat[r * sizes[0]:(r + 1) * sizes[0]])
+                        if active[r]:  # an inactive rank's tensor is left as it was
+                            o.view(-1).view(torch.uint8).copy_(
+                                flat[r * sizes[0]:(r + 1) * sizes[0]])
             return self._run("gather", run, result=output_tensors)
 
         def scatter(self, output_tensors, input_tensors, opts):
@@ -598,29 +604,41 @@ if torch is not None:
         # Point-to-point: queued, and done together at the first wait(), so a pair of
         # ranks that each send before receiving cannot wait on each other.
         def send(self, tensors, dst, tag=0):
-            self._p2p.append(("send", int(dst), _Contig(tensors[0])))
-            return MooncakeWork(self, flush=True)
+            work = MooncakeWork(self, flush=True)
+            self._p2p.append(("send", int(dst), _Contig(tensors[0]), work))
+            return work
 
         def recv(self, tensors, src, tag=0):
-            self._p2p.append(("recv", int(src), _Contig(tensors[0])))
-            return MooncakeWork(self, result=tensors, flush=True)
+            work = MooncakeWork(self, result=tensors, flush=True)
+            self._p2p.append(("recv", int(src), _Contig(tensors[0]), work))
+            return work
 
         def _flush_p2p(self):
+            """Runs every queued send and receive; a failure fails every work queued
+            with it (each one's wait() raises), not just the one waited on."""
             pending, self._p2p = self._p2p, []
-            while pending:
-                # One message each way per peer per round; the rest keep their order.
-                sends, recvs, rest, seen = [], [], [], set()
-                for kind, peer, c in pending:
-                    if (kind, peer) in seen:
-                        rest.append((kind, peer, c))
-                        continue
-                    seen.add((kind, peer))
-                    (sends if kind == "send" else recvs).append((peer, c))
-                self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
-                                      [(p, c.addr, c.nbytes) for p, c in recvs])
-                for _, c in recvs:
-                    c.done()
-                pending = rest
+            for *_, work in pending:
+                work._flush = False
+            try:
+                while pending:
+                    # One message each way per peer per round; the rest keep their order.
+                    sends, recvs, rest, seen = [], [], [], set()
+                    for item in pending:
+                        kind, peer, c, _ = item
+                        if (kind, peer) in seen:
+                            rest.append(item)
+                            continue
+                        seen.add((kind, peer))
+                        (sends if kind == "send" else recvs).append((peer, c))
+                    self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
+                                          [(p, c.addr, c.nbytes) for p, c in recvs])
+                    for _, c in recvs:
+                        c.done()
+                    pending = rest
+            except MooncakeCollectiveError as e:
+                for *_, work in pending:
+                    work._error, work._failed = e, e.failed_ranks
+                raise
 
     def _create_backend(dist_opts, backend_options):
         options = backend_options if isinstance(backend_options, MooncakeBackendOptions) \

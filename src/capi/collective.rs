@@ -578,8 +578,11 @@ pub unsafe extern "C" fn mc_pg_peer_state(
     guard("mc_pg_peer_state", || {
         // SAFETY: caller's guarantee.
         let g = unsafe { group(pg) }?;
-        // SAFETY: as above.
-        let rs = unsafe { bytes(ranks.cast(), n * 4, "ranks") }?;
+        let len = n
+            .checked_mul(4)
+            .ok_or_else(|| Error::invalid("too many ranks"))?;
+        // SAFETY: as above; `len` covers `n` int32 values.
+        let rs = unsafe { bytes(ranks.cast(), len, "ranks") }?;
         let list: Vec<usize> = rs
             .chunks_exact(4)
             .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
@@ -618,8 +621,11 @@ pub unsafe extern "C" fn mc_pg_propose(
     guard("mc_pg_propose", || {
         // SAFETY: caller's guarantees, for each access below.
         let g = unsafe { group(pg) }?;
-        // SAFETY: as above.
-        let rs = unsafe { bytes(ranks.cast(), n * 4, "ranks") }?;
+        let len = n
+            .checked_mul(4)
+            .ok_or_else(|| Error::invalid("too many ranks"))?;
+        // SAFETY: as above; `len` covers `n` int32 values.
+        let rs = unsafe { bytes(ranks.cast(), len, "ranks") }?;
         let mut list = Vec::with_capacity(n);
         for c in rs.chunks_exact(4) {
             list.push(rank_arg(i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))?);

@@ -376,7 +376,10 @@ impl Group {
         };
         let cells = self.layout.cells as u64;
         let cap = self.layout.payload();
-        let deadline = Instant::now() + st.op_timeout.unwrap_or(self.options.timeout);
+        // Measured from the last progress: a large exchange that keeps moving may take
+        // longer than the timeout in all; a peer that stops moving may not.
+        let timeout = st.op_timeout.unwrap_or(self.options.timeout);
+        let mut deadline = Instant::now() + timeout;
         let mut idle = 0u32;
         loop {
             let mut progressed = false;
@@ -491,6 +494,7 @@ impl Group {
                 return Ok(());
             }
             if progressed {
+                deadline = Instant::now() + timeout;
                 idle = 0;
                 continue;
             }

@@ -93,7 +93,16 @@ impl GroupOptions {
             "is_extension" => self.is_extension = flag()?,
             "auto_deactivate_on_failure" => self.auto_deactivate_on_failure = flag()?,
             "auto_sync_on_failure" => self.auto_sync_on_failure = flag()?,
-            "timeout_ms" => self.timeout = Duration::from_millis(num()? as u64),
+            "timeout_ms" => {
+                // At most a day: deadlines are computed as now + timeout.
+                let ms = num()? as u64;
+                if ms == 0 || ms > 86_400_000 {
+                    return Err(Error::invalid(format!(
+                        "option timeout_ms={value}: 1..=86400000"
+                    )));
+                }
+                self.timeout = Duration::from_millis(ms);
+            }
             "cells_per_peer" => self.cells_per_peer = num()?,
             "cell_bytes" => self.cell_bytes = num()?,
             // Capacity is the world size here; a larger one is accepted and means nothing.

@@ -488,6 +488,16 @@ if torch is not None:
                                        opts.rootRank)
             return self._run("reduce", run, *cs, result=tensors)
 
+        def _copy_blocks(self, outs, flat, sizes):
+            """Block r of ``flat`` (``sizes[r]`` bytes) into ``outs[r]``, for active
+            ranks only: an inactive rank's tensor is left as it was."""
+            active = self.handle.active_ranks()
+            off = 0
+            for r, (o, n) in enumerate(zip(outs, sizes)):
+                if n and active[r]:
+                    o.view(-1).view(torch.uint8).copy_(flat[off:off + n])
+                off += n
+
         def allgather(self, output_tensors, input_tensors, opts):
             inp = _Contig(input_tensors[0])
             outs = output_tensors[0]
@@ -496,12 +506,7 @@ if torch is not None:
 
             def run():
                 self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
-                active = self.handle.active_ranks()
-                off = 0
-                for r, (o, n) in enumerate(zip(outs, sizes)):
-                    if n and active[r]:  # an inactive rank's tensor is left as it was
-                        o.view(-1).view(torch.uint8).copy_(flat[off:off + n])
-                    off += n
+                self._copy_blocks(outs, flat, sizes)
             return self._run("all_gather", run, result=output_tensors)
 
         def _allgather_base(self, output, input, opts):
@@ -556,12 +561,7 @@ if torch is not None:
 
             def run():
                 self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
-                active = self.handle.active_ranks()
-                off = 0
-                for r, (o, n) in enumerate(zip(output_tensors, recv)):
-                    if n and active[r]:  # an inactive rank's tensor is left as it was
-                        o.view(-1).view(torch.uint8).copy_(flat_out[off:off + n])
-                    off += n
+                self._copy_blocks(output_tensors, flat_out, recv)
             return self._run("all_to_all", run, result=output_tensors)
 
         def gather(self, output_tensors, input_tensors, opts):
@@ -573,11 +573,7 @@ if torch is not None:
             def run():
                 self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
                 if self._rank == root:
-                    active = self.handle.active_ranks()
-                    for r, o in enumerate(output_tensors[0]):
-                        if active[r]:  # an inactive rank's tensor is left as it was
-                            o.view(-1).view(torch.uint8).copy_(
-                                flat[r * sizes[0]:(r + 1) * sizes[0]])
+                    self._copy_blocks(output_tensors[0], flat, sizes)
             return self._run("gather", run, result=output_tensors)
 
         def scatter(self, output_tensors, input_tensors, opts):

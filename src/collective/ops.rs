@@ -378,16 +378,17 @@ impl Group {
                 "gather: input size differs from sizes[rank]",
             ));
         }
+        // Before the operation begins: a refusal must leave every rank in step.
+        if root == self.rank() && output.len() != total {
+            return Err(Error::invalid(
+                "gather: output size differs from the sum of sizes",
+            ));
+        }
         let mut st = self.begin()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
             let mut out = [Outgoing::new(root, input)];
             return self.exchange(&mut st, KIND_GATHER, &mut out, &mut []);
-        }
-        if output.len() != total {
-            return Err(Error::invalid(
-                "gather: output size differs from the sum of sizes",
-            ));
         }
         let others = self.others(&st);
         let mut blocks = split_mut(output, sizes);
@@ -415,16 +416,17 @@ impl Group {
                 "scatter: output size differs from sizes[rank]",
             ));
         }
+        // Before the operation begins: a refusal must leave every rank in step.
+        if root == self.rank() && input.len() != total {
+            return Err(Error::invalid(
+                "scatter: input size differs from the sum of sizes",
+            ));
+        }
         let mut st = self.begin()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
             let mut inc = [Incoming::new(root, Sink::Copy(output))];
             return self.exchange(&mut st, KIND_SCATTER, &mut [], &mut inc);
-        }
-        if input.len() != total {
-            return Err(Error::invalid(
-                "scatter: input size differs from the sum of sizes",
-            ));
         }
         let offs = offsets(sizes);
         output.copy_from_slice(&input[offs[root]..offs[root] + sizes[root]]);

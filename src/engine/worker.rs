@@ -137,6 +137,12 @@ impl Clock {
         Clock { now, rounds: 0 }
     }
 
+    /// The next `now` reads the clock (after a sleep: the cached time is stale by
+    /// the whole sleep, and transports judge spinning and arming by it).
+    fn expire(&mut self) {
+        self.rounds = CLOCK_EVERY;
+    }
+
     /// The time, `idle` rounds into an idle stretch (0: the loop was busy).
     fn now(&mut self, idle: u32) -> Instant {
         self.rounds += 1;
@@ -215,6 +221,7 @@ impl Worker {
                 idle += 1;
                 if self.should_park(idle) {
                     self.park();
+                    clock.expire();
                     idle = 0;
                 }
             }
@@ -241,6 +248,7 @@ impl Worker {
             idle += 1;
             if self.should_park(idle) {
                 self.wait_for_transports();
+                clock.expire();
                 idle = 0;
             }
         }

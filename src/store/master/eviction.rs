@@ -458,16 +458,7 @@ mod tests {
         let clock = Clock::manual();
         let m = master_with(&clock, MIB, 4);
         let keys: Vec<String> = (0..4).map(|i| format!("block{i}")).collect();
-        let items = keys.iter().map(|k| (k.clone(), OBJ)).collect();
-        m.handle(Request::PutStart {
-            client: 1,
-            items,
-            config: ReplicateConfig::default(),
-            upsert: false,
-        })
-        .unwrap();
-        let items = keys.iter().map(|k| (k.clone(), 0)).collect();
-        m.handle(Request::PutEnd { client: 1, items }).unwrap();
+        put_batch(&m, &keys.iter().map(String::as_str).collect::<Vec<_>>());
         let alive = || -> Vec<bool> { keys.iter().map(|k| m.exists(k).unwrap()).collect() };
         // A block is no use without the ones before it: the deepest goes first.
         assert_eq!(m.evict(1, false), OBJ);

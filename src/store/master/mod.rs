@@ -6,8 +6,10 @@ mod clock;
 mod config;
 mod drain;
 mod eviction;
+mod offload;
 mod policy;
 mod quota;
+mod segment_log;
 mod segments;
 mod table;
 
@@ -52,7 +54,7 @@ struct Object {
     /// nodes re-announce, the later one wins.
     version: u64,
     /// Its copy in a node's disk tier, if any.
-    disk: Option<Box<catalog::DiskCopy>>,
+    disk: Option<Box<offload::DiskCopy>>,
 }
 
 /// Space that must not be reused yet (an abandoned writer or a force-removed object's

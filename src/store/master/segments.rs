@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::catalog::SegmentLog;
 use super::config::AllocationStrategy;
+use super::segment_log::SegmentLog;
 use crate::store::allocator::{Allocation, AllocatorConfig, SlabAllocator};
 use crate::store::protocol::{CatalogEvent, Piece, ReplicaDesc, ReplicateConfig, SegmentInfo};
 

@@ -1,0 +1,255 @@
+//! Objects on nodes' disk tiers, as the master sees them: an object evicted from a
+//! node that has a tier is copied there (`Offload`) instead of dropped, read back into
+//! that node's memory when someone reads it (`Load`), promoted after enough reads, and
+//! forgotten with the object (`Forget`). A remounting node announces what its disk
+//! holds (`adopt_disk`).
+
+use std::collections::hash_map::Entry;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::catalog::Commits;
+use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
+use super::table::Shard;
+use super::{policy, Master, Object};
+use crate::error::Code;
+use crate::store::protocol::{check_key, CatalogEvent, DiskEntry, KeyResult, ObjectDesc};
+
+/// An object's copy in a node's disk tier. Dropping it (the object was removed,
+/// replaced, or lost its copy) tells the node to drop the copy too.
+pub struct DiskCopy {
+    pub seg: Arc<Segment>,
+    key: Box<str>,
+    version: u64,
+    /// Reads served from disk so far (for the promotion threshold).
+    reads: u32,
+}
+
+impl DiskCopy {
+    fn new(seg: &Arc<Segment>, key: &str, version: u64) -> Box<DiskCopy> {
+        Box::new(DiskCopy {
+            seg: seg.clone(),
+            key: key.into(),
+            version,
+            reads: 0,
+        })
+    }
+}
+
+impl Drop for DiskCopy {
+    fn drop(&mut self) {
+        let (key, version) = (&self.key, self.version);
+        self.seg.log.record(|| CatalogEvent::Forget {
+            key: key.to_string(),
+            version,
+        });
+    }
+}
+
+/// The object a disk tier's copy becomes when memory holds none.
+fn disk_only(d: &DiskEntry, seg: &Arc<Segment>, now: u64) -> Object {
+    Object {
+        size: d.size,
+        crc32c: d.crc32c,
+        complete: true,
+        writer: 0,
+        started_ms: now,
+        replicas: Vec::new(),
+        lease_until_ms: 0,
+        node: policy::NONE,
+        hard_pin: false,
+        soft_pin_until_ms: 0,
+        groups: Vec::new(),
+        hold: None,
+        version: d.version,
+        disk: Some(DiskCopy::new(seg, &d.key, d.version)),
+    }
+}
+
+impl Master {
+    /// Adopts an object the node's disk tier holds: a new object kept only there, or
+    /// the disk copy of the version held in memory. False when refused.
+    pub(super) fn adopt_disk(&self, d: &DiskEntry, seg: &Arc<Segment>, now: u64) -> bool {
+        if check_key(&d.key).is_err()
+            || d.size == 0
+            || d.size > seg.alloc.max_object_size()
+            || !self.catalogs.observe(d.version)
+        {
+            return false;
+        }
+        let mut guard = Self::lock(self.shard(&d.key));
+        let shard = &mut *guard;
+        match shard.objects.entry(Arc::from(d.key.as_str())) {
+            Entry::Vacant(v) => {
+                v.insert(disk_only(d, seg, now));
+                self.objects.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Entry::Occupied(mut o) => {
+                let o = o.get_mut();
+                if o.complete && o.version == d.version && o.size == d.size {
+                    if o.disk.is_none() {
+                        o.disk = Some(DiskCopy::new(seg, &d.key, d.version));
+                    }
+                    return true;
+                }
+                if !o.complete || o.version >= d.version {
+                    return false;
+                }
+                let old = std::mem::replace(o, disk_only(d, seg, now));
+                if old.node != policy::NONE {
+                    shard.policy.remove(old.node);
+                }
+                self.dispose(old, now);
+                true
+            }
+        }
+    }
+
+    /// Keeps an object just evicted from memory on a disk tier (see `DiskCopy`): one
+    /// already there loses only its memory; otherwise, with offload on, a node that
+    /// has a tier copies it there (its space is held until then). Without either, the
+    /// object goes.
+    pub(super) fn keep_on_disk(&self, shard: &mut Shard, key: &str, mut o: Object) {
+        if !o.complete {
+            return;
+        }
+        if o.disk.is_none() {
+            if !self.config.offload_on_evict {
+                return;
+            }
+            let fits = |r: &ReplicaAlloc| {
+                r.len() == 1 && r[0].seg.disk_capacity.load(Ordering::Relaxed) >= o.size
+            };
+            let Some(pos) = o.replicas.iter().position(fits) else {
+                return;
+            };
+            let replica = o.replicas.swap_remove(pos);
+            let seg = replica[0].seg.clone();
+            let addr = replica[0].piece().addr;
+            if seg
+                .log
+                .record_holding(CatalogEvent::Offload(addr), replica)
+                .is_err()
+            {
+                return; // no node follows the log: nobody to copy it
+            }
+            o.disk = Some(DiskCopy::new(&seg, key, o.version));
+        }
+        o.replicas.clear();
+        o.node = policy::NONE;
+        o.groups.clear();
+        o.soft_pin_until_ms = 0;
+        shard.objects.insert(Arc::from(key), o);
+        self.objects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Waits until nodes copied what was offloaded to them, so its space is free.
+    pub(super) fn await_offloads(&self) {
+        let timeout = self.config.catalog_ack_timeout.max(Duration::from_secs(1));
+        for seg in self.segments.snapshot() {
+            if let Some(seq) = seg.log.held_until() {
+                seg.log.wait_acked(seq, timeout);
+            }
+        }
+    }
+
+    /// Reads an object kept only on `seg`'s disk tier back into that node's memory;
+    /// the replica stays (promotion) once the object was read `promotion_admission_threshold`
+    /// times from disk, else it serves this reader only, until its lease ends.
+    pub(super) fn read_back(
+        &self,
+        key: &str,
+        seg: &Arc<Segment>,
+        version: u64,
+        size: u64,
+    ) -> KeyResult<ObjectDesc> {
+        // Eviction frees the pool's lowest objects wherever they are: ask for more each
+        // round until some of it is in this node's segment (bounded).
+        let mut space = None;
+        let mut want = size;
+        for _ in 0..16 {
+            if let Some(alloc) = seg.alloc.alloc(size) {
+                space = Some(PieceAlloc {
+                    seg: seg.clone(),
+                    alloc,
+                });
+                break;
+            }
+            if self.evict(want, false) == 0 && self.evict(want, true) == 0 {
+                break;
+            }
+            self.await_offloads();
+            want = want.saturating_mul(2);
+        }
+        let space = space.ok_or(Code::NoAvailableHandle)?;
+        let addr = space.piece().addr;
+        let seq = seg
+            .log
+            .record(|| CatalogEvent::Load {
+                key: key.to_owned(),
+                version,
+                addr,
+                size,
+            })
+            .ok_or(Code::ReplicaIsNotReady)?;
+        let timeout = self.config.catalog_ack_timeout.max(Duration::from_secs(1));
+        if !seg.log.wait_acked(seq, timeout) {
+            // The node may still write the value there later: not reusable for a while.
+            seg.log.hold_in_limbo(vec![space]);
+            return Err(Code::ReplicaIsNotReady);
+        }
+        let now = self.clock.now_ms();
+        let ttl = self.config.lease_ttl.as_millis() as u64;
+        let mut map = Self::lock(self.shard(key));
+        // The node reports a copy it could not read as lost before it acknowledges,
+        // so an object still holding its disk copy here was read back.
+        let Some(o) = map.get_mut(key).filter(|o| {
+            o.complete
+                && o.version == version
+                && o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg))
+        }) else {
+            return Err(Code::ObjectNotFound);
+        };
+        let reads = o.disk.as_mut().map_or(0, |d| {
+            d.reads = d.reads.saturating_add(1);
+            d.reads
+        });
+        if reads >= self.config.promotion_admission_threshold {
+            o.replicas.push(vec![space]);
+            Commits::default().record(key, o);
+            drop(map);
+            return self.lookup(key, false);
+        }
+        o.lease_until_ms = o.lease_until_ms.max(now + ttl);
+        let staged = vec![vec![space]];
+        let desc = ObjectDesc {
+            size: o.size,
+            crc32c: o.crc32c,
+            lease_ms: ttl,
+            replicas: segments::describe(&staged),
+        };
+        drop(map);
+        self.quarantine_replicas(staged, now + ttl);
+        Ok(desc)
+    }
+
+    /// A node's disk tier lost `key`'s copy: the object goes with it unless it is
+    /// also in memory.
+    pub(super) fn lose_disk_copy(&self, key: &str, seg: &Arc<Segment>) {
+        if check_key(key).is_err() {
+            return;
+        }
+        let mut map = Self::lock(self.shard(key));
+        let Some(o) = map.get_mut(key) else { return };
+        if !o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
+            return;
+        }
+        o.disk = None;
+        if o.replicas.is_empty() {
+            map.remove(key);
+            self.objects.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}

@@ -11,8 +11,11 @@ each dispatch and combine 128 tokens (hidden 1024, f32, top-4 of 16 experts) wit
 rows out, rows back; no per-expert layout), reported as tokens/s over all ranks.
 
 Prints one JSON object per line: {bench, op, ranks, bytes, backend, lat_p50_us, gbps,
-baseline, baseline_lat_p50_us, ratio_to_baseline} (ratio > 1: mooncake faster), and
-{bench: "pg_recovery", ...}. Usage: python bench/pg_bench.py [--quick]
+baseline, baseline_lat_p50_us, ratio_to_baseline, cpu_us_per_op, baseline_cpu_us_per_op}
+(ratio > 1: mooncake faster; CPU time is rank 0's process, all its threads, per
+operation: steadier than latency on a shared host), and
+{bench: "pg_recovery", ...}. Usage: python bench/pg_bench.py [--quick] [--ranks 2,4]
+[--sizes 4096,1048576] [--parts all_reduce,all_gather,ep,recovery] [--ep-iters N]
 (needs torch and the mooncake package in the interpreter running it).
 """
 
@@ -24,7 +27,7 @@ import sys
 import time
 
 WORKER = r"""
-import os, sys, time, json, datetime, statistics
+import os, sys, time, json, datetime, statistics, resource
 import torch, torch.distributed as dist
 from mooncake import pg
 
@@ -106,12 +109,16 @@ for _ in range(max(2, iters // 10)):
     once()
 dist.barrier()
 lat = []
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 for _ in range(iters):
     t0 = time.perf_counter()
     once()
     lat.append(time.perf_counter() - t0)
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("ru_utime", "ru_stime"))
 if rank == 0:
-    print(json.dumps({"lat_p50_us": statistics.median(lat) * 1e6}), flush=True)
+    print(json.dumps({"lat_p50_us": statistics.median(lat) * 1e6,
+                      "cpu_us": cpu / iters * 1e6}), flush=True)
 dist.barrier()
 """
 
@@ -146,7 +153,7 @@ def run(backend, op, world, nbytes, iters):
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     if not lines:
         raise RuntimeError(f"{backend} {op} {world} {nbytes}: no result")
-    return lines[-1]["lat_p50_us"]
+    return lines[-1]["lat_p50_us"], lines[-1]["cpu_us"]
 
 
 def recovery(timeout_ms):
@@ -176,15 +183,28 @@ def recovery(timeout_ms):
     return max(done)
 
 
+def ints(text):
+    return [int(v) for v in text.split(",")]
+
+
 def main():
-    quick = "--quick" in sys.argv
-    sizes = [4 << 10, 1 << 20] if quick else [4 << 10, 1 << 20, 64 << 20]
-    for world in (2, 4):
-        for op in ("all_reduce", "all_gather"):
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Mooncake PG/EP against gloo, same run")
+    ap.add_argument("--quick", action="store_true", help="4 KiB and 1 MiB, fewer EP rounds")
+    ap.add_argument("--ranks", type=ints, default=[2, 4])
+    ap.add_argument("--sizes", type=ints, default=None, help="bytes per rank")
+    ap.add_argument("--parts", default="all_reduce,all_gather,ep,recovery")
+    ap.add_argument("--ep-iters", type=int, default=None)
+    args = ap.parse_args()
+    quick, parts = args.quick, args.parts.split(",")
+    sizes = args.sizes or ([4 << 10, 1 << 20] if quick else [4 << 10, 1 << 20, 64 << 20])
+    for world in args.ranks:
+        for op in [p for p in ("all_reduce", "all_gather") if p in parts]:
             for nbytes in sizes:
                 iters = 200 if nbytes <= 4096 else (50 if nbytes <= (1 << 20) else 5)
-                base = run("gloo", op, world, nbytes, iters)
-                ours = run("mooncake-cpu", op, world, nbytes, iters)
+                base, base_cpu = run("gloo", op, world, nbytes, iters)
+                ours, ours_cpu = run("mooncake-cpu", op, world, nbytes, iters)
                 moved = nbytes * (world if op == "all_gather" else 1)
                 print(json.dumps({
                     "bench": "pg", "op": op, "ranks": world, "bytes": nbytes,
@@ -192,23 +212,31 @@ def main():
                     "gbps": round(moved * 8 / ours / 1e3, 3),
                     "baseline": "gloo", "baseline_lat_p50_us": round(base, 1),
                     "ratio_to_baseline": round(base / ours, 3),
+                    "cpu_us_per_op": round(ours_cpu, 1),
+                    "baseline_cpu_us_per_op": round(base_cpu, 1),
                 }), flush=True)
-    ep_iters = 20 if quick else 100
-    base = run("gloo", "ep", 4, 0, ep_iters)
-    ours = run("mooncake-cpu", "ep", 4, 0, ep_iters)
+    if "ep" in parts:
+        ep(args.ep_iters or (20 if quick else 100))
+    if "recovery" in parts:
+        timeout_ms = 1000
+        took = recovery(timeout_ms)
+        print(json.dumps({"bench": "pg_recovery", "ranks": 4, "timeout_ms": timeout_ms,
+                          "death_to_first_good_allreduce_ms": round(took * 1e3, 1),
+                          "ratio_to_2x_timeout": round(took * 1e3 / (2 * timeout_ms), 3)}),
+              flush=True)
+
+
+def ep(ep_iters):
+    base, base_cpu = run("gloo", "ep", 4, 0, ep_iters)
+    ours, ours_cpu = run("mooncake-cpu", "ep", 4, 0, ep_iters)
     tokens = 4 * 128  # per dispatch+combine, all ranks
     print(json.dumps({
         "bench": "ep_dispatch_combine", "ranks": 4, "tokens_per_rank": 128, "hidden": 1024,
         "topk": 4, "experts": 16, "backend": "mooncake-cpu", "lat_p50_us": round(ours, 1),
         "tokens_per_s": round(tokens / ours * 1e6), "baseline": "gloo all_to_all_single",
         "baseline_tokens_per_s": round(tokens / base * 1e6),
-        "ratio_to_baseline": round(base / ours, 3)}), flush=True)
-    timeout_ms = 1000
-    took = recovery(timeout_ms)
-    print(json.dumps({"bench": "pg_recovery", "ranks": 4, "timeout_ms": timeout_ms,
-                      "death_to_first_good_allreduce_ms": round(took * 1e3, 1),
-                      "ratio_to_2x_timeout": round(took * 1e3 / (2 * timeout_ms), 3)}),
-          flush=True)
+        "ratio_to_baseline": round(base / ours, 3), "cpu_us_per_op": round(ours_cpu, 1),
+        "baseline_cpu_us_per_op": round(base_cpu, 1)}), flush=True)
 
 
 if __name__ == "__main__":

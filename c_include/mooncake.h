@@ -674,6 +674,7 @@ int mc_pg_send_recv(mc_pg *pg, const mc_pg_message *sends, size_t nsends,
 int mc_pg_failed_ranks(mc_pg *pg, int32_t *ranks, size_t cap, size_t *count);
 /* mask[r] = 1 for each active rank; len must be world_size. */
 int mc_pg_active_ranks(mc_pg *pg, uint8_t *mask, size_t len);
+/* Membership epoch: 1 at start, +1 per change, 0 for an extension not yet admitted. */
 int mc_pg_epoch(mc_pg *pg, uint64_t *epoch);
 /* states[i] = 1 when ranks[i] is active or has claimed its rank (mc_pg_join). */
 int mc_pg_peer_state(mc_pg *pg, const int32_t *ranks, size_t n, uint8_t *states);

@@ -153,7 +153,9 @@ const COMMANDS: &[(&str, &str)] = &[
       Start a master, two store nodes and a client in this process and replay the
       conversation trace through the store (prefix reads, writes, eviction); print a summary.
       --ssd-size gives the nodes a disk tier (split between them; a temporary directory
-      unless --ssd-path) that evicted blocks go to and are read back from.",
+      unless --ssd-path) that evicted blocks go to and are read back from.
+      Read leases last the default lease of trace time on the replay's clock (10 s x
+      --time-scale), at least 1 s: 1 s when replaying as fast as possible.",
     ),
     (
         "replay",

@@ -728,3 +728,591 @@ mod abi {
 
     const MC_ERR_INVALID_PARAMS_CODE: i32 = mooncake::Code::InvalidParams as i32;
 }
+
+// ------------------------------------------------- membership safety (split brain, orders of deaths)
+
+/// Runs one membership scenario's script as a rank (the parent starts this test binary
+/// again with `MC_PG_MEMBERSHIP_CHILD` set).
+#[test]
+fn pg_membership_child() {
+    let Ok(script) = std::env::var("MC_PG_MEMBERSHIP_CHILD") else {
+        return;
+    };
+    let _ = env_logger::builder().is_test(false).try_init();
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
+    let rank: usize = var("MC_PG_RANK").parse().unwrap();
+    let group = start_rank(&PathBuf::from(var("MC_PG_DIR")), rank, false);
+    match script.as_str() {
+        "stream" => run_stream(&group),
+        "stalled" => run_stalled(&group),
+        "two_deaths" => run_two_deaths(&group),
+        "mismatch" => run_mismatch(&group),
+        other => panic!("unknown script {other}"),
+    }
+    say("done");
+}
+
+/// A rank that the parent stops (SIGSTOP) past the timeout during the same stream of
+/// all-reduces as `run_stream`, then resumes: it must learn it was excluded and fail
+/// clearly, never form a view of its own; then it joins again under its rank.
+fn run_stalled(g: &Group) {
+    let deadline = Instant::now() + 4 * STEP;
+    let mut iter = 0usize;
+    let error = loop {
+        assert!(Instant::now() < deadline, "the stall was never noticed");
+        let mut vals = vec![(g.rank() + 1) as f64; 1000];
+        vals.push(0.0);
+        let mut buf = encode(DType::F32, &vals);
+        match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
+            Ok(()) => {
+                iter += 1;
+                if iter % 20 == 0 {
+                    say(&format!("progress {iter}"));
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    say(&format!("failed after the stall: {error}"));
+    let status = g.sync_after_failure();
+    say(&format!("sync {status:?} active {:?}", g.active_ranks()));
+    assert!(
+        !matches!(status, Ok(SyncStatus::Reconciled | SyncStatus::NoPending)),
+        "an excluded rank formed or kept a view: {status:?} {:?}",
+        g.active_ranks()
+    );
+    let mut buf = encode(DType::F32, &[1.0; 10]);
+    let err = g
+        .all_reduce(&mut buf, DType::F32, ReduceOp::Sum)
+        .expect_err("an excluded rank computed alone");
+    assert!(err.to_string().contains("join_group"), "{err}");
+    say("excluded");
+    g.join(STEP).expect("readmitted");
+    say(&format!("joined epoch {}", g.epoch()));
+    full_rounds(g);
+}
+
+/// Streams all-reduces until a failure was reconciled and five operations succeeded
+/// in the new view (decided by an all-reduced vote, so every survivor stops after the
+/// same one); returns the inactive ranks.
+fn stream_until_recovered(g: &Group, phase: usize) -> Vec<usize> {
+    let start = g.epoch();
+    let deadline = Instant::now() + STEP;
+    let mut ok_in_epoch = (start, 0usize);
+    let mut iter = 0usize;
+    loop {
+        assert!(Instant::now() < deadline, "no recovery within {STEP:?}");
+        iter += 1;
+        let vote = if ok_in_epoch.0 != start && ok_in_epoch.1 >= 5 {
+            1.0
+        } else {
+            0.0
+        };
+        let mut vals = vec![(g.rank() + 1) as f64; 1000];
+        vals.push(vote);
+        let mut buf = encode(DType::F32, &vals);
+        match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
+            Ok(()) => {
+                let active = g.active_ranks();
+                let sum: usize = (0..WORLD).filter(|&r| active[r]).map(|r| r + 1).sum();
+                assert!(
+                    buf[..4000] == encode(DType::F32, &vec![sum as f64; 1000]),
+                    "sum over {active:?}"
+                );
+                let votes = f32::from_ne_bytes(buf[4000..].try_into().unwrap()) as usize;
+                if votes == active.iter().filter(|a| **a).count() {
+                    return (0..WORLD).filter(|&r| !active[r]).collect();
+                }
+                if ok_in_epoch.0 != g.epoch() {
+                    ok_in_epoch = (g.epoch(), 0);
+                }
+                ok_in_epoch.1 += 1;
+                if iter % 20 == 0 {
+                    say(&format!("phase{phase} progress {iter}"));
+                }
+            }
+            Err(e) => {
+                let failed = g.failed_ranks();
+                let names: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
+                say(&format!("phase{phase} failed {} {e}", names.join(",")));
+                let status = g.sync_after_failure().expect("sync_after_failure");
+                assert!(
+                    matches!(status, SyncStatus::Reconciled | SyncStatus::NoPending),
+                    "{status:?}"
+                );
+            }
+        }
+    }
+}
+
+fn run_two_deaths(g: &Group) {
+    for phase in 0..2 {
+        let dead = stream_until_recovered(g, phase);
+        let names: Vec<String> = dead.iter().map(|r| r.to_string()).collect();
+        say(&format!("phase{phase} recovered {}", names.join(",")));
+    }
+}
+
+/// Rank 0 runs a barrier while the others run an all-reduce: each side sees the other
+/// send the wrong operation and names a live rank. Reconciling must keep everyone
+/// (all are alive and take part) in one view, not split the group along the blame.
+fn run_mismatch(g: &Group) {
+    let mut buf = encode(DType::I32, &[1.0; 64]);
+    let first = if g.rank() == 0 {
+        g.barrier()
+    } else {
+        g.all_reduce(&mut buf, DType::I32, ReduceOp::Sum)
+    };
+    // A rank that starts late takes part in the change its peers began and runs its
+    // first operation in the new view, where it fails against the next one.
+    say(&format!("first {first:?} failed {:?}", g.failed_ranks()));
+    let deadline = Instant::now() + STEP;
+    loop {
+        assert!(Instant::now() < deadline, "never reconciled");
+        let status = g.sync_after_failure().expect("sync_after_failure");
+        assert_ne!(status, SyncStatus::Rejected, "a live rank was excluded");
+        let mut buf = encode(DType::I64, &[(g.rank() + 1) as f64; 100]);
+        if g.all_reduce(&mut buf, DType::I64, ReduceOp::Sum).is_ok() {
+            let sum: usize = (0..WORLD)
+                .filter(|&r| g.active_ranks()[r])
+                .map(|r| r + 1)
+                .sum();
+            assert!(buf == encode(DType::I64, &[sum as f64; 100]));
+            break;
+        }
+    }
+    say(&format!(
+        "agreed {:?} epoch {}",
+        g.active_ranks(),
+        g.epoch()
+    ));
+}
+
+fn start_membership_rank(script: &str, dir: &Path, rank: usize) -> Rank {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "pg_membership_child",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("MC_PG_MEMBERSHIP_CHILD", script)
+    .env("MC_PG_RANK", rank.to_string())
+    .env("MC_PG_DIR", dir)
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("spawning a rank");
+    let out = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
+            let line = line
+                .trim_start_matches("test pg_membership_child ... ")
+                .to_owned();
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Rank {
+        stdin: child.stdin.take(),
+        child,
+        lines,
+        log: Vec::new(),
+    }
+}
+
+fn signal(r: &Rank, sig: i32) {
+    let pid = r.child.id() as i32;
+    // SAFETY: kill(2) on our own child's pid; it has not been reaped (the Rank holds it).
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
+}
+
+/// Every line starting `prefix` ("phaseN failed") a rank printed names exactly
+/// `victim`; returns how many there were.
+fn failures_name(r: &Rank, prefix: &str, victim: usize) -> usize {
+    let lines: Vec<&String> = r.log.iter().filter(|l| l.starts_with(prefix)).collect();
+    for l in &lines {
+        let named = l.split(' ').nth(2).unwrap_or_default();
+        assert_eq!(named, victim.to_string(), "{l}");
+    }
+    lines.len()
+}
+
+#[test]
+fn a_stalled_rank_is_told_it_is_out_and_never_computes_alone() {
+    let stalled = 3;
+    let dir = rendezvous_dir("stall");
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| {
+            let script = if r == stalled { "stalled" } else { "stream" };
+            start_membership_rank(script, &dir, r)
+        })
+        .collect();
+    for r in &mut ranks {
+        r.expect("progress");
+    }
+    signal(&ranks[stalled], libc::SIGSTOP);
+    for r in ranks.iter_mut().take(stalled) {
+        assert_eq!(r.expect("recovered"), format!("recovered {stalled}"));
+    }
+    signal(&ranks[stalled], libc::SIGCONT);
+    let sync = ranks[stalled].expect("sync");
+    eprintln!("stalled rank: {sync}");
+    ranks[stalled].expect("excluded");
+    for r in ranks.iter_mut().take(stalled) {
+        r.tell("activate");
+    }
+    ranks[stalled].expect("joined");
+    for r in &mut ranks {
+        r.expect("full epoch");
+        r.expect("done");
+    }
+    for r in &mut ranks {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_ranks_die_one_after_the_other_the_coordinator_second_and_the_rest_go_on() {
+    let (first, second) = (2, 0);
+    let dir = rendezvous_dir("two-deaths");
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| start_membership_rank("two_deaths", &dir, r))
+        .collect();
+    for r in &mut ranks {
+        r.expect("phase0 progress");
+    }
+    ranks[first].kill();
+    for (i, r) in ranks.iter_mut().enumerate().filter(|(i, _)| *i != first) {
+        let line = r.expect("phase0 recovered");
+        assert_eq!(line, format!("phase0 recovered {first}"), "rank {i}");
+        r.expect("phase1 progress");
+    }
+    ranks[second].kill();
+    let mut named = 0;
+    for (i, r) in ranks
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != first && *i != second)
+    {
+        let line = r.expect("phase1 recovered");
+        assert_eq!(
+            line,
+            format!("phase1 recovered {second},{first}"),
+            "rank {i}"
+        );
+        r.expect("done");
+        named += failures_name(r, "phase0 failed", first);
+        named += failures_name(r, "phase1 failed", second);
+    }
+    assert!(named > 0, "no survivor saw a failure");
+    for (_, r) in ranks
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != first && *i != second)
+    {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ranks_blaming_each_other_for_a_mismatch_reconcile_into_one_view() {
+    let dir = rendezvous_dir("mismatch");
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| start_membership_rank("mismatch", &dir, r))
+        .collect();
+    let mut agreed = Vec::new();
+    for r in &mut ranks {
+        agreed.push(r.expect("agreed"));
+        r.expect("done");
+    }
+    assert!(
+        agreed.iter().all(|a| a == &agreed[0]),
+        "ranks ended in different views: {agreed:?}"
+    );
+    assert!(
+        agreed[0].starts_with("agreed [true, true, true, true]"),
+        "{agreed:?}"
+    );
+    for r in &mut ranks {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ------------------------------------------------- stale writes across an epoch change (issue 12 perf/safety)
+
+mod stale_epoch {
+    use std::time::{Duration, Instant};
+
+    use mooncake::collective::layout::{encode_cell, CellStamp, Layout, CELL_HEADER};
+    use mooncake::collective::view::next_epoch;
+    use mooncake::collective::{DType, Group, GroupOptions, ReduceOp};
+
+    const CELLS: usize = 2;
+    const CELL_BYTES: usize = 64 << 10;
+
+    pub(super) fn start(world: usize) -> Vec<Group> {
+        let groups: Vec<Group> = (0..world)
+            .map(|r| {
+                let mut o = GroupOptions::new(r, world);
+                o.timeout = Duration::from_secs(5);
+                o.cells_per_peer = CELLS;
+                o.cell_bytes = CELL_BYTES;
+                Group::new(o).expect("group starts")
+            })
+            .collect();
+        let addrs: Vec<String> = groups.iter().map(Group::address).collect();
+        for g in &groups {
+            g.connect(&addrs).expect("connect");
+        }
+        groups
+    }
+
+    /// The base address of a group's buffer in this process (from `segment#hex#layout`).
+    pub(super) fn buffer_base(g: &Group) -> usize {
+        let addr = g.address();
+        let hex = addr.rsplit('#').nth(1).expect("address has a buffer part");
+        usize::from_str_radix(hex, 16).expect("hex buffer address")
+    }
+
+    fn read_u64(at: usize) -> u64 {
+        // SAFETY: callers pass an 8-byte-aligned cell header word inside a live group's
+        // buffer; peers write it concurrently, hence volatile.
+        unsafe { std::ptr::read_volatile(at as *const u64) }
+    }
+
+    #[test]
+    fn a_write_of_the_old_epoch_landing_after_an_epoch_change_is_ignored() {
+        let mut groups = start(3);
+        // Epoch change: every member takes part in deactivating rank 2.
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .map(|g| s.spawn(move || g.propose(false, &[2])))
+                .collect();
+            for h in handles {
+                h.join().unwrap().expect("proposal runs");
+            }
+        });
+        drop(groups.pop());
+        let (g0, g1) = (&groups[0], &groups[1]);
+        assert_eq!(g1.epoch(), 2, "the proposal started the next epoch");
+        assert_eq!(g0.epoch(), 2);
+        // Cells carry the internal epoch: nobody was suspected, so rank 0, the lowest
+        // member, coordinated the change of epoch 1.
+        let (old_epoch, epoch) = (1, next_epoch(1, 0));
+        assert_eq!(g1.active_ranks(), [true, true, false]);
+
+        let layout = Layout {
+            ranks: 3,
+            cells: CELLS,
+            cell_bytes: CELL_BYTES,
+        };
+        let base1 = buffer_base(g1);
+        let current = base1 + layout.recv_cell(0, 0, epoch);
+        let stale = base1 + layout.recv_cell(0, 0, old_epoch);
+        assert_ne!(stale, current, "consecutive epochs use different cells");
+        let elems = 1024;
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || {
+                let mut v = vec![1i32; elems];
+                // SAFETY: viewing i32s as bytes.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), elems * 4)
+                };
+                g0.all_reduce(bytes, DType::I32, ReduceOp::Sum).map(|()| v)
+            });
+            // Rank 0's first message of the new epoch has landed in rank 1's buffer
+            // (rank 1 has not started the operation yet, so it stays unconsumed).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !(read_u64(current + 8) == epoch && read_u64(current + 16) == 1) {
+                assert!(Instant::now() < deadline, "rank 0's message never landed");
+                std::thread::yield_now();
+            }
+            // Now a write rank 0 posted in the old epoch lands: same channel, same
+            // message number and operation tag, wrong contents, valid CRC.
+            let mut cell = vec![0u8; CELL_HEADER + elems * 4];
+            let old = CellStamp {
+                epoch: old_epoch,
+                msg: 1,
+                tag: read_u64(current + 24),
+                len: elems * 4,
+                total: (elems * 4) as u64,
+            };
+            encode_cell(&mut cell, &old, &vec![0x7f; elems * 4]);
+            // SAFETY: the old epoch's cell for rank 0 lies inside rank 1's buffer
+            // (`layout.total()` bytes, alive as long as `g1`); this is where the old
+            // epoch's write was addressed, as the engine would store it.
+            unsafe { std::ptr::copy_nonoverlapping(cell.as_ptr(), stale as *mut u8, cell.len()) };
+
+            let mut v = vec![2i32; elems];
+            // SAFETY: viewing i32s as bytes.
+            let bytes =
+                unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), elems * 4) };
+            g1.all_reduce(bytes, DType::I32, ReduceOp::Sum)
+                .expect("rank 1's all_reduce succeeds");
+            assert!(v.iter().all(|&x| x == 3), "rank 1 got {:?}", &v[..4]);
+            let v0 = sender
+                .join()
+                .unwrap()
+                .expect("rank 0's all_reduce succeeds");
+            assert!(v0.iter().all(|&x| x == 3), "rank 0 got {:?}", &v0[..4]);
+        });
+        // The stale cell was never taken: it is still there, stamped with the old epoch.
+        assert_eq!(read_u64(stale + 8), old_epoch);
+    }
+}
+
+// ------------------------------------------------- membership review fixes (rival views, dead coordinator)
+
+mod membership_races {
+    use std::time::{Duration, Instant};
+
+    use mooncake::collective::layout::{
+        decode_proposal, encode_proposal, Layout, Mask, Proposal, RecordKind, RECORD,
+    };
+    use mooncake::collective::view::{next_epoch, ViewRecord};
+    use mooncake::collective::{Group, SyncStatus};
+
+    use super::stale_epoch::{buffer_base, start};
+
+    fn layout(world: usize) -> Layout {
+        Layout {
+            ranks: world,
+            cells: 2,
+            cell_bytes: 64 << 10,
+        }
+    }
+
+    /// Puts `record` where rank `src` would have written it into `g`'s slot at `off`.
+    fn plant(g: &Group, off: usize, record: &[u8]) {
+        assert!(record.len() <= RECORD);
+        // SAFETY: `off` is a control slot of `g`'s buffer (RECORD bytes, alive as long
+        // as `g`), which is where a peer's one-sided write of this record would land.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                record.as_ptr(),
+                (buffer_base(g) + off) as *mut u8,
+                record.len(),
+            )
+        };
+    }
+
+    fn plant_view(g: &Group, world: usize, v: &ViewRecord) {
+        let rec = v.encode().expect("view fits");
+        plant(g, layout(world).view(v.coordinator), &rec);
+    }
+
+    /// Review finding 1: two coordinators of the same change (a stalled one that
+    /// resumed, and the one the others moved to) both publish. A rank that adopted the
+    /// lower view first must still move to the higher, whose coordinator is outside
+    /// the lower view, and must not follow the losing side's next change.
+    #[test]
+    fn a_rank_that_adopted_the_lower_rival_moves_to_the_higher_and_stays() {
+        let world = 3;
+        let groups = start(world);
+        let g2 = &groups[2];
+        let lower = ViewRecord {
+            epoch: next_epoch(1, 0),
+            base: 1,
+            coordinator: 0,
+            mask: Mask::of(&[0, 2]),
+            ..ViewRecord::default()
+        };
+        plant_view(g2, world, &lower);
+        assert_eq!(g2.sync_after_failure().unwrap(), SyncStatus::Reconciled);
+        assert_eq!(g2.active_ranks(), [true, false, true]);
+        assert_eq!(g2.epoch(), 2);
+
+        let higher = ViewRecord {
+            epoch: next_epoch(1, 1),
+            base: 1,
+            coordinator: 1,
+            mask: Mask::of(&[1, 2]),
+            ..ViewRecord::default()
+        };
+        plant_view(g2, world, &higher);
+        assert_eq!(g2.sync_after_failure().unwrap(), SyncStatus::Reconciled);
+        assert_eq!(g2.active_ranks(), [false, true, true], "kept the higher");
+        assert_eq!(g2.epoch(), 2, "rivals are one change");
+
+        let losing_side_next = ViewRecord {
+            epoch: next_epoch(lower.epoch, 0),
+            base: lower.epoch,
+            coordinator: 0,
+            mask: Mask::of(&[0, 2]),
+            ..ViewRecord::default()
+        };
+        plant_view(g2, world, &losing_side_next);
+        assert_eq!(g2.sync_after_failure().unwrap(), SyncStatus::NoPending);
+        assert_eq!(g2.active_ranks(), [false, true, true], "not pulled back");
+    }
+
+    /// Whether `g`'s sync slot for `src` holds a report of a change of `base`.
+    fn reported(g: &Group, world: usize, src: usize, base: u64) -> bool {
+        let off = buffer_base(g) + layout(world).sync(src);
+        let mut slot = [0u8; RECORD];
+        // SAFETY: the sync slot lies inside `g`'s live buffer; a torn copy fails the
+        // record's CRC and reads as no report.
+        unsafe { std::ptr::copy_nonoverlapping(off as *const u8, slot.as_mut_ptr(), RECORD) };
+        decode_proposal(&slot, RecordKind::Sync).is_some_and(|p| p.base == base)
+    }
+
+    /// Review finding 2: ranks 2 and 3 report to coordinator 0, which then dies after
+    /// announcing the change. Rank 1 arrives later, cannot reach 0 and coordinates;
+    /// it must wait for 2 and 3 (still waiting out rank 0) instead of leaving the group
+    /// for want of a majority, and the three go on together.
+    #[test]
+    fn a_coordinator_dying_mid_change_leaves_the_live_ranks_in_one_group() {
+        let world = 4;
+        let mut groups: Vec<Option<Group>> = start(world).into_iter().map(Some).collect();
+        let l = layout(world);
+        let announce = encode_proposal(
+            RecordKind::Announce,
+            &Proposal {
+                base: 1,
+                ..Proposal::default()
+            },
+        );
+        // Rank 0 announced a change of epoch 1 to everyone (its proof of life) ...
+        for g in groups.iter().skip(1).flatten() {
+            plant(g, l.announce(0), &announce);
+        }
+        std::thread::scope(|s| {
+            let (dying, live) = groups.split_at_mut(1);
+            let late = live[0].as_ref().expect("rank 1");
+            let early: Vec<_> = live[1..]
+                .iter()
+                .map(|g| {
+                    let g = g.as_ref().expect("rank 2 or 3");
+                    s.spawn(move || g.sync_after_failure())
+                })
+                .collect();
+            // ... then took the reports of ranks 2 and 3 ...
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let g0 = dying[0].as_ref().expect("rank 0");
+            while !(reported(g0, world, 2, 1) && reported(g0, world, 3, 1)) {
+                assert!(Instant::now() < deadline, "ranks 2 and 3 never reported");
+                std::thread::yield_now();
+            }
+            // ... and died.
+            drop(dying[0].take());
+            let status = late.sync_after_failure();
+            assert_eq!(status.ok(), Some(SyncStatus::Reconciled), "rank 1");
+            for (i, h) in early.into_iter().enumerate() {
+                let status = h.join().expect("no panic");
+                assert_eq!(status.ok(), Some(SyncStatus::Reconciled), "rank {}", i + 2);
+            }
+        });
+        for g in groups.iter().flatten() {
+            assert_eq!(g.active_ranks(), [false, true, true, true]);
+            assert_eq!(g.epoch(), 2);
+        }
+    }
+}

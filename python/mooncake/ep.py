@@ -12,7 +12,9 @@ is needed for this module. Experts are spread evenly: rank ``r`` owns experts
 
 Layout (DeepEP's low-latency mode): ``recv_x[e, :recv_count[e]]`` are the rows for
 local expert ``e``, grouped by source rank in rank order, each source's rows in token
-order; ``handle.recv_src_rank`` / ``handle.recv_src_token`` name each row's origin.
+order; ``handle.recv_src_rank`` / ``handle.recv_src_token`` name each row's origin. As
+upstream, rows past ``recv_count[e]`` are unspecified (not cleared: ``recv_x`` is sized
+for the worst case, and zeroing it would cost more than the exchange).
 
 Each call is two all-to-all exchanges (row counts, then rows) whose waits for peers
 are bounded by ``timeout_us``. A rank not heard from in time is masked: its entry in
@@ -68,6 +70,13 @@ def _check_timeout(timeout_us):
         raise ValueError(f"timeout_us must be positive, not {timeout_us}")
 
 
+def _rows_of(buf, dtype, hidden):
+    """The ``[rows, hidden]`` elements of ``dtype`` at the start of each row of ``buf``
+    (uint8 rows of ``hidden`` elements then a token index), as a view: no copy. Every
+    element size divides the 8-byte token index, so the rows stay aligned."""
+    return buf.view(dtype)[:, :hidden]
+
+
 def _row_bytes(t):
     return t.shape[-1] * t.element_size()
 
@@ -109,20 +118,23 @@ class Buffer:
 
     def _exchange(self, send_buf, send_rows, recv_buf, recv_rows, active_ranks, timeout_us):
         """One all-to-all of rows. On a failure the survivors reconcile membership (the
-        group drops the ranks named in the failed-ranks hint), ``active_ranks`` takes
-        the new view and ``_Retry`` is raised."""
+        new view leaves out the ranks that did not take part), ``active_ranks`` takes
+        it and ``_Retry`` is raised."""
         sb, rb = _row_bytes(send_buf), _row_bytes(recv_buf)
         try:
             self._handle.all_to_all_timeout(
                 send_buf.data_ptr(), [int(n) * sb for n in send_rows],
                 recv_buf.data_ptr(), [int(n) * rb for n in recv_rows], timeout_us)
         except pg.MooncakeCollectiveError as e:
-            before = active_ranks.clone()
+            # Which ranks are masked comes from the view the survivors agree on, not from
+            # this exchange's hint: a rank that died between the two exchanges can leave
+            # survivors in different exchanges, blaming a live peer for the mismatch.
+            epoch = self._handle.epoch()
             if self._handle.sync_after_failure().status == pg.SyncAfterFailureStatus.Rejected:
                 raise
             self._apply_membership(active_ranks)
-            if torch.equal(before, active_ranks):
-                raise  # nobody was dropped: redoing the call would fail the same way
+            if self._handle.epoch() == epoch:
+                raise  # no new view: redoing the call would fail the same way
             raise _Retry() from e
         self._apply_membership(active_ranks)
 
@@ -189,7 +201,8 @@ class Buffer:
             hb = hidden * x.element_size()
             tokens = send_pos // k
             send_buf = torch.empty(send_pos.numel(), hb + _TOKEN_BYTES, dtype=torch.uint8)
-            send_buf[:, :hb] = x[tokens].view(torch.uint8).reshape(-1, hb)
+            # Gathered straight into the rows' place (one copy of each row).
+            torch.index_select(x, 0, tokens, out=_rows_of(send_buf, x.dtype, hidden))
             send_buf[:, hb:] = tokens.reshape(-1, 1).view(torch.uint8)
             recv_rows = recv_counts.sum(1)
             # Every byte is written: the counts name exactly what each active rank sends.
@@ -218,10 +231,13 @@ class Buffer:
         recv_count = torch.bincount(row_exp[kept_idx], minlength=L)
         starts = torch.cumsum(recv_count, 0) - recv_count
         slot[by_exp] = torch.arange(by_exp.numel()) - starts[row_exp[by_exp]]
-        recv_x = torch.zeros(L, R * M, hidden, dtype=x.dtype)
-        rows = recv_buf[:, :hb].contiguous().view(x.dtype).reshape(n, hidden)
+        recv_x = torch.empty(L, R * M, hidden, dtype=x.dtype)
+        rows = _rows_of(recv_buf, x.dtype, hidden)
         tokens = recv_buf[:, hb:].contiguous().view(torch.int64).reshape(n)
-        recv_x[row_exp[kept_idx], slot[kept_idx]] = rows[kept_idx]
+        if kept_idx.numel() == n:
+            recv_x[row_exp, slot] = rows
+        else:
+            recv_x[row_exp[kept_idx], slot[kept_idx]] = rows[kept_idx]
         src_rank = torch.full((L, R * M), -1, dtype=torch.int32)
         src_token = torch.full((L, R * M), -1, dtype=torch.int64)
         src_rank[row_exp[kept_idx], slot[kept_idx]] = row_src[kept_idx].to(torch.int32)
@@ -254,7 +270,8 @@ class Buffer:
         slot = handle.recv_slot
         kept = slot >= 0
         send_buf = x[handle.recv_expert, slot.clamp(min=0)]
-        send_buf[~kept] = 0  # rows of a masked source go back empty
+        if not bool(kept.all()):
+            send_buf[~kept] = 0  # rows of a masked source go back empty
         # Rows from ranks dropped meanwhile stay unwritten; they are masked out below.
         recv_buf = torch.empty(handle.send_pos.numel(), handle.hidden, dtype=x.dtype)
         for _ in self._attempts():
@@ -268,10 +285,12 @@ class Buffer:
             raise RuntimeError("combine: membership kept changing")
         dest = torch.repeat_interleave(torch.arange(R), handle.send_rows)
         use = active_ranks.to(torch.bool)[dest]
-        pos = handle.send_pos[use]
+        pos, rows = handle.send_pos, recv_buf
+        if not bool(use.all()):
+            pos, rows = pos[use], rows[use]
         weights = topk_weights.reshape(-1)[pos].to(torch.float32).reshape(-1, 1)
         acc = torch.zeros(tokens, handle.hidden, dtype=torch.float32)
-        acc.index_add_(0, pos // k, recv_buf[use].to(torch.float32) * weights)
+        acc.index_add_(0, pos // k, rows.to(torch.float32) * weights)
         combined = acc.to(x.dtype)
         if out is not None:
             out.copy_(combined)

@@ -295,3 +295,102 @@ def test_options_are_checked_before_anything_starts():
         pg.ProcessGroupHandle(5, 4)
     with pytest.raises(TypeError):
         pg.get_current_epoch(object())
+
+
+# ---------------------------------------------- subgroups and the membership functions
+
+_SUBGROUP = r"""
+import time
+deadline = time.time() + 60
+SUB = [1, 2, 3]
+sub = dist.new_group(SUB, pg_options=pg.MooncakeBackendOptions(
+    timeout_ms=int(os.environ["PG_TIMEOUT_MS"])))
+me = SUB.index(rank) if rank in SUB else None
+
+def reduced(group, value):
+    t = torch.full((100,), float(value))
+    work = dist.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    assert pg.get_local_success(work) and pg.get_failed_ranks_hint(work) == []
+    return int(t[0].item())
+
+assert reduced(WORLD_PG, rank + 1) == 10
+if me is not None:
+    assert reduced(sub, rank + 1) == 2 + 3 + 4
+    assert pg.get_active_ranks(sub).tolist() == [1, 1, 1]
+    assert pg.get_peer_state(sub, [0, 1, 2]) == [True] * 3
+    before = pg.get_current_epoch(sub)
+    # Sub-rank 2 (global 3) leaves the subgroup; every member takes part.
+    resp = pg.deactivate_ranks(sub, [2])
+    assert resp.status == pg.ProposalStatus.Applied, resp
+    assert pg.get_active_ranks(sub).tolist() == [1, 1, 0]
+    assert pg.get_current_epoch(sub) > before
+# The world group's membership is its own: untouched.
+assert pg.get_active_ranks(WORLD_PG).tolist() == [1] * world
+assert pg.get_current_epoch(WORLD_PG) == 1
+assert reduced(WORLD_PG, rank + 1) == 10
+if rank == 3:
+    t = torch.ones(100)
+    work = dist.all_reduce(t, group=sub, async_op=True)
+    assert not pg.get_local_success(work)
+    try:
+        work.wait()
+        raise AssertionError("an inactive rank took part")
+    except pg.MooncakeCollectiveError:
+        pass
+elif me is not None:
+    assert reduced(sub, rank + 1) == 2 + 3
+    assert pg.get_peer_state(sub, [0, 1, 2]) == [True, True, False]
+dist.barrier()
+if rank == 3:
+    pg.join_group(sub, timeout_ms=60000)
+elif me is not None:
+    while pg.activate_ranks(sub, [2]).status == pg.ProposalStatus.Rejected:
+        assert time.time() < deadline, "never activated"
+        time.sleep(0.02)  # the claim may still be on its way
+if me is not None:
+    assert reduced(sub, rank + 1) == 2 + 3 + 4
+    assert pg.get_peer_state(sub, [0, 1, 2]) == [True] * 3
+say("ready")
+assert sys.stdin.readline().strip() == "go"
+# Rank 0, outside the subgroup, is dead now: the subgroup does not notice.
+epoch = pg.get_current_epoch(sub)
+assert reduced(sub, rank + 1) == 2 + 3 + 4
+assert pg.get_current_epoch(sub) == epoch
+# A rank whose operation starts after the survivors agreed runs it in the new view.
+while True:
+    assert time.time() < deadline + 60, "the world group never recovered"
+    t = torch.full((100,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        work.wait()
+    except pg.MooncakeCollectiveError:
+        assert pg.get_failed_ranks_hint(work) == [0] and not pg.get_local_success(work)
+        resp = pg.sync_after_failure(WORLD_PG)
+        assert resp.status in (pg.SyncAfterFailureStatus.Reconciled,
+                               pg.SyncAfterFailureStatus.NoPending), resp
+        continue
+    assert pg.get_local_success(work) and pg.get_failed_ranks_hint(work) == []
+    # Success without rank 0 is only possible in a view without it.
+    assert pg.get_active_ranks(WORLD_PG).tolist() == [0, 1, 1, 1]
+    assert int(t[0].item()) == 2 + 3 + 4
+    break
+assert pg.get_current_epoch(WORLD_PG) > 1
+assert pg.get_peer_state(WORLD_PG, [0, 1]) == [False, True]
+assert reduced(WORLD_PG, rank + 1) == 2 + 3 + 4
+assert pg.get_active_ranks(sub).tolist() == [1, 1, 1]
+say("done")
+"""
+
+
+def test_subgroup_has_its_own_membership(store, ranks):
+    ranks.extend(Rank(_SUBGROUP, store.port, r) for r in range(WORLD))
+    for r in ranks:
+        r.expect("ready")
+    ranks[0].kill()
+    for r in ranks[1:]:
+        r.tell("go")
+    for r in ranks[1:]:
+        r.expect("done")
+    for r in ranks[1:]:
+        r.finish()

@@ -548,7 +548,8 @@ pub unsafe extern "C" fn mc_pg_active_ranks(pg: *mut McPg, mask: *mut u8, len: u
     })
 }
 
-/// The current membership epoch.
+/// The current membership epoch: 1 at start, one more per change, 0 for an
+/// extension not yet admitted.
 ///
 /// # Safety
 /// `epoch` writable.

@@ -93,7 +93,8 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
         ));
     }
     let trace = trace::load(opts.trace.as_deref(), opts.limit)?;
-    let cluster = Cluster::start(pool, &protocol, &engine, ssd.as_ref())?;
+    let lease = demo_lease(opts.time_scale);
+    let cluster = Cluster::start(pool, lease, &protocol, &engine, ssd.as_ref())?;
     if !opts.json {
         println!("{}", cluster.describe());
     }
@@ -185,6 +186,25 @@ impl Drop for DemoDisk {
     }
 }
 
+/// The shortest read lease the demo gives, and the one for a replay as fast as it can
+/// go (50-110x the trace's pace): enough for a batch read on a loaded machine, including
+/// one from descriptors the client kept (it stops using them an eighth of the lease
+/// before its end; at 200-300 ms, reads of a paced replay outlived their leases), and
+/// a minute or two of trace time, which moves no figure (bench/README.md).
+const MIN_DEMO_LEASE: Duration = Duration::from_secs(1);
+
+/// The demo master's read lease: the server's default lease of *trace* time on the
+/// replay's clock (`--time-scale`), at least `MIN_DEMO_LEASE`, never longer than the
+/// default. Unscaled, a 10 s lease covers a seventh of a fast replay, pins that share
+/// of the read blocks in place and makes the hit rate depend on the machine's speed.
+fn demo_lease(time_scale: f64) -> Duration {
+    if time_scale <= 0.0 {
+        return MIN_DEMO_LEASE;
+    }
+    let default = ServerConfig::default().master.lease_ttl;
+    default.mul_f64(time_scale.min(1.0)).max(MIN_DEMO_LEASE)
+}
+
 /// Fields drop in order: the client first, then the nodes, then the master.
 struct Cluster {
     client: Client,
@@ -195,11 +215,12 @@ struct Cluster {
 impl Cluster {
     fn start(
         pool: u64,
+        lease: Duration,
         protocol: &str,
         engine: &EngineConfig,
         ssd: Option<&DemoDisk>,
     ) -> Result<Cluster, String> {
-        let server_config = ServerConfig {
+        let mut server_config = ServerConfig {
             bind: [127, 0, 0, 1].into(),
             rpc_port: 0,
             metadata_port: Some(0),
@@ -207,6 +228,7 @@ impl Cluster {
             cluster_secret: engine.cluster_secret.clone(),
             ..ServerConfig::default()
         };
+        server_config.master.lease_ttl = lease;
         // The allocator carves segments into whole slabs; a smaller segment holds nothing.
         let slab = server_config
             .master
@@ -853,6 +875,19 @@ fn human_bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_demo_lease_follows_the_replay_clock() {
+        let default = ServerConfig::default().master.lease_ttl;
+        assert_eq!(default, Duration::from_secs(10));
+        // Real time, and slower: the default.
+        assert_eq!(demo_lease(1.0), default);
+        assert_eq!(demo_lease(3.0), default);
+        assert_eq!(demo_lease(0.25), Duration::from_millis(2500));
+        // Fast, and as fast as possible: the floor.
+        assert_eq!(demo_lease(0.03), MIN_DEMO_LEASE);
+        assert_eq!(demo_lease(0.0), MIN_DEMO_LEASE);
+    }
 
     #[test]
     fn blocks_verify_only_their_own_bytes() {

@@ -295,6 +295,9 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     if let Some(v) = a.str("verify-checksum") {
         cfg.verify_checksum = v != "false" && v != "0";
     }
+    if let Some(v) = a.str("replica-cache") {
+        cfg.cache_replicas = v != "false" && v != "0";
+    }
     Ok(cfg)
 }
 

@@ -1,10 +1,13 @@
-//! Channels between ranks: staged one-sided writes of stamped cells, credits, and the
-//! exchange loop every collective is built from.
+//! Channels between ranks: one-sided writes of stamped cells (copied into a staging
+//! cell when small, written straight from the caller's memory when large), credits, and
+//! the exchange loop every collective is built from.
 
 use std::time::{Duration, Instant};
 
 use super::dtype::{reduce_into, DType, ReduceOp};
-use super::layout::{check_cell, encode_cell, CellStamp, Layout, Mask, CELL_HEADER};
+use super::layout::{
+    encode_cell, encode_cell_header, read_cell_head, CellStamp, Layout, Mask, CELL_HEADER,
+};
 use super::{Group, GroupOptions};
 use crate::engine::{BatchId, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
@@ -193,6 +196,18 @@ impl<'a> Incoming<'a> {
     }
 }
 
+/// From this many payload bytes a cell's payload is written straight from the caller's
+/// memory (its stamp from staging, as a second write of the same batch) instead of
+/// being copied into a staging cell first; smaller cells go as one write, which costs
+/// less per message than two.
+///
+/// The CRC over stamp and payload stays on these cells although the payload is posted
+/// ahead of the stamp: the payload write carries no stamp of its own, so a late one (a
+/// TCP write its sender gave up on, or a stopped sender's copy resumed two epoch changes
+/// later, when the cell set is in use again) would otherwise pass for current data.
+/// With the CRC such a cell is never consumed, whatever order the writes land in.
+const DIRECT_MIN: usize = 16 << 10;
+
 /// Operation kinds, in the low byte of a cell's tag.
 pub(super) const KIND_P2P: u64 = 0xff;
 
@@ -358,13 +373,47 @@ impl Group {
 
     /// Runs one exchange: sends every `out`, receives every `inc`, until all are done
     /// or the timeout; at most one message each way per peer. On failure the ranks not
-    /// heard from (or not reached) are recorded in `last_failed`.
+    /// heard from (or not reached) are recorded in `last_failed`. Returns only once no
+    /// write still reads the callers' memory (large payloads are written from it).
     pub(super) fn exchange(
         &self,
         st: &mut State,
         kind: u64,
         out: &mut [Outgoing<'_>],
         inc: &mut [Incoming<'_>],
+    ) -> Result<()> {
+        let mut borrowed = Vec::new();
+        let result = self.exchange_cells(st, kind, out, inc, &mut borrowed);
+        self.release(st, &borrowed);
+        result
+    }
+
+    /// Waits (bounded) until the batches in `borrowed` are final and reaped.
+    fn release(&self, st: &mut State, borrowed: &[BatchId]) {
+        let pending = |st: &State| st.outstanding.iter().any(|(b, _)| borrowed.contains(b));
+        // Past the engine's transfer timeout (the group's) every task is final.
+        let deadline = Instant::now() + self.options.timeout + Duration::from_secs(1);
+        let mut idle = 0;
+        while pending(st) && Instant::now() < deadline {
+            self.reap(st);
+            idle += 1;
+            backoff(idle);
+        }
+        if pending(st) {
+            log::warn!(
+                "group rank {}: writes from the caller's memory still pending after the timeout",
+                self.rank()
+            );
+        }
+    }
+
+    fn exchange_cells(
+        &self,
+        st: &mut State,
+        kind: u64,
+        out: &mut [Outgoing<'_>],
+        inc: &mut [Incoming<'_>],
+        borrowed: &mut Vec<BatchId>,
     ) -> Result<()> {
         // Point-to-point traffic involves two ranks only, so it must not advance the
         // sequence all members share.
@@ -385,19 +434,29 @@ impl Group {
             let mut progressed = false;
             let mut reqs = Vec::new();
             let mut req_peers = Vec::new();
+            let mut borrows = false;
             // Receive first: consuming frees cells, and credits ride in the same batch.
             for m in inc.iter_mut().filter(|m| !m.done()) {
                 let p = m.peer;
                 while !m.done() {
                     let ch = st.channels[p];
                     let k = (ch.consumed % cells) as usize;
-                    let cell = self.buf(self.layout.recv_cell(p, k));
+                    let cell = self.buf(self.layout.recv_cell(p, k, st.epoch));
                     // SAFETY: the cell lies inside our buffer with `cap` payload bytes.
-                    let Some(stamp) = (unsafe { check_cell(cell, cap, st.epoch, ch.consumed + 1) })
+                    let Some(head) =
+                        (unsafe { read_cell_head(cell, cap, st.epoch, ch.consumed + 1) })
                     else {
                         break;
                     };
+                    let stamp = head.stamp;
+                    // SAFETY: `stamp.len <= cap` payload bytes follow the stamp.
+                    let whole =
+                        unsafe { std::slice::from_raw_parts(cell.add(CELL_HEADER), stamp.len) };
+                    let remaining = m.sink.len() - m.offset;
                     if stamp.tag != tag || stamp.total != m.sink.len() as u64 {
+                        if !head.payload_matches(whole) {
+                            break; // still landing: the stamp is not to be believed yet
+                        }
                         st.last_failed = vec![p];
                         st.needs_sync = true;
                         return Err(Error::new(
@@ -411,10 +470,25 @@ impl Group {
                             ),
                         ));
                     }
-                    let len = stamp.len.min(m.sink.len() - m.offset);
-                    // SAFETY: `len <= cap` payload bytes follow the stamp in the cell.
-                    let payload = unsafe { std::slice::from_raw_parts(cell.add(CELL_HEADER), len) };
-                    m.sink.take(m.offset, payload);
+                    let len = stamp.len.min(remaining);
+                    match &mut m.sink {
+                        // Copy, then check the copy: the cell is read once, and what was
+                        // checked is exactly what was taken. A cell still landing leaves
+                        // a partial copy that the retry overwrites.
+                        Sink::Copy(b) if stamp.len <= remaining => {
+                            let dst = &mut b[m.offset..m.offset + len];
+                            dst.copy_from_slice(whole);
+                            if !head.payload_matches(dst) {
+                                break;
+                            }
+                        }
+                        _ => {
+                            if !head.payload_matches(whole) {
+                                break;
+                            }
+                            m.sink.take(m.offset, &whole[..len]);
+                        }
+                    }
                     m.offset += len;
                     m.started = true;
                     st.channels[p].consumed += 1;
@@ -455,11 +529,7 @@ impl Group {
                     let k = (sent % cells) as usize;
                     let len = (m.data.len() - m.offset).min(cap);
                     let stage = self.layout.send_cell(p, k);
-                    // SAFETY: the staging cell lies inside our buffer; its previous
-                    // write has landed (the peer consumed it: the credit says so).
-                    let cell = unsafe {
-                        std::slice::from_raw_parts_mut(self.buf(stage), CELL_HEADER + len)
-                    };
+                    let remote = peer.base + self.layout.recv_cell(self.rank(), k, st.epoch) as u64;
                     let stamp = CellStamp {
                         epoch: st.epoch,
                         msg: sent + 1,
@@ -467,14 +537,51 @@ impl Group {
                         len,
                         total: m.data.len() as u64,
                     };
-                    encode_cell(cell, &stamp, &m.data[m.offset..m.offset + len]);
-                    reqs.push(Request {
-                        op: Op::Write,
-                        local: (self.base + stage) as u64,
-                        segment: peer.segment,
-                        remote: peer.base + self.layout.recv_cell(self.rank(), k) as u64,
-                        len: (CELL_HEADER + len) as u64,
-                    });
+                    let payload = &m.data[m.offset..m.offset + len];
+                    if len >= DIRECT_MIN {
+                        // The CRC covers the payload too, so the receiver takes the cell
+                        // only once both writes have landed, in whichever order.
+                        let mut header = [0u8; CELL_HEADER];
+                        encode_cell_header(&mut header, &stamp, payload);
+                        // SAFETY: the staging cell lies inside our buffer; its previous
+                        // write has landed (the peer consumed it: the credit says so).
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                header.as_ptr(),
+                                self.buf(stage),
+                                CELL_HEADER,
+                            )
+                        };
+                        reqs.push(Request {
+                            op: Op::Write,
+                            local: payload.as_ptr() as u64,
+                            segment: peer.segment,
+                            remote: remote + CELL_HEADER as u64,
+                            len: len as u64,
+                        });
+                        req_peers.push(Some(p));
+                        reqs.push(Request {
+                            op: Op::Write,
+                            local: (self.base + stage) as u64,
+                            segment: peer.segment,
+                            remote,
+                            len: CELL_HEADER as u64,
+                        });
+                        borrows = true;
+                    } else {
+                        // SAFETY: as above, for the whole staging cell.
+                        let cell = unsafe {
+                            std::slice::from_raw_parts_mut(self.buf(stage), CELL_HEADER + len)
+                        };
+                        encode_cell(cell, &stamp, payload);
+                        reqs.push(Request {
+                            op: Op::Write,
+                            local: (self.base + stage) as u64,
+                            segment: peer.segment,
+                            remote,
+                            len: (CELL_HEADER + len) as u64,
+                        });
+                    }
                     req_peers.push(Some(p));
                     m.offset += len;
                     m.started = true;
@@ -482,7 +589,12 @@ impl Group {
                     progressed = true;
                 }
             }
+            let posted_before = st.outstanding.len();
             let mut failed = self.post(st, reqs, req_peers);
+            if borrows && st.outstanding.len() > posted_before {
+                // `post` appended this batch; `exchange` waits for it before returning.
+                borrowed.extend(st.outstanding.last().map(|(b, _)| *b));
+            }
             failed.extend(self.reap(st));
             if !failed.is_empty() {
                 failed.sort_unstable();
@@ -515,10 +627,11 @@ impl Group {
                     let missing = self.unfinished(out, inc);
                     for m in inc.iter().filter(|m| !m.done()) {
                         let ch = st.channels[m.peer];
-                        let cell = self.buf(
-                            self.layout
-                                .recv_cell(m.peer, (ch.consumed % cells) as usize),
-                        );
+                        let cell = self.buf(self.layout.recv_cell(
+                            m.peer,
+                            (ch.consumed % cells) as usize,
+                            st.epoch,
+                        ));
                         // SAFETY: a cell header inside our buffer.
                         let word = |at: usize| unsafe {
                             std::ptr::read_volatile(cell.add(at).cast::<u64>())

@@ -6,9 +6,11 @@
 //! collective it belongs to, and a CRC-32C over the stamp and the payload; a control
 //! record carries a CRC over its body. A reader accepts a cell only when the stamp is
 //! the one it expects and the CRC matches, so a write from an older epoch, a late
-//! duplicate, or one still landing (torn) is never taken for data.
+//! duplicate, or one still landing (torn) is never taken for data. Consecutive epochs
+//! receive into alternate sets of cells, so a previous epoch's write landing late does
+//! not even overwrite a current cell (which would cost the current operation its data).
 
-use crate::util::crc32c::crc32c;
+use crate::util::crc32c::{crc32c, crc32c_append};
 
 /// Most ranks a group can have (the width of [`Mask`]).
 pub const MAX_RANKS: usize = 256;
@@ -17,6 +19,8 @@ pub const CELL_HEADER: usize = 48;
 /// Bytes of one control record slot.
 pub const RECORD: usize = 256;
 const CELL_MAGIC: u32 = 0x4d43_5047;
+/// Sets of receive cells, used by epochs in turn (see [`Layout::recv_cell`]).
+pub const RECV_SETS: usize = 2;
 const RECORD_MAGIC: u32 = 0x4d43_5052;
 
 /// A set of ranks.
@@ -150,17 +154,21 @@ impl Layout {
     fn data(&self) -> usize {
         align(self.control() + 5 * self.ranks * RECORD + self.ranks * 8)
     }
-    /// Cell `k` of the channel from `src` to us.
-    pub fn recv_cell(&self, src: usize, k: usize) -> usize {
-        self.data() + (src * self.cells + k) * self.cell_bytes
+    /// Cell `k` of the channel from `src` to us in `epoch`. Consecutive epochs use
+    /// different sets of cells, so a write of the previous epoch still landing (a TCP
+    /// write its sender gave up on, a copier resumed late) cannot overwrite a cell of
+    /// the current one; it lands in the idle set, where its stamp keeps it unread.
+    pub fn recv_cell(&self, src: usize, k: usize, epoch: u64) -> usize {
+        let set = ((epoch >> 8) % RECV_SETS as u64) as usize;
+        self.data() + ((set * self.ranks + src) * self.cells + k) * self.cell_bytes
     }
     /// Our staging copy of cell `k` of the channel to `dst`.
     pub fn send_cell(&self, dst: usize, k: usize) -> usize {
-        self.data() + ((self.ranks + dst) * self.cells + k) * self.cell_bytes
+        self.data() + ((RECV_SETS * self.ranks + dst) * self.cells + k) * self.cell_bytes
     }
     /// Bytes of the whole buffer.
     pub fn total(&self) -> usize {
-        self.data() + 2 * self.ranks * self.cells * self.cell_bytes
+        self.data() + (RECV_SETS + 1) * self.ranks * self.cells * self.cell_bytes
     }
 }
 
@@ -193,13 +201,52 @@ pub fn encode_cell(cell: &mut [u8], stamp: &CellStamp, payload: &[u8]) {
     cell[4..8].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// Reads the stamp of a cell that may be changing under us: `None` unless the magic,
-/// the epoch and the message number are the expected ones, the length fits and the CRC
-/// over stamp and payload matches (a write still landing fails the CRC).
+/// Writes only the stamp of a cell whose payload travels separately (straight from
+/// the caller's memory, see `channel`): the CRC still covers stamp and payload, so the
+/// receiver checks it exactly as a cell from [`encode_cell`].
+pub fn encode_cell_header(header: &mut [u8; CELL_HEADER], stamp: &CellStamp, payload: &[u8]) {
+    header[0..4].copy_from_slice(&CELL_MAGIC.to_le_bytes());
+    header[8..16].copy_from_slice(&stamp.epoch.to_le_bytes());
+    header[16..24].copy_from_slice(&stamp.msg.to_le_bytes());
+    header[24..32].copy_from_slice(&stamp.tag.to_le_bytes());
+    header[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    header[40..48].copy_from_slice(&stamp.total.to_le_bytes());
+    let crc = crc32c_append(crc32c(&header[8..]), payload);
+    header[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// A cell's stamp as read once, before its payload is checked against it.
+#[derive(Clone, Copy, Debug)]
+pub struct CellHead {
+    /// The stamp (trustworthy only once [`payload_matches`](Self::payload_matches)).
+    pub stamp: CellStamp,
+    /// The CRC the writer recorded.
+    crc: u32,
+    /// The CRC over the stamp as read, to be continued over the payload.
+    stamp_crc: u32,
+}
+
+impl CellHead {
+    /// Whether `payload` (the cell's payload, or a copy of it) completes the CRC: the
+    /// cell was whole and is the one the stamp describes.
+    pub fn payload_matches(&self, payload: &[u8]) -> bool {
+        crc32c_append(self.stamp_crc, payload) == self.crc
+    }
+}
+
+/// Reads the stamp of a cell that may be changing under us, all of it once (the CRC is
+/// then computed over exactly what was parsed): `None` unless the magic, the epoch and
+/// the message number are the expected ones and the length fits. The payload is not
+/// checked yet (see [`CellHead::payload_matches`]).
 ///
 /// # Safety
-/// `cell` must be readable for `cap + CELL_HEADER` bytes.
-pub unsafe fn check_cell(cell: *const u8, cap: usize, epoch: u64, msg: u64) -> Option<CellStamp> {
+/// `cell` must be readable for `CELL_HEADER` bytes.
+pub unsafe fn read_cell_head(
+    cell: *const u8,
+    cap: usize,
+    epoch: u64,
+    msg: u64,
+) -> Option<CellHead> {
     // SAFETY: the caller guarantees the header is readable; volatile because a peer
     // writes it behind the compiler's back.
     let word = |at: usize| unsafe { std::ptr::read_volatile(cell.add(at).cast::<u64>()) };
@@ -207,19 +254,23 @@ pub unsafe fn check_cell(cell: *const u8, cap: usize, epoch: u64, msg: u64) -> O
     if head as u32 != CELL_MAGIC || word(8) != epoch || word(16) != msg {
         return None;
     }
-    let len = usize::try_from(word(32)).ok().filter(|&l| l <= cap)?;
-    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-    // SAFETY: `len <= cap`, so the range is inside what the caller vouched for.
-    let body = unsafe { std::slice::from_raw_parts(cell.add(8), CELL_HEADER - 8 + len) };
-    if crc32c(body) != (head >> 32) as u32 {
-        return None;
+    let mut stamp = [0u8; CELL_HEADER - 8];
+    for (i, chunk) in stamp.chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&word(8 + 8 * i).to_le_bytes());
     }
-    Some(CellStamp {
-        epoch,
-        msg,
-        tag: word(24),
-        len,
-        total: word(40),
+    let field = |at: usize| le64(&stamp, at - 8);
+    let len = usize::try_from(field(32)).ok().filter(|&l| l <= cap)?;
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    Some(CellHead {
+        stamp: CellStamp {
+            epoch: field(8),
+            msg: field(16),
+            tag: field(24),
+            len,
+            total: field(40),
+        },
+        crc: (head >> 32) as u32,
+        stamp_crc: crc32c(&stamp),
     })
 }
 
@@ -230,8 +281,7 @@ pub enum RecordKind {
     Announce = 1,
     /// "Coordinator, here is what I know for the change of epoch `base`."
     Sync = 2,
-    /// "Epoch `epoch` has members `mask`."
-    View = 3,
+    // 3 was the view record before views got their own format (`super::view`).
     /// "Rank r is now reachable here."
     Join = 4,
 }
@@ -247,17 +297,6 @@ pub struct Proposal {
     pub add: Mask,
     /// Ranks to deactivate.
     pub remove: Mask,
-}
-
-/// A published membership view.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct View {
-    /// The epoch it starts.
-    pub epoch: u64,
-    /// Its active ranks.
-    pub mask: Mask,
-    /// Members of the previous view left out although nobody asked to remove them.
-    pub dropped: Mask,
 }
 
 /// A process's claim of a rank: where to reach it.
@@ -315,24 +354,6 @@ pub fn decode_proposal(slot: &[u8], kind: RecordKind) -> Option<Proposal> {
     })
 }
 
-/// Encodes a view record.
-pub fn encode_view(v: &View) -> Vec<u8> {
-    let mut body = v.epoch.to_le_bytes().to_vec();
-    v.mask.put(&mut body);
-    v.dropped.put(&mut body);
-    seal(RecordKind::View, &body)
-}
-
-/// Decodes a view record.
-pub fn decode_view(slot: &[u8]) -> Option<View> {
-    let b = open(slot, RecordKind::View)?;
-    (b.len() == 8 + 64).then(|| View {
-        epoch: le64(b, 0),
-        mask: Mask::get(&b[8..40]),
-        dropped: Mask::get(&b[40..72]),
-    })
-}
-
 /// Longest segment name a join record carries.
 pub const MAX_SEGMENT_NAME: usize = RECORD - 16 - 20;
 
@@ -364,6 +385,14 @@ pub fn decode_join(slot: &[u8]) -> Option<JoinRecord> {
 mod tests {
     use super::*;
 
+    /// The whole check a receiver makes on a cell in place.
+    fn check(cell: &[u8], epoch: u64, msg: u64) -> Option<CellStamp> {
+        // SAFETY: `cell` holds CELL_HEADER bytes and more.
+        let head = unsafe { read_cell_head(cell.as_ptr(), cell.len() - CELL_HEADER, epoch, msg) }?;
+        let payload = &cell[CELL_HEADER..CELL_HEADER + head.stamp.len];
+        head.payload_matches(payload).then_some(head.stamp)
+    }
+
     #[test]
     fn cells_are_accepted_only_complete_and_current() {
         let mut cell = vec![0u8; CELL_HEADER + 64];
@@ -375,17 +404,21 @@ mod tests {
             total: 40,
         };
         encode_cell(&mut cell, &stamp, &[9u8; 40]);
-        // SAFETY: `cell` holds CELL_HEADER + 64 bytes.
-        let seen = unsafe { check_cell(cell.as_ptr(), 64, 3, 7) };
-        assert_eq!(seen, Some(stamp));
-        // SAFETY: as above.
-        unsafe {
-            assert_eq!(check_cell(cell.as_ptr(), 64, 2, 7), None, "older epoch");
-            assert_eq!(check_cell(cell.as_ptr(), 64, 3, 8), None, "other message");
-        }
+        assert_eq!(check(&cell, 3, 7), Some(stamp));
+        assert_eq!(check(&cell, 2, 7), None, "older epoch");
+        assert_eq!(check(&cell, 3, 8), None, "other message");
+        let mut header = [0u8; CELL_HEADER];
+        encode_cell_header(&mut header, &stamp, &[9u8; 40]);
+        assert_eq!(
+            header[..],
+            cell[..CELL_HEADER],
+            "a split cell checks the same"
+        );
         cell[CELL_HEADER + 39] = 0; // the payload's last bytes not landed yet
-                                    // SAFETY: as above.
-        assert_eq!(unsafe { check_cell(cell.as_ptr(), 64, 3, 7) }, None, "torn");
+        assert_eq!(check(&cell, 3, 7), None, "torn");
+        cell[CELL_HEADER + 39] = 9;
+        cell[24] ^= 1; // the stamp itself half-written
+        assert_eq!(check(&cell, 3, 7), None, "torn stamp");
     }
 
     #[test]
@@ -407,20 +440,21 @@ mod tests {
             segment: "127.0.0.1:5555".into(),
         };
         assert_eq!(decode_join(&encode_join(&j).unwrap()), Some(j));
-        let v = View {
-            epoch: 9,
-            mask: Mask::first(3),
-            dropped: Mask::of(&[3]),
+        let l = Layout {
+            ranks: 4,
+            cells: 2,
+            cell_bytes: 4096,
         };
-        assert_eq!(decode_view(&encode_view(&v)), Some(v));
-        assert!(
-            Layout {
-                ranks: 4,
-                cells: 2,
-                cell_bytes: 4096
-            }
-            .total()
-                > 4 * 2 * 4096 * 2
+        assert!(l.total() > 4 * 2 * 4096 * 3);
+        // Sets follow the generation (epoch >> 8), not the coordinator byte.
+        assert_ne!(
+            l.recv_cell(1, 0, 1),
+            l.recv_cell(1, 0, 0x100),
+            "consecutive generations alternate sets"
         );
+        assert_eq!(l.recv_cell(1, 0, 0x100), l.recv_cell(1, 0, 0x103));
+        assert_eq!(l.recv_cell(1, 0, 1), l.recv_cell(1, 0, 0x200));
+        assert!(l.recv_cell(3, 1, 6) + 4096 <= l.send_cell(0, 0));
+        assert!(l.send_cell(3, 1) + 4096 <= l.total());
     }
 }

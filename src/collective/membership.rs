@@ -1,37 +1,144 @@
 //! Views and how they change: announcements, the coordinator's round, adoption, join.
 //!
 //! A change of epoch `e` runs like this. Whoever starts it (a rank whose operation
-//! failed, or one with a proposal) writes an announcement to every member, so members
-//! blocked in an operation stop waiting and members between operations take part at
-//! their next call. Each participant sends a sync report (its suspects and proposals)
-//! to the lowest member it does not suspect, the coordinator. The coordinator waits
-//! until every member nobody suspects has reported (or the timeout), then publishes
-//! view `e + 1`: the members that reported, minus ranks asked to be removed, plus
-//! ranks asked to be added that have claimed their rank with a join record. A
-//! participant that gets no view in time, or learns that someone suspects its
-//! coordinator, moves on to the next lowest member, down to itself.
+//! failed, or one with a proposal) writes an announcement to every member, suspects
+//! included, so members blocked in an operation stop waiting and members between
+//! operations take part at their next call. Every participant announces too, which is
+//! its proof of life for this change. Each participant sends a sync report (its
+//! suspects and proposals) to the coordinator: the lowest member it neither suspects
+//! (nor hears suspected) without proof of life, nor has given up on. The coordinator
+//! waits until every member that is not a lifeless suspect has reported (or the
+//! timeout), giving suspects a quarter of the timeout (at most a second) to show
+//! life; it steps down if a lower member shows life meanwhile. Short of a majority at
+//! the timeout, it waits up to four timeouts for members that announced but have not
+//! reported (they may be waiting out a coordinator that died holding their reports).
+//! It publishes only with reports from a majority of the view (half counts when it
+//! holds the view's lowest rank), after checking once more that no other view is out
+//! and that it should still lead. A report is not exclusive, so two coordinators of
+//! one change can both publish (a stalled one that resumed and the one the others
+//! moved to); every rank then moves to the higher epoch, whichever it saw first
+//! ([`acceptable_view`]), so the two cannot both go on. The new view (see
+//! [`ViewRecord`]) goes to every rank of the old and new views, the excluded ones too,
+//! so they learn they are out. A participant that gets no view in time moves on to
+//! the next candidate, down to itself; one that cannot gather a majority steps out of
+//! the group and fails until it joins again.
 
 use std::time::{Duration, Instant};
 
 use super::channel::{backoff, Channel, State};
 use super::layout::{
-    decode_join, decode_proposal, decode_view, encode_join, encode_proposal, encode_view,
-    JoinRecord, Layout, Mask, Proposal, RecordKind, View,
+    decode_join, decode_proposal, encode_join, encode_proposal, JoinRecord, Layout, Mask, Proposal,
+    RecordKind,
 };
+use super::view::{next_epoch, public_epoch, ViewRecord, MAX_ADMITTED};
 use super::{Group, ProposalResponse, ProposalStatus, SyncStatus};
 use crate::error::{Code, Error, Result};
+use crate::transport::Op;
+use crate::Request;
+
+/// The views a rank held, for readers outside the state lock and for the rival rule
+/// in [`acceptable_view`].
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ViewHistory {
+    pub epoch: u64,
+    pub mask: Mask,
+    /// The view the current one replaced, when known (epoch 0: unknown).
+    pub base_epoch: u64,
+    pub base_mask: Mask,
+    /// The incarnation a `join` announced and no view has admitted yet: a retried
+    /// join reuses it, so members waiting for that record find it.
+    pub joining: Option<u64>,
+}
+
+impl ViewHistory {
+    pub fn starting(epoch: u64, mask: Mask) -> ViewHistory {
+        ViewHistory {
+            epoch,
+            mask,
+            ..ViewHistory::default()
+        }
+    }
+
+    /// Moves to `view`. A rival of our view (same base) keeps our base, so a later
+    /// rival is still recognised; a view derived from ours makes ours its base; a
+    /// view that skips some we never saw leaves the base unknown.
+    fn advance(&mut self, view: &ViewRecord, me: usize) {
+        if view.base == self.epoch {
+            (self.base_epoch, self.base_mask) = (self.epoch, self.mask);
+        } else if view.base != self.base_epoch {
+            (self.base_epoch, self.base_mask) = (0, Mask::default());
+        }
+        (self.epoch, self.mask) = (view.epoch, view.mask);
+        if view.mask.has(me) {
+            self.joining = None;
+        }
+    }
+}
+
+/// Whether `v`, found in rank `src`'s view slot, is one for us to adopt. It must be
+/// newer than ours and written by its own coordinator. While we are a member, that
+/// coordinator must be a member of our view (a rank we excluded cannot lead us
+/// anywhere) or, for a rival of our view (one derived from the same base), a member
+/// of that base: two coordinators of one change both publish, and every rank must end
+/// on the higher epoch, whichever it saw first.
+pub(super) fn acceptable_view(v: &ViewRecord, src: usize, me: usize, h: &ViewHistory) -> bool {
+    let trusted = !h.mask.has(me)
+        || h.mask.has(src)
+        || h.base_epoch != 0 && v.base == h.base_epoch && h.base_mask.has(src);
+    v.coordinator == src && v.epoch > h.epoch && trusted
+}
+
+/// Whether the coordinator stops collecting reports, `elapsed` after it started.
+/// Members it is not still `waiting` for (lifeless suspects) get `grace`. At the
+/// timeout it stops if it has a majority, or if no member that announced this change
+/// is still missing; otherwise it waits up to [`COORDINATOR_PATIENCE`] timeouts: such
+/// a member may be waiting out a coordinator that died after taking its report, and
+/// participants give a coordinator 3 timeouts before moving on to the next.
+pub(super) fn collection_over(
+    elapsed: Duration,
+    timeout: Duration,
+    grace: Duration,
+    unreported: &Mask,
+    waiting: &Mask,
+    announced_unreported: &Mask,
+    majority: bool,
+) -> bool {
+    unreported.is_empty()
+        || waiting.is_empty() && elapsed >= grace
+        || elapsed >= timeout && (majority || announced_unreported.is_empty())
+        || elapsed >= COORDINATOR_PATIENCE * timeout
+}
+
+/// Timeouts a participant waits for its coordinator's view before moving on.
+const PARTICIPANT_PATIENCE: u32 = 3;
+/// Most timeouts a coordinator short of a majority waits for announced members: one
+/// more than a participant's patience, so one stuck on a dead coordinator reaches us.
+const COORDINATOR_PATIENCE: u32 = PARTICIPANT_PATIENCE + 1;
+
+/// Whether reports from `reported` are enough to change `old`: a majority of it, or
+/// exactly half when they include its lowest rank.
+fn has_majority(old: &Mask, reported: &Mask) -> bool {
+    let have = old.ranks().iter().filter(|&&r| reported.has(r)).count();
+    let total = old.ranks().len();
+    let lowest = old.ranks().first().copied();
+    2 * have > total || 2 * have == total && lowest.is_some_and(|l| reported.has(l))
+}
+
+/// What the announcements of the current change say, read in one pass.
+struct Announcements {
+    /// Union of everyone's proposals.
+    merged: Proposal,
+    /// Ranks that announced this change (so are alive).
+    alive: Mask,
+}
 
 impl Group {
-    /// Tells every member but the suspects that a change of our epoch starts.
+    /// Tells every member that a change of our epoch starts: waits (bounded) for the
+    /// writes to those we do not suspect; the suspects' writes go out unawaited, so a
+    /// dead one costs nothing and a live one learns of the change.
     pub(super) fn announce(&self, st: &mut State, suspects: Mask, add: Mask, remove: Mask) {
         let me = self.rank();
-        let targets: Vec<usize> = st
-            .mask
-            .minus(&suspects)
-            .ranks()
-            .into_iter()
-            .filter(|&r| r != me)
-            .collect();
+        let others = st.mask.minus(&Mask::of(&[me]));
         let rec = encode_proposal(
             RecordKind::Announce,
             &Proposal {
@@ -42,33 +149,84 @@ impl Group {
             },
         );
         let timeout = self.options.timeout;
-        self.write_records(st, &targets, |l: &Layout, s| l.announce(s), &rec, timeout);
+        let trusted = others.minus(&suspects).ranks();
+        self.write_records(st, &trusted, |l: &Layout, s| l.announce(s), &rec, timeout);
+        let suspected = others.minus(&others.minus(&suspects)).ranks();
+        self.post_records(st, &suspected, |l: &Layout, s| l.announce(s), &rec);
+    }
+
+    /// Writes `record` into slot `slot(me)` of each of `to` without waiting; failures
+    /// prove nothing about anyone (these are ranks that may be gone).
+    fn post_records(
+        &self,
+        st: &mut State,
+        to: &[usize],
+        slot: impl Fn(&Layout, usize) -> usize,
+        record: &[u8],
+    ) {
+        let me = self.rank();
+        let mut reqs = Vec::new();
+        for &p in to {
+            let Some(peer) = st.peers[p] else { continue };
+            let stage = self.layout.record_stage(p);
+            // SAFETY: the staging slot (RECORD bytes) lies inside our buffer and
+            // `record` is at most RECORD bytes (encoders guarantee it).
+            unsafe {
+                std::ptr::copy_nonoverlapping(record.as_ptr(), self.buf(stage), record.len())
+            };
+            reqs.push(Request {
+                op: Op::Write,
+                local: (self.base + stage) as u64,
+                segment: peer.segment,
+                remote: peer.base + slot(&self.layout, me) as u64,
+                len: record.len() as u64,
+            });
+        }
+        let n = reqs.len();
+        self.post(st, reqs, vec![None; n]);
+    }
+
+    /// The announcements of a change of our epoch in our slots.
+    fn announcements(&self, st: &State) -> Announcements {
+        let me = self.rank();
+        let mut merged = Proposal {
+            base: st.epoch,
+            ..Proposal::default()
+        };
+        let mut alive = Mask::default();
+        for src in st.mask.ranks().into_iter().filter(|&r| r != me) {
+            let slot = self.read_slot(self.layout.announce(src));
+            if let Some(p) = decode_proposal(&slot, RecordKind::Announce) {
+                if p.base == st.epoch {
+                    alive.set(src);
+                    merge(&mut merged, &p);
+                }
+            }
+        }
+        Announcements { merged, alive }
     }
 
     /// The suspects of a change of our epoch someone announced, or an empty set when a
     /// newer view is already out; `None` when nothing is pending.
     pub(super) fn change_announced(&self, st: &State) -> Option<Mask> {
-        if self.newest_view(st).is_some() {
+        if self.newest_view().is_some() {
             return Some(Mask::default());
         }
-        let me = self.rank();
-        let mut found: Option<Mask> = None;
-        for src in st.mask.ranks().into_iter().filter(|&r| r != me) {
-            let slot = self.read_slot(self.layout.announce(src));
-            if let Some(p) = decode_proposal(&slot, RecordKind::Announce) {
-                if p.base == st.epoch {
-                    found = Some(found.unwrap_or_default().union(&p.suspects));
-                }
-            }
-        }
-        found
+        let a = self.announcements(st);
+        (!a.alive.is_empty()).then_some(a.merged.suspects)
     }
 
-    /// The newest view in our slots, if newer than ours.
-    fn newest_view(&self, st: &State) -> Option<View> {
-        (0..self.size())
-            .filter_map(|src| decode_view(&self.read_slot(self.layout.view(src))))
-            .filter(|v| v.epoch > st.epoch)
+    /// The newest view in our slots that [`acceptable_view`] lets us adopt, clipped
+    /// to the group's ranks.
+    fn newest_view(&self) -> Option<ViewRecord> {
+        let (me, size) = (self.rank(), self.size());
+        let h = *self.views();
+        (0..size)
+            .filter_map(|src| {
+                ViewRecord::decode(&self.read_slot(self.layout.view(src)))
+                    .map(|v| v.clipped(size))
+                    .filter(|v| acceptable_view(v, src, me, &h))
+            })
             .max_by_key(|v| v.epoch)
     }
 
@@ -87,51 +245,77 @@ impl Group {
     /// Everything an operation does first: catch up with a view published without us,
     /// refuse if we are not a member, and take part in a pending change.
     pub(super) fn begin_op(&self, st: &mut State) -> Result<()> {
-        if let Some(v) = self.newest_view(st) {
+        if let Some(v) = self.newest_view() {
             self.adopt(st, &v);
         }
         if !st.mask.has(self.rank()) {
-            return Err(Error::new(
-                Code::UnavailableInCurrentStatus,
-                format!(
-                    "rank {} is not active at epoch {}: join_group first",
-                    self.rank(),
-                    st.epoch
-                ),
-            ));
+            return Err(self.not_member(st));
         }
         let announced = self.change_announced(st);
         if announced.is_some() || (st.needs_sync && self.options.auto_sync_on_failure) {
             let suspects = self.own_suspects(st);
             self.view_change(st, suspects, Mask::default(), Mask::default())?;
             if !st.mask.has(self.rank()) {
-                return Err(Error::new(
-                    Code::UnavailableInCurrentStatus,
-                    format!("rank {} was left out of epoch {}", self.rank(), st.epoch),
-                ));
+                return Err(self.not_member(st));
             }
         }
         Ok(())
     }
 
+    fn not_member(&self, st: &State) -> Error {
+        Error::new(
+            Code::UnavailableInCurrentStatus,
+            format!(
+                "rank {} is not active at epoch {} (deactivated, or excluded after not \
+                 answering in time): join_group first",
+                self.rank(),
+                st.epoch
+            ),
+        )
+    }
+
     fn own_suspects(&self, st: &State) -> Mask {
         if st.needs_sync && self.options.auto_deactivate_on_failure {
-            Mask::of(&st.last_failed)
+            Mask::of(&st.last_failed).minus(&Mask::of(&[self.rank()]))
         } else {
             Mask::default()
         }
     }
 
+    /// The rank of our view that should coordinate: the lowest not asked to be removed,
+    /// not given up on, and not suspected (by us or an announcement) unless it has
+    /// announced this change itself. Never above us.
+    fn pick_coordinator(&self, st: &State, mine: &Proposal, skipped: &Mask) -> usize {
+        let me = self.rank();
+        let a = self.announcements(st);
+        let suspected = mine.suspects.union(&a.merged.suspects).minus(&a.alive);
+        st.mask
+            .minus(&mine.remove)
+            .minus(skipped)
+            .minus(&suspected)
+            .ranks()
+            .into_iter()
+            .find(|&r| r < me)
+            .unwrap_or(me)
+    }
+
     /// Runs a change of the current epoch (see the module comment) and adopts its view.
+    ///
+    /// Bounded but long in the worst case: at most `2n + 2` rounds (n = world size),
+    /// each one timeout of writes plus three of waiting for a coordinator, or four of
+    /// coordinating plus one of writing the view. It holds the state lock throughout,
+    /// so this rank's other operations wait; `epoch` and `active_ranks` do not (they
+    /// read [`ViewHistory`]).
     pub(super) fn view_change(
         &self,
         st: &mut State,
         suspects: Mask,
         add: Mask,
         remove: Mask,
-    ) -> Result<View> {
+    ) -> Result<ViewRecord> {
         let me = self.rank();
         let base = st.epoch;
+        let suspects = suspects.minus(&Mask::of(&[me]));
         log::debug!(
             "group rank {me}: change of epoch {base}: suspects {:?} add {:?} remove {:?}",
             suspects.ranks(),
@@ -145,189 +329,275 @@ impl Group {
             add,
             remove,
         };
-        let mut candidates = st.mask.minus(&suspects).minus(&remove);
-        candidates.set(me);
-        loop {
-            let Some(&c) = candidates.ranks().first() else {
-                return Err(Error::invalid("no coordinator candidate"));
-            };
+        let mut skipped = Mask::default();
+        let timeout = self.options.timeout;
+        // A round ends when we give up on a candidate or learn something that changes
+        // the choice (a suspicion, a proof of life); both only grow, so a few rounds
+        // per rank bound it.
+        for _ in 0..2 * self.size() + 2 {
+            if let Some(v) = self.newest_view() {
+                self.adopt(st, &v);
+                return Ok(v);
+            }
+            let c = self.pick_coordinator(st, &prop, &skipped);
             if c == me {
-                return Ok(self.coordinate(st, prop));
+                match self.coordinate(st, prop, &skipped)? {
+                    Some(v) => return Ok(v),
+                    None => continue,
+                }
             }
             let rec = encode_proposal(RecordKind::Sync, &prop);
-            let timeout = self.options.timeout;
             let unreached = self.write_records(st, &[c], |l: &Layout, s| l.sync(s), &rec, timeout);
+            let mut moved = false;
             if unreached.is_empty() {
-                // The coordinator may wait a whole timeout for slow members first.
-                let deadline = Instant::now() + 2 * self.options.timeout;
+                // The coordinator may wait a whole timeout for slow members, then a
+                // whole timeout for its writes.
+                let deadline = Instant::now() + PARTICIPANT_PATIENCE * timeout;
                 let mut idle = 0;
                 while Instant::now() < deadline {
-                    if let Some(v) = self.newest_view(st) {
+                    if let Some(v) = self.newest_view() {
                         self.adopt(st, &v);
                         return Ok(v);
                     }
-                    if idle % 64 == 63 && self.suspected_by_others(st, c) {
+                    if idle % 64 == 63 && self.pick_coordinator(st, &prop, &skipped) != c {
+                        moved = true;
                         break;
                     }
                     idle += 1;
                     backoff(idle);
                 }
             }
-            log::warn!("group rank {me}: coordinator {c} of epoch {base} did not answer");
-            candidates.clear(c);
-            prop.suspects.set(c);
+            if !moved {
+                log::warn!("group rank {me}: coordinator {c} of epoch {base} did not answer");
+                skipped.set(c);
+                prop.suspects.set(c);
+            }
         }
+        Err(Error::new(
+            Code::Timeout,
+            format!("rank {me}: no coordinator answered for the change of epoch {base}"),
+        ))
     }
 
-    /// Whether another member's announcement of our epoch suspects `r`.
-    fn suspected_by_others(&self, st: &State, r: usize) -> bool {
-        st.mask.ranks().into_iter().any(|src| {
-            decode_proposal(
-                &self.read_slot(self.layout.announce(src)),
-                RecordKind::Announce,
-            )
-            .is_some_and(|p| p.base == st.epoch && p.suspects.has(r))
-        })
-    }
-
-    /// The coordinator's round: collect reports, decide, publish, adopt.
-    fn coordinate(&self, st: &mut State, mine: Proposal) -> View {
+    /// The coordinator's round: collect reports, decide, publish, adopt. `None` when a
+    /// lower member showed life meanwhile (it coordinates instead).
+    fn coordinate(
+        &self,
+        st: &mut State,
+        mine: Proposal,
+        skipped: &Mask,
+    ) -> Result<Option<ViewRecord>> {
         let me = self.rank();
         let base = st.epoch;
         let old = st.mask;
-        let deadline = Instant::now() + self.options.timeout;
+        let started = Instant::now();
+        let timeout = self.options.timeout;
+        // A live suspect (blamed for a mismatch, or slow) announces within moments of
+        // seeing the change; a dead one never does. Waiting this long for suspects
+        // keeps recovery from a death under 1.25 timeouts (and a second past the
+        // failed operation's own bound, for callers that give one).
+        let grace = (self.options.timeout / 4).min(Duration::from_secs(1));
         let mut merged = mine;
         let mut reported = Mask::of(&[me]);
         let mut idle = 0;
         loop {
+            if let Some(v) = self.newest_view() {
+                self.adopt(st, &v);
+                return Ok(Some(v));
+            }
+            let a = self.announcements(st);
+            merge(&mut merged, &a.merged);
             for src in old.ranks().into_iter().filter(|&r| r != me) {
-                let merge = |m: &mut Proposal, p: Proposal| {
-                    m.suspects = m.suspects.union(&p.suspects);
-                    m.add = m.add.union(&p.add);
-                    m.remove = m.remove.union(&p.remove);
-                };
                 let sync =
                     decode_proposal(&self.read_slot(self.layout.sync(src)), RecordKind::Sync);
                 if let Some(p) = sync.filter(|p| p.base == base) {
                     reported.set(src);
-                    merge(&mut merged, p);
-                }
-                let ann = decode_proposal(
-                    &self.read_slot(self.layout.announce(src)),
-                    RecordKind::Announce,
-                );
-                if let Some(p) = ann.filter(|p| p.base == base) {
-                    merge(&mut merged, p);
+                    merge(&mut merged, &p);
                 }
             }
-            let waiting = old
-                .minus(&reported)
-                .minus(&merged.suspects)
-                .minus(&merged.remove);
-            if waiting.is_empty() || Instant::now() >= deadline {
+            if idle % 64 == 0 && self.pick_coordinator(st, &mine, skipped) != me {
+                return Ok(None);
+            }
+            let unreported = old.minus(&reported).minus(&merged.remove);
+            let waiting = unreported.minus(&merged.suspects.minus(&a.alive));
+            let announced_unreported = unreported.minus(&unreported.minus(&a.alive));
+            if collection_over(
+                started.elapsed(),
+                timeout,
+                grace,
+                &unreported,
+                &waiting,
+                &announced_unreported,
+                has_majority(&old, &reported),
+            ) {
                 break;
             }
             idle += 1;
             backoff(idle);
         }
+        // Another coordinator may have published while we collected (we were slow or
+        // stopped), or a lower member may have shown life: re-check just before
+        // deciding, so we neither publish a rival we could have adopted nor lead when
+        // someone else should.
+        if let Some(v) = self.newest_view() {
+            self.adopt(st, &v);
+            return Ok(Some(v));
+        }
+        if self.pick_coordinator(st, &mine, skipped) != me {
+            return Ok(None);
+        }
+        if !has_majority(&old, &reported) {
+            // Either this rank is cut off from the others (they went on without it) or
+            // too many died at once: going on alone could split the group in two.
+            st.mask.clear(me);
+            self.views().mask = st.mask;
+            st.needs_sync = false;
+            return Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                format!(
+                    "rank {me}: only ranks {:?} of epoch {base}'s members {:?} answered, no \
+                     majority: this rank leaves the group (join_group to come back)",
+                    reported.ranks(),
+                    old.ranks()
+                ),
+            ));
+        }
         let mut mask = reported.minus(&merged.remove);
+        let mut admitted = Vec::new();
         for a in merged.add.ranks() {
-            if a < self.size() && (old.has(a) || self.fresh_join(st, a).is_some()) {
+            if a >= self.size() {
+                continue;
+            }
+            if old.has(a) {
                 mask.set(a);
+            } else if let Some(j) = self.fresh_join(st, a) {
+                if admitted.len() < MAX_ADMITTED {
+                    admitted.push((a, j.incarnation));
+                    mask.set(a);
+                }
             }
         }
-        let view = View {
-            epoch: base + 1,
+        let view = ViewRecord {
+            epoch: next_epoch(base, me),
+            base,
+            coordinator: me,
             mask,
             dropped: old.minus(&mask).minus(&merged.remove),
+            admitted,
         };
-        let dead = merged.suspects.minus(&reported);
         log::debug!(
             "group rank {me}: coordinating epoch {}: members {:?}, dropped {:?}",
             view.epoch,
             mask.ranks(),
             view.dropped.ranks()
         );
-        self.adopt(st, &view);
-        let targets: Vec<usize> = old
-            .union(&mask)
-            .minus(&dead)
-            .ranks()
-            .into_iter()
-            .filter(|&r| r != me)
-            .collect();
-        let timeout = self.options.timeout;
-        let missed = self.write_records(
-            st,
-            &targets,
-            |l: &Layout, s| l.view(s),
-            &encode_view(&view),
-            timeout,
-        );
+        let Some(rec) = view.encode() else {
+            return Err(Error::invalid("view record does not fit"));
+        };
+        // A replacement is written to at its new address, not its predecessor's.
+        self.reach_admitted(st, &view);
+        let me_only = Mask::of(&[me]);
+        let members = mask.minus(&me_only).ranks();
+        let missed = self.write_records(st, &members, |l: &Layout, s| l.view(s), &rec, timeout);
         if !missed.is_empty() {
             log::warn!(
                 "group rank {me}: view {} did not reach {missed:?}",
                 view.epoch
             );
         }
-        view
+        // The excluded learn they are out (a live one then fails clearly instead of
+        // forming a view of its own); a dead one costs nothing.
+        let excluded = old.minus(&mask).minus(&me_only).ranks();
+        self.post_records(st, &excluded, |l: &Layout, s| l.view(s), &rec);
+        self.adopt(st, &view);
+        Ok(Some(view))
     }
 
     /// Makes `view` ours: no write of the old epoch left in flight, new members
     /// reached through their join records, channels restarted.
-    pub(super) fn adopt(&self, st: &mut State, view: &View) {
+    pub(super) fn adopt(&self, st: &mut State, view: &ViewRecord) {
+        let view = &view.clone().clipped(self.size());
         log::debug!(
-            "group rank {}: adopting epoch {} members {:?}",
+            "group rank {}: adopting epoch {} (from {} by {}) members {:?}",
             self.rank(),
             view.epoch,
+            view.base,
+            view.coordinator,
             view.mask.ranks()
         );
         self.drain(st);
-        let deadline = Instant::now() + self.options.timeout;
-        for x in view.mask.ranks() {
-            if x == self.rank() || (st.mask.has(x) && st.peers[x].is_some()) {
-                continue;
-            }
-            // The joiner wrote its record to every rank before asking; it may still be
-            // landing here.
-            let mut idle = 0;
-            let join = loop {
-                match self.fresh_join(st, x) {
-                    Some(j) => break Some(j),
-                    None if Instant::now() >= deadline || st.peers[x].is_some() && idle > 1000 => {
-                        break None
-                    }
-                    None => {
-                        idle += 1;
-                        backoff(idle);
-                    }
-                }
-            };
-            if let Some(j) = join {
-                // A replacement may reuse its predecessor's name (the port is free
-                // again): never trust a descriptor cached for the old process.
-                let opened = self
-                    .open_peer(&j.segment, deadline)
-                    .and_then(|seg| self.engine.resync_segment(seg).map(|()| seg));
-                match opened {
-                    Ok(seg) => st.set_peer(x, seg, j.addr, j.incarnation),
-                    Err(e) => log::warn!("group rank {}: rank {x} unreachable: {e}", self.rank()),
-                }
-            }
-        }
+        self.reach_admitted(st, view);
         st.epoch = view.epoch;
         st.mask = view.mask;
+        self.views().advance(view, self.rank());
         st.seq = 0;
         st.channels.iter_mut().for_each(|c| *c = Channel::default());
         st.needs_sync = false;
         log::debug!("group rank {}: at epoch {}", self.rank(), st.epoch);
     }
 
+    /// Opens the way to `view`'s members we cannot reach yet (admitted through a join
+    /// record), bounded by the timeout.
+    fn reach_admitted(&self, st: &mut State, view: &ViewRecord) {
+        let deadline = Instant::now() + self.options.timeout;
+        for x in view.mask.ranks() {
+            if x == self.rank() {
+                continue;
+            }
+            let known = st.peers[x].map(|p| p.incarnation);
+            let wanted = view.admitted_incarnation(x);
+            match wanted {
+                Some(inc) if known == Some(inc) => continue,
+                None if st.mask.has(x) && known.is_some() => continue,
+                _ => {}
+            }
+            // The joiner wrote its record to every rank before asking; it may still be
+            // landing here. With the incarnation the view names we wait for exactly
+            // that record; without one (we missed the view that admitted `x`) for any
+            // newer record, briefly when we already know an address for `x`.
+            let mut idle = 0u32;
+            let join = loop {
+                let seen = self
+                    .fresh_join(st, x)
+                    .filter(|j| wanted.is_none_or(|inc| j.incarnation == inc));
+                if seen.is_some()
+                    || Instant::now() >= deadline
+                    || wanted.is_none() && known.is_some() && idle > 1000
+                {
+                    break seen;
+                }
+                idle += 1;
+                backoff(idle);
+            };
+            match join {
+                Some(j) => {
+                    // A replacement may reuse its predecessor's name (the port is free
+                    // again): never trust a descriptor cached for the old process.
+                    let opened = self
+                        .open_peer(&j.segment, deadline)
+                        .and_then(|seg| self.engine.resync_segment(seg).map(|()| seg));
+                    match opened {
+                        Ok(seg) => st.set_peer(x, seg, j.addr, j.incarnation),
+                        Err(e) => {
+                            log::warn!("group rank {}: rank {x} unreachable: {e}", self.rank())
+                        }
+                    }
+                }
+                None if wanted.is_some() => log::warn!(
+                    "group rank {}: rank {x}'s join record never arrived",
+                    self.rank()
+                ),
+                None => {}
+            }
+        }
+    }
+
     /// Reconciles membership after a failure: `NoPending` when nothing failed and no
-    /// change is announced, else the members agree on a view without the failed ranks.
+    /// change is announced, else the members agree on a view without the failed ranks;
+    /// `Rejected` when this rank is not (or no longer) a member.
     pub fn sync_after_failure(&self) -> Result<SyncStatus> {
         let mut st = self.lock();
-        if let Some(v) = self.newest_view(&st) {
+        if let Some(v) = self.newest_view() {
             self.adopt(&mut st, &v);
             return Ok(self.member_status(&st));
         }
@@ -361,12 +631,12 @@ impl Group {
             )));
         }
         let mut st = self.lock();
-        if let Some(v) = self.newest_view(&st) {
+        if let Some(v) = self.newest_view() {
             self.adopt(&mut st, &v);
         }
         let reject = |st: &State, why: String| ProposalResponse {
             status: ProposalStatus::Rejected,
-            new_epoch: st.epoch,
+            new_epoch: public_epoch(st.epoch),
             dropped_ranks: Vec::new(),
             reject_reason: why,
         };
@@ -378,12 +648,12 @@ impl Group {
         let todo = if activate {
             wanted.minus(&st.mask)
         } else {
-            Mask(std::array::from_fn(|i| wanted.0[i] & st.mask.0[i]))
+            wanted.minus(&wanted.minus(&st.mask))
         };
         if todo.is_empty() && self.change_announced(&st).is_none() {
             return Ok(ProposalResponse {
                 status: ProposalStatus::Applied,
-                new_epoch: st.epoch,
+                new_epoch: public_epoch(st.epoch),
                 dropped_ranks: Vec::new(),
                 reject_reason: String::new(),
             });
@@ -402,7 +672,10 @@ impl Group {
         };
         if !missing.is_empty() {
             let why = if activate {
-                format!("ranks {missing:?} have not claimed their rank (join_group) yet")
+                format!(
+                    "ranks {missing:?} were not admitted: no join_group claim seen yet (at \
+                     most {MAX_ADMITTED} are admitted per view)"
+                )
             } else {
                 format!("ranks {missing:?} are still active")
             };
@@ -415,21 +688,26 @@ impl Group {
             } else {
                 ProposalStatus::AppliedWithDroppedRanks
             },
-            new_epoch: st.epoch,
+            new_epoch: public_epoch(st.epoch),
             dropped_ranks: dropped,
             reject_reason: String::new(),
         })
     }
 
-    /// Claims this rank (a replacement, a late rank, or one deactivated before): tells
-    /// every peer how to reach this process, then waits up to `timeout` until a member
-    /// activates it.
+    /// Claims this rank (a replacement, a late rank, or one deactivated or excluded
+    /// before): tells every peer how to reach this process, then waits up to `timeout`
+    /// until a member activates it.
     pub fn join(&self, timeout: Duration) -> Result<()> {
         let mut st = self.lock();
         if st.mask.has(self.rank()) && st.epoch > 0 {
             return Ok(());
         }
-        st.incarnation = crate::sys::random_u64() | 1;
+        // Until a view admits us, a retry (after a timeout) keeps the incarnation
+        // members may already be waiting for.
+        st.incarnation = *self
+            .views()
+            .joining
+            .get_or_insert_with(|| crate::sys::random_u64() | 1);
         let rec = encode_join(&JoinRecord {
             incarnation: st.incarnation,
             addr: self.base as u64,
@@ -451,7 +729,7 @@ impl Group {
         let deadline = Instant::now() + timeout;
         let mut idle = 0;
         while Instant::now() < deadline {
-            if let Some(v) = self.newest_view(&st).filter(|v| v.mask.has(me)) {
+            if let Some(v) = self.newest_view().filter(|v| v.mask.has(me)) {
                 self.adopt(&mut st, &v);
                 return Ok(());
             }
@@ -465,5 +743,149 @@ impl Group {
             Code::Timeout,
             format!("rank {me}: not activated within {timeout:?}"),
         ))
+    }
+}
+
+fn merge(into: &mut Proposal, p: &Proposal) {
+    into.suspects = into.suspects.union(&p.suspects);
+    into.add = into.add.union(&p.add);
+    into.remove = into.remove.union(&p.remove);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(base: u64, coordinator: usize, members: &[usize]) -> ViewRecord {
+        ViewRecord {
+            epoch: next_epoch(base, coordinator),
+            base,
+            coordinator,
+            mask: Mask::of(members),
+            ..ViewRecord::default()
+        }
+    }
+
+    /// The review's split: 5 ranks at epoch `e`; stalled coordinator 0 and coordinator
+    /// 1 both publish a change of `e`. Whatever each rank sees first, all end on the
+    /// higher view, and no rank goes back to the lower one.
+    #[test]
+    fn ranks_that_saw_either_rival_all_end_on_the_higher() {
+        let e = next_epoch(1, 0);
+        let low = view(e, 0, &[0, 2, 3, 4]);
+        let high = view(e, 1, &[1, 2, 3, 4]);
+        assert!(high.epoch > low.epoch);
+        for me in 0..5 {
+            let mut h = ViewHistory::starting(e, Mask::first(5));
+            assert!(acceptable_view(&low, 0, me, &h));
+            assert!(acceptable_view(&high, 1, me, &h));
+            // This rank saw the lower rival first (rank 1 is outside it).
+            h.advance(&low, me);
+            assert_eq!((h.base_epoch, h.base_mask), (e, Mask::first(5)));
+            assert!(
+                acceptable_view(&high, 1, me, &h),
+                "rank {me} refuses the higher rival"
+            );
+            h.advance(&high, me);
+            assert_eq!(h.epoch, high.epoch);
+            assert!(!acceptable_view(&low, 0, me, &h), "no way back");
+            // The losing side's next change (derived from the lower rival, by a rank
+            // outside the higher one) does not pull a member of the higher back.
+            let from_low = view(low.epoch, 0, &[0, 2, 3]);
+            assert!(from_low.epoch > h.epoch);
+            if h.mask.has(me) {
+                assert!(!acceptable_view(&from_low, 0, me, &h), "rank {me}");
+            }
+            // The next change of the higher is taken as usual.
+            assert!(acceptable_view(&view(high.epoch, 2, &[2, 3, 4]), 2, me, &h));
+        }
+    }
+
+    #[test]
+    fn views_are_taken_only_from_their_coordinators_slot_and_trusted_ranks() {
+        let e = next_epoch(1, 0);
+        let h = ViewHistory::starting(e, Mask::of(&[0, 1, 2]));
+        let v = view(e, 1, &[1, 2]);
+        assert!(!acceptable_view(&v, 2, 2, &h), "written by another rank");
+        let outsider = view(e, 3, &[2, 3]);
+        assert!(
+            !acceptable_view(&outsider, 3, 2, &h),
+            "coordinator not a member"
+        );
+        assert!(
+            acceptable_view(&outsider, 3, 5, &h),
+            "a non-member takes any"
+        );
+        let stale = ViewRecord {
+            epoch: e,
+            ..view(1, 0, &[0, 1, 2])
+        };
+        assert!(!acceptable_view(&stale, 0, 2, &h), "not newer");
+        // A view that skipped some we never saw: the base is unknown, so only the
+        // plain rule applies.
+        let mut h = h;
+        h.advance(&view(next_epoch(e, 1), 1, &[0, 1, 2]), 2);
+        assert_eq!(h.base_epoch, 0);
+    }
+
+    #[test]
+    fn a_retried_join_keeps_its_incarnation_until_admitted() {
+        let mut h = ViewHistory::starting(0, Mask::of(&[0, 1]));
+        let first = *h.joining.get_or_insert(7);
+        assert_eq!(*h.joining.get_or_insert(9), first, "retry");
+        h.advance(&view(1, 0, &[0, 1]), 2);
+        assert_eq!(h.joining, Some(7), "a view without us");
+        h.advance(&view(next_epoch(1, 0), 0, &[0, 1, 2]), 2);
+        assert_eq!(
+            h.joining, None,
+            "admitted: the next join is a new incarnation"
+        );
+    }
+
+    /// The review's cascade: coordinator 0 took ranks 2 and 3's reports and died;
+    /// rank 1 coordinates alone. At one timeout it must not give up while 2 and 3
+    /// (announced, alive) are still waiting out rank 0.
+    #[test]
+    fn a_coordinator_short_of_a_majority_waits_for_announced_members() {
+        let t = Duration::from_secs(1);
+        let grace = t / 4;
+        let old = Mask::first(4);
+        let reported = Mask::of(&[1]);
+        assert!(!has_majority(&old, &reported));
+        let unreported = Mask::of(&[0, 2, 3]);
+        let announced = Mask::of(&[0, 2, 3]);
+        let over = |elapsed, majority| {
+            collection_over(
+                elapsed,
+                t,
+                grace,
+                &unreported,
+                &unreported,
+                &announced,
+                majority,
+            )
+        };
+        assert!(!over(t, false));
+        assert!(!over(3 * t, false));
+        assert!(over(4 * t, false), "bounded");
+        assert!(over(t, true), "a majority goes on at the timeout");
+        // Nobody missing announced (they are dead): no reason to wait longer.
+        let none = Mask::default();
+        assert!(collection_over(
+            t,
+            t,
+            grace,
+            &unreported,
+            &unreported,
+            &none,
+            false
+        ));
+        // Ranks 2 and 3 arrive: a majority of the 4.
+        assert!(has_majority(&old, &Mask::of(&[1, 2, 3])));
+        assert!(
+            has_majority(&old, &Mask::of(&[0, 3])),
+            "half with the lowest"
+        );
+        assert!(!has_majority(&old, &Mask::of(&[1, 3])), "half without it");
     }
 }

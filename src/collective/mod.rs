@@ -11,15 +11,17 @@
 //! are holes (rank numbers never change; collectives skip them). A view changes only
 //! through [`Group::sync_after_failure`] or a proposal ([`Group::activate_ranks`],
 //! [`Group::deactivate_ranks`]): the lowest live member coordinates, collects the
-//! members' reports and publishes the next view to all of them (README, "Mooncake
-//! PG"). Messages carry their epoch, so nothing sent in an older view is ever taken
-//! for data in a newer one.
+//! members' reports and, with a majority of the view, publishes the next one to all of
+//! them and to the ranks it leaves out (`membership.rs`, README "Mooncake PG"). Messages
+//! carry their epoch, so nothing sent in an older view is ever taken for data in a
+//! newer one.
 
 mod channel;
 pub mod dtype;
 pub mod layout;
 mod membership;
 mod ops;
+pub mod view;
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -182,7 +184,7 @@ pub enum ProposalStatus {
 pub struct ProposalResponse {
     /// What happened.
     pub status: ProposalStatus,
-    /// The epoch in force afterwards.
+    /// The epoch in force afterwards, counted as [`Group::epoch`] counts it.
     pub new_epoch: u64,
     /// Members left out for not answering.
     pub dropped_ranks: Vec<usize>,
@@ -209,6 +211,10 @@ pub struct Group {
     layout: Layout,
     options: GroupOptions,
     state: Mutex<State>,
+    /// The current and previous views, kept apart from `state` so `epoch` and
+    /// `active_ranks` answer while a view change holds `state`; written only with
+    /// `state` held.
+    views: Mutex<membership::ViewHistory>,
 }
 
 impl Drop for Group {
@@ -243,12 +249,14 @@ impl Group {
         let engine = Engine::new(cfg)?;
         let base = engine.allocate_buffer(layout.total(), "cpu:0")? as usize;
         let state = State::new(&options, layout);
+        let views = membership::ViewHistory::starting(state.epoch, state.mask);
         Ok(Group {
             engine,
             base,
             layout,
             options,
             state: Mutex::new(state),
+            views: Mutex::new(views),
         })
     }
 
@@ -339,15 +347,21 @@ impl Group {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The current active ranks.
-    pub fn active_ranks(&self) -> Vec<bool> {
-        let st = self.lock();
-        (0..self.size()).map(|r| st.mask.has(r)).collect()
+    fn views(&self) -> std::sync::MutexGuard<'_, membership::ViewHistory> {
+        self.views.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The current membership epoch (0 before an extension is admitted).
+    /// The current active ranks (answers at once, even during a view change).
+    pub fn active_ranks(&self) -> Vec<bool> {
+        let mask = self.views().mask;
+        (0..self.size()).map(|r| mask.has(r)).collect()
+    }
+
+    /// The current membership epoch as users count it: 1 at start, one more per
+    /// membership change, 0 before an extension is admitted (see
+    /// [`view::public_epoch`]). Answers at once, even during a view change.
     pub fn epoch(&self) -> u64 {
-        self.lock().epoch
+        view::public_epoch(self.views().epoch)
     }
 
     /// Ranks the last failed operation did not hear from in time (empty after success).

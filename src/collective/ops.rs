@@ -133,37 +133,39 @@ impl Group {
             .collect();
         let me = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
         // Phase 1: member i reduces block i from everyone's copy of it, each cell as it
-        // arrives (the order varies between runs; every rank gets the owner's result).
-        let offs = offsets(&sizes);
-        let mut acc = buf[offs[me]..offs[me] + sizes[me]].to_vec();
+        // arrives (the order varies between runs; every rank gets the owner's result),
+        // in place: block i of the caller's buffer is the accumulator.
         {
-            let blocks: Vec<&[u8]> = (0..n).map(|i| &buf[offs[i]..offs[i] + sizes[i]]).collect();
-            let shared = Accumulator::new(&mut acc, dtype, op);
-            let mut out: Vec<Outgoing> = members
-                .iter()
-                .enumerate()
-                .filter(|(_, &r)| r != self.rank())
-                .map(|(i, &r)| Outgoing::new(r, blocks[i]))
-                .collect();
+            let mut acc: &mut [u8] = &mut [];
+            let mut out: Vec<Outgoing> = Vec::with_capacity(n);
+            for (i, b) in split_mut(buf, &sizes).into_iter().enumerate() {
+                if i == me {
+                    acc = b;
+                } else {
+                    out.push(Outgoing::new(members[i], b));
+                }
+            }
+            let shared = Accumulator::new(acc, dtype, op);
             let mut inc: Vec<Incoming> = others
                 .iter()
                 .map(|&p| Incoming::new(p, Sink::Reduce(shared)))
                 .collect();
             self.exchange(&mut st, KIND_REDUCE_SCATTER_PHASE, &mut out, &mut inc)?;
         }
-        if op == ReduceOp::Avg {
-            finish_avg(&mut acc, dtype, n);
-        }
         // Phase 2: every member sends its reduced block to all.
-        let mut blocks = split_mut(buf, &sizes);
-        blocks[me].copy_from_slice(&acc);
-        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &acc)).collect();
-        let mut inc: Vec<Incoming> = Vec::new();
-        for (i, b) in blocks.into_iter().enumerate() {
-            if i != me {
+        let mut mine: &[u8] = &[];
+        let mut inc: Vec<Incoming> = Vec::with_capacity(n);
+        for (i, b) in split_mut(buf, &sizes).into_iter().enumerate() {
+            if i == me {
+                if op == ReduceOp::Avg {
+                    finish_avg(b, dtype, n);
+                }
+                mine = b;
+            } else {
                 inc.push(Incoming::new(members[i], Sink::Copy(b)));
             }
         }
+        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();
         self.exchange(&mut st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc)
     }
 

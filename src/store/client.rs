@@ -3,7 +3,7 @@
 //! hands out places and leases.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use super::protocol::{
     shown_key, CatalogEntry, KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig,
     Request, Response, SegmentInfo,
 };
+use super::replica_cache::{Leased, ReplicaCache};
 use super::rpc::RpcClient;
 use crate::auth::ClusterSecret;
 use crate::engine::{Engine, EngineConfig, TaskState};
@@ -34,6 +35,9 @@ pub struct ClientConfig {
     pub local_buffer_size: u64,
     /// Check each object's CRC32C on read.
     pub verify_checksum: bool,
+    /// Reuse a key's replica descriptors while the lease granted with them lasts, so a
+    /// repeated get needs no master round trip (see `replica_cache`).
+    pub cache_replicas: bool,
     /// How often the client pings the master (and remounts when asked).
     pub ping_interval: Duration,
     /// The client's transfer engine: metadata connection, segment name
@@ -51,6 +55,7 @@ impl Default for ClientConfig {
             global_segment_size: 0,
             local_buffer_size: 16 << 20,
             verify_checksum: true,
+            cache_replicas: true,
             ping_interval: Duration::from_secs(1),
             engine: EngineConfig::default(),
             disk: None,
@@ -184,7 +189,17 @@ struct MasterSession {
     drain_thread: Mutex<Option<JoinHandle<()>>>,
     stop: AtomicBool,
     wake: (Mutex<()>, Condvar),
+    /// Descriptors kept within their leases, and the reads served from them.
+    cache: ReplicaCache,
+    /// Whether the master takes `Touch` and `GetReplicasKeepable`: `KEEPS_*`.
+    keeps: AtomicU8,
 }
+
+/// Not asked yet (see `MasterSession::master_keeps`).
+const KEEPS_UNKNOWN: u8 = 0;
+const KEEPS_YES: u8 = 1;
+/// An older master: keep no descriptors.
+const KEEPS_NO: u8 = 2;
 
 /// What a drain did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -265,6 +280,8 @@ impl Client {
             drain_thread: Mutex::new(None),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            cache: ReplicaCache::default(),
+            keeps: AtomicU8::new(KEEPS_UNKNOWN),
         });
         if shared.segment.is_none() {
             // A pure client mounts nothing; still, a master that cannot be reached is a
@@ -339,7 +356,17 @@ impl Client {
     }
 
     fn call(&self, req: Request) -> Result<Response> {
-        self.shared.rpc.call(&req)
+        self.shared.call_with_touches(&req)
+    }
+
+    /// Whether descriptors are kept between gets.
+    fn caching(&self) -> bool {
+        self.config.cache_replicas && self.shared.master_keeps()
+    }
+
+    /// Descriptors kept now (for tests and benches).
+    pub fn cached_descriptors(&self) -> usize {
+        self.shared.cache.len()
     }
 
     /// Stores `value` under `key`. Re-putting an existing key succeeds and leaves it
@@ -360,15 +387,166 @@ impl Client {
 
     /// Reads `key` into a new vector.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let mut leased = one(self.leased(&[key]))?;
+        loop {
+            let size = leased.desc.size;
+            let mut buf = vec![0u8; size as usize];
+            let parts = vec![(buf.as_mut_ptr() as u64, size)];
+            let cached = leased.cached;
+            // SAFETY: `buf` is owned here and outlives the transfer.
+            let read = one(unsafe {
+                self.read_objects(&[key], &[Ok(leased)], &ReadInto::Whole(&[parts]))
+            });
+            match read {
+                Ok(_) if cached => self.touched(vec![key.to_owned()]),
+                Ok(_) => {}
+                Err(e) => {
+                    self.shared.cache.drop_keys([key]);
+                    if !cached {
+                        return Err(e);
+                    }
+                    // The kept descriptor failed: ask the master once more.
+                    leased = one(self.leased(&[key]))?;
+                    if leased.cached {
+                        return Err(e); // another thread kept one meanwhile: do not loop
+                    }
+                    continue;
+                }
+            }
+            return Ok(buf);
+        }
+    }
+
+    /// Descriptors for `keys`: kept ones where the cache has them, the rest from the
+    /// master in one round trip (and kept for next time).
+    fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
+        let caching = self.caching();
+        let now = Instant::now();
+        let mut out: Vec<Option<Result<Leased>>> = keys
+            .iter()
+            .map(|k| {
+                caching
+                    .then(|| self.shared.cache.get(k, now))
+                    .flatten()
+                    .map(Ok)
+            })
+            .collect();
+        let missing: Vec<&str> = keys
+            .iter()
+            .zip(&out)
+            .filter(|(_, o)| o.is_none())
+            .map(|(k, _)| *k)
+            .collect();
+        if !missing.is_empty() {
+            let mut fresh = self.fetch(&missing, caching).into_iter();
+            for slot in out.iter_mut().filter(|o| o.is_none()) {
+                *slot = fresh.next();
+            }
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor"))))
+            .collect()
+    }
+
+    /// Descriptors for `keys` from the master (one round trip); with `keep`, the ones
+    /// it allows are kept for next time.
+    fn fetch(&self, keys: &[&str], keep: bool) -> Vec<Result<Leased>> {
+        // The lease counts from before the request left: a conservative reading.
         let asked = Instant::now();
-        let desc = one(self.replicas(&[key]))?;
-        let mut buf = vec![0u8; desc.size as usize];
-        let parts = vec![(buf.as_mut_ptr() as u64, desc.size)];
-        // SAFETY: `buf` is owned here and outlives the transfer.
-        one(unsafe {
-            self.read_objects(&[key], vec![Ok(desc)], ReadInto::Whole(&[parts]), asked)
-        })?;
-        Ok(buf)
+        if !keep {
+            return self
+                .replicas(keys)
+                .into_iter()
+                .map(|r| r.map(|d| Leased::granted(d, asked)))
+                .collect();
+        }
+        let req = Request::GetReplicasKeepable {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        let answer = match self.call(req) {
+            Ok(Response::Keepable { descs, keepable })
+                if descs.len() == keys.len() && keepable.len() == keys.len() =>
+            {
+                descs.into_iter().zip(keepable)
+            }
+            Ok(other) => {
+                let e = Error::protocol(format!("unexpected answer {other:?}"));
+                return all_err(keys.len(), e);
+            }
+            Err(e) => return all_err(keys.len(), e),
+        };
+        answer
+            .zip(keys)
+            .map(|((desc, keepable), k)| {
+                let desc = desc.map_err(|c| Error::new(c, format!("get {}", shown_key(k))))?;
+                let leased = Leased::granted(desc, asked);
+                if keepable {
+                    self.shared.cache.insert(k, &leased);
+                }
+                Ok(leased)
+            })
+            .collect()
+    }
+
+    /// Queues reads served from kept descriptors for the master's eviction order,
+    /// sending them now when they are due.
+    fn touched(&self, keys: Vec<String>) {
+        if self.shared.cache.touched(keys) {
+            self.shared.flush_touches();
+        }
+    }
+
+    /// Reads `keys` into `into` with descriptors from `leased`; a key whose kept
+    /// descriptor failed is read once more with a fresh one from the master.
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_leased(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
+        let leased = self.leased(keys);
+        // SAFETY: the caller's contract, passed on unchanged.
+        let mut results = unsafe { self.read_objects(keys, &leased, &into) };
+        let failed_cached =
+            |i: usize| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_err();
+        let retry: Vec<usize> = (0..keys.len()).filter(|&i| failed_cached(i)).collect();
+        let hits: Vec<String> = (0..keys.len())
+            .filter(|&i| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_ok())
+            .map(|i| keys[i].to_owned())
+            .collect();
+        let wrong = (0..keys.len()).filter(|&i| leased[i].is_ok() && results[i].is_err());
+        self.shared.cache.drop_keys(wrong.map(|i| keys[i]));
+        if !retry.is_empty() {
+            let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
+            let redone = match &into {
+                ReadInto::Whole(parts) => {
+                    let sub: Vec<Parts> = retry.iter().map(|&i| parts[i].clone()).collect();
+                    // SAFETY: a subset of the caller's parts, under the same contract.
+                    unsafe { self.read_fresh(&again, ReadInto::Whole(&sub)) }
+                }
+                ReadInto::Ranges(ranges) => {
+                    let sub: Vec<Fragments> = retry.iter().map(|&i| ranges[i].clone()).collect();
+                    // SAFETY: a subset of the caller's ranges, under the same contract.
+                    unsafe { self.read_fresh(&again, ReadInto::Ranges(&sub)) }
+                }
+            };
+            for (&i, r) in retry.iter().zip(redone) {
+                results[i] = r;
+            }
+        }
+        self.touched(hits);
+        results
+    }
+
+    /// Reads `keys` with descriptors asked of the master now (kept ones are not used).
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_fresh(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
+        let leased = self.fetch(keys, self.caching());
+        // SAFETY: the caller's contract, passed on unchanged.
+        let results = unsafe { self.read_objects(keys, &leased, &into) };
+        let failed = keys.iter().zip(&results).filter(|(_, r)| r.is_err());
+        self.shared.cache.drop_keys(failed.map(|(k, _)| *k));
+        results
     }
 
     /// Reads `key` into `buf`; returns the object's size.
@@ -396,6 +574,7 @@ impl Client {
                 .map(|_| Err(Error::invalid("keys and buffers differ in count")))
                 .collect();
         }
+        self.shared.cache.drop_keys(keys.iter().copied());
         let sizes: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.1).sum()).collect();
         let items = keys
             .iter()
@@ -557,13 +736,10 @@ impl Client {
                 .map(|_| Err(Error::invalid("keys and buffers differ in count")))
                 .collect();
         }
-        // The lease counts from before the request left: a conservative reading.
-        let asked = Instant::now();
-        let descs = self.replicas(keys);
-        // SAFETY: `read_objects` has this fn's contract: the caller keeps every part writable for
+        // SAFETY: `read_leased` has this fn's contract: the caller keeps every part writable for
         // its length, and untouched by others, until the call returns, and the parts are passed
         // unchanged.
-        unsafe { self.read_objects(keys, descs, ReadInto::Whole(parts), asked) }
+        unsafe { self.read_leased(keys, ReadInto::Whole(parts)) }
     }
 
     /// Reads byte ranges of several keys: per key, `(object offset, local address,
@@ -581,11 +757,9 @@ impl Client {
                 Error::invalid("keys and ranges differ in count"),
             );
         }
-        let asked = Instant::now();
-        let descs = self.replicas(keys);
-        // SAFETY: `read_objects` needs each local range writable and untouched until the call
+        // SAFETY: `read_leased` needs each local range writable and untouched until the call
         // returns, which is exactly what the caller guarantees for `ranges`, passed unchanged.
-        unsafe { self.read_objects(keys, descs, ReadInto::Ranges(ranges), asked) }
+        unsafe { self.read_leased(keys, ReadInto::Ranges(ranges)) }
     }
 
     /// # Safety
@@ -593,9 +767,8 @@ impl Client {
     unsafe fn read_objects(
         &self,
         keys: &[&str],
-        descs: Vec<Result<ObjectDesc>>,
-        into: ReadInto,
-        asked: Instant,
+        descs: &[Result<Leased>],
+        into: &ReadInto,
     ) -> Vec<Result<u64>> {
         let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
         let mut choices: Vec<Vec<ReplicaDesc>> = Vec::with_capacity(keys.len());
@@ -607,9 +780,13 @@ impl Client {
             choices.push(Vec::new());
             results.push(match d {
                 Err(e) => Err(e.clone()),
-                Ok(d) => match Self::fits(keys[i], d.size, &frags[i], &into) {
+                Ok(Leased { desc: d, .. }) => match Self::fits(keys[i], d.size, &frags[i], into) {
                     Ok(n) => {
-                        choices[i] = self.preference(&d.replicas);
+                        // One replica leaves nothing to rank (ranking looks descriptors up).
+                        choices[i] = match d.replicas.len() {
+                            0 | 1 => d.replicas.clone(),
+                            _ => self.preference(&d.replicas),
+                        };
                         Ok(n)
                     }
                     Err(e) => Err(e),
@@ -661,17 +838,25 @@ impl Client {
             ));
         }
         for (i, d) in descs.iter().enumerate() {
-            let (Ok(d), Ok(_)) = (d, &results[i]) else {
+            let (
+                Ok(Leased {
+                    desc: d,
+                    lease_ends,
+                    ..
+                }),
+                Ok(_),
+            ) = (d, &results[i])
+            else {
                 continue;
             };
-            if asked.elapsed() >= Duration::from_millis(d.lease_ms) {
+            if Instant::now() >= *lease_ends {
                 results[i] = Err(Error::new(
                     Code::LeaseExpired,
                     format!("read of {} outlived its lease", shown_key(keys[i])),
                 ));
                 continue;
             }
-            if let (ReadInto::Whole(parts), true) = (&into, self.config.verify_checksum) {
+            if let (ReadInto::Whole(parts), true) = (into, self.config.verify_checksum) {
                 // SAFETY: the parts were just written by the completed read.
                 let crc = unsafe { crc_prefix(&parts[i], d.size) };
                 if crc != d.crc32c {
@@ -770,6 +955,7 @@ impl Client {
 
     /// Removes several keys in one round trip; per-key results.
     pub fn batch_remove(&self, keys: &[&str], force: bool) -> Vec<Result<()>> {
+        self.shared.cache.drop_keys(keys.iter().copied());
         self.done_per_key(
             Request::RemoveKeys {
                 keys: keys.iter().map(|k| k.to_string()).collect(),
@@ -784,6 +970,7 @@ impl Client {
     /// empty); per key whether something was dropped. Objects being written or read,
     /// and keys with no replica there, are left alone (`false`).
     pub fn batch_replica_clear(&self, keys: &[&str], segment: &str) -> Vec<Result<bool>> {
+        self.shared.cache.drop_keys(keys.iter().copied());
         let req = Request::ReplicaClear {
             keys: keys.iter().map(|k| k.to_string()).collect(),
             segment: segment.to_owned(),
@@ -847,6 +1034,7 @@ impl Client {
 
     /// Removes `key` (even when leased, with `force`).
     pub fn remove(&self, key: &str, force: bool) -> Result<()> {
+        self.shared.cache.drop_keys([key]);
         self.call(Request::Remove {
             key: key.to_owned(),
             force,
@@ -856,11 +1044,13 @@ impl Client {
 
     /// Removes every object (leased ones too, with `force`); returns how many.
     pub fn remove_all(&self, force: bool) -> Result<u64> {
+        self.shared.cache.clear();
         count(self.call(Request::RemoveAll { force }))
     }
 
     /// Removes the objects whose key matches `pattern`; returns how many.
     pub fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<u64> {
+        self.shared.cache.clear();
         count(self.call(Request::RemoveByRegex {
             pattern: pattern.to_owned(),
             force,
@@ -893,6 +1083,55 @@ impl Client {
 }
 
 impl MasterSession {
+    /// `req`, with the queued touches (if any) pipelined ahead of it: one round trip.
+    fn call_with_touches(&self, req: &Request) -> Result<Response> {
+        let batches = self.cache.take_touches();
+        if batches.is_empty() {
+            return self.rpc.call(req);
+        }
+        // Touches are only queued once `master_keeps` found the master takes them.
+        self.rpc.call_after(Some(&Request::Touch { batches }), req)
+    }
+
+    /// Whether the master takes `Touch` and `GetReplicasKeepable`, asked once with an
+    /// empty touch: an older master drops the connection on a method it does not know
+    /// (and then answers one it knows), and then no descriptors are kept.
+    fn master_keeps(&self) -> bool {
+        match self.keeps.load(Ordering::Relaxed) {
+            KEEPS_YES => return true,
+            KEEPS_NO => return false,
+            _ => {}
+        }
+        match self.rpc.call(&Request::Touch {
+            batches: Vec::new(),
+        }) {
+            Ok(_) => {
+                self.keeps.store(KEEPS_YES, Ordering::Relaxed);
+                true
+            }
+            Err(e) if self.rpc.call(&Request::Stats).is_ok() => {
+                log::warn!("the master does not take touches ({e}); not keeping descriptors");
+                self.keeps.store(KEEPS_NO, Ordering::Relaxed);
+                false
+            }
+            Err(_) => false, // the master is away: ask again next time
+        }
+    }
+
+    /// Sends the queued touches now.
+    fn flush_touches(&self) {
+        let batches = self.cache.take_touches();
+        if !batches.is_empty() {
+            self.send_touches(&Request::Touch { batches });
+        }
+    }
+
+    fn send_touches(&self, touch: &Request) {
+        if let Err(e) = self.rpc.call(touch) {
+            log::debug!("touches not sent: {e}");
+        }
+    }
+
     /// Introduces this client to the master (only known clients may put): mounts its
     /// segment, or for a client lending no memory, pings.
     fn register(&self) -> Result<()> {
@@ -1152,7 +1391,7 @@ impl MasterSession {
             if self.stop.load(Ordering::SeqCst) {
                 break;
             }
-            match self.rpc.call(&Request::Ping { client: self.id }) {
+            match self.call_with_touches(&Request::Ping { client: self.id }) {
                 Ok(Response::Ping { need_remount: true })
                     if self.segment.is_some() && !self.drained.load(Ordering::SeqCst) =>
                 {
@@ -1175,6 +1414,7 @@ impl MasterSession {
 
 impl Drop for Client {
     fn drop(&mut self) {
+        self.shared.flush_touches();
         self.shared.stop.store(true, Ordering::SeqCst);
         {
             let _g = self.shared.wake.0.lock();

@@ -11,6 +11,7 @@ pub mod master;
 pub mod node_catalog;
 pub mod node_disk;
 pub mod protocol;
+mod replica_cache;
 pub mod rpc;
 pub mod server;
 

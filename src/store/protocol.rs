@@ -367,6 +367,20 @@ pub enum Request {
         /// Keys and whether their bytes moved.
         items: Vec<(String, bool)>,
     },
+    /// Reads a client served from descriptors it kept (see `replica_cache`), so the
+    /// master's eviction order still counts them: each inner list is one read batch's
+    /// keys in batch order. Takes no lease; unknown keys are skipped.
+    Touch {
+        /// Keys, per read batch, in batch order.
+        batches: Vec<Vec<String>>,
+    },
+    /// `GetReplicas`, also saying per key whether the descriptor may be kept for the
+    /// lease (not for a copy staged from disk for this reader, whose reads the master
+    /// must count).
+    GetReplicasKeepable {
+        /// The keys, as for `GetReplicas`.
+        keys: Vec<String>,
+    },
 }
 
 /// Result of one key in a batch: `Ok` or a store code.
@@ -398,6 +412,14 @@ pub enum Response {
     MetadataUrl(String),
     /// Answer to `SegmentEvents`.
     SegmentEvents(SegmentEvents),
+    /// The answer to `GetReplicasKeepable`: `GetReplicas`' answer, then per key
+    /// whether the descriptor may be kept.
+    Keepable {
+        /// As `GetReplicas`.
+        descs: Vec<KeyResult<ObjectDesc>>,
+        /// Per key: may be kept for its lease.
+        keepable: Vec<bool>,
+    },
 }
 
 impl Request {
@@ -424,6 +446,8 @@ impl Request {
             Request::Drain { .. } => 18,
             Request::Relocate { .. } => 19,
             Request::RelocateEnd { .. } => 20,
+            Request::Touch { .. } => 21,
+            Request::GetReplicasKeepable { .. } => 22,
         }
     }
 
@@ -464,7 +488,9 @@ impl Request {
                     w.str(k);
                 });
             }
-            Request::GetReplicas { keys } | Request::Exists { keys } => {
+            Request::GetReplicas { keys }
+            | Request::Exists { keys }
+            | Request::GetReplicasKeepable { keys } => {
                 w.list(keys, |w, k| {
                     w.str(k);
                 });
@@ -543,6 +569,13 @@ impl Request {
                 w.u64(*client).str(segment);
                 w.list(items, |w, (k, moved)| {
                     w.str(k).bool(*moved);
+                });
+            }
+            Request::Touch { batches } => {
+                w.list(batches, |w, keys| {
+                    w.list(keys, |w, k| {
+                        w.str(k);
+                    });
                 });
             }
         }
@@ -644,6 +677,12 @@ impl Request {
                 client: r.u64()?,
                 segment: r.string()?,
                 items: r.list(5, |r| Ok((r.string()?, r.bool()?)))?,
+            },
+            21 => Request::Touch {
+                batches: r.list(4, keys)?,
+            },
+            22 => Request::GetReplicasKeepable {
+                keys: keys(&mut r)?,
             },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
@@ -758,6 +797,28 @@ fn decode_replicas(r: &mut Reader) -> Result<Vec<ReplicaDesc>> {
     })
 }
 
+fn encode_descs(w: &mut Writer, items: &[KeyResult<ObjectDesc>]) {
+    w.list(items, |w, r| {
+        encode_result(w, r, |w, o| {
+            w.u64(o.size).u32(o.crc32c).u64(o.lease_ms);
+            encode_replicas(w, &o.replicas);
+        })
+    });
+}
+
+fn decode_descs(r: &mut Reader) -> Result<Vec<KeyResult<ObjectDesc>>> {
+    r.list(4, |r| {
+        decode_result(r, |r| {
+            Ok(ObjectDesc {
+                size: r.u64()?,
+                crc32c: r.u32()?,
+                lease_ms: r.u64()?,
+                replicas: decode_replicas(r)?,
+            })
+        })
+    })
+}
+
 impl Response {
     /// Writes the response's payload.
     pub fn encode(&self, w: &mut Writer) {
@@ -774,12 +835,11 @@ impl Response {
             Response::PerKey(items) => {
                 w.list(items, |w, r| encode_result(w, r, |_, _| {}));
             }
-            Response::GetReplicas(items) => {
-                w.list(items, |w, r| {
-                    encode_result(w, r, |w, o| {
-                        w.u64(o.size).u32(o.crc32c).u64(o.lease_ms);
-                        encode_replicas(w, &o.replicas);
-                    })
+            Response::GetReplicas(items) => encode_descs(w, items),
+            Response::Keepable { descs, keepable } => {
+                encode_descs(w, descs);
+                w.list(keepable, |w, k| {
+                    w.bool(*k);
                 });
             }
             Response::Exists(items) => {
@@ -842,19 +902,14 @@ impl Response {
             1 => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 | 16 | 18 => Response::Done,
+            2 | 3 | 16 | 18 | 21 => Response::Done,
             4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
             5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
-            7 => Response::GetReplicas(r.list(4, |r| {
-                decode_result(r, |r| {
-                    Ok(ObjectDesc {
-                        size: r.u64()?,
-                        crc32c: r.u32()?,
-                        lease_ms: r.u64()?,
-                        replicas: decode_replicas(r)?,
-                    })
-                })
-            })?),
+            7 => Response::GetReplicas(decode_descs(&mut r)?),
+            22 => Response::Keepable {
+                descs: decode_descs(&mut r)?,
+                keepable: r.list(1, |r| r.bool())?,
+            },
             8 => Response::Exists(r.list(4, |r| decode_result(r, |r| r.bool()))?),
             9..=11 => Response::Count(r.u64()?),
             12 => Response::Stats(PoolStats {
@@ -1047,6 +1102,41 @@ mod tests {
         let mut w = Writer::new();
         encode_entry(&mut w, &CatalogEntry { index: 2, ..entry });
         assert!(decode_entry(&mut Reader::new(&w.into_bytes())).is_err());
+    }
+
+    #[test]
+    fn touch_round_trips_and_keeps_each_batch_in_order() {
+        round_trip(
+            Request::Touch {
+                batches: vec![vec!["a".into(), "b/2".into()], vec![], vec!["c".into()]],
+            },
+            Response::Done,
+        );
+        let desc = ObjectDesc {
+            size: 10,
+            crc32c: 3,
+            lease_ms: 200,
+            replicas: vec![ReplicaDesc {
+                pieces: vec![Piece {
+                    segment: "n".into(),
+                    addr: 64,
+                    len: 10,
+                }],
+            }],
+        };
+        round_trip(
+            Request::GetReplicasKeepable {
+                keys: vec!["a".into(), "b".into()],
+            },
+            Response::Keepable {
+                descs: vec![Ok(desc), Err(Code::ObjectNotFound)],
+                keepable: vec![true, false],
+            },
+        );
+        // A batch count that cannot fit the payload is refused, not allocated.
+        let mut w = Writer::new();
+        w.u32(u32::MAX);
+        assert!(Request::decode(21, &w.into_bytes()).is_err());
     }
 
     #[test]

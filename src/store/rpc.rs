@@ -216,6 +216,14 @@ impl MasterTarget {
     }
 }
 
+/// A transport failure talking to the master at `addr`, as RPC codes.
+fn rpc_error(addr: SocketAddr, e: Error) -> Error {
+    match e.code() {
+        Code::Timeout => Error::new(Code::RpcTimeout, format!("master {addr}: {}", e.context())),
+        _ => Error::new(Code::RpcFail, format!("master {addr}: {e}")),
+    }
+}
+
 /// A client of the master's RPC: a pool of persistent connections, one per concurrent
 /// caller, so calls from many threads never queue behind each other.
 pub struct RpcClient {
@@ -304,14 +312,26 @@ impl RpcClient {
     /// connection when a pooled one dies during the call (for an elected master, to
     /// whoever leads by then).
     pub fn call(&self, req: &Request) -> Result<Response> {
-        let mut w = Writer::new();
-        req.encode(&mut w);
-        let method = req.method();
-        let bytes = w.into_bytes();
+        self.call_after(None, req)
+    }
+
+    /// `call(req)`, with `before` (when given) pipelined ahead of it on the same
+    /// connection in the same write: one round trip for both. `before`'s answer is
+    /// only logged; a failure of it does not fail `req`.
+    pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
+        let encoded = |r: &Request| {
+            let mut w = Writer::new();
+            r.encode(&mut w);
+            (r.method(), w.into_bytes())
+        };
+        let (method, bytes) = encoded(req);
+        let before = before.map(encoded);
+        let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
         let retryable = matches!(
             req,
             Request::Ping { .. }
                 | Request::GetReplicas { .. }
+                | Request::GetReplicasKeepable { .. }
                 | Request::Exists { .. }
                 | Request::Stats
                 | Request::MetadataUrl
@@ -322,7 +342,7 @@ impl RpcClient {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(addr, &mut stream, method, &bytes) {
+        match self.exchange(addr, &mut stream, before, method, &bytes) {
             Ok(resp) => {
                 self.keep((addr, stream));
                 resp
@@ -330,7 +350,7 @@ impl RpcClient {
             Err(e) if !fresh && retryable => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let (addr, mut stream) = self.connect()?;
-                let resp = self.exchange(addr, &mut stream, method, &bytes)?;
+                let resp = self.exchange(addr, &mut stream, before, method, &bytes)?;
                 self.keep((addr, stream));
                 resp
             }
@@ -344,25 +364,44 @@ impl RpcClient {
         }
     }
 
-    /// Sends and receives on one connection. The outer error means the connection is
+    /// Sends and receives on one connection (`before`, a request whose answer is only
+    /// logged, goes first in the same write). The outer error means the connection is
     /// unusable; the inner result is the master's answer.
     fn exchange(
         &self,
         addr: SocketAddr,
         stream: &mut TcpStream,
+        before: Option<(u16, &[u8])>,
         method: u16,
         payload: &[u8],
     ) -> Result<Result<Response>> {
+        let mut out = Vec::new();
+        let before = before.map(|(m, p)| {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            out.extend_from_slice(&frame(m, id, None, p));
+            (m, id)
+        });
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let rpc = |e: Error| match e.code() {
-            Code::Timeout => {
-                Error::new(Code::RpcTimeout, format!("master {addr}: {}", e.context()))
-            }
-            _ => Error::new(Code::RpcFail, format!("master {addr}: {e}")),
-        };
+        out.extend_from_slice(&frame(method, id, None, payload));
         stream
-            .write_all(&frame(method, id, None, payload))
-            .map_err(|e| rpc(Error::io("sending request", e)))?;
+            .write_all(&out)
+            .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
+        if let Some((m, id)) = before {
+            if let Err(e) = Self::answer(addr, stream, m, id)? {
+                log::debug!("master {addr}: request {m} ahead of {method}: {e}");
+            }
+        }
+        Self::answer(addr, stream, method, id)
+    }
+
+    /// Reads the answer to request `id` of `method` (as `exchange`).
+    fn answer(
+        addr: SocketAddr,
+        stream: &mut TcpStream,
+        method: u16,
+        id: u64,
+    ) -> Result<Result<Response>> {
+        let rpc = |e: Error| rpc_error(addr, e);
         let Frame {
             version,
             method: got_method,

@@ -208,6 +208,22 @@ impl Master {
             Request::Exists { keys } => {
                 Response::Exists(keys.iter().map(|k| self.exists(k)).collect())
             }
+            Request::GetReplicasKeepable { keys } => {
+                let answers = eviction::tail_first(&keys, |k| match self.lookup(k, false) {
+                    // Only on disk (or unfinished): a copy staged for this reader is
+                    // not kept, so that each read of it still counts here.
+                    Err(Code::ReplicaIsNotReady) => (self.lookup(k, true), false),
+                    other => (other, true),
+                });
+                let (descs, keepable) = answers.into_iter().unzip();
+                Response::Keepable { descs, keepable }
+            }
+            Request::Touch { batches } => {
+                for keys in &batches {
+                    eviction::tail_first(keys, |k| self.touch_cached_read(k));
+                }
+                Response::Done
+            }
             Request::Remove { key, force } => {
                 let removed = self.remove(&key, force);
                 self.await_all_catalogs();
@@ -643,6 +659,21 @@ impl Master {
             });
         }
         Ok(desc)
+    }
+
+    /// Counts a read a client served from a descriptor it kept within its lease, as
+    /// `lookup` counts one it asked for (no lease is taken).
+    fn touch_cached_read(&self, key: &str) {
+        if check_key(key).is_err() {
+            return;
+        }
+        let mut map = Self::lock(self.shard(key));
+        if map
+            .get(key)
+            .is_some_and(|o| o.complete && !o.replicas.is_empty())
+        {
+            self.touch(&mut map, key);
+        }
     }
 
     fn join_groups(&self, key: &str, groups: &[String]) {

@@ -39,8 +39,8 @@ fn weight(hits: u8) -> u64 {
 /// Ghost slots per listed object: history pays when it covers the keys that come back,
 /// many times more than the pool holds (measured on the conversation trace).
 const GHOSTS_PER_OBJECT: usize = 256;
-/// At most this many ghost slots per shard (4 bytes each): 16 MiB for 64 shards, so
-/// a master of millions of objects spends a byte or two per object on them.
+/// At most this many ghost slots per shard (8 bytes each): 32 MiB for 64 shards, so
+/// a master of millions of objects spends a few bytes per object on them.
 const MAX_GHOSTS: usize = 1 << 16;
 
 /// The largest weight, the level skipped objects are moved to above the floor.
@@ -338,51 +338,89 @@ impl Policy {
     }
 }
 
-/// Hit counts of evicted objects by key hash: a direct-mapped table of (fingerprint,
-/// hits), a few slots per listed object. A newer ghost overwrites an older one; a
-/// fingerprint that differs means "no history", so collisions lose history but never
-/// invent it.
+/// Hit counts of evicted objects by key hash: a table of (tag, hits) in buckets of
+/// `WAYS` slots, a few slots per listed object. A ghost goes to its bucket's empty or
+/// oldest slot, so one is lost only once `WAYS` newer ones landed in its bucket (one
+/// slot per bucket would lose a ghost to the first, and each lost ghost costs hits on
+/// the conversation trace: bench/README.md). A tag that differs means "no history",
+/// so collisions lose history but never invent it. The bucket is named by the tag's
+/// low bits, so a table that grows with its shard keeps every ghost.
 #[derive(Default)]
 struct Ghosts {
     slots: Vec<Ghost>,
+    /// Ghosts remembered so far (wrapping): the slots' ages.
+    clock: u16,
 }
+
+/// Slots per bucket.
+const WAYS: usize = 4;
 
 #[derive(Clone, Copy, Default)]
 struct Ghost {
     /// High hash bits; 0 = empty.
-    fingerprint: u16,
+    tag: u32,
+    /// `Ghosts::clock` when remembered.
+    stamp: u16,
     hits: u8,
 }
 
 impl Ghosts {
-    fn index_and_fingerprint(&self, hash: u64) -> Option<(usize, u16)> {
-        if self.slots.is_empty() {
-            return None;
-        }
+    fn tag(hash: u64) -> u32 {
         // Remix: the shard index already took the hash's low bits.
         let h = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let index = (h >> 16) as usize & (self.slots.len() - 1);
-        Some((index, ((h >> 48) as u16).max(1)))
+        ((h >> 32) as u32).max(1)
+    }
+
+    /// The slots of `tag`'s bucket.
+    fn bucket(&mut self, tag: u32) -> &mut [Ghost] {
+        let first = tag as usize & (self.slots.len() - 1) & !(WAYS - 1);
+        &mut self.slots[first..first + WAYS]
     }
 
     fn remember(&mut self, hash: u64, hits: u8, room: usize) {
-        let want = room.max(16).next_power_of_two();
+        let want = room.max(WAYS * 4).next_power_of_two();
         if self.slots.len() < want {
-            // Grown empty: ghosts are a hint, not worth rehashing.
-            self.slots = vec![Ghost::default(); want];
+            let old = std::mem::replace(&mut self.slots, vec![Ghost::default(); want]);
+            let mut old: Vec<Ghost> = old.into_iter().filter(|g| g.tag != 0).collect();
+            // Oldest first, so that where a bucket overflows the newest stay.
+            old.sort_by_key(|g| std::cmp::Reverse(self.clock.wrapping_sub(g.stamp)));
+            for g in old {
+                self.place(g);
+            }
         }
-        if let Some((i, fingerprint)) = self.index_and_fingerprint(hash) {
-            self.slots[i] = Ghost { fingerprint, hits };
+        self.clock = self.clock.wrapping_add(1);
+        let ghost = Ghost {
+            tag: Self::tag(hash),
+            stamp: self.clock,
+            hits,
+        };
+        self.place(ghost);
+    }
+
+    /// Puts `ghost` in its bucket: over an older ghost of the same key, else in an
+    /// empty slot, else over the oldest.
+    fn place(&mut self, ghost: Ghost) {
+        let clock = self.clock;
+        let bucket = self.bucket(ghost.tag);
+        let age = |g: &Ghost| match g.tag {
+            t if t == ghost.tag => u32::MAX,
+            0 => u32::MAX - 1,
+            _ => u32::from(clock.wrapping_sub(g.stamp)),
+        };
+        if let Some(slot) = bucket.iter_mut().max_by_key(|g| age(g)) {
+            *slot = ghost;
         }
     }
 
     /// The hits of the ghost of `hash` (0 without one), which it leaves.
     fn recall(&mut self, hash: u64) -> u8 {
-        match self.index_and_fingerprint(hash) {
-            Some((i, fp)) if self.slots[i].fingerprint == fp => {
-                std::mem::take(&mut self.slots[i]).hits
-            }
-            _ => 0,
+        if self.slots.is_empty() {
+            return 0;
+        }
+        let tag = Self::tag(hash);
+        match self.bucket(tag).iter_mut().find(|g| g.tag == tag) {
+            Some(g) => std::mem::take(g).hits,
+            None => 0,
         }
     }
 }
@@ -462,6 +500,54 @@ mod tests {
         assert_eq!(p.ghosts.recall(42), 6);
         assert_eq!(p.ghosts.recall(42), 0);
         assert_eq!(p.ghosts.recall(44), 0);
+    }
+
+    #[test]
+    fn ghosts_survive_the_table_growing() {
+        let mut g = Ghosts::default();
+        let hash = |i: u64| i.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ (i << 7);
+        // Remembered into a small table, recalled from one 64 times larger.
+        for i in 0..200u64 {
+            g.remember(hash(i), i as u8 + 1, 256);
+        }
+        g.remember(hash(1000), 1, 1 << 14);
+        assert_eq!(g.slots.len(), 1 << 14);
+        // A key remembered twice keeps one ghost, the newer.
+        g.remember(hash(1000), 9, 1 << 14);
+        assert_eq!(
+            g.slots
+                .iter()
+                .filter(|s| s.tag == Ghosts::tag(hash(1000)))
+                .count(),
+            1
+        );
+        let kept = (0..200u64)
+            .filter(|&i| g.recall(hash(i)) == i as u8 + 1)
+            .count();
+        // Only overflowing buckets of the 256-slot table lost ghosts.
+        assert!(kept >= 170, "{kept} of 200 ghosts kept");
+        assert_eq!(g.recall(hash(1000)), 9);
+    }
+
+    #[test]
+    fn a_full_bucket_forgets_its_oldest_ghost() {
+        let mut g = Ghosts::default();
+        g.remember(1, 1, 16);
+        let bucket = |g: &Ghosts, h: u64| (Ghosts::tag(h) as usize & (g.slots.len() - 1)) / WAYS;
+        let first = bucket(&g, 1);
+        let same: Vec<u64> = (2..100_000u64)
+            .filter(|&h| bucket(&g, h) == first)
+            .take(WAYS)
+            .collect();
+        assert_eq!(same.len(), WAYS);
+        for (n, &h) in same.iter().enumerate() {
+            g.remember(h, n as u8 + 2, 16);
+        }
+        // Five ghosts for four slots: the first one remembered is the one lost.
+        assert_eq!(g.recall(1), 0);
+        for (n, &h) in same.iter().enumerate() {
+            assert_eq!(g.recall(h), n as u8 + 2);
+        }
     }
 
     #[test]

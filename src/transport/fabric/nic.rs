@@ -604,15 +604,32 @@ fn serve_waiting(
     wake: &EventFd,
 ) {
     let (fabric, cq) = (fabric.0, cq.0);
+    let mut last_active: Option<Instant> = None;
     while !stop.load(Ordering::SeqCst) {
         drain(cq);
         // SAFETY: live fabric and CQ.
         if unsafe { fi::fi_trywait(fabric, std::ptr::addr_of_mut!((*cq).fid)) } != 0 {
+            last_active = Some(Instant::now());
             continue;
         }
-        let _ = wake.wait(Some(fd), Some(Duration::from_millis(100)));
+        // While RMA arrives, look again within a millisecond even if the descriptor
+        // stays quiet: progress a provider leaves pending without signalling it (a
+        // reply waiting for socket space) must not wait for the idle timeout.
+        let timeout = match last_active {
+            Some(t) if t.elapsed() < WARM => WAITING_WARM_TIMEOUT,
+            _ => WAITING_IDLE_TIMEOUT,
+        };
+        let started = Instant::now();
+        let _ = wake.wait(Some(fd), Some(timeout));
+        if started.elapsed() < timeout {
+            last_active = Some(Instant::now());
+        }
     }
 }
+
+/// `serve_waiting`'s longest sleep while RMA has arrived within `WARM`, and otherwise.
+const WAITING_WARM_TIMEOUT: Duration = Duration::from_millis(1);
+const WAITING_IDLE_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The polling progress thread's interval while WRITEs arrive, and for how long after
 /// the last one. Shorter intervals backfired on two cores: below ~10 µs the timer

@@ -599,6 +599,11 @@ impl FabricWorker {
         if self.slices.is_empty() {
             return false;
         }
+        // A post refused for room (FI_EAGAIN) is retried after progress that need not
+        // signal any descriptor, so parking could hold it for a whole engine tick.
+        if !self.queued.is_empty() {
+            return true;
+        }
         self.lanes.iter().any(|l| l.ep.fd.is_none())
             || (self.lanes.iter().all(|l| l.nic.manual)
                 && self.bytes_in_flight <= SPIN_MAX_BYTES

@@ -1,0 +1,318 @@
+//! Replica descriptors kept by a client within their lease (a repeated get is one
+//! engine read): what the lease makes safe, what drops an entry, and that reads served
+//! from kept descriptors still count for the master's eviction order.
+
+mod common;
+
+use common::pattern as value;
+use std::time::Duration;
+
+use mooncake::store::master::{Clock, Master, MasterConfig};
+use mooncake::store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
+use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+use mooncake::Code;
+
+const MIB: u64 = 1 << 20;
+
+fn server(lease_ms: u64) -> MasterServer {
+    let mut cfg = ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: Some(0),
+        ..Default::default()
+    };
+    cfg.master.lease_ttl = Duration::from_millis(lease_ms);
+    MasterServer::start(cfg).unwrap()
+}
+
+fn client_with(s: &MasterServer, segment: u64, cache_replicas: bool) -> Client {
+    let cfg = ClientConfig {
+        global_segment_size: segment,
+        cache_replicas,
+        ..ClientConfig::connect(&s.rpc_addr().to_string(), &s.metadata_url().unwrap(), "tcp")
+            .unwrap()
+    };
+    Client::new(cfg).unwrap()
+}
+
+fn client(s: &MasterServer, segment: u64) -> Client {
+    client_with(s, segment, true)
+}
+
+/// Overwrites `len` bytes at `addr` of `segment` behind the store's back (as a reuse of
+/// the space would).
+fn scribble(writer: &Client, segment: &str, addr: u64, len: usize) {
+    let garbage = vec![0xEEu8; len];
+    let e = writer.engine();
+    let seg = e.open_segment(segment).unwrap();
+    let b = e.allocate_batch(1).unwrap();
+    let req = mooncake::Request {
+        op: mooncake::Op::Write,
+        local: garbage.as_ptr() as u64,
+        segment: seg,
+        remote: addr,
+        len: len as u64,
+    };
+    // SAFETY: `garbage` outlives the wait.
+    unsafe { e.submit(b, &[req]) }.unwrap();
+    e.wait_batch(b, Some(Duration::from_secs(10))).unwrap();
+    e.free_batch(b).unwrap();
+}
+
+#[test]
+fn a_kept_descriptor_serves_gets_without_the_master() {
+    let s = server(10_000);
+    let node = client(&s, 16 * MIB);
+    let kept = client(&s, 0);
+    let uncached = client_with(&s, 0, false);
+    let v = value(1, 4096);
+    kept.put("k", &v, &ReplicateConfig::default()).unwrap();
+    kept.put("never-read", &v, &ReplicateConfig::default())
+        .unwrap();
+    assert_eq!(kept.get("k").unwrap(), v);
+    assert_eq!(uncached.get("k").unwrap(), v);
+    assert_eq!(kept.cached_descriptors(), 1);
+    assert_eq!(uncached.cached_descriptors(), 0);
+    drop(s); // the master is gone; the node still serves its memory
+    assert_eq!(kept.get("k").unwrap(), v, "served with the kept descriptor");
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` is exclusively borrowed for the call.
+    let batch = unsafe { kept.batch_get_into(&["k"], &[vec![(buf.as_mut_ptr() as u64, 4096)]]) };
+    assert_eq!(batch[0].as_ref().copied().unwrap(), 4096);
+    assert_eq!(buf, v);
+    // Whatever was not kept needs the master.
+    assert!(kept.get("never-read").is_err());
+    assert!(uncached.get("k").is_err());
+    drop((kept, uncached, node));
+}
+
+#[test]
+fn the_lease_forbids_a_plain_remove_and_a_forced_one_never_yields_wrong_bytes() {
+    let s = server(10_000);
+    let node = client(&s, 16 * MIB);
+    let reader = client(&s, 0);
+    let other = client(&s, 0);
+    let v = value(2, 8192);
+    other.put("k", &v, &ReplicateConfig::default()).unwrap();
+    assert_eq!(reader.get("k").unwrap(), v);
+    let (_, _, replicas) = s.master().query("k").unwrap();
+    let piece = replicas[0].pieces[0].clone();
+    // The reader's lease stands: another client may not remove the object ...
+    assert_eq!(
+        other.remove("k", false).unwrap_err().code(),
+        Code::ObjectHasLease
+    );
+    // ... unless forced; its space is then kept until the lease ends, so a kept read
+    // still gets the bytes it leased.
+    other.remove("k", true).unwrap();
+    other
+        .put("k", &value(3, 8192), &ReplicateConfig::default())
+        .unwrap();
+    assert_eq!(reader.get("k").unwrap(), v);
+    // Were the space rewritten anyway (a node that lost its master, say), the checksum
+    // catches it: the kept descriptor is dropped and the master asked again.
+    scribble(&node, &piece.segment, piece.addr, 64);
+    assert_eq!(reader.get("k").unwrap(), value(3, 8192));
+    // A batch read of a value that is wrong at the master's own place too fails.
+    let (_, _, now) = s.master().query("k").unwrap();
+    let fresh = now[0].pieces[0].clone();
+    scribble(&node, &fresh.segment, fresh.addr, 64);
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: `buf` is exclusively borrowed for the call.
+    let r = unsafe { reader.batch_get_into(&["k"], &[vec![(buf.as_mut_ptr() as u64, 8192)]]) };
+    assert_eq!(
+        r[0].as_ref().unwrap_err().code(),
+        Code::ChecksumMismatch,
+        "a wrong value is an error, never bytes"
+    );
+    assert_eq!(
+        reader.cached_descriptors(),
+        0,
+        "a failed read keeps nothing"
+    );
+}
+
+#[test]
+fn own_removes_and_puts_drop_the_kept_descriptor() {
+    let s = server(10_000);
+    let _node = client(&s, 16 * MIB);
+    let c = client(&s, 0);
+    let cfg = ReplicateConfig::default();
+    c.put("a", &value(4, 1000), &cfg).unwrap();
+    c.put("b", &value(5, 1000), &cfg).unwrap();
+    c.get("a").unwrap();
+    c.get("b").unwrap();
+    assert_eq!(c.cached_descriptors(), 2);
+    c.remove("a", true).unwrap();
+    assert_eq!(c.cached_descriptors(), 1);
+    assert_eq!(c.get("a").unwrap_err().code(), Code::ObjectNotFound);
+    c.put("a", &value(6, 500), &cfg).unwrap();
+    assert_eq!(c.get("a").unwrap(), value(6, 500));
+    // An upsert drops it before asking the master (which refuses while leased).
+    assert_eq!(
+        c.upsert("b", &value(7, 10), &cfg).unwrap_err().code(),
+        Code::ObjectHasLease
+    );
+    assert_eq!(c.cached_descriptors(), 1);
+    assert_eq!(c.batch_remove(&["a"], true)[0].as_ref().copied(), Ok(()));
+    assert_eq!(c.cached_descriptors(), 0);
+    c.get("b").unwrap();
+    assert_eq!(c.remove_all(true).unwrap(), 1);
+    assert_eq!(c.cached_descriptors(), 0);
+    assert_eq!(c.get("b").unwrap_err().code(), Code::ObjectNotFound);
+}
+
+#[test]
+fn an_expired_lease_is_never_kept() {
+    let s = server(0);
+    let _node = client(&s, 8 * MIB);
+    let c = client(&s, 0);
+    c.put("k", &value(1, 1000), &ReplicateConfig::default())
+        .unwrap();
+    for _ in 0..2 {
+        assert_eq!(c.get("k").unwrap_err().code(), Code::LeaseExpired);
+        assert_eq!(c.cached_descriptors(), 0);
+    }
+}
+
+#[test]
+fn a_dead_node_sends_kept_reads_to_another_replica() {
+    let s = server(10_000);
+    let n1 = client(&s, 16 * MIB);
+    let _n2 = client(&s, 16 * MIB);
+    let c = client(&s, 0);
+    let two = ReplicateConfig {
+        replica_num: 2,
+        ..Default::default()
+    };
+    let v = value(8, 20_000);
+    c.put("k", &v, &two).unwrap();
+    assert_eq!(c.get("k").unwrap(), v);
+    drop(n1); // unmounts and frees its memory
+    for _ in 0..3 {
+        assert_eq!(c.get("k").unwrap(), v);
+    }
+}
+
+fn in_process_master(clock: &Clock) -> Master {
+    let mut cfg = MasterConfig::default();
+    cfg.allocator.slab_size = MIB;
+    let m = Master::with_clock(cfg, clock.clone());
+    m.handle(Request::Mount {
+        client: 1,
+        segment: SegmentInfo {
+            name: "a".into(),
+            base: 1 << 40,
+            size: 4 * MIB,
+        },
+    })
+    .unwrap();
+    m
+}
+
+fn put(m: &Master, key: &str) {
+    let Response::PutStart(r) = m
+        .handle(Request::PutStart {
+            client: 1,
+            items: vec![(key.to_owned(), MIB)],
+            config: ReplicateConfig::default(),
+            upsert: false,
+        })
+        .unwrap()
+    else {
+        panic!("wrong answer")
+    };
+    assert!(r[0].is_ok(), "{key}: {:?}", r[0]);
+    m.handle(Request::PutEnd {
+        client: 1,
+        items: vec![(key.to_owned(), 7)],
+    })
+    .unwrap();
+}
+
+fn exists(m: &Master, key: &str) -> bool {
+    let Response::Exists(r) = m
+        .handle(Request::Exists {
+            keys: vec![key.to_owned()],
+        })
+        .unwrap()
+    else {
+        panic!("wrong answer")
+    };
+    r[0].unwrap()
+}
+
+/// Fills the pool with `k0`, `k1`, ..., hitting `k0` through `Touch` when `touch`, then
+/// puts until the first eviction; whether `k0` survived it.
+fn first_survives_eviction(touch: bool) -> bool {
+    let clock = Clock::manual();
+    let m = in_process_master(&clock);
+    put(&m, "k0");
+    put(&m, "k1");
+    put(&m, "k2");
+    if touch {
+        for _ in 0..3 {
+            let batches = vec![vec!["k0".to_owned(), "unknown".to_owned()], vec![]];
+            assert!(matches!(
+                m.handle(Request::Touch { batches }),
+                Ok(Response::Done)
+            ));
+        }
+    }
+    let mut n = 3;
+    while m.stats().evicted_objects == 0 {
+        put(&m, &format!("k{n}"));
+        n += 1;
+        assert!(n < 64, "the pool never filled");
+    }
+    exists(&m, "k0")
+}
+
+#[test]
+fn touches_count_as_hits_and_take_no_lease() {
+    assert!(
+        !first_survives_eviction(false),
+        "untouched, the oldest goes first"
+    );
+    assert!(first_survives_eviction(true), "touched, it stays");
+    // A touch takes no lease: the object may still be removed.
+    let clock = Clock::manual();
+    let m = in_process_master(&clock);
+    put(&m, "t");
+    m.handle(Request::Touch {
+        batches: vec![vec!["t".into()]],
+    })
+    .unwrap();
+    m.handle(Request::Remove {
+        key: "t".into(),
+        force: false,
+    })
+    .unwrap();
+    assert!(!exists(&m, "t"));
+}
+
+#[test]
+fn a_large_read_checks_every_chunk_of_its_checksum() {
+    let s = server(10_000);
+    let node = client(&s, 32 * MIB);
+    let c = client(&s, 0);
+    // Striped over slabs and not a whole number of checksum chunks.
+    let v = value(9, (9 * MIB + 12_345) as usize);
+    c.put("big", &v, &ReplicateConfig::default()).unwrap();
+    assert_eq!(c.get("big").unwrap(), v);
+    let mut buf = vec![0u8; v.len() + 100];
+    // SAFETY: `buf` is exclusively borrowed for the call.
+    let r = unsafe {
+        c.batch_get_into(
+            &["big"],
+            &[vec![(buf.as_mut_ptr() as u64, buf.len() as u64)]],
+        )
+    };
+    assert_eq!(*r[0].as_ref().unwrap(), v.len() as u64);
+    assert_eq!(&buf[..v.len()], &v[..]);
+    // One byte wrong in the last, partial chunk is caught.
+    let (_, _, replicas) = s.master().query("big").unwrap();
+    let last = replicas[0].pieces.last().unwrap().clone();
+    scribble(&node, &last.segment, last.addr + last.len - 1, 1);
+    assert_eq!(c.get("big").unwrap_err().code(), Code::ChecksumMismatch);
+}

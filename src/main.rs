@@ -148,10 +148,11 @@ const COMMANDS: &[(&str, &str)] = &[
         "demo",
         "\
   mooncake demo [--trace FILE] [--requests N] [--block-bytes 64K] [--pool-size 3G]
-      [--time-scale X] [--replicas 1] [--protocol tcp] [--json] [--cluster-secret-file PATH]
+      [--time-scale X] [--replicas 1] [--protocol auto|tcp] [--json] [--cluster-secret-file PATH]
       [--ssd-size BYTES [--ssd-path DIR]]
       Start a master, two store nodes and a client in this process and replay the
       conversation trace through the store (prefix reads, writes, eviction); print a summary.
+      The default protocol, auto, is what a same-host deployment uses: shared memory.
       --ssd-size gives the nodes a disk tier (split between them; a temporary directory
       unless --ssd-path) that evicted blocks go to and are read back from.
       Read leases last the default lease of trace time on the replay's clock (10 s x

@@ -36,6 +36,9 @@ fn pg_child() {
         "collectives" => run_collectives(&group),
         "stream" => run_stream(&group),
         "replacement" => run_replacement(&group),
+        "stalled" => run_stalled(&group),
+        "two_deaths" => run_two_deaths(&group),
+        "mismatch" => run_mismatch(&group),
         other => panic!("unknown script {other}"),
     }
     say("done");
@@ -300,68 +303,7 @@ fn run_collectives(g: &Group) {
 /// and runs five more over all ranks.
 fn run_stream(g: &Group) {
     let deadline = Instant::now() + STEP;
-    // Successful operations since the membership last changed: a rank whose own
-    // operation completed (it had every byte) sees the change only as a new epoch.
-    let mut ok_in_epoch = (g.epoch(), 0usize);
-    let mut iter = 0usize;
-    loop {
-        assert!(Instant::now() < deadline, "no recovery within {STEP:?}");
-        iter += 1;
-        let started = Instant::now();
-        let vote = if ok_in_epoch.0 > 1 && ok_in_epoch.1 >= 5 {
-            1.0
-        } else {
-            0.0
-        };
-        let mut vals = vec![(g.rank() + 1) as f64; 1000];
-        vals.push(vote);
-        let mut buf = encode(DType::F32, &vals);
-        match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
-            Ok(()) => {
-                let active = g.active_ranks();
-                let sum: usize = (0..WORLD).filter(|&r| active[r]).map(|r| r + 1).sum();
-                assert!(
-                    buf[..4000] == encode(DType::F32, &vec![sum as f64; 1000]),
-                    "sum over {active:?}"
-                );
-                let votes = f32::from_ne_bytes(buf[4000..].try_into().unwrap()) as usize;
-                if votes == active.iter().filter(|a| **a).count() {
-                    break;
-                }
-                if ok_in_epoch.0 != g.epoch() {
-                    ok_in_epoch = (g.epoch(), 0);
-                }
-                ok_in_epoch.1 += 1;
-                if iter % 20 == 0 {
-                    say(&format!("progress {iter}"));
-                }
-            }
-            Err(e) => {
-                let failed = g.failed_ranks();
-                say(&format!(
-                    "failed {} {failed:?} after {} ms: {e}",
-                    failed
-                        .iter()
-                        .map(|r| r.to_string())
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    started.elapsed().as_millis()
-                ));
-                let status = g.sync_after_failure().expect("sync_after_failure");
-                assert!(
-                    matches!(status, SyncStatus::Reconciled | SyncStatus::NoPending),
-                    "{status:?}"
-                );
-                say(&format!(
-                    "synced {:?} epoch {}",
-                    g.active_ranks(),
-                    g.epoch()
-                ));
-            }
-        }
-    }
-    let active = g.active_ranks();
-    let dead: Vec<usize> = (0..WORLD).filter(|&r| !active[r]).collect();
+    let dead = stream_until_recovered(g, "");
     assert_eq!(
         g.peer_state(&dead),
         vec![false; dead.len()],
@@ -569,14 +511,7 @@ fn kill_and_replace(victim: usize) {
     }
     ranks[victim] = replacement;
     ranks.swap(0, victim);
-    for r in &mut ranks {
-        r.expect("full epoch");
-        r.expect("done");
-    }
-    for r in &mut ranks {
-        r.finish();
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    all_run_full_rounds_and_exit(&mut ranks, &dir);
 }
 
 #[test]
@@ -731,27 +666,6 @@ mod abi {
 
 // ------------------------------------------------- membership safety (split brain, orders of deaths)
 
-/// Runs one membership scenario's script as a rank (the parent starts this test binary
-/// again with `MC_PG_MEMBERSHIP_CHILD` set).
-#[test]
-fn pg_membership_child() {
-    let Ok(script) = std::env::var("MC_PG_MEMBERSHIP_CHILD") else {
-        return;
-    };
-    let _ = env_logger::builder().is_test(false).try_init();
-    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
-    let rank: usize = var("MC_PG_RANK").parse().unwrap();
-    let group = start_rank(&PathBuf::from(var("MC_PG_DIR")), rank, false);
-    match script.as_str() {
-        "stream" => run_stream(&group),
-        "stalled" => run_stalled(&group),
-        "two_deaths" => run_two_deaths(&group),
-        "mismatch" => run_mismatch(&group),
-        other => panic!("unknown script {other}"),
-    }
-    say("done");
-}
-
 /// A rank that the parent stops (SIGSTOP) past the timeout during the same stream of
 /// all-reduces as `run_stream`, then resumes: it must learn it was excluded and fail
 /// clearly, never form a view of its own; then it joins again under its rank.
@@ -795,7 +709,7 @@ fn run_stalled(g: &Group) {
 /// Streams all-reduces until a failure was reconciled and five operations succeeded
 /// in the new view (decided by an all-reduced vote, so every survivor stops after the
 /// same one); returns the inactive ranks.
-fn stream_until_recovered(g: &Group, phase: usize) -> Vec<usize> {
+fn stream_until_recovered(g: &Group, label: &str) -> Vec<usize> {
     let start = g.epoch();
     let deadline = Instant::now() + STEP;
     let mut ok_in_epoch = (start, 0usize);
@@ -803,6 +717,7 @@ fn stream_until_recovered(g: &Group, phase: usize) -> Vec<usize> {
     loop {
         assert!(Instant::now() < deadline, "no recovery within {STEP:?}");
         iter += 1;
+        let started = Instant::now();
         let vote = if ok_in_epoch.0 != start && ok_in_epoch.1 >= 5 {
             1.0
         } else {
@@ -828,18 +743,27 @@ fn stream_until_recovered(g: &Group, phase: usize) -> Vec<usize> {
                 }
                 ok_in_epoch.1 += 1;
                 if iter % 20 == 0 {
-                    say(&format!("phase{phase} progress {iter}"));
+                    say(&format!("{label}progress {iter}"));
                 }
             }
             Err(e) => {
                 let failed = g.failed_ranks();
                 let names: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
-                say(&format!("phase{phase} failed {} {e}", names.join(",")));
+                say(&format!(
+                    "{label}failed {} after {} ms: {e}",
+                    names.join(","),
+                    started.elapsed().as_millis()
+                ));
                 let status = g.sync_after_failure().expect("sync_after_failure");
                 assert!(
                     matches!(status, SyncStatus::Reconciled | SyncStatus::NoPending),
                     "{status:?}"
                 );
+                say(&format!(
+                    "{label}synced {:?} epoch {}",
+                    g.active_ranks(),
+                    g.epoch()
+                ));
             }
         }
     }
@@ -847,7 +771,7 @@ fn stream_until_recovered(g: &Group, phase: usize) -> Vec<usize> {
 
 fn run_two_deaths(g: &Group) {
     for phase in 0..2 {
-        let dead = stream_until_recovered(g, phase);
+        let dead = stream_until_recovered(g, &format!("phase{phase} "));
         let names: Vec<String> = dead.iter().map(|r| r.to_string()).collect();
         say(&format!("phase{phase} recovered {}", names.join(",")));
     }
@@ -888,39 +812,16 @@ fn run_mismatch(g: &Group) {
     ));
 }
 
-fn start_membership_rank(script: &str, dir: &Path, rank: usize) -> Rank {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "pg_membership_child",
-        "--exact",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env("MC_PG_MEMBERSHIP_CHILD", script)
-    .env("MC_PG_RANK", rank.to_string())
-    .env("MC_PG_DIR", dir)
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().expect("spawning a rank");
-    let out = child.stdout.take().unwrap();
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(|l| l.ok()) {
-            let line = line
-                .trim_start_matches("test pg_membership_child ... ")
-                .to_owned();
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    Rank {
-        stdin: child.stdin.take(),
-        child,
-        lines,
-        log: Vec::new(),
+/// Every rank reports its rounds over the full group, then exits cleanly.
+fn all_run_full_rounds_and_exit(ranks: &mut [Rank], dir: &Path) {
+    for r in ranks.iter_mut() {
+        r.expect("full epoch");
+        r.expect("done");
     }
+    for r in ranks.iter_mut() {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn signal(r: &Rank, sig: i32) {
@@ -948,7 +849,7 @@ fn a_stalled_rank_is_told_it_is_out_and_never_computes_alone() {
     let mut ranks: Vec<Rank> = (0..WORLD)
         .map(|r| {
             let script = if r == stalled { "stalled" } else { "stream" };
-            start_membership_rank(script, &dir, r)
+            Rank::start(script, &dir, r, false)
         })
         .collect();
     for r in &mut ranks {
@@ -966,14 +867,7 @@ fn a_stalled_rank_is_told_it_is_out_and_never_computes_alone() {
         r.tell("activate");
     }
     ranks[stalled].expect("joined");
-    for r in &mut ranks {
-        r.expect("full epoch");
-        r.expect("done");
-    }
-    for r in &mut ranks {
-        r.finish();
-    }
-    let _ = std::fs::remove_dir_all(&dir);
+    all_run_full_rounds_and_exit(&mut ranks, &dir);
 }
 
 #[test]
@@ -981,7 +875,7 @@ fn two_ranks_die_one_after_the_other_the_coordinator_second_and_the_rest_go_on()
     let (first, second) = (2, 0);
     let dir = rendezvous_dir("two-deaths");
     let mut ranks: Vec<Rank> = (0..WORLD)
-        .map(|r| start_membership_rank("two_deaths", &dir, r))
+        .map(|r| Rank::start("two_deaths", &dir, r, false))
         .collect();
     for r in &mut ranks {
         r.expect("phase0 progress");
@@ -1024,7 +918,7 @@ fn two_ranks_die_one_after_the_other_the_coordinator_second_and_the_rest_go_on()
 fn ranks_blaming_each_other_for_a_mismatch_reconcile_into_one_view() {
     let dir = rendezvous_dir("mismatch");
     let mut ranks: Vec<Rank> = (0..WORLD)
-        .map(|r| start_membership_rank("mismatch", &dir, r))
+        .map(|r| Rank::start("mismatch", &dir, r, false))
         .collect();
     let mut agreed = Vec::new();
     for r in &mut ranks {

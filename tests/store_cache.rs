@@ -9,31 +9,14 @@ use std::time::Duration;
 
 use mooncake::store::master::{Clock, Master, MasterConfig};
 use mooncake::store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
-use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+use mooncake::store::{Client, MasterServer};
 use mooncake::Code;
 
 const MIB: u64 = 1 << 20;
 
-fn server(lease_ms: u64) -> MasterServer {
-    let mut cfg = ServerConfig {
-        rpc_port: 0,
-        metadata_port: Some(0),
-        metrics_port: Some(0),
-        ..Default::default()
-    };
-    cfg.master.lease_ttl = Duration::from_millis(lease_ms);
-    MasterServer::start(cfg).unwrap()
-}
+use common::store_server as server;
 
-fn client_with(s: &MasterServer, segment: u64, cache_replicas: bool) -> Client {
-    let cfg = ClientConfig {
-        global_segment_size: segment,
-        cache_replicas,
-        ..ClientConfig::connect(&s.rpc_addr().to_string(), &s.metadata_url().unwrap(), "tcp")
-            .unwrap()
-    };
-    Client::new(cfg).unwrap()
-}
+use common::store_client as client_with;
 
 fn client(s: &MasterServer, segment: u64) -> Client {
     client_with(s, segment, true)

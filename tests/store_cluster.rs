@@ -15,24 +15,10 @@ use mooncake::Code;
 
 const MIB: u64 = 1 << 20;
 
-fn server(lease_ms: u64) -> MasterServer {
-    let mut cfg = ServerConfig {
-        rpc_port: 0,
-        metadata_port: Some(0),
-        metrics_port: Some(0),
-        ..Default::default()
-    };
-    cfg.master.lease_ttl = Duration::from_millis(lease_ms);
-    MasterServer::start(cfg).unwrap()
-}
+use common::store_server as server;
 
 fn client(s: &MasterServer, segment: u64) -> Client {
-    let cfg = ClientConfig {
-        global_segment_size: segment,
-        ..ClientConfig::connect(&s.rpc_addr().to_string(), &s.metadata_url().unwrap(), "tcp")
-            .unwrap()
-    };
-    Client::new(cfg).unwrap()
+    common::store_client(s, segment, true)
 }
 
 #[test]

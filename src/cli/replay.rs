@@ -83,7 +83,7 @@ pub fn demo(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let opts = options(&a)?;
     let pool: u64 = a.get("pool-size", 3 << 30)?;
-    let protocol = a.str("protocol").unwrap_or("tcp").to_owned();
+    let protocol = a.str("protocol").unwrap_or("auto").to_owned();
     let engine = super::engine_tuning(&a)?;
     let ssd = DemoDisk::from_args(&a)?;
     a.finish()?;

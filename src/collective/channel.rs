@@ -299,6 +299,29 @@ impl Group {
         }
     }
 
+    /// Stages `record` in our buffer and returns the write that puts it into slot
+    /// `slot(me)` of peer `p`; `None` when `p` has no known address.
+    pub(super) fn record_write(
+        &self,
+        st: &State,
+        p: usize,
+        slot: &impl Fn(&Layout, usize) -> usize,
+        record: &[u8],
+    ) -> Option<Request> {
+        let peer = st.peers[p]?;
+        let stage = self.layout.record_stage(p);
+        // SAFETY: the staging slot (RECORD bytes) lies inside our buffer and `record` is
+        // at most RECORD bytes (encoders guarantee it).
+        unsafe { std::ptr::copy_nonoverlapping(record.as_ptr(), self.buf(stage), record.len()) };
+        Some(Request {
+            op: Op::Write,
+            local: (self.base + stage) as u64,
+            segment: peer.segment,
+            remote: peer.base + slot(&self.layout, self.rank()) as u64,
+            len: record.len() as u64,
+        })
+    }
+
     /// Writes `record` into slot `slot(me)` of each peer in `to`, in one batch, waiting
     /// up to `timeout`; returns the peers the write did not reach.
     pub(super) fn write_records(
@@ -309,29 +332,17 @@ impl Group {
         record: &[u8],
         timeout: Duration,
     ) -> Vec<usize> {
-        let me = self.rank();
         let mut reqs = Vec::new();
         let mut peers = Vec::new();
         let mut unreached = Vec::new();
         for &p in to {
-            let Some(peer) = st.peers[p] else {
-                unreached.push(p);
-                continue;
-            };
-            let stage = self.layout.record_stage(p);
-            // SAFETY: the staging slot (RECORD bytes) lies inside our buffer and
-            // `record` is at most RECORD bytes (encoders guarantee it).
-            unsafe {
-                std::ptr::copy_nonoverlapping(record.as_ptr(), self.buf(stage), record.len())
-            };
-            reqs.push(Request {
-                op: Op::Write,
-                local: (self.base + stage) as u64,
-                segment: peer.segment,
-                remote: peer.base + slot(&self.layout, me) as u64,
-                len: record.len() as u64,
-            });
-            peers.push(p);
+            match self.record_write(st, p, &slot, record) {
+                Some(req) => {
+                    reqs.push(req);
+                    peers.push(p);
+                }
+                None => unreached.push(p),
+            }
         }
         if reqs.is_empty() {
             return unreached;

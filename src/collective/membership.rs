@@ -33,7 +33,6 @@ use super::layout::{
 use super::view::{next_epoch, public_epoch, ViewRecord, MAX_ADMITTED};
 use super::{Group, ProposalResponse, ProposalStatus, SyncStatus};
 use crate::error::{Code, Error, Result};
-use crate::transport::Op;
 use crate::Request;
 
 /// The views a rank held, for readers outside the state lock and for the rival rule
@@ -164,24 +163,10 @@ impl Group {
         slot: impl Fn(&Layout, usize) -> usize,
         record: &[u8],
     ) {
-        let me = self.rank();
-        let mut reqs = Vec::new();
-        for &p in to {
-            let Some(peer) = st.peers[p] else { continue };
-            let stage = self.layout.record_stage(p);
-            // SAFETY: the staging slot (RECORD bytes) lies inside our buffer and
-            // `record` is at most RECORD bytes (encoders guarantee it).
-            unsafe {
-                std::ptr::copy_nonoverlapping(record.as_ptr(), self.buf(stage), record.len())
-            };
-            reqs.push(Request {
-                op: Op::Write,
-                local: (self.base + stage) as u64,
-                segment: peer.segment,
-                remote: peer.base + slot(&self.layout, me) as u64,
-                len: record.len() as u64,
-            });
-        }
+        let reqs: Vec<Request> = to
+            .iter()
+            .filter_map(|&p| self.record_write(st, p, &slot, record))
+            .collect();
         let n = reqs.len();
         self.post(st, reqs, vec![None; n]);
     }
@@ -640,16 +625,14 @@ impl Group {
             dropped_ranks: Vec::new(),
             reject_reason: why,
         };
-        if !st.mask.has(self.rank()) {
-            let why = format!("rank {} is not active", self.rank());
-            return Ok(reject(&st, why));
-        }
         let wanted = Mask::of(ranks);
         let todo = if activate {
             wanted.minus(&st.mask)
         } else {
             wanted.minus(&wanted.minus(&st.mask))
         };
+        // Already so (every member proposing the same change, the first to coordinate
+        // it applied it for all, the deactivated proposer included): nothing to do.
         if todo.is_empty() && self.change_announced(&st).is_none() {
             return Ok(ProposalResponse {
                 status: ProposalStatus::Applied,
@@ -657,6 +640,10 @@ impl Group {
                 dropped_ranks: Vec::new(),
                 reject_reason: String::new(),
             });
+        }
+        if !st.mask.has(self.rank()) {
+            let why = format!("rank {} is not active", self.rank());
+            return Ok(reject(&st, why));
         }
         let suspects = self.own_suspects(&st);
         let (add, remove) = if activate {

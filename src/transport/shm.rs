@@ -244,10 +244,13 @@ impl Transport for ShmTransport {
         });
     }
 
+    /// Every engine on this host, another in this very process included (an embedded
+    /// cluster): the copy then maps the same memfd a second time and checks the same
+    /// range table, rather than pushing bytes through loopback TCP.
     fn reaches(&self, peer: &SegmentDesc) -> bool {
-        peer.host.as_ref().is_some_and(|h| {
-            h.host_id == self.host_id && h.pid != self.pid && h.guard_fd >= 0 && h.ranges_fd >= 0
-        })
+        peer.host
+            .as_ref()
+            .is_some_and(|h| h.host_id == self.host_id && h.guard_fd >= 0 && h.ranges_fd >= 0)
     }
 
     fn carries(&self, slice: &Slice) -> bool {

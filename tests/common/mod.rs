@@ -123,3 +123,32 @@ impl Drop for Target {
         self.kill();
     }
 }
+
+/// An in-process master with metadata and metrics servers on free ports and the given
+/// read lease.
+pub fn store_server(lease_ms: u64) -> mooncake::store::MasterServer {
+    let mut cfg = mooncake::store::ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: Some(0),
+        ..Default::default()
+    };
+    cfg.master.lease_ttl = std::time::Duration::from_millis(lease_ms);
+    mooncake::store::MasterServer::start(cfg).unwrap()
+}
+
+/// A store client of `s` over TCP lending `segment` bytes (0: a pure client).
+pub fn store_client(
+    s: &mooncake::store::MasterServer,
+    segment: u64,
+    cache_replicas: bool,
+) -> mooncake::store::Client {
+    use mooncake::store::ClientConfig;
+    let metadata = s.metadata_url().unwrap();
+    let cfg = ClientConfig {
+        global_segment_size: segment,
+        cache_replicas,
+        ..ClientConfig::connect(&s.rpc_addr().to_string(), &metadata, "tcp").unwrap()
+    };
+    mooncake::store::Client::new(cfg).unwrap()
+}

@@ -54,8 +54,9 @@ const COMMANDS: &[(&str, &str)] = &[
         "\
   mooncake bench store [--op get|put|exists] [--size 4K] [--batch N] [--threads N]
       [--duration S] [--api zero-copy|copy] [--protocol tcp|auto] [--verify-checksum B]
-      [--no-verify] [--segment-size B] [--master HOST:PORT --metadata URL]
-      Store objects/s and latency against a master and node in child processes.",
+      [--no-verify] [--segment-size B] [--replica-cache B] [--master HOST:PORT --metadata URL]
+      Store objects/s and latency against a master and node in child processes.
+      --replica-cache false: every get asks the master (no descriptors kept under the lease).",
     ),
     (
         "bench master",

@@ -53,10 +53,15 @@ struct Frame {
 /// Reads one frame; `Ok(None)` on a clean EOF.
 fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
     let mut len = [0u8; 4];
-    match stream.read(&mut len[..1]) {
-        Ok(0) => return Ok(None),
-        Ok(_) => {}
-        Err(e) => return Err(Error::io("reading frame", e)),
+    loop {
+        match stream.read(&mut len[..1]) {
+            Ok(0) => return Ok(None),
+            Ok(_) => break,
+            // A signal handled meanwhile (a Python host installs handlers without
+            // SA_RESTART) is no reason to fail the call; `read_exact` below retries too.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::io("reading frame", e)),
+        }
     }
     stream
         .read_exact(&mut len[1..])

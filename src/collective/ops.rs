@@ -85,6 +85,31 @@ impl Group {
             .ok_or_else(|| Error::invalid(format!("{what}: sizes overflow")))
     }
 
+    /// Sizes of a rooted collective (gather, scatter): this rank's own block is
+    /// `sizes[rank]` bytes, and the root's whole buffer their sum. Checked before the
+    /// operation begins, so a refusal leaves every rank in step.
+    fn check_rooted(
+        &self,
+        what: &str,
+        sizes: &[usize],
+        (own_name, own_len): (&str, usize),
+        (whole_name, whole_len): (&str, usize),
+        root: usize,
+    ) -> Result<()> {
+        let total = self.check_sizes(sizes, what)?;
+        if own_len != sizes[self.rank()] {
+            return Err(Error::invalid(format!(
+                "{what}: {own_name} size differs from sizes[rank]"
+            )));
+        }
+        if root == self.rank() && whole_len != total {
+            return Err(Error::invalid(format!(
+                "{what}: {whole_name} size differs from the sum of sizes"
+            )));
+        }
+        Ok(())
+    }
+
     fn check_root(&self, st: &State, root: usize) -> Result<()> {
         if st.mask.has(root) {
             Ok(())
@@ -374,18 +399,13 @@ impl Group {
         sizes: &[usize],
         root: usize,
     ) -> Result<()> {
-        let total = self.check_sizes(sizes, "gather")?;
-        if input.len() != sizes[self.rank()] {
-            return Err(Error::invalid(
-                "gather: input size differs from sizes[rank]",
-            ));
-        }
-        // Before the operation begins: a refusal must leave every rank in step.
-        if root == self.rank() && output.len() != total {
-            return Err(Error::invalid(
-                "gather: output size differs from the sum of sizes",
-            ));
-        }
+        self.check_rooted(
+            "gather",
+            sizes,
+            ("input", input.len()),
+            ("output", output.len()),
+            root,
+        )?;
         let mut st = self.begin()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
@@ -412,18 +432,13 @@ impl Group {
         sizes: &[usize],
         root: usize,
     ) -> Result<()> {
-        let total = self.check_sizes(sizes, "scatter")?;
-        if output.len() != sizes[self.rank()] {
-            return Err(Error::invalid(
-                "scatter: output size differs from sizes[rank]",
-            ));
-        }
-        // Before the operation begins: a refusal must leave every rank in step.
-        if root == self.rank() && input.len() != total {
-            return Err(Error::invalid(
-                "scatter: input size differs from the sum of sizes",
-            ));
-        }
+        self.check_rooted(
+            "scatter",
+            sizes,
+            ("output", output.len()),
+            ("input", input.len()),
+            root,
+        )?;
         let mut st = self.begin()?;
         self.check_root(&st, root)?;
         if root != self.rank() {

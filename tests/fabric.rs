@@ -275,8 +275,16 @@ fn each_write_is_in_target_memory_when_it_completes() {
 }
 
 /// `count` requests of `block` bytes in one batch, from `local` to consecutive blocks
-/// at `remote`; every one must complete.
-fn run_batch(engine: &Engine, op: Op, local: &mut [u8], seg: u64, remote: u64, block: usize) {
+/// at `remote`; every one must complete (`what` names the run in a failure).
+fn run_batch(
+    what: &str,
+    engine: &Engine,
+    op: Op,
+    local: &mut [u8],
+    seg: u64,
+    remote: u64,
+    block: usize,
+) {
     let reqs: Vec<Request> = local
         .chunks_mut(block)
         .enumerate()
@@ -291,7 +299,9 @@ fn run_batch(engine: &Engine, op: Op, local: &mut [u8], seg: u64, remote: u64, b
     let b = engine.allocate_batch(reqs.len()).unwrap();
     // SAFETY: `local` outlives the wait below.
     unsafe { engine.submit(b, &reqs) }.unwrap();
-    engine.wait_batch(b, WAIT).unwrap();
+    if let Err(e) = engine.wait_batch(b, WAIT) {
+        panic!("{what}: {op:?} batch of {} blocks: {e}", reqs.len());
+    }
     engine.free_batch(b).unwrap();
 }
 
@@ -307,9 +317,9 @@ fn a_burst_of_small_operations_completes() {
         let seg = initiator.open_segment(&target.name).unwrap();
         let remote = initiator.segment_descriptor(seg).unwrap().buffers[0].addr;
         let mut src = pattern(77, BLOCK * COUNT);
-        run_batch(&initiator, Op::Write, &mut src, seg, remote, BLOCK);
+        run_batch(p, &initiator, Op::Write, &mut src, seg, remote, BLOCK);
         let mut back = vec![0u8; BLOCK * COUNT];
-        run_batch(&initiator, Op::Read, &mut back, seg, remote, BLOCK);
+        run_batch(p, &initiator, Op::Read, &mut back, seg, remote, BLOCK);
         assert!(back == src, "{p}: every block read back as written");
     }
 }

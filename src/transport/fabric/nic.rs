@@ -29,6 +29,11 @@ struct Counters {
 // SAFETY: as for `SendPtr`; the Nic closes them after joining the progress thread.
 unsafe impl Send for Counters {}
 
+/// Entries asked for in each CQ: completions of this many outstanding operations.
+const CQ_ENTRIES: usize = 1024;
+/// What a CQ of the provider's default size is assumed to hold (`sockets`: 256).
+const CQ_ENTRIES_DEFAULT: usize = 128;
+
 /// One endpoint with its completion queue and address vector.
 pub(super) struct Endpoint {
     pub ep: *mut fi::fid_ep,
@@ -36,6 +41,10 @@ pub(super) struct Endpoint {
     pub av: *mut fi::fid_av,
     /// The CQ's wait descriptor (`FI_GETWAIT`), when the provider has one.
     pub fd: Option<RawFd>,
+    /// How many completions the CQ is sure to hold: no more operations than this may
+    /// be outstanding on the endpoint, as some providers (`sockets`) drop completions
+    /// that find the CQ full.
+    pub cq_entries: usize,
 }
 
 // SAFETY: the objects belong to a FI_THREAD_SAFE domain; an Endpoint is used by one
@@ -51,7 +60,7 @@ impl Endpoint {
 
     /// As `open`, with counters of the WRITEs and READs peers direct at it.
     fn open_counted(nic: &Nic, counters: Option<Counters>) -> Result<Endpoint> {
-        let cq = nic.open_cq()?;
+        let (cq, cq_entries) = nic.open_cq()?;
         let mut fd: c_int = -1;
         // SAFETY: `cq` is live; FI_GETWAIT writes an int descriptor for FI_WAIT_FD CQs.
         let rc = unsafe {
@@ -66,6 +75,7 @@ impl Endpoint {
             cq,
             av: std::ptr::null_mut(),
             fd: (rc == 0 && fd >= 0).then_some(fd),
+            cq_entries,
         };
         e.open_ep(nic, counters)?;
         Ok(e)
@@ -417,23 +427,28 @@ impl Nic {
         }
     }
 
-    fn open_cq(&self) -> Result<*mut fi::fid_cq> {
+    /// Opens a CQ of `CQ_ENTRIES` entries (or, where the provider refuses that size,
+    /// of its default size, assumed to be at least `CQ_ENTRIES_DEFAULT`), with a wait
+    /// descriptor if the provider offers one; returns it with the entries it holds.
+    fn open_cq(&self) -> Result<(*mut fi::fid_cq, usize)> {
         let mut last = 0;
-        for wait in [fi::FI_WAIT_FD, fi::FI_WAIT_NONE] {
-            let mut attr = fi::fi_cq_attr {
-                size: 0,
-                flags: 0,
-                format: fi::FI_CQ_FORMAT_CONTEXT,
-                wait_obj: wait,
-                signaling_vector: 0,
-                wait_cond: fi::FI_CQ_COND_NONE,
-                wait_set: std::ptr::null_mut(),
-            };
-            let mut cq = std::ptr::null_mut();
-            // SAFETY: live domain, valid attr and out-pointer.
-            last = unsafe { fi::fi_cq_open(self.domain, &mut attr, &mut cq) };
-            if last == 0 {
-                return Ok(cq);
+        for (size, entries) in [(CQ_ENTRIES, CQ_ENTRIES), (0, CQ_ENTRIES_DEFAULT)] {
+            for wait in [fi::FI_WAIT_FD, fi::FI_WAIT_NONE] {
+                let mut attr = fi::fi_cq_attr {
+                    size,
+                    flags: 0,
+                    format: fi::FI_CQ_FORMAT_CONTEXT,
+                    wait_obj: wait,
+                    signaling_vector: 0,
+                    wait_cond: fi::FI_CQ_COND_NONE,
+                    wait_set: std::ptr::null_mut(),
+                };
+                let mut cq = std::ptr::null_mut();
+                // SAFETY: live domain, valid attr and out-pointer.
+                last = unsafe { fi::fi_cq_open(self.domain, &mut attr, &mut cq) };
+                if last == 0 {
+                    return Ok((cq, entries));
+                }
             }
         }
         Err(self.error("fi_cq_open", self.lib.strerror(last as i64)))

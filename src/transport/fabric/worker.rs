@@ -41,6 +41,9 @@ struct Lane {
     /// readable nothing can complete, so polls with nothing in flight look at the
     /// descriptor alone.
     armed: bool,
+    /// Operations posted on `ep` whose completions are not read yet (at most its
+    /// `cq_entries`).
+    posted: usize,
 }
 
 /// Everything one posted operation needs until its completion is read.
@@ -125,6 +128,7 @@ impl FabricWorker {
                 peers: HashMap::new(),
                 broken: false,
                 armed: false,
+                posted: 0,
             });
         }
         // The engine parks on one descriptor that stays the same when a lane's CQ is
@@ -280,12 +284,18 @@ impl FabricWorker {
         Ok(())
     }
 
-    /// Posts queued operations until the provider pushes back.
+    /// Posts queued operations until the provider pushes back or a lane's CQ could
+    /// not hold one more completion.
     fn post_queued(&mut self) -> bool {
         let mut moved = false;
         while let Some(q) = self.queued.pop_front() {
             if !self.slices.contains_key(&q.slice) {
                 continue; // timed out or failed meanwhile
+            }
+            let lane = &self.lanes[q.lane];
+            if lane.posted >= lane.ep.cq_entries {
+                self.queued.push_front(q);
+                break;
             }
             match self.post_one(&q) {
                 Ok(true) => moved = true,
@@ -380,6 +390,7 @@ impl FabricWorker {
         }
         // Posting may leave work only progress finishes (a partly sent request).
         self.lanes[q.lane].armed = false;
+        self.lanes[q.lane].posted += 1;
         self.ops.insert(
             ctx_ptr as usize,
             PostedOp {
@@ -390,6 +401,14 @@ impl FabricWorker {
             },
         );
         Ok(true)
+    }
+
+    /// Removes the posted operation whose context is at `ctx`, if it is ours.
+    fn take_op(&mut self, ctx: usize) -> Option<PostedOp> {
+        let op = self.ops.remove(&ctx)?;
+        let lane = &mut self.lanes[op.lane];
+        lane.posted = lane.posted.saturating_sub(1);
+        Some(op)
     }
 
     /// Accounts one finished operation of `slice` (`failure` None: success).
@@ -428,7 +447,7 @@ impl FabricWorker {
             if n > 0 {
                 moved = true;
                 for e in &entries[..n as usize] {
-                    if let Some(op) = self.ops.remove(&(e.op_context as usize)) {
+                    if let Some(op) = self.take_op(e.op_context as usize) {
                         self.op_finished(op.slice, None);
                         self.contexts.push(op.ctx);
                     }
@@ -469,7 +488,7 @@ impl FabricWorker {
         // endpoint is replaced before it is used again.
         l.broken = true;
         let outcome = classify(err.err, why);
-        if let Some(op) = self.ops.remove(&(err.op_context as usize)) {
+        if let Some(op) = self.take_op(err.op_context as usize) {
             self.op_finished(op.slice, Some(outcome));
             self.contexts.push(op.ctx);
         }
@@ -500,7 +519,7 @@ impl FabricWorker {
             .map(|(k, _)| *k)
             .collect();
         for k in lost {
-            if let Some(op) = self.ops.remove(&k) {
+            if let Some(op) = self.take_op(k) {
                 self.op_finished(
                     op.slice,
                     Some(Outcome::PathFailed("fabric endpoint was reset".into())),

@@ -10,11 +10,11 @@
 //! stop waiting) and gets a fresh snapshot when it polls again. The log itself is
 //! `segment_log`; disk-tier copies are `offload`.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::replicas::Replicas;
 use super::segment_log::{MAX_EVENTS_PER_POLL, POLL_WAIT};
 use super::segments::{PieceAlloc, ReplicaAlloc, Segment};
 use super::{policy, Master, Object};
@@ -134,7 +134,7 @@ pub struct Commits(Vec<(Arc<Segment>, u64)>);
 impl Commits {
     /// Records the commit of `key` in the log of every segment holding a piece of it.
     pub fn record(&mut self, key: &str, o: &Object) {
-        for replica in &o.replicas {
+        for replica in o.replicas.iter() {
             for (index, piece) in replica.iter().enumerate() {
                 let seq = piece
                     .seg
@@ -149,20 +149,18 @@ impl Commits {
 }
 
 /// The object a re-announced replica becomes: complete, unleased, in no group.
-fn adopted(entry: &CatalogEntry, replica: ReplicaAlloc, now: u64) -> Object {
+fn adopted(entry: &CatalogEntry, replica: ReplicaAlloc) -> Object {
     Object {
         size: entry.size,
         crc32c: entry.crc32c,
         complete: true,
-        writer: 0,
-        started_ms: now,
-        replicas: vec![replica],
+        pending: None,
+        replicas: Replicas::from(vec![replica]),
         lease_until_ms: 0,
         node: policy::NONE,
         hard_pin: entry.hard_pin,
         soft_pin_until_ms: 0,
-        groups: Vec::new(),
-        hold: None,
+        groups: Box::default(),
         version: entry.version,
         disk: None,
     }
@@ -170,14 +168,14 @@ fn adopted(entry: &CatalogEntry, replica: ReplicaAlloc, now: u64) -> Object {
 
 /// Tells the owners' catalogs that these pieces hold nothing any more (their space
 /// is freed later, which tells them again, harmlessly).
-pub(super) fn forget_pieces(replicas: &[ReplicaAlloc]) {
-    for piece in replicas.iter().flatten() {
+pub(super) fn forget_pieces(replicas: &Replicas) {
+    for piece in replicas.pieces() {
         let addr = piece.piece().addr;
         piece.seg.log.record(|| CatalogEvent::Free(addr));
     }
 }
 
-fn entry_of(key: &str, o: &Object, replica: &ReplicaAlloc, index: usize) -> CatalogEntry {
+fn entry_of(key: &str, o: &Object, replica: &[PieceAlloc], index: usize) -> CatalogEntry {
     CatalogEntry {
         key: key.to_owned(),
         version: o.version,
@@ -281,7 +279,7 @@ impl Master {
                 if o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
                     seg.log.record(|| CatalogEvent::Keep(key.to_string()));
                 }
-                for replica in &o.replicas {
+                for replica in o.replicas.iter() {
                     for (index, piece) in replica.iter().enumerate() {
                         if Arc::ptr_eq(&piece.seg, seg) {
                             seg.log
@@ -470,13 +468,12 @@ impl Master {
         let key = entry.key.as_str();
         let mut guard = Self::lock(self.shard(key));
         let shard = &mut *guard;
-        match shard.objects.entry(Arc::from(key)) {
-            Entry::Vacant(v) => {
-                v.insert(adopted(entry, replica, now));
+        match shard.objects.get_mut(key) {
+            None => {
+                shard.objects.insert(key, adopted(entry, replica));
                 self.objects.fetch_add(1, Ordering::Relaxed);
             }
-            Entry::Occupied(mut o) => {
-                let o = o.get_mut();
+            Some(o) => {
                 let same = o.complete
                     && o.version == entry.version
                     && o.size == entry.size
@@ -493,7 +490,7 @@ impl Master {
                     return false;
                 }
                 // A later version than the one held: it replaces it.
-                let old = std::mem::replace(o, adopted(entry, replica, now));
+                let old = std::mem::replace(o, adopted(entry, replica));
                 if old.node != policy::NONE {
                     shard.policy.remove(old.node);
                 }

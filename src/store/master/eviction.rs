@@ -163,9 +163,9 @@ impl Master {
     /// The lowest evictable entry of `shard`.
     fn lowest(shard: &mut Shard, now: u64, allow_soft_pinned: bool) -> Lowest {
         let Shard { objects, policy } = shard;
-        policy.lowest_where(PASS_OVER, |k| {
+        policy.lowest_where(PASS_OVER, |slot| {
             objects
-                .get(k)
+                .at(slot)
                 .is_some_and(|o| evictable(o, now, allow_soft_pinned))
         })
     }
@@ -209,11 +209,17 @@ impl Master {
     /// Evicts the object of node `id` at `head` of `shard`'s order (found evictable
     /// under the same lock): its bytes and its groups.
     fn evict_node(&self, shard: &mut Shard, head: Head, id: u32) -> Option<(u64, Vec<String>)> {
-        let key = shard.policy.key(id).cloned()?;
+        let slot = shard.policy.slot(id)?;
+        // A node outliving its object would name whatever took the slot since.
+        if shard.objects.at(slot)?.node != id {
+            debug_assert!(false, "policy node {id} outlived its object");
+            return None;
+        }
+        let key = shard.objects.key_at(slot)?.to_owned();
         let o = shard.evict(&key, Self::key_hash(&key))?;
         self.aging.floor.fetch_max(head.level, Ordering::Relaxed);
         let bytes = self.account_eviction(&o);
-        let groups = o.groups.clone();
+        let groups = o.groups.to_vec();
         if !groups.is_empty() {
             self.forget_member(&groups, &key);
         }
@@ -223,12 +229,7 @@ impl Master {
 
     /// Counts an evicted object; returns its bytes (freed when `o` drops).
     fn account_eviction(&self, o: &Object) -> u64 {
-        let bytes: u64 = o
-            .replicas
-            .iter()
-            .flatten()
-            .map(|p| p.alloc.block_size())
-            .sum();
+        let bytes: u64 = o.replicas.pieces().map(|p| p.alloc.block_size()).sum();
         self.objects.fetch_sub(1, Ordering::Relaxed);
         self.evicted_objects.fetch_add(1, Ordering::Relaxed);
         self.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);

@@ -9,6 +9,7 @@ mod eviction;
 mod offload;
 mod policy;
 mod quota;
+mod replicas;
 mod segment_log;
 mod segments;
 mod table;
@@ -16,7 +17,7 @@ mod table;
 pub use clock::Clock;
 pub use config::{AllocationStrategy, MasterConfig};
 
-use std::collections::hash_map::{DefaultHasher, Entry};
+use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,18 +29,19 @@ use crate::store::protocol::{
     Response, SegmentInfo, MAX_SOFT_PIN_TTL_MS,
 };
 use crate::util::regex::Regex;
-use segments::{ReplicaAlloc, SegmentTable};
+use replicas::Replicas;
+use segments::{PieceAlloc, ReplicaAlloc, SegmentTable};
 use table::Shard;
 
-/// One object's metadata.
+/// One object's metadata, packed: a master holds millions (bench/README.md).
 struct Object {
     size: u64,
     crc32c: u32,
     /// False while the writer is still moving bytes (between PutStart and PutEnd).
     complete: bool,
-    writer: u64,
-    started_ms: u64,
-    replicas: Vec<ReplicaAlloc>,
+    /// The put in progress, while not `complete`.
+    pending: Option<Box<Pending>>,
+    replicas: Replicas,
     lease_until_ms: u64,
     /// This object's place in its shard's victim order (`policy::NONE`: not evictable
     /// by policy, being unfinished or hard-pinned).
@@ -47,9 +49,7 @@ struct Object {
     hard_pin: bool,
     soft_pin_until_ms: u64,
     /// Groups whose members share this object's lease and eviction fate.
-    groups: Vec<String>,
-    /// The writer's unfinished-put quota this object takes until its PutEnd.
-    hold: Option<quota::Hold>,
+    groups: Box<[String]>,
     /// Which put wrote it (`Master::next_version`), so that of two copies of a key
     /// nodes re-announce, the later one wins.
     version: u64,
@@ -57,11 +57,31 @@ struct Object {
     disk: Option<Box<offload::DiskCopy>>,
 }
 
+/// An unfinished put: who writes, since when, and the writer's unfinished-put quota
+/// the object takes until its PutEnd.
+struct Pending {
+    writer: u64,
+    started_ms: u64,
+    _hold: quota::Hold,
+}
+
+impl Object {
+    /// Whether `client` is writing this unfinished object.
+    fn written_by(&self, client: u64) -> bool {
+        !self.complete && self.pending.as_ref().is_some_and(|p| p.writer == client)
+    }
+
+    /// When the unfinished put began (0 for a complete object).
+    fn started_ms(&self) -> u64 {
+        self.pending.as_ref().map_or(0, |p| p.started_ms)
+    }
+}
+
 /// Space that must not be reused yet (an abandoned writer or a force-removed object's
 /// readers may still touch it); freed when its time comes.
 struct Quarantined {
     until_ms: u64,
-    _replicas: Vec<ReplicaAlloc>,
+    _replicas: Replicas,
 }
 
 struct ClientState {
@@ -445,9 +465,8 @@ impl Master {
         {
             let mut guard = Self::lock(self.shard(key));
             let shard = &mut *guard;
-            match shard.objects.entry(Arc::from(key)) {
-                Entry::Occupied(mut e) => {
-                    let o = e.get_mut();
+            match shard.objects.get_mut(key) {
+                Some(o) => {
                     if o.complete {
                         if !upsert {
                             return Err(Code::ObjectAlreadyExists);
@@ -455,19 +474,19 @@ impl Master {
                         if o.lease_until_ms > now {
                             return Err(Code::ObjectHasLease);
                         }
-                    } else if now.saturating_sub(o.started_ms)
+                    } else if now.saturating_sub(o.started_ms())
                         < self.config.put_start_discard_timeout.as_millis() as u64
                     {
                         return Err(Code::ObjectAlreadyExists);
                     } else {
                         // Take over an abandoned put; its space waits out the release timeout.
-                        let until =
-                            o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
+                        let until = o.started_ms()
+                            + self.config.put_start_release_timeout.as_millis() as u64;
                         self.quarantine_replicas(std::mem::take(&mut o.replicas), until);
                         log::warn!(
                             "put of {} by client {:#x} abandoned; taken over",
                             shown_key(key),
-                            o.writer
+                            o.pending.as_ref().map_or(0, |p| p.writer)
                         );
                     }
                     if o.node != policy::NONE {
@@ -477,8 +496,9 @@ impl Master {
                     let placeholder = self.placeholder(client, size, now, config, hold);
                     *o = placeholder;
                 }
-                Entry::Vacant(v) => {
-                    v.insert(self.placeholder(client, size, now, config, hold));
+                None => {
+                    let o = self.placeholder(client, size, now, config, hold);
+                    shard.objects.insert(key, o);
                     self.objects.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -487,7 +507,7 @@ impl Master {
         let replicas = self.allocate(client, size, config);
         let mut map = Self::lock(self.shard(key));
         let ours = map.get(key).is_some_and(|o| {
-            !o.complete && o.writer == client && o.started_ms == now && o.replicas.is_empty()
+            o.written_by(client) && o.started_ms() == now && o.replicas.is_empty()
         });
         if !ours {
             // Force-removed or taken over meanwhile: dropping `replicas` frees the space.
@@ -498,7 +518,8 @@ impl Master {
             self.objects.fetch_sub(1, Ordering::Relaxed);
             return Err(Code::NoAvailableHandle);
         }
-        let desc = segments::describe(&replicas);
+        let replicas = Replicas::from(replicas);
+        let desc = replicas.describe();
         if let Some(o) = map.get_mut(key) {
             o.replicas = replicas;
         }
@@ -518,15 +539,17 @@ impl Master {
             size,
             crc32c: 0,
             complete: false,
-            writer: client,
-            started_ms: now,
-            replicas: Vec::new(),
+            pending: Some(Box::new(Pending {
+                writer: client,
+                started_ms: now,
+                _hold: hold,
+            })),
+            replicas: Replicas::default(),
             lease_until_ms: 0,
             node: policy::NONE,
             hard_pin: config.hard_pin,
-            groups: config.group_ids.clone(),
+            groups: config.group_ids.clone().into(),
             soft_pin_until_ms: if config.soft_pin { now + soft_ttl } else { 0 },
-            hold: Some(hold),
             version: 0,
             disk: None,
         }
@@ -565,7 +588,7 @@ impl Master {
         Vec::new()
     }
 
-    fn quarantine_replicas(&self, replicas: Vec<ReplicaAlloc>, until_ms: u64) {
+    fn quarantine_replicas(&self, replicas: Replicas, until_ms: u64) {
         if !replicas.is_empty() {
             self.quarantine
                 .lock()
@@ -587,9 +610,9 @@ impl Master {
         check_key(key)?;
         let mut map = Self::lock(self.shard(key));
         match map.get_mut(key) {
-            Some(o) if !o.complete && o.writer == client && !o.replicas.is_empty() => {
+            Some(o) if o.written_by(client) && !o.replicas.is_empty() => {
                 o.complete = true;
-                o.hold = None;
+                o.pending = None;
                 o.crc32c = crc32c;
                 o.version = self.catalogs.next_version();
                 committed.record(key, o);
@@ -608,7 +631,7 @@ impl Master {
         check_key(key)?;
         let mut map = Self::lock(self.shard(key));
         match map.get(key) {
-            Some(o) if !o.complete && o.writer == client => {
+            Some(o) if o.written_by(client) => {
                 map.remove(key);
                 self.objects.fetch_sub(1, Ordering::Relaxed);
                 Ok(())
@@ -647,7 +670,7 @@ impl Master {
             size: o.size,
             crc32c: o.crc32c,
             lease_ms: ttl,
-            replicas: segments::describe(&o.replicas),
+            replicas: o.replicas.describe(),
         };
         let groups = o.groups.clone();
         self.touch(&mut map, key);
@@ -757,7 +780,7 @@ impl Master {
             return Err(Code::ObjectHasLease);
         }
         let on_segment =
-            |r: &ReplicaAlloc| segment.is_empty() || r.iter().any(|p| p.piece().segment == segment);
+            |r: &[PieceAlloc]| segment.is_empty() || r.iter().any(|p| p.piece().segment == segment);
         let doomed = o.replicas.iter().filter(|r| on_segment(r)).count();
         if doomed == 0 {
             return Err(Code::SegmentNotFound);
@@ -790,7 +813,7 @@ impl Master {
     /// mid-put, a reader within its lease) is quarantined rather than freed.
     fn dispose(&self, o: Object, now: u64) {
         if !o.complete {
-            let until = o.started_ms + self.config.put_start_release_timeout.as_millis() as u64;
+            let until = o.started_ms() + self.config.put_start_release_timeout.as_millis() as u64;
             self.quarantine_replicas(o.replicas, until);
         } else if o.lease_until_ms > now {
             // Gone for the nodes' catalogs now, though its space waits for the readers.
@@ -895,7 +918,7 @@ impl Master {
         let mut released = 0;
         for shard in self.shards.iter() {
             Self::lock(shard).retain(|_, o| {
-                let keep = o.complete || now.saturating_sub(o.started_ms) < release;
+                let keep = o.complete || now.saturating_sub(o.started_ms()) < release;
                 released += (!keep) as u64;
                 keep
             });
@@ -909,7 +932,7 @@ impl Master {
     pub fn query(&self, key: &str) -> Option<(u64, bool, Vec<ReplicaDesc>)> {
         let map = Self::lock(self.shard(key));
         map.get(key)
-            .map(|o| (o.size, o.complete, segments::describe(&o.replicas)))
+            .map(|o| (o.size, o.complete, o.replicas.describe()))
     }
 
     /// Every key, complete or not (unbounded: for tests and tools, not for serving).

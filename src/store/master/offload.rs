@@ -4,13 +4,13 @@
 //! forgotten with the object (`Forget`). A remounting node announces what its disk
 //! holds (`adopt_disk`).
 
-use std::collections::hash_map::Entry;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::catalog::Commits;
-use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
+use super::replicas::Replicas;
+use super::segments::{PieceAlloc, Segment};
 use super::table::Shard;
 use super::{policy, Master, Object};
 use crate::error::Code;
@@ -48,20 +48,18 @@ impl Drop for DiskCopy {
 }
 
 /// The object a disk tier's copy becomes when memory holds none.
-fn disk_only(d: &DiskEntry, seg: &Arc<Segment>, now: u64) -> Object {
+fn disk_only(d: &DiskEntry, seg: &Arc<Segment>) -> Object {
     Object {
         size: d.size,
         crc32c: d.crc32c,
         complete: true,
-        writer: 0,
-        started_ms: now,
-        replicas: Vec::new(),
+        pending: None,
+        replicas: Replicas::default(),
         lease_until_ms: 0,
         node: policy::NONE,
         hard_pin: false,
         soft_pin_until_ms: 0,
-        groups: Vec::new(),
-        hold: None,
+        groups: Box::default(),
         version: d.version,
         disk: Some(DiskCopy::new(seg, &d.key, d.version)),
     }
@@ -80,14 +78,13 @@ impl Master {
         }
         let mut guard = Self::lock(self.shard(&d.key));
         let shard = &mut *guard;
-        match shard.objects.entry(Arc::from(d.key.as_str())) {
-            Entry::Vacant(v) => {
-                v.insert(disk_only(d, seg, now));
+        match shard.objects.get_mut(&d.key) {
+            None => {
+                shard.objects.insert(&d.key, disk_only(d, seg));
                 self.objects.fetch_add(1, Ordering::Relaxed);
                 true
             }
-            Entry::Occupied(mut o) => {
-                let o = o.get_mut();
+            Some(o) => {
                 if o.complete && o.version == d.version && o.size == d.size {
                     if o.disk.is_none() {
                         o.disk = Some(DiskCopy::new(seg, &d.key, d.version));
@@ -97,7 +94,7 @@ impl Master {
                 if !o.complete || o.version >= d.version {
                     return false;
                 }
-                let old = std::mem::replace(o, disk_only(d, seg, now));
+                let old = std::mem::replace(o, disk_only(d, seg));
                 if old.node != policy::NONE {
                     shard.policy.remove(old.node);
                 }
@@ -119,13 +116,13 @@ impl Master {
             if !self.config.offload_on_evict {
                 return;
             }
-            let fits = |r: &ReplicaAlloc| {
-                r.len() == 1 && r[0].seg.disk_capacity.load(Ordering::Relaxed) >= o.size
+            let size = o.size;
+            let fits = |r: &[PieceAlloc]| {
+                r.len() == 1 && r[0].seg.disk_capacity.load(Ordering::Relaxed) >= size
             };
-            let Some(pos) = o.replicas.iter().position(fits) else {
+            let Some(replica) = o.replicas.take_where(fits) else {
                 return;
             };
-            let replica = o.replicas.swap_remove(pos);
             let seg = replica[0].seg.clone();
             let addr = replica[0].piece().addr;
             if seg
@@ -139,9 +136,9 @@ impl Master {
         }
         o.replicas.clear();
         o.node = policy::NONE;
-        o.groups.clear();
+        o.groups = Box::default();
         o.soft_pin_until_ms = 0;
-        shard.objects.insert(Arc::from(key), o);
+        shard.objects.insert(key, o);
         self.objects.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -223,12 +220,12 @@ impl Master {
             return self.lookup(key, false);
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);
-        let staged = vec![vec![space]];
+        let staged = Replicas::One(space);
         let desc = ObjectDesc {
             size: o.size,
             crc32c: o.crc32c,
             lease_ms: ttl,
-            replicas: segments::describe(&staged),
+            replicas: staged.describe(),
         };
         drop(map);
         self.quarantine_replicas(staged, now + ttl);

@@ -14,7 +14,9 @@
 //! hit count of evicted objects) gives an object written again soon after its
 //! eviction its history back.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
+
+use super::table::Chunks;
 
 /// Levels per unit of weight: weights are quantized to 1/`STEPS`.
 const STEPS: f64 = 8.0;
@@ -49,9 +51,9 @@ fn max_weight() -> u64 {
 }
 
 struct Node {
-    /// The object's key (shared with the table), for the table to find a victim;
-    /// `None` in a free slot.
-    key: Option<Arc<str>>,
+    /// The object's slot in the table's arena, for the table to find a victim;
+    /// `NONE` in a free node.
+    slot: u32,
     prev: u32,
     next: u32,
     /// Insertion order, to break ties between shards (wrapping).
@@ -100,7 +102,7 @@ pub(super) enum Lowest {
 
 /// One shard's victim order and hit history.
 pub(super) struct Policy {
-    nodes: Vec<Node>,
+    nodes: Chunks<Node>,
     /// Free node slots, linked through `next`.
     free: u32,
     ring: Box<[List; RING]>,
@@ -115,7 +117,7 @@ pub(super) struct Policy {
 impl Default for Policy {
     fn default() -> Self {
         Policy {
-            nodes: Vec::new(),
+            nodes: Chunks::default(),
             free: NONE,
             ring: Box::new([EMPTY; RING]),
             base: 0,
@@ -140,11 +142,11 @@ impl Policy {
         self.requeue(id, level, seq);
     }
 
-    /// Adds `key` (hashed to `hash`) with its first hit, or with its ghost's hits and
-    /// one more; returns its node.
-    pub fn insert_hit(&mut self, key: Arc<str>, hash: u64, floor: u64, seq: u32) -> u32 {
+    /// Adds the object in table slot `slot` (its key hashed to `hash`) with its first
+    /// hit, or with its ghost's hits and one more; returns its node.
+    pub fn insert_hit(&mut self, slot: u32, hash: u64, floor: u64, seq: u32) -> u32 {
         let hits = self.ghosts.recall(hash).saturating_add(1);
-        let id = self.insert(key, floor + weight(hits), seq);
+        let id = self.insert(slot, floor + weight(hits), seq);
         self.nodes[id as usize].hits = hits;
         id
     }
@@ -163,10 +165,10 @@ impl Policy {
         floor + max_weight()
     }
 
-    /// Adds `key` at `level`; returns its node.
-    pub fn insert(&mut self, key: Arc<str>, level: u64, seq: u32) -> u32 {
+    /// Adds the object in table slot `slot` at `level`; returns its node.
+    pub fn insert(&mut self, slot: u32, level: u64, seq: u32) -> u32 {
         let node = Node {
-            key: Some(key),
+            slot,
             prev: NONE,
             next: NONE,
             seq,
@@ -174,8 +176,7 @@ impl Policy {
             hits: 1,
         };
         let id = if self.free == NONE {
-            self.nodes.push(node);
-            (self.nodes.len() - 1) as u32
+            self.nodes.push(node)
         } else {
             let id = self.free;
             self.free = self.nodes[id as usize].next;
@@ -201,13 +202,13 @@ impl Policy {
     pub fn remove(&mut self, id: u32) {
         self.unlink(id);
         let n = &mut self.nodes[id as usize];
-        n.key = None;
+        n.slot = NONE;
         n.next = self.free;
         self.free = id;
         self.len -= 1;
         // Give back slack once the slots are mostly free (an order that shrank a lot).
         if self.len == 0 && self.nodes.len() > 1024 {
-            self.nodes = Vec::new();
+            self.nodes = Chunks::default();
             self.free = NONE;
         }
     }
@@ -233,16 +234,16 @@ impl Policy {
         None
     }
 
-    /// The lowest entry whose key `pick` accepts, looking at no more than `limit`
-    /// entries from the bottom.
-    pub fn lowest_where(&mut self, limit: usize, mut pick: impl FnMut(&str) -> bool) -> Lowest {
+    /// The lowest entry whose table slot `pick` accepts, looking at no more than
+    /// `limit` entries from the bottom.
+    pub fn lowest_where(&mut self, limit: usize, mut pick: impl FnMut(u32) -> bool) -> Lowest {
         let Some((first, lowest)) = self.head() else {
             return Lowest::None;
         };
         let (mut level, mut id) = (first.level, lowest);
         for _ in 0..limit {
             let n = &self.nodes[id as usize];
-            if n.key.as_deref().is_some_and(&mut pick) {
+            if n.slot != NONE && pick(n.slot) {
                 return Lowest::Found(Head { level, seq: n.seq }, id);
             }
             let mut next = n.next;
@@ -259,9 +260,9 @@ impl Policy {
         Lowest::Blocked(lowest)
     }
 
-    /// The key of node `id`.
-    pub fn key(&self, id: u32) -> Option<&Arc<str>> {
-        self.nodes[id as usize].key.as_ref()
+    /// The table slot of node `id`'s object.
+    pub fn slot(&self, id: u32) -> Option<u32> {
+        Some(self.nodes[id as usize].slot).filter(|s| *s != NONE)
     }
 
     fn link(&mut self, id: u32, level: u64) {
@@ -429,13 +430,14 @@ impl Ghosts {
 mod tests {
     use super::*;
 
-    fn key(i: u32) -> Arc<str> {
-        Arc::from(format!("k{i}"))
+    /// The table slot of the object named `i` in these tests.
+    fn key(i: u32) -> u32 {
+        i
     }
 
     fn pop(p: &mut Policy) -> Option<String> {
         let (_, id) = p.head()?;
-        let k = p.key(id)?.to_string();
+        let k = format!("k{}", p.slot(id)?);
         p.remove(id);
         Some(k)
     }

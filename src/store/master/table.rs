@@ -1,16 +1,394 @@
 //! One shard of the object table: objects by key, and the victim order of those that
 //! may be evicted, kept in step (every removal also leaves the order).
+//!
+//! Laid out for millions of objects per master: objects live in a chunked arena
+//! (growth adds a chunk, never copies the arena) and are found through an
+//! open-addressing index of (hash tag, arena slot) pairs; short keys sit inline in
+//! their slot, longer ones in one byte arena per shard (no allocation per key),
+//! compacted once dead bytes outnumber live ones. The victim order refers to objects
+//! by arena slot. bench/README.md has the figures.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::ops::{Index, IndexMut};
 
 use super::policy::{Policy, NONE};
 use super::Object;
 
+/// Elements per arena chunk (a power of two): small enough that a near-empty shard
+/// costs little, large enough that the chunk list stays short.
+const CHUNK_BITS: u32 = 9;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// A growable array in fixed-size chunks: pushing never moves what is stored, and
+/// the spare room is at most one chunk.
+pub(super) struct Chunks<T> {
+    chunks: Vec<Vec<T>>,
+}
+
+impl<T> Default for Chunks<T> {
+    fn default() -> Self {
+        Chunks { chunks: Vec::new() }
+    }
+}
+
+impl<T> Chunks<T> {
+    pub fn len(&self) -> usize {
+        match self.chunks.last() {
+            Some(last) => ((self.chunks.len() - 1) << CHUNK_BITS) + last.len(),
+            None => 0,
+        }
+    }
+
+    /// Appends `value`; returns its index.
+    pub fn push(&mut self, value: T) -> u32 {
+        let index = self.len() as u32;
+        match self.chunks.last_mut() {
+            Some(last) if last.len() < CHUNK => last.push(value),
+            _ => {
+                let mut chunk = Vec::with_capacity(CHUNK);
+                chunk.push(value);
+                self.chunks.push(chunk);
+            }
+        }
+        index
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.chunks.iter().flatten()
+    }
+}
+
+impl<T> Index<usize> for Chunks<T> {
+    type Output = T;
+    fn index(&self, i: usize) -> &T {
+        &self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)]
+    }
+}
+
+impl<T> IndexMut<usize> for Chunks<T> {
+    fn index_mut(&mut self, i: usize) -> &mut T {
+        &mut self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)]
+    }
+}
+
+/// An arena slot: an object and its key; a free slot holds no object, and its key
+/// field the next free slot.
+struct Entry {
+    key: KeyRef,
+    object: Option<Object>,
+}
+
+/// A key: its bytes inline when it is short (the common case: no second cache miss
+/// to compare it), else where they are in the shard's key arena. The last byte is the
+/// inline length, or `SPILLED`.
+#[derive(Clone, Copy)]
+struct KeyRef([u8; 16]);
+
+/// Longest key kept inline.
+const INLINE: usize = 15;
+const SPILLED: u8 = u8::MAX;
+
+impl KeyRef {
+    fn inline(key: &[u8]) -> KeyRef {
+        let mut b = [0; 16];
+        b[..key.len()].copy_from_slice(key);
+        b[INLINE] = key.len() as u8;
+        KeyRef(b)
+    }
+
+    /// Bytes `at..at + len` of the key arena (the master takes keys of at most
+    /// `protocol::MAX_KEY_LEN` bytes; the length field holds up to 4 GiB).
+    fn spilled(at: usize, len: usize) -> KeyRef {
+        let mut b = [0; 16];
+        b[..8].copy_from_slice(&(at as u64).to_le_bytes());
+        b[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+        b[INLINE] = SPILLED;
+        KeyRef(b)
+    }
+
+    /// A free slot's link to the next free one.
+    fn link(next: u32) -> KeyRef {
+        let mut b = [0; 16];
+        b[..4].copy_from_slice(&next.to_le_bytes());
+        KeyRef(b)
+    }
+
+    fn next_free(&self) -> u32 {
+        u32::from_le_bytes([self.0[0], self.0[1], self.0[2], self.0[3]])
+    }
+
+    /// The key's range in the key arena, when it is there.
+    fn span(&self) -> Option<std::ops::Range<usize>> {
+        if self.0[INLINE] != SPILLED {
+            return None;
+        }
+        let mut at = [0; 8];
+        at.copy_from_slice(&self.0[..8]);
+        let at = u64::from_le_bytes(at) as usize;
+        let len = u32::from_le_bytes([self.0[8], self.0[9], self.0[10], self.0[11]]);
+        Some(at..at + len as usize)
+    }
+
+    fn bytes<'a>(&'a self, arena: &'a [u8]) -> &'a [u8] {
+        match self.span() {
+            Some(span) => &arena[span],
+            None => &self.0[..usize::from(self.0[INLINE])],
+        }
+    }
+}
+
+/// An empty index bucket.
+const VACANT: u64 = u64::MAX;
+/// Dead key bytes below this are never worth a compaction.
+const MIN_COMPACT: usize = 4096;
+/// A compaction walks every slot, inline keys' too: it waits until this many dead
+/// bytes per slot have piled up, so a shard of short keys with a few long ones
+/// replaced over and over does not walk itself on every few removals (at most this
+/// many bytes per object wasted).
+const COMPACT_BYTES_PER_SLOT: usize = 4;
+
+/// Objects by key.
+pub(super) struct Table {
+    /// Buckets of (hash tag << 32 | arena slot), `VACANT` when empty; linear probing
+    /// from `tag & mask`, at most 3/4 full. The tag is the hash's high half, so the
+    /// index regrows without reading a key.
+    index: Vec<u64>,
+    entries: Chunks<Entry>,
+    /// First free arena slot (`NONE`: none).
+    free: u32,
+    keys: Vec<u8>,
+    /// Bytes in `keys` no object refers to any more.
+    dead_key_bytes: usize,
+    len: usize,
+    hasher: RandomState,
+}
+
+impl Default for Table {
+    fn default() -> Self {
+        Table {
+            index: Vec::new(),
+            entries: Chunks::default(),
+            free: NONE,
+            keys: Vec::new(),
+            dead_key_bytes: 0,
+            len: 0,
+            hasher: RandomState::new(),
+        }
+    }
+}
+
+impl Table {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    fn tag(&self, key: &str) -> u32 {
+        (self.hasher.hash_one(key) >> 32) as u32
+    }
+
+    fn key_bytes_of(&self, slot: u32) -> &[u8] {
+        self.entries[slot as usize].key.bytes(&self.keys)
+    }
+
+    fn key_of(&self, slot: u32) -> &str {
+        // Keys go in as `&str` and are copied whole, so every span holds UTF-8.
+        std::str::from_utf8(self.key_bytes_of(slot)).unwrap_or_default()
+    }
+
+    /// The index bucket of `key`, and its arena slot.
+    fn find(&self, key: &str) -> Option<(usize, u32)> {
+        if self.index.is_empty() {
+            return None;
+        }
+        let tag = self.tag(key);
+        let mask = self.index.len() - 1;
+        let mut i = tag as usize & mask;
+        // Bounded: the index always has vacant buckets.
+        loop {
+            let bucket = self.index[i];
+            if bucket == VACANT {
+                return None;
+            }
+            let slot = bucket as u32;
+            if (bucket >> 32) as u32 == tag && self.key_bytes_of(slot) == key.as_bytes() {
+                return Some((i, slot));
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The arena slot of `key`.
+    pub fn slot(&self, key: &str) -> Option<u32> {
+        self.find(key).map(|(_, slot)| slot)
+    }
+
+    /// The object in arena slot `slot`, if any.
+    pub fn at(&self, slot: u32) -> Option<&Object> {
+        let entries = &self.entries;
+        ((slot as usize) < entries.len())
+            .then(|| entries[slot as usize].object.as_ref())
+            .flatten()
+    }
+
+    pub fn at_mut(&mut self, slot: u32) -> Option<&mut Object> {
+        if (slot as usize) < self.entries.len() {
+            self.entries[slot as usize].object.as_mut()
+        } else {
+            None
+        }
+    }
+
+    /// The key of the object in `slot`, if any.
+    pub fn key_at(&self, slot: u32) -> Option<&str> {
+        self.at(slot).map(|_| self.key_of(slot))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Object> {
+        self.slot(key).and_then(|s| self.at(s))
+    }
+
+    pub fn get_mut(&mut self, key: &str) -> Option<&mut Object> {
+        self.slot(key).and_then(|s| self.at_mut(s))
+    }
+
+    /// Stores `o` under `key`; returns the object it replaced, if any.
+    pub fn insert(&mut self, key: &str, o: Object) -> Option<Object> {
+        if let Some(slot) = self.slot(key) {
+            return self.at_mut(slot).map(|old| std::mem::replace(old, o));
+        }
+        if (self.len + 1) * 4 > self.index.len() * 3 {
+            self.grow_index();
+        }
+        let key_ref = if key.len() <= INLINE {
+            KeyRef::inline(key.as_bytes())
+        } else {
+            let at = self.keys.len();
+            self.keys.extend_from_slice(key.as_bytes());
+            KeyRef::spilled(at, key.len())
+        };
+        let entry = Entry {
+            key: key_ref,
+            object: Some(o),
+        };
+        let slot = if self.free == NONE {
+            self.entries.push(entry)
+        } else {
+            let slot = self.free;
+            let e = &mut self.entries[slot as usize];
+            self.free = e.key.next_free();
+            *e = entry;
+            slot
+        };
+        let tag = self.tag(key);
+        self.place(tag, slot);
+        self.len += 1;
+        None
+    }
+
+    /// Puts (`tag`, `slot`) in the first vacant bucket from `tag`'s.
+    fn place(&mut self, tag: u32, slot: u32) {
+        let mask = self.index.len() - 1;
+        let mut i = tag as usize & mask;
+        while self.index[i] != VACANT {
+            i = (i + 1) & mask;
+        }
+        self.index[i] = (u64::from(tag) << 32) | u64::from(slot);
+    }
+
+    fn grow_index(&mut self) {
+        let size = (self.index.len() * 2).max(16);
+        let old = std::mem::replace(&mut self.index, vec![VACANT; size]);
+        for bucket in old.into_iter().filter(|b| *b != VACANT) {
+            self.place((bucket >> 32) as u32, bucket as u32);
+        }
+    }
+
+    pub fn remove(&mut self, key: &str) -> Option<Object> {
+        let (bucket, slot) = self.find(key)?;
+        self.remove_at(bucket, slot)
+    }
+
+    /// Empties index bucket `bucket` and arena slot `slot` (which it names).
+    fn remove_at(&mut self, bucket: usize, slot: u32) -> Option<Object> {
+        self.vacate(bucket);
+        let e = &mut self.entries[slot as usize];
+        let spilled = e.key.span().map_or(0, |span| span.len());
+        let o = e.object.take();
+        e.key = KeyRef::link(self.free);
+        self.free = slot;
+        self.len -= 1;
+        self.dead_key_bytes += spilled;
+        if self.len == 0 {
+            // Give everything back once empty (a shard that shrank a lot).
+            *self = Table {
+                hasher: std::mem::take(&mut self.hasher),
+                ..Table::default()
+            };
+        } else if self.dead_key_bytes >= MIN_COMPACT
+            && self.dead_key_bytes > self.keys.len() / 2
+            && self.dead_key_bytes >= self.entries.len() * COMPACT_BYTES_PER_SLOT
+        {
+            self.compact_keys();
+        }
+        o
+    }
+
+    /// Empties `hole`, moving later buckets of the same probe run back so that every
+    /// key stays reachable from its home bucket (no tombstones).
+    fn vacate(&mut self, mut hole: usize) {
+        let mask = self.index.len() - 1;
+        let mut i = (hole + 1) & mask;
+        while self.index[i] != VACANT {
+            let home = (self.index[i] >> 32) as usize & mask;
+            // Movable when its home is not within (hole, i].
+            if i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask {
+                self.index[hole] = self.index[i];
+                hole = i;
+            }
+            i = (i + 1) & mask;
+        }
+        self.index[hole] = VACANT;
+    }
+
+    /// Copies the live spilled keys into a fresh arena, in slot order.
+    fn compact_keys(&mut self) {
+        let mut keys = Vec::with_capacity(self.keys.len() - self.dead_key_bytes);
+        for i in 0..self.entries.len() {
+            let e = &mut self.entries[i];
+            if let Some(span) = e.key.span().filter(|_| e.object.is_some()) {
+                e.key = KeyRef::spilled(keys.len(), span.len());
+                keys.extend_from_slice(&self.keys[span]);
+            }
+        }
+        self.keys = keys;
+        self.dead_key_bytes = 0;
+    }
+
+    /// Every key and its object, in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Object)> {
+        self.entries.iter().filter_map(|e| {
+            let o = e.object.as_ref()?;
+            let key = std::str::from_utf8(e.key.bytes(&self.keys)).unwrap_or_default();
+            Some((key, o))
+        })
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.iter().map(|(k, _)| k)
+    }
+
+    /// Bytes the key arena holds, live or dead (for tests of its compaction).
+    #[cfg(test)]
+    fn key_bytes(&self) -> usize {
+        self.keys.len()
+    }
+}
+
 /// One shard's objects and their eviction order.
 #[derive(Default)]
 pub(super) struct Shard {
-    pub objects: HashMap<Arc<str>, Object>,
+    pub objects: Table,
     pub policy: Policy,
 }
 
@@ -28,7 +406,7 @@ impl Shard {
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.objects.keys().map(|k| &**k)
+        self.objects.keys()
     }
 
     /// Removes `key` from the table and from the victim order.
@@ -40,15 +418,21 @@ impl Shard {
 
     /// Keeps the objects `keep` approves; the others leave the victim order too.
     pub fn retain(&mut self, mut keep: impl FnMut(&str, &mut Object) -> bool) {
-        let policy = &mut self.policy;
-        self.objects.retain(|k, o| {
-            let kept = keep(k, o);
-            if !kept && o.node != NONE {
-                policy.remove(o.node);
-                o.node = NONE;
+        let mut doomed = Vec::new();
+        for slot in 0..self.objects.entries.len() as u32 {
+            let e = &mut self.objects.entries[slot as usize];
+            let Some(o) = e.object.as_mut() else {
+                continue;
+            };
+            let key = std::str::from_utf8(e.key.bytes(&self.objects.keys)).unwrap_or_default();
+            // Both borrow disjoint fields of the table.
+            if !keep(key, o) {
+                doomed.push(key.to_owned());
             }
-            kept
-        });
+        }
+        for key in doomed {
+            self.remove(&key);
+        }
     }
 
     /// Takes `o` out of the victim order (it stays in the table).
@@ -63,7 +447,10 @@ impl Shard {
     /// then is `hash` asked for the key's hash); objects that may never be evicted
     /// (unfinished, hard-pinned) stay out. True when `key` was added.
     pub fn hit(&mut self, key: &str, hash: impl FnOnce() -> u64, floor: u64, seq: u32) -> bool {
-        let Some((k, o)) = self.objects.get_key_value(key) else {
+        let Some(slot) = self.objects.slot(key) else {
+            return false;
+        };
+        let Some(o) = self.objects.at_mut(slot) else {
             return false;
         };
         if !o.complete || o.hard_pin {
@@ -73,10 +460,7 @@ impl Shard {
             self.policy.hit(o.node, floor, seq);
             return false;
         }
-        let node = self.policy.insert_hit(k.clone(), hash(), floor, seq);
-        if let Some(o) = self.objects.get_mut(key) {
-            o.node = node;
-        }
+        o.node = self.policy.insert_hit(slot, hash(), floor, seq);
         true
     }
 
@@ -98,5 +482,235 @@ impl Shard {
             o.node = NONE;
         }
         Some(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::replicas::Replicas;
+    use super::*;
+
+    fn object(size: u64) -> Object {
+        Object {
+            size,
+            crc32c: 0,
+            complete: true,
+            pending: None,
+            replicas: Replicas::default(),
+            lease_until_ms: 0,
+            node: NONE,
+            hard_pin: false,
+            soft_pin_until_ms: 0,
+            groups: Box::default(),
+            version: 0,
+            disk: None,
+        }
+    }
+
+    fn size_of(t: &Table, key: &str) -> Option<u64> {
+        t.get(key).map(|o| o.size)
+    }
+
+    #[test]
+    fn an_object_and_its_slot_fit_the_memory_budget() {
+        // bench/README.md: ≤ 200 bytes per object at 10M objects, of which the arena
+        // slot takes this much and the index, key bytes and victim order the rest.
+        let slot = std::mem::size_of::<Entry>();
+        assert!(slot <= 128, "arena slot of {slot} bytes");
+    }
+
+    #[test]
+    fn insert_get_remove_and_a_freed_slot_is_reused() {
+        let mut t = Table::default();
+        assert!(t.insert("a", object(1)).is_none());
+        assert!(t.insert("b", object(2)).is_none());
+        assert_eq!(
+            (size_of(&t, "a"), size_of(&t, "b"), t.len()),
+            (Some(1), Some(2), 2)
+        );
+        assert_eq!(size_of(&t, "c"), None);
+        let a = t.slot("a").unwrap();
+        assert_eq!(t.remove("a").map(|o| o.size), Some(1));
+        assert_eq!((size_of(&t, "a"), t.len(), t.key_at(a)), (None, 1, None));
+        assert!(t.remove("a").is_none());
+        t.insert("c", object(3));
+        assert_eq!(t.slot("c"), Some(a), "the freed slot goes first");
+        assert_eq!(t.key_at(a), Some("c"));
+        assert_eq!(t.entries.len(), 2);
+        assert_eq!(size_of(&t, "b"), Some(2));
+    }
+
+    #[test]
+    fn a_key_removed_and_put_again_holds_the_new_object() {
+        let mut t = Table::default();
+        t.insert("k", object(1));
+        t.insert("other", object(9));
+        t.remove("k");
+        t.insert("k", object(2));
+        assert_eq!(size_of(&t, "k"), Some(2));
+        // Putting a key held replaces its object in place.
+        let slot = t.slot("k");
+        assert_eq!(t.insert("k", object(3)).map(|o| o.size), Some(2));
+        assert_eq!((size_of(&t, "k"), t.slot("k"), t.len()), (Some(3), slot, 2));
+    }
+
+    #[test]
+    fn growth_across_chunks_moves_nothing() {
+        let mut t = Table::default();
+        let n = 3 * CHUNK + 7;
+        let first = {
+            t.insert("key/0", object(0));
+            t.slot("key/0").unwrap()
+        };
+        for i in 1..n {
+            t.insert(&format!("key/{i}"), object(i as u64));
+        }
+        assert_eq!(t.entries.chunks.len(), 4);
+        assert!(t.entries.chunks.iter().all(|c| c.capacity() == CHUNK));
+        assert_eq!(t.slot("key/0"), Some(first));
+        for i in 0..n {
+            let key = format!("key/{i}");
+            let slot = t.slot(&key).unwrap();
+            assert_eq!(t.key_at(slot), Some(key.as_str()));
+            assert_eq!(t.at(slot).map(|o| o.size), Some(i as u64));
+        }
+        assert!(t.index.len() * 3 >= t.len() * 4, "index at most 3/4 full");
+    }
+
+    #[test]
+    fn many_keys_in_and_out() {
+        let mut t = Table::default();
+        let n = 100_000u64;
+        for i in 0..n {
+            t.insert(&format!("block/{i}"), object(i));
+        }
+        for i in (0..n).step_by(2) {
+            assert_eq!(t.remove(&format!("block/{i}")).map(|o| o.size), Some(i));
+        }
+        assert_eq!(t.len(), n as usize / 2);
+        for i in 0..n {
+            let want = (i % 2 == 1).then_some(i);
+            assert_eq!(size_of(&t, &format!("block/{i}")), want, "key {i}");
+        }
+        // Put back: every freed slot is used again, no arena growth.
+        let slots = t.entries.len();
+        for i in (0..n).step_by(2) {
+            t.insert(&format!("again/{i}"), object(i + 1));
+        }
+        assert_eq!(t.entries.len(), slots);
+        assert_eq!(t.len(), n as usize);
+        assert_eq!(t.keys().count(), n as usize);
+        assert_eq!(size_of(&t, "again/8"), Some(9));
+    }
+
+    #[test]
+    fn empty_short_and_longest_keys() {
+        let mut t = Table::default();
+        let long = "x".repeat(u16::MAX as usize);
+        let almost = "x".repeat(u16::MAX as usize - 1);
+        // The longest inline key, the shortest in the arena, and a multi-byte one.
+        let (inline, spilled, wide) = ("y".repeat(INLINE), "y".repeat(INLINE + 1), "ключ/é");
+        let keys = ["", long.as_str(), &almost, &inline, &spilled, wide];
+        for (i, k) in keys.iter().enumerate() {
+            t.insert(k, object(i as u64));
+        }
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(size_of(&t, k), Some(i as u64), "key of {} bytes", k.len());
+            assert_eq!(t.key_at(t.slot(k).unwrap()), Some(*k));
+        }
+        assert_eq!(t.key_bytes(), long.len() + almost.len() + spilled.len());
+        let mut lens: Vec<usize> = t.keys().map(str::len).collect();
+        lens.sort();
+        assert_eq!(
+            lens,
+            [
+                0,
+                wide.len(),
+                INLINE,
+                INLINE + 1,
+                long.len() - 1,
+                long.len()
+            ]
+        );
+        assert_eq!(t.remove(&long).map(|o| o.size), Some(1));
+        assert_eq!(t.remove(&inline).map(|o| o.size), Some(3));
+        assert_eq!(size_of(&t, &almost), Some(2));
+        assert_eq!(size_of(&t, &spilled), Some(4));
+        assert_eq!(size_of(&t, &"y".repeat(INLINE - 1)), None);
+    }
+
+    #[test]
+    fn dead_key_bytes_are_compacted_away() {
+        let mut t = Table::default();
+        let key = |i: usize| format!("{i:0>100}");
+        for i in 0..1000 {
+            t.insert(&key(i), object(i as u64));
+        }
+        assert_eq!(t.key_bytes(), 100_000);
+        // Churn: keys come and go many times over; the arena stays near the live keys.
+        for round in 0..20 {
+            for i in 0..900 {
+                t.remove(&key(i));
+            }
+            for i in 0..900 {
+                t.insert(&key(i), object((round * 1000 + i) as u64));
+            }
+            assert!(
+                t.key_bytes() <= 2 * 100_000 + MIN_COMPACT,
+                "{} key bytes",
+                t.key_bytes()
+            );
+        }
+        for i in 0..1000 {
+            let want = if i < 900 { 19_000 + i } else { i };
+            assert_eq!(size_of(&t, &key(i)), Some(want as u64), "key {i}");
+        }
+        // Dead bytes never outnumber the live ones for long.
+        for i in 0..600 {
+            t.remove(&key(i));
+            let live = t.key_bytes() - t.dead_key_bytes;
+            assert_eq!(live, (999 - i) * 100);
+            assert!(t.dead_key_bytes <= live.max(MIN_COMPACT), "{i}");
+        }
+        for i in 600..1000 {
+            assert!(t.get(&key(i)).is_some());
+        }
+    }
+
+    #[test]
+    fn an_emptied_table_gives_its_memory_back() {
+        let mut t = Table::default();
+        for i in 0..2000 {
+            t.insert(&format!("k{i}"), object(i));
+        }
+        for i in 0..2000 {
+            t.remove(&format!("k{i}"));
+        }
+        assert_eq!(
+            (t.len(), t.entries.len(), t.index.len(), t.key_bytes()),
+            (0, 0, 0, 0)
+        );
+        t.insert("k1", object(7));
+        assert_eq!(size_of(&t, "k1"), Some(7));
+    }
+
+    #[test]
+    fn retain_drops_the_rejected_from_table_and_order() {
+        let mut s = Shard::default();
+        for i in 0..10u64 {
+            let key = format!("k{i}");
+            s.objects.insert(&key, object(i));
+            assert!(s.hit(&key, || i, 0, i as u32));
+        }
+        assert_eq!(s.policy.len(), 10);
+        s.retain(|_, o| o.size % 3 == 0);
+        assert_eq!((s.len(), s.policy.len()), (4, 4));
+        let mut kept: Vec<&str> = s.keys().collect();
+        kept.sort();
+        assert_eq!(kept, ["k0", "k3", "k6", "k9"]);
+        // The victim order names the kept objects by their slots, lowest first.
+        let (_, node) = s.policy.head().unwrap();
+        let slot = s.policy.slot(node).unwrap();
+        assert_eq!(s.objects.key_at(slot), Some("k0"));
     }
 }

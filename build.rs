@@ -14,11 +14,29 @@ fn main() {
     if std::env::var("MC_STATIC_BINARY").as_deref() == Ok("1") {
         println!("cargo:rustc-cfg=mc_static_binary");
     }
+    // AVX-512 intrinsics (CRC32C folding, `src/util/crc32c.rs`) are stable from Rust
+    // 1.89; older toolchains (the MSRV is lower) build without that path.
+    println!("cargo:rustc-check-cfg=cfg(mc_avx512_intrinsics)");
+    if rustc_minor().is_some_and(|minor| minor >= 89) {
+        println!("cargo:rustc-cfg=mc_avx512_intrinsics");
+    }
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmooncake.so.0");
     }
     #[cfg(feature = "layout-check")]
     layout_check::generate();
+}
+
+/// The minor version of the compiler building this crate (`rustc 1.MINOR.x`).
+fn rustc_minor() -> Option<u32> {
+    let rustc = std::env::var_os("RUSTC")?;
+    let out = std::process::Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    let version = text.split_whitespace().nth(1)?;
+    version.split('.').nth(1)?.parse().ok()
 }
 
 #[cfg(feature = "layout-check")]

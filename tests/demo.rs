@@ -53,6 +53,9 @@ const FIELDS: &[&str] = &[
     "get_p99_us",
     "put_p50_us",
     "put_p99_us",
+    "exists_total_us",
+    "get_total_us",
+    "put_total_us",
     "block_bytes",
     "pool_bytes",
     "idle_fraction",
@@ -72,6 +75,9 @@ fn demo_replays_a_trace_prefix_with_prefix_hits() {
     for f in FIELDS {
         num(&v, f);
     }
+    // A total sums every sample: never below the slowest one.
+    assert!(num(&v, "put_total_us") >= num(&v, "put_p99_us"), "{v}");
+    assert!(num(&v, "get_total_us") >= num(&v, "get_p99_us"), "{v}");
     assert_eq!(num(&v, "errors"), 0.0, "{v}");
     assert_eq!(num(&v, "requests"), 300.0, "{v}");
     let hit = num(&v, "hit_rate");

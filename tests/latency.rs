@@ -111,6 +111,51 @@ fn a_small_synchronous_transfer_to_this_engine_wakes_no_worker() {
     assert_eq!(after.local_bytes - before.local_bytes, 64 << 10);
 }
 
+/// An engine with `workers` workers over `protocol`.
+fn engine_with_workers(protocol: &str, workers: usize) -> Engine {
+    let mut cfg = EngineConfig::default();
+    cfg.set("protocol", protocol).unwrap();
+    cfg.set("workers", &workers.to_string()).unwrap();
+    Engine::new(cfg).unwrap()
+}
+
+#[test]
+fn a_large_copy_runs_inline_unless_workers_can_share_it() {
+    for (workers, inline) in [(1, true), (2, false)] {
+        let engine = engine_with_workers("auto", workers);
+        let remote = Registered::new(&engine, pattern(4, 4 << 20));
+        let seg = engine.open_segment(engine.segment_name()).unwrap();
+        let local = vec![0u8; 4 << 20];
+        let before = engine.stats();
+        // SAFETY: `local` outlives the call.
+        unsafe { engine.transfer_sync(&[at(Op::Read, &local, seg, remote.addr(), 0, 4 << 20)]) }
+            .unwrap();
+        assert!(local == remote.buf);
+        let after = engine.stats();
+        let ran_inline = after.inline_transfers - before.inline_transfers == 1;
+        assert_eq!(ran_inline, inline, "{workers} worker(s): {after:?}");
+        assert_eq!(
+            after.worker_handoffs == before.worker_handoffs,
+            inline,
+            "{workers} worker(s): {after:?}"
+        );
+    }
+    // Over TCP the workers keep large transfers, one worker or not.
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let client = engine_with_workers("tcp", 1);
+    let remote = Registered::new(&server, pattern(5, 2 << 20));
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let local = vec![0u8; 2 << 20];
+    let before = client.stats();
+    // SAFETY: `local` outlives the call.
+    unsafe { client.transfer_sync(&[at(Op::Read, &local, seg, remote.addr(), 0, 2 << 20)]) }
+        .unwrap();
+    assert!(local == remote.buf);
+    let after = client.stats();
+    assert_eq!(after.inline_transfers, before.inline_transfers, "{after:?}");
+    assert!(after.worker_handoffs > before.worker_handoffs, "{after:?}");
+}
+
 /// A client engine with one TCP lane per peer, so its sends are countable exactly.
 fn one_lane_client() -> Engine {
     let mut cfg = EngineConfig::default();

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use mooncake::store::master::{Clock, Master, MasterConfig};
 use mooncake::store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
-use mooncake::store::{Client, MasterServer};
+use mooncake::store::{Client, ClientConfig, MasterServer};
 use mooncake::Code;
 
 const MIB: u64 = 1 << 20;
@@ -274,15 +274,40 @@ fn touches_count_as_hits_and_take_no_lease() {
     assert!(!exists(&m, "t"));
 }
 
+/// A client over `protocol` (the others here use TCP).
+fn client_over(s: &MasterServer, segment: u64, protocol: &str) -> Client {
+    let metadata = s.metadata_url().unwrap();
+    let cfg = ClientConfig {
+        global_segment_size: segment,
+        ..ClientConfig::connect(&s.rpc_addr().to_string(), &metadata, protocol).unwrap()
+    };
+    Client::new(cfg).unwrap()
+}
+
+/// Over TCP the read is one batch, checksummed as the pieces land; over shared memory
+/// (`auto`, same process) it runs in rounds, each checksummed while in cache.
 #[test]
 fn a_large_read_checks_every_chunk_of_its_checksum() {
+    for protocol in ["tcp", "auto"] {
+        a_large_read_checks_every_chunk_over(protocol);
+    }
+}
+
+fn a_large_read_checks_every_chunk_over(protocol: &str) {
     let s = server(10_000);
-    let node = client(&s, 32 * MIB);
-    let c = client(&s, 0);
+    let node = client_over(&s, 32 * MIB, protocol);
+    let c = client_over(&s, 0, protocol);
     // Striped over slabs and not a whole number of checksum chunks.
     let v = value(9, (9 * MIB + 12_345) as usize);
     c.put("big", &v, &ReplicateConfig::default()).unwrap();
+    let before = c.engine().stats().inline_transfers;
     assert_eq!(c.get("big").unwrap(), v);
+    let rounds = c.engine().stats().inline_transfers - before;
+    match protocol {
+        // 512 KiB rounds, each small enough to run on the calling thread.
+        "auto" => assert!(rounds >= 18, "{rounds} rounds"),
+        _ => assert_eq!(rounds, 0, "one batch, to the workers"),
+    }
     let mut buf = vec![0u8; v.len() + 100];
     // SAFETY: `buf` is exclusively borrowed for the call.
     let r = unsafe {
@@ -293,9 +318,28 @@ fn a_large_read_checks_every_chunk_of_its_checksum() {
     };
     assert_eq!(*r[0].as_ref().unwrap(), v.len() as u64);
     assert_eq!(&buf[..v.len()], &v[..]);
-    // One byte wrong in the last, partial chunk is caught.
+    // Into three buffers whose edges fall inside the checksum rounds.
+    let mut split = vec![0u8; v.len()];
+    let (a, rest) = split.split_at_mut(MIB as usize / 3);
+    let (b, tail) = rest.split_at_mut(5 * MIB as usize + 7);
+    let parts = vec![
+        (a.as_mut_ptr() as u64, a.len() as u64),
+        (b.as_mut_ptr() as u64, b.len() as u64),
+        (tail.as_mut_ptr() as u64, tail.len() as u64),
+    ];
+    // SAFETY: `split` is exclusively borrowed for the call.
+    let r = unsafe { c.batch_get_into(&["big"], &[parts]) };
+    assert_eq!(*r[0].as_ref().unwrap(), v.len() as u64);
+    assert!(split == v);
+    // One byte wrong in the last, partial chunk is caught; so is one in the first.
+    c.put("big2", &v, &ReplicateConfig::default()).unwrap();
     let (_, _, replicas) = s.master().query("big").unwrap();
     let last = replicas[0].pieces.last().unwrap().clone();
     scribble(&node, &last.segment, last.addr + last.len - 1, 1);
     assert_eq!(c.get("big").unwrap_err().code(), Code::ChecksumMismatch);
+    assert_eq!(c.get("big2").unwrap(), v);
+    let (_, _, replicas) = s.master().query("big2").unwrap();
+    let first = replicas[0].pieces[0].clone();
+    scribble(&node, &first.segment, first.addr, 1);
+    assert_eq!(c.get("big2").unwrap_err().code(), Code::ChecksumMismatch);
 }

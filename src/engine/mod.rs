@@ -61,7 +61,8 @@ pub struct Request {
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Synchronous transfers of at most this many bytes run on the calling thread: a
 /// hand-off to a worker and back costs more than moving them. Larger ones go to the
-/// workers, which spread their slices and keep the caller's core free.
+/// workers, which spread their slices and keep the caller's core free (unless they
+/// only copy and one worker would do it alone: see `take_inline_runner`).
 const INLINE_MAX_BYTES: u64 = 1 << 20;
 /// Calling threads that may run transfers at once, each with its own transport state
 /// (TCP connections to each peer it reached); more concurrent callers use the workers.
@@ -296,12 +297,16 @@ impl Engine {
     /// A poll loop the calling thread may run a transfer of `bytes` on, or `None`
     /// when the workers should take it: it is large, it goes over a hardware protocol
     /// (whose per-thread state is costly), or every runner is busy.
-    fn take_inline_runner(&self, bytes: u64) -> Option<Worker> {
+    fn take_inline_runner(&self, bytes: u64, requests: &[Request]) -> Option<Worker> {
         let software = matches!(
             self.config.protocol,
             Protocol::Auto | Protocol::Tcp | Protocol::Shm
         );
-        if bytes > INLINE_MAX_BYTES || !software {
+        // A large copy goes inline too when one worker would only copy it while this
+        // thread sleeps: two wake-ups saved, and no idle worker spinning afterwards on
+        // a core the caller wants back.
+        let large_ok = || self.workers.len() <= 1 && self.copies_only(requests);
+        if !software || (bytes > INLINE_MAX_BYTES && !large_ok()) {
             return None;
         }
         let pooled = self
@@ -689,11 +694,31 @@ impl Engine {
     }
 
     fn slice_size_for(&self, peer: &crate::transport::Peer, desc: &SegmentDesc) -> u64 {
+        self.first_transport(peer, desc)
+            .map_or(self.config.tcp.slice_size, |t| t.slice_size())
+            .max(4096)
+    }
+
+    /// The transport a slice to `peer` tries first.
+    fn first_transport(
+        &self,
+        peer: &crate::transport::Peer,
+        desc: &SegmentDesc,
+    ) -> Option<&Arc<dyn Transport>> {
         self.own_transports
             .iter()
             .find(|t| !peer.is_disabled(t.kind()) && t.reaches(desc))
-            .map_or(self.config.tcp.slice_size, |t| t.slice_size())
-            .max(4096)
+    }
+
+    /// Whether every request goes first to a transport that copies in its `post`
+    /// (shared memory, this engine's own segment): nothing to wait for but the copy.
+    pub(crate) fn copies_only(&self, requests: &[Request]) -> bool {
+        requests.iter().all(|r| {
+            self.validate(r).is_ok_and(|(peer, desc)| {
+                self.first_transport(&peer, &desc)
+                    .is_some_and(|t| matches!(t.kind(), Kind::Shm | Kind::Local))
+            })
+        })
     }
 
     /// Submits requests to a batch. All are validated first: on error nothing is
@@ -784,8 +809,9 @@ impl Engine {
 
     /// Moves `requests` in one batch and returns once each is final: `Ok` when all
     /// completed, else `TRANSFER_FAIL` naming the first task that did not. A small
-    /// transfer runs on the calling thread (posted and polled here, no worker woken);
-    /// a large one is handed to the workers and waited for.
+    /// transfer runs on the calling thread (posted and polled here, no worker woken),
+    /// and so does a large one that only copies when there is a single worker; other
+    /// large ones are handed to the workers and waited for.
     ///
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.
@@ -823,7 +849,7 @@ impl Engine {
         let now = std::time::Instant::now();
         let items = self.plan(&batch, requests, now)?;
         let bytes = requests.iter().map(|r| r.len).sum();
-        match self.take_inline_runner(bytes) {
+        match self.take_inline_runner(bytes, requests) {
             Some(mut runner) => {
                 runner.run_inline(items, &batch, now);
                 self.counters.inline_runs.fetch_add(1, Ordering::Relaxed);

@@ -324,6 +324,19 @@ impl RpcClient {
     /// connection in the same write: one round trip for both. `before`'s answer is
     /// only logged; a failure of it does not fail `req`.
     pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
+        self.call_after_while(before, req, &mut || {})
+    }
+
+    /// `call_after(before, req)`, running `meanwhile` once the requests are sent and
+    /// before the answer is read, so that work which does not need the answer overlaps
+    /// the master's. It runs once per attempt: not at all when no connection could be
+    /// made, twice when a read-only request is retried.
+    pub fn call_after_while(
+        &self,
+        before: Option<&Request>,
+        req: &Request,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
         let encoded = |r: &Request| {
             let mut w = Writer::new();
             r.encode(&mut w);
@@ -347,7 +360,7 @@ impl RpcClient {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(addr, &mut stream, before, method, &bytes) {
+        match self.exchange(addr, &mut stream, before, method, &bytes, meanwhile) {
             Ok(resp) => {
                 self.keep((addr, stream));
                 resp
@@ -355,7 +368,7 @@ impl RpcClient {
             Err(e) if !fresh && retryable => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let (addr, mut stream) = self.connect()?;
-                let resp = self.exchange(addr, &mut stream, before, method, &bytes)?;
+                let resp = self.exchange(addr, &mut stream, before, method, &bytes, meanwhile)?;
                 self.keep((addr, stream));
                 resp
             }
@@ -370,7 +383,8 @@ impl RpcClient {
     }
 
     /// Sends and receives on one connection (`before`, a request whose answer is only
-    /// logged, goes first in the same write). The outer error means the connection is
+    /// logged, goes first in the same write; `meanwhile` runs between sending and
+    /// receiving). The outer error means the connection is
     /// unusable; the inner result is the master's answer.
     fn exchange(
         &self,
@@ -379,6 +393,7 @@ impl RpcClient {
         before: Option<(u16, &[u8])>,
         method: u16,
         payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<Result<Response>> {
         let mut out = Vec::new();
         let before = before.map(|(m, p)| {
@@ -391,6 +406,7 @@ impl RpcClient {
         stream
             .write_all(&out)
             .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
+        meanwhile();
         if let Some((m, id)) = before {
             if let Err(e) = Self::answer(addr, stream, m, id)? {
                 log::debug!("master {addr}: request {m} ahead of {method}: {e}");
@@ -471,5 +487,51 @@ mod tests {
             },
         };
         assert!(matches!(client.call(&mount), Ok(Response::Done)));
+    }
+
+    #[test]
+    fn work_given_to_a_call_runs_after_the_request_left_and_before_the_answer() {
+        use std::sync::mpsc::channel;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (arrived_tx, arrived) = channel();
+        let (release, release_rx) = channel::<()>();
+        // A master that answers only once the caller's work says it ran.
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let f = read_frame(&mut s).unwrap().unwrap();
+            arrived_tx.send(()).unwrap();
+            if release_rx.recv_timeout(Duration::from_secs(30)).is_ok() {
+                let mut w = Writer::new();
+                Response::Done.encode(&mut w);
+                s.write_all(&frame(f.method, f.id, Some(0), &w.into_bytes()))
+                    .unwrap();
+            }
+        });
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        // Answered with `Done`, and never retried.
+        let unmount = Request::Unmount {
+            client: 7,
+            name: "s".into(),
+        };
+        let mut runs = 0;
+        let answer = client.call_after_while(None, &unmount, &mut || {
+            runs += 1;
+            // The request is already at the master, which has not answered yet.
+            assert!(arrived.recv_timeout(Duration::from_secs(30)).is_ok());
+            release.send(()).unwrap();
+        });
+        assert!(matches!(answer, Ok(Response::Done)), "{answer:?}");
+        assert_eq!(runs, 1);
+        fake.join().unwrap();
+
+        // Nobody to send to: the work does not run.
+        drop(client);
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        let mut ran = false;
+        assert!(client
+            .call_after_while(None, &unmount, &mut || ran = true)
+            .is_err());
+        assert!(!ran);
     }
 }

@@ -8,9 +8,12 @@
 //! On x86_64 CPUs with SSE4.2 the hardware `crc32` instruction is used,
 //! running three independent streams side by side to hide its 3-cycle
 //! latency; the partial results are stitched together with precomputed
-//! "shift" tables (multiplication by `x^(8n) mod P` in GF(2)). Everywhere
-//! else a table-driven slicing-by-8 implementation is used. All tables are
-//! built at compile time.
+//! "shift" tables (multiplication by `x^(8n) mod P` in GF(2)). Where the CPU
+//! also has AVX-512 carry-less multiplication (`vpclmulqdq`), and the crate is
+//! built with Rust 1.89 or later, buffers of 256 bytes and more are folded 256
+//! bytes per step instead, about three times the `crc32` instruction's
+//! throughput (it bounds how fast a store read can be verified). Everywhere else a table-driven slicing-by-8 implementation is
+//! used. All tables and constants are built at compile time.
 
 /// The CRC-32C polynomial in reflected (LSB-first) bit order.
 const POLY: u32 = 0x82F6_3B78;
@@ -103,6 +106,13 @@ pub fn crc32c(data: &[u8]) -> u32 {
 pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
+        #[cfg(mc_avx512_intrinsics)]
+        if data.len() >= fold::MIN_LEN && fold::available() {
+            // SAFETY: `fold::available()` confirmed at run time that this CPU
+            // has every target feature `fold::update` enables, and the buffer
+            // is at least `MIN_LEN` bytes long, as it requires.
+            return !unsafe { fold::update(!crc, data) };
+        }
         if hw::available() {
             // SAFETY: `available()` confirmed at run time that this CPU
             // supports SSE4.2, the only target feature the function needs.
@@ -301,6 +311,154 @@ mod hw {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Folding path: AVX-512 carry-less multiplication, 256 bytes per step.
+// ---------------------------------------------------------------------------
+
+/// Folding keeps the message as a 128-bit remainder-equivalent: a 16-byte lane
+/// `D` followed by `F` more bits contributes `D * x^F`, which equals (mod P)
+/// the lane's first 8 bytes times `x^(F+64)` plus its last 8 times `x^F`, each
+/// product short enough to XOR into the lane `F` bits further on. A carry-less
+/// product of two reflected operands comes out multiplied by `x`, hence the
+/// constants are `x^(F+63)` and `x^(F-1)`. The register's initial value is the
+/// first 32 message bits XORed in; the final 16-byte remainder is a message of
+/// its own whose `crc32` (from 0) is the checksum so far.
+/// (Built with Rust 1.89 and later, whose AVX-512 intrinsics it needs; see `build.rs`.)
+#[cfg(all(target_arch = "x86_64", mc_avx512_intrinsics))]
+#[clippy::msrv = "1.89"]
+mod fold {
+    use super::x_pow_mod;
+    use std::arch::x86_64::{
+        __m128i, __m512i, _mm512_castsi128_si512, _mm512_clmulepi64_epi128,
+        _mm512_extracti32x4_epi32, _mm512_loadu_si512, _mm512_set_epi64, _mm512_ternarylogic_epi64,
+        _mm512_xor_si512, _mm_clmulepi64_si128, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64,
+        _mm_cvtsi32_si128, _mm_extract_epi64, _mm_loadu_si128, _mm_set_epi64x, _mm_xor_si128,
+    };
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    /// Shortest buffer folded (four 64-byte accumulators' worth).
+    pub(super) const MIN_LEN: usize = 256;
+
+    /// Constants moving a 16-byte lane `bits` further: (first 8 bytes, last 8),
+    /// as 64-bit reflected operands (a polynomial of degree < 32 in the top half).
+    const fn constants(bits: u64) -> (i64, i64) {
+        (
+            ((x_pow_mod(bits + 63) as u64) << 32) as i64,
+            ((x_pow_mod(bits - 1) as u64) << 32) as i64,
+        )
+    }
+    const BY_256_BYTES: (i64, i64) = constants(2048);
+    const BY_64_BYTES: (i64, i64) = constants(512);
+    const BY_16_BYTES: (i64, i64) = constants(128);
+
+    const UNKNOWN: u8 = 0;
+    const ABSENT: u8 = 1;
+    const PRESENT: u8 = 2;
+    static FEATURES: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+    /// Whether the CPU has every feature `update` enables (detected once).
+    #[inline]
+    pub(super) fn available() -> bool {
+        match FEATURES.load(Ordering::Relaxed) {
+            PRESENT => true,
+            ABSENT => false,
+            _ => {
+                let present = is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("vpclmulqdq")
+                    && is_x86_feature_detected!("pclmulqdq")
+                    && is_x86_feature_detected!("sse4.2");
+                FEATURES.store(if present { PRESENT } else { ABSENT }, Ordering::Relaxed);
+                present
+            }
+        }
+    }
+
+    /// `k` repeated in each 128-bit lane of a 512-bit register.
+    #[target_feature(enable = "avx512f")]
+    fn wide(k: (i64, i64)) -> __m512i {
+        _mm512_set_epi64(k.1, k.0, k.1, k.0, k.1, k.0, k.1, k.0)
+    }
+
+    /// The first 64 bytes of `bytes` (unaligned).
+    #[target_feature(enable = "avx512f")]
+    fn load(bytes: &[u8]) -> __m512i {
+        let chunk = &bytes[..64];
+        // SAFETY: `chunk` holds 64 readable bytes; the load needs no alignment.
+        unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }
+    }
+
+    /// Moves each lane of `x` forward by the distance `k` was built for, onto `next`.
+    #[target_feature(enable = "avx512f,vpclmulqdq")]
+    fn fold_wide(x: __m512i, k: __m512i, next: __m512i) -> __m512i {
+        let first = _mm512_clmulepi64_epi128(x, k, 0x00);
+        let last = _mm512_clmulepi64_epi128(x, k, 0x11);
+        // 0x96: the three-way XOR.
+        _mm512_ternarylogic_epi64(first, last, next, 0x96)
+    }
+
+    /// As `fold_wide`, for one 16-byte lane.
+    #[target_feature(enable = "pclmulqdq,sse2")]
+    fn fold_lane(x: __m128i, k: __m128i, next: __m128i) -> __m128i {
+        let first = _mm_clmulepi64_si128(x, k, 0x00);
+        let last = _mm_clmulepi64_si128(x, k, 0x11);
+        _mm_xor_si128(_mm_xor_si128(first, last), next)
+    }
+
+    /// Advances the raw (un-inverted) CRC register over `data`.
+    ///
+    /// # Safety
+    /// The CPU must have what `available` checks, and `data.len() >= MIN_LEN`.
+    #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
+    pub(super) unsafe fn update(crc: u32, data: &[u8]) -> u32 {
+        debug_assert!(data.len() >= MIN_LEN);
+        let mut blocks = data.chunks_exact(256);
+        let Some(first) = blocks.next() else {
+            return crc; // unreachable by the contract; nothing to fold
+        };
+        let seed = _mm512_castsi128_si512(_mm_cvtsi32_si128(crc as i32));
+        let mut acc = [
+            _mm512_xor_si512(load(first), seed),
+            load(&first[64..]),
+            load(&first[128..]),
+            load(&first[192..]),
+        ];
+        let k256 = wide(BY_256_BYTES);
+        for block in &mut blocks {
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = fold_wide(*a, k256, load(&block[64 * i..]));
+            }
+        }
+        let k64 = wide(BY_64_BYTES);
+        let mut x = fold_wide(acc[0], k64, acc[1]);
+        x = fold_wide(x, k64, acc[2]);
+        x = fold_wide(x, k64, acc[3]);
+        let rest = blocks.remainder();
+        let mut sixty_fours = rest.chunks_exact(64);
+        for chunk in &mut sixty_fours {
+            x = fold_wide(x, k64, load(chunk));
+        }
+        let k16 = _mm_set_epi64x(BY_16_BYTES.1, BY_16_BYTES.0);
+        let mut lane = _mm512_extracti32x4_epi32(x, 0);
+        lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 1));
+        lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 2));
+        lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 3));
+        let rest = sixty_fours.remainder();
+        let mut sixteens = rest.chunks_exact(16);
+        for chunk in &mut sixteens {
+            // SAFETY: the chunk is 16 bytes; the load is unaligned.
+            let next = unsafe { _mm_loadu_si128(chunk.as_ptr().cast()) };
+            lane = fold_lane(lane, k16, next);
+        }
+        let mut wide_crc = _mm_crc32_u64(0, _mm_cvtsi128_si64(lane) as u64);
+        wide_crc = _mm_crc32_u64(wide_crc, _mm_extract_epi64(lane, 1) as u64);
+        let mut crc = wide_crc as u32;
+        for &byte in sixteens.remainder() {
+            crc = _mm_crc32_u8(crc, byte);
+        }
+        crc
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,6 +527,26 @@ mod tests {
                 let want = reference(slice);
                 assert_eq!(crc32c(slice), want, "len {len} offset {offset}");
                 assert_eq!(crc32c_software(slice), want, "len {len} offset {offset}");
+            }
+        }
+    }
+
+    /// Every length across the folding path's boundaries (one 256-byte block, then
+    /// 64- and 16-byte steps and a byte tail), at several alignments and starting
+    /// registers, against the portable implementation.
+    #[test]
+    fn wide_buffers_match_the_portable_path() {
+        let data = pseudo_random(4096 + 64, 0xf01d);
+        for len in (250..1300).chain([4095, 4096]) {
+            for offset in [0usize, 1, 13, 64] {
+                let slice = &data[offset..offset + len];
+                for start in [0u32, 1, 0xdead_beef] {
+                    assert_eq!(
+                        crc32c_append(start, slice),
+                        crc32c_software_append(start, slice),
+                        "len {len} offset {offset} start {start:#x}"
+                    );
+                }
             }
         }
     }

@@ -23,7 +23,11 @@ transfer engine; peers write into its registered buffer one-sidedly (``c_include
 mooncake.h``, "Mooncake PG"). Collectives run when called; the Work returned is already
 complete and ``wait()`` raises the failure, if any.
 
-The CUDA backend ``mooncake`` is not provided here.
+The backend ``mooncake`` takes CUDA tensors with the same options, module functions and
+failure semantics: each operation copies its device tensors into pinned host memory, runs
+the same host collective, and copies the results back (synchronously: the operation is
+complete on the device when the call returns). Creating it on a machine where
+``torch.cuda.is_available()`` is false raises at ``init_process_group`` / ``new_group``.
 """
 
 import ctypes
@@ -57,6 +61,7 @@ __all__ = [
 ]
 
 BACKEND_NAME = "mooncake-cpu"
+CUDA_BACKEND_NAME = "mooncake"
 
 # mc_pg_dtype and mc_pg_reduce_op numbers
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_I32, DTYPE_I64, DTYPE_U8 = range(7)
@@ -360,6 +365,12 @@ if torch is not None:
             raise ValueError(f"mooncake-cpu takes host tensors, not {t.device}")
         return t
 
+    def _check_bytes(what, got, want):
+        """The C ABI takes sizes, not buffer lengths: refuse a mismatch before the call
+        rather than let the collective run past a tensor's end."""
+        if got != want:
+            raise ValueError(f"{what}: {got} bytes where {want} are needed")
+
     class _Contig:
         """A contiguous view of ``t`` for the call; copied back when it was a copy."""
 
@@ -390,6 +401,7 @@ if torch is not None:
             self._failed = list(failed_ranks)
             self._result = result or []
             self._flush = flush
+            self._on_success = []
 
         def _settle(self):
             if self._flush:
@@ -398,6 +410,17 @@ if torch is not None:
                     self._backend._flush_p2p()
                 except MooncakeCollectiveError as e:
                     self._error, self._failed = e, e.failed_ranks
+            if self._error is None:
+                pending, self._on_success = self._on_success, []
+                for fn in pending:
+                    fn()
+
+        def then_on_success(self, fn):
+            """Runs ``fn`` once the operation has succeeded (now, if it already has);
+            never if it failed."""
+            self._on_success.append(fn)
+            if not self._flush:
+                self._settle()
 
         def wait(self, timeout=None):
             self._settle()
@@ -511,6 +534,7 @@ if torch is not None:
 
         def _allgather_base(self, output, input, opts):
             out, inp = _Contig(output), _Contig(input)
+            _check_bytes("all_gather_into_tensor output", out.nbytes, inp.nbytes * self._size)
 
             def run():
                 self.handle.all_gather(inp.addr, out.addr, [inp.nbytes] * self._size)
@@ -529,6 +553,10 @@ if torch is not None:
 
         def _reduce_scatter_base(self, output, input, opts):
             out, inp = _Contig(output), _Contig(input)
+            if out.t.dtype != inp.t.dtype:
+                raise ValueError(f"reduce_scatter_tensor: output is {out.t.dtype}, input "
+                                 f"{inp.t.dtype}")
+            _check_bytes("reduce_scatter_tensor input", inp.nbytes, out.nbytes * self._size)
 
             def run():
                 self.handle.reduce_scatter(inp.addr, out.addr, [out.t.numel()] * self._size,
@@ -547,9 +575,12 @@ if torch is not None:
                 n = t.numel() * t.element_size()
                 return [n // self._size] * self._size
 
+            send, recv = splits(inp.t, input_split_sizes), splits(out.t, output_split_sizes)
+            _check_bytes("all_to_all_single input splits", sum(send), inp.nbytes)
+            _check_bytes("all_to_all_single output splits", sum(recv), out.nbytes)
+
             def run():
-                self.handle.all_to_all(inp.addr, splits(inp.t, input_split_sizes), out.addr,
-                                       splits(out.t, output_split_sizes))
+                self.handle.all_to_all(inp.addr, send, out.addr, recv)
             return self._run("all_to_all_single", run, out, result=[output])
 
         def alltoall(self, output_tensors, input_tensors, opts):
@@ -613,7 +644,8 @@ if torch is not None:
             """Runs every queued send and receive; a failure fails every work queued
             with it (each one's wait() raises), not just the one waited on."""
             pending, self._p2p = self._p2p, []
-            for *_, work in pending:
+            works = [work for *_, work in pending]
+            for work in works:
                 work._flush = False
             try:
                 while pending:
@@ -635,16 +667,120 @@ if torch is not None:
                 for *_, work in pending:
                     work._error, work._failed = e, e.failed_ranks
                 raise
+            for work in works:  # their results are in place: run what waits on them
+                work._settle()
+
+    def _staged(t):
+        """A host copy of ``t`` (pinned when CUDA is there, so the copies are DMA)."""
+        h = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                        pin_memory=torch.cuda.is_available())
+        h.copy_(t)
+        return h
+
+    class MooncakeCudaBackend(MooncakeBackend):
+        """The ``mooncake`` backend: device tensors staged through pinned host memory
+        around the same host collectives. Every tensor an operation touches is copied
+        in (outputs too: blocks of inactive ranks are left as they were) and the
+        outputs are copied back only if the operation succeeded, so a failed one
+        leaves the device tensors unchanged."""
+
+        def getBackendName(self):
+            return CUDA_BACKEND_NAME
+
+        def _staged_run(self, method, outputs, inputs, *args):
+            """``method`` over host copies of ``outputs`` and ``inputs`` (tensors or
+            lists, nested once); the host outputs are copied back on success."""
+            def stage(x):
+                return [stage(t) for t in x] if isinstance(x, (list, tuple)) else _staged(x)
+
+            def pairs(dev, host):
+                if isinstance(dev, (list, tuple)):
+                    for d, h in zip(dev, host):
+                        yield from pairs(d, h)
+                else:
+                    yield dev, host
+
+            host_out = stage(outputs)
+            host_in = host_out if inputs is outputs else stage(inputs)
+            work = method(host_out, host_in, *args) if inputs is not outputs \
+                else method(host_out, *args)
+
+            def copy_back():
+                for d, h in pairs(outputs, host_out):
+                    d.copy_(h)
+            work._result = outputs if isinstance(outputs, list) else [outputs]
+            work.then_on_success(copy_back)
+            return work
+
+        def allreduce(self, tensors, opts):
+            return self._staged_run(super().allreduce, tensors, tensors, opts)
+
+        def broadcast(self, tensors, opts):
+            return self._staged_run(super().broadcast, tensors, tensors, opts)
+
+        def reduce(self, tensors, opts):
+            return self._staged_run(super().reduce, tensors, tensors, opts)
+
+        def allgather(self, output_tensors, input_tensors, opts):
+            return self._staged_run(super().allgather, output_tensors, input_tensors, opts)
+
+        def _allgather_base(self, output, input, opts):
+            return self._staged_run(super()._allgather_base, output, input, opts)
+
+        def reduce_scatter(self, output_tensors, input_tensors, opts):
+            return self._staged_run(super().reduce_scatter, output_tensors, input_tensors,
+                                    opts)
+
+        def _reduce_scatter_base(self, output, input, opts):
+            return self._staged_run(super()._reduce_scatter_base, output, input, opts)
+
+        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+            return self._staged_run(super().alltoall_base, output, input, output_split_sizes,
+                                    input_split_sizes, opts)
+
+        def alltoall(self, output_tensors, input_tensors, opts):
+            return self._staged_run(super().alltoall, output_tensors, input_tensors, opts)
+
+        def gather(self, output_tensors, input_tensors, opts):
+            return self._staged_run(super().gather, output_tensors, input_tensors, opts)
+
+        def scatter(self, output_tensors, input_tensors, opts):
+            return self._staged_run(super().scatter, output_tensors, input_tensors, opts)
+
+        all_gather_single = _allgather_base
+        reduce_scatter_single = _reduce_scatter_base
+        all_to_all_single = alltoall_base
+
+        def send(self, tensors, dst, tag=0):
+            return self._staged_run(lambda ts: super(MooncakeCudaBackend, self).send(
+                ts, dst, tag), tensors, tensors)
+
+        def recv(self, tensors, src, tag=0):
+            return self._staged_run(lambda ts: super(MooncakeCudaBackend, self).recv(
+                ts, src, tag), tensors, tensors)
+
+    def _options(backend_options):
+        return backend_options if isinstance(backend_options, MooncakeBackendOptions) \
+            else MooncakeBackendOptions()
 
     def _create_backend(dist_opts, backend_options):
-        options = backend_options if isinstance(backend_options, MooncakeBackendOptions) \
-            else MooncakeBackendOptions()
         return MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                               options)
+                               _options(backend_options))
 
-    if BACKEND_NAME.upper() not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
-                                      devices=["cpu"])
+    def _create_cuda_backend(dist_opts, backend_options):
+        # Refused here, before the rank publishes an address: every rank of the group
+        # fails the same way at once instead of some waiting for a peer that never comes.
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"backend {CUDA_BACKEND_NAME!r} needs CUDA, and torch.cuda.is_available() is "
+                f"False here; use backend={BACKEND_NAME!r} for host tensors")
+        return MooncakeCudaBackend(dist_opts.store, dist_opts.group_rank,
+                                   dist_opts.group_size, _options(backend_options))
+
+    for _name, _creator, _devices in ((BACKEND_NAME, _create_backend, ["cpu"]),
+                                      (CUDA_BACKEND_NAME, _create_cuda_backend, ["cuda"])):
+        if _name.upper() not in getattr(dist.Backend, "_plugins", {}):
+            dist.Backend.register_backend(_name, _creator, extended_api=True, devices=_devices)
 
 
 def _handle(backend):
@@ -657,9 +793,13 @@ def _handle(backend):
         if isinstance(backend, MooncakeBackend):
             return backend.handle
         if isinstance(backend, dist.ProcessGroup):
-            inner = backend._get_backend(torch.device("cpu"))
-            if isinstance(inner, MooncakeBackend):
-                return inner.handle
+            for device in ("cpu", "cuda"):
+                try:
+                    inner = backend._get_backend(torch.device(device))
+                except RuntimeError:  # no backend for that device in this group
+                    continue
+                if isinstance(inner, MooncakeBackend):  # either backend
+                    return inner.handle
     raise TypeError(f"not a Mooncake PG backend: {backend!r}")
 
 

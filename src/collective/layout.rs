@@ -3,7 +3,7 @@
 //!
 //! Every write a peer makes is stamped and checksummed: a data cell carries the
 //! membership epoch, its message number on that (sender, receiver) channel, the
-//! collective it belongs to, and a CRC-32C over the stamp and the payload; a control
+//! collective it belongs to, and a CRC-32C over the payload and the stamp; a control
 //! record carries a CRC over its body. A reader accepts a cell only when the stamp is
 //! the one it expects and the CRC matches, so a write from an older epoch, a late
 //! duplicate, or one still landing (torn) is never taken for data. Consecutive epochs
@@ -197,21 +197,26 @@ pub fn encode_cell(cell: &mut [u8], stamp: &CellStamp, payload: &[u8]) {
     cell[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     cell[40..48].copy_from_slice(&stamp.total.to_le_bytes());
     cell[CELL_HEADER..CELL_HEADER + payload.len()].copy_from_slice(payload);
-    let crc = crc32c(&cell[8..CELL_HEADER + payload.len()]);
+    let crc = crc32c_append(
+        crc32c(&cell[CELL_HEADER..CELL_HEADER + payload.len()]),
+        &cell[8..CELL_HEADER],
+    );
     cell[4..8].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// Writes only the stamp of a cell whose payload travels separately (straight from
-/// the caller's memory, see `channel`): the CRC still covers stamp and payload, so the
-/// receiver checks it exactly as a cell from [`encode_cell`].
-pub fn encode_cell_header(header: &mut [u8; CELL_HEADER], stamp: &CellStamp, payload: &[u8]) {
+/// the caller's memory, see `channel`), given `payload_crc`, the [`crc32c`] of its
+/// `len` payload bytes: the cell's CRC covers payload then stamp, so the receiver
+/// checks it exactly as a cell from [`encode_cell`], and a payload sent to several
+/// peers, or whose CRC was taken while it was produced, is not read again for it.
+pub fn encode_cell_header(header: &mut [u8; CELL_HEADER], stamp: &CellStamp, payload_crc: u32) {
     header[0..4].copy_from_slice(&CELL_MAGIC.to_le_bytes());
     header[8..16].copy_from_slice(&stamp.epoch.to_le_bytes());
     header[16..24].copy_from_slice(&stamp.msg.to_le_bytes());
     header[24..32].copy_from_slice(&stamp.tag.to_le_bytes());
-    header[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    header[32..40].copy_from_slice(&(stamp.len as u64).to_le_bytes());
     header[40..48].copy_from_slice(&stamp.total.to_le_bytes());
-    let crc = crc32c_append(crc32c(&header[8..]), payload);
+    let crc = crc32c_append(payload_crc, &header[8..]);
     header[4..8].copy_from_slice(&crc.to_le_bytes());
 }
 
@@ -222,15 +227,15 @@ pub struct CellHead {
     pub stamp: CellStamp,
     /// The CRC the writer recorded.
     crc: u32,
-    /// The CRC over the stamp as read, to be continued over the payload.
-    stamp_crc: u32,
+    /// The stamp's bytes as read, which the CRC covers after the payload.
+    stamp_bytes: [u8; CELL_HEADER - 8],
 }
 
 impl CellHead {
     /// Whether `payload` (the cell's payload, or a copy of it) completes the CRC: the
     /// cell was whole and is the one the stamp describes.
     pub fn payload_matches(&self, payload: &[u8]) -> bool {
-        crc32c_append(self.stamp_crc, payload) == self.crc
+        crc32c_append(crc32c(payload), &self.stamp_bytes) == self.crc
     }
 }
 
@@ -270,7 +275,7 @@ pub unsafe fn read_cell_head(
             total: field(40),
         },
         crc: (head >> 32) as u32,
-        stamp_crc: crc32c(&stamp),
+        stamp_bytes: stamp,
     })
 }
 
@@ -408,7 +413,7 @@ mod tests {
         assert_eq!(check(&cell, 2, 7), None, "older epoch");
         assert_eq!(check(&cell, 3, 8), None, "other message");
         let mut header = [0u8; CELL_HEADER];
-        encode_cell_header(&mut header, &stamp, &[9u8; 40]);
+        encode_cell_header(&mut header, &stamp, crc32c(&[9u8; 40]));
         assert_eq!(
             header[..],
             cell[..CELL_HEADER],

@@ -1,6 +1,8 @@
 //! The collectives, each a short sequence of exchanges among the active ranks.
 
-use super::channel::{Accumulator, Incoming, Outgoing, Sink, State, KIND_P2P};
+use super::channel::{
+    Accumulator, FinishedRegions, Incoming, Outgoing, PayloadCrcs, Sink, State, KIND_P2P,
+};
 use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
 use super::Group;
 use crate::error::{Error, Result};
@@ -157,9 +159,16 @@ impl Group {
             .map(|i| (elems * (i + 1) / n - elems * i / n) * dtype.size())
             .collect();
         let me = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
+        let finished = std::cell::RefCell::new(FinishedRegions::new(
+            sizes[me],
+            self.layout.payload(),
+            n - 1,
+            n,
+        ));
         // Phase 1: member i reduces block i from everyone's copy of it, each cell as it
         // arrives (the order varies between runs; every rank gets the owner's result),
-        // in place: block i of the caller's buffer is the accumulator.
+        // in place: block i of the caller's buffer is the accumulator. Each region is
+        // finished (and its CRC taken) as its last part comes in.
         {
             let mut acc: &mut [u8] = &mut [];
             let mut out: Vec<Outgoing> = Vec::with_capacity(n);
@@ -170,7 +179,7 @@ impl Group {
                     out.push(Outgoing::new(members[i], b));
                 }
             }
-            let shared = Accumulator::new(acc, dtype, op);
+            let shared = Accumulator::new(acc, dtype, op, Some(&finished));
             let mut inc: Vec<Incoming> = others
                 .iter()
                 .map(|&p| Incoming::new(p, Sink::Reduce(shared)))
@@ -179,11 +188,13 @@ impl Group {
         }
         // Phase 2: every member sends its reduced block to all.
         let mut mine: &[u8] = &[];
+        let mut known = PayloadCrcs::default();
+        let mut finished = Some(finished.into_inner());
         let mut inc: Vec<Incoming> = Vec::with_capacity(n);
         for (i, b) in split_mut(buf, &sizes).into_iter().enumerate() {
             if i == me {
-                if op == ReduceOp::Avg {
-                    finish_avg(b, dtype, n);
+                if let Some(regions) = finished.take() {
+                    known = regions.complete(b, dtype, op);
                 }
                 mine = b;
             } else {
@@ -191,7 +202,7 @@ impl Group {
             }
         }
         let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();
-        self.exchange(&mut st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc)
+        self.exchange_known(&mut st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc, known)
     }
 
     /// Copies `root`'s `buf` into every active rank's `buf`.

@@ -645,6 +645,9 @@ int mc_pg_connect(mc_pg *pg, const char *const *addresses, size_t count);
  * at most timeout_ms (MC_ERR_TIMEOUT). */
 int mc_pg_join(mc_pg *pg, uint32_t timeout_ms);
 
+/* Size arrays (sizes, counts, send_sizes, recv_sizes) hold world_size entries. An
+ * operation's input and output may overlap (the in-place forms: an output that is a
+ * block of the input, or the reverse); the input is then copied first. */
 int mc_pg_all_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op);
 int mc_pg_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op, int root);
 int mc_pg_broadcast(mc_pg *pg, void *buf, size_t len, int root);

@@ -620,6 +620,35 @@ mod abi {
                     };
                     assert_eq!(rc, 0);
                     assert_eq!(out, [10, 10, 10, 11, 11, 11, 11, 11]);
+                    // In place, as torch's tensor forms allow: the all-gather's input is
+                    // this rank's block of its output, the reduce-scatter's output this
+                    // rank's block of its input (both read their input before writing).
+                    let mut whole = vec![0u8; 8];
+                    let at = [0usize, 3][r];
+                    whole[at..at + sizes[r]].fill(r as u8 + 10);
+                    let base = whole.as_mut_ptr();
+                    // SAFETY: `whole` covers both ranges; mooncake.h allows the overlap.
+                    let rc = unsafe {
+                        mc_pg_all_gather(pg.0, base.add(at).cast(), base.cast(), sizes.as_ptr())
+                    };
+                    assert_eq!(rc, 0);
+                    assert_eq!(whole, out, "in-place all-gather");
+                    let counts = [4usize, 4];
+                    let mut blocks = vec![10 * (r as i32 + 1); 8];
+                    let base = blocks.as_mut_ptr();
+                    // SAFETY: `blocks` holds 8 i32 (dtype 4); the output is block `r`.
+                    let rc = unsafe {
+                        mc_pg_reduce_scatter(
+                            pg.0,
+                            base.cast(),
+                            base.add(4 * r).cast(),
+                            counts.as_ptr(),
+                            4,
+                            0,
+                        )
+                    };
+                    assert_eq!(rc, 0);
+                    assert_eq!(blocks[4 * r..4 * r + 4], [30; 4], "in-place reduce-scatter");
                     // all_to_all with its own wait bound: rank r sends r + 1 bytes to
                     // each; a zero bound is refused before anything moves.
                     let send = [r + 1; 2];

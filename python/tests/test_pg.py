@@ -188,16 +188,21 @@ say("joined", pg.get_current_epoch(WORLD_PG))
 
 
 class Rank:
-    """A rank process: stdout lines on a queue; killed at the end whatever happened."""
+    """A rank process: stdout lines (and stderr's, with ``merge_stderr``) on a queue;
+    killed at the end whatever happened. ``prelude`` runs before ``script``."""
 
-    def __init__(self, script, store_port, rank, extension=False, timeout_ms=3000):
+    def __init__(self, script, store_port, rank, extension=False, timeout_ms=3000,
+                 world=WORLD, prelude=None, merge_stderr=False):
         # One intra-op thread: four ranks' OpenMP teams spinning on a small host can
         # stall one rank past the timeout.
-        env = dict(os.environ, PG_RANK=str(rank), PG_WORLD=str(WORLD),
+        env = dict(os.environ, PG_RANK=str(rank), PG_WORLD=str(world),
                    PG_STORE_PORT=str(store_port), PG_EXTENSION="1" if extension else "0",
                    PG_TIMEOUT_MS=str(timeout_ms), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", _PRELUDE + script], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        code = (_PRELUDE if prelude is None else prelude) + script
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT if merge_stderr else None,
+                                     text=True)
         self.lines = queue.Queue()
         self.log = []
         threading.Thread(target=self._read, daemon=True).start()

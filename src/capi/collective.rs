@@ -1,5 +1,6 @@
 //! `mc_pg_*`: Mooncake PG collectives ([`crate::collective`]) for C callers.
 
+use std::borrow::Cow;
 use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
@@ -59,6 +60,32 @@ unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, what: &str) -> Result<&'a mu
     non_null(p, what)?;
     // SAFETY: non-null and writable for `len` bytes (caller's guarantee).
     Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+}
+
+/// `len` bytes at `p` that an operation reads while it writes `out_len` bytes at
+/// `out`: borrowed when the two ranges are apart, else copied first (torch's in-place
+/// forms pass an output that is a block of the input, or the reverse; a shared and a
+/// mutable slice over the same bytes may not exist at once).
+///
+/// # Safety
+/// As `bytes` for `p`; `out` is only compared, never accessed here.
+unsafe fn input_apart<'a>(
+    p: *const c_void,
+    len: usize,
+    out: *const c_void,
+    out_len: usize,
+    what: &str,
+) -> Result<Cow<'a, [u8]>> {
+    // SAFETY: the caller's guarantee for `p`.
+    let input = unsafe { bytes(p, len, what) }?;
+    let (start, end) = (p as usize, (p as usize).saturating_add(len));
+    let (out_start, out_end) = (out as usize, (out as usize).saturating_add(out_len));
+    let overlap = len > 0 && out_len > 0 && start < out_end && out_start < end;
+    Ok(if overlap {
+        Cow::Owned(input.to_vec())
+    } else {
+        Cow::Borrowed(input)
+    })
 }
 
 /// The group's `world_size` entries at `p`.
@@ -284,10 +311,12 @@ pub unsafe extern "C" fn mc_pg_all_gather(
         // SAFETY: as above.
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
         // SAFETY: as above.
-        let i = unsafe { bytes(input, s[g.rank()], "input") }?;
+        let out_len = total(s, 1)?;
         // SAFETY: as above.
-        let o = unsafe { bytes_mut(output, total(s, 1)?, "output") }?;
-        g.all_gather(i, o, s)?;
+        let i = unsafe { input_apart(input, s[g.rank()], output, out_len, "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
+        let o = unsafe { bytes_mut(output, out_len, "output") }?;
+        g.all_gather(&i, o, s)?;
         Ok(MC_OK)
     })
 }
@@ -314,10 +343,12 @@ pub unsafe extern "C" fn mc_pg_reduce_scatter(
         // SAFETY: as above.
         let c = unsafe { self::sizes(counts, g.size(), "counts") }?;
         // SAFETY: as above.
-        let i = unsafe { bytes(input, total(c, dt.size())?, "input") }?;
+        let out_len = elements(c[g.rank()], dt)?;
         // SAFETY: as above.
-        let o = unsafe { bytes_mut(output, elements(c[g.rank()], dt)?, "output") }?;
-        g.reduce_scatter(i, o, c, dt, op)?;
+        let i = unsafe { input_apart(input, total(c, dt.size())?, output, out_len, "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
+        let o = unsafe { bytes_mut(output, out_len, "output") }?;
+        g.reduce_scatter(&i, o, c, dt, op)?;
         Ok(MC_OK)
     })
 }
@@ -342,11 +373,12 @@ pub unsafe extern "C" fn mc_pg_all_to_all(
         let s = unsafe { sizes(send, g.size(), "send") }?;
         // SAFETY: as above.
         let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        let out_len = total(r, 1)?;
         // SAFETY: as above.
-        let i = unsafe { bytes(input, total(s, 1)?, "input") }?;
-        // SAFETY: as above.
-        let o = unsafe { bytes_mut(output, total(r, 1)?, "output") }?;
-        g.all_to_all(i, s, o, r)?;
+        let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
+        let o = unsafe { bytes_mut(output, out_len, "output") }?;
+        g.all_to_all(&i, s, o, r)?;
         Ok(MC_OK)
     })
 }
@@ -375,12 +407,13 @@ pub unsafe extern "C" fn mc_pg_all_to_all_timeout(
         let s = unsafe { sizes(send, g.size(), "send") }?;
         // SAFETY: as above.
         let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        let out_len = total(r, 1)?;
         // SAFETY: as above.
-        let i = unsafe { bytes(input, total(s, 1)?, "input") }?;
-        // SAFETY: as above.
-        let o = unsafe { bytes_mut(output, total(r, 1)?, "output") }?;
+        let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
+        let o = unsafe { bytes_mut(output, out_len, "output") }?;
         let timeout = Duration::from_micros(timeout_us);
-        g.all_to_all_within(i, s, o, r, Some(timeout))?;
+        g.all_to_all_within(&i, s, o, r, Some(timeout))?;
         Ok(MC_OK)
     })
 }
@@ -403,12 +436,12 @@ pub unsafe extern "C" fn mc_pg_gather(
         let root = rank_arg(root)?;
         // SAFETY: as above.
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
-        // SAFETY: as above.
-        let i = unsafe { bytes(input, s[g.rank()], "input") }?;
         let out_len = if g.rank() == root { total(s, 1)? } else { 0 };
         // SAFETY: as above.
+        let i = unsafe { input_apart(input, s[g.rank()], output, out_len, "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
         let o = unsafe { bytes_mut(output, out_len, "output") }?;
-        g.gather(i, o, s, root)?;
+        g.gather(&i, o, s, root)?;
         Ok(MC_OK)
     })
 }
@@ -433,10 +466,10 @@ pub unsafe extern "C" fn mc_pg_scatter(
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
         let in_len = if g.rank() == root { total(s, 1)? } else { 0 };
         // SAFETY: as above.
-        let i = unsafe { bytes(input, in_len, "input") }?;
-        // SAFETY: as above.
+        let i = unsafe { input_apart(input, in_len, output, s[g.rank()], "input") }?;
+        // SAFETY: as above; `i` is apart from it (or a copy).
         let o = unsafe { bytes_mut(output, s[g.rank()], "output") }?;
-        g.scatter(i, o, s, root)?;
+        g.scatter(&i, o, s, root)?;
         Ok(MC_OK)
     })
 }

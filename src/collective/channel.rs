@@ -145,6 +145,8 @@ impl<'a> Accumulator<'a> {
 pub(super) struct FinishedRegions {
     /// Payload bytes per cell: regions start at multiples of it, as every message is cut.
     cap: usize,
+    /// The accumulator's length.
+    len: usize,
     /// Parts each region waits for (the peers).
     parts: usize,
     /// Members, for `Avg`'s division.
@@ -158,6 +160,7 @@ impl FinishedRegions {
         let regions = len.div_ceil(cap.max(1));
         FinishedRegions {
             cap,
+            len,
             parts,
             members,
             folded: vec![0; regions],
@@ -175,8 +178,11 @@ impl FinishedRegions {
     /// `len` bytes at `offset` of `acc` just had one part folded in.
     fn folded(&mut self, acc: &mut [u8], offset: usize, dtype: DType, op: ReduceOp) {
         let index = offset / self.cap;
-        if offset % self.cap != 0 || index >= self.folded.len() {
-            return; // not a whole region (cannot happen: cells are cut at `cap`)
+        let whole = offset % self.cap == 0
+            && index < self.folded.len()
+            && acc.len() == self.cap.min(self.len - offset);
+        if !whole {
+            return; // cannot happen (cells are cut at `cap`); `complete` finishes it
         }
         self.folded[index] += 1;
         if self.folded[index] == self.parts {
@@ -312,7 +318,8 @@ fn credit_word(epoch: u64, consumed: u64) -> u64 {
 /// Spins, yields a little, then sleeps briefly, longer as the wait goes on. Yielding
 /// for long cost a third of a rank's CPU in a 1 MiB all-reduce (perf: context
 /// switches), and on a busy host a yielding rank competes with the engine threads that
-/// move its peers' bytes, while a sleeper is woken ahead of busy threads.
+/// move its peers' bytes, while a sleeper is woken ahead of busy threads. (The
+/// kernel's default 50 µs timer slack stretches both sleeps: ~60–130 µs in practice.)
 pub(super) fn backoff(idle: u32) {
     if idle < 32 {
         std::hint::spin_loop();
@@ -551,6 +558,8 @@ impl Group {
         let timeout = st.op_timeout.unwrap_or(self.options.timeout);
         let mut deadline = Instant::now() + timeout;
         let mut idle = 0u32;
+        // A cell's payload copied out before it is checked and used (see below).
+        let mut checked: Vec<u8> = Vec::new();
         loop {
             let mut progressed = false;
             let mut reqs = Vec::new();
@@ -603,11 +612,16 @@ impl Group {
                                 break;
                             }
                         }
+                        // The same for a reduction: it uses the checked copy, never the
+                        // live cell, into which a stale write of an older epoch could
+                        // land between a check and a second read.
                         _ => {
-                            if !head.payload_matches(whole) {
+                            checked.clear();
+                            checked.extend_from_slice(whole);
+                            if !head.payload_matches(&checked) {
                                 break;
                             }
-                            m.sink.take(m.offset, &whole[..len]);
+                            m.sink.take(m.offset, &checked[..len]);
                         }
                     }
                     m.offset += len;

@@ -371,6 +371,29 @@ if torch is not None:
         if got != want:
             raise ValueError(f"{what}: {got} bytes where {want} are needed")
 
+    def _check_rank(what, r, world):
+        if not 0 <= int(r) < world:
+            raise ValueError(f"{what}: rank {r} out of range (world size {world})")
+
+    def _check_count(what, items, world):
+        """The C ABI reads ``world`` entries of every size array: a shorter list would
+        be read past its end."""
+        if len(items) != world:
+            raise ValueError(f"{what}: {len(items)} entries for world size {world}")
+
+    def _check_like(what, t, ref):
+        """``t`` must have ``ref``'s dtype and element count (the peer's block is sized
+        from ``ref``)."""
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{what}: dtype {t.dtype} where {ref.dtype} is needed")
+        if t.numel() != ref.numel():
+            raise ValueError(f"{what}: {t.numel()} elements where {ref.numel()} are needed")
+
+    def _check_dtypes(what, tensors, dtype):
+        for i, t in enumerate(tensors):
+            if t.dtype != dtype:
+                raise ValueError(f"{what}[{i}]: dtype {t.dtype} where {dtype} is needed")
+
     class _Contig:
         """A contiguous view of ``t`` for the call; copied back when it was a copy."""
 
@@ -485,17 +508,22 @@ if torch is not None:
                 c.done()
             return MooncakeWork(self, result=result)
 
+        # Every operation checks its tensors and sizes before the C call: the C ABI
+        # trusts the sizes it is given, and a refused call must change nothing.
+
         def allreduce(self, tensors, opts):
             cs = [_Contig(t) for t in tensors]
+            op = _op(opts.reduceOp)
+            dtypes = [_dtype(c.t) for c in cs]
 
             def run():
-                op = _op(opts.reduceOp)
-                for c in cs:
-                    self.handle.all_reduce(c.addr, c.t.numel(), _dtype(c.t), op)
+                for c, dt in zip(cs, dtypes):
+                    self.handle.all_reduce(c.addr, c.t.numel(), dt, op)
             return self._run("all_reduce", run, *cs, result=tensors)
 
         def broadcast(self, tensors, opts):
             cs = [_Contig(t) for t in tensors]
+            _check_rank("broadcast root", opts.rootRank, self._size)
 
             def run():
                 for c in cs:
@@ -504,26 +532,35 @@ if torch is not None:
 
         def reduce(self, tensors, opts):
             cs = [_Contig(t) for t in tensors]
+            op = _op(opts.reduceOp)
+            dtypes = [_dtype(c.t) for c in cs]
+            _check_rank("reduce root", opts.rootRank, self._size)
 
             def run():
-                for c in cs:
-                    self.handle.reduce(c.addr, c.t.numel(), _dtype(c.t), _op(opts.reduceOp),
-                                       opts.rootRank)
+                for c, dt in zip(cs, dtypes):
+                    self.handle.reduce(c.addr, c.t.numel(), dt, op, opts.rootRank)
             return self._run("reduce", run, *cs, result=tensors)
 
         def _copy_blocks(self, outs, flat, sizes):
             """Block r of ``flat`` (``sizes[r]`` bytes) into ``outs[r]``, for active
-            ranks only: an inactive rank's tensor is left as it was."""
+            ranks only: an inactive rank's tensor is left as it was. The callers have
+            checked every block's size, and that all outputs share a dtype (so each
+            block starts aligned for it); non-contiguous outputs are fine."""
             active = self.handle.active_ranks()
             off = 0
             for r, (o, n) in enumerate(zip(outs, sizes)):
                 if n and active[r]:
-                    o.view(-1).view(torch.uint8).copy_(flat[off:off + n])
+                    o.copy_(flat[off:off + n].view(o.dtype).view(o.shape))
                 off += n
 
         def allgather(self, output_tensors, input_tensors, opts):
             inp = _Contig(input_tensors[0])
-            outs = output_tensors[0]
+            outs = [_host(o) for o in output_tensors[0]]
+            _check_count("all_gather outputs", outs, self._size)
+            _check_dtypes("all_gather output", outs, inp.t.dtype)
+            # Blocks may differ in size between ranks, but this rank's is the input.
+            _check_like(f"all_gather output {self._rank} (this rank's)", outs[self._rank],
+                        inp.t)
             sizes = [o.numel() * o.element_size() for o in outs]
             flat = torch.empty(sum(sizes), dtype=torch.uint8)
 
@@ -534,6 +571,9 @@ if torch is not None:
 
         def _allgather_base(self, output, input, opts):
             out, inp = _Contig(output), _Contig(input)
+            if out.t.dtype != inp.t.dtype:
+                raise ValueError(f"all_gather_into_tensor: output is {out.t.dtype}, input "
+                                 f"{inp.t.dtype}")
             _check_bytes("all_gather_into_tensor output", out.nbytes, inp.nbytes * self._size)
 
             def run():
@@ -542,13 +582,18 @@ if torch is not None:
 
         def reduce_scatter(self, output_tensors, input_tensors, opts):
             out = _Contig(output_tensors[0])
-            ins = input_tensors[0]
+            ins = [_host(i) for i in input_tensors[0]]
+            _check_count("reduce_scatter inputs", ins, self._size)
+            # Checked before the cat, which would promote mixed dtypes silently.
+            _check_dtypes("reduce_scatter input", ins, out.t.dtype)
+            dtype, op = _dtype(out.t), _op(opts.reduceOp)
+            _check_like(f"reduce_scatter output (input {self._rank}'s block)", out.t,
+                        ins[self._rank])
             flat = torch.cat([i.reshape(-1) for i in ins])
             counts = [i.numel() for i in ins]
 
             def run():
-                self.handle.reduce_scatter(flat.data_ptr(), out.addr, counts, _dtype(flat),
-                                           _op(opts.reduceOp))
+                self.handle.reduce_scatter(flat.data_ptr(), out.addr, counts, dtype, op)
             return self._run("reduce_scatter", run, out, result=output_tensors)
 
         def _reduce_scatter_base(self, output, input, opts):
@@ -556,26 +601,43 @@ if torch is not None:
             if out.t.dtype != inp.t.dtype:
                 raise ValueError(f"reduce_scatter_tensor: output is {out.t.dtype}, input "
                                  f"{inp.t.dtype}")
+            dtype, op = _dtype(inp.t), _op(opts.reduceOp)
             _check_bytes("reduce_scatter_tensor input", inp.nbytes, out.nbytes * self._size)
 
             def run():
                 self.handle.reduce_scatter(inp.addr, out.addr, [out.t.numel()] * self._size,
-                                           _dtype(inp.t), _op(opts.reduceOp))
+                                           dtype, op)
             return self._run("reduce_scatter_tensor", run, out, result=[output])
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
             out, inp = _Contig(output), _Contig(input)
+            if out.t.dtype != inp.t.dtype:
+                raise ValueError(f"all_to_all_single: output is {out.t.dtype}, input "
+                                 f"{inp.t.dtype}")
 
-            def row_bytes(t):
-                return (t.numel() // t.shape[0]) * t.element_size() if t.dim() and t.shape[0] else 0
+            def splits(what, t, given):
+                """Byte sizes per peer; a split counts rows of dim 0, as in torch."""
+                if t.dim() == 0:
+                    raise ValueError(f"all_to_all_single {what}: a 0-dim tensor has no rows")
+                rows = t.shape[0]
+                row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+                if given is None or len(given) == 0:  # torch passes [] for "not given"
+                    if rows % self._size:
+                        raise ValueError(f"all_to_all_single {what}: {rows} rows do not "
+                                         f"split evenly over world size {self._size}")
+                    return [rows // self._size * row_bytes] * self._size
+                _check_count(f"all_to_all_single {what} split sizes", given, self._size)
+                given = [int(s) for s in given]
+                if any(s < 0 for s in given):
+                    raise ValueError(f"all_to_all_single {what} split sizes {given}: "
+                                     f"negative")
+                if sum(given) != rows:
+                    raise ValueError(f"all_to_all_single {what} split sizes {given} sum to "
+                                     f"{sum(given)} rows; the tensor has {rows}")
+                return [s * row_bytes for s in given]
 
-            def splits(t, given):
-                if given:
-                    return [int(s) * row_bytes(t) for s in given]
-                n = t.numel() * t.element_size()
-                return [n // self._size] * self._size
-
-            send, recv = splits(inp.t, input_split_sizes), splits(out.t, output_split_sizes)
+            send = splits("input", inp.t, input_split_sizes)
+            recv = splits("output", out.t, output_split_sizes)
             _check_bytes("all_to_all_single input splits", sum(send), inp.nbytes)
             _check_bytes("all_to_all_single output splits", sum(recv), out.nbytes)
 
@@ -584,35 +646,54 @@ if torch is not None:
             return self._run("all_to_all_single", run, out, result=[output])
 
         def alltoall(self, output_tensors, input_tensors, opts):
-            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in input_tensors]) \
-                if input_tensors else torch.empty(0, dtype=torch.uint8)
-            send = [t.numel() * t.element_size() for t in input_tensors]
-            recv = [t.numel() * t.element_size() for t in output_tensors]
+            ins = [_host(t) for t in input_tensors]
+            outs = [_host(t) for t in output_tensors]
+            _check_count("all_to_all inputs", ins, self._size)
+            _check_count("all_to_all outputs", outs, self._size)
+            # One dtype throughout, so every output block starts aligned for it.
+            _check_dtypes("all_to_all input", ins, outs[0].dtype)
+            _check_dtypes("all_to_all output", outs, outs[0].dtype)
+            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) \
+                if ins else torch.empty(0, dtype=torch.uint8)
+            send = [t.numel() * t.element_size() for t in ins]
+            recv = [t.numel() * t.element_size() for t in outs]
             flat_out = torch.empty(sum(recv), dtype=torch.uint8)
 
             def run():
                 self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
-                self._copy_blocks(output_tensors, flat_out, recv)
+                self._copy_blocks(outs, flat_out, recv)
             return self._run("all_to_all", run, result=output_tensors)
 
         def gather(self, output_tensors, input_tensors, opts):
             inp = _Contig(input_tensors[0])
             root = opts.rootRank
+            _check_rank("gather root", root, self._size)
+            outs = []
+            if self._rank == root:
+                outs = [_host(o) for o in output_tensors[0]]
+                _check_count("gather outputs", outs, self._size)
+                for r, o in enumerate(outs):
+                    _check_like(f"gather output {r}", o, inp.t)
             sizes = [inp.nbytes] * self._size
             flat = torch.empty(sum(sizes) if self._rank == root else 0, dtype=torch.uint8)
 
             def run():
                 self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
                 if self._rank == root:
-                    self._copy_blocks(output_tensors[0], flat, sizes)
+                    self._copy_blocks(outs, flat, sizes)
             return self._run("gather", run, result=output_tensors)
 
         def scatter(self, output_tensors, input_tensors, opts):
             out = _Contig(output_tensors[0])
             root = opts.rootRank
+            _check_rank("scatter root", root, self._size)
             sizes = [out.nbytes] * self._size
             if self._rank == root:
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in input_tensors[0]])
+                ins = [_host(t) for t in input_tensors[0]]
+                _check_count("scatter inputs", ins, self._size)
+                for r, t in enumerate(ins):
+                    _check_like(f"scatter input {r}", t, out.t)
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins])
             else:
                 flat = torch.empty(0, dtype=torch.uint8)
 
@@ -631,13 +712,17 @@ if torch is not None:
         # Point-to-point: queued, and done together at the first wait(), so a pair of
         # ranks that each send before receiving cannot wait on each other.
         def send(self, tensors, dst, tag=0):
+            _check_rank("send destination", dst, self._size)
+            c = _Contig(tensors[0])
             work = MooncakeWork(self, flush=True)
-            self._p2p.append(("send", int(dst), _Contig(tensors[0]), work))
+            self._p2p.append(("send", int(dst), c, work))
             return work
 
         def recv(self, tensors, src, tag=0):
+            _check_rank("recv source", src, self._size)
+            c = _Contig(tensors[0])
             work = MooncakeWork(self, result=tensors, flush=True)
-            self._p2p.append(("recv", int(src), _Contig(tensors[0]), work))
+            self._p2p.append(("recv", int(src), c, work))
             return work
 
         def _flush_p2p(self):

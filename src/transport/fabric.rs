@@ -107,6 +107,14 @@ impl FabricTransport {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        if provider == "sockets" {
+            // Seen here with libfabric 1.17: a few hundred RMA operations posted at once
+            // to a busy peer, and some never complete (the provider's threads idle).
+            log::warn!(
+                "libfabric's sockets provider is deprecated upstream and can stall under \
+                 load with many operations in flight; prefer tcp;ofi_rxm"
+            );
+        }
         Ok(FabricTransport {
             regions: Arc::default(),
             nics,

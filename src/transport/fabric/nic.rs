@@ -268,6 +268,9 @@ pub(super) struct Nic {
     pub hmem: bool,
     /// Largest single RMA operation.
     pub max_msg: u64,
+    /// Operations the transmit queue is sized for (`tx_attr->size`; 0: not said).
+    /// `sockets` accepts posts past it and then loses some of them.
+    pub tx_depth: usize,
     /// The provider accepted FI_DELIVERY_COMPLETE for this domain.
     delivery_complete: bool,
     /// A software provider: its progress runs on host CPUs (the kernel's TCP stack, a
@@ -304,7 +307,7 @@ impl Nic {
         // requires.
         let s = unsafe { fi::summarize(info) };
         // SAFETY: attribute pointers of a getinfo answer are valid.
-        let (max_msg, av_type, tx_flags) = unsafe {
+        let (max_msg, av_type, tx_flags, tx_depth) = unsafe {
             let ep = (*info).ep_attr;
             let tx = (*info).tx_attr;
             let da = (*info).domain_attr;
@@ -318,7 +321,12 @@ impl Nic {
             } else {
                 (*da).av_type
             };
-            (max, av, if tx.is_null() { 0 } else { (*tx).op_flags })
+            let (flags, depth) = if tx.is_null() {
+                (0, 0)
+            } else {
+                ((*tx).op_flags, (*tx).size)
+            };
+            (max, av, flags, depth)
         };
         let mut nic = Nic {
             lib,
@@ -332,6 +340,7 @@ impl Nic {
             mr_mode: s.mr_mode,
             hmem: s.caps & fi::FI_HMEM != 0,
             max_msg: max_msg.max(4096),
+            tx_depth,
             delivery_complete: tx_flags & fi::FI_DELIVERY_COMPLETE != 0,
             av_type,
             address: Vec::new(),

@@ -41,9 +41,21 @@ struct Lane {
     /// readable nothing can complete, so polls with nothing in flight look at the
     /// descriptor alone.
     armed: bool,
-    /// Operations posted on `ep` whose completions are not read yet (at most its
-    /// `cq_entries`).
+    /// Operations posted on `ep` whose completions are not read yet (at most
+    /// `room()`).
     posted: usize,
+}
+
+impl Lane {
+    /// How many operations may be outstanding at once: what the CQ holds, and no more
+    /// than the provider sized its transmit queue for (`sockets` accepts posts past
+    /// its 256 and does not push back).
+    fn room(&self) -> usize {
+        match self.nic.tx_depth {
+            0 => self.ep.cq_entries,
+            depth => self.ep.cq_entries.min(depth),
+        }
+    }
 }
 
 /// Everything one posted operation needs until its completion is read.
@@ -293,7 +305,7 @@ impl FabricWorker {
                 continue; // timed out or failed meanwhile
             }
             let lane = &self.lanes[q.lane];
-            if lane.posted >= lane.ep.cq_entries {
+            if lane.posted >= lane.room() {
                 self.queued.push_front(q);
                 break;
             }

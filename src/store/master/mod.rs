@@ -574,6 +574,9 @@ impl Master {
             if !replicas.is_empty() {
                 return replicas;
             }
+            if self.free_expired_quarantine() {
+                continue;
+            }
             let freed = match self.evict(want, false) {
                 0 => self.evict(want, true),
                 n => n,
@@ -586,6 +589,16 @@ impl Master {
             want = want.saturating_mul(2);
         }
         Vec::new()
+    }
+
+    /// Frees quarantined space whose time has come (as `tick` does), so an allocation
+    /// does not fail on space that is only waiting for the next tick; whether any was.
+    fn free_expired_quarantine(&self) -> bool {
+        let now = self.clock.now_ms();
+        let mut quarantine = self.quarantine.lock().unwrap_or_else(|e| e.into_inner());
+        let before = quarantine.len();
+        quarantine.retain(|q| q.until_ms > now);
+        quarantine.len() < before
     }
 
     fn quarantine_replicas(&self, replicas: Replicas, until_ms: u64) {
@@ -910,10 +923,7 @@ impl Master {
                 self.drop_segment(&name, false);
             }
         }
-        self.quarantine
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|q| q.until_ms > now);
+        self.free_expired_quarantine();
         let release = self.config.put_start_release_timeout.as_millis() as u64;
         let mut released = 0;
         for shard in self.shards.iter() {

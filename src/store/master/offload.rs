@@ -174,6 +174,9 @@ impl Master {
                 });
                 break;
             }
+            if self.free_expired_quarantine() {
+                continue;
+            }
             if self.evict(want, false) == 0 && self.evict(want, true) == 0 {
                 break;
             }

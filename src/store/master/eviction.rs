@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use super::policy::{Head, Lowest, Policy};
+use super::policy::{Head, Lowest, MeanGap, Policy};
 use super::table::Shard;
 use super::{Master, Object};
 use crate::store::protocol::KeyResult;
@@ -26,6 +26,8 @@ pub(super) struct Aging {
     seq: AtomicU32,
     /// Objects listed since the floor last rose by itself.
     listed: AtomicU64,
+    /// How long objects typically wait between touches, on the `seq` clock.
+    gaps: MeanGap,
 }
 
 /// Levels the floor rises by itself while as many objects are listed as the pool
@@ -96,7 +98,7 @@ impl Master {
     /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
     pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
         let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
-        if shard.hit(key, || Self::key_hash(key), floor, seq) {
+        if shard.hit(key, || Self::key_hash(key), floor, seq, &self.aging.gaps) {
             self.aging.listed(self.objects.load(Ordering::Relaxed));
         }
     }

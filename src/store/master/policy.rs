@@ -13,7 +13,13 @@
 //! buckets. Each object counts its hits; a small table of ghosts (key fingerprint and
 //! hit count of evicted objects) gives an object written again soon after its
 //! eviction its history back.
+//!
+//! An object read again after a clearly longer wait than objects typically leave
+//! between two touches earns a longer stay: its next read is likely to come as late (on
+//! the conversation trace the next gap grows with the last one, while the chance of a
+//! next read does not fall), and frequency alone would let it sink first.
 
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use super::table::Chunks;
@@ -48,6 +54,53 @@ const MAX_GHOSTS: usize = 1 << 16;
 /// The largest weight, the level skipped objects are moved to above the floor.
 fn max_weight() -> u64 {
     weight(MAX_HITS)
+}
+
+/// Samples after which the mean gap becomes a moving average of about this many.
+const GAP_SAMPLES: u32 = 4096;
+
+/// The mean gap between two touches of an object, measured on the insertion-order
+/// clock (touches of all objects in between, so it follows the load, not the wall
+/// clock), over about the last `GAP_SAMPLES` hits of all shards, which share it.
+#[derive(Default)]
+pub(super) struct MeanGap {
+    /// The mean, as `f64` bits.
+    mean: AtomicU64,
+    /// Samples so far, up to `GAP_SAMPLES`.
+    samples: AtomicU32,
+}
+
+impl MeanGap {
+    /// Adds a gap of `gap` touches; returns the new mean. Load and store are separate:
+    /// a sample lost to a concurrent hit only makes the mean a little less exact.
+    pub fn add(&self, gap: f64) -> f64 {
+        let n = self.samples.load(Ordering::Relaxed);
+        if n < GAP_SAMPLES {
+            self.samples.store(n + 1, Ordering::Relaxed);
+        }
+        // An exact mean over the first samples, then an exponential moving average.
+        let rate = 1.0 / f64::from((n + 1).min(GAP_SAMPLES));
+        let old = f64::from_bits(self.mean.load(Ordering::Relaxed));
+        let mean = old + (gap - old) * rate;
+        self.mean.store(mean.to_bits(), Ordering::Relaxed);
+        mean
+    }
+}
+
+/// A gap is long above this multiple of the mean gap.
+const LONG_GAP: f64 = 1.25;
+
+/// The weight of an object hit after `gap` touches where the mean gap is `mean`: a
+/// long gap stretches the weight by the square root of its ratio to a long gap's
+/// bound, up to the largest weight (bound and root chosen on the conversation trace,
+/// bench/README.md).
+fn stretched(weight: u64, gap: f64, mean: f64) -> u64 {
+    let long = LONG_GAP * mean;
+    if gap <= long || long <= 0.0 {
+        return weight;
+    }
+    let w = (weight as f64 * (gap / long).sqrt()).round() as u64;
+    w.min(max_weight())
 }
 
 struct Node {
@@ -134,11 +187,15 @@ impl Policy {
         self.len
     }
 
-    /// Counts a hit of node `id` and moves it to the level that earns now.
-    pub fn hit(&mut self, id: u32, floor: u64, seq: u32) {
+    /// Counts a hit of node `id` and moves it to the level that earns now: by its
+    /// hits, stretched if it waited longer than `gaps`' mean since its last touch.
+    pub fn hit(&mut self, id: u32, floor: u64, seq: u32, gaps: &MeanGap) {
         let n = &mut self.nodes[id as usize];
         n.hits = n.hits.saturating_add(1);
-        let level = floor + weight(n.hits);
+        // The node's insertion order is the clock's reading at its last touch (or move).
+        let gap = f64::from(seq.wrapping_sub(n.seq));
+        let mean = gaps.add(gap);
+        let level = floor + stretched(weight(n.hits), gap, mean);
         self.requeue(id, level, seq);
     }
 
@@ -484,8 +541,9 @@ mod tests {
         let mut p = Policy::default();
         let a = p.insert_hit(key(0), 42, 100, 0);
         let b = p.insert_hit(key(1), 43, 100, 1);
+        let gaps = MeanGap::default();
         for seq in 2..6 {
-            p.hit(a, 100, seq);
+            p.hit(a, 100, seq, &gaps);
         }
         // Five hits against one: `a` sits higher, so `b` goes first.
         assert_eq!(pop(&mut p).as_deref(), Some("k1"));
@@ -502,6 +560,37 @@ mod tests {
         assert_eq!(p.ghosts.recall(42), 6);
         assert_eq!(p.ghosts.recall(42), 0);
         assert_eq!(p.ghosts.recall(44), 0);
+    }
+
+    #[test]
+    fn a_hit_after_a_long_wait_earns_a_longer_stay() {
+        let gaps = MeanGap::default();
+        // The first samples average exactly: objects come back 10 touches apart.
+        for gap in [5.0, 15.0] {
+            gaps.add(gap);
+        }
+        assert_eq!(gaps.add(10.0), 10.0);
+        let mut p = Policy::default();
+        let slow = p.insert_hit(key(1), 2, 100, 0);
+        let prompt = p.insert_hit(key(0), 1, 100, 395);
+        // Both hit a second time, the slow one first (so older among equals), after a
+        // long wait; the other after a typical one.
+        p.hit(slow, 100, 400, &gaps);
+        p.hit(prompt, 100, 405, &gaps);
+        assert_eq!(p.nodes[slow as usize].hits, p.nodes[prompt as usize].hits);
+        // Same hits, yet the one that waited long stays longer.
+        assert_eq!(pop(&mut p).as_deref(), Some("k0"));
+        let (head, _) = p.head().unwrap();
+        assert!(head.level > 100 + weight(2), "long gap stretched");
+        assert!(head.level <= 100 + max_weight());
+        // A gap up to a long gap's bound changes nothing; the stretch has a ceiling.
+        assert_eq!(stretched(weight(2), LONG_GAP * 10.0, 10.0), weight(2));
+        assert_eq!(
+            stretched(weight(2), 4.0 * LONG_GAP * 10.0, 10.0),
+            2 * weight(2)
+        );
+        assert_eq!(stretched(weight(200), 1e9, 10.0), max_weight());
+        assert_eq!(stretched(weight(2), 40.0, 0.0), weight(2), "no mean yet");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::ops::{Index, IndexMut};
 
-use super::policy::{Policy, NONE};
+use super::policy::{MeanGap, Policy, NONE};
 use super::Object;
 
 /// Elements per arena chunk (a power of two): small enough that a near-empty shard
@@ -446,7 +446,14 @@ impl Shard {
     /// Counts a hit of `key` in the victim order, adding it there first if needed (only
     /// then is `hash` asked for the key's hash); objects that may never be evicted
     /// (unfinished, hard-pinned) stay out. True when `key` was added.
-    pub fn hit(&mut self, key: &str, hash: impl FnOnce() -> u64, floor: u64, seq: u32) -> bool {
+    pub fn hit(
+        &mut self,
+        key: &str,
+        hash: impl FnOnce() -> u64,
+        floor: u64,
+        seq: u32,
+        gaps: &MeanGap,
+    ) -> bool {
         let Some(slot) = self.objects.slot(key) else {
             return false;
         };
@@ -457,7 +464,7 @@ impl Shard {
             return false;
         }
         if o.node != NONE {
-            self.policy.hit(o.node, floor, seq);
+            self.policy.hit(o.node, floor, seq, gaps);
             return false;
         }
         o.node = self.policy.insert_hit(slot, hash(), floor, seq);
@@ -700,7 +707,7 @@ mod tests {
         for i in 0..10u64 {
             let key = format!("k{i}");
             s.objects.insert(&key, object(i));
-            assert!(s.hit(&key, || i, 0, i as u32));
+            assert!(s.hit(&key, || i, 0, i as u32, &MeanGap::default()));
         }
         assert_eq!(s.policy.len(), 10);
         s.retain(|_, o| o.size % 3 == 0);

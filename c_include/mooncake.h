@@ -50,14 +50,15 @@ extern "C" {
 /* Revision within MC_ABI_VERSION; bumped whenever functions are added (additions never
  * change an existing function or struct). Revision 2 added the functions marked
  * "(revision 2)", revision 3 those marked "(revision 3)", revision 4 Mooncake PG
- * (mc_pg_*) and the store keys ssd_path and ssd_size. A program loading the
+ * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
+ * (device buffers for Mooncake PG). A program loading the
  * library at run time checks mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 4
+#define MC_ABI_REVISION 5
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 4). */
+/* The ABI revision the loaded library implements (revision 5). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -595,8 +596,9 @@ int mc_store_health(mc_store *store);
  * MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS.
  *
  * Threads: one operation at a time per mc_pg (calls serialize). Every call returns 0
- * or a negative mc_error. Buffers are host memory; sizes in bytes unless "count"
- * (elements of dtype). Per-rank arrays (sizes, counts) have world_size entries. */
+ * or a negative mc_error. Buffers are host memory unless mc_pg_set_memory says
+ * otherwise; sizes in bytes unless "count" (elements of dtype). Per-rank arrays (sizes,
+ * counts) have world_size entries. */
 
 typedef struct mc_pg mc_pg;
 
@@ -644,6 +646,26 @@ int mc_pg_connect(mc_pg *pg, const char *const *addresses, size_t count);
 /* Claims this rank (extension or deactivated) and blocks until a member activates it,
  * at most timeout_ms (MC_ERR_TIMEOUT). */
 int mc_pg_join(mc_pg *pg, uint32_t timeout_ms);
+/* Where the buffers of this handle's later operations live (revision 5): "cpu:0" or
+ * NULL for host memory (the default), "cuda:N", "hip:N" or "npu:N" for memory of that
+ * device; the size and rank arguments stay host memory. A device location is checked
+ * now (its runtime loads, the device exists); an unknown or unusable one fails with
+ * MC_ERR_INVALID_PARAMS and leaves the setting as it was. The setting is the handle's,
+ * shared by every thread that uses it, not the calling thread's: a program passing
+ * buffers of several memories from several threads must not let one thread's
+ * mc_pg_set_memory fall between another's set_memory and the calls meant for its
+ * memory (hold one lock per handle across both). As a safety net, once a handle has had
+ * a CUDA or HIP location, its host-memory calls refuse (MC_ERR_INVALID_PARAMS, nothing
+ * done) a buffer that driver reports as device memory; a handle never set to a device
+ * makes no driver call. With device memory, each operation checks its buffers with the
+ * driver, copies each into host memory (pinned where the driver allows) once, runs as
+ * on host memory, and copies each output back once, only if it succeeded: a failed
+ * operation leaves device memory as it was, except that a driver error during the copy
+ * back itself can leave the outputs copied before it written (the call still fails).
+ * Inputs are never written. The device is done with when the call returns; the CPU
+ * never reads device memory directly; the calling thread's current device (CUDA
+ * context, HIP device) is the same afterwards. */
+int mc_pg_set_memory(mc_pg *pg, const char *location);
 
 /* Size arrays (sizes, counts, send_sizes, recv_sizes) hold world_size entries. An
  * operation's input and output may overlap (the in-place forms: an output that is a

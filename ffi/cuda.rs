@@ -89,6 +89,7 @@ function_table! {
                 unsafe extern "C" fn(CUcontext) -> CUresult,
             cu_ctx_get_current: required ["cuCtxGetCurrent"]
                 unsafe extern "C" fn(*mut CUcontext) -> CUresult,
+            cu_ctx_synchronize: required ["cuCtxSynchronize"] unsafe extern "C" fn() -> CUresult,
             cu_pointer_get_attribute: required ["cuPointerGetAttribute"]
                 unsafe extern "C" fn(*mut c_void, c_int, CUdeviceptr) -> CUresult,
             cu_memcpy_dtoh: required ["cuMemcpyDtoH_v2", "cuMemcpyDtoH"]
@@ -271,6 +272,45 @@ impl Cuda {
         self.check("cuCtxSetCurrent", unsafe { (self.cu_ctx_set_current)(ctx) })?;
         CURRENT.with(|c| c.set(ordinal));
         Ok(())
+    }
+
+    /// This thread's current context (0: none), for `restore_context`. Also tells the
+    /// `make_current` cache which device that is: the caller (torch, say) may have
+    /// switched contexts since this thread last made one current.
+    pub fn current_context(&self) -> Result<usize> {
+        self.initialized()?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context handle.
+        self.check("cuCtxGetCurrent", unsafe {
+            (self.cu_ctx_get_current)(&mut ctx)
+        })?;
+        CURRENT.with(|c| c.set(self.ordinal_of(ctx as usize)));
+        Ok(ctx as usize)
+    }
+
+    /// Makes `ctx`, from `current_context`, current again on this thread.
+    pub fn restore_context(&self, ctx: usize) -> Result<()> {
+        // SAFETY: a context the driver reported current on this thread (or 0: none).
+        self.check("cuCtxSetCurrent", unsafe {
+            (self.cu_ctx_set_current)(ctx as CUcontext)
+        })?;
+        CURRENT.with(|c| c.set(self.ordinal_of(ctx)));
+        Ok(())
+    }
+
+    /// The device whose retained primary context `ctx` is (-1: not one of ours).
+    fn ordinal_of(&self, ctx: usize) -> CUdevice {
+        let contexts = self.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        contexts
+            .iter()
+            .find(|(_, c)| ctx != 0 && *c == ctx)
+            .map_or(-1, |(d, _)| *d)
+    }
+
+    /// Waits until the current context's work, copies included, is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: no arguments.
+        self.check("cuCtxSynchronize", unsafe { (self.cu_ctx_synchronize)() })
     }
 
     /// Whether some context is current on this thread.

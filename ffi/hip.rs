@@ -95,6 +95,9 @@ function_table! {
             hip_device_get_pci_bus_id: required ["hipDeviceGetPCIBusId"]
                 unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipError,
             hip_set_device: required ["hipSetDevice"] unsafe extern "C" fn(c_int) -> HipError,
+            hip_get_device: required ["hipGetDevice"] unsafe extern "C" fn(*mut c_int) -> HipError,
+            hip_device_synchronize: required ["hipDeviceSynchronize"]
+                unsafe extern "C" fn() -> HipError,
             hip_pointer_get_attributes: required ["hipPointerGetAttributes"]
                 unsafe extern "C" fn(*mut HipPointerAttribute, *const c_void) -> HipError,
             hip_memcpy: required ["hipMemcpy"]
@@ -246,6 +249,25 @@ impl Hip {
         self.check("hipSetDevice", unsafe { (self.hip_set_device)(ordinal) })?;
         CURRENT.with(|c| c.set(ordinal));
         Ok(())
+    }
+
+    /// This thread's current device, for `make_current` to restore later. Also
+    /// refreshes the `make_current` cache: the caller may have switched devices since.
+    pub fn current_device(&self) -> Result<i32> {
+        self.initialized()?;
+        let mut d: c_int = -1;
+        // SAFETY: writes one int.
+        self.check("hipGetDevice", unsafe { (self.hip_get_device)(&mut d) })?;
+        CURRENT.with(|c| c.set(d));
+        Ok(d)
+    }
+
+    /// Waits until the current device's work, copies included, is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: no arguments.
+        self.check("hipDeviceSynchronize", unsafe {
+            (self.hip_device_synchronize)()
+        })
     }
 
     /// Host or which device `addr` lives on.

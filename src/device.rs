@@ -81,6 +81,11 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
             "buffer [{addr:#x}, +{len}) registered as {location}, but {what}"
         ))
     };
+    // The values come from C callers: a range past the end of the address space is
+    // refused here, before any probe or allocation sized by it.
+    let last = addr
+        .checked_add(len.max(1) - 1)
+        .ok_or_else(|| mismatch("it runs past the end of the address space".into()))?;
     match kind {
         // Peers and local copies would fault on a hole; refuse it now instead.
         MemoryKind::Host if !crate::sys::is_mapped(addr, len) => {
@@ -90,7 +95,7 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
         MemoryKind::Cuda(n) => {
             let api = cuda::api()?;
             api.make_current(n)?;
-            for probe in [addr, addr + len.max(1) - 1] {
+            for probe in [addr, last] {
                 match api.pointer_info(probe)? {
                     None | Some((cuda::CU_MEMORYTYPE_HOST, _)) => {
                         return Err(mismatch(format!(
@@ -109,7 +114,7 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
         MemoryKind::Hip(n) => {
             let api = hip::api()?;
             api.make_current(n)?;
-            for probe in [addr, addr + len.max(1) - 1] {
+            for probe in [addr, last] {
                 match api.pointer_info(probe)? {
                     hip::HipMemory::Host => {
                         return Err(mismatch(format!(
@@ -133,6 +138,33 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
         }
     }
     Ok(kind)
+}
+
+/// Which device's memory `[addr, addr+len)` is, by the loaded CUDA and/or HIP runtime's
+/// pointer query on its first and last byte; `None` when neither claims it (host
+/// memory). No device is made current. For callers given host memory that must not
+/// touch a device pointer by mistake.
+pub fn device_memory_at(addr: u64, len: u64, cuda: bool, hip: bool) -> Result<Option<MemoryKind>> {
+    let last = addr.checked_add(len.max(1) - 1).ok_or_else(|| {
+        Error::invalid(format!(
+            "buffer [{addr:#x}, +{len}) runs past the end of the address space"
+        ))
+    })?;
+    for probe in [addr, last] {
+        if cuda {
+            if let Some((kind, ordinal)) = cuda::api()?.pointer_info(probe)? {
+                if kind != cuda::CU_MEMORYTYPE_HOST {
+                    return Ok(Some(MemoryKind::Cuda(ordinal)));
+                }
+            }
+        }
+        if hip {
+            if let hip::HipMemory::Device(d) = hip::api()?.pointer_info(probe)? {
+                return Ok(Some(MemoryKind::Hip(d)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 fn host_kind_error() -> Error {
@@ -220,6 +252,67 @@ fn runtime(kind: MemoryKind) -> Result<&'static dyn Runtime> {
     Ok(rt)
 }
 
+/// The device context (CUDA) or current device (HIP) this thread had when saved, made
+/// current again on drop. Device calls switch the calling thread's device; a caller
+/// such as torch keeps its own current device and must find it unchanged. Ascend's
+/// device is not swapped back (its table has no query for it).
+pub struct CurrentKept(Option<SavedCurrent>);
+
+enum SavedCurrent {
+    Cuda(usize),
+    Hip(i32),
+}
+
+impl CurrentKept {
+    /// Saves this thread's current device of `kind`'s runtime (nothing for host
+    /// memory, or when the runtime does not load: no driver call is made then).
+    pub fn save(kind: MemoryKind) -> CurrentKept {
+        let saved = match kind {
+            MemoryKind::Cuda(_) => cuda::api()
+                .and_then(|a| a.current_context())
+                .ok()
+                .map(SavedCurrent::Cuda),
+            MemoryKind::Hip(_) => hip::api()
+                .and_then(|a| a.current_device())
+                .ok()
+                .map(SavedCurrent::Hip),
+            MemoryKind::Host | MemoryKind::Npu(_) => None,
+        };
+        CurrentKept(saved)
+    }
+}
+
+impl Drop for CurrentKept {
+    fn drop(&mut self) {
+        let restored = match self.0 {
+            Some(SavedCurrent::Cuda(ctx)) => cuda::api().and_then(|a| a.restore_context(ctx)),
+            Some(SavedCurrent::Hip(d)) => hip::api().and_then(|a| a.make_current(d)),
+            None => Ok(()),
+        };
+        if let Err(e) = restored {
+            log::warn!("could not make the caller's device current again: {e}");
+        }
+    }
+}
+
+/// Waits for the device's outstanding work. A copy from pageable (unpinned) host
+/// memory may return before the bytes reach the device; ACL's copies return when done.
+fn synchronize(kind: MemoryKind) -> Result<()> {
+    match kind {
+        MemoryKind::Cuda(n) => {
+            let api = cuda::api()?;
+            api.make_current(n)?;
+            Ok(api.synchronize()?)
+        }
+        MemoryKind::Hip(n) => {
+            let api = hip::api()?;
+            api.make_current(n)?;
+            Ok(api.synchronize()?)
+        }
+        MemoryKind::Host | MemoryKind::Npu(_) => Ok(()),
+    }
+}
+
 /// Device → host, synchronous.
 ///
 /// # Safety
@@ -264,6 +357,13 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
             return Err(e);
         }
         off += n;
+    }
+    if !zeros.is_pinned() {
+        if let Err(e) = synchronize(kind) {
+            // SAFETY: allocated above, never handed out.
+            let _ = unsafe { free(kind, addr) };
+            return Err(e);
+        }
     }
     Ok(addr)
 }
@@ -323,6 +423,10 @@ pub unsafe fn copy(
                 }
                 off += n;
             }
+            // The bounce is pinned, if at all, by the source's runtime.
+            if !bounce.is_pinned() || pool_index(d) != pool_index(s) {
+                synchronize(d)?;
+            }
             Ok(())
         }
     }
@@ -353,18 +457,18 @@ fn pinned_alloc(kind: MemoryKind) -> Result<*mut u8> {
     runtime(kind)?.host_alloc(BOUNCE_SIZE)
 }
 
+/// Frees pinned memory with a device of its runtime current (CUDA refuses the free on
+/// a thread without a context, e.g. one dropping a group), the caller's kept.
+///
 /// # Safety
-/// `p` must come from `pinned_alloc` for the runtime of pool `index`.
-unsafe fn pinned_free(index: usize, p: *mut u8) {
-    let table: crate::ffi::error::Result<&'static dyn Runtime> = match index {
-        0 => cuda::api().map(|a| a as &dyn Runtime),
-        1 => hip::api().map(|a| a as &dyn Runtime),
-        _ => acl::api().map(|a| a as &dyn Runtime),
-    };
-    if let Ok(rt) = table {
-        // SAFETY: the caller guarantees `p` came from `pinned_alloc` of pool `index`'s runtime, and
-        // the `api()` cells keep the table loaded then, so this is the same table's `host_free`.
-        unsafe { rt.host_free(p) }
+/// `p` must come from the `host_alloc` of `kind`'s runtime and not be used afterwards.
+unsafe fn pinned_free(kind: MemoryKind, p: *mut u8) {
+    let _kept = CurrentKept::save(kind);
+    match runtime(kind) {
+        // SAFETY: the caller guarantees `p` came from this runtime's `host_alloc` (pinned
+        // memory is portable: any device of the runtime may free it) and is not used again.
+        Ok(rt) => unsafe { rt.host_free(p) },
+        Err(e) => log::warn!("pinned memory not freed: {e}"),
     }
 }
 
@@ -372,8 +476,9 @@ unsafe fn pinned_free(index: usize, p: *mut u8) {
 /// it can be (fast DMA), ordinary heap memory otherwise. Returned to its pool on drop.
 pub struct Bounce {
     ptr: *mut u8,
-    /// The pool a pinned buffer goes back to; `None` for heap memory.
-    pool: Option<usize>,
+    /// The memory a pinned buffer was taken for (its runtime's pool takes it back);
+    /// `None` for heap memory.
+    pinned: Option<MemoryKind>,
     _heap: Option<Box<[u8]>>,
 }
 
@@ -389,7 +494,7 @@ impl Bounce {
             if let Some(p) = reused {
                 return Bounce {
                     ptr: p as *mut u8,
-                    pool: Some(i),
+                    pinned: Some(kind),
                     _heap: None,
                 };
             }
@@ -397,7 +502,7 @@ impl Bounce {
                 Ok(p) if !p.is_null() => {
                     return Bounce {
                         ptr: p,
-                        pool: Some(i),
+                        pinned: Some(kind),
                         _heap: None,
                     }
                 }
@@ -408,7 +513,7 @@ impl Bounce {
         let mut heap = vec![0u8; BOUNCE_SIZE].into_boxed_slice();
         Bounce {
             ptr: heap.as_mut_ptr(),
-            pool: None,
+            pinned: None,
             _heap: Some(heap),
         }
     }
@@ -430,7 +535,7 @@ impl Bounce {
 
     /// True when the buffer is page-locked by the device runtime (DMA-capable).
     pub fn is_pinned(&self) -> bool {
-        self.pool.is_some()
+        self.pinned.is_some()
     }
 
     /// The first `len` bytes (at most `BOUNCE_SIZE`).
@@ -449,17 +554,157 @@ impl Bounce {
 
 impl Drop for Bounce {
     fn drop(&mut self) {
-        if let Some(i) = self.pool {
-            let mut pool = POOLS[i].lock().unwrap_or_else(|e| e.into_inner());
-            if pool.len() < POOL_KEEP {
-                pool.push(self.ptr as usize);
-            } else {
-                drop(pool);
-                // SAFETY: a pinned buffer of runtime `i`, no longer referenced.
-                unsafe { pinned_free(i, self.ptr) };
-            }
+        let Some(kind) = self.pinned else { return };
+        let Some(i) = pool_index(kind) else { return };
+        let mut pool = POOLS[i].lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < POOL_KEEP {
+            pool.push(self.ptr as usize);
+        } else {
+            drop(pool);
+            // SAFETY: a pinned buffer of `kind`'s runtime, no longer referenced.
+            unsafe { pinned_free(kind, self.ptr) };
         }
     }
+}
+
+/// Host memory of any length for staging device memory of `kind` with one driver copy
+/// each way (a bounce buffer would take one copy per `BOUNCE_SIZE`): pinned by the
+/// device's runtime when it can be, heap memory otherwise. Freed on drop; callers that
+/// stage repeatedly keep these for reuse, since pinning costs more than a copy.
+pub struct Staging {
+    ptr: *mut u8,
+    len: usize,
+    kind: MemoryKind,
+    /// True when the runtime of `kind` pinned it; heap memory otherwise.
+    pinned: bool,
+    _heap: Option<Box<[u8]>>,
+}
+
+// SAFETY: the memory is exclusively owned; the raw pointer is just its address.
+unsafe impl Send for Staging {}
+
+impl Staging {
+    /// `len` bytes for staging memory of `kind` (contents unspecified).
+    pub fn new(kind: MemoryKind, len: usize) -> Staging {
+        if pool_index(kind).is_some() && len > 0 {
+            match runtime(kind).and_then(|rt| rt.host_alloc(len)) {
+                Ok(p) if !p.is_null() => {
+                    return Staging {
+                        ptr: p,
+                        len,
+                        kind,
+                        pinned: true,
+                        _heap: None,
+                    }
+                }
+                Ok(_) => log::warn!("pinned staging allocation returned null; using heap memory"),
+                Err(e) => log::warn!("pinned staging allocation failed ({e}); using heap memory"),
+            }
+        }
+        let mut heap = vec![0u8; len].into_boxed_slice();
+        Staging {
+            ptr: heap.as_mut_ptr(),
+            len,
+            kind,
+            pinned: false,
+            _heap: Some(heap),
+        }
+    }
+
+    /// The memory kind this buffer stages.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True when the buffer is page-locked by the device runtime (DMA-capable).
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// The first `len` bytes (at most the buffer's size), read-only.
+    pub fn bytes(&self, len: usize) -> &[u8] {
+        // SAFETY: `self.ptr` points at `self.len` bytes owned by `self` (pinned or `_heap`),
+        // and the length is capped at that; `&self` rules out a concurrent `bytes_mut`.
+        unsafe { std::slice::from_raw_parts(self.ptr, len.min(self.len)) }
+    }
+
+    /// The first `len` bytes (at most the buffer's size).
+    pub fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        // SAFETY: as `bytes`, with `&mut self` making the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, len.min(self.len)) }
+    }
+
+    /// Device → this buffer: `len` bytes from `src`, one driver copy (none for 0 bytes).
+    ///
+    /// # Safety
+    /// `src` must be `len` bytes of device memory of `self.kind()`.
+    pub unsafe fn fill_from(&mut self, src: u64, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::invalid(format!(
+                "staging {len} bytes into a buffer of {}",
+                self.len
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the buffer holds at least `len` bytes (checked); `src` is `len` bytes of
+        // device memory of `self.kind` (caller's guarantee).
+        unsafe { copy_to_host(self.kind, self.ptr, src, len) }
+    }
+
+    /// This buffer → device: `len` bytes to `dst`, one driver copy (none for 0 bytes),
+    /// done on the device when this returns (heap memory adds a device synchronize).
+    ///
+    /// # Safety
+    /// `dst` must be `len` bytes of device memory of `self.kind()`.
+    pub unsafe fn drain_to(&self, dst: u64, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(Error::invalid(format!(
+                "unstaging {len} bytes from a buffer of {}",
+                self.len
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the buffer holds at least `len` bytes (checked); `dst` is `len` bytes of
+        // device memory of `self.kind` (caller's guarantee).
+        unsafe { copy_from_host(self.kind, dst, self.ptr, len) }?;
+        if !self.pinned {
+            synchronize(self.kind)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if self.pinned {
+            // SAFETY: pinned memory of `kind`'s runtime from `Staging::new`, no longer
+            // referenced.
+            unsafe { pinned_free(self.kind, self.ptr) };
+        }
+    }
+}
+
+/// Checks that `kind` names a device this process can use: its runtime loads and the
+/// device exists (made current on this thread). Host memory needs no check.
+pub fn check_available(kind: MemoryKind) -> Result<()> {
+    if kind.is_host() {
+        return Ok(());
+    }
+    runtime(kind).map(|_| ())
 }
 
 /// What a same-host process needs to reach a device buffer: the IPC handle of the
@@ -569,7 +814,8 @@ pub fn dma_buf(kind: MemoryKind, addr: u64, len: u64) -> Result<DmaBuf> {
             let api = cuda::api()?;
             api.make_current(n)?;
             let (base, size) = api.mem_range(addr)?;
-            if addr + len > base + size as u64 {
+            let end = addr.checked_add(len);
+            if end.is_none_or(|end| end > base + size as u64) {
                 return Err(Error::invalid(format!(
                     "[{addr:#x}, +{len}) spans more than one CUDA allocation"
                 )));
@@ -627,5 +873,17 @@ mod tests {
             classify(0x1000, 10, "cpu:0").is_err(),
             "page 1 is never mapped"
         );
+    }
+
+    #[test]
+    fn ranges_past_the_end_of_the_address_space_are_refused() {
+        // Refused before any driver is asked: none is loaded here, and no probe or
+        // allocation may be sized by the wrapped end.
+        for location in ["cpu:0", "cuda:0", "hip:0"] {
+            let e = classify(u64::MAX - 10, 100, location).unwrap_err();
+            assert!(e.to_string().contains("past the end"), "{location}: {e}");
+        }
+        let e = device_memory_at(u64::MAX, 2, true, true).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
     }
 }

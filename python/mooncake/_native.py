@@ -216,6 +216,7 @@ _SIGNATURES = {
     "mc_pg_address": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
     "mc_pg_connect": (c_int, [_P, POINTER(c_char_p), c_size_t], 4),
     "mc_pg_join": (c_int, [_P, c_uint32], 4),
+    "mc_pg_set_memory": (c_int, [_P, c_char_p], 5),
     "mc_pg_all_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int], 4),
     "mc_pg_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int, c_int], 4),
     "mc_pg_broadcast": (c_int, [_P, _P, c_size_t, c_int], 4),

@@ -1,7 +1,10 @@
 """Mooncake EP: expert-parallel MoE dispatch/combine that survives a dead rank.
 
-Host (CPU) torch tensors over a ``mooncake-cpu`` process group (``mooncake.pg``); torch
-is needed for this module. Experts are spread evenly: rank ``r`` owns experts
+Host (CPU) or CUDA torch tensors over a Mooncake PG process group (``mooncake.pg``);
+torch is needed for this module. With CUDA tensors the rows stay on the device: the
+exchanges pass their memory to the C ABI as device memory (staged by the library with
+the driver, one copy in and one out per buffer), and only the routing metadata
+(``topk_idx``, row counts, the mask) is handled on the host. Experts are spread evenly: rank ``r`` owns experts
 ``r * L .. r * L + L - 1`` with ``L = num_experts // num_ranks``.
 
     buf = ep.Buffer(dist.group.WORLD, ep.Buffer.get_ep_buffer_size_hint(M, H, R, E))
@@ -59,10 +62,22 @@ class EPHandle:
         self.__dict__.update(fields)
 
 
-def _check_mask(active_ranks, num_ranks):
+def _check_mask(active_ranks, num_ranks, device):
     if not isinstance(active_ranks, torch.Tensor) or active_ranks.dtype != torch.int32 \
-            or active_ranks.shape != (num_ranks,) or active_ranks.device.type != "cpu":
-        raise ValueError(f"active_ranks must be a CPU int32 tensor of shape ({num_ranks},)")
+            or active_ranks.shape != (num_ranks,) \
+            or active_ranks.device.type not in ("cpu", device.type):
+        raise ValueError(f"active_ranks must be an int32 tensor of shape ({num_ranks},) on "
+                         f"the CPU or {device}")
+
+
+def _check_device(what, t):
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what} must be a CPU or CUDA tensor, not on {t.device}")
+
+
+def _mask(active_ranks):
+    """The mask as host booleans (routing is computed on the host)."""
+    return active_ranks.to("cpu", torch.bool)
 
 
 def _check_timeout(timeout_us):
@@ -82,7 +97,7 @@ def _row_bytes(t):
 
 
 class Buffer:
-    """Expert-parallel dispatch/combine over one rank of a ``mooncake-cpu`` group.
+    """Expert-parallel dispatch/combine over one rank of a Mooncake PG group.
 
     ``num_ep_buffer_bytes`` bounds the receive area of one dispatch
     (``get_ep_buffer_size_hint`` gives a size that always suffices).
@@ -121,10 +136,17 @@ class Buffer:
         new view leaves out the ranks that did not take part), ``active_ranks`` takes
         it and ``_Retry`` is raised."""
         sb, rb = _row_bytes(send_buf), _row_bytes(recv_buf)
+        device = send_buf.device
         try:
-            self._handle.all_to_all_timeout(
-                send_buf.data_ptr(), [int(n) * sb for n in send_rows],
-                recv_buf.data_ptr(), [int(n) * rb for n in recv_rows], timeout_us)
+            # The handle's memory setting is shared with the PG backend's threads: held
+            # from the setting to the call.
+            with self._handle.memory(pg._location(device)):
+                if device.type == "cuda":
+                    # The driver's copies do not follow torch's streams: finish the rows.
+                    torch.cuda.current_stream(device).synchronize()
+                self._handle.all_to_all_timeout(
+                    send_buf.data_ptr(), [int(n) * sb for n in send_rows],
+                    recv_buf.data_ptr(), [int(n) * rb for n in recv_rows], timeout_us)
         except pg.MooncakeCollectiveError as e:
             # Which ranks are masked comes from the view the survivors agree on, not from
             # this exchange's hint: a rank that died between the two exchanges can leave
@@ -159,9 +181,10 @@ class Buffer:
         """
         R, M = self.num_ranks, int(num_max_dispatch_tokens_per_rank)
         if use_fp8:
-            raise ValueError("use_fp8 is not supported for host tensors")
-        if x.dim() != 2 or x.device.type != "cpu":
-            raise ValueError("x must be a CPU tensor [tokens, hidden]")
+            raise ValueError("use_fp8 is not supported")
+        if x.dim() != 2:
+            raise ValueError("x must be a tensor [tokens, hidden]")
+        _check_device("x", x)
         if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] \
                 or topk_idx.dtype not in (torch.int32, torch.int64):
             raise ValueError("topk_idx must be an integer tensor [tokens, k] matching x")
@@ -170,9 +193,10 @@ class Buffer:
         if num_experts <= 0 or num_experts % R:
             raise ValueError(f"num_experts {num_experts} is not a positive multiple of "
                              f"num_ranks {R}")
-        _check_mask(active_ranks, R)
+        _check_mask(active_ranks, R, x.device)
         _check_timeout(timeout_us)
         L, hidden = num_experts // R, x.shape[1]
+        topk_idx = topk_idx.cpu()
         flat = topk_idx.reshape(-1).to(torch.int64)
         if flat.numel() and (flat.min() < -1 or flat.max() >= num_experts):
             raise ValueError(f"topk_idx holds experts outside -1..{num_experts - 1}")
@@ -189,7 +213,7 @@ class Buffer:
         order = torch.argsort(experts, stable=True)  # by (rank, local expert, token)
         pos, experts = pos[order], experts[order]
         for _ in self._attempts():
-            keep = active_ranks.to(torch.bool)[experts // L]
+            keep = _mask(active_ranks)[experts // L]
             send_pos, send_exp = pos[keep], experts[keep]
             send_counts = torch.bincount(send_exp, minlength=num_experts).reshape(R, L)
             recv_counts = torch.zeros(R, L, dtype=torch.int64)
@@ -199,14 +223,16 @@ class Buffer:
             except _Retry:
                 continue
             hb = hidden * x.element_size()
-            tokens = send_pos // k
-            send_buf = torch.empty(send_pos.numel(), hb + _TOKEN_BYTES, dtype=torch.uint8)
+            tokens = (send_pos // k).to(x.device)
+            send_buf = torch.empty(send_pos.numel(), hb + _TOKEN_BYTES, dtype=torch.uint8,
+                                   device=x.device)
             # Gathered straight into the rows' place (one copy of each row).
             torch.index_select(x, 0, tokens, out=_rows_of(send_buf, x.dtype, hidden))
             send_buf[:, hb:] = tokens.reshape(-1, 1).view(torch.uint8)
             recv_rows = recv_counts.sum(1)
             # Every byte is written: the counts name exactly what each active rank sends.
-            recv_buf = torch.empty(int(recv_rows.sum()), hb + _TOKEN_BYTES, dtype=torch.uint8)
+            recv_buf = torch.empty(int(recv_rows.sum()), hb + _TOKEN_BYTES, dtype=torch.uint8,
+                                   device=x.device)
             try:
                 self._exchange(send_buf, send_counts.sum(1), recv_buf, recv_rows,
                                active_ranks, timeout_us)
@@ -218,11 +244,11 @@ class Buffer:
 
     def _place(self, x, recv_buf, recv_counts, send_pos, send_rows, active_ranks, L, M, hb,
                return_recv_hook):
-        R, hidden = self.num_ranks, x.shape[1]
+        R, hidden, dev = self.num_ranks, x.shape[1], x.device
         n = recv_buf.shape[0]
         row_src = torch.repeat_interleave(torch.arange(R), recv_counts.sum(1))
         row_exp = torch.repeat_interleave(torch.arange(L).repeat(R), recv_counts.reshape(-1))
-        kept = active_ranks.to(torch.bool)[row_src]
+        kept = _mask(active_ranks)[row_src]
         # Slot of each kept row within its expert: rows arrive by source then expert, so
         # a stable sort by expert keeps source (then token) order.
         slot = torch.full((n,), -1, dtype=torch.int64)
@@ -231,13 +257,13 @@ class Buffer:
         recv_count = torch.bincount(row_exp[kept_idx], minlength=L)
         starts = torch.cumsum(recv_count, 0) - recv_count
         slot[by_exp] = torch.arange(by_exp.numel()) - starts[row_exp[by_exp]]
-        recv_x = torch.empty(L, R * M, hidden, dtype=x.dtype)
+        recv_x = torch.empty(L, R * M, hidden, dtype=x.dtype, device=dev)
         rows = _rows_of(recv_buf, x.dtype, hidden)
-        tokens = recv_buf[:, hb:].contiguous().view(torch.int64).reshape(n)
+        tokens = recv_buf[:, hb:].contiguous().view(torch.int64).reshape(n).cpu()
         if kept_idx.numel() == n:
-            recv_x[row_exp, slot] = rows
+            recv_x[row_exp.to(dev), slot.to(dev)] = rows
         else:
-            recv_x[row_exp[kept_idx], slot[kept_idx]] = rows[kept_idx]
+            recv_x[row_exp[kept_idx].to(dev), slot[kept_idx].to(dev)] = rows[kept_idx.to(dev)]
         src_rank = torch.full((L, R * M), -1, dtype=torch.int32)
         src_token = torch.full((L, R * M), -1, dtype=torch.int64)
         src_rank[row_exp[kept_idx], slot[kept_idx]] = row_src[kept_idx].to(torch.int32)
@@ -246,7 +272,7 @@ class Buffer:
                           recv_expert=row_exp, recv_slot=slot, recv_src_rank=src_rank,
                           recv_src_token=src_token, num_tokens=x.shape[0], hidden=hidden)
         hook = (lambda: None) if return_recv_hook else None
-        return recv_x, recv_count.to(torch.int32), handle, None, hook
+        return recv_x, recv_count.to(dev, torch.int32), handle, None, hook
 
     def combine(self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle,
                 async_finish=False, return_recv_hook=False, out=None):
@@ -257,23 +283,26 @@ class Buffer:
         ``out`` when given) is the sum over the surviving choices (module docstring).
         """
         R = self.num_ranks
-        if x.shape != handle.recv_src_rank.shape + (handle.hidden,) or x.device.type != "cpu":
-            raise ValueError(f"x must be a CPU tensor shaped as dispatch's recv_x, "
+        if x.shape != handle.recv_src_rank.shape + (handle.hidden,):
+            raise ValueError(f"x must be a tensor shaped as dispatch's recv_x, "
                              f"{list(handle.recv_src_rank.shape) + [handle.hidden]}")
+        _check_device("x", x)
+        dev = x.device
         tokens = handle.num_tokens
         if topk_idx.dim() != 2 or topk_idx.shape[0] != tokens \
                 or topk_weights.shape != topk_idx.shape:
             raise ValueError("topk_idx and topk_weights must be [tokens, k] as dispatched")
-        _check_mask(active_ranks, R)
+        _check_mask(active_ranks, R, dev)
         _check_timeout(timeout_us)
         k = topk_idx.shape[1]
         slot = handle.recv_slot
         kept = slot >= 0
-        send_buf = x[handle.recv_expert, slot.clamp(min=0)]
+        send_buf = x[handle.recv_expert.to(dev), slot.clamp(min=0).to(dev)]
         if not bool(kept.all()):
-            send_buf[~kept] = 0  # rows of a masked source go back empty
+            send_buf[(~kept).to(dev)] = 0  # rows of a masked source go back empty
         # Rows from ranks dropped meanwhile stay unwritten; they are masked out below.
-        recv_buf = torch.empty(handle.send_pos.numel(), handle.hidden, dtype=x.dtype)
+        recv_buf = torch.empty(handle.send_pos.numel(), handle.hidden, dtype=x.dtype,
+                               device=dev)
         for _ in self._attempts():
             try:
                 self._exchange(send_buf, handle.recv_rows, recv_buf, handle.send_rows,
@@ -284,12 +313,13 @@ class Buffer:
         else:
             raise RuntimeError("combine: membership kept changing")
         dest = torch.repeat_interleave(torch.arange(R), handle.send_rows)
-        use = active_ranks.to(torch.bool)[dest]
+        use = _mask(active_ranks)[dest]
         pos, rows = handle.send_pos, recv_buf
         if not bool(use.all()):
-            pos, rows = pos[use], rows[use]
-        weights = topk_weights.reshape(-1)[pos].to(torch.float32).reshape(-1, 1)
-        acc = torch.zeros(tokens, handle.hidden, dtype=torch.float32)
+            pos, rows = pos[use], rows[use.to(dev)]
+        pos = pos.to(dev)
+        weights = topk_weights.reshape(-1).to(dev)[pos].to(torch.float32).reshape(-1, 1)
+        acc = torch.zeros(tokens, handle.hidden, dtype=torch.float32, device=dev)
         acc.index_add_(0, pos // k, rows.to(torch.float32) * weights)
         combined = acc.to(x.dtype)
         if out is not None:

@@ -24,13 +24,16 @@ mooncake.h``, "Mooncake PG"). Collectives run when called; the Work returned is 
 complete and ``wait()`` raises the failure, if any.
 
 The backend ``mooncake`` takes CUDA tensors with the same options, module functions and
-failure semantics: each operation copies its device tensors into pinned host memory, runs
-the same host collective, and copies the results back (synchronously: the operation is
-complete on the device when the call returns). Creating it on a machine where
-``torch.cuda.is_available()`` is false raises at ``init_process_group`` / ``new_group``.
+failure semantics. Their memory goes to the C ABI as device memory
+(``mc_pg_set_memory``): the library copies each buffer into pinned host memory once with
+the driver, runs the same host collective, and copies the outputs back once, only if the
+operation succeeded (synchronously: the operation is complete on the device when the
+call returns). Creating it on a machine where ``torch.cuda.is_available()`` is false
+raises at ``init_process_group`` / ``new_group``.
 """
 
 import ctypes
+import contextlib
 import enum
 import threading
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
@@ -175,9 +178,12 @@ def _sizes(values):
 
 
 class ProcessGroupHandle:
-    """One rank of a group over the C ABI, on raw host memory (no torch needed).
+    """One rank of a group over the C ABI, on raw memory (no torch needed).
 
-    Buffers are given as ``(address, nbytes)`` of memory the caller keeps alive.
+    Buffers are given as ``(address, nbytes)`` of memory the caller keeps alive: host
+    memory, or device memory after ``set_memory("cuda:N")``. That setting is the
+    handle's, shared by every thread: a thread that calls on device buffers while others
+    use the handle holds it with ``with handle.memory("cuda:N"): ...``.
     """
 
     def __init__(self, rank, world_size, options=None):
@@ -191,7 +197,10 @@ class ProcessGroupHandle:
         if rc != MC_OK:
             raise RuntimeError(f"mc_pg_new: {error_string(rc)} ({rc})")
         self._h = handle
-        self._lock = threading.Lock()
+        # Held from a set_memory to the calls it is for (memory()); reentrant, so a
+        # block may make other calls on the handle.
+        self._lock = threading.RLock()
+        self._memory = "cpu:0"
 
     def close(self):
         if self._h:
@@ -226,6 +235,28 @@ class ProcessGroupHandle:
     def _check(self, what, rc):
         if rc != MC_OK:
             raise MooncakeCollectiveError(what, rc, self.failed_ranks())
+
+    def set_memory(self, location):
+        """Where the buffers of later operations live: ``"cpu:0"`` (the default),
+        ``"cuda:N"``, ``"hip:N"`` or ``"npu:N"``. A bad or unusable location raises
+        ValueError and leaves the setting as it was. The setting is the handle's, for
+        every thread's later calls: see ``memory``."""
+        with self._lock:
+            if location == self._memory:
+                return
+            rc = _fn("mc_pg_set_memory")(self._h, location.encode())
+            if rc != MC_OK:
+                raise ValueError(f"mc_pg_set_memory({location!r}): {error_string(rc)} ({rc})")
+            self._memory = location
+
+    @contextlib.contextmanager
+    def memory(self, location):
+        """Sets where buffers live (``set_memory``) and keeps other threads' settings
+        out until the block ends, so the calls in it take their buffers as
+        ``location``."""
+        with self._lock:
+            self.set_memory(location)
+            yield
 
     def join(self, timeout_ms=600_000):
         self._check("join_group", _fn("mc_pg_join")(self._h, int(timeout_ms)))
@@ -360,10 +391,16 @@ if torch is not None:
                 return v
         raise ValueError(f"mooncake-cpu: unsupported reduce op {reduce_op}")
 
-    def _host(t):
-        if t.device.type != "cpu":
-            raise ValueError(f"mooncake-cpu takes host tensors, not {t.device}")
-        return t
+    def _location(device):
+        """The C ABI's memory location of a torch device (ROCm builds of torch call
+        their GPUs "cuda")."""
+        if device.type == "cpu":
+            return "cpu:0"
+        if device.type == "cuda":
+            family = "hip" if getattr(torch.version, "hip", None) else "cuda"
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return f"{family}:{index}"
+        raise ValueError(f"Mooncake PG takes cpu or cuda tensors, not {device}")
 
     def _check_bytes(what, got, want):
         """The C ABI takes sizes, not buffer lengths: refuse a mismatch before the call
@@ -398,7 +435,7 @@ if torch is not None:
         """A contiguous view of ``t`` for the call; copied back when it was a copy."""
 
         def __init__(self, t):
-            self.orig = _host(t)
+            self.orig = t
             self.t = t if t.is_contiguous() else t.contiguous()
 
         @property
@@ -431,8 +468,8 @@ if torch is not None:
                 self._flush = False
                 try:
                     self._backend._flush_p2p()
-                except MooncakeCollectiveError as e:
-                    self._error, self._failed = e, e.failed_ranks
+                except Exception as e:  # every work of the flush has it (_flush_p2p)
+                    self._error, self._failed = e, getattr(e, "failed_ranks", [])
             if self._error is None:
                 pending, self._on_success = self._on_success, []
                 for fn in pending:
@@ -477,6 +514,9 @@ if torch is not None:
     class MooncakeBackend(_TorchBackend):
         """The ``mooncake-cpu`` backend: one group rank, collectives over the C ABI."""
 
+        # Where this backend's tensors may live.
+        _DEVICE_TYPES = ("cpu",)
+
         def __init__(self, store, rank, size, options):
             super().__init__(rank, size)
             self._rank, self._size = rank, size
@@ -499,9 +539,35 @@ if torch is not None:
         def getBackendName(self):
             return BACKEND_NAME
 
-        def _run(self, what, fn, *tensors, result=None):
+        def _device(self, tensors):
+            """The one device all of an operation's tensors are on."""
+            devices = {t.device for t in tensors}
+            if len(devices) > 1:
+                raise ValueError(f"{self.getBackendName()}: tensors on several devices "
+                                 f"({sorted(map(str, devices))})")
+            device = devices.pop() if devices else torch.device("cpu")
+            if device.type not in self._DEVICE_TYPES:
+                raise ValueError(f"{self.getBackendName()} takes "
+                                 f"{' or '.join(self._DEVICE_TYPES)} tensors, not {device}")
+            return device
+
+        @contextlib.contextmanager
+        def _on(self, device, every_stream=False):
+            """Holds the handle with its buffers at ``device`` (other threads' calls on
+            the handle wait); a CUDA tensor's pending writes are finished first (the
+            driver copies do not follow torch's streams): the current stream's, or with
+            ``every_stream`` the device's, for work queued under other streams."""
+            with self.handle.memory(_location(device)):
+                if device.type == "cuda" and every_stream:
+                    torch.cuda.synchronize(device)
+                elif device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                yield
+
+        def _run(self, what, fn, *tensors, result=None, device=None):
             try:
-                fn()
+                with self._on(device if device is not None else torch.device("cpu")):
+                    fn()
             except MooncakeCollectiveError as e:
                 return MooncakeWork(self, e, e.failed_ranks)
             for c in tensors:
@@ -512,6 +578,7 @@ if torch is not None:
         # trusts the sizes it is given, and a refused call must change nothing.
 
         def allreduce(self, tensors, opts):
+            dev = self._device(tensors)
             cs = [_Contig(t) for t in tensors]
             op = _op(opts.reduceOp)
             dtypes = [_dtype(c.t) for c in cs]
@@ -519,18 +586,20 @@ if torch is not None:
             def run():
                 for c, dt in zip(cs, dtypes):
                     self.handle.all_reduce(c.addr, c.t.numel(), dt, op)
-            return self._run("all_reduce", run, *cs, result=tensors)
+            return self._run("all_reduce", run, *cs, result=tensors, device=dev)
 
         def broadcast(self, tensors, opts):
+            dev = self._device(tensors)
             cs = [_Contig(t) for t in tensors]
             _check_rank("broadcast root", opts.rootRank, self._size)
 
             def run():
                 for c in cs:
                     self.handle.broadcast(c.addr, c.nbytes, opts.rootRank)
-            return self._run("broadcast", run, *cs, result=tensors)
+            return self._run("broadcast", run, *cs, result=tensors, device=dev)
 
         def reduce(self, tensors, opts):
+            dev = self._device(tensors)
             cs = [_Contig(t) for t in tensors]
             op = _op(opts.reduceOp)
             dtypes = [_dtype(c.t) for c in cs]
@@ -539,7 +608,7 @@ if torch is not None:
             def run():
                 for c, dt in zip(cs, dtypes):
                     self.handle.reduce(c.addr, c.t.numel(), dt, op, opts.rootRank)
-            return self._run("reduce", run, *cs, result=tensors)
+            return self._run("reduce", run, *cs, result=tensors, device=dev)
 
         def _copy_blocks(self, outs, flat, sizes):
             """Block r of ``flat`` (``sizes[r]`` bytes) into ``outs[r]``, for active
@@ -554,22 +623,24 @@ if torch is not None:
                 off += n
 
         def allgather(self, output_tensors, input_tensors, opts):
+            outs = list(output_tensors[0])
+            dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
-            outs = [_host(o) for o in output_tensors[0]]
             _check_count("all_gather outputs", outs, self._size)
             _check_dtypes("all_gather output", outs, inp.t.dtype)
             # Blocks may differ in size between ranks, but this rank's is the input.
             _check_like(f"all_gather output {self._rank} (this rank's)", outs[self._rank],
                         inp.t)
             sizes = [o.numel() * o.element_size() for o in outs]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
 
             def run():
                 self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
                 self._copy_blocks(outs, flat, sizes)
-            return self._run("all_gather", run, result=output_tensors)
+            return self._run("all_gather", run, result=output_tensors, device=dev)
 
         def _allgather_base(self, output, input, opts):
+            dev = self._device([output, input])
             out, inp = _Contig(output), _Contig(input)
             if out.t.dtype != inp.t.dtype:
                 raise ValueError(f"all_gather_into_tensor: output is {out.t.dtype}, input "
@@ -578,11 +649,12 @@ if torch is not None:
 
             def run():
                 self.handle.all_gather(inp.addr, out.addr, [inp.nbytes] * self._size)
-            return self._run("all_gather_into_tensor", run, out, result=[output])
+            return self._run("all_gather_into_tensor", run, out, result=[output], device=dev)
 
         def reduce_scatter(self, output_tensors, input_tensors, opts):
+            ins = list(input_tensors[0])
+            dev = self._device([output_tensors[0]] + ins)
             out = _Contig(output_tensors[0])
-            ins = [_host(i) for i in input_tensors[0]]
             _check_count("reduce_scatter inputs", ins, self._size)
             # Checked before the cat, which would promote mixed dtypes silently.
             _check_dtypes("reduce_scatter input", ins, out.t.dtype)
@@ -594,9 +666,10 @@ if torch is not None:
 
             def run():
                 self.handle.reduce_scatter(flat.data_ptr(), out.addr, counts, dtype, op)
-            return self._run("reduce_scatter", run, out, result=output_tensors)
+            return self._run("reduce_scatter", run, out, result=output_tensors, device=dev)
 
         def _reduce_scatter_base(self, output, input, opts):
+            dev = self._device([output, input])
             out, inp = _Contig(output), _Contig(input)
             if out.t.dtype != inp.t.dtype:
                 raise ValueError(f"reduce_scatter_tensor: output is {out.t.dtype}, input "
@@ -607,9 +680,10 @@ if torch is not None:
             def run():
                 self.handle.reduce_scatter(inp.addr, out.addr, [out.t.numel()] * self._size,
                                            dtype, op)
-            return self._run("reduce_scatter_tensor", run, out, result=[output])
+            return self._run("reduce_scatter_tensor", run, out, result=[output], device=dev)
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+            dev = self._device([output, input])
             out, inp = _Contig(output), _Contig(input)
             if out.t.dtype != inp.t.dtype:
                 raise ValueError(f"all_to_all_single: output is {out.t.dtype}, input "
@@ -643,63 +717,65 @@ if torch is not None:
 
             def run():
                 self.handle.all_to_all(inp.addr, send, out.addr, recv)
-            return self._run("all_to_all_single", run, out, result=[output])
+            return self._run("all_to_all_single", run, out, result=[output], device=dev)
 
         def alltoall(self, output_tensors, input_tensors, opts):
-            ins = [_host(t) for t in input_tensors]
-            outs = [_host(t) for t in output_tensors]
+            ins, outs = list(input_tensors), list(output_tensors)
+            dev = self._device(ins + outs)
             _check_count("all_to_all inputs", ins, self._size)
             _check_count("all_to_all outputs", outs, self._size)
             # One dtype throughout, so every output block starts aligned for it.
             _check_dtypes("all_to_all input", ins, outs[0].dtype)
             _check_dtypes("all_to_all output", outs, outs[0].dtype)
             flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) \
-                if ins else torch.empty(0, dtype=torch.uint8)
+                if ins else torch.empty(0, dtype=torch.uint8, device=dev)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
-            flat_out = torch.empty(sum(recv), dtype=torch.uint8)
+            flat_out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
 
             def run():
                 self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
                 self._copy_blocks(outs, flat_out, recv)
-            return self._run("all_to_all", run, result=output_tensors)
+            return self._run("all_to_all", run, result=output_tensors, device=dev)
 
         def gather(self, output_tensors, input_tensors, opts):
-            inp = _Contig(input_tensors[0])
             root = opts.rootRank
             _check_rank("gather root", root, self._size)
-            outs = []
+            outs = list(output_tensors[0]) if self._rank == root else []
+            dev = self._device([input_tensors[0]] + outs)
+            inp = _Contig(input_tensors[0])
             if self._rank == root:
-                outs = [_host(o) for o in output_tensors[0]]
                 _check_count("gather outputs", outs, self._size)
                 for r, o in enumerate(outs):
                     _check_like(f"gather output {r}", o, inp.t)
             sizes = [inp.nbytes] * self._size
-            flat = torch.empty(sum(sizes) if self._rank == root else 0, dtype=torch.uint8)
+            flat = torch.empty(sum(sizes) if self._rank == root else 0, dtype=torch.uint8,
+                               device=dev)
 
             def run():
                 self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
                 if self._rank == root:
                     self._copy_blocks(outs, flat, sizes)
-            return self._run("gather", run, result=output_tensors)
+            return self._run("gather", run, result=output_tensors, device=dev)
 
         def scatter(self, output_tensors, input_tensors, opts):
-            out = _Contig(output_tensors[0])
             root = opts.rootRank
             _check_rank("scatter root", root, self._size)
+            ins = list(input_tensors[0]) if self._rank == root else []
+            dev = self._device([output_tensors[0]] + ins)
+            out = _Contig(output_tensors[0])
             sizes = [out.nbytes] * self._size
             if self._rank == root:
-                ins = [_host(t) for t in input_tensors[0]]
                 _check_count("scatter inputs", ins, self._size)
                 for r, t in enumerate(ins):
                     _check_like(f"scatter input {r}", t, out.t)
                 flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins])
             else:
-                flat = torch.empty(0, dtype=torch.uint8)
+                flat = torch.empty(0, dtype=torch.uint8, device=dev)
 
             def run():
                 self.handle.scatter(flat.data_ptr() or None, out.addr, sizes, root)
-            return self._run("scatter", run, out, result=output_tensors)
+            return self._run("scatter", run, out, result=output_tensors, device=dev)
 
         # Newer torch calls these names for the tensor forms.
         all_gather_single = _allgather_base
@@ -711,16 +787,23 @@ if torch is not None:
 
         # Point-to-point: queued, and done together at the first wait(), so a pair of
         # ranks that each send before receiving cannot wait on each other.
+        def _queue_p2p(self, tensor):
+            """A message's tensor, on the device of those already queued (one call
+            sends and receives them all)."""
+            queued = [c.orig for _, _, c, _ in self._p2p]
+            self._device(queued + [tensor])
+            return _Contig(tensor)
+
         def send(self, tensors, dst, tag=0):
             _check_rank("send destination", dst, self._size)
-            c = _Contig(tensors[0])
+            c = self._queue_p2p(tensors[0])
             work = MooncakeWork(self, flush=True)
             self._p2p.append(("send", int(dst), c, work))
             return work
 
         def recv(self, tensors, src, tag=0):
             _check_rank("recv source", src, self._size)
-            c = _Contig(tensors[0])
+            c = self._queue_p2p(tensors[0])
             work = MooncakeWork(self, result=tensors, flush=True)
             self._p2p.append(("recv", int(src), c, work))
             return work
@@ -732,117 +815,49 @@ if torch is not None:
             works = [work for *_, work in pending]
             for work in works:
                 work._flush = False
+            # Messages may have been queued under other streams than the current one.
+            device = pending[0][2].orig.device if pending else torch.device("cpu")
             try:
-                while pending:
-                    # One message each way per peer per round; the rest keep their order.
-                    sends, recvs, rest, seen = [], [], [], set()
-                    for item in pending:
-                        kind, peer, c, _ = item
-                        if (kind, peer) in seen:
-                            rest.append(item)
-                            continue
-                        seen.add((kind, peer))
-                        (sends if kind == "send" else recvs).append((peer, c))
-                    self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
-                                          [(p, c.addr, c.nbytes) for p, c in recvs])
-                    for _, c in recvs:
-                        c.done()
-                    pending = rest
-            except MooncakeCollectiveError as e:
+                with self._on(device, every_stream=True):
+                    self._send_recv_rounds(pending)
+            except Exception as e:
+                # Whatever failed, the messages not done yet fail with it: each one's
+                # wait() raises it.
                 for *_, work in pending:
-                    work._error, work._failed = e, e.failed_ranks
+                    work._error, work._failed = e, getattr(e, "failed_ranks", [])
                 raise
             for work in works:  # their results are in place: run what waits on them
                 work._settle()
 
-    def _staged(t):
-        """A host copy of ``t`` (pinned when CUDA is there, so the copies are DMA)."""
-        h = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                        pin_memory=torch.cuda.is_available())
-        h.copy_(t)
-        return h
+        def _send_recv_rounds(self, pending):
+            """Sends and receives ``pending``, one message each way per peer per round
+            (the rest keep their order); done messages leave the list."""
+            while pending:
+                sends, recvs, rest, seen = [], [], [], set()
+                for item in pending:
+                    kind, peer, c, _ = item
+                    if (kind, peer) in seen:
+                        rest.append(item)
+                        continue
+                    seen.add((kind, peer))
+                    (sends if kind == "send" else recvs).append((peer, c))
+                self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
+                                      [(p, c.addr, c.nbytes) for p, c in recvs])
+                for _, c in recvs:
+                    c.done()
+                pending[:] = rest
 
     class MooncakeCudaBackend(MooncakeBackend):
-        """The ``mooncake`` backend: device tensors staged through pinned host memory
-        around the same host collectives. Every tensor an operation touches is copied
-        in (outputs too: blocks of inactive ranks are left as they were) and the
-        outputs are copied back only if the operation succeeded, so a failed one
-        leaves the device tensors unchanged."""
+        """The ``mooncake`` backend: CUDA tensors go to the same collectives as device
+        memory (``ProcessGroupHandle.set_memory``); the library stages them through
+        pinned host memory with the driver, one copy in and one out per buffer, and
+        copies outputs back only if the operation succeeded, so a failed one leaves the
+        device tensors unchanged. Host tensors are taken as by ``mooncake-cpu``."""
+
+        _DEVICE_TYPES = ("cuda", "cpu")
 
         def getBackendName(self):
             return CUDA_BACKEND_NAME
-
-        def _staged_run(self, method, outputs, inputs, *args):
-            """``method`` over host copies of ``outputs`` and ``inputs`` (tensors or
-            lists, nested once); the host outputs are copied back on success."""
-            def stage(x):
-                return [stage(t) for t in x] if isinstance(x, (list, tuple)) else _staged(x)
-
-            def pairs(dev, host):
-                if isinstance(dev, (list, tuple)):
-                    for d, h in zip(dev, host):
-                        yield from pairs(d, h)
-                else:
-                    yield dev, host
-
-            host_out = stage(outputs)
-            host_in = host_out if inputs is outputs else stage(inputs)
-            work = method(host_out, host_in, *args) if inputs is not outputs \
-                else method(host_out, *args)
-
-            def copy_back():
-                for d, h in pairs(outputs, host_out):
-                    d.copy_(h)
-            work._result = outputs if isinstance(outputs, list) else [outputs]
-            work.then_on_success(copy_back)
-            return work
-
-        def allreduce(self, tensors, opts):
-            return self._staged_run(super().allreduce, tensors, tensors, opts)
-
-        def broadcast(self, tensors, opts):
-            return self._staged_run(super().broadcast, tensors, tensors, opts)
-
-        def reduce(self, tensors, opts):
-            return self._staged_run(super().reduce, tensors, tensors, opts)
-
-        def allgather(self, output_tensors, input_tensors, opts):
-            return self._staged_run(super().allgather, output_tensors, input_tensors, opts)
-
-        def _allgather_base(self, output, input, opts):
-            return self._staged_run(super()._allgather_base, output, input, opts)
-
-        def reduce_scatter(self, output_tensors, input_tensors, opts):
-            return self._staged_run(super().reduce_scatter, output_tensors, input_tensors,
-                                    opts)
-
-        def _reduce_scatter_base(self, output, input, opts):
-            return self._staged_run(super()._reduce_scatter_base, output, input, opts)
-
-        def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-            return self._staged_run(super().alltoall_base, output, input, output_split_sizes,
-                                    input_split_sizes, opts)
-
-        def alltoall(self, output_tensors, input_tensors, opts):
-            return self._staged_run(super().alltoall, output_tensors, input_tensors, opts)
-
-        def gather(self, output_tensors, input_tensors, opts):
-            return self._staged_run(super().gather, output_tensors, input_tensors, opts)
-
-        def scatter(self, output_tensors, input_tensors, opts):
-            return self._staged_run(super().scatter, output_tensors, input_tensors, opts)
-
-        all_gather_single = _allgather_base
-        reduce_scatter_single = _reduce_scatter_base
-        all_to_all_single = alltoall_base
-
-        def send(self, tensors, dst, tag=0):
-            return self._staged_run(lambda ts: super(MooncakeCudaBackend, self).send(
-                ts, dst, tag), tensors, tensors)
-
-        def recv(self, tensors, src, tag=0):
-            return self._staged_run(lambda ts: super(MooncakeCudaBackend, self).recv(
-                ts, src, tag), tensors, tensors)
 
     def _options(backend_options):
         return backend_options if isinstance(backend_options, MooncakeBackendOptions) \

@@ -1,11 +1,14 @@
 """The ``mooncake`` (CUDA) backend of Mooncake PG, with real processes.
 
-It stages device tensors through host memory around the ``mooncake-cpu`` collectives.
-Here (no GPU) the tests check that both backend names are registered, that
+It passes CUDA tensors' memory to the ``mooncake-cpu`` collectives as device memory
+(``ProcessGroupHandle.set_memory``); the library stages it with the driver. Here (no GPU)
+the tests check that both backend names are registered, that
 ``init_process_group(backend="mooncake")`` without CUDA fails at creation on every rank
-with a clear error instead of hanging, and run the staging path itself over host tensors
-(the class taken directly, as a GPU machine's ProcessGroup would hold it): results,
-module functions, and a failed operation that leaves the caller's tensors unchanged.
+with a clear error instead of hanging, run the backend class itself over host tensors
+(taken directly, as a GPU machine's ProcessGroup would hold it): results, module
+functions, and a failed operation that leaves the caller's tensors unchanged. The
+device-memory call the backend makes for a CUDA tensor, on the fake CUDA driver, needs
+no torch: ``test_pg_device_abi.py``.
 ``test_cuda_collectives_match_the_reference`` runs where ``torch.cuda.is_available()``.
 """
 
@@ -136,6 +139,23 @@ works = [backend.send([torch.full((4,), rank + 1, dtype=torch.int32)], other),
 for w in works:
     done(w)
 assert got.tolist() == [other + 1] * 4
+# A flush failing with an error that is not a collective's (here, before anything is
+# sent: the peer is not involved) fails every queued message, not just the one waited.
+real_send_recv = backend.handle.send_recv
+
+def broken_send_recv(sends, recvs):
+    raise RuntimeError("broken before sending")
+
+backend.handle.send_recv = broken_send_recv
+works = [backend.send([torch.ones(4)], other), backend.recv([torch.zeros(4)], other)]
+for w in works:
+    try:
+        w.wait()
+        raise AssertionError("a failed flush reported success")
+    except RuntimeError as e:
+        assert "broken before sending" in str(e), e
+    assert not w.is_success()
+backend.handle.send_recv = real_send_recv
 done(backend.barrier())
 say("staged ok")
 if rank == 1:
@@ -228,3 +248,16 @@ def test_cuda_collectives_match_the_reference(store, ranks):
         r.expect("done")
     for r in ranks:
         r.finish()
+
+
+def test_torch_devices_map_to_the_c_abi_locations(monkeypatch):
+    """ROCm builds of torch call their GPUs "cuda": the location must say hip then."""
+    from mooncake import pg
+
+    assert pg._location(torch.device("cpu")) == "cpu:0"
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert pg._location(torch.device("cuda", 1)) == "cuda:1"
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133", raising=False)
+    assert pg._location(torch.device("cuda", 1)) == "hip:1"
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        pg._location(torch.device("meta"))

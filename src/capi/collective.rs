@@ -2,15 +2,94 @@
 
 use std::borrow::Cow;
 use std::ffi::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use super::{answer_text, c_str, copy_out, guard, init_logging, non_null, MC_OK};
 use crate::collective::{DType, Group, GroupOptions, ReduceOp};
+use crate::device::{self, MemoryKind};
 use crate::error::{Error, Result};
 
 /// `mc_pg`: one rank of a collective group behind an opaque pointer.
 pub struct McPg {
     group: Group,
+    /// Where the buffers passed to this handle live ([`encode_memory`]); 0 is host
+    /// memory, so the host path costs one relaxed load.
+    memory: AtomicU64,
+    /// The device runtimes this handle's memory was ever set to ([`HostPath`]).
+    runtimes_set: AtomicU8,
+}
+
+/// `runtimes_set` bits: runtimes whose pointer query can tell device memory apart.
+const CUDA_SET: u8 = 1;
+const HIP_SET: u8 = 2;
+
+/// The host path of a handle that has had a CUDA or HIP location: the setting is shared
+/// by every thread, so another thread's `mc_pg_set_memory` may have switched it back to
+/// host memory between a caller's own setting and its call. A buffer the driver calls
+/// device memory is refused then, before the CPU touches it. A handle never set to such
+/// a device makes no driver call here.
+struct HostPath {
+    runtimes: u8,
+}
+
+impl HostPath {
+    fn refuse_device_memory(&self, p: *const c_void, len: usize, what: &str) -> Result<()> {
+        if self.runtimes == 0 || len == 0 || p.is_null() {
+            return Ok(());
+        }
+        let (cuda, hip) = (self.runtimes & CUDA_SET != 0, self.runtimes & HIP_SET != 0);
+        match device::device_memory_at(p as u64, len as u64, cuda, hip)? {
+            Some(kind) => Err(Error::invalid(format!(
+                "{what} is {} memory, but this handle's memory is host memory now \
+                 (mc_pg_set_memory is the handle's, shared by every thread)",
+                kind.location()
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `MemoryKind` as one word: 0 for host, else the runtime (1 CUDA, 2 HIP, 3 NPU) in the
+/// high half and the device number in the low half.
+fn encode_memory(kind: MemoryKind) -> u64 {
+    let (family, n) = match kind {
+        MemoryKind::Host => return 0,
+        MemoryKind::Cuda(n) => (1u64, n),
+        MemoryKind::Hip(n) => (2, n),
+        MemoryKind::Npu(n) => (3, n),
+    };
+    family << 32 | u64::from(n as u32)
+}
+
+fn decode_memory(word: u64) -> Option<MemoryKind> {
+    let n = (word & 0xffff_ffff) as u32 as i32;
+    match word >> 32 {
+        1 => Some(MemoryKind::Cuda(n)),
+        2 => Some(MemoryKind::Hip(n)),
+        3 => Some(MemoryKind::Npu(n)),
+        _ => None,
+    }
+}
+
+/// The group behind a handle, the device its buffers are on (`None`: host memory), and
+/// the host path's check of them.
+///
+/// # Safety
+/// As [`group`].
+unsafe fn group_and_memory<'a>(pg: *mut McPg) -> Result<(&'a Group, Option<MemoryKind>, HostPath)> {
+    non_null(pg, "pg")?;
+    // SAFETY: non-null, and the caller guarantees it came from mc_pg_new and is live;
+    // only shared access is made.
+    let h = unsafe { &*pg };
+    let host = HostPath {
+        runtimes: h.runtimes_set.load(Ordering::Relaxed),
+    };
+    Ok((
+        &h.group,
+        decode_memory(h.memory.load(Ordering::Relaxed)),
+        host,
+    ))
 }
 
 /// `mc_pg_message`: one point-to-point send or receive.
@@ -143,8 +222,14 @@ pub unsafe extern "C" fn mc_pg_new(
             }
         }
         let group = Group::new(o)?;
+        let (memory, runtimes_set) = (AtomicU64::new(0), AtomicU8::new(0));
+        let handle = McPg {
+            group,
+            memory,
+            runtimes_set,
+        };
         // SAFETY: as above.
-        unsafe { *out = Box::into_raw(Box::new(McPg { group })) };
+        unsafe { *out = Box::into_raw(Box::new(handle)) };
         Ok(MC_OK)
     })
 }
@@ -225,6 +310,56 @@ pub unsafe extern "C" fn mc_pg_join(pg: *mut McPg, timeout_ms: u32) -> c_int {
     })
 }
 
+/// A buffer location for `mc_pg_set_memory`: `cpu[:N]` or a device location. Unlike
+/// registration, which takes any other name as host memory, an unknown name is refused
+/// (a typo would otherwise hand device pointers to the host path).
+fn memory_location(location: &str) -> Result<MemoryKind> {
+    let bad = || {
+        Error::invalid(format!(
+            "location {location:?}: expected cpu:0, cuda:N, hip:N or npu:N"
+        ))
+    };
+    let (family, ordinal) = location.split_once(':').unwrap_or((location, "0"));
+    match family {
+        "cpu" if ordinal.parse::<u32>().is_ok() => Ok(MemoryKind::Host),
+        "cuda" | "hip" | "npu" => MemoryKind::parse_location(location),
+        _ => Err(bad()),
+    }
+}
+
+/// Sets where the buffers passed to this handle's operations live from now on:
+/// `location` as the engine's registration takes it ("cpu:0" or NULL for host memory,
+/// "cuda:N", "hip:N", "npu:N"). A device location is checked now (its runtime loads and
+/// device N exists); a bad one is refused and the setting is left as it was.
+///
+/// # Safety
+/// `pg` NULL or live; `location` NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_set_memory(pg: *mut McPg, location: *const c_char) -> c_int {
+    guard("mc_pg_set_memory", || {
+        non_null(pg, "pg")?;
+        let kind = if location.is_null() {
+            MemoryKind::Host
+        } else {
+            // SAFETY: a NUL-terminated string (caller's guarantee).
+            memory_location(unsafe { c_str(location, "location") }?)?
+        };
+        device::check_available(kind)
+            .map_err(|e| Error::invalid(format!("location {}: {e}", kind.location())))?;
+        // SAFETY: non-null and live (caller's guarantee); shared access only.
+        let h = unsafe { &*pg };
+        let runtime = match kind {
+            MemoryKind::Cuda(_) => CUDA_SET,
+            MemoryKind::Hip(_) => HIP_SET,
+            MemoryKind::Host | MemoryKind::Npu(_) => 0,
+        };
+        // Before the setting: a host call that sees a device setting gone sees this too.
+        h.runtimes_set.fetch_or(runtime, Ordering::SeqCst);
+        h.memory.store(encode_memory(kind), Ordering::SeqCst);
+        Ok(MC_OK)
+    })
+}
+
 /// All-reduce of `count` elements in place.
 ///
 /// # Safety
@@ -239,10 +374,17 @@ pub unsafe extern "C" fn mc_pg_all_reduce(
 ) -> c_int {
     guard("mc_pg_all_reduce", || {
         // SAFETY: caller's guarantee.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
+        let len = elements(count, dt)?;
+        if let Some(kind) = memory {
+            // SAFETY: `len` bytes of that device's memory (caller's guarantee).
+            unsafe { g.all_reduce_device(kind, buf as u64, len, dt, op) }?;
+            return Ok(MC_OK);
+        }
+        host.refuse_device_memory(buf, len, "buf")?;
         // SAFETY: as above.
-        let b = unsafe { bytes_mut(buf, elements(count, dt)?, "buf") }?;
+        let b = unsafe { bytes_mut(buf, len, "buf") }?;
         g.all_reduce(b, dt, op)?;
         Ok(MC_OK)
     })
@@ -263,10 +405,17 @@ pub unsafe extern "C" fn mc_pg_reduce(
 ) -> c_int {
     guard("mc_pg_reduce", || {
         // SAFETY: caller's guarantee.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
+        let len = elements(count, dt)?;
+        if let Some(kind) = memory {
+            // SAFETY: `len` bytes of that device's memory (caller's guarantee).
+            unsafe { g.reduce_device(kind, buf as u64, len, dt, op, rank_arg(root)?) }?;
+            return Ok(MC_OK);
+        }
+        host.refuse_device_memory(buf, len, "buf")?;
         // SAFETY: as above.
-        let b = unsafe { bytes_mut(buf, elements(count, dt)?, "buf") }?;
+        let b = unsafe { bytes_mut(buf, len, "buf") }?;
         g.reduce(b, dt, op, rank_arg(root)?)?;
         Ok(MC_OK)
     })
@@ -285,7 +434,13 @@ pub unsafe extern "C" fn mc_pg_broadcast(
 ) -> c_int {
     guard("mc_pg_broadcast", || {
         // SAFETY: caller's guarantee.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
+        if let Some(kind) = memory {
+            // SAFETY: `len` bytes of that device's memory (caller's guarantee).
+            unsafe { g.broadcast_device(kind, buf as u64, len, rank_arg(root)?) }?;
+            return Ok(MC_OK);
+        }
+        host.refuse_device_memory(buf, len, "buf")?;
         // SAFETY: as above.
         let b = unsafe { bytes_mut(buf, len, "buf") }?;
         g.broadcast(b, rank_arg(root)?)?;
@@ -307,11 +462,18 @@ pub unsafe extern "C" fn mc_pg_all_gather(
 ) -> c_int {
     guard("mc_pg_all_gather", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         // SAFETY: as above.
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        if let Some(kind) = memory {
+            // SAFETY: both ranges that device's memory (caller's guarantee).
+            unsafe { g.all_gather_device(kind, input as u64, output as u64, s) }?;
+            return Ok(MC_OK);
+        }
         // SAFETY: as above.
         let out_len = total(s, 1)?;
+        host.refuse_device_memory(input, s[g.rank()], "input")?;
+        host.refuse_device_memory(output, out_len, "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, s[g.rank()], output, out_len, "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
@@ -338,12 +500,19 @@ pub unsafe extern "C" fn mc_pg_reduce_scatter(
 ) -> c_int {
     guard("mc_pg_reduce_scatter", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
         // SAFETY: as above.
         let c = unsafe { self::sizes(counts, g.size(), "counts") }?;
+        if let Some(kind) = memory {
+            // SAFETY: both ranges that device's memory (caller's guarantee).
+            unsafe { g.reduce_scatter_device(kind, input as u64, output as u64, c, dt, op) }?;
+            return Ok(MC_OK);
+        }
         // SAFETY: as above.
         let out_len = elements(c[g.rank()], dt)?;
+        host.refuse_device_memory(input, total(c, dt.size())?, "input")?;
+        host.refuse_device_memory(output, out_len, "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, total(c, dt.size())?, output, out_len, "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
@@ -368,12 +537,20 @@ pub unsafe extern "C" fn mc_pg_all_to_all(
 ) -> c_int {
     guard("mc_pg_all_to_all", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         // SAFETY: as above.
         let s = unsafe { sizes(send, g.size(), "send") }?;
         // SAFETY: as above.
         let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        if let Some(kind) = memory {
+            let (i, o) = ((input as u64, s), (output as u64, r));
+            // SAFETY: both ranges that device's memory (caller's guarantee).
+            unsafe { g.all_to_all_device(kind, i, o, None) }?;
+            return Ok(MC_OK);
+        }
         let out_len = total(r, 1)?;
+        host.refuse_device_memory(input, total(s, 1)?, "input")?;
+        host.refuse_device_memory(output, out_len, "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
@@ -402,17 +579,25 @@ pub unsafe extern "C" fn mc_pg_all_to_all_timeout(
             return Err(Error::invalid("timeout_us must be positive"));
         }
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         // SAFETY: as above.
         let s = unsafe { sizes(send, g.size(), "send") }?;
         // SAFETY: as above.
         let r = unsafe { sizes(recv, g.size(), "recv") }?;
+        let timeout = Duration::from_micros(timeout_us);
+        if let Some(kind) = memory {
+            let (i, o) = ((input as u64, s), (output as u64, r));
+            // SAFETY: both ranges that device's memory (caller's guarantee).
+            unsafe { g.all_to_all_device(kind, i, o, Some(timeout)) }?;
+            return Ok(MC_OK);
+        }
         let out_len = total(r, 1)?;
+        host.refuse_device_memory(input, total(s, 1)?, "input")?;
+        host.refuse_device_memory(output, out_len, "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
         let o = unsafe { bytes_mut(output, out_len, "output") }?;
-        let timeout = Duration::from_micros(timeout_us);
         g.all_to_all_within(&i, s, o, r, Some(timeout))?;
         Ok(MC_OK)
     })
@@ -432,11 +617,18 @@ pub unsafe extern "C" fn mc_pg_gather(
 ) -> c_int {
     guard("mc_pg_gather", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let root = rank_arg(root)?;
         // SAFETY: as above.
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        if let Some(kind) = memory {
+            // SAFETY: the ranges used are that device's memory (caller's guarantee).
+            unsafe { g.gather_device(kind, input as u64, output as u64, s, root) }?;
+            return Ok(MC_OK);
+        }
         let out_len = if g.rank() == root { total(s, 1)? } else { 0 };
+        host.refuse_device_memory(input, s[g.rank()], "input")?;
+        host.refuse_device_memory(output, out_len, "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, s[g.rank()], output, out_len, "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
@@ -460,11 +652,18 @@ pub unsafe extern "C" fn mc_pg_scatter(
 ) -> c_int {
     guard("mc_pg_scatter", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let root = rank_arg(root)?;
         // SAFETY: as above.
         let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        if let Some(kind) = memory {
+            // SAFETY: the ranges used are that device's memory (caller's guarantee).
+            unsafe { g.scatter_device(kind, input as u64, output as u64, s, root) }?;
+            return Ok(MC_OK);
+        }
         let in_len = if g.rank() == root { total(s, 1)? } else { 0 };
+        host.refuse_device_memory(input, in_len, "input")?;
+        host.refuse_device_memory(output, s[g.rank()], "output")?;
         // SAFETY: as above.
         let i = unsafe { input_apart(input, in_len, output, s[g.rank()], "input") }?;
         // SAFETY: as above; `i` is apart from it (or a copy).
@@ -502,7 +701,7 @@ pub unsafe extern "C" fn mc_pg_send_recv(
 ) -> c_int {
     guard("mc_pg_send_recv", || {
         // SAFETY: caller's guarantees, for each borrow below.
-        let g = unsafe { group(pg) }?;
+        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let list = |p: *const McPgMessage, n: usize| -> Result<&[McPgMessage]> {
             if n == 0 {
                 return Ok(&[]);
@@ -511,8 +710,21 @@ pub unsafe extern "C" fn mc_pg_send_recv(
             // SAFETY: `n` entries (caller's guarantee).
             Ok(unsafe { std::slice::from_raw_parts(p, n) })
         };
+        if let Some(kind) = memory {
+            let ranges = |p, n| -> Result<Vec<(usize, u64, usize)>> {
+                list(p, n)?
+                    .iter()
+                    .map(|m| Ok((rank_arg(m.peer)?, m.buf as u64, m.len)))
+                    .collect()
+            };
+            let (out, inc) = (ranges(sends, nsends)?, ranges(recvs, nrecvs)?);
+            // SAFETY: every message's buffer is that device's memory (caller's guarantee).
+            unsafe { g.send_recv_device(kind, &out, &inc) }?;
+            return Ok(MC_OK);
+        }
         let mut out = Vec::new();
         for m in list(sends, nsends)? {
+            host.refuse_device_memory(m.buf, m.len, "send buf")?;
             // SAFETY: as above.
             out.push((rank_arg(m.peer)?, unsafe {
                 bytes(m.buf, m.len, "send buf")
@@ -520,6 +732,7 @@ pub unsafe extern "C" fn mc_pg_send_recv(
         }
         let mut inc = Vec::new();
         for m in list(recvs, nrecvs)? {
+            host.refuse_device_memory(m.buf, m.len, "recv buf")?;
             // SAFETY: as above.
             inc.push((rank_arg(m.peer)?, unsafe {
                 bytes_mut(m.buf, m.len, "recv buf")

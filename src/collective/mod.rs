@@ -9,18 +9,22 @@
 //!
 //! Membership is a view: an epoch number and the set of active ranks. Inactive ranks
 //! are holes (rank numbers never change; collectives skip them). A view changes only
-//! through [`Group::sync_after_failure`] or a proposal ([`Group::activate_ranks`],
-//! [`Group::deactivate_ranks`]): the lowest live member coordinates, collects the
+//! through [`Group::sync_after_failure`] or a proposal ([`Group::propose`], to
+//! activate or deactivate ranks): the lowest live member coordinates, collects the
 //! members' reports and, with a majority of the view, publishes the next one to all of
 //! them and to the ranks it leaves out (`membership.rs`, README "Mooncake PG"). Messages
 //! carry their epoch, so nothing sent in an older view is ever taken for data in a
 //! newer one.
+//!
+//! User buffers are host memory; the `*_device` methods (`staged.rs`) take device
+//! memory (CUDA, HIP, Ascend) by address and stage it through [`crate::device`].
 
 mod channel;
 pub mod dtype;
 pub mod layout;
 mod membership;
 mod ops;
+mod staged;
 pub mod view;
 
 use std::sync::Mutex;
@@ -215,6 +219,8 @@ pub struct Group {
     /// `active_ranks` answer while a view change holds `state`; written only with
     /// `state` held.
     views: Mutex<membership::ViewHistory>,
+    /// Host copies of device buffers, kept between operations (`staged.rs`).
+    staging: Mutex<Vec<crate::device::Staging>>,
 }
 
 impl Drop for Group {
@@ -257,6 +263,7 @@ impl Group {
             options,
             state: Mutex::new(state),
             views: Mutex::new(views),
+            staging: Mutex::new(Vec::new()),
         })
     }
 

@@ -73,7 +73,7 @@ impl Group {
             .collect()
     }
 
-    fn check_sizes(&self, sizes: &[usize], what: &str) -> Result<usize> {
+    pub(super) fn check_sizes(&self, sizes: &[usize], what: &str) -> Result<usize> {
         if sizes.len() != self.size() {
             return Err(Error::invalid(format!(
                 "{what}: {} sizes for world_size {}",

@@ -3,8 +3,8 @@
  * Device memory, IPC and dma-buf follow fake_gpu_mem.h (CPU access to device memory
  * faults; IPC works across processes). Pointer queries tell device from host by
  * allocation; copies check their direction against it; every copy is counted
- * (fake_cuda_copies) so tests can prove staging happened, or that none did. Copies and
- * allocations need a current context, as the real driver does. */
+ * (fake_cuda_copies) so tests can prove staging happened, or that none did. Copies,
+ * allocations and freeing pinned memory need a current context, as the real driver does. */
 #include "fake_gpu_mem.h"
 #include <stdlib.h>
 
@@ -83,6 +83,14 @@ CUresult cuCtxGetCurrent(CUcontext *ctx) {
     *ctx = current < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + current);
     return CUDA_SUCCESS;
 }
+/* Copies here are synchronous: only counted, so tests can see a wait was asked for. */
+static unsigned long syncs;
+unsigned long fake_cuda_syncs(void) { return __atomic_load_n(&syncs, __ATOMIC_SEQ_CST); }
+CUresult cuCtxSynchronize(void) {
+    NEED_CTX();
+    __atomic_add_fetch(&syncs, 1, __ATOMIC_SEQ_CST);
+    return CUDA_SUCCESS;
+}
 
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     NEED_INIT();
@@ -123,8 +131,13 @@ CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags) {
     *pp = pinned_alloc(n);
     return *pp ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
+unsigned long fake_cuda_pinned_buffers(void) {
+    unsigned long n = 0;
+    for (int i = 0; i < MAX_PINNED; i++) n += __atomic_load_n(&pinned[i].p, __ATOMIC_SEQ_CST) != NULL;
+    return n;
+}
 CUresult cuMemFreeHost(void *p) {
-    NEED_INIT();
+    NEED_CTX();
     return pinned_free(p) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 

@@ -54,6 +54,8 @@ hipError_t hipSetDevice(int d) {
     current = d;
     return hipSuccess;
 }
+hipError_t hipGetDevice(int *d) { NEED_INIT(); *d = current; return hipSuccess; }
+hipError_t hipDeviceSynchronize(void) { NEED_INIT(); return hipSuccess; }
 
 hipError_t hipPointerGetAttributes(hipPointerAttribute_t *a, const void *ptr) {
     NEED_INIT();

@@ -142,23 +142,35 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
 
 /// Which device's memory `[addr, addr+len)` is, by the loaded CUDA and/or HIP runtime's
 /// pointer query on its first and last byte; `None` when neither claims it (host
-/// memory). No device is made current. For callers given host memory that must not
-/// touch a device pointer by mistake.
+/// memory). A thread with no CUDA context borrows device 0's for the query (the driver
+/// may refuse the query without one) and is left as it was. For callers given host
+/// memory that must not touch a device pointer by mistake.
 pub fn device_memory_at(addr: u64, len: u64, cuda: bool, hip: bool) -> Result<Option<MemoryKind>> {
     let last = addr.checked_add(len.max(1) - 1).ok_or_else(|| {
         Error::invalid(format!(
             "buffer [{addr:#x}, +{len}) runs past the end of the address space"
         ))
     })?;
-    for probe in [addr, last] {
-        if cuda {
-            if let Some((kind, ordinal)) = cuda::api()?.pointer_info(probe)? {
+    if cuda {
+        let api = cuda::api()?;
+        let _kept = match api.current_context()? {
+            0 => {
+                let kept = CurrentKept::save(MemoryKind::Cuda(0));
+                api.make_current(0)?;
+                Some(kept)
+            }
+            _ => None,
+        };
+        for probe in [addr, last] {
+            if let Some((kind, ordinal)) = api.pointer_info(probe)? {
                 if kind != cuda::CU_MEMORYTYPE_HOST {
                     return Ok(Some(MemoryKind::Cuda(ordinal)));
                 }
             }
         }
-        if hip {
+    }
+    if hip {
+        for probe in [addr, last] {
             if let hip::HipMemory::Device(d) = hip::api()?.pointer_info(probe)? {
                 return Ok(Some(MemoryKind::Hip(d)));
             }
@@ -335,6 +347,26 @@ pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: us
     // device memory of `kind`, and `runtime(kind)` picks that kind's table, so its `copy_htod`
     // contract holds.
     unsafe { runtime(kind)?.copy_htod(dst, src, len) }
+}
+
+/// Host → device from a bounce buffer taken for `kind`: done on the device when it
+/// returns, pinned or not (a copy from unpinned memory is followed by a wait).
+///
+/// # Safety
+/// `bounce` must hold `len` readable bytes; `dst` must be `len` bytes of device memory
+/// of `kind`.
+pub unsafe fn copy_from_bounce(
+    kind: MemoryKind,
+    dst: u64,
+    bounce: &Bounce,
+    len: usize,
+) -> Result<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe { copy_from_host(kind, dst, bounce.ptr(), len) }?;
+    if !bounce.is_pinned() {
+        synchronize(kind)?;
+    }
+    Ok(())
 }
 
 /// Zeroed device memory of `kind` from its driver; release with `free`.

@@ -5,6 +5,8 @@
 //! The ranks are this test binary started again with `MC_PG_CHILD` set: the `pg_child`
 //! test then runs one rank's script and reports on stdout.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -982,26 +984,17 @@ mod stale_epoch {
 
     use mooncake::collective::layout::{encode_cell, CellStamp, Layout, CELL_HEADER};
     use mooncake::collective::view::next_epoch;
-    use mooncake::collective::{DType, Group, GroupOptions, ReduceOp};
+    use mooncake::collective::{DType, Group, ReduceOp};
 
     const CELLS: usize = 2;
     const CELL_BYTES: usize = 64 << 10;
 
     pub(super) fn start(world: usize) -> Vec<Group> {
-        let groups: Vec<Group> = (0..world)
-            .map(|r| {
-                let mut o = GroupOptions::new(r, world);
-                o.timeout = Duration::from_secs(5);
-                o.cells_per_peer = CELLS;
-                o.cell_bytes = CELL_BYTES;
-                Group::new(o).expect("group starts")
-            })
-            .collect();
-        let addrs: Vec<String> = groups.iter().map(Group::address).collect();
-        for g in &groups {
-            g.connect(&addrs).expect("connect");
-        }
-        groups
+        crate::common::groups::connected_groups(world, |o| {
+            o.timeout = Duration::from_secs(5);
+            o.cells_per_peer = CELLS;
+            o.cell_bytes = CELL_BYTES;
+        })
     }
 
     /// The base address of a group's buffer in this process (from `segment#hex#layout`).

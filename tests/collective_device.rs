@@ -111,21 +111,12 @@ fn sum(dt: DType, parts: &[Vec<u8>]) -> Vec<u8> {
 }
 
 fn start(world: usize, timeout: Duration, tweak: impl Fn(&mut GroupOptions)) -> Vec<Group> {
-    let groups: Vec<Group> = (0..world)
-        .map(|r| {
-            let mut o = GroupOptions::new(r, world);
-            o.timeout = timeout;
-            // Small cells, so the larger buffers are cut into many messages.
-            o.cell_bytes = 64 << 10;
-            tweak(&mut o);
-            Group::new(o).expect("group starts")
-        })
-        .collect();
-    let addrs: Vec<String> = groups.iter().map(Group::address).collect();
-    for g in &groups {
-        g.connect(&addrs).expect("connect");
-    }
-    groups
+    common::groups::connected_groups(world, |o| {
+        o.timeout = timeout;
+        // Small cells, so the larger buffers are cut into many messages.
+        o.cell_bytes = 64 << 10;
+        tweak(o);
+    })
 }
 
 /// Runs `script(group)` on every rank, each on its own thread.

@@ -255,8 +255,14 @@ class ProcessGroupHandle:
         out until the block ends, so the calls in it take their buffers as
         ``location``."""
         with self._lock:
+            before = self._memory
             self.set_memory(location)
-            yield
+            try:
+                yield
+            finally:
+                # A nested block (the same thread: the lock is re-entrant) leaves the
+                # outer one's setting as it found it.
+                self.set_memory(before)
 
     def join(self, timeout_ms=600_000):
         self._check("join_group", _fn("mc_pg_join")(self._h, int(timeout_ms)))
@@ -468,8 +474,10 @@ if torch is not None:
                 self._flush = False
                 try:
                     self._backend._flush_p2p()
-                except Exception as e:  # every work of the flush has it (_flush_p2p)
-                    self._error, self._failed = e, getattr(e, "failed_ranks", [])
+                except Exception:
+                    # _flush_p2p gave the error to every work whose message was not
+                    # done, this one included if so; a delivered message succeeded.
+                    pass
             if self._error is None:
                 pending, self._on_success = self._on_success, []
                 for fn in pending:
@@ -820,9 +828,9 @@ if torch is not None:
             try:
                 with self._on(device, every_stream=True):
                     self._send_recv_rounds(pending)
-            except Exception as e:
-                # Whatever failed, the messages not done yet fail with it: each one's
-                # wait() raises it.
+            except BaseException as e:
+                # Whatever failed (an interrupt too), the messages not done yet fail
+                # with it: each one's wait() raises it.
                 for *_, work in pending:
                     work._error, work._failed = e, getattr(e, "failed_ranks", [])
                 raise

@@ -82,14 +82,13 @@ unsafe fn group_and_memory<'a>(pg: *mut McPg) -> Result<(&'a Group, Option<Memor
     // SAFETY: non-null, and the caller guarantees it came from mc_pg_new and is live;
     // only shared access is made.
     let h = unsafe { &*pg };
+    // The setting first (Acquire): its store follows the runtime's bit (`mc_pg_set_memory`),
+    // so a call that sees a device setting gone also sees that runtime's bit.
+    let memory = decode_memory(h.memory.load(Ordering::Acquire));
     let host = HostPath {
-        runtimes: h.runtimes_set.load(Ordering::Relaxed),
+        runtimes: h.runtimes_set.load(Ordering::Acquire),
     };
-    Ok((
-        &h.group,
-        decode_memory(h.memory.load(Ordering::Relaxed)),
-        host,
-    ))
+    Ok((&h.group, memory, host))
 }
 
 /// `mc_pg_message`: one point-to-point send or receive.

@@ -484,10 +484,10 @@ impl Worker {
                     // SAFETY: the bounce holds the slice's bytes; the device range was
                     // validated as registered device memory at submit.
                     let copied = unsafe {
-                        device::copy_from_host(
+                        device::copy_from_bounce(
                             s.kind,
                             s.device_addr,
-                            s.bounce.ptr(),
+                            &s.bounce,
                             entry.slice.len as usize,
                         )
                     };

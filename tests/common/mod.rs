@@ -3,6 +3,7 @@
 
 pub mod cprog;
 pub mod fakes;
+pub mod groups;
 pub mod services;
 
 use mooncake::{Engine, EngineConfig};

@@ -222,7 +222,7 @@ impl Connection<'_> {
                 // SAFETY: the bounce holds `n` received bytes; the target is inside the
                 // guarded registered device buffer.
                 let r = unsafe {
-                    device::copy_from_host(kind, guard.addr() + off as u64, bounce.ptr(), n)
+                    device::copy_from_bounce(kind, guard.addr() + off as u64, &bounce, n)
                 };
                 failed = r
                     .err()

@@ -679,19 +679,14 @@ fn location_of(location: Option<&str>, addr: u64) -> String {
     match location {
         None => "cpu:0".to_owned(),
         Some("*") => {
-            if let Ok(Some((kind, ordinal))) =
-                crate::ffi::cuda::api().and_then(|api| api.pointer_info(addr))
-            {
-                if kind != crate::ffi::cuda::CU_MEMORYTYPE_HOST {
-                    return format!("cuda:{ordinal}");
-                }
+            // Each runtime that loads is asked (a thread with no CUDA context borrows one
+            // for the query); whatever neither claims is host memory.
+            let cuda = crate::ffi::cuda::api().is_ok();
+            let hip = crate::ffi::hip::api().is_ok();
+            match crate::device::device_memory_at(addr, 1, cuda, hip) {
+                Ok(Some(kind)) => kind.location(),
+                _ => "cpu:0".to_owned(),
             }
-            if let Ok(crate::ffi::hip::HipMemory::Device(d)) =
-                crate::ffi::hip::api().and_then(|api| api.pointer_info(addr))
-            {
-                return format!("hip:{d}");
-            }
-            "cpu:0".to_owned()
         }
         Some(l) => l.to_owned(),
     }

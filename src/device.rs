@@ -485,8 +485,18 @@ fn pool_index(kind: MemoryKind) -> Option<usize> {
     }
 }
 
-fn pinned_alloc(kind: MemoryKind) -> Result<*mut u8> {
-    runtime(kind)?.host_alloc(BOUNCE_SIZE)
+/// `len` bytes pinned by `kind`'s runtime (no heap box), or heap memory when it cannot
+/// pin them (logged, naming `what`): the address and the box that owns heap memory.
+fn pinned_or_heap(kind: MemoryKind, len: usize, what: &str) -> (*mut u8, Option<Box<[u8]>>) {
+    if pool_index(kind).is_some() && len > 0 {
+        match runtime(kind).and_then(|rt| rt.host_alloc(len)) {
+            Ok(p) if !p.is_null() => return (p, None),
+            Ok(_) => log::warn!("pinned {what} allocation returned null; using heap memory"),
+            Err(e) => log::warn!("pinned {what} allocation failed ({e}); using heap memory"),
+        }
+    }
+    let mut heap = vec![0u8; len].into_boxed_slice();
+    (heap.as_mut_ptr(), Some(heap))
 }
 
 /// Frees pinned memory with a device of its runtime current (CUDA refuses the free on
@@ -530,23 +540,12 @@ impl Bounce {
                     _heap: None,
                 };
             }
-            match pinned_alloc(kind) {
-                Ok(p) if !p.is_null() => {
-                    return Bounce {
-                        ptr: p,
-                        pinned: Some(kind),
-                        _heap: None,
-                    }
-                }
-                Ok(_) => log::warn!("pinned bounce allocation returned null; using heap memory"),
-                Err(e) => log::warn!("pinned bounce allocation failed ({e}); using heap memory"),
-            }
         }
-        let mut heap = vec![0u8; BOUNCE_SIZE].into_boxed_slice();
+        let (ptr, heap) = pinned_or_heap(kind, BOUNCE_SIZE, "bounce");
         Bounce {
-            ptr: heap.as_mut_ptr(),
-            pinned: None,
-            _heap: Some(heap),
+            ptr,
+            pinned: heap.is_none().then_some(kind),
+            _heap: heap,
         }
     }
 
@@ -618,28 +617,13 @@ unsafe impl Send for Staging {}
 impl Staging {
     /// `len` bytes for staging memory of `kind` (contents unspecified).
     pub fn new(kind: MemoryKind, len: usize) -> Staging {
-        if pool_index(kind).is_some() && len > 0 {
-            match runtime(kind).and_then(|rt| rt.host_alloc(len)) {
-                Ok(p) if !p.is_null() => {
-                    return Staging {
-                        ptr: p,
-                        len,
-                        kind,
-                        pinned: true,
-                        _heap: None,
-                    }
-                }
-                Ok(_) => log::warn!("pinned staging allocation returned null; using heap memory"),
-                Err(e) => log::warn!("pinned staging allocation failed ({e}); using heap memory"),
-            }
-        }
-        let mut heap = vec![0u8; len].into_boxed_slice();
+        let (ptr, heap) = pinned_or_heap(kind, len, "staging");
         Staging {
-            ptr: heap.as_mut_ptr(),
+            ptr,
             len,
             kind,
-            pinned: false,
-            _heap: Some(heap),
+            pinned: heap.is_none(),
+            _heap: heap,
         }
     }
 

@@ -535,27 +535,8 @@ pub unsafe extern "C" fn mc_pg_all_to_all(
     recv: *const usize,
 ) -> c_int {
     guard("mc_pg_all_to_all", || {
-        // SAFETY: caller's guarantees, for each borrow below.
-        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
-        // SAFETY: as above.
-        let s = unsafe { sizes(send, g.size(), "send") }?;
-        // SAFETY: as above.
-        let r = unsafe { sizes(recv, g.size(), "recv") }?;
-        if let Some(kind) = memory {
-            let (i, o) = ((input as u64, s), (output as u64, r));
-            // SAFETY: both ranges that device's memory (caller's guarantee).
-            unsafe { g.all_to_all_device(kind, i, o, None) }?;
-            return Ok(MC_OK);
-        }
-        let out_len = total(r, 1)?;
-        host.refuse_device_memory(input, total(s, 1)?, "input")?;
-        host.refuse_device_memory(output, out_len, "output")?;
-        // SAFETY: as above.
-        let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
-        // SAFETY: as above; `i` is apart from it (or a copy).
-        let o = unsafe { bytes_mut(output, out_len, "output") }?;
-        g.all_to_all(&i, s, o, r)?;
-        Ok(MC_OK)
+        // SAFETY: the caller's guarantees.
+        unsafe { all_to_all(pg, input, send, output, recv, None) }
     })
 }
 
@@ -577,29 +558,45 @@ pub unsafe extern "C" fn mc_pg_all_to_all_timeout(
         if timeout_us == 0 {
             return Err(Error::invalid("timeout_us must be positive"));
         }
-        // SAFETY: caller's guarantees, for each borrow below.
-        let (g, memory, host) = unsafe { group_and_memory(pg) }?;
-        // SAFETY: as above.
-        let s = unsafe { sizes(send, g.size(), "send") }?;
-        // SAFETY: as above.
-        let r = unsafe { sizes(recv, g.size(), "recv") }?;
         let timeout = Duration::from_micros(timeout_us);
-        if let Some(kind) = memory {
-            let (i, o) = ((input as u64, s), (output as u64, r));
-            // SAFETY: both ranges that device's memory (caller's guarantee).
-            unsafe { g.all_to_all_device(kind, i, o, Some(timeout)) }?;
-            return Ok(MC_OK);
-        }
-        let out_len = total(r, 1)?;
-        host.refuse_device_memory(input, total(s, 1)?, "input")?;
-        host.refuse_device_memory(output, out_len, "output")?;
-        // SAFETY: as above.
-        let i = unsafe { input_apart(input, total(s, 1)?, output, out_len, "input") }?;
-        // SAFETY: as above; `i` is apart from it (or a copy).
-        let o = unsafe { bytes_mut(output, out_len, "output") }?;
-        g.all_to_all_within(&i, s, o, r, Some(timeout))?;
-        Ok(MC_OK)
+        // SAFETY: the caller's guarantees.
+        unsafe { all_to_all(pg, input, send, output, recv, Some(timeout)) }
     })
+}
+
+/// The all-to-all of both shims above, waiting `timeout` for peers (the group's if None).
+///
+/// # Safety
+/// As `mc_pg_all_to_all`.
+unsafe fn all_to_all(
+    pg: *mut McPg,
+    input: *const c_void,
+    send: *const usize,
+    output: *mut c_void,
+    recv: *const usize,
+    timeout: Option<Duration>,
+) -> Result<c_int> {
+    // SAFETY: caller's guarantees, for each borrow below.
+    let (g, memory, host) = unsafe { group_and_memory(pg) }?;
+    // SAFETY: as above.
+    let s = unsafe { sizes(send, g.size(), "send") }?;
+    // SAFETY: as above.
+    let r = unsafe { sizes(recv, g.size(), "recv") }?;
+    if let Some(kind) = memory {
+        let (i, o) = ((input as u64, s), (output as u64, r));
+        // SAFETY: both ranges that device's memory (caller's guarantee).
+        unsafe { g.all_to_all_device(kind, i, o, timeout) }?;
+        return Ok(MC_OK);
+    }
+    let (in_len, out_len) = (total(s, 1)?, total(r, 1)?);
+    host.refuse_device_memory(input, in_len, "input")?;
+    host.refuse_device_memory(output, out_len, "output")?;
+    // SAFETY: as above.
+    let i = unsafe { input_apart(input, in_len, output, out_len, "input") }?;
+    // SAFETY: as above; `i` is apart from it (or a copy).
+    let o = unsafe { bytes_mut(output, out_len, "output") }?;
+    g.all_to_all_within(&i, s, o, r, timeout)?;
+    Ok(MC_OK)
 }
 
 /// Gather to `root` (`output`, the sum of `sizes`, only used there; may be NULL elsewhere).

@@ -635,7 +635,8 @@ typedef struct mc_pg_message {
  * with timeout_ms (5000), is_extension (0), auto_deactivate_on_failure (1),
  * auto_sync_on_failure (1), active_ranks ("1101": one digit per rank), cells_per_peer
  * (4), cell_bytes (1048576; every rank must agree on these two), max_group_size
- * (accepted; capacity is world_size), and any mc_config_set key for the rank's engine
+ * (accepted; capacity is world_size), staging_keep_bytes (268435456: pinned staging
+ * of device collectives kept between operations), and any mc_config_set key for the rank's engine
  * (bind_address, protocol, workers, ...). */
 int mc_pg_new(int rank, int world_size, const char *options, mc_pg **out);
 /* Stops the rank (its last messages land first); NULL is ignored. */

@@ -4,9 +4,9 @@
 //! current device, synchronous copies with an explicit kind, pinned host memory and
 //! device allocation (for checks and tests).
 //!
-//! ACL has no general "what is this pointer" query, so Ascend memory is classified by
-//! the location a buffer is registered under (`npu:N`), checked against the device
-//! count.
+//! Ascend memory is classified by the location a buffer is registered under (`npu:N`),
+//! checked against the device count and, where the runtime has it (CANN 7+), against
+//! `aclrtPointerGetAttributes`. Older runtimes have no pointer query at all.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -36,6 +36,32 @@ pub const ACL_MEMCPY_DEVICE_TO_HOST: c_int = 2;
 pub const ACL_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `ACL_MEM_MALLOC_HUGE_FIRST`.
 pub const ACL_MEM_MALLOC_HUGE_FIRST: c_int = 0;
+/// `aclrtMemLocationType`: device memory from an ACL allocator (`aclrtMalloc`).
+pub const ACL_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+
+/// `aclrtPtrAttributes` (CANN 7+): an `aclrtMemLocation` (`uint32_t id`, then the
+/// `aclrtMemLocationType` enum, an int), the page size and four reserved words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AclrtPtrAttributes {
+    /// `location.id`: the device (or NUMA node) the memory belongs to.
+    pub location_id: u32,
+    /// `location.type`: host 0, device 1, unregistered 2, host NUMA 4.
+    pub location_type: c_int,
+    /// Page size in bytes.
+    pub page_size: u32,
+    /// Reserved.
+    pub rsv: [u32; 4],
+}
+
+/// What ACL's pointer query says of an address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AclMemory {
+    /// Memory of this NPU.
+    Device(i32),
+    /// Anything else: pinned host memory, memory ACL did not allocate, ...
+    NotDevice,
+}
 
 function_table! {
     /// The loaded runtime: its function table, with the library kept alive beside it.
@@ -51,6 +77,12 @@ function_table! {
             aclrt_get_device_count: required ["aclrtGetDeviceCount"]
                 unsafe extern "C" fn(*mut u32) -> AclError,
             aclrt_set_device: required ["aclrtSetDevice"] unsafe extern "C" fn(i32) -> AclError,
+            /// `aclrtGetDevice`: the thread's current device, to put it back after a call
+            /// that switched it; optional, as a table without it merely cannot.
+            aclrt_get_device: optional ["aclrtGetDevice"] unsafe extern "C" fn(*mut i32) -> AclError,
+            /// `aclrtPointerGetAttributes` (CANN 7+): which memory an address is.
+            aclrt_pointer_get_attributes: optional ["aclrtPointerGetAttributes"]
+                unsafe extern "C" fn(*const c_void, *mut AclrtPtrAttributes) -> AclError,
             aclrt_memcpy: required ["aclrtMemcpy"]
                 unsafe extern "C" fn(*mut c_void, usize, *const c_void, usize, c_int) -> AclError,
             aclrt_malloc_host: required ["aclrtMallocHost"]
@@ -152,6 +184,54 @@ impl Acl {
         })?;
         CURRENT.with(|c| c.set(ordinal));
         Ok(())
+    }
+
+    /// This thread's current device, for `make_current` to restore later; `None` when
+    /// the runtime lacks `aclrtGetDevice` or no device is set on this thread (ACL has
+    /// no "no device" to go back to). Refreshes the `make_current` cache: the caller
+    /// may have switched devices since.
+    pub fn current_device(&self) -> Result<Option<i32>> {
+        self.initialized()?;
+        let Some(get) = self.aclrt_get_device else {
+            return Ok(None);
+        };
+        let mut d: i32 = -1;
+        // SAFETY: writes one int32_t.
+        if unsafe { get(&mut d) } != ACL_SUCCESS {
+            return Ok(None);
+        }
+        CURRENT.with(|c| c.set(d));
+        Ok(Some(d))
+    }
+
+    /// Whether the runtime has a pointer query (`pointer_info`).
+    pub fn has_pointer_query(&self) -> bool {
+        self.aclrt_pointer_get_attributes.is_some()
+    }
+
+    /// What the runtime says `addr` is; `None` without a pointer query or when the
+    /// query fails (no answer either way).
+    pub fn pointer_info(&self, addr: u64) -> Result<Option<AclMemory>> {
+        self.initialized()?;
+        let Some(query) = self.aclrt_pointer_get_attributes else {
+            return Ok(None);
+        };
+        let mut a = AclrtPtrAttributes::default();
+        // SAFETY: fills one attribute struct of the declared layout; the address is
+        // only looked up, never dereferenced.
+        let rc = unsafe { query(addr as *const c_void, &mut a) };
+        if rc != ACL_SUCCESS {
+            log::debug!(
+                "aclrtPointerGetAttributes({addr:#x}): {}",
+                self.describe(rc)
+            );
+            return Ok(None);
+        }
+        Ok(Some(if a.location_type == ACL_MEM_LOCATION_TYPE_DEVICE {
+            AclMemory::Device(a.location_id as i32)
+        } else {
+            AclMemory::NotDevice
+        }))
     }
 
     unsafe fn memcpy(

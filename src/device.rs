@@ -5,9 +5,10 @@
 //! Classification happens once, when a buffer is registered (`classify`): a location
 //! `cuda:N` / `hip:N` / `npu:N` is trusted if the driver loads and, for CUDA and HIP,
 //! the driver's pointer query agrees (device memory of device N); a disagreement is a
-//! registration error. Ascend has no general pointer query, so `npu:N` is checked only
-//! against the device count. Every other location (`cpu:0`, ...) is host memory and
-//! costs no driver call, now or per transfer: host buffers never reach this module.
+//! registration error. `npu:N` is checked against the device count and, where ACL has
+//! a pointer query (CANN 7+), against its answer. Every other location (`cpu:0`, ...)
+//! is host memory and costs no driver call, now or per transfer: host buffers never
+//! reach this module.
 //!
 //! The CPU must never dereference device memory. Transports that move bytes with the
 //! CPU (TCP, shared memory, local memcpy) stage it: device → pinned bounce → wire, and
@@ -73,7 +74,8 @@ impl MemoryKind {
 }
 
 /// What kind of memory `[addr, addr+len)`, registered under `location`, is. Host
-/// locations return at once; device locations ask the driver (see the module notes).
+/// locations return at once; device locations ask the driver (see the module notes),
+/// and leave the calling thread's current device as it was.
 pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
     let kind = MemoryKind::parse_location(location)?;
     let mismatch = |what: String| {
@@ -86,6 +88,8 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
     let last = addr
         .checked_add(len.max(1) - 1)
         .ok_or_else(|| mismatch("it runs past the end of the address space".into()))?;
+    // Registration runs on the caller's thread (torch's, say), whose device must stay.
+    let _caller_device = CurrentKept::save(kind);
     match kind {
         // Peers and local copies would fault on a hole; refuse it now instead.
         MemoryKind::Host if !crate::sys::is_mapped(addr, len) => {
@@ -131,9 +135,25 @@ pub fn classify(addr: u64, len: u64, location: &str) -> Result<MemoryKind> {
             }
         }
         MemoryKind::Npu(n) => {
-            let count = acl::api()?.device_count()?;
+            let api = acl::api()?;
+            let count = api.device_count()?;
             if n as u32 >= count {
                 return Err(mismatch(format!("ACL sees {count} device(s)")));
+            }
+            // Only a definite answer refuses: a runtime without the query, or one that
+            // cannot place the address, leaves the location trusted as before.
+            for probe in [addr, last] {
+                match api.pointer_info(probe)? {
+                    Some(acl::AclMemory::NotDevice) => {
+                        return Err(mismatch(format!(
+                            "ACL says {probe:#x} is not device memory"
+                        )))
+                    }
+                    Some(acl::AclMemory::Device(d)) if d != n => {
+                        return Err(mismatch(format!("ACL says {probe:#x} is on npu:{d}")))
+                    }
+                    Some(acl::AclMemory::Device(_)) | None => {}
+                }
             }
         }
     }
@@ -174,6 +194,24 @@ pub fn device_memory_at(addr: u64, len: u64, cuda: bool, hip: bool) -> Result<Op
             if let hip::HipMemory::Device(d) = hip::api()?.pointer_info(probe)? {
                 return Ok(Some(MemoryKind::Hip(d)));
             }
+        }
+    }
+    Ok(None)
+}
+
+/// Which NPU's memory `[addr, addr+len)` is, by ACL's pointer query on its first and
+/// last byte; `None` when ACL does not call it device memory, or has no pointer query
+/// (CANN before 7: nothing can be checked then). As `device_memory_at`, for Ascend.
+pub fn npu_memory_at(addr: u64, len: u64) -> Result<Option<MemoryKind>> {
+    let last = addr.checked_add(len.max(1) - 1).ok_or_else(|| {
+        Error::invalid(format!(
+            "buffer [{addr:#x}, +{len}) runs past the end of the address space"
+        ))
+    })?;
+    let api = acl::api()?;
+    for probe in [addr, last] {
+        if let Some(acl::AclMemory::Device(d)) = api.pointer_info(probe)? {
+            return Ok(Some(MemoryKind::Npu(d)));
         }
     }
     Ok(None)
@@ -264,15 +302,17 @@ fn runtime(kind: MemoryKind) -> Result<&'static dyn Runtime> {
     Ok(rt)
 }
 
-/// The device context (CUDA) or current device (HIP) this thread had when saved, made
-/// current again on drop. Device calls switch the calling thread's device; a caller
-/// such as torch keeps its own current device and must find it unchanged. Ascend's
-/// device is not swapped back (its table has no query for it).
+/// The device context (CUDA) or current device (HIP, Ascend) this thread had when
+/// saved, made current again on drop. Device calls switch the calling thread's device;
+/// a caller such as torch keeps its own current device and must find it unchanged.
+/// An Ascend thread with no device set yet keeps the one a call set (ACL cannot unset
+/// it), as does one whose runtime lacks `aclrtGetDevice`.
 pub struct CurrentKept(Option<SavedCurrent>);
 
 enum SavedCurrent {
     Cuda(usize),
     Hip(i32),
+    Npu(i32),
 }
 
 impl CurrentKept {
@@ -288,7 +328,12 @@ impl CurrentKept {
                 .and_then(|a| a.current_device())
                 .ok()
                 .map(SavedCurrent::Hip),
-            MemoryKind::Host | MemoryKind::Npu(_) => None,
+            MemoryKind::Npu(_) => acl::api()
+                .and_then(|a| a.current_device())
+                .ok()
+                .flatten()
+                .map(SavedCurrent::Npu),
+            MemoryKind::Host => None,
         };
         CurrentKept(saved)
     }
@@ -299,6 +344,7 @@ impl Drop for CurrentKept {
         let restored = match self.0 {
             Some(SavedCurrent::Cuda(ctx)) => cuda::api().and_then(|a| a.restore_context(ctx)),
             Some(SavedCurrent::Hip(d)) => hip::api().and_then(|a| a.make_current(d)),
+            Some(SavedCurrent::Npu(d)) => acl::api().and_then(|a| a.make_current(d)),
             None => Ok(()),
         };
         if let Err(e) = restored {
@@ -337,16 +383,47 @@ pub unsafe fn copy_to_host(kind: MemoryKind, dst: *mut u8, src: u64, len: usize)
     unsafe { runtime(kind)?.copy_dtoh(dst, src, len) }
 }
 
-/// Host → device, synchronous.
+/// Host → device: done on the device when it returns. A source the driver does not
+/// know as pinned adds a device synchronize, since a copy from pageable memory may
+/// return before its DMA to the device is done; pinned sources need no wait.
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads; `dst` must be `len` bytes of device
 /// memory of `kind`.
 pub unsafe fn copy_from_host(kind: MemoryKind, dst: u64, src: *const u8, len: usize) -> Result<()> {
+    // SAFETY: the caller's guarantee, passed on.
+    unsafe { copy_htod_unwaited(kind, dst, src, len) }?;
+    if !known_pinned(kind, src as u64) {
+        synchronize(kind)?;
+    }
+    Ok(())
+}
+
+/// Host → device, one driver copy and no wait: for callers that know whether their
+/// source is pinned and synchronize themselves when it is not (bounce and staging
+/// buffers).
+///
+/// # Safety
+/// As `copy_from_host`.
+unsafe fn copy_htod_unwaited(kind: MemoryKind, dst: u64, src: *const u8, len: usize) -> Result<()> {
     // SAFETY: the caller guarantees `src` is readable for `len` bytes and `dst` is `len` bytes of
     // device memory of `kind`, and `runtime(kind)` picks that kind's table, so its `copy_htod`
     // contract holds.
     unsafe { runtime(kind)?.copy_htod(dst, src, len) }
+}
+
+/// Whether host address `addr` is pinned memory that `kind`'s copies complete from
+/// before returning. CUDA's pointer query says so (no device round trip, unlike a
+/// synchronize); HIP's cannot tell pinned from pageable, so HIP sources never count;
+/// ACL's copies always complete (its synchronize is a no-op anyway).
+fn known_pinned(kind: MemoryKind, addr: u64) -> bool {
+    match kind {
+        MemoryKind::Cuda(_) => cuda::api()
+            .and_then(|a| a.pointer_info(addr))
+            .is_ok_and(|info| matches!(info, Some((cuda::CU_MEMORYTYPE_HOST, _)))),
+        MemoryKind::Npu(_) => true,
+        MemoryKind::Host | MemoryKind::Hip(_) => false,
+    }
 }
 
 /// Host → device from a bounce buffer taken for `kind`: done on the device when it
@@ -362,7 +439,7 @@ pub unsafe fn copy_from_bounce(
     len: usize,
 ) -> Result<()> {
     // SAFETY: the caller's guarantee.
-    unsafe { copy_from_host(kind, dst, bounce.ptr(), len) }?;
+    unsafe { copy_htod_unwaited(kind, dst, bounce.ptr(), len) }?;
     if !bounce.is_pinned() {
         synchronize(kind)?;
     }
@@ -375,6 +452,7 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
         MemoryKind::Cuda(n) | MemoryKind::Hip(n) | MemoryKind::Npu(n) => n,
         MemoryKind::Host => return Err(host_kind_error()),
     };
+    let _caller_device = CurrentKept::save(kind);
     let addr = runtime(kind)?.mem_alloc(ordinal, len)?;
     // Drivers hand out whatever the memory held before: zero it a bounce at a time.
     let mut zeros = Bounce::take(kind);
@@ -383,7 +461,7 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
     while off < len {
         let n = (len - off).min(BOUNCE_SIZE);
         // SAFETY: `addr` is a fresh allocation of `len` bytes; the bounce holds `n`.
-        if let Err(e) = unsafe { copy_from_host(kind, addr + off as u64, zeros.ptr(), n) } {
+        if let Err(e) = unsafe { copy_htod_unwaited(kind, addr + off as u64, zeros.ptr(), n) } {
             // SAFETY: allocated above, never handed out.
             let _ = unsafe { free(kind, addr) };
             return Err(e);
@@ -403,6 +481,7 @@ pub fn alloc(kind: MemoryKind, len: usize) -> Result<u64> {
 /// # Safety
 /// `addr` must come from `alloc(kind, ..)` and not be used afterwards.
 pub unsafe fn free(kind: MemoryKind, addr: u64) -> Result<()> {
+    let _caller_device = CurrentKept::save(kind);
     // SAFETY: the caller guarantees `addr` came from `alloc(kind, ..)`, i.e. from the `mem_alloc`
     // of the same table `runtime(kind)` returns, and is not used again.
     unsafe { runtime(kind)?.mem_free(addr) }
@@ -451,7 +530,7 @@ pub unsafe fn copy(
                 // both caller ranges, which are valid for `len` bytes of their kinds.
                 unsafe {
                     copy_to_host(s, bounce.ptr(), src + off as u64, n)?;
-                    copy_from_host(d, dst + off as u64, bounce.ptr(), n)?;
+                    copy_htod_unwaited(d, dst + off as u64, bounce.ptr(), n)?;
                 }
                 off += n;
             }
@@ -696,7 +775,7 @@ impl Staging {
         }
         // SAFETY: the buffer holds at least `len` bytes (checked); `dst` is `len` bytes of
         // device memory of `self.kind` (caller's guarantee).
-        unsafe { copy_from_host(self.kind, dst, self.ptr, len) }?;
+        unsafe { copy_htod_unwaited(self.kind, dst, self.ptr, len) }?;
         if !self.pinned {
             synchronize(self.kind)?;
         }
@@ -715,11 +794,13 @@ impl Drop for Staging {
 }
 
 /// Checks that `kind` names a device this process can use: its runtime loads and the
-/// device exists (made current on this thread). Host memory needs no check.
+/// device exists (the thread's current device is left as it was). Host memory needs no
+/// check.
 pub fn check_available(kind: MemoryKind) -> Result<()> {
     if kind.is_host() {
         return Ok(());
     }
+    let _caller_device = CurrentKept::save(kind);
     runtime(kind).map(|_| ())
 }
 
@@ -737,6 +818,7 @@ pub struct IpcExport {
 /// Exports the allocation holding `addr` (CUDA or HIP IPC); another process on this
 /// host maps it with `ipc_open` and adds `offset`.
 pub fn ipc_export(kind: MemoryKind, addr: u64) -> Result<IpcExport> {
+    let _caller_device = CurrentKept::save(kind);
     let rt = ipc_runtime(kind)?;
     let (base, _) = rt.mem_range(addr)?;
     Ok(IpcExport {
@@ -748,12 +830,14 @@ pub fn ipc_export(kind: MemoryKind, addr: u64) -> Result<IpcExport> {
 /// Maps a peer's IPC handle on device `kind` of this process; returns the mapped
 /// allocation's base. Release with `ipc_close`.
 pub fn ipc_open(kind: MemoryKind, handle: &[u8; 64]) -> Result<u64> {
+    let _caller_device = CurrentKept::save(kind);
     ipc_runtime(kind)?.ipc_open(handle)
 }
 
 /// # Safety
 /// `addr` must come from `ipc_open(kind, ..)` and not be used afterwards.
 pub unsafe fn ipc_close(kind: MemoryKind, addr: u64) -> Result<()> {
+    let _caller_device = CurrentKept::save(kind);
     // SAFETY: the caller guarantees `addr` came from `ipc_open(kind, ..)`, i.e. from the same table
     // `ipc_runtime(kind)` returns, and is not used again.
     unsafe { ipc_runtime(kind)?.ipc_close(addr) }
@@ -828,6 +912,7 @@ pub fn dma_buf(kind: MemoryKind, addr: u64, len: u64) -> Result<DmaBuf> {
     match kind {
         MemoryKind::Cuda(n) => {
             let api = cuda::api()?;
+            let _caller_device = CurrentKept::save(kind);
             api.make_current(n)?;
             let (base, size) = api.mem_range(addr)?;
             let end = addr.checked_add(len);

@@ -41,6 +41,7 @@ fn pg_child() {
         "stalled" => run_stalled(&group),
         "two_deaths" => run_two_deaths(&group),
         "mismatch" => run_mismatch(&group),
+        "exit_after" => run_exit_after(&group),
         other => panic!("unknown script {other}"),
     }
     say("done");
@@ -848,6 +849,44 @@ fn run_mismatch(g: &Group) {
         g.active_ranks(),
         g.epoch()
     ));
+}
+
+/// Three all-reduces; the last rank leaves the process the moment its third returns
+/// (as `os._exit` would: no destructor runs), and the others must still complete it.
+fn run_exit_after(g: &Group) {
+    let sum: usize = (1..=WORLD).sum();
+    for i in 0..3 {
+        let mut buf = encode(DType::I64, &[(g.rank() + 1) as f64; 1000]);
+        let result = g.all_reduce(&mut buf, DType::I64, ReduceOp::Sum);
+        if g.rank() == WORLD - 1 && i == 2 && result.is_ok() {
+            // SAFETY: _exit(2) ends the process at once; nothing here is shared.
+            unsafe { libc::_exit(0) };
+        }
+        match result {
+            Ok(()) if buf == encode(DType::I64, &[sum as f64; 1000]) => say(&format!("op {i} ok")),
+            Ok(()) => say(&format!("op {i} wrong")),
+            Err(e) => say(&format!("op {i} failed {e}")),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_exits_right_after_an_operation_has_delivered_its_part() {
+    let dir = rendezvous_dir("exitafter");
+    // Same host: a write is in flight until its copy is made, on the worker or here.
+    let mut ranks: Vec<Rank> = (0..WORLD)
+        .map(|r| Rank::start("exit_after", &dir, r, false))
+        .collect();
+    for r in ranks.iter_mut().take(WORLD - 1) {
+        for i in 0..3 {
+            assert_eq!(r.expect(&format!("op {i}")), format!("op {i} ok"));
+        }
+        r.expect("done");
+    }
+    for r in &mut ranks {
+        r.finish();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every rank reports its rounds over the full group, then exits cleanly.

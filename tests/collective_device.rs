@@ -16,7 +16,7 @@ use common::fakes::{counter, fakes, Fakes};
 use mooncake::capi::*;
 use mooncake::collective::{DType, Group, GroupOptions, ReduceOp};
 use mooncake::device::{self, MemoryKind};
-use mooncake::ffi::{cuda, hip};
+use mooncake::ffi::{acl, cuda, hip};
 use mooncake::Code;
 
 /// The fakes count copies per process: tests that count them run one at a time.
@@ -54,6 +54,7 @@ fn dev_with(kind: MemoryKind, bytes: &[u8]) -> u64 {
     let addr = match kind {
         MemoryKind::Cuda(n) => cuda::api().unwrap().mem_alloc(n, len).unwrap(),
         MemoryKind::Hip(n) => hip::api().unwrap().mem_alloc(n, len).unwrap(),
+        MemoryKind::Npu(n) => acl::api().unwrap().mem_alloc(n, len).unwrap(),
         other => panic!("no allocator here for {other:?}"),
     };
     if !bytes.is_empty() {
@@ -703,4 +704,236 @@ fn pinned_staging_is_freed_on_a_thread_without_a_context() {
     .unwrap();
     assert_eq!(context_there, (-1, -1), "none before, none left behind");
     assert_eq!(live(), before, "the pinned buffer was freed");
+}
+
+/// The fake ACL runtime's current device on this thread (-1: none set).
+fn fake_acl_current(f: &Fakes) -> i32 {
+    // SAFETY: as `fake_cuda_current`; aclrtGetDevice writes one int32_t.
+    unsafe {
+        let lib = libloading::Library::new(&f.acl).unwrap();
+        let get: libloading::Symbol<unsafe extern "C" fn(*mut i32) -> c_int> =
+            lib.get(b"aclrtGetDevice").unwrap();
+        let mut d: i32 = -1;
+        if get(&mut d) == 0 {
+            d
+        } else {
+            -1
+        }
+    }
+}
+
+#[test]
+fn an_ascend_staged_operation_leaves_the_callers_device_as_it_was() {
+    let f = need_fakes!();
+    let _one = serial();
+    let groups = start(2, Duration::from_secs(20), |_| {});
+    let n = 10_007;
+    let seen = on_all_ranks(&groups, |g| {
+        let r = g.rank();
+        let kind = MemoryKind::Npu(r as i32);
+        let d = dev_with(kind, &values(DType::I32, r, n, 0));
+        // The caller works on the other NPU (its tensor on this one).
+        acl::api().unwrap().make_current(1 - r as i32).unwrap();
+        // SAFETY: `n` i32 of device memory of `kind`.
+        unsafe { g.all_reduce_device(kind, d, n * 4, DType::I32, ReduceOp::Sum) }.unwrap();
+        (fake_acl_current(f), dev_read(kind, d, n * 4))
+    });
+    let all: Vec<Vec<u8>> = (0..2).map(|q| values(DType::I32, q, n, 0)).collect();
+    for (r, (current, reduced)) in seen.into_iter().enumerate() {
+        assert_eq!(current, 1 - r as i32, "rank {r}: npu:{} kept", 1 - r);
+        assert_eq!(reduced, sum(DType::I32, &all), "rank {r}");
+    }
+}
+
+#[test]
+fn registering_device_memory_leaves_the_callers_device_as_it_was() {
+    let f = need_fakes!();
+    let _one = serial();
+    let (on_cuda0, on_hip0, on_npu0) = (
+        dev_with(MemoryKind::Cuda(0), &[1; 64]),
+        dev_with(MemoryKind::Hip(0), &[1; 64]),
+        dev_with(MemoryKind::Npu(0), &[1; 64]),
+    );
+    // Each runtime on a fresh thread, whose current device the "caller" sets first:
+    // the other device than the memory's.
+    let cuda_seen = std::thread::spawn(move || {
+        cuda::api().unwrap().make_current(1).unwrap();
+        let kind = device::classify(on_cuda0, 64, "cuda:0").unwrap();
+        let after_classify = fake_cuda_current(f);
+        device::check_available(MemoryKind::Cuda(0)).unwrap();
+        let after_check = fake_cuda_current(f);
+        // A thread with no context is left with none.
+        cuda::api().unwrap().restore_context(0).unwrap();
+        device::classify(on_cuda0, 64, "cuda:0").unwrap();
+        (kind, after_classify, after_check, fake_cuda_current(f))
+    })
+    .join()
+    .unwrap();
+    assert_eq!(cuda_seen, (MemoryKind::Cuda(0), 1, 1, -1));
+    let hip_seen = std::thread::spawn(move || {
+        hip::api().unwrap().make_current(1).unwrap();
+        let kind = device::classify(on_hip0, 64, "hip:0").unwrap();
+        (kind, fake_hip_current(f))
+    })
+    .join()
+    .unwrap();
+    assert_eq!(hip_seen, (MemoryKind::Hip(0), 1));
+    let npu_seen = std::thread::spawn(move || {
+        acl::api().unwrap().make_current(1).unwrap();
+        let kind = device::classify(on_npu0, 64, "npu:0").unwrap();
+        let after_classify = fake_acl_current(f);
+        let allocated = device::alloc(MemoryKind::Npu(0), 4096).unwrap();
+        (kind, after_classify, fake_acl_current(f), allocated != 0)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(npu_seen, (MemoryKind::Npu(0), 1, 1, true));
+}
+
+#[test]
+fn acls_pointer_query_refuses_wrong_npu_locations() {
+    let _f = need_fakes!();
+    let _one = serial();
+    assert!(acl::api().unwrap().has_pointer_query());
+    let on_npu1 = dev_with(MemoryKind::Npu(1), &[1; 64]);
+    let host = [0u8; 64];
+    let e = device::classify(host.as_ptr() as u64, 64, "npu:0").unwrap_err();
+    assert!(e.to_string().contains("not device memory"), "{e}");
+    let e = device::classify(on_npu1, 64, "npu:0").unwrap_err();
+    assert!(e.to_string().contains("npu:1"), "{e}");
+    assert_eq!(
+        device::classify(on_npu1, 64, "npu:1").unwrap(),
+        MemoryKind::Npu(1)
+    );
+    assert_eq!(
+        device::npu_memory_at(on_npu1, 64).unwrap(),
+        Some(MemoryKind::Npu(1))
+    );
+    assert_eq!(
+        device::npu_memory_at(host.as_ptr() as u64, 64).unwrap(),
+        None
+    );
+}
+
+#[test]
+fn the_c_abi_host_path_refuses_npu_memory_after_an_npu_setting() {
+    let _f = need_fakes!();
+    let _one = serial();
+    let opts = CString::new("timeout_ms=5000").unwrap();
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: valid string and out pointer.
+    assert_eq!(unsafe { mc_pg_new(0, 1, opts.as_ptr(), &mut raw) }, 0);
+    let pg = Pg(raw);
+    let mut buf = vec![0 as c_char; 512];
+    // SAFETY: `buf` is writable for its length.
+    let rc = unsafe { mc_pg_address(pg.0, buf.as_mut_ptr(), buf.len(), std::ptr::null_mut()) };
+    assert_eq!(rc, 0);
+    let list = [buf.as_ptr() as *const c_char];
+    // SAFETY: one NUL-terminated address.
+    assert_eq!(unsafe { mc_pg_connect(pg.0, list.as_ptr(), 1) }, 0);
+    let n = 256;
+    let d = dev_with(MemoryKind::Npu(0), &values(DType::I32, 0, n, 0));
+    assert_eq!(c_location(&pg, "npu:0"), 0);
+    // SAFETY: `n` i32 of NPU memory, as set.
+    let on_device = unsafe { mc_pg_all_reduce(pg.0, d as *mut c_void, n, 4, 0) };
+    assert_eq!(c_location(&pg, "cpu:0"), 0);
+    // SAFETY: refused before any access (the point of the check): the fake maps NPU
+    // memory PROT_NONE.
+    let misrouted = unsafe { mc_pg_all_reduce(pg.0, d as *mut c_void, n, 4, 0) };
+    let mut host = vec![2i32; n];
+    // SAFETY: `host` holds `n` i32.
+    let on_host = unsafe { mc_pg_all_reduce(pg.0, host.as_mut_ptr().cast(), n, 4, 0) };
+    // SAFETY: from mc_pg_new, freed once.
+    unsafe { mc_pg_free(pg.0) };
+    assert_eq!(on_device, 0);
+    assert_eq!(
+        misrouted,
+        Code::InvalidParams as c_int,
+        "NPU memory on the host path"
+    );
+    assert_eq!(
+        (on_host, host[n - 1]),
+        (0, 2),
+        "host memory still goes through"
+    );
+    assert_eq!(
+        dev_read(MemoryKind::Npu(0), d, n * 4),
+        values(DType::I32, 0, n, 0)
+    );
+}
+
+#[test]
+fn host_to_device_copies_wait_unless_the_source_is_pinned() {
+    let f = need_fakes!();
+    let _one = serial();
+    let syncs = || counter(&f.cuda, "fake_cuda_syncs");
+    let kind = MemoryKind::Cuda(0);
+    let d = dev_with(kind, &[0; 4096]);
+    let pageable = vec![7u8; 4096];
+    let before = syncs();
+    // SAFETY: 4096 bytes of host memory into 4096 bytes of device memory.
+    unsafe { device::copy(kind, d, MemoryKind::Host, pageable.as_ptr() as u64, 4096) }.unwrap();
+    assert_eq!(syncs() - before, 1, "a pageable source is waited for");
+    assert_eq!(dev_read(kind, d, 4096), pageable);
+    let mut pinned = device::Staging::new(kind, 4096);
+    assert!(pinned.is_pinned());
+    pinned.bytes_mut(4096).fill(9);
+    let before = syncs();
+    // SAFETY: as above; the staging buffer holds 4096 bytes.
+    unsafe {
+        device::copy(
+            kind,
+            d,
+            MemoryKind::Host,
+            pinned.bytes(4096).as_ptr() as u64,
+            4096,
+        )
+    }
+    .unwrap();
+    assert_eq!(
+        syncs() - before,
+        0,
+        "a pinned source completes before return"
+    );
+    assert_eq!(dev_read(kind, d, 4096), vec![9; 4096]);
+}
+
+#[test]
+fn a_large_staged_operation_keeps_no_more_staging_than_the_cap() {
+    let f = need_fakes!();
+    let _one = serial();
+    let cap = 1 << 20;
+    let groups = start(1, Duration::from_secs(5), |o| {
+        o.set("staging_keep_bytes", &cap.to_string()).unwrap();
+    });
+    let g = &groups[0];
+    let kind = MemoryKind::Cuda(0);
+    let pinned = || counter(&f.cuda, "fake_cuda_pinned_buffers");
+    let live_before = pinned();
+    let small = dev_with(kind, &[1; 4096]);
+    // SAFETY: 4096 bytes of device memory of `kind`.
+    unsafe { g.all_reduce_device(kind, small, 4096, DType::U8, ReduceOp::Sum) }.unwrap();
+    assert_eq!(
+        g.kept_staging_bytes(),
+        4096,
+        "a small buffer is kept for reuse"
+    );
+    let big_len = 3 << 20;
+    let big = dev_with(kind, &vec![2; big_len]);
+    // SAFETY: `big_len` bytes of device memory of `kind`.
+    unsafe { g.all_reduce_device(kind, big, big_len, DType::U8, ReduceOp::Sum) }.unwrap();
+    assert!(
+        g.kept_staging_bytes() <= cap,
+        "{} kept",
+        g.kept_staging_bytes()
+    );
+    assert_eq!(g.kept_staging_bytes(), 4096, "the small one still kept");
+    assert_eq!(
+        pinned(),
+        live_before + 1,
+        "the large one's pinned memory freed"
+    );
+    assert_eq!(dev_read(kind, big, big_len), vec![2; big_len]);
+    let mut bad = GroupOptions::new(0, 1);
+    assert!(bad.set("staging_keep_bytes", "lots").is_err());
 }

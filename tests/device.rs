@@ -92,8 +92,15 @@ fn classification_asks_the_driver_once_at_registration() {
         };
         assert!(device::classify(d, 8192, &other.location()).is_err());
     }
-    // Ascend: trusted by location, checked against the device count.
-    assert_eq!(device::classify(h, 1, "npu:1").unwrap(), MemoryKind::Npu(1));
+    // Ascend: checked against the device count and, as the fake (like CANN 7+) has
+    // one, ACL's pointer query.
+    let npu = dev_alloc(MemoryKind::Npu(1), 4096);
+    assert_eq!(
+        device::classify(npu, 1, "npu:1").unwrap(),
+        MemoryKind::Npu(1)
+    );
+    assert!(device::classify(npu, 1, "npu:0").is_err());
+    assert!(device::classify(h, 1, "npu:1").is_err());
     assert!(device::classify(h, 1, "npu:7").is_err());
 
     let engine = engine_with("P2PHANDSHAKE", "tcp");

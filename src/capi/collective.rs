@@ -23,8 +23,10 @@ pub struct McPg {
 /// `runtimes_set` bits: runtimes whose pointer query can tell device memory apart.
 const CUDA_SET: u8 = 1;
 const HIP_SET: u8 = 2;
+/// Ascend: checked only where ACL has a pointer query (CANN 7+).
+const NPU_SET: u8 = 4;
 
-/// The host path of a handle that has had a CUDA or HIP location: the setting is shared
+/// The host path of a handle that has had a CUDA, HIP or Ascend location: the setting is shared
 /// by every thread, so another thread's `mc_pg_set_memory` may have switched it back to
 /// host memory between a caller's own setting and its call. A buffer the driver calls
 /// device memory is refused then, before the CPU touches it. A handle never set to such
@@ -39,7 +41,11 @@ impl HostPath {
             return Ok(());
         }
         let (cuda, hip) = (self.runtimes & CUDA_SET != 0, self.runtimes & HIP_SET != 0);
-        match device::device_memory_at(p as u64, len as u64, cuda, hip)? {
+        let device = match device::device_memory_at(p as u64, len as u64, cuda, hip)? {
+            None if self.runtimes & NPU_SET != 0 => device::npu_memory_at(p as u64, len as u64)?,
+            found => found,
+        };
+        match device {
             Some(kind) => Err(Error::invalid(format!(
                 "{what} is {} memory, but this handle's memory is host memory now \
                  (mc_pg_set_memory is the handle's, shared by every thread)",
@@ -350,7 +356,8 @@ pub unsafe extern "C" fn mc_pg_set_memory(pg: *mut McPg, location: *const c_char
         let runtime = match kind {
             MemoryKind::Cuda(_) => CUDA_SET,
             MemoryKind::Hip(_) => HIP_SET,
-            MemoryKind::Host | MemoryKind::Npu(_) => 0,
+            MemoryKind::Npu(_) => NPU_SET,
+            MemoryKind::Host => 0,
         };
         // Before the setting: a host call that sees a device setting gone sees this too.
         h.runtimes_set.fetch_or(runtime, Ordering::SeqCst);

@@ -333,7 +333,11 @@ pub(super) fn backoff(idle: u32) {
 }
 
 impl Group {
-    /// Posts writes as one batch; the peers of failed submissions are returned.
+    /// Posts writes as one batch; the peers of failed writes are returned. Writes that
+    /// only copy (a peer on this host) are made here, on the calling thread, as the
+    /// engine does for a synchronous transfer: handing them to the engine's worker
+    /// costs a wake-up per message, and the waiting rank has nothing else to do on
+    /// this core meanwhile. Others are left in flight and reaped later.
     pub(super) fn post(
         &self,
         st: &mut State,
@@ -342,6 +346,25 @@ impl Group {
     ) -> Vec<usize> {
         if reqs.is_empty() {
             return Vec::new();
+        }
+        if self.engine.copies_only(&reqs) && self.engine.runs_inline(&reqs) {
+            // SAFETY: every local range is inside our buffer or the caller's, both
+            // valid for the call, and the call returns once no copy can touch them.
+            return match unsafe { self.engine.transfer_sync_states(&reqs) } {
+                Ok(states) => {
+                    let mut failed: Vec<usize> = Vec::new();
+                    for (s, p) in states.iter().zip(&peers) {
+                        if *s != TaskState::Completed {
+                            failed.extend(p);
+                        }
+                    }
+                    failed
+                }
+                Err(e) => {
+                    log::debug!("group rank {}: write refused: {e}", self.rank());
+                    peers.into_iter().flatten().collect()
+                }
+            };
         }
         let batch = match self.engine.allocate_batch(reqs.len()) {
             Ok(b) => b,
@@ -488,8 +511,10 @@ impl Group {
 
     /// Runs one exchange: sends every `out`, receives every `inc`, until all are done
     /// or the timeout; at most one message each way per peer. On failure the ranks not
-    /// heard from (or not reached) are recorded in `last_failed`. Returns only once no
-    /// write still reads the callers' memory (large payloads are written from it).
+    /// heard from (or not reached) are recorded in `last_failed`. Returns only once
+    /// every message written has landed or failed (bounded): no write still reads the
+    /// callers' memory (large payloads are written from it), and a rank that exits
+    /// right after an operation has delivered its part of it to every peer.
     pub(super) fn exchange(
         &self,
         st: &mut State,
@@ -509,15 +534,15 @@ impl Group {
         inc: &mut [Incoming<'_>],
         mut known: PayloadCrcs,
     ) -> Result<()> {
-        let mut borrowed = Vec::new();
-        let result = self.exchange_cells(st, kind, out, inc, &mut borrowed, &mut known);
-        self.release(st, &borrowed);
+        let mut awaited = Vec::new();
+        let result = self.exchange_cells(st, kind, out, inc, &mut awaited, &mut known);
+        self.release(st, &awaited);
         result
     }
 
-    /// Waits (bounded) until the batches in `borrowed` are final and reaped.
-    fn release(&self, st: &mut State, borrowed: &[BatchId]) {
-        let pending = |st: &State| st.outstanding.iter().any(|(b, _)| borrowed.contains(b));
+    /// Waits (bounded) until the batches in `awaited` are final and reaped.
+    fn release(&self, st: &mut State, awaited: &[BatchId]) {
+        let pending = |st: &State| st.outstanding.iter().any(|(b, _)| awaited.contains(b));
         // Past the engine's transfer timeout (the group's) every task is final.
         let deadline = Instant::now() + self.options.timeout + Duration::from_secs(1);
         let mut idle = 0;
@@ -528,7 +553,7 @@ impl Group {
         }
         if pending(st) {
             log::warn!(
-                "group rank {}: writes from the caller's memory still pending after the timeout",
+                "group rank {}: message writes still pending after the timeout",
                 self.rank()
             );
         }
@@ -540,7 +565,7 @@ impl Group {
         kind: u64,
         out: &mut [Outgoing<'_>],
         inc: &mut [Incoming<'_>],
-        borrowed: &mut Vec<BatchId>,
+        awaited: &mut Vec<BatchId>,
         known: &mut PayloadCrcs,
     ) -> Result<()> {
         // Point-to-point traffic involves two ranks only, so it must not advance the
@@ -564,7 +589,6 @@ impl Group {
             let mut progressed = false;
             let mut reqs = Vec::new();
             let mut req_peers = Vec::new();
-            let mut borrows = false;
             // Receive first: consuming frees cells, and credits ride in the same batch.
             for m in inc.iter_mut().filter(|m| !m.done()) {
                 let p = m.peer;
@@ -702,7 +726,6 @@ impl Group {
                             remote,
                             len: CELL_HEADER as u64,
                         });
-                        borrows = true;
                     } else {
                         // SAFETY: as above, for the whole staging cell.
                         let cell = unsafe {
@@ -725,10 +748,11 @@ impl Group {
                 }
             }
             let posted_before = st.outstanding.len();
+            let messages = req_peers.iter().any(Option::is_some);
             let mut failed = self.post(st, reqs, req_peers);
-            if borrows && st.outstanding.len() > posted_before {
+            if messages && st.outstanding.len() > posted_before {
                 // `post` appended this batch; `exchange` waits for it before returning.
-                borrowed.extend(st.outstanding.last().map(|(b, _)| *b));
+                awaited.extend(st.outstanding.last().map(|(b, _)| *b));
             }
             failed.extend(self.reap(st));
             if !failed.is_empty() {

@@ -62,6 +62,9 @@ pub struct GroupOptions {
     pub cell_bytes: usize,
     /// The engine this rank runs (bind address, protocol, workers).
     pub engine: EngineConfig,
+    /// Bytes of staging memory (pinned, for device collectives) kept between
+    /// operations; more is freed when an operation ends.
+    pub staging_keep_bytes: usize,
 }
 
 impl GroupOptions {
@@ -83,6 +86,7 @@ impl GroupOptions {
             cells_per_peer: 4,
             cell_bytes: 1 << 20,
             engine,
+            staging_keep_bytes: 256 << 20,
         }
     }
 
@@ -111,6 +115,7 @@ impl GroupOptions {
             }
             "cells_per_peer" => self.cells_per_peer = num()?,
             "cell_bytes" => self.cell_bytes = num()?,
+            "staging_keep_bytes" => self.staging_keep_bytes = num()?,
             // Capacity is the world size here; a larger one is accepted and means nothing.
             "max_group_size" => {
                 num()?;

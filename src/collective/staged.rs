@@ -5,7 +5,7 @@
 //! a driver error while copying the outputs back can leave the outputs copied before it
 //! written; the call still fails). Inputs are never written. The CPU never touches
 //! device memory: every access is a driver copy. The caller's current device (CUDA
-//! context, HIP device) is the same after the call as before it.
+//! context, HIP or Ascend device) is the same after the call as before it.
 //!
 //! An output is copied in as well when the operation may leave part of it unwritten
 //! (blocks of inactive ranks, a reduce's accumulator), so the copy back restores those
@@ -19,7 +19,8 @@ use super::{DType, Group, ReduceOp};
 use crate::device::{self, MemoryKind, Staging};
 use crate::error::{Error, Result};
 
-/// Staging buffers a group keeps for reuse (pinning costs more than copying).
+/// Staging buffers a group keeps for reuse (pinning costs more than copying), within
+/// `GroupOptions::staging_keep_bytes` in all.
 const STAGING_KEEP: usize = 4;
 
 /// One device range of an operation: read into host memory first (`fill`), written
@@ -88,15 +89,35 @@ impl Group {
         }
     }
 
-    /// Keeps staging buffers for reuse; the smallest go when too many are kept.
+    /// Keeps staging buffers for reuse, largest first, at most `STAGING_KEEP` of them
+    /// and `staging_keep_bytes` in all: one huge operation must not pin its buffers
+    /// for the group's life. The rest are freed (outside the lock).
     fn give_staging(&self, staged: Vec<Staged>) {
         let mut kept = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        kept.extend(staged.into_iter().map(|s| s.host));
-        kept.sort_by_key(|s| std::cmp::Reverse(s.len()));
-        let keep = kept.len().min(STAGING_KEEP);
-        let surplus = kept.split_off(keep);
+        let mut all = std::mem::take(&mut *kept);
+        all.extend(staged.into_iter().map(|s| s.host));
+        all.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        let mut surplus = Vec::new();
+        let mut bytes = 0usize;
+        for buffer in all {
+            if kept.len() < STAGING_KEEP
+                && bytes.saturating_add(buffer.len()) <= self.options.staging_keep_bytes
+            {
+                bytes += buffer.len();
+                kept.push(buffer);
+            } else {
+                surplus.push(buffer);
+            }
+        }
         drop(kept);
         drop(surplus);
+    }
+
+    /// Bytes of staging memory this group keeps between device operations (at most
+    /// the `staging_keep_bytes` option).
+    pub fn kept_staging_bytes(&self) -> usize {
+        let kept = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        kept.iter().map(|s| s.len()).sum()
     }
 
     /// Stages `ranges` of device memory of `kind` (checked with the driver, then copied

@@ -294,19 +294,27 @@ impl Engine {
         Ok((handle, worker))
     }
 
-    /// A poll loop the calling thread may run a transfer of `bytes` on, or `None`
-    /// when the workers should take it: it is large, it goes over a hardware protocol
-    /// (whose per-thread state is costly), or every runner is busy.
-    fn take_inline_runner(&self, bytes: u64, requests: &[Request]) -> Option<Worker> {
+    /// Whether a synchronous transfer of `requests` runs on the calling thread (when
+    /// a poll loop is free): not when it goes over a hardware protocol (whose
+    /// per-thread state is costly), nor when it is large, unless it only copies and one
+    /// worker would only copy it while the caller sleeps (two wake-ups saved, and no
+    /// idle worker spinning afterwards on a core the caller wants back).
+    pub(crate) fn runs_inline(&self, requests: &[Request]) -> bool {
         let software = matches!(
             self.config.protocol,
             Protocol::Auto | Protocol::Tcp | Protocol::Shm
         );
-        // A large copy goes inline too when one worker would only copy it while this
-        // thread sleeps: two wake-ups saved, and no idle worker spinning afterwards on
-        // a core the caller wants back.
-        let large_ok = || self.workers.len() <= 1 && self.copies_only(requests);
-        if !software || (bytes > INLINE_MAX_BYTES && !large_ok()) {
+        let bytes: u64 = requests.iter().map(|r| r.len).sum();
+        software
+            && (bytes <= INLINE_MAX_BYTES
+                || (self.workers.len() <= 1 && self.copies_only(requests)))
+    }
+
+    /// A poll loop the calling thread may run `requests` on, or `None` when the
+    /// workers should take them (see [`runs_inline`](Self::runs_inline)) or every
+    /// runner is busy.
+    fn take_inline_runner(&self, requests: &[Request]) -> Option<Worker> {
+        if !self.runs_inline(requests) {
             return None;
         }
         let pooled = self
@@ -848,8 +856,7 @@ impl Engine {
         // One clock read serves the deadlines and the inline poll loop.
         let now = std::time::Instant::now();
         let items = self.plan(&batch, requests, now)?;
-        let bytes = requests.iter().map(|r| r.len).sum();
-        match self.take_inline_runner(bytes, requests) {
+        match self.take_inline_runner(requests) {
             Some(mut runner) => {
                 runner.run_inline(items, &batch, now);
                 self.counters.inline_runs.fetch_add(1, Ordering::Relaxed);

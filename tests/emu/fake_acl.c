@@ -3,7 +3,9 @@
  * addresses handed out (CPU access faults) and read-write where this library copies;
  * aclrtMemcpy checks its kind against the address ranges and destMax; copies need a
  * device set on the calling thread (aclrtSetDevice), as the real runtime needs a
- * context; copies are counted (fake_acl_copies). */
+ * context; copies are counted (fake_acl_copies). aclrtGetDevice fails on a thread with
+ * no device set, as the real one does; aclrtPointerGetAttributes knows device memory
+ * only (anything else is "unregistered", pinned host memory included). */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
@@ -72,6 +74,24 @@ aclError aclrtSetDevice(int32_t d) {
     NEED_INIT();
     if (d < 0 || d >= NDEV) return fail(ACL_ERROR_INVALID_DEVICE, "bad device");
     current = d;
+    return ACL_SUCCESS;
+}
+aclError aclrtGetDevice(int32_t *d) {
+    NEED_DEV();
+    *d = current;
+    return ACL_SUCCESS;
+}
+/* aclrtPtrAttributes: location {uint32_t id; int type}, pageSize, rsv[4]. */
+typedef struct { uint32_t id; int type; uint32_t page_size; uint32_t rsv[4]; } aclrtPtrAttributes;
+enum { ACL_MEM_LOCATION_TYPE_DEVICE = 1, ACL_MEM_LOCATION_TYPE_UNREGISTERED = 2 };
+aclError aclrtPointerGetAttributes(const void *p, aclrtPtrAttributes *a) {
+    NEED_INIT();
+    if (!a) return fail(ACL_ERROR_INVALID_PARAM, "attributes NULL");
+    int d = dev_of((uint64_t)(uintptr_t)p, 1);
+    memset(a, 0, sizeof *a);
+    a->type = d >= 0 ? ACL_MEM_LOCATION_TYPE_DEVICE : ACL_MEM_LOCATION_TYPE_UNREGISTERED;
+    a->id = d >= 0 ? (uint32_t)d : 0;
+    a->page_size = 4096;
     return ACL_SUCCESS;
 }
 aclError aclrtMemcpy(void *dst, size_t dst_max, const void *src, size_t n, int kind) {

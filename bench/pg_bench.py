@@ -65,7 +65,7 @@ if op == "ep":
         active = torch.ones(world, dtype=torch.int32)
 
         def once():
-            rx, cnt, h, _, _ = buf.dispatch(xt, topk, active, T, E, 30_000_000)
+            rx, cnt, h, _, _ = buf.dispatch(xt, topk, active, T, E, 30_000_000, use_fp8=False)
             buf.combine(rx, topk, w, active, 30_000_000, h)
     else:
         flat = topk.reshape(-1)

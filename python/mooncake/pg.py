@@ -9,19 +9,22 @@ Importing this module registers the backend ``mooncake-cpu`` (host tensors) with
     dist.init_process_group(backend="mooncake-cpu", rank=r, world_size=n,
                             pg_options=pg.MooncakeBackendOptions(timeout_ms=2000))
     work = dist.all_reduce(t, async_op=True)
-    try:
-        work.wait()                      # raises MooncakeCollectiveError on a failure
-    except pg.MooncakeCollectiveError:
-        pg.get_failed_ranks_hint(work)   # the ranks it did not hear from
-        pg.sync_after_failure(backend)   # survivors agree on a view without them
+    work.wait()                          # a dead rank: no raise, see below
+    pg.get_local_success(work)           # False when a rank did not answer
+    pg.get_failed_ranks_hint(work)       # int32 tensor, 1 for each rank it missed
 
 A rank that dies is detected by timeout; inactive ranks are holes (rank numbers never
-change, collectives skip them). A replacement process starts with
-``MooncakeBackendOptions(is_extension=True)``, calls ``join_group(backend)`` and takes
-part once a member calls ``activate_ranks(backend, [rank])``. Every rank runs its own
+change, collectives skip them). The survivors then agree on a view without it and run
+the operation again over themselves (``wait()`` raises MooncakeCollectiveError only if
+that fails too); with ``auto_deactivate_on_failure`` off, membership keeps showing the
+dead rank until ``deactivate_ranks`` names it. A replacement
+process (or one for a slot past the world size, ``max_group_size``) starts like the
+others, is recognised as joining a running group (``is_extension``), calls
+``join_group(backend)`` and takes part once a member calls ``recover_ranks(backend,
+[rank])``; until then its operations involve only itself. Every rank runs its own
 transfer engine; peers write into its registered buffer one-sidedly (``c_include/
 mooncake.h``, "Mooncake PG"). Collectives run when called; the Work returned is already
-complete and ``wait()`` raises the failure, if any.
+complete.
 
 The backend ``mooncake`` takes CUDA tensors with the same options, module functions and
 failure semantics. Their memory goes to the C ABI as device memory
@@ -34,12 +37,13 @@ raises at ``init_process_group`` / ``new_group``.
 
 import ctypes
 import contextlib
+import copy
 import enum
 import threading
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
-from ._native import LIB, MC_OK, error_string
+from ._native import LIB, MC_ERR_TIMEOUT, MC_OK, error_string
 
 __all__ = [
     "MooncakeBackendOptions",
@@ -49,6 +53,7 @@ __all__ = [
     "ViewUpdateStatus",
     "SyncAfterFailureStatus",
     "ProposalResponse",
+    "ProposeViewUpdateResponse",
     "SyncAfterFailureResponse",
     "get_active_ranks",
     "get_peer_state",
@@ -61,6 +66,11 @@ __all__ = [
     "get_local_success",
     "get_current_epoch",
     "set_device_filter",
+    "get_num_synced_ranks",
+    "extend_group_size_to",
+    "set_collective_timeout_us",
+    "set_p2p_timeout_us",
+    "set_host_ip",
 ]
 
 BACKEND_NAME = "mooncake-cpu"
@@ -100,6 +110,10 @@ class ProposalResponse:
                 f"dropped_ranks={self.dropped_ranks}, reject_reason={self.reject_reason!r})")
 
 
+# Upstream's name for it.
+ProposeViewUpdateResponse = ProposalResponse
+
+
 class SyncAfterFailureResponse:
     def __init__(self, status, reject_reason=""):
         self.status = SyncAfterFailureStatus(status)
@@ -121,49 +135,199 @@ class MooncakeCollectiveError(RuntimeError):
 class MooncakeBackendOptions:
     """Options of a Mooncake PG group (``pg_options`` of ``init_process_group``).
 
-    ``active_ranks``: ranks active at start (a sequence or int32 tensor of 0/1; default
-    all). ``max_group_size`` is accepted; the capacity is the world size (start with the
-    final size and an ``active_ranks`` mask to grow). ``engine`` takes extra engine
-    settings (``mc_config_set`` keys, e.g. ``{"protocol": "tcp"}``).
+    Positional forms as upstream's: ``(max_group_size)``, ``(max_group_size,
+    is_extension)``, ``(max_group_size, auto_deactivate_on_failure,
+    auto_sync_on_failure)``, ``(max_group_size, is_extension, auto_deactivate_on_failure,
+    auto_sync_on_failure)``, ``(active_ranks)``, ``(active_ranks, is_extension)`` and
+    ``(active_ranks, is_extension, max_group_size)``; every option is also a keyword.
+
+    ``max_group_size``: rank slots reserved up front (default: the world size); ranks
+    from the world size up start inactive and come in with ``join_group`` and
+    ``recover_ranks``. ``active_ranks``: an int32 tensor (or a list) of at least
+    ``max_group_size`` entries whose storage receives the live mask (1 = active) after
+    init, after every operation and after every membership call; what it holds at init
+    is ignored, as upstream. ``timeout_ms``: how long an operation waits for a peer
+    (default ``set_collective_timeout_us``'s value, else 5000). ``engine`` takes extra
+    engine settings (``mc_config_set`` keys, e.g. ``{"protocol": "tcp"}``).
     """
 
-    def __init__(self, active_ranks=None, is_extension=False, max_group_size=None,
-                 auto_deactivate_on_failure=True, auto_sync_on_failure=True,
-                 timeout_ms=5000, cells_per_peer=None, cell_bytes=None, engine=None):
-        self.active_ranks = active_ranks
-        self.is_extension = bool(is_extension)
-        self.max_group_size = max_group_size
-        self.auto_deactivate_on_failure = bool(auto_deactivate_on_failure)
-        self.auto_sync_on_failure = bool(auto_sync_on_failure)
-        self.timeout_ms = int(timeout_ms)
+    def __init__(self, *args, active_ranks=None, is_extension=None, max_group_size=None,
+                 auto_deactivate_on_failure=None, auto_sync_on_failure=None,
+                 timeout_ms=None, cells_per_peer=None, cell_bytes=None, engine=None):
+        given = _positional_options(args)
+        for name, value in (("active_ranks", active_ranks), ("is_extension", is_extension),
+                            ("max_group_size", max_group_size),
+                            ("auto_deactivate_on_failure", auto_deactivate_on_failure),
+                            ("auto_sync_on_failure", auto_sync_on_failure)):
+            if value is not None:
+                if name in given:
+                    raise TypeError(f"MooncakeBackendOptions: {name} given twice")
+                given[name] = value
+        self.active_ranks = given.get("active_ranks")
+        self.is_extension = bool(given.get("is_extension", False))
+        size = given.get("max_group_size")
+        # Upstream reads a size <= 0 as "not given".
+        self.max_group_size = int(size) if size is not None and int(size) > 0 else None
+        self.auto_deactivate_on_failure = bool(given.get("auto_deactivate_on_failure", True))
+        self.auto_sync_on_failure = bool(given.get("auto_sync_on_failure", True))
+        if self.auto_sync_on_failure and not self.auto_deactivate_on_failure:
+            raise ValueError("auto_sync_on_failure requires auto_deactivate_on_failure=True")
+        self.timeout_ms = int(timeout_ms) if timeout_ms is not None else _DEFAULTS["timeout_ms"]
         self.cells_per_peer = cells_per_peer
         self.cell_bytes = cell_bytes
-        self.engine = dict(engine or {})
+        self.engine = {**_DEFAULTS["engine"], **dict(engine or {})}
+        if self.active_ranks is not None:
+            _check_mirror(self.active_ranks)
 
-    def to_string(self, world_size):
+    def group_size(self, world_size):
+        """Rank slots of the group: the world size, or ``max_group_size`` when larger."""
+        return max(int(world_size), self.max_group_size or 0)
+
+    def to_string(self, world_size, rank=None):
+        """The C ABI's option string for a group of ``world_size`` ranks (torch's) with
+        ``group_size(world_size)`` slots; ``rank`` is this process's (an extension's
+        own slot starts inactive)."""
+        size = self.group_size(world_size)
+        if self.active_ranks is not None and _mirror_len(self.active_ranks) < size:
+            raise ValueError(f"active_ranks has {_mirror_len(self.active_ranks)} entries for "
+                             f"a group of {size}")
+        start = [1 if r < world_size and not (self.is_extension and r == rank) else 0
+                 for r in range(size)]
         items = {
             "is_extension": int(self.is_extension),
             "auto_deactivate_on_failure": int(self.auto_deactivate_on_failure),
             "auto_sync_on_failure": int(self.auto_sync_on_failure),
             "timeout_ms": self.timeout_ms,
+            "active_ranks": "".join(map(str, start)),
         }
-        if self.max_group_size is not None:
-            items["max_group_size"] = int(self.max_group_size)
         if self.cells_per_peer is not None:
             items["cells_per_peer"] = int(self.cells_per_peer)
         if self.cell_bytes is not None:
             items["cell_bytes"] = int(self.cell_bytes)
-        if self.active_ranks is not None:
-            mask = [int(bool(int(v))) for v in list(self.active_ranks)]
-            if len(mask) != world_size:
-                raise ValueError(f"active_ranks has {len(mask)} entries for world size "
-                                 f"{world_size}")
-            items["active_ranks"] = "".join(map(str, mask))
         for k, v in self.engine.items():
             if any(c in f"{k}{v}" for c in ";="):
                 raise ValueError(f"engine option {k}={v!r}: ';' and '=' are not allowed")
             items[k] = v
         return ";".join(f"{k}={v}" for k, v in items.items())
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positional_options(args):
+    """Upstream's positional overloads, by the first argument's kind: a number is
+    ``max_group_size``, anything else the ``active_ranks`` storage."""
+    if not args:
+        return {}
+    if _is_count(args[0]):
+        names = {1: ("max_group_size",),
+                 2: ("max_group_size", "is_extension"),
+                 3: ("max_group_size", "auto_deactivate_on_failure", "auto_sync_on_failure"),
+                 4: ("max_group_size", "is_extension", "auto_deactivate_on_failure",
+                     "auto_sync_on_failure")}.get(len(args))
+    else:
+        names = {1: ("active_ranks",), 2: ("active_ranks", "is_extension"),
+                 3: ("active_ranks", "is_extension", "max_group_size")}.get(len(args))
+    if names is None:
+        raise TypeError(f"MooncakeBackendOptions: no form takes these {len(args)} positional "
+                        f"arguments ({', '.join(type(a).__name__ for a in args)})")
+    if "max_group_size" in names and not _is_count(args[names.index("max_group_size")]):
+        raise TypeError("MooncakeBackendOptions: max_group_size must be an int")
+    return dict(zip(names, args))
+
+
+def _mirror_len(mirror):
+    return int(mirror.numel()) if hasattr(mirror, "numel") else len(mirror)
+
+
+def _check_mirror(mirror):
+    """The active-ranks storage: an int32 contiguous tensor (as upstream) or a list."""
+    if hasattr(mirror, "numel"):
+        if str(mirror.dtype) != "torch.int32":
+            raise ValueError(f"active_ranks must have dtype int32, not {mirror.dtype}")
+        if not mirror.is_contiguous():
+            raise ValueError("active_ranks must be contiguous")
+    elif not isinstance(mirror, list):
+        raise TypeError(f"active_ranks must be an int32 tensor or a list, not "
+                        f"{type(mirror).__name__}")
+
+
+def _write_mirror(mirror, mask):
+    """Writes the live mask into the user's active-ranks storage (its first entries)."""
+    if mirror is None:
+        return
+    if isinstance(mirror, list):
+        mirror[:len(mask)] = mask
+        return
+    src = torch.tensor(mask, dtype=torch.int32)
+    mirror.view(-1)[:len(mask)].copy_(src)
+
+
+# Defaults for options created later (set_collective_timeout_us, set_host_ip).
+_DEFAULTS = {"timeout_ms": 5000, "engine": {}}
+
+
+# Tries of an operation whose peers did not answer: the first, then one over the
+# survivors after reconciling, and one more in case another rank failed meanwhile.
+_ATTEMPTS = 3
+
+
+class _Rendezvous:
+    """Addresses in the c10d store, under keys of each rank's own generation (its count
+    of inits in this store: ``store.add``), so a group started again after
+    destroy_process_group never reads an address left by the one before. A value is
+    ``"<world size>|<address>"``."""
+
+    def __init__(self, store, rank):
+        self.store, self.rank = store, rank
+        self.generation = store.add(f"mooncake_pg/gen/{rank}", 1)
+        self.key = self._key(rank, self.generation)
+
+    @staticmethod
+    def _key(rank, generation):
+        return f"mooncake_pg/{rank}/{generation}"
+
+    def joins_running_group(self, world_size):
+        """Whether this process comes to a group that runs already (upstream's
+        "attach"): its rank's previous process died without shutting down (its address
+        is still up), or a lower rank started the group with a world size that does not
+        include this rank (a slot of ``max_group_size``)."""
+        if self.generation > 1 and self.store.check([self._key(self.rank,
+                                                               self.generation - 1)]):
+            return True
+        for r in range(min(self.rank, world_size)):
+            size, _ = self._read(r, wait=True)
+            if size <= self.rank:
+                return True
+        return False
+
+    def publish(self, world_size, address):
+        self.store.set(self.key, f"{world_size}|{address}")
+
+    def retire(self):
+        self.store.delete_key(self.key)
+
+    def address(self, r, wait):
+        """Rank r's address: with ``wait``, the one it publishes in this generation
+        (blocking); else its newest, or "" when it has none."""
+        return self._read(r, wait)[1]
+
+    def _read(self, r, wait):
+        if wait:
+            # Its newest if it is still up (a rank started alone before, as for a
+            # joiner), else the one it publishes for this generation.
+            newest = self.store.add(f"mooncake_pg/gen/{r}", 0)
+            key = self._key(r, newest)
+            if newest < self.generation or not self.store.check([key]):
+                key = self._key(r, self.generation)
+        else:
+            newest = self.store.add(f"mooncake_pg/gen/{r}", 0)
+            key = self._key(r, newest)
+            if newest <= 0 or not self.store.check([key]):
+                return 0, ""
+        size, _, address = self.store.get(key).decode().partition("|")
+        return int(size), address
 
 
 def _fn(name):
@@ -189,10 +353,13 @@ class ProcessGroupHandle:
     def __init__(self, rank, world_size, options=None):
         opts = options or MooncakeBackendOptions()
         self.rank = int(rank)
-        self.world_size = int(world_size)
+        # Rank slots (``max_group_size`` when larger than the world size): the C
+        # group's size; ranks from ``initial_size`` up start inactive.
+        self.initial_size = int(world_size)
+        self.world_size = opts.group_size(world_size)
         self.options = opts
         handle = c_void_p()
-        text = opts.to_string(self.world_size).encode()
+        text = opts.to_string(self.initial_size, self.rank).encode()
         rc = _fn("mc_pg_new")(self.rank, self.world_size, text, byref(handle))
         if rc != MC_OK:
             raise RuntimeError(f"mc_pg_new: {error_string(rc)} ({rc})")
@@ -201,6 +368,11 @@ class ProcessGroupHandle:
         # block may make other calls on the handle.
         self._lock = threading.RLock()
         self._memory = "cpu:0"
+        # Without auto_deactivate_on_failure, ranks the group went on without (this
+        # rank's operation or another's) stay active for users, as upstream, until
+        # deactivate_ranks / recover_ranks names them; operations skip them already.
+        self.retained = set()
+        self._shown = None  # the ranks last shown active (None: none shown yet)
 
     def close(self):
         if self._h:
@@ -272,6 +444,34 @@ class ProcessGroupHandle:
         self._check("active_ranks", _fn("mc_pg_active_ranks")(self._h, buf, self.world_size))
         return [bool(v) for v in buf]
 
+    def local_only(self):
+        """An extension not admitted yet: its operations involve only itself."""
+        return self.options.is_extension and self.epoch() == 0
+
+    def live_mask(self):
+        """The active ranks as reported to users: 0/1 per slot; all 0 for an extension
+        before a view admits it (it is in no view yet)."""
+        if self.local_only():
+            return [0] * self.world_size
+        active = self.active_ranks()
+        if not self.options.auto_deactivate_on_failure:
+            if self._shown is not None:
+                self.retained |= {r for r in self._shown if not active[r]}
+            self.retained -= {r for r, v in enumerate(active) if v}
+        mask = [int(v or r in self.retained) for r, v in enumerate(active)]
+        self._shown = {r for r, v in enumerate(mask) if v}
+        return mask
+
+    def publish_mask(self):
+        """Writes the live mask into the options' ``active_ranks`` storage (and, without
+        auto_deactivate_on_failure, notes the ranks the group went on without)."""
+        if not self._h:
+            return
+        if self.options.active_ranks is not None:
+            _write_mirror(self.options.active_ranks, self.live_mask())
+        elif not self.options.auto_deactivate_on_failure:
+            self.live_mask()
+
     def epoch(self):
         e = c_uint64(0)
         self._check("epoch", _fn("mc_pg_epoch")(self._h, byref(e)))
@@ -289,6 +489,10 @@ class ProcessGroupHandle:
         for r in ranks:
             if not 0 <= r < self.world_size:
                 raise ValueError(f"rank {r} out of range (world size {self.world_size})")
+        # Named now: from here on the group's own view says what they are.
+        self.retained -= set(ranks)
+        if self._shown is not None:
+            self._shown -= set(ranks)
         arr = (ctypes.c_int32 * max(len(ranks), 1))(*ranks)
         status, epoch, count = c_int(0), c_uint64(0), c_size_t(0)
         dropped = (ctypes.c_int32 * max(self.world_size, 1))()
@@ -460,11 +664,15 @@ if torch is not None:
         """A finished operation: ``wait()`` raises its failure (torch's future-based
         helper would swallow it)."""
 
-        def __init__(self, backend, error=None, failed_ranks=(), result=None, flush=False):
+        def __init__(self, backend, error=None, failed_ranks=(), result=None, flush=False,
+                     retried=False):
             super().__init__()
             self._backend = backend
             self._error = error
+            # Ranks the operation missed: on failure, or when it was run again over
+            # the survivors (``retried``: then it succeeded, but not locally at once).
             self._failed = list(failed_ranks)
+            self._retried = retried
             self._result = result or []
             self._flush = flush
             self._on_success = []
@@ -491,6 +699,9 @@ if torch is not None:
                 self._settle()
 
         def wait(self, timeout=None):
+            # torch hands users its own wrapper, whose wait() runs this one: the module
+            # functions find this work through it (_ours).
+            _WAITED.work = self
             self._settle()
             if self._error is not None:
                 raise self._error
@@ -525,24 +736,45 @@ if torch is not None:
         # Where this backend's tensors may live.
         _DEVICE_TYPES = ("cpu",)
 
+        # torch asks this (through getattr) before batching point-to-point calls; the
+        # messages are queued and sent together at the first wait() anyway.
+        supports_coalescing = False
+
         def __init__(self, store, rank, size, options):
             super().__init__(rank, size)
-            self._rank, self._size = rank, size
+            self._rank = rank
+            self._rendezvous = _Rendezvous(store, rank)
+            if not options.is_extension and self._rendezvous.joins_running_group(size):
+                # As upstream, a process coming to a running group is an extension
+                # whatever it was told: local-only until join_group.
+                options = copy.copy(options)
+                options.is_extension = True
             self.handle = ProcessGroupHandle(rank, size, options)
-            store.set(f"mooncake_pg/{rank}", self.handle.address())
-            active = options.active_ranks
+            # Rank slots, max_group_size's when larger: every per-rank list has this many.
+            self._size = self.handle.world_size
+            self._rendezvous.publish(size, self.handle.address())
             addresses = []
-            for r in range(size):
-                key = f"mooncake_pg/{r}"
-                if r == rank:
+            for r in range(self._size):
+                if r == rank or r >= size:
+                    # Slots past the world size belong to ranks not started yet: the
+                    # core learns a joiner's address from its join record.
                     addresses.append("")
-                elif options.is_extension or (active is not None and not int(active[r])):
-                    # A rank that may not be running: take its address only if published.
-                    addresses.append(store.get(key).decode() if store.check([key]) else "")
                 else:
-                    addresses.append(store.get(key).decode())
+                    # An extension takes only addresses already up: a rank may be dead.
+                    addresses.append(self._rendezvous.address(
+                        r, wait=not options.is_extension))
             self.handle.connect(addresses)
+            self.handle.publish_mask()
             self._p2p = []
+
+        def shutdown(self):
+            """Stops this rank and retires its address (torch calls this from
+            destroy_process_group)."""
+            try:
+                self._rendezvous.retire()
+            except Exception:  # the store may be gone already
+                pass
+            self.handle.close()
 
         def getBackendName(self):
             return BACKEND_NAME
@@ -572,15 +804,57 @@ if torch is not None:
                     torch.cuda.current_stream(device).synchronize()
                 yield
 
-        def _run(self, what, fn, *tensors, result=None, device=None):
-            try:
-                with self._on(device if device is not None else torch.device("cpu")):
-                    fn()
-            except MooncakeCollectiveError as e:
-                return MooncakeWork(self, e, e.failed_ranks)
+        @staticmethod
+        def _may_retry(error):
+            """Whether a failed operation is run again over the ranks that answer: peers
+            did not answer in time (as upstream, an operation completes over the ranks
+            that answer whatever the auto flags; those say what membership shows)."""
+            return error.code == MC_ERR_TIMEOUT and bool(error.failed_ranks)
+
+        def _run(self, what, fn, *tensors, result=None, device=None, inputs=(), local=None):
+            """Runs ``fn`` (the C call(s); it reads the active ranks afresh each time).
+            When peers do not answer, membership is reconciled and ``fn`` runs again
+            over the survivors, ``inputs`` (the tensors it updates in place) restored
+            first; the work then succeeds with local success False and the missed ranks
+            as its hint. An extension not admitted yet runs ``local`` instead: its
+            operations involve only itself."""
+            device = device if device is not None else torch.device("cpu")
+            if self.handle.local_only():
+                if local is None:
+                    raise RuntimeError(f"{what}: rank {self._rank} has not joined the group "
+                                       f"yet (join_group first)")
+                local()
+                for c in tensors:
+                    c.done()
+                return MooncakeWork(self, result=result)
+            # A failed operation may leave host buffers partly reduced; device ones are
+            # staged and written back only on success, so they need no copy.
+            saved = [t.clone() for t in inputs] if device.type == "cpu" else []
+            missed = []
+            for attempt in range(_ATTEMPTS):
+                try:
+                    with self._on(device):
+                        fn()
+                    break
+                except MooncakeCollectiveError as e:
+                    missed = sorted(set(missed) | set(e.failed_ranks))
+                    if attempt + 1 == _ATTEMPTS or not self._may_retry(e):
+                        self.handle.publish_mask()
+                        return MooncakeWork(self, e, missed)
+                    try:
+                        status = self.handle.sync_after_failure().status
+                    except MooncakeCollectiveError:
+                        status = SyncAfterFailureStatus.Rejected
+                    if status == SyncAfterFailureStatus.Rejected:
+                        self.handle.publish_mask()
+                        return MooncakeWork(self, e, missed)
+                    with self._on(device):
+                        for t, s in zip(inputs, saved):
+                            t.copy_(s)
             for c in tensors:
                 c.done()
-            return MooncakeWork(self, result=result)
+            self.handle.publish_mask()
+            return MooncakeWork(self, result=result, failed_ranks=missed, retried=bool(missed))
 
         # Every operation checks its tensors and sizes before the C call: the C ABI
         # trusts the sizes it is given, and a refused call must change nothing.
@@ -594,7 +868,9 @@ if torch is not None:
             def run():
                 for c, dt in zip(cs, dtypes):
                     self.handle.all_reduce(c.addr, c.t.numel(), dt, op)
-            return self._run("all_reduce", run, *cs, result=tensors, device=dev)
+            # Alone, every reduction of one value is that value.
+            return self._run("all_reduce", run, *cs, result=tensors, device=dev,
+                             inputs=[c.t for c in cs], local=lambda: None)
 
         def broadcast(self, tensors, opts):
             dev = self._device(tensors)
@@ -604,7 +880,8 @@ if torch is not None:
             def run():
                 for c in cs:
                     self.handle.broadcast(c.addr, c.nbytes, opts.rootRank)
-            return self._run("broadcast", run, *cs, result=tensors, device=dev)
+            return self._run("broadcast", run, *cs, result=tensors, device=dev,
+                             local=lambda: None)
 
         def reduce(self, tensors, opts):
             dev = self._device(tensors)
@@ -616,7 +893,8 @@ if torch is not None:
             def run():
                 for c, dt in zip(cs, dtypes):
                     self.handle.reduce(c.addr, c.t.numel(), dt, op, opts.rootRank)
-            return self._run("reduce", run, *cs, result=tensors, device=dev)
+            return self._run("reduce", run, *cs, result=tensors, device=dev,
+                             inputs=[c.t for c in cs], local=lambda: None)
 
         def _copy_blocks(self, outs, flat, sizes):
             """Block r of ``flat`` (``sizes[r]`` bytes) into ``outs[r]``, for active
@@ -632,6 +910,9 @@ if torch is not None:
 
         def allgather(self, output_tensors, input_tensors, opts):
             outs = list(output_tensors[0])
+            active_count = 1 if self.handle.local_only() else sum(self.handle.active_ranks())
+            if len(outs) != self._size and len(outs) == active_count:
+                return self._allgather_active(outs, input_tensors[0], output_tensors)
             dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
             _check_count("all_gather outputs", outs, self._size)
@@ -645,7 +926,66 @@ if torch is not None:
             def run():
                 self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
                 self._copy_blocks(outs, flat, sizes)
-            return self._run("all_gather", run, result=output_tensors, device=dev)
+
+            def local():
+                outs[self._rank].copy_(inp.t.view(outs[self._rank].shape))
+            return self._run("all_gather", run, result=output_tensors, device=dev,
+                             local=local)
+
+        def _allgather_active(self, outs, input, output_tensors):
+            """all_gather with one output per ACTIVE rank, in rank order (a group with
+            slots past torch's world size, or after a failure), as upstream sizes it."""
+            dev = self._device([input] + outs)
+            inp = _Contig(input)
+            _check_dtypes("all_gather output", outs, inp.t.dtype)
+
+            def run():
+                self._catch_up()
+                active = self.handle.active_ranks()
+                members = [r for r in range(self._size) if active[r]]
+                if len(members) != len(outs):
+                    raise ValueError(f"all_gather outputs: {len(outs)} entries for "
+                                     f"{len(members)} active ranks")
+                mine = outs[members.index(self._rank)]
+                _check_like(f"all_gather output {members.index(self._rank)} (this rank's)",
+                            mine, inp.t)
+                sizes = [0] * self._size
+                for r, o in zip(members, outs):
+                    sizes[r] = o.numel() * o.element_size()
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+                self.handle.all_gather(inp.addr, flat.data_ptr(), sizes)
+                off = 0
+                for r, o in zip(members, outs):
+                    o.copy_(flat[off:off + sizes[r]].view(o.dtype).view(o.shape))
+                    off += sizes[r]
+
+            def local():
+                outs[0].copy_(inp.t.view(outs[0].shape))
+            return self._run("all_gather", run, result=output_tensors, device=dev,
+                             local=local)
+
+        def _catch_up(self):
+            """Before laying a buffer out by the active ranks: takes part in a view change
+            other members agreed on or started, as the operation itself would at its
+            start (with the auto flags on), so the layout follows the view it runs in."""
+            o = self.handle.options
+            if o.auto_deactivate_on_failure and o.auto_sync_on_failure:
+                self.handle.sync_after_failure()
+
+        def _active_sizes(self, what, chunk, total):
+            """Per-rank block sizes of a buffer holding one ``chunk`` per ACTIVE rank, in
+            rank order (0 for inactive ranks), as upstream sizes the tensor forms; and
+            whether ``total`` bytes fit that now. A buffer sized for fewer ranks is let
+            through (peers may have died unnoticed: the operation then fails and runs
+            again over the survivors); one sized for more is refused."""
+            self._catch_up()
+            active = self.handle.active_ranks()
+            count = sum(active)
+            if total > chunk * count or (chunk and total % chunk) or (not chunk and total):
+                raise ValueError(f"{what}: {total} bytes where at most {chunk * count} "
+                                 f"(a block of {chunk} per active rank, {count} active) "
+                                 f"are needed")
+            return [chunk if a else 0 for a in active], total == chunk * count
 
         def _allgather_base(self, output, input, opts):
             dev = self._device([output, input])
@@ -653,11 +993,24 @@ if torch is not None:
             if out.t.dtype != inp.t.dtype:
                 raise ValueError(f"all_gather_into_tensor: output is {out.t.dtype}, input "
                                  f"{inp.t.dtype}")
-            _check_bytes("all_gather_into_tensor output", out.nbytes, inp.nbytes * self._size)
+            what = "all_gather_into_tensor output"
 
             def run():
-                self.handle.all_gather(inp.addr, out.addr, [inp.nbytes] * self._size)
-            return self._run("all_gather_into_tensor", run, out, result=[output], device=dev)
+                sizes, fits = self._active_sizes(what, inp.nbytes, out.nbytes)
+                if fits:
+                    self.handle.all_gather(inp.addr, out.addr, sizes)
+                    return
+                spare = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
+                self.handle.all_gather(inp.addr, spare.data_ptr(), sizes)
+                # It succeeded with every rank it expected: the output was sized wrong.
+                _check_bytes(what, out.nbytes, sum(sizes))
+
+            def local():
+                _check_bytes(f"{what} (one active rank before join_group)", out.nbytes,
+                             inp.nbytes)
+                out.t.view(-1).copy_(inp.t.view(-1))
+            return self._run("all_gather_into_tensor", run, out, result=[output], device=dev,
+                             local=local)
 
         def reduce_scatter(self, output_tensors, input_tensors, opts):
             ins = list(input_tensors[0])
@@ -674,7 +1027,11 @@ if torch is not None:
 
             def run():
                 self.handle.reduce_scatter(flat.data_ptr(), out.addr, counts, dtype, op)
-            return self._run("reduce_scatter", run, out, result=output_tensors, device=dev)
+
+            def local():
+                out.t.copy_(ins[self._rank].view(out.t.shape))
+            return self._run("reduce_scatter", run, out, result=output_tensors, device=dev,
+                             local=local)
 
         def _reduce_scatter_base(self, output, input, opts):
             dev = self._device([output, input])
@@ -683,12 +1040,30 @@ if torch is not None:
                 raise ValueError(f"reduce_scatter_tensor: output is {out.t.dtype}, input "
                                  f"{inp.t.dtype}")
             dtype, op = _dtype(inp.t), _op(opts.reduceOp)
-            _check_bytes("reduce_scatter_tensor input", inp.nbytes, out.nbytes * self._size)
+            what = "reduce_scatter_tensor input"
+            elem = out.t.element_size()
 
             def run():
-                self.handle.reduce_scatter(inp.addr, out.addr, [out.t.numel()] * self._size,
+                # Block j of the input goes to the j-th active rank.
+                sizes, fits = self._active_sizes(what, out.nbytes, inp.nbytes)
+                counts = [n // elem for n in sizes]
+                if fits:
+                    self.handle.reduce_scatter(inp.addr, out.addr, counts, dtype, op)
+                    return
+                spare = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
+                spare[:inp.nbytes].copy_(inp.t.reshape(-1).view(torch.uint8))
+                result = torch.empty_like(out.t)
+                self.handle.reduce_scatter(spare.data_ptr(), result.data_ptr(), counts,
                                            dtype, op)
-            return self._run("reduce_scatter_tensor", run, out, result=[output], device=dev)
+                # It succeeded with every rank it expected: the input was sized wrong.
+                _check_bytes(what, inp.nbytes, sum(sizes))
+
+            def local():
+                _check_bytes(f"{what} (one active rank before join_group)", inp.nbytes,
+                             out.nbytes)
+                out.t.view(-1).copy_(inp.t.view(-1))
+            return self._run("reduce_scatter_tensor", run, out, result=[output], device=dev,
+                             local=local)
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
             dev = self._device([output, input])
@@ -725,7 +1100,16 @@ if torch is not None:
 
             def run():
                 self.handle.all_to_all(inp.addr, send, out.addr, recv)
-            return self._run("all_to_all_single", run, out, result=[output], device=dev)
+
+            def local():  # only this rank's own block moves
+                me = self._rank
+                _check_bytes("all_to_all_single own block", recv[me], send[me])
+                src = inp.t.reshape(-1).view(torch.uint8)
+                dst = out.t.view(-1).view(torch.uint8)
+                dst[sum(recv[:me]):sum(recv[:me + 1])].copy_(
+                    src[sum(send[:me]):sum(send[:me + 1])])
+            return self._run("all_to_all_single", run, out, result=[output], device=dev,
+                             local=local)
 
         def alltoall(self, output_tensors, input_tensors, opts):
             ins, outs = list(input_tensors), list(output_tensors)
@@ -744,7 +1128,12 @@ if torch is not None:
             def run():
                 self.handle.all_to_all(flat_in.data_ptr(), send, flat_out.data_ptr(), recv)
                 self._copy_blocks(outs, flat_out, recv)
-            return self._run("all_to_all", run, result=output_tensors, device=dev)
+
+            def local():
+                _check_like("all_to_all own block", outs[self._rank], ins[self._rank])
+                outs[self._rank].copy_(ins[self._rank].view(outs[self._rank].shape))
+            return self._run("all_to_all", run, result=output_tensors, device=dev,
+                             local=local)
 
         def gather(self, output_tensors, input_tensors, opts):
             root = opts.rootRank
@@ -764,7 +1153,11 @@ if torch is not None:
                 self.handle.gather(inp.addr, flat.data_ptr() or None, sizes, root)
                 if self._rank == root:
                     self._copy_blocks(outs, flat, sizes)
-            return self._run("gather", run, result=output_tensors, device=dev)
+
+            def local():
+                if self._rank == root:
+                    outs[root].copy_(inp.t.view(outs[root].shape))
+            return self._run("gather", run, result=output_tensors, device=dev, local=local)
 
         def scatter(self, output_tensors, input_tensors, opts):
             root = opts.rootRank
@@ -783,7 +1176,12 @@ if torch is not None:
 
             def run():
                 self.handle.scatter(flat.data_ptr() or None, out.addr, sizes, root)
-            return self._run("scatter", run, out, result=output_tensors, device=dev)
+
+            def local():
+                if self._rank == root:
+                    out.t.copy_(ins[root].view(out.t.shape))
+            return self._run("scatter", run, out, result=output_tensors, device=dev,
+                             local=local)
 
         # Newer torch calls these names for the tensor forms.
         all_gather_single = _allgather_base
@@ -791,7 +1189,7 @@ if torch is not None:
         all_to_all_single = alltoall_base
 
         def barrier(self, opts=None):
-            return self._run("barrier", self.handle.barrier)
+            return self._run("barrier", self.handle.barrier, local=lambda: None)
 
         # Point-to-point: queued, and done together at the first wait(), so a pair of
         # ranks that each send before receiving cannot wait on each other.
@@ -912,8 +1310,9 @@ def _handle(backend):
 
 
 def get_active_ranks(backend=None):
-    """The active-rank mask: an int32 tensor (a list without torch)."""
-    mask = [int(v) for v in _handle(backend).active_ranks()]
+    """The active-rank mask, one 0/1 per rank slot: an int32 tensor (a list without
+    torch). All 0 on an extension that no view has admitted yet."""
+    mask = _handle(backend).live_mask()
     return torch.tensor(mask, dtype=torch.int32) if torch is not None else mask
 
 
@@ -922,9 +1321,25 @@ def get_peer_state(backend, ranks):
     return _handle(backend).peer_state(ranks)
 
 
+def get_num_synced_ranks(backend=None):
+    """How many rank slots are active or ready to be activated (claimed with
+    ``join_group``): the ranks ``recover_ranks`` could have active now."""
+    h = _handle(backend)
+    return sum(h.peer_state(range(h.world_size)))
+
+
+def _membership_call(backend, call):
+    """Runs a membership call and writes the new mask into the options' storage."""
+    h = _handle(backend)
+    try:
+        return call(h)
+    finally:
+        h.publish_mask()
+
+
 def activate_ranks(backend, ranks):
     """Proposes activating ``ranks`` (each must have called ``join_group``)."""
-    return _handle(backend).propose(True, ranks)
+    return _membership_call(backend, lambda h: h.propose(True, ranks))
 
 
 recover_ranks = activate_ranks
@@ -932,43 +1347,91 @@ recover_ranks = activate_ranks
 
 def deactivate_ranks(backend, ranks):
     """Proposes deactivating ``ranks``."""
-    return _handle(backend).propose(False, ranks)
+    return _membership_call(backend, lambda h: h.propose(False, ranks))
 
 
 def join_group(backend=None, timeout_ms=600_000):
     """Claims this rank and blocks until a member activates it."""
-    _handle(backend).join(timeout_ms)
+    _membership_call(backend, lambda h: h.join(timeout_ms))
 
 
 def sync_after_failure(backend=None):
     """After a failure, the survivors agree on a view without the failed ranks."""
-    return _handle(backend).sync_after_failure()
+    return _membership_call(backend, lambda h: h.sync_after_failure())
 
 
-def _failure(work):
-    """The error a work ended with, or None. torch may hand back its own wrapper of our
-    work; its ``wait()`` still runs ours, which raises the failure."""
+def extend_group_size_to(backend, size):
+    """Not available: a Python backend cannot change the world size torch reports, and
+    this group's rank slots are fixed when it starts. Reserve them up front with
+    ``MooncakeBackendOptions(max_group_size)`` and admit ranks with ``join_group`` /
+    ``recover_ranks``."""
+    h = _handle(backend)
+    raise NotImplementedError(
+        f"extend_group_size_to({size}): the group has {h.world_size} rank slots, fixed at "
+        f"init; start it with MooncakeBackendOptions(max_group_size) instead")
+
+
+def set_collective_timeout_us(us):
+    """How long operations of groups created from now on wait for a peer before it
+    counts as failed (microseconds; rounded up to whole milliseconds)."""
+    us = int(us)
+    if us <= 0:
+        raise ValueError(f"timeout must be positive, not {us} us")
+    _DEFAULTS["timeout_ms"] = (us + 999) // 1000
+
+
+# Point-to-point messages go through the same channels and wait as long as collectives.
+set_p2p_timeout_us = set_collective_timeout_us
+
+
+def set_host_ip(host):
+    """The IP address the engines of groups created from now on bind and publish."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"set_host_ip({host!r}): not an IP address") from None
+    _DEFAULTS["engine"]["bind_address"] = host
+
+
+_WAITED = threading.local()
+
+
+def _ours(work):
+    """Our work behind ``work``, which may be torch's wrapper of it (its ``wait()``
+    runs ours, which says who it is), settled."""
     if torch is not None and isinstance(work, MooncakeWork):
         work._settle()
-        return work._error
+        return work
     if not hasattr(work, "wait"):
         raise TypeError(f"not a work: {work!r}")
+    _WAITED.work = None
     try:
         work.wait()
-    except MooncakeCollectiveError as e:
-        return e
-    return None
+    except MooncakeCollectiveError:
+        pass
+    ours = getattr(_WAITED, "work", None)
+    if ours is None:
+        raise TypeError(f"not a Mooncake PG work: {work!r}")
+    return ours
 
 
 def get_failed_ranks_hint(work):
-    """The ranks a failed operation did not hear from (empty if it succeeded)."""
-    e = _failure(work)
-    return list(e.failed_ranks) if e is not None else []
+    """The ranks an operation did not hear from: an int32 tensor with one 0/1 per rank
+    slot, 1 for each rank it missed (whether it then failed, or ran again over the
+    survivors); all 0 when every rank answered at once."""
+    ours = _ours(work)
+    missed = set(ours._failed)
+    return torch.tensor([1 if r in missed else 0 for r in range(ours._backend._size)],
+                        dtype=torch.int32)
 
 
 def get_local_success(work):
-    """Whether the operation succeeded on this rank."""
-    return _failure(work) is None
+    """Whether every rank this operation tried answered at once: False when it failed,
+    and when it ran again over the survivors after a rank did not answer."""
+    ours = _ours(work)
+    return ours._error is None and not ours._retried
 
 
 def get_current_epoch(backend=None):

@@ -1,10 +1,11 @@
 """Mooncake PG as a torch.distributed backend, with real processes.
 
 Every collective on four ranks against a reference computed in the rank itself, and a
-rank killed with SIGKILL during a stream of all_reduces: the survivors' operation fails
-naming it, ``sync_after_failure`` leaves a mask without it, later operations succeed
-over the survivors, and a replacement started with ``is_extension=True`` joins with the
-old rank number. The parent hosts the c10d TCPStore; every child is killed at the end.
+rank killed with SIGKILL during a stream of all_reduces: the survivors' operation runs
+again over them and its work names the dead rank (``get_local_success`` False,
+``get_failed_ranks_hint``), the mask no longer has it, later operations succeed over the
+survivors, and a replacement started with ``is_extension=True`` joins with the old rank
+number. The parent hosts the c10d TCPStore; every child is killed at the end.
 """
 
 import os
@@ -120,7 +121,7 @@ for di, dt in enumerate(DTYPES):
     say("ok", dt)
 w = dist.all_reduce(torch.ones(8), async_op=True)
 w.wait()
-assert pg.get_local_success(w) and pg.get_failed_ranks_hint(w) == []
+assert pg.get_local_success(w) and pg.get_failed_ranks_hint(w).tolist() == [0] * world
 say("done")
 """
 
@@ -135,16 +136,14 @@ while True:
     t = torch.full((1001,), float(rank + 1))
     t[-1] = vote
     work = dist.all_reduce(t, async_op=True)
-    try:
-        work.wait()
-    except pg.MooncakeCollectiveError:
-        hint = pg.get_failed_ranks_hint(work)
-        assert not pg.get_local_success(work)
-        say("failed", ",".join(map(str, hint)))
-        resp = pg.sync_after_failure(WORLD_PG)
-        assert resp.status in (pg.SyncAfterFailureStatus.Reconciled,
-                               pg.SyncAfterFailureStatus.NoPending), resp
-        continue
+    # A rank that does not answer is not an error: the survivors agree on a view
+    # without it and run the operation again; the work says whom it missed.
+    work.wait()
+    hint = pg.get_failed_ranks_hint(work).tolist()
+    if not pg.get_local_success(work):
+        say("failed", ",".join(str(r) for r in range(world) if hint[r]))
+    else:
+        assert hint == [0] * world, hint
     active = pg.get_active_ranks(WORLD_PG)
     want = float(sum(r + 1 for r in range(world) if active[r]))
     assert torch.equal(t[:-1], torch.full((1000,), want)), (t[:3], active)
@@ -316,7 +315,8 @@ def reduced(group, value):
     t = torch.full((100,), float(value))
     work = dist.all_reduce(t, group=group, async_op=True)
     work.wait()
-    assert pg.get_local_success(work) and pg.get_failed_ranks_hint(work) == []
+    assert pg.get_local_success(work)
+    assert pg.get_failed_ranks_hint(work).tolist() == [0] * pg.get_active_ranks(group).numel()
     return int(t[0].item())
 
 assert reduced(WORLD_PG, rank + 1) == 10
@@ -362,24 +362,15 @@ assert sys.stdin.readline().strip() == "go"
 epoch = pg.get_current_epoch(sub)
 assert reduced(sub, rank + 1) == 2 + 3 + 4
 assert pg.get_current_epoch(sub) == epoch
-# A rank whose operation starts after the survivors agreed runs it in the new view.
-while True:
-    assert time.time() < deadline + 60, "the world group never recovered"
-    t = torch.full((100,), float(rank + 1))
-    work = dist.all_reduce(t, async_op=True)
-    try:
-        work.wait()
-    except pg.MooncakeCollectiveError:
-        assert pg.get_failed_ranks_hint(work) == [0] and not pg.get_local_success(work)
-        resp = pg.sync_after_failure(WORLD_PG)
-        assert resp.status in (pg.SyncAfterFailureStatus.Reconciled,
-                               pg.SyncAfterFailureStatus.NoPending), resp
-        continue
-    assert pg.get_local_success(work) and pg.get_failed_ranks_hint(work) == []
-    # Success without rank 0 is only possible in a view without it.
-    assert pg.get_active_ranks(WORLD_PG).tolist() == [0, 1, 1, 1]
-    assert int(t[0].item()) == 2 + 3 + 4
-    break
+# The world group's operation runs again over the survivors (it says it missed rank
+# 0), or starts in the view the others agreed on meanwhile (then it missed no one).
+t = torch.full((100,), float(rank + 1))
+work = dist.all_reduce(t, async_op=True)
+work.wait()
+hint = pg.get_failed_ranks_hint(work).tolist()
+assert hint == ([0] * 4 if pg.get_local_success(work) else [1, 0, 0, 0]), hint
+assert pg.get_active_ranks(WORLD_PG).tolist() == [0, 1, 1, 1]
+assert int(t[0].item()) == 2 + 3 + 4
 assert pg.get_current_epoch(WORLD_PG) > 1
 assert pg.get_peer_state(WORLD_PG, [0, 1]) == [False, True]
 assert reduced(WORLD_PG, rank + 1) == 2 + 3 + 4

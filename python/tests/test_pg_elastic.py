@@ -1,0 +1,355 @@
+"""Mooncake PG's upstream-compatible surface, with real rank processes.
+
+Batched point-to-point (``dist.batch_isend_irecv``), a group grown past its initial world
+size (``max_group_size``: three ranks start, a fourth joins as an extension and is
+admitted with ``recover_ranks``), a rank that exits between operations (the survivors'
+next operations do not raise: they run again over the survivors and say so through
+``get_local_success`` / ``get_failed_ranks_hint``), and a group destroyed and started
+again on the same store. The ``active_ranks`` tensor of the options is storage only: its
+contents at init are ignored and the live mask is written into it.
+"""
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not installed (a test-time dependency)")
+
+from test_pg import Rank, ranks, store  # noqa: E402,F401
+
+# Like test_pg's prelude, but each script starts its own group(s).
+_BARE = r"""
+import os, sys, datetime
+import torch, torch.distributed as dist
+from mooncake import pg
+
+rank, world = int(os.environ["PG_RANK"]), int(os.environ["PG_WORLD"])
+TIMEOUT_MS = int(os.environ["PG_TIMEOUT_MS"])
+store = dist.TCPStore("127.0.0.1", int(os.environ["PG_STORE_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+
+def say(*a):
+    print(*a, flush=True)
+
+def wait_line(want):
+    assert sys.stdin.readline().strip() == want
+"""
+
+_RING = r"""
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+nxt, prv = (rank + 1) % world, (rank - 1) % world
+for n in (1, 5000):
+    mine = torch.full((n,), float(rank + 1))
+    got = torch.zeros(n)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt),
+                                    dist.P2POp(dist.irecv, got, prv)])
+    for w in works:
+        w.wait()
+    assert torch.equal(got, torch.full((n,), float(prv + 1))), (n, got[:3])
+say("ring ok")
+"""
+
+
+def test_batch_isend_irecv_ring(store, ranks):
+    ranks.extend(Rank(_RING, store.port, r, world=3, timeout_ms=20000, prelude=_BARE)
+                 for r in range(3))
+    for r in ranks:
+        r.expect("ring ok")
+    for r in ranks:
+        r.finish()
+
+
+# Three primaries start a group of world size 3 with 4 slots; the joiner starts with
+# world size 4 as an extension. (Upstream also asserts dist.get_world_size() grows to 4
+# on the primaries: a Python backend cannot change what torch reports.)
+_EXTENSION = r"""
+JOINER = 3
+
+def tensor_ops(count, me):
+    # all_gather_into_tensor and reduce_scatter_tensor sized for `count` active ranks.
+    out = torch.zeros(count, dtype=torch.int32)
+    dist.all_gather_into_tensor(out, torch.tensor([me + 1], dtype=torch.int32))
+    assert out.tolist() == list(range(1, count + 1)), out
+    got = torch.zeros(1, dtype=torch.int32)
+    dist.reduce_scatter_tensor(got, torch.arange(1, count + 1, dtype=torch.int32))
+    assert got.item() == (me + 1) * count, got
+
+mirror = torch.full((4,), 7, dtype=torch.int32)  # contents are ignored
+if rank < JOINER:
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=3,
+                            pg_options=pg.MooncakeBackendOptions(mirror, False, 4))
+    g = dist.group.WORLD
+    assert mirror.tolist() == [1, 1, 1, 0], mirror
+    t = torch.tensor([rank + 1], dtype=torch.int32)
+    dist.all_reduce(t)
+    assert t.item() == 6, t
+    tensor_ops(3, rank)
+    # The list form takes one tensor per slot (the inactive one untouched) or one per
+    # active rank.
+    for count in (4, 3):
+        outs = [torch.full((2,), -1, dtype=torch.int32) for _ in range(count)]
+        dist.all_gather(outs, torch.full((2,), rank, dtype=torch.int32))
+        assert [o.tolist() for o in outs] == [[0, 0], [1, 1], [2, 2], [-1, -1]][:count]
+    say("primary ready")
+    deadline = __import__("time").monotonic() + 60
+    while not all(pg.get_peer_state(g, [JOINER])):
+        assert __import__("time").monotonic() < deadline, "the joiner never claimed its rank"
+        __import__("time").sleep(0.02)
+    assert pg.get_num_synced_ranks(g) == 4
+    resp = pg.recover_ranks(g, [JOINER])
+    assert resp.status == pg.ProposalStatus.Applied, resp
+    assert mirror.tolist() == [1, 1, 1, 1], mirror
+else:
+    # Not told it is an extension (upstream's newest tests do not say either): rank 0
+    # started the group with a world size without this rank, so it joins a running one.
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=JOINER, world_size=4,
+                            pg_options=pg.MooncakeBackendOptions(mirror, False, 4))
+    g = dist.group.WORLD
+    # Local-only until admitted: every operation involves only this rank.
+    assert pg.get_active_ranks(g).tolist() == [0, 0, 0, 0]
+    assert mirror.tolist() == [0, 0, 0, 0], mirror
+    t = torch.tensor([JOINER + 1], dtype=torch.int32)
+    dist.all_reduce(t)
+    assert t.item() == JOINER + 1, t
+    outs = [torch.full((1,), -1, dtype=torch.int32) for _ in range(4)]
+    dist.all_gather(outs, torch.tensor([9], dtype=torch.int32))
+    assert [o.item() for o in outs] == [-1, -1, -1, 9], outs
+    tensor_ops(1, 0)
+    one = [torch.zeros(1, dtype=torch.int32)]
+    dist.all_gather(one, torch.tensor([5], dtype=torch.int32))
+    assert one[0].item() == 5
+    dist.barrier()
+    say("joining")
+    pg.join_group(g, timeout_ms=60000)
+    assert mirror.tolist() == [1, 1, 1, 1], mirror
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == 10, t
+tensor_ops(4, rank)
+assert pg.get_active_ranks(g).tolist() == [1, 1, 1, 1]
+say("done")
+"""
+
+
+def test_extension_past_the_initial_world_size(store, ranks):
+    ranks.extend(Rank(_EXTENSION, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
+                 for r in range(3))
+    for r in ranks:
+        r.expect("primary ready")
+    ranks.append(Rank(_EXTENSION, store.port, 3, world=4, timeout_ms=20000, prelude=_BARE))
+    ranks[3].expect("joining")
+    for r in ranks:
+        r.expect("done")
+    for r in ranks:
+        r.finish()
+
+
+# Rank 1 exits right after an all_reduce; the survivors' next operations succeed over
+# the survivors without raising, and say they missed it.
+_EXIT = r"""
+mirror = torch.zeros(world, dtype=torch.int32)
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(mirror, timeout_ms=TIMEOUT_MS))
+t = torch.tensor([rank + 1], dtype=torch.int32)
+w = dist.all_reduce(t, async_op=True)
+w.wait()
+assert t.item() == 10 and pg.get_local_success(w), t
+assert pg.get_failed_ranks_hint(w).tolist() == [0] * world
+assert mirror.tolist() == [1] * world
+dist.barrier()
+if rank == 1:
+    say("exiting")
+    os._exit(0)
+wait_line("go")
+if os.environ["PG_FIRST"] == "sized":
+    # The first operation after the death is one sized for the three survivors while
+    # four ranks are still active (upstream's allgather/reduce_scatter recovery test).
+    out = torch.zeros(3, dtype=torch.int32)
+    w = dist.all_gather_into_tensor(out, torch.tensor([rank + 1], dtype=torch.int32),
+                                    async_op=True)
+    w.wait()
+    assert out.tolist() == [1, 3, 4], out
+t = torch.tensor([rank + 1], dtype=torch.int32)
+w = dist.all_reduce(t, async_op=True)
+w.wait()
+assert t.item() == 1 + 3 + 4, t
+# It ran again over the survivors, or started after the others had agreed on a view
+# without rank 1 (then it missed no one).
+hint = pg.get_failed_ranks_hint(w).tolist()
+assert hint == ([0] * world if pg.get_local_success(w) else [0, 1, 0, 0]), hint
+assert mirror.tolist() == [1, 0, 1, 1], mirror
+# Sized for the three active ranks, slots in active-rank order.
+out = torch.zeros(3, dtype=torch.int32)
+dist.all_gather_into_tensor(out, torch.tensor([rank + 1], dtype=torch.int32))
+assert out.tolist() == [1, 3, 4], out
+got = torch.zeros(1, dtype=torch.int32)
+dist.reduce_scatter_tensor(got, torch.arange(1, 4, dtype=torch.int32))
+assert got.item() == 3 * ([0, 2, 3].index(rank) + 1), got
+w = dist.all_reduce(torch.ones(4), async_op=True)
+w.wait()
+assert pg.get_local_success(w) and pg.get_failed_ranks_hint(w).tolist() == [0] * world
+say("survived")
+import time
+deadline = time.monotonic() + 60
+while not pg.get_peer_state(dist.group.WORLD, [1])[0]:
+    assert time.monotonic() < deadline, "the replacement never claimed rank 1"
+    time.sleep(0.02)
+resp = pg.recover_ranks(dist.group.WORLD, [1])
+assert resp.status == pg.ProposalStatus.Applied, resp
+assert mirror.tolist() == [1] * world, mirror
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == 10, t
+say("done")
+"""
+
+# Rank 1's replacement, started like the original (upstream's newest tests do not say
+# is_extension): its predecessor never shut down, so it joins the running group.
+_REPLACEMENT = r"""
+mirror = torch.zeros(world, dtype=torch.int32)
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(mirror, timeout_ms=TIMEOUT_MS))
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == rank + 1 and mirror.tolist() == [0] * world, (t, mirror)
+pg.join_group(dist.group.WORLD, timeout_ms=60000)
+assert mirror.tolist() == [1] * world, mirror
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == 10, t
+say("done")
+"""
+
+
+@pytest.mark.parametrize("first", ["all_reduce", "sized"])
+def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
+    monkeypatch.setenv("PG_FIRST", first)
+    ranks.extend(Rank(_EXIT, store.port, r, timeout_ms=2000, prelude=_BARE)
+                 for r in range(4))
+    ranks[1].expect("exiting")
+    assert ranks[1].proc.wait(timeout=60) == 0
+    for i in (0, 2, 3):
+        ranks[i].tell("go")
+    for i in (0, 2, 3):
+        ranks[i].expect("survived")
+    ranks.append(Rank(_REPLACEMENT, store.port, 1, timeout_ms=2000, prelude=_BARE))
+    for r in ranks[2:] + ranks[:1]:
+        r.expect("done")
+    for r in ranks[2:] + ranks[:1]:
+        r.finish()
+
+
+# With the auto flags off (upstream's manual recovery): the operation still completes
+# over the ranks that answer, but membership shows the dead rank until the survivors
+# deactivate it themselves.
+_MANUAL = r"""
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(
+                            world, False, False, timeout_ms=TIMEOUT_MS))
+g = dist.group.WORLD
+dist.barrier()
+if rank == 1:
+    say("exiting")
+    os._exit(0)
+wait_line("go")
+t = torch.tensor([rank + 1], dtype=torch.int32)
+w = dist.all_reduce(t, async_op=True)
+w.wait()
+assert t.item() == 1 + 3, t
+hint = pg.get_failed_ranks_hint(w).tolist()
+assert hint == ([0] * world if pg.get_local_success(w) else [0, 1, 0]), hint
+assert pg.get_active_ranks(g).tolist() == [1, 1, 1]
+resp = pg.sync_after_failure(g)
+assert resp.status in (pg.SyncAfterFailureStatus.Reconciled,
+                       pg.SyncAfterFailureStatus.NoPending), resp
+assert not pg.get_peer_state(g, [1])[0]
+resp = pg.deactivate_ranks(g, [1])
+assert resp.status in (pg.ProposalStatus.Applied, pg.ProposalStatus.AppliedWithDroppedRanks)
+assert pg.get_active_ranks(g).tolist() == [1, 0, 1]
+t = torch.tensor([rank + 1], dtype=torch.int32)
+w = dist.all_reduce(t, async_op=True)
+w.wait()
+assert t.item() == 4 and pg.get_local_success(w), t
+say("done")
+"""
+
+
+def test_auto_flags_off_leave_membership_to_the_survivors(store, ranks):
+    ranks.extend(Rank(_MANUAL, store.port, r, world=3, timeout_ms=1000, prelude=_BARE)
+                 for r in range(3))
+    ranks[1].expect("exiting")
+    assert ranks[1].proc.wait(timeout=60) == 0
+    for i in (0, 2):
+        ranks[i].tell("go")
+    for i in (0, 2):
+        ranks[i].expect("done")
+    for i in (0, 2):
+        ranks[i].finish()
+
+
+_REINIT = r"""
+for round_ in range(3):
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank,
+                            world_size=world,
+                            pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+    t = torch.tensor([rank + 1 + round_ * 10])
+    dist.all_reduce(t)
+    assert t.item() == sum(r + 1 + round_ * 10 for r in range(world)), t
+    dist.destroy_process_group()
+say("done")
+"""
+
+
+def test_destroy_and_init_again_on_the_same_store(store, ranks):
+    ranks.extend(Rank(_REINIT, store.port, r, world=3, timeout_ms=20000, prelude=_BARE)
+                 for r in range(3))
+    for r in ranks:
+        r.expect("done")
+    for r in ranks:
+        r.finish()
+
+
+def test_options_positional_forms():
+    import torch
+    from mooncake import pg
+
+    o = pg.MooncakeBackendOptions(4)
+    assert (o.max_group_size, o.is_extension, o.active_ranks) == (4, False, None)
+    assert pg.MooncakeBackendOptions(4, True).is_extension
+    o = pg.MooncakeBackendOptions(4, True, False)  # (max, auto_deactivate, auto_sync)
+    assert (o.auto_deactivate_on_failure, o.auto_sync_on_failure) == (True, False)
+    o = pg.MooncakeBackendOptions(4, True, True, False)
+    assert (o.is_extension, o.auto_sync_on_failure) == (True, False)
+    mirror = torch.zeros(5, dtype=torch.int32)
+    o = pg.MooncakeBackendOptions(mirror, True, 5)
+    assert o.active_ranks is mirror and o.is_extension and o.max_group_size == 5
+    assert "active_ranks=11100" in pg.MooncakeBackendOptions(mirror, False, 5).to_string(3)
+    assert "active_ranks=111;" in pg.MooncakeBackendOptions(mirror).to_string(3) + ";"
+    assert "active_ranks=1110" in pg.MooncakeBackendOptions(4, True).to_string(4, 3)
+    with pytest.raises(ValueError, match="int32"):
+        pg.MooncakeBackendOptions(torch.zeros(4))
+    with pytest.raises(ValueError, match="requires auto_deactivate"):
+        pg.MooncakeBackendOptions(4, False, True)
+    with pytest.raises(TypeError):
+        pg.MooncakeBackendOptions(4, True, True, True, True)
+    with pytest.raises(TypeError, match="twice"):
+        pg.MooncakeBackendOptions(4, max_group_size=5)
+    assert pg.ProposeViewUpdateResponse is pg.ProposalResponse
+
+
+def test_module_defaults_apply_to_options_made_later():
+    from mooncake import pg
+
+    before = {"timeout_ms": pg._DEFAULTS["timeout_ms"], "engine": dict(pg._DEFAULTS["engine"])}
+    try:
+        pg.set_collective_timeout_us(1_500_001)
+        pg.set_host_ip("127.0.0.1")
+        o = pg.MooncakeBackendOptions(4)
+        assert o.timeout_ms == 1501 and "bind_address=127.0.0.1" in o.to_string(4)
+        assert pg.MooncakeBackendOptions(timeout_ms=7).timeout_ms == 7
+        with pytest.raises(ValueError):
+            pg.set_collective_timeout_us(0)
+        with pytest.raises(ValueError):
+            pg.set_host_ip("not-an-ip")
+        assert pg.MooncakeBackendOptions().timeout_ms == 1501
+    finally:
+        pg._DEFAULTS.update(before)

@@ -51,14 +51,14 @@ extern "C" {
  * change an existing function or struct). Revision 2 added the functions marked
  * "(revision 2)", revision 3 those marked "(revision 3)", revision 4 Mooncake PG
  * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
- * (device buffers for Mooncake PG). A program loading the
+ * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max. A program loading the
  * library at run time checks mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 5
+#define MC_ABI_REVISION 6
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 5). */
+/* The ABI revision the loaded library implements (revision 6). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -698,6 +698,12 @@ int mc_pg_send_recv(mc_pg *pg, const mc_pg_message *sends, size_t nsends,
 
 /* Ranks the last failed operation missed: up to cap into ranks, the count in *count. */
 int mc_pg_failed_ranks(mc_pg *pg, int32_t *ranks, size_t cap, size_t *count);
+/* *max = the largest of the active ranks' value: an agreement round of its own kind,
+ * which never pairs with another collective (a rank running one where the others agree
+ * fails with a mismatch). After a membership change, ranks use it to compare how far
+ * each got before it, e.g. so that a rank whose operation failed while a peer's
+ * completed does not run it again against that peer's next one. (revision 6) */
+int mc_pg_agree_max(mc_pg *pg, uint64_t value, uint64_t *max);
 /* mask[r] = 1 for each active rank; len must be world_size. */
 int mc_pg_active_ranks(mc_pg *pg, uint8_t *mask, size_t len);
 /* Membership epoch: 1 at start, +1 per change, 0 for an extension not yet admitted. */

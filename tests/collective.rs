@@ -1278,3 +1278,48 @@ mod membership_races {
         }
     }
 }
+
+mod agreement {
+    use std::time::Duration;
+
+    use mooncake::collective::{DType, ReduceOp};
+
+    #[test]
+    fn agree_max_gives_every_rank_the_largest_value() {
+        let groups = crate::common::groups::connected_groups(3, |o| {
+            o.timeout = Duration::from_secs(5);
+        });
+        let got: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .enumerate()
+                .map(|(r, g)| s.spawn(move || g.agree_max([7, 1 << 45, 3][r])))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect()
+        });
+        assert_eq!(got, vec![1 << 45; 3]);
+    }
+
+    /// An agreement never pairs with a caller's collective, even one of the same size.
+    #[test]
+    fn an_agreement_against_a_callers_operation_fails_on_both_sides() {
+        let groups = crate::common::groups::connected_groups(2, |o| {
+            o.timeout = Duration::from_secs(2);
+        });
+        let (agreed, reduced) = std::thread::scope(|s| {
+            let a = s.spawn(|| groups[0].agree_max(5));
+            let b = s.spawn(|| {
+                let mut buf = 9u64.to_le_bytes();
+                groups[1]
+                    .all_reduce(&mut buf, DType::I64, ReduceOp::Max)
+                    .map(|()| buf)
+            });
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert!(agreed.is_err(), "agreement paired: {agreed:?}");
+        assert!(reduced.is_err(), "all_reduce paired: {reduced:?}");
+    }
+}

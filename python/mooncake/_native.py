@@ -232,6 +232,7 @@ _SIGNATURES = {
     "mc_pg_failed_ranks": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
     "mc_pg_active_ranks": (c_int, [_P, _P, c_size_t], 4),
     "mc_pg_epoch": (c_int, [_P, POINTER(c_uint64)], 4),
+    "mc_pg_agree_max": (c_int, [_P, c_uint64, POINTER(c_uint64)], 6),
     "mc_pg_peer_state": (c_int, [_P, _P, c_size_t, _P], 4),
     "mc_pg_propose": (
         c_int,

@@ -43,7 +43,7 @@ import threading
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
-from ._native import LIB, MC_ERR_TIMEOUT, MC_OK, error_string
+from ._native import LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT, MC_OK, error_string
 
 __all__ = [
     "MooncakeBackendOptions",
@@ -505,6 +505,13 @@ class ProcessGroupHandle:
                                 [int(dropped[i]) for i in range(min(count.value, self.world_size))],
                                 reason.value.decode("utf-8", "replace"))
 
+    def agree_max(self, value):
+        """The largest of the active ranks' ``value`` (an agreement round of its own
+        kind, which never pairs with another collective)."""
+        out = c_uint64(0)
+        self._check("agree_max", _fn("mc_pg_agree_max")(self._h, c_uint64(value), byref(out)))
+        return out.value
+
     def sync_after_failure(self):
         status = c_int(0)
         self._check("sync_after_failure", _fn("mc_pg_sync_after_failure")(self._h, byref(status)))
@@ -618,6 +625,13 @@ if torch is not None:
         if got != want:
             raise ValueError(f"{what}: {got} bytes where {want} are needed")
 
+    def _copy_alone(what, out, inp):
+        """A tensor form's result on a rank alone (an extension before join_group): its
+        own block, the whole buffer on both sides."""
+        _check_bytes(f"{what} (one active rank before join_group)",
+                     inp.numel() * inp.element_size(), out.numel() * out.element_size())
+        out.view(-1).copy_(inp.view(-1))
+
     def _check_rank(what, r, world):
         if not 0 <= int(r) < world:
             raise ValueError(f"{what}: rank {r} out of range (world size {world})")
@@ -708,6 +722,9 @@ if torch is not None:
             return True
 
         def is_completed(self):
+            # A queued send or receive is done at its first wait(): polling does it too.
+            if self._flush:
+                self._settle()
             return not self._flush
 
         def is_success(self):
@@ -766,6 +783,9 @@ if torch is not None:
             self.handle.connect(addresses)
             self.handle.publish_mask()
             self._p2p = []
+            # Where this rank stands: the epoch of its last collective (or of its start)
+            # and how many it completed in it (see _completed_elsewhere).
+            self._ran = [self.handle.epoch(), 0]
 
         def shutdown(self):
             """Stops this rank and retires its address (torch calls this from
@@ -808,17 +828,71 @@ if torch is not None:
         def _may_retry(error):
             """Whether a failed operation is run again over the ranks that answer: peers
             did not answer in time (as upstream, an operation completes over the ranks
-            that answer whatever the auto flags; those say what membership shows)."""
-            return error.code == MC_ERR_TIMEOUT and bool(error.failed_ranks)
+            that answer whatever the auto flags; those say what membership shows), or a
+            peer was found in another operation (one that entered a new view before
+            this rank saw it: the agreement below puts them back in step)."""
+            return (error.code in (MC_ERR_TIMEOUT, MC_ERR_INVALID_PARAMS)
+                    and bool(error.failed_ranks))
+
+        def _completed_elsewhere(self):
+            """Whether the operation about to run was completed by surviving peers while
+            it failed here (or never started here), so running it would meet their next
+            one instead (same kind and size: a wrong result without an error).
+
+            It happens when a rank dies inside an operation after its data reached some
+            survivors and not others. So the first operation of each new view is an
+            agreement round (``agree_max``, its own kind) in which every member gives
+            the epoch of its last collective and the number of the one it is about to
+            run in it; a member behind the furthest one of the same epoch leaves its
+            operation (the caller sees local success False). Members new to the group
+            (an older epoch) are never behind. A view others published or announced is
+            taken part in first (whatever the auto flags: this rank would otherwise
+            enter it inside its operation, where the others agree)."""
+            self.handle.sync_after_failure()
+            epoch = self.handle.epoch()
+            if epoch == self._ran[0]:
+                return False
+            last, position = self._ran
+            mine = (last & 0x7f_ffff) << 40 | min(position + 1, (1 << 40) - 1)
+            for attempt in range(_ATTEMPTS):
+                try:
+                    furthest = self.handle.agree_max(mine)
+                    break
+                except MooncakeCollectiveError:
+                    # A peer still reconciling (or another death): reconcile and agree
+                    # again; the operation itself has not failed.
+                    if attempt + 1 == _ATTEMPTS:
+                        raise
+                    self.handle.sync_after_failure()
+            self._ran = [self.handle.epoch(), 0]
+            return furthest >> 40 == mine >> 40 and mine < furthest
+
+        def _ran_one(self):
+            epoch = self.handle.epoch()
+            if epoch == self._ran[0]:
+                self._ran[1] += 1
+            else:
+                # Run in a view it entered on the way in (every member did, or the
+                # operation would have failed): the view's first.
+                self._ran = [epoch, 1]
 
         def _run(self, what, fn, *tensors, result=None, device=None, inputs=(), local=None):
             """Runs ``fn`` (the C call(s); it reads the active ranks afresh each time).
             When peers do not answer, membership is reconciled and ``fn`` runs again
             over the survivors, ``inputs`` (the tensors it updates in place) restored
             first; the work then succeeds with local success False and the missed ranks
-            as its hint. An extension not admitted yet runs ``local`` instead: its
+            as its hint. The first operation of each new view checks first that no
+            survivor completed it already (``_completed_elsewhere``), and leaves it if
+            one did. An extension not admitted yet runs ``local`` instead: its
             operations involve only itself."""
             device = device if device is not None else torch.device("cpu")
+            if self._p2p:
+                # Queued sends and receives go first, in the order they were called: a
+                # peer waiting in its receive must not meet this operation instead.
+                try:
+                    self._flush_p2p()
+                except MooncakeCollectiveError:
+                    pass  # each queued work's wait() raises it
             if self.handle.local_only():
                 if local is None:
                     raise RuntimeError(f"{what}: rank {self._rank} has not joined the group "
@@ -833,24 +907,39 @@ if torch is not None:
             missed = []
             for attempt in range(_ATTEMPTS):
                 try:
+                    if self._completed_elsewhere():
+                        # Inputs as given, outputs left as they are; local success False.
+                        with self._on(device):
+                            for t, s in zip(inputs, saved):
+                                t.copy_(s)
+                        self.handle.publish_mask()
+                        return MooncakeWork(self, result=result, failed_ranks=missed,
+                                            retried=True)
                     with self._on(device):
                         fn()
+                    self._ran_one()
                     break
-                except MooncakeCollectiveError as e:
-                    missed = sorted(set(missed) | set(e.failed_ranks))
-                    if attempt + 1 == _ATTEMPTS or not self._may_retry(e):
-                        self.handle.publish_mask()
-                        return MooncakeWork(self, e, missed)
-                    try:
-                        status = self.handle.sync_after_failure().status
-                    except MooncakeCollectiveError:
-                        status = SyncAfterFailureStatus.Rejected
-                    if status == SyncAfterFailureStatus.Rejected:
-                        self.handle.publish_mask()
-                        return MooncakeWork(self, e, missed)
+                except (MooncakeCollectiveError, ValueError) as e:
+                    if isinstance(e, ValueError) and attempt == 0:
+                        raise  # refused before anything moved: the caller's mistake
+                    # (A ValueError on a retry: the survivors' view no longer fits a
+                    # buffer sized for the ranks active before; the work fails.)
+                    missed = sorted(set(missed) | set(getattr(e, "failed_ranks", [])))
+                    retry = (isinstance(e, MooncakeCollectiveError)
+                             and attempt + 1 < _ATTEMPTS and self._may_retry(e))
+                    if retry:
+                        try:
+                            status = self.handle.sync_after_failure().status
+                        except MooncakeCollectiveError:
+                            status = SyncAfterFailureStatus.Rejected
+                        retry = status != SyncAfterFailureStatus.Rejected
+                    # Run again or not, in-place inputs go back to what was given.
                     with self._on(device):
                         for t, s in zip(inputs, saved):
                             t.copy_(s)
+                    if not retry:
+                        self.handle.publish_mask()
+                        return MooncakeWork(self, e, missed)
             for c in tensors:
                 c.done()
             self.handle.publish_mask()
@@ -964,6 +1053,23 @@ if torch is not None:
             return self._run("all_gather", run, result=output_tensors, device=dev,
                              local=local)
 
+        def _world(self):
+            """How many ranks torch's lists and splits cover: torch's world size while
+            the slots past it (``max_group_size``) are all inactive, else every slot."""
+            h = self.handle
+            if h.initial_size < self._size and not any(h.active_ranks()[h.initial_size:]):
+                return h.initial_size
+            return self._size
+
+        def _slots(self, what, items, blank):
+            """``items`` (one per rank of ``_world()``, or one per slot) as one per
+            slot: the slots past torch's world size get ``blank()`` (nothing to send
+            or receive there)."""
+            if len(items) == self._size:
+                return items
+            _check_count(what, items, self._world())
+            return items + [blank() for _ in range(self._size - len(items))]
+
         def _catch_up(self):
             """Before laying a buffer out by the active ranks: takes part in a view change
             other members agreed on or started, as the operation itself would at its
@@ -1006,9 +1112,7 @@ if torch is not None:
                 _check_bytes(what, out.nbytes, sum(sizes))
 
             def local():
-                _check_bytes(f"{what} (one active rank before join_group)", out.nbytes,
-                             inp.nbytes)
-                out.t.view(-1).copy_(inp.t.view(-1))
+                _copy_alone(what, out.t, inp.t)
             return self._run("all_gather_into_tensor", run, out, result=[output], device=dev,
                              local=local)
 
@@ -1016,7 +1120,8 @@ if torch is not None:
             ins = list(input_tensors[0])
             dev = self._device([output_tensors[0]] + ins)
             out = _Contig(output_tensors[0])
-            _check_count("reduce_scatter inputs", ins, self._size)
+            ins = self._slots("reduce_scatter inputs", ins,
+                              lambda: ins[0].new_empty(0) if ins else torch.empty(0))
             # Checked before the cat, which would promote mixed dtypes silently.
             _check_dtypes("reduce_scatter input", ins, out.t.dtype)
             dtype, op = _dtype(out.t), _op(opts.reduceOp)
@@ -1059,9 +1164,7 @@ if torch is not None:
                 _check_bytes(what, inp.nbytes, sum(sizes))
 
             def local():
-                _check_bytes(f"{what} (one active rank before join_group)", inp.nbytes,
-                             out.nbytes)
-                out.t.view(-1).copy_(inp.t.view(-1))
+                _copy_alone(what, out.t, inp.t)
             return self._run("reduce_scatter_tensor", run, out, result=[output], device=dev,
                              local=local)
 
@@ -1078,13 +1181,14 @@ if torch is not None:
                     raise ValueError(f"all_to_all_single {what}: a 0-dim tensor has no rows")
                 rows = t.shape[0]
                 row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
+                world = self._world()
                 if given is None or len(given) == 0:  # torch passes [] for "not given"
-                    if rows % self._size:
+                    if rows % world:
                         raise ValueError(f"all_to_all_single {what}: {rows} rows do not "
-                                         f"split evenly over world size {self._size}")
-                    return [rows // self._size * row_bytes] * self._size
-                _check_count(f"all_to_all_single {what} split sizes", given, self._size)
-                given = [int(s) for s in given]
+                                         f"split evenly over world size {world}")
+                    given = [rows // world] * world
+                given = self._slots(f"all_to_all_single {what} split sizes",
+                                    [int(s) for s in given], lambda: 0)
                 if any(s < 0 for s in given):
                     raise ValueError(f"all_to_all_single {what} split sizes {given}: "
                                      f"negative")
@@ -1104,7 +1208,7 @@ if torch is not None:
             def local():  # only this rank's own block moves
                 me = self._rank
                 _check_bytes("all_to_all_single own block", recv[me], send[me])
-                src = inp.t.reshape(-1).view(torch.uint8)
+                src = inp.t.contiguous().view(-1).view(torch.uint8)
                 dst = out.t.view(-1).view(torch.uint8)
                 dst[sum(recv[:me]):sum(recv[:me + 1])].copy_(
                     src[sum(send[:me]):sum(send[:me + 1])])
@@ -1114,12 +1218,14 @@ if torch is not None:
         def alltoall(self, output_tensors, input_tensors, opts):
             ins, outs = list(input_tensors), list(output_tensors)
             dev = self._device(ins + outs)
-            _check_count("all_to_all inputs", ins, self._size)
-            _check_count("all_to_all outputs", outs, self._size)
+            ins = self._slots("all_to_all inputs", ins,
+                              lambda: ins[0].new_empty(0) if ins else torch.empty(0))
+            outs = self._slots("all_to_all outputs", outs,
+                               lambda: outs[0].new_empty(0) if outs else torch.empty(0))
             # One dtype throughout, so every output block starts aligned for it.
             _check_dtypes("all_to_all input", ins, outs[0].dtype)
             _check_dtypes("all_to_all output", outs, outs[0].dtype)
-            flat_in = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins]) \
+            flat_in = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in ins]) \
                 if ins else torch.empty(0, dtype=torch.uint8, device=dev)
             send = [t.numel() * t.element_size() for t in ins]
             recv = [t.numel() * t.element_size() for t in outs]
@@ -1142,7 +1248,7 @@ if torch is not None:
             dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
             if self._rank == root:
-                _check_count("gather outputs", outs, self._size)
+                outs = self._slots("gather outputs", outs, lambda: torch.empty_like(inp.t))
                 for r, o in enumerate(outs):
                     _check_like(f"gather output {r}", o, inp.t)
             sizes = [inp.nbytes] * self._size
@@ -1167,10 +1273,10 @@ if torch is not None:
             out = _Contig(output_tensors[0])
             sizes = [out.nbytes] * self._size
             if self._rank == root:
-                _check_count("scatter inputs", ins, self._size)
+                ins = self._slots("scatter inputs", ins, lambda: torch.zeros_like(out.t))
                 for r, t in enumerate(ins):
                     _check_like(f"scatter input {r}", t, out.t)
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in ins])
+                flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in ins])
             else:
                 flat = torch.empty(0, dtype=torch.uint8, device=dev)
 

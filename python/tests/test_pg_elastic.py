@@ -49,13 +49,18 @@ say("ring ok")
 """
 
 
-def test_batch_isend_irecv_ring(store, ranks):
-    ranks.extend(Rank(_RING, store.port, r, world=3, timeout_ms=20000, prelude=_BARE)
-                 for r in range(3))
+def _all_run(ranks, store, script, world, line):
+    """Starts `world` ranks of `script`; each must print `line`, then exit cleanly."""
+    ranks.extend(Rank(script, store.port, r, world=world, timeout_ms=20000, prelude=_BARE)
+                 for r in range(world))
     for r in ranks:
-        r.expect("ring ok")
+        r.expect(line)
     for r in ranks:
         r.finish()
+
+
+def test_batch_isend_irecv_ring(store, ranks):
+    _all_run(ranks, store, _RING, 3, "ring ok")
 
 
 # Three primaries start a group of world size 3 with 4 slots; the joiner starts with
@@ -300,12 +305,7 @@ say("done")
 
 
 def test_destroy_and_init_again_on_the_same_store(store, ranks):
-    ranks.extend(Rank(_REINIT, store.port, r, world=3, timeout_ms=20000, prelude=_BARE)
-                 for r in range(3))
-    for r in ranks:
-        r.expect("done")
-    for r in ranks:
-        r.finish()
+    _all_run(ranks, store, _REINIT, 3, "done")
 
 
 def test_options_positional_forms():
@@ -353,3 +353,32 @@ def test_module_defaults_apply_to_options_made_later():
         assert pg.MooncakeBackendOptions().timeout_ms == 1501
     finally:
         pg._DEFAULTS.update(before)
+
+
+# A queued isend goes out before the sender's next collective (the receiver waits in its
+# recv, which must not meet the collective instead); list all_to_all takes
+# non-contiguous tensors.
+_P2P_THEN_COLLECTIVE = r"""
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+if rank == 0:
+    w = dist.isend(torch.arange(8, dtype=torch.float32), 1)
+    dist.barrier()
+    w.wait()
+else:
+    got = torch.zeros(8)
+    dist.recv(got, 0)
+    assert torch.equal(got, torch.arange(8, dtype=torch.float32)), got
+    dist.barrier()
+base = torch.arange(8, dtype=torch.float32) + 100 * rank
+ins = [base[0::4], base[1::4]]  # strided views
+outs = [torch.zeros(2), torch.zeros(2)]
+dist.all_to_all(outs, ins)
+for src in range(world):
+    assert outs[src].tolist() == (torch.arange(8.0) + 100 * src)[rank::4].tolist(), outs
+say("p2p ok")
+"""
+
+
+def test_a_queued_send_goes_before_the_next_collective(store, ranks):
+    _all_run(ranks, store, _P2P_THEN_COLLECTIVE, 2, "p2p ok")

@@ -773,6 +773,24 @@ pub unsafe extern "C" fn mc_pg_failed_ranks(
     })
 }
 
+/// The largest of the active ranks' `value`s, in `*max` (an agreement round of its
+/// own kind: it never pairs with another collective).
+///
+/// # Safety
+/// `max` writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_agree_max(pg: *mut McPg, value: u64, max: *mut u64) -> c_int {
+    guard("mc_pg_agree_max", || {
+        // SAFETY: caller's guarantee.
+        let g = unsafe { group(pg) }?;
+        non_null(max, "max")?;
+        let m = g.agree_max(value)?;
+        // SAFETY: non-null, writable.
+        unsafe { *max = m };
+        Ok(MC_OK)
+    })
+}
+
 /// The active ranks: `mask[r]` 1 or 0 for each of `len` (= world_size) ranks.
 ///
 /// # Safety

@@ -18,6 +18,9 @@ const KIND_BARRIER: u64 = 8;
 const KIND_REDUCE: u64 = 9;
 const KIND_GATHER: u64 = 10;
 const KIND_SCATTER: u64 = 11;
+/// An agreement round (`agree_max`): its own kind, so it can only ever pair with
+/// another agreement round, never with a caller's collective.
+const KIND_AGREE: u64 = 12;
 
 /// Up to this size an all-reduce sends the whole buffer to every member in one round;
 /// above it, a reduce-scatter then an all-gather move each byte fewer times.
@@ -364,6 +367,31 @@ impl Group {
             .map(|(&p, s)| Incoming::new(p, Sink::Copy(s)))
             .collect();
         self.exchange(&mut st, KIND_BARRIER, &mut out, &mut inc)
+    }
+
+    /// The largest of the active ranks' `value`s. A collective of its own kind: a rank
+    /// that runs a caller's operation where the others agree fails with a mismatch
+    /// instead of pairing with them. Callers use it after a membership change to find
+    /// out where each rank stands (see `mooncake.pg`: a rank whose operation failed
+    /// while a peer's completed must not run it again against that peer's next one).
+    pub fn agree_max(&self, value: u64) -> Result<u64> {
+        let mut st = self.begin()?;
+        let others = self.others(&st);
+        let mine = value.to_le_bytes();
+        let mut got: Vec<[u8; 8]> = vec![[0; 8]; others.len()];
+        {
+            let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &mine)).collect();
+            let mut inc: Vec<Incoming> = others
+                .iter()
+                .zip(got.iter_mut())
+                .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
+                .collect();
+            self.exchange(&mut st, KIND_AGREE, &mut out, &mut inc)?;
+        }
+        Ok(got
+            .iter()
+            .map(|g| u64::from_le_bytes(*g))
+            .fold(value, u64::max))
     }
 
     /// Combines `buf` across the active ranks into `root`'s `buf` (others' unchanged).

@@ -1049,7 +1049,6 @@ if torch is not None:
             _check_dtypes("all_gather output", outs, inp.t.dtype)
 
             def run():
-                self._catch_up()
                 active = self.handle.active_ranks()
                 members = [r for r in range(self._size) if active[r]]
                 if len(members) != len(outs):
@@ -1090,21 +1089,13 @@ if torch is not None:
             _check_count(what, items, self._world())
             return items + [blank() for _ in range(self._size - len(items))]
 
-        def _catch_up(self):
-            """Before laying a buffer out by the active ranks: takes part in a view change
-            other members agreed on or started, as the operation itself would at its
-            start (with the auto flags on), so the layout follows the view it runs in."""
-            o = self.handle.options
-            if o.auto_deactivate_on_failure and o.auto_sync_on_failure:
-                self.handle.sync_after_failure()
-
         def _active_sizes(self, what, chunk, total):
             """Per-rank block sizes of a buffer holding one ``chunk`` per ACTIVE rank, in
             rank order (0 for inactive ranks), as upstream sizes the tensor forms; and
             whether ``total`` bytes fit that now. A buffer sized for fewer ranks is let
             through (peers may have died unnoticed: the operation then fails and runs
-            again over the survivors); one sized for more is refused."""
-            self._catch_up()
+            again over the survivors); one sized for more is refused. The view is the
+            one ``_run`` took part in just before (``_completed_elsewhere``)."""
             active = self.handle.active_ranks()
             count = sum(active)
             if total > chunk * count or (chunk and total % chunk) or (not chunk and total):

@@ -133,17 +133,7 @@ impl Group {
         let members = st.mask.ranks();
         let others = self.others(&st);
         if buf.len() <= ONE_ROUND_MAX {
-            let mut got: Vec<Vec<u8>> = others.iter().map(|_| vec![0; buf.len()]).collect();
-            {
-                let mut out: Vec<Outgoing> =
-                    others.iter().map(|&p| Outgoing::new(p, buf)).collect();
-                let mut inc: Vec<Incoming> = others
-                    .iter()
-                    .zip(got.iter_mut())
-                    .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
-                    .collect();
-                self.exchange(&mut st, KIND_ALL_REDUCE, &mut out, &mut inc)?;
-            }
+            let got = self.swap_with_all(&mut st, KIND_ALL_REDUCE, &others, buf)?;
             let mine = buf.to_vec();
             // Every rank combines in rank order, so all get bit-identical results.
             let parts: Vec<&[u8]> = members
@@ -359,14 +349,8 @@ impl Group {
     pub fn barrier(&self) -> Result<()> {
         let mut st = self.begin()?;
         let others = self.others(&st);
-        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &[])).collect();
-        let mut sinks: Vec<[u8; 0]> = vec![[]; others.len()];
-        let mut inc: Vec<Incoming> = others
-            .iter()
-            .zip(sinks.iter_mut())
-            .map(|(&p, s)| Incoming::new(p, Sink::Copy(s)))
-            .collect();
-        self.exchange(&mut st, KIND_BARRIER, &mut out, &mut inc)
+        self.swap_with_all(&mut st, KIND_BARRIER, &others, &[])
+            .map(|_| ())
     }
 
     /// The largest of the active ranks' `value`s. A collective of its own kind: a rank
@@ -377,21 +361,31 @@ impl Group {
     pub fn agree_max(&self, value: u64) -> Result<u64> {
         let mut st = self.begin()?;
         let others = self.others(&st);
-        let mine = value.to_le_bytes();
-        let mut got: Vec<[u8; 8]> = vec![[0; 8]; others.len()];
-        {
-            let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, &mine)).collect();
-            let mut inc: Vec<Incoming> = others
-                .iter()
-                .zip(got.iter_mut())
-                .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
-                .collect();
-            self.exchange(&mut st, KIND_AGREE, &mut out, &mut inc)?;
-        }
+        let got = self.swap_with_all(&mut st, KIND_AGREE, &others, &value.to_le_bytes())?;
         Ok(got
             .iter()
-            .map(|g| u64::from_le_bytes(*g))
+            .filter_map(|g| g.as_slice().try_into().ok().map(u64::from_le_bytes))
             .fold(value, u64::max))
+    }
+
+    /// Sends `mine` to each of `others` and returns what each sent back, as long.
+    fn swap_with_all(
+        &self,
+        st: &mut State,
+        kind: u64,
+        others: &[usize],
+        mine: &[u8],
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut got: Vec<Vec<u8>> = others.iter().map(|_| vec![0; mine.len()]).collect();
+        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();
+        let mut inc: Vec<Incoming> = others
+            .iter()
+            .zip(got.iter_mut())
+            .map(|(&p, g)| Incoming::new(p, Sink::Copy(g)))
+            .collect();
+        self.exchange(st, kind, &mut out, &mut inc)?;
+        drop(inc);
+        Ok(got)
     }
 
     /// Combines `buf` across the active ranks into `root`'s `buf` (others' unchanged).

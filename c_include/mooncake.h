@@ -671,6 +671,8 @@ int mc_pg_set_memory(mc_pg *pg, const char *location);
 /* Size arrays (sizes, counts, send_sizes, recv_sizes) hold world_size entries. An
  * operation's input and output may overlap (the in-place forms: an output that is a
  * block of the input, or the reverse); the input is then copied first. */
+/* A failed all_reduce leaves buf as it was (a retry over the survivors can take it as
+ * it is); above 64 KiB the group keeps scratch as large as the largest buf for that. */
 int mc_pg_all_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op);
 int mc_pg_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op, int root);
 int mc_pg_broadcast(mc_pg *pg, void *buf, size_t len, int root);

@@ -711,9 +711,11 @@ mod abi {
 fn run_stalled(g: &Group) {
     let deadline = Instant::now() + 4 * STEP;
     let mut iter = 0usize;
+    let mut ops = 0usize;
     let error = loop {
         assert!(Instant::now() < deadline, "the stall was never noticed");
-        let mut vals = vec![(g.rank() + 1) as f64; 1000];
+        ops += 1;
+        let mut vals = vec![(g.rank() + 1) as f64; stream_len(ops)];
         vals.push(0.0);
         let mut buf = encode(DType::F32, &vals);
         match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
@@ -745,6 +747,17 @@ fn run_stalled(g: &Group) {
     full_rounds(g);
 }
 
+/// Elements of a stream's `op`th all-reduce (and one for the vote): every other one is
+/// large enough to be reduced in the caller's buffer (several cells a phase), so deaths
+/// also land inside those.
+fn stream_len(op: usize) -> usize {
+    if op % 2 == 0 {
+        1000
+    } else {
+        40_000
+    }
+}
+
 /// Streams all-reduces until a failure was reconciled and five operations succeeded
 /// in the new view (decided by an all-reduced vote, so every survivor stops after the
 /// same one); returns the inactive ranks.
@@ -762,18 +775,20 @@ fn stream_until_recovered(g: &Group, label: &str) -> Vec<usize> {
         } else {
             0.0
         };
-        let mut vals = vec![(g.rank() + 1) as f64; 1000];
+        let len = stream_len(iter);
+        let mut vals = vec![(g.rank() + 1) as f64; len];
         vals.push(vote);
         let mut buf = encode(DType::F32, &vals);
+        let input = buf.clone();
         match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
             Ok(()) => {
                 let active = g.active_ranks();
                 let sum: usize = (0..WORLD).filter(|&r| active[r]).map(|r| r + 1).sum();
                 assert!(
-                    buf[..4000] == encode(DType::F32, &vec![sum as f64; 1000]),
+                    buf[..4 * len] == encode(DType::F32, &vec![sum as f64; len]),
                     "sum over {active:?}"
                 );
-                let votes = f32::from_ne_bytes(buf[4000..].try_into().unwrap()) as usize;
+                let votes = f32::from_ne_bytes(buf[4 * len..].try_into().unwrap()) as usize;
                 if votes == active.iter().filter(|a| **a).count() {
                     return (0..WORLD).filter(|&r| !active[r]).collect();
                 }
@@ -786,6 +801,10 @@ fn stream_until_recovered(g: &Group, label: &str) -> Vec<usize> {
                 }
             }
             Err(e) => {
+                assert!(
+                    buf == input,
+                    "a failed all_reduce of {len} changed its buffer"
+                );
                 let failed = g.failed_ranks();
                 let names: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
                 say(&format!(
@@ -1321,5 +1340,51 @@ mod agreement {
         });
         assert!(agreed.is_err(), "agreement paired: {agreed:?}");
         assert!(reduced.is_err(), "all_reduce paired: {reduced:?}");
+    }
+}
+
+mod failed_all_reduce {
+    use std::time::Duration;
+
+    use mooncake::collective::{DType, ReduceOp};
+
+    /// Above 64 KiB an all-reduce reduces in the caller's buffer; when a peer never
+    /// answers, the parts already folded in from the others are undone: the buffer is
+    /// the caller's input again, ready for a retry over the survivors.
+    #[test]
+    fn a_failed_large_all_reduce_leaves_the_buffer_as_it_was() {
+        let groups = crate::common::groups::connected_groups(3, |o| {
+            o.timeout = Duration::from_millis(1500);
+            o.cell_bytes = 8 << 10;
+            o.cells_per_peer = 4;
+        });
+        let input = |r: usize| -> Vec<u8> {
+            (0..(96usize << 10) / 4)
+                .flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes())
+                .collect()
+        };
+        // Ranks 0 and 1 run it; rank 2 is alive and never does.
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups[..2]
+                .iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    s.spawn(move || {
+                        let mut buf = input(r);
+                        let result = g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum);
+                        (result, buf, g.failed_ranks())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (result, buf, failed)) in results.into_iter().enumerate() {
+            assert!(result.is_err(), "rank {r} completed without rank 2");
+            assert_eq!(failed, vec![2], "rank {r}");
+            assert!(
+                buf == input(r),
+                "rank {r}: buffer changed by a failed all_reduce"
+            );
+        }
     }
 }

@@ -40,6 +40,7 @@ import contextlib
 import copy
 import enum
 import threading
+import time
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
@@ -274,33 +275,42 @@ _ATTEMPTS = 3
 
 
 class _Rendezvous:
-    """Addresses in the c10d store, under keys of each rank's own generation (its count
-    of inits in this store: ``store.add``), so a group started again after
-    destroy_process_group never reads an address left by the one before. A value is
+    """Addresses in the c10d store, under keys of each rank's generation (its count of
+    groups started in this store: ``store.add``), so a group started again after
+    destroy_process_group never reads an address left by the one before. A process
+    joining a running group (an extension, or the replacement of a process that never
+    shut down) takes the running group's generation instead of a new one, so that when
+    every rank later starts the group again their generations agree. A value is
     ``"<world size>|<address>"``."""
 
-    def __init__(self, store, rank):
+    def __init__(self, store, rank, world_size, extension):
         self.store, self.rank = store, rank
-        self.generation = store.add(f"mooncake_pg/gen/{rank}", 1)
+        counter = f"mooncake_pg/gen/{rank}"
+        current = store.add(counter, 0)
+        self.joining = (extension or self._predecessor_still_up(current)
+                        or self._slot_of_a_running_group(world_size))
+        if self.joining:
+            target = max([current, 1] + [store.add(f"mooncake_pg/gen/{r}", 0)
+                                         for r in range(world_size) if r != rank])
+        else:
+            target = current + 1
+        self.generation = store.add(counter, target - current)
         self.key = self._key(rank, self.generation)
 
     @staticmethod
     def _key(rank, generation):
         return f"mooncake_pg/{rank}/{generation}"
 
-    def joins_running_group(self, world_size):
-        """Whether this process comes to a group that runs already (upstream's
-        "attach"): its rank's previous process died without shutting down (its address
-        is still up), or a lower rank started the group with a world size that does not
-        include this rank (a slot of ``max_group_size``)."""
-        if self.generation > 1 and self.store.check([self._key(self.rank,
-                                                               self.generation - 1)]):
-            return True
-        for r in range(min(self.rank, world_size)):
-            size, _ = self._read(r, wait=True)
-            if size <= self.rank:
-                return True
-        return False
+    def _predecessor_still_up(self, current):
+        """Its rank's previous process died without shutting down (its address is
+        still up): this one replaces it in the group that runs."""
+        return current > 0 and self.store.check([self._key(self.rank, current)])
+
+    def _slot_of_a_running_group(self, world_size):
+        """A lower rank started the group with a world size that does not include this
+        rank (a slot of ``max_group_size``)."""
+        return any(self._read(r, wait=True, newest=True)[0] <= self.rank
+                   for r in range(min(self.rank, world_size)))
 
     def publish(self, world_size, address):
         self.store.set(self.key, f"{world_size}|{address}")
@@ -310,24 +320,37 @@ class _Rendezvous:
 
     def address(self, r, wait):
         """Rank r's address: with ``wait``, the one it publishes in this generation
-        (blocking); else its newest, or "" when it has none."""
+        (waiting for it), else its newest, or "" when it has none up."""
         return self._read(r, wait)[1]
 
-    def _read(self, r, wait):
-        if wait:
-            # Its newest if it is still up (a rank started alone before, as for a
-            # joiner), else the one it publishes for this generation.
-            newest = self.store.add(f"mooncake_pg/gen/{r}", 0)
-            key = self._key(r, newest)
-            if newest < self.generation or not self.store.check([key]):
-                key = self._key(r, self.generation)
-        else:
-            newest = self.store.add(f"mooncake_pg/gen/{r}", 0)
-            key = self._key(r, newest)
-            if newest <= 0 or not self.store.check([key]):
+    def _read(self, r, wait, newest=False):
+        """Rank r's (world size, address). With ``wait``: its newest if that is up and
+        of this generation or later (a rank started before, as for a joiner), else the
+        one it publishes in this generation, waiting as long as the store's timeout
+        (with ``newest``, any generation's). Without: its newest, or (0, "")."""
+        timeout = getattr(self.store, "timeout", None)
+        timeout = timeout.total_seconds() if timeout is not None else 300.0
+        deadline = time.monotonic() + timeout
+        while True:
+            latest = self.store.add(f"mooncake_pg/gen/{r}", 0)
+            if not wait or newest:
+                generations = [latest]
+            elif latest >= self.generation:
+                generations = [latest, self.generation]
+            else:
+                generations = [self.generation]
+            for key in (self._key(r, g) for g in generations if g > 0):
+                # A key retired between check and get reads as empty: looked at again.
+                value = self.store.get(key).decode() if self.store.check([key]) else ""
+                if value:
+                    size, _, address = value.partition("|")
+                    return int(size), address
+            if not wait:
                 return 0, ""
-        size, _, address = self.store.get(key).decode().partition("|")
-        return int(size), address
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake-cpu: rank {r} published no address in "
+                                   f"{timeout:.0f} s")
+            time.sleep(0.005)
 
 
 def _fn(name):
@@ -625,6 +648,12 @@ if torch is not None:
         if got != want:
             raise ValueError(f"{what}: {got} bytes where {want} are needed")
 
+    def _reduced_before_a_failure(cs):
+        """The tensors of an in-place reduction over several (one C call each) that a
+        retry must have restored: a failed call leaves its own buffer as it was, but the
+        calls before it completed."""
+        return [c.t for c in cs[:-1]]
+
     def _restore(inputs, saved):
         """Puts back what ``MooncakeBackend._save`` copied."""
         for t, s in zip(inputs, saved):
@@ -765,8 +794,8 @@ if torch is not None:
         def __init__(self, store, rank, size, options):
             super().__init__(rank, size)
             self._rank = rank
-            self._rendezvous = _Rendezvous(store, rank)
-            if not options.is_extension and self._rendezvous.joins_running_group(size):
+            self._rendezvous = _Rendezvous(store, rank, size, options.is_extension)
+            if self._rendezvous.joining and not options.is_extension:
                 # As upstream, a process coming to a running group is an extension
                 # whatever it was told: local-only until join_group.
                 options = copy.copy(options)
@@ -923,8 +952,8 @@ if torch is not None:
                 for c in tensors:
                     c.done()
                 return MooncakeWork(self, result=result)
-            # A failed operation may leave host buffers partly reduced; device ones are
-            # staged and written back only on success, so they need no copy.
+            # Host buffers a failure may leave changed are copied for a retry; device
+            # ones are staged and written back only on success, so they need no copy.
             saved = self._save(inputs) if device.type == "cpu" else []
             missed = []
             for attempt in range(_ATTEMPTS):
@@ -979,7 +1008,7 @@ if torch is not None:
                     self.handle.all_reduce(c.addr, c.t.numel(), dt, op)
             # Alone, every reduction of one value is that value.
             return self._run("all_reduce", run, *cs, result=tensors, device=dev,
-                             inputs=[c.t for c in cs], local=lambda: None)
+                             inputs=_reduced_before_a_failure(cs), local=lambda: None)
 
         def broadcast(self, tensors, opts):
             dev = self._device(tensors)
@@ -1003,7 +1032,7 @@ if torch is not None:
                 for c, dt in zip(cs, dtypes):
                     self.handle.reduce(c.addr, c.t.numel(), dt, op, opts.rootRank)
             return self._run("reduce", run, *cs, result=tensors, device=dev,
-                             inputs=[c.t for c in cs], local=lambda: None)
+                             inputs=_reduced_before_a_failure(cs), local=lambda: None)
 
         def _copy_blocks(self, outs, flat, sizes):
             """Block r of ``flat`` (``sizes[r]`` bytes) into ``outs[r]``, for active

@@ -225,10 +225,27 @@ say("done")
 """
 
 
+# Then every rank, the replacement included, starts the group again on the same store,
+# twice (a replacement takes its predecessor's generation, so all agree on the keys).
+_AGAIN = r"""
+dist.destroy_process_group()
+for round_ in range(2):
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank,
+                            world_size=world,
+                            pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+    t = torch.tensor([rank + 1 + round_ * 10])
+    dist.all_reduce(t)
+    assert t.item() == sum(r + 1 + round_ * 10 for r in range(world)), t
+    dist.destroy_process_group()
+say("again")
+"""
+
+
 @pytest.mark.parametrize("first", ["all_reduce", "sized"])
 def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
     monkeypatch.setenv("PG_FIRST", first)
-    ranks.extend(Rank(_EXIT, store.port, r, timeout_ms=2000, prelude=_BARE)
+    ranks.extend(Rank(_EXIT + _AGAIN, store.port, r, timeout_ms=2000,
+                      prelude=_BARE)
                  for r in range(4))
     ranks[1].expect("exiting")
     assert ranks[1].proc.wait(timeout=60) == 0
@@ -236,9 +253,12 @@ def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
         ranks[i].tell("go")
     for i in (0, 2, 3):
         ranks[i].expect("survived")
-    ranks.append(Rank(_REPLACEMENT, store.port, 1, timeout_ms=2000, prelude=_BARE))
+    ranks.append(Rank(_REPLACEMENT + _AGAIN, store.port, 1, timeout_ms=2000,
+                      prelude=_BARE))
     for r in ranks[2:] + ranks[:1]:
         r.expect("done")
+    for r in ranks[2:] + ranks[:1]:
+        r.expect("again")
     for r in ranks[2:] + ranks[:1]:
         r.finish()
 

@@ -13,6 +13,7 @@ use crate::engine::{BatchId, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
 use crate::util::crc32c::crc32c;
+use crate::util::stream_copy::copy_bypassing_cache;
 use crate::Request;
 
 /// Where a peer's buffer is.
@@ -55,6 +56,9 @@ pub(super) struct State {
     /// The running operation's own wait bound, when the caller gave one (else the
     /// group's timeout).
     pub op_timeout: Option<Duration>,
+    /// All-reduce's scratch for the caller's bytes it overwrites (see
+    /// [`Group::all_reduce`]); kept between operations, as large as the largest.
+    pub kept: Vec<u8>,
 }
 
 impl State {
@@ -84,6 +88,7 @@ impl State {
             seq: 0,
             outstanding: Vec::new(),
             op_timeout: None,
+            kept: Vec::new(),
             last_failed: Vec::new(),
             needs_sync: false,
             incarnation: crate::sys::random_u64() | 1,
@@ -153,11 +158,20 @@ pub(super) struct FinishedRegions {
     members: usize,
     folded: Vec<usize>,
     crcs: Vec<Option<u32>>,
+    /// Each region's bytes as they were before its first part was folded in (at the
+    /// same offsets), so that a failed operation leaves the accumulator as it found it.
+    kept: Vec<u8>,
+    saved: Vec<bool>,
 }
 
 impl FinishedRegions {
-    pub fn new(len: usize, cap: usize, parts: usize, members: usize) -> Self {
+    /// `kept` is scratch for the originals (grown to `len` if shorter; handed back by
+    /// [`FinishedRegions::into_kept`], so a caller can keep one allocation).
+    pub fn new(len: usize, cap: usize, parts: usize, members: usize, mut kept: Vec<u8>) -> Self {
         let regions = len.div_ceil(cap.max(1));
+        if kept.len() < len {
+            kept.resize(len, 0);
+        }
         FinishedRegions {
             cap,
             len,
@@ -165,7 +179,38 @@ impl FinishedRegions {
             members,
             folded: vec![0; regions],
             crcs: vec![None; regions],
+            kept,
+            saved: vec![false; regions],
         }
+    }
+
+    /// `region` (at `offset` of the accumulator) is about to have a part folded in:
+    /// saves its original the first time.
+    fn keep_original(&mut self, region: &[u8], offset: usize) {
+        let index = offset / self.cap.max(1);
+        if let Some(saved @ false) = self.saved.get_mut(index) {
+            copy_bypassing_cache(&mut self.kept[offset..offset + region.len()], region);
+            *saved = true;
+        }
+    }
+
+    /// Puts back every region a part was folded into (a failed operation's accumulator).
+    pub fn restore(&self, acc: &mut [u8]) {
+        for (index, _) in self.saved.iter().enumerate().filter(|(_, s)| **s) {
+            let start = index * self.cap;
+            let end = (start + self.cap).min(acc.len());
+            acc[start..end].copy_from_slice(&self.kept[start..end]);
+        }
+    }
+
+    /// The scratch past the regions' originals, for the caller's own.
+    pub fn spare(&mut self) -> &mut [u8] {
+        &mut self.kept[self.len..]
+    }
+
+    /// The scratch given to [`FinishedRegions::new`], for the next operation.
+    pub fn into_kept(self) -> Vec<u8> {
+        self.kept
     }
 
     fn finish(&mut self, region: &mut [u8], index: usize, dtype: DType, op: ReduceOp) {
@@ -192,7 +237,7 @@ impl FinishedRegions {
 
     /// Finishes the regions no part came for (no peers), and returns every region's
     /// payload CRC keyed as [`PayloadCrcs`] keys them.
-    pub fn complete(mut self, acc: &mut [u8], dtype: DType, op: ReduceOp) -> PayloadCrcs {
+    pub fn complete(&mut self, acc: &mut [u8], dtype: DType, op: ReduceOp) -> PayloadCrcs {
         let mut known = PayloadCrcs::default();
         for index in 0..self.crcs.len() {
             let start = index * self.cap;
@@ -242,6 +287,9 @@ impl Sink<'_> {
                 // time on this thread, so this is the only live reference to it.
                 let acc =
                     unsafe { std::slice::from_raw_parts_mut(a.ptr.add(offset), payload.len()) };
+                if let Some(finished) = a.finished {
+                    finished.borrow_mut().keep_original(acc, offset);
+                }
                 reduce_into(acc, payload, a.dtype, a.op);
                 if let Some(finished) = a.finished {
                     finished.borrow_mut().folded(acc, offset, a.dtype, a.op);
@@ -279,6 +327,23 @@ pub(super) struct Incoming<'a> {
     pub sink: Sink<'a>,
     offset: usize,
     started: bool,
+    keep: Option<Kept<'a>>,
+}
+
+/// Where a [`Sink::Copy`] destination's bytes are saved just before they are first
+/// overwritten, so that a failed operation can put them back.
+struct Kept<'a> {
+    original: &'a mut [u8],
+    upto: usize,
+}
+
+impl Kept<'_> {
+    fn save(&mut self, dst: &[u8], end: usize) {
+        if end > self.upto {
+            copy_bypassing_cache(&mut self.original[self.upto..end], &dst[self.upto..end]);
+            self.upto = end;
+        }
+    }
 }
 
 impl<'a> Incoming<'a> {
@@ -288,6 +353,20 @@ impl<'a> Incoming<'a> {
             sink,
             offset: 0,
             started: false,
+            keep: None,
+        }
+    }
+
+    /// Saves what a copy overwrites into `original` (as long as the destination).
+    pub fn keeping(mut self, original: &'a mut [u8]) -> Self {
+        self.keep = Some(Kept { original, upto: 0 });
+        self
+    }
+
+    /// Puts back what this message's copy overwrote (after a failed exchange).
+    pub fn restore(&mut self) {
+        if let (Sink::Copy(dst), Some(k)) = (&mut self.sink, &self.keep) {
+            dst[..k.upto].copy_from_slice(&k.original[..k.upto]);
         }
     }
     fn done(&self) -> bool {
@@ -630,6 +709,9 @@ impl Group {
                         // checked is exactly what was taken. A cell still landing leaves
                         // a partial copy that the retry overwrites.
                         Sink::Copy(b) if stamp.len <= remaining => {
+                            if let Some(k) = &mut m.keep {
+                                k.save(b, m.offset + len);
+                            }
                             let dst = &mut b[m.offset..m.offset + len];
                             dst.copy_from_slice(whole);
                             if !head.payload_matches(dst) {
@@ -864,9 +946,11 @@ mod tests {
         // Two regions of 8 bytes (two f32 each) and a short third; two parts each; avg
         // over three members.
         let mut acc = f32s(&[3.0, 6.0, 9.0, 12.0, 30.0]);
-        let mut regions = FinishedRegions::new(acc.len(), 8, 2, 3);
+        let original = acc.clone();
+        let mut regions = FinishedRegions::new(acc.len(), 8, 2, 3, Vec::new());
         let part = f32s(&[3.0, 3.0, 3.0, 3.0, 3.0]);
         for (offset, len) in [(0, 8), (8, 8), (0, 8)] {
+            regions.keep_original(&acc[offset..offset + len], offset);
             reduce_into(
                 &mut acc[offset..offset + len],
                 &part[offset..offset + len],
@@ -892,6 +976,12 @@ mod tests {
         );
         assert_eq!(regions.crcs[0], Some(crc32c(&acc[..8])));
         assert_eq!(regions.crcs[1], None);
+        // A failure now would put back the two regions folded into, not the third.
+        let mut failed = acc.clone();
+        failed[16..].copy_from_slice(&f32s(&[-1.0]));
+        regions.restore(&mut failed);
+        assert_eq!(failed[..16], original[..16]);
+        assert_eq!(failed[16..], f32s(&[-1.0])[..]);
         let ptr = acc.as_ptr() as usize;
         // Completion (what an exchange that lost no part never needs) finishes the rest.
         let mut known = regions.complete(&mut acc, DType::F32, ReduceOp::Avg);

@@ -1,8 +1,8 @@
 //! The collectives, each a short sequence of exchanges among the active ranks.
 
-use super::channel::{
-    Accumulator, FinishedRegions, Incoming, Outgoing, PayloadCrcs, Sink, State, KIND_P2P,
-};
+use std::cell::RefCell;
+
+use super::channel::{Accumulator, FinishedRegions, Incoming, Outgoing, Sink, State, KIND_P2P};
 use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
 use super::Group;
 use crate::error::{Error, Result};
@@ -124,7 +124,10 @@ impl Group {
     }
 
     /// Combines `buf` (elements of `dtype`) across the active ranks; every active rank
-    /// ends with the same result.
+    /// ends with the same result. A failed operation leaves `buf` as it was, so it can
+    /// be run again over the survivors as it is (above 64 KiB the buffer is reduced in
+    /// place, so the bytes each phase overwrites are saved first, into scratch the
+    /// group keeps: as large as the largest such buffer).
     pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         if buf.len() % dtype.size() != 0 {
             return Err(Error::invalid("buffer is not a whole number of elements"));
@@ -152,50 +155,94 @@ impl Group {
             .map(|i| (elems * (i + 1) / n - elems * i / n) * dtype.size())
             .collect();
         let me = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
-        let finished = std::cell::RefCell::new(FinishedRegions::new(
+        let mut kept = std::mem::take(&mut st.kept);
+        if kept.len() < buf.len() {
+            kept.resize(buf.len(), 0);
+        }
+        let regions = RefCell::new(FinishedRegions::new(
             sizes[me],
             self.layout.payload(),
             n - 1,
             n,
+            kept,
         ));
+        let result = self.reduce_then_gather(&mut st, buf, &sizes, me, dtype, op, &regions);
+        st.kept = regions.into_inner().into_kept();
+        result
+    }
+
+    /// All-reduce's two phases over blocks of `sizes` (member `me` owns block `me`).
+    /// The caller's buffer is the accumulator, and what the phases overwrite in it is
+    /// saved first (into `regions`' scratch), so that an operation that fails leaves
+    /// the buffer as it was: a retry over the survivors starts from the caller's values.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_then_gather(
+        &self,
+        st: &mut State,
+        buf: &mut [u8],
+        sizes: &[usize],
+        me: usize,
+        dtype: DType,
+        op: ReduceOp,
+        regions: &RefCell<FinishedRegions>,
+    ) -> Result<()> {
+        let members = st.mask.ranks();
+        let others = self.others(st);
+        let own = offsets(sizes)[me]..offsets(sizes)[me] + sizes[me];
         // Phase 1: member i reduces block i from everyone's copy of it, each cell as it
         // arrives (the order varies between runs; every rank gets the owner's result),
         // in place: block i of the caller's buffer is the accumulator. Each region is
         // finished (and its CRC taken) as its last part comes in.
-        {
+        let phase1 = {
             let mut acc: &mut [u8] = &mut [];
-            let mut out: Vec<Outgoing> = Vec::with_capacity(n);
-            for (i, b) in split_mut(buf, &sizes).into_iter().enumerate() {
+            let mut out: Vec<Outgoing> = Vec::with_capacity(members.len());
+            for (i, b) in split_mut(buf, sizes).into_iter().enumerate() {
                 if i == me {
                     acc = b;
                 } else {
                     out.push(Outgoing::new(members[i], b));
                 }
             }
-            let shared = Accumulator::new(acc, dtype, op, Some(&finished));
+            let shared = Accumulator::new(acc, dtype, op, Some(regions));
             let mut inc: Vec<Incoming> = others
                 .iter()
                 .map(|&p| Incoming::new(p, Sink::Reduce(shared)))
                 .collect();
-            self.exchange(&mut st, KIND_REDUCE_SCATTER_PHASE, &mut out, &mut inc)?;
+            self.exchange(st, KIND_REDUCE_SCATTER_PHASE, &mut out, &mut inc)
+        };
+        let mut regions = regions.borrow_mut();
+        if let Err(e) = phase1 {
+            regions.restore(&mut buf[own]);
+            return Err(e);
         }
-        // Phase 2: every member sends its reduced block to all.
-        let mut mine: &[u8] = &[];
-        let mut known = PayloadCrcs::default();
-        let mut finished = Some(finished.into_inner());
-        let mut inc: Vec<Incoming> = Vec::with_capacity(n);
-        for (i, b) in split_mut(buf, &sizes).into_iter().enumerate() {
-            if i == me {
-                if let Some(regions) = finished.take() {
-                    known = regions.complete(b, dtype, op);
+        // Phase 2: every member sends its reduced block to all; the others' blocks are
+        // overwritten as their cells come in, their originals saved first in the
+        // scratch behind the own block's.
+        let known = regions.complete(&mut buf[own.clone()], dtype, op);
+        let phase2 = {
+            let mut spare = regions.spare();
+            let mut mine: &[u8] = &[];
+            let mut inc: Vec<Incoming> = Vec::with_capacity(members.len());
+            for (i, b) in split_mut(buf, sizes).into_iter().enumerate() {
+                if i == me {
+                    mine = b;
+                } else {
+                    let (original, rest) = std::mem::take(&mut spare).split_at_mut(b.len());
+                    spare = rest;
+                    inc.push(Incoming::new(members[i], Sink::Copy(b)).keeping(original));
                 }
-                mine = b;
-            } else {
-                inc.push(Incoming::new(members[i], Sink::Copy(b)));
             }
+            let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();
+            let result = self.exchange_known(st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc, known);
+            if result.is_err() {
+                inc.iter_mut().for_each(Incoming::restore);
+            }
+            result
+        };
+        if phase2.is_err() {
+            regions.restore(&mut buf[own]);
         }
-        let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();
-        self.exchange_known(&mut st, KIND_ALL_GATHER_PHASE, &mut out, &mut inc, known)
+        phase2
     }
 
     /// Copies `root`'s `buf` into every active rank's `buf`.

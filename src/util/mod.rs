@@ -8,5 +8,6 @@ pub mod percentile;
 pub mod ratelimit;
 pub mod regex;
 pub mod sha256;
+pub mod stream_copy;
 
 pub use percentile::percentile;

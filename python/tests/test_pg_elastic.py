@@ -225,11 +225,9 @@ say("done")
 """
 
 
-# Then every rank, the replacement included, starts the group again on the same store,
-# twice (a replacement takes its predecessor's generation, so all agree on the keys).
-_AGAIN = r"""
-dist.destroy_process_group()
-for round_ in range(2):
+# The group started ROUNDS times on the same store, an all_reduce in each.
+_ROUNDS = r"""
+for round_ in range(ROUNDS):
     dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank,
                             world_size=world,
                             pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
@@ -237,8 +235,11 @@ for round_ in range(2):
     dist.all_reduce(t)
     assert t.item() == sum(r + 1 + round_ * 10 for r in range(world)), t
     dist.destroy_process_group()
-say("again")
 """
+
+# Then every rank, the replacement included, starts the group again on the same store,
+# twice (a replacement takes its predecessor's generation, so all agree on the keys).
+_AGAIN = 'dist.destroy_process_group()\nROUNDS = 2\n' + _ROUNDS + 'say("again")\n'
 
 
 @pytest.mark.parametrize("first", ["all_reduce", "sized"])
@@ -311,17 +312,7 @@ def test_auto_flags_off_leave_membership_to_the_survivors(store, ranks):
         ranks[i].finish()
 
 
-_REINIT = r"""
-for round_ in range(3):
-    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank,
-                            world_size=world,
-                            pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
-    t = torch.tensor([rank + 1 + round_ * 10])
-    dist.all_reduce(t)
-    assert t.item() == sum(r + 1 + round_ * 10 for r in range(world)), t
-    dist.destroy_process_group()
-say("done")
-"""
+_REINIT = "ROUNDS = 3\n" + _ROUNDS + 'say("done")\n'
 
 
 def test_destroy_and_init_again_on_the_same_store(store, ranks):

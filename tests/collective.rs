@@ -1387,4 +1387,53 @@ mod failed_all_reduce {
             );
         }
     }
+
+    /// The same when the peer fails after the reduce-scatter phase: rank 2 posts its
+    /// parts of blocks 0 and 1 and then fails on its own (it gives one element more,
+    /// so its block 2 is one longer than the others send), so ranks 0 and 1 finish the
+    /// first phase, overwrite each other's block with the result in the second, and
+    /// time out waiting for rank 2's block: all of that is undone.
+    #[test]
+    fn an_all_reduce_failing_in_its_second_phase_leaves_the_buffer_as_it_was() {
+        let groups = crate::common::groups::connected_groups(3, |o| {
+            o.timeout = Duration::from_millis(1000);
+            o.cell_bytes = 8 << 10;
+            // Rank 2's parts (32 KiB each) go out at once, before it waits.
+            o.cells_per_peer = 8;
+            // No rank acts on another's failure: only the timeouts end the operations.
+            o.auto_deactivate_on_failure = false;
+            o.auto_sync_on_failure = false;
+        });
+        let input = |r: usize, elems: usize| -> Vec<u8> {
+            (0..elems)
+                .flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes())
+                .collect()
+        };
+        let elems = 3 * 8192;
+        let mut longer = input(2, elems + 1);
+        let early = groups[2].all_reduce(&mut longer, DType::F32, ReduceOp::Avg);
+        assert!(early.is_err(), "rank 2 completed alone: {early:?}");
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups[..2]
+                .iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    let mut buf = input(r, elems);
+                    s.spawn(move || {
+                        let result = g.all_reduce(&mut buf, DType::F32, ReduceOp::Avg);
+                        (result, buf, g.failed_ranks())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (result, buf, failed)) in results.into_iter().enumerate() {
+            let error = result.expect_err("completed without rank 2's block");
+            assert_eq!(failed, vec![2], "rank {r}: {error}");
+            assert!(
+                buf == input(r, elems),
+                "rank {r}: buffer changed by a failed all_reduce ({error})"
+            );
+        }
+    }
 }

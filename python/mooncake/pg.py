@@ -331,6 +331,7 @@ class _Rendezvous:
         timeout = getattr(self.store, "timeout", None)
         timeout = timeout.total_seconds() if timeout is not None else 300.0
         deadline = time.monotonic() + timeout
+        pause = 0.005
         while True:
             latest = self.store.add(f"mooncake_pg/gen/{r}", 0)
             if not wait or newest:
@@ -340,8 +341,7 @@ class _Rendezvous:
             else:
                 generations = [self.generation]
             for key in (self._key(r, g) for g in generations if g > 0):
-                # A key retired between check and get reads as empty: looked at again.
-                value = self.store.get(key).decode() if self.store.check([key]) else ""
+                value = self._value(key)
                 if value:
                     size, _, address = value.partition("|")
                     return int(size), address
@@ -350,7 +350,19 @@ class _Rendezvous:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mooncake-cpu: rank {r} published no address in "
                                    f"{timeout:.0f} s")
-            time.sleep(0.005)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    # Never a published value: compare_set answers it for a key that is not there.
+    _ABSENT = "\x00absent"
+
+    def _value(self, key):
+        """``key``'s value, or "" when it is not there, in one request that neither
+        waits nor creates it (a check then a get could meet a key retired in between,
+        and the get would wait out the store's timeout)."""
+        value = self.store.compare_set(key, self._ABSENT, self._ABSENT)
+        value = value.decode() if isinstance(value, bytes) else value
+        return "" if value == self._ABSENT else value
 
 
 def _fn(name):

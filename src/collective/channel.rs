@@ -161,15 +161,25 @@ pub(super) struct FinishedRegions {
     /// Each region's bytes as they were before its first part was folded in (at the
     /// same offsets), so that a failed operation leaves the accumulator as it found it.
     kept: Vec<u8>,
+    /// Per region, whether its original is in `kept`; empty when nothing is kept.
     saved: Vec<bool>,
 }
 
 impl FinishedRegions {
     /// `kept` is scratch for the originals (grown to `len` if shorter; handed back by
-    /// [`FinishedRegions::into_kept`], so a caller can keep one allocation).
-    pub fn new(len: usize, cap: usize, parts: usize, members: usize, mut kept: Vec<u8>) -> Self {
+    /// [`FinishedRegions::into_kept`], so a caller can keep one allocation); `None`
+    /// when the accumulator need not be restored.
+    pub fn new(
+        len: usize,
+        cap: usize,
+        parts: usize,
+        members: usize,
+        kept: Option<Vec<u8>>,
+    ) -> Self {
         let regions = len.div_ceil(cap.max(1));
-        if kept.len() < len {
+        let keeping = kept.is_some();
+        let mut kept = kept.unwrap_or_default();
+        if keeping && kept.len() < len {
             kept.resize(len, 0);
         }
         FinishedRegions {
@@ -180,7 +190,11 @@ impl FinishedRegions {
             folded: vec![0; regions],
             crcs: vec![None; regions],
             kept,
-            saved: vec![false; regions],
+            saved: if keeping {
+                vec![false; regions]
+            } else {
+                Vec::new()
+            },
         }
     }
 
@@ -203,9 +217,11 @@ impl FinishedRegions {
         }
     }
 
-    /// The scratch past the regions' originals, for the caller's own.
+    /// The scratch past the regions' originals, for the caller's own (empty when
+    /// nothing is kept).
     pub fn spare(&mut self) -> &mut [u8] {
-        &mut self.kept[self.len..]
+        let start = self.len.min(self.kept.len());
+        &mut self.kept[start..]
     }
 
     /// The scratch given to [`FinishedRegions::new`], for the next operation.
@@ -727,6 +743,9 @@ impl Group {
                             if !head.payload_matches(&checked) {
                                 break;
                             }
+                            if let (Sink::Copy(b), Some(k)) = (&m.sink, &mut m.keep) {
+                                k.save(b, m.offset + len);
+                            }
                             m.sink.take(m.offset, &checked[..len]);
                         }
                     }
@@ -947,7 +966,7 @@ mod tests {
         // over three members.
         let mut acc = f32s(&[3.0, 6.0, 9.0, 12.0, 30.0]);
         let original = acc.clone();
-        let mut regions = FinishedRegions::new(acc.len(), 8, 2, 3, Vec::new());
+        let mut regions = FinishedRegions::new(acc.len(), 8, 2, 3, Some(Vec::new()));
         let part = f32s(&[3.0, 3.0, 3.0, 3.0, 3.0]);
         for (offset, len) in [(0, 8), (8, 8), (0, 8)] {
             regions.keep_original(&acc[offset..offset + len], offset);

@@ -129,6 +129,18 @@ impl Group {
     /// place, so the bytes each phase overwrites are saved first, into scratch the
     /// group keeps: as large as the largest such buffer).
     pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        self.all_reduce_keeping(buf, dtype, op, true)
+    }
+
+    /// [`Group::all_reduce`]; with `keep` false a failure may leave `buf` partly
+    /// reduced (for a staging buffer that is copied back only on success).
+    pub(super) fn all_reduce_keeping(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        keep: bool,
+    ) -> Result<()> {
         if buf.len() % dtype.size() != 0 {
             return Err(Error::invalid("buffer is not a whole number of elements"));
         }
@@ -155,10 +167,15 @@ impl Group {
             .map(|i| (elems * (i + 1) / n - elems * i / n) * dtype.size())
             .collect();
         let me = members.iter().position(|&r| r == self.rank()).unwrap_or(0);
-        let mut kept = std::mem::take(&mut st.kept);
-        if kept.len() < buf.len() {
-            kept.resize(buf.len(), 0);
-        }
+        // A lone member overwrites nothing before it succeeds.
+        let kept = (keep && n > 1).then(|| {
+            let mut kept = std::mem::take(&mut st.kept);
+            if kept.len() < buf.len() {
+                kept.resize(buf.len(), 0);
+            }
+            kept
+        });
+        let keeping = kept.is_some();
         let regions = RefCell::new(FinishedRegions::new(
             sizes[me],
             self.layout.payload(),
@@ -167,7 +184,9 @@ impl Group {
             kept,
         ));
         let result = self.reduce_then_gather(&mut st, buf, &sizes, me, dtype, op, &regions);
-        st.kept = regions.into_inner().into_kept();
+        if keeping {
+            st.kept = regions.into_inner().into_kept();
+        }
         result
     }
 
@@ -226,10 +245,13 @@ impl Group {
             for (i, b) in split_mut(buf, sizes).into_iter().enumerate() {
                 if i == me {
                     mine = b;
-                } else {
+                } else if spare.len() >= b.len() {
                     let (original, rest) = std::mem::take(&mut spare).split_at_mut(b.len());
                     spare = rest;
                     inc.push(Incoming::new(members[i], Sink::Copy(b)).keeping(original));
+                } else {
+                    // Nothing kept (see `all_reduce_keeping`).
+                    inc.push(Incoming::new(members[i], Sink::Copy(b)));
                 }
             }
             let mut out: Vec<Outgoing> = others.iter().map(|&p| Outgoing::new(p, mine)).collect();

@@ -200,8 +200,9 @@ impl Group {
     ) -> Result<()> {
         // SAFETY: the caller's guarantee.
         unsafe {
+            // The staging buffer is copied back only on success: nothing to restore.
             self.run_staged(kind, &[in_out(buf, len)], |b| {
-                self.all_reduce(b[0], dtype, op)
+                self.all_reduce_keeping(b[0], dtype, op, false)
             })
         }
     }

@@ -924,7 +924,7 @@ if torch is not None:
                 self._ran = [epoch, 1]
 
         def _save(self, inputs):
-            """Copies of ``inputs`` (contiguous host tensors) for a retry, in a buffer
+            """Copies of ``inputs`` (contiguous tensors) for a retry, in a host buffer
             this thread keeps: a fresh allocation per operation costs more than the copy
             (page faults: 0.8 ms for 1 MiB here)."""
             need = sum(t.numel() * t.element_size() for t in inputs)
@@ -964,9 +964,10 @@ if torch is not None:
                 for c in tensors:
                     c.done()
                 return MooncakeWork(self, result=result)
-            # Host buffers a failure may leave changed are copied for a retry; device
-            # ones are staged and written back only on success, so they need no copy.
-            saved = self._save(inputs) if device.type == "cpu" else []
+            # What a failure may leave changed is copied for a retry: the tensors of a
+            # list reduced before the call that failed (host memory here, whatever the
+            # device; the failing call itself changes nothing, device memory included).
+            saved = self._save(inputs)
             missed = []
             for attempt in range(_ATTEMPTS):
                 try:

@@ -1346,32 +1346,27 @@ mod agreement {
 mod failed_all_reduce {
     use std::time::Duration;
 
-    use mooncake::collective::{DType, ReduceOp};
+    use mooncake::collective::{DType, Group, GroupOptions, ReduceOp};
 
-    /// Above 64 KiB an all-reduce reduces in the caller's buffer; when a peer never
-    /// answers, the parts already folded in from the others are undone: the buffer is
-    /// the caller's input again, ready for a retry over the survivors.
-    #[test]
-    fn a_failed_large_all_reduce_leaves_the_buffer_as_it_was() {
-        let groups = crate::common::groups::connected_groups(3, |o| {
-            o.timeout = Duration::from_millis(1500);
-            o.cell_bytes = 8 << 10;
-            o.cells_per_peer = 4;
-        });
-        let input = |r: usize| -> Vec<u8> {
-            (0..(96usize << 10) / 4)
-                .flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes())
-                .collect()
-        };
-        // Ranks 0 and 1 run it; rank 2 is alive and never does.
+    /// `elems` distinct f32 values of rank `r`.
+    fn input(r: usize, elems: usize) -> Vec<u8> {
+        (0..elems)
+            .flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes())
+            .collect()
+    }
+
+    /// Ranks 0 and 1 of `groups` all-reduce their `input` of `elems` with `op` at once
+    /// (rank 2 does not take part) and must both fail naming rank 2, each buffer left
+    /// as it was.
+    fn ranks_0_and_1_fail_unchanged(groups: &[Group], elems: usize, op: ReduceOp) {
         let results: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = groups[..2]
                 .iter()
                 .enumerate()
                 .map(|(r, g)| {
                     s.spawn(move || {
-                        let mut buf = input(r);
-                        let result = g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum);
+                        let mut buf = input(r, elems);
+                        let result = g.all_reduce(&mut buf, DType::F32, op);
                         (result, buf, g.failed_ranks())
                     })
                 })
@@ -1379,13 +1374,31 @@ mod failed_all_reduce {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (r, (result, buf, failed)) in results.into_iter().enumerate() {
-            assert!(result.is_err(), "rank {r} completed without rank 2");
-            assert_eq!(failed, vec![2], "rank {r}");
+            let error = result.expect_err("completed without rank 2");
+            assert_eq!(failed, vec![2], "rank {r}: {error}");
             assert!(
-                buf == input(r),
-                "rank {r}: buffer changed by a failed all_reduce"
+                buf == input(r, elems),
+                "rank {r}: buffer changed by a failed all_reduce ({error})"
             );
         }
+    }
+
+    fn three_groups(tweak: impl Fn(&mut GroupOptions)) -> Vec<Group> {
+        crate::common::groups::connected_groups(3, |o| {
+            o.timeout = Duration::from_millis(1000);
+            o.cell_bytes = 8 << 10;
+            tweak(o);
+        })
+    }
+
+    /// Above 64 KiB an all-reduce reduces in the caller's buffer; when a peer never
+    /// answers, the parts already folded in from the others are undone: the buffer is
+    /// the caller's input again, ready for a retry over the survivors.
+    #[test]
+    fn a_failed_large_all_reduce_leaves_the_buffer_as_it_was() {
+        let groups = three_groups(|o| o.cells_per_peer = 4);
+        // Rank 2 is alive and never calls it.
+        ranks_0_and_1_fail_unchanged(&groups, 3 * 8192, ReduceOp::Sum);
     }
 
     /// The same when the peer fails after the reduce-scatter phase: rank 2 posts its
@@ -1395,45 +1408,17 @@ mod failed_all_reduce {
     /// time out waiting for rank 2's block: all of that is undone.
     #[test]
     fn an_all_reduce_failing_in_its_second_phase_leaves_the_buffer_as_it_was() {
-        let groups = crate::common::groups::connected_groups(3, |o| {
-            o.timeout = Duration::from_millis(1000);
-            o.cell_bytes = 8 << 10;
+        let groups = three_groups(|o| {
             // Rank 2's parts (32 KiB each) go out at once, before it waits.
             o.cells_per_peer = 8;
             // No rank acts on another's failure: only the timeouts end the operations.
             o.auto_deactivate_on_failure = false;
             o.auto_sync_on_failure = false;
         });
-        let input = |r: usize, elems: usize| -> Vec<u8> {
-            (0..elems)
-                .flat_map(|i| ((r * 1000 + i) as f32).to_le_bytes())
-                .collect()
-        };
         let elems = 3 * 8192;
         let mut longer = input(2, elems + 1);
         let early = groups[2].all_reduce(&mut longer, DType::F32, ReduceOp::Avg);
         assert!(early.is_err(), "rank 2 completed alone: {early:?}");
-        let results: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = groups[..2]
-                .iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    let mut buf = input(r, elems);
-                    s.spawn(move || {
-                        let result = g.all_reduce(&mut buf, DType::F32, ReduceOp::Avg);
-                        (result, buf, g.failed_ranks())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (r, (result, buf, failed)) in results.into_iter().enumerate() {
-            let error = result.expect_err("completed without rank 2's block");
-            assert_eq!(failed, vec![2], "rank {r}: {error}");
-            assert!(
-                buf == input(r, elems),
-                "rank {r}: buffer changed by a failed all_reduce ({error})"
-            );
-        }
+        ranks_0_and_1_fail_unchanged(&groups, elems, ReduceOp::Avg);
     }
 }

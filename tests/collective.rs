@@ -711,11 +711,9 @@ mod abi {
 fn run_stalled(g: &Group) {
     let deadline = Instant::now() + 4 * STEP;
     let mut iter = 0usize;
-    let mut ops = 0usize;
     let error = loop {
         assert!(Instant::now() < deadline, "the stall was never noticed");
-        ops += 1;
-        let mut vals = vec![(g.rank() + 1) as f64; stream_len(ops)];
+        let mut vals = vec![(g.rank() + 1) as f64; STREAM_LEN];
         vals.push(0.0);
         let mut buf = encode(DType::F32, &vals);
         match g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum) {
@@ -747,16 +745,12 @@ fn run_stalled(g: &Group) {
     full_rounds(g);
 }
 
-/// Elements of a stream's `op`th all-reduce (and one for the vote): every other one is
-/// large enough to be reduced in the caller's buffer (several cells a phase), so deaths
-/// also land inside those.
-fn stream_len(op: usize) -> usize {
-    if op % 2 == 0 {
-        1000
-    } else {
-        40_000
-    }
-}
+/// Elements of a stream's all-reduces (and one for the vote): large enough to be
+/// reduced in the caller's buffer (several cells a phase), so deaths land inside those.
+/// One size throughout: a survivor that completed the operation a death interrupted
+/// meets the others' next one (see the agreement round in the Python backend), which
+/// must then still pair.
+const STREAM_LEN: usize = 40_000;
 
 /// Streams all-reduces until a failure was reconciled and five operations succeeded
 /// in the new view (decided by an all-reduced vote, so every survivor stops after the
@@ -775,7 +769,7 @@ fn stream_until_recovered(g: &Group, label: &str) -> Vec<usize> {
         } else {
             0.0
         };
-        let len = stream_len(iter);
+        let len = STREAM_LEN;
         let mut vals = vec![(g.rank() + 1) as f64; len];
         vals.push(vote);
         let mut buf = encode(DType::F32, &vals);

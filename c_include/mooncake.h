@@ -636,7 +636,7 @@ typedef struct mc_pg_message {
  * auto_sync_on_failure (1), active_ranks ("1101": one digit per rank), cells_per_peer
  * (4), cell_bytes (1048576; every rank must agree on these two), max_group_size
  * (accepted; capacity is world_size), staging_keep_bytes (268435456: pinned staging
- * of device collectives kept between operations), and any mc_config_set key for the rank's engine
+ * of device collectives, and all_reduce scratch, kept between operations), and any mc_config_set key for the rank's engine
  * (bind_address, protocol, workers, ...). */
 int mc_pg_new(int rank, int world_size, const char *options, mc_pg **out);
 /* Stops the rank (its last messages land first); NULL is ignored. */
@@ -672,7 +672,8 @@ int mc_pg_set_memory(mc_pg *pg, const char *location);
  * operation's input and output may overlap (the in-place forms: an output that is a
  * block of the input, or the reverse); the input is then copied first. */
 /* A failed all_reduce leaves buf as it was (a retry over the survivors can take it as
- * it is); above 64 KiB the group keeps scratch as large as the largest buf for that. */
+ * it is); above 64 KiB that takes scratch as large as buf, kept for the next operation
+ * when not over staging_keep_bytes. */
 int mc_pg_all_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op);
 int mc_pg_reduce(mc_pg *pg, void *buf, size_t count, int dtype, int op, int root);
 int mc_pg_broadcast(mc_pg *pg, void *buf, size_t len, int root);

@@ -57,7 +57,7 @@ pub(super) struct State {
     /// group's timeout).
     pub op_timeout: Option<Duration>,
     /// All-reduce's scratch for the caller's bytes it overwrites (see
-    /// [`Group::all_reduce`]); kept between operations, as large as the largest.
+    /// [`Group::all_reduce`]); kept between operations up to `staging_keep_bytes`.
     pub kept: Vec<u8>,
 }
 

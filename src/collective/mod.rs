@@ -63,7 +63,8 @@ pub struct GroupOptions {
     /// The engine this rank runs (bind address, protocol, workers).
     pub engine: EngineConfig,
     /// Bytes of staging memory (pinned, for device collectives) kept between
-    /// operations; more is freed when an operation ends.
+    /// operations, and the most all-reduce scratch kept (see [`Group::all_reduce`]);
+    /// more is freed when an operation ends.
     pub staging_keep_bytes: usize,
 }
 

@@ -126,8 +126,8 @@ impl Group {
     /// Combines `buf` (elements of `dtype`) across the active ranks; every active rank
     /// ends with the same result. A failed operation leaves `buf` as it was, so it can
     /// be run again over the survivors as it is (above 64 KiB the buffer is reduced in
-    /// place, so the bytes each phase overwrites are saved first, into scratch the
-    /// group keeps: as large as the largest such buffer).
+    /// place, so the bytes each phase overwrites are saved first, into scratch as large
+    /// as the buffer, kept for the next operation up to `staging_keep_bytes`).
     pub fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         self.all_reduce_keeping(buf, dtype, op, true)
     }
@@ -184,8 +184,10 @@ impl Group {
             kept,
         ));
         let result = self.reduce_then_gather(&mut st, buf, &sizes, me, dtype, op, &regions);
-        if keeping {
-            st.kept = regions.into_inner().into_kept();
+        let kept = regions.into_inner().into_kept();
+        // Kept for the next operation up to the same cap as device staging.
+        if keeping && kept.len() <= self.options.staging_keep_bytes {
+            st.kept = kept;
         }
         result
     }

@@ -285,21 +285,24 @@ class _Rendezvous:
 
     def __init__(self, store, rank, world_size, extension):
         self.store, self.rank = store, rank
-        counter = f"mooncake_pg/gen/{rank}"
-        current = store.add(counter, 0)
+        current = self._latest(rank)
         self.joining = (extension or self._predecessor_still_up(current)
                         or self._slot_of_a_running_group(world_size))
         if self.joining:
-            target = max([current, 1] + [store.add(f"mooncake_pg/gen/{r}", 0)
+            target = max([current, 1] + [self._latest(r)
                                          for r in range(world_size) if r != rank])
         else:
             target = current + 1
-        self.generation = store.add(counter, target - current)
+        self.generation = store.add(f"mooncake_pg/gen/{rank}", target - current)
         self.key = self._key(rank, self.generation)
 
     @staticmethod
     def _key(rank, generation):
         return f"mooncake_pg/{rank}/{generation}"
+
+    def _latest(self, r):
+        """Rank r's generation count (0 before its first start)."""
+        return self.store.add(f"mooncake_pg/gen/{r}", 0)
 
     def _predecessor_still_up(self, current):
         """Its rank's previous process died without shutting down (its address is
@@ -333,7 +336,7 @@ class _Rendezvous:
         deadline = time.monotonic() + timeout
         pause = 0.005
         while True:
-            latest = self.store.add(f"mooncake_pg/gen/{r}", 0)
+            latest = self._latest(r)
             if not wait or newest:
                 generations = [latest]
             elif latest >= self.generation:
@@ -616,11 +619,6 @@ except ImportError:  # pragma: no cover - exercised where torch is absent
     torch = None
 
 
-def _require_torch():
-    if torch is None:
-        raise ImportError("mooncake.pg's torch backend needs torch (pip install torch)")
-
-
 if torch is not None:
     _DTYPES = {
         torch.float32: DTYPE_F32, torch.float64: DTYPE_F64, torch.float16: DTYPE_F16,
@@ -735,7 +733,6 @@ if torch is not None:
             self._retried = retried
             self._result = result or []
             self._flush = flush
-            self._on_success = []
 
         def _settle(self):
             if self._flush:
@@ -746,17 +743,6 @@ if torch is not None:
                     # _flush_p2p gave the error to every work whose message was not
                     # done, this one included if so; a delivered message succeeded.
                     pass
-            if self._error is None:
-                pending, self._on_success = self._on_success, []
-                for fn in pending:
-                    fn()
-
-        def then_on_success(self, fn):
-            """Runs ``fn`` once the operation has succeeded (now, if it already has);
-            never if it failed."""
-            self._on_success.append(fn)
-            if not self._flush:
-                self._settle()
 
         def wait(self, timeout=None):
             # torch hands users its own wrapper, whose wait() runs this one: the module

@@ -148,6 +148,15 @@ def test_extension_past_the_initial_world_size(store, ranks):
         r.finish()
 
 
+# How the survivors and the replacement end: all four active, an all_reduce over them.
+_ALL_BACK = r"""
+assert mirror.tolist() == [1] * world, mirror
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == 10, t
+say("done")
+"""
+
 # Rank 1 exits right after an all_reduce; the survivors' next operations succeed over
 # the survivors without raising, and say they missed it.
 _EXIT = r"""
@@ -200,11 +209,6 @@ while not pg.get_peer_state(dist.group.WORLD, [1])[0]:
     time.sleep(0.02)
 resp = pg.recover_ranks(dist.group.WORLD, [1])
 assert resp.status == pg.ProposalStatus.Applied, resp
-assert mirror.tolist() == [1] * world, mirror
-t = torch.tensor([rank + 1], dtype=torch.int32)
-dist.all_reduce(t)
-assert t.item() == 10, t
-say("done")
 """
 
 # Rank 1's replacement, started like the original (upstream's newest tests do not say
@@ -217,11 +221,6 @@ t = torch.tensor([rank + 1], dtype=torch.int32)
 dist.all_reduce(t)
 assert t.item() == rank + 1 and mirror.tolist() == [0] * world, (t, mirror)
 pg.join_group(dist.group.WORLD, timeout_ms=60000)
-assert mirror.tolist() == [1] * world, mirror
-t = torch.tensor([rank + 1], dtype=torch.int32)
-dist.all_reduce(t)
-assert t.item() == 10, t
-say("done")
 """
 
 
@@ -245,7 +244,7 @@ _AGAIN = 'dist.destroy_process_group()\nROUNDS = 2\n' + _ROUNDS + 'say("again")\
 @pytest.mark.parametrize("first", ["all_reduce", "sized"])
 def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
     monkeypatch.setenv("PG_FIRST", first)
-    ranks.extend(Rank(_EXIT + _AGAIN, store.port, r, timeout_ms=2000,
+    ranks.extend(Rank(_EXIT + _ALL_BACK + _AGAIN, store.port, r, timeout_ms=2000,
                       prelude=_BARE)
                  for r in range(4))
     ranks[1].expect("exiting")
@@ -254,8 +253,8 @@ def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
         ranks[i].tell("go")
     for i in (0, 2, 3):
         ranks[i].expect("survived")
-    ranks.append(Rank(_REPLACEMENT + _AGAIN, store.port, 1, timeout_ms=2000,
-                      prelude=_BARE))
+    ranks.append(Rank(_REPLACEMENT + _ALL_BACK + _AGAIN, store.port, 1,
+                      timeout_ms=2000, prelude=_BARE))
     for r in ranks[2:] + ranks[:1]:
         r.expect("done")
     for r in ranks[2:] + ranks[:1]:

@@ -201,6 +201,10 @@ impl Master {
             let e = latest.entry(seg.id).or_insert((seg, seq));
             e.1 = e.1.max(seq);
         }
+        // Every node starts on its events before the first wait.
+        for (seg, _) in latest.values() {
+            seg.log.deliver();
+        }
         for (seg, seq) in latest.into_values() {
             seg.log.wait_acked(seq, timeout);
         }
@@ -213,7 +217,11 @@ impl Master {
         if timeout.is_zero() {
             return;
         }
-        for seg in self.segments.snapshot() {
+        let segments = self.segments.snapshot();
+        for seg in &segments {
+            seg.log.deliver();
+        }
+        for seg in segments {
             if let Some(seq) = seg.log.head() {
                 seg.log.wait_acked(seq, timeout);
             }

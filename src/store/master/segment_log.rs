@@ -59,7 +59,11 @@ impl SegmentLog {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records an event if a node follows this log; its sequence number.
+    /// Records an event if a node follows this log; its sequence number. A waiting
+    /// poll is not woken for it: the event leaves with the next answer, which comes
+    /// at once once someone waits for an acknowledgement (`wait_acked`) and otherwise
+    /// within `POLL_WAIT`. A batch of puts so costs its node one poll, not one per
+    /// event (on a small machine each was a thread hand-off on the put's path).
     pub fn record(&self, event: impl FnOnce() -> CatalogEvent) -> Option<u64> {
         let mut s = self.lock();
         if !s.active {
@@ -77,7 +81,6 @@ impl SegmentLog {
         } else {
             Vec::new()
         };
-        self.news.notify_all();
         drop(s);
         drop(released); // frees space: records events, so never under the lock
         Some(seq)
@@ -107,6 +110,11 @@ impl SegmentLog {
         self.lock().held.back().map(|(seq, _)| *seq)
     }
 
+    /// Has a waiting poll answer with the events recorded so far (see `record`).
+    pub fn deliver(&self) {
+        self.news.notify_all();
+    }
+
     /// Ends a waiting poll early (the segment's state changed).
     pub fn wake(&self) {
         self.lock().woken = true;
@@ -125,6 +133,10 @@ impl SegmentLog {
     pub fn wait_acked(&self, seq: u64, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let mut s = self.lock();
+        if s.acked < seq {
+            // Events are recorded without waking the poll (see `record`): now it must.
+            self.deliver();
+        }
         // A reset meanwhile discards the event: then it was never acknowledged.
         let base = s.base;
         while s.active && s.base == base && s.acked < seq {
@@ -318,6 +330,35 @@ mod tests {
             })
         };
         assert!(log.wait_acked(seq, Duration::from_secs(30)));
+        node.join().unwrap();
+    }
+
+    #[test]
+    fn a_put_waiting_on_its_events_wakes_a_waiting_poll() {
+        // Polls wait far longer than the put does: only the put can end them early.
+        const LONG: Duration = Duration::from_secs(120);
+        let log = Arc::new(SegmentLog::default());
+        let base = log.restart(0);
+        let node = {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let mut acked = base;
+                // A poll returns what was recorded when it began or woke: three at most.
+                for _ in 0..3 {
+                    let (last, events) = log.poll(acked, LONG, 10);
+                    acked = last;
+                    if events.contains(&CatalogEvent::Free(2)) {
+                        break;
+                    }
+                }
+                log.poll(acked, Duration::ZERO, 10);
+            })
+        };
+        let mut last = base;
+        for i in 0..3 {
+            last = log.record(|| CatalogEvent::Free(i)).unwrap();
+        }
+        assert!(log.wait_acked(last, LONG));
         node.join().unwrap();
     }
 

@@ -78,6 +78,20 @@ fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
         && (allow_soft_pinned || o.soft_pin_until_ms <= now)
 }
 
+/// When a passed-over object becomes evictable as time goes on (its lease or pin runs
+/// out); never for one no time frees (unfinished, hard-pinned).
+fn evictable_from(o: &Object, allow_soft_pinned: bool) -> u64 {
+    if !o.complete || o.hard_pin {
+        return u64::MAX;
+    }
+    let pin = if allow_soft_pinned {
+        0
+    } else {
+        o.soft_pin_until_ms
+    };
+    o.lease_until_ms.max(pin)
+}
+
 /// Leased or pinned objects a look at a shard's bottom passes over before giving up.
 const PASS_OVER: usize = 64;
 
@@ -123,6 +137,8 @@ impl Master {
     pub(super) fn evict(&self, want: u64, allow_soft_pinned: bool) -> u64 {
         let mut freed = 0;
         let mut moved_up = 0;
+        // Rounds repeated because a shard's remembered lowest was leased meanwhile.
+        let mut stale = 0;
         while freed < want {
             let now = self.clock.now_ms();
             let round = self.lowest_heads(now, allow_soft_pinned);
@@ -137,13 +153,20 @@ impl Master {
             let mut shard = Self::lock(&self.shards[best]);
             let mut groups = Vec::new();
             // Take from this shard while its lowest stays below every other shard's.
+            let mut again = false;
             for first in [true].into_iter().chain(std::iter::repeat(false)) {
-                let Lowest::Found(head, id) = Self::lowest(&mut shard, now, allow_soft_pinned)
+                let Lowest::Found(head, id) =
+                    Self::lowest(&mut shard, now, allow_soft_pinned, true)
                 else {
                     break;
                 };
-                if !first && round.second.is_some_and(|s| !head.before(&s)) {
-                    break;
+                if round.second.is_some_and(|s| !head.before(&s)) {
+                    // At first, the round saw a lowest that is no longer evictable
+                    // (now looked at afresh): look at every shard again, boundedly.
+                    again = first && stale < self.shards.len();
+                    if !first || again {
+                        break;
+                    }
                 }
                 let Some((bytes, g)) = self.evict_node(&mut shard, head, id) else {
                     break;
@@ -155,6 +178,10 @@ impl Master {
                 }
             }
             drop(shard);
+            if again {
+                stale += 1;
+                continue;
+            }
             if !groups.is_empty() {
                 freed += self.evict_group(&groups, allow_soft_pinned);
             }
@@ -162,14 +189,43 @@ impl Master {
         freed
     }
 
-    /// The lowest evictable entry of `shard`.
-    fn lowest(shard: &mut Shard, now: u64, allow_soft_pinned: bool) -> Lowest {
+    /// The lowest evictable entry of `shard`: the one its last look found while it
+    /// holds (see `Policy::remember_lowest`), else a new look. With `verify`, a
+    /// remembered entry is checked to be evictable still (an object can be leased
+    /// without moving in the order: a group member); eviction itself always verifies.
+    fn lowest(shard: &mut Shard, now: u64, allow_soft_pinned: bool, verify: bool) -> Lowest {
         let Shard { objects, policy } = shard;
-        policy.lowest_where(PASS_OVER, |slot| {
-            objects
-                .at(slot)
-                .is_some_and(|o| evictable(o, now, allow_soft_pinned))
-        })
+        match policy.remembered_lowest(now, allow_soft_pinned) {
+            Some(None) => return Lowest::None,
+            Some(Some((head, id)))
+                if !verify
+                    || policy
+                        .slot(id)
+                        .and_then(|slot| objects.at(slot))
+                        .is_some_and(|o| evictable(o, now, allow_soft_pinned)) =>
+            {
+                return Lowest::Found(head, id)
+            }
+            _ => {}
+        }
+        let mut until_ms = u64::MAX;
+        let lowest = policy.lowest_where(PASS_OVER, |slot| match objects.at(slot) {
+            Some(o) if evictable(o, now, allow_soft_pinned) => true,
+            Some(o) => {
+                until_ms = until_ms.min(evictable_from(o, allow_soft_pinned));
+                false
+            }
+            None => false,
+        });
+        match lowest {
+            Lowest::Found(head, id) => {
+                policy.remember_lowest(Some((head, id)), allow_soft_pinned, until_ms)
+            }
+            Lowest::None => policy.remember_lowest(None, allow_soft_pinned, until_ms),
+            // Moved up by the caller, which forgets this anyway.
+            Lowest::Blocked(_) => {}
+        }
+        lowest
     }
 
     /// One look at every shard: where the lowest evictable entry is, the second
@@ -182,7 +238,7 @@ impl Master {
         for (i, s) in self.shards.iter().enumerate() {
             let mut shard = Self::lock(s);
             round.listed += shard.policy.len();
-            let h = match Self::lowest(&mut shard, now, allow_soft_pinned) {
+            let h = match Self::lowest(&mut shard, now, allow_soft_pinned, false) {
                 Lowest::Found(h, _) => h,
                 Lowest::Blocked(id) => {
                     let top = Policy::top(self.aging.floor());
@@ -563,6 +619,40 @@ mod tests {
         put(&m, &clock, "fresh", &plain);
         assert_eq!(m.evict(1, false), OBJ);
         assert_eq!(present(&m, &["member", "fresh"]), [true, false]);
+    }
+
+    #[test]
+    fn a_remembered_victim_leased_through_its_group_since_is_passed_over() {
+        let clock = Clock::manual();
+        let m = master_with(&clock, 8 * MIB, 2);
+        let grouped = ReplicateConfig {
+            group_ids: vec!["g".into()],
+            ..Default::default()
+        };
+        // The reader sits in the other shard, so reading it moves nothing in the
+        // member's shard.
+        let in_shard_of = |key: &str, same: bool, name: &str| {
+            (0..64)
+                .map(|i| format!("{name}{i}"))
+                .find(|k| std::ptr::eq(m.shard(k), m.shard(key)) == same)
+                .unwrap()
+        };
+        let (plain, reader) = (
+            in_shard_of("member", true, "plain"),
+            in_shard_of("member", false, "reader"),
+        );
+        put(&m, &clock, "member", &grouped);
+        put(&m, &clock, &plain, &ReplicateConfig::default());
+        put(&m, &clock, &reader, &grouped);
+        // A look at every shard remembers the member as the lowest of its shard.
+        m.lowest_heads(clock.now_ms(), false);
+        // Reading a member of its group leases it where it stands in the order.
+        m.get_replicas(&reader).unwrap();
+        assert_eq!(m.evict(1, false), OBJ);
+        assert_eq!(
+            present(&m, &["member", &plain, &reader]),
+            [true, false, true]
+        );
     }
 
     #[test]

@@ -153,6 +153,18 @@ pub(super) enum Lowest {
     None,
 }
 
+/// The answer of a shard's last look for a victim (see [`Policy::remember_lowest`]).
+#[derive(Clone, Copy)]
+struct Remembered {
+    /// The lowest evictable entry and its node, if any.
+    found: Option<(Head, u32)>,
+    /// Whether soft-pinned objects counted as evictable.
+    soft: bool,
+    /// When the first entry passed over below it becomes evictable (a lease or pin
+    /// running out), in the master clock's milliseconds.
+    until_ms: u64,
+}
+
 /// One shard's victim order and hit history.
 pub(super) struct Policy {
     nodes: Chunks<Node>,
@@ -165,6 +177,8 @@ pub(super) struct Policy {
     top: u64,
     len: usize,
     ghosts: Ghosts,
+    /// Forgotten whenever a node moves.
+    remembered: Option<Remembered>,
 }
 
 impl Default for Policy {
@@ -177,6 +191,7 @@ impl Default for Policy {
             top: 0,
             len: 0,
             ghosts: Ghosts::default(),
+            remembered: None,
         }
     }
 }
@@ -317,12 +332,34 @@ impl Policy {
         Lowest::Blocked(lowest)
     }
 
+    /// Keeps the answer of a look for a victim: the lowest evictable entry (`found`)
+    /// under `soft`'s rule, the entries passed over below it evictable from
+    /// `until_ms` on. A pool that evicts looks at every shard for each victim; most
+    /// shards did not change since their last look.
+    pub fn remember_lowest(&mut self, found: Option<(Head, u32)>, soft: bool, until_ms: u64) {
+        self.remembered = Some(Remembered {
+            found,
+            soft,
+            until_ms,
+        });
+    }
+
+    /// The kept answer, if no node moved since and nothing passed over became
+    /// evictable by `now_ms`. The entry's object may have been leased or pinned
+    /// meanwhile without moving (a group member): callers that evict check it.
+    pub fn remembered_lowest(&self, now_ms: u64, soft: bool) -> Option<Option<(Head, u32)>> {
+        self.remembered
+            .filter(|r| r.soft == soft && now_ms < r.until_ms)
+            .map(|r| r.found)
+    }
+
     /// The table slot of node `id`'s object.
     pub fn slot(&self, id: u32) -> Option<u32> {
         Some(self.nodes[id as usize].slot).filter(|s| *s != NONE)
     }
 
     fn link(&mut self, id: u32, level: u64) {
+        self.remembered = None;
         // Below the lowest: the ring turns down as far as the highest node allows
         // (one turn); lower still shares the lowest level, behind its nodes.
         if level < self.base {
@@ -355,6 +392,7 @@ impl Policy {
     }
 
     fn unlink(&mut self, id: u32) {
+        self.remembered = None;
         let (prev, next, b) = {
             let n = &self.nodes[id as usize];
             (n.prev, n.next, n.bucket as usize)

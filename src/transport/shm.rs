@@ -47,6 +47,7 @@
 //! local device memory against a peer buffer reachable only by process_vm) is left to
 //! other paths by `carries`.
 
+mod fill;
 mod ranges;
 #[cfg(test)]
 mod tests;
@@ -65,6 +66,7 @@ use crate::error::{Error, Result};
 use crate::memfd::{self, Mapping, SharedMemory, Sharing};
 use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
 use crate::registry::{Access, Region};
+use fill::Filled;
 use ranges::{Backing, Entry, Lookup, OwnerTable, TableView};
 
 const PAGE: usize = 4096;
@@ -325,7 +327,12 @@ struct Known {
 /// How this process reaches a range of the owner.
 enum View {
     /// Our mapping of the owner's memfd; read-only when the owner allows no writes.
-    Mapped { map: Mapping, writable: bool },
+    Mapped {
+        map: Mapping,
+        writable: bool,
+        /// How writes into it go (see `fill`).
+        filled: Arc<Filled>,
+    },
     /// The owner's device allocation, opened through IPC, and where the range
     /// starts in it.
     Imported(Import, u64),
@@ -583,7 +590,11 @@ impl Attached {
             && entry.access == Access::ReadWrite
             && memfd::seals(file.as_raw_fd()) & libc::F_SEAL_FUTURE_WRITE as u32 == 0;
         let map = Mapping::map(file.as_raw_fd(), len, writable).map_err(failed)?;
-        Ok(View::Mapped { map, writable })
+        Ok(View::Mapped {
+            map,
+            writable,
+            filled: Arc::new(Filled::new(len)),
+        })
     }
 
     /// One guarded copy of the slice, validated against the owner's table.
@@ -612,6 +623,15 @@ impl Attached {
                 known.entry.addr
             )));
         }
+        // A host-to-host write into a mapping: populated and streamed (see `fill`).
+        let filling = match &known.view {
+            View::Mapped { map, filled, .. }
+                if slice.op == Op::Write && slice.local_kind.is_host() =>
+            {
+                Some((filled.clone(), map.ptr(), map.len()))
+            }
+            _ => None,
+        };
         let remote = match &known.view {
             View::Mapped { map, .. } => Some((MemoryKind::Host, map.ptr() as u64 + within)),
             View::Imported(import, offset) => Some((import.kind, import.base + offset + within)),
@@ -630,8 +650,24 @@ impl Attached {
             // process_vm addresses the peer by pid: a fresh check, always.
             Err(CopyError::Failed(format!("process {pid} exited")))
         } else {
-            match remote {
-                Some((kind, addr)) => {
+            match (remote, filling) {
+                (Some(_), Some((filled, base, map_len))) => {
+                    // SAFETY: `within + len` lies inside our writable mapping of the
+                    // owner's buffer (validated against the owner's table this
+                    // generation, which the guard count pins); the source is the
+                    // caller's host buffer (submit contract), in another mapping.
+                    unsafe {
+                        filled.write(
+                            base,
+                            map_len,
+                            within as usize,
+                            slice.local as *const u8,
+                            slice.len as usize,
+                        )
+                    };
+                    Ok(())
+                }
+                (Some((kind, addr)), _) => {
                     let local = (slice.local_kind, slice.local);
                     let ((dk, d), (sk, s)) = match slice.op {
                         Op::Read => (local, (kind, addr)),
@@ -645,8 +681,8 @@ impl Attached {
                     unsafe { device::copy(dk, d, sk, s, slice.len as usize) }
                         .map_err(|e| CopyError::Failed(e.to_string()))
                 }
-                None if slice.local_kind.is_host() => self.process_vm(slice),
-                None => Err(CopyError::Failed(
+                (None, _) if slice.local_kind.is_host() => self.process_vm(slice),
+                (None, _) => Err(CopyError::Failed(
                     "device memory cannot move through process_vm".into(),
                 )),
             }

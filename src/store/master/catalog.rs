@@ -192,18 +192,19 @@ fn entry_of(key: &str, o: &Object, replica: &[PieceAlloc], index: usize) -> Cata
 impl Master {
     /// Waits until the nodes recorded `commits` (see the module's comment).
     pub(super) fn await_catalogs(&self, commits: Commits) {
-        let timeout = self.config.catalog_ack_timeout;
-        if timeout.is_zero() {
-            return;
-        }
         let mut latest: HashMap<u64, (Arc<Segment>, u64)> = HashMap::new();
         for (seg, seq) in commits.0 {
             let e = latest.entry(seg.id).or_insert((seg, seq));
             e.1 = e.1.max(seq);
         }
-        // Every node starts on its events before the first wait.
+        // Every node starts on its events before the first wait (and at once even
+        // when puts do not wait: a drain reads its catalog right after asking).
         for (seg, _) in latest.values() {
             seg.log.deliver();
+        }
+        let timeout = self.config.catalog_ack_timeout;
+        if timeout.is_zero() {
+            return;
         }
         for (seg, seq) in latest.into_values() {
             seg.log.wait_acked(seq, timeout);
@@ -213,19 +214,26 @@ impl Master {
     /// Waits until every node caught up with its log (after removals: a removed
     /// object must not come back after a restart).
     pub(super) fn await_all_catalogs(&self) {
+        let segments = self.deliver_all_catalogs();
         let timeout = self.config.catalog_ack_timeout;
         if timeout.is_zero() {
             return;
-        }
-        let segments = self.segments.snapshot();
-        for seg in &segments {
-            seg.log.deliver();
         }
         for seg in segments {
             if let Some(seq) = seg.log.head() {
                 seg.log.wait_acked(seq, timeout);
             }
         }
+    }
+
+    /// Has every node's poll answer with what its log holds now (after changes no
+    /// put waits for); the segments.
+    pub(super) fn deliver_all_catalogs(&self) -> Vec<Arc<Segment>> {
+        let segments = self.segments.snapshot();
+        for seg in &segments {
+            seg.log.deliver();
+        }
+        segments
     }
 
     /// Answers a node's catalog poll (see `Request::SegmentEvents`).

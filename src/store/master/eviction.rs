@@ -137,7 +137,8 @@ impl Master {
     pub(super) fn evict(&self, want: u64, allow_soft_pinned: bool) -> u64 {
         let mut freed = 0;
         let mut moved_up = 0;
-        // Rounds repeated because a shard's remembered lowest was leased meanwhile.
+        // Rounds repeated for this victim because a shard's remembered lowest was
+        // leased meanwhile.
         let mut stale = 0;
         while freed < want {
             let now = self.clock.now_ms();
@@ -173,6 +174,7 @@ impl Master {
                 };
                 freed += bytes;
                 groups = g;
+                stale = 0;
                 if freed >= want || !groups.is_empty() {
                     break;
                 }
@@ -222,8 +224,8 @@ impl Master {
                 policy.remember_lowest(Some((head, id)), allow_soft_pinned, until_ms)
             }
             Lowest::None => policy.remember_lowest(None, allow_soft_pinned, until_ms),
-            // Moved up by the caller, which forgets this anyway.
-            Lowest::Blocked(_) => {}
+            // A remembered entry that failed its check must not answer the next look.
+            Lowest::Blocked(_) => policy.forget_lowest(),
         }
         lowest
     }
@@ -653,6 +655,41 @@ mod tests {
             present(&m, &["member", &plain, &reader]),
             [true, false, true]
         );
+    }
+
+    #[test]
+    fn a_remembered_victim_leased_in_place_over_a_blocked_bottom_ends_the_eviction() {
+        let clock = Clock::manual();
+        let m = std::sync::Arc::new(master_with(&clock, 16 * MIB, 2));
+        let grouped = ReplicateConfig {
+            group_ids: vec!["g".into()],
+            ..Default::default()
+        };
+        let keys_in = |same: bool, name: &str, n: usize| -> Vec<String> {
+            (0..100_000)
+                .map(|i| format!("{name}{i}"))
+                .filter(|k| std::ptr::eq(m.shard(k), m.shard("victim")) == same)
+                .take(n)
+                .collect()
+        };
+        put(&m, &clock, "victim", &grouped);
+        // Above it, more leased objects than a look passes over.
+        for k in keys_in(true, "leased", super::PASS_OVER + 6) {
+            put(&m, &clock, &k, &ReplicateConfig::default());
+            m.get_replicas(&k).unwrap();
+        }
+        let reader = keys_in(false, "reader", 1).remove(0);
+        put(&m, &clock, &reader, &grouped);
+        m.lowest_heads(clock.now_ms(), false);
+        // Leases the remembered victim where it stands, through its group.
+        m.get_replicas(&reader).unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        let evicting = m.clone();
+        // Not scoped: a spinning eviction must not keep the test from failing.
+        std::thread::spawn(move || done.send(evicting.evict(1, false)));
+        // A bound on a hang, not a timing claim: the eviction takes microseconds.
+        let freed = finished.recv_timeout(std::time::Duration::from_secs(120));
+        assert_eq!(freed, Ok(0), "everything is leased: nothing to evict");
     }
 
     #[test]

@@ -271,11 +271,14 @@ impl Master {
                 self.await_all_catalogs();
                 Response::PerKey(results)
             }
-            Request::ReplicaClear { keys, segment } => Response::PerKey(
-                keys.iter()
+            Request::ReplicaClear { keys, segment } => {
+                let cleared = keys
+                    .iter()
                     .map(|k| self.replica_clear(k, &segment))
-                    .collect(),
-            ),
+                    .collect();
+                self.deliver_all_catalogs();
+                Response::PerKey(cleared)
+            }
             Request::Drain { client, segment } => {
                 self.drain(Some(client), &segment)?;
                 Response::Done

@@ -220,6 +220,8 @@ impl Master {
             o.replicas.push(vec![space]);
             Commits::default().record(key, o);
             drop(map);
+            // Nobody waits for this commit: the node should still have it at once.
+            seg.log.deliver();
             return self.lookup(key, false);
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);

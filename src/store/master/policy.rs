@@ -344,6 +344,11 @@ impl Policy {
         });
     }
 
+    /// Drops the kept answer.
+    pub fn forget_lowest(&mut self) {
+        self.remembered = None;
+    }
+
     /// The kept answer, if no node moved since and nothing passed over became
     /// evictable by `now_ms`. The entry's object may have been leased or pinned
     /// meanwhile without moving (a group member): callers that evict check it.

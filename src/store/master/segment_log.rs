@@ -60,10 +60,10 @@ impl SegmentLog {
     }
 
     /// Records an event if a node follows this log; its sequence number. A waiting
-    /// poll is not woken for it: the event leaves with the next answer, which comes
-    /// at once once someone waits for an acknowledgement (`wait_acked`) and otherwise
-    /// within `POLL_WAIT`. A batch of puts so costs its node one poll, not one per
-    /// event (on a small machine each was a thread hand-off on the put's path).
+    /// poll is not woken for it: the event leaves with the next answer, at once when
+    /// someone waits for an acknowledgement (`wait_acked`, `deliver`), else within
+    /// `POLL_WAIT`. A batch of puts so costs its node one poll, not one per event (on
+    /// a small machine each was a thread hand-off on the put's path).
     pub fn record(&self, event: impl FnOnce() -> CatalogEvent) -> Option<u64> {
         let mut s = self.lock();
         if !s.active {

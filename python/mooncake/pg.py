@@ -275,13 +275,18 @@ _ATTEMPTS = 3
 
 
 class _Rendezvous:
-    """Addresses in the c10d store, under keys of each rank's generation (its count of
-    groups started in this store: ``store.add``), so a group started again after
-    destroy_process_group never reads an address left by the one before. A process
-    joining a running group (an extension, or the replacement of a process that never
-    shut down) takes the running group's generation instead of a new one, so that when
-    every rank later starts the group again their generations agree. A value is
-    ``"<world size>|<address>"``."""
+    """Addresses in the c10d store, under keys of a generation: one more than the last
+    group whose every rank got every address (``mooncake_pg/started``), so a group
+    started again after destroy_process_group never reads an address left by the one
+    before, and ranks that never took part (a group started again with more ranks)
+    agree with those that did. The started mark cannot move while a group is being
+    formed: its ranks read it before they publish, and it moves only once all have
+    published. A process joining a running group (an extension, or the replacement of
+    a process that never shut down) takes the running group's generation instead. Each
+    rank's generation is also kept under its own key (``store.add``), to find its
+    predecessor's address. A value is ``"<world size>|<address>"``."""
+
+    _STARTED = "mooncake_pg/started"
 
     def __init__(self, store, rank, world_size, extension):
         self.store, self.rank = store, rank
@@ -292,9 +297,20 @@ class _Rendezvous:
             target = max([current, 1] + [self._latest(r)
                                          for r in range(world_size) if r != rank])
         else:
-            target = current + 1
+            target = store.add(self._STARTED, 0) + 1
         self.generation = store.add(f"mooncake_pg/gen/{rank}", target - current)
         self.key = self._key(rank, self.generation)
+
+    def started(self):
+        """Marks this generation started, once this rank has every address: a group
+        formed later takes the next one."""
+        if self.joining:
+            return
+        for _ in range(64):  # bounded: each miss means another rank moved it up
+            seen = self.store.add(self._STARTED, 0)
+            if seen >= self.generation:
+                return
+            self.store.compare_set(self._STARTED, str(seen), str(self.generation))
 
     @staticmethod
     def _key(rank, generation):
@@ -812,6 +828,7 @@ if torch is not None:
                     # An extension takes only addresses already up: a rank may be dead.
                     addresses.append(self._rendezvous.address(
                         r, wait=not options.is_extension))
+            self._rendezvous.started()
             self.handle.connect(addresses)
             self.handle.publish_mask()
             self._p2p = []

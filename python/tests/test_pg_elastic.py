@@ -318,6 +318,37 @@ def test_destroy_and_init_again_on_the_same_store(store, ranks):
     _all_run(ranks, store, _REINIT, 3, "done")
 
 
+# Two ranks run a group of two, then four ranks (the two and two new processes) start a
+# group of four on the same store: the new ranks agree with the old on the keys.
+_GROW = r"""
+if rank < 2:
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=2,
+                            pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    assert t.item() == 3, t
+    dist.destroy_process_group()
+    say("two")
+    wait_line("grow")
+ROUNDS = 2
+""" + _ROUNDS + 'say("four")\n'
+
+
+def test_a_group_started_again_with_more_ranks_on_the_same_store(store, ranks):
+    ranks.extend(Rank(_GROW, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
+                 for r in range(2))
+    for r in ranks:
+        r.expect("two")
+    ranks.extend(Rank(_GROW, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
+                 for r in range(2, 4))
+    for r in ranks[:2]:
+        r.tell("grow")
+    for r in ranks:
+        r.expect("four")
+    for r in ranks:
+        r.finish()
+
+
 def test_options_positional_forms():
     import torch
     from mooncake import pg

@@ -623,19 +623,19 @@ impl Attached {
                 known.entry.addr
             )));
         }
-        // A host-to-host write into a mapping: populated and streamed (see `fill`).
-        let filling = match &known.view {
-            View::Mapped { map, filled, .. }
-                if slice.op == Op::Write && slice.local_kind.is_host() =>
-            {
-                Some((filled.clone(), map.ptr(), map.len()))
+        // A host-to-host write into a mapping is populated and streamed (see `fill`).
+        let (remote, filling) = match &known.view {
+            View::Mapped { map, filled, .. } => {
+                let fills = slice.op == Op::Write && slice.local_kind.is_host();
+                (
+                    Some((MemoryKind::Host, map.ptr() as u64 + within)),
+                    fills.then(|| (filled.clone(), map.ptr(), map.len())),
+                )
             }
-            _ => None,
-        };
-        let remote = match &known.view {
-            View::Mapped { map, .. } => Some((MemoryKind::Host, map.ptr() as u64 + within)),
-            View::Imported(import, offset) => Some((import.kind, import.base + offset + within)),
-            View::ProcessVm => None,
+            View::Imported(import, offset) => {
+                (Some((import.kind, import.base + offset + within)), None)
+            }
+            View::ProcessVm => (None, None),
         };
         let page = self.page();
         let active = page.active(generation);
@@ -651,7 +651,7 @@ impl Attached {
             Err(CopyError::Failed(format!("process {pid} exited")))
         } else {
             match (remote, filling) {
-                (Some(_), Some((filled, base, map_len))) => {
+                (_, Some((filled, base, map_len))) => {
                     // SAFETY: `within + len` lies inside our writable mapping of the
                     // owner's buffer (validated against the owner's table this
                     // generation, which the guard count pins); the source is the

@@ -364,7 +364,7 @@ impl Policy {
     }
 
     fn link(&mut self, id: u32, level: u64) {
-        self.remembered = None;
+        self.forget_lowest();
         // Below the lowest: the ring turns down as far as the highest node allows
         // (one turn); lower still shares the lowest level, behind its nodes.
         if level < self.base {
@@ -397,7 +397,7 @@ impl Policy {
     }
 
     fn unlink(&mut self, id: u32) {
-        self.remembered = None;
+        self.forget_lowest();
         let (prev, next, b) = {
             let n = &self.nodes[id as usize];
             (n.prev, n.next, n.bucket as usize)

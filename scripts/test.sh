@@ -16,8 +16,11 @@ target=x86_64-unknown-linux-gnu
 CARGO_TARGET_DIR=target/static MC_STATIC_BINARY=1 \
   cargo rustc --release --target "$target" --bin mooncake -- -C target-feature=+crt-static
 bin="target/static/$target/release/mooncake"
-"$bin" info | grep -q "static binary"
-if "$bin" info | grep -q "_LIB"; then
+# Captured first: `grep -q` stops reading at its match, and info's later lines would
+# then meet a closed pipe.
+info=$("$bin" info)
+grep -q "static binary" <<<"$info"
+if grep -q "_LIB" <<<"$info"; then
   echo "static info suggests a library override it cannot use" >&2
   exit 1
 fi

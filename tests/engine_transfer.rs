@@ -282,3 +282,76 @@ fn freeing_a_batch_with_unfinished_tasks_is_refused() {
         Code::BatchNotFound
     );
 }
+
+/// Each completed request of a checksummed read comes back with the CRC32C of exactly
+/// its bytes: over TCP cut into many slices that two workers finish in any order, and
+/// through shared memory and the local copy, where the copy folds them as it goes. A
+/// bad range or a write is refused before anything moves.
+#[test]
+fn checksummed_reads_tell_each_requests_crc32c() {
+    use mooncake::util::crc32c::crc32c;
+    let mut cfg = mooncake::EngineConfig::default();
+    for (k, v) in [
+        ("metadata", "P2PHANDSHAKE"),
+        ("protocol", "tcp"),
+        ("workers", "2"),
+        ("slice_size", "64K"),
+    ] {
+        cfg.set(k, v).unwrap();
+    }
+    let tcp_client = mooncake::Engine::new(cfg).unwrap();
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let shm_client = engine_with("P2PHANDSHAKE", "shm");
+    let shm_server = engine_with("P2PHANDSHAKE", "shm");
+    let len = 3 << 20;
+    let remote = Registered::new(&server, pattern(41, len));
+    let shm_remote = Registered::new(&shm_server, pattern(42, len));
+    let lens = [1usize, 100, 4096, 65_536 + 7, 1 << 20, len - 1_200_000];
+    for (client, target, peer) in [
+        (&tcp_client, &remote, &server),
+        (&shm_client, &shm_remote, &shm_server),
+        (&server, &remote, &server), // the engine reading its own segment
+    ] {
+        let seg = client.open_segment(peer.segment_name()).unwrap();
+        let mut local = vec![0u8; lens.iter().sum::<usize>() + 4096];
+        let mut reqs = Vec::new();
+        let (mut at, mut from) = (0usize, 3usize);
+        for &n in &lens {
+            reqs.push(Request {
+                op: Op::Read,
+                local: local.as_mut_ptr() as u64 + at as u64,
+                segment: seg,
+                remote: target.addr() + from as u64,
+                len: n as u64,
+            });
+            at += n;
+            from += n / 2 + 11;
+        }
+        // SAFETY: `local` outlives the call, which returns with every task final.
+        let got = unsafe { client.read_checksummed(&reqs) }.unwrap();
+        for (r, (state, crc)) in reqs.iter().zip(got) {
+            assert_eq!(state, TaskState::Completed);
+            let off = (r.remote - target.addr()) as usize;
+            let want = &target.buf[off..off + r.len as usize];
+            let landed = (r.local - local.as_ptr() as u64) as usize;
+            assert_eq!(&local[landed..landed + r.len as usize], want);
+            assert_eq!(crc, Some(crc32c(want)), "{} bytes at {off}", r.len);
+        }
+        // A request past the end of the remote buffer: the whole call is refused.
+        let past = Request {
+            remote: target.addr() + len as u64 - 10,
+            len: 20,
+            ..reqs[0]
+        };
+        // SAFETY: as above (refused before anything moves).
+        let refused = unsafe { client.read_checksummed(&[reqs[0], past]) }.unwrap_err();
+        assert_eq!(refused.code(), Code::AddressNotRegistered);
+        let write = [Request {
+            op: Op::Write,
+            ..reqs[0]
+        }];
+        // SAFETY: as above (refused before anything moves).
+        let refused = unsafe { client.read_checksummed(&write) }.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidParams);
+    }
+}

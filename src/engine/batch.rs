@@ -6,6 +6,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Code, Error, Result};
+use crate::util::crc32c::crc32c_combine;
 
 /// Task states, numbered as Mooncake's (`docs/wire.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,6 +80,16 @@ pub struct Batch {
     failed: AtomicUsize,
     sleepers: AtomicUsize,
     done: (Mutex<()>, Condvar),
+    /// For a batch whose reads are checksummed: per task, each finished slice's
+    /// remote address, length and CRC32C, joined in address order when asked.
+    checksums: Option<Box<[Mutex<Vec<SliceChecksum>>]>>,
+}
+
+#[derive(Clone, Copy)]
+struct SliceChecksum {
+    remote: u64,
+    len: u64,
+    crc: u32,
 }
 
 /// How many times a waiter polls before it sleeps...
@@ -102,7 +113,57 @@ impl Batch {
             failed: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             done: (Mutex::new(()), Condvar::new()),
+            checksums: None,
         }
+    }
+
+    /// A batch with room for `capacity` tasks whose slices report their CRC32C
+    /// (`slice_checksum`), so each completed task has one (`task_checksum`).
+    pub fn checksummed(capacity: usize) -> Batch {
+        Batch {
+            checksums: Some((0..capacity).map(|_| Mutex::default()).collect()),
+            ..Batch::new(capacity)
+        }
+    }
+
+    /// Whether this batch's slices are checksummed.
+    pub fn wants_checksums(&self) -> bool {
+        self.checksums.is_some()
+    }
+
+    /// Records the CRC32C of a completed slice of `task` (before `slice_finished`
+    /// says so, so the task's checksum is whole once it is final).
+    pub fn slice_checksum(&self, task: usize, remote: u64, len: u64, crc: u32) {
+        if let Some(c) = self.checksums.as_ref().and_then(|c| c.get(task)) {
+            c.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(SliceChecksum { remote, len, crc });
+        }
+    }
+
+    /// The CRC32C of a completed task's bytes: its slices' checksums joined in
+    /// address order. `None` when the batch is not checksummed, the task is not
+    /// complete, or its slices do not cover its bytes end to end.
+    pub fn task_checksum(&self, task: usize) -> Option<u32> {
+        let status = self.task_status(task).ok()?;
+        if status.state != TaskState::Completed {
+            return None;
+        }
+        let mut pieces = self.checksums.as_ref()?.get(task)?.lock().ok()?.clone();
+        let Some(first) = pieces.iter().map(|p| p.remote).min() else {
+            return (status.bytes == 0).then_some(0);
+        };
+        pieces.sort_unstable_by_key(|p| p.remote);
+        let mut crc = 0;
+        let mut next = first;
+        for p in &pieces {
+            if p.remote != next {
+                return None;
+            }
+            crc = crc32c_combine(crc, p.crc, p.len);
+            next = p.remote + p.len;
+        }
+        (next - first == status.bytes).then_some(crc)
     }
 
     /// How many tasks the batch can hold.

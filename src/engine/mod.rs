@@ -749,6 +749,7 @@ impl Engine {
         requests: &[Request],
         now: std::time::Instant,
     ) -> Result<Vec<WorkItem>> {
+        let checksum = batch.wants_checksums();
         let mut plan = Vec::with_capacity(requests.len());
         let mut counts = Vec::with_capacity(requests.len());
         for r in requests {
@@ -758,6 +759,9 @@ impl Engine {
             // transport that moves it natively, or else the worker stages it through
             // host bounce buffers, a bounce per slice. Host memory: one atomic load.
             let local_kind = self.memory.device_of(r.local, r.len);
+            if checksum && r.op != Op::Read {
+                return Err(Error::invalid("a checksummed transfer only reads"));
+            }
             if !local_kind.is_host() {
                 size = size.min(crate::device::BOUNCE_SIZE as u64);
             }
@@ -785,6 +789,7 @@ impl Engine {
                         len: size.min(r.len - off),
                         peer: peer.clone(),
                         deadline,
+                        checksum,
                     },
                 });
             }
@@ -842,17 +847,56 @@ impl Engine {
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.
     pub unsafe fn transfer_sync_states(&self, requests: &[Request]) -> Result<Vec<TaskState>> {
-        if requests.is_empty() {
-            return Ok(Vec::new());
-        }
+        // SAFETY: this fn's contract is `run_sync`'s.
+        let batch = unsafe { self.run_sync(Batch::new(requests.len()), requests) }?;
+        Ok((0..requests.len())
+            .map(|t| batch.task_status(t).map_or(TaskState::Invalid, |s| s.state))
+            .collect())
+    }
+
+    /// Reads `requests` as [`transfer_sync_states`] does, and tells with each completed
+    /// one the CRC32C of the bytes it read: computed per slice as the bytes move (a
+    /// same-host copy folds them in the same pass; other transports' slices are
+    /// checksummed by the worker that finished them, while in its cache), then joined
+    /// in order. `None` for a request whose bytes went into device memory without
+    /// passing through host memory (no host can read them to checksum). `Err` as for
+    /// `transfer_sync_states`, and for a write.
+    ///
+    /// [`transfer_sync_states`]: Self::transfer_sync_states
+    ///
+    /// # Safety
+    /// As `submit`; the call returns only when no task can touch a local buffer.
+    pub unsafe fn read_checksummed(
+        &self,
+        requests: &[Request],
+    ) -> Result<Vec<(TaskState, Option<u32>)>> {
+        // SAFETY: this fn's contract is `run_sync`'s.
+        let batch = unsafe { self.run_sync(Batch::checksummed(requests.len()), requests) }?;
+        Ok((0..requests.len())
+            .map(|t| {
+                let state = batch.task_status(t).map_or(TaskState::Invalid, |s| s.state);
+                (state, batch.task_checksum(t))
+            })
+            .collect())
+    }
+
+    /// Moves `requests` in `batch` (a batch of their own) and returns it once every
+    /// task is final: on this thread when small, else through the workers.
+    ///
+    /// # Safety
+    /// As `submit`; the call returns only when no task can touch a local buffer.
+    unsafe fn run_sync(&self, batch: Batch, requests: &[Request]) -> Result<Arc<Batch>> {
         if requests.len() > MAX_BATCH_TASKS {
             return Err(Error::invalid(format!(
                 "{} requests in one transfer (at most {MAX_BATCH_TASKS})",
                 requests.len()
             )));
         }
-        // A batch of its own, never listed: nobody else can ask for it.
-        let batch = Arc::new(Batch::new(requests.len()));
+        // Never listed: nobody else can ask for it.
+        let batch = Arc::new(batch);
+        if requests.is_empty() {
+            return Ok(batch);
+        }
         // One clock read serves the deadlines and the inline poll loop.
         let now = std::time::Instant::now();
         let items = self.plan(&batch, requests, now)?;
@@ -872,9 +916,7 @@ impl Engine {
                 let _ = batch.wait(None);
             }
         }
-        Ok((0..requests.len())
-            .map(|t| batch.task_status(t).map_or(TaskState::Invalid, |s| s.state))
-            .collect())
+        Ok(batch)
     }
 
     /// Waits for every submitted task of the batch (None: no limit).

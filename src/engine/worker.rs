@@ -13,6 +13,7 @@ use super::segments::Segments;
 use crate::device::{self, Bounce, MemoryKind};
 use crate::sys::{self, Epoll, EventFd};
 use crate::transport::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
+use crate::util::crc32c::crc32c;
 
 /// A slice bound for a worker, with the task it belongs to.
 pub struct WorkItem {
@@ -393,6 +394,7 @@ impl Worker {
                     self.done.push(Finished {
                         id: slice.id,
                         outcome: Outcome::PathFailed(format!("staging device memory: {e}")),
+                        crc: None,
                     });
                     return;
                 }
@@ -410,6 +412,7 @@ impl Worker {
                     "no enabled transport reaches {}",
                     slice.peer.name
                 )),
+                crc: None,
             }),
         }
     }
@@ -443,6 +446,9 @@ impl Worker {
                                 );
                             }
                             _ => {}
+                        }
+                        if state == TaskState::Completed && entry.slice.checksum {
+                            record_checksum(entry, f.crc);
                         }
                         state
                     }
@@ -512,6 +518,27 @@ impl Worker {
                 .slice_finished(entry.task, entry.slice.len, state);
             self.free.push(id);
         }
+    }
+}
+
+/// Records a completed checksummed slice's CRC32C in its batch: the transport's, or
+/// else one computed here over the bytes that landed in host memory (still in this
+/// core's cache; a staged slice's bounce buffer counts). Device memory a transport
+/// filled directly gets none, so its task has no checksum.
+fn record_checksum(entry: &InFlight, folded: Option<u32>) {
+    let s = &entry.slice;
+    let crc = folded.or_else(|| {
+        s.local_kind.is_host().then(|| {
+            // SAFETY: a completed read into host memory (the caller's buffer, valid
+            // until its task is final, which it is not before `slice_finished`; or
+            // the bounce this entry holds).
+            let landed =
+                unsafe { std::slice::from_raw_parts(s.local as *const u8, s.len as usize) };
+            crc32c(landed)
+        })
+    });
+    if let Some(crc) = crc {
+        entry.batch.slice_checksum(entry.task, s.remote, s.len, crc);
     }
 }
 
@@ -654,6 +681,7 @@ mod tests {
             len: 64,
             peer: Arc::new(Peer::new(1, SegmentDesc::new("peer"), endpoints)),
             deadline: Instant::now(),
+            checksum: false,
         }
     }
 

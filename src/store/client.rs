@@ -21,7 +21,7 @@ use crate::auth::ClusterSecret;
 use crate::engine::{Engine, EngineConfig, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
-use crate::util::crc32c::crc32c_append;
+use crate::util::crc32c::{crc32c_append, crc32c_combine};
 
 /// What a store [`Client`] connects to and how it behaves.
 #[derive(Clone, Debug)]
@@ -33,7 +33,9 @@ pub struct ClientConfig {
     /// Kept for Mooncake compatibility: staging for transports that need registered
     /// local memory (RDMA). TCP and shared memory read and write user buffers directly.
     pub local_buffer_size: u64,
-    /// Check each object's CRC32C on read.
+    /// Check each object's CRC32C on read (computed per slice while the bytes move,
+    /// in the same pass as a same-host copy). A get straight into device memory over
+    /// a transport that fills it natively cannot be checked by the host and is not.
     pub verify_checksum: bool,
     /// Reuse a key's replica descriptors while the lease granted with them lasts, so a
     /// repeated get needs no master round trip (see `replica_cache`).
@@ -695,7 +697,7 @@ impl Client {
         op: Op,
         plan: &[(usize, ReplicaDesc)],
         frags: &[Fragments],
-        checksums: Option<&mut [u32]>,
+        checksums: Option<&mut [Option<u32>]>,
     ) -> Vec<Option<Result<()>>> {
         let mut outcome: Vec<Option<Result<()>>> = vec![None; frags.len()];
         let mut reqs = Vec::new();
@@ -813,7 +815,7 @@ impl Client {
         }
         // Whole objects are checked against their checksum, folded during the read.
         let verify = matches!(into, ReadInto::Whole(_)) && self.config.verify_checksum;
-        let mut crcs = vec![0u32; if verify { keys.len() } else { 0 }];
+        let mut crcs = vec![Some(0u32); if verify { keys.len() } else { 0 }];
         // Try each key's best replica; on failure its next one, and so on.
         let mut last_err: HashMap<usize, Error> = HashMap::new();
         let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
@@ -828,7 +830,7 @@ impl Client {
             }
             if verify {
                 for (i, _) in &plan {
-                    crcs[*i] = 0; // a new attempt folds from the start
+                    crcs[*i] = Some(0); // a new attempt joins from the start
                 }
             }
             let outcome =
@@ -883,8 +885,8 @@ impl Client {
                 ));
                 continue;
             }
-            if verify {
-                let crc = crcs[i];
+            // (A key read straight into device memory has no host checksum to compare.)
+            if let Some(crc) = verify.then(|| crcs[i]).flatten() {
                 if crc != d.crc32c {
                     results[i] = Err(Error::new(
                         Code::ChecksumMismatch,
@@ -1533,88 +1535,34 @@ fn run_batch(engine: &Engine, reqs: &[crate::engine::Request]) -> Vec<Result<()>
     }
 }
 
-/// Bytes read between checksum folds: the bytes just copied are still in this core's
-/// cache when they are checksummed, instead of being read back from memory after a
-/// whole large object landed (which cost a 16 MiB get a third of its speed).
-const CHECKSUM_ROUND_BYTES: u64 = 512 << 10;
-
 /// Runs `reqs` (reads; `owner[t]` is the key of request `t`, a key's requests in the
-/// order of its bytes), folding each completed piece into its key's entry of `crcs`:
-/// in rounds of `CHECKSUM_ROUND_BYTES` when they only copy (same host), else in one
-/// batch (a network read cut into rounds would wait out a round trip per round). Once
-/// a key has a failed piece, the rest of its pieces are not read. A result per request.
+/// order of its bytes) as one checksummed engine batch, joining each completed
+/// request's CRC32C onto its key's entry of `crcs`. An entry becomes `None` when part
+/// of the key went into device memory that no host copy passed through (nothing to
+/// verify it with). A result per request.
 fn run_checksummed(
     engine: &Engine,
     reqs: &[crate::engine::Request],
     owner: &[usize],
-    crcs: &mut [u32],
+    crcs: &mut [Option<u32>],
 ) -> Vec<Result<()>> {
-    let total: u64 = reqs.iter().map(|r| r.len).sum();
-    // (Up to one round's bytes run as one batch either way: no need to ask.)
-    let round_bytes = if total <= CHECKSUM_ROUND_BYTES || engine.copies_only(reqs) {
-        CHECKSUM_ROUND_BYTES
-    } else {
-        u64::MAX
+    // SAFETY: the callers' buffers outlive this call, which returns only when no task
+    // can touch them any more.
+    let states = match unsafe { engine.read_checksummed(reqs) } {
+        Ok(states) => states,
+        Err(e) => return vec![Err(e); reqs.len()],
     };
-    let mut states: Vec<Result<()>> = vec![Ok(()); reqs.len()];
-    let mut failed = vec![false; crcs.len()];
-    let mut round = Vec::new();
-    let mut bytes = 0;
-    for (task, r) in reqs.iter().enumerate() {
-        let mut done = 0;
-        while done < r.len {
-            let n = (r.len - done).min(round_bytes - bytes);
-            let piece = crate::engine::Request {
-                local: r.local + done,
-                remote: r.remote + done,
-                len: n,
-                ..*r
-            };
-            round.push((task, piece));
-            done += n;
-            bytes += n;
-            if bytes == round_bytes {
-                checksum_round(engine, &mut round, owner, &mut states, &mut failed, crcs);
-                bytes = 0;
+    let mut results = Vec::with_capacity(reqs.len());
+    for ((r, &key), (state, crc)) in reqs.iter().zip(owner).zip(states) {
+        results.push(match state {
+            TaskState::Completed => {
+                crcs[key] = crcs[key].zip(crc).map(|(a, b)| crc32c_combine(a, b, r.len));
+                Ok(())
             }
-        }
+            s => Err(Error::new(Code::TransferFail, format!("task ended {s:?}"))),
+        });
     }
-    checksum_round(engine, &mut round, owner, &mut states, &mut failed, crcs);
-    states
-}
-
-/// One round of `run_checksummed`: reads the pieces of keys not failed yet, then folds
-/// them in order; empties `round`.
-fn checksum_round(
-    engine: &Engine,
-    round: &mut Vec<(usize, crate::engine::Request)>,
-    owner: &[usize],
-    states: &mut [Result<()>],
-    failed: &mut [bool],
-    crcs: &mut [u32],
-) {
-    round.retain(|(task, _)| !failed[owner[*task]]);
-    let pieces: Vec<crate::engine::Request> = round.iter().map(|(_, p)| *p).collect();
-    for ((task, piece), result) in round.drain(..).zip(run_batch(engine, &pieces)) {
-        let key = owner[task];
-        match result {
-            Err(e) => {
-                if states[task].is_ok() {
-                    states[task] = Err(e);
-                }
-                failed[key] = true;
-            }
-            Ok(()) if !failed[key] => {
-                // SAFETY: the read just completed into the caller's buffer, which its
-                // contract keeps valid until the get returns.
-                let landed = unsafe {
-                    std::slice::from_raw_parts(piece.local as *const u8, piece.len as usize)
-                };
-                crcs[key] = crc32c_append(crcs[key], landed);
-            }
-            Ok(()) => {}
-        }
-    }
+    results
 }
 
 fn all_err<T>(n: usize, e: Error) -> Vec<Result<T>> {

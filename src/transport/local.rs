@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
+use super::{copy_host, Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::LocalMemory;
@@ -56,6 +56,7 @@ struct LocalWorker {
 
 impl TransportWorker for LocalWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
+        let mut crc = None;
         let outcome = match self.memory.guard(slice.remote, slice.len) {
             Ok(target) if !target.device().is_host() || self.memory.has_device() => {
                 // Device memory on either side: the driver copies (local side: the
@@ -79,8 +80,8 @@ impl TransportWorker for LocalWorker {
                 };
                 // SAFETY: the registered side is pinned by `target`; the local side is
                 // the caller's buffer, valid for `len` bytes by the submit contract.
-                // `copy` tolerates a request whose two ends overlap.
-                unsafe { std::ptr::copy(src, dst, slice.len as usize) };
+                // `copy_host` tolerates a request whose two ends overlap.
+                crc = unsafe { copy_host(&slice, src, dst) };
                 Outcome::Done
             }
             Err(e) => Outcome::Rejected(e.to_string()),
@@ -88,6 +89,7 @@ impl TransportWorker for LocalWorker {
         done.push(Finished {
             id: slice.id,
             outcome,
+            crc,
         });
     }
 }

@@ -19,6 +19,7 @@ use crate::device::MemoryKind;
 use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::Region;
+use crate::util::crc32c::crc32c_append_copying;
 
 /// The monotonic clock at tick resolution (a few ms), for ages that need no more: a
 /// read costs a fraction of a precise one, which matters on a per-operation path.
@@ -194,6 +195,10 @@ pub struct Slice {
     pub peer: Arc<Peer>,
     /// When the slice must have completed.
     pub deadline: Instant,
+    /// A read whose CRC32C the caller wants (host memory only): a transport that
+    /// copies may fold the bytes while it moves them and say so in `Finished::crc`;
+    /// otherwise the engine checksums them once they landed.
+    pub checksum: bool,
 }
 
 /// How a slice ended.
@@ -217,6 +222,27 @@ pub struct Finished {
     pub id: u64,
     /// How it ended.
     pub outcome: Outcome,
+    /// The CRC32C of the bytes moved, when the slice asked for it and the transport
+    /// computed it on the way.
+    pub crc: Option<u32>,
+}
+
+/// Copies a host-to-host slice's bytes from `src` to `dst`. A checksummed read whose
+/// two ends do not overlap is folded into its CRC32C in the same pass, returned.
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `slice.len` bytes.
+pub(crate) unsafe fn copy_host(slice: &Slice, src: *const u8, dst: *mut u8) -> Option<u32> {
+    let len = slice.len as usize;
+    if slice.checksum && slice.op == Op::Read && (src as usize).abs_diff(dst as usize) >= len {
+        // SAFETY: the caller's contract, and the ranges are apart.
+        return Some(unsafe {
+            crc32c_append_copying(0, std::slice::from_raw_parts(src, len), dst)
+        });
+    }
+    // SAFETY: the caller's contract; `copy` tolerates overlapping ends.
+    unsafe { std::ptr::copy(src, dst, len) };
+    None
 }
 
 /// One way of moving bytes, shared by all engine workers.

@@ -59,7 +59,8 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use super::{
-    coarse_now, Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport, TransportWorker,
+    coarse_now, copy_host, Finished, Kind, Op, Outcome, RegionKeys, Slice, Transport,
+    TransportWorker,
 };
 use crate::device::{self, IpcExport, MemoryKind};
 use crate::error::{Error, Result};
@@ -597,8 +598,13 @@ impl Attached {
         })
     }
 
-    /// One guarded copy of the slice, validated against the owner's table.
-    fn copy(&mut self, slice: &Slice, buf: &BufferDesc) -> std::result::Result<(), CopyError> {
+    /// One guarded copy of the slice, validated against the owner's table; the
+    /// CRC32C of the bytes when the copy folded them (see `copy_host`).
+    fn copy(
+        &mut self,
+        slice: &Slice,
+        buf: &BufferDesc,
+    ) -> std::result::Result<Option<u32>, CopyError> {
         let generation = self.page().generation.load(Ordering::SeqCst);
         if generation != self.generation {
             // The owner withdrew something: forget what we learnt of its buffers.
@@ -665,7 +671,18 @@ impl Attached {
                             slice.len as usize,
                         )
                     };
-                    Ok(())
+                    Ok(None)
+                }
+                (Some((MemoryKind::Host, addr)), _) if slice.local_kind.is_host() => {
+                    let (src, dst) = match slice.op {
+                        Op::Read => (addr as *const u8, slice.local as *mut u8),
+                        Op::Write => (slice.local as *const u8, addr as *mut u8),
+                    };
+                    // SAFETY: the remote range lies inside our mapping of the owner's
+                    // buffer (range validated against the owner's own table this
+                    // generation, which the guard count pins); the local side is the
+                    // caller's host buffer (submit contract).
+                    Ok(unsafe { copy_host(slice, src, dst) })
                 }
                 (Some((kind, addr)), _) => {
                     let local = (slice.local_kind, slice.local);
@@ -679,9 +696,10 @@ impl Attached {
                     // is the caller's buffer of `local_kind`. `copy` uses the driver for
                     // device memory and memmove for host memory.
                     unsafe { device::copy(dk, d, sk, s, slice.len as usize) }
+                        .map(|()| None)
                         .map_err(|e| CopyError::Failed(e.to_string()))
                 }
-                (None, _) if slice.local_kind.is_host() => self.process_vm(slice),
+                (None, _) if slice.local_kind.is_host() => self.process_vm(slice).map(|()| None),
                 (None, _) => Err(CopyError::Failed(
                     "device memory cannot move through process_vm".into(),
                 )),
@@ -737,10 +755,13 @@ struct ShmWorker {
 }
 
 impl ShmWorker {
-    fn transfer(&mut self, slice: &Slice) -> Outcome {
+    /// Copies the slice: `Ok` with the bytes' CRC32C when the copy folded them.
+    fn transfer(&mut self, slice: &Slice) -> Result<Option<u32>, Outcome> {
         let desc = slice.peer.desc();
         let Some(host) = desc.host.as_ref() else {
-            return Outcome::PathFailed("peer publishes no host identity".into());
+            return Err(Outcome::PathFailed(
+                "peer publishes no host identity".into(),
+            ));
         };
         if self
             .peers
@@ -754,19 +775,16 @@ impl ShmWorker {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => match Attached::attach(host) {
                 Ok(a) => v.insert(a),
-                Err(e) => return self.failed(slice, e),
+                Err(e) => return Err(self.failed(slice, e)),
             },
         };
         let Some(buf) = desc.buffer_for(slice.remote, slice.len) else {
-            return Outcome::Rejected(format!(
+            return Err(Outcome::Rejected(format!(
                 "[{:#x}, +{}) is not inside one buffer of {}",
                 slice.remote, slice.len, slice.peer.name
-            ));
+            )));
         };
-        match attached.copy(slice, buf) {
-            Ok(()) => Outcome::Done,
-            Err(e) => self.failed(slice, e),
-        }
+        attached.copy(slice, buf).map_err(|e| self.failed(slice, e))
     }
 
     fn failed(&mut self, slice: &Slice, e: CopyError) -> Outcome {
@@ -807,10 +825,14 @@ impl ShmWorker {
 
 impl TransportWorker for ShmWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
-        let outcome = self.transfer(&slice);
+        let (outcome, crc) = match self.transfer(&slice) {
+            Ok(crc) => (Outcome::Done, crc),
+            Err(outcome) => (outcome, None),
+        };
         done.push(Finished {
             id: slice.id,
             outcome,
+            crc,
         });
     }
 }

@@ -111,16 +111,78 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
             // SAFETY: `fold::available()` confirmed at run time that this CPU
             // has every target feature `fold::update` enables, and the buffer
             // is at least `MIN_LEN` bytes long, as it requires.
-            return !unsafe { fold::update(!crc, data) };
+            return !unsafe { fold::update::<false>(!crc, data, std::ptr::null_mut()) };
         }
         if hw::available() {
             // SAFETY: `available()` confirmed at run time that this CPU
             // supports SSE4.2, the only target feature the function needs.
-            return !unsafe { hw::update(!crc, data) };
+            return !unsafe { hw::update::<false>(!crc, data, std::ptr::null_mut()) };
         }
     }
     !sw_update(!crc, data)
 }
+
+/// Copies `src` to `dst` and continues `crc` over the bytes, in one pass: each word
+/// is folded into the checksum between its load and its store, so a read that must be
+/// verified costs one trip through memory, not a copy and then a second read.
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
+pub unsafe fn crc32c_append_copying(crc: u32, src: &[u8], dst: *mut u8) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[cfg(mc_avx512_intrinsics)]
+        if src.len() >= fold::MIN_LEN && fold::available() {
+            // SAFETY: the features `fold::update` enables are present (checked at run
+            // time), the buffer is long enough, and `dst` is the caller's promise.
+            return !unsafe { fold::update::<true>(!crc, src, dst) };
+        }
+        if hw::available() {
+            // SAFETY: SSE4.2 is present; `dst` is the caller's promise.
+            return !unsafe { hw::update::<true>(!crc, src, dst) };
+        }
+    }
+    // Chunks small enough to be checksummed while still in the first-level cache.
+    let mut crc = !crc;
+    for (i, chunk) in src.chunks(16 << 10).enumerate() {
+        // SAFETY: `dst + i * 16 KiB` is inside the caller's `src.len()` bytes at `dst`,
+        // which do not overlap `src`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(i * (16 << 10)), chunk.len())
+        };
+        crc = sw_update(crc, chunk);
+    }
+    !crc
+}
+
+/// The CRC-32C of `a ++ b` from `crc32c(a)`, `crc32c(b)` and `b`'s length: checksums
+/// of pieces moved in parallel, joined in their order.
+pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    // Appending `b` to a register `r` gives `r * x^(8 len_b) + f(b)`; the fixed
+    // initial and final inversions cancel out of the difference of two such sums.
+    // `x^(8 len_b)` is the product of the table's powers for `len_b`'s set bits.
+    let mut shifted = crc_a;
+    let mut n = len_b;
+    while n != 0 && shifted != 0 {
+        let bit = n.trailing_zeros();
+        shifted = mul_mod(X_POW_8_TIMES_2K[bit as usize], shifted);
+        n &= n - 1;
+    }
+    shifted ^ crc_b
+}
+
+/// `x^(8 * 2^k) mod P` for each `k`: shifts by a power-of-two number of bytes.
+static X_POW_8_TIMES_2K: [u32; 64] = {
+    let mut table = [0u32; 64];
+    let mut k = 0;
+    let mut power = x_pow_mod(8);
+    while k < 64 {
+        table[k] = power;
+        power = mul_mod(power, power);
+        k += 1;
+    }
+    table
+};
 
 /// Portable (slicing-by-8) CRC-32C, with the same result as [`crc32c`].
 /// Exposed so tests and benchmarks can compare it with the hardware path.
@@ -245,69 +307,124 @@ mod hw {
         u64::from_le_bytes(buf)
     }
 
+    /// The word at `bytes`, also stored at `dst + at` when copying.
+    ///
+    /// # Safety
+    /// With `COPY`, `dst + at .. + 8` must be writable.
+    #[inline(always)]
+    unsafe fn take<const COPY: bool>(bytes: &[u8], dst: *mut u8, at: usize) -> u64 {
+        let w = word(bytes);
+        if COPY {
+            // SAFETY: the caller's contract; no alignment needed.
+            unsafe { dst.add(at).cast::<u64>().write_unaligned(w) };
+        }
+        w
+    }
+
     /// Runs three streams of `len` bytes each (`block.len() == 3 * len`)
     /// and folds them into one register: with `a`, `b`, `c` the registers
     /// after each stream (`b` and `c` started from 0), the combined
-    /// register is `shift(shift(a) ^ b) ^ c`.
+    /// register is `shift(shift(a) ^ b) ^ c`. With `COPY` the block is also
+    /// stored at `dst`.
     ///
     /// # Safety
-    /// The CPU must support SSE4.2.
+    /// The CPU must support SSE4.2; with `COPY`, `dst` must be writable for
+    /// `block.len()` bytes.
     #[target_feature(enable = "sse4.2")]
-    unsafe fn triple(crc: u32, block: &[u8], len: usize, table: &[[u32; 256]; 4]) -> u32 {
+    unsafe fn triple<const COPY: bool>(
+        crc: u32,
+        block: &[u8],
+        dst: *mut u8,
+        len: usize,
+        table: &[[u32; 256]; 4],
+    ) -> u32 {
         debug_assert_eq!(block.len(), 3 * len);
         let (s0, rest) = block.split_at(len);
         let (s1, s2) = rest.split_at(len);
         let (mut a, mut b, mut c) = (u64::from(crc), 0u64, 0u64);
-        for ((x, y), z) in s0
+        for (i, ((x, y), z)) in s0
             .chunks_exact(8)
             .zip(s1.chunks_exact(8))
             .zip(s2.chunks_exact(8))
+            .enumerate()
         {
-            a = _mm_crc32_u64(a, word(x));
-            b = _mm_crc32_u64(b, word(y));
-            c = _mm_crc32_u64(c, word(z));
+            let at = 8 * i;
+            // SAFETY: `at + 2 len + 8 <= block.len()`, writable at `dst` when copying.
+            let (x, y, z) = unsafe {
+                (
+                    take::<COPY>(x, dst, at),
+                    take::<COPY>(y, dst, len + at),
+                    take::<COPY>(z, dst, 2 * len + at),
+                )
+            };
+            a = _mm_crc32_u64(a, x);
+            b = _mm_crc32_u64(b, y);
+            c = _mm_crc32_u64(c, z);
         }
         let ab = shift(table, a as u32) ^ b as u32;
         shift(table, ab) ^ c as u32
     }
 
-    /// Advances the raw (un-inverted) CRC register over `data`.
+    /// Advances the raw (un-inverted) CRC register over `data`, and with
+    /// `COPY` also copies it to `dst`.
     ///
     /// # Safety
-    /// The CPU must support SSE4.2.
+    /// The CPU must support SSE4.2; with `COPY`, `dst` must be writable for
+    /// `data.len()` bytes and must not overlap `data`.
     #[target_feature(enable = "sse4.2")]
-    pub(super) unsafe fn update(mut crc: u32, mut data: &[u8]) -> u32 {
+    pub(super) unsafe fn update<const COPY: bool>(
+        mut crc: u32,
+        mut data: &[u8],
+        mut dst: *mut u8,
+    ) -> u32 {
         // Byte steps up to 8-byte alignment, so the word loads are aligned.
         let misalign = data.as_ptr().align_offset(8).min(data.len());
         let (head, rest) = data.split_at(misalign);
+        // (Below, `dst` advances with `data`, within the caller's writable bytes.)
+        // SAFETY: the first `head.len()` of the caller's writable bytes.
+        unsafe { copy_bytes::<COPY>(head, dst) };
         for &byte in head {
             crc = _mm_crc32_u8(crc, byte);
         }
         data = rest;
+        dst = dst.wrapping_add(misalign);
 
-        while data.len() >= 3 * LONG {
-            let (block, rest) = data.split_at(3 * LONG);
-            // SAFETY: SSE4.2 is present, as `update`'s own contract requires.
-            crc = unsafe { triple(crc, block, LONG, &SHIFT_LONG) };
-            data = rest;
-        }
-        while data.len() >= 3 * SHORT {
-            let (block, rest) = data.split_at(3 * SHORT);
-            // SAFETY: SSE4.2 is present, as `update`'s own contract requires.
-            crc = unsafe { triple(crc, block, SHORT, &SHIFT_SHORT) };
-            data = rest;
+        for (stream, table) in [(LONG, &SHIFT_LONG), (SHORT, &SHIFT_SHORT)] {
+            while data.len() >= 3 * stream {
+                let (block, rest) = data.split_at(3 * stream);
+                // SAFETY: SSE4.2 is present and `dst` is writable for the block.
+                crc = unsafe { triple::<COPY>(crc, block, dst, stream, table) };
+                data = rest;
+                dst = dst.wrapping_add(3 * stream);
+            }
         }
 
         let mut wide = u64::from(crc);
         let mut words = data.chunks_exact(8);
-        for w in &mut words {
-            wide = _mm_crc32_u64(wide, word(w));
+        for (i, w) in (&mut words).enumerate() {
+            // SAFETY: inside the remaining writable bytes at `dst`.
+            wide = _mm_crc32_u64(wide, unsafe { take::<COPY>(w, dst, 8 * i) });
         }
+        let tail = words.remainder();
+        // SAFETY: the last `tail.len()` writable bytes.
+        unsafe { copy_bytes::<COPY>(tail, dst.wrapping_add(data.len() - tail.len())) };
         let mut crc = wide as u32;
-        for &byte in words.remainder() {
+        for &byte in tail {
             crc = _mm_crc32_u8(crc, byte);
         }
         crc
+    }
+
+    /// Stores `bytes` at `dst` when copying.
+    ///
+    /// # Safety
+    /// With `COPY`, `dst` must be writable for `bytes.len()` bytes, apart from them.
+    #[inline(always)]
+    pub(super) unsafe fn copy_bytes<const COPY: bool>(bytes: &[u8], dst: *mut u8) {
+        if COPY {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+        }
     }
 }
 
@@ -330,9 +447,10 @@ mod fold {
     use super::x_pow_mod;
     use std::arch::x86_64::{
         __m128i, __m512i, _mm512_castsi128_si512, _mm512_clmulepi64_epi128,
-        _mm512_extracti32x4_epi32, _mm512_loadu_si512, _mm512_set_epi64, _mm512_ternarylogic_epi64,
-        _mm512_xor_si512, _mm_clmulepi64_si128, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64,
-        _mm_cvtsi32_si128, _mm_extract_epi64, _mm_loadu_si128, _mm_set_epi64x, _mm_xor_si128,
+        _mm512_extracti32x4_epi32, _mm512_loadu_si512, _mm512_set_epi64, _mm512_storeu_si512,
+        _mm512_ternarylogic_epi64, _mm512_xor_si512, _mm_clmulepi64_si128, _mm_crc32_u64,
+        _mm_crc32_u8, _mm_cvtsi128_si64, _mm_cvtsi32_si128, _mm_extract_epi64, _mm_loadu_si128,
+        _mm_set_epi64x, _mm_xor_si128,
     };
     use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -379,12 +497,21 @@ mod fold {
         _mm512_set_epi64(k.1, k.0, k.1, k.0, k.1, k.0, k.1, k.0)
     }
 
-    /// The first 64 bytes of `bytes` (unaligned).
+    /// The first 64 bytes of `bytes` (unaligned), also stored at `dst + at` when
+    /// copying.
+    ///
+    /// # Safety
+    /// With `COPY`, `dst + at .. + 64` must be writable.
     #[target_feature(enable = "avx512f")]
-    fn load(bytes: &[u8]) -> __m512i {
+    unsafe fn load<const COPY: bool>(bytes: &[u8], dst: *mut u8, at: usize) -> __m512i {
         let chunk = &bytes[..64];
         // SAFETY: `chunk` holds 64 readable bytes; the load needs no alignment.
-        unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) }
+        let v = unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) };
+        if COPY {
+            // SAFETY: the caller's contract; the store needs no alignment.
+            unsafe { _mm512_storeu_si512(dst.add(at).cast(), v) };
+        }
+        v
     }
 
     /// Moves each lane of `x` forward by the distance `k` was built for, onto `next`.
@@ -404,29 +531,40 @@ mod fold {
         _mm_xor_si128(_mm_xor_si128(first, last), next)
     }
 
-    /// Advances the raw (un-inverted) CRC register over `data`.
+    /// Advances the raw (un-inverted) CRC register over `data`, and with `COPY` also
+    /// copies it to `dst`.
     ///
     /// # Safety
-    /// The CPU must have what `available` checks, and `data.len() >= MIN_LEN`.
+    /// The CPU must have what `available` checks, and `data.len() >= MIN_LEN`; with
+    /// `COPY`, `dst` must be writable for `data.len()` bytes and must not overlap `data`.
     #[target_feature(enable = "avx512f,vpclmulqdq,pclmulqdq,sse4.2")]
-    pub(super) unsafe fn update(crc: u32, data: &[u8]) -> u32 {
+    pub(super) unsafe fn update<const COPY: bool>(crc: u32, data: &[u8], dst: *mut u8) -> u32 {
         debug_assert!(data.len() >= MIN_LEN);
         let mut blocks = data.chunks_exact(256);
         let Some(first) = blocks.next() else {
             return crc; // unreachable by the contract; nothing to fold
         };
+        // (Below, `at` is the offset of the loaded bytes in `data`, so a `load`'s
+        // store lands inside the caller's writable `dst` range.)
         let seed = _mm512_castsi128_si512(_mm_cvtsi32_si128(crc as i32));
-        let mut acc = [
-            _mm512_xor_si512(load(first), seed),
-            load(&first[64..]),
-            load(&first[128..]),
-            load(&first[192..]),
-        ];
+        // SAFETY: the first 256 bytes, at their offsets.
+        let mut acc = unsafe {
+            [
+                _mm512_xor_si512(load::<COPY>(first, dst, 0), seed),
+                load::<COPY>(&first[64..], dst, 64),
+                load::<COPY>(&first[128..], dst, 128),
+                load::<COPY>(&first[192..], dst, 192),
+            ]
+        };
         let k256 = wide(BY_256_BYTES);
+        let mut at = 256;
         for block in &mut blocks {
             for (i, a) in acc.iter_mut().enumerate() {
-                *a = fold_wide(*a, k256, load(&block[64 * i..]));
+                // SAFETY: 64 bytes at their offset `at + 64 i`.
+                let next = unsafe { load::<COPY>(&block[64 * i..], dst, at + 64 * i) };
+                *a = fold_wide(*a, k256, next);
             }
+            at += 256;
         }
         let k64 = wide(BY_64_BYTES);
         let mut x = fold_wide(acc[0], k64, acc[1]);
@@ -435,14 +573,30 @@ mod fold {
         let rest = blocks.remainder();
         let mut sixty_fours = rest.chunks_exact(64);
         for chunk in &mut sixty_fours {
-            x = fold_wide(x, k64, load(chunk));
+            // SAFETY: 64 bytes at their offset `at`.
+            let next = unsafe { load::<COPY>(chunk, dst, at) };
+            x = fold_wide(x, k64, next);
+            at += 64;
         }
         let k16 = _mm_set_epi64x(BY_16_BYTES.1, BY_16_BYTES.0);
         let mut lane = _mm512_extracti32x4_epi32(x, 0);
         lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 1));
         lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 2));
         lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 3));
-        let rest = sixty_fours.remainder();
+        // SAFETY: `rest` is the last part of `data`, at `at` in the caller's `dst`.
+        unsafe { finish::<COPY>(lane, sixty_fours.remainder(), dst.wrapping_add(at)) }
+    }
+
+    /// Folds the last (< 64) bytes `rest` onto the 16-byte remainder `lane` (copying
+    /// them to `dst` with `COPY`) and reduces it to the raw CRC register.
+    ///
+    /// # Safety
+    /// With `COPY`, `dst` must be writable for `rest.len()` bytes, apart from them.
+    #[target_feature(enable = "pclmulqdq,sse4.2")]
+    unsafe fn finish<const COPY: bool>(mut lane: __m128i, rest: &[u8], dst: *mut u8) -> u32 {
+        // SAFETY: the caller's contract.
+        unsafe { super::hw::copy_bytes::<COPY>(rest, dst) };
+        let k16 = _mm_set_epi64x(BY_16_BYTES.1, BY_16_BYTES.0);
         let mut sixteens = rest.chunks_exact(16);
         for chunk in &mut sixteens {
             // SAFETY: the chunk is 16 bytes; the load is unaligned.
@@ -547,6 +701,85 @@ mod tests {
                         "len {len} offset {offset} start {start:#x}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The copying form stores exactly the source and checksums it as `crc32c_append`
+    /// does, across every path's boundaries and alignments of either side.
+    #[test]
+    fn copying_matches_append_and_copies_exactly() {
+        let data = pseudo_random(3 * 8192 * 2 + 3 * 256 + 300, 0xc0b1);
+        let lens = (0..300).chain(740..800).chain(1000..1100).chain([
+            3 * 8192 - 1,
+            3 * 8192,
+            3 * 8192 + 9,
+            data.len() - 64,
+        ]);
+        for len in lens {
+            for (from, to) in [(0usize, 0usize), (1, 0), (3, 5), (64, 7)] {
+                let src = &data[from..from + len];
+                let mut out = vec![0x5au8; len + to + 8];
+                for start in [0u32, 0xdead_beef] {
+                    // SAFETY: `out` holds `to + len` bytes and is not `data`.
+                    let crc =
+                        unsafe { crc32c_append_copying(start, src, out.as_mut_ptr().add(to)) };
+                    assert_eq!(crc, crc32c_append(start, src), "len {len} at {from}/{to}");
+                    assert_eq!(&out[to..to + len], src, "len {len} at {from}/{to}");
+                    assert!(
+                        out[..to].iter().all(|&b| b == 0x5a),
+                        "wrote before, len {len}"
+                    );
+                    assert!(
+                        out[to + len..].iter().all(|&b| b == 0x5a),
+                        "wrote past, len {len}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn combine_joins_pieces_in_order() {
+        let data = pseudo_random(70_000, 3);
+        let whole = crc32c(&data);
+        for split in [0, 1, 255, 4096, 65_536, 70_000] {
+            let (a, b) = data.split_at(split);
+            assert_eq!(crc32c_combine(crc32c(a), crc32c(b), b.len() as u64), whole);
+        }
+        let (a, rest) = data.split_at(1000);
+        let (b, c) = rest.split_at(30_000);
+        let ab = crc32c_combine(crc32c(a), crc32c(b), b.len() as u64);
+        assert_eq!(crc32c_combine(ab, crc32c(c), c.len() as u64), whole);
+    }
+
+    /// Each implementation this CPU can run, called directly (the public functions
+    /// pick one), checksumming and copying, against the portable path.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn every_path_this_cpu_runs_agrees() {
+        let data = pseudo_random(3 * 8192 * 2 + 3 * 256 + 300, 0xa11);
+        for len in [256usize, 300, 768, 769, 3 * 8192 + 5, data.len() - 3] {
+            let src = &data[3..3 + len];
+            let want = crc32c_software_append(7, src);
+            let mut out = vec![0u8; len];
+            if hw::available() {
+                // SAFETY: SSE4.2 is present; `out` holds `len` bytes, apart from `src`.
+                unsafe {
+                    assert_eq!(!hw::update::<false>(!7, src, std::ptr::null_mut()), want);
+                    assert_eq!(!hw::update::<true>(!7, src, out.as_mut_ptr()), want);
+                }
+                assert_eq!(out, src);
+            }
+            #[cfg(mc_avx512_intrinsics)]
+            if fold::available() {
+                out.fill(0);
+                // SAFETY: as above, with the folding path's features and length.
+                unsafe {
+                    assert_eq!(!fold::update::<false>(!7, src, std::ptr::null_mut()), want);
+                    assert_eq!(!fold::update::<true>(!7, src, out.as_mut_ptr()), want);
+                }
+                assert_eq!(out, src);
             }
         }
     }

@@ -314,6 +314,7 @@ fn worker_wait_fd_wakes_for_handshake_replies_and_completions() {
         len: 4096,
         peer: peer.clone(),
         deadline: Instant::now() + Duration::from_secs(30),
+        checksum: false,
     };
     let mut worker = transport.new_worker().unwrap();
     let fd = worker
@@ -596,6 +597,7 @@ fn target_process_refuses_bad_rkeys_and_ranges() {
         len: 4096,
         peer: peer.clone(),
         deadline: Instant::now() + Duration::from_secs(30),
+        checksum: false,
     };
 
     // The published keys and range: the write lands.

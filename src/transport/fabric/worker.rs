@@ -438,6 +438,7 @@ impl FabricWorker {
                 self.done.push(Finished {
                     id: slice,
                     outcome: s.failure.unwrap_or(Outcome::Done),
+                    crc: None,
                 });
             }
         }
@@ -663,6 +664,7 @@ impl FabricWorker {
                 self.done.push(Finished {
                     id,
                     outcome: Outcome::TimedOut,
+                    crc: None,
                 });
                 // Operations the provider still holds keep their contexts; replacing
                 // the endpoint releases them and drops whatever state made them stall.
@@ -699,6 +701,7 @@ impl TransportWorker for FabricWorker {
             done.push(Finished {
                 id: slice.id,
                 outcome,
+                crc: None,
             });
             return;
         }

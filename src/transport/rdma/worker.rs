@@ -356,6 +356,7 @@ impl RdmaWorker {
                         done.push(Finished {
                             id: slice.id,
                             outcome: Outcome::PathFailed(why.clone()),
+                            crc: None,
                         });
                     }
                 }
@@ -409,6 +410,7 @@ impl RdmaWorker {
                 Err(Some(e)) => done.push(Finished {
                     id: slice.id,
                     outcome: Outcome::PathFailed(e.to_string()),
+                    crc: None,
                 }),
             },
             // The descriptor changed meanwhile: choose again.
@@ -771,6 +773,7 @@ impl RdmaWorker {
         done.push(Finished {
             id: p.slice,
             outcome,
+            crc: None,
         });
     }
 }
@@ -780,7 +783,11 @@ fn finish(tried: &mut HashMap<u64, Tried>, id: u64, outcome: Outcome, done: &mut
     if outcome != Outcome::Stale {
         tried.remove(&id);
     }
-    done.push(Finished { id, outcome });
+    done.push(Finished {
+        id,
+        outcome,
+        crc: None,
+    });
 }
 
 impl TransportWorker for RdmaWorker {
@@ -789,6 +796,7 @@ impl TransportWorker for RdmaWorker {
             done.push(Finished {
                 id: slice.id,
                 outcome: Outcome::Rejected(format!("slice of {} bytes", slice.len)),
+                crc: None,
             });
             return;
         }
@@ -837,6 +845,7 @@ impl TransportWorker for RdmaWorker {
                     done.push(Finished {
                         id: slice.id,
                         outcome,
+                        crc: None,
                     });
                 }
             }
@@ -856,6 +865,7 @@ impl TransportWorker for RdmaWorker {
                     done.push(Finished {
                         id: p.slice,
                         outcome: Outcome::TimedOut,
+                        crc: None,
                     });
                     moved = true;
                 }
@@ -868,6 +878,7 @@ impl TransportWorker for RdmaWorker {
                     done.push(Finished {
                         id: s.id,
                         outcome: Outcome::TimedOut,
+                        crc: None,
                     });
                 }
             }
@@ -880,6 +891,7 @@ impl TransportWorker for RdmaWorker {
                     done.push(Finished {
                         id: s.id,
                         outcome: Outcome::TimedOut,
+                        crc: None,
                     });
                     false
                 });

@@ -80,6 +80,18 @@ impl Copier {
     }
 
     fn copy(&mut self, peer: &Arc<Peer>, op: Op, local: &mut [u8], remote: u64) -> Outcome {
+        self.copy_checksummed(peer, op, local, remote, false)
+            .outcome
+    }
+
+    fn copy_checksummed(
+        &mut self,
+        peer: &Arc<Peer>,
+        op: Op,
+        local: &mut [u8],
+        remote: u64,
+        checksum: bool,
+    ) -> Finished {
         let slice = Slice {
             id: 1,
             op,
@@ -89,10 +101,11 @@ impl Copier {
             len: local.len() as u64,
             peer: peer.clone(),
             deadline: Instant::now() + Duration::from_secs(5),
+            checksum,
         };
         let mut done = Vec::new();
         self.worker.post(slice, &mut done);
-        done.pop().unwrap().outcome
+        done.pop().unwrap()
     }
 }
 
@@ -174,6 +187,27 @@ fn a_forged_descriptor_reaches_nothing_its_owner_did_not_register() {
         heap.iter().all(|&b| b == 0xab),
         "the victim's heap is unharmed"
     );
+}
+
+/// A checksummed read out of a mapped buffer comes back with the CRC32C of its bytes,
+/// folded by the copy itself; a read that did not ask, and a write, carry none.
+#[test]
+fn a_checksummed_read_is_folded_by_the_copy() {
+    let owner = Owner::new();
+    let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
+    let shared = owner.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+    let victim = peer(1, owner.desc("owner", vec![shared.clone()]));
+    let mut copier = Copier::new();
+    let mut data: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
+    let wrote = copier.copy_checksummed(&victim, Op::Write, &mut data, shared.addr + 3, true);
+    assert_eq!((wrote.outcome, wrote.crc), (Outcome::Done, None));
+    let mut back = vec![0u8; 5000];
+    let read = copier.copy_checksummed(&victim, Op::Read, &mut back, shared.addr + 3, true);
+    assert_eq!(read.outcome, Outcome::Done);
+    assert_eq!(back, data);
+    assert_eq!(read.crc, Some(crate::util::crc32c::crc32c(&data)));
+    let plain = copier.copy_checksummed(&victim, Op::Read, &mut back, shared.addr + 3, false);
+    assert_eq!((plain.outcome, plain.crc), (Outcome::Done, None));
 }
 
 #[test]

@@ -246,6 +246,7 @@ impl Lane {
                 done.push(Finished {
                     id: p.slice.id,
                     outcome: Outcome::Done,
+                    crc: None,
                 });
             }
         }
@@ -398,6 +399,7 @@ impl TcpWorker {
             done.push(Finished {
                 id: p.slice.id,
                 outcome,
+                crc: None,
             });
             self.in_flight -= 1;
         }
@@ -429,6 +431,7 @@ impl TransportWorker for TcpWorker {
                 done.push(Finished {
                     id: slice.id,
                     outcome: Outcome::PathFailed(why),
+                    crc: None,
                 });
                 return;
             }
@@ -549,6 +552,7 @@ mod tests {
             len: buf.len() as u64,
             peer: peer.clone(),
             deadline,
+            checksum: false,
         }
     }
 

@@ -12,7 +12,7 @@ use super::{Group, GroupOptions};
 use crate::engine::{BatchId, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
-use crate::util::crc32c::crc32c;
+use crate::util::crc32c::{crc32c, crc32c_append_copying};
 use crate::util::stream_copy::copy_bypassing_cache;
 use crate::Request;
 
@@ -721,16 +721,19 @@ impl Group {
                     }
                     let len = stamp.len.min(remaining);
                     match &mut m.sink {
-                        // Copy, then check the copy: the cell is read once, and what was
-                        // checked is exactly what was taken. A cell still landing leaves
-                        // a partial copy that the retry overwrites.
+                        // Copy and check in one pass: each word is checksummed as it
+                        // is stored, so the cell is read once and what was checked is
+                        // exactly what was taken. A cell still landing leaves a partial
+                        // copy that the retry overwrites.
                         Sink::Copy(b) if stamp.len <= remaining => {
                             if let Some(k) = &mut m.keep {
                                 k.save(b, m.offset + len);
                             }
                             let dst = &mut b[m.offset..m.offset + len];
-                            dst.copy_from_slice(whole);
-                            if !head.payload_matches(dst) {
+                            // SAFETY: `dst` holds `len == whole.len()` bytes of the
+                            // caller's buffer, which is not the receive cell.
+                            let crc = unsafe { crc32c_append_copying(0, whole, dst.as_mut_ptr()) };
+                            if !head.payload_crc_matches(crc) {
                                 break;
                             }
                         }
@@ -739,8 +742,16 @@ impl Group {
                         // land between a check and a second read.
                         _ => {
                             checked.clear();
-                            checked.extend_from_slice(whole);
-                            if !head.payload_matches(&checked) {
+                            checked.reserve(whole.len());
+                            // SAFETY: `checked` has room for `whole.len()` bytes (reserved
+                            // above), apart from the cell; they are all written before
+                            // `set_len` counts them.
+                            let crc = unsafe {
+                                let crc = crc32c_append_copying(0, whole, checked.as_mut_ptr());
+                                checked.set_len(whole.len());
+                                crc
+                            };
+                            if !head.payload_crc_matches(crc) {
                                 break;
                             }
                             if let (Sink::Copy(b), Some(k)) = (&m.sink, &mut m.keep) {

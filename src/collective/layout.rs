@@ -235,7 +235,13 @@ impl CellHead {
     /// Whether `payload` (the cell's payload, or a copy of it) completes the CRC: the
     /// cell was whole and is the one the stamp describes.
     pub fn payload_matches(&self, payload: &[u8]) -> bool {
-        crc32c_append(crc32c(payload), &self.stamp_bytes) == self.crc
+        self.payload_crc_matches(crc32c(payload))
+    }
+
+    /// [`payload_matches`](Self::payload_matches) for a payload whose CRC32C is
+    /// already known (taken by the copy that moved it).
+    pub fn payload_crc_matches(&self, payload_crc: u32) -> bool {
+        crc32c_append(payload_crc, &self.stamp_bytes) == self.crc
     }
 }
 

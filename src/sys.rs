@@ -273,23 +273,6 @@ pub fn idle_connection_closed(stream: &TcpStream) -> bool {
     true
 }
 
-/// One `recv` that never blocks: `WouldBlock` when nothing is there yet.
-pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is ours and writable for its length during the call.
-    let n = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
-}
-
 /// Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's auto-tuning alone).
 pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
     if bytes == 0 {

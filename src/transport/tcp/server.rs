@@ -30,11 +30,6 @@ use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
 const TICK: Duration = Duration::from_millis(200);
 /// Bytes of headers (and small write payloads) read per syscall.
 const INPUT_BUFFER: usize = 64 << 10;
-/// How long a connection polls its socket for the next request before it blocks. A
-/// synchronous caller's next request typically follows within a few microseconds, and
-/// picking it up from a blocking read costs a wake-up (a scheduler round trip, about
-/// as long as the whole exchange); an idle connection pays this once per answer.
-const SPIN_BEFORE_BLOCKING: Duration = Duration::from_micros(20);
 /// Answers gathered into one `writev` at most (two iovecs each, under IOV_MAX).
 const MAX_PENDING_REPLIES: usize = 256;
 
@@ -157,42 +152,22 @@ impl Connection<'_> {
         } else {
             limits.frame_timeout
         };
-        let mut spins = 0u32;
-        loop {
-            match sys::recv_nonblocking(&self.stream, &mut self.input[self.end..]) {
-                Ok(n) => return self.took(n),
-                Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-            spins += 1;
-            // (The clock is read every 16 polls: a poll is a fraction of a microsecond.)
-            if spins % 16 == 0 && since.elapsed() >= SPIN_BEFORE_BLOCKING {
-                break;
-            }
-            std::hint::spin_loop();
-        }
         loop {
             match self.stream.read(&mut self.input[self.end..]) {
-                Ok(n) => return self.took(n),
+                Ok(0) if self.end == 0 => return Ok(false),
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("connection closed inside a header ({} bytes)", self.end),
+                    ))
+                }
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(true);
+                }
                 Err(e) if is_timeout(&e) => keep_waiting(since, patience, false)?,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
-            }
-        }
-    }
-
-    /// Counts `n` bytes just read into the input buffer; false on a clean end of
-    /// stream between requests.
-    fn took(&mut self, n: usize) -> io::Result<bool> {
-        match n {
-            0 if self.end == 0 => Ok(false),
-            0 => Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("connection closed inside a header ({} bytes)", self.end),
-            )),
-            n => {
-                self.end += n;
-                Ok(true)
             }
         }
     }

@@ -534,7 +534,6 @@ fn engine_reference(
         waited.map_err(|e| format!("engine read: {e}"))?;
         lat.push(t0.elapsed().as_secs_f64() * 1e6);
     }
-    drop(local);
     let secs = start.elapsed().as_secs_f64();
     let gbps = (lat.len() * n * size) as f64 / secs / 1e9;
     lat.sort_by(f64::total_cmp);

@@ -263,13 +263,27 @@ fn sw_update(mut crc: u32, data: &[u8]) -> u32 {
     crc
 }
 
+/// Stores `bytes` at `dst` when copying (the byte heads and tails of the copying
+/// forms of the hardware paths).
+///
+/// # Safety
+/// With `COPY`, `dst` must be writable for `bytes.len()` bytes, apart from them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn copy_bytes<const COPY: bool>(bytes: &[u8], dst: *mut u8) {
+    if COPY {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Hardware path: SSE4.2 `crc32`, three interleaved streams.
 // ---------------------------------------------------------------------------
 
 #[cfg(target_arch = "x86_64")]
 mod hw {
-    use super::{shift, shift_table};
+    use super::{copy_bytes, shift, shift_table};
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
     use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -413,18 +427,6 @@ mod hw {
             crc = _mm_crc32_u8(crc, byte);
         }
         crc
-    }
-
-    /// Stores `bytes` at `dst` when copying.
-    ///
-    /// # Safety
-    /// With `COPY`, `dst` must be writable for `bytes.len()` bytes, apart from them.
-    #[inline(always)]
-    pub(super) unsafe fn copy_bytes<const COPY: bool>(bytes: &[u8], dst: *mut u8) {
-        if COPY {
-            // SAFETY: the caller's contract.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
-        }
     }
 }
 
@@ -595,7 +597,7 @@ mod fold {
     #[target_feature(enable = "pclmulqdq,sse4.2")]
     unsafe fn finish<const COPY: bool>(mut lane: __m128i, rest: &[u8], dst: *mut u8) -> u32 {
         // SAFETY: the caller's contract.
-        unsafe { super::hw::copy_bytes::<COPY>(rest, dst) };
+        unsafe { super::copy_bytes::<COPY>(rest, dst) };
         let k16 = _mm_set_epi64x(BY_16_BYTES.1, BY_16_BYTES.0);
         let mut sixteens = rest.chunks_exact(16);
         for chunk in &mut sixteens {

@@ -636,8 +636,12 @@ typedef struct mc_pg_message {
  * auto_sync_on_failure (1), active_ranks ("1101": one digit per rank), cells_per_peer
  * (4), cell_bytes (1048576; every rank must agree on these two), max_group_size
  * (accepted; capacity is world_size), staging_keep_bytes (268435456: pinned staging
- * of device collectives, and all_reduce scratch, kept between operations), and any mc_config_set key for the rank's engine
- * (bind_address, protocol, workers, ...). */
+ * of device collectives, and all_reduce scratch, kept between operations),
+ * agree_on_new_view (0; 1: a collective that enters a new view at its own start runs
+ * nothing in it and fails with MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS while this rank
+ * stays a member, so the caller runs its agreement round, mc_pg_agree_max, first, as
+ * ranks that reconciled explicitly do; the Python backend sets it), and any
+ * mc_config_set key for the rank's engine (bind_address, protocol, workers, ...). */
 int mc_pg_new(int rank, int world_size, const char *options, mc_pg **out);
 /* Stops the rank (its last messages land first); NULL is ignored. */
 void mc_pg_free(mc_pg *pg);

@@ -1418,3 +1418,55 @@ mod failed_all_reduce {
         ranks_0_and_1_fail_unchanged(&groups, elems, ReduceOp::Avg);
     }
 }
+
+/// With `agree_on_new_view` (what `mooncake.pg` sets), a collective that enters a new
+/// view at its own start (here: reconciling the failure its previous operation saw)
+/// runs nothing in it and is refused, so the caller agrees first, as the rank that
+/// reconciled through `sync_after_failure` does; both then run the operation again.
+/// Without the refusal the two would run different operations in the new view.
+#[test]
+fn a_collective_entering_a_new_view_at_its_start_is_refused_until_agreed() {
+    let mut groups = common::groups::connected_groups(3, |o| {
+        o.timeout = Duration::from_millis(1500);
+        o.agree_on_new_view = true;
+        o.cell_bytes = 64 << 10;
+        o.cells_per_peer = 2;
+    });
+    drop(groups.pop()); // rank 2 is gone
+    let (g0, g1) = (&groups[0], &groups[1]);
+    let sum = |g: &Group| {
+        let mut v = [1u8; 64];
+        g.all_reduce(&mut v, DType::U8, ReduceOp::Sum)
+            .map(|()| v[0])
+    };
+    std::thread::scope(|s| {
+        let a = s.spawn(|| sum(g0));
+        let b = s.spawn(|| sum(g1));
+        assert!(a.join().unwrap().is_err(), "rank 2 never answered");
+        assert!(b.join().unwrap().is_err(), "rank 2 never answered");
+    });
+    let epoch = g0.epoch();
+    std::thread::scope(|s| {
+        // Rank 0 reconciles explicitly, then agrees; rank 1 just runs its next
+        // operation, which reconciles at its start and must not run there.
+        let a = s.spawn(|| {
+            g0.sync_after_failure().expect("reconciled");
+            g0.agree_max(7)
+        });
+        let refused = sum(g1).expect_err("entered a new view at its start");
+        assert_eq!(
+            refused.code(),
+            mooncake::Code::UnavailableInCurrentStatus,
+            "{refused}"
+        );
+        assert_eq!(g1.agree_max(3).expect("agreed"), 7);
+        assert_eq!(a.join().unwrap().expect("agreed"), 7);
+    });
+    assert!(g0.epoch() > epoch);
+    assert_eq!(g1.active_ranks(), [true, true, false]);
+    std::thread::scope(|s| {
+        let a = s.spawn(|| sum(g0));
+        assert_eq!(sum(g1).expect("runs in the new view"), 2);
+        assert_eq!(a.join().unwrap().expect("runs in the new view"), 2);
+    });
+}

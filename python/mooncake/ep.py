@@ -241,6 +241,9 @@ class Buffer:
         device = send_buf.device
         send = [int(n) * sb for n in send_rows]
         recv = [int(n) * rb for n in recv_rows]
+        # Read before the call: one that entered a new view at its start and was refused
+        # there (agree_on_new_view) is run again, not taken for a failure.
+        epoch = self._handle.epoch()
         try:
             # The handle's memory setting is shared with the PG backend's threads: held
             # from the setting to the call.
@@ -258,7 +261,6 @@ class Buffer:
             # Which ranks are masked comes from the view the survivors agree on, not from
             # this exchange's hint: a rank that died between the two exchanges can leave
             # survivors in different exchanges, blaming a live peer for the mismatch.
-            epoch = self._handle.epoch()
             if self._handle.sync_after_failure().status == pg.SyncAfterFailureStatus.Rejected:
                 raise
             self._apply_membership(active_ranks)

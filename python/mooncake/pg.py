@@ -46,6 +46,8 @@ from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 from . import _native
 from ._native import LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT, MC_OK, error_string
 
+MC_ERR_UNAVAILABLE = -1010  # UnavailableInCurrentStatus
+
 __all__ = [
     "MooncakeBackendOptions",
     "MooncakeCollectiveError",
@@ -272,6 +274,10 @@ _DEFAULTS = {"timeout_ms": 5000, "engine": {}}
 # Tries of an operation whose peers did not answer: the first, then one over the
 # survivors after reconciling, and one more in case another rank failed meanwhile.
 _ATTEMPTS = 3
+# Views a collective may find entered at its start, each sending it back to agree first
+# (see ``_entered_new_view``), before such a refusal counts as a failed attempt: every
+# entry needs a membership change of its own, so this bounds the loop, not the work.
+_NEW_VIEWS = 16
 
 
 class _Rendezvous:
@@ -404,7 +410,7 @@ class ProcessGroupHandle:
     use the handle holds it with ``with handle.memory("cuda:N"): ...``.
     """
 
-    def __init__(self, rank, world_size, options=None):
+    def __init__(self, rank, world_size, options=None, agree_on_new_view=False):
         opts = options or MooncakeBackendOptions()
         self.rank = int(rank)
         # Rank slots (``max_group_size`` when larger than the world size): the C
@@ -413,7 +419,10 @@ class ProcessGroupHandle:
         self.world_size = opts.group_size(world_size)
         self.options = opts
         handle = c_void_p()
-        text = opts.to_string(self.initial_size, self.rank).encode()
+        text = opts.to_string(self.initial_size, self.rank)
+        if agree_on_new_view:
+            text += ";agree_on_new_view=1"
+        text = text.encode()
         rc = _fn("mc_pg_new")(self.rank, self.world_size, text, byref(handle))
         if rc != MC_OK:
             raise RuntimeError(f"mc_pg_new: {error_string(rc)} ({rc})")
@@ -814,7 +823,7 @@ if torch is not None:
                 # whatever it was told: local-only until join_group.
                 options = copy.copy(options)
                 options.is_extension = True
-            self.handle = ProcessGroupHandle(rank, size, options)
+            self.handle = ProcessGroupHandle(rank, size, options, agree_on_new_view=True)
             # Rank slots, max_group_size's when larger: every per-rank list has this many.
             self._size = self.handle.world_size
             self._rendezvous.publish(size, self.handle.address())
@@ -917,6 +926,14 @@ if torch is not None:
             self._ran = [self.handle.epoch(), 0]
             return furthest >> 40 == mine >> 40 and mine < furthest
 
+        def _entered_new_view(self, error):
+            """Whether a collective was refused because it entered a new view at its
+            start (``agree_on_new_view``): unavailable while this rank is a member (one
+            no longer a member gets the same code, and is not one)."""
+            return (isinstance(error, MooncakeCollectiveError)
+                    and error.code == MC_ERR_UNAVAILABLE
+                    and self.handle.active_ranks()[self._rank])
+
         def _ran_one(self):
             epoch = self.handle.epoch()
             if epoch == self._ran[0]:
@@ -972,7 +989,9 @@ if torch is not None:
             # device; the failing call itself changes nothing, device memory included).
             saved = self._save(inputs)
             missed = []
-            for attempt in range(_ATTEMPTS):
+            attempt = 0
+            entered = 0
+            while attempt < _ATTEMPTS:
                 try:
                     if self._completed_elsewhere():
                         # Inputs as given, outputs left as they are; local success False.
@@ -986,6 +1005,13 @@ if torch is not None:
                     self._ran_one()
                     break
                 except (MooncakeCollectiveError, ValueError) as e:
+                    if entered < _NEW_VIEWS and self._entered_new_view(e):
+                        entered += 1
+                        # The C call entered a view the others agreed on meanwhile and
+                        # ran nothing in it: agree first, as they do (not an attempt).
+                        with self._on(device):
+                            _restore(inputs, saved)
+                        continue
                     if isinstance(e, ValueError) and attempt == 0:
                         raise  # refused before anything moved: the caller's mistake
                     # (A ValueError on a retry: the survivors' view no longer fits a
@@ -1005,6 +1031,7 @@ if torch is not None:
                     if not retry:
                         self.handle.publish_mask()
                         return MooncakeWork(self, e, missed)
+                    attempt += 1
             for c in tensors:
                 c.done()
             self.handle.publish_mask()

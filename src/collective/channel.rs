@@ -884,7 +884,8 @@ impl Group {
             idle += 1;
             backoff(idle);
             if idle % 64 == 0 {
-                if let Some(suspects) = self.change_announced(st) {
+                let exchange = (kind != KIND_P2P).then_some(st.seq);
+                if let Some(suspects) = self.change_stops_operation(st, exchange) {
                     // The announcer's evidence names the failed ranks; ranks we were
                     // merely still waiting for may be waiting on those same ranks.
                     let missing = if suspects.is_empty() {

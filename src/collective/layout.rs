@@ -308,6 +308,10 @@ pub struct Proposal {
     pub add: Mask,
     /// Ranks to deactivate.
     pub remove: Mask,
+    /// Collective exchanges the writer had begun in epoch `base` when it wrote (members
+    /// run them in the same order): tells a member blocked in one whether the writer
+    /// is past it.
+    pub exchanges: u64,
 }
 
 /// A process's claim of a rank: where to reach it.
@@ -351,17 +355,19 @@ pub fn encode_proposal(kind: RecordKind, p: &Proposal) -> Vec<u8> {
     p.suspects.put(&mut body);
     p.add.put(&mut body);
     p.remove.put(&mut body);
+    body.extend_from_slice(&p.exchanges.to_le_bytes());
     seal(kind, &body)
 }
 
 /// Decodes a proposal record of `kind`.
 pub fn decode_proposal(slot: &[u8], kind: RecordKind) -> Option<Proposal> {
     let b = open(slot, kind)?;
-    (b.len() == 8 + 96).then(|| Proposal {
+    (b.len() == 8 + 96 + 8).then(|| Proposal {
         base: le64(b, 0),
         suspects: Mask::get(&b[8..40]),
         add: Mask::get(&b[40..72]),
         remove: Mask::get(&b[72..104]),
+        exchanges: le64(b, 104),
     })
 }
 
@@ -439,6 +445,7 @@ mod tests {
             suspects: Mask::of(&[2]),
             add: Mask::of(&[5, 200]),
             remove: Mask::default(),
+            exchanges: 9,
         };
         let mut slot = encode_proposal(RecordKind::Sync, &p);
         assert_eq!(decode_proposal(&slot, RecordKind::Sync), Some(p));

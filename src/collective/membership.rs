@@ -129,6 +129,20 @@ struct Announcements {
     merged: Proposal,
     /// Ranks that announced this change (so are alive).
     alive: Mask,
+    /// The fewest collective exchanges any of them had begun.
+    least_exchanges: u64,
+}
+
+impl Announcements {
+    /// The suspects, when a member blocked in collective exchange `exchange` (`None`:
+    /// point-to-point) should stop waiting (see [`Group::change_stops_operation`]).
+    fn stop_exchange(&self, exchange: Option<u64>) -> Option<Mask> {
+        let m = &self.merged;
+        let proposal_only = m.suspects.is_empty() && !(m.add.is_empty() && m.remove.is_empty());
+        let all_past = exchange.is_some_and(|e| self.least_exchanges >= e);
+        let keep_waiting = self.alive.is_empty() || proposal_only && all_past;
+        (!keep_waiting).then_some(m.suspects)
+    }
 }
 
 impl Group {
@@ -145,6 +159,7 @@ impl Group {
                 suspects,
                 add,
                 remove,
+                exchanges: st.seq,
             },
         );
         let timeout = self.options.timeout;
@@ -179,16 +194,22 @@ impl Group {
             ..Proposal::default()
         };
         let mut alive = Mask::default();
+        let mut least_exchanges = u64::MAX;
         for src in st.mask.ranks().into_iter().filter(|&r| r != me) {
             let slot = self.read_slot(self.layout.announce(src));
             if let Some(p) = decode_proposal(&slot, RecordKind::Announce) {
                 if p.base == st.epoch {
                     alive.set(src);
                     merge(&mut merged, &p);
+                    least_exchanges = least_exchanges.min(p.exchanges);
                 }
             }
         }
-        Announcements { merged, alive }
+        Announcements {
+            merged,
+            alive,
+            least_exchanges,
+        }
     }
 
     /// The suspects of a change of our epoch someone announced, or an empty set when a
@@ -199,6 +220,20 @@ impl Group {
         }
         let a = self.announcements(st);
         (!a.alive.is_empty()).then_some(a.merged.suspects)
+    }
+
+    /// The suspects of a pending change, for a member blocked in collective exchange
+    /// number `exchange` (`None` for point-to-point): `None` when nothing is pending,
+    /// or when the change is only a proposal (ranks to activate or deactivate, no one
+    /// suspected) and every announcer is past that exchange. Those announcers finished
+    /// it, so what they owe us is on its way, and ours completes; we take part at our
+    /// next call. Stopping instead would fail an operation the others completed (and
+    /// leave us agreeing on the change while they run their next one).
+    pub(super) fn change_stops_operation(&self, st: &State, exchange: Option<u64>) -> Option<Mask> {
+        if self.newest_view().is_some() {
+            return Some(Mask::default());
+        }
+        self.announcements(st).stop_exchange(exchange)
     }
 
     /// The newest view in our slots that [`acceptable_view`] lets us adopt, clipped
@@ -313,6 +348,7 @@ impl Group {
             suspects,
             add,
             remove,
+            exchanges: st.seq,
         };
         let mut skipped = Mask::default();
         let timeout = self.options.timeout;
@@ -751,6 +787,47 @@ mod tests {
             mask: Mask::of(members),
             ..ViewRecord::default()
         }
+    }
+
+    /// A blocked member keeps waiting only for a proposal whose announcers are all past
+    /// its exchange; a suspicion, an announcer behind it, or a point-to-point exchange
+    /// stops it.
+    #[test]
+    fn only_a_proposal_from_ranks_past_the_exchange_lets_it_go_on() {
+        let announced = |suspects: &[usize], remove: &[usize], least_exchanges| Announcements {
+            merged: Proposal {
+                base: 3,
+                suspects: Mask::of(suspects),
+                remove: Mask::of(remove),
+                ..Proposal::default()
+            },
+            alive: Mask::of(&[1, 2]),
+            least_exchanges,
+        };
+        assert_eq!(announced(&[], &[2], 7).stop_exchange(Some(7)), None);
+        assert_eq!(announced(&[], &[2], 9).stop_exchange(Some(7)), None);
+        assert_eq!(
+            announced(&[], &[2], 6).stop_exchange(Some(7)),
+            Some(Mask::default())
+        );
+        assert_eq!(
+            announced(&[], &[2], 9).stop_exchange(None),
+            Some(Mask::default())
+        );
+        assert_eq!(
+            announced(&[4], &[2], 9).stop_exchange(Some(7)),
+            Some(Mask::of(&[4]))
+        );
+        // A failure reported without suspects (auto-deactivate off) is no proposal.
+        assert_eq!(
+            announced(&[], &[], 9).stop_exchange(Some(7)),
+            Some(Mask::default())
+        );
+        let nobody = Announcements {
+            alive: Mask::default(),
+            ..announced(&[4], &[], 0)
+        };
+        assert_eq!(nobody.stop_exchange(Some(7)), None);
     }
 
     /// The review's split: 5 ranks at epoch `e`; stalled coordinator 0 and coordinator

@@ -56,6 +56,11 @@ pub struct GroupOptions {
     pub auto_deactivate_on_failure: bool,
     /// After a failed operation, reconcile membership at the start of the next one.
     pub auto_sync_on_failure: bool,
+    /// A caller's collective that enters a new view at its start (published, or
+    /// announced and agreed on there) does not run in it: it fails with
+    /// `UnavailableInCurrentStatus` while this rank stays a member, so the caller
+    /// (`mooncake.pg`) runs its agreement round (`agree_max`) first, as the others do.
+    pub agree_on_new_view: bool,
     /// Messages in flight per channel.
     pub cells_per_peer: usize,
     /// Bytes per cell (large messages are cut into cells).
@@ -84,6 +89,7 @@ impl GroupOptions {
             timeout: Duration::from_secs(5),
             auto_deactivate_on_failure: true,
             auto_sync_on_failure: true,
+            agree_on_new_view: false,
             cells_per_peer: 4,
             cell_bytes: 1 << 20,
             engine,
@@ -104,6 +110,7 @@ impl GroupOptions {
             "is_extension" => self.is_extension = flag()?,
             "auto_deactivate_on_failure" => self.auto_deactivate_on_failure = flag()?,
             "auto_sync_on_failure" => self.auto_sync_on_failure = flag()?,
+            "agree_on_new_view" => self.agree_on_new_view = flag()?,
             "timeout_ms" => {
                 // At most a day: deadlines are computed as now + timeout.
                 let ms = num()? as u64;

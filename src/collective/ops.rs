@@ -68,6 +68,25 @@ impl Group {
         Ok(st)
     }
 
+    /// [`begin`](Self::begin) for a caller's collective: with `agree_on_new_view`, one
+    /// that entered a new view here is refused before anything moves (see the option).
+    fn begin_collective(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        let mut st = self.lock();
+        let before = st.epoch;
+        self.begin_op(&mut st)?;
+        if self.options.agree_on_new_view && st.epoch != before {
+            return Err(Error::new(
+                crate::error::Code::UnavailableInCurrentStatus,
+                format!(
+                    "rank {}: entered epoch {} at the start of the operation: agree first",
+                    self.rank(),
+                    st.epoch
+                ),
+            ));
+        }
+        Ok(st)
+    }
+
     fn others(&self, st: &State) -> Vec<usize> {
         st.mask
             .ranks()
@@ -144,7 +163,7 @@ impl Group {
         if buf.len() % dtype.size() != 0 {
             return Err(Error::invalid("buffer is not a whole number of elements"));
         }
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         let members = st.mask.ranks();
         let others = self.others(&st);
         if buf.len() <= ONE_ROUND_MAX {
@@ -271,7 +290,7 @@ impl Group {
 
     /// Copies `root`'s `buf` into every active rank's `buf`.
     pub fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         self.check_root(&st, root)?;
         if root == self.rank() {
             let mut out: Vec<Outgoing> = self
@@ -298,7 +317,7 @@ impl Group {
                 output.len()
             )));
         }
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         let others = self.others(&st);
         let mut blocks = split_mut(output, sizes);
         blocks[self.rank()].copy_from_slice(input);
@@ -333,7 +352,7 @@ impl Group {
                 "reduce_scatter: input or output size mismatch",
             ));
         }
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         let others = self.others(&st);
         let offs = offsets(&sizes);
         let block = |r: usize| &input[offs[r]..offs[r] + sizes[r]];
@@ -395,7 +414,7 @@ impl Group {
                 "all_to_all: buffer sizes do not match the splits",
             ));
         }
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         let others = self.others(&st);
         let offs = offsets(send);
         let mut blocks = split_mut(output, recv);
@@ -418,7 +437,7 @@ impl Group {
 
     /// Returns once every active rank has entered the barrier.
     pub fn barrier(&self) -> Result<()> {
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         let others = self.others(&st);
         self.swap_with_all(&mut st, KIND_BARRIER, &others, &[])
             .map(|_| ())
@@ -464,7 +483,7 @@ impl Group {
         if buf.len() % dtype.size() != 0 {
             return Err(Error::invalid("buffer is not a whole number of elements"));
         }
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
             let mut out = [Outgoing::new(root, buf)];
@@ -510,7 +529,7 @@ impl Group {
             ("output", output.len()),
             root,
         )?;
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
             let mut out = [Outgoing::new(root, input)];
@@ -543,7 +562,7 @@ impl Group {
             ("input", input.len()),
             root,
         )?;
-        let mut st = self.begin()?;
+        let mut st = self.begin_collective()?;
         self.check_root(&st, root)?;
         if root != self.rank() {
             let mut inc = [Incoming::new(root, Sink::Copy(output))];

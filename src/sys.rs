@@ -273,6 +273,47 @@ pub fn idle_connection_closed(stream: &TcpStream) -> bool {
     true
 }
 
+/// One `recv` that never blocks: `WouldBlock` when nothing is there yet.
+pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is ours and writable for its length during the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Whether a thread about to spin would leave every other runnable thread of the
+/// machine a CPU: the kernel's count of runnable threads right now (the fourth field
+/// of `/proc/loadavg`, the caller included) is at most the CPUs this process may use.
+/// False when it cannot tell.
+pub fn cpu_to_spare() -> bool {
+    use std::os::unix::fs::FileExt;
+    thread_local! {
+        static LOADAVG: Option<std::fs::File> = std::fs::File::open("/proc/loadavg").ok();
+    }
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut text = [0u8; 128];
+    let Some(n) = LOADAVG.with(|f| f.as_ref().and_then(|f| f.read_at(&mut text, 0).ok())) else {
+        return false;
+    };
+    runnable_threads(&text[..n]).is_some_and(|running| running <= cpus)
+}
+
+/// The runnable count of a `/proc/loadavg` line ("0.78 1.32 1.56 1/77 30027").
+fn runnable_threads(line: &[u8]) -> Option<usize> {
+    let field = std::str::from_utf8(line).ok()?.split_whitespace().nth(3)?;
+    field.split('/').next()?.parse().ok()
+}
+
 /// Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's auto-tuning alone).
 pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
     if bytes == 0 {
@@ -369,5 +410,19 @@ mod random_tests {
         super::fill_random(&mut a).unwrap();
         super::fill_random(&mut b).unwrap();
         assert_ne!(a, b);
+    }
+}
+
+#[cfg(test)]
+mod loadavg_tests {
+    #[test]
+    fn the_runnable_count_is_the_fourth_fields_numerator() {
+        assert_eq!(
+            super::runnable_threads(b"0.78 1.32 1.56 3/77 30027\n"),
+            Some(3)
+        );
+        assert_eq!(super::runnable_threads(b"0.78 1.32 1.56"), None);
+        assert_eq!(super::runnable_threads(b"0.78 1.32 1.56 x/77 1"), None);
+        assert_eq!(super::runnable_threads(b"\xff\xfe"), None);
     }
 }

@@ -268,8 +268,9 @@ def test_every_collective_matches_the_reference(store, ranks):
         r.finish()
 
 
-def test_killed_rank_is_named_excluded_and_replaced(store, ranks):
-    victim = 1
+@pytest.mark.parametrize("victim", [1, 0], ids=["member", "coordinator"])
+def test_killed_rank_is_named_excluded_and_replaced(store, ranks, victim):
+    # Rank 0 is the lowest member: it coordinates the changes until it dies.
     ranks.extend(Rank(_STREAM + _FULL, store.port, r) for r in range(WORLD))
     for r in ranks:
         r.expect("progress")

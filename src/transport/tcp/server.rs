@@ -5,7 +5,8 @@
 //!
 //! Pipelined requests are cheap: headers are read in bulk into a small buffer, and the
 //! answers to every request already parsed go out in one `writev` before the server
-//! blocks for more, so a burst of small reads costs a few syscalls, not two each.
+//! waits for more, so a burst of small reads costs a few syscalls, not two each. It
+//! waits by polling briefly while the machine has a CPU to spare, then blocking.
 //!
 //! Blocking calls wake every [`TICK`] (the socket's timeouts), which costs nothing
 //! while data flows. On each wake a stalled connection is checked: between requests

@@ -10,6 +10,7 @@ use super::inbox::Inbox;
 use crate::error::{Code, Error, Result};
 use crate::metadata::{Directory, SegmentDesc};
 use crate::transport::{Endpoints, Peer};
+use crate::util::id_hash::IdHashing;
 
 /// What this engine shows the world; shared with the RPC server.
 pub struct Published {
@@ -26,7 +27,7 @@ pub struct Segments {
     /// What this engine publishes.
     pub own: Arc<Published>,
     by_name: RwLock<HashMap<String, Arc<Peer>>>,
-    by_id: RwLock<HashMap<u64, Arc<Peer>>>,
+    by_id: RwLock<HashMap<u64, Arc<Peer>, IdHashing>>,
     next_id: AtomicU64,
     /// Serializes resyncs so a burst of stale slices fetches once.
     resync_lock: Mutex<()>,

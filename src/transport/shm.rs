@@ -67,6 +67,7 @@ use crate::error::{Error, Result};
 use crate::memfd::{self, Mapping, SharedMemory, Sharing};
 use crate::metadata::{BufferDesc, HostInfo, SegmentDesc};
 use crate::registry::{Access, Region};
+use crate::util::id_hash::IdHashing;
 use fill::Filled;
 use ranges::{Backing, Entry, Lookup, OwnerTable, TableView};
 
@@ -283,7 +284,7 @@ impl Transport for ShmTransport {
 
     fn new_worker(&self) -> Result<Box<dyn TransportWorker>> {
         Ok(Box::new(ShmWorker {
-            peers: HashMap::new(),
+            peers: HashMap::default(),
             vm_denied: self.vm_denied.clone(),
         }))
     }
@@ -750,7 +751,7 @@ impl Attached {
 }
 
 struct ShmWorker {
-    peers: HashMap<u64, Attached>,
+    peers: HashMap<u64, Attached, IdHashing>,
     vm_denied: VmDenied,
 }
 

@@ -4,6 +4,7 @@ pub mod base64;
 pub mod crc32c;
 pub mod hex;
 pub mod hmac;
+pub mod id_hash;
 pub mod percentile;
 pub mod ratelimit;
 pub mod regex;

@@ -296,13 +296,14 @@ pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize>
 /// False when it cannot tell.
 pub fn cpu_to_spare() -> bool {
     use std::os::unix::fs::FileExt;
-    thread_local! {
-        static LOADAVG: Option<std::fs::File> = std::fs::File::open("/proc/loadavg").ok();
-    }
-    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    use std::sync::OnceLock;
+    // One descriptor for the process: `pread` takes its offset, so threads share it.
+    static LOADAVG: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    static CPUS: OnceLock<usize> = OnceLock::new();
     let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let loadavg = LOADAVG.get_or_init(|| std::fs::File::open("/proc/loadavg").ok());
     let mut text = [0u8; 128];
-    let Some(n) = LOADAVG.with(|f| f.as_ref().and_then(|f| f.read_at(&mut text, 0).ok())) else {
+    let Some(n) = loadavg.as_ref().and_then(|f| f.read_at(&mut text, 0).ok()) else {
         return false;
     };
     runnable_threads(&text[..n]).is_some_and(|running| running <= cpus)

@@ -44,9 +44,8 @@ import time
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
-from ._native import LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT, MC_OK, error_string
-
-MC_ERR_UNAVAILABLE = -1010  # UnavailableInCurrentStatus
+from ._native import (LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT,
+                      MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS, MC_OK, error_string)
 
 __all__ = [
     "MooncakeBackendOptions",
@@ -931,7 +930,7 @@ if torch is not None:
             start (``agree_on_new_view``): unavailable while this rank is a member (one
             no longer a member gets the same code, and is not one)."""
             return (isinstance(error, MooncakeCollectiveError)
-                    and error.code == MC_ERR_UNAVAILABLE
+                    and error.code == MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS
                     and self.handle.active_ranks()[self._rank])
 
         def _ran_one(self):

@@ -233,6 +233,12 @@ impl Batch {
         }
     }
 
+    /// The state of task `task`; `Invalid` for one never submitted.
+    pub fn task_state(&self, task: usize) -> TaskState {
+        self.task_status(task)
+            .map_or(TaskState::Invalid, |s| s.state)
+    }
+
     /// The state and bytes of task `task`.
     pub fn task_status(&self, task: usize) -> Result<TaskStatus> {
         if task >= self.submitted() {

@@ -750,9 +750,12 @@ impl Engine {
         now: std::time::Instant,
     ) -> Result<Vec<WorkItem>> {
         let checksum = batch.wants_checksums();
-        let mut plan = Vec::with_capacity(requests.len());
+        let deadline = now + self.config.transfer_timeout;
+        // Slices are made as each request is checked, numbered by request until the
+        // batch gives the tasks their places (nothing is reserved for a refused one).
+        let mut items = Vec::with_capacity(requests.len());
         let mut counts = Vec::with_capacity(requests.len());
-        for r in requests {
+        for (i, r) in requests.iter().enumerate() {
             let (peer, desc) = self.validate(r)?;
             let mut size = self.slice_size_for(&peer, &desc);
             // Device memory on the local side (registered as cuda:/hip:/npu:) goes to a
@@ -768,18 +771,10 @@ impl Engine {
             let count = r.len.div_ceil(size);
             let count = u32::try_from(count).map_err(|_| Error::invalid("request too large"))?;
             counts.push(count);
-            plan.push((peer, size, local_kind));
-        }
-        let bytes = requests.iter().map(|r| r.len).sum();
-        let first = batch.reserve(&counts, bytes)?;
-        let deadline = now + self.config.transfer_timeout;
-        let slices = counts.iter().map(|&c| c as usize).sum();
-        let mut items = Vec::with_capacity(slices);
-        for (i, (r, (peer, size, local_kind))) in requests.iter().zip(plan).enumerate() {
             for off in (0..r.len).step_by(size as usize) {
                 items.push(WorkItem {
                     batch: batch.clone(),
-                    task: first + i,
+                    task: i,
                     slice: Slice {
                         id: 0,
                         op: r.op,
@@ -793,6 +788,11 @@ impl Engine {
                     },
                 });
             }
+        }
+        let bytes = requests.iter().map(|r| r.len).sum();
+        let first = batch.reserve(&counts, bytes)?;
+        for item in &mut items {
+            item.task += first;
         }
         Ok(items)
     }
@@ -829,15 +829,18 @@ impl Engine {
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.
     pub unsafe fn transfer_sync(&self, requests: &[Request]) -> Result<()> {
-        // SAFETY: this fn's contract is `transfer_sync_states`'s.
-        let states = unsafe { self.transfer_sync_states(requests) }?;
-        match states.iter().position(|s| *s != TaskState::Completed) {
-            None => Ok(()),
-            Some(t) => Err(Error::new(
-                Code::TransferFail,
-                format!("task {t} ended {:?}", states[t]),
-            )),
+        // SAFETY: this fn's contract is `run_sync`'s.
+        let batch = unsafe { self.run_sync(Batch::new(requests.len()), requests) }?;
+        for t in 0..requests.len() {
+            let state = batch.task_state(t);
+            if state != TaskState::Completed {
+                return Err(Error::new(
+                    Code::TransferFail,
+                    format!("task {t} ended {state:?}"),
+                ));
+            }
         }
+        Ok(())
     }
 
     /// As [`transfer_sync`](Self::transfer_sync), telling each request's final
@@ -849,9 +852,7 @@ impl Engine {
     pub unsafe fn transfer_sync_states(&self, requests: &[Request]) -> Result<Vec<TaskState>> {
         // SAFETY: this fn's contract is `run_sync`'s.
         let batch = unsafe { self.run_sync(Batch::new(requests.len()), requests) }?;
-        Ok((0..requests.len())
-            .map(|t| batch.task_status(t).map_or(TaskState::Invalid, |s| s.state))
-            .collect())
+        Ok((0..requests.len()).map(|t| batch.task_state(t)).collect())
     }
 
     /// Reads `requests` as [`transfer_sync_states`] does, and tells with each completed
@@ -874,7 +875,7 @@ impl Engine {
         let batch = unsafe { self.run_sync(Batch::checksummed(requests.len()), requests) }?;
         Ok((0..requests.len())
             .map(|t| {
-                let state = batch.task_status(t).map_or(TaskState::Invalid, |s| s.state);
+                let state = batch.task_state(t);
                 (state, batch.task_checksum(t))
             })
             .collect())

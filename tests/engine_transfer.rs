@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{engine_with, pattern, Registered};
+use common::{engine_configured, engine_with, pattern, Registered};
 use mooncake::engine::TaskState;
 use mooncake::{Code, Op, Request};
 
@@ -182,16 +182,12 @@ fn a_notification_flood_is_bounded_in_bytes() {
 
 #[test]
 fn concurrent_batches_on_several_workers_move_exact_bytes() {
-    let mut cfg = mooncake::EngineConfig::default();
-    for (k, v) in [
+    let client = engine_configured(&[
         ("protocol", "tcp"),
         ("workers", "2"),
         ("lanes_per_peer", "3"),
         ("slice_size", "64K"),
-    ] {
-        cfg.set(k, v).unwrap();
-    }
-    let client = mooncake::Engine::new(cfg).unwrap();
+    ]);
     let server = engine_with("P2PHANDSHAKE", "tcp");
     let region = 1 << 20;
     let remote = Registered::new(&server, vec![0u8; 4 * region]);
@@ -290,16 +286,12 @@ fn freeing_a_batch_with_unfinished_tasks_is_refused() {
 #[test]
 fn checksummed_reads_tell_each_requests_crc32c() {
     use mooncake::util::crc32c::crc32c;
-    let mut cfg = mooncake::EngineConfig::default();
-    for (k, v) in [
+    let tcp_client = engine_configured(&[
         ("metadata", "P2PHANDSHAKE"),
         ("protocol", "tcp"),
         ("workers", "2"),
         ("slice_size", "64K"),
-    ] {
-        cfg.set(k, v).unwrap();
-    }
-    let tcp_client = mooncake::Engine::new(cfg).unwrap();
+    ]);
     let server = engine_with("P2PHANDSHAKE", "tcp");
     let shm_client = engine_with("P2PHANDSHAKE", "shm");
     let shm_server = engine_with("P2PHANDSHAKE", "shm");

@@ -135,7 +135,7 @@ struct Announcements {
 
 impl Announcements {
     /// The suspects, when a member blocked in collective exchange `exchange` (`None`:
-    /// point-to-point) should stop waiting (see [`Group::change_stops_operation`]).
+    /// point-to-point, or no exchange at all) should stop waiting (see [`Group::change_stops_operation`]).
     fn stop_exchange(&self, exchange: Option<u64>) -> Option<Mask> {
         let m = &self.merged;
         let proposal_only = m.suspects.is_empty() && !(m.add.is_empty() && m.remove.is_empty());
@@ -215,15 +215,12 @@ impl Group {
     /// The suspects of a change of our epoch someone announced, or an empty set when a
     /// newer view is already out; `None` when nothing is pending.
     pub(super) fn change_announced(&self, st: &State) -> Option<Mask> {
-        if self.newest_view().is_some() {
-            return Some(Mask::default());
-        }
-        let a = self.announcements(st);
-        (!a.alive.is_empty()).then_some(a.merged.suspects)
+        // Outside an exchange every pending change counts, proposals too.
+        self.change_stops_operation(st, None)
     }
 
     /// The suspects of a pending change, for a member blocked in collective exchange
-    /// number `exchange` (`None` for point-to-point): `None` when nothing is pending,
+    /// number `exchange` (`None` for point-to-point or none): `None` when nothing is pending,
     /// or when the change is only a proposal (ranks to activate or deactivate, no one
     /// suspected) and every announcer is past that exchange. Those announcers finished
     /// it, so what they owe us is on its way, and ours completes; we take part at our

@@ -391,11 +391,10 @@ impl Worker {
                     entry.slice = slice.clone();
                 }
                 Err(e) => {
-                    self.done.push(Finished {
-                        id: slice.id,
-                        outcome: Outcome::PathFailed(format!("staging device memory: {e}")),
-                        crc: None,
-                    });
+                    self.done.push(Finished::new(
+                        slice.id,
+                        Outcome::PathFailed(format!("staging device memory: {e}")),
+                    ));
                     return;
                 }
             }
@@ -406,14 +405,10 @@ impl Worker {
         }
         match chosen {
             Some(i) => self.workers[i].post(slice, &mut self.done),
-            None => self.done.push(Finished {
-                id: slice.id,
-                outcome: Outcome::PathFailed(format!(
-                    "no enabled transport reaches {}",
-                    slice.peer.name
-                )),
-                crc: None,
-            }),
+            None => self.done.push(Finished::new(
+                slice.id,
+                Outcome::PathFailed(format!("no enabled transport reaches {}", slice.peer.name)),
+            )),
         }
     }
 

@@ -9,9 +9,15 @@ pub mod services;
 use mooncake::{Engine, EngineConfig};
 
 pub fn engine_with(metadata: &str, protocol: &str) -> Engine {
+    engine_configured(&[("metadata", metadata), ("protocol", protocol)])
+}
+
+/// An engine with these settings (`mc_config_set` keys) over the defaults.
+pub fn engine_configured(settings: &[(&str, &str)]) -> Engine {
     let mut cfg = EngineConfig::default();
-    cfg.set("metadata", metadata).unwrap();
-    cfg.set("protocol", protocol).unwrap();
+    for (k, v) in settings {
+        cfg.set(k, v).unwrap();
+    }
     Engine::new(cfg).expect("engine starts")
 }
 

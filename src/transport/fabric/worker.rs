@@ -435,11 +435,8 @@ impl FabricWorker {
         if s.ops_left == 0 {
             if let Some(s) = self.slices.remove(&slice) {
                 self.bytes_in_flight -= s.len;
-                self.done.push(Finished {
-                    id: slice,
-                    outcome: s.failure.unwrap_or(Outcome::Done),
-                    crc: None,
-                });
+                self.done
+                    .push(Finished::new(slice, s.failure.unwrap_or(Outcome::Done)));
             }
         }
     }
@@ -661,11 +658,7 @@ impl FabricWorker {
         for id in late {
             if let Some(s) = self.slices.remove(&id) {
                 self.bytes_in_flight -= s.len;
-                self.done.push(Finished {
-                    id,
-                    outcome: Outcome::TimedOut,
-                    crc: None,
-                });
+                self.done.push(Finished::new(id, Outcome::TimedOut));
                 // Operations the provider still holds keep their contexts; replacing
                 // the endpoint releases them and drops whatever state made them stall.
                 if self.ops.values().any(|op| op.slice == id) {
@@ -698,11 +691,7 @@ impl TransportWorker for FabricWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         self.last_moved = Instant::now();
         if let Err(outcome) = self.start(&slice) {
-            done.push(Finished {
-                id: slice.id,
-                outcome,
-                crc: None,
-            });
+            done.push(Finished::new(slice.id, outcome));
             return;
         }
         self.post_queued();

@@ -353,11 +353,7 @@ impl RdmaWorker {
                     self.shared.rail_failed(&c.peer.name, l, rn, &e.to_string());
                     for slice in c.waiting {
                         self.note_tried(slice.id, slice.local, slice.remote, (l, rn));
-                        done.push(Finished {
-                            id: slice.id,
-                            outcome: Outcome::PathFailed(why.clone()),
-                            crc: None,
-                        });
+                        done.push(Finished::new(slice.id, Outcome::PathFailed(why.clone())));
                     }
                 }
             }
@@ -407,11 +403,9 @@ impl RdmaWorker {
             Ok(t) if r < t.nremote => match self.post_on(&slice, key, t.lkeys[l], t.rkeys[r]) {
                 Ok(()) => {}
                 Err(None) => self.backlog.push_back(slice),
-                Err(Some(e)) => done.push(Finished {
-                    id: slice.id,
-                    outcome: Outcome::PathFailed(e.to_string()),
-                    crc: None,
-                }),
+                Err(Some(e)) => {
+                    done.push(Finished::new(slice.id, Outcome::PathFailed(e.to_string())))
+                }
             },
             // The descriptor changed meanwhile: choose again.
             Ok(_) => self.post(slice, done),
@@ -770,11 +764,7 @@ impl RdmaWorker {
                 Outcome::PathFailed(why)
             }
         };
-        done.push(Finished {
-            id: p.slice,
-            outcome,
-            crc: None,
-        });
+        done.push(Finished::new(p.slice, outcome));
     }
 }
 
@@ -783,21 +773,16 @@ fn finish(tried: &mut HashMap<u64, Tried>, id: u64, outcome: Outcome, done: &mut
     if outcome != Outcome::Stale {
         tried.remove(&id);
     }
-    done.push(Finished {
-        id,
-        outcome,
-        crc: None,
-    });
+    done.push(Finished::new(id, outcome));
 }
 
 impl TransportWorker for RdmaWorker {
     fn post(&mut self, slice: Slice, done: &mut Vec<Finished>) {
         if slice.len == 0 || slice.len > u32::MAX as u64 {
-            done.push(Finished {
-                id: slice.id,
-                outcome: Outcome::Rejected(format!("slice of {} bytes", slice.len)),
-                crc: None,
-            });
+            done.push(Finished::new(
+                slice.id,
+                Outcome::Rejected(format!("slice of {} bytes", slice.len)),
+            ));
             return;
         }
         if !self.backlog.is_empty() {
@@ -842,11 +827,7 @@ impl TransportWorker for RdmaWorker {
                 }
                 Err(PostError::Finish(outcome)) => {
                     moved = true;
-                    done.push(Finished {
-                        id: slice.id,
-                        outcome,
-                        crc: None,
-                    });
+                    done.push(Finished::new(slice.id, outcome));
                 }
             }
         }
@@ -862,11 +843,7 @@ impl TransportWorker for RdmaWorker {
                 if let Some(p) = self.pending.remove(&id) {
                     self.in_flight_bytes = self.in_flight_bytes.saturating_sub(p.len);
                     self.drop_endpoint(p.rail);
-                    done.push(Finished {
-                        id: p.slice,
-                        outcome: Outcome::TimedOut,
-                        crc: None,
-                    });
+                    done.push(Finished::new(p.slice, Outcome::TimedOut));
                     moved = true;
                 }
             }
@@ -875,11 +852,7 @@ impl TransportWorker for RdmaWorker {
                 .collect();
             for i in expired.into_iter().rev() {
                 if let Some(s) = self.backlog.remove(i) {
-                    done.push(Finished {
-                        id: s.id,
-                        outcome: Outcome::TimedOut,
-                        crc: None,
-                    });
+                    done.push(Finished::new(s.id, Outcome::TimedOut));
                 }
             }
             // Slices waiting for a handshake; the handshake itself carries on.
@@ -888,11 +861,7 @@ impl TransportWorker for RdmaWorker {
                     if s.deadline > now {
                         return true;
                     }
-                    done.push(Finished {
-                        id: s.id,
-                        outcome: Outcome::TimedOut,
-                        crc: None,
-                    });
+                    done.push(Finished::new(s.id, Outcome::TimedOut));
                     false
                 });
             }

@@ -36,6 +36,14 @@ impl Owner {
         buffer(addr, len, fd)
     }
 
+    /// A fresh 64 KiB memfd buffer, registered read-write: the memory and its
+    /// descriptor.
+    fn shared_buffer(&self) -> (SharedMemory, BufferDesc) {
+        let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
+        let desc = self.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+        (mem, desc)
+    }
+
     /// The descriptor this owner would publish for `buffers`.
     fn desc(&self, name: &str, buffers: Vec<BufferDesc>) -> SegmentDesc {
         let mut d = SegmentDesc::new(name);
@@ -124,8 +132,7 @@ fn refused(outcome: Outcome, what: &str) -> String {
 #[test]
 fn a_forged_descriptor_reaches_nothing_its_owner_did_not_register() {
     let owner = Owner::new();
-    let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
-    let shared = owner.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+    let (mem, shared) = owner.shared_buffer();
     let mut plain_mem = vec![0u8; 1 << 12];
     let plain = owner.register(plain_mem.as_mut_ptr() as u64, 1 << 12, None);
     // The victim's memory nobody registered: its "heap".
@@ -194,8 +201,7 @@ fn a_forged_descriptor_reaches_nothing_its_owner_did_not_register() {
 #[test]
 fn a_checksummed_read_is_folded_by_the_copy() {
     let owner = Owner::new();
-    let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
-    let shared = owner.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+    let (_mem, shared) = owner.shared_buffer();
     let victim = peer(1, owner.desc("owner", vec![shared.clone()]));
     let mut copier = Copier::new();
     let mut data: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
@@ -213,8 +219,7 @@ fn a_checksummed_read_is_folded_by_the_copy() {
 #[test]
 fn a_buffer_memfd_is_never_taken_for_a_guard_page_or_a_range_table() {
     let owner = Owner::new();
-    let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
-    let shared = owner.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+    let (mem, shared) = owner.shared_buffer();
     let token = owner.shm.page().token.load(Ordering::SeqCst);
     // Anyone may write a registered buffer, so one can carry the (public) token.
     // SAFETY: the buffer is 64 KiB, alive; nothing else touches it now.
@@ -300,8 +305,7 @@ fn a_memfd_its_owner_could_shrink_under_us_is_not_mapped() {
 #[test]
 fn a_withdrawn_buffer_is_refused_even_with_the_old_descriptor() {
     let owner = Owner::new();
-    let mem = SharedMemory::create("mooncake-buffer", 1 << 16, Sharing::PeersWrite).unwrap();
-    let shared = owner.register(mem.ptr() as u64, 1 << 16, Some(mem.fd()));
+    let (_mem, shared) = owner.shared_buffer();
     let old = peer(1, owner.desc("victim", vec![shared.clone()]));
     let region = owner.memory.unregister(shared.addr).unwrap();
     owner.shm.unregister(&region);

@@ -243,11 +243,7 @@ impl Lane {
                 self.send_idx -= 1;
                 self.recv_off = 0;
                 self.answered_at = coarse_now();
-                done.push(Finished {
-                    id: p.slice.id,
-                    outcome: Outcome::Done,
-                    crc: None,
-                });
+                done.push(Finished::new(p.slice.id, Outcome::Done));
             }
         }
         Ok(())
@@ -396,11 +392,7 @@ impl TcpWorker {
                 LaneError::Rejected => Outcome::PathFailed("lane closed after a rejection".into()),
                 LaneError::Broken(why) => Outcome::PathFailed(format!("tcp {addr}: {why}")),
             };
-            done.push(Finished {
-                id: p.slice.id,
-                outcome,
-                crc: None,
-            });
+            done.push(Finished::new(p.slice.id, outcome));
             self.in_flight -= 1;
         }
     }
@@ -428,11 +420,7 @@ impl TransportWorker for TcpWorker {
         let token = match self.pick_lane(&slice) {
             Ok(t) => t,
             Err(why) => {
-                done.push(Finished {
-                    id: slice.id,
-                    outcome: Outcome::PathFailed(why),
-                    crc: None,
-                });
+                done.push(Finished::new(slice.id, Outcome::PathFailed(why)));
                 return;
             }
         };

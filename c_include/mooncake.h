@@ -703,7 +703,9 @@ int mc_pg_barrier(mc_pg *pg);
 int mc_pg_send_recv(mc_pg *pg, const mc_pg_message *sends, size_t nsends,
                     const mc_pg_message *recvs, size_t nrecvs);
 
-/* Ranks the last failed operation missed: up to cap into ranks, the count in *count. */
+/* Ranks the last failed operation missed: up to cap into ranks, the count in *count.
+ * Once a reconciliation (mc_pg_sync_after_failure) adopts a view, only those it left out:
+ * a missed rank still a member answered there (it was slow, not failed). */
 int mc_pg_failed_ranks(mc_pg *pg, int32_t *ranks, size_t cap, size_t *count);
 /* *max = the largest of the active ranks' value: an agreement round of its own kind,
  * which never pairs with another collective (a rank running one where the others agree

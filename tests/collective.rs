@@ -799,18 +799,20 @@ fn stream_until_recovered(g: &Group, label: &str) -> Vec<usize> {
                     buf == input,
                     "a failed all_reduce of {len} changed its buffer"
                 );
-                let failed = g.failed_ranks();
-                let names: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
-                say(&format!(
-                    "{label}failed {} after {} ms: {e}",
-                    names.join(","),
-                    started.elapsed().as_millis()
-                ));
+                let failed_after = started.elapsed();
                 let status = g.sync_after_failure().expect("sync_after_failure");
                 assert!(
                     matches!(status, SyncStatus::Reconciled | SyncStatus::NoPending),
                     "{status:?}"
                 );
+                // Named after reconciling: a rank this one merely waited for (itself
+                // waiting on the dead one) answered there and is not named.
+                let names: Vec<String> = g.failed_ranks().iter().map(|r| r.to_string()).collect();
+                say(&format!(
+                    "{label}failed {} after {} ms: {e}",
+                    names.join(","),
+                    failed_after.as_millis()
+                ));
                 say(&format!(
                     "{label}synced {:?} epoch {}",
                     g.active_ranks(),

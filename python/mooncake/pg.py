@@ -962,8 +962,8 @@ if torch is not None:
             """Runs ``fn`` (the C call(s); it reads the active ranks afresh each time).
             When peers do not answer, membership is reconciled and ``fn`` runs again
             over the survivors, ``inputs`` (the tensors it updates in place) restored
-            first; the work then succeeds with local success False and the missed ranks
-            as its hint. The first operation of each new view checks first that no
+            first; the work then succeeds with local success False and, as its hint, the
+            missed ranks that the reconciliation left out. The first operation of each new view checks first that no
             survivor completed it already (``_completed_elsewhere``), and leaves it if
             one did. An extension not admitted yet runs ``local`` instead: its
             operations involve only itself."""
@@ -997,8 +997,8 @@ if torch is not None:
                         with self._on(device):
                             _restore(inputs, saved)
                         self.handle.publish_mask()
-                        return MooncakeWork(self, result=result, failed_ranks=missed,
-                                            retried=True)
+                        return MooncakeWork(self, result=result,
+                                            failed_ranks=self._excluded(missed), retried=True)
                     with self._on(device):
                         fn()
                     self._ran_one()
@@ -1034,7 +1034,15 @@ if torch is not None:
             for c in tensors:
                 c.done()
             self.handle.publish_mask()
-            return MooncakeWork(self, result=result, failed_ranks=missed, retried=bool(missed))
+            return MooncakeWork(self, result=result, failed_ranks=self._excluded(missed),
+                                retried=bool(missed))
+
+        def _excluded(self, missed):
+            """The ranks an operation missed that the reconciliation left out: one it
+            merely waited for (slow, or itself waiting on the dead rank) answered there
+            and stays a member, so it is not named as failed."""
+            active = self.handle.active_ranks()
+            return [r for r in missed if not active[r]]
 
         # Every operation checks its tensors and sizes before the C call: the C ABI
         # trusts the sizes it is given, and a refused call must change nothing.
@@ -1607,8 +1615,10 @@ def _ours(work):
 
 def get_failed_ranks_hint(work):
     """The ranks an operation did not hear from: an int32 tensor with one 0/1 per rank
-    slot, 1 for each rank it missed (whether it then failed, or ran again over the
-    survivors); all 0 when every rank answered at once."""
+    slot. For a failed operation, 1 for each rank it missed; for one run again over the
+    survivors, 1 for each rank it missed that the reconciliation then left out (a rank
+    that was only slow answers there and is not named); all 0 when every rank answered
+    at once."""
     ours = _ours(work)
     missed = set(ours._failed)
     return torch.tensor([1 if r in missed else 0 for r in range(ours._backend._size)],

@@ -551,6 +551,9 @@ impl Group {
         st.seq = 0;
         st.channels.iter_mut().for_each(|c| *c = Channel::default());
         st.needs_sync = false;
+        // Every member of the view answered its coordinator: the last failure's
+        // missed ranks that are still members were slow, not failed.
+        st.last_failed.retain(|&r| !view.mask.has(r));
         log::debug!("group rank {}: at epoch {}", self.rank(), st.epoch);
     }
 

@@ -384,7 +384,8 @@ impl Group {
         view::public_epoch(self.views().epoch)
     }
 
-    /// Ranks the last failed operation did not hear from in time (empty after success).
+    /// Ranks the last failed operation did not hear from in time (empty after success);
+    /// once a view is adopted, only those it left out (a member answered its coordinator).
     pub fn failed_ranks(&self) -> Vec<usize> {
         self.lock().last_failed.clone()
     }

@@ -39,6 +39,7 @@ import ctypes
 import contextlib
 import copy
 import enum
+import operator
 import threading
 import time
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
@@ -825,6 +826,8 @@ if torch is not None:
             self.handle = ProcessGroupHandle(rank, size, options, agree_on_new_view=True)
             # Rank slots, max_group_size's when larger: every per-rank list has this many.
             self._size = self.handle.world_size
+            # The size torch reports for the group (see visible_size).
+            self._visible = size
             self._rendezvous.publish(size, self.handle.address())
             addresses = []
             for r in range(self._size):
@@ -844,6 +847,15 @@ if torch is not None:
             # Where this rank stands: the epoch of its last collective (or of its start)
             # and how many it completed in it (see _completed_elsewhere).
             self._ran = [self.handle.epoch(), 0]
+
+        def visible_size(self):
+            """The group's size as ``dist.get_world_size`` reports it: torch's world size
+            at init, grown (never shrunk: inactive ranks are holes) to cover every rank
+            a view has admitted, or to what ``extend_group_size_to`` set."""
+            active = self.handle.active_ranks()
+            top = max((r + 1 for r, on in enumerate(active) if on), default=0)
+            self._visible = max(self._visible, top)
+            return self._visible
 
         def shutdown(self):
             """Stops this rank and retires its address (torch calls this from
@@ -1484,24 +1496,49 @@ if torch is not None:
         if _name.upper() not in getattr(dist.Backend, "_plugins", {}):
             dist.Backend.register_backend(_name, _creator, extended_api=True, devices=_devices)
 
+    def _report_grown_sizes():
+        """``dist.get_world_size`` (``ProcessGroup.size``) of a group run by this backend
+        reports ``MooncakeBackend.visible_size``, so it grows when ranks past torch's world
+        size are admitted, as upstream's does; torch fixes a group's size when it makes
+        it, and other groups keep torch's answer."""
+        torch_size = dist.ProcessGroup.size
+        if getattr(torch_size, "reports_mooncake_size", False):
+            return  # this module imported twice (a reload)
+
+        def size(group):
+            ours = _backend_of(group)
+            return torch_size(group) if ours is None else ours.visible_size()
+
+        size.reports_mooncake_size = True
+        size.__doc__ = torch_size.__doc__
+        dist.ProcessGroup.size = size
+
+    _report_grown_sizes()
+
+
+def _backend_of(group):
+    """The MooncakeBackend (either kind) of a backend or process group; None otherwise."""
+    if isinstance(group, MooncakeBackend):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        for device in ("cpu", "cuda"):
+            try:
+                inner = group._get_backend(torch.device(device))
+            except RuntimeError:  # no backend for that device in this group
+                continue
+            if isinstance(inner, MooncakeBackend):
+                return inner
+    return None
+
 
 def _handle(backend):
     """The ProcessGroupHandle of a backend, a process group or None (the default group)."""
     if isinstance(backend, ProcessGroupHandle):
         return backend
     if torch is not None:
-        if backend is None:
-            backend = dist.group.WORLD
-        if isinstance(backend, MooncakeBackend):
-            return backend.handle
-        if isinstance(backend, dist.ProcessGroup):
-            for device in ("cpu", "cuda"):
-                try:
-                    inner = backend._get_backend(torch.device(device))
-                except RuntimeError:  # no backend for that device in this group
-                    continue
-                if isinstance(inner, MooncakeBackend):  # either backend
-                    return inner.handle
+        ours = _backend_of(dist.group.WORLD if backend is None else backend)
+        if ours is not None:
+            return ours.handle
     raise TypeError(f"not a Mooncake PG backend: {backend!r}")
 
 
@@ -1557,15 +1594,21 @@ def sync_after_failure(backend=None):
 
 
 def extend_group_size_to(backend, size):
-    """Not available: a Python backend cannot change the world size torch reports, and
-    this group's rank slots are fixed when it starts. Reserve them up front with
-    ``MooncakeBackendOptions(max_group_size)`` and admit ranks with ``join_group`` /
-    ``recover_ranks``."""
-    h = _handle(backend)
-    raise NotImplementedError(
-        f"extend_group_size_to({size}): the group has {h.world_size} rank slots, fixed at "
-        f"init; start it with MooncakeBackendOptions(max_group_size) instead")
-
+    """Makes ``dist.get_world_size`` report ``size`` for the group from now on (it only
+    grows). Ranks are still admitted by ``recover_ranks`` / ``activate_ranks`` (a joiner
+    calls ``join_group``), and only into the rank slots reserved at init
+    (``max(world_size, max_group_size)``): a rank past them cannot join, so reserve them
+    with ``MooncakeBackendOptions(max_group_size)``."""
+    ours = _backend_of(dist.group.WORLD if backend is None else backend) \
+        if torch is not None else None
+    if ours is None:
+        raise TypeError(f"not a Mooncake PG backend: {backend!r}")
+    size = operator.index(size)
+    if size < ours.visible_size():
+        raise ValueError(f"extend_group_size_to({size}): the group already has size "
+                         f"{ours.visible_size()}; it does not shrink (inactive ranks are "
+                         f"holes)")
+    ours._visible = size
 
 def set_collective_timeout_us(us):
     """How long operations of groups created from now on wait for a peer before it

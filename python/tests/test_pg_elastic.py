@@ -64,8 +64,8 @@ def test_batch_isend_irecv_ring(store, ranks):
 
 
 # Three primaries start a group of world size 3 with 4 slots; the joiner starts with
-# world size 4 as an extension. (Upstream also asserts dist.get_world_size() grows to 4
-# on the primaries: a Python backend cannot change what torch reports.)
+# world size 4 as an extension. dist.get_world_size() grows to 4 on the primaries once
+# the joiner is admitted, as upstream's.
 _EXTENSION = r"""
 JOINER = 3
 
@@ -84,6 +84,7 @@ if rank < JOINER:
                             pg_options=pg.MooncakeBackendOptions(mirror, False, 4))
     g = dist.group.WORLD
     assert mirror.tolist() == [1, 1, 1, 0], mirror
+    assert dist.get_world_size() == 3
     t = torch.tensor([rank + 1], dtype=torch.int32)
     dist.all_reduce(t)
     assert t.item() == 6, t
@@ -103,12 +104,14 @@ if rank < JOINER:
     resp = pg.recover_ranks(g, [JOINER])
     assert resp.status == pg.ProposalStatus.Applied, resp
     assert mirror.tolist() == [1, 1, 1, 1], mirror
+    assert dist.get_world_size() == 4 and dist.get_world_size(g) == 4
 else:
     # Not told it is an extension (upstream's newest tests do not say either): rank 0
     # started the group with a world size without this rank, so it joins a running one.
     dist.init_process_group(backend="mooncake-cpu", store=store, rank=JOINER, world_size=4,
                             pg_options=pg.MooncakeBackendOptions(mirror, False, 4))
     g = dist.group.WORLD
+    assert dist.get_world_size() == 4
     # Local-only until admitted: every operation involves only this rank.
     assert pg.get_active_ranks(g).tolist() == [0, 0, 0, 0]
     assert mirror.tolist() == [0, 0, 0, 0], mirror
@@ -347,6 +350,40 @@ def test_a_group_started_again_with_more_ranks_on_the_same_store(store, ranks):
         r.expect("four")
     for r in ranks:
         r.finish()
+
+
+# extend_group_size_to: the size torch reports grows (never shrinks), collectives still
+# run over the active ranks, and a gloo group's size is torch's own.
+_EXTEND = r"""
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+g = dist.group.WORLD
+# Made first: a group made later without a rank list spans the grown size.
+gloo = dist.new_group(backend="gloo")
+assert dist.get_world_size() == world
+pg.extend_group_size_to(g, world + 1)
+assert dist.get_world_size() == world + 1 and g.size() == world + 1
+try:
+    pg.extend_group_size_to(g, world)
+    raise AssertionError("shrinking was accepted")
+except ValueError:
+    pass
+assert dist.get_world_size() == world + 1
+t = torch.tensor([rank + 1])
+dist.all_reduce(t)
+assert t.item() == sum(range(1, world + 1)), t
+assert gloo.size() == world and dist.get_world_size(gloo) == world
+try:
+    pg.extend_group_size_to(gloo, world + 2)
+    raise AssertionError("a gloo group was taken for ours")
+except TypeError:
+    pass
+say("extended")
+"""
+
+
+def test_extend_group_size_to_grows_the_reported_size(store, ranks):
+    _all_run(ranks, store, _EXTEND, 2, "extended")
 
 
 def test_options_positional_forms():

@@ -151,6 +151,74 @@ def test_extension_past_the_initial_world_size(store, ranks):
         r.finish()
 
 
+# Upstream's split-ranks subgroups: primaries 0 and 1 start WORLD with world size 2 (4
+# slots) and make their subgroups with their current members; the joiners 2 and 3 make
+# the same subgroups, in the same order, with their eventual members, join each, and
+# the primaries admit them with recover_ranks in each.
+_SPLIT = r"""
+import time
+JOINERS = [2, 3]
+
+def await_claims(g, ranks):
+    deadline = time.monotonic() + 60
+    while not all(pg.get_peer_state(g, ranks)):
+        assert time.monotonic() < deadline, ("never claimed", ranks)
+        time.sleep(0.02)
+
+def reduced(group, value):
+    t = torch.tensor([value], dtype=torch.int32)
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+opts = lambda active, ext, slots: pg.MooncakeBackendOptions(
+    torch.tensor(active, dtype=torch.int32), ext, slots, timeout_ms=TIMEOUT_MS)
+joiner = rank in JOINERS
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank,
+                        world_size=4 if joiner else 2,
+                        pg_options=opts([1, 1, 0, 0], joiner, 4))
+W = dist.group.WORLD
+a = dist.new_group([0, 2] if joiner else [0], pg_options=opts([1, 0], joiner, 2))
+b = dist.new_group([1, 3] if joiner else [1], pg_options=opts([1, 0], joiner, 2))
+c = dist.new_group([0, 1, 2, 3] if joiner else [0, 1], pg_options=opts([1, 1, 0, 0], joiner, 4))
+mine = a if rank in (0, 2) else b
+if not joiner:
+    assert reduced(W, rank + 1) == 3 and reduced(c, rank + 1) == 3
+    say("primary ready")
+    await_claims(W, JOINERS)
+    pg.recover_ranks(W, JOINERS)
+    await_claims(mine, [1])
+    pg.recover_ranks(mine, [1])
+    await_claims(c, JOINERS)
+    pg.recover_ranks(c, JOINERS)
+else:
+    assert reduced(W, rank + 1) == rank + 1  # local-only until admitted
+    pg.join_group(W, timeout_ms=60000)
+    pg.join_group(mine, timeout_ms=60000)
+    pg.join_group(c, timeout_ms=60000)
+assert reduced(W, rank + 1) == 10 and dist.get_world_size() == 4
+assert reduced(mine, rank + 1) == (4 if rank in (0, 2) else 6) and mine.size() == 2
+assert reduced(c, rank + 1) == 10 and c.size() == 4
+say("done")
+"""
+
+
+def test_split_rank_subgroups_admit_their_joiners(store, ranks):
+    ranks.extend(Rank(_SPLIT, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
+                 for r in range(2))
+    for r in ranks:
+        r.expect("primary ready")
+    # Their stderr too: a joiner must find the other joiner's record when it adopts the
+    # view that admits both (the coordinator passes it on), not wait it out and warn.
+    ranks.extend(Rank(_SPLIT, store.port, r, world=4, timeout_ms=20000, prelude=_BARE,
+                      merge_stderr=True) for r in (2, 3))
+    for r in ranks:
+        r.expect("done")
+    for r in ranks[2:]:
+        assert not [line for line in r.log if "never arrived" in line], r.log
+    for r in ranks:
+        r.finish()
+
+
 # How the survivors and the replacement end: all four active, an all_reduce over them.
 _ALL_BACK = r"""
 assert mirror.tolist() == [1] * world, mirror

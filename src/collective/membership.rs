@@ -514,6 +514,7 @@ impl Group {
         };
         // A replacement is written to at its new address, not its predecessor's.
         self.reach_admitted(st, &view);
+        self.introduce_admitted(st, &view);
         let me_only = Mask::of(&[me]);
         let members = mask.minus(&me_only).ranks();
         let missed = self.write_records(st, &members, |l: &Layout, s| l.view(s), &rec, timeout);
@@ -529,6 +530,35 @@ impl Group {
         self.post_records(st, &excluded, |l: &Layout, s| l.view(s), &rec);
         self.adopt(st, &view);
         Ok(Some(view))
+    }
+
+    /// Passes each rank `view` admits the join records of the others it admits: a
+    /// joiner wrote its record only to the ranks up when it joined, which need not
+    /// include a joiner that started after it (that one would wait out the timeout for
+    /// the record on adopting the view). A record not readable here is left to its
+    /// writer.
+    fn introduce_admitted(&self, st: &mut State, view: &ViewRecord) {
+        for &(a, incarnation) in &view.admitted {
+            let record = decode_join(&self.read_slot(self.layout.join(a)))
+                .filter(|j| j.incarnation == incarnation)
+                .and_then(|j| encode_join(&j));
+            let Some(record) = record else { continue };
+            let others: Vec<usize> = view
+                .admitted
+                .iter()
+                .map(|&(b, _)| b)
+                .filter(|&b| b != a)
+                .collect();
+            let timeout = self.options.timeout;
+            let missed =
+                self.write_records(st, &others, |l: &Layout, _| l.join(a), &record, timeout);
+            if !missed.is_empty() {
+                log::warn!(
+                    "group rank {}: rank {a}'s join record did not reach {missed:?}",
+                    self.rank()
+                );
+            }
+        }
     }
 
     /// Makes `view` ours: no write of the old epoch left in flight, new members

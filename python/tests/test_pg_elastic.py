@@ -138,13 +138,22 @@ say("done")
 """
 
 
-def test_extension_past_the_initial_world_size(store, ranks):
-    ranks.extend(Rank(_EXTENSION, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
-                 for r in range(3))
+def _start_primaries_then_joiners(ranks, store, script, primaries, joiners):
+    """Starts ranks `primaries` of a four-slot `script`, waits for each to say "primary
+    ready", then starts `joiners` (their stderr merged: the tests read their warnings)."""
+    for r in primaries:
+        ranks.append(Rank(script, store.port, r, world=4, timeout_ms=20000, prelude=_BARE))
     for r in ranks:
         r.expect("primary ready")
-    ranks.append(Rank(_EXTENSION, store.port, 3, world=4, timeout_ms=20000, prelude=_BARE))
-    ranks[3].expect("joining")
+    for r in joiners:
+        ranks.append(Rank(script, store.port, r, world=4, timeout_ms=20000, prelude=_BARE,
+                          merge_stderr=True))
+    return ranks[len(primaries):]
+
+
+def test_extension_past_the_initial_world_size(store, ranks):
+    [joiner] = _start_primaries_then_joiners(ranks, store, _EXTENSION, range(3), [3])
+    joiner.expect("joining")
     for r in ranks:
         r.expect("done")
     for r in ranks:
@@ -203,17 +212,12 @@ say("done")
 
 
 def test_split_rank_subgroups_admit_their_joiners(store, ranks):
-    ranks.extend(Rank(_SPLIT, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
-                 for r in range(2))
-    for r in ranks:
-        r.expect("primary ready")
-    # Their stderr too: a joiner must find the other joiner's record when it adopts the
-    # view that admits both (the coordinator passes it on), not wait it out and warn.
-    ranks.extend(Rank(_SPLIT, store.port, r, world=4, timeout_ms=20000, prelude=_BARE,
-                      merge_stderr=True) for r in (2, 3))
+    joiners = _start_primaries_then_joiners(ranks, store, _SPLIT, range(2), [2, 3])
     for r in ranks:
         r.expect("done")
-    for r in ranks[2:]:
+    # A joiner must find the other joiner's record when it adopts the view that admits
+    # both (the coordinator passes it on), not wait it out and warn.
+    for r in joiners:
         assert not [line for line in r.log if "never arrived" in line], r.log
     for r in ranks:
         r.finish()

@@ -885,6 +885,41 @@ fn run_exit_after(g: &Group) {
     }
 }
 
+/// A rank that starts after a peer has already gone (its process closed, its address
+/// published) connects at once instead of waiting out the timeout for it, and its first
+/// operation fails at once naming it. The timeout is a day: without either check this
+/// test would wait for it (threads, not a scope: a stuck one must not hold the test).
+#[test]
+fn a_peer_gone_before_connecting_does_not_hold_up_the_start() {
+    let start = |r: usize| {
+        let mut o = GroupOptions::new(r, 3);
+        o.timeout = Duration::from_secs(86_400);
+        std::sync::Arc::new(Group::new(o).expect("group starts"))
+    };
+    let (g0, g1) = (start(0), start(1));
+    let gone = start(2).address();
+    let addrs = vec![g0.address(), g1.address(), gone];
+    let (done, results) = mpsc::channel();
+    for g in [g0, g1] {
+        let (addrs, done) = (addrs.clone(), done.clone());
+        std::thread::spawn(move || {
+            let connected = g.connect(&addrs).is_ok();
+            let mut buf = encode(DType::I32, &[1.0; 16]);
+            let first = g.all_reduce(&mut buf, DType::I32, ReduceOp::Sum);
+            done.send((connected, first.is_err(), g.failed_ranks()))
+                .unwrap();
+        });
+    }
+    for _ in 0..2 {
+        let (connected, failed, named) = results.recv_timeout(STEP).expect("held up by rank 2");
+        assert!(
+            connected && failed,
+            "connected {connected}, all_reduce failed {failed}"
+        );
+        assert_eq!(named, vec![2]);
+    }
+}
+
 #[test]
 fn a_rank_that_exits_right_after_an_operation_has_delivered_its_part() {
     let dir = rendezvous_dir("exitafter");

@@ -318,6 +318,23 @@ class _Rendezvous:
                 return
             self.store.compare_set(self._STARTED, str(seen), str(self.generation))
 
+    def await_members(self, world_size, timeout_s):
+        """Counts this rank as started and waits (up to ``timeout_s``; a rank that died
+        starting is found by the first operation) until every rank of the world size
+        has: one-sided writes let a rank finish an operation with a peer still reading
+        addresses, and the first to finish may host the store and take it down on
+        exit. A joining rank neither counts nor waits: the group runs already."""
+        if self.joining:
+            return
+        key = f"mooncake_pg/ready/{self.generation}"
+        count = self.store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while count < world_size and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            count = self.store.add(key, 0)
+
     @staticmethod
     def _key(rank, generation):
         return f"mooncake_pg/{rank}/{generation}"
@@ -327,9 +344,10 @@ class _Rendezvous:
         return self.store.add(f"mooncake_pg/gen/{r}", 0)
 
     def _predecessor_still_up(self, current):
-        """Its rank's previous process died without shutting down (its address is
-        still up): this one replaces it in the group that runs."""
-        return current > 0 and self.store.check([self._key(self.rank, current)])
+        """Its rank's previous process died without shutting down (its address is up,
+        not retired): this one replaces it in the group that runs."""
+        return (current > 0 and self.store.check([self._key(self.rank, current)])
+                and not self.store.check([self._retired(self.rank, current)]))
 
     def _slot_of_a_running_group(self, world_size):
         """A lower rank started the group with a world size that does not include this
@@ -341,7 +359,15 @@ class _Rendezvous:
         self.store.set(self.key, f"{world_size}|{address}")
 
     def retire(self):
-        self.store.delete_key(self.key)
+        """Marks this rank shut down. Its address stays readable: a rank of the same
+        generation still starting (slower than the peers that already finished an
+        operation with it and shut down) waits for every address, and would otherwise
+        wait out the store's timeout for this one."""
+        self.store.set(self._retired(self.rank, self.generation), "1")
+
+    @staticmethod
+    def _retired(rank, generation):
+        return f"mooncake_pg/{rank}/{generation}/retired"
 
     def address(self, r, wait):
         """Rank r's address: with ``wait``, the one it publishes in this generation
@@ -352,7 +378,9 @@ class _Rendezvous:
         """Rank r's (world size, address). With ``wait``: its newest if that is up and
         of this generation or later (a rank started before, as for a joiner), else the
         one it publishes in this generation, waiting as long as the store's timeout
-        (with ``newest``, any generation's). Without: its newest, or (0, "")."""
+        (with ``newest``, any generation's). Without: its newest, or (0, "").
+        A retired address (its rank shut down) counts only as this generation's, which
+        a rank still starting needs whatever became of the peer since."""
         timeout = getattr(self.store, "timeout", None)
         timeout = timeout.total_seconds() if timeout is not None else 300.0
         deadline = time.monotonic() + timeout
@@ -365,9 +393,10 @@ class _Rendezvous:
                 generations = [latest, self.generation]
             else:
                 generations = [self.generation]
-            for key in (self._key(r, g) for g in generations if g > 0):
-                value = self._value(key)
-                if value:
+            for g in (g for g in generations if g > 0):
+                value = self._value(self._key(r, g))
+                this_generation = wait and not newest and g == self.generation
+                if value and (this_generation or not self._value(self._retired(r, g))):
                     size, _, address = value.partition("|")
                     return int(size), address
             if not wait:
@@ -841,6 +870,7 @@ if torch is not None:
                         r, wait=not options.is_extension))
             self._rendezvous.started()
             self.handle.connect(addresses)
+            self._rendezvous.await_members(size, options.timeout_ms / 1000)
             self.handle.publish_mask()
             self._p2p = []
             self._scratch = threading.local()  # see _save

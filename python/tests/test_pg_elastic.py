@@ -424,6 +424,34 @@ def test_a_group_started_again_with_more_ranks_on_the_same_store(store, ranks):
         r.finish()
 
 
+# Rank 1 is slow inside init_process_group (made so here: it sleeps between publishing
+# its address and reading the others'). The others must not finish their gather and shut
+# down in the meantime in a way that leaves it waiting for their addresses (or, with the
+# store in a rank's process, without a store): init waits until every rank started.
+_SLOW_START = r"""
+import time
+if rank == 1:
+    _read_address = pg._Rendezvous.address
+    def _slow_address(self, r, wait):
+        time.sleep(2)  # models a rank descheduled on a busy host
+        pg._Rendezvous.address = _read_address
+        return _read_address(self, r, wait)
+    pg._Rendezvous.address = _slow_address
+dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=world,
+                        pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+t = torch.tensor([rank], dtype=torch.int32)
+got = [torch.zeros(1, dtype=torch.int32) for _ in range(world)] if rank == 0 else None
+dist.gather(t, gather_list=got, dst=0)
+assert rank != 0 or [g.item() for g in got] == list(range(world)), got
+dist.destroy_process_group()
+say("gathered")
+"""
+
+
+def test_a_rank_slow_to_start_is_not_left_behind(store, ranks):
+    _all_run(ranks, store, _SLOW_START, 4, "gathered")
+
+
 # extend_group_size_to: the size torch reports grows (never shrinks), collectives still
 # run over the active ranks, and a gloo group's size is torch's own.
 _EXTEND = r"""

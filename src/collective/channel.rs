@@ -671,6 +671,23 @@ impl Group {
             st.seq += 1;
             st.seq << 8 | kind
         };
+        // A member this rank never reached (gone before it started: see
+        // `Group::connect`) cannot be written to; waiting out the timeout for it would
+        // only delay the same failure.
+        let mut unreachable: Vec<usize> = out
+            .iter()
+            .map(|m| m.peer)
+            .filter(|&p| st.peers[p].is_none())
+            .collect();
+        if !unreachable.is_empty() {
+            unreachable.sort_unstable();
+            unreachable.dedup();
+            return Err(self.fail(
+                st,
+                unreachable,
+                "never reached (gone before this rank started)",
+            ));
+        }
         let cells = self.layout.cells as u64;
         let cap = self.layout.payload();
         // Measured from the last progress: a large exchange that keeps moving may take

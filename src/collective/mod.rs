@@ -245,6 +245,22 @@ impl Drop for Group {
     }
 }
 
+/// Whether a connection to `segment`'s address (a peer-to-peer segment is named by the
+/// address its engine answers handshakes on) is refused. A rank publishes its address
+/// only once it listens there, so a refusal means the process is gone: waiting out the
+/// timeout for it at start would make this rank late for its live peers' first
+/// operation. A name that is not an address is never taken for refusing.
+fn refuses_connections(segment: &str) -> bool {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Some(addr) = segment.to_socket_addrs().ok().and_then(|mut a| a.next()) else {
+        return false;
+    };
+    matches!(
+        TcpStream::connect_timeout(&addr, Duration::from_millis(200)),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
+
 /// A peer's address as exchanged at rendezvous: `segment#buffer#layout`.
 fn parse_address(s: &str) -> Result<(String, u64, String)> {
     let mut parts = s.rsplitn(3, '#');
@@ -353,11 +369,15 @@ impl Group {
         Ok(())
     }
 
+    /// Opens a peer's segment, retrying until `deadline` while the peer may still be
+    /// coming up; at once when nothing listens at its address any more.
     fn open_peer(&self, segment: &str, deadline: std::time::Instant) -> Result<SegmentId> {
         loop {
             match self.engine.open_segment(segment) {
                 Ok(s) => return Ok(s),
-                Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+                Err(e) if std::time::Instant::now() >= deadline || refuses_connections(segment) => {
+                    return Err(e)
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }

@@ -1005,10 +1005,10 @@ if torch is not None:
             When peers do not answer, membership is reconciled and ``fn`` runs again
             over the survivors, ``inputs`` (the tensors it updates in place) restored
             first; the work then succeeds with local success False and, as its hint, the
-            missed ranks that the reconciliation left out. The first operation of each new view checks first that no
-            survivor completed it already (``_completed_elsewhere``), and leaves it if
-            one did. An extension not admitted yet runs ``local`` instead: its
-            operations involve only itself."""
+            missed ranks that the reconciliation left out. The first operation of each
+            new view checks first that no survivor completed it already
+            (``_completed_elsewhere``), and leaves it if one did. An extension not
+            admitted yet runs ``local`` instead: its operations involve only itself."""
             device = device if device is not None else torch.device("cpu")
             if self._p2p:
                 # Queued sends and receives go first, in the order they were called: a
@@ -1639,6 +1639,7 @@ def extend_group_size_to(backend, size):
                          f"{ours.visible_size()}; it does not shrink (inactive ranks are "
                          f"holes)")
     ours._visible = size
+
 
 def set_collective_timeout_us(us):
     """How long operations of groups created from now on wait for a peer before it

@@ -1083,6 +1083,8 @@ if torch is not None:
             """The ranks an operation missed that the reconciliation left out: one it
             merely waited for (slow, or itself waiting on the dead rank) answered there
             and stays a member, so it is not named as failed."""
+            if not missed:
+                return missed  # every operation that heard from all: no C call
             active = self.handle.active_ranks()
             return [r for r in missed if not active[r]]
 

@@ -138,21 +138,21 @@ say("done")
 """
 
 
-def _start_primaries_then_joiners(ranks, store, script, primaries, joiners):
-    """Starts ranks `primaries` of a four-slot `script`, waits for each to say "primary
-    ready", then starts `joiners` (their stderr merged: the tests read their warnings)."""
-    for r in primaries:
+def _start_in_two_waves(ranks, store, script, first, second, ready="primary ready"):
+    """Starts ranks `first` of a four-slot `script`, waits for each to say `ready`, then
+    starts `second` (their stderr merged: tests read their warnings) and returns them."""
+    for r in first:
         ranks.append(Rank(script, store.port, r, world=4, timeout_ms=20000, prelude=_BARE))
     for r in ranks:
-        r.expect("primary ready")
-    for r in joiners:
+        r.expect(ready)
+    for r in second:
         ranks.append(Rank(script, store.port, r, world=4, timeout_ms=20000, prelude=_BARE,
                           merge_stderr=True))
-    return ranks[len(primaries):]
+    return ranks[len(first):]
 
 
 def test_extension_past_the_initial_world_size(store, ranks):
-    [joiner] = _start_primaries_then_joiners(ranks, store, _EXTENSION, range(3), [3])
+    [joiner] = _start_in_two_waves(ranks, store, _EXTENSION, range(3), [3])
     joiner.expect("joining")
     for r in ranks:
         r.expect("done")
@@ -212,7 +212,7 @@ say("done")
 
 
 def test_split_rank_subgroups_admit_their_joiners(store, ranks):
-    joiners = _start_primaries_then_joiners(ranks, store, _SPLIT, range(2), [2, 3])
+    joiners = _start_in_two_waves(ranks, store, _SPLIT, range(2), [2, 3])
     for r in ranks:
         r.expect("done")
     # A joiner must find the other joiner's record when it adopts the view that admits
@@ -410,12 +410,7 @@ ROUNDS = 2
 
 
 def test_a_group_started_again_with_more_ranks_on_the_same_store(store, ranks):
-    ranks.extend(Rank(_GROW, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
-                 for r in range(2))
-    for r in ranks:
-        r.expect("two")
-    ranks.extend(Rank(_GROW, store.port, r, world=4, timeout_ms=20000, prelude=_BARE)
-                 for r in range(2, 4))
+    _start_in_two_waves(ranks, store, _GROW, range(2), range(2, 4), ready="two")
     for r in ranks[:2]:
         r.tell("grow")
     for r in ranks:

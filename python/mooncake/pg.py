@@ -471,6 +471,10 @@ class ProcessGroupHandle:
             _fn("mc_pg_free")(self._h)
             self._h = None
 
+    @property
+    def closed(self):
+        return not self._h
+
     def __del__(self):
         try:
             self.close()
@@ -880,11 +884,12 @@ if torch is not None:
 
         def visible_size(self):
             """The group's size as ``dist.get_world_size`` reports it: torch's world size
-            at init, grown (never shrunk: inactive ranks are holes) to cover every rank
-            a view has admitted, or to what ``extend_group_size_to`` set."""
-            active = self.handle.active_ranks()
-            top = max((r + 1 for r, on in enumerate(active) if on), default=0)
-            self._visible = max(self._visible, top)
+            at init, grown (never shrunk: inactive ranks are holes) to every reserved
+            slot once a rank past torch's world size is admitted (the count torch's
+            lists then take, see ``_world``), or to what ``extend_group_size_to`` set.
+            After shutdown, the last size reported."""
+            if not self.handle.closed:
+                self._visible = max(self._visible, self._world())
             return self._visible
 
         def shutdown(self):
@@ -1145,6 +1150,8 @@ if torch is not None:
             active_count = 1 if self.handle.local_only() else sum(self.handle.active_ranks())
             if len(outs) != self._size and len(outs) == active_count:
                 return self._allgather_active(outs, input_tensors[0], output_tensors)
+            if len(outs) > self._size and len(outs) == self._visible:
+                outs = outs[:self._size]  # past the slots: holes, left as they are
             dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
             _check_count("all_gather outputs", outs, self._size)
@@ -1204,11 +1211,15 @@ if torch is not None:
             return self._size
 
         def _slots(self, what, items, blank):
-            """``items`` (one per rank of ``_world()``, or one per slot) as one per
-            slot: the slots past torch's world size get ``blank()`` (nothing to send
-            or receive there)."""
+            """``items`` (one per rank of ``_world()``, one per slot, or one per rank of
+            a size ``extend_group_size_to`` set past the slots) as one per slot: the
+            slots past torch's world size get ``blank()`` (nothing to send or receive
+            there); entries past the slots are holes no rank can fill, left as they
+            are."""
             if len(items) == self._size:
                 return items
+            if len(items) > self._size and len(items) == self._visible:
+                return items[:self._size]
             _check_count(what, items, self._world())
             return items + [blank() for _ in range(self._size - len(items))]
 
@@ -1315,26 +1326,27 @@ if torch is not None:
                     raise ValueError(f"all_to_all_single {what}: a 0-dim tensor has no rows")
                 rows = t.shape[0]
                 row_bytes = (t.numel() // rows if rows else 0) * t.element_size()
-                world = self._world()
+                # The size get_world_size reports (past the slots after an extend).
+                world = max(self._world(), self._visible)
                 if given is None or len(given) == 0:  # torch passes [] for "not given"
                     if rows % world:
                         raise ValueError(f"all_to_all_single {what}: {rows} rows do not "
                                          f"split evenly over world size {world}")
                     given = [rows // world] * world
-                given = self._slots(f"all_to_all_single {what} split sizes",
-                                    [int(s) for s in given], lambda: 0)
+                given = [int(s) for s in given]
                 if any(s < 0 for s in given):
                     raise ValueError(f"all_to_all_single {what} split sizes {given}: "
                                      f"negative")
                 if sum(given) != rows:
                     raise ValueError(f"all_to_all_single {what} split sizes {given} sum to "
                                      f"{sum(given)} rows; the tensor has {rows}")
+                # Rows for holes past the slots are the tensor's last: left as they are.
+                given = self._slots(f"all_to_all_single {what} split sizes", given,
+                                    lambda: 0)
                 return [s * row_bytes for s in given]
 
             send = splits("input", inp.t, input_split_sizes)
             recv = splits("output", out.t, output_split_sizes)
-            _check_bytes("all_to_all_single input splits", sum(send), inp.nbytes)
-            _check_bytes("all_to_all_single output splits", sum(recv), out.nbytes)
 
             def run():
                 self.handle.all_to_all(inp.addr, send, out.addr, recv)

@@ -473,6 +473,24 @@ try:
     raise AssertionError("a gloo group was taken for ours")
 except TypeError:
     pass
+# Lists and splits sized by the reported size work; the entry past the slots is a hole
+# no rank fills, left as it was.
+size = dist.get_world_size()
+outs = [torch.full((2,), -1) for _ in range(size)]
+dist.all_gather(outs, torch.full((2,), rank))
+assert [o.tolist() for o in outs] == [[r, r] for r in range(world)] + [[-1, -1]], outs
+got = torch.full((size,), -1)
+dist.all_to_all_single(got, torch.full((size,), rank))
+assert got.tolist() == list(range(world)) + [-1], got
+outs = [torch.full((1,), -1) for _ in range(size)]
+dist.all_to_all(outs, [torch.full((1,), 10 * rank + r) for r in range(size)])
+assert [o.item() for o in outs] == [10 * r + rank for r in range(world)] + [-1], outs
+# A group's size after it is destroyed is the last one it reported.
+sub = dist.new_group(ranks=list(range(world)), backend="mooncake-cpu",
+                     pg_options=pg.MooncakeBackendOptions(timeout_ms=TIMEOUT_MS))
+pg.extend_group_size_to(sub, world + 2)
+dist.destroy_process_group(sub)
+assert sub.size() == world + 2
 say("extended")
 """
 

@@ -536,8 +536,12 @@ impl Group {
     /// joiner wrote its record only to the ranks up when it joined, which need not
     /// include a joiner that started after it (that one would wait out the timeout for
     /// the record on adopting the view). A record not readable here is left to its
-    /// writer.
+    /// writer. All of it within one timeout, and a rank that missed one record is not
+    /// written to again: a joiner gone meanwhile must not hold the view back by a
+    /// timeout per joiner (its members wait for it a bounded time).
     fn introduce_admitted(&self, st: &mut State, view: &ViewRecord) {
+        let deadline = Instant::now() + self.options.timeout;
+        let mut unreached = Mask::default();
         for &(a, incarnation) in &view.admitted {
             let record = decode_join(&self.read_slot(self.layout.join(a)))
                 .filter(|j| j.incarnation == incarnation)
@@ -547,11 +551,23 @@ impl Group {
                 .admitted
                 .iter()
                 .map(|&(b, _)| b)
-                .filter(|&b| b != a)
+                .filter(|&b| b != a && !unreached.has(b))
                 .collect();
-            let timeout = self.options.timeout;
-            let missed =
-                self.write_records(st, &others, |l: &Layout, _| l.join(a), &record, timeout);
+            if others.is_empty() {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::warn!(
+                    "group rank {}: out of time to pass rank {a}'s join record to {others:?}",
+                    self.rank()
+                );
+                continue;
+            }
+            let missed = self.write_records(st, &others, |l: &Layout, _| l.join(a), &record, left);
+            for &b in &missed {
+                unreached.set(b);
+            }
             if !missed.is_empty() {
                 log::warn!(
                     "group rank {}: rank {a}'s join record did not reach {missed:?}",

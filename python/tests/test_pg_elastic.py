@@ -2,7 +2,7 @@
 
 Batched point-to-point (``dist.batch_isend_irecv``), a group grown past its initial world
 size (``max_group_size``: three ranks start, a fourth joins as an extension and is
-admitted with ``recover_ranks``), a rank that exits between operations (the survivors'
+admitted with ``recover_ranks``, then exchanges point-to-point), a rank that exits between operations (the survivors'
 next operations do not raise: they run again over the survivors and say so through
 ``get_local_success`` / ``get_failed_ranks_hint``), and a group destroyed and started
 again on the same store. The ``active_ranks`` tensor of the options is storage only: its
@@ -154,6 +154,57 @@ def _start_in_two_waves(ranks, store, script, first, second, ready="primary read
 def test_extension_past_the_initial_world_size(store, ranks):
     [joiner] = _start_in_two_waves(ranks, store, _EXTENSION, range(3), [3])
     joiner.expect("joining")
+    for r in ranks:
+        r.expect("done")
+    for r in ranks:
+        r.finish()
+
+
+# Point-to-point after a scale-up (upstream's elastic P2P test): three primaries (world
+# size 3, 4 slots) admit joiner 3; the joiner and primary 2 then exchange through
+# batch_isend_irecv in both directions, between barriers, while the others idle.
+_EXTENSION_P2P = r"""
+JOINER, PEER = 3, 2
+if rank < JOINER:
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=rank, world_size=3,
+                            pg_options=pg.MooncakeBackendOptions(4, timeout_ms=TIMEOUT_MS))
+    g = dist.group.WORLD
+    say("primary ready")
+    deadline = __import__("time").monotonic() + 60
+    while not all(pg.get_peer_state(g, [JOINER])):
+        assert __import__("time").monotonic() < deadline, "the joiner never claimed its rank"
+        __import__("time").sleep(0.02)
+    pg.recover_ranks(g, [JOINER])
+else:
+    dist.init_process_group(backend="mooncake-cpu", store=store, rank=JOINER, world_size=4,
+                            pg_options=pg.MooncakeBackendOptions(4, True, timeout_ms=TIMEOUT_MS))
+    g = dist.group.WORLD
+    pg.join_group(g, timeout_ms=60000)
+assert dist.get_world_size() == 4
+t = torch.tensor([rank + 1], dtype=torch.int32)
+dist.all_reduce(t)
+assert t.item() == 10, t
+for src, dst in ((JOINER, PEER), (PEER, JOINER)):
+    dist.barrier()
+    if rank == src:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.full((1024,), src, dtype=torch.int32), dst)])
+    elif rank == dst:
+        got = torch.empty(1024, dtype=torch.int32)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, src)])
+    else:
+        works = []
+    for w in works:
+        w.wait()
+    if rank == dst:
+        assert torch.equal(got, torch.full((1024,), src, dtype=torch.int32)), got[:4]
+dist.barrier()
+say("done")
+"""
+
+
+def test_point_to_point_with_an_admitted_joiner(store, ranks):
+    _start_in_two_waves(ranks, store, _EXTENSION_P2P, range(3), [3])
     for r in ranks:
         r.expect("done")
     for r in ranks:

@@ -1150,8 +1150,7 @@ if torch is not None:
             active_count = 1 if self.handle.local_only() else sum(self.handle.active_ranks())
             if len(outs) != self._size and len(outs) == active_count:
                 return self._allgather_active(outs, input_tensors[0], output_tensors)
-            if len(outs) > self._size and len(outs) == self._visible:
-                outs = outs[:self._size]  # past the slots: holes, left as they are
+            outs = self._within_slots(outs)
             dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
             _check_count("all_gather outputs", outs, self._size)
@@ -1210,16 +1209,23 @@ if torch is not None:
                 return h.initial_size
             return self._size
 
+        def _within_slots(self, items):
+            """``items`` one per rank of a size ``extend_group_size_to`` set past the
+            slots, cut to the slots (the rest are holes no rank fills, left as they
+            are); any other list as it is."""
+            if self._size < len(items) == self._visible:
+                return items[:self._size]
+            return items
+
         def _slots(self, what, items, blank):
             """``items`` (one per rank of ``_world()``, one per slot, or one per rank of
             a size ``extend_group_size_to`` set past the slots) as one per slot: the
             slots past torch's world size get ``blank()`` (nothing to send or receive
             there); entries past the slots are holes no rank can fill, left as they
             are."""
+            items = self._within_slots(items)
             if len(items) == self._size:
                 return items
-            if len(items) > self._size and len(items) == self._visible:
-                return items[:self._size]
             _check_count(what, items, self._world())
             return items + [blank() for _ in range(self._size - len(items))]
 

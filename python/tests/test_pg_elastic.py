@@ -2,9 +2,10 @@
 
 Batched point-to-point (``dist.batch_isend_irecv``), a group grown past its initial world
 size (``max_group_size``: three ranks start, a fourth joins as an extension and is
-admitted with ``recover_ranks``, then exchanges point-to-point), a rank that exits between operations (the survivors'
-next operations do not raise: they run again over the survivors and say so through
-``get_local_success`` / ``get_failed_ranks_hint``), and a group destroyed and started
+admitted with ``recover_ranks``, then exchanges point-to-point), a rank that exits
+between operations (the survivors' next operations do not raise: they run again over
+the survivors and say so through ``get_local_success`` / ``get_failed_ranks_hint``),
+and a group destroyed and started
 again on the same store. The ``active_ranks`` tensor of the options is storage only: its
 contents at init are ignored and the live mask is written into it.
 """
@@ -17,7 +18,7 @@ from test_pg import Rank, ranks, store  # noqa: E402,F401
 
 # Like test_pg's prelude, but each script starts its own group(s).
 _BARE = r"""
-import os, sys, datetime
+import os, sys, time, datetime
 import torch, torch.distributed as dist
 from mooncake import pg
 
@@ -31,6 +32,13 @@ def say(*a):
 
 def wait_line(want):
     assert sys.stdin.readline().strip() == want
+
+def await_claims(g, ranks):
+    # Bounded: the ranks' processes claim their slots (join_group) within a minute.
+    deadline = time.monotonic() + 60
+    while not all(pg.get_peer_state(g, ranks)):
+        assert time.monotonic() < deadline, ("never claimed", ranks)
+        time.sleep(0.02)
 """
 
 _RING = r"""
@@ -96,10 +104,7 @@ if rank < JOINER:
         dist.all_gather(outs, torch.full((2,), rank, dtype=torch.int32))
         assert [o.tolist() for o in outs] == [[0, 0], [1, 1], [2, 2], [-1, -1]][:count]
     say("primary ready")
-    deadline = __import__("time").monotonic() + 60
-    while not all(pg.get_peer_state(g, [JOINER])):
-        assert __import__("time").monotonic() < deadline, "the joiner never claimed its rank"
-        __import__("time").sleep(0.02)
+    await_claims(g, [JOINER])
     assert pg.get_num_synced_ranks(g) == 4
     resp = pg.recover_ranks(g, [JOINER])
     assert resp.status == pg.ProposalStatus.Applied, resp
@@ -170,10 +175,7 @@ if rank < JOINER:
                             pg_options=pg.MooncakeBackendOptions(4, timeout_ms=TIMEOUT_MS))
     g = dist.group.WORLD
     say("primary ready")
-    deadline = __import__("time").monotonic() + 60
-    while not all(pg.get_peer_state(g, [JOINER])):
-        assert __import__("time").monotonic() < deadline, "the joiner never claimed its rank"
-        __import__("time").sleep(0.02)
+    await_claims(g, [JOINER])
     pg.recover_ranks(g, [JOINER])
 else:
     dist.init_process_group(backend="mooncake-cpu", store=store, rank=JOINER, world_size=4,
@@ -216,14 +218,7 @@ def test_point_to_point_with_an_admitted_joiner(store, ranks):
 # the same subgroups, in the same order, with their eventual members, join each, and
 # the primaries admit them with recover_ranks in each.
 _SPLIT = r"""
-import time
 JOINERS = [2, 3]
-
-def await_claims(g, ranks):
-    deadline = time.monotonic() + 60
-    while not all(pg.get_peer_state(g, ranks)):
-        assert time.monotonic() < deadline, ("never claimed", ranks)
-        time.sleep(0.02)
 
 def reduced(group, value):
     t = torch.tensor([value], dtype=torch.int32)
@@ -328,11 +323,7 @@ w = dist.all_reduce(torch.ones(4), async_op=True)
 w.wait()
 assert pg.get_local_success(w) and pg.get_failed_ranks_hint(w).tolist() == [0] * world
 say("survived")
-import time
-deadline = time.monotonic() + 60
-while not pg.get_peer_state(dist.group.WORLD, [1])[0]:
-    assert time.monotonic() < deadline, "the replacement never claimed rank 1"
-    time.sleep(0.02)
+await_claims(dist.group.WORLD, [1])
 resp = pg.recover_ranks(dist.group.WORLD, [1])
 assert resp.status == pg.ProposalStatus.Applied, resp
 """

@@ -289,6 +289,7 @@ class Buffer:
         ``recv_count`` [L] int32; ``handle`` upstream's tuple; ``event`` an
         ``EventOverlap``; ``hook`` a no-op with ``return_recv_hook``, else None.
         """
+        pg._drain(self.group)  # after the group's asynchronous operations, as elsewhere
         R, M = self.num_ranks, int(num_max_dispatch_tokens_per_rank)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a tensor [tokens, hidden]")
@@ -422,6 +423,7 @@ class Buffer:
         dtype (written into ``out`` when given) is the sum over the surviving choices
         (module docstring).
         """
+        pg._drain(self.group)
         R = self.num_ranks
         route = _route_of(handle)
         if zero_copy:

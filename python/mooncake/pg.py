@@ -23,8 +23,13 @@ others, is recognised as joining a running group (``is_extension``), calls
 ``join_group(backend)`` and takes part once a member calls ``recover_ranks(backend,
 [rank])``; until then its operations involve only itself. Every rank runs its own
 transfer engine; peers write into its registered buffer one-sidedly (``c_include/
-mooncake.h``, "Mooncake PG"). Collectives run when called; the Work returned is already
-complete.
+mooncake.h``, "Mooncake PG"). A collective runs when called, and its Work is complete
+when returned, unless ``async_op=True`` on host tensors: then it joins the backend's
+queue, run by a thread of its own in the order issued, and returns at once (``wait()``
+blocks until it has run; anything else the caller does with the group, synchronous
+operations, sends and receives, membership calls, EP, waits for the queue first).
+Sends and receives are queued and done together at the first ``wait()`` of one of them,
+or before the next collective.
 
 The backend ``mooncake`` takes CUDA tensors with the same options, module functions and
 failure semantics. Their memory goes to the C ABI as device memory
@@ -35,13 +40,16 @@ call returns). Creating it on a machine where ``torch.cuda.is_available()`` is f
 raises at ``init_process_group`` / ``new_group``.
 """
 
-import ctypes
+import atexit
+import collections
 import contextlib
+import ctypes
 import copy
 import enum
 import operator
 import threading
 import time
+import weakref
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
@@ -278,6 +286,83 @@ _ATTEMPTS = 3
 # (see ``_entered_new_view``), before such a refusal counts as a failed attempt: every
 # entry needs a membership change of its own, so this bounds the loop, not the work.
 _NEW_VIEWS = 16
+
+
+class _AsyncQueue:
+    """A backend's operations issued with ``async_op=True``, run one after another on a
+    thread of the queue's own in the order they were issued. Anything that touches the
+    group on the caller's thread (a synchronous operation, a send or receive, a
+    membership call, EP) drains the queue first, so every rank still runs its operations
+    in the order it called them. The thread starts with the first submission and stays
+    (with the scratch buffers it keeps, see ``_save``) until ``close``."""
+
+    # Every queue whose thread started: closed at exit (see _close_all).
+    _started = weakref.WeakSet()
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        # Tasks not finished yet, the running one first (drain waits for it to empty).
+        self._tasks = collections.deque()
+        self._thread = None
+        self._closed = False
+
+    def submit(self, task):
+        """Queues ``task``, a callable that records its own outcome (never raises)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the process group was shut down")
+            self._tasks.append(task)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, daemon=True,
+                                                 name="mooncake-pg-async")
+                self._thread.start()
+                _AsyncQueue._started.add(self)
+            self._cond.notify_all()
+
+    def _serve(self):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._tasks or self._closed)
+                if not self._tasks:
+                    return  # closed
+                task = self._tasks[0]
+            try:
+                task()
+            except BaseException:  # noqa: BLE001 - tasks record their own outcome;
+                pass                # the queue must go on whatever escapes one
+            task = None  # an idle thread keeps no backend or tensors alive
+            with self._cond:
+                self._tasks.popleft()
+                self._cond.notify_all()
+
+    def close(self):
+        """Runs what is queued, then ends the thread; later submissions are refused."""
+        self.drain()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            # Its exit frees what it kept (scratch tensors): at exit, that must be done
+            # before the interpreter goes, or torch aborts the process.
+            thread.join()
+
+    def drain(self):
+        """Returns once every queued operation has finished."""
+        with self._cond:
+            if threading.current_thread() is self._thread:
+                return  # a task itself: what runs before it is done
+            self._cond.wait_for(lambda: not self._tasks)
+
+    @staticmethod
+    def _close_all():
+        """At exit, before the interpreter goes: operations still queued run (each is
+        bounded by the group's timeout) and the threads end."""
+        for queue in list(_AsyncQueue._started):
+            queue.close()
+
+
+atexit.register(_AsyncQueue._close_all)
 
 
 class _Rendezvous:
@@ -777,11 +862,14 @@ if torch is not None:
                 self.orig.copy_(self.t)
 
     class MooncakeWork(_TorchWork):
-        """A finished operation: ``wait()`` raises its failure (torch's future-based
-        helper would swallow it)."""
+        """An operation's outcome: ``wait()`` raises its failure (torch's future-based
+        helper would swallow it). A synchronous operation's work is complete when
+        returned; an asynchronous one's (``async_op=True``) when the backend's queue has
+        run it; a send's or receive's at the first ``wait()`` of any queued message (or
+        when an asynchronous operation issued after it has run)."""
 
-        def __init__(self, backend, error=None, failed_ranks=(), result=None, flush=False,
-                     retried=False):
+        def __init__(self, backend, error=None, failed_ranks=(), result=None, queued=False,
+                     retried=False, pending=False):
             super().__init__()
             self._backend = backend
             self._error = error
@@ -790,17 +878,48 @@ if torch is not None:
             self._failed = list(failed_ranks)
             self._retried = retried
             self._result = result or []
-            self._flush = flush
+            # A send or receive not handed to the library yet (see _flush_p2p).
+            self._queued = queued
+            self._done = threading.Event()
+            # Futures handed out before completion (get_future), completed with it.
+            self._lock = threading.Lock()
+            self._futures = []
+            if not (pending or queued):
+                self._done.set()
+
+        def _complete(self, error=None):
+            """Marks the work done (failed with ``error`` when given)."""
+            with self._lock:
+                if error is not None:
+                    self._error = error
+                    self._failed = list(getattr(error, "failed_ranks", []))
+                self._done.set()
+                futures, self._futures = self._futures, []
+            for fut in futures:
+                self._resolve(fut)
+
+        def _take(self, outcome):
+            """Completes this pending work with ``outcome`` (a finished work)."""
+            self._error, self._failed = outcome._error, outcome._failed
+            self._retried = outcome._retried
+            self._complete()
+
+        def _resolve(self, fut):
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._result)
 
         def _settle(self):
-            if self._flush:
-                self._flush = False
+            """Blocks until the operation is done."""
+            if self._queued:
                 try:
                     self._backend._flush_p2p()
                 except Exception:
                     # _flush_p2p gave the error to every work whose message was not
                     # done, this one included if so; a delivered message succeeded.
                     pass
+            self._done.wait()
 
         def wait(self, timeout=None):
             # torch hands users its own wrapper, whose wait() runs this one: the module
@@ -813,9 +932,9 @@ if torch is not None:
 
         def is_completed(self):
             # A queued send or receive is done at its first wait(): polling does it too.
-            if self._flush:
+            if self._queued:
                 self._settle()
-            return not self._flush
+            return self._done.is_set()
 
         def is_success(self):
             self._settle()
@@ -829,12 +948,14 @@ if torch is not None:
             return self._result
 
         def get_future(self):
-            self._settle()
+            """A future completed with the operation (at once when it is done)."""
             fut = torch.futures.Future()
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                fut.set_result(self._result)
+            with self._lock:
+                if not self._done.is_set() and not self._queued:
+                    self._futures.append(fut)
+                    return fut
+            self._settle()
+            self._resolve(fut)
             return fut
 
     class MooncakeBackend(_TorchBackend):
@@ -877,7 +998,8 @@ if torch is not None:
             self._rendezvous.await_members(size, options.timeout_ms / 1000)
             self.handle.publish_mask()
             self._p2p = []
-            self._scratch = threading.local()  # see _save
+            self._queue = _AsyncQueue()
+            self._scratch = threading.local()  # see _save (the queue's thread has its own)
             # Where this rank stands: the epoch of its last collective (or of its start)
             # and how many it completed in it (see _completed_elsewhere).
             self._ran = [self.handle.epoch(), 0]
@@ -893,8 +1015,9 @@ if torch is not None:
             return self._visible
 
         def shutdown(self):
-            """Stops this rank and retires its address (torch calls this from
-            destroy_process_group)."""
+            """Stops this rank, after the operations it queued, and retires its address
+            (torch calls this from destroy_process_group)."""
+            self._queue.close()
             try:
                 self._rendezvous.retire()
             except Exception:  # the store may be gone already
@@ -1005,7 +1128,47 @@ if torch is not None:
                 off += n
             return saved
 
-        def _run(self, what, fn, *tensors, result=None, device=None, inputs=(), local=None):
+        def _run(self, what, fn, *tensors, opts=None, result=None, device=None, inputs=(),
+                 local=None, check=None):
+            """Runs an operation (see ``_execute``) after the sends and receives queued
+            before it: at once, or on the backend's queue when the caller asked for
+            ``async_op`` on host tensors, once ``check`` (what ``fn`` checks against the
+            active ranks as it starts) passes against the ranks active now, so a
+            caller's mistake raises here, not at ``wait()``. Device tensors are staged by
+            the library synchronously on the caller's thread, against its current
+            stream; an extension not admitted yet runs its local-only operations at
+            once."""
+            device = device if device is not None else torch.device("cpu")
+            asynchronous = (device.type == "cpu" and getattr(opts, "asyncOp", False)
+                            and not self.handle.local_only())
+            if asynchronous and check is not None:
+                check()
+            # Queued sends and receives go first, in the order they were called: a peer
+            # waiting in its receive must not meet this operation instead.
+            messages = self._take_p2p()
+            if asynchronous:
+                work = MooncakeWork(self, result=result, pending=True)
+
+                def task():
+                    try:
+                        self._send_queued(messages)
+                    except Exception:
+                        pass  # each queued message's wait() raises it
+                    try:
+                        work._take(self._execute(what, fn, tensors, result, device, inputs,
+                                                 local))
+                    except BaseException as e:  # noqa: BLE001 - wait() raises it
+                        work._complete(e)
+                self._queue.submit(task)
+                return work
+            self._queue.drain()
+            try:
+                self._send_queued(messages)
+            except MooncakeCollectiveError:
+                pass  # each queued message's wait() raises it
+            return self._execute(what, fn, tensors, result, device, inputs, local)
+
+        def _execute(self, what, fn, tensors, result, device, inputs, local):
             """Runs ``fn`` (the C call(s); it reads the active ranks afresh each time).
             When peers do not answer, membership is reconciled and ``fn`` runs again
             over the survivors, ``inputs`` (the tensors it updates in place) restored
@@ -1014,14 +1177,6 @@ if torch is not None:
             new view checks first that no survivor completed it already
             (``_completed_elsewhere``), and leaves it if one did. An extension not
             admitted yet runs ``local`` instead: its operations involve only itself."""
-            device = device if device is not None else torch.device("cpu")
-            if self._p2p:
-                # Queued sends and receives go first, in the order they were called: a
-                # peer waiting in its receive must not meet this operation instead.
-                try:
-                    self._flush_p2p()
-                except MooncakeCollectiveError:
-                    pass  # each queued work's wait() raises it
             if self.handle.local_only():
                 if local is None:
                     raise RuntimeError(f"{what}: rank {self._rank} has not joined the group "
@@ -1106,7 +1261,7 @@ if torch is not None:
                 for c, dt in zip(cs, dtypes):
                     self.handle.all_reduce(c.addr, c.t.numel(), dt, op)
             # Alone, every reduction of one value is that value.
-            return self._run("all_reduce", run, *cs, result=tensors, device=dev,
+            return self._run("all_reduce", run, *cs, opts=opts, result=tensors, device=dev,
                              inputs=_reduced_before_a_failure(cs), local=lambda: None)
 
         def broadcast(self, tensors, opts):
@@ -1117,7 +1272,7 @@ if torch is not None:
             def run():
                 for c in cs:
                     self.handle.broadcast(c.addr, c.nbytes, opts.rootRank)
-            return self._run("broadcast", run, *cs, result=tensors, device=dev,
+            return self._run("broadcast", run, *cs, opts=opts, result=tensors, device=dev,
                              local=lambda: None)
 
         def reduce(self, tensors, opts):
@@ -1130,7 +1285,7 @@ if torch is not None:
             def run():
                 for c, dt in zip(cs, dtypes):
                     self.handle.reduce(c.addr, c.t.numel(), dt, op, opts.rootRank)
-            return self._run("reduce", run, *cs, result=tensors, device=dev,
+            return self._run("reduce", run, *cs, opts=opts, result=tensors, device=dev,
                              inputs=_reduced_before_a_failure(cs), local=lambda: None)
 
         def _copy_blocks(self, outs, flat, sizes):
@@ -1149,7 +1304,7 @@ if torch is not None:
             outs = list(output_tensors[0])
             active_count = 1 if self.handle.local_only() else sum(self.handle.active_ranks())
             if len(outs) != self._size and len(outs) == active_count:
-                return self._allgather_active(outs, input_tensors[0], output_tensors)
+                return self._allgather_active(outs, input_tensors[0], output_tensors, opts)
             outs = self._within_slots(outs)
             dev = self._device([input_tensors[0]] + outs)
             inp = _Contig(input_tensors[0])
@@ -1167,17 +1322,18 @@ if torch is not None:
 
             def local():
                 outs[self._rank].copy_(inp.t.view(outs[self._rank].shape))
-            return self._run("all_gather", run, result=output_tensors, device=dev,
+            return self._run("all_gather", run, opts=opts, result=output_tensors, device=dev,
                              local=local)
 
-        def _allgather_active(self, outs, input, output_tensors):
+        def _allgather_active(self, outs, input, output_tensors, opts):
             """all_gather with one output per ACTIVE rank, in rank order (a group with
             slots past torch's world size, or after a failure), as upstream sizes it."""
             dev = self._device([input] + outs)
             inp = _Contig(input)
             _check_dtypes("all_gather output", outs, inp.t.dtype)
 
-            def run():
+            def check():
+                """The active ranks, one output each."""
                 active = self.handle.active_ranks()
                 members = [r for r in range(self._size) if active[r]]
                 if len(members) != len(outs):
@@ -1186,6 +1342,10 @@ if torch is not None:
                 mine = outs[members.index(self._rank)]
                 _check_like(f"all_gather output {members.index(self._rank)} (this rank's)",
                             mine, inp.t)
+                return members
+
+            def run():
+                members = check()
                 sizes = [0] * self._size
                 for r, o in zip(members, outs):
                     sizes[r] = o.numel() * o.element_size()
@@ -1198,8 +1358,8 @@ if torch is not None:
 
             def local():
                 outs[0].copy_(inp.t.view(outs[0].shape))
-            return self._run("all_gather", run, result=output_tensors, device=dev,
-                             local=local)
+            return self._run("all_gather", run, opts=opts, result=output_tensors, device=dev,
+                             local=local, check=check)
 
         def _world(self):
             """How many ranks torch's lists and splits cover: torch's world size while
@@ -1252,8 +1412,11 @@ if torch is not None:
                                  f"{inp.t.dtype}")
             what = "all_gather_into_tensor output"
 
+            def check():
+                return self._active_sizes(what, inp.nbytes, out.nbytes)
+
             def run():
-                sizes, fits = self._active_sizes(what, inp.nbytes, out.nbytes)
+                sizes, fits = check()
                 if fits:
                     self.handle.all_gather(inp.addr, out.addr, sizes)
                     return
@@ -1264,8 +1427,8 @@ if torch is not None:
 
             def local():
                 _copy_alone(what, out.t, inp.t)
-            return self._run("all_gather_into_tensor", run, out, result=[output], device=dev,
-                             local=local)
+            return self._run("all_gather_into_tensor", run, out, opts=opts,
+                             result=[output], device=dev, local=local, check=check)
 
         def reduce_scatter(self, output_tensors, input_tensors, opts):
             ins = list(input_tensors[0])
@@ -1286,7 +1449,8 @@ if torch is not None:
 
             def local():
                 out.t.copy_(ins[self._rank].view(out.t.shape))
-            return self._run("reduce_scatter", run, out, result=output_tensors, device=dev,
+            return self._run("reduce_scatter", run, out, opts=opts,
+                             result=output_tensors, device=dev,
                              local=local)
 
         def _reduce_scatter_base(self, output, input, opts):
@@ -1299,9 +1463,12 @@ if torch is not None:
             what = "reduce_scatter_tensor input"
             elem = out.t.element_size()
 
-            def run():
+            def check():
                 # Block j of the input goes to the j-th active rank.
-                sizes, fits = self._active_sizes(what, out.nbytes, inp.nbytes)
+                return self._active_sizes(what, out.nbytes, inp.nbytes)
+
+            def run():
+                sizes, fits = check()
                 counts = [n // elem for n in sizes]
                 if fits:
                     self.handle.reduce_scatter(inp.addr, out.addr, counts, dtype, op)
@@ -1316,8 +1483,8 @@ if torch is not None:
 
             def local():
                 _copy_alone(what, out.t, inp.t)
-            return self._run("reduce_scatter_tensor", run, out, result=[output], device=dev,
-                             local=local)
+            return self._run("reduce_scatter_tensor", run, out, opts=opts,
+                             result=[output], device=dev, local=local, check=check)
 
         def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
             dev = self._device([output, input])
@@ -1364,7 +1531,7 @@ if torch is not None:
                 dst = out.t.view(-1).view(torch.uint8)
                 dst[sum(recv[:me]):sum(recv[:me + 1])].copy_(
                     src[sum(send[:me]):sum(send[:me + 1])])
-            return self._run("all_to_all_single", run, out, result=[output], device=dev,
+            return self._run("all_to_all_single", run, out, opts=opts, result=[output], device=dev,
                              local=local)
 
         def alltoall(self, output_tensors, input_tensors, opts):
@@ -1390,7 +1557,7 @@ if torch is not None:
             def local():
                 _check_like("all_to_all own block", outs[self._rank], ins[self._rank])
                 outs[self._rank].copy_(ins[self._rank].view(outs[self._rank].shape))
-            return self._run("all_to_all", run, result=output_tensors, device=dev,
+            return self._run("all_to_all", run, opts=opts, result=output_tensors, device=dev,
                              local=local)
 
         def gather(self, output_tensors, input_tensors, opts):
@@ -1415,7 +1582,8 @@ if torch is not None:
             def local():
                 if self._rank == root:
                     outs[root].copy_(inp.t.view(outs[root].shape))
-            return self._run("gather", run, result=output_tensors, device=dev, local=local)
+            return self._run("gather", run, opts=opts,
+                             result=output_tensors, device=dev, local=local)
 
         def scatter(self, output_tensors, input_tensors, opts):
             root = opts.rootRank
@@ -1438,7 +1606,7 @@ if torch is not None:
             def local():
                 if self._rank == root:
                     out.t.copy_(ins[root].view(out.t.shape))
-            return self._run("scatter", run, out, result=output_tensors, device=dev,
+            return self._run("scatter", run, out, opts=opts, result=output_tensors, device=dev,
                              local=local)
 
         # Newer torch calls these names for the tensor forms.
@@ -1447,7 +1615,7 @@ if torch is not None:
         all_to_all_single = alltoall_base
 
         def barrier(self, opts=None):
-            return self._run("barrier", self.handle.barrier, local=lambda: None)
+            return self._run("barrier", self.handle.barrier, opts=opts, local=lambda: None)
 
         # Point-to-point: queued, and done together at the first wait(), so a pair of
         # ranks that each send before receiving cannot wait on each other.
@@ -1461,37 +1629,52 @@ if torch is not None:
         def send(self, tensors, dst, tag=0):
             _check_rank("send destination", dst, self._size)
             c = self._queue_p2p(tensors[0])
-            work = MooncakeWork(self, flush=True)
+            work = MooncakeWork(self, queued=True)
             self._p2p.append(("send", int(dst), c, work))
             return work
 
         def recv(self, tensors, src, tag=0):
             _check_rank("recv source", src, self._size)
             c = self._queue_p2p(tensors[0])
-            work = MooncakeWork(self, result=tensors, flush=True)
+            work = MooncakeWork(self, result=tensors, queued=True)
             self._p2p.append(("recv", int(src), c, work))
             return work
 
-        def _flush_p2p(self):
-            """Runs every queued send and receive; a failure fails every work queued
-            with it (each one's wait() raises), not just the one waited on."""
+        def _take_p2p(self):
+            """The queued sends and receives, handed to whoever sends them next."""
             pending, self._p2p = self._p2p, []
+            for *_, work in pending:
+                work._queued = False
+            return pending
+
+        def _flush_p2p(self):
+            """Runs every queued send and receive, after the operations queued before
+            them."""
+            messages = self._take_p2p()
+            self._queue.drain()
+            self._send_queued(messages)
+
+        def _send_queued(self, pending):
+            """Sends and receives ``pending`` and completes their works; a failure fails
+            every work whose message was not done (each one's wait() raises), not just
+            the one waited on."""
+            if not pending:
+                return
             works = [work for *_, work in pending]
-            for work in works:
-                work._flush = False
             # Messages may have been queued under other streams than the current one.
-            device = pending[0][2].orig.device if pending else torch.device("cpu")
+            device = pending[0][2].orig.device
             try:
                 with self._on(device, every_stream=True):
                     self._send_recv_rounds(pending)
             except BaseException as e:
                 # Whatever failed (an interrupt too), the messages not done yet fail
-                # with it: each one's wait() raises it.
+                # with it.
                 for *_, work in pending:
-                    work._error, work._failed = e, getattr(e, "failed_ranks", [])
+                    work._complete(e)
                 raise
-            for work in works:  # their results are in place: run what waits on them
-                work._settle()
+            finally:
+                for work in works:  # delivered ones succeeded
+                    work._complete()
 
         def _send_recv_rounds(self, pending):
             """Sends and receives ``pending``, one message each way per peer per round
@@ -1611,8 +1794,21 @@ def get_num_synced_ranks(backend=None):
     return sum(h.peer_state(range(h.world_size)))
 
 
+def _drain(backend):
+    """Waits until the operations ``backend`` (a backend, a process group or None: the
+    default group) queued with ``async_op`` have run: calls that act on the group from
+    the caller's thread (membership, EP) come after them, as on every other rank."""
+    if torch is None or isinstance(backend, ProcessGroupHandle):
+        return
+    ours = _backend_of(dist.group.WORLD if backend is None else backend)
+    if ours is not None:
+        ours._queue.drain()
+
+
 def _membership_call(backend, call):
-    """Runs a membership call and writes the new mask into the options' storage."""
+    """Runs a membership call, after the operations queued before it, and writes the new
+    mask into the options' storage."""
+    _drain(backend)
     h = _handle(backend)
     try:
         return call(h)

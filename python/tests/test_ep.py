@@ -5,8 +5,9 @@ layout row by row (values, ``recv_count``, the handle's ``src_info`` and
 ``layout_range``) and its combined output against the dense reference (each expert
 multiplies its rows by expert_id + 1), in float32 and in fp8 (values and per-128-channel
 scales checked bit for bit against the quantization written out here). In the failure
-tests one rank exits or goes silent before the second dispatch: the survivors return,
-mask it, drop what it owned, and go on.
+tests one rank exits or goes silent before the second dispatch, between its two
+exchanges, or in its combine: the survivors return, mask it, drop what it owned, and go
+on.
 """
 
 import pytest
@@ -116,7 +117,8 @@ def step(it, active, use_fp8=False, timeout_us=2_000_000):
                                         return_recv_hook=True)
     event.current_stream_wait()
     hook()
-    want = reference(x, topk, w, active[:world].tolist())
+    alive = active[:world].tolist()  # a rank stopping in combine is masked there
+    want = reference(x, topk, w, alive)
     assert torch.allclose(combined, want, atol=1e-5), (it, (combined - want).abs().max())
     return alive
 
@@ -147,11 +149,27 @@ assert active.tolist() == [1] * world
 
 _RUN = r"""
 say("start", step(0, active))
-if rank == VICTIM:
-    say("stopping")
+
+def stop():
     if HANG:
         sys.stdin.readline()  # alive but silent until the test ends it
     os._exit(0)
+
+if rank == VICTIM:
+    say("stopping")
+    if AT_EXCHANGE:
+        # Stops inside step 1, at that exchange: 2 is dispatch's rows (after its counts
+        # went out), 3 combine's.
+        exchange, exchanges = buf._handle.all_to_all_timeout, [0]
+
+        def stopping_at(*args):
+            exchanges[0] += 1
+            if exchanges[0] == AT_EXCHANGE:
+                stop()
+            return exchange(*args)
+        buf._handle.all_to_all_timeout = stopping_at
+        step(1, active, timeout_us=TIMEOUT_US)
+    stop()
 for it in (1, 2):
     say("step", it, step(it, active, timeout_us=TIMEOUT_US))
 say("done")
@@ -188,8 +206,9 @@ say("done")
 """
 
 
-def _script(victim, hang=False, timeout_us=2_000_000):
-    return _EP + f"VICTIM = {victim}\nHANG = {hang}\nTIMEOUT_US = {timeout_us}\n" + _RUN
+def _script(victim, hang=False, timeout_us=2_000_000, at_exchange=0):
+    return _EP + (f"VICTIM = {victim}\nHANG = {hang}\nTIMEOUT_US = {timeout_us}\n"
+                  f"AT_EXCHANGE = {at_exchange}\n") + _RUN
 
 
 def test_dispatch_and_combine_match_the_dense_reference(store, ranks):
@@ -210,18 +229,23 @@ def test_upstream_forms_fp8_long_mask_no_timeout_and_zero_copy(store, ranks):
         r.finish()
 
 
-@pytest.mark.parametrize("hang, timeout_ms, timeout_us", [
-    (False, 300_000, 2_000_000), (True, 300_000, 2_000_000), (False, 5_000, -1)],
-    ids=["exits", "hangs", "exits-no-ep-timeout"])
+@pytest.mark.parametrize("hang, timeout_ms, timeout_us, at_exchange", [
+    (False, 300_000, 2_000_000, 0), (True, 300_000, 2_000_000, 0), (False, 5_000, -1, 0),
+    (False, 300_000, 2_000_000, 2), (True, 300_000, 2_000_000, 2),
+    (False, 300_000, 2_000_000, 3)],
+    ids=["exits", "hangs", "exits-no-ep-timeout", "exits-mid-dispatch",
+         "hangs-mid-dispatch", "exits-in-combine"])
 def test_stopped_rank_is_masked_and_its_tokens_dropped(store, ranks, hang, timeout_ms,
-                                                       timeout_us):
-    """A rank that exits, or stays alive without calling dispatch, before the second
-    step. With timeout_us set, the group's own timeout is far beyond the test's bound on
-    a step, so the survivors can only get past the silent rank through timeout_us; with
-    -1 (no bound of its own) the group's timeout_ms masks it."""
+                                                       timeout_us, at_exchange):
+    """A rank that exits, or stays alive and silent: before the second step, or inside
+    it (between dispatch's two exchanges, once its counts went out; or in combine, after
+    a dispatch it took part in). With timeout_us set, the group's own timeout is far
+    beyond the test's bound on a step, so the survivors can only get past the silent
+    rank through timeout_us; with -1 (no bound of its own) the group's timeout_ms masks
+    it."""
     victim = 2
-    ranks.extend(Rank(_script(victim, hang, timeout_us), store.port, r, timeout_ms=timeout_ms)
-                 for r in range(WORLD))
+    ranks.extend(Rank(_script(victim, hang, timeout_us, at_exchange), store.port, r,
+                      timeout_ms=timeout_ms) for r in range(WORLD))
     ranks[victim].expect("stopping")
     mask = str([0 if r == victim else 1 for r in range(WORLD)])
     for i, r in enumerate(ranks):

@@ -8,14 +8,18 @@ is killed with SIGKILL, and the survivors report when their first correct all_re
 over the rest finished (wall clock, same host as the kill). Then Mooncake EP: four ranks
 each dispatch and combine 128 tokens (hidden 1024, f32, top-4 of 16 experts) with
 ``mooncake.ep``; the baseline moves the same rows with gloo's all_to_all_single (counts,
-rows out, rows back; no per-expert layout), reported as tokens/s over all ranks.
+rows out, rows back; no per-expert layout), reported as tokens/s over all ranks. Then
+overlap: each rank issues a 4 MiB all_reduce with ``async_op=True``, computes (four
+384x384 matmuls), and waits; the median of the whole, with the compute's alone and the
+same without overlap (a synchronous all_reduce, then the compute).
 
 Prints one JSON object per line: {bench, op, ranks, bytes, backend, lat_p50_us, gbps,
 baseline, baseline_lat_p50_us, ratio_to_baseline, cpu_us_per_op, baseline_cpu_us_per_op}
 (ratio > 1: mooncake faster; CPU time is rank 0's process, all its threads, per
 operation: steadier than latency on a shared host), and
 {bench: "pg_recovery", ...}. Usage: python bench/pg_bench.py [--quick] [--ranks 2,4]
-[--sizes 4096,1048576] [--parts all_reduce,all_gather,ep,recovery] [--ep-iters N]
+[--sizes 4096,1048576] [--parts all_reduce,all_gather,ep,recovery,overlap]
+[--ep-iters N]
 (needs torch and the mooncake package in the interpreter running it).
 """
 
@@ -52,6 +56,35 @@ def once():
         dist.all_reduce(x)
     else:
         dist.all_gather_into_tensor(outs, x)
+
+extra = {}
+if op == "overlap":
+    # An all_reduce issued with async_op=True while the rank computes (four 384x384
+    # matmuls, about as long as gloo's 4 MiB all_reduce here), then waited for.
+    torch.set_num_threads(1)
+    m = torch.randn(384, 384)
+
+    def compute():
+        for _ in range(4):
+            m @ m
+
+    def once():
+        work = dist.all_reduce(x, async_op=True)
+        compute()
+        work.wait()
+
+    alone, sequential = [], []
+    for _ in range(max(3, iters)):
+        t0 = time.perf_counter()
+        compute()
+        alone.append(time.perf_counter() - t0)
+    for _ in range(max(3, iters)):  # the same without overlap: all_reduce, then compute
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        compute()
+        sequential.append(time.perf_counter() - t0)
+    extra["compute_alone_us"] = statistics.median(alone) * 1e6
+    extra["sequential_us"] = statistics.median(sequential) * 1e6
 
 if op == "ep":
     from mooncake import ep
@@ -118,7 +151,7 @@ cpu1 = resource.getrusage(resource.RUSAGE_SELF)
 cpu = sum(getattr(cpu1, f) - getattr(cpu0, f) for f in ("ru_utime", "ru_stime"))
 if rank == 0:
     print(json.dumps({"lat_p50_us": statistics.median(lat) * 1e6,
-                      "cpu_us": cpu / iters * 1e6}), flush=True)
+                      "cpu_us": cpu / iters * 1e6, **extra}), flush=True)
 dist.barrier()
 """
 
@@ -153,7 +186,7 @@ def run(backend, op, world, nbytes, iters):
     lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
     if not lines:
         raise RuntimeError(f"{backend} {op} {world} {nbytes}: no result")
-    return lines[-1]["lat_p50_us"], lines[-1]["cpu_us"]
+    return lines[-1]["lat_p50_us"], lines[-1]["cpu_us"], lines[-1]
 
 
 def recovery(timeout_ms):
@@ -194,7 +227,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="4 KiB and 1 MiB, fewer EP rounds")
     ap.add_argument("--ranks", type=ints, default=[2, 4])
     ap.add_argument("--sizes", type=ints, default=None, help="bytes per rank")
-    ap.add_argument("--parts", default="all_reduce,all_gather,ep,recovery")
+    ap.add_argument("--parts", default="all_reduce,all_gather,ep,recovery,overlap")
     ap.add_argument("--ep-iters", type=int, default=None)
     args = ap.parse_args()
     quick, parts = args.quick, args.parts.split(",")
@@ -203,8 +236,8 @@ def main():
         for op in [p for p in ("all_reduce", "all_gather") if p in parts]:
             for nbytes in sizes:
                 iters = 200 if nbytes <= 4096 else (50 if nbytes <= (1 << 20) else 5)
-                base, base_cpu = run("gloo", op, world, nbytes, iters)
-                ours, ours_cpu = run("mooncake-cpu", op, world, nbytes, iters)
+                base, base_cpu, _ = run("gloo", op, world, nbytes, iters)
+                ours, ours_cpu, _ = run("mooncake-cpu", op, world, nbytes, iters)
                 moved = nbytes * (world if op == "all_gather" else 1)
                 print(json.dumps({
                     "bench": "pg", "op": op, "ranks": world, "bytes": nbytes,
@@ -217,6 +250,8 @@ def main():
                 }), flush=True)
     if "ep" in parts:
         ep(args.ep_iters or (20 if quick else 100))
+    if "overlap" in parts:
+        overlap(args.ranks)
     if "recovery" in parts:
         timeout_ms = 1000
         took = recovery(timeout_ms)
@@ -226,9 +261,26 @@ def main():
               flush=True)
 
 
+def overlap(ranks):
+    nbytes = 4 << 20
+    for world in ranks:
+        base, base_cpu, gloo = run("gloo", "overlap", world, nbytes, 30)
+        ours, ours_cpu, mine = run("mooncake-cpu", "overlap", world, nbytes, 30)
+        print(json.dumps({
+            "bench": "pg_overlap", "op": "all_reduce async_op + compute + wait",
+            "ranks": world, "bytes": nbytes, "backend": "mooncake-cpu",
+            "lat_p50_us": round(ours, 1),
+            "sequential_us": round(mine["sequential_us"], 1),
+            "compute_alone_us": round(mine["compute_alone_us"], 1),
+            "baseline": "gloo", "baseline_lat_p50_us": round(base, 1),
+            "baseline_sequential_us": round(gloo["sequential_us"], 1),
+            "ratio_to_baseline": round(base / ours, 3), "cpu_us_per_op": round(ours_cpu, 1),
+            "baseline_cpu_us_per_op": round(base_cpu, 1)}), flush=True)
+
+
 def ep(ep_iters):
-    base, base_cpu = run("gloo", "ep", 4, 0, ep_iters)
-    ours, ours_cpu = run("mooncake-cpu", "ep", 4, 0, ep_iters)
+    base, base_cpu, _ = run("gloo", "ep", 4, 0, ep_iters)
+    ours, ours_cpu, _ = run("mooncake-cpu", "ep", 4, 0, ep_iters)
     tokens = 4 * 128  # per dispatch+combine, all ranks
     print(json.dumps({
         "bench": "ep_dispatch_combine", "ranks": 4, "tokens_per_rank": 128, "hidden": 1024,

@@ -347,21 +347,62 @@ class _AsyncQueue:
             # before the interpreter goes, or torch aborts the process.
             thread.join()
 
+    def serves_this_thread(self):
+        return threading.current_thread() is self._thread
+
     def drain(self):
         """Returns once every queued operation has finished."""
         with self._cond:
-            if threading.current_thread() is self._thread:
+            if self.serves_this_thread():
                 return  # a task itself: what runs before it is done
             self._cond.wait_for(lambda: not self._tasks)
 
     @staticmethod
     def _close_all():
         """At exit, before the interpreter goes: operations still queued run (each is
-        bounded by the group's timeout) and the threads end."""
+        bounded by the group's timeout), futures' callbacks finish, and the threads
+        end."""
+        _RESOLVERS.join()
         for queue in list(_AsyncQueue._started):
             queue.close()
+        _RESOLVERS.join()
 
 
+class _Resolvers:
+    """Threads that complete the futures of works finished on a queue's thread, one
+    per work: a callback may issue and wait for a later operation, whose future must
+    then be completed by another thread than the one waiting (the queue's own is busy
+    with the task finishing the first, and a single resolver would wait on itself)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._threads = set()
+
+    def start(self, resolve):
+        def run():
+            try:
+                resolve()
+            finally:
+                with self._lock:
+                    self._threads.discard(thread)
+
+        thread = threading.Thread(target=run, daemon=True, name="mooncake-pg-future")
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def join(self):
+        """Waits for every resolver but the calling thread, and those they start."""
+        while True:
+            with self._lock:
+                others = [t for t in self._threads if t is not threading.current_thread()]
+            if not others:
+                return
+            for thread in others:
+                thread.join()
+
+
+_RESOLVERS = _Resolvers()
 atexit.register(_AsyncQueue._close_all)
 
 
@@ -895,8 +936,8 @@ if torch is not None:
                     self._failed = list(getattr(error, "failed_ranks", []))
                 self._done.set()
                 futures, self._futures = self._futures, []
-            for fut in futures:
-                self._resolve(fut)
+            if futures:
+                self._backend._run_callbacks(lambda: [self._resolve(f) for f in futures])
 
         def _take(self, outcome):
             """Completes this pending work with ``outcome`` (a finished work)."""
@@ -922,9 +963,16 @@ if torch is not None:
             self._done.wait()
 
         def wait(self, timeout=None):
+            """Blocks until the operation is done and raises its failure. With a
+            ``timeout`` (a timedelta or seconds; 0 or None: none, as torch's default),
+            raises RuntimeError if it is not done by then; it stays queued."""
             # torch hands users its own wrapper, whose wait() runs this one: the module
             # functions find this work through it (_ours).
             _WAITED.work = self
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") \
+                else (timeout or 0)
+            if seconds > 0 and not self._queued and not self._done.wait(seconds):
+                raise RuntimeError(f"the operation did not complete within {seconds} s")
             self._settle()
             if self._error is not None:
                 raise self._error
@@ -1145,23 +1193,29 @@ if torch is not None:
                 check()
             # Queued sends and receives go first, in the order they were called: a peer
             # waiting in its receive must not meet this operation instead.
-            messages = self._take_p2p()
             if asynchronous:
+                messages = self._take_p2p()
                 work = MooncakeWork(self, result=result, pending=True)
 
                 def task():
                     try:
                         self._send_queued(messages)
-                    except Exception:
+                    except BaseException:  # noqa: BLE001
                         pass  # each queued message's wait() raises it
                     try:
                         work._take(self._execute(what, fn, tensors, result, device, inputs,
                                                  local))
                     except BaseException as e:  # noqa: BLE001 - wait() raises it
                         work._complete(e)
-                self._queue.submit(task)
+                try:
+                    self._queue.submit(task)
+                except BaseException as e:
+                    for *_, message in messages:  # taken: they would wait forever
+                        message._complete(e)
+                    raise
                 return work
             self._queue.drain()
+            messages = self._take_p2p()
             try:
                 self._send_queued(messages)
             except MooncakeCollectiveError:
@@ -1640,6 +1694,14 @@ if torch is not None:
             self._p2p.append(("recv", int(src), c, work))
             return work
 
+        def _run_callbacks(self, resolve):
+            """Runs ``resolve`` (completing futures runs their callbacks) off the
+            queue's thread (see _Resolvers)."""
+            if self._queue.serves_this_thread():
+                _RESOLVERS.start(resolve)
+            else:
+                resolve()
+
         def _take_p2p(self):
             """The queued sends and receives, handed to whoever sends them next."""
             pending, self._p2p = self._p2p, []
@@ -1650,9 +1712,8 @@ if torch is not None:
         def _flush_p2p(self):
             """Runs every queued send and receive, after the operations queued before
             them."""
-            messages = self._take_p2p()
             self._queue.drain()
-            self._send_queued(messages)
+            self._send_queued(self._take_p2p())
 
         def _send_queued(self, pending):
             """Sends and receives ``pending`` and completes their works; a failure fails

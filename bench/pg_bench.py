@@ -73,18 +73,17 @@ if op == "overlap":
         compute()
         work.wait()
 
-    alone, sequential = [], []
-    for _ in range(max(3, iters)):
-        t0 = time.perf_counter()
-        compute()
-        alone.append(time.perf_counter() - t0)
-    for _ in range(max(3, iters)):  # the same without overlap: all_reduce, then compute
-        t0 = time.perf_counter()
+    def sequential():  # the same without overlap: all_reduce, then compute
         dist.all_reduce(x)
         compute()
-        sequential.append(time.perf_counter() - t0)
-    extra["compute_alone_us"] = statistics.median(alone) * 1e6
-    extra["sequential_us"] = statistics.median(sequential) * 1e6
+
+    for name, f in (("compute_alone_us", compute), ("sequential_us", sequential)):
+        times = []
+        for _ in range(max(3, iters)):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        extra[name] = statistics.median(times) * 1e6
 
 if op == "ep":
     from mooncake import ep

@@ -296,7 +296,7 @@ class _AsyncQueue:
     in the order it called them. The thread starts with the first submission and stays
     (with the scratch buffers it keeps, see ``_save``) until ``close``."""
 
-    # Every queue whose thread started: closed at exit (see _close_all).
+    # Every queue whose thread started: closed at exit (see _finish_threads).
     _started = weakref.WeakSet()
 
     def __init__(self):
@@ -357,16 +357,6 @@ class _AsyncQueue:
                 return  # a task itself: what runs before it is done
             self._cond.wait_for(lambda: not self._tasks)
 
-    @staticmethod
-    def _close_all():
-        """At exit, before the interpreter goes: operations still queued run (each is
-        bounded by the group's timeout), futures' callbacks finish, and the threads
-        end."""
-        _RESOLVERS.join()
-        for queue in list(_AsyncQueue._started):
-            queue.close()
-        _RESOLVERS.join()
-
 
 class _Resolvers:
     """Threads that complete the futures of works finished on a queue's thread, one
@@ -403,7 +393,16 @@ class _Resolvers:
 
 
 _RESOLVERS = _Resolvers()
-atexit.register(_AsyncQueue._close_all)
+
+
+@atexit.register
+def _finish_threads():
+    """At exit, before the interpreter goes: operations still queued run (each is
+    bounded by the group's timeout), futures' callbacks finish, and the threads end."""
+    _RESOLVERS.join()
+    for queue in list(_AsyncQueue._started):
+        queue.close()
+    _RESOLVERS.join()
 
 
 class _Rendezvous:
@@ -1825,15 +1824,22 @@ def _backend_of(group):
     return None
 
 
+def _ours_or_none(backend):
+    """The MooncakeBackend of a backend, a process group or None (the default group);
+    None for anything else (a bare ProcessGroupHandle included)."""
+    if torch is None or isinstance(backend, ProcessGroupHandle):
+        return None
+    return _backend_of(dist.group.WORLD if backend is None else backend)
+
+
 def _handle(backend):
     """The ProcessGroupHandle of a backend, a process group or None (the default group)."""
     if isinstance(backend, ProcessGroupHandle):
         return backend
-    if torch is not None:
-        ours = _backend_of(dist.group.WORLD if backend is None else backend)
-        if ours is not None:
-            return ours.handle
-    raise TypeError(f"not a Mooncake PG backend: {backend!r}")
+    ours = _ours_or_none(backend)
+    if ours is None:
+        raise TypeError(f"not a Mooncake PG backend: {backend!r}")
+    return ours.handle
 
 
 def get_active_ranks(backend=None):
@@ -1859,9 +1865,7 @@ def _drain(backend):
     """Waits until the operations ``backend`` (a backend, a process group or None: the
     default group) queued with ``async_op`` have run: calls that act on the group from
     the caller's thread (membership, EP) come after them, as on every other rank."""
-    if torch is None or isinstance(backend, ProcessGroupHandle):
-        return
-    ours = _backend_of(dist.group.WORLD if backend is None else backend)
+    ours = _ours_or_none(backend)
     if ours is not None:
         ours._queue.drain()
 
@@ -1906,8 +1910,7 @@ def extend_group_size_to(backend, size):
     calls ``join_group``), and only into the rank slots reserved at init
     (``max(world_size, max_group_size)``): a rank past them cannot join, so reserve them
     with ``MooncakeBackendOptions(max_group_size)``."""
-    ours = _backend_of(dist.group.WORLD if backend is None else backend) \
-        if torch is not None else None
+    ours = _ours_or_none(backend)
     if ours is None:
         raise TypeError(f"not a Mooncake PG backend: {backend!r}")
     size = operator.index(size)

@@ -341,6 +341,8 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     }
     cfg.set("protocol", &p.protocol)
         .map_err(|e| e.to_string())?;
+    // A figure labelled with a protocol must be that protocol's: no quiet TCP fallback.
+    cfg.strict_protocol = true;
     cfg.set("metadata", &metadata).map_err(|e| e.to_string())?;
     let need = p.block * p.batch as u64 * p.threads as u64;
     let (_child, name) = match segment {

@@ -191,12 +191,15 @@ int getLocalIpAndPort(transfer_engine_t engine, char *buf_out, size_t buf_len);
  *   - With auto_discover 0 the engine starts at the first installTransport, with that
  *     protocol: "tcp", "rdma" (args may be NULL, or args[0] a NIC priority matrix as a
  *     JSON string, or NULL), "efa" (libfabric; args[0] as for rdma), or "shm" (same
- *     host only). A missing library or device fails (NULL), never falling back. If
- *     any other call comes first, the engine starts then with ";protocol=" or "auto".
+ *     host only). A missing library or device makes the engine run over TCP
+ *     instead, with one warning logged (MC_STRICT_PROTOCOL=1 in the environment: the
+ *     call fails, NULL). If any other call comes first, the engine starts then with
+ *     ";protocol=" or "auto".
  *   - Once the engine runs, installTransport succeeds for its own protocol and for
  *     "tcp" (every engine serves peers over TCP) and fails for any other.
- * The result is an opaque handle, only to be compared with NULL. "nvlink", "nvmeof",
- * "cxl", "ascend", ... are not available (NULL).
+ * The result is an opaque handle, only to be compared with NULL. "nvlink", "cxl",
+ * "ascend", ... have no backend in this build: they start the engine over TCP as a
+ * missing library does; an unknown name fails (NULL).
  */
 transport_t installTransport(transfer_engine_t engine, const char *proto, void **args);
 

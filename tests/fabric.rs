@@ -70,6 +70,8 @@ fn config(provider: &str) -> EngineConfig {
     cfg.set("bind_address", "127.0.0.1").unwrap();
     cfg.set("protocol", "efa").unwrap();
     cfg.set("fabric_provider", provider).unwrap();
+    // These tests are about libfabric: an unavailable provider must fail, not run TCP.
+    cfg.strict_protocol = true;
     cfg
 }
 
@@ -403,6 +405,7 @@ impl FabricTarget {
                 &size.to_string(),
             ])
             .env("MC_FABRIC_PROVIDER", provider)
+            .env("MC_STRICT_PROTOCOL", "1")
             .env("FI_TCP_IFACE", "lo")
             .env("FI_SOCKETS_IFACE", "lo")
             .stdin(Stdio::piped())

@@ -247,8 +247,8 @@ fn null_and_bad_arguments_are_refused() {
         assert!(createTransferEngine(p2p, std::ptr::null(), host, 1 << 16, 0).is_null());
         let reserved = c"P2PHANDSHAKE;bind_address=127.0.0.1".as_ptr();
         assert!(createTransferEngine(reserved, std::ptr::null(), host, 0, 0).is_null());
-        let hardware = c"P2PHANDSHAKE;protocol=nvlink".as_ptr();
-        assert!(createTransferEngine(hardware, std::ptr::null(), host, 0, 0).is_null());
+        let unknown = c"P2PHANDSHAKE;protocol=carrier-pigeon".as_ptr();
+        assert!(createTransferEngine(unknown, std::ptr::null(), host, 0, 0).is_null());
 
         assert_eq!(getLocalIpAndPort(null, t, 64), invalid);
         assert!(installTransport(null, c"tcp".as_ptr(), std::ptr::null_mut()).is_null());
@@ -312,7 +312,7 @@ fn null_and_bad_arguments_are_refused() {
         assert_eq!(showLinks(e, t, 256, 1), 0);
         let links = CStr::from_ptr(t).to_str().unwrap();
         assert!(links.contains("not started"), "{links}");
-        let bad_proto = installTransport(e, c"nvmeof".as_ptr(), std::ptr::null_mut());
+        let bad_proto = installTransport(e, c"carrier-pigeon".as_ptr(), std::ptr::null_mut());
         assert!(bad_proto.is_null());
         assert!(installTransport(e, std::ptr::null(), std::ptr::null_mut()).is_null());
         assert_eq!(uninstallTransport(e, c"tcp".as_ptr()), invalid, "none yet");
@@ -435,6 +435,32 @@ impl Drop for Te {
         // SAFETY: from createTransferEngine, destroyed once, no call in progress.
         unsafe { destroyTransferEngine(self.0) };
     }
+}
+
+/// installTransport("rdma") where RDMA is unavailable (here: a NIC no host has) starts
+/// the engine over TCP, as Mooncake's wheel serves over TCP without RDMA devices;
+/// showLinks says what runs. (MC_STRICT_PROTOCOL=1 refusing is tests/protocol_fallback.rs.)
+#[test]
+fn rdma_without_devices_installs_over_tcp() {
+    quiet_logs();
+    let e = Te::new("P2PHANDSHAKE;device_name=mc_no_such_nic0", "unused", 0);
+    let none = std::ptr::null_mut();
+    let mut text = [0 as c_char; 256];
+    // SAFETY: a live engine; literal strings; `text` is writable for its length.
+    unsafe {
+        let rdma = installTransport(e.0, c"rdma".as_ptr(), none);
+        assert!(!rdma.is_null(), "rdma falls back rather than failing");
+        assert_eq!(installTransport(e.0, c"rdma".as_ptr(), none), rdma);
+        assert!(!installTransport(e.0, c"tcp".as_ptr(), none).is_null());
+        assert_eq!(showLinks(e.0, text.as_mut_ptr(), text.len(), 1), 0);
+        let links = CStr::from_ptr(text.as_ptr()).to_str().unwrap();
+        assert!(links.contains(r#""protocol":"tcp""#), "{links}");
+        assert_eq!(
+            getNicLoadStats(e.0, text.as_mut_ptr(), text.len()),
+            ERR_NOT_IMPLEMENTED
+        );
+    }
+    assert!(e.address().starts_with("127.0.0.1:"));
 }
 
 /// Two engines that find each other by name through an HTTP metadata server: the

@@ -245,13 +245,14 @@ struct Installed {
 /// The `transport_t` handed out for a protocol: an address that is never NULL and
 /// never dereferenced.
 fn transport_handle(protocol: Protocol) -> *mut c_void {
-    static MARKS: [u8; 5] = [0; 5];
+    static MARKS: [u8; 6] = [0; 6];
     let i = match protocol {
         Protocol::Auto => 0,
         Protocol::Tcp => 1,
         Protocol::Shm => 2,
         Protocol::Rdma => 3,
         Protocol::Fabric => 4,
+        Protocol::NoBackend(_) => 5,
     };
     std::ptr::from_ref(&MARKS[i]).cast_mut().cast()
 }
@@ -501,8 +502,11 @@ impl TeEngine {
             .map(|v| v.device_names())
             .unwrap_or_default();
         if !nics.is_empty() {
+            // Strict: when RDMA does not start, discovery settles on auto (below), not
+            // on the engine's TCP-only fallback.
             let rdma = self.start_with(|| EngineConfig {
                 protocol: Protocol::Rdma,
+                strict_protocol: true,
                 ..self.config.clone()
             });
             match rdma {
@@ -792,8 +796,10 @@ pub unsafe extern "C" fn getLocalIpAndPort(
     })
 }
 
-/// Installs a transport (starting the engine with it if not yet started); NULL if
-/// the protocol is unavailable or incompatible with the running engine.
+/// Installs a transport (starting the engine with it if not yet started: an
+/// unavailable hardware protocol then runs over TCP, see `Engine::protocol_fallback`);
+/// NULL if the protocol is unknown, refused (`MC_STRICT_PROTOCOL=1`) or incompatible
+/// with the running engine.
 ///
 /// # Safety
 /// `engine` as for every call; `proto` NULL or NUL-terminated; `args` NULL or pointing
@@ -811,13 +817,8 @@ pub unsafe extern "C" fn installTransport(
         let te = unsafe { handle(engine)? };
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
-        let protocol = match name.to_ascii_lowercase().as_str() {
-            "tcp" => Protocol::Tcp,
-            "rdma" => Protocol::Rdma,
-            "efa" => Protocol::Fabric,
-            other => Protocol::parse(other)?,
-        };
-        let hardware = matches!(protocol, Protocol::Rdma | Protocol::Fabric);
+        let protocol = Protocol::parse(name)?;
+        let hardware = protocol.is_hardware();
         let matrix = if hardware && !args.is_null() {
             // SAFETY: `args` is non-null (checked in the `if`) and the caller guarantees a non-null
             // `args` points to at least one readable pointer.
@@ -836,8 +837,11 @@ pub unsafe extern "C" fn installTransport(
             }
             cfg
         })?;
-        let current = running.config().protocol;
+        // What the engine runs (a hardware protocol it fell back from runs as tcp); asking
+        // again for what it was started with is no change.
+        let current = running.protocol();
         let compatible = current == protocol
+            || running.config().protocol == protocol
             || protocol == Protocol::Tcp
             || (current == Protocol::Auto && protocol == Protocol::Shm);
         if !compatible {
@@ -1502,7 +1506,7 @@ pub unsafe extern "C" fn showLinks(
         // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let (own, protocol) = match te.engine.get() {
-            Some(e) => (e.segment_name().to_owned(), e.config().protocol.name()),
+            Some(e) => (e.segment_name().to_owned(), e.protocol().name()),
             None => (String::new(), "(not started)"),
         };
         let mut opened: Vec<(i32, String)> = lock(&te.segments)
@@ -1559,10 +1563,7 @@ pub unsafe extern "C" fn getNicLoadStats(
         // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
         // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        let protocol = te
-            .engine
-            .get()
-            .map_or(te.config.protocol, |e| e.config().protocol);
+        let protocol = te.engine.get().map_or(te.config.protocol, Engine::protocol);
         Err(Error::new(
             Code::NotSupported,
             format!(

@@ -18,28 +18,65 @@ pub enum Protocol {
     Tcp,
     /// Same-host shared memory only.
     Shm,
-    /// RDMA verbs; start-up fails if libibverbs or a device is missing.
+    /// RDMA verbs (libibverbs and a device needed; see [`EngineConfig::strict_protocol`]).
     Rdma,
-    /// libfabric RMA (EFA); start-up fails if libfabric or a provider is missing.
+    /// libfabric RMA (EFA) (libfabric and a provider needed; see `strict_protocol`).
     Fabric,
+    /// A hardware protocol of Mooncake's this build has no transport for (one of
+    /// [`NO_BACKEND`]): the engine runs over TCP instead, or refuses when strict.
+    NoBackend(&'static str),
+}
+
+/// Mooncake's hardware protocols that have no transport here. Asking for one is not a
+/// typo: an engine starts over TCP (with a warning), as Mooncake's own builds do
+/// without the matching option.
+pub const NO_BACKEND: &[&str] = &[
+    "nvlink",
+    "nvlink_intra",
+    "nvmeof",
+    "cxl",
+    "cxi",
+    "ascend",
+    "hccl",
+    "musa",
+    "hip",
+    "barex",
+    "maca",
+    "ub",
+    "ubshmem",
+    "sunrise_link",
+];
+
+/// The environment variable that turns the fallback off: with `MC_STRICT_PROTOCOL=1`
+/// an unavailable hardware protocol fails start-up with `BackendUnavailable`.
+pub const STRICT_PROTOCOL_VAR: &str = "MC_STRICT_PROTOCOL";
+
+/// Whether `MC_STRICT_PROTOCOL` asks for strictness (`1`, `true`, `yes`, `on`).
+pub fn strict_protocol_from_env() -> bool {
+    std::env::var(STRICT_PROTOCOL_VAR).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
 }
 
 impl Protocol {
     /// Parses a protocol name as configuration files spell it.
     pub fn parse(s: &str) -> Result<Protocol> {
-        match s.to_ascii_lowercase().as_str() {
+        let lower = s.to_ascii_lowercase();
+        match lower.as_str() {
             "auto" => Ok(Protocol::Auto),
             "tcp" => Ok(Protocol::Tcp),
             "shm" => Ok(Protocol::Shm),
             "rdma" => Ok(Protocol::Rdma),
             "efa" | "fabric" => Ok(Protocol::Fabric),
-            "nvlink" | "cxl" | "ascend" | "hccl" => Err(Error::new(
-                crate::Code::BackendUnavailable,
-                format!("protocol {s:?} needs a hardware backend this build does not have yet"),
-            )),
-            _ => Err(Error::invalid(format!(
-                "unknown protocol {s:?} (auto, tcp, shm, rdma, efa)"
-            ))),
+            other => match NO_BACKEND.iter().find(|n| **n == other) {
+                Some(name) => Ok(Protocol::NoBackend(name)),
+                None => Err(Error::invalid(format!(
+                    "unknown protocol {s:?} (auto, tcp, shm, rdma, efa)"
+                ))),
+            },
         }
     }
 
@@ -51,7 +88,16 @@ impl Protocol {
             Protocol::Shm => "shm",
             Protocol::Rdma => "rdma",
             Protocol::Fabric => "efa",
+            Protocol::NoBackend(name) => name,
         }
+    }
+
+    /// Whether the protocol needs a hardware backend (and so may fall back to TCP).
+    pub fn is_hardware(self) -> bool {
+        matches!(
+            self,
+            Protocol::Rdma | Protocol::Fabric | Protocol::NoBackend(_)
+        )
     }
 }
 
@@ -68,6 +114,10 @@ pub struct EngineConfig {
     pub rpc_port: u16,
     /// Which transports to use.
     pub protocol: Protocol,
+    /// When a hardware `protocol`'s backend is unavailable: `false` starts over TCP
+    /// with a warning (`Engine::protocol_fallback` says why), `true` fails start-up
+    /// with `BackendUnavailable`. Default: `MC_STRICT_PROTOCOL`, else `false`.
+    pub strict_protocol: bool,
     /// Worker threads that drive transfers.
     pub workers: usize,
     /// Idle poll iterations before a worker parks.
@@ -96,6 +146,7 @@ impl Default for EngineConfig {
             bind_address: IpAddr::from([127, 0, 0, 1]),
             rpc_port: 0,
             protocol: Protocol::Auto,
+            strict_protocol: strict_protocol_from_env(),
             workers: 1,
             spin_budget: 256,
             tcp: TcpConfig::default(),

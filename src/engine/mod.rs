@@ -3,13 +3,14 @@
 
 pub mod batch;
 pub mod config;
+pub mod fallback;
 pub mod inbox;
 mod rpc;
 pub mod segments;
 mod worker;
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -19,6 +20,7 @@ use std::time::Duration;
 pub use crate::registry::Access;
 pub use batch::{TaskState, TaskStatus};
 pub use config::{EngineConfig, Protocol};
+pub use fallback::ProtocolFallback;
 pub use inbox::{Inbox, Notification};
 
 use crate::error::{Code, Error, Result};
@@ -26,9 +28,7 @@ use crate::memfd::{SharedMemory, Sharing};
 use crate::metadata::{self, BufferDesc, RpcMeta, SegmentDesc};
 use crate::net::ConnServer;
 use crate::registry::LocalMemory;
-use crate::transport::fabric::FabricTransport;
 use crate::transport::local::LocalTransport;
-use crate::transport::rdma::RdmaTransport;
 use crate::transport::shm::ShmTransport;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Kind, Op, RegionKeys, Slice, Transport};
@@ -73,6 +73,10 @@ const MAX_BATCH_TASKS: usize = 1 << 20;
 /// A transfer engine: registered memory, peer segments, transports and workers.
 pub struct Engine {
     config: EngineConfig,
+    /// The protocol the engine runs: `config.protocol`, or TCP after a fallback.
+    protocol: Protocol,
+    /// Why `protocol` is not the one asked for, when it is not.
+    fallback: Option<ProtocolFallback>,
     name: String,
     memory: Arc<LocalMemory>,
     segments: Arc<Segments>,
@@ -124,6 +128,10 @@ pub struct Stats {
     pub worker_wakeups: u64,
     /// Synchronous transfers the calling thread ran itself, with no hand-off.
     pub inline_transfers: u64,
+    /// 1 when the engine started over TCP in place of an unavailable hardware
+    /// protocol (`protocol_fallback` says which and why), else 0: summed over
+    /// engines, how many fell back.
+    pub protocol_fallbacks: u64,
     /// System calls that put TCP requests on the wire (each carries one request or a
     /// gathered run of many).
     pub tcp_sends: u64,
@@ -159,7 +167,7 @@ impl Engine {
         let host = advertised_host(
             config.bind_address,
             config.local_server_name.as_deref(),
-            default_route_source,
+            crate::net::default_route_source,
         )?;
         let name = match &config.local_server_name {
             Some(n)
@@ -185,26 +193,37 @@ impl Engine {
             Err(e) if config.protocol == Protocol::Shm => return Err(e),
             Err(e) => log::info!("same-host shared memory unavailable: {e}"),
         }
-        // A requested hardware backend must load, or start-up fails saying why.
+        // A requested hardware backend starts, or the engine runs over TCP saying why
+        // (or, when strict, start-up fails saying why).
         let backend = crate::transport::BackendConfig {
             bind: Some(config.bind_address),
             cluster_secret: secret.clone(),
             ..config.backend.clone()
         };
-        match config.protocol {
-            Protocol::Rdma => {
-                transports.push(Arc::new(RdmaTransport::start(&backend, memory.clone())?))
-            }
-            Protocol::Fabric => {
-                transports.push(Arc::new(FabricTransport::start(&backend, memory.clone())?))
-            }
-            Protocol::Auto | Protocol::Tcp | Protocol::Shm => {}
-        }
+        let (protocol, fallback) =
+            match fallback::start_hardware(config.protocol, &backend, &memory) {
+                Ok(hardware) => {
+                    transports.extend(hardware);
+                    (config.protocol, None)
+                }
+                Err(e) => {
+                    let f = fallback::fall_back(
+                        config.protocol,
+                        e,
+                        &config.backend.devices,
+                        config.strict_protocol,
+                    )?;
+                    log::warn!("engine {name}: {f}");
+                    (f.used, Some(f))
+                }
+            };
         let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone(), secret)?;
         transports.push(Arc::new(tcp));
         let _ = handshakers.set(transports.clone());
         let segments = Arc::new(Segments::new(directory, published));
         let mut engine = Engine {
+            protocol,
+            fallback,
             name,
             memory,
             segments,
@@ -300,10 +319,7 @@ impl Engine {
     /// worker would only copy it while the caller sleeps (two wake-ups saved, and no
     /// idle worker spinning afterwards on a core the caller wants back).
     pub(crate) fn runs_inline(&self, requests: &[Request]) -> bool {
-        let software = matches!(
-            self.config.protocol,
-            Protocol::Auto | Protocol::Tcp | Protocol::Shm
-        );
+        let software = !self.protocol.is_hardware();
         let bytes: u64 = requests.iter().map(|r| r.len).sum();
         software
             && (bytes <= INLINE_MAX_BYTES
@@ -412,6 +428,17 @@ impl Engine {
         &self.config
     }
 
+    /// The protocol the engine runs: the configured one, or TCP when that was a
+    /// hardware protocol whose backend is unavailable here (see `protocol_fallback`).
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
+    /// Why the engine runs another protocol than the configured one, if it does.
+    pub fn protocol_fallback(&self) -> Option<&ProtocolFallback> {
+        self.fallback.as_ref()
+    }
+
     /// The port of the handshake/RPC server (what P2PHANDSHAKE peers dial).
     pub fn rpc_port(&self) -> Option<u16> {
         let server = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner());
@@ -433,6 +460,7 @@ impl Engine {
             worker_handoffs: c.handoffs.load(Ordering::Relaxed),
             worker_wakeups: c.wakeups.load(Ordering::Relaxed),
             inline_transfers: c.inline_runs.load(Ordering::Relaxed),
+            protocol_fallbacks: u64::from(self.fallback.is_some()),
             tcp_sends: self
                 .transports
                 .iter()
@@ -689,15 +717,17 @@ impl Engine {
     }
 
     /// Every transport serves peers; which ones carry our own requests depends on the
-    /// protocol (a hardware protocol means that path only, never a silent fallback).
+    /// protocol the engine runs (a hardware protocol means that path only).
     fn carries_own_requests(&self, kind: Kind) -> bool {
-        match (self.config.protocol, kind) {
+        match (self.protocol, kind) {
             (_, Kind::Local) => true,
             (Protocol::Auto, k) => matches!(k, Kind::Shm | Kind::Tcp),
             (Protocol::Tcp, k) => k == Kind::Tcp,
             (Protocol::Shm, k) => k == Kind::Shm,
             (Protocol::Rdma, k) => k == Kind::Rdma,
             (Protocol::Fabric, k) => k == Kind::Fabric,
+            // Never the protocol an engine runs (it falls back or does not start).
+            (Protocol::NoBackend(_), _) => false,
         }
     }
 
@@ -1095,28 +1125,14 @@ fn advertised_host(
         }
         return Ok(host.to_owned());
     }
-    match route_source(bind) {
-        Some(ip) if !ip.is_unspecified() => Ok(ip.to_string()),
-        _ => Err(Error::invalid(format!(
+    match crate::net::reachable_address(bind, route_source) {
+        Some(ip) => Ok(ip.to_string()),
+        None => Err(Error::invalid(format!(
             "bind_address {bind} is not an address peers can reach, and this host has no \
              default route to take one from; give a name (local_server_name, `--name HOST:PORT`) \
              or bind a specific address"
         ))),
     }
-}
-
-/// This host's source address for traffic on its default route (the family of
-/// `wildcard`): a UDP socket connected to a documentation address (connecting sends
-/// nothing; it only picks the route) reports the local address chosen.
-fn default_route_source(wildcard: IpAddr) -> Option<IpAddr> {
-    let probe = match wildcard {
-        IpAddr::V4(_) => SocketAddr::from(([192, 0, 2, 1], 9)),
-        IpAddr::V6(_) => SocketAddr::from(([0x2001, 0xdb8, 0, 0, 0, 0, 0, 1], 9)),
-    };
-    let socket = UdpSocket::bind(SocketAddr::new(wildcard, 0)).ok()?;
-    socket.connect(probe).ok()?;
-    let ip = socket.local_addr().ok()?.ip();
-    (!ip.is_unspecified()).then_some(ip)
 }
 
 #[cfg(test)]
@@ -1135,10 +1151,12 @@ mod tests {
         assert_eq!(host, "127.0.0.7");
         let host = advertised_host(any, None, |w| {
             assert!(w.is_unspecified());
-            Some(IpAddr::from([127, 0, 0, 9]))
+            Some(IpAddr::from([192, 0, 2, 9]))
         })
         .unwrap();
-        assert_eq!(host, "127.0.0.9");
+        assert_eq!(host, "192.0.2.9");
+        // A loopback route source is no address for other hosts either.
+        assert!(advertised_host(any, None, |_| Some(IpAddr::from([127, 0, 0, 9]))).is_err());
         // No route: refused, naming the way out.
         let e = advertised_host(any, None, |_| None)
             .unwrap_err()

@@ -195,7 +195,7 @@ int main(int argc, char **argv) {
 
     /* ---- engine A: started by installTransport("tcp") */
     a = new_engine("P2PHANDSHAKE", "localhost", 0);
-    if (installTransport(a, "nvlink", NULL) != NULL) die("nvlink installed");
+    if (installTransport(a, "carrier-pigeon", NULL) != NULL) die("unknown protocol installed");
     tcp = installTransport(a, "tcp", NULL);
     if (tcp == NULL) die("installTransport(tcp) failed");
     if (installTransport(a, "tcp", NULL) != tcp) die("second installTransport(tcp) differs");

@@ -705,11 +705,20 @@ fn missing_library_is_backend_unavailable() {
     if std::env::var("MC_RDMA_TEST_CHILD").as_deref() == Ok("missing") {
         let mut cfg = EngineConfig::default();
         cfg.set("protocol", "rdma").unwrap();
-        let err = Engine::new(cfg).err().expect("start-up fails");
+        cfg.strict_protocol = true;
+        let err = Engine::new(cfg.clone())
+            .err()
+            .expect("strict start-up fails");
         assert_eq!(err.code(), Code::BackendUnavailable, "{err}");
         let text = err.to_string();
         assert!(text.contains("MC_IBVERBS_LIB"), "{text}");
         assert!(text.contains("/nonexistent/libibverbs.so.1"), "{text}");
+        // Not strict: TCP, with the same reason.
+        cfg.strict_protocol = false;
+        let engine = Engine::new(cfg).expect("falls back to tcp");
+        let fallback = engine.protocol_fallback().expect("reported");
+        assert_eq!(fallback.reason, err);
+        assert_eq!(engine.protocol(), mooncake::Protocol::Tcp);
         println!("CHILD-OK");
         return;
     }
@@ -735,7 +744,8 @@ fn missing_library_is_backend_unavailable() {
 }
 
 /// The system's libibverbs (when installed) on this machine, which has no RDMA
-/// devices: `info` says so and start-up fails with BackendUnavailable, not a crash.
+/// devices: `info` says so and a strict start-up fails with BackendUnavailable, not a
+/// crash (without strictness the engine runs over TCP: tests/protocol_fallback.rs).
 #[test]
 fn system_libibverbs_without_devices() {
     if std::env::var("MC_RDMA_TEST_CHILD").as_deref() == Ok("system") {
@@ -743,6 +753,7 @@ fn system_libibverbs_without_devices() {
         println!("{info:?}");
         let mut cfg = EngineConfig::default();
         cfg.set("protocol", "rdma").unwrap();
+        cfg.strict_protocol = true;
         match Engine::new(cfg) {
             // A machine with a real HCA starts; nothing more to check here.
             Ok(_) => assert!(!info.devices.is_empty(), "{info:?}"),

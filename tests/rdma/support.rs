@@ -25,6 +25,8 @@ pub fn rdma_engine_with(workers: usize, settings: &[(&str, &str)]) -> Engine {
     cfg.set("metadata", "P2PHANDSHAKE").unwrap();
     cfg.set("protocol", "rdma").unwrap();
     cfg.set("workers", &workers.to_string()).unwrap();
+    // These tests are about RDMA: never let an emulator problem pass as a TCP run.
+    cfg.strict_protocol = true;
     for (k, v) in settings {
         cfg.set(k, v).unwrap();
     }

@@ -29,5 +29,5 @@ pub mod wire;
 
 pub use engine::{Engine, EngineConfig, Protocol, Request};
 pub use error::{Code, Error, Result};
-pub use net::ServerLimits;
+pub use net::{default_route_source, interface_ipv4, reachable_address, ServerLimits};
 pub use transport::Op;

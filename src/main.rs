@@ -37,9 +37,10 @@ const COMMANDS: &[(&str, &str)] = &[
     (
         "metadata-server",
         "\
-  mooncake metadata-server [--port 8080] [--bind 127.0.0.1] [--cluster-secret-file PATH]
-      Run Mooncake's HTTP metadata server (REST on /metadata, /health). With a secret,
-      writes must be signed with it (docs/security.md); reads stay open.",
+  mooncake metadata-server [--port 8080] [--bind 0.0.0.0] [--cluster-secret-file PATH]
+      Run Mooncake's HTTP metadata server (REST on /metadata, /health), on all interfaces
+      unless --bind (or --host) says otherwise. With a secret, writes must be signed with
+      it (docs/security.md); reads stay open.",
     ),
     (
         "bench transfer",
@@ -111,13 +112,19 @@ const COMMANDS: &[(&str, &str)] = &[
     (
         "master",
         "\
-  mooncake master [--rpc-port 50051] [--metadata-port 8080|off] [--metrics-port 9003|off]
-      [--bind 127.0.0.1] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 1.0 = off]
+  mooncake master [--rpc-port 50051] [--metadata-port PORT|off (off)] [--metrics-port 9003|off]
+      [--bind 0.0.0.0] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 1.0 = off]
       [--eviction-ratio 0.05] [--client-ttl 10]
       [--allocation-strategy random|free_ratio_first|local_first]
       [--max-unfinished-put-ratio 0.5] [--cluster-secret-file PATH]
       [--enable-ha --etcd-endpoints H:P[;H:P] [--cluster-id mooncake_cluster] [--ha-lease-ttl 5]]
-      The store's control plane (Mooncake's mooncake_master flag names are accepted too).
+      The store's control plane. Mooncake's mooncake_master flags are accepted too, in
+      gflags syntax (--flagfile=PATH, -v=1, --version; --helpfull lists them). As upstream,
+      it listens on all interfaces (--bind; --rpc_address, --rpc_interface NAME,
+      --metrics_host, --http_metadata_server_host for one server each) and runs no
+      metadata server unless asked: --metadata-port PORT (or --enable_http_metadata_server
+      [--http_metadata_server_port 8080]) starts one in-process. The ready line names the
+      addresses other hosts reach it at (for all interfaces: the default route's).
       With --enable-ha, masters elect a leader through an etcd lease (key
       mooncake-store/<cluster-id>/master_view); standbys wait, and clients given
       etcd://H:P[;H:P] as the master address follow the leader. A leader that loses
@@ -128,7 +135,8 @@ const COMMANDS: &[(&str, &str)] = &[
       [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
       Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
       brings one back, kept in memory from its Nth read from disk.
-      Nodes and clients that give no --metadata ask it for its metadata server.
+      Nodes and clients that give no --metadata ask it for its metadata server (so
+      start it with one, or give them --metadata).
       Only clients that mounted a segment or pinged may put; one client's unfinished
       puts may hold at most --max-unfinished-put-ratio of the pool. Connection caps and
       timeouts: MC_MAX_CONNECTIONS, MC_MAX_CONNECTIONS_PER_PEER, MC_IDLE_TIMEOUT_SECS,
@@ -248,8 +256,17 @@ fn with_hint(e: String, words: &[String]) -> String {
 }
 
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let mut raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("master") {
+        match cli::master_flags::with_flagfiles_expanded(&raw[1..]) {
+            Ok(expanded) => raw.splice(1.., expanded).for_each(drop),
+            Err(e) => {
+                eprintln!("mooncake: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    cli::init_logging(&raw);
     if raw.len() > 1 && !raw[0].starts_with('-') && wants_help(&raw[1..]) {
         return match usage_of(&raw) {
             Some(text) => {

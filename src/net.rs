@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::io::{self, Read};
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -438,6 +438,36 @@ fn register(
     }
 }
 
+/// This host's source address for traffic on its default route (the family of
+/// `wildcard`): a UDP socket connected to a documentation address (connecting sends
+/// nothing; it only picks the route) reports the local address chosen.
+pub fn default_route_source(wildcard: IpAddr) -> Option<IpAddr> {
+    let probe = match wildcard {
+        IpAddr::V4(_) => SocketAddr::from(([192, 0, 2, 1], 9)),
+        IpAddr::V6(_) => SocketAddr::from(([0x2001, 0xdb8, 0, 0, 0, 0, 0, 1], 9)),
+    };
+    let socket = UdpSocket::bind(SocketAddr::new(wildcard, 0)).ok()?;
+    socket.connect(probe).ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then_some(ip)
+}
+
+/// The address other hosts reach a server bound to `bind` at: `bind` itself when it
+/// is a specific address; for a wildcard, `route_source`'s answer (this host's address
+/// on its default route). A wildcard or loopback address is never the answer for a
+/// wildcard bind: `None` then (no route to take one from).
+pub fn reachable_address(
+    bind: IpAddr,
+    route_source: impl FnOnce(IpAddr) -> Option<IpAddr>,
+) -> Option<IpAddr> {
+    if !bind.is_unspecified() {
+        return Some(bind);
+    }
+    route_source(bind).filter(|ip| !ip.is_unspecified() && !ip.is_loopback())
+}
+
+pub use crate::sys::interface_ipv4;
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -614,5 +644,27 @@ mod tests {
         reader.frame_done();
         client.write_all(b"c").unwrap();
         assert!(reader.read(&mut b).is_ok());
+    }
+
+    #[test]
+    fn a_wildcard_is_reached_at_a_routable_address_only() {
+        let any = IpAddr::from([0, 0, 0, 0]);
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        let routed = IpAddr::from([10, 1, 2, 3]);
+        // A specific bind is where it is reached, loopback included; no route asked.
+        assert_eq!(reachable_address(lo, |_| panic!("not asked")), Some(lo));
+        assert_eq!(
+            reachable_address(routed, |_| panic!("not asked")),
+            Some(routed)
+        );
+        // A wildcard takes the route's address, never a wildcard or loopback one.
+        assert_eq!(reachable_address(any, |_| Some(routed)), Some(routed));
+        assert_eq!(reachable_address(any, |_| Some(lo)), None);
+        assert_eq!(reachable_address(any, |_| Some(any)), None);
+        assert_eq!(reachable_address(any, |_| None), None);
+        assert_eq!(
+            reachable_address("::".parse().unwrap(), |_| Some("::1".parse().unwrap())),
+            None
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! vectored I/O on raw descriptors, and non-blocking connect.
 
 use std::io;
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::Duration;
 
@@ -173,6 +173,37 @@ pub unsafe fn readv(fd: RawFd, parts: &[(*mut u8, usize)]) -> io::Result<usize> 
         .collect();
     // SAFETY: the caller guarantees the parts are writable; `iov` outlives the call.
     cvt_size(unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as i32) })
+}
+
+/// The IPv4 address of the network interface `name` (its first); `None` when no
+/// interface of that name has one.
+pub fn interface_ipv4(name: &str) -> io::Result<Option<Ipv4Addr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list that is freed below.
+    cvt(unsafe { libc::getifaddrs(&mut head) })?;
+    let mut found = None;
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_name.is_null() || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: a NUL-terminated name owned by the list.
+        let ifa_name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        // SAFETY: a non-null ifa_addr points at a sockaddr, whose family says its type.
+        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+        if ifa_name.to_bytes() == name.as_bytes() && family == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
+            found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            break;
+        }
+    }
+    // SAFETY: the list getifaddrs returned, freed once; nothing borrowed from it remains.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(found)
 }
 
 /// Broken connections must surface as EPIPE, not kill the process.
@@ -425,5 +456,21 @@ mod loadavg_tests {
         assert_eq!(super::runnable_threads(b"0.78 1.32 1.56"), None);
         assert_eq!(super::runnable_threads(b"0.78 1.32 1.56 x/77 1"), None);
         assert_eq!(super::runnable_threads(b"\xff\xfe"), None);
+    }
+}
+
+#[cfg(test)]
+mod interface_tests {
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn an_interface_is_found_by_name() {
+        // Every Linux network namespace has a loopback interface named `lo`.
+        assert_eq!(
+            super::interface_ipv4("lo").unwrap(),
+            Some(Ipv4Addr::LOCALHOST)
+        );
+        assert_eq!(super::interface_ipv4("mc-no-such-if0").unwrap(), None);
+        assert_eq!(super::interface_ipv4("").unwrap(), None);
     }
 }

@@ -1,8 +1,13 @@
-//! The `mooncake` binary: bench output shape, backend report, metadata server, errors.
+//! The `mooncake` binary: bench output shape, backend report, metadata server, errors,
+//! and the master's upstream defaults and flags.
+
+mod common;
 
 use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
 use std::process::{Command, Stdio};
 
+use common::cprog::{Proc, LIMIT};
 use mooncake::http::HttpClient;
 use mooncake::json;
 
@@ -173,12 +178,68 @@ fn settings_people_get_wrong_are_refused_by_name() {
             &["--lease-ttl-ms must be positive"],
         ),
         (
+            &["master", "--bind", "127.0.0.1", "--rpc-port", "0", "--client_ttl=-1"],
+            &["--client-ttl", "-1"],
+        ),
+        (
             &["master", "--rpc-port", "0", "--default_kv_lease_ttl=0"],
             &["--lease-ttl-ms must be positive"],
         ),
+        // Upstream's validators, and features this build lacks, refused by name.
+        (
+            &["master", "--eviction_ratio=1.5"],
+            &["--eviction_ratio", "0.0 and 1.0"],
+        ),
+        (
+            &["master", "--offload_cap_ratio=2"],
+            &["--offload_cap_ratio"],
+        ),
+        (
+            &["master", "--offloading_queue_limit=0"],
+            &["--offloading_queue_limit"],
+        ),
+        (
+            &["master", "--default_kv_lease_ttl=5d"],
+            &["--default_kv_lease_ttl", "unit"],
+        ),
+        (
+            &["master", "--max_kv_soft_pin_ttl=later"],
+            &["--max_kv_soft_pin_ttl"],
+        ),
+        (
+            &["master", "--rpc_thread_num=many"],
+            &["--rpc_thread_num", "integer"],
+        ),
+        (&["master", "-v=loud"], &["--v"]),
+        (
+            &["master", "--enable_kv_events"],
+            &["--enable_kv_events", "not available"],
+        ),
+        (
+            &["master", "--enable_multi_tenants=true"],
+            &["--enable_multi_tenants"],
+        ),
+        (
+            &["master", "--enable_oplog"],
+            &["--enable_oplog needs --enable_ha"],
+        ),
+        (
+            &["master", "--rpc_interface=mc-no-such-if0"],
+            &["--rpc_interface mc-no-such-if0"],
+        ),
+        (
+            &["master", "--flagfile=/no/such/flags"],
+            &["--flagfile /no/such/flags"],
+        ),
     ];
     for (args, needles) in cases {
-        let (ok, _, stderr) = run(args);
+        // Were one accepted, the master it starts would end with its (empty) stdin.
+        let mut args = args.to_vec();
+        if args[0] == "master" {
+            args.extend(["--bind", "127.0.0.1", "--rpc-port", "0"]);
+            args.extend(["--metrics-port", "off", "--until-stdin-eof"]);
+        }
+        let (ok, _, stderr) = run(&args);
         assert!(!ok, "{args:?} accepted");
         for n in *needles {
             assert!(stderr.contains(n), "{args:?}: {stderr}");
@@ -223,7 +284,7 @@ fn metadata_server_command_serves_rest_until_stdin_closes() {
             "metadata-server",
             "--port",
             "0",
-            "--bind",
+            "--host",
             "127.0.0.1",
             "--until-stdin-eof",
         ])
@@ -254,4 +315,136 @@ fn metadata_server_command_serves_rest_until_stdin_closes() {
     assert_eq!(get, (200, b"{\"a\":1}".to_vec()));
     assert_eq!(health.0, 200);
     assert!(status.success());
+}
+
+/// `mooncake master` with these arguments (plus `--until-stdin-eof`), its log level left
+/// to the arguments alone.
+fn master(args: &[&str]) -> Proc {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("master")
+        .args(args)
+        .arg("--until-stdin-eof")
+        .env_remove("RUST_LOG");
+    Proc::spawn("master", &mut cmd)
+}
+
+/// The `key=value` word of a ready line.
+fn field<'a>(ready: &'a str, key: &str) -> Option<&'a str> {
+    ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// A port of 127.0.0.1 held by this test (nobody else can listen on it meanwhile).
+fn held_port() -> (TcpListener, String) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port().to_string();
+    (l, port)
+}
+
+#[test]
+fn master_runs_no_metadata_server_unless_asked() {
+    // Upstream's standard launch starts a metadata server on 8080 first; the master must
+    // not try to take that port. Here a port this test holds stands for it.
+    let (_held, port) = held_port();
+    let upstream_port = format!("--http_metadata_server_port={port}");
+    let pinned = [
+        "--rpc_address=127.0.0.1",
+        "--rpc_port=0",
+        "--metrics_port=off",
+    ];
+    let mut m = master(&[&pinned[..], &[upstream_port.as_str()]].concat());
+    let ready = m.ready();
+    assert!(field(&ready, "metadata").is_none(), "{ready}");
+    let rpc = field(&ready, "rpc").expect("an rpc address").to_owned();
+    assert!(rpc.starts_with("127.0.0.1:"), "{ready}");
+    // The master answers, and says it runs no metadata server.
+    let e = mooncake::store::metadata_of_master(&rpc, None).unwrap_err();
+    assert!(e.to_string().contains("runs no metadata server"), "{e}");
+    assert!(m.finish(LIMIT).status.success());
+
+    // Asked for one, it takes the port it is given: the held one, which it cannot.
+    let mut m = master(
+        &[
+            &pinned[..],
+            &["--enable_http_metadata_server=true", &upstream_port],
+        ]
+        .concat(),
+    );
+    let out = m.finish(LIMIT);
+    assert!(!out.status.success(), "{:?}", out.stdout);
+    assert!(out.stderr.contains(&format!(":{port}")), "{}", out.stderr);
+
+    // On a free port, it serves, and tells nodes where.
+    let mut m = master(
+        &[
+            &pinned[..],
+            &[
+                "--enable_http_metadata_server",
+                "--http_metadata_server_port=0",
+            ],
+            &["--http_metadata_server_host=127.0.0.1"],
+        ]
+        .concat(),
+    );
+    let ready = m.ready();
+    let url = field(&ready, "metadata")
+        .expect("a metadata url")
+        .to_owned();
+    let rpc = field(&ready, "rpc").unwrap().to_owned();
+    let told = mooncake::store::metadata_of_master(&rpc, None);
+    let health = HttpClient::new(&url).and_then(|c| c.request("GET", "/health", b""));
+    assert!(m.finish(LIMIT).status.success());
+    assert_eq!(told.unwrap(), url);
+    assert_eq!(health.unwrap().0, 200);
+}
+
+#[test]
+fn master_answers_version_and_helpfull() {
+    let (ok, stdout, stderr) = run(&["master", "--version"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains(env!("CARGO_PKG_VERSION")), "{stdout}");
+    let (ok, stdout, _) = run(&["metadata-server", "--version"]);
+    assert!(ok && stdout.contains(env!("CARGO_PKG_VERSION")), "{stdout}");
+    let (ok, stdout, stderr) = run(&["master", "--helpfull"]);
+    assert!(ok, "{stderr}");
+    for name in [
+        "--rpc_interface",
+        "--enable_kv_events",
+        "--offload_cap_ratio",
+        "--v ",
+    ] {
+        assert!(stdout.contains(name), "{name} missing from:\n{stdout}");
+    }
+}
+
+#[test]
+fn glog_verbosity_sets_the_masters_log_level() {
+    // An inert flag is logged at debug level: shown with -v=1, not without.
+    let note = "--max_threads=4: accepted";
+    let pinned = [
+        "--bind",
+        "127.0.0.1",
+        "--rpc-port",
+        "0",
+        "--metrics-port",
+        "off",
+    ];
+    for (verbosity, shown) in [
+        (&[][..], false),
+        (&["-v=1"], true),
+        (&["--v=1"], true),
+        (&["-v", "1"], true),
+    ] {
+        let mut m = master(&[&pinned[..], verbosity, &["--max_threads=4"]].concat());
+        m.ready();
+        let out = m.finish(LIMIT);
+        assert!(out.status.success(), "{verbosity:?}: {}", out.stderr);
+        assert_eq!(
+            out.stderr.contains(note),
+            shown,
+            "{verbosity:?}: {}",
+            out.stderr
+        );
+    }
 }

@@ -23,6 +23,7 @@ fn master(etcd: &str) -> Proc {
     let mut cmd = Command::new(BIN);
     cmd.args(["master", "--enable-ha", "--etcd-endpoints", etcd])
         .args(["--ha-lease-ttl", "2", "--rpc-port", "0"])
+        .args(["--bind", "127.0.0.1"])
         .args([
             "--metadata-port",
             "off",

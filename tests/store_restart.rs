@@ -28,7 +28,8 @@ fn free_port() -> u16 {
 
 fn master(rpc: u16, metadata: u16) -> Proc {
     let mut cmd = Command::new(BIN);
-    cmd.args(["master", "--rpc-port", &rpc.to_string()])
+    cmd.args(["master", "--bind", "127.0.0.1"])
+        .args(["--rpc-port", &rpc.to_string()])
         .args(["--metadata-port", &metadata.to_string()])
         .args(["--metrics-port", "off", "--until-stdin-eof"]);
     let mut p = Proc::spawn("master", &mut cmd);

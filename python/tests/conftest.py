@@ -51,7 +51,7 @@ class Master:
     embedded HTTP metadata server), ``.proc``. Stopped by closing its stdin."""
 
     def __init__(self, binary, *extra, timeout=30):
-        cmd = [binary, "master", "--rpc-port", "0", "--metadata-port", "0",
+        cmd = [binary, "master", "--bind", "127.0.0.1", "--rpc-port", "0", "--metadata-port", "0",
                "--metrics-port", "off", *extra, "--until-stdin-eof"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)

@@ -328,6 +328,8 @@ def start_master(mooncake_bin, *extra):
     argv = [
         os.fspath(mooncake_bin),
         "master",
+        "--bind",
+        "127.0.0.1",
         "--rpc-port",
         "0",
         "--metadata-port",

@@ -20,6 +20,7 @@ pub const SWITCHES: &[&str] = &[
     "list",
     "control",
     "enable-ha",
+    "enable-http-metadata-server",
 ];
 
 impl Args {

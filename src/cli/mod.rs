@@ -205,10 +205,32 @@ fn checksum(kind: MemoryKind, buffer: *mut u8, size: usize) -> mooncake::Result<
     Ok(crc)
 }
 
+/// Starts logging: `RUST_LOG` (default `warn`), overridden for `mooncake master` by
+/// glog's `-v` / `--minloglevel` as upstream's master takes them.
+pub fn init_logging(raw: &[String]) {
+    let mut logger =
+        env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"));
+    if let Some(("master", rest)) = raw.split_first().map(|(c, r)| (c.as_str(), r)) {
+        if let Some(level) = master_flags::log_level(rest) {
+            logger.filter_level(level);
+        }
+    }
+    logger.init();
+}
+
+/// `mooncake metadata-server`: on all interfaces unless told otherwise, as upstream's
+/// `mooncake_http_metadata_server` (`--host` is its name for `--bind`).
 pub fn metadata_server(raw: &[String]) -> Result<(), String> {
-    let a = Args::parse(raw)?;
+    if raw.iter().any(|a| a == "--version" || a == "-version") {
+        println!(
+            "mooncake_http_metadata_server version {}",
+            env!("CARGO_PKG_VERSION")
+        );
+        return Ok(());
+    }
+    let a = Args::parse_with_aliases(raw, &[("host", "bind")])?;
     let port: u16 = a.get("port", 8080)?;
-    let bind: IpAddr = a.get("bind", IpAddr::from([127, 0, 0, 1]))?;
+    let bind: IpAddr = a.get("bind", IpAddr::from([0, 0, 0, 0]))?;
     let secret = cluster_secret(&a)?;
     let until_eof = a.flag("until-stdin-eof");
     a.finish()?;
@@ -270,6 +292,35 @@ pub fn info(raw: &[String]) -> Result<(), String> {
                 println!("    topology (NIC priority matrix, device_name overrides): {matrix}");
             }
         }
+    }
+    // What an engine asking for each hardware protocol would run here: the engine's own
+    // decision, on the same probe of the backend.
+    use mooncake::engine::{config, fallback};
+    use mooncake::Protocol;
+    let strict = config::strict_protocol_from_env();
+    println!(
+        "hardware protocols ({}):",
+        if strict {
+            "MC_STRICT_PROTOCOL=1: an unavailable one fails start-up"
+        } else {
+            "an unavailable one falls back to tcp with a warning; MC_STRICT_PROTOCOL=1 refuses"
+        }
+    );
+    let verdict = |p: Protocol| match fallback::probe(p) {
+        Ok(()) => "available".to_owned(),
+        Err(why) => match fallback::fall_back(p, why, "", strict) {
+            Ok(f) => format!("falls back to {}: {}", f.used.name(), f.reason.context()),
+            Err(e) => format!("refused: {e}"),
+        },
+    };
+    let no_backend = config::NO_BACKEND
+        .iter()
+        .map(|name| Protocol::NoBackend(name));
+    for p in [Protocol::Rdma, Protocol::Fabric]
+        .into_iter()
+        .chain(no_backend)
+    {
+        println!("    {}: {}", p.name(), verdict(p));
     }
     Ok(())
 }

@@ -1,12 +1,13 @@
 //! `mooncake master` and `mooncake node`.
 
 use std::io::Write;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::args::Args;
+use super::master_flags::Builtin;
 use mooncake::etcd::EtcdClient;
 use mooncake::store::ha;
 use mooncake::store::master::AllocationStrategy;
@@ -14,34 +15,134 @@ use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 
 /// Mooncake's `mooncake_master` flag names, accepted as aliases of ours.
 const MASTER_ALIASES: &[(&str, &str)] = &[
-    ("http-metadata-server-port", "metadata-port"),
     ("default-kv-lease-ttl", "lease-ttl-ms"),
     ("eviction-high-watermark-ratio", "eviction-high-watermark"),
-    ("rpc-address", "bind"),
+    ("rpc-address", "rpc-bind"),
 ];
 
-/// A port flag: a number (0 picks a free port) or "off".
-fn port_flag(a: &Args, key: &str, default: u16) -> Result<Option<u16>, String> {
+/// A port flag: a number (0 picks a free port) or "off"; `None` when not given.
+fn port_flag(a: &Args, key: &str) -> Result<Option<Option<u16>>, String> {
     match a.str(key) {
-        Some("off" | "none") => Ok(None),
-        _ => a.get(key, default).map(Some),
+        None => Ok(None),
+        Some("off" | "none") => Ok(Some(None)),
+        Some(_) => a.get(key, 0).map(|p| Some(Some(p))),
+    }
+}
+
+/// The embedded metadata server's port, when it runs: only when asked for, as in
+/// upstream (`--enable_http_metadata_server` on `--http_metadata_server_port`, 8080),
+/// or by our `--metadata-port N`.
+fn metadata_port(a: &Args) -> Result<Option<u16>, String> {
+    let ours = port_flag(a, "metadata-port")?;
+    let upstream_port = a.get("http-metadata-server-port", 8080)?;
+    let enabled = match a.str("enable-http-metadata-server") {
+        Some(_) => Some(a.get("enable-http-metadata-server", false)?),
+        None => None,
+    };
+    match (enabled, ours) {
+        (Some(false), _) => Ok(None),
+        (Some(true), Some(None)) => Err(
+            "--enable_http_metadata_server=true and --metadata-port off contradict each other"
+                .into(),
+        ),
+        (Some(true), Some(port)) => Ok(port),
+        (Some(true), None) => Ok(Some(upstream_port)),
+        (None, ours) => Ok(ours.flatten()),
+    }
+}
+
+/// A host flag: an IP address, or a name this machine resolves; errors name the flag
+/// as `shown` (the upstream name people write).
+fn host_flag(a: &Args, key: &str, shown: &str) -> Result<Option<IpAddr>, String> {
+    let Some(host) = a.str(key) else {
+        return Ok(None);
+    };
+    if let Ok(ip) = host.trim().parse() {
+        return Ok(Some(ip));
+    }
+    let resolved = (host.trim(), 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addrs| addrs.next());
+    match resolved {
+        Some(addr) => Ok(Some(addr.ip())),
+        None => Err(format!(
+            "{shown} {host:?}: not an IP address, nor a host name this machine resolves"
+        )),
+    }
+}
+
+/// Where each of the master's servers listens.
+#[derive(Debug, PartialEq, Eq)]
+struct Binds {
+    rpc: IpAddr,
+    metadata: IpAddr,
+    metrics: IpAddr,
+}
+
+/// All interfaces unless told otherwise, as upstream: `--bind` for every server;
+/// `--rpc_address` (or the IPv4 address of `--rpc_interface`), `--http_metadata_server_host`
+/// and `--metrics_host` for one each.
+fn binds(a: &Args) -> Result<Binds, String> {
+    let all = host_flag(a, "bind", "--bind")?.unwrap_or(IpAddr::from([0, 0, 0, 0]));
+    let rpc_address = host_flag(a, "rpc-bind", "--rpc_address")?;
+    let rpc = match a.str("rpc-interface").filter(|i| !i.is_empty()) {
+        Some(name) => {
+            let ip = mooncake::interface_ipv4(name)
+                .map_err(|e| format!("--rpc_interface {name}: listing interfaces: {e}"))?
+                .ok_or_else(|| {
+                    format!("--rpc_interface {name}: no network interface of that name has an IPv4 address")
+                })?;
+            if rpc_address.is_some_and(|a| !a.is_unspecified()) {
+                log::warn!("--rpc_interface {name} ({ip}) overrides --rpc_address");
+            }
+            IpAddr::V4(ip)
+        }
+        None => rpc_address.unwrap_or(all),
+    };
+    Ok(Binds {
+        rpc,
+        metadata: host_flag(a, "metadata-bind", "--http_metadata_server_host")?.unwrap_or(all),
+        metrics: host_flag(a, "metrics-bind", "--metrics_host")?.unwrap_or(all),
+    })
+}
+
+/// Where other hosts reach a server listening on `addr`: itself, or for a wildcard,
+/// this host's address on its default route (`None` when it has none).
+fn reachable(addr: SocketAddr) -> Option<SocketAddr> {
+    mooncake::reachable_address(addr.ip(), mooncake::default_route_source)
+        .map(|ip| SocketAddr::new(ip, addr.port()))
+}
+
+/// Answers gflags' `--version` and `--helpfull` (`--help` is answered before).
+fn answer_builtin(which: Builtin) {
+    match which {
+        Builtin::Version => println!("mooncake_master version {}", env!("CARGO_PKG_VERSION")),
+        Builtin::Help => {
+            let usage = crate::usage_of(&["master".to_owned()]).unwrap_or_default();
+            println!("{usage}\n\n{}", super::master_flags::upstream_help());
+        }
     }
 }
 
 pub fn master(raw: &[String]) -> Result<(), String> {
+    if let Some(which) = super::master_flags::builtin(raw) {
+        answer_builtin(which);
+        return Ok(());
+    }
     let translated = super::master_flags::translate(raw)?;
     let a = Args::parse_with_aliases(&translated, MASTER_ALIASES)?;
+    let binds = binds(&a)?;
     let mut cfg = ServerConfig {
-        bind: a.get("bind", IpAddr::from([127, 0, 0, 1]))?,
+        bind: binds.rpc,
+        metadata_bind: Some(binds.metadata),
+        metrics_bind: Some(binds.metrics),
         rpc_port: a.get("rpc-port", 50051)?,
-        metadata_port: port_flag(&a, "metadata-port", 8080)?,
-        metrics_port: port_flag(&a, "metrics-port", 9003)?,
+        metadata_port: metadata_port(&a)?,
+        metrics_port: port_flag(&a, "metrics-port")?.unwrap_or(Some(9003)),
         cluster_secret: super::cluster_secret(&a)?,
         ..ServerConfig::default()
     };
-    if !a.get("enable-http-metadata-server", true)? {
-        cfg.metadata_port = None;
-    }
     if !a.get("enable-metric-reporting", true)? {
         cfg.metrics_port = None;
     }
@@ -54,7 +155,9 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     m.lease_ttl = Duration::from_millis(lease_ttl_ms);
     m.eviction_high_watermark = a.get("eviction-high-watermark", m.eviction_high_watermark)?;
     m.eviction_ratio = a.get("eviction-ratio", m.eviction_ratio)?;
-    m.client_ttl = Duration::from_secs_f64(a.get("client-ttl", m.client_ttl.as_secs_f64())?);
+    let client_ttl: f64 = a.get("client-ttl", m.client_ttl.as_secs_f64())?;
+    m.client_ttl = Duration::try_from_secs_f64(client_ttl)
+        .map_err(|_| format!("--client-ttl: {client_ttl} is not a number of seconds >= 0"))?;
     m.max_segment_size = a.get("max-segment-size", m.max_segment_size)?;
     m.max_unfinished_put_ratio = a.get("max-unfinished-put-ratio", m.max_unfinished_put_ratio)?;
     m.put_start_discard_timeout = Duration::from_secs(a.get(
@@ -92,6 +195,11 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     }
     let until_eof = a.flag("until-stdin-eof");
     let ha = ha_settings(&a)?;
+    // Upstream replicates metadata to standbys through an op log; here a new leader
+    // gets the objects back from the nodes' catalogs. Either way, it needs HA.
+    if a.get("enable-oplog", false)? && ha.is_none() {
+        return Err("--enable_oplog needs --enable_ha=true".into());
+    }
     a.finish()?;
     if !(0.0..=1.0).contains(&cfg.master.eviction_high_watermark)
         || !(0.0..=1.0).contains(&cfg.master.eviction_ratio)
@@ -110,10 +218,12 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         super::block_signals_for_wait();
     }
     let server = MasterServer::start(cfg).map_err(|e| e.to_string())?;
-    let mut line = format!("ready rpc={}", server.rpc_addr());
+    // The ready line names where other hosts reach each server.
+    let rpc = reachable(server.rpc_addr()).unwrap_or(server.rpc_addr());
+    let mut line = format!("ready rpc={rpc}");
     if let Some(leader) = &leadership {
         leader
-            .announce(&server.rpc_addr().to_string())
+            .announce(&advertised_rpc(server.rpc_addr())?.to_string())
             .map_err(|e| format!("announcing this master in etcd: {e}"))?;
         line += &format!(" leader epoch={}", leader.epoch());
     }
@@ -122,6 +232,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         line += &format!(" metadata={url}");
     }
     if let Some(addr) = server.admin_addr() {
+        let addr = reachable(addr).unwrap_or(addr);
         line += &format!(" metrics=http://{addr}/metrics");
     }
     println!("{line}");
@@ -170,7 +281,7 @@ fn ha_settings(a: &Args) -> Result<Option<HaSettings>, String> {
 impl HaSettings {
     /// Blocks until this master leads.
     fn campaign(&self, cfg: &ServerConfig) -> Result<ha::Leadership, String> {
-        let planned = format!("{}:{}", cfg.bind, cfg.rpc_port);
+        let planned = advertised_rpc(SocketAddr::new(cfg.bind, cfg.rpc_port))?.to_string();
         eprintln!(
             "campaigning to lead cluster {:?} (etcd {}); standing by while another leads",
             self.cluster_id,
@@ -186,6 +297,19 @@ impl HaSettings {
         )
         .map_err(|e| format!("leader election: {e}"))
     }
+}
+
+/// The RPC address a leader publishes in etcd: never a wildcard, nor (bound to all
+/// interfaces) a loopback address, which clients on other hosts could not reach.
+fn advertised_rpc(bound: SocketAddr) -> Result<SocketAddr, String> {
+    reachable(bound).ok_or_else(|| {
+        format!(
+            "this master listens on {} and this host has no default route to take its \
+             address from; give --rpc_address (or --rpc_interface, --bind) the address \
+             other hosts reach it at",
+            bound.ip()
+        )
+    })
 }
 
 /// Fencing: a master that loses its lease stops at once (its supervisor restarts it
@@ -349,6 +473,100 @@ fn human(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parsed(v: &[&str]) -> Args {
+        let raw: Vec<String> = v.iter().map(|s| s.to_string()).collect();
+        Args::parse_with_aliases(
+            &super::super::master_flags::translate(&raw).unwrap(),
+            MASTER_ALIASES,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_master_listens_on_all_interfaces_unless_told() {
+        let any = IpAddr::from([0, 0, 0, 0]);
+        let binds_of = |v: &[&str]| binds(&parsed(v));
+        let all = |ip| Binds {
+            rpc: ip,
+            metadata: ip,
+            metrics: ip,
+        };
+        assert_eq!(binds_of(&[]).unwrap(), all(any));
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        assert_eq!(binds_of(&["--bind", "127.0.0.1"]).unwrap(), all(lo));
+        let named = binds_of(&["--bind", "localhost"]).unwrap();
+        assert!(named.rpc.is_loopback(), "{named:?}");
+        // Upstream's flags set one server each.
+        let b = binds_of(&[
+            "--rpc_address=127.0.0.2",
+            "--http_metadata_server_host=127.0.0.3",
+            "--metrics_host=::1",
+        ])
+        .unwrap();
+        assert_eq!(b.rpc, IpAddr::from([127, 0, 0, 2]));
+        assert_eq!(b.metadata, IpAddr::from([127, 0, 0, 3]));
+        assert_eq!(b.metrics, "::1".parse::<IpAddr>().unwrap());
+        // An interface's IPv4 address overrides --rpc_address.
+        let b = binds_of(&["--rpc_address=127.0.0.2", "--rpc_interface=lo"]).unwrap();
+        assert_eq!(b.rpc, lo);
+        assert_eq!(b.metrics, any);
+        let e = binds_of(&["--rpc_interface=mc-no-such-if0"]).unwrap_err();
+        assert!(e.contains("--rpc_interface mc-no-such-if0"), "{e}");
+        let e = binds_of(&["--metrics_host=no such host"]).unwrap_err();
+        assert!(e.contains("--metrics_host"), "{e}");
+    }
+
+    #[test]
+    fn the_metadata_server_runs_only_when_asked() {
+        let port_of = |v: &[&str]| metadata_port(&parsed(v));
+        assert_eq!(port_of(&[]).unwrap(), None);
+        // Upstream's port alone starts nothing; enabled, it starts on 8080 or that port.
+        assert_eq!(
+            port_of(&["--http_metadata_server_port=9000"]).unwrap(),
+            None
+        );
+        assert_eq!(
+            port_of(&["--enable_http_metadata_server"]).unwrap(),
+            Some(8080)
+        );
+        let on_9000 = [
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_port=9000",
+        ];
+        assert_eq!(port_of(&on_9000).unwrap(), Some(9000));
+        // Ours: a port starts one there; off or a disabling flag starts none.
+        assert_eq!(port_of(&["--metadata-port", "0"]).unwrap(), Some(0));
+        assert_eq!(port_of(&["--metadata-port", "off"]).unwrap(), None);
+        let disabled = [
+            "--metadata-port",
+            "7000",
+            "--enable_http_metadata_server=false",
+        ];
+        assert_eq!(port_of(&disabled).unwrap(), None);
+        let both = ["--enable-http-metadata-server", "--metadata-port", "7000"];
+        assert_eq!(port_of(&both).unwrap(), Some(7000));
+        let e = port_of(&["--enable_http_metadata_server", "--metadata-port", "off"]).unwrap_err();
+        assert!(e.contains("contradict"), "{e}");
+    }
+
+    #[test]
+    fn a_leader_never_publishes_a_wildcard() {
+        let lo: SocketAddr = "127.0.0.1:50051".parse().unwrap();
+        assert_eq!(advertised_rpc(lo).unwrap(), lo);
+        // Bound to all interfaces: the default route's address, when the host has one.
+        let any: SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        match advertised_rpc(any) {
+            Ok(addr) => {
+                assert!(
+                    !addr.ip().is_unspecified() && !addr.ip().is_loopback(),
+                    "{addr}"
+                );
+                assert_eq!(addr.port(), 50051);
+            }
+            Err(e) => assert!(e.contains("--rpc_address"), "{e}"),
+        }
+    }
 
     #[test]
     fn segment_size_must_be_positive_and_fit_in_memory() {

@@ -12,14 +12,19 @@ use crate::auth::{self, ClusterSecret};
 use crate::error::{Error, Result};
 use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
 use crate::json::Value;
-use crate::metadata::http_server::MetadataServer;
+use crate::metadata::http_server::{MetadataServer, METADATA_PATH};
 use crate::net::{ConnServer, ServerLimits};
 
 /// What a [`MasterServer`] listens on and how it runs.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// Address every server listens on.
+    /// Address every server listens on (the RPC always; the HTTP servers unless their
+    /// own is set below).
     pub bind: IpAddr,
+    /// Address of the embedded metadata server, when not `bind`.
+    pub metadata_bind: Option<IpAddr>,
+    /// Address of the admin HTTP server, when not `bind`.
+    pub metrics_bind: Option<IpAddr>,
     /// 0 picks a free port (for every port below).
     pub rpc_port: u16,
     /// Embedded HTTP metadata server; `None` disables it.
@@ -41,6 +46,8 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             bind: IpAddr::from([127, 0, 0, 1]),
+            metadata_bind: None,
+            metrics_bind: None,
             rpc_port: 50051,
             metadata_port: Some(8080),
             metrics_port: Some(9003),
@@ -73,14 +80,19 @@ impl MasterServer {
     pub fn start_with_clock(config: ServerConfig, clock: Clock) -> Result<MasterServer> {
         let master = Arc::new(Master::with_clock(config.master.clone(), clock));
         let bind = |port| SocketAddr::new(config.bind, port);
+        let metadata_bind =
+            |port| SocketAddr::new(config.metadata_bind.unwrap_or(config.bind), port);
+        let metrics_bind = |port| SocketAddr::new(config.metrics_bind.unwrap_or(config.bind), port);
         // The metadata server first, so that the RPC can tell clients its URL from the
         // first request on.
         let metadata = config
             .metadata_port
-            .map(|p| MetadataServer::start_with_secret(bind(p), config.cluster_secret.clone()))
+            .map(|p| {
+                MetadataServer::start_with_secret(metadata_bind(p), config.cluster_secret.clone())
+            })
             .transpose()?;
         if let Some(m) = &metadata {
-            master.set_metadata_url(&m.url());
+            master.set_metadata_url(&advertised_metadata_url(m));
         }
         let rpc = super::rpc::serve(
             bind(config.rpc_port),
@@ -100,10 +112,9 @@ impl MasterServer {
                 let handler = Arc::new(move |req: &HttpRequest| admin(&m, req));
                 let handler =
                     auth::http::guard(config.cluster_secret.clone(), "admin http", handler);
-                Some(
-                    HttpServer::bind(bind(p), handler)
-                        .map_err(|e| Error::io(format!("binding admin http on {}", bind(p)), e))?,
-                )
+                Some(HttpServer::bind(metrics_bind(p), handler).map_err(|e| {
+                    Error::io(format!("binding admin http on {}", metrics_bind(p)), e)
+                })?)
             }
             None => None,
         };
@@ -142,14 +153,28 @@ impl MasterServer {
         self.rpc.local_addr()
     }
 
-    /// URL of the embedded metadata server, when enabled.
+    /// URL of the embedded metadata server, when enabled: the one clients are told.
     pub fn metadata_url(&self) -> Option<String> {
-        self.metadata.as_ref().map(MetadataServer::url)
+        self.metadata.as_ref().map(advertised_metadata_url)
     }
 
     /// Where the admin HTTP server listens, when enabled.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
         self.admin.as_ref().map(HttpServer::local_addr)
+    }
+}
+
+/// The embedded metadata server's URL as other hosts reach it: bound to all
+/// interfaces, at this host's address on its default route (its own `url()` names
+/// loopback, which only this host reaches; that is kept when there is no route).
+fn advertised_metadata_url(m: &MetadataServer) -> String {
+    let addr = m.local_addr();
+    if !addr.ip().is_unspecified() {
+        return m.url();
+    }
+    match crate::net::reachable_address(addr.ip(), crate::net::default_route_source) {
+        Some(ip) => format!("http://{}{METADATA_PATH}", SocketAddr::new(ip, addr.port())),
+        None => m.url(),
     }
 }
 

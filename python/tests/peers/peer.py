@@ -10,7 +10,9 @@ Usage:
       TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""); prints
       `ready <session> <pid> <mooncake module file>`. With $MC_PEER_METADATA set (e.g.
       etcd://127.0.0.1:PORT) it initializes on that metadata server instead, named
-      127.0.0.1:<a free port>. Buffers are registered with
+      127.0.0.1:<a free port>. With $MC_PEER_HOST set (the address of the simulated
+      host it runs on) it is a user on that host: initialize($MC_PEER_HOST, metadata,
+      "tcp", ""), the session being get_session_id(). Buffers are registered with
       register_memory(addr, len, LOCATION) (default "*") or batch_register_memory.
   peer.py store CONFIG_JSON_PATH file|dict
       MooncakeDistributedStore set up from a JSON config: `file` goes through
@@ -110,8 +112,11 @@ def main(argv):
         if len(argv) > 1:
             location = argv[1]
         metadata = os.environ.get("MC_PEER_METADATA", "P2PHANDSHAKE")
+        own_host = os.environ.get("MC_PEER_HOST")
         session = None
-        if metadata == "P2PHANDSHAKE":
+        if own_host:
+            rc = obj.initialize(own_host, metadata, "tcp", "")
+        elif metadata == "P2PHANDSHAKE":
             rc = obj.initialize("127.0.0.1", metadata, "tcp", "")
         else:
             # With a metadata server the hostname is the segment name: give it a port.
@@ -127,6 +132,8 @@ def main(argv):
             return 1
         import mooncake
 
+        if own_host:
+            session = obj.get_session_id()
         session = session or "127.0.0.1:%d" % obj.get_rpc_port()
         say("ready %s %d %s" % (session, os.getpid(), os.path.realpath(mooncake.__file__)))
         default_reg = "reg"

@@ -44,6 +44,10 @@ ENTRY_POINTS = """\
 mooncake = mooncake.cli:main
 mooncake_master = mooncake.cli:master_main
 mooncake_http_metadata_server = mooncake.cli:http_metadata_server_main
+mooncake_client = mooncake.real_client:main
+mc_store_rest_server = mooncake.mooncake_store_service:sync_main
+transfer_engine_bench = mooncake.cli_bench:main
+transfer_engine_topology_dump = mooncake.transfer_engine_topology_dump:main
 """
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,4 +10,9 @@ try:
 except ImportError:  # a source checkout
     __version__ = "0.0.0+source"
 
-__all__ = ["engine", "store", "mooncake_config", "__version__"]
+# Upstream exports the store's buffer pool at the top level (pure Python here: importing
+# it does not load the library).
+from .buffer_pool import BufferPool, RegisteredBufferPool  # noqa: E402
+
+__all__ = ["engine", "store", "mooncake_config", "BufferPool", "RegisteredBufferPool",
+           "__version__"]

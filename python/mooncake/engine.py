@@ -27,6 +27,15 @@ from ._common import (
     start_native,
     transfer_timeout_ms,
 )
+from ._rpc_interface import (
+    CoroRPCInterface,
+    ReceivedData,
+    ReceivedTensor,
+    RpcInterface,
+    create_rpc_client,
+    create_rpc_server,
+)
+from ._shared_segment import SharedSegment
 
 __all__ = [
     "TransferEngine",
@@ -38,8 +47,17 @@ __all__ = [
     "SUPPORT_RDMA",
     "SUPPORT_MNNVL",
     "SUPPORT_INTRA_NVLINK",
+    "SUPPORT_MUSA",
     "SUPPORT_ASCEND",
     "SUPPORT_DETAILS",
+    "InnerTransferEngine",
+    "SharedSegment",
+    "RpcInterface",
+    "CoroRPCInterface",
+    "ReceivedData",
+    "ReceivedTensor",
+    "create_rpc_client",
+    "create_rpc_server",
 ]
 
 logger = logging.getLogger("mooncake")
@@ -55,6 +73,7 @@ SUPPORT_RDMA = bool(SUPPORT_DETAILS["rdma"])
 SUPPORT_ASCEND = bool(SUPPORT_DETAILS["ascend"])
 SUPPORT_MNNVL = False  # no multi-node NVLink transport in this build
 SUPPORT_INTRA_NVLINK = False
+SUPPORT_MUSA = False  # no Moore Threads transport in this build
 
 
 class TransferOpcode(enum.IntEnum):
@@ -104,6 +123,8 @@ class TransferEngine:
     """One transfer engine: a published segment that peers read and write, and a client
     of other engines' segments (named by their session name, ``host:port``)."""
 
+    TransferOpcode = TransferOpcode  # upstream also exposes the enum on the class
+
     def __init__(self):
         self._engine = None
         self._lock = threading.Lock()
@@ -122,7 +143,9 @@ class TransferEngine:
         """Starts the engine. ``local_hostname`` is an IP or host name, with or without a
         port (none: a free one); ``metadata_server`` "P2PHANDSHAKE", "http://h:p/metadata",
         "etcd://h:p[;h:p]" (or a bare "h:p"), "redis://h:p"; ``protocol`` "tcp", "rdma",
-        "efa", "auto", ...; ``device_name`` is ignored for tcp. 0 or -1."""
+        "efa", "auto", ...; ``device_name`` is ignored for tcp. A hardware protocol whose
+        backend is unavailable here runs over TCP (the library logs one warning; with
+        MC_STRICT_PROTOCOL=1 this fails instead). 0 or -1."""
         check_str(metadata_server, "metadata_server")
         return self._initialize(local_hostname, metadata_server, protocol, device_name, None)
 
@@ -214,6 +237,13 @@ class TransferEngine:
         """A handle a store may be given (``MooncakeDistributedStore.setup(..., engine=)``)."""
         return self
 
+    def get_engine_ptr(self):
+        """The native engine as an integer, for code in other languages: the
+        ``mc_engine *`` handle of libmooncake's C ABI (c_include/mooncake.h), valid until
+        this engine is closed or collected; 0 before initialize. (Upstream returns its
+        C++ ``TransferEngine *``; here it is the C handle, which the C ABI accepts.)"""
+        return self._engine or 0
+
     def get_session_id(self):
         """This engine's segment name (what peers pass as ``target_hostname``)."""
         return self._name
@@ -293,6 +323,21 @@ class TransferEngine:
             return int(buffers[0].get("addr", 0))
         except (TypeError, ValueError, AttributeError):
             return 0
+
+    def warmup_efa_segment(self, segment_name):
+        """Prepares EFA transfers to ``segment_name`` ahead of the first one: opens the
+        segment and fetches its descriptor. 0 on success, a negative code otherwise; 0
+        without doing anything when this engine does not use EFA (as upstream)."""
+        check_str(segment_name, "segment_name")
+        if self._protocol != "efa":
+            return 0
+        if not self._engine:
+            return -1
+        seg = self._open(segment_name)
+        if seg is None:
+            return -1
+        rc = N.LIB.mc_resync_segment(self._engine, seg)
+        return 0 if rc == N.MC_OK else rc
 
     # ------------------------------------------------------------ memory
 
@@ -727,3 +772,8 @@ class TransferEngine:
             # Refetch the descriptor when the peer is back (it may have restarted).
             N.LIB.mc_resync_segment(self._engine, out.value)
         return rc
+
+
+# Upstream's get_engine() returns its C++ engine under this class name; here get_engine()
+# returns the TransferEngine itself (what MooncakeDistributedStore.setup(engine=) takes).
+InnerTransferEngine = TransferEngine

@@ -152,6 +152,10 @@ if rank == 0:
     print(json.dumps({"lat_p50_us": statistics.median(lat) * 1e6,
                       "cpu_us": cpu / iters * 1e6, **extra}), flush=True)
 dist.barrier()
+# Before the interpreter finalizes: gloo's worker thread may still be dropping the last
+# work's tensors, and taking the GIL during finalization aborts the process
+# ("terminate called without an active exception"); this joins it first.
+dist.destroy_process_group()
 """
 
 

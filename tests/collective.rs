@@ -1131,9 +1131,10 @@ mod stale_epoch {
     #[test]
     fn a_write_of_the_old_epoch_landing_after_an_epoch_change_is_ignored() {
         let mut groups = start(3);
-        // Epoch change: every member takes part in deactivating rank 2.
+        // Epoch change: ranks 0 and 1 deactivate rank 2 (which, proposing that itself,
+        // would leave on its own, coordinating the change: see the epoch below).
         std::thread::scope(|s| {
-            let handles: Vec<_> = groups
+            let handles: Vec<_> = groups[..2]
                 .iter()
                 .map(|g| s.spawn(move || g.propose(false, &[2])))
                 .collect();
@@ -1535,4 +1536,89 @@ fn a_collective_entering_a_new_view_at_its_start_is_refused_until_agreed() {
         assert_eq!(sum(g1).expect("runs in the new view"), 2);
         assert_eq!(a.join().unwrap().expect("runs in the new view"), 2);
     });
+}
+
+mod point_to_point {
+    use std::time::Duration;
+
+    use mooncake::collective::{Group, ProposalStatus};
+    use mooncake::Code;
+
+    fn three_groups(timeout_ms: u64) -> Vec<Group> {
+        crate::common::groups::connected_groups(3, |o| {
+            o.timeout = Duration::from_millis(timeout_ms);
+        })
+    }
+
+    /// Ranks 0 and 1 each send to and receive from both other ranks in one call; rank 2
+    /// is gone. Their messages to each other go through, and each call fails naming
+    /// exactly rank 2, whose receive buffer is left as it was.
+    #[test]
+    fn a_gone_peer_fails_only_the_messages_with_it() {
+        let mut groups = three_groups(1000);
+        drop(groups.pop());
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .enumerate()
+                .map(|(r, g)| {
+                    s.spawn(move || {
+                        let other = 1 - r;
+                        let mine = [r as u8 + 1; 100];
+                        let (mut from_other, mut from_gone) = ([0u8; 100], [0u8; 100]);
+                        let result = g.send_recv(
+                            &[(other, &mine[..]), (2, &mine[..])],
+                            &mut [(other, &mut from_other[..]), (2, &mut from_gone[..])],
+                        );
+                        (result, g.failed_ranks(), from_other, from_gone)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (result, failed, from_other, from_gone)) in results.into_iter().enumerate() {
+            let error = result.expect_err("rank 2 never answered");
+            assert_eq!(error.code(), Code::Timeout, "rank {r}: {error}");
+            assert_eq!(failed, vec![2], "rank {r}: {error}");
+            assert_eq!(from_other, [(1 - r) as u8 + 1; 100], "rank {r}");
+            assert_eq!(from_gone, [0; 100], "rank {r}");
+        }
+    }
+
+    /// A send is done only once its receiver has taken it: one to a live rank that
+    /// never receives fails, naming it.
+    #[test]
+    fn a_send_nobody_receives_fails() {
+        let groups = three_groups(500);
+        let error = groups[0]
+            .send_recv(&[(1, &[7u8; 8][..])], &mut [])
+            .expect_err("rank 1 never received");
+        assert_eq!(error.code(), Code::Timeout, "{error}");
+        assert_eq!(groups[0].failed_ranks(), vec![1]);
+    }
+
+    /// A rank that deactivates only itself leaves without the others, who are between
+    /// operations: they see the view without it on `refresh` or at their next
+    /// operation, and run without it; it is no longer a member.
+    #[test]
+    fn a_rank_leaving_by_itself_needs_no_one_else() {
+        let groups = three_groups(2000);
+        let left = groups[1].propose(false, &[1]).expect("left");
+        assert_eq!(left.status, ProposalStatus::Applied, "{left:?}");
+        assert_eq!((left.new_epoch, groups[1].epoch()), (2, 2));
+        assert_eq!(groups[1].active_ranks(), [true, false, true]);
+        assert_eq!(groups[0].epoch(), 1, "adopted only when it looks");
+        groups[0].refresh();
+        assert_eq!(groups[0].epoch(), 2);
+        assert_eq!(groups[0].active_ranks(), [true, false, true]);
+        // Rank 2 adopts it as its operation starts.
+        std::thread::scope(|s| {
+            let a = s.spawn(|| groups[0].barrier());
+            groups[2].barrier().expect("runs without rank 1");
+            a.join().unwrap().expect("runs without rank 1");
+        });
+        assert_eq!(groups[2].active_ranks(), [true, false, true]);
+        let out = groups[1].barrier().expect_err("no longer a member");
+        assert_eq!(out.code(), Code::UnavailableInCurrentStatus, "{out}");
+    }
 }

@@ -1,7 +1,8 @@
 //! Mooncake PG with device buffers, through the fake drivers (tests/emu/fake_*.c): every
 //! collective's device form against the same collective on host copies, the number of
 //! driver copies per operation (one in and one out per buffer, however many peers), a
-//! dead peer leaving device outputs as they were, refusals of bad input, the caller's
+//! dead peer leaving device outputs as they were (point-to-point: only its own
+//! receives), refusals of bad input, the caller's
 //! current device kept, pinned memory freed on a thread without a context, and the C
 //! ABI's `mc_pg_set_memory` (device memory on the host path refused). Ranks are threads of this process. The fakes map device
 //! memory PROT_NONE, so a path that touched it from the CPU would crash the test.
@@ -362,6 +363,48 @@ fn a_dead_peer_leaves_device_outputs_as_they_were() {
         "a receive-only output is not copied in: {e}"
     );
     assert_eq!(dev_read(kind, dout, out_data.len()), out_data);
+}
+
+/// Point-to-point on device memory with a peer gone: as on the host, only the messages
+/// with it fail. The receive from the live peer reaches the device; the one from the
+/// gone peer is not copied back (its device buffer keeps what it held).
+#[test]
+fn a_gone_peer_fails_only_its_own_device_messages() {
+    let _f = need_fakes!();
+    let _one = serial();
+    let mut groups = start(3, Duration::from_millis(1000), |_| {});
+    drop(groups.pop());
+    let n = 4096;
+    let results = on_all_ranks(&groups, |g| {
+        let (r, kind) = (g.rank(), cuda_of(g.rank()));
+        let mine = dev_with(kind, &values(DType::I32, r, n, 1));
+        let (from_other, from_gone) = (
+            dev_with(kind, &vec![0x11; 4 * n]),
+            dev_with(kind, &vec![0x22; 4 * n]),
+        );
+        let sends = [(1 - r, mine, 4 * n), (2, mine, 4 * n)];
+        let recvs = [(1 - r, from_other, 4 * n), (2, from_gone, 4 * n)];
+        // SAFETY: every range is `4 n` bytes of device memory of `kind`.
+        let result = unsafe { g.send_recv_device(kind, &sends, &recvs) };
+        let got = (
+            dev_read(kind, from_other, 4 * n),
+            dev_read(kind, from_gone, 4 * n),
+        );
+        (result, g.failed_ranks(), got)
+    });
+    for (r, (result, failed, (from_other, from_gone))) in results.into_iter().enumerate() {
+        let error = result.expect_err("rank 2 never answered");
+        assert_eq!(error.code(), Code::Timeout, "rank {r}: {error}");
+        assert_eq!(failed, vec![2], "rank {r}: {error}");
+        assert!(
+            from_other == values(DType::I32, 1 - r, n, 1),
+            "rank {r}: live peer's message"
+        );
+        assert!(
+            from_gone == vec![0x22; 4 * n],
+            "rank {r}: gone peer's buffer changed"
+        );
+    }
 }
 
 #[test]

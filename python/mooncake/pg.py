@@ -29,7 +29,14 @@ queue, run by a thread of its own in the order issued, and returns at once (``wa
 blocks until it has run; anything else the caller does with the group, synchronous
 operations, sends and receives, membership calls, EP, waits for the queue first).
 Sends and receives are queued and done together at the first ``wait()`` of one of them,
-or before the next collective.
+or before the next collective; a send is done once its receiver has taken it. A peer
+that does not answer fails only the messages with it, and not as an error: ``wait()``
+returns, ``get_local_success`` is False and ``get_failed_ranks_hint`` names the peer,
+and (with ``auto_sync_on_failure``) the survivors have agreed on a view without it by
+then; the messages with other peers go through. A rank that deactivates only itself
+(``deactivate_ranks(group, [rank])``) leaves on its own, while the others are between
+operations; they see the new view at their next operation, ``get_active_ranks`` or
+``get_current_epoch``.
 
 The backend ``mooncake`` takes CUDA tensors with the same options, module functions and
 failure semantics. Their memory goes to the C ABI as device memory
@@ -349,6 +356,11 @@ class _AsyncQueue:
 
     def serves_this_thread(self):
         return threading.current_thread() is self._thread
+
+    def idle(self):
+        """Whether no operation is queued or running."""
+        with self._cond:
+            return not self._tasks
 
     def drain(self):
         """Returns once every queued operation has finished."""
@@ -698,6 +710,12 @@ class ProcessGroupHandle:
         self._check("epoch", _fn("mc_pg_epoch")(self._h, byref(e)))
         return e.value
 
+    def refresh(self):
+        """Adopts a view published while this rank was between operations (a member
+        that deactivated only itself publishes one), unless an operation holds the rank
+        now; ``active_ranks`` and ``epoch`` then show it."""
+        self._check("refresh", _fn("mc_pg_refresh")(self._h))
+
     def peer_state(self, ranks):
         ranks = [int(r) for r in ranks]
         arr = (ctypes.c_int32 * max(len(ranks), 1))(*ranks)
@@ -909,14 +927,15 @@ if torch is not None:
         when an asynchronous operation issued after it has run)."""
 
         def __init__(self, backend, error=None, failed_ranks=(), result=None, queued=False,
-                     retried=False, pending=False):
+                     local_failure=False, pending=False):
             super().__init__()
             self._backend = backend
             self._error = error
-            # Ranks the operation missed: on failure, or when it was run again over
-            # the survivors (``retried``: then it succeeded, but not locally at once).
+            # Ranks the operation missed: on failure, or when it completed without them
+            # (``local_failure``, not an error: run again over the survivors, or a send
+            # or receive whose peer did not answer).
             self._failed = list(failed_ranks)
-            self._retried = retried
+            self._local_failure = local_failure
             self._result = result or []
             # A send or receive not handed to the library yet (see _flush_p2p).
             self._queued = queued
@@ -941,7 +960,15 @@ if torch is not None:
         def _take(self, outcome):
             """Completes this pending work with ``outcome`` (a finished work)."""
             self._error, self._failed = outcome._error, outcome._failed
-            self._retried = outcome._retried
+            self._local_failure = outcome._local_failure
+            self._complete()
+
+        def _complete_missed(self, ranks):
+            """Completes this work as a local failure without an error: ``ranks`` (a
+            message's peer) did not answer."""
+            with self._lock:
+                self._failed = list(ranks)
+                self._local_failure = True
             self._complete()
 
         def _resolve(self, fut):
@@ -1253,7 +1280,8 @@ if torch is not None:
                             _restore(inputs, saved)
                         self.handle.publish_mask()
                         return MooncakeWork(self, result=result,
-                                            failed_ranks=self._excluded(missed), retried=True)
+                                            failed_ranks=self._excluded(missed),
+                                            local_failure=True)
                     with self._on(device):
                         fn()
                     self._ran_one()
@@ -1290,7 +1318,7 @@ if torch is not None:
                 c.done()
             self.handle.publish_mask()
             return MooncakeWork(self, result=result, failed_ranks=self._excluded(missed),
-                                retried=bool(missed))
+                                local_failure=bool(missed))
 
         def _excluded(self, missed):
             """The ranks an operation missed that the reconciliation left out: one it
@@ -1715,12 +1743,13 @@ if torch is not None:
             self._send_queued(self._take_p2p())
 
         def _send_queued(self, pending):
-            """Sends and receives ``pending`` and completes their works; a failure fails
-            every work whose message was not done (each one's wait() raises), not just
-            the one waited on."""
+            """Sends and receives ``pending`` and completes their works. A peer that
+            does not answer fails only the messages with it, and not as an error (as
+            upstream): see ``_send_round``. Any other failure fails every work whose
+            message was not done yet (each one's wait() raises it), not just the one
+            waited on."""
             if not pending:
                 return
-            works = [work for *_, work in pending]
             # Messages may have been queued under other streams than the current one.
             device = pending[0][2].orig.device
             try:
@@ -1732,27 +1761,62 @@ if torch is not None:
                 for *_, work in pending:
                     work._complete(e)
                 raise
-            finally:
-                for work in works:  # delivered ones succeeded
-                    work._complete()
 
         def _send_recv_rounds(self, pending):
             """Sends and receives ``pending``, one message each way per peer per round
-            (the rest keep their order); done messages leave the list."""
+            (the rest keep their order); done messages leave the list, their works
+            completed. Messages with a peer that did not answer in an earlier round
+            are not sent: they fail as that round's did."""
+            silent = set()
             while pending:
-                sends, recvs, rest, seen = [], [], [], set()
+                batch, rest, seen = [], [], set()
                 for item in pending:
-                    kind, peer, c, _ = item
-                    if (kind, peer) in seen:
+                    kind, peer, _, work = item
+                    if peer in silent:
+                        work._complete_missed([peer])
+                    elif (kind, peer) in seen:
                         rest.append(item)
-                        continue
-                    seen.add((kind, peer))
-                    (sends if kind == "send" else recvs).append((peer, c))
-                self.handle.send_recv([(p, c.addr, c.nbytes) for p, c in sends],
-                                      [(p, c.addr, c.nbytes) for p, c in recvs])
-                for _, c in recvs:
-                    c.done()
+                    else:
+                        seen.add((kind, peer))
+                        batch.append(item)
+                pending[:] = batch + rest
+                silent |= self._send_round(batch)
                 pending[:] = rest
+
+        def _send_round(self, batch):
+            """Sends and receives ``batch`` (one message each way per peer) and
+            completes their works; returns the peers that did not answer. Their
+            messages complete as local failures naming the peer in the failed-ranks
+            hint; the others' complete as usual. With ``auto_sync_on_failure`` the
+            survivors reconcile before the works complete, so the new view is in
+            place when wait() returns, as upstream."""
+            def messages(which):
+                return [(peer, c.addr, c.nbytes) for kind, peer, c, _ in batch
+                        if kind == which]
+
+            silent = set()
+            try:
+                self.handle.send_recv(messages("send"), messages("recv"))
+            except MooncakeCollectiveError as e:
+                # A timeout names exactly the peers of the messages not done (the
+                # library finishes the others'); any other failure is the caller's.
+                if e.code != MC_ERR_TIMEOUT or not e.failed_ranks:
+                    raise
+                silent = set(e.failed_ranks)
+                if self.handle.options.auto_sync_on_failure:
+                    try:
+                        self.handle.sync_after_failure()
+                    except MooncakeCollectiveError:
+                        pass  # this rank's next operation fails, saying why
+                self.handle.publish_mask()
+            for kind, peer, c, work in batch:
+                if peer in silent:
+                    work._complete_missed([peer])
+                    continue
+                if kind == "recv":
+                    c.done()
+                work._complete()
+            return silent
 
     class MooncakeCudaBackend(MooncakeBackend):
         """The ``mooncake`` backend: CUDA tensors go to the same collectives as device
@@ -1842,9 +1906,19 @@ def _handle(backend):
     return ours.handle
 
 
+def _refresh(backend):
+    """Takes in a view published while the group was between operations (a member that
+    left by deactivating itself), unless one of the group's operations is queued or
+    running: that one takes it in as it starts, after its own checks."""
+    ours = _ours_or_none(backend)
+    if ours is None or ours._queue.idle():
+        _handle(backend).refresh()
+
+
 def get_active_ranks(backend=None):
     """The active-rank mask, one 0/1 per rank slot: an int32 tensor (a list without
     torch). All 0 on an extension that no view has admitted yet."""
+    _refresh(backend)
     mask = _handle(backend).live_mask()
     return torch.tensor(mask, dtype=torch.int32) if torch is not None else mask
 
@@ -1890,7 +1964,9 @@ recover_ranks = activate_ranks
 
 
 def deactivate_ranks(backend, ranks):
-    """Proposes deactivating ``ranks``."""
+    """Proposes deactivating ``ranks``. A rank naming only itself leaves on its own
+    (graceful: the others may be between operations); they see the new view at their
+    next operation or membership query."""
     return _membership_call(backend, lambda h: h.propose(False, ranks))
 
 
@@ -1971,8 +2047,8 @@ def get_failed_ranks_hint(work):
     """The ranks an operation did not hear from: an int32 tensor with one 0/1 per rank
     slot. For a failed operation, 1 for each rank it missed; for one run again over the
     survivors, 1 for each rank it missed that the reconciliation then left out (a rank
-    that was only slow answers there and is not named); all 0 when every rank answered
-    at once."""
+    that was only slow answers there and is not named); for a send or receive whose
+    peer did not answer, 1 for that peer; all 0 when every rank answered at once."""
     ours = _ours(work)
     missed = set(ours._failed)
     return torch.tensor([1 if r in missed else 0 for r in range(ours._backend._size)],
@@ -1981,12 +2057,14 @@ def get_failed_ranks_hint(work):
 
 def get_local_success(work):
     """Whether every rank this operation tried answered at once: False when it failed,
-    and when it ran again over the survivors after a rank did not answer."""
+    when it ran again over the survivors after a rank did not answer, and for a send or
+    receive whose peer did not answer."""
     ours = _ours(work)
-    return ours._error is None and not ours._retried
+    return ours._error is None and not ours._local_failure
 
 
 def get_current_epoch(backend=None):
+    _refresh(backend)
     return _handle(backend).epoch()
 
 

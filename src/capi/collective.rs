@@ -815,6 +815,20 @@ pub unsafe extern "C" fn mc_pg_active_ranks(pg: *mut McPg, mask: *mut u8, len: u
     })
 }
 
+/// Adopts a view published for this rank while it was between operations (a member
+/// that deactivated only itself publishes one), unless an operation holds the rank.
+///
+/// # Safety
+/// `pg` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn mc_pg_refresh(pg: *mut McPg) -> c_int {
+    guard("mc_pg_refresh", || {
+        // SAFETY: caller's guarantee.
+        unsafe { group(pg) }?.refresh();
+        Ok(MC_OK)
+    })
+}
+
 /// The current membership epoch: 1 at start, one more per change, 0 for an
 /// extension not yet admitted.
 ///

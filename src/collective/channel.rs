@@ -321,6 +321,10 @@ pub(super) struct Outgoing<'a> {
     pub data: &'a [u8],
     offset: usize,
     started: bool,
+    /// For a point-to-point message, the channel's cell count once its last cell is
+    /// written (0 until then, and for a collective's): the receiver has taken the
+    /// whole message when its credit reaches it.
+    through: u64,
 }
 
 impl<'a> Outgoing<'a> {
@@ -330,6 +334,7 @@ impl<'a> Outgoing<'a> {
             data,
             offset: 0,
             started: false,
+            through: 0,
         }
     }
     fn done(&self) -> bool {
@@ -663,9 +668,10 @@ impl Group {
         awaited: &mut Vec<BatchId>,
         known: &mut PayloadCrcs,
     ) -> Result<()> {
+        let p2p = kind == KIND_P2P;
         // Point-to-point traffic involves two ranks only, so it must not advance the
         // sequence all members share.
-        let tag = if kind == KIND_P2P {
+        let tag = if p2p {
             KIND_P2P
         } else {
             st.seq += 1;
@@ -679,6 +685,15 @@ impl Group {
             .map(|m| m.peer)
             .filter(|&p| st.peers[p].is_none())
             .collect();
+        // Point-to-point messages are each between two ranks: a failed peer fails only
+        // its own. The exchange gives up on it (unreachable, a write to it failed, or
+        // announced as failed), finishes the others', and then fails naming every peer
+        // with a message not delivered, so the caller knows which went through.
+        let mut given_up = Mask::default();
+        if p2p {
+            given_up = Mask::of(&unreachable);
+            unreachable.clear();
+        }
         if !unreachable.is_empty() {
             unreachable.sort_unstable();
             unreachable.dedup();
@@ -697,12 +712,16 @@ impl Group {
         let mut idle = 0u32;
         // A cell's payload copied out before it is checked and used (see below).
         let mut checked: Vec<u8> = Vec::new();
+        let mut delivered_before = 0;
         loop {
             let mut progressed = false;
             let mut reqs = Vec::new();
             let mut req_peers = Vec::new();
             // Receive first: consuming frees cells, and credits ride in the same batch.
-            for m in inc.iter_mut().filter(|m| !m.done()) {
+            for m in inc
+                .iter_mut()
+                .filter(|m| !m.done() && !given_up.has(m.peer))
+            {
                 let p = m.peer;
                 while !m.done() {
                     let ch = st.channels[p];
@@ -807,7 +826,10 @@ impl Group {
                     }
                 }
             }
-            for m in out.iter_mut().filter(|m| !m.done()) {
+            for m in out
+                .iter_mut()
+                .filter(|m| !m.done() && !given_up.has(m.peer))
+            {
                 let p = m.peer;
                 let Some(peer) = st.peers[p] else { continue };
                 while !m.done()
@@ -873,13 +895,18 @@ impl Group {
                     m.offset += len;
                     m.started = true;
                     st.channels[p].sent += 1;
+                    if p2p && m.done() {
+                        m.through = st.channels[p].sent;
+                    }
                     progressed = true;
                 }
             }
             let posted_before = st.outstanding.len();
             let messages = req_peers.iter().any(Option::is_some);
             let mut failed = self.post(st, reqs, req_peers);
-            if messages && st.outstanding.len() > posted_before {
+            // A point-to-point receive's last credit is its sender's proof of delivery:
+            // it must land even if this rank exits right after.
+            if (messages || p2p) && st.outstanding.len() > posted_before {
                 // `post` appended this batch; `exchange` waits for it before returning.
                 awaited.extend(st.outstanding.last().map(|(b, _)| *b));
             }
@@ -887,11 +914,28 @@ impl Group {
             if !failed.is_empty() {
                 failed.sort_unstable();
                 failed.dedup();
-                return Err(self.fail(st, failed, "writes to them failed"));
+                if !p2p {
+                    return Err(self.fail(st, failed, "writes to them failed"));
+                }
+                given_up = given_up.union(&Mask::of(&failed));
             }
-            if out.iter().all(|m| m.done()) && inc.iter().all(|m| m.done()) {
-                st.last_failed.clear();
-                return Ok(());
+            if p2p {
+                // A delivery seen is progress, as a cell taken is.
+                let delivered = out.iter().filter(|m| self.delivered(st, m)).count();
+                progressed |= delivered > delivered_before;
+                delivered_before = delivered;
+            }
+            let settled = out
+                .iter()
+                .all(|m| self.delivered(st, m) || given_up.has(m.peer))
+                && inc.iter().all(|m| m.done() || given_up.has(m.peer));
+            if settled {
+                let missing = self.undelivered(st, out, inc);
+                if missing.is_empty() {
+                    st.last_failed.clear();
+                    return Ok(());
+                }
+                return Err(self.fail(st, missing, "gave up on them"));
             }
             if progressed {
                 deadline = Instant::now() + timeout;
@@ -901,19 +945,28 @@ impl Group {
             idle += 1;
             backoff(idle);
             if idle % 64 == 0 {
-                let exchange = (kind != KIND_P2P).then_some(st.seq);
-                if let Some(suspects) = self.change_stops_operation(st, exchange) {
-                    // The announcer's evidence names the failed ranks; ranks we were
-                    // merely still waiting for may be waiting on those same ranks.
-                    let missing = if suspects.is_empty() {
-                        self.unfinished(out, inc)
-                    } else {
-                        suspects.ranks()
-                    };
-                    return Err(self.fail(st, missing, "a membership change was announced"));
+                let exchange = (!p2p).then_some(st.seq);
+                match self.change_stops_operation(st, exchange) {
+                    // Messages with the suspects are given up; the others go on.
+                    Some(suspects) if p2p && !suspects.is_empty() && !suspects.has(self.rank()) => {
+                        given_up = given_up.union(&suspects)
+                    }
+                    Some(suspects) => {
+                        // The announcer's evidence names the failed ranks; ranks we
+                        // were merely still waiting for may be waiting on those same
+                        // ranks. A point-to-point exchange names exactly the peers of
+                        // its messages not delivered.
+                        let missing = if suspects.is_empty() || p2p {
+                            self.undelivered(st, out, inc)
+                        } else {
+                            suspects.ranks()
+                        };
+                        return Err(self.fail(st, missing, "a membership change was announced"));
+                    }
+                    None => {}
                 }
                 if Instant::now() >= deadline {
-                    let missing = self.unfinished(out, inc);
+                    let missing = self.undelivered(st, out, inc);
                     for m in inc.iter().filter(|m| !m.done()) {
                         let ch = st.channels[m.peer];
                         let cell = self.buf(self.layout.recv_cell(
@@ -945,10 +998,19 @@ impl Group {
         }
     }
 
-    fn unfinished(&self, out: &[Outgoing<'_>], inc: &[Incoming<'_>]) -> Vec<usize> {
+    /// Whether `m` is through: written, and for a point-to-point message also taken
+    /// by its receiver, so a send to a rank that is gone fails even where the write
+    /// itself lands (a dead process's shared memory). A collective's peers prove
+    /// delivery by answering in the same operation.
+    fn delivered(&self, st: &State, m: &Outgoing<'_>) -> bool {
+        m.done() && (m.through == 0 || self.credit_seen(st, m.peer) >= m.through)
+    }
+
+    /// The peers of the messages not through yet (see [`delivered`](Self::delivered)).
+    fn undelivered(&self, st: &State, out: &[Outgoing<'_>], inc: &[Incoming<'_>]) -> Vec<usize> {
         let mut v: Vec<usize> = out
             .iter()
-            .filter(|m| !m.done())
+            .filter(|m| !self.delivered(st, m))
             .map(|m| m.peer)
             .chain(inc.iter().filter(|m| !m.done()).map(|m| m.peer))
             .collect();

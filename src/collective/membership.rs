@@ -679,6 +679,22 @@ impl Group {
         Ok(self.member_status(&st))
     }
 
+    /// Adopts a view published for this rank while it was between operations (one a
+    /// member published on leaving, see [`propose`](Self::propose)), so that
+    /// [`active_ranks`](Self::active_ranks) and [`epoch`](Self::epoch) show it; nothing
+    /// when an operation holds the rank now (that one adopts it as it starts). A
+    /// pending change is not taken part in here: that waits for the next operation.
+    pub fn refresh(&self) {
+        let mut st = match self.state.try_lock() {
+            Ok(st) => st,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        if let Some(v) = self.newest_view() {
+            self.adopt(&mut st, &v);
+        }
+    }
+
     fn member_status(&self, st: &State) -> SyncStatus {
         if st.mask.has(self.rank()) {
             SyncStatus::Reconciled
@@ -688,8 +704,9 @@ impl Group {
     }
 
     /// Proposes activating (`true`) or deactivating `ranks`. Every active member takes
-    /// part (at its next operation or proposal, within the timeout); ranks to activate
-    /// must have called [`join`](Self::join).
+    /// part (at its next operation or proposal, within the timeout), except in a rank's
+    /// deactivation of only itself, which it applies alone ([`leave`](Self::leave));
+    /// ranks to activate must have called [`join`](Self::join).
     pub fn propose(&self, activate: bool, ranks: &[usize]) -> Result<ProposalResponse> {
         if let Some(&r) = ranks.iter().find(|&&r| r >= self.size()) {
             return Err(Error::invalid(format!(
@@ -727,6 +744,10 @@ impl Group {
             let why = format!("rank {} is not active", self.rank());
             return Ok(reject(&st, why));
         }
+        let me = Mask::of(&[self.rank()]);
+        if !activate && todo == me && !st.needs_sync && self.change_announced(&st).is_none() {
+            return self.leave(&mut st);
+        }
         let suspects = self.own_suspects(&st);
         let (add, remove) = if activate {
             (todo, Mask::default())
@@ -759,6 +780,41 @@ impl Group {
             },
             new_epoch: public_epoch(st.epoch),
             dropped_ranks: dropped,
+            reject_reason: String::new(),
+        })
+    }
+
+    /// Takes this rank out of the group by itself (it deactivates only itself, and no
+    /// change is pending): as the change's coordinator it publishes the view of the
+    /// other members to them and adopts it. No majority is needed, since the leaver
+    /// does not go on alone, and none could be had: members between operations take
+    /// part in no change until their next call. They adopt the view at that call (or
+    /// [`refresh`](Self::refresh)); one blocked in an operation with this rank stops,
+    /// as on any new view, and goes on without it.
+    fn leave(&self, st: &mut State) -> Result<ProposalResponse> {
+        let me = self.rank();
+        let view = ViewRecord {
+            epoch: next_epoch(st.epoch, me),
+            base: st.epoch,
+            coordinator: me,
+            mask: st.mask.minus(&Mask::of(&[me])),
+            dropped: Mask::default(),
+            admitted: Vec::new(),
+        };
+        let rec = view
+            .encode()
+            .ok_or_else(|| Error::invalid("view record does not fit"))?;
+        let members = view.mask.ranks();
+        let timeout = self.options.timeout;
+        let missed = self.write_records(st, &members, |l: &Layout, s| l.view(s), &rec, timeout);
+        if !missed.is_empty() {
+            log::warn!("group rank {me}: leaving view did not reach {missed:?}");
+        }
+        self.adopt(st, &view);
+        Ok(ProposalResponse {
+            status: ProposalStatus::Applied,
+            new_epoch: public_epoch(st.epoch),
+            dropped_ranks: Vec::new(),
             reject_reason: String::new(),
         })
     }

@@ -12,7 +12,8 @@
 //! through [`Group::sync_after_failure`] or a proposal ([`Group::propose`], to
 //! activate or deactivate ranks): the lowest live member coordinates, collects the
 //! members' reports and, with a majority of the view, publishes the next one to all of
-//! them and to the ranks it leaves out (`membership.rs`, README "Mooncake PG"). Messages
+//! them and to the ranks it leaves out (`membership.rs`, README "Mooncake PG"); a rank
+//! that deactivates only itself publishes the view without it by itself. Messages
 //! carry their epoch, so nothing sent in an older view is ever taken for data in a
 //! newer one.
 //!

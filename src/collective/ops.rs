@@ -580,13 +580,26 @@ impl Group {
 
     /// Point-to-point: sends and receives done together (at most one of each per peer),
     /// so paired sends cannot wait on each other. Messages between two ranks arrive in
-    /// the order they were sent; a receive's buffer must be the size sent.
+    /// the order they were sent; a receive's buffer must be the size sent. A send is
+    /// through once its receiver has taken it (so a send to a rank that is gone fails,
+    /// and a send waits for the matching receive). A peer that fails fails only the
+    /// messages with it: the others complete, and the error (a timeout) names, in
+    /// [`failed_ranks`](Self::failed_ranks), exactly the peers of the messages not
+    /// through (all of them when the call failed before sending anything).
     pub fn send_recv(
         &self,
         sends: &[(usize, &[u8])],
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<()> {
-        let mut st = self.begin()?;
+        let mut st = self.lock();
+        if let Err(e) = self.begin_op(&mut st) {
+            let mut peers: Vec<usize> = sends.iter().map(|m| m.0).collect();
+            peers.extend(recvs.iter().map(|m| m.0));
+            peers.sort_unstable();
+            peers.dedup();
+            st.last_failed = peers;
+            return Err(e);
+        }
         let mut seen_send = super::Mask::default();
         let mut seen_recv = super::Mask::default();
         for &(p, _) in sends {

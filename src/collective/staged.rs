@@ -3,9 +3,11 @@
 //! the host collective runs on the copies, and each output is copied back once, only
 //! if the operation succeeded (a failed one leaves device memory as it was, except that
 //! a driver error while copying the outputs back can leave the outputs copied before it
-//! written; the call still fails). Inputs are never written. The CPU never touches
-//! device memory: every access is a driver copy. The caller's current device (CUDA
-//! context, HIP or Ascend device) is the same after the call as before it.
+//! written; the call still fails; and a point-to-point exchange that failed for some
+//! peers copies back the receives from the others, which were delivered). Inputs are
+//! never written. The CPU never touches device memory: every access is a driver copy.
+//! The caller's current device (CUDA context, HIP or Ascend device) is the same after
+//! the call as before it.
 //!
 //! An output is copied in as well when the operation may leave part of it unwritten
 //! (blocks of inactive ranks, a reduce's accumulator), so the copy back restores those
@@ -17,7 +19,7 @@ use std::time::Duration;
 
 use super::{DType, Group, ReduceOp};
 use crate::device::{self, MemoryKind, Staging};
-use crate::error::{Error, Result};
+use crate::error::{Code, Error, Result};
 
 /// Staging buffers a group keeps for reuse (pinning costs more than copying), within
 /// `GroupOptions::staging_keep_bytes` in all.
@@ -136,6 +138,23 @@ impl Group {
         ranges: &[Range],
         op: impl FnOnce(&mut [&mut [u8]]) -> Result<()>,
     ) -> Result<()> {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.run_staged_keeping(kind, ranges, op, |_| Vec::new()) }
+    }
+
+    /// [`run_staged`](Self::run_staged) for an operation whose failure may still have
+    /// written some outputs in full: `written(error)` names them (indices into
+    /// `ranges`), and those marked `back` are copied back before the error is returned.
+    ///
+    /// # Safety
+    /// As [`run_staged`](Self::run_staged).
+    unsafe fn run_staged_keeping(
+        &self,
+        kind: MemoryKind,
+        ranges: &[Range],
+        op: impl FnOnce(&mut [&mut [u8]]) -> Result<()>,
+        written: impl FnOnce(&Error) -> Vec<usize>,
+    ) -> Result<()> {
         if kind.is_host() {
             return Err(Error::invalid(
                 "device collective given host memory: use the slice-based method",
@@ -174,15 +193,21 @@ impl Group {
                 .collect();
             result = op(&mut bufs);
         }
-        if result.is_ok() {
-            result = staged.iter().filter(|s| s.range.back).try_for_each(|s| {
+        let back = match &result {
+            Ok(()) => (0..staged.len()).collect(),
+            Err(e) => written(e),
+        };
+        let copied = staged
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.range.back && back.contains(i))
+            .try_for_each(|(_, s)| {
                 // SAFETY: `s.range` is device memory of `kind`, the staging buffer's
                 // kind (caller's guarantee, classified above).
                 unsafe { s.host.drain_to(s.range.addr, s.range.len) }
             });
-        }
         self.give_staging(staged);
-        result
+        result.and(copied)
     }
 
     /// [`all_reduce`](Self::all_reduce) of `len` bytes of device memory at `buf`.
@@ -379,7 +404,8 @@ impl Group {
     }
 
     /// [`send_recv`](Self::send_recv) with device memory: `(peer, addr, len)` for each
-    /// send and receive.
+    /// send and receive. As on the host, a failed peer fails only its own messages:
+    /// the receives from the others are copied back all the same.
     ///
     /// # Safety
     /// Every range device memory of `kind`; receive ranges distinct from each other and
@@ -395,22 +421,39 @@ impl Group {
             .map(|&(_, a, n)| input(a, n))
             .chain(recvs.iter().map(|&(_, a, n)| output(a, n)))
             .collect();
+        // The receives a failed exchange still completed: after a timeout, those from
+        // the peers it does not name (see `send_recv`); an error of another kind
+        // stopped the exchange, and nothing is copied back.
+        let delivered = |e: &Error| -> Vec<usize> {
+            if e.code() != Code::Timeout {
+                return Vec::new();
+            }
+            let failed = self.failed_ranks();
+            (sends.len()..ranges.len())
+                .filter(|&i| !failed.contains(&recvs[i - sends.len()].0))
+                .collect()
+        };
         // SAFETY: the caller's guarantee.
         unsafe {
-            self.run_staged(kind, &ranges, |b| {
-                let (s, r) = b.split_at_mut(sends.len());
-                let s: Vec<(usize, &[u8])> = sends
-                    .iter()
-                    .zip(s.iter())
-                    .map(|(m, b)| (m.0, &**b))
-                    .collect();
-                let mut r: Vec<(usize, &mut [u8])> = recvs
-                    .iter()
-                    .zip(r.iter_mut())
-                    .map(|(m, b)| (m.0, &mut **b))
-                    .collect();
-                self.send_recv(&s, &mut r)
-            })
+            self.run_staged_keeping(
+                kind,
+                &ranges,
+                |b| {
+                    let (s, r) = b.split_at_mut(sends.len());
+                    let s: Vec<(usize, &[u8])> = sends
+                        .iter()
+                        .zip(s.iter())
+                        .map(|(m, b)| (m.0, &**b))
+                        .collect();
+                    let mut r: Vec<(usize, &mut [u8])> = recvs
+                        .iter()
+                        .zip(r.iter_mut())
+                        .map(|(m, b)| (m.0, &mut **b))
+                        .collect();
+                    self.send_recv(&s, &mut r)
+                },
+                delivered,
+            )
         }
     }
 }

@@ -51,14 +51,15 @@ extern "C" {
  * change an existing function or struct). Revision 2 added the functions marked
  * "(revision 2)", revision 3 those marked "(revision 3)", revision 4 Mooncake PG
  * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
- * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max. A program loading the
+ * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max, revision 7
+ * mc_pg_refresh and the store calls marked "(revision 7)". A program loading the
  * library at run time checks mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 6
+#define MC_ABI_REVISION 7
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 6). */
+/* The ABI revision the loaded library implements (revision 7). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -142,9 +143,15 @@ typedef struct mc_config mc_config;
  *   rpc_port            Handshake/RPC port; "0" (default) picks a free one.
  *   protocol            "auto" (default: shared memory to same-host peers, TCP
  *                       otherwise), "tcp", "shm", "rdma" or "efa" (libfabric). A
- *                       hardware protocol whose library or device is missing makes
- *                       mc_engine_new fail with MC_ERR_BACKEND_UNAVAILABLE (never a silent
- *                       fallback); "nvlink", "cxl", ... are refused by mc_config_set.
+ *                       hardware protocol whose library or device is missing here
+ *                       (and "nvlink", "cxl", "ascend", ..., which have no backend in
+ *                       this build) runs over TCP instead: mc_engine_new logs one
+ *                       warning saying what was asked, why it is unavailable and that
+ *                       TCP is used (device_name is then ignored), and the engine's own
+ *                       descriptor (mc_segment_describe, segment 0) says "protocol":
+ *                       "tcp". With the environment variable MC_STRICT_PROTOCOL=1 (read
+ *                       by mc_config_new) mc_engine_new fails with
+ *                       MC_ERR_BACKEND_UNAVAILABLE instead.
  *   workers             Transfer worker threads, 1..64. Default 1.
  *   spin_budget         Idle poll iterations before a worker sleeps. Default 256.
  *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default: one per
@@ -173,8 +180,7 @@ typedef struct mc_config mc_config;
 mc_config *mc_config_new(void);
 
 /* Sets one key. The value is checked at once: an unknown key or bad value gives
- * MC_ERR_INVALID_PARAMS (or MC_ERR_BACKEND_UNAVAILABLE, see protocol) and leaves the
- * config unchanged. */
+ * MC_ERR_INVALID_PARAMS and leaves the config unchanged. */
 int mc_config_set(mc_config *cfg, const char *key, const char *value);
 
 /* Frees a config; NULL is ignored. */
@@ -578,6 +584,142 @@ void mc_store_buffer_free(void *buf, uint64_t len);
 /* 0 when the master answers, else a negative error (MC_ERR_RPC_FAIL, ...). (revision 2) */
 int mc_store_health(mc_store *store);
 
+/* ---------------------------------------------------------------------------------
+ * Store sessions, extra segments, disk tier and tasks (revision 7).
+ *
+ * Put sessions: mc_store_put_session_start reserves each key for sizes[i] bytes (one
+ * master round trip; MC_ERR_INVALID_PARAMS for a key that has a session already, the
+ * master's code otherwise, e.g. MC_ERR_OBJECT_ALREADY_EXISTS); the object stays
+ * invisible to readers. mc_store_put_session_write then writes byte ranges into it with
+ * no master round trip: key i takes the next counts[i] entries of bufs/offsets/lens,
+ * writing lens[j] bytes from bufs[j] at object offset offsets[j]; results[i] is the
+ * bytes written, or a negative code (MC_ERR_INVALID_PARAMS for no open session or a
+ * range past the object's end). mc_store_put_session_end makes the objects readable
+ * (with the CRC32C of what was written: folded from the ranges when they cover the
+ * object exactly once, else read back once) and ends the sessions;
+ * mc_store_put_session_revoke drops the objects and ends the sessions (an object the
+ * master no longer has counts as dropped). Both first stop new range writes and wait
+ * for those in flight; a key whose end or revoke fails keeps its session.
+ *
+ * Get sessions: mc_store_get_session_start looks each key up once and keeps its
+ * descriptor with the read lease that came with it; mc_store_get_session_read reads
+ * byte ranges (as mc_store_batch_get_ranges) from it with no master round trip;
+ * results[i] is the bytes read or a negative code (MC_ERR_INVALID_PARAMS for no
+ * session, MC_ERR_LEASE_EXPIRED once its lease is over, which ends the session).
+ * mc_store_get_session_end ends sessions.
+ *
+ * Extra segments: memory lent to the pool besides the global segment, mounted under an
+ * id the call writes into id_buf ("<client>-<n>", at most 42 bytes with the NUL;
+ * MC_ERR_BUFFER_OVERFLOW, and nothing stays mounted, if id_len is smaller). Peers reach
+ * it under the store's segment name, which names all its segments for placement
+ * (preferred segments, copy and move targets). An unmount with grace_ms > 0 stops new
+ * placements at once and unmounts (freeing or unmapping the memory) that much later;
+ * objects there stay readable meanwhile and are gone after. MC_ERR_SEGMENT_NOT_FOUND
+ * for an id this store did not mount that way. mc_store_free unmounts every one.
+ *
+ * Tasks: a copy adds a replica of key on each target segment (a target holding one is
+ * left as it is); a move takes the replica on source to target. Creating one checks
+ * the request with the master at once, which places the new replicas and leases the
+ * object: MC_ERR_INVALID_PARAMS (no target, one named twice or not mounted, a source
+ * holding no replica or equal to the target), MC_ERR_OBJECT_NOT_FOUND,
+ * MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS (a target taking no new objects). The store's
+ * task thread then copies the bytes through a staging buffer, in creation order. The
+ * id is two u64s; only the store that created a task knows it. */
+
+/* Reserves n keys of sizes[i] bytes for put sessions. cfg and opts as for
+ * mc_store_batch_put_parts (opts->upsert must be 0). results[i]: 0 or a negative code.
+ * See "Batches". (revision 7) */
+int mc_store_put_session_start(mc_store *store, const char *const *keys, size_t n,
+                               const uint64_t *sizes, const mc_replicate_config *cfg,
+                               const mc_put_options *opts, int *results);
+
+/* Writes byte ranges into objects of open put sessions; results[i]: bytes written or a
+ * negative code. Each buffer must be readable for its length during the call.
+ * (revision 7) */
+int mc_store_put_session_write(mc_store *store, const char *const *keys, size_t n,
+                               const void *const *bufs, const uint64_t *offsets,
+                               const uint64_t *lens, const size_t *counts,
+                               int64_t *results);
+
+/* Makes the objects of put sessions readable and ends the sessions; results[i]: 0 or a
+ * negative code. (revision 7) */
+int mc_store_put_session_end(mc_store *store, const char *const *keys, size_t n,
+                             int *results);
+
+/* Drops the objects of put sessions and ends the sessions; results[i]: 0 or a negative
+ * code. (revision 7) */
+int mc_store_put_session_revoke(mc_store *store, const char *const *keys, size_t n,
+                                int *results);
+
+/* Opens get sessions; results[i]: 0 or a negative code (MC_ERR_OBJECT_NOT_FOUND, ...).
+ * A key with a session gets a fresh one. (revision 7) */
+int mc_store_get_session_start(mc_store *store, const char *const *keys, size_t n,
+                               int *results);
+
+/* Reads byte ranges of objects with get sessions, as mc_store_batch_get_ranges;
+ * results[i]: bytes read or a negative code. (revision 7) */
+int mc_store_get_session_read(mc_store *store, const char *const *keys, size_t n,
+                              void *const *bufs, const uint64_t *offsets,
+                              const uint64_t *lens, const size_t *counts,
+                              int64_t *results);
+
+/* Ends the get sessions of n keys (NULL keys and keys without one are skipped).
+ * (revision 7) */
+int mc_store_get_session_end(mc_store *store, const char *const *keys, size_t n);
+
+/* Allocates size bytes (rounded up to a multiple of 4 MiB) at location (NULL or "" host
+ * memory, "cpu:N", "cuda:N", ... as for mc_allocate_buffer) and lends them to the pool
+ * as an extra segment: its id into id_buf, the bytes allocated into *allocated_out.
+ * (revision 7) */
+int mc_store_allocate_segment(mc_store *store, uint64_t size, const char *location,
+                              char *id_buf, size_t id_len, uint64_t *allocated_out);
+
+/* Maps size bytes of the file at path from offset (a multiple of the page size; the
+ * range must lie inside the file) shared, and lends them to the pool as an extra
+ * segment: its id into id_buf. Objects stored there are written to the file.
+ * MC_ERR_FILE_NOT_FOUND / MC_ERR_FILE_OPEN_FAIL when the file cannot be opened read-write
+ * or mapped, MC_ERR_INVALID_PARAMS for a bad range. (revision 7) */
+int mc_store_mount_file_segment(mc_store *store, const char *path, uint64_t offset,
+                                uint64_t size, const char *location, char *id_buf,
+                                size_t id_len);
+
+/* Unmounts a segment of mc_store_mount_file_segment after grace_ms (0: now) and unmaps
+ * it. (revision 7) */
+int mc_store_unmount_file_segment(mc_store *store, const char *id, uint64_t grace_ms);
+
+/* Unmounts a segment of mc_store_allocate_segment after grace_ms (0: now) and frees its
+ * memory. (revision 7) */
+int mc_store_unmount_allocated_segment(mc_store *store, const char *id, uint64_t grace_ms);
+
+/* Gives up the store's disk tier (ssd_path): nothing new is offloaded there at once;
+ * after grace_ms (the call waits it out) every copy in it is deleted, so objects kept
+ * only there are gone. 0, or 1 when the store has no disk tier (nothing done).
+ * (revision 7) */
+int mc_store_drain_disk_tier(mc_store *store, uint64_t grace_ms);
+
+/* Starts a task copying key onto the n segments named in targets; its id into
+ * id_out[0..2]. See "Tasks". (revision 7) */
+int mc_store_create_copy_task(mc_store *store, const char *key, const char *const *targets,
+                              size_t n, uint64_t *id_out);
+
+/* Starts a task moving key's replica on segment source to segment target; its id into
+ * id_out[0..2]. See "Tasks". (revision 7) */
+int mc_store_create_move_task(mc_store *store, const char *key, const char *source,
+                              const char *target, uint64_t *id_out);
+
+/* Task (id_hi, id_lo) of this store as JSON into buf (NUL-terminated):
+ *   {"id": [hi, lo], "type": "copy"|"move",
+ *    "status": "pending"|"processing"|"failed"|"success", "created_at_ms": N,
+ *    "updated_at_ms": N, "assigned_client": [hi, lo], "message": "..."}
+ * (times in ms since the Unix epoch). Returns 0, or 1 when the store knows no such
+ * task (buf untouched); *needed_out as for mc_segment_describe. (revision 7) */
+int mc_store_query_task(mc_store *store, uint64_t id_hi, uint64_t id_lo, char *buf,
+                        size_t len, size_t *needed_out);
+
+/* How many reads got an object the master staged from a disk tier for them (counted
+ * while descriptors are kept, as they are by default), into *count_out. (revision 7) */
+int mc_store_disk_read_count(mc_store *store, uint64_t *count_out);
+
 /* ===================================================================== Mooncake PG
  * Fault-tolerant collectives (revision 4). One mc_pg is one rank of a group of
  * world_size ranks, each running its own engine and one registered buffer that peers
@@ -699,7 +841,10 @@ int mc_pg_scatter(mc_pg *pg, const void *input, void *output, const size_t *size
 int mc_pg_barrier(mc_pg *pg);
 /* Sends and receives done together (at most one of each per peer), so two ranks
  * exchanging large messages cannot wait on each other; a receive's len must equal
- * what the peer sends. */
+ * what the peer sends. A send is done once its receiver has taken it (it waits for
+ * the matching receive; a send to a rank that is gone fails). A failed peer fails only
+ * the messages with it: the others complete, and MC_ERR_TIMEOUT then comes with
+ * mc_pg_failed_ranks naming exactly the peers whose messages were not done. */
 int mc_pg_send_recv(mc_pg *pg, const mc_pg_message *sends, size_t nsends,
                     const mc_pg_message *recvs, size_t nrecvs);
 
@@ -717,11 +862,18 @@ int mc_pg_agree_max(mc_pg *pg, uint64_t value, uint64_t *max);
 int mc_pg_active_ranks(mc_pg *pg, uint8_t *mask, size_t len);
 /* Membership epoch: 1 at start, +1 per change, 0 for an extension not yet admitted. */
 int mc_pg_epoch(mc_pg *pg, uint64_t *epoch);
+/* Adopts a view published for this rank while it was between operations (a member that
+ * deactivated only itself publishes one), unless an operation holds the rank now, so
+ * mc_pg_active_ranks and mc_pg_epoch show it; a pending change is left to the next
+ * operation. (revision 7) */
+int mc_pg_refresh(mc_pg *pg);
 /* states[i] = 1 when ranks[i] is active or has claimed its rank (mc_pg_join). */
 int mc_pg_peer_state(mc_pg *pg, const int32_t *ranks, size_t n, uint8_t *states);
 /* Activates (activate = 1) or deactivates ranks. Every active member takes part in the
  * change at its next operation or proposal within timeout_ms; members that do not are
- * left out (AppliedWithDroppedRanks). Outputs may be NULL; reason gets why a proposal
+ * left out (AppliedWithDroppedRanks). A rank deactivating only itself (nothing else
+ * pending) leaves alone: it publishes the view without it to the members, who adopt it
+ * at their next call or mc_pg_refresh. Outputs may be NULL; reason gets why a proposal
  * was rejected. */
 int mc_pg_propose(mc_pg *pg, int activate, const int32_t *ranks, size_t n, int *status,
                   uint64_t *new_epoch, int32_t *dropped, size_t dropped_cap,

@@ -720,6 +720,8 @@ fn c_program_uses_a_running_cluster() {
         "master",
         Command::new(bin).args([
             "master",
+            "--bind",
+            "127.0.0.1",
             "--rpc-port",
             "0",
             "--metadata-port",

@@ -211,6 +211,45 @@ _SIGNATURES = {
         c_int, [_P, POINTER(c_char_p), c_size_t, c_char_p, POINTER(c_int)], 2),
     "mc_store_replica_desc": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_size_t)], 2),
     "mc_store_health": (c_int, [_P], 2),
+    # store sessions, extra segments, disk tier and tasks (revision 7)
+    "mc_store_put_session_start": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(c_uint64), POINTER(McReplicateConfig),
+         POINTER(McPutOptions), POINTER(c_int)],
+        7,
+    ),
+    "mc_store_put_session_write": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
+         POINTER(c_size_t), POINTER(c_int64)],
+        7,
+    ),
+    "mc_store_put_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+    "mc_store_put_session_revoke": (
+        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+    "mc_store_get_session_start": (
+        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+    "mc_store_get_session_read": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
+         POINTER(c_size_t), POINTER(c_int64)],
+        7,
+    ),
+    "mc_store_get_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t], 7),
+    "mc_store_allocate_segment": (
+        c_int, [_P, c_uint64, c_char_p, _P, c_size_t, POINTER(c_uint64)], 7),
+    "mc_store_mount_file_segment": (
+        c_int, [_P, c_char_p, c_uint64, c_uint64, c_char_p, _P, c_size_t], 7),
+    "mc_store_unmount_file_segment": (c_int, [_P, c_char_p, c_uint64], 7),
+    "mc_store_unmount_allocated_segment": (c_int, [_P, c_char_p, c_uint64], 7),
+    "mc_store_drain_disk_tier": (c_int, [_P, c_uint64], 7),
+    "mc_store_create_copy_task": (
+        c_int, [_P, c_char_p, POINTER(c_char_p), c_size_t, POINTER(c_uint64)], 7),
+    "mc_store_create_move_task": (
+        c_int, [_P, c_char_p, c_char_p, c_char_p, POINTER(c_uint64)], 7),
+    "mc_store_query_task": (
+        c_int, [_P, c_uint64, c_uint64, _P, c_size_t, POINTER(c_size_t)], 7),
+    "mc_store_disk_read_count": (c_int, [_P, POINTER(c_uint64)], 7),
     # Mooncake PG (revision 4)
     "mc_pg_new": (c_int, [c_int, c_int, c_char_p, POINTER(_P)], 4),
     "mc_pg_free": (None, [_P], 4),
@@ -233,6 +272,7 @@ _SIGNATURES = {
     "mc_pg_failed_ranks": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
     "mc_pg_active_ranks": (c_int, [_P, _P, c_size_t], 4),
     "mc_pg_epoch": (c_int, [_P, POINTER(c_uint64)], 4),
+    "mc_pg_refresh": (c_int, [_P], 7),
     "mc_pg_agree_max": (c_int, [_P, c_uint64, POINTER(c_uint64)], 6),
     "mc_pg_peer_state": (c_int, [_P, _P, c_size_t, _P], 4),
     "mc_pg_propose": (

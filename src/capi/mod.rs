@@ -11,6 +11,7 @@ mod engine;
 mod error;
 mod store;
 mod store_batch;
+mod store_surface;
 mod te_compat;
 
 pub use collective::*;
@@ -19,6 +20,7 @@ pub use engine::*;
 pub use error::*;
 pub use store::*;
 pub use store_batch::*;
+pub use store_surface::*;
 pub use te_compat::*;
 
 use std::any::Any;
@@ -31,7 +33,7 @@ use crate::error::{Code, Error, Result};
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
 /// `MC_ABI_REVISION`: functions added within this ABI version.
-pub const MC_ABI_REVISION: u32 = 6;
+pub const MC_ABI_REVISION: u32 = 7;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 

@@ -50,7 +50,7 @@ pub unsafe extern "C" fn mc_put_options_init(opts: *mut McPutOptions) {
 /// # Safety
 /// `opts` must be NULL or readable, its `group_ids` NULL or `group_ids_count` readable
 /// pointers to NUL-terminated strings.
-unsafe fn put_options(opts: *const McPutOptions) -> Result<(Vec<String>, bool)> {
+pub(super) unsafe fn put_options(opts: *const McPutOptions) -> Result<(Vec<String>, bool)> {
     if opts.is_null() {
         return Ok((Vec::new(), false));
     }
@@ -71,7 +71,7 @@ unsafe fn put_options(opts: *const McPutOptions) -> Result<(Vec<String>, bool)> 
 
 /// Splits `n` keys' consecutive entries by `counts`: the start of each key's run, and
 /// the total number of entries.
-fn runs(counts: &[usize]) -> Result<(Vec<usize>, usize)> {
+pub(super) fn runs(counts: &[usize]) -> Result<(Vec<usize>, usize)> {
     let mut starts = Vec::with_capacity(counts.len());
     let mut total = 0usize;
     for &c in counts {
@@ -84,7 +84,7 @@ fn runs(counts: &[usize]) -> Result<(Vec<usize>, usize)> {
 }
 
 /// A key whose run is empty or holds a NULL buffer cannot be asked.
-fn run_is_bad<T>(bufs: &[*const T], start: usize, count: usize) -> bool {
+pub(super) fn run_is_bad<T>(bufs: &[*const T], start: usize, count: usize) -> bool {
     count == 0 || bufs[start..start + count].iter().any(|b| b.is_null())
 }
 
@@ -155,7 +155,7 @@ pub unsafe extern "C" fn mc_store_batch_put_parts(
 }
 
 /// Writes per-key sizes or codes into `results`.
-fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
+pub(super) fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
     for (slot, a) in results.iter_mut().zip(answers) {
         *slot = match a {
             Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),

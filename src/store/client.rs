@@ -3,7 +3,7 @@
 //! hands out places and leases.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -22,6 +22,13 @@ use crate::engine::{Engine, EngineConfig, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
 use crate::util::crc32c::{crc32c_append, crc32c_combine};
+
+mod mounts;
+mod sessions;
+mod tasks;
+
+pub use mounts::{Backing, SEGMENT_ALIGN};
+pub use tasks::{TaskId, TaskInfo, TaskKind, TaskStatus};
 
 /// What a store [`Client`] connects to and how it behaves.
 #[derive(Clone, Debug)]
@@ -195,6 +202,12 @@ struct MasterSession {
     cache: ReplicaCache,
     /// Whether the master takes `Touch` and `GetReplicasKeepable`: `KEEPS_*`.
     keeps: AtomicU8,
+    /// Segments lent besides the main one.
+    mounts: mounts::Mounts,
+    /// Copy and move tasks, and the thread running them.
+    tasks: tasks::Tasks,
+    /// Reads of objects the master staged from a node's disk tier for them.
+    disk_reads: AtomicU64,
 }
 
 /// Not asked yet (see `MasterSession::master_keeps`).
@@ -223,6 +236,8 @@ pub struct Client {
     /// Keeps the segment's catalog (nodes only).
     cataloger: Option<JoinHandle<()>>,
     segment_ptr: Option<*mut u8>,
+    /// Put and get sessions.
+    sessions: sessions::Sessions,
 }
 
 // SAFETY: the raw segment pointer is only handed back to the engine that owns it.
@@ -284,6 +299,9 @@ impl Client {
             wake: (Mutex::new(()), Condvar::new()),
             cache: ReplicaCache::default(),
             keeps: AtomicU8::new(KEEPS_UNKNOWN),
+            mounts: mounts::Mounts::default(),
+            tasks: tasks::Tasks::default(),
+            disk_reads: AtomicU64::new(0),
         });
         if shared.segment.is_none() {
             // A pure client mounts nothing; still, a master that cannot be reached is a
@@ -326,6 +344,7 @@ impl Client {
             pinger: Some(pinger),
             cataloger,
             segment_ptr,
+            sessions: sessions::Sessions::default(),
         })
     }
 
@@ -369,6 +388,13 @@ impl Client {
     /// Descriptors kept now (for tests and benches).
     pub fn cached_descriptors(&self) -> usize {
         self.shared.cache.len()
+    }
+
+    /// How many reads got an object the master staged from a node's disk tier for
+    /// them (Mooncake's offload RPC reads; counted when descriptors are kept, as they
+    /// are by default).
+    pub fn disk_reads(&self) -> u64 {
+        self.shared.disk_reads.load(Ordering::Relaxed)
     }
 
     /// Stores `value` under `key`. Re-putting an existing key succeeds and leaves it
@@ -484,6 +510,9 @@ impl Client {
                 let leased = Leased::granted(desc, asked);
                 if keepable {
                     self.shared.cache.insert(k, &leased);
+                } else {
+                    // Not keepable: a copy staged from disk for this reader.
+                    self.shared.disk_reads.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(leased)
             })
@@ -1415,6 +1444,26 @@ impl MasterSession {
         }
     }
 
+    /// Mounts this client's segments again on a master that lost them.
+    fn remount_all(&self) {
+        let main = self.segment.is_some() && !self.drained.load(Ordering::SeqCst);
+        if !main && !self.mounts.any() {
+            return;
+        }
+        log::warn!("master asks client {:#x} to remount", self.id);
+        // A restarted master's embedded metadata server starts empty: without the
+        // descriptor no peer could reach the segment.
+        if let Err(e) = self.engine.restore_publication() {
+            log::warn!("republishing the segment's descriptor failed: {e}");
+        }
+        if main {
+            if let Err(e) = self.remount() {
+                log::warn!("remount failed: {e}");
+            }
+        }
+        self.remount_extras();
+    }
+
     fn ping_loop(&self, interval: Duration) {
         let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
         while !self.stop.load(Ordering::SeqCst) {
@@ -1427,20 +1476,9 @@ impl MasterSession {
             if self.stop.load(Ordering::SeqCst) {
                 break;
             }
+            self.reap_extras(false);
             match self.call_with_touches(&Request::Ping { client: self.id }) {
-                Ok(Response::Ping { need_remount: true })
-                    if self.segment.is_some() && !self.drained.load(Ordering::SeqCst) =>
-                {
-                    log::warn!("master asks client {:#x} to remount", self.id);
-                    // A restarted master's embedded metadata server starts empty:
-                    // without the descriptor no peer could reach the segment.
-                    if let Err(e) = self.engine.restore_publication() {
-                        log::warn!("republishing the segment's descriptor failed: {e}");
-                    }
-                    if let Err(e) = self.remount() {
-                        log::warn!("remount failed: {e}");
-                    }
-                }
+                Ok(Response::Ping { need_remount: true }) => self.remount_all(),
                 Ok(_) => {}
                 Err(e) => log::debug!("ping: {e}"),
             }
@@ -1459,6 +1497,9 @@ impl Drop for Client {
         if let Some(p) = self.pinger.take() {
             let _ = p.join();
         }
+        // A copy in progress reads and writes through the engine: let it end first.
+        self.shared.tasks.stop();
+        self.shared.reap_extras(true);
         if let Some(seg) = self
             .shared
             .segment

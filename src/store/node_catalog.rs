@@ -34,6 +34,8 @@ pub struct NodeCatalog {
     drain_asked: bool,
     /// Disk copies the current reset's snapshot (or an offload since) confirmed.
     disk_kept: std::collections::HashSet<String>,
+    /// The disk tier takes no new copies (it is being given up).
+    disk_closed: bool,
 }
 
 /// What one remount sent.
@@ -85,7 +87,10 @@ impl NodeCatalog {
             segment: segment.to_owned(),
             instance: self.instance,
             acked: self.acked,
-            disk_capacity: self.disk.as_ref().map_or(0, NodeDisk::capacity),
+            disk_capacity: match self.disk_closed {
+                true => 0,
+                false => self.disk.as_ref().map_or(0, NodeDisk::capacity),
+            },
             lost: std::mem::take(&mut self.lost),
         }
     }
@@ -194,6 +199,24 @@ impl NodeCatalog {
                 }
             }
             self.disk_kept.clear();
+        }
+    }
+
+    /// Stops offering the disk tier: the next poll reports no room, so nothing more is
+    /// offloaded there (copies in it are still read back). False without a disk tier.
+    pub fn close_disk(&mut self) -> bool {
+        self.disk_closed = true;
+        self.disk.is_some()
+    }
+
+    /// Gives the disk tier up: every copy in it is deleted and reported lost (an
+    /// object kept only there goes with it).
+    pub fn drop_disk(&mut self) {
+        if let Some(disk) = self.disk.take() {
+            for key in disk.keys() {
+                disk.forget(&key, u64::MAX);
+                self.lost.push(key);
+            }
         }
     }
 

@@ -381,6 +381,58 @@ pub enum Request {
         /// The keys, as for `GetReplicas`.
         keys: Vec<String>,
     },
+    /// Lends one more segment of the caller's besides its main one (memory its engine
+    /// registered later). `id` names the segment in the master, unique in the pool
+    /// (`Unmount` and `Drain` take it); `segment.name` is the engine segment pieces on
+    /// it are reached through, which the caller's other segments share.
+    MountExtra {
+        /// The calling client.
+        client: u64,
+        /// The segment's id in the master.
+        id: String,
+        /// Where it is and how large.
+        segment: SegmentInfo,
+    },
+    /// Starts copying `key` onto the segments named `targets`: a new replica is placed on
+    /// each that holds none, and the object is leased while the caller copies. With a
+    /// `source` (a move; one target) the copy reads the replica on that segment, which
+    /// `CopyEnd` then drops; without one, any replica.
+    CopyStart {
+        /// The calling client.
+        client: u64,
+        /// The object.
+        key: String,
+        /// The segment a move takes the object from; empty for a copy.
+        source: String,
+        /// The segments to place it on.
+        targets: Vec<String>,
+    },
+    /// Ends the copy `ticket` of `CopyStart`: `done` when its bytes reached every placed
+    /// replica, which then joins the object (the object unchanged meanwhile); else their
+    /// space goes.
+    CopyEnd {
+        /// The calling client.
+        client: u64,
+        /// The copy, as `CopyStart` answered.
+        ticket: u64,
+        /// The bytes moved.
+        done: bool,
+    },
+}
+
+/// The master's answer to `CopyStart`: what to read and where to write it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyPlan {
+    /// Names this copy in `CopyEnd`.
+    pub ticket: u64,
+    /// Value size in bytes.
+    pub size: u64,
+    /// CRC32C of the value (the copy is checked against it).
+    pub crc32c: u32,
+    /// The replica to read.
+    pub source: ReplicaDesc,
+    /// The new replicas to write, one per target that held none.
+    pub targets: Vec<ReplicaDesc>,
 }
 
 /// Result of one key in a batch: `Ok` or a store code.
@@ -420,6 +472,8 @@ pub enum Response {
         /// Per key: may be kept for its lease.
         keepable: Vec<bool>,
     },
+    /// Answer to `CopyStart`.
+    CopyStart(CopyPlan),
 }
 
 impl Request {
@@ -448,6 +502,9 @@ impl Request {
             Request::RelocateEnd { .. } => 20,
             Request::Touch { .. } => 21,
             Request::GetReplicasKeepable { .. } => 22,
+            Request::MountExtra { .. } => 23,
+            Request::CopyStart { .. } => 24,
+            Request::CopyEnd { .. } => 25,
         }
     }
 
@@ -578,6 +635,35 @@ impl Request {
                     });
                 });
             }
+            Request::MountExtra {
+                client,
+                id,
+                segment,
+            } => {
+                w.u64(*client)
+                    .str(id)
+                    .str(&segment.name)
+                    .u64(segment.base)
+                    .u64(segment.size);
+            }
+            Request::CopyStart {
+                client,
+                key,
+                source,
+                targets,
+            } => {
+                w.u64(*client).str(key).str(source);
+                w.list(targets, |w, t| {
+                    w.str(t);
+                });
+            }
+            Request::CopyEnd {
+                client,
+                ticket,
+                done,
+            } => {
+                w.u64(*client).u64(*ticket).bool(*done);
+            }
         }
     }
 
@@ -683,6 +769,26 @@ impl Request {
             },
             22 => Request::GetReplicasKeepable {
                 keys: keys(&mut r)?,
+            },
+            23 => Request::MountExtra {
+                client: r.u64()?,
+                id: r.string()?,
+                segment: SegmentInfo {
+                    name: r.string()?,
+                    base: r.u64()?,
+                    size: r.u64()?,
+                },
+            },
+            24 => Request::CopyStart {
+                client: r.u64()?,
+                key: r.string()?,
+                source: r.string()?,
+                targets: keys(&mut r)?,
+            },
+            25 => Request::CopyEnd {
+                client: r.u64()?,
+                ticket: r.u64()?,
+                done: r.bool()?,
             },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
@@ -859,6 +965,11 @@ impl Response {
             Response::MetadataUrl(url) => {
                 w.str(url);
             }
+            Response::CopyStart(plan) => {
+                w.u64(plan.ticket).u64(plan.size).u32(plan.crc32c);
+                encode_replicas(w, std::slice::from_ref(&plan.source));
+                encode_replicas(w, &plan.targets);
+            }
             Response::SegmentEvents(ev) => {
                 w.u64(ev.instance)
                     .bool(ev.reset)
@@ -902,7 +1013,7 @@ impl Response {
             1 => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 | 16 | 18 | 21 => Response::Done,
+            2 | 3 | 16 | 18 | 21 | 23 | 25 => Response::Done,
             4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
             5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
             7 => Response::GetReplicas(decode_descs(&mut r)?),
@@ -921,6 +1032,20 @@ impl Response {
                 evicted_bytes: r.u64()?,
             }),
             15 => Response::MetadataUrl(r.string()?),
+            24 => {
+                let (ticket, size, crc32c) = (r.u64()?, r.u64()?, r.u32()?);
+                let source = match decode_replicas(&mut r)?.pop() {
+                    Some(s) => s,
+                    None => return Err(Error::protocol("copy plan without a source replica")),
+                };
+                Response::CopyStart(CopyPlan {
+                    ticket,
+                    size,
+                    crc32c,
+                    source,
+                    targets: decode_replicas(&mut r)?,
+                })
+            }
             17 => Response::SegmentEvents(SegmentEvents {
                 instance: r.u64()?,
                 reset: r.bool()?,
@@ -1137,6 +1262,60 @@ mod tests {
         let mut w = Writer::new();
         w.u32(u32::MAX);
         assert!(Request::decode(21, &w.into_bytes()).is_err());
+    }
+
+    #[test]
+    fn extra_mounts_and_copies_round_trip() {
+        let piece = |segment: &str, addr| Piece {
+            segment: segment.into(),
+            addr,
+            len: 10,
+        };
+        round_trip(
+            Request::MountExtra {
+                client: 3,
+                id: "3-1".into(),
+                segment: SegmentInfo {
+                    name: "host:1".into(),
+                    base: 1 << 30,
+                    size: 1 << 20,
+                },
+            },
+            Response::Done,
+        );
+        round_trip(
+            Request::CopyStart {
+                client: 3,
+                key: "k".into(),
+                source: "a".into(),
+                targets: vec!["b".into(), "c".into()],
+            },
+            Response::CopyStart(CopyPlan {
+                ticket: 9,
+                size: 10,
+                crc32c: 0xABCD,
+                source: ReplicaDesc {
+                    pieces: vec![piece("a", 64)],
+                },
+                targets: vec![ReplicaDesc {
+                    pieces: vec![piece("b", 128)],
+                }],
+            }),
+        );
+        round_trip(
+            Request::CopyEnd {
+                client: 3,
+                ticket: 9,
+                done: true,
+            },
+            Response::Done,
+        );
+        // A plan must name the replica to read.
+        let mut w = Writer::new();
+        w.u64(1).u64(10).u32(0);
+        encode_replicas(&mut w, &[]);
+        encode_replicas(&mut w, &[]);
+        assert!(Response::decode(24, &w.into_bytes()).is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod catalog;
 mod clock;
 mod config;
+mod copy;
 mod drain;
 mod eviction;
 mod offload;
@@ -108,6 +109,8 @@ pub struct Master {
     metadata_url: std::sync::OnceLock<String>,
     /// Node catalogs: this incarnation, versions, remounts in progress.
     catalogs: catalog::Catalogs,
+    /// Replicas placed for copies and moves, until their client ends them.
+    copies: copy::Copies,
 }
 
 impl Master {
@@ -137,6 +140,7 @@ impl Master {
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
             metadata_url: std::sync::OnceLock::new(),
             catalogs: catalog::Catalogs::new(),
+            copies: copy::Copies::default(),
         }
     }
 
@@ -193,6 +197,28 @@ impl Master {
             },
             Request::Mount { client, segment } => {
                 self.mount(client, segment)?;
+                Response::Done
+            }
+            Request::MountExtra {
+                client,
+                id,
+                segment,
+            } => {
+                self.mount_as(client, &id, segment)?;
+                Response::Done
+            }
+            Request::CopyStart {
+                client,
+                key,
+                source,
+                targets,
+            } => Response::CopyStart(self.copy_start(client, &key, &source, &targets)?),
+            Request::CopyEnd {
+                client,
+                ticket,
+                done,
+            } => {
+                self.copy_end(client, ticket, done)?;
                 Response::Done
             }
             Request::Unmount { client, name } => {
@@ -353,12 +379,22 @@ impl Master {
         clients.contains_key(&client)
     }
 
-    /// Adds `segment` of `client` to the pool.
+    /// Adds `segment`, the main one of `client`, to the pool.
     pub fn mount(&self, client: u64, segment: SegmentInfo) -> Result<()> {
+        let key = segment.name.clone();
+        self.mount_as(client, &key, segment)
+    }
+
+    /// Adds `segment` of `client` to the pool under `key` (its name for a node's main
+    /// segment, the client's id for an extra one).
+    fn mount_as(&self, client: u64, key: &str, segment: SegmentInfo) -> Result<()> {
         self.check_segment(&segment)?;
-        let name = segment.name.clone();
+        if key.is_empty() {
+            return Err(Error::invalid("a segment needs a non-empty id"));
+        }
+        let name = key.to_owned();
         self.segments
-            .mount(client, segment, &self.config.allocator)
+            .mount(key, client, segment, &self.config.allocator)
             .map_err(|_owner| {
                 // Never echo the owner: a client id is all an unmount asks for.
                 Error::new(
@@ -394,10 +430,10 @@ impl Master {
         Ok(())
     }
 
-    /// Removes `client`'s segment `name` from the pool, dropping the replicas on it.
+    /// Removes `client`'s segment `name` (its key) from the pool, dropping the replicas
+    /// on it.
     pub fn unmount(&self, client: u64, name: &str) -> Result<()> {
-        let segs = self.segments.snapshot();
-        match segs.iter().find(|s| s.info.name == name) {
+        match self.segments.get(name) {
             Some(s) if s.client == client => {
                 self.drop_segment(name, true);
                 Ok(())
@@ -410,8 +446,8 @@ impl Master {
         }
     }
 
-    /// Removes a segment and every replica on it; objects left without a replica are
-    /// gone (their bytes were only there).
+    /// Removes the segment mounted under `name` and every replica on it; objects left
+    /// without a replica are gone (their bytes were only there).
     fn drop_segment(&self, name: &str, voluntary: bool) {
         let Some(seg) = self.segments.unmount(name) else {
             return;
@@ -562,10 +598,8 @@ impl Master {
     /// first, soft-pinned ones only when nothing else is left); empty when nothing fits
     /// even then.
     fn allocate(&self, client: u64, size: u64, config: &ReplicateConfig) -> Vec<ReplicaAlloc> {
-        let mut want = size.saturating_mul(u64::from(config.replica_num.max(1)));
-        // Bounded: each round evicts something or stops. Space freed in another size
-        // class may not serve this one until whole slabs come free: want more then.
-        for _ in 0..32 {
+        let want = size.saturating_mul(u64::from(config.replica_num.max(1)));
+        self.allocate_evicting(want, || {
             let order = segments::placement_order(
                 self.segments.snapshot(),
                 self.config.allocation_strategy,
@@ -573,7 +607,21 @@ impl Master {
                 client,
                 self.next_seed(),
             );
-            let replicas = segments::allocate(&order, size, config.replica_num);
+            segments::allocate(&order, size, config.replica_num)
+        })
+    }
+
+    /// Runs `attempt` until it places something, evicting about `want` bytes (then
+    /// more) between tries; empty when nothing fits even then.
+    fn allocate_evicting(
+        &self,
+        mut want: u64,
+        attempt: impl Fn() -> Vec<ReplicaAlloc>,
+    ) -> Vec<ReplicaAlloc> {
+        // Bounded: each round evicts something or stops. Space freed in another size
+        // class may not serve this one until whole slabs come free: want more then.
+        for _ in 0..32 {
+            let replicas = attempt();
             if !replicas.is_empty() {
                 return replicas;
             }
@@ -938,6 +986,7 @@ impl Master {
         }
         self.objects.fetch_sub(released, Ordering::Relaxed);
         self.catalogs.expire(now);
+        self.copies.expire(now);
         self.evict_above_watermark();
     }
 

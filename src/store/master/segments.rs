@@ -12,6 +12,10 @@ use crate::store::protocol::{CatalogEvent, Piece, ReplicaDesc, ReplicateConfig, 
 /// One node's memory in the pool.
 pub struct Segment {
     pub id: u64,
+    /// What the segment is mounted, found and unmounted by: its engine segment name
+    /// for a node's main segment, the id its client gave for an extra one (both kinds
+    /// share `info.name`, the engine segment pieces on them are reached through).
+    pub key: String,
     pub info: SegmentInfo,
     pub client: u64,
     pub alloc: SlabAllocator,
@@ -68,15 +72,17 @@ pub struct SegmentTable {
 }
 
 impl SegmentTable {
-    /// Adds a segment; `Err(existing owner)` if the name is taken by another client.
+    /// Adds a segment under `key`; `Err(existing owner)` if the key is taken by another
+    /// client (a repeated mount by the same client changes nothing).
     pub fn mount(
         &self,
+        key: &str,
         client: u64,
         info: SegmentInfo,
         config: &AllocatorConfig,
     ) -> Result<(), u64> {
         let mut map = self.by_name.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = map.get(&info.name) {
+        if let Some(s) = map.get(key) {
             return if s.client == client {
                 Ok(())
             } else {
@@ -85,6 +91,7 @@ impl SegmentTable {
         }
         let seg = Segment {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key: key.to_owned(),
             alloc: SlabAllocator::new(info.size, config.for_segment(info.size)),
             client,
             info,
@@ -92,7 +99,7 @@ impl SegmentTable {
             disk_capacity: AtomicU64::new(0),
             draining: AtomicBool::new(false),
         };
-        map.insert(seg.info.name.clone(), Arc::new(seg));
+        map.insert(key.to_owned(), Arc::new(seg));
         Ok(())
     }
 
@@ -110,6 +117,7 @@ impl SegmentTable {
         }
         let seg = Arc::new(Segment {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key: info.name.clone(),
             alloc,
             client,
             info,
@@ -121,16 +129,26 @@ impl SegmentTable {
         Ok(seg)
     }
 
-    pub fn get(&self, name: &str) -> Option<Arc<Segment>> {
+    /// The segment mounted under `key`.
+    pub fn get(&self, key: &str) -> Option<Arc<Segment>> {
         let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
-        map.get(name).cloned()
+        map.get(key).cloned()
     }
 
-    pub fn unmount(&self, name: &str) -> Option<Arc<Segment>> {
+    pub fn unmount(&self, key: &str) -> Option<Arc<Segment>> {
         self.by_name
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(name)
+            .remove(key)
+    }
+
+    /// Every segment reached through the engine segment `name` (a node's main segment
+    /// and its extra ones).
+    pub fn named(&self, name: &str) -> Vec<Arc<Segment>> {
+        self.snapshot()
+            .into_iter()
+            .filter(|s| s.info.name == name)
+            .collect()
     }
 
     pub fn snapshot(&self) -> Vec<Arc<Segment>> {
@@ -145,11 +163,12 @@ impl SegmentTable {
         map.values().any(|s| s.client == client)
     }
 
+    /// The keys of `client`'s segments.
     pub fn of_client(&self, client: u64) -> Vec<String> {
         let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
         map.values()
             .filter(|s| s.client == client)
-            .map(|s| s.info.name.clone())
+            .map(|s| s.key.clone())
             .collect()
     }
 
@@ -195,10 +214,11 @@ pub fn placement_order(
         segs.sort_by_key(|s| s.client != writer);
     }
     for name in config.preferred_segments.iter().rev() {
-        if let Some(i) = segs.iter().position(|s| &s.info.name == name) {
-            let s = segs.remove(i);
-            segs.insert(0, s);
-        }
+        // Every segment of that name (a node's main and extra ones) moves up, in order.
+        let (mut first, rest): (Vec<_>, Vec<_>) =
+            segs.into_iter().partition(|s| &s.info.name == name);
+        first.extend(rest);
+        segs = first;
     }
     segs
 }

@@ -5,6 +5,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import random
 import socket
 import threading
 
@@ -49,11 +50,29 @@ def str_list(values, name):
     return out
 
 
-def same_length(**lists):
+def _length_mismatch(lists):
+    """None when the lists have one length, else a description of their lengths."""
     lengths = {k: len(v) for k, v in lists.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError("lists of different lengths: "
-                         + ", ".join(f"{k}={n}" for k, n in lengths.items()))
+    if len(set(lengths.values())) <= 1:
+        return None
+    return ", ".join(f"{k}={n}" for k, n in lengths.items())
+
+
+def same_length(**lists):
+    mismatch = _length_mismatch(lists)
+    if mismatch:
+        raise ValueError(f"lists of different lengths: {mismatch}")
+
+
+def lengths_match(what, **lists):
+    """Whether the parallel lists have one length; if not, logs why. Upstream's store batch
+    calls answer such a call with INVALID_PARAMS (per key where they return a list) instead
+    of raising, and so do ours."""
+    mismatch = _length_mismatch(lists)
+    if mismatch:
+        logger.error("mooncake: %s: lists of different lengths (%s); nothing done", what,
+                     mismatch)
+    return mismatch is None
 
 
 def split_host_port(hostname):
@@ -138,14 +157,61 @@ def new_config(settings):
     return cfg, N.MC_OK
 
 
-def start_native(new_fn, settings, host, port, p2p, name_key):
+def store_client_ports():
+    """Upstream's range for a store client's port when its local_hostname has none:
+    [MC_STORE_CLIENT_MIN_PORT, MC_STORE_CLIENT_MAX_PORT] (default 12300-14300; an unusable
+    range falls back to the default with a warning), and how many ports to try
+    (MC_STORE_CLIENT_SETUP_RETRIES, default 20)."""
+    def env_int(name, default):
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            logger.warning("mooncake: ignoring %s=%r (an integer expected)", name, raw)
+            return default
+    lo = env_int("MC_STORE_CLIENT_MIN_PORT", 12300)
+    hi = env_int("MC_STORE_CLIENT_MAX_PORT", 14300)
+    if not 1 <= lo <= hi <= 65535:
+        logger.warning("mooncake: store client port range %d-%d is unusable; using "
+                       "12300-14300", lo, hi)
+        lo, hi = 12300, 14300
+    tries = max(1, env_int("MC_STORE_CLIENT_SETUP_RETRIES", 20))
+    return PortRange(lo, hi, tries)
+
+
+class PortRange:
+    """Ports to offer a server that was given none: random free ones in [lo, hi]."""
+
+    def __init__(self, lo, hi, tries):
+        self.lo, self.hi, self.tries = lo, hi, tries
+
+    def pick(self, bind):
+        """A port in the range that ``bind`` can take now, or None after a bounded search."""
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        span = self.hi - self.lo + 1
+        start = random.randrange(span)
+        for i in range(min(span, 256)):
+            port = self.lo + (start + i) % span
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((bind, port))
+                except OSError:
+                    continue
+            return port
+        return None
+
+
+def start_native(new_fn, settings, host, port, p2p, name_key, port_range=None):
     """Creates an engine or store with ``new_fn(cfg, &out)`` from ``settings`` (updated in
     place with what was used); returns (code, handle or None).
 
-    Without a port, a P2PHANDSHAKE segment is named after the RPC port the engine binds;
-    with a metadata server a free port is picked (a few tries). A specific non-loopback IP
-    that cannot be bound (NAT, a name for another interface) is retried on the wildcard
-    address, keeping the name."""
+    Without a port: a ``port_range`` (a store client's) names the segment host:port with a
+    free port of that range, trying another on a bind failure; else a P2PHANDSHAKE segment
+    is named after the RPC port the engine binds, and with a metadata server a free port
+    is picked (a few tries). A specific non-loopback IP that cannot be bound (NAT, a name
+    for another interface) is retried on the wildcard address, keeping the name."""
     bind = settings["bind_address"]
     binds = [bind]
     try:
@@ -154,12 +220,24 @@ def start_native(new_fn, settings, host, port, p2p, name_key):
             binds.append("::" if ip.version == 6 else "0.0.0.0")
     except ValueError:
         pass
+    if port is not None:
+        tries = 1
+    elif port_range is not None:
+        tries = port_range.tries
+    else:
+        tries = 1 if p2p else 3
     rc = N.MC_ERR_INTERNAL
     for b in binds:
         settings["bind_address"] = b
-        for _ in range(1 if (port is not None or p2p) else 3):
+        for _ in range(tries):
             if port is not None:
                 settings["rpc_port"], settings[name_key] = port, join_host_port(host, port)
+            elif port_range is not None:
+                picked = port_range.pick(b)
+                if picked is None:
+                    rc = N.MC_ERR_INTERNAL
+                    break
+                settings["rpc_port"], settings[name_key] = picked, join_host_port(host, picked)
             elif p2p:
                 settings["rpc_port"], settings[name_key] = 0, host
             else:

@@ -459,9 +459,12 @@ class TensorStoreMixin(TensorReader):
     def batch_get_tensor_into(self, keys, buffer_ptrs, sizes):
         keys = str_list(keys, "keys")
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
+        lens = int_list(sizes, "sizes")
         if not self._store:
             return [None] * len(keys)
-        got = self.batch_get_into(keys, addrs, sizes)
+        if not lengths_match("batch_get_tensor_into", keys=keys, buffer_ptrs=addrs, sizes=lens):
+            return [INVALID_PARAMS] * len(keys)
+        got = self.batch_get_into(keys, addrs, lens)
         return [tensor_at(a, n, f"batch_get_tensor_into({k!r})")
                 for k, a, n in zip(keys, addrs, got)]
 

@@ -4,8 +4,9 @@ Conventions (Mooncake 0.3.x): int results are 0 or a negative Mooncake error cod
 ``ErrorCode``); sizes/bytes read are >= 0 or negative; data-returning calls give ``b""`` /
 ``None`` on a miss; batch calls return one result per key, in order. Calls before
 ``setup`` return INVALID_PARAMS (-600) (``get`` gives ``b""``, ``health_check`` 1) rather
-than crashing. Wrong argument types raise TypeError and lists of different lengths raise
-ValueError before anything is sent.
+than crashing. Wrong argument types raise TypeError; parallel lists of different lengths
+fail the call with INVALID_PARAMS (per key for calls that return lists), as upstream's do,
+and nothing is sent.
 
 Zero-copy calls (``put_from``, ``get_into``, ``batch_*_into/from``, multi-buffer and range
 forms) take addresses that must lie inside a buffer passed to ``register_buffer`` on this
@@ -32,14 +33,18 @@ from ._common import (
     check_int,
     check_str,
     int_list,
+    lengths_match,
     metadata_connection,
     new_config,
-    same_length,
     split_host_port,
     start_native,
+    store_client_ports,
     transfer_timeout_ms,
 )
-from .mooncake_config import parse_size
+from ._tensor_layout import ParallelAxis, ReadTarget, TensorParallelism
+from ._store_surface import QueryTaskResponse, StoreSurfaceMixin, TaskStatus, TaskType
+from ._tensor_store import TensorStoreMixin
+from .mooncake_config import bool_word, parse_size, port_number
 
 __all__ = [
     "MooncakeDistributedStore",
@@ -53,6 +58,12 @@ __all__ = [
     "DiskDescriptor",
     "ReplicaDescriptor",
     "MooncakeHostMemAllocator",
+    "ParallelAxis",
+    "TensorParallelism",
+    "ReadTarget",
+    "TaskType",
+    "TaskStatus",
+    "QueryTaskResponse",
 ]
 
 logger = logging.getLogger("mooncake")
@@ -123,6 +134,16 @@ def _bool(value, name):
     return value
 
 
+def _dict_bool(value, name):
+    """A config dict's boolean; as upstream's setup(dict), anything else keeps the default
+    (False), with a warning."""
+    parsed = bool_word(value)
+    if parsed is None:
+        logger.warning("mooncake: setup(config): %s=%r is not a boolean; using false",
+                       name, value)
+    return bool(parsed)
+
+
 def _strs(value, name):
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise TypeError(f"{name}: expected a list of str, got {type(value).__name__}")
@@ -143,6 +164,11 @@ def _checked(name, check, slot=None):
         setattr(self, slot, check(value, name))
 
     return property(get, set)
+
+
+def _strs_or_none(value, name):
+    """A list of str, or None (upstream's unset group list)."""
+    return None if value is None else _strs(value, name)
 
 
 def _u32(value, name):
@@ -173,7 +199,7 @@ class ReplicateConfig:
     replica_num (1), with_soft_pin (False), with_hard_pin (False), soft_pin_ttl_ms (None:
     the default 30 min; else an int in [0, 2**64)), soft_pin_action (SoftPinAction,
     tracks with_soft_pin), preferred_segment (""), preferred_segments ([]),
-    prefer_alloc_in_same_node (False), group_ids ([])."""
+    prefer_alloc_in_same_node (False), group_ids ([]; None unsets it, as upstream)."""
 
     __slots__ = ("_replica_num", "_with_hard_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
                  "_preferred_segment", "_preferred_segments", "_prefer_same_node", "_group_ids")
@@ -195,7 +221,7 @@ class ReplicateConfig:
     preferred_segment = _checked("preferred_segment", check_str)
     preferred_segments = _checked("preferred_segments", _strs)
     prefer_alloc_in_same_node = _checked("prefer_alloc_in_same_node", _bool, "_prefer_same_node")
-    group_ids = _checked("group_ids", _strs)
+    group_ids = _checked("group_ids", _strs_or_none)
 
     @property
     def with_soft_pin(self):
@@ -235,6 +261,16 @@ class ReplicateConfig:
         c.preferred_segments_count = len(encoded)
         c.prefer_same_node = int(self._prefer_same_node)
         return c, (encoded, arr)
+
+
+def _refused(config):
+    """Whether upstream's master would refuse ``config`` (logged): a soft-pin TTL only goes
+    with soft_pin_action ENABLE. Puts given such a config answer INVALID_PARAMS."""
+    if config.soft_pin_ttl_ms is not None and config.soft_pin_action != SoftPinAction.ENABLE:
+        logger.error("mooncake: soft_pin_ttl_ms=%d needs soft_pin_action ENABLE (is %s)",
+                     config.soft_pin_ttl_ms, config.soft_pin_action.name)
+        return True
+    return False
 
 
 def _config(config):
@@ -364,7 +400,15 @@ class ReplicaDescriptor:
         return f"<ReplicaDescriptor kind={self.kind} status={self.status.name} size={self.size}>"
 
 
-_SETUP_EXTRAS = ("enable_ssd_offload", "ssd_offload_path", "tenant_id", "ipc_socket_path")
+# setup()'s settings beyond the seven positional ones, with their defaults (upstream's).
+_SETUP_OPTIONS = {
+    "enable_ssd_offload": False,
+    "ssd_offload_path": "",
+    "tenant_id": "default",
+    "enable_client_http_server": False,
+    "client_http_port": 9300,
+    "ipc_socket_path": "",
+}
 # Our extension: the cluster secret (docs/security.md), as the secret or a file holding it.
 _SECRET_KEYS = ("cluster_secret", "cluster_secret_file")
 _DICT_KEYS = {
@@ -378,6 +422,17 @@ _DICT_KEYS = {
     "master_server_addr": "master_server_addr",
     "master_server_address": "master_server_addr",
 }
+# A config dict's defaults for what it leaves out (upstream's setup(dict)).
+_DICT_DEFAULTS = {
+    "global_segment_size": 16 << 20,
+    "local_buffer_size": 16 << 20,
+    "protocol": "tcp",
+    "rdma_devices": "",
+    "master_server_addr": "127.0.0.1:50051",
+}
+# Upstream's bounds on a config dict's sizes: 0, or 1 KiB up (the local buffer: to 1 TiB).
+_MIN_SEGMENT = 1 << 10
+_MAX_LOCAL_BUFFER = 1 << 40
 _MISSING = object()
 
 
@@ -397,8 +452,10 @@ def _triage(keys, items):
     return results, idx
 
 
-class MooncakeDistributedStore:
-    """A client of Mooncake Store (optionally lending memory to the pool)."""
+class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
+    """A client of Mooncake Store (optionally lending memory to the pool). The tensor
+    methods (put_tensor, get_tensor, ...) come from _tensor_store; sessions, copy and move
+    tasks and extra segments from _store_surface."""
 
     def __init__(self):
         self._store = None
@@ -411,22 +468,37 @@ class MooncakeDistributedStore:
 
     def setup(self, local_hostname=_MISSING, metadata_server=_MISSING,
               global_segment_size=_MISSING, local_buffer_size=_MISSING, protocol=_MISSING,
-              rdma_devices=_MISSING, master_server_addr=_MISSING, engine=None, *,
+              rdma_devices=_MISSING, master_server_addr=_MISSING, engine=None,
               enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
+              enable_client_http_server=False, client_http_port=9300, *,
               ipc_socket_path=""):
         """Connects to the master and mounts ``global_segment_size`` bytes (0 = a pure
-        client). Either the seven positional settings (plus optional ``engine``) or one
-        dict with keys local_hostname, metadata_server (required), global_segment_size,
-        local_buffer_size (ints or sizes like "4GB"), protocol, rdma_devices,
-        master_server_addr, and optionally cluster_secret or cluster_secret_file
-        (docs/security.md; otherwise MC_CLUSTER_SECRET applies). 0 on success, else a
-        negative error code."""
+        client). 0 on success, else a negative error code.
+
+        Either upstream's positional settings (``engine`` onward optional), or one dict
+        with keys local_hostname and metadata_server (required), global_segment_size and
+        local_buffer_size (ints or sizes like "4GB"; 16 MiB each when left out), protocol,
+        rdma_devices, master_server_addr, enable_ssd_offload, ssd_offload_path,
+        tenant_id, enable_client_http_server, client_http_port, and our cluster_secret or
+        cluster_secret_file (docs/security.md; otherwise MC_CLUSTER_SECRET applies). As
+        upstream, a dict whose values cannot be read gives INVALID_PARAMS (-600) instead of
+        raising, and keys it does not know are ignored (with a warning naming them).
+
+        A local_hostname without a port gets one in [MC_STORE_CLIENT_MIN_PORT,
+        MC_STORE_CLIENT_MAX_PORT] (12300-14300), tried up to MC_STORE_CLIENT_SETUP_RETRIES
+        (20) times; ``get_hostname()`` then reports host:port."""
         if isinstance(local_hostname, dict):
             rest = (metadata_server, global_segment_size, local_buffer_size, protocol,
                     rdma_devices, master_server_addr)
-            if any(v is not _MISSING for v in rest) or engine is not None:
-                raise TypeError("setup(config): a config dict is the only argument")
+            options = (enable_ssd_offload, ssd_offload_path, tenant_id,
+                       enable_client_http_server, client_http_port, ipc_socket_path)
+            if any(v is not _MISSING for v in rest) or engine is not None or \
+                    options != tuple(_SETUP_OPTIONS.values()):
+                raise TypeError("setup(config): a config dict is the only argument (its "
+                                "keys carry the options)")
             args = self._from_dict(local_hostname)
+            if args is None:
+                return INVALID_PARAMS
         else:
             given = [local_hostname, metadata_server, global_segment_size, local_buffer_size,
                      protocol, rdma_devices, master_server_addr]
@@ -436,26 +508,47 @@ class MooncakeDistributedStore:
             if missing:
                 raise TypeError("setup() missing required arguments: " + ", ".join(missing))
             args = dict(zip(names, given))
-        check_str(args["local_hostname"], "local_hostname")
-        check_str(args["metadata_server"], "metadata_server")
-        check_str(args["protocol"], "protocol")
-        if args["rdma_devices"] is None:
-            args["rdma_devices"] = ""
-        check_str(args["rdma_devices"], "rdma_devices")
-        check_str(args["master_server_addr"], "master_server_addr")
-        gss = parse_size(args["global_segment_size"], "global_segment_size")
-        lbs = parse_size(args["local_buffer_size"], "local_buffer_size")
+            args.update(enable_ssd_offload=enable_ssd_offload,
+                        ssd_offload_path=ssd_offload_path, tenant_id=tenant_id,
+                        enable_client_http_server=enable_client_http_server,
+                        client_http_port=client_http_port, ipc_socket_path=ipc_socket_path)
+            self._check_setup_args(args)
         if engine is not None and not hasattr(engine, "get_session_id"):
             raise TypeError(f"engine: expected a TransferEngine (get_engine()), got "
                             f"{type(engine).__name__}")
-        _bool(enable_ssd_offload, "enable_ssd_offload")
-        check_str(ssd_offload_path, "ssd_offload_path")
-        check_str(tenant_id, "tenant_id")
-        check_str(ipc_socket_path, "ipc_socket_path")
-        ssd_path = ssd_offload_path or os.getenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
-        if enable_ssd_offload and not ssd_path:
+        return self._setup(args, engine)
+
+    @staticmethod
+    def _check_setup_args(args):
+        """Type-checks and normalizes ``args`` in place (raising TypeError/ValueError)."""
+        for name in ("local_hostname", "metadata_server", "protocol", "master_server_addr",
+                     "ssd_offload_path", "tenant_id", "ipc_socket_path"):
+            check_str(args[name], name)
+        if args["rdma_devices"] is None:
+            args["rdma_devices"] = ""
+        check_str(args["rdma_devices"], "rdma_devices")
+        args["global_segment_size"] = parse_size(args["global_segment_size"],
+                                                 "global_segment_size")
+        args["local_buffer_size"] = parse_size(args["local_buffer_size"], "local_buffer_size")
+        _bool(args["enable_ssd_offload"], "enable_ssd_offload")
+        _bool(args["enable_client_http_server"], "enable_client_http_server")
+        check_int(args["client_http_port"], "client_http_port", 0, 65535)
+
+    def _setup(self, args, engine):
+        gss, lbs = args["global_segment_size"], args["local_buffer_size"]
+        ssd_path = args["ssd_offload_path"] or os.getenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
+        if args["enable_ssd_offload"] and not ssd_path:
             logger.warning("mooncake: enable_ssd_offload needs ssd_offload_path (or "
                            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH); no disk tier")
+        if args["enable_client_http_server"]:
+            logger.warning("mooncake: enable_client_http_server: this client serves no HTTP "
+                           "endpoints (the master's metrics port reports the store)")
+        if args["tenant_id"] != "default":
+            logger.warning("mooncake: tenant_id %r: this build keeps one namespace for all "
+                           "tenants (no isolation, no quota)", args["tenant_id"])
+        if args["ipc_socket_path"]:
+            logger.warning("mooncake: ipc_socket_path is not used: dummy clients reach "
+                           "mooncake_client through its --port")
         shared = engine is not None and getattr(engine, "_engine", None) and \
             N.available("mc_store_new_with_engine")
         if engine is not None and not shared:
@@ -468,16 +561,15 @@ class MooncakeDistributedStore:
         if self._store is not None:
             self.close()
         proto = args["protocol"].strip().lower()
-        bind = bind_address_for(host)
         settings = {
             "master_address": args["master_server_addr"],
             "metadata": conn,
             "protocol": proto,
-            "bind_address": bind,
+            "bind_address": bind_address_for(host),
             "global_segment_size": gss,
             "local_buffer_size": lbs,
         }
-        if enable_ssd_offload and ssd_path and gss > 0:
+        if args["enable_ssd_offload"] and ssd_path and gss > 0:
             settings["ssd_path"] = ssd_path
         if proto in HARDWARE_PROTOCOLS and args["rdma_devices"] and \
                 args["rdma_devices"] != "auto-discovery":
@@ -488,14 +580,14 @@ class MooncakeDistributedStore:
         for key in _SECRET_KEYS:
             if args.get(key):
                 settings[key] = args[key]
-        p2p = conn == "P2PHANDSHAKE"
         if shared:
             # The engine's identity, transports and memory serve the store.
             rc, handle = self._start_on(engine, {k: settings[k] for k in (
                 "master_address", "global_segment_size", "local_buffer_size")})
         else:
-            rc, handle = start_native(N.LIB.mc_store_new, settings, host, port, p2p,
-                                      "local_hostname")
+            rc, handle = start_native(N.LIB.mc_store_new, settings, host, port,
+                                      conn == "P2PHANDSHAKE", "local_hostname",
+                                      port_range=store_client_ports())
         if rc != N.MC_OK:
             logger.error("mooncake: store setup (master %s, metadata %s) failed: %s (%d)",
                          args["master_server_addr"], args["metadata_server"],
@@ -522,34 +614,61 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _from_dict(config):
-        args = {
-            "global_segment_size": 16 << 20,
-            "local_buffer_size": 16 << 20,
-            "protocol": "tcp",
-            "rdma_devices": "",
-            "master_server_addr": "127.0.0.1:50051",
-        }
+        """setup()'s arguments from a config dict, or None (after logging why) when a value
+        cannot be read: upstream's setup(dict) answers INVALID_PARAMS then."""
+        args = dict(_DICT_DEFAULTS, **_SETUP_OPTIONS)
+        ignored = []
         for key, value in config.items():
-            if key in _DICT_KEYS:
+            if not isinstance(key, str):
+                ignored.append(repr(key))
+            elif key in _DICT_KEYS:
                 args[_DICT_KEYS[key]] = value
-            elif key in _SETUP_EXTRAS:
-                continue
-            elif key in _SECRET_KEYS:
-                check_str(value, key)
+            elif key in _SETUP_OPTIONS or key in _SECRET_KEYS:
                 args[key] = value
             else:
-                raise ValueError(f"setup(config): unknown key {key!r} (known: "
-                                 f"{', '.join(sorted(set(_DICT_KEYS) | set(_SETUP_EXTRAS) | set(_SECRET_KEYS)))})")
+                ignored.append(key)
+        if ignored:
+            logger.warning("mooncake: setup(config): ignoring unknown keys %s",
+                           ", ".join(sorted(ignored)))
         for required in ("local_hostname", "metadata_server"):
-            if required not in args:
-                raise ValueError(f"setup(config): {required!r} is required")
+            if not args.get(required):
+                logger.error("mooncake: setup(config): %r is required", required)
+                return None
+        # Upstream reads every value as its string form; so do booleans and ports here. A
+        # secret is taken only as given (a str), never as the text of some other object.
+        for key in ("enable_ssd_offload", "enable_client_http_server"):
+            args[key] = _dict_bool(args[key], key)
+        try:
+            for key in ("local_hostname", "metadata_server", "protocol", "rdma_devices",
+                        "master_server_addr", "ssd_offload_path", "tenant_id",
+                        "ipc_socket_path"):
+                if not isinstance(args[key], str):
+                    args[key] = "" if args[key] is None else str(args[key])
+            for key in _SECRET_KEYS:
+                if key in args:
+                    check_str(args[key], key)
+            args["client_http_port"] = port_number(args["client_http_port"],
+                                                   "client_http_port")
+            MooncakeDistributedStore._check_setup_args(args)
+        except (TypeError, ValueError, OverflowError) as e:
+            logger.error("mooncake: setup(config): %s", e)
+            return None
+        gss, lbs = args["global_segment_size"], args["local_buffer_size"]
+        if 0 < gss < _MIN_SEGMENT or 0 < lbs < _MIN_SEGMENT or lbs > _MAX_LOCAL_BUFFER:
+            logger.error("mooncake: setup(config): global_segment_size %d and "
+                         "local_buffer_size %d must each be 0 or at least %d bytes (the "
+                         "local buffer at most %d)", gss, lbs, _MIN_SEGMENT, _MAX_LOCAL_BUFFER)
+            return None
         return args
 
     def setup_dummy(self, mem_pool_size, local_buffer_size, server_address):
-        """Upstream's dummy client (shared memory with a local real client): not available
-        in this build; returns NOT_SUPPORTED (-1012)."""
-        logger.error("mooncake: setup_dummy is not available in this build")
-        return int(ErrorCode.NOT_SUPPORTED)
+        """Makes this store a dummy client of the ``mooncake_client`` at ``server_address``
+        ("host:port", on this host): every call then runs there, bytes moving through
+        shared memory (``local_buffer_size`` for copying calls, ``alloc_from_mem_pool``
+        for zero-copy ones). 0, or a negative error code (see ``mooncake._dummy``)."""
+        from . import _dummy
+
+        return _dummy.attach(self, mem_pool_size, local_buffer_size, server_address)
 
     def close(self):
         """Unmounts this client's segment (objects only stored there are gone) and
@@ -589,7 +708,7 @@ class MooncakeDistributedStore:
         fn = N.need("mc_put_options_init", "this call")
         opts = N.McPutOptions()
         fn(ctypes.byref(opts))
-        groups = [g.encode() for g in config.group_ids]
+        groups = [g.encode() for g in config.group_ids or ()]
         arr = N.c_strings(groups)
         if groups:
             opts.group_ids = ctypes.cast(arr, ctypes.POINTER(ctypes.c_char_p))
@@ -616,6 +735,10 @@ class MooncakeDistributedStore:
         c_lens = N.c_array(ctypes.c_size_t, flat_len)
         c_counts = N.c_array(ctypes.c_size_t, counts)
         c_res = (ctypes.c_int * len(idx))()
+        if _refused(config):
+            for i in idx:
+                results[i] = INVALID_PARAMS
+            return results
         cfg, keep = config._to_c()
         opts, keep2 = self._put_options(config, upsert)
         rc = fn(self._store, c_keys, len(idx), c_bufs, c_lens, c_counts, ctypes.byref(cfg),
@@ -650,6 +773,8 @@ class MooncakeDistributedStore:
             return NO_AVAILABLE_HANDLE
         if upsert or config.group_ids:
             return self._put_parts([k], [[(addr, n)]], config, upsert, what)[0]
+        if _refused(config):
+            return INVALID_PARAMS
         cfg, keep2 = config._to_c()
         return N.LIB.mc_store_put(self._store, k, addr, n, ctypes.byref(cfg))
 
@@ -693,7 +818,8 @@ class MooncakeDistributedStore:
         vals = list(values) if not isinstance(values, (str, bytes)) else None
         if vals is None:
             raise TypeError("values: expected a list of bytes-like objects")
-        same_length(keys=ks, values=vals)
+        if not lengths_match(what, keys=ks, values=vals):
+            return INVALID_PARAMS
         config = _config(config)
         bufs = [buffer_address(v, f"values[{i}]") for i, v in enumerate(vals)]
         if not self._store:
@@ -711,6 +837,8 @@ class MooncakeDistributedStore:
         if upsert or config.group_ids or self._protocol in HARDWARE_PROTOCOLS:
             if upsert or config.group_ids:
                 res = self._put_parts(ks, parts, config, upsert, what)
+            elif _refused(config):
+                res = [INVALID_PARAMS] * len(ks)
             else:
                 # RDMA moves bytes from registered memory only: mc_store_put stages them.
                 cfg, keep = config._to_c()
@@ -1017,6 +1145,10 @@ class MooncakeDistributedStore:
         c_bufs = N.c_array(ctypes.c_void_p, [spans[i][0] for i in idx])
         c_lens = N.c_array(ctypes.c_size_t, [spans[i][1] for i in idx])
         c_res = (ctypes.c_int * len(idx))()
+        if _refused(config):
+            for i in idx:
+                results[i] = INVALID_PARAMS
+            return results
         cfg, keep = config._to_c()
         rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, len(idx),
                                            ctypes.byref(cfg), c_res)
@@ -1056,6 +1188,8 @@ class MooncakeDistributedStore:
         if not self._zero_copy(addr, n):
             self._log_unregistered(addr, n)
             return INVALID_PARAMS
+        if _refused(config):
+            return INVALID_PARAMS
         cfg, keep = config._to_c()
         return N.LIB.mc_store_put_from(self._store, k, addr, n, ctypes.byref(cfg))
 
@@ -1092,7 +1226,8 @@ class MooncakeDistributedStore:
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")
-        same_length(keys=ks, buffer_ptrs=addrs, sizes=lens)
+        if not lengths_match(what, keys=ks, buffer_ptrs=addrs, sizes=lens):
+            return [INVALID_PARAMS] * len(ks)
         config = _config(config)
         if upsert:
             N.need("mc_store_batch_put_parts", what)
@@ -1132,8 +1267,8 @@ class MooncakeDistributedStore:
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")
-        same_length(keys=ks, buffer_ptrs=addrs, sizes=lens)
-        if not self._store:
+        if not lengths_match("batch_get_into", keys=ks, buffer_ptrs=addrs, sizes=lens) \
+                or not self._store:
             return [INVALID_PARAMS] * len(ks)
         spans = self._checked_spans(addrs, lens)
         results, idx = _triage(ks, spans)
@@ -1146,22 +1281,27 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _nested(all_buffer_ptrs, all_sizes, n):
+        """The per-key pointer and size lists, checked; None (logged) when their lengths
+        disagree, which fails every key with INVALID_PARAMS as upstream."""
         if isinstance(all_buffer_ptrs, (str, bytes)) or isinstance(all_sizes, (str, bytes)):
             raise TypeError("expected lists of lists of int")
         ptrs = [int_list(p, f"all_buffer_ptrs[{i}]") for i, p in enumerate(all_buffer_ptrs)]
         sizes = [int_list(s, f"all_sizes[{i}]") for i, s in enumerate(all_sizes)]
-        if len(ptrs) != n or len(sizes) != n:
-            raise ValueError(f"lists of different lengths: keys={n}, all_buffer_ptrs="
-                             f"{len(ptrs)}, all_sizes={len(sizes)}")
+        if not lengths_match("multi-buffer call", keys=range(n), all_buffer_ptrs=ptrs,
+                             all_sizes=sizes):
+            return None
         for i, (p, s) in enumerate(zip(ptrs, sizes)):
-            if len(p) != len(s):
-                raise ValueError(f"key {i}: {len(p)} buffer pointers but {len(s)} sizes")
+            if not lengths_match(f"key {i}", buffer_ptrs=p, sizes=s):
+                return None
         return ptrs, sizes
 
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
         """Stores key i as the concatenation of its buffers (zero-copy, registered)."""
         ks = _keys(keys)
-        ptrs, sizes = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        nested = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        if nested is None:
+            return [INVALID_PARAMS] * len(ks)
+        ptrs, sizes = nested
         config = _config(config)
         N.need("mc_store_batch_put_parts", "batch_put_from_multi_buffers")
         if not self._store:
@@ -1176,7 +1316,10 @@ class MooncakeDistributedStore:
                                      prefer_alloc_in_same_node=False):
         """Reads key i into its buffers, filled in order; bytes read per key or negative."""
         ks = _keys(keys)
-        ptrs, sizes = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        nested = self._nested(all_buffer_ptrs, all_sizes, len(ks))
+        if nested is None:
+            return [INVALID_PARAMS] * len(ks)
+        ptrs, sizes = nested
         _bool(prefer_alloc_in_same_node, "prefer_alloc_in_same_node")
         fn = N.need("mc_store_batch_get_parts", "batch_get_into_multi_buffers")
         if not self._store:
@@ -1211,19 +1354,27 @@ class MooncakeDistributedStore:
             if len(v) != nb:
                 raise ValueError(f"{name} has {len(v)} entries for {nb} buffers")
         entries = []  # (b, k, encoded key, dsts, srcs, sizes)
+        # As upstream: a key whose lists disagree in length fails its ranges (one code per
+        # destination offset) and the rest of the call goes on.
+        results = [[[] for _ in range(len(all_keys[b]))] for b in range(nb)]
         for b in range(nb):
             keys_b = _keys(all_keys[b], f"all_keys[{b}]")
             d_b, s_b, z_b = all_dst_offsets[b], all_src_offsets[b], all_sizes[b]
             if not len(d_b) == len(s_b) == len(z_b) == len(keys_b):
-                raise ValueError(f"buffer {b}: keys, offsets and sizes differ in length")
+                logger.error("mooncake: get_into_ranges: buffer %d: keys, offsets and sizes "
+                             "differ in length", b)
+                results[b] = [[INVALID_PARAMS] * (len(d_b[k]) if k < len(d_b) else 0)
+                              for k in range(len(keys_b))]
+                continue
             for k in range(len(keys_b)):
                 d = int_list(d_b[k], f"all_dst_offsets[{b}][{k}]")
                 s = int_list(s_b[k], f"all_src_offsets[{b}][{k}]")
                 z = int_list(z_b[k], f"all_sizes[{b}][{k}]")
-                same_length(dst_offsets=d, src_offsets=s, sizes=z)
-                entries.append((b, k, keys_b[k], d, s, z))
+                if lengths_match("get_into_ranges", dst_offsets=d, src_offsets=s, sizes=z):
+                    entries.append((b, k, keys_b[k], d, s, z))
+                else:
+                    results[b][k] = [INVALID_PARAMS] * len(d)
         fn = N.need("mc_store_batch_get_ranges", "get_into_ranges")
-        results = [[[] for _ in range(len(all_keys[b]))] for b in range(nb)]
         if not self._store:
             for b, k, _, d, _, _ in entries:
                 results[b][k] = [INVALID_PARAMS] * len(d)
@@ -1286,3 +1437,13 @@ class MooncakeHostMemAllocator:
         del view, entry
         m.close()
         return 0
+
+
+def __getattr__(name):
+    # Upstream's mooncake.store also exports the buffer pool; loaded on first use, since
+    # buffer_pool builds on this module.
+    if name in ("BufferPool", "RegisteredBufferPool"):
+        from . import buffer_pool
+
+        return getattr(buffer_pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

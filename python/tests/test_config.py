@@ -140,6 +140,8 @@ ENV_KEYS = [
     "MOONCAKE_TE_META_DATA_SERVER",
     "MOONCAKE_GLOBAL_SEGMENT_SIZE",
     "MOONCAKE_LOCAL_BUFFER_SIZE",
+    "MOONCAKE_ENABLE_CLIENT_HTTP_SERVER",
+    "MOONCAKE_CLIENT_HTTP_PORT",
     "MOONCAKE_PROTOCOL",
     "MOONCAKE_DEVICE",
 ]
@@ -268,9 +270,12 @@ def test_mooncake_master_console_script_with_upstream_flags():
     proc = Proc(
         [
             _script("mooncake_master"),
+            "--rpc_address=127.0.0.1",
             "--rpc_port=%d" % rpc,
             "--default_kv_lease_ttl=5000",
             "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            "--metrics_host=127.0.0.1",
             "--http_metadata_server_port=%d" % meta,
             "--metrics_port=%d" % metrics,
         ]
@@ -333,3 +338,66 @@ def test_mooncake_http_metadata_server_console_script():
         assert bb.raw == pattern(4096, 1)
     finally:
         proc.stop()
+
+
+# ---------------------------------------------------------- MooncakeConfig checks
+
+def _config(**changes):
+    fields = dict(local_hostname="h", metadata_server="P2PHANDSHAKE",
+                  global_segment_size=0, local_buffer_size=0, protocol="tcp",
+                  device_name="", master_server_address="m:50051")
+    fields.update(changes)
+    return MooncakeConfig(**fields)
+
+
+def test_protocol_is_lower_cased_and_an_unknown_one_only_warns(caplog):
+    assert _config(protocol="  RDMA ").protocol == "rdma"
+    with caplog.at_level("WARNING", logger="mooncake.mooncake_config"):
+        assert _config(protocol="Udp").protocol == "udp"
+    assert "Unrecognised protocol 'udp'" in caplog.text
+    for bad in ("", "  ", None):
+        with pytest.raises(ValueError, match="protocol"):
+            _config(protocol=bad)
+
+
+@pytest.mark.parametrize("field", ["local_hostname", "metadata_server",
+                                   "master_server_address"])
+def test_required_fields_must_be_non_empty(field):
+    with pytest.raises(ValueError, match=field):
+        _config(**{field: "  "})
+
+
+def test_negative_sizes_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="local_buffer_size"):
+        _config(local_buffer_size=-1)
+
+
+def test_client_http_settings_from_file_and_environment(tmp_path, clean_env):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+                                "master_server_address": "m:1",
+                                "enable_client_http_server": "enable",
+                                "client_http_port": "19444"}))
+    cfg = MooncakeConfig.from_file(str(path))
+    assert (cfg.enable_client_http_server, cfg.client_http_port) == (True, 19444)
+    assert cfg.to_setup_dict()["client_http_port"] == 19444
+    path.write_text(json.dumps({"local_hostname": "h", "metadata_server": "P2PHANDSHAKE",
+                                "master_server_address": "m:1", "client_http_port": "x"}))
+    with pytest.raises(ValueError, match="client_http_port"):
+        MooncakeConfig.from_file(str(path))
+    clean_env.setenv("MOONCAKE_MASTER", "m:1")
+    clean_env.setenv("MOONCAKE_ENABLE_CLIENT_HTTP_SERVER", "true")
+    clean_env.setenv("MOONCAKE_CLIENT_HTTP_PORT", "9400")
+    env_cfg = MooncakeConfig.load_from_env()
+    assert (env_cfg.enable_client_http_server, env_cfg.client_http_port) == (True, 9400)
+
+
+def test_upstreams_size_parser_name_and_forms():
+    from mooncake.mooncake_config import _parse_segment_size
+
+    assert _parse_segment_size("1e9") == 10**9
+    assert _parse_segment_size("  3 gb ") == 3 << 30
+    assert _parse_segment_size(1.5) == 1
+    for bad in ("", "gb", "50%"):
+        with pytest.raises(ValueError):
+            _parse_segment_size(bad)

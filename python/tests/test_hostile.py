@@ -1,6 +1,6 @@
 """Hostile input at the Python boundary (docs/python.md, Conventions): wrong types,
-negative and huge sizes, None, lists of unequal length raise TypeError/ValueError and
-change nothing; unregistered addresses given to zero-copy calls are refused (a negative
+negative and huge sizes, None raise TypeError/ValueError (lists of unequal length fail
+with INVALID_PARAMS, as upstream) and change nothing; unregistered addresses given to zero-copy calls are refused (a negative
 code) and never read; keys over 4096 bytes get -400 each; soft_pin_ttl_ms accepts only
 None or an int in [0, 2^64).
 
@@ -70,8 +70,10 @@ def test_replicate_config_attribute_types():
     with pytest.raises(BAD):
         cfg.preferred_segments = "not-a-list"
     with pytest.raises(BAD):
-        cfg.group_ids = None
+        cfg.group_ids = "not-a-list"
     assert cfg.replica_num == 1 and cfg.preferred_segments == [] and cfg.group_ids == []
+    cfg.group_ids = None  # upstream's "no groups"
+    assert cfg.group_ids is None
 
 
 # ------------------------------------------------------------------ store setup
@@ -236,42 +238,40 @@ def test_huge_size_over_a_small_registration_is_refused(st):
     assert b.read(10) == pattern(4096, 4)[10:]
 
 
-def test_unequal_batch_lists_raise_and_store_nothing(st):
+def test_unequal_batch_lists_fail_and_store_nothing(st):
+    # As upstream: INVALID_PARAMS (per key where the call returns a list), nothing sent.
     b = Buf(3 * 4096, content=pattern(3 * 4096, 5))
     assert st.register_buffer(b.addr, b.size) == 0
     keys = [unique() for _ in range(3)]
     addrs = [b.addr, b.addr + 4096, b.addr + 8192]
-    with pytest.raises(BAD):
-        st.batch_put_from(keys, addrs[:2], [4096] * 3)
-    with pytest.raises(BAD):
-        st.batch_put_from(keys, addrs, [4096] * 2)
-    with pytest.raises(BAD):
-        st.put_batch(keys, [b"a", b"b"])
-    with pytest.raises(BAD):
-        st.batch_put_from_multi_buffers(keys, [[a] for a in addrs[:2]], [[4096]] * 3)
-    with pytest.raises(BAD):  # inner lists of unequal length
-        st.batch_put_from_multi_buffers(keys[:1], [[addrs[0], addrs[1]]], [[4096]])
-    with pytest.raises(BAD):
-        st.batch_upsert_from(keys, addrs, [4096])
+    assert st.batch_put_from(keys, addrs[:2], [4096] * 3) == [-600] * 3
+    assert st.batch_put_from(keys, addrs, [4096] * 2) == [-600] * 3
+    assert st.put_batch(keys, [b"a", b"b"]) == -600
+    assert st.batch_put_from_multi_buffers(keys, [[a] for a in addrs[:2]],
+                                           [[4096]] * 3) == [-600] * 3
+    # inner lists of unequal length
+    assert st.batch_put_from_multi_buffers(keys[:1], [[addrs[0], addrs[1]]], [[4096]]) == [-600]
+    assert st.batch_upsert_from(keys, addrs, [4096]) == [-600] * 3
     with pytest.raises(TypeError):  # one bad element: nothing of the batch is stored
         st.batch_put_from(keys, [addrs[0], None, addrs[2]], [4096] * 3)
     assert st.batch_is_exist(keys) == [0, 0, 0]
 
 
-def test_unequal_get_lists_raise_and_write_nothing(st):
+def test_unequal_get_lists_fail_and_write_nothing(st):
     k = unique()
     assert st.put(k, pattern(4096, 6)) == 0
     out = Buf(8192, fill=b"\x33")
     assert st.register_buffer(out.addr, 8192) == 0
-    with pytest.raises(BAD):
-        st.batch_get_into([k, k], [out.addr], [4096, 4096])
-    with pytest.raises(BAD):
-        st.batch_get_into([k], [out.addr, out.addr + 4096], [4096])
-    with pytest.raises(BAD):
-        st.batch_get_into_multi_buffers([k], [[out.addr, out.addr + 2048]], [[2048]])
-    with pytest.raises(BAD):
-        st.get_into_ranges([out.addr], [[k]], [[[0]]], [[[0], [1]]], [[[16]]])
-    assert out.raw == b"\x33" * 8192
+    assert st.batch_get_into([k, k], [out.addr], [4096, 4096]) == [-600, -600]
+    assert st.batch_get_into([k], [out.addr, out.addr + 4096], [4096]) == [-600]
+    assert st.batch_get_into_multi_buffers([k], [[out.addr, out.addr + 2048]],
+                                           [[2048]]) == [-600]
+    # a key whose range lists disagree fails its ranges; the call's other keys go on
+    assert st.get_into_ranges([out.addr], [[k, k]], [[[0], [100]]],
+                              [[[0, 1], [0]]], [[[16], [16]]]) == [[[-600], [16]]]
+    assert out.raw[:100] == b"\x33" * 100
+    assert out.raw[100:116] == pattern(4096, 6)[:16]
+    assert out.raw[116:] == b"\x33" * (8192 - 116)
 
 
 def test_unregistered_addresses_are_refused(st):

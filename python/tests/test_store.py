@@ -555,3 +555,22 @@ def test_ssd_offload_keeps_evicted_objects_readable(private_master, store_factor
     assert node.batch_is_exist(keys) == [1] * len(keys), "nothing was dropped"
     for i in range(5):  # the oldest ones: evicted to disk, read back byte for byte
         assert node.get(keys[i]) == pattern(256 * KiB, i)
+
+
+def test_a_soft_pin_ttl_without_enable_is_refused(st):
+    # Upstream's master refuses a TTL unless the action enables the soft pin.
+    from mooncake.store import SoftPinAction
+
+    k = "softpin-ttl-rule"
+    enable = ReplicateConfig()
+    enable.soft_pin_action = SoftPinAction.ENABLE
+    enable.soft_pin_ttl_ms = 1000
+    assert st.put(k, b"v1", enable) == 0
+    for action in (SoftPinAction.PRESERVE, SoftPinAction.DISABLE):
+        cfg = ReplicateConfig()
+        cfg.soft_pin_action = action
+        cfg.soft_pin_ttl_ms = 1000
+        assert st.upsert(k, b"v2", cfg) == -600
+        assert st.put_batch([k + "-b"], [b"x"], cfg) == -600
+    assert st.get(k) == b"v1"
+    assert st.is_exist(k + "-b") == 0

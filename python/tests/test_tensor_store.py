@@ -258,6 +258,9 @@ def test_batches_give_none_for_a_missing_key(store):
     into = store.batch_get_tensor_into([ks[1], unique("missing")], [buf.addr, buf.addr + 2048],
                                        [2048, 2048])
     assert same(into[0], ts[1]) and into[1] is None
+    # parallel lists of different lengths: one code per key, as upstream
+    assert store.batch_get_tensor_into([ks[1], unique("x")], [buf.addr], [2048]) == \
+        [INVALID_PARAMS] * 2
     assert store.batch_put_tensor([], []) == []
 
 

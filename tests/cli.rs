@@ -178,7 +178,14 @@ fn settings_people_get_wrong_are_refused_by_name() {
             &["--lease-ttl-ms must be positive"],
         ),
         (
-            &["master", "--bind", "127.0.0.1", "--rpc-port", "0", "--client_ttl=-1"],
+            &[
+                "master",
+                "--bind",
+                "127.0.0.1",
+                "--rpc-port",
+                "0",
+                "--client_ttl=-1",
+            ],
             &["--client-ttl", "-1"],
         ),
         (

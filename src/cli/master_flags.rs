@@ -536,7 +536,9 @@ fn split(raw: &[String]) -> Result<(Vec<Setting>, Vec<String>), String> {
         if !arg.starts_with('-') {
             // gflags would leave a stray word as an ignored positional argument, which
             // hides a mistake such as `--rpc_port 7000 8000`.
-            return Err(format!("unexpected argument {arg:?} (flags are --name=value)"));
+            return Err(format!(
+                "unexpected argument {arg:?} (flags are --name=value)"
+            ));
         }
         let body = arg.trim_start_matches('-');
         let (name, value) = match body.split_once('=') {
@@ -1051,7 +1053,10 @@ mod tests {
         let named = dir.file("programs.flags", "mooncake_master\n--rpc_port=1\n");
         let e = refused(&[&format!("--flagfile={named}")]);
         assert!(e.contains("line 1"), "{e}");
-        assert!(!e.contains("mooncake_master"), "the line is not echoed: {e}");
+        assert!(
+            !e.contains("mooncake_master"),
+            "the line is not echoed: {e}"
+        );
         // Only a flag names a file: a value spelled "flagfile" is a value.
         let out = translate(&args(&["--cluster_id", "flagfile", "--rpc_port=7"])).unwrap();
         assert!(out.contains(&"--cluster-id=flagfile".to_owned()), "{out:?}");

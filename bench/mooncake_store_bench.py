@@ -3,7 +3,7 @@
 measures ours, so the two sit side by side from the same machine and moment.
 
   run [--op get|put|exists] [--size 4K] [--batch N] [--threads T] [--duration S]
-      [--api copy|zero-copy] [--segment-size B]
+      [--api copy|zero-copy|tensor] [--client real|dummy] [--segment-size B]
       Starts Mooncake's `mooncake_master` (embedded HTTP metadata server) and one
       store node (this script, `node` mode) as child processes; the benchmarking
       client runs here as a pure client (no segment), protocol tcp, everything on
@@ -13,7 +13,14 @@ measures ours, so the two sit side by side from the same machine and moment.
 
 APIs: `zero-copy` registers one buffer per thread and calls put_from/get_into (one
 object) or batch_put_from/batch_get_into; `copy` calls put(bytes)/get() (one object)
-or put_batch/get_batch. Gets compare every byte read (outside the latency window).
+or put_batch/get_batch; `tensor` calls put_tensor/get_tensor (one object) or
+batch_put_tensor/batch_get_tensor on uint8 torch tensors of --size bytes. Gets compare
+every byte read (outside the latency window).
+
+Clients: `real` (the default) is this process's own store client; `dummy` starts the
+package's `mooncake_client` (a real client lending --segment-size) and attaches to it
+with setup_dummy, so every call goes through the real client process (zero-copy
+buffers then come from alloc_from_mem_pool).
 
 Run through a Python that can import `mooncake`: Mooncake's package, or ours (the same
 calls measure either; bench/python_compare.sh runs both).
@@ -109,14 +116,41 @@ class Children:
                 p.wait()
 
 
-def start_cluster(children, segment_size):
+def console_script(name):
+    """The package's console script (both packages install them), else the binary bundled
+    inside Mooncake's package."""
     import mooncake
 
-    # The package's `mooncake_master` console script (both packages install one), else
-    # the binary bundled inside Mooncake's package.
-    master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    if not os.path.exists(master_bin):
-        master_bin = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(path):
+        path = os.path.join(os.path.dirname(mooncake.__file__), name)
+    return path
+
+
+def start_real_client(children, master_addr, metadata, segment_size, local_buffer):
+    """The package's `mooncake_client` on a free port; returns its address for dummies."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            console_script("mooncake_client"),
+            "--host=127.0.0.1",
+            "--port=%d" % port,
+            "--master_server_address=%s" % master_addr,
+            "--metadata_server=%s" % metadata,
+            "--global_segment_size=%d" % segment_size,
+            "--local_buffer_size=%d" % local_buffer,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children.procs.append(proc)
+    wait_port(port)
+    return "127.0.0.1:%d" % port
+
+
+def start_cluster(children, segment_size):
+    master_bin = console_script("mooncake_master")
     rpc, meta, metrics = free_port(), free_port(), free_port()
     master = subprocess.Popen(
         [
@@ -179,17 +213,37 @@ def run(args):
     values = [os.urandom(sz) for _ in range(max(1, min(n_values, 4096)))]
     value_of = lambda i: values[i % len(values)]
 
+    if api == "tensor":
+        import torch
+
+        tensors = [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values]
+        tensor_of = lambda i: tensors[i % len(tensors)]
+
     with Children() as children:
         master_addr, metadata = start_cluster(children, segment)
         local_buffer = min(2 * GIB, max(64 * MIB, 4 * batch * sz * threads))
-        store = new_store("127.0.0.1:%d" % free_port(), metadata, master_addr, 0, local_buffer)
+        if args.client == "dummy":
+            from mooncake.store import MooncakeDistributedStore
+
+            real = start_real_client(children, master_addr, metadata, 64 * MIB, local_buffer)
+            store = MooncakeDistributedStore()
+            pool = 2 * batch * sz * threads + 64 * MIB
+            rc = store.setup_dummy(pool, local_buffer, real)
+            if rc != 0:
+                raise RuntimeError("setup_dummy(%s) failed: %d" % (real, rc))
+        else:
+            store = new_store("127.0.0.1:%d" % free_port(), metadata, master_addr, 0,
+                              local_buffer)
         key = lambda i: "%s/k%d" % (run_id, i)
         if op != "put":
             chunk = max(1, min(64, (64 * MIB) // sz))
             for i in range(0, keys_n, chunk):
                 ks = [key(j) for j in range(i, min(keys_n, i + chunk))]
                 vs = [value_of(j) for j in range(i, min(keys_n, i + chunk))]
-                rcs = store.put_batch(ks, vs)
+                if api == "tensor":  # a tensor's bytes carry upstream's header
+                    rcs = store.batch_put_tensor(ks, [tensor_of(j) for j in range(i, i + len(ks))])
+                else:
+                    rcs = store.put_batch(ks, vs)
                 if rcs != 0 and (not isinstance(rcs, list) or any(r != 0 for r in rcs)):
                     raise RuntimeError("populating: %r" % (rcs,))
         stop = threading.Event()
@@ -199,8 +253,13 @@ def run(args):
             lat, objects, errors, first = [], 0, 0, None
             buf = None
             if api == "zero-copy":
-                buf = ctypes.create_string_buffer(batch * sz)
-                base = ctypes.addressof(buf)
+                if args.client == "dummy":  # a dummy's zero-copy memory is the shared pool
+                    buf = base = store.alloc_from_mem_pool(batch * sz)
+                    if not base:
+                        raise RuntimeError("alloc_from_mem_pool failed")
+                else:
+                    buf = ctypes.create_string_buffer(batch * sz)
+                    base = ctypes.addressof(buf)
                 if store.register_buffer(base, batch * sz) != 0:
                     raise RuntimeError("register_buffer failed")
                 ptrs = [base + j * sz for j in range(batch)]
@@ -221,6 +280,11 @@ def run(args):
                             rcs = [store.put_from(ks[0], ptrs[0], sz)]
                         else:
                             rcs = store.batch_put_from(ks, ptrs, sizes)
+                    elif api == "tensor":
+                        if batch == 1:
+                            rcs = [store.put_tensor(ks[0], tensor_of(0))]
+                        else:
+                            rcs = store.batch_put_tensor(ks, [tensor_of(j) for j in range(batch)])
                     elif batch == 1:
                         rcs = [store.put(ks[0], value_of(0))]
                     else:
@@ -255,6 +319,11 @@ def run(args):
                         rcs = store.batch_get_into(ks, ptrs, sizes)
                     lat.append((time.perf_counter() - t0) * 1e6)
                     got = [ctypes.string_at(p, sz) for p in ptrs]
+                elif api == "tensor":
+                    got = [store.get_tensor(ks[0])] if batch == 1 else store.batch_get_tensor(ks)
+                    lat.append((time.perf_counter() - t0) * 1e6)
+                    got = [b"" if g is None else g.numpy().tobytes() for g in got]
+                    rcs = [len(g) for g in got]
                 else:
                     got = [store.get(ks[0])] if batch == 1 else store.get_batch(ks)
                     lat.append((time.perf_counter() - t0) * 1e6)
@@ -265,7 +334,7 @@ def run(args):
                         errors += 1
                         first = first or "get %s: %r" % (k, rc)
             if buf is not None:
-                store.unregister_buffer(ctypes.addressof(buf))
+                store.unregister_buffer(base)
             results[t] = (lat, objects, errors, first)
 
         ths = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
@@ -291,6 +360,7 @@ def run(args):
                 "impl": "mooncake",
                 "op": op,
                 "api": api,
+                "client": args.client,
                 "size": sz,
                 "batch": batch,
                 "threads": threads,
@@ -319,7 +389,8 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--op", choices=["get", "put", "exists"], default="get")
-    r.add_argument("--api", choices=["copy", "zero-copy"], default="zero-copy")
+    r.add_argument("--api", choices=["copy", "zero-copy", "tensor"], default="zero-copy")
+    r.add_argument("--client", choices=["real", "dummy"], default="real")
     r.add_argument("--size", type=size, default=4096)
     r.add_argument("--batch", type=int, default=1)
     r.add_argument("--threads", type=int, default=1)

@@ -2,7 +2,9 @@
 # Python to Python: the same calls through our package and through Mooncake's wheel, one
 # after the other (never both running), tcp on 127.0.0.1, plus the loopback TCP socket
 # baseline from the same run (our Rust engine's `bench transfer`, which also shows what
-# the Python layer costs). A run that fails prints nothing and drops out of the table. Prints the JSON lines, then a table of ratios to stderr.
+# the Python layer costs); the store rows include the tensor API and dummy clients (a
+# mooncake_client process serving setup_dummy). A run that fails prints nothing and drops
+# out of the table. Prints the JSON lines, then a table of ratios to stderr.
 #   OUR_PYTHON  a Python where `pip install ./python` put our package
 #               (default: the test venv, ~/.cache/mooncake-test-venv/bin/python)
 #   MC_PYTHON   a Python with Mooncake's wheel (pip install mooncake-transfer-engine-non-cuda)
@@ -32,6 +34,14 @@ store=(
   "--op get --size 4K --segment-size 1G"
   "--op get --size 4K --batch 64 --segment-size 1G"
   "--op get --size 16M --segment-size 2G"
+  "--op put --size 4K --api tensor --segment-size 1G"
+  "--op get --size 4K --api tensor --segment-size 1G"
+  "--op get --size 4K --batch 64 --api tensor --segment-size 1G"
+  "--op get --size 4M --api tensor --segment-size 2G"
+  "--op put --size 4K --client dummy --segment-size 1G"
+  "--op get --size 4K --client dummy --segment-size 1G"
+  "--op get --size 4K --batch 64 --client dummy --segment-size 1G"
+  "--op get --size 4M --client dummy --segment-size 2G"
 )
 label() { sed "s/^{/{\"package\":\"$1\",/"; }
 for config in "${transfer[@]}"; do
@@ -55,11 +65,11 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def key(r):
     return (r.get("bench", "").replace("mooncake_", ""), r.get("op"), r.get("block_size", r.get("size")),
-            r.get("batch_size", r.get("batch", 1)))
+            r.get("batch_size", r.get("batch", 1)), r.get("api", ""), r.get("client", ""))
 groups = {}
 for r in rows:
     groups.setdefault(key(r), {})[r["package"]] = r
-print("%-34s %12s %12s %7s %10s %10s %8s" % ("figure", "ours", "mooncake", "ratio", "p50 ours", "p99 ours", "p99 mc"))
+print("%-46s %12s %12s %7s %10s %10s %8s" % ("figure", "ours", "mooncake", "ratio", "p50 ours", "p99 ours", "p99 mc"))
 for k, g in groups.items():
     o, m = g.get("ours"), g.get("mooncake")
     if not o or not m:
@@ -67,8 +77,8 @@ for k, g in groups.items():
     metric = "gbps" if (k[2] or 0) >= 1 << 20 else "ops_per_s"
     base = g.get("rust-engine", {}).get("baseline_gbps")
     extra = " (socket %.2f GB/s: %.2fx)" % (base, o[metric] / base) if base and metric == "gbps" else ""
-    print("%-34s %12s %12s %7.2f %10s %10s %8s%s" % (
-        "%s %s %s x%s" % k, o[metric], m[metric], o[metric] / max(m[metric], 1e-9),
+    print("%-46s %12s %12s %7.2f %10s %10s %8s%s" % (
+        "%s %s %s x%s %s %s" % k, o[metric], m[metric], o[metric] / max(m[metric], 1e-9),
         o.get("lat_p50_us", o.get("p50_us")), o.get("lat_p99_us", o.get("p99_us")),
         m.get("lat_p99_us", m.get("p99_us")), extra))
 PY

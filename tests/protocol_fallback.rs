@@ -60,6 +60,19 @@ fn round_trip(client: &Engine, server: &Engine) {
     assert!(back == src, "the read returned the bytes");
 }
 
+/// Upstream's MC_FORCE_TCP (`force_tcp`): TCP as asked, so no fallback to report, and
+/// strictness has nothing to refuse.
+#[test]
+fn force_tcp_runs_a_hardware_protocol_over_tcp_without_a_fallback() {
+    let mut cfg = rdma_without_devices(true);
+    cfg.force_tcp = true;
+    let forced = Engine::new(cfg).expect("tcp was asked for");
+    assert_eq!(forced.protocol(), Protocol::Tcp);
+    assert!(forced.protocol_fallback().is_none());
+    let server = Engine::new(config("tcp", false)).unwrap();
+    round_trip(&forced, &server);
+}
+
 #[test]
 fn rdma_without_devices_runs_over_tcp_and_says_why() {
     let client = Engine::new(rdma_without_devices(false)).expect("falls back");

@@ -51,14 +51,23 @@ pub const NO_BACKEND: &[&str] = &[
 /// an unavailable hardware protocol fails start-up with `BackendUnavailable`.
 pub const STRICT_PROTOCOL_VAR: &str = "MC_STRICT_PROTOCOL";
 
-/// Whether `MC_STRICT_PROTOCOL` asks for strictness (`1`, `true`, `yes`, `on`).
-pub fn strict_protocol_from_env() -> bool {
-    std::env::var(STRICT_PROTOCOL_VAR).is_ok_and(|v| {
+/// Upstream's switch that makes every engine run over TCP whatever protocol it is asked
+/// for (SGLang documents it as the way to run Mooncake without RDMA).
+pub const FORCE_TCP_VAR: &str = "MC_FORCE_TCP";
+
+/// Whether environment variable `name` is set to a yes (`1`, `true`, `yes`, `on`).
+fn env_switch(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| {
         matches!(
             v.trim().to_ascii_lowercase().as_str(),
             "1" | "true" | "yes" | "on"
         )
     })
+}
+
+/// Whether `MC_STRICT_PROTOCOL` asks for strictness.
+pub fn strict_protocol_from_env() -> bool {
+    env_switch(STRICT_PROTOCOL_VAR)
 }
 
 impl Protocol {
@@ -118,6 +127,9 @@ pub struct EngineConfig {
     /// with a warning (`Engine::protocol_fallback` says why), `true` fails start-up
     /// with `BackendUnavailable`. Default: `MC_STRICT_PROTOCOL`, else `false`.
     pub strict_protocol: bool,
+    /// Run a hardware `protocol` over TCP without trying its backend, as asked (no
+    /// warning, no fallback record). Default: `MC_FORCE_TCP`, else `false`.
+    pub force_tcp: bool,
     /// Worker threads that drive transfers.
     pub workers: usize,
     /// Idle poll iterations before a worker parks.
@@ -147,6 +159,7 @@ impl Default for EngineConfig {
             rpc_port: 0,
             protocol: Protocol::Auto,
             strict_protocol: strict_protocol_from_env(),
+            force_tcp: env_switch(FORCE_TCP_VAR),
             workers: 1,
             spin_budget: 256,
             tcp: TcpConfig::default(),

@@ -200,23 +200,32 @@ impl Engine {
             cluster_secret: secret.clone(),
             ..config.backend.clone()
         };
-        let (protocol, fallback) =
-            match fallback::start_hardware(config.protocol, &backend, &memory) {
-                Ok(hardware) => {
-                    transports.extend(hardware);
-                    (config.protocol, None)
-                }
-                Err(e) => {
-                    let f = fallback::fall_back(
-                        config.protocol,
-                        e,
-                        &config.backend.devices,
-                        config.strict_protocol,
-                    )?;
-                    log::warn!("engine {name}: {f}");
-                    (f.used, Some(f))
-                }
-            };
+        let asked = if config.force_tcp && config.protocol.is_hardware() {
+            log::info!(
+                "engine {name}: protocol {} asked, tcp used ({} is set)",
+                config.protocol.name(),
+                config::FORCE_TCP_VAR
+            );
+            Protocol::Tcp
+        } else {
+            config.protocol
+        };
+        let (protocol, fallback) = match fallback::start_hardware(asked, &backend, &memory) {
+            Ok(hardware) => {
+                transports.extend(hardware);
+                (asked, None)
+            }
+            Err(e) => {
+                let f = fallback::fall_back(
+                    config.protocol,
+                    e,
+                    &config.backend.devices,
+                    config.strict_protocol,
+                )?;
+                log::warn!("engine {name}: {f}");
+                (f.used, Some(f))
+            }
+        };
         let tcp = TcpTransport::start(data_bind, memory.clone(), config.tcp.clone(), secret)?;
         transports.push(Arc::new(tcp));
         let _ = handshakers.set(transports.clone());

@@ -19,16 +19,20 @@
   ``cleanup_dataproto`` removes every object of a handle.
 
 Bytes are chunked (``default_chunk_bytes``, 64 MiB) into store objects; see
-``mooncake._bundle_store`` for the key layout and manifest, and
-``mooncake._structured_codecs`` for member and non-tensor encodings. The objects of one
+``mooncake._bundle_store`` for the key layout and manifest,
+``mooncake._structured_codecs`` for member encodings (jagged nested tensors included),
+``mooncake._row_codecs`` for the non-tensor field codecs and
+``mooncake._structure_inference`` for how a field's codec is inferred (``MISSING``,
+``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``). The objects of one
 DataProto share a storage group (``config.group_ids``: one logical id, or ``[""]`` for
 none; a fresh id by default), so the store evicts them together.
 
-Differences from upstream: tensors are stored as their raw bytes with dtype and shape
-in the manifest (upstream uses its store's tensor serialization or torch.save), nested
-tensors and the msgpack, media-list and ragged-tensor-dict codecs are not supported
-(a clear error says so), and the module imports numpy and torch only when a value needs
-them.
+Differences from upstream: tensors (jagged nested ones and ragged_tensor rows too,
+bfloat16 included) are stored as their raw bytes with dtype and shape in the manifest
+(upstream uses its store's tensor serialization or torch.save); non-tensor payload
+layouts are this package's own; dict/list rows fall back to json_ragged where the
+msgpack package is not installed; and the module imports numpy, torch, msgpack and
+Pillow only when a value needs them.
 """
 
 import copy
@@ -39,12 +43,22 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 from . import _bundle_store as B
+from . import _structure_inference as I
 from . import _structured_codecs as C
 from ._bundle_store import (  # upstream exports these names
     AUTO_PARALLEL_MIN_BYTES,
     AUTO_PARALLEL_MIN_CHUNKS,
     DEFAULT_BUNDLE_CHUNK_BYTES,
     MISSING_OBJECT_ERROR,
+)
+from ._structure_inference import (  # noqa: F401 (upstream's names for these)
+    MISSING,
+    CodecDecision as _CodecDecision,
+    InferredLeaf as _InferredLeaf,
+    InferredNode as _InferredNode,
+    choose_leaf_codec as _choose_leaf_codec,
+    escape_key as _escape_key,
+    infer_structure,
 )
 from ._structured_codecs import FIELD_SPECS_KEY as STRUCTURED_FIELD_SPECS_KEY
 
@@ -57,6 +71,7 @@ __all__ = [
     "DEFAULT_BUNDLE_CHUNK_BYTES", "DATAPROTO_REF_HANDLE_TYPE", "DATAPROTO_REF_HANDLE_VERSION",
     "STORAGE_GROUP_ID", "AUTO_PARALLEL_MIN_BYTES", "AUTO_PARALLEL_MIN_CHUNKS",
     "MISSING_OBJECT_ERROR", "STRUCTURED_FIELD_SPECS_KEY", "BundleStore", "DataProtoRefLike",
+    "MISSING", "infer_structure",
 ]
 
 DATAPROTO_REF_HANDLE_TYPE = "mooncake_dataproto_ref"
@@ -102,9 +117,9 @@ class BundleTransferPolicy:
 @dataclass(frozen=True)
 class FieldSchema:
     """How a DataProto non-tensor field is encoded: ``codec`` (see
-    ``mooncake._structured_codecs``), ``nullable``, and ``metadata`` ("section": batch,
-    non_tensor_batch or meta_info, to place a flat-dict field; "dtype" for numeric
-    codecs)."""
+    ``mooncake._row_codecs``, or "auto" to infer it), ``nullable``, and ``metadata``
+    ("section": batch, non_tensor_batch or meta_info, to place a flat-dict field; "dtype"
+    for numeric codecs; "keys" for ragged_tensor_dict)."""
 
     codec: str
     nullable: bool = True
@@ -481,20 +496,23 @@ def _row_plan(shape, itemsize, rows):
     if not shape:
         raise ValueError("structured member slicing requires at least one dimension")
     width = total // shape[0] if shape[0] else itemsize * _prod(shape[1:])
-    if isinstance(rows, StructuredMemberSlice):
-        if rows.axis != 0:
-            raise ValueError("structured member slicing currently supports axis=0 only")
-        if rows.step <= 0:
-            raise ValueError("structured member slicing step must be positive")
-        start, end, step = slice(rows.start, rows.end, rows.step).indices(shape[0])
-        picked = range(start, end, step)
-        if step == 1:
-            n = max(end - start, 0)
-            return (n, *shape[1:]), [(start * width, 0, n * width)]
-    else:
-        picked = rows
+    picked = _picked_rows(rows, shape[0])
+    if isinstance(picked, range) and picked.step == 1:
+        return (len(picked), *shape[1:]), [(picked.start * width, 0, len(picked) * width)]
     return (len(picked), *shape[1:]), [(r * width, i * width, width)
                                        for i, r in enumerate(picked)]
+
+
+def _picked_rows(rows, count):
+    """The indices ``rows`` (a StructuredMemberSlice, or row indices) picks of ``count``
+    rows."""
+    if not isinstance(rows, StructuredMemberSlice):
+        return rows
+    if rows.axis != 0:
+        raise ValueError("structured member slicing currently supports axis=0 only")
+    if rows.step <= 0:
+        raise ValueError("structured member slicing step must be positive")
+    return range(*slice(rows.start, rows.end, rows.step).indices(count))
 
 
 def _prod(values):
@@ -610,6 +628,8 @@ class _Reader:
         return target
 
     def _read_tensor(self, name, payload, spec, rows, destination):
+        if spec.get("nested"):
+            return self._read_nested(name, payload, spec, rows, destination)
         dtype_name = spec["dtype"]
         itemsize = int(spec["element_size"])
         shape, ranges = _row_plan([int(d) for d in spec["shape"]], itemsize, rows)
@@ -621,18 +641,26 @@ class _Reader:
             self._io.read_ranges(payload, target.data_ptr(), nbytes, ranges)
         return target
 
+    def _read_nested(self, name, payload, spec, rows, destination):
+        if destination is not None:
+            raise ValueError(f"structured nested tensor member {name} does not support "
+                             "destinations")
+        try:
+            count = int(spec["parts"][1]["shape"][0]) - 1  # offsets: one more than rows
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError(f"nested tensor member {name} has invalid part metadata") \
+                from None
+        indices = None if rows is None else _picked_rows(rows, count)
+        return C.decode_jagged(spec, self._io.read_bytes(payload), indices)
+
     def read_encoded(self, encoded, rows=None):
         """The rows (all, or those ``rows`` selects) of an encoded non-tensor field."""
         payload = {p: self._io.read_bytes(self.payload(m))
                    for p, m in encoded["payload_members"].items()}
-        values = C.decode_non_tensor(encoded["codec"], int(encoded["rows"]),
-                                     encoded.get("metadata") or {}, payload)
+        values = I.decode_field(encoded, payload)
         if rows is None:
             return values
-        if isinstance(rows, StructuredMemberSlice):
-            start, end, step = slice(rows.start, rows.end, rows.step).indices(len(values))
-            return values[start:end:step]
-        return [values[i] for i in rows]
+        return [values[i] for i in _picked_rows(rows, len(values))]
 
 
 # ---------------------------------------------------------------- DataProto shapes
@@ -845,6 +873,18 @@ def _row_selection(rows, total):
     return tuple(picked), len(picked)
 
 
+def _encode_non_tensor(name, member, rows, schema):
+    """The Encoded rows of non-tensor field ``name``; errors of a schema-chosen codec
+    name the field and codec."""
+    try:
+        return I.encode_field(member, rows, schema)
+    except (TypeError, ValueError, OverflowError) as e:
+        if schema is None or schema.codec == "auto":
+            raise
+        raise type(e)(f"failed to encode non_tensor_batch field {name!r} with FieldSchema "
+                      f"codec {schema.codec!r}: {e}") from e
+
+
 def _selected_fields(ref, fields, batch_fields, non_tensor_fields):
     if fields is not None and (batch_fields is not None or non_tensor_fields is not None):
         raise ValueError("fields cannot be combined with batch_fields or non_tensor_fields")
@@ -993,12 +1033,14 @@ class MooncakeBundleTransfer:
         """Gives back at once the BufferPool leases behind arrays of a result (a dict,
         an envelope, a DataProto-like object, lists); the arrays must not be used
         after. Without a pool there is nothing to release."""
-        seen = set()
+        seen, released = set(), set()
 
         def visit(value):
             owner = getattr(value, "_mooncake_pool_owner", None)
             if owner is not None:
-                owner.release()
+                if id(owner) not in released:  # row views share their lease's owner
+                    released.add(id(owner))
+                    owner.release()
                 return
             if id(value) in seen:
                 return
@@ -1067,14 +1109,14 @@ class MooncakeBundleTransfer:
                                                                             "non_tensor_batch"):
                 schema = None
             dense = C.is_ndarray(value) and not value.dtype.hasobject
-            if dense and schema is None:
+            if dense and (schema is None or schema.codec == "auto"):
                 buffers[member] = value
                 continue
             rows = list(value) if C.is_ndarray(value) or _is_row_list(value) else None
             if rows is None:
                 raise TypeError(f"non_tensor_batch field {name!r} must be an ndarray or a "
                                 "non-string sequence")
-            enc = C.encode_non_tensor(member, rows, schema)
+            enc = _encode_non_tensor(name, member, rows, schema)
             members = {}
             for part, payload in enc.payload.items():
                 members[part] = f"{member}.{part}"

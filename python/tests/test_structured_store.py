@@ -220,7 +220,7 @@ def test_field_schema_places_and_encodes_flat_dict_fields(store):
                                                                     "non_tensor_batch"})})
     with pytest.raises(ValueError, match="unsupported schema codec"):
         transfer.put({"x": [1, 2]}, type="dict", field_schemas={"x": FieldSchema("msgpack")})
-    with pytest.raises(TypeError, match="JSON"):
+    with pytest.raises(ValueError, match="unsupported structured non-tensor field"):
         transfer.put(Batch(non_tensor_batch={"o": objects([object(), object()])}))
     transfer.cleanup_dataproto(ref)
 

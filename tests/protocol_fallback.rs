@@ -10,7 +10,7 @@ mod common;
 use std::ffi::c_int;
 use std::process::{Command, Stdio};
 
-use common::{engine_with, pattern, Registered};
+use common::{assert_child_ok, engine_with, pattern, test_in_child, Registered};
 use mooncake::capi::{
     mc_config_free, mc_config_new, mc_config_set, mc_engine_free, mc_engine_new,
     mc_segment_describe, McEngine,
@@ -213,22 +213,11 @@ fn the_environment_switch_restores_the_refusal() {
         println!("CHILD-OK");
         return;
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "the_environment_switch_restores_the_refusal",
-            "--nocapture",
-        ])
-        .env(CHILD, "1")
-        .env("MC_STRICT_PROTOCOL", "1")
-        .env("MC_FABRIC_LIB", "/nonexistent/libfabric.so.1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("CHILD-OK"),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_child_ok(
+        test_in_child("the_environment_switch_restores_the_refusal")
+            .env(CHILD, "1")
+            .env("MC_STRICT_PROTOCOL", "1")
+            .env("MC_FABRIC_LIB", "/nonexistent/libfabric.so.1"),
     );
 }
 

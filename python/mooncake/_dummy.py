@@ -48,6 +48,7 @@ from .store import (
     _encode_key,
     _key_list,
     _keys,
+    _metadata_put_args,
     _triage,
 )
 
@@ -711,16 +712,9 @@ class DummyStore(MooncakeDistributedStore):
 
     def put_from_with_metadata(self, key, buffer_ptr, metadata_buffer_ptr, size,
                                metadata_size, config=None):
-        k = _encode_key(key)
-        addr = check_int(buffer_ptr, "buffer_ptr")
-        maddr = check_int(metadata_buffer_ptr, "metadata_buffer_ptr")
-        n = check_int(size, "size")
-        mn = check_int(metadata_size, "metadata_size")
-        config = _config(config)
-        pieces = [(a, m) for a, m in ((maddr, mn), (addr, n)) if m > 0]
-        spans = self._checked_spans([a for a, _ in pieces], [m for _, m in pieces])
-        parts = spans if spans and None not in spans else None
-        return self._put_parts_wire([k], [parts], config)[0]
+        k, addrs, lens, config = _metadata_put_args(key, buffer_ptr, metadata_buffer_ptr,
+                                                    size, metadata_size, config)
+        return self._put_parts_wire([k], [self._registered_run(addrs, lens)], config)[0]
 
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):
         ks = _keys(keys)
@@ -729,10 +723,7 @@ class DummyStore(MooncakeDistributedStore):
             return [INVALID_PARAMS] * len(ks)
         ptrs, sizes = nested
         config = _config(config)
-        parts = []
-        for p, s in zip(ptrs, sizes):
-            spans = self._checked_spans(p, s)
-            parts.append(spans if spans and None not in spans else None)
+        parts = [self._registered_run(p, s) for p, s in zip(ptrs, sizes)]
         return self._put_parts_wire(ks, parts, config)
 
     def _get_spans(self, ks, spans):
@@ -761,10 +752,7 @@ class DummyStore(MooncakeDistributedStore):
             return [INVALID_PARAMS] * len(ks)
         ptrs, sizes = nested
         _bool(prefer_alloc_in_same_node, "prefer_alloc_in_same_node")
-        parts = []
-        for p, s in zip(ptrs, sizes):
-            spans = self._checked_spans(p, s)
-            parts.append(spans if spans and None not in spans else None)
+        parts = [self._registered_run(p, s) for p, s in zip(ptrs, sizes)]
         return self._keyed("get_parts", ks, parts, lambda idx: [
             [ks[i] for i in idx], [[list(s) for s in parts[i]] for i in idx],
             prefer_alloc_in_same_node])

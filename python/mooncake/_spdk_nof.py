@@ -1,6 +1,7 @@
-"""What ``mooncake_ssd_register`` and ``mooncake_ssd_unregister`` share: SPDK target
-descriptions, asking a target (over SSH, its ``scripts/rpc.py``) which NVMe namespaces
-it exports, and the store's NVMe-oF registration class.
+"""What ``mooncake_ssd_register`` and ``mooncake_ssd_unregister`` share: their common
+flags and start-up, SPDK target descriptions, asking a target (over SSH, its
+``scripts/rpc.py``) which NVMe namespaces it exports, and the store's NVMe-oF
+registration class, applied to each SSD in turn.
 
 SSH goes through paramiko when it is installed (password or key file), else the ``ssh``
 command (key-based, non-interactive). The registration itself needs
@@ -15,6 +16,8 @@ import shlex
 import shutil
 import subprocess
 
+from .mooncake_config import parse_defines
+
 logger = logging.getLogger("mooncake")
 
 _SSH_CONNECT_TIMEOUT_S = 10
@@ -22,21 +25,56 @@ _SSH_COMMAND_TIMEOUT_S = 30
 _RPC_SCRIPT = "scripts/rpc.py"
 
 
+def add_shared_arguments(parser):
+    """The SSH and -D flags both tools take."""
+    parser.add_argument("--username", default="root", help="SSH user (root)")
+    parser.add_argument("--port", type=int, default=22, help="SSH port (22)")
+    parser.add_argument("--password", help="SSH password (needs paramiko)")
+    parser.add_argument("--key-file", help="SSH private key file")
+    parser.add_argument("-D", "--define", action="append", default=[],
+                        help="override a field of every SSD, e.g. -Dtrsvcid=4420")
+
+
+def cli_config_from(args):
+    """The tools' cli_config: the -D overrides, the master and the SSH settings."""
+    cli_config = parse_defines(args.define)
+    cli_config["master_server_address"] = args.master_server_address
+    cli_config["username"] = args.username
+    cli_config["port"] = args.port
+    if args.password:
+        cli_config["password"] = args.password
+    if args.key_file:
+        cli_config["key_file"] = args.key_file
+    return cli_config
+
+
+def run_tool(tool_class, args, start):
+    """A tool's ``main``: logs to stderr, builds ``tool_class`` from the parsed ``args``
+    and runs ``start(tool)``; exit status 0 when it succeeded, else 1."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
+    try:
+        tool = tool_class(cli_config_from(args), args.spdk_target_info)
+    except (ValueError, RuntimeError) as e:
+        logger.error("configuration load failed: %s", e)
+        return 1
+    return 0 if start(tool) else 1
+
+
+def master_of(cli_config, spdk_targets):
+    """The master address of a tool's arguments; ValueError when it or the targets are
+    missing."""
+    if not spdk_targets:
+        raise ValueError("spdk_target_info is required")
+    master = cli_config.get("master_server_address")
+    if not master:
+        raise ValueError("master_server_address is required when using spdk_target_info")
+    return master
+
+
 def parse_target_info(text):
     """{"ip": ..., "path": ..., "ns": ..., ...} from "ip:1.2.3.4 path:/home/spdk"."""
     return dict(re.findall(r"(\w+):(\S+)", text))
-
-
-def parse_defines(items):
-    """{key: value} from -Dkey=value items; items without '=' are logged and skipped."""
-    out = {}
-    for item in items or ():
-        key, eq, value = item.partition("=")
-        if eq and key:
-            out[key] = value
-        else:
-            logger.warning("ignoring -D%s (expected key=value)", item)
-    return out
 
 
 def apply_overrides(configs, cli_config):
@@ -52,6 +90,12 @@ def apply_overrides(configs, cli_config):
                     logger.warning("ignoring -D%s=%s: not an integer", key, value)
             else:
                 config[key] = value
+
+
+def settle(configs, cli_config):
+    """The configs with the -D overrides of ``cli_config`` applied, each SSD once."""
+    apply_overrides(configs, cli_config)
+    return dedupe(configs)
 
 
 def dedupe(configs):
@@ -163,3 +207,30 @@ def nof_register_class():
         raise RuntimeError("NVMe-oF SSD segments are not supported by this build (its "
                            "mooncake.store has no MooncakeDistributedNoFRegister)")
     return cls
+
+
+def for_each_ssd(tool, action, noun, call, skip=lambda error: False):
+    """Runs ``call(register, config)`` (0 on success) for each of ``tool.config_list``,
+    with a fresh store registration object kept as ``tool.register``, and logs each
+    outcome: ``action`` ("register") names the step, ``noun`` ("Registration") a failed
+    one. An error ``skip`` accepts counts as done. True when none failed."""
+    try:
+        register_class = nof_register_class()
+    except RuntimeError as e:
+        logger.error("%s", e)
+        return False
+    done, failed, total = action + "ed", 0, len(tool.config_list)
+    for i, cfg in enumerate(tool.config_list, 1):
+        try:
+            tool.register = register_class()
+            ret = call(tool.register, cfg)
+            if ret != 0:
+                raise RuntimeError(f"{noun} failed with code {ret}")
+            logger.info("%s SSD %d/%d", done, i, total)
+        except Exception as e:  # the store's own errors; report and go on
+            if skip(e):
+                logger.info("SSD %d/%d already %s, skipped", i, total, done)
+            else:
+                logger.error("failed to %s SSD %d/%d: %s", action, i, total, e)
+                failed += 1
+    return failed == 0

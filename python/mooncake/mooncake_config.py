@@ -113,6 +113,21 @@ def port_number(value, name):
     return port
 
 
+
+def parse_defines(items):
+    """{key: value} from the tools' -Dkey=value items; one without '=' (or without a key)
+    is logged and skipped."""
+    out = {}
+    for item in items or ():
+        key, eq, value = item.partition("=")
+        if eq and key:
+            out[key] = value
+        else:
+            # under the tools' logger, with the rest of what they report
+            logging.getLogger("mooncake").warning("ignoring -D%s (expected key=value)",
+                                                  item)
+    return out
+
 @dataclass
 class MooncakeConfig:
     """A store client's settings (the fields of Mooncake's ``MooncakeConfig``).

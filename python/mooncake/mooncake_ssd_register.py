@@ -21,6 +21,10 @@ __all__ = ["MooncakeNoFRegister", "parse_arguments", "main"]
 logger = logging.getLogger("mooncake")
 
 
+def _already_registered(error):
+    return "SEGMENT_ALREADY_EXISTS" in str(error) or "segment already exists" in str(error)
+
+
 class MooncakeNoFRegister:
     """The SSDs of ``spdk_targets`` ("ip:... path:..." strings), ready to register."""
 
@@ -28,14 +32,8 @@ class MooncakeNoFRegister:
         self.cli_config = dict(cli_config or {})
         self.spdk_targets = list(spdk_targets or [])
         self.register = None
-        if not self.spdk_targets:
-            raise ValueError("spdk_target_info is required")
-        master = self.cli_config.get("master_server_address")
-        if not master:
-            raise ValueError("master_server_address is required when using spdk_target_info")
-        self.config_list = self._remote_ssds(master)
-        nof.apply_overrides(self.config_list, self.cli_config)
-        self.config_list = nof.dedupe(self.config_list)
+        master = nof.master_of(self.cli_config, self.spdk_targets)
+        self.config_list = nof.settle(self._remote_ssds(master), self.cli_config)
         logger.info("loaded %d SSD configuration(s)", len(self.config_list))
 
     def _remote_ssds(self, master):
@@ -63,30 +61,12 @@ class MooncakeNoFRegister:
 
     def start_ssd_service(self):
         """Registers every SSD; True when each was registered or already was."""
-        try:
-            register_class = nof.nof_register_class()
-        except RuntimeError as e:
-            logger.error("%s", e)
-            return False
-        failed = 0
-        for i, cfg in enumerate(self.config_list, 1):
-            try:
-                self.register = register_class()
-                ret = self.register.real_register(cfg["nqn"], cfg["nsid"], cfg["traddr"],
-                                                  cfg["trsvcid"], cfg["base"], cfg["size"],
-                                                  cfg["master_server_address"])
-                if ret != 0:
-                    raise RuntimeError(f"Registration failed with code {ret}")
-                logger.info("registered SSD %d/%d", i, len(self.config_list))
-            except Exception as e:  # the store's own errors; report and go on
-                if "SEGMENT_ALREADY_EXISTS" in str(e) or "segment already exists" in str(e):
-                    logger.info("SSD %d/%d already registered, skipped", i,
-                                len(self.config_list))
-                else:
-                    logger.error("failed to register SSD %d/%d: %s", i,
-                                 len(self.config_list), e)
-                    failed += 1
-        return failed == 0
+        return nof.for_each_ssd(
+            self, "register", "Registration",
+            lambda register, cfg: register.real_register(
+                cfg["nqn"], cfg["nsid"], cfg["traddr"], cfg["trsvcid"], cfg["base"],
+                cfg["size"], cfg["master_server_address"]),
+            skip=_already_registered)
 
 
 def parse_arguments(argv=None):
@@ -96,37 +76,13 @@ def parse_arguments(argv=None):
                         help="master address, e.g. 192.168.65.81:50051")
     parser.add_argument("--spdk_target_info", action="append", required=True,
                         help='a target, e.g. "ip:192.168.65.56 path:/home/spdk"')
-    parser.add_argument("--username", default="root", help="SSH user (root)")
-    parser.add_argument("--port", type=int, default=22, help="SSH port (22)")
-    parser.add_argument("--password", help="SSH password (needs paramiko)")
-    parser.add_argument("--key-file", help="SSH private key file")
-    parser.add_argument("-D", "--define", action="append", default=[],
-                        help="override a field of every SSD, e.g. -Dtrsvcid=4420")
+    nof.add_shared_arguments(parser)
     return parser.parse_args(argv)
 
 
-def cli_config_from(args):
-    cli_config = nof.parse_defines(args.define)
-    cli_config["master_server_address"] = args.master_server_address
-    cli_config["username"] = args.username
-    cli_config["port"] = args.port
-    if args.password:
-        cli_config["password"] = args.password
-    if args.key_file:
-        cli_config["key_file"] = args.key_file
-    return cli_config
-
-
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
-    args = parse_arguments(argv)
-    try:
-        register = MooncakeNoFRegister(cli_config_from(args), args.spdk_target_info)
-    except (ValueError, RuntimeError) as e:
-        logger.error("configuration load failed: %s", e)
-        return 1
-    return 0 if register.start_ssd_service() else 1
+    return nof.run_tool(MooncakeNoFRegister, parse_arguments(argv),
+                        MooncakeNoFRegister.start_ssd_service)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import logging
 import sys
 
 from . import _spdk_nof as nof
-from .mooncake_ssd_register import cli_config_from
 
 __all__ = ["MooncakeNoFUnregister", "parse_arguments", "main"]
 
@@ -32,18 +31,13 @@ class MooncakeNoFUnregister:
         self.cli_config = dict(cli_config or {})
         self.spdk_targets = list(spdk_targets or [])
         self.register = None
-        if not self.spdk_targets:
-            raise ValueError("spdk_target_info is required")
-        master = self.cli_config.get("master_server_address")
-        if not master:
-            raise ValueError("master_server_address is required when using spdk_target_info")
-        self.config_list = []
+        master = nof.master_of(self.cli_config, self.spdk_targets)
+        configs = []
         for text in self.spdk_targets:
-            self.config_list.extend(self._target_ssds(nof.parse_target_info(text), master))
-        if not self.config_list:
+            configs.extend(self._target_ssds(nof.parse_target_info(text), master))
+        if not configs:
             raise RuntimeError("No SSD configuration generated from target info")
-        nof.apply_overrides(self.config_list, self.cli_config)
-        self.config_list = nof.dedupe(self.config_list)
+        self.config_list = nof.settle(configs, self.cli_config)
         logger.info("loaded %d SSD configuration(s) to unregister", len(self.config_list))
 
     def _target_ssds(self, target, master):
@@ -70,25 +64,11 @@ class MooncakeNoFUnregister:
 
     def start_ssd_unregister_service(self):
         """Unregisters every SSD; True when all succeeded."""
-        try:
-            register_class = nof.nof_register_class()
-        except RuntimeError as e:
-            logger.error("%s", e)
-            return False
-        failed = 0
-        for i, cfg in enumerate(self.config_list, 1):
-            try:
-                self.register = register_class()
-                ret = self.register.real_unregister_by_endpoint(
-                    cfg["nqn"], cfg["nsid"], cfg["traddr"], cfg["trsvcid"],
-                    cfg["master_server_address"])
-                if ret != 0:
-                    raise RuntimeError(f"Unregistration failed with code {ret}")
-                logger.info("unregistered SSD %d/%d", i, len(self.config_list))
-            except Exception as e:  # the store's own errors; report and go on
-                logger.error("failed to unregister SSD %d/%d: %s", i, len(self.config_list), e)
-                failed += 1
-        return failed == 0
+        return nof.for_each_ssd(
+            self, "unregister", "Unregistration",
+            lambda register, cfg: register.real_unregister_by_endpoint(
+                cfg["nqn"], cfg["nsid"], cfg["traddr"], cfg["trsvcid"],
+                cfg["master_server_address"]))
 
 
 def parse_arguments(argv=None):
@@ -98,12 +78,7 @@ def parse_arguments(argv=None):
     parser.add_argument("--spdk_target_info", action="append", default=None,
                         help='a target, e.g. "ip:192.168.65.56 ns:1 nqn:..." or '
                              '"ip:192.168.65.56 path:/home/spdk"')
-    parser.add_argument("--username", default="root", help="SSH user (root)")
-    parser.add_argument("--port", type=int, default=22, help="SSH port (22)")
-    parser.add_argument("--password", help="SSH password (needs paramiko)")
-    parser.add_argument("--key-file", help="SSH private key file")
-    parser.add_argument("-D", "--define", action="append", default=[],
-                        help="override a field of every SSD, e.g. -Dtrsvcid=4420")
+    nof.add_shared_arguments(parser)
     args = parser.parse_args(argv)
     if args.spdk_target_info is None:
         args.spdk_target_info = [DEFAULT_TARGET]
@@ -111,15 +86,8 @@ def parse_arguments(argv=None):
 
 
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
-    args = parse_arguments(argv)
-    try:
-        unregister = MooncakeNoFUnregister(cli_config_from(args), args.spdk_target_info)
-    except (ValueError, RuntimeError) as e:
-        logger.error("configuration load failed: %s", e)
-        return 1
-    return 0 if unregister.start_ssd_unregister_service() else 1
+    return nof.run_tool(MooncakeNoFUnregister, parse_arguments(argv),
+                        MooncakeNoFUnregister.start_ssd_unregister_service)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import sys
 import time
 
 from ._aio_http import HttpServer, Response
-from .mooncake_config import MooncakeConfig
+from .mooncake_config import MooncakeConfig, parse_defines
 from .store import MooncakeDistributedStore
 
 __all__ = ["MooncakeStoreService", "parse_arguments", "main", "sync_main"]
@@ -482,20 +482,9 @@ def parse_arguments(argv=None):
     return parser.parse_args(argv)
 
 
-def _defines(items):
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if eq and key:
-            out[key] = value
-        else:
-            logger.warning("ignoring -D%s (expected key=value)", item)
-    return out
-
-
 async def main():
     args = parse_arguments()
-    service = MooncakeStoreService(args.config, _defines(args.define))
+    service = MooncakeStoreService(args.config, parse_defines(args.define))
     shutdown_event = asyncio.Event()
     _install_shutdown_signal_handlers(asyncio.get_running_loop(), shutdown_event)
     _unblock_shutdown_signals()

@@ -638,17 +638,28 @@ class RealClientServer:
 
     # -------------------------------------------------------- TCP sessions
 
-    def _accept_tcp(self):
+    def _admitted(self, listener, slots, on_full=None):
+        """Connections accepted on ``listener`` until the client stops (or the listener
+        closes), each holding one of ``slots`` (a semaphore); one past them is closed,
+        after ``on_full()`` when given."""
         while not self.stopping.is_set():
             try:
-                conn, _ = self.tcp.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return
-            if not self._connections.acquire(blocking=False):
-                logger.warning("mooncake_client: %d dummy connections already; refusing one",
-                               MAX_SESSIONS)
-                conn.close()
+            if slots.acquire(blocking=False):
+                yield conn
                 continue
+            if on_full is not None:
+                on_full()
+            conn.close()
+
+    def _accept_tcp(self):
+        def refused():
+            logger.warning("mooncake_client: %d dummy connections already; refusing one",
+                           MAX_SESSIONS)
+
+        for conn in self._admitted(self.tcp, self._connections, refused):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve, conn)
 
@@ -702,14 +713,7 @@ class RealClientServer:
     # -------------------------------------------------------- memfd hand-over
 
     def _accept_unix(self):
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.unix.accept()
-            except OSError:
-                return
-            if not self._registrations.acquire(blocking=False):
-                conn.close()
-                continue
+        for conn in self._admitted(self.unix, self._registrations):
             self._spawn(self._register, conn)
 
     def _register(self, conn):

@@ -297,6 +297,18 @@ def _encode_key(key, name="key"):
     return b
 
 
+def _metadata_put_args(key, buffer_ptr, metadata_buffer_ptr, size, metadata_size, config):
+    """put_from_with_metadata's checked arguments: the key, the addresses and lengths of
+    its non-empty pieces (metadata first), and the config."""
+    k = _encode_key(key)
+    addr = check_int(buffer_ptr, "buffer_ptr")
+    maddr = check_int(metadata_buffer_ptr, "metadata_buffer_ptr")
+    n = check_int(size, "size")
+    mn = check_int(metadata_size, "metadata_size")
+    pieces = [(a, m) for a, m in ((maddr, mn), (addr, n)) if m > 0]
+    return k, [a for a, _ in pieces], [m for _, m in pieces], _config(config)
+
+
 def _key_list(keys, name="keys"):
     if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
         raise TypeError(f"{name}: expected a list of str, got {type(keys).__name__}")
@@ -1175,6 +1187,12 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
                 spans.append(None)
         return spans
 
+    def _registered_run(self, addrs, sizes):
+        """One key's (address, size) spans, or None when it has none or one lies outside
+        registered memory."""
+        spans = self._checked_spans(addrs, sizes)
+        return spans if spans and None not in spans else None
+
     def put_from(self, key, buffer_ptr, size, config=None):
         """Stores ``size`` bytes at ``buffer_ptr`` (inside a registered buffer)."""
         k = _encode_key(key)
@@ -1208,18 +1226,12 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
     def put_from_with_metadata(self, key, buffer_ptr, metadata_buffer_ptr, size,
                                metadata_size, config=None):
         """Stores metadata (``metadata_size`` bytes) followed by data (``size`` bytes)."""
-        k = _encode_key(key)
-        addr = check_int(buffer_ptr, "buffer_ptr")
-        maddr = check_int(metadata_buffer_ptr, "metadata_buffer_ptr")
-        n = check_int(size, "size")
-        mn = check_int(metadata_size, "metadata_size")
-        config = _config(config)
+        k, addrs, lens, config = _metadata_put_args(key, buffer_ptr, metadata_buffer_ptr,
+                                                    size, metadata_size, config)
         N.need("mc_store_batch_put_parts", "put_from_with_metadata")
         if not self._store:
             return INVALID_PARAMS
-        pieces = [(a, m) for a, m in ((maddr, mn), (addr, n)) if m > 0]
-        spans = self._checked_spans([a for a, _ in pieces], [m for _, m in pieces])
-        parts = spans if spans and None not in spans else None
+        parts = self._registered_run(addrs, lens)
         return self._put_parts([k], [parts], config, False, "put_from_with_metadata")[0]
 
     def _zero_copy_batch_put(self, keys, buffer_ptrs, sizes, config, upsert, what):
@@ -1306,10 +1318,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         N.need("mc_store_batch_put_parts", "batch_put_from_multi_buffers")
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
-        parts = []
-        for p, s in zip(ptrs, sizes):
-            spans = self._checked_spans(p, s)
-            parts.append(spans if spans and None not in spans else None)
+        parts = [self._registered_run(p, s) for p, s in zip(ptrs, sizes)]
         return self._put_parts(ks, parts, config, False, "batch_put_from_multi_buffers")
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
@@ -1324,8 +1333,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         fn = N.need("mc_store_batch_get_parts", "batch_get_into_multi_buffers")
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
-        checked = [self._checked_spans(p, s) for p, s in zip(ptrs, sizes)]
-        results, idx = _triage(ks, [c if c and None not in c else None for c in checked])
+        results, idx = _triage(ks, [self._registered_run(p, s) for p, s in zip(ptrs, sizes)])
         if not idx:
             return results
         flat_a = [a for i in idx for a in ptrs[i]]

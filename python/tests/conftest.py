@@ -19,6 +19,8 @@ import threading
 
 import pytest
 
+from fixtures_extra import tracked, wait_or_kill
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHECKOUT = os.path.dirname(os.path.dirname(_HERE))
 
@@ -81,26 +83,13 @@ class Master:
                 self.proc.stdin.close()
             except OSError:
                 pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, timeout)
         return self.proc.returncode
 
 
 @pytest.fixture
 def master_factory(mooncake_bin):
-    started = []
-
-    def start(*extra):
-        m = Master(mooncake_bin, *extra)
-        started.append(m)
-        return m
-
-    yield start
-    for m in started:
-        m.stop()
+    yield from tracked(lambda *extra: Master(mooncake_bin, *extra), Master.stop)
 
 
 @pytest.fixture

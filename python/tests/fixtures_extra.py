@@ -31,6 +31,9 @@ __all__ = [
     "STEP",
     "Buf",
     "Child",
+    "terminate",
+    "tracked",
+    "wait_or_kill",
     "MasterProc",
     "digest",
     "pattern",
@@ -152,6 +155,40 @@ def wait_until(pred, what, timeout=15.0, interval=0.02):
 # ---------------------------------------------------------------------------- children
 
 
+def wait_or_kill(proc, timeout):
+    """Waits up to `timeout` s for `proc` to end, else kills it; its exit code."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
+def terminate(proc, timeout):
+    """Stops `proc` with SIGTERM (if it still runs), killing it after `timeout` s; its
+    exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        wait_or_kill(proc, timeout)
+    return proc.returncode
+
+
+def tracked(make, finish):
+    """The body of a factory fixture (`yield from tracked(make, finish)`): it yields a
+    `make` that remembers what it made, and at teardown runs `finish` on each, in order."""
+    made = []
+
+    def make_tracked(*args, **kwargs):
+        thing = make(*args, **kwargs)
+        made.append(thing)
+        return thing
+
+    yield make_tracked
+    for thing in made:
+        finish(thing)
+
+
 class Child:
     """A child process spoken to by lines: commands on stdin, answers on stdout.
 
@@ -231,11 +268,7 @@ class Child:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             p.terminate()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            wait_or_kill(p, 5)
         return p.returncode
 
     def kill(self):

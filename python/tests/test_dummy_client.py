@@ -6,7 +6,6 @@ and coming back, flags and a clean stop."""
 import ctypes
 import fcntl
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,8 @@ import threading
 
 import pytest
 
-from fixtures_extra import Child, KiB, MiB, STEP, digest, pattern, run_isolated, unique, wait_until
+from fixtures_extra import (Child, KiB, MiB, STEP, digest, pattern, run_isolated, terminate,
+                            tracked, unique, wait_until)
 
 pytest.importorskip("mooncake.store")
 from mooncake import _dummy_wire as W  # noqa: E402
@@ -45,15 +45,7 @@ class RealClient:
         self.port = int(self.address.rpartition(":")[2])
 
     def stop(self):
-        p = self.child.proc
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        return p.returncode
+        return terminate(self.child.proc, 15)
 
     def kill(self):
         self.child.kill()
@@ -62,16 +54,7 @@ class RealClient:
 @pytest.fixture
 def real_clients():
     """start(master, port=0, *flags) -> RealClient; all are stopped at teardown."""
-    started = []
-
-    def start(master, port=0, *extra):
-        rc = RealClient(master, port, *extra)
-        started.append(rc)
-        return rc
-
-    yield start
-    for rc in started:
-        rc.stop()
+    yield from tracked(RealClient, RealClient.stop)
 
 
 @pytest.fixture

@@ -67,6 +67,22 @@ def _all_run(ranks, store, script, world, line):
         r.finish()
 
 
+def _lose_rank_one(ranks, store, script, world, gone, after, timeout_ms=2000):
+    """Starts `world` ranks of `script`; rank 1 must print `gone` and exit cleanly, then
+    the others are told "go" and must each print `after`. Returns those survivors."""
+    ranks.extend(Rank(script, store.port, r, world=world, timeout_ms=timeout_ms,
+                      prelude=_BARE)
+                 for r in range(world))
+    ranks[1].expect(gone)
+    assert ranks[1].proc.wait(timeout=60) == 0
+    survivors = ranks[:1] + ranks[2:]
+    for r in survivors:
+        r.tell("go")
+    for r in survivors:
+        r.expect(after)
+    return survivors
+
+
 def test_batch_isend_irecv_ring(store, ranks):
     _all_run(ranks, store, _RING, 3, "ring ok")
 
@@ -361,15 +377,7 @@ _AGAIN = 'dist.destroy_process_group()\nROUNDS = 2\n' + _ROUNDS + 'say("again")\
 @pytest.mark.parametrize("first", ["all_reduce", "sized"])
 def test_exit_between_operations_is_absorbed(store, ranks, first, monkeypatch):
     monkeypatch.setenv("PG_FIRST", first)
-    ranks.extend(Rank(_EXIT + _ALL_BACK + _AGAIN, store.port, r, timeout_ms=2000,
-                      prelude=_BARE)
-                 for r in range(4))
-    ranks[1].expect("exiting")
-    assert ranks[1].proc.wait(timeout=60) == 0
-    for i in (0, 2, 3):
-        ranks[i].tell("go")
-    for i in (0, 2, 3):
-        ranks[i].expect("survived")
+    _lose_rank_one(ranks, store, _EXIT + _ALL_BACK + _AGAIN, 4, "exiting", "survived")
     ranks.append(Rank(_REPLACEMENT + _ALL_BACK + _AGAIN, store.port, 1,
                       timeout_ms=2000, prelude=_BARE))
     for r in ranks[2:] + ranks[:1]:
@@ -416,16 +424,8 @@ say("done")
 
 
 def test_auto_flags_off_leave_membership_to_the_survivors(store, ranks):
-    ranks.extend(Rank(_MANUAL, store.port, r, world=3, timeout_ms=1000, prelude=_BARE)
-                 for r in range(3))
-    ranks[1].expect("exiting")
-    assert ranks[1].proc.wait(timeout=60) == 0
-    for i in (0, 2):
-        ranks[i].tell("go")
-    for i in (0, 2):
-        ranks[i].expect("done")
-    for i in (0, 2):
-        ranks[i].finish()
+    for r in _lose_rank_one(ranks, store, _MANUAL, 3, "exiting", "done", timeout_ms=1000):
+        r.finish()
 
 
 _REINIT = "ROUNDS = 3\n" + _ROUNDS + 'say("done")\n'

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed (a test-time dependency)")
 
 from test_pg import Rank, ranks, store  # noqa: E402,F401
-from test_pg_elastic import _BARE  # noqa: E402
+from test_pg_elastic import _BARE, _lose_rank_one  # noqa: E402
 
 # Every rank sends one message to, and receives one from, every other in one batch.
 _EXCHANGE = r"""
@@ -67,16 +67,8 @@ say("done")
 
 
 def test_a_dead_peer_fails_only_the_messages_with_it(store, ranks):
-    ranks.extend(Rank(_DEAD_PEER, store.port, r, world=3, timeout_ms=2000, prelude=_BARE)
-                 for r in range(3))
-    ranks[1].expect("exiting")
-    assert ranks[1].proc.wait(timeout=60) == 0
-    for i in (0, 2):
-        ranks[i].tell("go")
-    for i in (0, 2):
-        ranks[i].expect("done")
-    for i in (0, 2):
-        ranks[i].finish()
+    for r in _lose_rank_one(ranks, store, _DEAD_PEER, 3, "exiting", "done"):
+        r.finish()
 
 
 # Ranks 0 and 1 exchange one message each way and check it went through.
@@ -145,15 +137,7 @@ assert pg.get_active_ranks(g).tolist() == [1, 1, 1], pg.get_active_ranks(g)
 
 
 def test_a_rank_leaves_by_itself_while_the_others_idle(store, ranks):
-    ranks.extend(Rank(_LEAVE + _ALL_AGAIN, store.port, r, world=3, timeout_ms=2000,
-                      prelude=_BARE)
-                 for r in range(3))
-    ranks[1].expect("left")
-    assert ranks[1].proc.wait(timeout=60) == 0
-    for i in (0, 2):
-        ranks[i].tell("go")
-    for i in (0, 2):
-        ranks[i].expect("survived")
+    _lose_rank_one(ranks, store, _LEAVE + _ALL_AGAIN, 3, "left", "survived")
     ranks.append(Rank(_REPLACEMENT + _ALL_AGAIN, store.port, 1, world=3, timeout_ms=2000,
                       prelude=_BARE))
     for r in ranks[2:] + ranks[:1]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from fixtures_extra import free_port, port_is_open, wait_until
+from fixtures_extra import free_port, port_is_open, terminate, wait_until
 
 MiB = 1 << 20
 
@@ -52,13 +52,7 @@ def service(master_factory, tmp_path):
         assert proc.poll() is None, proc.stderr.read().decode()
         yield port, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate(proc, 30)
         proc.stderr.close()
 
 

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from fixtures_extra import tracked
 from mooncake.store import MooncakeDistributedStore
 
 INVALID_PARAMS = -600
@@ -15,16 +16,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def stores():
-    made = []
-
-    def make():
-        s = MooncakeDistributedStore()
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    yield from tracked(MooncakeDistributedStore, MooncakeDistributedStore.close)
 
 
 def config(master, **extra):

@@ -184,6 +184,15 @@ def registered(store, size):
     return b
 
 
+def stored_into_buffer(store, key, tensor):
+    """Puts ``tensor`` under ``key`` and reads that object (header and data) into a fresh
+    registered buffer: (the buffer, the object's size)."""
+    assert store.put_tensor(key, tensor) == 0
+    buf = registered(store, 1024)
+    assert store.get_tensor_into(key, buf.addr, buf.size) is not None
+    return buf, store.get_size(key)
+
+
 def raw_bytes(t):
     """A tensor's bytes (compares NaNs and float8 values exactly)."""
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -308,11 +317,8 @@ def test_get_tensor_into_returns_a_view_of_the_registered_buffer(store):
 @needs_torch
 def test_put_tensor_from_stores_the_object_get_tensor_into_left(store):
     t = sample(torch.int8, (5, 3))
-    k, k2 = unique("src"), unique("copy")
-    assert store.put_tensor(k, t) == 0
-    buf = registered(store, 1024)
-    n = store.get_size(k)
-    assert store.get_tensor_into(k, buf.addr, buf.size) is not None
+    k2 = unique("copy")
+    buf, n = stored_into_buffer(store, unique("src"), t)
     assert store.put_tensor_from(k2, buf.addr, n) == 0
     assert same(store.get_tensor(k2), t)
     assert store.batch_put_tensor_from([unique("b1")], [buf.addr], [n]) == [0]
@@ -372,11 +378,8 @@ def test_tp_arguments_are_checked(store):
 @needs_torch
 def test_tp_from_a_registered_object(store):
     full = sample(torch.int32, (6, 2))
-    k, k2 = unique("obj"), unique("tpfrom")
-    assert store.put_tensor(k, full) == 0
-    buf = registered(store, 1024)
-    n = store.get_size(k)
-    assert store.get_tensor_into(k, buf.addr, 1024) is not None
+    k2 = unique("tpfrom")
+    buf, n = stored_into_buffer(store, unique("obj"), full)
     assert store.put_tensor_with_tp_from(k2, buf.addr, n, tp_size=3) == 0
     for r in range(3):
         assert same(store.get_tensor_with_tp(k2, r, 3), full[2 * r:2 * r + 2])
@@ -459,11 +462,8 @@ def test_writer_partitions_and_their_full_read(store):
 @needs_torch
 def test_parallelism_from_a_buffer_writes_every_tp_shard(store):
     full = sample(torch.float16, (2, 8))
-    src, k = unique("src"), unique("pfrom")
-    assert store.put_tensor(src, full) == 0
-    buf = registered(store, 1024)
-    n = store.get_size(src)
-    assert store.get_tensor_into(src, buf.addr, 1024) is not None
+    k = unique("pfrom")
+    buf, n = stored_into_buffer(store, unique("src"), full)
     assert store.put_tensor_with_parallelism_from(k, buf.addr, n, par(tp(0, 4, 1))) == 0
     assert store.batch_is_exist([f"{k}_tp_{r}" for r in range(4)]) == [1] * 4
     assert store.is_exist(f"{k}__parallelism_manifest") == 0
@@ -530,12 +530,10 @@ def test_upsert_replaces_where_put_keeps(store):
     assert store.upsert_tensor_with_parallelism(dp, first, par(ParallelAxis("dp", 0, 2))) == 0
     assert store.upsert_tensor_with_parallelism(dp, second, par(ParallelAxis("dp", 0, 2))) == 0
     assert same(store.get_tensor(f"{dp}__dp_0of2"), second)
-    src, target = unique("src"), unique("target")
-    assert store.put_tensor(src, second) == 0
+    target = unique("target")
     assert store.put_tensor(target, first) == 0
-    buf = registered(store, 1024)
-    assert store.get_tensor_into(src, buf.addr, 1024) is not None
-    assert store.upsert_tensor_from(target, buf.addr, store.get_size(src)) == 0
+    buf, n = stored_into_buffer(store, unique("src"), second)
+    assert store.upsert_tensor_from(target, buf.addr, n) == 0
     assert same(store.get_tensor(target), second)
 
 

@@ -6,100 +6,12 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
-use super::store::{
-    array, array_mut, batch_keys, code_of, key, replicate_config, scatter, store, store_guard,
-};
-use super::store_batch::{put_options, run_is_bad, runs, size_results, McPutOptions};
+use super::store::{array, array_mut, batch_keys, key, replicate_config, store, store_guard};
+use super::store_batch::{per_key, per_key_ranges, put_options, McPutOptions};
 use super::{answer_text, c_str, copy_out, non_null, McReplicateConfig, McStore, MC_OK};
 use crate::error::{Code, Error, Result};
 use crate::json::Value;
-use crate::store::client::{Backing, Fragments, TaskInfo, TaskKind, TaskStatus};
-use crate::store::Client;
-
-/// Runs `run` on the usable keys of a batch and writes per-key 0 or a code.
-///
-/// # Safety
-/// `s` a live store; `keys` and `results` NULL (only with `n == 0`) or arrays of `n`;
-/// each key NULL or NUL-terminated.
-unsafe fn per_key(
-    s: *mut McStore,
-    keys: *const *const c_char,
-    n: usize,
-    results: *mut c_int,
-    run: impl FnOnce(&Client, &[&str], &[usize]) -> Vec<Result<()>>,
-) -> Result<c_int> {
-    // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` NULL
-    // only with `n == 0` or `n` readable pointers: the contracts of `store` and `array`.
-    let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
-    // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable
-    // ints that nothing else touches during the call; it is only written.
-    let results = unsafe { array_mut(results, n, "results")? };
-    // SAFETY: each key is NULL or NUL-terminated.
-    let checked = unsafe { batch_keys(keys, |_| false) };
-    let answers = scatter(checked, |good, index| run(client, good, index));
-    for (slot, a) in results.iter_mut().zip(answers) {
-        *slot = a.map_or_else(|e| code_of(&e), |()| MC_OK);
-    }
-    Ok(MC_OK)
-}
-
-/// Runs `run` on the usable keys of a ranged batch (runs of `counts[i]` ranges of
-/// `bufs`, `offsets` and `lens` per key) and writes per-key bytes moved or a code.
-///
-/// # Safety
-/// `s` a live store; `keys`, `counts` and `results` NULL (only with `n == 0`) or arrays
-/// of `n`; `bufs`, `offsets` and `lens` arrays of the sum of `counts`; each key NULL or
-/// NUL-terminated.
-#[allow(clippy::too_many_arguments)]
-unsafe fn per_key_ranges(
-    s: *mut McStore,
-    keys: *const *const c_char,
-    n: usize,
-    bufs: *const *const c_void,
-    offsets: *const u64,
-    lens: *const u64,
-    counts: *const usize,
-    results: *mut i64,
-    run: impl FnOnce(&Client, &[&str], &[Fragments]) -> Vec<Result<u64>>,
-) -> Result<c_int> {
-    // SAFETY: the caller guarantees a live store and `keys` and `counts` NULL only with
-    // `n == 0` or `n` readable elements: the contracts of `store` and `array`.
-    let (client, keys, counts) = unsafe {
-        (
-            store(s)?,
-            array(keys, n, "keys")?,
-            array(counts, n, "counts")?,
-        )
-    };
-    let (starts, total) = runs(counts)?;
-    // SAFETY: the caller guarantees `bufs`, `offsets` and `lens` hold the sum of `counts`
-    // elements, which is `total` (overflow rejected by `runs`).
-    let (bufs, offsets, lens) = unsafe {
-        (
-            array(bufs, total, "bufs")?,
-            array(offsets, total, "offsets")?,
-            array(lens, total, "lens")?,
-        )
-    };
-    // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable
-    // i64s that nothing else touches during the call; it is only written.
-    let results = unsafe { array_mut(results, n, "results")? };
-    // SAFETY: each key is NULL or NUL-terminated.
-    let checked = unsafe { batch_keys(keys, |i| run_is_bad(bufs, starts[i], counts[i])) };
-    let answers = scatter(checked, |good, index| {
-        let ranges: Vec<Fragments> = index
-            .iter()
-            .map(|&i| {
-                (starts[i]..starts[i] + counts[i])
-                    .map(|j| (offsets[j], bufs[j] as u64, lens[j]))
-                    .collect()
-            })
-            .collect();
-        run(client, good, &ranges)
-    });
-    size_results(results, answers);
-    Ok(MC_OK)
-}
+use crate::store::client::{Backing, TaskInfo, TaskKind, TaskStatus};
 
 /// Reserves `n` keys of `sizes[i]` bytes for a put session; per key 0 or a negative
 /// code.

@@ -6,6 +6,8 @@ pub mod fakes;
 pub mod groups;
 pub mod services;
 
+use std::process::Command;
+
 use mooncake::{Engine, EngineConfig};
 
 pub fn engine_with(metadata: &str, protocol: &str) -> Engine {
@@ -19,6 +21,26 @@ pub fn engine_configured(settings: &[(&str, &str)]) -> Engine {
         cfg.set(k, v).unwrap();
     }
     Engine::new(cfg).expect("engine starts")
+}
+
+/// This test binary, set to run only test `name` (with its output shown): for a check
+/// that needs a fresh process, such as one reading environment variables at start-up.
+pub fn test_in_child(name: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("test binary path"));
+    cmd.args(["--exact", name, "--nocapture"]);
+    cmd
+}
+
+/// Runs `child` to its end and asserts that it passed and printed `CHILD-OK` (the test
+/// it ran got past its checks, rather than returning early).
+pub fn assert_child_ok(child: &mut Command) {
+    let out = child.output().expect("test child runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("CHILD-OK"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A deterministic byte pattern that differs per seed and offset.

@@ -16,7 +16,7 @@ mod verbs;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use common::pattern;
+use common::{assert_child_ok, pattern, test_in_child};
 use emu::{emu, readable, serial, DEVICES};
 use mooncake::device::{self, MemoryKind};
 use mooncake::engine::TaskState;
@@ -725,21 +725,10 @@ fn missing_library_is_backend_unavailable() {
     if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "missing_library_is_backend_unavailable",
-            "--nocapture",
-        ])
-        .env("MC_RDMA_TEST_CHILD", "missing")
-        .env("MC_IBVERBS_LIB", "/nonexistent/libibverbs.so.1")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("CHILD-OK"),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_child_ok(
+        test_in_child("missing_library_is_backend_unavailable")
+            .env("MC_RDMA_TEST_CHILD", "missing")
+            .env("MC_IBVERBS_LIB", "/nonexistent/libibverbs.so.1"),
     );
 }
 
@@ -776,21 +765,10 @@ fn system_libibverbs_without_devices() {
     if std::env::var_os("MC_RDMA_TEST_CHILD").is_some() {
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "system_libibverbs_without_devices",
-            "--nocapture",
-        ])
-        .env("MC_RDMA_TEST_CHILD", "system")
-        .env_remove("MC_IBVERBS_LIB")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && text.contains("CHILD-OK"),
-        "{text}{}",
-        String::from_utf8_lossy(&out.stderr)
+    assert_child_ok(
+        test_in_child("system_libibverbs_without_devices")
+            .env("MC_RDMA_TEST_CHILD", "system")
+            .env_remove("MC_IBVERBS_LIB"),
     );
 }
 

@@ -16,7 +16,9 @@ use std::time::Instant;
 
 use super::{all_err, fragments, Client, Fragments, ReadInto};
 use crate::error::{Code, Error, Result};
-use crate::store::protocol::{shown_key, ReplicaDesc, ReplicateConfig, Request, Response};
+use crate::store::protocol::{
+    shown_key, KeyResult, ReplicaDesc, ReplicateConfig, Request, Response,
+};
 use crate::store::replica_cache::Leased;
 use crate::transport::Op;
 use crate::util::crc32c::{crc32c, crc32c_append, crc32c_combine};
@@ -273,21 +275,12 @@ impl Client {
         if items.is_empty() {
             return results;
         }
-        let answers = match self.call(Request::PutEnd {
+        let req = Request::PutEnd {
             client: self.shared.id,
             items,
-        }) {
-            Ok(Response::PerKey(r)) if r.len() == ending.len() => r,
-            Ok(other) => {
-                let e = Error::protocol(format!("unexpected PutEnd answer {other:?}"));
-                return keys.iter().map(|_| Err(e.clone())).collect();
-            }
-            Err(e) => {
-                for &i in &ending {
-                    results[i] = Err(e.clone());
-                }
-                return results;
-            }
+        };
+        let Some(answers) = self.asked_per_key(req, "PutEnd", &ending, &mut results) else {
+            return results;
         };
         let mut state = self.sessions.lock();
         for (&i, answer) in ending.iter().zip(answers) {
@@ -302,6 +295,33 @@ impl Client {
             }
         }
         results
+    }
+
+    /// The master's per-key answers to `req` (`name` in errors), which asks about the
+    /// keys at `asked` of a batch. Without them the batch's `results` say why and `None`
+    /// comes back: the call's error for the asked keys, or a protocol error for every key
+    /// when the answer has another shape.
+    fn asked_per_key(
+        &self,
+        req: Request,
+        name: &str,
+        asked: &[usize],
+        results: &mut [Result<()>],
+    ) -> Option<Vec<KeyResult<()>>> {
+        match self.call(req) {
+            Ok(Response::PerKey(r)) if r.len() == asked.len() => Some(r),
+            Ok(other) => {
+                let e = Error::protocol(format!("unexpected {name} answer {other:?}"));
+                results.fill(Err(e));
+                None
+            }
+            Err(e) => {
+                for &i in asked {
+                    results[i] = Err(e.clone());
+                }
+                None
+            }
+        }
     }
 
     /// The checksum of what the sealed put session of `key` stored: folded from its
@@ -347,18 +367,8 @@ impl Client {
             client: self.shared.id,
             keys: revoking.iter().map(|&i| keys[i].to_owned()).collect(),
         };
-        let answers = match self.call(req) {
-            Ok(Response::PerKey(r)) if r.len() == revoking.len() => r,
-            Ok(other) => {
-                let e = Error::protocol(format!("unexpected PutRevoke answer {other:?}"));
-                return keys.iter().map(|_| Err(e.clone())).collect();
-            }
-            Err(e) => {
-                for &i in &revoking {
-                    results[i] = Err(e.clone());
-                }
-                return results;
-            }
+        let Some(answers) = self.asked_per_key(req, "PutRevoke", &revoking, &mut results) else {
+            return results;
         };
         let mut state = self.sessions.lock();
         for (&i, answer) in revoking.iter().zip(answers) {

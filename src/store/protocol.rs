@@ -1034,9 +1034,11 @@ impl Response {
             15 => Response::MetadataUrl(r.string()?),
             24 => {
                 let (ticket, size, crc32c) = (r.u64()?, r.u64()?, r.u32()?);
-                let source = match decode_replicas(&mut r)?.pop() {
-                    Some(s) => s,
-                    None => return Err(Error::protocol("copy plan without a source replica")),
+                // Exactly one source: anything else would not re-encode as it came.
+                let mut sources = decode_replicas(&mut r)?;
+                let source = match (sources.pop(), sources.is_empty()) {
+                    (Some(s), true) => s,
+                    _ => return Err(Error::protocol("a copy plan names one source replica")),
                 };
                 Response::CopyStart(CopyPlan {
                     ticket,

@@ -1,50 +1,45 @@
-"""Which codec a DataProto non-tensor field gets, and how rows of nested dicts and lists
-are split into columns (upstream's ``infer_structure`` layer of
-``mooncake.structured_object_store``).
-
-A field without a FieldSchema (or with codec "auto") is inferred from its rows:
+"""Which codec a DataProto non-tensor field gets, how rows of nested dicts and lists are
+split into columns, and how a field is encoded by a FieldSchema (upstream's
+``infer_structure`` layer of ``mooncake.structured_object_store``).
 
 * ``choose_leaf_codec(values)`` looks at the non-null rows (None and MISSING do not
-  count) and returns a CodecDecision (accepted, codec, reason, normalized_type,
-  metadata), first match wins: torch tensors of one dtype -> ragged_tensor; lists of
-  bytes-like values or PIL images (empty lists too) -> media_list_ragged; numeric numpy
-  arrays -> typed_ragged; lists/tuples that numpy reads as numbers -> typed_ragged;
-  numeric scalars -> ndarray; bytes-like -> bytes_ragged; PIL images -> media_bytes;
-  str -> utf8_ragged; dicts/lists/tuples -> msgpack_ragged; anything else is refused.
+  count), first match wins: torch tensors of one dtype -> ragged_tensor; lists of
+  bytes-like values or PIL images -> media_list_ragged; numeric ndarrays ->
+  typed_ragged; lists/tuples numpy reads as numbers -> typed_ragged; numeric scalars
+  -> ndarray; bytes-like -> bytes_ragged; PIL images -> media_bytes; str ->
+  utf8_ragged; dicts/lists/tuples -> msgpack_ragged; anything else is refused.
 * ``infer_structure(path, values, leaves, nodes)`` splits rows of str-keyed dicts (at
   most 64 keys) and short lists (at most 8 items, each a dict, list, tuple or None)
-  into one column per key or position, recursively (at most 32 levels): each container
-  column becomes an InferredNode, each other column an InferredLeaf. A child column
-  holds ``MISSING`` where the parent row lacks the key or position, and None where the
-  parent row itself is None or absent. Paths join keys with "." and positions with
-  "[i]"; ``escape_key`` backslash-escapes "\\", "." and "[" in keys.
-
-When such a split finds a leaf that a whole-row codec cannot carry (tensors, bytes,
-media, numpy arrays), the field is stored "structured_recursive": every leaf column
-with its own codec plus per-node flags (row present, row missing, list lengths), and
-rows are rebuilt from them on read. Otherwise the whole rows get the decided codec;
-dict/list rows become msgpack_ragged, or json_ragged where the msgpack package is not
-installed.
+  into one column per key or position, recursively (at most 32 levels). A child column
+  holds ``MISSING`` where the parent row lacks the key or position, None where the
+  parent row is None. Paths join keys with "." and positions with "[i]";
+  ``escape_key`` backslash-escapes "\\", "." and "[" in keys.
+* A field whose split has a leaf whole-row codecs cannot carry (tensors, bytes, media,
+  ndarrays) is stored "structured_recursive": per node the payloads
+  ``node.<i>.missing``/``row_mask`` (bool) and ``lengths`` (int64, lists), per leaf its
+  codec's payloads as ``leaf.<i>.<payload>`` plus ``leaf.<i>.missing``; the metadata
+  lists nodes and leaves with their payload names.
+* ``encode_with_schema`` encodes by a FieldSchema's codec; codec "auto" tries the
+  recursive split, then the inferred codec, then msgpack_ragged, then json_ragged.
 """
 
-import json
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import _row_codecs as R
-from ._structured_codecs import is_ndarray, is_tensor, numpy
+from . import _structured_rows as R
+from ._structured_payloads import is_tensor, numpy
 
 MAX_STRUCT_KEYS = 64
 MAX_LIST_LEN = 8
 MAX_DEPTH = 32
-FIELD_CODECS = ("auto", *R.CODECS)
 RECURSIVE_CODEC = "structured_recursive"
-# Leaf codecs whose values msgpack/JSON rows cannot carry: their presence makes a
-# nested field structured_recursive.
-_STRUCTURE_ONLY_CODECS = ("ragged_tensor", "bytes_ragged", "media_bytes",
-                          "media_list_ragged")
-_NO_MSGPACK = "msgpack is not installed"
+SCHEMA_CODECS = ("auto", "ragged_tensor_dict", "ragged_tensor", "typed_ragged", "ndarray",
+                 "bytes_ragged", "media_bytes", "media_list_ragged", "utf8_ragged",
+                 "msgpack_ragged", "json_ragged")
+# Leaf codecs whose presence makes a split field structured_recursive.
+_STRUCTURE_ONLY_CODECS = ("ragged_tensor", "bytes_ragged", "media_bytes", "media_list_ragged")
+_MSGPACK_SAMPLE_ROWS = 128
+_MSGPACK_SAMPLE_BYTES = 1 << 20
 
 
 class _Missing:
@@ -84,8 +79,7 @@ class InferredNode:
     node_type: str  # "dict" or "list"
     children: list  # keys or positions
     lengths: Optional[list] = None  # list nodes: each row's length (0 when absent)
-    row_mask: Optional[list] = None  # the row is a container here
-    missing: Optional[list] = None  # the row is MISSING here
+    row_mask: Optional[list] = None  # the row holds a container here
 
 
 def _present(values):
@@ -93,10 +87,8 @@ def _present(values):
 
 
 def _is_number(value):
-    if isinstance(value, (bool, int, float)):
-        return True
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, (np.number, np.bool_))
+    np = numpy()
+    return isinstance(value, (bool, int, float, np.number))
 
 
 def _is_media_list(value):
@@ -104,68 +96,50 @@ def _is_media_list(value):
         R.is_bytes_like(item) or R.is_pil_image(item) for item in value)
 
 
-def _tensor_decision(rows):
-    dtypes = sorted({str(t.dtype) for t in rows})
-    if len(dtypes) > 1:
-        return CodecDecision(False, "ragged_tensor", f"mixed tensor dtype: {dtypes}",
-                             "torch.Tensor")
-    return CodecDecision(True, "ragged_tensor", "all non-null rows are Tensor",
-                         "torch.Tensor", {"dtype": dtypes[0]})
-
-
-def _array_decision(rows, reason):
-    """typed_ragged for rows (arrays, or lists numpy reads as numbers), else None."""
-    np = numpy()
-    try:
-        arrays = [np.asarray(v) for v in rows]
-    except (TypeError, ValueError):
-        return None
-    if any(a.dtype.kind not in "biufc" for a in arrays):
-        return None
-    dtype = R.common_numeric_dtype(rows, arrays) or np.dtype("int64")
-    return CodecDecision(True, "typed_ragged", reason, "numeric sequence",
-                         {"dtype": str(dtype)})
-
-
-def _scalar_decision(rows):
-    dtype = numpy().asarray(rows).dtype
-    if dtype.kind not in "biufc":
-        return CodecDecision(False, "ndarray", f"no common numeric dtype ({dtype})",
-                             "numeric scalar")
-    return CodecDecision(True, "ndarray", "all rows are numeric scalar", "numeric scalar",
-                         {"dtype": str(dtype)})
-
-
-_WHOLE_ROW_CODECS = (  # (predicate, codec, normalized type), after the numeric ones
-    (R.is_bytes_like, "bytes_ragged", "bytes-like"),
-    (R.is_pil_image, "media_bytes", "media"),
-    (lambda v: isinstance(v, str), "utf8_ragged", "str"),
-    (lambda v: isinstance(v, (dict, list, tuple)), "msgpack_ragged", "msgpack"),
-)
-
-
 def choose_leaf_codec(values):
     """The CodecDecision for a column of rows (see the module doc)."""
     rows = _present(values)
     if not rows:
         return CodecDecision(False, "msgpack_ragged", "all rows are null", "msgpack")
+    np = numpy()
     if all(is_tensor(v) for v in rows):
-        return _tensor_decision(rows)
+        dtypes = sorted({str(v.dtype) for v in rows})
+        if len(dtypes) > 1:
+            return CodecDecision(False, "ragged_tensor", f"mixed tensor dtype: {dtypes}",
+                                 "torch.Tensor")
+        return CodecDecision(True, "ragged_tensor", "all non-null rows are Tensor",
+                             "torch.Tensor", {"dtype": dtypes[0]})
     if all(_is_media_list(v) for v in rows):
         return CodecDecision(True, "media_list_ragged", "all rows are media lists",
                              "media list")
-    if all(is_ndarray(v) for v in rows):
-        return _array_decision(rows, "all rows are numeric ndarray") or CodecDecision(
-            False, "msgpack_ragged", "ndarray rows are not numeric", "python object")
+    if all(isinstance(v, np.ndarray) for v in rows):
+        if all(np.issubdtype(v.dtype, np.number) for v in rows):
+            return CodecDecision(True, "typed_ragged", "all rows are numeric ndarray",
+                                 "numeric sequence", {"recursive_source": "ndarray"})
+        return CodecDecision(False, "msgpack_ragged", "object ndarray rows", "python object")
     if all(isinstance(v, (list, tuple)) for v in rows):
-        decision = _array_decision(rows, "all rows are numeric sequences")
-        if decision is not None:
-            return decision
+        try:
+            dtype = np.result_type(*[np.asarray(v).dtype for v in rows])
+        except (TypeError, ValueError, OverflowError):
+            dtype = None
+        if dtype is not None and np.issubdtype(dtype, np.number):
+            return CodecDecision(True, "typed_ragged", "all rows are numeric sequences",
+                                 "numeric sequence", {"dtype": str(dtype)})
     if all(_is_number(v) for v in rows):
-        return _scalar_decision(rows)
-    for predicate, codec, kind in _WHOLE_ROW_CODECS:
+        dtype = np.result_type(*rows)
+        if dtype.kind not in "biufc":  # e.g. ints past int64: numpy gives object
+            return CodecDecision(False, "ndarray", f"non-numeric dtype: {dtype}",
+                                 "numeric scalar")
+        return CodecDecision(True, "ndarray", "all rows are numeric scalar",
+                             "numeric scalar", {"dtype": str(dtype)})
+    for predicate, codec, kind, what in (
+            (R.is_bytes_like, "bytes_ragged", "bytes-like", "bytes-like"),
+            (R.is_pil_image, "media_bytes", "media", "media"),
+            (lambda v: isinstance(v, str), "utf8_ragged", "str", "str"),
+            (lambda v: isinstance(v, (dict, list, tuple)), "msgpack_ragged", "msgpack",
+             "msgpack-like")):
         if all(predicate(v) for v in rows):
-            return CodecDecision(True, codec, f"all rows are {kind}", kind)
+            return CodecDecision(True, codec, f"all rows are {what}", kind)
     return CodecDecision(False, "msgpack_ragged", "no codec matched", "python object")
 
 
@@ -174,8 +148,7 @@ def escape_key(key):
 
 
 def _dict_keys(rows):
-    """The sorted keys of dict rows, or None when they do not split into columns."""
-    if not all(isinstance(v, dict) for v in rows):
+    if not rows or not all(isinstance(v, dict) for v in rows):
         return None
     keys = {k for v in rows for k in v}
     if len(keys) > MAX_STRUCT_KEYS or not all(isinstance(k, str) for k in keys):
@@ -184,8 +157,7 @@ def _dict_keys(rows):
 
 
 def _list_width(rows):
-    """The longest list row, or None when list rows do not split into columns."""
-    if not all(isinstance(v, (list, tuple)) for v in rows):
+    if not rows or not all(isinstance(v, (list, tuple)) for v in rows):
         return None
     width = max(len(v) for v in rows)
     if width > MAX_LIST_LEN or not all(item is None or isinstance(item, (dict, list, tuple))
@@ -200,23 +172,21 @@ def infer_structure(path, values, leaves, nodes, *, _depth=0):
     if _depth > MAX_DEPTH:
         raise ValueError(f"infer_structure exceeded max depth {MAX_DEPTH} at {path!r}")
     rows = _present(values)
-    keys = _dict_keys(rows) if rows else None
+    keys = _dict_keys(rows)
     if keys is not None:
         nodes.append(InferredNode(path, "dict", keys,
-                                  row_mask=[isinstance(v, dict) for v in values],
-                                  missing=[v is MISSING for v in values]))
+                                  row_mask=[isinstance(v, dict) for v in values]))
         for key in keys:
             column = [v.get(key, MISSING) if isinstance(v, dict) else None for v in values]
             infer_structure(f"{path}.{escape_key(key)}", column, leaves, nodes,
                             _depth=_depth + 1)
         return
-    width = _list_width(rows) if rows else None
+    width = _list_width(rows)
     if width is not None:
         is_list = [isinstance(v, (list, tuple)) for v in values]
         nodes.append(InferredNode(path, "list", list(range(width)),
-                                  lengths=[len(v) if flag else 0
-                                           for v, flag in zip(values, is_list)],
-                                  row_mask=is_list, missing=[v is MISSING for v in values]))
+                                  [len(v) if flag else 0 for v, flag in zip(values, is_list)],
+                                  row_mask=is_list))
         for i in range(width):
             column = [(v[i] if i < len(v) else MISSING) if flag else None
                       for v, flag in zip(values, is_list)]
@@ -228,146 +198,279 @@ def infer_structure(path, values, leaves, nodes, *, _depth=0):
 # ---------------------------------------------------------------- encoding a field
 
 
-def encode_field(path, values, schema=None):
-    """The Encoded form of a non-tensor field's rows: by ``schema`` (a FieldSchema) when
-    it names a codec, else inferred. TypeError/ValueError when the rows do not fit."""
+def encode_leaf(values, decision):
+    """The EncodedLeaf of rows under an accepted decision (ValueError otherwise)."""
+    if not decision.accepted:
+        raise ValueError(f"unsupported structured non-tensor field: {decision.reason}")
+    if decision.codec == "msgpack_ragged":  # numpy values inside rows as plain ones
+        payload, metadata = R.encode_bytes_like([None if v is None else
+                                                 _msgpack_row(R.plain_value(v))
+                                                 for v in values])
+    else:  # typed_ragged picks its dtype from the rows; ndarray takes the decided one
+        hints = decision.metadata if decision.codec == "ndarray" else None
+        payload, metadata = R.encode(decision.codec, values, metadata=hints)
+    metadata.update({"schema_source": "inferred_from_runtime_values",
+                     "decision_reason": decision.reason,
+                     "normalized_type": decision.normalized_type, **decision.metadata})
+    return R.EncodedLeaf(decision.codec, len(values), payload, metadata)
+
+
+def _msgpack_row(value):
+    from ._structured_msgpack import packb
+    return packb(value)
+
+
+def encode_inferred(path, values):
+    """The EncodedLeaf of a non-tensor field's rows, its codec inferred (a column of
+    only None rows is stored json_ragged)."""
     values = list(values)
-    codec = "auto" if schema is None else schema.codec
-    if codec not in FIELD_CODECS:
-        raise ValueError(f"unsupported schema codec: {codec!r} (supported: "
-                         f"{', '.join(FIELD_CODECS)})")
-    if schema is not None and not schema.nullable and any(v is None for v in values):
-        raise ValueError(f"FieldSchema for {path!r} is not nullable")
-    if codec != "auto":
-        return R.encode(codec, values, schema.metadata)
     leaves, nodes = [], []
     infer_structure(path, values, leaves, nodes)
-    if nodes and any(_needs_structure(leaf) for leaf in leaves):
-        return _encode_structured(path, values, leaves, nodes)
-    return _encode_leaf(path, values, choose_leaf_codec(values))
+    if nodes and any(_needs_structure(leaf, "ndarray_rows") for leaf in leaves):
+        return _encode_recursive(path, values, leaves, nodes, _leaf_by_decision)
+    return encode_leaf(values, _all_null_decision(values, choose_leaf_codec(values)))
 
 
-def _needs_structure(leaf):
+def _needs_structure(leaf, ndarray_test):
     codec = leaf.decision.codec
-    return codec in _STRUCTURE_ONLY_CODECS or (
-        codec == "typed_ragged" and any(is_ndarray(v) for v in _present(leaf.values)))
+    if codec in _STRUCTURE_ONLY_CODECS:
+        return True
+    if codec != "typed_ragged":
+        return False
+    if ndarray_test == "ndarray_rows":
+        np = numpy()
+        return any(isinstance(v, np.ndarray) for v in _present(leaf.values))
+    return leaf.decision.metadata.get("recursive_source") == "ndarray"
 
 
-def _usable_decision(decision, values):
-    """``decision``, or json_ragged where it is a column of nulls (any codec stores
-    those) or wants msgpack without the package."""
+def _all_null_decision(values, decision):
     if not decision.accepted and not _present(values):
         return CodecDecision(True, "json_ragged", "all rows are null or missing", "json")
-    if decision.accepted and decision.codec == "msgpack_ragged" and \
-            not R.msgpack_available():
-        return CodecDecision(True, "json_ragged", _NO_MSGPACK, "json")
     return decision
 
 
-def _encode_leaf(path, values, decision):
-    decision = _usable_decision(decision, values)
-    if not decision.accepted:
-        raise ValueError(f"unsupported structured non-tensor field {path!r}: "
-                         f"{decision.reason}")
-    rows = [None if v is MISSING else v for v in values]
-    try:
-        encoded = R.encode(decision.codec, rows, decision.metadata)
-    except (TypeError, ValueError, OverflowError) as e:
-        hint = "; such rows need the msgpack package (pip install msgpack)" if \
-            decision.reason == _NO_MSGPACK else ""
-        raise type(e)(f"cannot encode structured non-tensor field {path!r} as "
-                      f"{decision.codec}: {e}{hint}") from e
-    encoded.metadata = {"schema_source": "inferred", "decision_reason": decision.reason,
-                        "normalized_type": decision.normalized_type, **encoded.metadata}
-    return encoded
+def _leaf_by_decision(leaf, values):
+    return encode_leaf(values, _all_null_decision(leaf.values, leaf.decision))
 
 
-def _encode_structured(path, values, leaves, nodes):
-    """The structured_recursive Encoded form: payloads "node.<i>.row_mask",
-    "node.<i>.missing", "node.<i>.lengths" (list nodes, JSON) and "leaf.<i>.<part>" plus
-    "leaf.<i>.missing"; metadata names the root path, nodes and leaves."""
+def _leaf_by_schema(leaf, values):
+    decision = _all_null_decision(leaf.values, leaf.decision)
+    from .structured_object_store import FieldSchema
+    return encode_with_schema(leaf.path, _normalized_for(values, decision.codec),
+                              FieldSchema(codec=decision.codec, metadata=decision.metadata))
+
+
+def _lookup(value, root, path):
+    """The value at ``path`` (below ``root``) inside one row; MISSING where absent."""
+    current = value
+    for token in _path_tokens(path[len(root):].lstrip(".") if path != root else ""):
+        if current is MISSING:
+            return MISSING
+        if isinstance(token, str):
+            if not isinstance(current, dict) or token not in current:
+                return MISSING
+        elif not isinstance(current, (list, tuple)) or token >= len(current):
+            return MISSING
+        current = current[token]
+    return current
+
+
+def _path_tokens(path):
+    """Keys (str) and positions (int) of a path suffix, escapes undone."""
+    tokens, current, i = [], [], 0
+    while i < len(path):
+        c = path[i]
+        if c == "\\" and i + 1 < len(path):
+            current.append(path[i + 1])
+            i += 2
+        elif c in ".[":
+            if current:
+                tokens.append("".join(current))
+                current = []
+            if c == "[":
+                end = path.index("]", i)
+                tokens.append(int(path[i + 1:end]))
+                i = end + 1
+            else:
+                i += 1
+        else:
+            current.append(c)
+            i += 1
+    if current:
+        tokens.append("".join(current))
+    return tokens
+
+
+def _encode_recursive(path, values, leaves, nodes, encode_one):
+    np = numpy()
     payload, node_specs, leaf_specs = {}, [], []
     for i, node in enumerate(nodes):
-        payload[f"node.{i}.row_mask"] = R.flag_bytes(node.row_mask)
-        payload[f"node.{i}.missing"] = R.flag_bytes(node.missing)
+        spec = {"id": i, "path": node.path, "node_type": node.node_type,
+                "children": list(node.children), "missing_payload": f"node.{i}.missing"}
+        payload[f"node.{i}.missing"] = np.asarray(
+            [_lookup(v, path, node.path) is MISSING for v in values], dtype=np.bool_)
+        if node.row_mask is not None:
+            payload[f"node.{i}.row_mask"] = np.asarray(node.row_mask, dtype=np.bool_)
+            spec["row_mask_payload"] = f"node.{i}.row_mask"
         if node.lengths is not None:
-            payload[f"node.{i}.lengths"] = R.json_bytes(node.lengths)
-        node_specs.append({"path": node.path, "node_type": node.node_type,
-                           "children": list(node.children)})
+            payload[f"node.{i}.lengths"] = np.asarray(node.lengths, dtype=np.int64)
+            spec["lengths_payload"] = f"node.{i}.lengths"
+        node_specs.append(spec)
     for i, leaf in enumerate(leaves):
-        encoded = _encode_leaf(leaf.path, leaf.values, leaf.decision)
-        payload.update({f"leaf.{i}.{part}": data for part, data in encoded.payload.items()})
-        payload[f"leaf.{i}.missing"] = R.flag_bytes(v is MISSING for v in leaf.values)
-        leaf_specs.append({"path": leaf.path, "codec": encoded.codec,
-                           "metadata": encoded.metadata, "parts": sorted(encoded.payload)})
-    return R.Encoded(RECURSIVE_CODEC, len(values), payload,
-                     {"schema_source": "inferred", "root_path": path, "nodes": node_specs,
-                      "leaves": leaf_specs})
+        missing = [v is MISSING for v in leaf.values]
+        encoded = encode_one(leaf, [None if m else v for m, v in zip(missing, leaf.values)])
+        members = {}
+        for name, part in encoded.payload.items():
+            members[name] = f"leaf.{i}.{name}"
+            payload[members[name]] = part
+        payload[f"leaf.{i}.missing"] = np.asarray(missing, dtype=np.bool_)
+        members["missing"] = f"leaf.{i}.missing"
+        leaf_specs.append({"id": i, "path": leaf.path, "codec": encoded.codec,
+                           "rows": encoded.rows, "metadata": encoded.metadata,
+                           "payload_members": members})
+    return R.EncodedLeaf(RECURSIVE_CODEC, len(values), payload,
+                         {"schema_source": "inferred_from_runtime_values",
+                          "structure_version": 1, "root_path": path, "nodes": node_specs,
+                          "leaves": leaf_specs})
+
+
+def _normalized_for(values, codec):
+    return [R.plain_value(v) for v in values] if codec in ("msgpack_ragged", "json_ragged") \
+        else values
+
+
+def _schema_dtype(schema):
+    dtype = schema.metadata.get("dtype")
+    if dtype is None:
+        return None
+    np = numpy()
+    try:
+        dtype = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid FieldSchema metadata['dtype']: "
+                         f"{schema.metadata.get('dtype')!r}") from e
+    if dtype.kind not in "biufc":
+        raise ValueError(f"FieldSchema metadata['dtype'] must be numeric or bool, got {dtype}")
+    return dtype
+
+
+def encode_with_schema(path, values, schema):
+    """The EncodedLeaf of a field's rows under ``schema.codec`` (no inference, except
+    for "auto")."""
+    values = list(values)
+    if not schema.nullable and any(v is None for v in values):
+        raise ValueError(f"FieldSchema for {path!r} is not nullable")
+    codec = schema.codec
+    if codec == "auto":
+        return encode_with_fallback(path, values)
+    if codec == "ragged_tensor_dict":
+        return R.encode_ragged_tensor_dict(values, schema.metadata)
+    if codec not in SCHEMA_CODECS:
+        raise ValueError(f"unsupported schema codec: {codec!r}")
+    if codec == "ndarray":
+        dtype = _schema_dtype(schema)
+        if dtype is None:
+            return encode_with_fallback(path, values)
+        payload, metadata = R.encode_numeric_scalars(values, dtype)
+    elif codec == "typed_ragged":
+        payload, metadata = R.encode_typed_ragged(values, _schema_dtype(schema))
+    else:
+        payload, metadata = R.encode(codec, values, path)
+    return R.EncodedLeaf(codec, len(values), payload, metadata)
+
+
+def encode_with_fallback(path, values):
+    """Codec "auto": the recursive split when it applies, else the inferred codec, then
+    msgpack_ragged, then json_ragged; ValueError naming what each refused."""
+    values = list(values)
+    errors = []
+    try:
+        leaves, nodes = [], []
+        infer_structure(path, values, leaves, nodes)
+        if nodes and any(_needs_structure(leaf, "decision") for leaf in leaves):
+            return _encode_recursive(path, values, leaves, nodes, _leaf_by_schema)
+    except R.ENCODING_ERRORS as e:
+        errors.append(f"structured_recursive: {e}")
+    from .structured_object_store import FieldSchema
+    decision = choose_leaf_codec(values)
+    for codec in dict.fromkeys((decision.codec, "msgpack_ragged", "json_ragged")):
+        metadata = dict(decision.metadata) if codec == decision.codec else {}
+        try:
+            return encode_with_schema(path, _normalized_for(values, codec),
+                                      FieldSchema(codec=codec, metadata=metadata))
+        except R.ENCODING_ERRORS as e:
+            errors.append(f"{codec}: {e}")
+    raise ValueError(f"unable to infer a safe codec for structured non-tensor field "
+                     f"{path!r}; tried {errors}")
 
 
 # ---------------------------------------------------------------- decoding a field
 
 
-def decode_field(encoded, payload):
-    """The rows of an encoded field entry ({"codec", "rows", "metadata"}) from its
-    payloads {part: bytes}."""
-    codec, rows = encoded["codec"], int(encoded["rows"])
-    metadata = encoded.get("metadata") or {}
+def decode_field(encoded, payload, rows, metadata=None):
+    """The rows of an encoded field entry ({"codec", "metadata", ...}) from its
+    payloads {payload name: value}."""
+    codec = encoded.get("codec")
+    metadata = encoded.get("metadata") if metadata is None else metadata
     if codec != RECURSIVE_CODEC:
-        return R.decode(codec, rows, metadata, payload)
+        return R.decode(codec, payload, rows, metadata)
     try:
-        leaves, nodes = _read_structure(rows, metadata, payload)
-        root = metadata["root_path"]
-        return [_rebuild(root, row, leaves, nodes) for row in range(rows)]
+        return _decode_recursive(metadata or {}, payload, rows)
     except (KeyError, IndexError, TypeError) as e:
         raise ValueError(f"malformed structured_recursive field ({type(e).__name__}: "
                          f"{e})") from None
 
 
-def _read_structure(rows, metadata, payload):
-    """({leaf path: values with MISSING}, {node path: (type, children, row_mask,
-    missing, lengths)})."""
-    leaves = {}
-    for i, leaf in enumerate(metadata["leaves"]):
-        parts = {part: payload[f"leaf.{i}.{part}"] for part in leaf["parts"]}
-        values = R.decode(leaf["codec"], rows, leaf.get("metadata"), parts)
-        missing = R.read_flags(payload[f"leaf.{i}.missing"], rows, f"leaf {i} missing")
-        leaves[leaf["path"]] = [MISSING if m else v for m, v in zip(missing, values)]
-    nodes = {}
-    for i, node in enumerate(metadata["nodes"]):
-        lengths = payload.get(f"node.{i}.lengths")
-        nodes[node["path"]] = (
-            node["node_type"], node["children"],
-            R.read_flags(payload[f"node.{i}.row_mask"], rows, f"node {i} row_mask"),
-            R.read_flags(payload[f"node.{i}.missing"], rows, f"node {i} missing"),
-            None if lengths is None else json.loads(bytes(lengths)))
-    return leaves, nodes
+def _decode_recursive(metadata, payload, rows):
+    columns = {}
+    for leaf in metadata.get("leaves", []):
+        members = leaf["payload_members"]
+        parts = {name: payload[full] for name, full in members.items() if name != "missing"}
+        values = R.decode(leaf["codec"], parts, rows, leaf.get("metadata"))
+        missing = payload[members["missing"]]
+        columns[leaf["path"]] = [MISSING if bool(missing[r]) else values[r]
+                                 for r in range(rows)]
+    deepest_first = sorted(metadata.get("nodes", []),
+                           key=lambda n: n["path"].count(".") + n["path"].count("["),
+                           reverse=True)
+    for node in deepest_first:
+        columns[node["path"]] = [_rebuild_node(node, payload, columns, r) for r in range(rows)]
+    return columns[metadata["root_path"]]
 
 
-def _rebuild(path, row, leaves, nodes):
-    """The value at ``path`` of one row (MISSING where the row lacks it)."""
-    if path in leaves:
-        return leaves[path][row]
-    node_type, children, row_mask, missing, lengths = nodes[path]
-    if missing[row]:
+def _child_path(node, child):
+    if node["node_type"] == "dict":
+        return f"{node['path']}.{escape_key(str(child))}"
+    return f"{node['path']}[{int(child)}]"
+
+
+def _rebuild_node(node, payload, columns, row):
+    def flag(key):
+        name = node.get(key)
+        return None if name is None else payload[name][row]
+
+    if flag("missing_payload") is not None and bool(flag("missing_payload")):
         return MISSING
-    if not row_mask[row]:
+    mask = flag("row_mask_payload")
+    if mask is not None and not bool(mask):
         return None
-    if node_type == "dict":
+    if node["node_type"] == "dict":
         out = {}
-        for key in children:
-            value = _rebuild(f"{path}.{escape_key(key)}", row, leaves, nodes)
+        for child in node["children"]:
+            value = columns[_child_path(node, child)][row]
             if value is not MISSING:
-                out[key] = value
+                out[child] = value
         return out
-    out = [None] * int(lengths[row])
-    for i in children:
-        if i < len(out):
-            value = _rebuild(f"{path}[{i}]", row, leaves, nodes)
+    length = flag("lengths_payload")
+    out = [None] * (len(node["children"]) if length is None else int(length))
+    for child in node["children"]:
+        if int(child) < len(out):
+            value = columns[_child_path(node, child)][row]
             if value is not MISSING:
-                out[i] = value
+                out[int(child)] = value
     return out
 
 
 __all__ = ["MISSING", "CodecDecision", "InferredLeaf", "InferredNode", "choose_leaf_codec",
-           "escape_key", "infer_structure", "encode_field", "decode_field"]
+           "escape_key", "infer_structure", "encode_inferred", "encode_with_schema",
+           "encode_with_fallback", "decode_field"]

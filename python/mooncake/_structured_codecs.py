@@ -1,196 +1,203 @@
-"""How ``mooncake.structured_object_store`` turns structured members into payload bytes
-and back, plus the lazy numpy/torch helpers its codecs share.
+"""How ``mooncake.structured_object_store`` turns a structured member into a field spec
+and a payload, and tensors into bytes and back (upstream's formats).
 
-Members of a structured object (one payload each):
-  bytes         any bytes-like value, stored as is
-  ndarray       a numpy array of a non-object dtype: its C-order bytes, with
-                {"dtype": numpy dtype string, "shape": [...]}
-  torch_tensor  a CPU torch tensor: its bytes, with {"dtype": "torch.<name>", "shape",
-                "element_size"} (any dtype torch has, bfloat16 included); a jagged nested
-                tensor adds {"nested": true, "format": "jagged_parts", "ragged_idx",
-                "parts": [{"dtype", "shape"}]} and stores its values, offsets (and
-                lengths, when it has them) back to back
+Field specs (in the object's metadata under ``FIELD_SPECS_KEY``):
+  {"encoding": "bytes"}                     bytes-like values, stored as they are
+  {"encoding": "ndarray", "dtype", "shape"}  numpy arrays (C-order bytes; dtype as
+                                            numpy's ``dtype.str``), and multi-buffer /
+                                            direct-copy payloads that carry a dtype
+  {"encoding": "torch_tensor", "dtype", "shape", "element_size"}  a CPU torch tensor:
+        put with the store's put_tensor/pub_tensor (payload "kind": "tensor"), else
+        serialized as Mooncake's 304-byte tensor header plus its bytes (payload
+        "metadata_bytes"), else (no serialization helpers, or a 0-d tensor) torch.save
+        bytes (payload "format": "torch_save")
+  {"encoding": "torch_tensor"}              a tensor_object_buffer (bytes as given)
+  {"encoding": "torch_tensor", "dtype", "nested": true, "format": "tensor_parts",
+   "part_bytes", "has_lengths", "ragged_idx"}  a jagged nested tensor: its values,
+        offsets (and lengths) serialized one after another; "format": "torch_save"
+        where the serialization helpers are missing
 
-Non-tensor DataProto fields are encoded by ``mooncake._row_codecs`` (one codec per
-field) and ``mooncake._structure_inference`` (which codec, and nested rows).
-
-numpy and torch are imported only when a value needs them.
+The serialization helpers are ``mooncake.store._serialize_tensor`` /
+``_deserialize_tensor`` / ``_tensor_metadata_size``.
 """
 
 import ctypes
-import sys
+import io
 
-from ._bundle_store import ZeroCopySource
+from ._structured_payloads import (
+    MultiBufferPayload,
+    TensorObjectBuffer,
+    TensorPayload,
+    DirectCopyPayload,
+    facade,
+    is_ndarray,
+    is_tensor,
+    numpy,
+    torch_module,
+)
 
 FIELD_SPECS_KEY = "__mooncake_structured_fields__"
+_DATA_BYTES_OFFSET = 32  # where the tensor header keeps its data size, then two shapes
+_GLOBAL_SHAPE_OFFSET = 40
+_LOCAL_SHAPE_OFFSET = 104
 
 
-def numpy():
+# ---------------------------------------------------------------- tensor bytes
+
+
+def _store_module():
     try:
-        import numpy as np
-    except ImportError:
-        raise ImportError("mooncake.structured_object_store needs numpy for array values "
-                          "(pip install numpy)") from None
-    return np
+        from . import store
+    except Exception:  # no native library here
+        return None
+    return store
 
 
-def torch_module():
-    try:
-        import torch
-    except ImportError:
-        raise ImportError("mooncake.structured_object_store needs torch to read tensor "
-                          "members (pip install torch)") from None
-    return torch
+def tensor_codec_helpers_available():
+    store = _store_module()
+    return store is not None and callable(getattr(store, "_serialize_tensor", None)) and \
+        callable(getattr(store, "_deserialize_tensor", None))
 
 
-def is_tensor(value):
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+def _helper(name):
+    helper = getattr(_store_module(), name, None)
+    if not callable(helper):
+        raise RuntimeError("mooncake.store tensor serialization helpers are required for "
+                           "structured tensor fields")
+    return helper
 
 
-def is_ndarray(value):
-    np = sys.modules.get("numpy")
-    return np is not None and isinstance(value, np.ndarray)
+def tensor_metadata_size():
+    helper = getattr(_store_module(), "_tensor_metadata_size", None)
+    return int(helper()) if callable(helper) else 0
 
 
-def torch_dtype(name):
-    """The torch dtype called ``name`` ("torch.float32" or "float32")."""
-    torch = torch_module()
-    dtype = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r}")
-    return dtype
+def serialize_tensor(tensor):
+    """(header bytes, data address, data bytes, owner keeping the data alive)."""
+    header, ptr, nbytes, owner = _helper("_serialize_tensor")(tensor)
+    return bytes(header), int(ptr), int(nbytes), owner
 
 
-def memory_view(ptr, nbytes, owner):
-    """A writable byte view of memory at ``ptr`` that keeps ``owner`` alive."""
-    if nbytes == 0:
-        return memoryview(bytearray())
-    array = (ctypes.c_uint8 * nbytes).from_address(ptr)
-    array.owner = owner
-    return memoryview(array).cast("B")
+def serialized_tensor_bytes(tensor):
+    """(header + data bytes, header size)."""
+    header, ptr, nbytes, _owner = serialize_tensor(tensor)
+    data = ctypes.string_at(ptr, nbytes) if nbytes else b""
+    return header + data, len(header)
 
 
-def tensor_bytes(tensor):
-    """A byte view of a CPU tensor's contiguous data."""
-    if tensor.device.type != "cpu":
-        raise ValueError(f"structured tensor members must be CPU tensors, got {tensor.device}")
-    if getattr(tensor, "is_nested", False):
-        raise ValueError("a nested tensor has no flat bytes (only whole jagged members are "
-                         "supported)")
-    tensor = tensor.contiguous()
-    return memory_view(tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor)
+def deserialize_tensor(payload):
+    tensor = _helper("_deserialize_tensor")(bytes(payload))
+    if tensor is None:
+        raise ValueError("structured tensor payload is not a Mooncake tensor object")
+    return tensor
 
 
-def array_bytes(array):
-    np = numpy()
-    array = np.ascontiguousarray(array)
-    return memory_view(array.ctypes.data, array.nbytes, array)
+def torch_save_bytes(value):
+    buffer = io.BytesIO()
+    torch_module().save(value, buffer)
+    return buffer.getvalue()
+
+
+def torch_load_bytes(payload):
+    return torch_module().load(io.BytesIO(bytes(payload)), weights_only=True)
+
+
+def slice_tensor_header(header, shape, data_bytes):
+    """A tensor header rewritten for a tensor of ``shape`` holding ``data_bytes``."""
+    patched = bytearray(header)
+    ctypes.c_uint64.from_buffer(patched, _DATA_BYTES_OFFSET).value = int(data_bytes)
+    for i, dim in enumerate(shape):
+        ctypes.c_int64.from_buffer(patched, _GLOBAL_SHAPE_OFFSET + 8 * i).value = int(dim)
+        ctypes.c_int64.from_buffer(patched, _LOCAL_SHAPE_OFFSET + 8 * i).value = int(dim)
+    return bytes(patched)
+
+
+# ---------------------------------------------------------------- member encodings
 
 
 def encode_member(value):
-    """(field spec, payload) of one structured member."""
-    if isinstance(value, ZeroCopySource):
+    """(field spec, payload form) of one structured member."""
+    if isinstance(value, TensorObjectBuffer):
+        return {"encoding": "torch_tensor"}, value
+    if isinstance(value, TensorPayload):
+        return _encode_tensor(value.tensor)
+    if isinstance(value, (DirectCopyPayload, MultiBufferPayload)):
+        if value.dtype is not None and value.shape is not None:
+            return {"encoding": "ndarray", "dtype": value.dtype,
+                    "shape": list(value.shape)}, value
         return {"encoding": "bytes"}, value
     if is_tensor(value):
-        if value.is_nested:
-            return _encode_jagged(value)
-        return {"encoding": "torch_tensor", "dtype": str(value.dtype),
-                "shape": [int(d) for d in value.shape],
-                "element_size": int(value.element_size())}, tensor_bytes(value)
+        return _encode_tensor(value)
     if is_ndarray(value):
-        if value.dtype.hasobject:
+        array = numpy().ascontiguousarray(value)
+        if array.dtype.hasobject:
             raise TypeError("object arrays cannot be structured members (store them as "
                             "DataProto non_tensor_batch fields)")
-        return {"encoding": "ndarray", "dtype": value.dtype.str,
-                "shape": [int(d) for d in value.shape]}, array_bytes(value)
-    try:
-        memoryview(value)
-    except TypeError:
-        raise TypeError(f"unsupported structured member of type {type(value).__name__} "
-                        "(bytes-like, numpy array or torch tensor)") from None
+        return {"encoding": "ndarray", "dtype": array.dtype.str,
+                "shape": [int(d) for d in array.shape]}, array.reshape(-1).view("u1")
     return {"encoding": "bytes"}, value
 
 
-def numel(shape):
-    count = 1
-    for d in shape:
-        count *= d
-    return count
+def _encode_tensor(tensor):
+    if tensor.is_nested:
+        if tensor.layout != torch_module().jagged:
+            raise ValueError("structured nested tensor fields require torch.jagged layout")
+        return _encode_nested(tensor)
+    return {"encoding": "torch_tensor", "dtype": str(tensor.dtype),
+            "shape": [int(d) for d in tensor.shape],
+            "element_size": int(tensor.element_size())}, TensorPayload(tensor)
 
 
-def element_size(dtype):
-    return torch_module().empty(0, dtype=dtype).element_size()
-
-
-def tensor_from_buffer(buffer, offset, dtype, shape):
-    """A tensor of ``shape`` over ``buffer`` (a bytearray it shares) at byte ``offset``."""
-    torch = torch_module()
-    count = numel(shape)
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
-
-
-# ---------------------------------------------------------------- jagged nested tensors
-
-
-def _encode_jagged(tensor):
-    """(spec, payload) of a jagged nested tensor: the raw bytes of its values, offsets
-    and (when it has them) lengths, back to back."""
-    torch = torch_module()
-    if tensor.layout != torch.jagged:
-        raise ValueError("structured nested tensor members need the torch.jagged layout")
+def _encode_nested(tensor):
+    spec = {"encoding": "torch_tensor", "dtype": str(tensor.dtype), "nested": True,
+            "format": "torch_save"}
     parts = [tensor.values(), tensor.offsets()]
     if tensor.lengths() is not None:
         parts.append(tensor.lengths())
-    parts = [p.detach().cpu().contiguous() for p in parts]
-    payload = bytearray()
-    for part in parts:
-        payload += tensor_bytes(part)
-    return {"encoding": "torch_tensor", "dtype": str(tensor.dtype), "nested": True,
-            "format": "jagged_parts", "ragged_idx": int(getattr(tensor, "_ragged_idx", 1)),
-            "parts": [{"dtype": str(p.dtype), "shape": [int(d) for d in p.shape]}
-                      for p in parts]}, payload
+    if facade("_has_tensor_codec_helpers")() and all(p.device.type == "cpu" for p in parts):
+        blobs = [serialized_tensor_bytes(p)[0] for p in parts]
+        spec.update({"format": "tensor_parts", "part_bytes": [len(b) for b in blobs],
+                     "has_lengths": len(parts) == 3,
+                     "ragged_idx": int(getattr(tensor, "_ragged_idx", 1))})
+        return spec, MultiBufferPayload(tuple(memoryview(b) for b in blobs))
+    return spec, memoryview(torch_save_bytes(tensor))
 
 
-def decode_jagged(spec, payload, indices=None):
-    """The jagged nested tensor a member spec and its payload describe; only its rows at
-    ``indices`` (in that order) when given."""
-    torch = torch_module()
-    if spec.get("format") != "jagged_parts":
-        raise ValueError(f"unsupported nested tensor format: {spec.get('format')!r}")
-    parts = spec.get("parts")
-    if not isinstance(parts, list) or len(parts) not in (2, 3):
-        raise ValueError("nested tensor member has invalid part metadata")
-    try:
-        layout = [(torch_dtype(p["dtype"]), [int(d) for d in p["shape"]]) for p in parts]
-    except (KeyError, TypeError, ValueError):
-        raise ValueError("nested tensor member has invalid part metadata") from None
-    sizes = [numel(shape) * element_size(dtype) for dtype, shape in layout]
-    buffer = bytearray(payload)
-    if sum(sizes) != len(buffer):
-        raise ValueError(f"nested tensor payload has {len(buffer)} bytes, its parts "
-                         f"describe {sum(sizes)}")
-    tensors, offset = [], 0
-    for (dtype, shape), size in zip(layout, sizes):
-        tensors.append(tensor_from_buffer(buffer, offset, dtype, shape))
+def decode_nested(payload, spec):
+    """The jagged nested tensor of a nested member's payload."""
+    fmt = spec.get("format", "torch_save")
+    if fmt == "torch_save":
+        return torch_load_bytes(payload)
+    if fmt != "tensor_parts":
+        raise ValueError(f"unsupported nested tensor payload format: {fmt}")
+    sizes = spec.get("part_bytes")
+    expected = 3 if spec.get("has_lengths") else 2
+    if not isinstance(sizes, list) or len(sizes) != expected:
+        raise ValueError("nested tensor payload has invalid part metadata")
+    parts, offset = [], 0
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError("nested tensor payload has invalid part size")
+        if offset + size > len(payload):
+            raise ValueError("nested tensor payload is truncated")
+        parts.append(deserialize_tensor(payload[offset:offset + size]))
         offset += size
-    values, offsets, lengths = (tensors + [None])[:3]
-    ragged_idx = int(spec.get("ragged_idx", 1))
-    if indices is not None:
-        values, offsets, lengths = _pick_jagged_rows(values, offsets, lengths,
-                                                     ragged_idx - 1, indices)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, lengths=lengths,
-                                                  jagged_dim=ragged_idx)
+    if offset != len(payload):
+        raise ValueError("nested tensor payload has trailing bytes")
+    return torch_module().nested.nested_tensor_from_jagged(
+        parts[0], offsets=parts[1], lengths=parts[2] if expected == 3 else None,
+        jagged_dim=int(spec.get("ragged_idx", 1)))
 
 
-def _pick_jagged_rows(values, offsets, lengths, dim, indices):
-    """(values, offsets, None) of the rows at ``indices``: each row is a slice of
-    ``values`` along ``dim``."""
+def select_nested_rows(value, indices):
+    """The rows at ``indices`` of a jagged nested tensor, as one (same ragged dim)."""
     torch = torch_module()
+    ragged_idx = int(getattr(value, "_ragged_idx", 1))
+    dim = ragged_idx - 1  # the ragged dim inside ``values``
+    values, offsets, lengths = value.values(), value.offsets(), value.lengths()
     sizes = lengths if lengths is not None else offsets.diff()
     pieces = [values.narrow(dim, int(offsets[i]), int(sizes[i])) for i in indices]
     picked = torch.cat(pieces, dim) if pieces else values.narrow(dim, 0, 0)
     ends = torch.tensor([p.shape[dim] for p in pieces], dtype=offsets.dtype).cumsum(0)
-    return picked, torch.cat([offsets.new_zeros(1), ends]), None
+    return torch.nested.nested_tensor_from_jagged(
+        picked, offsets=torch.cat([offsets.new_zeros(1), ends]), jagged_dim=ragged_idx)

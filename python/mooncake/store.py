@@ -41,9 +41,11 @@ from ._common import (
     store_client_ports,
     transfer_timeout_ms,
 )
+from . import _tensor_layout
 from ._tensor_layout import ParallelAxis, ReadTarget, TensorParallelism
+from ._tensor_read import tensor_in
 from ._store_surface import QueryTaskResponse, StoreSurfaceMixin, TaskStatus, TaskType
-from ._tensor_store import TensorStoreMixin
+from ._tensor_store import TensorStoreMixin, _host_tensor
 from .mooncake_config import bool_word, parse_size, port_number
 
 __all__ = [
@@ -1445,6 +1447,30 @@ class MooncakeHostMemAllocator:
         del view, entry
         m.close()
         return 0
+
+
+# Upstream's module-level tensor serialization helpers (mooncake.structured_object_store
+# uses them): a tensor as a Mooncake tensor object's header plus its bytes, and back.
+
+
+def _serialize_tensor(tensor):
+    """(header bytes, data address, data bytes, owner keeping the data alive) of a
+    tensor; ValueError for one Mooncake cannot store."""
+    host = _host_tensor(tensor, "_serialize_tensor")
+    if host is None:
+        raise ValueError("unsupported tensor for Mooncake tensor serialization")
+    header = _tensor_layout.TensorHeader(_tensor_layout.dtype_code(host.dtype), host.shape)
+    return header.pack(), host.data_ptr(), header.data_bytes, host
+
+
+def _tensor_metadata_size():
+    return _tensor_layout.HEADER_SIZE
+
+
+def _deserialize_tensor(data):
+    """The tensor of a whole tensor object's bytes (a copy), or None when they are not
+    one."""
+    return tensor_in(bytearray(data), "_deserialize_tensor")
 
 
 def __getattr__(name):

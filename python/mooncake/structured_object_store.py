@@ -1,16 +1,17 @@
 """Structured objects and DataProto batches in Mooncake Store (upstream's
-``mooncake.structured_object_store`` API).
+``mooncake.structured_object_store`` API, with its key layout, manifests, field specs
+and codec payloads, so either side reads what the other wrote).
 
 ``MooncakeBundleTransfer(store)`` stores, over any store with put/get/remove (a
-``MooncakeDistributedStore``; its zero-copy calls are used when present):
+``MooncakeDistributedStore``; its tensor and zero-copy calls are used when present):
 
 * bundles: metadata bytes plus named buffers (``put_bundle``, ``remove_bundle``);
 * structured objects: JSON metadata plus named members -- bytes, numpy arrays, CPU
-  torch tensors, or ``tensor_object_buffer`` regions put zero-copy
-  (``put_structured_object``, ``put_object``/``get_object``), read back lazily through a
-  ``StructuredObjectReadSpec`` that selects members and axis-0 row slices
-  (``read_spec``, ``materialize``, ``materialize_into`` caller destinations: numpy
-  arrays, torch tensors, ``raw_destination`` memory);
+  torch tensors (jagged nested ones too), or ``tensor_object_buffer`` regions put
+  zero-copy (``put_structured_object``, ``put_object``/``get_object``), read back
+  lazily through a ``StructuredObjectReadSpec`` that selects members and axis-0 row
+  slices (``read_spec``, ``materialize``, ``materialize_into`` caller destinations:
+  numpy arrays, ``tensor_object_buffer`` or ``raw_destination`` memory);
 * DataProto batches (verl's ``batch`` / ``non_tensor_batch`` / ``meta_info``, or a flat
   dict): ``put``/``put_dataproto`` store one stage as a structured object and return a
   ``MooncakeDataProtoRef``, a light handle (``export_ref`` makes it JSON for another
@@ -18,49 +19,93 @@
   new or the same stage; ``get``/``get_dataproto`` read selected fields and rows;
   ``cleanup_dataproto`` removes every object of a handle.
 
-Bytes are chunked (``default_chunk_bytes``, 64 MiB) into store objects; see
-``mooncake._bundle_store`` for the key layout and manifest,
-``mooncake._structured_codecs`` for member encodings (jagged nested tensors included),
-``mooncake._row_codecs`` for the non-tensor field codecs and
-``mooncake._structure_inference`` for how a field's codec is inferred (``MISSING``,
-``infer_structure``, ``_choose_leaf_codec``, ``_escape_key``). The objects of one
-DataProto share a storage group (``config.group_ids``: one logical id, or ``[""]`` for
-none; a fresh id by default), so the store evicts them together.
+The layers: ``_structured_transport`` (which store calls move the bytes),
+``_structured_bundles`` (keys and manifests), ``_structured_codecs`` (member field
+specs, tensor bytes), ``_structured_layer`` (structured objects and their reads),
+``_structured_rows`` and ``_structure_inference`` (non-tensor field codecs and how one
+is chosen), ``_structured_dataproto`` (DataProto shapes), ``_structured_msgpack``
+(msgpack_ragged rows without the msgpack package). The objects of one DataProto share
+a storage group (``config.group_ids``: one logical id, ``[""]`` for none; a fresh id by
+default), so the store evicts them together.
 
-Differences from upstream: tensors (jagged nested ones and ragged_tensor rows too,
-bfloat16 included) are stored as their raw bytes with dtype and shape in the manifest
-(upstream uses its store's tensor serialization or torch.save); non-tensor payload
-layouts are this package's own; dict/list rows fall back to json_ragged where the
-msgpack package is not installed; and the module imports numpy, torch, msgpack and
-Pillow only when a value needs them.
+Module-level names upstream's callers and tests reach are kept: the payload forms
+(``_MultiBufferPayload``, ``_DirectCopyPayload``, ...), the codec functions
+(``_encode_typed_ragged_values``, ``_encode_with_schema``, ...), and two hooks looked up
+at each use, so they can be replaced: ``_concat_arrays_into`` (the fast copy of ndarray
+rows into pool leases; None turns it off) and ``_has_tensor_codec_helpers`` (whether
+``mooncake.store`` can serialize tensors; without it tensors are stored as torch.save
+bytes).
+
+Differences from upstream: numpy, torch and Pillow are imported only when a value needs
+them and msgpack rows are packed by this package (no msgpack dependency); non-tensor
+fields read with a row selection are read whole and then cut (upstream reads only the
+rows' bytes), and any slice step works for them; a ``non_tensor_batch`` field given as a
+plain list is encoded like an object array (upstream refuses it).
 """
 
-import copy
-import ctypes
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+from typing import Any, Mapping, Optional, Protocol, Union
 
-from . import _bundle_store as B
 from . import _structure_inference as I
-from . import _structured_codecs as C
-from ._bundle_store import (  # upstream exports these names
-    AUTO_PARALLEL_MIN_BYTES,
-    AUTO_PARALLEL_MIN_CHUNKS,
-    DEFAULT_BUNDLE_CHUNK_BYTES,
-    MISSING_OBJECT_ERROR,
-)
+from . import _structured_dataproto as D
+from . import _structured_payloads as P
 from ._structure_inference import (  # noqa: F401 (upstream's names for these)
     MISSING,
     CodecDecision as _CodecDecision,
     InferredLeaf as _InferredLeaf,
     InferredNode as _InferredNode,
     choose_leaf_codec as _choose_leaf_codec,
+    encode_with_fallback as _encode_with_fallback,
+    encode_with_schema as _encode_with_schema,
     escape_key as _escape_key,
     infer_structure,
 )
+from ._structured_bundles import (
+    BundleManifestStore,
+    check_chunk_bytes,
+    check_key_segment,
+    decode_json,
+    normalize_key_prefix,
+)
 from ._structured_codecs import FIELD_SPECS_KEY as STRUCTURED_FIELD_SPECS_KEY
+from ._structured_codecs import tensor_codec_helpers_available
+from ._structured_layer import StructuredObjects, encode_metadata
+from ._structured_payloads import (  # noqa: F401 (upstream's names for these)
+    MISSING_OBJECT_ERROR,
+    DirectCopyPayload as _DirectCopyPayload,
+    MultiBufferPayload as _MultiBufferPayload,
+    RawDestination as _RawDestinationBuffer,
+    TensorObjectBuffer as _TensorObjectBufferPayload,
+    TensorPayload as _TensorPayload,
+    config_for_keys as _config_for_grouped_keys,
+)
+from ._structured_rows import (  # noqa: F401 (upstream's names for these)
+    EncodedLeaf as _EncodedStructuredLeaf,
+    decode_msgpack as _decode_msgpack_ragged_values,
+    decode_typed_ragged as _decode_typed_ragged_values,
+    encode_msgpack as _encode_msgpack_ragged_values,
+    encode_typed_ragged as _encode_typed_ragged_values,
+    encode_typed_ragged_regular_rows as _encode_typed_ragged_regular_ndarray_rows,
+)
+from ._structured_transport import (
+    AUTO_PARALLEL_MIN_BYTES,
+    AUTO_PARALLEL_MIN_CHUNKS,
+    PayloadTransport,
+)
+
+try:  # the fast copy of ndarray rows into pool leases (replaceable; None: off)
+    from ._fast_copy import concat_arrays_into as _concat_arrays_into
+except ImportError:  # pragma: no cover - the module ships with this package
+    _concat_arrays_into = None
+
+DEFAULT_BUNDLE_CHUNK_BYTES = 64 * 1024 ** 2
+DATAPROTO_REF_HANDLE_TYPE = "mooncake_dataproto_ref"
+DATAPROTO_REF_HANDLE_VERSION = 1
+STORAGE_GROUP_ID = "storage_group_id"
+_WRAPPED_OBJECT = "__mooncake_wrapped_object__"
+_decode_manifest = lambda payload: decode_json(payload, "bundle manifest")  # noqa: E731
 
 __all__ = [
     "BundleTransferPolicy", "FieldSchema", "RemoteBundleRef", "StructuredObjectPayload",
@@ -74,11 +119,10 @@ __all__ = [
     "MISSING", "infer_structure",
 ]
 
-DATAPROTO_REF_HANDLE_TYPE = "mooncake_dataproto_ref"
-DATAPROTO_REF_HANDLE_VERSION = 1
-STORAGE_GROUP_ID = "storage_group_id"
-_WRAPPED_OBJECT = "__mooncake_wrapped_object__"
-_SECTIONS = ("batch", "non_tensor_batch", "meta_info")
+
+def _has_tensor_codec_helpers():
+    """Whether ``mooncake.store`` serializes tensors (replaceable hook)."""
+    return tensor_codec_helpers_available()
 
 
 # ---------------------------------------------------------------- public records
@@ -101,23 +145,20 @@ class BundleStore(Protocol):
 class BundleTransferPolicy:
     """How payload chunks are written. ``max_inflight_put``: chunks written at once;
     ``put_mode``: "batch" (one at a time), "parallel", or "auto" (parallel for at least
-    8 chunks and 64 MiB); ``copy_mode``: "copy" (``put``), "zero_copy" (straight from the
-    caller's writable memory, registered for the call) or "auto" (through the transfer's
-    BufferPool when it has one, else copy)."""
+    8 chunks and 64 MiB); ``copy_mode``: "copy" (``put``), "zero_copy" (only tensor_object_buffer
+    members, put from their registered memory; any other payload is refused) or "auto"
+    (tensors with the store's tensor calls, bytes through the transfer's BufferPool when
+    it has one, else copied)."""
 
     max_inflight_put: int = 1
     put_mode: str = "auto"
     copy_mode: str = "auto"
 
-    def as_copy(self):
-        return self if self.copy_mode == "copy" else \
-            BundleTransferPolicy(self.max_inflight_put, self.put_mode, "copy")
-
 
 @dataclass(frozen=True)
 class FieldSchema:
     """How a DataProto non-tensor field is encoded: ``codec`` (see
-    ``mooncake._row_codecs``, or "auto" to infer it), ``nullable``, and ``metadata``
+    ``mooncake._structured_rows``, or "auto" to infer it), ``nullable``, and ``metadata``
     ("section": batch, non_tensor_batch or meta_info, to place a flat-dict field; "dtype"
     for numeric codecs; "keys" for ragged_tensor_dict)."""
 
@@ -207,43 +248,6 @@ class StructuredObjectReadSpec:
 
     def member_slice(self, name):
         return dict(self.member_slices).get(name)
-
-
-class _TensorObjectBuffer(B.ZeroCopySource):
-    """Memory registered with the store, put as one member without a copy; also a
-    destination for reading a member's raw bytes back."""
-
-    __slots__ = ("batch_size",)
-
-    def __init__(self, ptr, size, owner=None, batch_size=None):
-        super().__init__(ptr, size, owner)
-        self.batch_size = batch_size
-
-    def __len__(self):
-        if self.batch_size is None:
-            raise TypeError("tensor object buffer requires batch_size for DataProto use")
-        return self.batch_size
-
-
-@dataclass(frozen=True)
-class _RawDestination:
-    ptr: int
-    size: int
-    owner: Any = None
-    pre_registered: bool = False
-
-
-def tensor_object_buffer(ptr, size, owner=None, batch_size=None):
-    """``size`` bytes at ``ptr`` (inside memory registered with the store, e.g. a
-    BufferPool lease; ``owner`` keeps it alive) to store as one member without a copy,
-    or to read a member into. ``batch_size`` makes it usable as a DataProto field."""
-    return _TensorObjectBuffer(ptr, size, owner, batch_size)
-
-
-def raw_destination(ptr, size, owner=None, *, pre_registered=False):
-    """Memory at ``ptr`` to read a member into (``pre_registered``: it is registered
-    with the store already, e.g. a BufferPool lease)."""
-    return _RawDestination(int(ptr), int(size), owner, bool(pre_registered))
 
 
 # ---------------------------------------------------------------- DataProto handles
@@ -367,542 +371,44 @@ def _as_ref(ref):
                     f"{type(ref).__name__}")
 
 
-# ---------------------------------------------------------------- configs and groups
+def tensor_object_buffer(ptr, size, owner=None, batch_size=None):
+    """``size`` bytes at ``ptr`` (inside memory registered with the store, e.g. a
+    BufferPool lease; ``owner`` keeps it alive) to store as one member without a copy,
+    or to read a member into. ``batch_size`` makes it usable as a DataProto field."""
+    return _TensorObjectBufferPayload(int(ptr), int(size), owner, batch_size)
 
 
-def _checked_policy(policy, max_inflight_put=None):
-    policy = policy or BundleTransferPolicy()
-    if max_inflight_put is not None:
-        policy = BundleTransferPolicy(max_inflight_put, policy.put_mode, policy.copy_mode)
-    if isinstance(policy.max_inflight_put, bool) or not isinstance(policy.max_inflight_put, int) \
-            or policy.max_inflight_put < 1:
-        raise ValueError("max_inflight_put must be positive")
-    if policy.put_mode not in B.PUT_MODES:
-        raise ValueError(f"unsupported put_mode: {policy.put_mode}")
-    if policy.copy_mode not in B.COPY_MODES:
-        raise ValueError(f"unsupported copy_mode: {policy.copy_mode}")
-    return policy
+def raw_destination(ptr, size, owner=None, *, pre_registered=False):
+    """Memory at ``ptr`` to read a member into (``pre_registered``: it is registered
+    with the store already, e.g. a BufferPool lease)."""
+    return _RawDestinationBuffer(int(ptr), int(size), owner, bool(pre_registered))
 
 
-def _group_ids_of(config):
-    """The one logical group id a config names: None (not set), "" (ungrouped) or an
-    id; ValueError for several or non-string ids."""
+# ---------------------------------------------------------------- storage groups
+
+
+def _new_storage_group_id(config):
+    """The storage group of a new DataProto: the one id ``config.group_ids`` names, a
+    fresh "structured-<hex>" when it names none, or None for "" (ungrouped)."""
     raw = getattr(config, "group_ids", None)
     if raw is None:
-        return None
-    ids = [raw] if isinstance(raw, str) else list(raw)
-    if len(ids) > 1:
-        raise ValueError("structured object store config.group_ids must contain exactly one "
-                         "logical group id; it is expanded across internal Mooncake keys")
-    if not ids:
-        return ""
-    if not isinstance(ids[0], str):
-        raise ValueError("structured object store config.group_ids must contain strings")
-    return ids[0]
-
-
-def _new_storage_group(config):
-    group = _group_ids_of(config)
+        group = None
+    elif isinstance(raw, str):
+        group = raw
+    else:
+        try:
+            ids = list(raw)
+        except TypeError:
+            raise ValueError("structured object store config.group_ids must contain "
+                             "strings") from None
+        if len(ids) > 1:
+            raise ValueError(P.ONE_GROUP_ERROR)
+        group = ids[0] if ids else None
     if group is None:
         return f"structured-{uuid.uuid4().hex}"
+    if not isinstance(group, str):
+        raise ValueError("structured object store config.group_ids must contain strings")
     return group or None
-
-
-def _copy_config(config):
-    try:
-        return copy.copy(config)
-    except TypeError:
-        raise TypeError("structured object store config must be copyable") from None
-
-
-def _grouped_config(config, group):
-    """``config`` writing into storage group ``group`` (None: ``config`` as given)."""
-    if group is None:
-        return config
-    named = None if config is None else _group_ids_of(config)
-    if named and named != group:
-        raise ValueError("config.group_ids conflicts with the DataProto storage group")
-    if config is None:
-        try:
-            from .store import ReplicateConfig
-            grouped = ReplicateConfig()
-        except (ImportError, OSError):  # no library: a plain record for a duck store
-            import types
-            grouped = types.SimpleNamespace()
-    else:
-        grouped = _copy_config(config)
-    grouped.group_ids = [group]
-    return grouped
-
-
-# ---------------------------------------------------------------- pool-backed arrays
-
-
-class _PoolOwner:
-    """Gives a BufferPool lease back when the arrays over it are done (or on
-    ``release_result``)."""
-
-    def __init__(self, lease):
-        self.lease = lease
-        self.released = False
-
-    def release(self):
-        if not self.released:
-            self.released = True
-            self.lease.release()
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:
-            pass
-
-
-_pool_array_type = None
-
-
-def _pool_array(lease, dtype, shape):
-    """An ndarray over a lease's memory that gives the lease back when collected."""
-    global _pool_array_type
-    np = C.numpy()
-    if _pool_array_type is None:
-        class PoolBackedArray(np.ndarray):
-            def __array_finalize__(self, obj):
-                self._mooncake_pool_owner = getattr(obj, "_mooncake_pool_owner", None)
-
-        _pool_array_type = PoolBackedArray
-    dtype = np.dtype(dtype)
-    count = 1
-    for d in shape:
-        count *= d
-    raw = (ctypes.c_uint8 * max(count * dtype.itemsize, 1)).from_address(lease.ptr)
-    array = np.frombuffer(raw, dtype=np.uint8, count=count * dtype.itemsize)
-    array = array.view(dtype).reshape(shape).view(_pool_array_type)
-    array._mooncake_pool_owner = _PoolOwner(lease)
-    return array
-
-
-# ---------------------------------------------------------------- reading members
-
-
-def _row_plan(shape, itemsize, rows):
-    """(output shape, [(src, dst, n)] ranges) for ``rows``: None (all), a
-    StructuredMemberSlice, or a sequence of row indices."""
-    total = itemsize
-    for d in shape:
-        total *= d
-    if rows is None:
-        return tuple(shape), [(0, 0, total)]
-    if not shape:
-        raise ValueError("structured member slicing requires at least one dimension")
-    width = total // shape[0] if shape[0] else itemsize * _prod(shape[1:])
-    picked = _picked_rows(rows, shape[0])
-    if isinstance(picked, range) and picked.step == 1:
-        return (len(picked), *shape[1:]), [(picked.start * width, 0, len(picked) * width)]
-    return (len(picked), *shape[1:]), [(r * width, i * width, width)
-                                       for i, r in enumerate(picked)]
-
-
-def _picked_rows(rows, count):
-    """The indices ``rows`` (a StructuredMemberSlice, or row indices) picks of ``count``
-    rows."""
-    if not isinstance(rows, StructuredMemberSlice):
-        return rows
-    if rows.axis != 0:
-        raise ValueError("structured member slicing currently supports axis=0 only")
-    if rows.step <= 0:
-        raise ValueError("structured member slicing step must be positive")
-    return range(*slice(rows.start, rows.end, rows.step).indices(count))
-
-
-def _prod(values):
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def _checked_destination_size(destination, nbytes):
-    if destination.size < nbytes:
-        kind = "tensor" if isinstance(destination, _TensorObjectBuffer) else "raw"
-        raise ValueError(f"{kind} destination has {destination.size} bytes, expected at "
-                         f"least {nbytes}")
-
-
-def _ndarray_target(name, destination, dtype, shape):
-    np = C.numpy()
-    if destination is None:
-        return np.empty(shape, dtype=dtype)
-    if not isinstance(destination, np.ndarray):
-        raise TypeError(f"structured ndarray field {name} destination must be a "
-                        "numpy.ndarray or raw_destination")
-    if destination.dtype != dtype:
-        raise ValueError(f"structured ndarray field {name} destination dtype mismatch: "
-                         f"expected {dtype.str}, got {destination.dtype.str}")
-    if tuple(destination.shape) != tuple(shape):
-        raise ValueError(f"structured ndarray field {name} destination shape mismatch: "
-                         f"expected {tuple(shape)}, got {tuple(destination.shape)}")
-    if not destination.flags["C_CONTIGUOUS"] or not destination.flags["WRITEABLE"]:
-        raise ValueError(f"structured ndarray field {name} destination must be C-contiguous "
-                         "and writeable")
-    return destination
-
-
-def _tensor_target(name, destination, dtype, shape):
-    torch = C.torch_module()
-    if destination is None:
-        return torch.empty(shape, dtype=dtype)
-    if tuple(destination.shape) != tuple(shape) or destination.dtype != dtype:
-        raise ValueError(f"structured tensor field {name} destination must be {dtype} of "
-                         f"shape {tuple(shape)}, got {destination.dtype} "
-                         f"{tuple(destination.shape)}")
-    if destination.device.type != "cpu" or not destination.is_contiguous():
-        raise ValueError(f"structured tensor field {name} destination must be a contiguous "
-                         "CPU tensor")
-    return destination
-
-
-class _Reader:
-    """Reads members of one structured object (its manifest and metadata)."""
-
-    def __init__(self, transfer, manifest, metadata):
-        self._io = transfer._bundles.io
-        self._pool = transfer._pool
-        self.manifest = manifest
-        self.metadata = metadata
-        self.specs = metadata.get(STRUCTURED_FIELD_SPECS_KEY, {})
-
-    def payload(self, member):
-        try:
-            return self.manifest["buffers"][member]
-        except KeyError:
-            raise KeyError(f"unknown bundle buffers: {[member]}") from None
-
-    def field_spec(self, member):
-        return self.specs.get(member, {"encoding": "bytes"})
-
-    def read(self, name, rows=None, destination=None):
-        spec = self.field_spec(name)
-        payload = self.payload(name)
-        encoding = spec.get("encoding", "bytes")
-        if encoding == "ndarray":
-            return self._read_ndarray(name, payload, spec, rows, destination)
-        if encoding == "torch_tensor":
-            return self._read_tensor(name, payload, spec, rows, destination)
-        if encoding != "bytes":
-            raise ValueError(f"unsupported structured field encoding: {encoding}")
-        if rows is not None:
-            raise ValueError(f"structured bytes member {name} does not support slicing")
-        if destination is None:
-            return self._io.read_bytes(payload)
-        return self._read_raw(name, payload, [(0, 0, int(payload["bytes"]))],
-                              int(payload["bytes"]), destination)
-
-    def _read_raw(self, name, payload, ranges, nbytes, destination):
-        if not isinstance(destination, (_RawDestination, _TensorObjectBuffer)):
-            raise ValueError(f"structured member {name} takes a raw_destination or "
-                             "tensor_object_buffer destination here")
-        _checked_destination_size(destination, nbytes)
-        self._io.read_ranges(payload, destination.ptr, destination.size, ranges,
-                             dest_registered=isinstance(destination, _TensorObjectBuffer) or
-                             destination.pre_registered)
-        return destination
-
-    def _read_ndarray(self, name, payload, spec, rows, destination):
-        np = C.numpy()
-        dtype = np.dtype(spec["dtype"])
-        shape, ranges = _row_plan([int(d) for d in spec["shape"]], dtype.itemsize, rows)
-        nbytes = _prod(shape) * dtype.itemsize
-        if isinstance(destination, (_RawDestination, _TensorObjectBuffer)):
-            self._read_raw(name, payload, ranges, nbytes, destination)
-            raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(destination.ptr)
-            return np.frombuffer(raw, np.uint8, nbytes).view(dtype).reshape(shape)
-        registered = False
-        if destination is None and self._pool is not None and nbytes:
-            target, registered = _pool_array(self._pool.acquire(nbytes), dtype, shape), True
-        else:
-            target = _ndarray_target(name, destination, dtype, shape)
-        if nbytes:
-            self._io.read_ranges(payload, target.ctypes.data, nbytes, ranges,
-                                 dest_registered=registered)
-        return target
-
-    def _read_tensor(self, name, payload, spec, rows, destination):
-        if spec.get("nested"):
-            return self._read_nested(name, payload, spec, rows, destination)
-        dtype_name = spec["dtype"]
-        itemsize = int(spec["element_size"])
-        shape, ranges = _row_plan([int(d) for d in spec["shape"]], itemsize, rows)
-        nbytes = _prod(shape) * itemsize
-        if isinstance(destination, (_RawDestination, _TensorObjectBuffer)):
-            return self._read_raw(name, payload, ranges, nbytes, destination)
-        target = _tensor_target(name, destination, C.torch_dtype(dtype_name), shape)
-        if nbytes:
-            self._io.read_ranges(payload, target.data_ptr(), nbytes, ranges)
-        return target
-
-    def _read_nested(self, name, payload, spec, rows, destination):
-        if destination is not None:
-            raise ValueError(f"structured nested tensor member {name} does not support "
-                             "destinations")
-        try:
-            count = int(spec["parts"][1]["shape"][0]) - 1  # offsets: one more than rows
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise ValueError(f"nested tensor member {name} has invalid part metadata") \
-                from None
-        indices = None if rows is None else _picked_rows(rows, count)
-        return C.decode_jagged(spec, self._io.read_bytes(payload), indices)
-
-    def read_encoded(self, encoded, rows=None):
-        """The rows (all, or those ``rows`` selects) of an encoded non-tensor field."""
-        payload = {p: self._io.read_bytes(self.payload(m))
-                   for p, m in encoded["payload_members"].items()}
-        values = I.decode_field(encoded, payload)
-        if rows is None:
-            return values
-        return [values[i] for i in _picked_rows(rows, len(values))]
-
-
-# ---------------------------------------------------------------- DataProto shapes
-
-
-def _to_dict(value):
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        return dict(value)
-    items = getattr(value, "items", None)
-    if callable(items):
-        return dict(items())
-    raise TypeError(f"expected mapping-like value, got {type(value).__name__}")
-
-
-def _is_envelope(data):
-    return bool(data) and set(data) <= set(_SECTIONS) and all(
-        v is None or isinstance(v, Mapping) or callable(getattr(v, "items", None))
-        for v in data.values())
-
-
-def _split_sections(data):
-    """(batch, non_tensor_batch, meta_info) of a DataProto-like object or envelope."""
-    if isinstance(data, Mapping):
-        if _is_envelope(data):
-            return tuple(_to_dict(data.get(s)) for s in _SECTIONS)
-        return dict(data), {}, {}
-    return tuple(_to_dict(getattr(data, s, None)) for s in _SECTIONS)
-
-
-def _rows_of(value):
-    if isinstance(value, _TensorObjectBuffer):
-        return len(value)
-    try:
-        return len(value)
-    except TypeError:
-        raise ValueError(f"DataProto field of type {type(value).__name__} has no batch size") \
-            from None
-
-
-def _batch_size(batch, non_tensor):
-    sizes = {_rows_of(v) for section in (batch, non_tensor) for v in section.values()}
-    if len(sizes) > 1:
-        raise ValueError(f"DataProto fields have inconsistent batch sizes: {sorted(sizes)}")
-    return sizes.pop() if sizes else 0
-
-
-def _schema_section(name, schema):
-    section = schema.metadata.get("section")
-    if section is not None and section not in _SECTIONS:
-        raise ValueError(f"FieldSchema for {name!r} metadata['section'] must be one of "
-                         f"{sorted(_SECTIONS)}")
-    return section
-
-
-def _check_schema_sections(sections, schemas):
-    present = {}
-    for section, fields in zip(_SECTIONS, sections):
-        for name in fields:
-            present.setdefault(name, set()).add(section)
-    for name, schema in (schemas or {}).items():
-        declared = _schema_section(name, schema)
-        if declared and name in present and declared not in present[name]:
-            raise ValueError(f"FieldSchema for {name!r} declares section {declared!r}, but "
-                             f"data contains it in {', '.join(sorted(present[name]))}")
-
-
-def _is_dense(value):
-    if C.is_tensor(value):
-        return value.dim() > 0
-    return C.is_ndarray(value) and not value.dtype.hasobject and value.ndim > 0
-
-
-def _is_row_list(value):
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
-
-
-def _flat_rows(data, schemas):
-    """The row count of a flat dict: from schema-placed fields, else dense arrays, else
-    row lists; ValueError when they disagree."""
-    placed = {len(data[n]) for n, s in schemas.items()
-              if n in data and _schema_section(n, s) in ("batch", "non_tensor_batch")}
-    if placed:
-        if len(placed) > 1:
-            raise ValueError(f"flat dict fields have inconsistent batch sizes: {sorted(placed)}")
-        return placed.pop(), True
-    meta = {n for n, s in schemas.items() if _schema_section(n, s) == "meta_info"}
-    dense = {len(v) for k, v in data.items() if k not in meta and _is_dense(v)}
-    if len(dense) > 1:
-        raise ValueError(f"flat dict dense fields have ambiguous batch sizes: {sorted(dense)}")
-    if dense:
-        return dense.pop(), False
-    lists = {len(v) for k, v in data.items() if k not in meta and
-             (_is_row_list(v) or (C.is_ndarray(v) and v.ndim > 0))}
-    if len(lists) > 1:
-        raise ValueError(f"flat dict fields have ambiguous batch sizes: {sorted(lists)}; pass "
-                         "FieldSchema metadata['section'] for list-valued metadata fields")
-    return (lists.pop() if lists else 0), False
-
-
-def _object_rows(name, value, rows):
-    if C.is_ndarray(value):
-        if len(value) != rows:
-            raise ValueError(f"flat dict non_tensor_batch field {name!r} has batch size "
-                             f"{len(value)}, expected {rows}")
-        return value
-    if not _is_row_list(value):
-        raise TypeError(f"flat dict non_tensor_batch field {name!r} must be an ndarray or "
-                        "non-string sequence")
-    if len(value) != rows:
-        raise ValueError(f"flat dict non_tensor_batch field {name!r} has batch size "
-                         f"{len(value)}, expected {rows}")
-    return list(value)
-
-
-def _flat_to_envelope(data, schemas):
-    """A flat dict as {batch, non_tensor_batch, meta_info}: dense row-aligned arrays are
-    batch fields, row lists non-tensor fields, everything else meta_info (unless a
-    FieldSchema places the field)."""
-    if not isinstance(data, Mapping):
-        raise TypeError("flat dict payload must be a mapping")
-    schemas = schemas or {}
-    rows, from_schema = _flat_rows(data, schemas)
-    batch, non_tensor, meta = {}, {}, {}
-    for name, value in data.items():
-        section = _schema_section(name, schemas[name]) if name in schemas else None
-        if section is None:
-            if rows and _is_dense(value) and len(value) == rows:
-                section = "batch"
-            elif not from_schema and rows and _is_row_list(value) and len(value) == rows:
-                section = "non_tensor_batch"
-            else:
-                section = "meta_info"
-        if section == "batch":
-            batch[name] = value
-        elif section == "non_tensor_batch":
-            non_tensor[name] = _object_rows(name, value, rows)
-        else:
-            meta[name] = value
-    return {"batch": batch, "non_tensor_batch": non_tensor, "meta_info": meta}
-
-
-def _envelope_to_flat(result):
-    sections = [_to_dict(result.get(s)) for s in ("meta_info", "batch", "non_tensor_batch")]
-    seen, overlap = set(), set()
-    for section in sections:
-        overlap |= seen & set(section)
-        seen |= set(section)
-    if overlap:
-        raise ValueError(f"Duplicate keys found across DataProto sections: {sorted(overlap)}")
-    flat = {}
-    for section in sections:
-        for name, value in section.items():
-            if C.is_ndarray(value) and value.dtype.hasobject:
-                value = value.tolist()
-            flat[name] = value
-    return flat
-
-
-def _object_array(values):
-    np = C.numpy()
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
-def _build_result(batch, non_tensor, meta_info, data_cls):
-    if data_cls is None or data_cls is dict:
-        return {"batch": batch, "non_tensor_batch": non_tensor, "meta_info": meta_info}
-    try:
-        from_dict = getattr(data_cls, "from_dict", None)
-        if callable(from_dict):
-            return from_dict(batch, non_tensor, meta_info=meta_info)
-        return data_cls(batch=batch, non_tensor_batch=non_tensor, meta_info=meta_info)
-    except TypeError as e:
-        raise TypeError(f"{getattr(data_cls, '__name__', data_cls)!r} cannot be constructed "
-                        "from batch, non_tensor_batch, and meta_info") from e
-
-
-def _row_selection(rows, total):
-    """None, a StructuredMemberSlice, or a tuple of row indices; plus the row count."""
-    if rows is None:
-        return None, total
-    if isinstance(rows, slice):
-        start, end, step = rows.indices(total)
-        if step <= 0:
-            raise ValueError("DataProto row slicing step must be positive")
-        rows = StructuredMemberSlice(0, start, end, step)
-    if isinstance(rows, StructuredMemberSlice):
-        if rows.axis != 0:
-            raise ValueError("DataProto row slicing currently supports axis=0 only")
-        if rows.step <= 0:
-            raise ValueError("DataProto row slicing step must be positive")
-        return rows, len(range(*slice(rows.start, rows.end, rows.step).indices(total)))
-    if not _is_row_list(rows) and not C.is_ndarray(rows):
-        raise TypeError("DataProto rows must be a slice, StructuredMemberSlice, or row index "
-                        "sequence")
-    picked = []
-    np = sys.modules.get("numpy")
-    for index in rows:
-        if isinstance(index, bool) or not (isinstance(index, int) or (
-                np is not None and isinstance(index, np.integer))):
-            raise TypeError("DataProto row indices must be integers")
-        i = int(index) + (total if int(index) < 0 else 0)
-        if not 0 <= i < total:
-            raise IndexError(f"DataProto row index {index} out of range for {total} rows")
-        picked.append(i)
-    return tuple(picked), len(picked)
-
-
-def _encode_non_tensor(name, member, rows, schema):
-    """The Encoded rows of non-tensor field ``name``; errors of a schema-chosen codec
-    name the field and codec."""
-    try:
-        return I.encode_field(member, rows, schema)
-    except (TypeError, ValueError, OverflowError) as e:
-        if schema is None or schema.codec == "auto":
-            raise
-        raise type(e)(f"failed to encode non_tensor_batch field {name!r} with FieldSchema "
-                      f"codec {schema.codec!r}: {e}") from e
-
-
-def _selected_fields(ref, fields, batch_fields, non_tensor_fields):
-    if fields is not None and (batch_fields is not None or non_tensor_fields is not None):
-        raise ValueError("fields cannot be combined with batch_fields or non_tensor_fields")
-    if fields is not None:
-        names = list(fields)
-    elif batch_fields is None and non_tensor_fields is None:
-        names = list(ref.field_index)
-    else:
-        names = list(batch_fields or []) + list(non_tensor_fields or [])
-    missing = [n for n in names if n not in ref.field_index]
-    if missing:
-        raise KeyError(f"unknown DataProto fields: {missing}")
-    if fields is None and (batch_fields is not None or non_tensor_fields is not None):
-        wrong = [n for n in batch_fields or [] if ref.field_index[n].section != "batch"] + \
-            [n for n in non_tensor_fields or [] if ref.field_index[n].section == "batch"]
-        if wrong:
-            raise ValueError(f"DataProto fields are in the other section: {wrong}")
-    return names
 
 
 # ---------------------------------------------------------------- the transfer
@@ -916,33 +422,28 @@ class MooncakeBundleTransfer:
     def __init__(self, store, key_prefix="bundle", default_chunk_bytes=DEFAULT_BUNDLE_CHUNK_BYTES,
                  buffer_pool=None):
         self.store = store
-        self._pool = buffer_pool
-        self._bundles = B.BundleStore(B.StoreIO(store, buffer_pool), key_prefix,
-                                      default_chunk_bytes)
-        self.key_prefix = self._bundles.prefix
-        self.default_chunk_bytes = self._bundles.default_chunk_bytes
+        self.key_prefix = normalize_key_prefix(key_prefix)
+        self.default_chunk_bytes = check_chunk_bytes(default_chunk_bytes)
+        self._transport = PayloadTransport(store, buffer_pool)
+        self._bundle_store = BundleManifestStore(store, self._transport, self.key_prefix,
+                                                 self.default_chunk_bytes)
+        self._structured_store = StructuredObjects(self._bundle_store, self._transport)
 
     # ------------------------------------------------------------ bundles
 
     def put_bundle(self, meta, buffers, partition="default", chunk_bytes=None, policy=None,
                    max_inflight_put=None, config=None):
         """Stores ``meta`` (bytes) and ``buffers`` {name: bytes-like}."""
-        key, manifest = self._bundles.put_bundle(
-            B.byte_view(meta, "meta"), dict(buffers), partition, chunk_bytes,
-            _checked_policy(policy, max_inflight_put), config)
-        return RemoteBundleRef(key, manifest)
-
-    def _manifest(self, ref):
-        if isinstance(ref, RemoteBundleRef):
-            return self._bundles.load_manifest(ref.manifest_key, ref.manifest)
-        if isinstance(ref, Mapping):
-            return self._bundles.load_manifest(ref.get("manifest_key"), ref.get("manifest"))
-        raise TypeError(f"expected RemoteBundleRef or mapping, got {type(ref).__name__}")
+        return self._bundle_store.put_bundle(meta, buffers, partition, chunk_bytes, policy,
+                                             max_inflight_put, config)
 
     def remove_bundle(self, ref):
-        """Removes every object of a bundle; nothing to do when it is already gone."""
-        key = ref.manifest_key if isinstance(ref, RemoteBundleRef) else ref.get("manifest_key")
-        embedded = ref.manifest if isinstance(ref, RemoteBundleRef) else ref.get("manifest")
+        """Removes every object of a bundle (one forced batch removal); nothing to do
+        when its manifest is already gone."""
+        key = getattr(ref, "manifest_key", None) if not isinstance(ref, Mapping) \
+            else ref.get("manifest_key")
+        embedded = getattr(ref, "manifest", None) if not isinstance(ref, Mapping) \
+            else ref.get("manifest")
         is_exist = getattr(self.store, "is_exist", None)
         if not embedded and isinstance(key, str) and callable(is_exist):
             status = is_exist(key)
@@ -950,9 +451,7 @@ class MooncakeBundleTransfer:
                 return
             if status != 1:
                 raise RuntimeError(f"is_exist failed for {key}: {status}")
-        manifest = self._manifest(ref)
-        self._bundles.io.remove_keys(self._bundles.all_keys(manifest), strict=True)
-        self._bundles.io.remove_keys([self._bundles.manifest_key_of(manifest)], strict=True)
+        self._bundle_store.remove_bundle(ref)
 
     # ------------------------------------------------------------ structured objects
 
@@ -960,29 +459,8 @@ class MooncakeBundleTransfer:
                               policy=None, max_inflight_put=None, config=None):
         if not isinstance(payload, StructuredObjectPayload):
             raise TypeError(f"expected StructuredObjectPayload, got {type(payload).__name__}")
-        metadata = self._structured_metadata(payload.metadata)
-        specs, buffers = {}, {}
-        for name, value in payload.buffers.items():
-            B.check_key_segment(name, "buffer name")
-            specs[name], buffers[name] = C.encode_member(value)
-        if specs:
-            metadata[STRUCTURED_FIELD_SPECS_KEY] = specs
-        key, manifest = self._bundles.put_bundle(
-            B.encode_json(metadata, "structured metadata"), buffers, partition, chunk_bytes,
-            _checked_policy(policy, max_inflight_put), config)
-        return RemoteBundleRef(key, manifest)
-
-    @staticmethod
-    def _structured_metadata(metadata):
-        if not isinstance(metadata, Mapping):
-            raise TypeError("structured metadata must be a mapping")
-        out = dict(metadata)
-        if STRUCTURED_FIELD_SPECS_KEY in out:
-            raise ValueError(f"structured metadata key {STRUCTURED_FIELD_SPECS_KEY!r} is "
-                             "reserved")
-        if not isinstance(out.setdefault("layout", "structured"), str):
-            raise ValueError("structured metadata layout must be a string")
-        return out
+        return self._structured_store.put(payload, partition, chunk_bytes, policy,
+                                          max_inflight_put, config)
 
     def put_object(self, obj, partition="default", chunk_bytes=None, policy=None,
                    max_inflight_put=None, config=None):
@@ -1003,30 +481,13 @@ class MooncakeBundleTransfer:
     def read_spec(self, ref):
         return StructuredObjectReadSpec(ref=ref)
 
-    def _reader(self, ref):
-        manifest = self._manifest(ref)
-        metadata = B.decode_json(self._bundles.io.read_bytes(manifest["meta"]),
-                                 "structured metadata")
-        return _Reader(self, manifest, metadata)
-
     def materialize(self, spec):
         return self.materialize_into(spec, None)
 
     def materialize_into(self, spec, destinations):
         """Reads the spec's members, into ``destinations`` {member: destination} where
         given (the result then holds the destination)."""
-        if spec.member_names is not None and not spec.member_names:
-            raise ValueError("structured read spec selected no members")
-        reader = self._reader(spec.ref)
-        names = list(reader.manifest["buffers"]) if spec.member_names is None \
-            else list(spec.member_names)
-        missing = [n for n in names if n not in reader.manifest["buffers"]]
-        if missing:
-            raise KeyError(f"unknown bundle buffers: {missing}")
-        slices = dict(spec.member_slices)
-        destinations = destinations or {}
-        objects = {n: reader.read(n, slices.get(n), destinations.get(n)) for n in names}
-        return StructuredObjectResult(metadata=dict(reader.metadata), objects=objects)
+        return self._structured_store.materialize_into(spec, destinations)
 
     @staticmethod
     def release_result(result):
@@ -1050,7 +511,7 @@ class MooncakeBundleTransfer:
                 children = [value.batch, value.non_tensor_batch, getattr(value, "meta_info", None)]
             elif isinstance(value, (list, tuple)):
                 children = list(value)
-            elif C.is_ndarray(value) and value.dtype.hasobject:
+            elif P.is_ndarray(value) and value.dtype.hasobject:
                 children = list(value.flat)
             else:
                 return
@@ -1067,14 +528,14 @@ class MooncakeBundleTransfer:
         """Stores a DataProto-like object (``type="dataproto"``) or a flat dict
         (``type="dict"``) as one stage; its MooncakeDataProtoRef."""
         if type == "dataproto":
-            sections = _split_sections(data)
+            sections = D.split_sections(data)
         elif type == "dict":
-            envelope = _flat_to_envelope(data, field_schemas)
-            sections = tuple(envelope[s] for s in _SECTIONS)
+            envelope = D.flat_to_envelope(data, field_schemas)
+            sections = tuple(envelope[s] for s in D.SECTIONS)
         else:
             raise ValueError(f"unsupported Mooncake payload type: {type!r}")
-        return self._put_stage(None, sections, namespace, partition, stage, chunk_bytes,
-                               policy, False, field_schemas, config)
+        return _StagePut(self, None, sections, namespace, partition, stage, chunk_bytes,
+                         policy, False, field_schemas, config).run()
 
     def put_dataproto(self, data, *, namespace="default", partition="default",
                       stage="default", chunk_bytes=None, policy=None, field_schemas=None,
@@ -1089,129 +550,43 @@ class MooncakeBundleTransfer:
         into the existing one; ``overwrite`` replaces the stage, which must then be given
         all its fields again). The old ref stays readable."""
         ref = _as_ref(ref)
-        return self._put_stage(ref, _split_sections(data), ref.namespace, ref.partition,
-                               stage, chunk_bytes, policy, overwrite, field_schemas, config)
-
-    def _stage_members(self, sections, schemas, stage):
-        """(buffers, field locations, encoded non-tensor entries) of one stage."""
-        batch, non_tensor, _ = sections
-        buffers, locations, encoded = {}, {}, {}
-        for name, value in batch.items():
-            B.check_key_segment(name, "field name")
-            buffers[f"batch.{name}"] = value
-            locations[name] = StructuredFieldLocation(stage, f"batch.{name}", "batch")
-        for name, value in non_tensor.items():
-            B.check_key_segment(name, "field name")
-            member = f"non_tensor_batch.{name}"
-            locations[name] = StructuredFieldLocation(stage, member, "non_tensor_batch")
-            schema = (schemas or {}).get(name)
-            if schema is not None and _schema_section(name, schema) not in (None,
-                                                                            "non_tensor_batch"):
-                schema = None
-            dense = C.is_ndarray(value) and not value.dtype.hasobject
-            if dense and (schema is None or schema.codec == "auto"):
-                buffers[member] = value
-                continue
-            rows = list(value) if C.is_ndarray(value) or _is_row_list(value) else None
-            if rows is None:
-                raise TypeError(f"non_tensor_batch field {name!r} must be an ndarray or a "
-                                "non-string sequence")
-            enc = _encode_non_tensor(name, member, rows, schema)
-            members = {}
-            for part, payload in enc.payload.items():
-                members[part] = f"{member}.{part}"
-                buffers[members[part]] = payload
-            encoded[name] = {"codec": enc.codec, "rows": enc.rows, "metadata": enc.metadata,
-                             "payload_members": members}
-        return buffers, locations, encoded
-
-    def _put_stage(self, ref, sections, namespace, partition, stage, chunk_bytes, policy,
-                   overwrite, schemas, config):
-        B.check_key_segment(stage, "stage")
-        batch, non_tensor, meta_info = sections
-        _check_schema_sections(sections, schemas)
-        overlap = sorted(set(batch) & set(non_tensor))
-        if overlap:
-            raise ValueError(f"DataProto batch and non_tensor_batch fields overlap: {overlap}")
-        rows = _batch_size(batch, non_tensor)
-        if ref is not None and (batch or non_tensor) and rows != ref.batch_size:
-            raise ValueError(f"DataProto append batch size {rows} does not match ref batch "
-                             f"size {ref.batch_size}")
-        buffers, locations, encoded = self._stage_members(sections, schemas, stage)
-        policy = _checked_policy(policy)
-        if ref is None:
-            group = _new_storage_group(config)
-            base = MooncakeDataProtoRef(rows, {}, {}, {}, namespace, partition,
-                                        _storage_group_id=group)
-        else:
-            base, group = ref, ref._storage_group_id
-            if group is not None:
-                _grouped_config(config, group)  # refuses a conflicting group early
-        if not buffers:  # only meta_info: nothing to store
-            return MooncakeDataProtoRef(
-                base.batch_size, dict(base.stage_refs), dict(base.field_index),
-                {**base.meta_info, **meta_info}, namespace, partition, base.global_indexes,
-                dict(base.encoded_non_tensor), group)
-        existing = sorted(set(base.field_index) & set(locations))
-        if existing and not overwrite:
-            raise ValueError(f"DataProto fields already exist: {existing}")
-        if overwrite:
-            dropped = sorted(n for n, loc in base.field_index.items()
-                             if loc.stage == stage and n not in locations)
-            if dropped:
-                raise ValueError(f"DataProto overwrite for stage {stage!r} must include "
-                                 f"existing fields: {dropped}")
-        write_config = _grouped_config(config, group)
-        payload = StructuredObjectPayload(
-            {"layout": "dataproto_stage",
-             "dataproto": {"version": 1, "namespace": namespace, "partition": partition,
-                           "stage": stage, "batch_size": rows}}, buffers)
-        old_stage = base.stage_refs.get(stage)
-        if old_stage is not None and not overwrite:
-            stage_ref = self._merge_into_stage(old_stage, payload, partition, chunk_bytes,
-                                               policy, write_config)
-        else:
-            stage_ref = self.put_structured_object(payload, partition, chunk_bytes, policy,
-                                                   None, write_config)
-            if old_stage is not None and old_stage.manifest_key != stage_ref.manifest_key:
-                self.remove_bundle(old_stage)
-        field_index = {**base.field_index, **locations}
-        encoded_fields = {n: e for n, e in base.encoded_non_tensor.items() if n not in locations}
-        encoded_fields.update(encoded)
-        return MooncakeDataProtoRef(
-            rows if ref is None else ref.batch_size, {**base.stage_refs, stage: stage_ref},
-            field_index, {**base.meta_info, **meta_info}, namespace, partition,
-            base.global_indexes, encoded_fields, group)
+        return _StagePut(self, ref, D.split_sections(data), ref.namespace, ref.partition,
+                         stage, chunk_bytes, policy, overwrite, field_schemas, config).run()
 
     def _merge_into_stage(self, old_ref, payload, partition, chunk_bytes, policy, config):
         """Adds members to a stage: writes them as a new object, then a manifest naming
-        the old and the new members (the old manifest stays, owned by the new one)."""
-        new_ref = self.put_structured_object(payload, partition, chunk_bytes, policy, None,
-                                             config)
-        bundles = self._bundles
+        the old and the new members; it owns both old objects' manifests and metadata
+        (the new object's are removed at once)."""
+        bundles = self._bundle_store
+        new_ref = self.put_structured_object(payload, partition, chunk_bytes, policy,
+                                             config=config)
         try:
-            old = self._reader(old_ref)
-            new = self._reader(new_ref)
-            clash = sorted(set(old.manifest["buffers"]) & set(new.manifest["buffers"]))
+            old_manifest, old_meta = self._structured_store.open(old_ref)
+            new_manifest, new_meta = self._structured_store.open(new_ref)
+            if old_meta.get("dataproto") != new_meta.get("dataproto"):
+                raise ValueError("DataProto stage metadata mismatch during manifest merge")
+            old_specs = old_meta.get(STRUCTURED_FIELD_SPECS_KEY, {})
+            new_specs = new_meta.get(STRUCTURED_FIELD_SPECS_KEY, {})
+            clash = sorted((set(old_specs) & set(new_specs)) |
+                           (set(old_manifest["buffers"]) & set(new_manifest["buffers"])))
             if clash:
                 raise ValueError(f"structured members already exist: {clash}")
-            metadata = {k: v for k, v in old.metadata.items() if k != STRUCTURED_FIELD_SPECS_KEY}
-            metadata[STRUCTURED_FIELD_SPECS_KEY] = {**old.specs, **new.specs}
-            obsolete = [bundles.manifest_key_of(new.manifest),
-                        *bundles.payload_keys(new.manifest["meta"])]
-            cleanup = [*old.manifest.get("cleanup_keys", []),
-                       bundles.manifest_key_of(old.manifest),
-                       *bundles.payload_keys(old.manifest["meta"]), *obsolete]
-            key, manifest = bundles.put_bundle(
-                B.encode_json(metadata, "structured metadata"), {}, partition, chunk_bytes,
-                policy, config, buffer_specs={**old.manifest["buffers"],
-                                              **new.manifest["buffers"]},
-                cleanup_keys=cleanup)
+            merged = dict(old_meta)
+            if old_specs or new_specs:
+                merged[STRUCTURED_FIELD_SPECS_KEY] = {**old_specs, **new_specs}
+            obsolete = [bundles.manifest_key(new_ref),
+                        *bundles.payload_keys(new_manifest["meta"])]
+            cleanup = [*old_manifest.get("cleanup_keys", []), bundles.manifest_key(old_ref),
+                       *bundles.payload_keys(old_manifest["meta"]), *obsolete]
+            merged_ref = bundles.put_bundle_manifest(
+                encode_metadata(merged), {**old_manifest["buffers"], **new_manifest["buffers"]},
+                partition=partition, chunk_bytes=chunk_bytes, policy=policy,
+                cleanup_keys=cleanup, config=config)
         except Exception:
             self.remove_bundle(new_ref)
             raise
-        bundles.io.remove_keys(obsolete, strict=False)
-        return RemoteBundleRef(key, manifest)
+        bundles.remove_keys(obsolete, strict=False)
+        return merged_ref
 
     # ------------------------------------------------------------ DataProto: reading
 
@@ -1227,7 +602,7 @@ class MooncakeBundleTransfer:
         flat = type == "dict"
         result = self._get(ref, fields, batch_fields, non_tensor_fields, meta_info_keys,
                            dict if flat else data_cls, destinations, rows, flat)
-        return _envelope_to_flat(result) if flat else result
+        return D.envelope_to_flat(result) if flat else result
 
     def get_dataproto(self, ref, *, fields=None, batch_fields=None, non_tensor_fields=None,
                       meta_info_keys=None, data_cls=None, destinations=None, rows=None):
@@ -1237,42 +612,81 @@ class MooncakeBundleTransfer:
     def _get(self, ref, fields, batch_fields, non_tensor_fields, meta_info_keys, data_cls,
              destinations, rows, flat):
         ref = _as_ref(ref)
-        selection, _ = _row_selection(rows, ref.batch_size)
-        names = _selected_fields(ref, fields, batch_fields, non_tensor_fields)
+        selection, _ = D.row_selection(rows, ref.batch_size)
+        names = D.selected_fields(ref, fields, batch_fields, non_tensor_fields)
         destinations = destinations or {}
-        readers = {}
-        batch, non_tensor = {}, {}
-        for name in names:
-            loc = ref.field_index[name]
-            reader = readers.get(loc.stage)
-            if reader is None:
-                reader = readers[loc.stage] = self._reader(ref.stage_refs[loc.stage])
-            if loc.section == "batch":
-                batch[name] = reader.read(loc.member, selection, destinations.get(name))
-            elif name in ref.encoded_non_tensor:
-                values = reader.read_encoded(ref.encoded_non_tensor[name], selection)
-                non_tensor[name] = values if flat else _object_array(values)
-            else:
-                non_tensor[name] = reader.read(loc.member, selection, destinations.get(name))
+        plain = [n for n in names if n not in ref.encoded_non_tensor]
+        values = self._read_members(ref, plain, selection, destinations)
+        encoded = [n for n in names if n in ref.encoded_non_tensor]
+        values.update(self._read_encoded(ref, encoded, selection, flat))
+        batch = {n: values[n] for n in names if ref.field_index[n].section == "batch"}
+        non_tensor = {n: values[n] for n in names
+                      if ref.field_index[n].section != "batch"}
         meta = dict(ref.meta_info) if meta_info_keys is None else \
             {k: ref.meta_info[k] for k in meta_info_keys if k in ref.meta_info}
-        return _build_result(batch, non_tensor, meta, data_cls)
+        return D.build_result(batch, non_tensor, meta, data_cls)
+
+    def _read_members(self, ref, names, selection, destinations):
+        """Member fields: one read per stage for all rows or a slice, a row gather per
+        field for row indices."""
+        out = {}
+        if isinstance(selection, tuple):
+            for name in names:
+                loc = ref.field_index[name]
+                out[name] = self._structured_store.read_member_rows(
+                    ref.stage_refs[loc.stage], loc.member, selection, destinations.get(name))
+            return out
+        by_stage = {}
+        for name in names:
+            by_stage.setdefault(ref.field_index[name].stage, []).append(name)
+        for stage, stage_names in by_stage.items():
+            members = [ref.field_index[n].member for n in stage_names]
+            spec = self.read_spec(ref.stage_refs[stage]).select_members(members)
+            if selection is not None:
+                for member in members:
+                    spec = spec.slice_member(member, 0, selection.start, selection.end,
+                                             selection.step)
+            result = self.materialize_into(spec, {ref.field_index[n].member: destinations[n]
+                                                  for n in stage_names if n in destinations})
+            out.update({n: result.objects[ref.field_index[n].member] for n in stage_names})
+        return out
+
+    def _read_encoded(self, ref, names, selection, flat):
+        """Encoded non-tensor fields: their payload members read (one read per stage),
+        decoded, then cut to the selected rows."""
+        out = {}
+        by_stage = {}
+        for name in names:
+            by_stage.setdefault(ref.field_index[name].stage, []).append(name)
+        for stage, stage_names in by_stage.items():
+            members = [m for n in stage_names
+                       for m in ref.encoded_non_tensor[n]["payload_members"].values()]
+            objects = self.materialize(self.read_spec(ref.stage_refs[stage])
+                                       .select_members(members)).objects
+            for name in stage_names:
+                encoded = ref.encoded_non_tensor[name]
+                payload = {p: objects[m] for p, m in encoded["payload_members"].items()}
+                values = I.decode_field(encoded, payload, ref.batch_size)
+                values = _pick_rows(values, selection)
+                out[name] = values if flat else P.object_array(values)
+        return out
 
     def dataproto_manifest_view(self, ref):
         """Where each field is and how it is encoded: {"namespace", "partition",
         "batch_size", "batch_fields", "non_tensor_fields", "meta_info_keys", "stages"}."""
         ref = _as_ref(ref)
-        readers = {stage: self._reader(r) for stage, r in ref.stage_refs.items()}
+        metadata = {stage: self._structured_store.open(r)[1]
+                    for stage, r in ref.stage_refs.items()}
         fields = {}
         for name, loc in ref.field_index.items():
-            reader = readers[loc.stage]
-            spec = dict(reader.field_spec(loc.member))
+            specs = metadata[loc.stage].get(STRUCTURED_FIELD_SPECS_KEY, {})
+            spec = dict(specs.get(loc.member, {"encoding": "bytes"}))
             enc = ref.encoded_non_tensor.get(name)
             if enc is not None:
                 spec = {"encoding": "structured_non_tensor", "codec": enc["codec"],
                         "metadata": enc.get("metadata"),
                         "payload_members": dict(enc["payload_members"]),
-                        "payload_specs": {p: dict(reader.field_spec(m))
+                        "payload_specs": {p: dict(specs.get(m, {"encoding": "bytes"}))
                                           for p, m in enc["payload_members"].items()}}
             fields[name] = {"section": loc.section, "stage": loc.stage, "member": loc.member,
                             "spec": spec}
@@ -1284,7 +698,7 @@ class MooncakeBundleTransfer:
                                   if f["section"] == "non_tensor_batch"},
             "meta_info_keys": list(ref.meta_info),
             "stages": {stage: {"manifest_key": r.manifest_key,
-                               "dataproto": readers[stage].metadata.get("dataproto", {})}
+                               "dataproto": metadata[stage].get("dataproto", {})}
                        for stage, r in ref.stage_refs.items()},
         }
 
@@ -1300,7 +714,7 @@ class MooncakeBundleTransfer:
         """Removes what ``appended`` (from append_dataproto_fields on ``previous``) added,
         leaving ``previous`` intact."""
         previous, appended = _as_ref(previous), _as_ref(appended)
-        bundles = self._bundles
+        bundles = self._bundle_store
         for stage, stage_ref in appended.stage_refs.items():
             old = previous.stage_refs.get(stage)
             if old is None:
@@ -1311,17 +725,162 @@ class MooncakeBundleTransfer:
             is_exist = getattr(self.store, "is_exist", None)
             if callable(is_exist) and is_exist(stage_ref.manifest_key) == 0:
                 continue
-            manifest = self._manifest(stage_ref)
+            manifest = bundles.resolve_manifest(stage_ref)
             kept = {loc.member for loc in previous.field_index.values() if loc.stage == stage}
             for name, enc in previous.encoded_non_tensor.items():
                 if previous.field_index[name].stage == stage:
                     kept.update(enc["payload_members"].values())
             added = [spec for member, spec in manifest["buffers"].items() if member not in kept]
-            added_ids = {bundles.object_id_of(spec["key"]) for spec in added}
+            added_ids = {bundles._object_id_from_bundle_key(spec["key"]) for spec in added}
             keys = bundles.payload_keys(manifest["meta"])
             for spec in added:
                 keys += bundles.payload_keys(spec)
             keys += [k for k in manifest.get("cleanup_keys", [])
-                     if bundles.object_id_of(k) in added_ids]
-            bundles.io.remove_keys(keys, strict=True)
-            bundles.io.remove_keys([stage_ref.manifest_key], strict=True)
+                     if bundles._object_id_from_bundle_key(k) in added_ids]
+            keys.append(stage_ref.manifest_key)
+            bundles.remove_keys(keys, strict=True)
+
+
+def _pick_rows(values, selection):
+    if selection is None:
+        return values
+    if isinstance(selection, tuple):
+        picked = [values[i] for i in selection]
+    else:
+        picked = values[slice(selection.start, selection.end, selection.step)]
+        picked = list(picked)
+    owner = getattr(values, "_mooncake_pool_owner", None)
+    return picked if owner is None else P.OwnerBackedList(picked, owner)
+
+
+class _StagePut:
+    """One put or append of a DataProto stage: its members, its storage group, and the
+    new ref."""
+
+    def __init__(self, transfer, ref, sections, namespace, partition, stage, chunk_bytes,
+                 policy, overwrite, schemas, config):
+        self.transfer, self.ref, self.sections = transfer, ref, sections
+        self.namespace, self.partition, self.stage = namespace, partition, stage
+        self.chunk_bytes, self.policy, self.overwrite = chunk_bytes, policy, overwrite
+        self.schemas, self.config = schemas or {}, config
+
+    def run(self):
+        check_key_segment(self.stage, "stage")
+        batch, non_tensor, meta_info = self.sections
+        D.check_schema_sections(self.sections, self.schemas)
+        rows = D.batch_size(batch, non_tensor)
+        base = self.ref
+        if base is not None and rows != base.batch_size and (batch or non_tensor):
+            raise ValueError(f"DataProto append batch size {rows} does not match ref batch "
+                             f"size {base.batch_size}")
+        overlap = sorted(set(batch) & set(non_tensor))
+        if overlap:
+            raise ValueError(f"DataProto batch and non_tensor_batch fields overlap: {overlap}")
+        buffers, locations, encoded = self._members(batch, non_tensor)
+        if not buffers:  # only meta_info: nothing to store
+            if base is None:
+                return MooncakeDataProtoRef(rows, {}, {}, dict(meta_info), self.namespace,
+                                            self.partition,
+                                            _storage_group_id=_new_storage_group_id(self.config))
+            return MooncakeDataProtoRef(
+                base.batch_size, dict(base.stage_refs), dict(base.field_index),
+                {**base.meta_info, **meta_info}, base.namespace, base.partition,
+                base.global_indexes, dict(base.encoded_non_tensor), base._storage_group_id)
+        self._check_replacements(locations)
+        group = _new_storage_group_id(self.config) if base is None else base._storage_group_id
+        config = self.config if group is None else P.config_with_group(self.config, group)
+        payload = StructuredObjectPayload(
+            {"layout": "dataproto_stage",
+             "dataproto": {"version": 1, "namespace": self.namespace,
+                           "partition": self.partition, "stage": self.stage,
+                           "batch_size": rows}}, buffers)
+        stage_ref = self._write(payload, config)
+        if base is None:
+            return MooncakeDataProtoRef(rows, {self.stage: stage_ref}, locations,
+                                        dict(meta_info), self.namespace, self.partition,
+                                        None, encoded, group)
+        encoded_fields = {n: e for n, e in base.encoded_non_tensor.items() if n not in locations}
+        encoded_fields.update(encoded)
+        return MooncakeDataProtoRef(
+            rows, {**base.stage_refs, self.stage: stage_ref},
+            {**base.field_index, **locations}, {**base.meta_info, **meta_info},
+            self.namespace, self.partition, base.global_indexes, encoded_fields, group)
+
+    def _check_replacements(self, locations):
+        if self.ref is None:
+            return
+        existing = sorted(set(self.ref.field_index) & set(locations))
+        if existing and not self.overwrite:
+            raise ValueError(f"DataProto fields already exist: {existing}")
+        if self.overwrite:
+            dropped = sorted(n for n, loc in self.ref.field_index.items()
+                             if loc.stage == self.stage and n not in locations)
+            if dropped:
+                raise ValueError(f"DataProto overwrite for stage {self.stage!r} must include "
+                                 f"existing fields: {dropped}")
+
+    def _write(self, payload, config):
+        transfer = self.transfer
+        old = None if self.ref is None else self.ref.stage_refs.get(self.stage)
+        if old is not None and not self.overwrite:
+            return transfer._merge_into_stage(old, payload, self.partition, self.chunk_bytes,
+                                              self.policy, config)
+        stage_ref = transfer.put_structured_object(payload, self.partition, self.chunk_bytes,
+                                                   self.policy, config=config)
+        if old is not None and old.manifest_key != stage_ref.manifest_key:
+            transfer.remove_bundle(old)
+        return stage_ref
+
+    def _members(self, batch, non_tensor):
+        """(buffers, field locations, encoded non-tensor entries) of the stage."""
+        buffers, locations, encoded = {}, {}, {}
+        for name, value in batch.items():
+            check_key_segment(name, "field name")
+            buffers[f"batch.{name}"] = value
+            locations[name] = StructuredFieldLocation(self.stage, f"batch.{name}", "batch")
+        for name, value in non_tensor.items():
+            check_key_segment(name, "field name")
+            member = f"non_tensor_batch.{name}"
+            locations[name] = StructuredFieldLocation(self.stage, member, "non_tensor_batch")
+            enc = self._encode_non_tensor(name, member, value)
+            if enc is None:
+                buffers[member] = value
+                continue
+            members = {}
+            for part, data in enc.payload.items():
+                members[part] = f"{member}.{part}"
+                buffers[members[part]] = data
+            encoded[name] = {"codec": enc.codec, "rows": enc.rows, "metadata": enc.metadata,
+                             "payload_members": members}
+        return buffers, locations, encoded
+
+    def _encode_non_tensor(self, name, member, value):
+        """The EncodedLeaf of a non-tensor field, or None for a dense array stored as a
+        member: by its FieldSchema's codec, else inferred for object arrays and lists."""
+        schema = self.schemas.get(name)
+        if schema is not None and D.schema_section(name, schema) not in (None,
+                                                                          "non_tensor_batch"):
+            schema = None
+        if schema is not None:
+            rows = _schema_rows(name, value)
+            try:
+                if schema.codec != "auto":
+                    return I.encode_with_schema(member, rows, schema)
+                if not schema.nullable and any(v is None for v in rows):
+                    raise ValueError(f"FieldSchema for {member!r} is not nullable")
+            except (TypeError, ValueError, RuntimeError, AttributeError) as e:
+                raise type(e)(f"failed to encode non_tensor_batch field {name!r} with "
+                              f"FieldSchema codec {schema.codec!r}: {e}") from e
+        if P.is_ndarray(value) and not value.dtype.hasobject:
+            return None
+        if not P.is_ndarray(value) and not D.is_row_list(value):
+            raise TypeError(f"non_tensor_batch field {name!r} must be an ndarray or a "
+                            "non-string sequence")
+        return I.encode_inferred(member, list(value))
+
+
+def _schema_rows(name, value):
+    if P.is_ndarray(value) or D.is_row_list(value):
+        return list(value)
+    raise TypeError(f"non_tensor_batch field {name!r} with FieldSchema must be an ndarray "
+                    "or non-string sequence")

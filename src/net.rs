@@ -109,6 +109,45 @@ impl ConnTicket {
     }
 }
 
+/// The deadline of the frame a server connection is receiving: it starts when the
+/// frame's first byte arrives and holds however slowly the rest trickles in, so a
+/// peer cannot keep a connection by sending a byte now and then. Every port times
+/// its frames with it ([`TimedReader`] for the RPC and HTTP ports, the TCP data
+/// server for a header and its WRITE payload).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FrameDeadline(Option<Instant>);
+
+impl FrameDeadline {
+    /// A frame's first byte arrived: it must be whole within `limit` (mid-frame,
+    /// nothing changes).
+    pub fn start(&mut self, limit: Duration) {
+        self.0.get_or_insert_with(|| Instant::now() + limit);
+    }
+
+    /// The frame is whole: the next one gets its own deadline.
+    pub fn done(&mut self) {
+        self.0 = None;
+    }
+
+    /// Whether a frame is arriving.
+    pub fn is_running(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Time left for the frame arriving (`None` between frames); `TimedOut` once
+    /// its deadline passed.
+    pub fn left(&self) -> io::Result<Option<Duration>> {
+        match self.0 {
+            None => Ok(None),
+            Some(deadline) => deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+                .map(Some)
+                .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "frame timed out")),
+        }
+    }
+}
+
 /// A reader over a server connection that applies the server's timeouts: before a
 /// frame, `idle_timeout` (or `frame_timeout` while the connection is unproven); once
 /// a frame's first byte arrived, the whole frame must be in within `frame_timeout`
@@ -117,7 +156,7 @@ impl ConnTicket {
 pub struct TimedReader<'a> {
     stream: &'a TcpStream,
     ticket: &'a ConnTicket,
-    deadline: Option<Instant>,
+    frame: FrameDeadline,
     /// The read timeout last set on the stream: between frames it rarely changes, so
     /// most reads need no `setsockopt`.
     timeout_set: Option<Duration>,
@@ -129,27 +168,24 @@ impl<'a> TimedReader<'a> {
         TimedReader {
             stream,
             ticket,
-            deadline: None,
+            frame: FrameDeadline::default(),
             timeout_set: None,
         }
     }
 
     /// The frame being read is complete: the next read waits for a new one.
     pub fn frame_done(&mut self) {
-        self.deadline = None;
+        self.frame.done();
     }
 }
 
 impl Read for TimedReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let limits = self.ticket.limits();
-        let wait = match self.deadline {
+        let wait = match self.frame.left()? {
             None if self.ticket.is_proven() => limits.idle_timeout,
             None => limits.frame_timeout,
-            Some(deadline) => deadline
-                .checked_duration_since(Instant::now())
-                .filter(|d| !d.is_zero())
-                .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "frame timed out"))?,
+            Some(left) => left,
         };
         if self.timeout_set != Some(wait) {
             self.stream.set_read_timeout(Some(wait))?;
@@ -157,7 +193,7 @@ impl Read for TimedReader<'_> {
         }
         let n = match (&mut &*self.stream).read(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let what = if self.deadline.is_some() {
+                let what = if self.frame.is_running() {
                     "frame timed out"
                 } else {
                     "connection idle too long"
@@ -166,8 +202,8 @@ impl Read for TimedReader<'_> {
             }
             r => r?,
         };
-        if n > 0 && self.deadline.is_none() {
-            self.deadline = Some(Instant::now() + limits.frame_timeout);
+        if n > 0 {
+            self.frame.start(limits.frame_timeout);
         }
         Ok(n)
     }
@@ -188,7 +224,7 @@ struct Entry {
 
 /// What the per-peer cap counts by: an IPv4 address, or an IPv6 /64 (one host
 /// commonly holds a whole /64, so single addresses would not cap it).
-fn peer_group(ip: IpAddr) -> IpAddr {
+pub fn peer_group(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),

@@ -10,11 +10,14 @@
 //!
 //! Blocking calls wake every [`TICK`] (the socket's timeouts), which costs nothing
 //! while data flows. On each wake a stalled connection is checked: between requests
-//! it may idle for the server's `idle_timeout` (`frame_timeout` until it sent a valid
-//! request); mid-request or mid-answer it must progress within `frame_timeout`; and a
+//! it may idle for the server's `idle_timeout` (`frame_timeout` until it sent a whole
+//! request); a request (header and WRITE payload) must be whole within
+//! `frame_timeout` of its first byte ([`FrameDeadline`]), and a batch of answers must
+//! leave within `frame_timeout` per answer, however steadily the peer trickles; and a
 //! transfer against a buffer being unregistered is abandoned (the connection closed,
 //! so the peer sees an error), so a slow or stalled reader cannot hold
-//! `unregister_memory` for longer than a tick.
+//! `unregister_memory` for longer than a tick. Only a whole request proves the
+//! connection, so trickling connections never hold the per-peer cap.
 
 use std::io::{self, Read};
 use std::net::TcpStream;
@@ -22,7 +25,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::device::{self, Bounce};
-use crate::net::ConnTicket;
+use crate::net::{ConnTicket, FrameDeadline};
 use crate::registry::{LocalMemory, RangeGuard};
 use crate::sys;
 use crate::wire::data::{DataOp, Header, Status, HEADER_LEN, STATUS_LEN};
@@ -59,6 +62,8 @@ struct Connection<'a> {
     start: usize,
     end: usize,
     replies: Vec<Reply>,
+    /// The deadline of the request arriving.
+    frame: FrameDeadline,
 }
 
 pub fn serve(stream: TcpStream, ticket: &ConnTicket, memory: &LocalMemory, socket_buffer: usize) {
@@ -79,6 +84,7 @@ pub fn serve(stream: TcpStream, ticket: &ConnTicket, memory: &LocalMemory, socke
         start: 0,
         end: 0,
         replies: Vec::new(),
+        frame: FrameDeadline::default(),
     };
     if let Err(e) = conn.run() {
         log::debug!("tcp data {}: {e}", conn.peer);
@@ -90,7 +96,7 @@ impl Connection<'_> {
         loop {
             if self.end - self.start < HEADER_LEN {
                 // About to block: first answer everything parsed so far.
-                self.flush()?;
+                self.answer()?;
                 if !self.fill()? {
                     return Ok(());
                 }
@@ -109,7 +115,6 @@ impl Connection<'_> {
                 Ok(g) => g,
                 Err(e) => return self.reject(&format!("{:?} rejected: {e}", header.op)),
             };
-            self.ticket.prove();
             match header.op {
                 // Device memory is never touched by the CPU: it goes through a bounce.
                 DataOp::Write if !guard.device().is_host() => {
@@ -140,8 +145,15 @@ impl Connection<'_> {
                     payload: Some(guard),
                 }),
             }
+            // The request is whole: it proves the peer, and the next one (its first
+            // bytes may be buffered already) gets its own deadline.
+            self.ticket.prove();
+            self.frame.done();
+            if self.end > self.start {
+                self.frame.start(self.ticket.limits().frame_timeout);
+            }
             if self.replies.len() >= MAX_PENDING_REPLIES {
-                self.flush()?;
+                self.answer()?;
             }
         }
     }
@@ -155,12 +167,14 @@ impl Connection<'_> {
         }
         let since = Instant::now();
         let limits = self.ticket.limits();
-        // Only a served peer between requests may idle long.
-        let patience = if self.end == 0 && self.ticket.is_proven() {
-            limits.idle_timeout
-        } else {
-            limits.frame_timeout
+        // Only a served peer between requests may idle long; a request begun must
+        // be whole by its deadline.
+        let patience = match self.frame.left()? {
+            Some(left) => left,
+            None if self.end == 0 && self.ticket.is_proven() => limits.idle_timeout,
+            None => limits.frame_timeout,
         };
+        let deadline = since + patience;
         // Poll first, but only while no other thread is waiting for a CPU: on a small
         // machine a spinning server would take the core from the caller's other
         // threads (a Python program's main thread, say) for every request.
@@ -180,7 +194,7 @@ impl Connection<'_> {
         loop {
             match self.stream.read(&mut self.input[self.end..]) {
                 Ok(n) => return self.took(n),
-                Err(e) if is_timeout(&e) => keep_waiting(since, patience, false)?,
+                Err(e) if is_timeout(&e) => keep_waiting(deadline, false)?,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -198,6 +212,7 @@ impl Connection<'_> {
             )),
             n => {
                 self.end += n;
+                self.frame.start(self.ticket.limits().frame_timeout);
                 Ok(true)
             }
         }
@@ -213,16 +228,22 @@ impl Connection<'_> {
         dst[..buffered].copy_from_slice(&self.input[self.start..self.start + buffered]);
         self.start += buffered;
         let total = dst.len();
-        let patience = self.ticket.limits().frame_timeout;
+        let deadline = self.frame_deadline()?;
         let replies = &self.replies;
         let revoked = || guard.is_revoked() || any_revoked(replies);
         read_full(
             &mut self.stream,
             &mut dst[buffered..],
             total - buffered,
-            patience,
+            deadline,
             &revoked,
         )
+    }
+
+    /// When the request arriving must be whole.
+    fn frame_deadline(&self) -> io::Result<Instant> {
+        let left = self.frame.left()?;
+        Ok(Instant::now() + left.unwrap_or(self.ticket.limits().frame_timeout))
     }
 
     /// A WRITE into device memory: the payload lands in a host bounce buffer, a
@@ -234,6 +255,7 @@ impl Connection<'_> {
         let total = guard.len() as usize;
         let mut failed = None;
         let mut off = 0;
+        let deadline = self.frame_deadline()?;
         while off < total {
             let n = (total - off).min(bounce.len());
             let chunk = bounce.bytes_mut(n);
@@ -246,7 +268,7 @@ impl Connection<'_> {
                 &mut self.stream,
                 &mut chunk[buffered..],
                 total - off - buffered,
-                self.ticket.limits().frame_timeout,
+                deadline,
                 &revoked,
             )?;
             if failed.is_none() {
@@ -274,6 +296,7 @@ impl Connection<'_> {
         let total = guard.len() as usize;
         let status = Status::Ok.encode();
         let mut off = 0;
+        let deadline = Instant::now() + self.ticket.limits().frame_timeout;
         while off < total {
             let n = (total - off).min(bounce.len());
             // SAFETY: the source is inside the guarded registered device buffer; the
@@ -293,15 +316,25 @@ impl Connection<'_> {
             }
             parts.push((bounce.ptr() as *const u8, n));
             let revoked = || guard.is_revoked();
-            send_all(
-                &self.stream,
-                &mut parts,
-                self.ticket.limits().frame_timeout,
-                &revoked,
-            )?;
+            send_all(&self.stream, &mut parts, deadline, &revoked)?;
             off += n;
         }
         Ok(Ok(()))
+    }
+
+    /// Sends the pending answers between requests. The time that takes is the
+    /// server's, not the peer's: a request whose first bytes came meanwhile gets its
+    /// whole deadline from here.
+    fn answer(&mut self) -> io::Result<()> {
+        if self.replies.is_empty() {
+            return Ok(());
+        }
+        self.flush()?;
+        if self.frame.is_running() {
+            self.frame.done();
+            self.frame.start(self.ticket.limits().frame_timeout);
+        }
+        Ok(())
     }
 
     /// Sends every pending answer, gathering them into as few writes as possible.
@@ -318,12 +351,11 @@ impl Connection<'_> {
         }
         let replies = &self.replies;
         let revoked = || any_revoked(replies);
-        let result = send_all(
-            &self.stream,
-            &mut parts,
-            self.ticket.limits().frame_timeout,
-            &revoked,
-        );
+        // Each answer gets the frame deadline: a big batch may take long, a peer
+        // reading a trickle cannot hold the connection.
+        let per_answer = self.ticket.limits().frame_timeout;
+        let deadline = Instant::now() + per_answer.saturating_mul(replies.len() as u32);
+        let result = send_all(&self.stream, &mut parts, deadline, &revoked);
         // Dropping the replies releases their guards only now that the bytes are out.
         self.replies.clear();
         result
@@ -341,18 +373,17 @@ impl Connection<'_> {
 }
 
 /// Reads exactly `buf.len()` bytes of a payload (`left` bytes of which remain, for the
-/// error message), progressing at least every `patience`, and giving up as soon as
-/// `revoked` says a buffer this connection holds is being unregistered: checked after
-/// every read, so a peer trickling bytes steadily cannot hold an unregister either.
+/// error message) by `deadline`, giving up as soon as `revoked` says a buffer this
+/// connection holds is being unregistered: checked after every read, so a peer
+/// trickling bytes steadily cannot hold an unregister either.
 fn read_full(
     stream: &mut TcpStream,
     buf: &mut [u8],
     left: usize,
-    patience: Duration,
+    deadline: Instant,
     revoked: &dyn Fn() -> bool,
 ) -> io::Result<()> {
     let mut got = 0;
-    let mut since = Instant::now();
     while got < buf.len() {
         match stream.read(&mut buf[got..]) {
             Ok(0) => {
@@ -363,10 +394,11 @@ fn read_full(
             }
             Ok(n) => {
                 got += n;
-                since = Instant::now();
-                keep_waiting(since, patience, revoked())?;
+                if got < buf.len() {
+                    keep_waiting(deadline, revoked())?;
+                }
             }
-            Err(e) if is_timeout(&e) => keep_waiting(since, patience, revoked())?,
+            Err(e) if is_timeout(&e) => keep_waiting(deadline, revoked())?,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
@@ -374,16 +406,19 @@ fn read_full(
     Ok(())
 }
 
-/// Between two blocking calls: fine to go on, unless the last progress was `patience`
-/// ago or a buffer of the transfer is being unregistered.
-fn keep_waiting(since: Instant, patience: Duration, revoked: bool) -> io::Result<()> {
+/// Between two blocking calls: fine to go on, unless `deadline` passed or a buffer
+/// of the transfer is being unregistered.
+fn keep_waiting(deadline: Instant, revoked: bool) -> io::Result<()> {
     if revoked {
         return Err(io::Error::other(
             "buffer unregistered mid-transfer; abandoning it",
         ));
     }
-    if since.elapsed() >= patience {
-        return Err(io::Error::new(io::ErrorKind::TimedOut, "peer stalled"));
+    if Instant::now() >= deadline {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "peer too slow: past the frame deadline",
+        ));
     }
     Ok(())
 }
@@ -395,17 +430,15 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-/// Writes all parts, `writev` at a time, in chunks the kernel accepts, progressing at
-/// least every `patience` and giving up once `revoked` says a sent buffer is being
-/// unregistered.
+/// Writes all parts, `writev` at a time, in chunks the kernel accepts, by `deadline`,
+/// giving up once `revoked` says a sent buffer is being unregistered.
 fn send_all(
     stream: &TcpStream,
     parts: &mut [(*const u8, usize)],
-    patience: Duration,
+    deadline: Instant,
     revoked: &dyn Fn() -> bool,
 ) -> io::Result<()> {
     let mut first = 0;
-    let mut since = Instant::now();
     while first < parts.len() {
         // IOV_MAX is 1024 on Linux.
         let window = &parts[first..parts.len().min(first + 1024)];
@@ -415,16 +448,15 @@ fn send_all(
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if is_timeout(&e) => {
-                keep_waiting(since, patience, revoked())?;
+                keep_waiting(deadline, revoked())?;
                 continue;
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        since = Instant::now();
         first += advance(&mut parts[first..], n);
         if first < parts.len() {
-            keep_waiting(since, patience, revoked())?;
+            keep_waiting(deadline, revoked())?;
         }
     }
     Ok(())
@@ -561,5 +593,108 @@ mod tests {
         );
         drop(r.server);
         assert!(reader.join().unwrap() < LEN, "the answer was cut short");
+    }
+
+    /// A data server over `len` registered bytes with these limits, and the buffer's
+    /// address.
+    fn data_server(len: usize, limits: ServerLimits) -> (ConnServer, Arc<LocalMemory>, Vec<u8>) {
+        crate::sys::ignore_sigpipe();
+        let buf = vec![7u8; len];
+        let memory = Arc::new(LocalMemory::new());
+        memory
+            .register(buf.as_ptr() as u64, len as u64, "cpu:0")
+            .unwrap();
+        let m = memory.clone();
+        let handler = Arc::new(move |s, t: &_| serve(s, t, &m, 0));
+        let server = ConnServer::spawn("127.0.0.1:0".parse().unwrap(), "t", limits, handler);
+        (server.unwrap(), memory, buf)
+    }
+
+    fn write_header(buf: &[u8], size: usize) -> [u8; HEADER_LEN] {
+        Header {
+            size: size as u64,
+            addr: buf.as_ptr() as u64,
+            op: DataOp::Write,
+        }
+        .encode()
+    }
+
+    #[test]
+    fn a_write_payload_trickled_in_is_cut_at_the_frame_deadline() {
+        let limits = ServerLimits {
+            idle_timeout: Duration::from_secs(3600),
+            frame_timeout: Duration::from_millis(200),
+            ..ServerLimits::default()
+        };
+        let (server, _memory, buf) = data_server(64 << 10, limits);
+        let mut peer = TcpStream::connect(server.local_addr()).unwrap();
+        peer.write_all(&write_header(&buf, buf.len())).unwrap();
+        // Learns when the server hangs up (the read ends).
+        let mut watcher = peer.try_clone().unwrap();
+        let (closed_tx, closed) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = watcher.read(&mut [0u8; 64]);
+            let _ = closed_tx.send(());
+        });
+        // A byte every 20 ms: never silent for a tenth of the deadline, and the whole
+        // payload would take 20 minutes. Give up after 5 s, 25 deadlines.
+        let mut hung_up = false;
+        for _ in 0..250 {
+            if closed.try_recv().is_ok() || peer.write_all(&[1]).is_err() {
+                hung_up = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            hung_up,
+            "a trickled WRITE kept its connection past 25 frame deadlines"
+        );
+        drop(server);
+    }
+
+    #[test]
+    fn writers_that_never_finish_a_payload_do_not_hold_the_per_peer_cap() {
+        const LEN: usize = 32 << 20;
+        let limits = ServerLimits {
+            max_per_peer: 4,
+            idle_timeout: Duration::from_secs(3600),
+            frame_timeout: Duration::from_secs(3600),
+            ..ServerLimits::default()
+        };
+        let (server, _memory, buf) = data_server(LEN, limits);
+        // Each fills the cap with a WRITE it never finishes. Half the payload is more
+        // than the socket buffers hold, so once it is sent the server has read the
+        // header and is taking the payload.
+        let half = vec![1u8; LEN / 2];
+        let writers: Vec<TcpStream> = (0..4)
+            .map(|_| {
+                let mut w = TcpStream::connect(server.local_addr()).unwrap();
+                w.write_all(&write_header(&buf, LEN)).unwrap();
+                w.write_all(&half).unwrap();
+                w
+            })
+            .collect();
+        // A newcomer from the same address is still served.
+        let mut reader = TcpStream::connect(server.local_addr()).unwrap();
+        reader
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let read = Header {
+            size: 16,
+            addr: buf.as_ptr() as u64,
+            op: DataOp::Read,
+        };
+        reader.write_all(&read.encode()).unwrap();
+        let mut answer = [0u8; STATUS_LEN + 16];
+        let served = reader.read_exact(&mut answer);
+        assert!(
+            served.is_ok(),
+            "a newcomer was locked out by writers that never finished: {served:?}"
+        );
+        let status: [u8; STATUS_LEN] = answer[..STATUS_LEN].try_into().unwrap();
+        assert_eq!(Status::decode(&status).unwrap(), Status::Ok);
+        drop(writers);
+        drop(server);
     }
 }

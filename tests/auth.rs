@@ -258,31 +258,161 @@ fn http_reads_stay_open_and_writes_need_the_secret() {
     assert_eq!(plain.request("POST", "/health", b"x").unwrap().0, 401);
 }
 
+/// The identity a server with a secret gives in every answer, which proofs name.
+fn server_id(addr: std::net::SocketAddr) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    let header = format!("{}: ", mooncake::auth::http::SERVER_HEADER);
+    reply
+        .lines()
+        .find_map(|l| l.strip_prefix(header.as_str()))
+        .unwrap_or_else(|| panic!("no identity in {reply}"))
+        .to_owned()
+}
+
+/// Sends `bytes` to `addr` as one connection and returns all it answers.
+fn send_raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    String::from_utf8_lossy(&reply).into_owned()
+}
+
 #[test]
 fn http_replayed_write_is_refused() {
     let k = secret(SECRET);
     let server =
         MetadataServer::start_with_secret("127.0.0.1:0".parse().unwrap(), Some(k.clone())).unwrap();
-    let query = vec![("key".to_owned(), "r".to_owned())];
-    let header = mooncake::auth::http::sign(&k, "PUT", "/metadata", &query, b"v").unwrap();
     let addr = server.local_addr();
-    let send = || {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "PUT /metadata?key=r HTTP/1.1\r\nHost: x\r\n{}: {header}\r\nContent-Length: 1\r\nConnection: close\r\n\r\nv",
-            mooncake::auth::http::HEADER
-        )
-        .unwrap();
-        let mut reply = String::new();
-        let _ = s.read_to_string(&mut reply);
-        reply
-    };
-    assert!(send().starts_with("HTTP/1.1 200"));
-    let again = send();
+    let query = vec![("key".to_owned(), "r".to_owned())];
+    let id = server_id(addr);
+    let header = mooncake::auth::http::sign(&k, &id, "PUT", "/metadata", &query, b"v").unwrap();
+    let request = format!(
+        "PUT /metadata?key=r HTTP/1.1\r\nHost: x\r\n{}: {header}\r\nContent-Length: 1\r\nConnection: close\r\n\r\nv",
+        mooncake::auth::http::HEADER
+    );
+    assert!(send_raw(addr, request.as_bytes()).starts_with("HTTP/1.1 200"));
+    let again = send_raw(addr, request.as_bytes());
     assert!(again.starts_with("HTTP/1.1 401"), "{again}");
     assert!(again.contains("replayed"), "{again}");
+}
+
+/// A loopback relay in front of `upstream` that records what its one client sends.
+fn recording_relay(
+    upstream: std::net::SocketAddr,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<Vec<u8>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let relay = std::thread::spawn(move || {
+        let (mut client, _) = listener.accept().unwrap();
+        let mut server = TcpStream::connect(upstream).unwrap();
+        for s in [&client, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        }
+        let (mut from_server, mut to_client) =
+            (server.try_clone().unwrap(), client.try_clone().unwrap());
+        let answers = std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from_server, &mut to_client);
+            let _ = to_client.shutdown(std::net::Shutdown::Write);
+        });
+        let mut recorded = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = client.read(&mut buf) {
+            recorded.extend_from_slice(&buf[..n]);
+            if server.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Write);
+        let _ = answers.join();
+        recorded
+    });
+    (addr, relay)
+}
+
+#[test]
+fn a_signed_write_replayed_to_another_server_or_after_a_restart_is_refused() {
+    let start = |addr: &str| {
+        MetadataServer::start_with_secret(addr.parse().unwrap(), Some(secret(SECRET))).unwrap()
+    };
+    let first = start("127.0.0.1:0");
+    let other = start("127.0.0.1:0");
+    // A member's signed write, captured on its way to the first server.
+    let (relay, recorded) = recording_relay(first.local_addr());
+    let client = HttpClient::new(&format!("http://{relay}/metadata"))
+        .unwrap()
+        .with_secret(Some(secret(SECRET)));
+    let (status, _) = client
+        .request("PUT", "/metadata?key=captured", b"v")
+        .unwrap();
+    assert_eq!(status, 200);
+    drop(client);
+    let captured = recorded.join().unwrap();
+    assert_eq!(first.len(), 1);
+
+    // Replayed at once to another server that shares the secret: refused.
+    let answer = send_raw(other.local_addr(), &captured);
+    assert!(!answer.contains(" 200 "), "{answer}");
+    assert_eq!(
+        other.len(),
+        0,
+        "a write for one server was taken by another"
+    );
+
+    // Replayed to the first server after it restarts on the same port: refused.
+    let addr = first.local_addr();
+    drop(first);
+    let restarted = start(&addr.to_string());
+    let answer = send_raw(addr, &captured);
+    assert!(!answer.contains(" 200 "), "{answer}");
+    assert_eq!(
+        restarted.len(),
+        0,
+        "a write from before the restart was taken"
+    );
+    // A member signing now still writes there (it learns the new identity).
+    let client = HttpClient::new(&restarted.url())
+        .unwrap()
+        .with_secret(Some(secret(SECRET)));
+    assert_eq!(
+        client
+            .request("PUT", "/metadata?key=fresh", b"v")
+            .unwrap()
+            .0,
+        200
+    );
+    assert_eq!(restarted.len(), 1);
+}
+
+#[test]
+fn a_blank_cluster_secret_is_refused_at_start() {
+    let bin = env!("CARGO_BIN_EXE_mooncake");
+    for blank in ["", "  \n"] {
+        let mut server = common::cprog::Proc::spawn(
+            "metadata-server",
+            std::process::Command::new(bin)
+                .args(["metadata-server", "--port", "0", "--host", "127.0.0.1"])
+                .arg("--until-stdin-eof")
+                .env("MC_CLUSTER_SECRET", blank),
+        );
+        let out = server.finish(T * 6);
+        assert!(
+            !out.status.success(),
+            "started with MC_CLUSTER_SECRET={blank:?}"
+        );
+        assert!(out.stderr.contains("MC_CLUSTER_SECRET"), "{}", out.stderr);
+    }
+    assert!(ClusterSecret::new(b" \t\n").is_err());
 }
 
 #[test]

@@ -191,6 +191,7 @@ fn metadata_server_refuses_puts_over_its_quotas() {
         max_value_bytes: 16,
         max_keys: 2,
         max_total_bytes: 64,
+        peer_share_percent: 100,
     });
     let http = HttpClient::new(&server.url()).unwrap();
     let put = |key: &str, value: &str| {
@@ -209,4 +210,30 @@ fn metadata_server_refuses_puts_over_its_quotas() {
     assert_eq!(get("c"), 404);
     assert_eq!(put("a", "replaced"), 200, "replacing needs no new key");
     assert_eq!(server.len(), 2);
+}
+
+#[test]
+fn one_peer_cannot_fill_the_metadata_store() {
+    let server = MetadataServer::start("127.0.0.1:0".parse().unwrap()).unwrap();
+    server.set_limits(MetadataLimits {
+        max_keys: 40,
+        max_total_bytes: 1 << 20,
+        ..MetadataLimits::default()
+    });
+    let http = HttpClient::new(&server.url()).unwrap();
+    // One host writes as fast as it can: it gets its share, never the whole store.
+    let mut refusal = None;
+    for i in 0..40 {
+        let (status, body) = http
+            .request("PUT", &format!("/metadata?key=k{i}"), b"value")
+            .unwrap();
+        if status != 200 {
+            refusal = Some((status, String::from_utf8_lossy(&body).into_owned()));
+            break;
+        }
+    }
+    let (status, why) = refusal.expect("one peer filled the whole metadata store");
+    assert_eq!(status, 413, "{why}");
+    assert!(why.contains("share"), "{why}");
+    assert!(server.len() < 40, "{} keys", server.len());
 }

@@ -51,10 +51,13 @@ impl PartialEq for ClusterSecret {
 impl Eq for ClusterSecret {}
 
 impl ClusterSecret {
-    /// A secret from its bytes; an empty one is refused.
+    /// A secret from its bytes; an empty or whitespace-only one is refused (taking it
+    /// for "no secret" would turn authentication off by mistake).
     pub fn new(bytes: &[u8]) -> Result<ClusterSecret> {
-        if bytes.is_empty() {
-            return Err(Error::invalid("the cluster secret is empty"));
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(Error::invalid(
+                "the cluster secret is empty or only whitespace",
+            ));
         }
         if bytes.len() < 16 {
             log::warn!("the cluster secret is shorter than 16 bytes: easy to guess");
@@ -62,10 +65,26 @@ impl ClusterSecret {
         Ok(ClusterSecret(bytes.into()))
     }
 
-    /// The secret in `MC_CLUSTER_SECRET`; `None` when it is unset or empty.
-    pub fn from_env() -> Option<ClusterSecret> {
-        let value = std::env::var_os(SECRET_ENV)?;
-        ClusterSecret::new(std::os::unix::ffi::OsStrExt::as_bytes(value.as_os_str())).ok()
+    /// The secret in `MC_CLUSTER_SECRET`: `None` when it is unset; an error when it
+    /// is set but empty or whitespace-only (servers and engines refuse to start then).
+    pub fn from_env() -> Result<Option<ClusterSecret>> {
+        let Some(value) = std::env::var_os(SECRET_ENV) else {
+            return Ok(None);
+        };
+        ClusterSecret::new(std::os::unix::ffi::OsStrExt::as_bytes(value.as_os_str()))
+            .map(Some)
+            .map_err(|e| {
+                e.prefixed(format!(
+                    "{SECRET_ENV} is set but unusable (unset it to run without authentication)"
+                ))
+            })
+    }
+
+    /// The default secret of a configuration: `MC_CLUSTER_SECRET`'s. A blank one
+    /// gives `None` here and is refused where servers and engines start
+    /// ([`check_env`]).
+    pub fn env_default() -> Option<ClusterSecret> {
+        ClusterSecret::from_env().unwrap_or(None)
     }
 
     /// The secret held in a file (one trailing newline is not part of it).
@@ -92,6 +111,12 @@ impl ClusterSecret {
     pub(crate) fn key(&self) -> &[u8] {
         &self.0
     }
+}
+
+/// Refuses to start with `MC_CLUSTER_SECRET` set but blank, which would otherwise
+/// run the cluster without authentication (fail-open).
+pub fn check_env() -> Result<()> {
+    ClusterSecret::from_env().map(drop)
 }
 
 /// Logs a refused peer, rate-limited (a flood of bad peers must not flood the log):

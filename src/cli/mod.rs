@@ -100,7 +100,7 @@ pub fn cluster_secret(a: &Args) -> Result<Option<ClusterSecret>, String> {
         Some(path) => ClusterSecret::from_file(path)
             .map(Some)
             .map_err(|e| format!("--cluster-secret-file: {e}")),
-        None => Ok(ClusterSecret::from_env()),
+        None => ClusterSecret::from_env().map_err(|e| e.to_string()),
     }
 }
 

@@ -167,7 +167,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             max_retries: 2,
             cluster_id: String::new(),
-            cluster_secret: ClusterSecret::from_env(),
+            cluster_secret: ClusterSecret::env_default(),
         }
     }
 }

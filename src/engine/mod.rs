@@ -141,6 +141,7 @@ impl Engine {
     /// Starts an engine: binds its servers, publishes its segment and spawns workers.
     pub fn new(config: EngineConfig) -> Result<Engine> {
         crate::sys::ignore_sigpipe();
+        crate::auth::check_env()?;
         let secret = config.cluster_secret.clone();
         let directory = metadata::open(&config.metadata, &config.cluster_id, secret.as_ref())?;
         let published = Arc::new(Published {

@@ -6,8 +6,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::wire::{
-    body_framing, is_token, keep_alive, parse_head, parse_status_line, parse_target, Framing,
-    ReadErr, Wire,
+    body_framing, find_header, is_token, keep_alive, parse_head, parse_status_line, parse_target,
+    Framing, ReadErr, Wire,
 };
 use super::{CLIENT_CONNECT_TIMEOUT, CLIENT_IO_TIMEOUT, MAX_RESPONSE_BODY};
 use crate::auth::{self, ClusterSecret};
@@ -32,6 +32,19 @@ pub struct HttpClient {
     conn: Mutex<Option<Wire<TcpStream>>>,
     /// With a secret, every write request carries a signature (`crate::auth::http`).
     secret: Option<ClusterSecret>,
+    /// The identity the server last gave (`auth::http::SERVER_HEADER`), which
+    /// signatures name.
+    server_id: Mutex<Option<String>>,
+}
+
+/// One response as read.
+pub(super) struct Answer {
+    pub status: u16,
+    pub body: Vec<u8>,
+    /// Whether the connection may carry another request.
+    pub keep: bool,
+    /// The server's identity, when it gives one.
+    pub server_id: Option<String>,
 }
 
 impl std::fmt::Debug for HttpClient {
@@ -121,6 +134,7 @@ impl HttpClient {
             io_timeout: CLIENT_IO_TIMEOUT,
             conn: Mutex::new(None),
             secret: None,
+            server_id: Mutex::new(None),
         })
     }
 
@@ -161,6 +175,36 @@ impl HttpClient {
                 "invalid request path {path_and_query:?}"
             )));
         }
+        let signed_for = lock(&self.server_id).clone();
+        let answer = self.send(method, path_and_query, body, signed_for.as_deref())?;
+        // A signed write refused by a server that gives another identity than the one
+        // signed for (first contact, or it restarted) changed nothing: sign for the
+        // identity given and send it once more.
+        let renamed = answer
+            .server_id
+            .as_deref()
+            .filter(|id| signed_for.as_deref() != Some(*id));
+        if let Some(id) = renamed.filter(|_| answer.status == 401 && self.signs(method)) {
+            let again = self.send(method, path_and_query, body, Some(id))?;
+            return Ok((again.status, again.body));
+        }
+        Ok((answer.status, answer.body))
+    }
+
+    /// Whether a `method` request carries a signature.
+    fn signs(&self, method: &str) -> bool {
+        self.secret.is_some() && auth::http::is_write(method)
+    }
+
+    /// Sends one request (signed for `server_id` when it is a write and there is a
+    /// secret) and reads its answer, noting the server's identity if it gives one.
+    fn send(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+        server_id: Option<&str>,
+    ) -> Result<Answer> {
         let mut conn = lock(&self.conn);
         let mut retried = false;
         loop {
@@ -169,12 +213,15 @@ impl HttpClient {
                 Some(w) => w,
                 None => conn.insert(self.connect()?),
             };
-            match self.exchange(wire, method, path_and_query, body) {
-                Ok((status, resp, keep)) => {
-                    if !keep {
+            match self.exchange(wire, method, path_and_query, body, server_id) {
+                Ok(answer) => {
+                    if !answer.keep {
                         *conn = None;
                     }
-                    return Ok((status, resp));
+                    if let Some(id) = &answer.server_id {
+                        *lock(&self.server_id) = Some(id.clone());
+                    }
+                    return Ok(answer);
                 }
                 Err(e) => {
                     *conn = None;
@@ -219,7 +266,8 @@ impl HttpClient {
         method: &str,
         path_and_query: &str,
         body: &[u8],
-    ) -> std::result::Result<(u16, Vec<u8>, bool), ExchangeError> {
+        server_id: Option<&str>,
+    ) -> std::result::Result<Answer, ExchangeError> {
         let what = || format!("{method} http://{}{path_and_query}", self.host_header);
         let mut req = format!(
             "{method} {path_and_query} HTTP/1.1\r\nHost: {}\r\nUser-Agent: mooncake\r\nAccept: */*\r\n",
@@ -231,14 +279,13 @@ impl HttpClient {
         if !body.is_empty() || matches!(method, "POST" | "PUT" | "PATCH") {
             req.push_str(&format!("Content-Length: {}\r\n", body.len()));
         }
-        if let Some(secret) = self
-            .secret
-            .as_ref()
-            .filter(|_| auth::http::is_write(method))
-        {
+        if let Some(secret) = self.secret.as_ref().filter(|_| self.signs(method)) {
+            let server = server_id.unwrap_or_default();
             let signed = parse_target(path_and_query)
                 .ok_or_else(|| io::Error::other("unparsable request path"))
-                .and_then(|(path, query)| auth::http::sign(secret, method, &path, &query, body));
+                .and_then(|(path, query)| {
+                    auth::http::sign(secret, server, method, &path, &query, body)
+                });
             match signed {
                 Ok(v) => req.push_str(&format!("{}: {v}\r\n", auth::http::HEADER)),
                 Err(e) => {
@@ -297,11 +344,11 @@ impl HttpClient {
 }
 
 /// Reads the response to a `method` request: skips interim (1xx) answers, then reads
-/// the final head and its body. Answers (status, body, whether to keep the connection).
+/// the final head and its body.
 pub(super) fn read_response<R: Read>(
     wire: &mut Wire<R>,
     method: &str,
-) -> std::result::Result<(u16, Vec<u8>, bool), ReadErr> {
+) -> std::result::Result<Answer, ReadErr> {
     loop {
         let head = wire.read_head(MAX_RESPONSE_HEAD)?.ok_or(ReadErr::Eof)?;
         let (start, headers) = parse_head(&head)?;
@@ -322,11 +369,20 @@ pub(super) fn read_response<R: Read>(
         if framing == Framing::ToEof {
             keep = false;
         }
-        let resp = wire.read_body(framing, MAX_RESPONSE_BODY)?;
+        let body = wire.read_body(framing, MAX_RESPONSE_BODY)?;
         if !wire.avail().is_empty() {
             keep = false; // unsolicited bytes: do not trust this connection
         }
-        return Ok((status, resp, keep));
+        // Only a plain token goes into the signatures this client writes.
+        let server_id = find_header(&headers, auth::http::SERVER_HEADER)
+            .filter(|id| id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric()))
+            .map(str::to_owned);
+        return Ok(Answer {
+            status,
+            body,
+            keep,
+            server_id,
+        });
     }
 }
 

@@ -34,10 +34,13 @@ pub fn parse_requests(bytes: &[u8]) -> (Vec<(Request, bool)>, Option<Refusal>) {
 /// Reads one response to a `method` request from `bytes` as the client would:
 /// (status, body, keep-alive), or a description of why it was refused.
 pub fn parse_response(bytes: &[u8], method: &str) -> Result<(u16, Vec<u8>, bool), String> {
-    super::client::read_response(&mut Wire::new(bytes), method).map_err(|e| match e {
-        ReadErr::Eof => "truncated".to_owned(),
-        ReadErr::Io(e) => e.to_string(),
-        ReadErr::TooLarge => "too large".to_owned(),
-        ReadErr::Malformed(m) => m.to_owned(),
-    })
+    let answer = super::client::read_response(&mut Wire::new(bytes), method);
+    answer
+        .map(|a| (a.status, a.body, a.keep))
+        .map_err(|e| match e {
+            ReadErr::Eof => "truncated".to_owned(),
+            ReadErr::Io(e) => e.to_string(),
+            ReadErr::TooLarge => "too large".to_owned(),
+            ReadErr::Malformed(m) => m.to_owned(),
+        })
 }

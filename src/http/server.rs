@@ -91,7 +91,8 @@ fn serve_connection(handler: &Handler, stream: TcpStream, ticket: &ConnTicket) {
         wire.stream.frame_done();
         match read {
             Ok(None) => return,
-            Ok(Some((req, keep_alive))) => {
+            Ok(Some((mut req, keep_alive))) => {
+                req.peer = stream.peer_addr().ok().map(|a| a.ip());
                 let head_only = req.method == "HEAD";
                 let resp =
                     panic::catch_unwind(AssertUnwindSafe(|| handler(&req))).unwrap_or_else(|_| {
@@ -212,6 +213,7 @@ pub(super) fn read_request<R: Read>(
         query,
         headers,
         body,
+        peer: None,
     };
     Ok(Some((req, keep_alive)))
 }

@@ -27,6 +27,8 @@ pub struct Request {
     pub headers: Vec<(String, String)>,
     /// The request body (empty when none was sent).
     pub body: Vec<u8>,
+    /// The address the request came from (the server fills it in).
+    pub peer: Option<std::net::IpAddr>,
 }
 
 impl Request {
@@ -54,6 +56,8 @@ pub struct Response {
     pub content_type: &'static str,
     /// The body bytes.
     pub body: Vec<u8>,
+    /// Further header fields (names and values must be valid header text).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Response {
@@ -63,7 +67,14 @@ impl Response {
             status,
             content_type,
             body,
+            headers: Vec::new(),
         }
+    }
+
+    /// This response with the header field `name: value` added.
+    pub fn with_header(mut self, name: &'static str, value: String) -> Response {
+        self.headers.push((name, value));
+        self
     }
 
     /// A `text/plain` response.
@@ -628,6 +639,9 @@ pub(super) fn write_response(
             resp.content_type,
             resp.body.len()
         ));
+    }
+    for (name, value) in &resp.headers {
+        out.push_str(&format!("{name}: {value}\r\n"));
     }
     out.push_str(if keep_alive {
         "Connection: keep-alive\r\n\r\n"

@@ -28,7 +28,7 @@ impl MetadataStore for EmbeddedStore {
         table()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(key, value)
+            .insert(key, value, None)
             .map_err(Error::invalid)
     }
 

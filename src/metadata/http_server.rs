@@ -9,7 +9,7 @@
 //! - missing/empty `key` → 400; `GET /health` → 200 `OK`; other paths → 404;
 //!   other methods → 405.
 //! - a put over the store's bounds ([`MetadataLimits`]: value size, keys, total
-//!   bytes) → 413, storing nothing.
+//!   bytes, and the share one peer address may hold) → 413, storing nothing.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
@@ -129,7 +129,7 @@ fn route(store: &Store, req: &Request) -> Response {
                         None => Response::text(404, "metadata not found"),
                     }
                 }
-                "PUT" | "POST" => put(store, key, &req.body),
+                "PUT" | "POST" => put(store, key, &req.body, req.peer),
                 _ => {
                     let mut map = store.write().unwrap_or_else(|e| e.into_inner());
                     match map.remove(key) {
@@ -143,7 +143,7 @@ fn route(store: &Store, req: &Request) -> Response {
     }
 }
 
-fn put(store: &Store, key: &str, body: &[u8]) -> Response {
+fn put(store: &Store, key: &str, body: &[u8], peer: Option<IpAddr>) -> Response {
     let Ok(value) = std::str::from_utf8(body) else {
         return Response::text(400, "metadata value is not valid UTF-8");
     };
@@ -163,7 +163,7 @@ fn put(store: &Store, key: &str, body: &[u8]) -> Response {
             return Response::text(200, "metadata updated");
         }
     }
-    match map.insert(key, value) {
+    match map.insert(key, value, peer) {
         Ok(()) => Response::text(200, "metadata updated"),
         Err(why) => {
             crate::warn_limited!("metadata: refusing {key}: {why}");

@@ -54,7 +54,7 @@ impl Default for ServerConfig {
             tick: Duration::from_millis(100),
             master: MasterConfig::default(),
             connections: ServerLimits::from_env(),
-            cluster_secret: ClusterSecret::from_env(),
+            cluster_secret: ClusterSecret::env_default(),
         }
     }
 }
@@ -78,6 +78,7 @@ impl MasterServer {
     /// Starts the servers with the master on `clock` (tests drive leases and
     /// liveness with a manual one).
     pub fn start_with_clock(config: ServerConfig, clock: Clock) -> Result<MasterServer> {
+        auth::check_env()?;
         let master = Arc::new(Master::with_clock(config.master.clone(), clock));
         let bind = |port| SocketAddr::new(config.bind, port);
         let metadata_bind =

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::cprog::Proc;
 use common::pattern;
 use mooncake::http::HttpClient;
-use mooncake::store::protocol::ReplicateConfig;
+use mooncake::store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mooncake");
@@ -113,4 +113,96 @@ fn nodes_drained_mid_replay_lose_nothing() {
     assert!(all_readable(300), "every object survived both drains");
     let out = a.finish(LIMIT);
     assert!(out.status.success(), "{}", out.stderr);
+}
+
+/// Mounts segment `name` of `client` straight on the master (no node behind it: the
+/// drain's refusal is decided before any node is asked to move a byte).
+fn mount(s: &MasterServer, client: u64, name: &str, size: u64) {
+    let segment = SegmentInfo {
+        name: name.into(),
+        base: 1 << 40,
+        size,
+    };
+    s.master()
+        .handle(Request::Mount { client, segment })
+        .unwrap();
+}
+
+/// Puts `key` (`size` bytes, one replica) through the master alone.
+fn put(s: &MasterServer, client: u64, key: &str, size: u64) {
+    let config = ReplicateConfig::default();
+    let started = s.master().handle(Request::PutStart {
+        client,
+        items: vec![(key.to_owned(), size)],
+        config,
+        upsert: false,
+    });
+    assert!(
+        matches!(started, Ok(Response::PutStart(ref r)) if r[0].is_ok()),
+        "{started:?}"
+    );
+    let ended = s.master().handle(Request::PutEnd {
+        client,
+        items: vec![(key.to_owned(), 0)],
+    });
+    assert!(
+        matches!(ended, Ok(Response::PerKey(ref r)) if r[0].is_ok()),
+        "{ended:?}"
+    );
+}
+
+#[test]
+fn a_drain_that_would_lose_objects_is_refused_unless_forced() {
+    let s = MasterServer::start(ServerConfig {
+        rpc_port: 0,
+        metadata_port: None,
+        metrics_port: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    let admin = HttpClient::new(&format!("http://{}", s.admin_addr().unwrap())).unwrap();
+    let drain = |query: &str| {
+        let (status, body) = admin
+            .request("POST", &format!("/drain?{query}"), b"")
+            .unwrap();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    const MIB: u64 = 1 << 20;
+    mount(&s, 1, "only", 64 * MIB);
+    for i in 0..3 {
+        put(&s, 1, &format!("k{i}"), 100_000);
+    }
+    // The last node: its objects have nowhere to go.
+    let (status, why) = drain("segment=only");
+    assert_eq!(status, 409, "{why}");
+    assert!(
+        why.contains("only") && why.contains("3 objects") && why.contains("300000 bytes"),
+        "{why}"
+    );
+    // Refused means unchanged: the segment still takes puts.
+    put(&s, 1, "after refusal", 100_000);
+    let (status, why) = drain("segment=only&force=maybe");
+    assert_eq!(status, 400, "{why}");
+
+    // With room on another node the drain goes ahead, and puts go there.
+    mount(&s, 2, "spare", 64 * MIB);
+    let (status, answer) = drain("segment=only");
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("\"objects_at_risk\":0"), "{answer}");
+    put(&s, 2, "on spare", 100_000);
+
+    // Now "spare" is the last segment taking replicas (a draining one takes none).
+    let (status, why) = drain("segment=spare");
+    assert_eq!(status, 409, "{why}");
+    assert!(
+        why.contains("1 objects") && why.contains("room for 0 bytes"),
+        "{why}"
+    );
+    // Forced, it drains and says what it puts at risk.
+    let (status, answer) = drain("segment=spare&force=1");
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer.contains("\"objects_at_risk\":1") && answer.contains("\"bytes_at_risk\":100000"),
+        "{answer}"
+    );
 }

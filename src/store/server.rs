@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::master::{Clock, Master, MasterConfig};
 use crate::auth::{self, ClusterSecret};
-use crate::error::{Error, Result};
+use crate::error::{Code, Error, Result};
 use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
 use crate::json::Value;
 use crate::metadata::http_server::{MetadataServer, METADATA_PATH};
@@ -193,22 +193,35 @@ impl Drop for MasterServer {
     }
 }
 
-/// `POST /drain?segment=NAME`: the segment's node moves what only it holds elsewhere,
-/// then leaves (signed like every write when the cluster has a secret).
+/// `POST /drain?segment=NAME[&force=1]`: the segment's node moves what only it holds
+/// elsewhere, then leaves (signed like every write when the cluster has a secret).
+/// A drain that would lose objects is refused with 409 and changes nothing, unless
+/// forced; the answer says what the drain puts at risk.
 fn drain(master: &Master, req: &HttpRequest) -> HttpResponse {
     let Some(segment) = req.query_param("segment") else {
         return HttpResponse::text(400, "missing segment parameter");
     };
-    match master.drain(None, segment) {
-        Ok(()) => HttpResponse::json(
-            200,
-            Value::object([("segment", Value::from(segment)), ("draining", true.into())])
-                .to_string(),
-        ),
-        Err(e) if e.code() == crate::error::Code::SegmentNotFound => {
-            HttpResponse::text(404, "no such segment")
+    let force = match req.query_param("force") {
+        None | Some("0" | "false") => false,
+        Some("1" | "true") => true,
+        Some(_) => return HttpResponse::text(400, "force must be 1, true, 0 or false"),
+    };
+    match master.drain(None, segment, force) {
+        Ok(risk) => {
+            let (objects, bytes) = risk.at_risk();
+            let answer = Value::object([
+                ("segment", Value::from(segment)),
+                ("draining", true.into()),
+                ("objects_at_risk", objects.into()),
+                ("bytes_at_risk", bytes.into()),
+            ]);
+            HttpResponse::json(200, answer.to_string())
         }
-        Err(e) => HttpResponse::text(500, e.to_string()),
+        Err(e) => match e.code() {
+            Code::SegmentNotFound => HttpResponse::text(404, "no such segment"),
+            Code::NoAvailableHandle => HttpResponse::text(409, e.to_string()),
+            _ => HttpResponse::text(500, e.to_string()),
+        },
     }
 }
 

@@ -51,6 +51,37 @@ struct PendingRemount {
     entries: Vec<CatalogEntry>,
     disk: Vec<DiskEntry>,
     started_ms: u64,
+    /// What `entries` and `disk` cost the master (see `held_bytes`).
+    bytes: u64,
+}
+
+impl PendingRemount {
+    fn new(info: SegmentInfo, started_ms: u64) -> PendingRemount {
+        PendingRemount {
+            info,
+            entries: Vec::new(),
+            disk: Vec::new(),
+            started_ms,
+            bytes: 0,
+        }
+    }
+}
+
+/// Master memory a chunk of catalog takes while it waits for its remount's last
+/// chunk: each entry's struct and the strings it owns.
+fn held_bytes(entries: &[CatalogEntry], disk: &[DiskEntry]) -> u64 {
+    let entry = |e: &CatalogEntry| {
+        let pieces = e
+            .replica
+            .pieces
+            .iter()
+            .map(|p| p.segment.len())
+            .sum::<usize>()
+            + e.replica.pieces.len() * std::mem::size_of::<crate::store::protocol::Piece>();
+        std::mem::size_of::<CatalogEntry>() + e.key.len() + pieces
+    };
+    let disk_entry = |d: &DiskEntry| std::mem::size_of::<DiskEntry>() + d.key.len();
+    (entries.iter().map(entry).sum::<usize>() + disk.iter().map(disk_entry).sum::<usize>()) as u64
 }
 
 /// Remounts whose chunks may be arriving at once.
@@ -331,9 +362,8 @@ impl Master {
         let name = info.name.clone();
         let pending = {
             let mut remounts = lock(&self.catalogs.remounts);
-            if remounts.len() >= MAX_PENDING_REMOUNTS
-                && !remounts.contains_key(&(client, name.clone()))
-            {
+            let id = (client, name.clone());
+            if remounts.len() >= MAX_PENDING_REMOUNTS && !remounts.contains_key(&id) {
                 return Err(Error::new(
                     Code::NoAvailableHandle,
                     format!(
@@ -341,39 +371,43 @@ impl Master {
                     ),
                 ));
             }
+            let held_elsewhere: u64 = remounts
+                .iter()
+                .filter(|(k, _)| **k != id)
+                .map(|(_, r)| r.bytes)
+                .sum();
             let p = remounts
-                .entry((client, name.clone()))
-                .or_insert_with(|| PendingRemount {
-                    info: info.clone(),
-                    entries: Vec::new(),
-                    disk: Vec::new(),
-                    started_ms: now,
-                });
+                .entry(id.clone())
+                .or_insert_with(|| PendingRemount::new(info.clone(), now));
             if p.info != info {
-                *p = PendingRemount {
-                    info: info.clone(),
-                    entries: Vec::new(),
-                    disk: Vec::new(),
-                    started_ms: now,
-                };
+                *p = PendingRemount::new(info.clone(), now);
             }
             // No segment holds more objects than 64-byte blocks.
             if (p.entries.len() + entries.len()) as u64 > info.size / 64 + 1
                 || p.disk.len() + disk.len() > MAX_DISK_ENTRIES
             {
-                remounts.remove(&(client, name.clone()));
+                remounts.remove(&id);
                 return Err(Error::invalid(format!(
                     "remount of {name}: more catalog entries than the segment has room for"
                 )));
             }
+            let bytes = p.bytes + held_bytes(&entries, &disk);
+            if let Some(why) = self.remount_over_budget(bytes, held_elsewhere) {
+                // Refused, the remount cannot finish: its chunks go now (the node's
+                // next remount starts over).
+                remounts.remove(&id);
+                return Err(Error::new(
+                    Code::NoAvailableHandle,
+                    format!("remount of {name} refused and dropped: {why}"),
+                ));
+            }
+            p.bytes = bytes;
             p.entries.extend(entries);
             p.disk.extend(disk);
             if !last {
                 return Ok(());
             }
-            remounts
-                .remove(&(client, name.clone()))
-                .map(|p| (p.entries, p.disk))
+            remounts.remove(&id).map(|p| (p.entries, p.disk))
         };
         let (entries, disk) = pending.unwrap_or_default();
         let base = info.base;
@@ -431,6 +465,25 @@ impl Master {
             "segment {name} of client {client:#x} mounted: {adopted} object pieces ({bytes} bytes) taken back, {refused} refused, {on_disk} objects on its disk tier"
         );
         Ok(())
+    }
+
+    /// Why a remount whose catalog would take `bytes` (with `held_elsewhere` held by
+    /// the other unfinished remounts) is over the bounds, if it is.
+    fn remount_over_budget(&self, bytes: u64, held_elsewhere: u64) -> Option<String> {
+        let per_segment = self.config.max_remount_bytes_per_segment;
+        let total = self.config.max_remount_bytes;
+        if bytes > per_segment {
+            return Some(format!(
+                "its catalog would take {bytes} bytes of master memory, over the {per_segment}-byte bound per segment"
+            ));
+        }
+        if held_elsewhere + bytes > total {
+            return Some(format!(
+                "unfinished remounts would take {} bytes of master memory, over the {total}-byte bound (retry when they are done)",
+                held_elsewhere + bytes
+            ));
+        }
+        None
     }
 
     /// Adopts one re-announced piece (a striped replica once all its pieces are in);

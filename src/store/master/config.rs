@@ -71,6 +71,11 @@ pub struct MasterConfig {
     /// Reads of an object on disk before it is kept in memory again; below that a read
     /// stages it in memory for the reader only (`--promotion_admission_threshold`).
     pub promotion_admission_threshold: u32,
+    /// Bytes of catalog one segment's unfinished remount may hold (chunks sent with
+    /// `last=false` wait for the last one): a chunk past it ends that remount.
+    pub max_remount_bytes_per_segment: u64,
+    /// Bytes of catalog all unfinished remounts together may hold.
+    pub max_remount_bytes: u64,
 }
 
 impl Default for MasterConfig {
@@ -91,6 +96,9 @@ impl Default for MasterConfig {
             catalog_ack_timeout: Duration::from_secs(2),
             offload_on_evict: true,
             promotion_admission_threshold: 1,
+            // About 1.3 million object pieces per node; four nodes at once.
+            max_remount_bytes_per_segment: 256 << 20,
+            max_remount_bytes: 1 << 30,
         }
     }
 }

@@ -27,11 +27,61 @@ impl Relocation {
     }
 }
 
+/// What draining a segment would put at risk: objects with no copy outside its node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrainRisk {
+    /// Objects whose every memory replica touches the segment and that have no disk
+    /// copy on another node: each needs a new replica elsewhere.
+    pub to_move: u64,
+    /// Their bytes.
+    pub to_move_bytes: u64,
+    /// Objects held only by the segment's own disk tier: a drain moves memory, so
+    /// these leave with the node.
+    pub disk_only: u64,
+    /// Their bytes.
+    pub disk_only_bytes: u64,
+    /// Free bytes on the other segments that take new replicas.
+    pub room_elsewhere: u64,
+}
+
+impl DrainRisk {
+    /// Objects and bytes a drain may lose: those on the disk tier alone, and all those
+    /// to move when the other segments lack room for them.
+    pub fn at_risk(&self) -> (u64, u64) {
+        let (mut objects, mut bytes) = (self.disk_only, self.disk_only_bytes);
+        if self.to_move_bytes > self.room_elsewhere {
+            objects += self.to_move;
+            bytes += self.to_move_bytes;
+        }
+        (objects, bytes)
+    }
+
+    /// Why the objects at risk have nowhere to go, in words.
+    fn reasons(&self) -> String {
+        let mut why = Vec::new();
+        if self.to_move_bytes > self.room_elsewhere {
+            why.push(format!(
+                "{} objects ({} bytes) have no copy on another node and the other segments have room for {} bytes",
+                self.to_move, self.to_move_bytes, self.room_elsewhere
+            ));
+        }
+        if self.disk_only > 0 {
+            why.push(format!(
+                "{} objects ({} bytes) are only on its node's disk tier, which a drain does not move",
+                self.disk_only, self.disk_only_bytes
+            ));
+        }
+        why.join("; ")
+    }
+}
+
 impl Master {
     /// Marks segment `name` draining: no new replica is placed on it, and its node
     /// (told in its catalog polls) moves what only it holds elsewhere, then unmounts.
     /// `client`, when given, must own the segment (an admin request gives none).
-    pub fn drain(&self, client: Option<u64>, name: &str) -> Result<()> {
+    /// Unless `force`, a drain that would lose objects (see [`DrainRisk::at_risk`]) is
+    /// refused and changes nothing; the answer is what the drain puts at risk.
+    pub fn drain(&self, client: Option<u64>, name: &str, force: bool) -> Result<DrainRisk> {
         let seg = self
             .segments
             .get(name)
@@ -42,12 +92,59 @@ impl Master {
                 format!("segment {name} belongs to another client"),
             ));
         }
+        let risk = self.drain_risk(&seg);
+        let (objects, bytes) = risk.at_risk();
+        if objects > 0 && !force {
+            return Err(Error::new(
+                Code::NoAvailableHandle,
+                format!(
+                    "drain of segment {name} refused: it would lose {objects} objects ({bytes} bytes): {}; drain with force to lose them",
+                    risk.reasons()
+                ),
+            ));
+        }
         if !seg.draining.swap(true, Ordering::SeqCst) {
-            log::info!("segment {name} draining");
+            if objects > 0 {
+                log::warn!("segment {name} draining by force; {objects} objects ({bytes} bytes) at risk: {}", risk.reasons());
+            } else {
+                log::info!("segment {name} draining");
+            }
             // The node learns it from its next catalog poll's answer.
             seg.log.wake();
         }
-        Ok(())
+        Ok(risk)
+    }
+
+    /// What draining `seg` would put at risk now.
+    fn drain_risk(&self, seg: &Arc<Segment>) -> DrainRisk {
+        let mut risk = DrainRisk {
+            room_elsewhere: self
+                .segments
+                .snapshot()
+                .iter()
+                .filter(|s| !Arc::ptr_eq(s, seg) && !s.draining.load(Ordering::SeqCst))
+                .map(|s| segments::usable(&s.alloc).saturating_sub(s.alloc.used_bytes()))
+                .sum(),
+            ..DrainRisk::default()
+        };
+        let on_seg = |r: &[super::segments::PieceAlloc]| r.iter().any(|p| Arc::ptr_eq(&p.seg, seg));
+        for shard in self.shards.iter() {
+            let map = Self::lock(shard);
+            for (_, o) in map.objects.iter() {
+                let disk_elsewhere = o.disk.as_ref().is_some_and(|d| !Arc::ptr_eq(&d.seg, seg));
+                if !o.complete || disk_elsewhere || !o.replicas.iter().all(on_seg) {
+                    continue;
+                }
+                if o.replicas.is_empty() {
+                    risk.disk_only += 1;
+                    risk.disk_only_bytes += o.size;
+                } else {
+                    risk.to_move += 1;
+                    risk.to_move_bytes += o.size;
+                }
+            }
+        }
+        risk
     }
 
     /// The draining segment `name` of `client`.

@@ -17,6 +17,7 @@ mod table;
 
 pub use clock::Clock;
 pub use config::{AllocationStrategy, MasterConfig};
+pub use drain::DrainRisk;
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -306,7 +307,9 @@ impl Master {
                 Response::PerKey(cleared)
             }
             Request::Drain { client, segment } => {
-                self.drain(Some(client), &segment)?;
+                // A node drains itself as it leaves: refusing would save nothing, so
+                // it moves what it can, and its report counts what was lost.
+                self.drain(Some(client), &segment, true)?;
                 Response::Done
             }
             Request::Relocate {

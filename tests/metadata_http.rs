@@ -523,3 +523,47 @@ fn client_response_framing_and_reconnect() {
     // Nobody listens any more: an error, not a hang.
     assert!(c.request("GET", "/five", b"").is_err());
 }
+
+/// A server that died without unpublishing leaves its `rpc_meta` record behind: its
+/// successor under the same name replaces it once nothing listens at the recorded
+/// port, but never takes the name from an owner that still listens.
+#[test]
+fn a_dead_owners_record_is_replaced_and_a_live_owners_kept() {
+    use mooncake::metadata::{Directory, RpcMeta, SegmentDesc};
+    let server = start();
+    let dir = Directory::over(Arc::new(store(&server)), "");
+    let desc = SegmentDesc::new("127.0.0.1:7001");
+    let meta = |port| RpcMeta {
+        ip_or_host_name: "127.0.0.1".into(),
+        rpc_port: port,
+    };
+    // The previous owner's port: bound, then released (nothing listens there).
+    let dead_port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    dir.publish(&desc, &meta(dead_port)).unwrap();
+    let ours = meta(dead_port.wrapping_add(1).max(1));
+    dir.publish(&desc, &ours).unwrap();
+    let st = store(&server);
+    let held = st.get("mooncake/rpc_meta/127.0.0.1:7001").unwrap().unwrap();
+    assert_eq!(
+        RpcMeta::parse(&held).unwrap(),
+        ours,
+        "the dead owner's record was replaced"
+    );
+
+    // An owner that still listens keeps the name.
+    let live = TcpListener::bind("127.0.0.1:0").unwrap();
+    let desc = SegmentDesc::new("127.0.0.1:7002");
+    dir.publish(&desc, &meta(live.local_addr().unwrap().port()))
+        .unwrap();
+    let err = dir.publish(&desc, &ours).unwrap_err();
+    assert_eq!(err.code(), Code::Metadata, "{err}");
+    let held = st.get("mooncake/rpc_meta/127.0.0.1:7002").unwrap().unwrap();
+    assert_eq!(
+        RpcMeta::parse(&held).unwrap().rpc_port,
+        live.local_addr().unwrap().port()
+    );
+}

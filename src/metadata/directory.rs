@@ -29,6 +29,28 @@ pub enum Directory {
     },
 }
 
+/// How long a previous owner's RPC port may take to accept before it is taken for
+/// alive anyway (a host that does not answer at all may only be slow).
+const OWNER_PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Whether the server a record names still listens: false only when its host answers
+/// and refuses the connection (nobody holds the port: the owner is gone).
+fn owner_is_alive(meta: &RpcMeta) -> bool {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let Ok(addrs) = (meta.ip_or_host_name.as_str(), meta.rpc_port).to_socket_addrs() else {
+        return true;
+    };
+    let mut refused = false;
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, OWNER_PROBE_TIMEOUT) {
+            Ok(_) => return true,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused = true,
+            Err(_) => return true,
+        }
+    }
+    !refused
+}
+
 impl Directory {
     /// A directory in `store` under `cluster_id`'s namespace.
     pub fn over(store: Arc<dyn MetadataStore>, cluster_id: &str) -> Directory {
@@ -50,7 +72,24 @@ impl Directory {
     pub fn publish(&self, desc: &SegmentDesc, rpc_meta: &RpcMeta) -> Result<()> {
         if let Directory::Store { store, prefix } = self {
             let key = format!("{prefix}rpc_meta/{}", desc.name);
-            store.put(&key, &rpc_meta.to_json().to_string())?;
+            let value = rpc_meta.to_json().to_string();
+            if let Err(clash) = store.put(&key, &value) {
+                // A process that died without unpublishing leaves its record behind:
+                // its successor under the same name replaces it, a live owner keeps it.
+                match store.get(&key)?.map(|t| RpcMeta::parse(&t)) {
+                    Some(Ok(old)) if old != *rpc_meta && !owner_is_alive(&old) => {
+                        log::warn!(
+                            "{}: replacing the record of a previous owner that no longer answers on {}:{}",
+                            desc.name,
+                            old.ip_or_host_name,
+                            old.rpc_port
+                        );
+                        store.remove(&key)?;
+                        store.put(&key, &value)?;
+                    }
+                    _ => return Err(clash),
+                }
+            }
             if let Err(e) = self.republish(desc) {
                 // Half a publication would name a server nobody can reach.
                 let _ = store.remove(&key);

@@ -481,7 +481,8 @@ impl Client {
     fn fetch(&self, keys: &[&str], keep: bool) -> Vec<Result<Leased>> {
         // The lease counts from before the request left: a conservative reading.
         let asked = Instant::now();
-        if !keep {
+        // A master that says what is keepable also says what it staged from disk.
+        if !keep && !self.shared.master_keeps() {
             return self
                 .replicas(keys)
                 .into_iter()
@@ -507,12 +508,13 @@ impl Client {
             .zip(keys)
             .map(|((desc, keepable), k)| {
                 let desc = desc.map_err(|c| Error::new(c, format!("get {}", shown_key(k))))?;
-                let leased = Leased::granted(desc, asked);
-                if keepable {
-                    self.shared.cache.insert(k, &leased);
-                } else {
+                let mut leased = Leased::granted(desc, asked);
+                if !keepable {
                     // Not keepable: a copy staged from disk for this reader.
                     self.shared.disk_reads.fetch_add(1, Ordering::Relaxed);
+                    leased.staged = true;
+                } else if keep {
+                    self.shared.cache.insert(k, &leased);
                 }
                 Ok(leased)
             })
@@ -928,7 +930,31 @@ impl Client {
                 }
             }
         }
+        self.release_staged(keys, descs);
         results
+    }
+
+    /// Tells the master these reads are done with the copies it staged from disk for
+    /// them, so their space serves the next disk-tier read at once (their leases would
+    /// free it otherwise, later).
+    fn release_staged(&self, keys: &[&str], descs: &[Result<Leased>]) {
+        let items: Vec<(String, u64)> = keys
+            .iter()
+            .zip(descs)
+            .filter_map(|(k, d)| match d {
+                Ok(l) if l.staged => {
+                    let first = l.desc.replicas.first()?.pieces.first()?;
+                    Some((k.to_string(), first.addr))
+                }
+                _ => None,
+            })
+            .collect();
+        if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.call(Request::ReleaseStaged { items }) {
+            log::debug!("releasing copies staged from disk: {e}");
+        }
     }
 
     /// The bytes a read of a `size`-byte object into `frags` gives, or why it cannot.

@@ -67,6 +67,33 @@ unsafe fn segment_bytes<'a>(segment: &SegmentInfo, addr: u64, len: u64) -> Optio
     Some(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) })
 }
 
+/// The ranges `(addr, len)` of one value as slices of `segment`, if every one lies in
+/// it, none overlaps another, and together they are `size` bytes.
+///
+/// # Safety
+/// As `segment_bytes`.
+unsafe fn segment_pieces<'a>(
+    segment: &SegmentInfo,
+    ranges: &[(u64, u64)],
+    size: u64,
+) -> Option<Vec<&'a mut [u8]>> {
+    let total = ranges.iter().try_fold(0u64, |n, r| n.checked_add(r.1))?;
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    // Distinct slices may be handed out as `&mut` only if they do not overlap.
+    let disjoint = sorted
+        .windows(2)
+        .all(|w| w[0].0.checked_add(w[0].1).is_some_and(|end| end <= w[1].0));
+    if total != size || !disjoint {
+        return None;
+    }
+    ranges
+        .iter()
+        // SAFETY: each range is checked by `segment_bytes`; they are disjoint.
+        .map(|&(addr, len)| unsafe { segment_bytes(segment, addr, len) })
+        .collect()
+}
+
 impl NodeCatalog {
     /// A catalog for a node with (or without) a disk tier.
     pub fn new(disk: Option<NodeDisk>) -> NodeCatalog {
@@ -135,12 +162,23 @@ impl NodeCatalog {
                         continue;
                     };
                     let Some(disk) = &self.disk else { continue };
+                    let ranges: Vec<(u64, u64)> = entry
+                        .replica
+                        .pieces
+                        .iter()
+                        .map(|p| (p.addr, p.len))
+                        .collect();
                     // SAFETY: the caller guarantees the segment is this process's
-                    // memory; `segment_bytes` keeps the range inside it.
-                    let bytes = unsafe { segment_bytes(segment, addr, entry.size) };
-                    let kept = match bytes {
-                        Some(b) if entry.replica.pieces.len() == 1 => disk.offload(&entry, b),
-                        _ => continue, // striped objects stay in memory only
+                    // memory; `segment_pieces` keeps every range inside it.
+                    let kept = match unsafe { segment_pieces(segment, &ranges, entry.size) } {
+                        Some(parts) => {
+                            let parts: Vec<&[u8]> = parts.into_iter().map(|p| &*p).collect();
+                            disk.offload(&entry, &parts)
+                        }
+                        // The master offloads only replicas wholly in this segment.
+                        None => Err(crate::error::Error::invalid(
+                            "a replica not wholly in this segment",
+                        )),
                     };
                     if kept.is_ok() {
                         self.disk_kept.insert(entry.key.clone());
@@ -153,13 +191,13 @@ impl NodeCatalog {
                 CatalogEvent::Load {
                     key,
                     version,
-                    addr,
-                    size,
+                    pieces,
                 } => {
+                    let size = pieces.iter().fold(0u64, |n, p| n.saturating_add(p.1));
                     // SAFETY: as above.
-                    let dst = unsafe { segment_bytes(segment, addr, size) };
+                    let dst = unsafe { segment_pieces(segment, &pieces, size) };
                     let loaded = match (&self.disk, dst) {
-                        (Some(disk), Some(dst)) => disk.load(&key, version, dst),
+                        (Some(disk), Some(mut dst)) => disk.load(&key, version, &mut dst),
                         _ => Err(crate::error::Error::invalid(
                             "no disk tier or a bad address",
                         )),

@@ -9,7 +9,7 @@
 use super::disk::{DiskConfig, DiskTier};
 use super::protocol::{CatalogEntry, DiskEntry};
 use crate::error::{Code, Error, Result};
-use crate::util::crc32c::crc32c;
+use crate::util::crc32c::{crc32c, crc32c_append};
 
 const MAGIC: &[u8; 4] = b"MCV1";
 const PREFIX: usize = 16;
@@ -63,9 +63,10 @@ impl NodeDisk {
         self.capacity
     }
 
-    /// Keeps `bytes`, the value of `entry`'s object.
-    pub fn offload(&self, entry: &CatalogEntry, bytes: &[u8]) -> Result<()> {
-        if crc32c(bytes) != entry.crc32c {
+    /// Keeps the value of `entry`'s object, whose pieces are `parts` in value order.
+    pub fn offload(&self, entry: &CatalogEntry, parts: &[&[u8]]) -> Result<()> {
+        let crc = parts.iter().fold(0, |crc, p| crc32c_append(crc, p));
+        if crc != entry.crc32c {
             // Changed under us (the space was reused early): keep nothing wrong.
             return Err(Error::new(
                 Code::ChecksumMismatch,
@@ -76,12 +77,16 @@ impl NodeDisk {
             ));
         }
         let p = prefix(entry.version, entry.crc32c);
-        self.tier.put(&entry.key, &[&p, bytes])
+        let mut record = Vec::with_capacity(parts.len() + 1);
+        record.push(&p[..]);
+        record.extend_from_slice(parts);
+        self.tier.put(&entry.key, &record)
     }
 
-    /// Reads `key` (of `version`) into `dst`, which must be its exact size; the bytes
-    /// are checked against the object's checksum before anything is written to `dst`.
-    pub fn load(&self, key: &str, version: u64, dst: &mut [u8]) -> Result<()> {
+    /// Reads `key` (of `version`) into `dst`, pieces in value order that together are
+    /// its exact size; the bytes are checked against the object's checksum before
+    /// anything is written to `dst`.
+    pub fn load(&self, key: &str, version: u64, dst: &mut [&mut [u8]]) -> Result<()> {
         let value = self.tier.get(key)?;
         let (crc, stored) = parse_prefix(&value).ok_or_else(|| {
             Error::new(
@@ -90,17 +95,23 @@ impl NodeDisk {
             )
         })?;
         let bytes = &value[PREFIX..];
-        if stored != version || bytes.len() != dst.len() || crc32c(bytes) != crc {
+        let want: usize = dst.iter().map(|d| d.len()).sum();
+        if stored != version || bytes.len() != want || crc32c(bytes) != crc {
             return Err(Error::new(
                 Code::ObjectNotFound,
                 format!(
                     "disk tier: {key:?} holds version {stored} of {} bytes, asked for version {version} of {}",
                     bytes.len(),
-                    dst.len()
+                    want
                 ),
             ));
         }
-        dst.copy_from_slice(bytes);
+        let mut rest = bytes;
+        for d in dst.iter_mut() {
+            let (head, tail) = rest.split_at(d.len());
+            d.copy_from_slice(head);
+            rest = tail;
+        }
         Ok(())
     }
 

@@ -151,17 +151,16 @@ pub enum CatalogEvent {
     /// The object at this address was evicted from memory: keep it in the disk tier
     /// (before acknowledging: the space is reused only then).
     Offload(u64),
-    /// Read the disk tier's copy of `key` (`version`) into memory at `addr` (before
+    /// Read the disk tier's copy of `key` (`version`) into memory at `pieces` (before
     /// acknowledging; a copy that cannot be read is reported lost).
     Load {
         /// The object.
         key: String,
         /// The version the master expects.
         version: u64,
-        /// Where its `size` bytes go in the node's segment.
-        addr: u64,
-        /// Bytes.
-        size: u64,
+        /// Where the value goes in the node's segment, in value order, as
+        /// `(addr, len)`: one piece, or several for an object larger than a block.
+        pieces: Vec<(u64, u64)>,
     },
     /// In a reset's snapshot: the disk tier's copy of `key` is the object's (copies
     /// the snapshot does not name by its end are dropped).
@@ -418,6 +417,13 @@ pub enum Request {
         /// The bytes moved.
         done: bool,
     },
+    /// The caller finished reading copies staged from a disk tier for it (a
+    /// `GetReplicasKeepable` answer not keepable): their space is free again now
+    /// rather than at the end of the read lease. Copies not staged are not touched.
+    ReleaseStaged {
+        /// Each copy: the key, and the address of its replica's first piece.
+        items: Vec<(String, u64)>,
+    },
 }
 
 /// The master's answer to `CopyStart`: what to read and where to write it.
@@ -505,6 +511,7 @@ impl Request {
             Request::MountExtra { .. } => 23,
             Request::CopyStart { .. } => 24,
             Request::CopyEnd { .. } => 25,
+            Request::ReleaseStaged { .. } => 26,
         }
     }
 
@@ -664,6 +671,11 @@ impl Request {
             } => {
                 w.u64(*client).u64(*ticket).bool(*done);
             }
+            Request::ReleaseStaged { items } => {
+                w.list(items, |w, (k, addr)| {
+                    w.str(k).u64(*addr);
+                });
+            }
         }
     }
 
@@ -789,6 +801,9 @@ impl Request {
                 client: r.u64()?,
                 ticket: r.u64()?,
                 done: r.bool()?,
+            },
+            26 => Request::ReleaseStaged {
+                items: r.list(12, |r| Ok((r.string()?, r.u64()?)))?,
             },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
@@ -990,11 +1005,19 @@ impl Response {
                     CatalogEvent::Load {
                         key,
                         version,
-                        addr,
-                        size,
-                    } => {
-                        w.u8(4).str(key).u64(*version).u64(*addr).u64(*size);
-                    }
+                        pieces,
+                    } => match pieces.as_slice() {
+                        // One piece keeps the form nodes of before striped loads read.
+                        [(addr, size)] => {
+                            w.u8(4).str(key).u64(*version).u64(*addr).u64(*size);
+                        }
+                        _ => {
+                            w.u8(7).str(key).u64(*version);
+                            w.list(pieces, |w, (addr, len)| {
+                                w.u64(*addr).u64(*len);
+                            });
+                        }
+                    },
                     CatalogEvent::Forget { key, version } => {
                         w.u8(5).str(key).u64(*version);
                     }
@@ -1013,7 +1036,7 @@ impl Response {
             1 => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 | 16 | 18 | 21 | 23 | 25 => Response::Done,
+            2 | 3 | 16 | 18 | 21 | 23 | 25 | 26 => Response::Done,
             4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
             5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
             7 => Response::GetReplicas(decode_descs(&mut r)?),
@@ -1061,9 +1084,22 @@ impl Response {
                     4 => Ok(CatalogEvent::Load {
                         key: r.string()?,
                         version: r.u64()?,
-                        addr: r.u64()?,
-                        size: r.u64()?,
+                        pieces: vec![(r.u64()?, r.u64()?)],
                     }),
+                    7 => {
+                        let (key, version) = (r.string()?, r.u64()?);
+                        let pieces = r.list(16, |r| Ok((r.u64()?, r.u64()?)))?;
+                        // One piece travels as type 4: anything else would not
+                        // re-encode as it came.
+                        if pieces.len() < 2 {
+                            return Err(Error::protocol("a striped load names several pieces"));
+                        }
+                        Ok(CatalogEvent::Load {
+                            key,
+                            version,
+                            pieces,
+                        })
+                    }
                     6 => Ok(CatalogEvent::Keep(r.string()?)),
                     5 => Ok(CatalogEvent::Forget {
                         key: r.string()?,
@@ -1202,8 +1238,12 @@ mod tests {
                     CatalogEvent::Load {
                         key: "k".into(),
                         version: 2,
-                        addr: 128,
-                        size: 9,
+                        pieces: vec![(128, 9)],
+                    },
+                    CatalogEvent::Load {
+                        key: "k".into(),
+                        version: 2,
+                        pieces: vec![(128, 9), (4096, 3)],
                     },
                     CatalogEvent::Forget {
                         key: "k".into(),
@@ -1309,6 +1349,12 @@ mod tests {
                 client: 3,
                 ticket: 9,
                 done: true,
+            },
+            Response::Done,
+        );
+        round_trip(
+            Request::ReleaseStaged {
+                items: vec![("a".into(), 64), ("b".into(), 4096)],
             },
             Response::Done,
         );

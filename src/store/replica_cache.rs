@@ -34,6 +34,8 @@ pub struct Leased {
     pub lease_ends: Instant,
     /// Served from the cache rather than asked for now.
     pub cached: bool,
+    /// A copy the master staged from a disk tier for this read only: released once read.
+    pub staged: bool,
 }
 
 impl Leased {
@@ -44,6 +46,7 @@ impl Leased {
             desc,
             lease_ends,
             cached: false,
+            staged: false,
         }
     }
 }
@@ -86,6 +89,7 @@ impl ReplicaCache {
             desc: desc.clone(),
             lease_ends,
             cached: true,
+            staged: false,
         })
     }
 

@@ -99,6 +99,9 @@ pub struct Master {
     clients: Mutex<HashMap<u64, ClientState>>,
     put_quota: quota::PutQuota,
     quarantine: Mutex<Vec<Quarantined>>,
+    /// Copies read back from a disk tier for one reader, by key and first piece's
+    /// address, until the reader is done (`ReleaseStaged`) or its lease ends.
+    staged: Mutex<HashMap<(String, u64), offload::StagedCopy>>,
     /// Group id → member keys (pruned lazily when a member is gone).
     groups: Mutex<HashMap<String, Vec<String>>>,
     objects: AtomicU64,
@@ -133,6 +136,7 @@ impl Master {
             clients: Mutex::new(HashMap::new()),
             put_quota: quota::PutQuota::default(),
             quarantine: Mutex::new(Vec::new()),
+            staged: Mutex::new(HashMap::new()),
             groups: Mutex::new(HashMap::new()),
             objects: AtomicU64::new(0),
             evicted_objects: AtomicU64::new(0),
@@ -269,6 +273,10 @@ impl Master {
                 for keys in &batches {
                     eviction::tail_first(keys, |k| self.touch_cached_read(k));
                 }
+                Response::Done
+            }
+            Request::ReleaseStaged { items } => {
+                self.release_staged(items);
                 Response::Done
             }
             Request::Remove { key, force } => {
@@ -652,7 +660,10 @@ impl Master {
         let mut quarantine = self.quarantine.lock().unwrap_or_else(|e| e.into_inner());
         let before = quarantine.len();
         quarantine.retain(|q| q.until_ms > now);
-        quarantine.len() < before
+        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let staged_before = staged.len();
+        staged.retain(|_, q| q.until_ms > now);
+        quarantine.len() < before || staged.len() < staged_before
     }
 
     fn quarantine_replicas(&self, replicas: Replicas, until_ms: u64) {

@@ -8,13 +8,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::catalog::Commits;
+use super::catalog::{lock, Commits};
 use super::replicas::Replicas;
-use super::segments::{PieceAlloc, Segment};
+use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
 use super::table::Shard;
 use super::{policy, Master, Object};
 use crate::error::Code;
-use crate::store::protocol::{check_key, CatalogEvent, DiskEntry, KeyResult, ObjectDesc};
+use crate::store::protocol::{
+    check_key, CatalogEvent, DiskEntry, KeyResult, ObjectDesc, ReplicaDesc,
+};
 
 /// An object's copy in a node's disk tier. Dropping it (the object was removed,
 /// replaced, or lost its copy) tells the node to drop the copy too.
@@ -47,6 +49,15 @@ impl Drop for DiskCopy {
     }
 }
 
+/// A copy read back from a disk tier for one reader (see `release_staged`).
+pub struct StagedCopy {
+    /// When it is freed if its reader never says it is done (its lease's end).
+    pub until_ms: u64,
+    /// The version to promote it as, once read, when its read crossed the threshold.
+    promote: Option<u64>,
+    space: ReplicaAlloc,
+}
+
 /// The object a disk tier's copy becomes when memory holds none.
 fn disk_only(d: &DiskEntry, seg: &Arc<Segment>) -> Object {
     Object {
@@ -71,7 +82,7 @@ impl Master {
     pub(super) fn adopt_disk(&self, d: &DiskEntry, seg: &Arc<Segment>, now: u64) -> bool {
         if check_key(&d.key).is_err()
             || d.size == 0
-            || d.size > seg.alloc.max_object_size()
+            || d.size > seg.alloc.capacity()
             || !self.catalogs.observe(d.version)
         {
             return false;
@@ -117,10 +128,17 @@ impl Master {
                 return;
             }
             let size = o.size;
+            // A striped replica qualifies when all its pieces are on that one segment:
+            // its node gathers them.
             let fits = |r: &[PieceAlloc]| {
-                r.len() == 1 && r[0].seg.disk_capacity.load(Ordering::Relaxed) >= size
+                r.iter().all(|p| Arc::ptr_eq(&p.seg, &r[0].seg))
+                    && r[0].seg.disk_capacity.load(Ordering::Relaxed) >= size
             };
             let Some(replica) = o.replicas.take_where(fits) else {
+                log::debug!(
+                    "{} leaves memory with no disk tier to keep it",
+                    crate::store::protocol::shown_key(key)
+                );
                 return;
             };
             let seg = replica[0].seg.clone();
@@ -162,42 +180,31 @@ impl Master {
         version: u64,
         size: u64,
     ) -> KeyResult<ObjectDesc> {
-        // Eviction frees the pool's lowest objects wherever they are: ask for more each
-        // round until some of it is in this node's segment (bounded).
-        let mut space = None;
-        let mut want = size;
-        for _ in 0..16 {
-            if let Some(alloc) = seg.alloc.alloc(size) {
-                space = Some(PieceAlloc {
-                    seg: seg.clone(),
-                    alloc,
-                });
-                break;
-            }
-            if self.free_expired_quarantine() {
-                continue;
-            }
-            if self.evict(want, false) == 0 && self.evict(want, true) == 0 {
-                break;
-            }
-            self.await_offloads();
-            want = want.saturating_mul(2);
-        }
-        let space = space.ok_or(Code::NoAvailableHandle)?;
-        let addr = space.piece().addr;
+        // Eviction frees the pool's lowest objects wherever they are: `allocate_evicting`
+        // asks for more each round until some of it is in this node's segment.
+        let space = self
+            .allocate_evicting(size, || {
+                segments::allocate(std::slice::from_ref(seg), size, 1)
+            })
+            .pop()
+            .ok_or(Code::NoAvailableHandle)?;
+        let pieces: Vec<(u64, u64)> = space
+            .iter()
+            .map(|p| (p.piece().addr, p.alloc.size))
+            .collect();
+        let first_addr = pieces[0].0;
         let seq = seg
             .log
             .record(|| CatalogEvent::Load {
                 key: key.to_owned(),
                 version,
-                addr,
-                size,
+                pieces,
             })
             .ok_or(Code::ReplicaIsNotReady)?;
         let timeout = self.config.catalog_ack_timeout.max(Duration::from_secs(1));
         if !seg.log.wait_acked(seq, timeout) {
             // The node may still write the value there later: not reusable for a while.
-            seg.log.hold_in_limbo(vec![space]);
+            seg.log.hold_in_limbo(space);
             return Err(Code::ReplicaIsNotReady);
         }
         let now = self.clock.now_ms();
@@ -216,25 +223,62 @@ impl Master {
             d.reads = d.reads.saturating_add(1);
             d.reads
         });
-        if reads >= self.config.promotion_admission_threshold {
-            o.replicas.push(vec![space]);
-            Commits::default().record(key, o);
-            drop(map);
-            // Nobody waits for this commit: the node should still have it at once.
-            seg.log.deliver();
-            return self.lookup(key, false);
-        }
-        o.lease_until_ms = o.lease_until_ms.max(now + ttl);
-        let staged = Replicas::One(space);
+        // No lease on the object: the reader reads the staged copy, which is held for
+        // it here until it says it is done or the lease would end. A lease would pin
+        // the promoted copy for nobody and starve the next disk-tier reads.
         let desc = ObjectDesc {
             size: o.size,
             crc32c: o.crc32c,
             lease_ms: ttl,
-            replicas: staged.describe(),
+            replicas: vec![ReplicaDesc {
+                pieces: space.iter().map(PieceAlloc::piece).collect(),
+            }],
         };
         drop(map);
-        self.quarantine_replicas(staged, now + ttl);
+        let copy = StagedCopy {
+            until_ms: now + ttl,
+            promote: (reads >= self.config.promotion_admission_threshold).then_some(version),
+            space,
+        };
+        lock(&self.staged).insert((key.to_owned(), first_addr), copy);
         Ok(desc)
+    }
+
+    /// Ends reads of copies staged from disk (by key and first piece's address): each
+    /// is freed at once, so disk-tier reads never wait on one another's leases, or
+    /// becomes the object's memory replica if its read crossed the promotion
+    /// threshold. Ids of nothing staged (released or expired already) change nothing.
+    pub(super) fn release_staged(&self, items: Vec<(String, u64)>) {
+        for id in items {
+            let Some(copy) = lock(&self.staged).remove(&id) else {
+                continue;
+            };
+            if let Some(version) = copy.promote {
+                self.promote(&id.0, version, copy.space);
+            }
+        }
+    }
+
+    /// Makes `space`, holding `key`'s value (of `version`) read back from its disk
+    /// tier, the object's memory replica, unless the object changed meanwhile.
+    fn promote(&self, key: &str, version: u64, space: ReplicaAlloc) {
+        let seg = space[0].seg.clone();
+        let mut map = Self::lock(self.shard(key));
+        let Some(o) = map.get_mut(key).filter(|o| {
+            o.complete
+                && o.version == version
+                && o.replicas.is_empty()
+                && o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, &seg))
+        }) else {
+            return; // dropping `space` frees it
+        };
+        o.replicas.push(space);
+        Commits::default().record(key, o);
+        // Into the eviction order, as a read of it.
+        self.touch(&mut map, key);
+        drop(map);
+        // Nobody waits for this commit: the node should still have it at once.
+        seg.log.deliver();
     }
 
     /// A node's disk tier lost `key`'s copy: the object goes with it unless it is

@@ -292,9 +292,8 @@ impl SegmentLog {
 fn encoded_size(e: &CatalogEvent) -> usize {
     match e {
         CatalogEvent::Free(_) | CatalogEvent::Offload(_) => 9,
-        CatalogEvent::Load { key, .. }
-        | CatalogEvent::Forget { key, .. }
-        | CatalogEvent::Keep(key) => key.len() + 32,
+        CatalogEvent::Load { key, pieces, .. } => key.len() + 20 + 16 * pieces.len(),
+        CatalogEvent::Forget { key, .. } | CatalogEvent::Keep(key) => key.len() + 32,
         CatalogEvent::Commit(entry) => entry.wire_size(),
     }
 }

@@ -49,8 +49,10 @@ from .store import (
     _key_list,
     _keys,
     _metadata_put_args,
+    _strs,
     _triage,
 )
+from ._store_surface import QueryTaskResponse, task_id_pair
 
 logger = logging.getLogger("mooncake")
 
@@ -756,6 +758,39 @@ class DummyStore(MooncakeDistributedStore):
         return self._keyed("get_parts", ks, parts, lambda idx: [
             [ks[i] for i in idx], [[list(s) for s in parts[i]] for i in idx],
             prefer_alloc_in_same_node])
+
+    # ------------------------------------------------------------ tasks (the real client's)
+
+    def _task(self, op, key, *rest):
+        k = _encode_key(key)
+        if k is None:
+            return (0, 0), INVALID_KEY
+        status, got = self._link.call(op, [k, *rest])
+        if status != 0:
+            return (0, 0), status
+        try:
+            (hi, lo), rc = got
+            ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (hi, lo, rc))
+        except (TypeError, ValueError):
+            ok = False
+        return ((hi, lo), rc) if ok else ((0, 0), RPC_FAIL)
+
+    def create_copy_task(self, key, targets):
+        return self._task("copy_task", key, list(_strs(targets, "targets")))
+
+    def create_move_task(self, key, source, target):
+        return self._task("move_task", key, check_str(source, "source"),
+                          check_str(target, "target"))
+
+    def query_task(self, task_id):
+        status, got = self._link.call("query_task", [list(task_id_pair(task_id))])
+        if status != 0:
+            return None, status
+        try:
+            found, rc = got
+            return (None if found is None else QueryTaskResponse._from_wire(found)), rc
+        except (TypeError, ValueError):
+            return None, RPC_FAIL
 
     def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
                         all_sizes):

@@ -82,6 +82,25 @@ class QueryTaskResponse:
         r._message = str(obj["message"])
         return r
 
+    def _to_wire(self):
+        """The fields as one flat list (the dummy-client wire carries no mappings)."""
+        return [*self._id, int(self._type), int(self._status), self._created, self._updated,
+                *self._client, self._message]
+
+    @classmethod
+    def _from_wire(cls, v):
+        """The inverse of ``_to_wire``; ValueError for anything else."""
+        if not isinstance(v, list) or len(v) != 9 or not isinstance(v[8], str) or \
+                not all(isinstance(x, int) and not isinstance(x, bool) for x in v[:8]):
+            raise ValueError(f"not a task: {v!r}")
+        r = cls()
+        r._id = (v[0], v[1])
+        r._type, r._status = TaskType(v[2]), TaskStatus(v[3])
+        r._created, r._updated = v[4], v[5]
+        r._client = (v[6], v[7])
+        r._message = v[8]
+        return r
+
     id = property(lambda self: self._id)
     type = property(lambda self: self._type)
     status = property(lambda self: self._status)
@@ -96,6 +115,15 @@ class QueryTaskResponse:
                 f"last_updated_at={self._updated}, "
                 f"assigned_client={self._client[0]}-{self._client[1]}, "
                 f"message=\"{self._message}\")")
+
+
+def task_id_pair(task_id):
+    """``task_id`` as a pair of ints (TypeError for anything else)."""
+    if isinstance(task_id, (str, bytes)) or not hasattr(task_id, "__len__") \
+            or len(task_id) != 2:
+        raise TypeError(f"task_id: expected a pair of int, got {task_id!r}")
+    hi, lo = (check_int(x, "task_id") for x in task_id)
+    return hi, lo
 
 
 def _api():
@@ -122,6 +150,13 @@ def _grace_ms(grace_period_seconds):
 class StoreSurfaceMixin:
     """Sessions, tasks, extra segments and the rest (see the module docstring)."""
 
+    @property
+    def _native(self):
+        """The C store these calls run on, or None: not set up, or a dummy (whose
+        real client runs only what upstream's dummy forwards; see ``_dummy``)."""
+        handle = self._store
+        return handle if isinstance(handle, int) else None
+
     # ------------------------------------------------------------ sessions
 
     def _keyed(self, fn_name, keys, what):
@@ -129,12 +164,12 @@ class StoreSurfaceMixin:
         cannot be keys)."""
         ks = _api()._keys(keys)
         fn = N.need(fn_name, what)
-        if not self._store:
+        if not self._native:
             return [INVALID_PARAMS] * len(ks)
         results, idx = _api()._triage(ks, [()] * len(ks))
         if idx:
             c_res = (ctypes.c_int * len(idx))()
-            rc = fn(self._store, N.c_strings([ks[i] for i in idx]), len(idx), c_res)
+            rc = fn(self._native, N.c_strings([ks[i] for i in idx]), len(idx), c_res)
             for j, i in enumerate(idx):
                 results[i] = rc if rc != N.MC_OK else int(c_res[j])
         return results
@@ -148,7 +183,7 @@ class StoreSurfaceMixin:
         config = _api()._config(config)
         fn = N.need("mc_store_put_session_start", "batch_put_session_start")
         if not lengths_match("batch_put_session_start", keys=ks, sizes=lens) \
-                or not self._store:
+                or not self._native:
             return [INVALID_PARAMS] * len(ks)
         results, idx = _api()._triage(ks, lens)
         if not idx:
@@ -160,7 +195,7 @@ class StoreSurfaceMixin:
         cfg, keep = config._to_c()
         opts, keep2 = self._put_options(config, False)
         c_res = (ctypes.c_int * len(idx))()
-        rc = fn(self._store, N.c_strings([ks[i] for i in idx]), len(idx),
+        rc = fn(self._native, N.c_strings([ks[i] for i in idx]), len(idx),
                 N.c_array(ctypes.c_uint64, [lens[i] for i in idx]), ctypes.byref(cfg),
                 ctypes.byref(opts), c_res)
         for j, i in enumerate(idx):
@@ -178,7 +213,7 @@ class StoreSurfaceMixin:
         sizes = _nested_ints(all_sizes, "all_sizes", n)
         offs = _nested_ints(all_offsets, offsets_name, n)
         fn = N.need(fn_name, what)
-        if ptrs is None or sizes is None or offs is None or not self._store:
+        if ptrs is None or sizes is None or offs is None or not self._native:
             return [INVALID_PARAMS] * n
         usable = []
         for i in range(n):
@@ -192,7 +227,7 @@ class StoreSurfaceMixin:
         if not idx:
             return results
         c_res = (ctypes.c_int64 * len(idx))()
-        rc = fn(self._store, N.c_strings([ks[i] for i in idx]), len(idx),
+        rc = fn(self._native, N.c_strings([ks[i] for i in idx]), len(idx),
                 N.c_array(ctypes.c_void_p, [a for i in idx for a in ptrs[i]]),
                 N.c_array(ctypes.c_uint64, [o for i in idx for o in offs[i]]),
                 N.c_array(ctypes.c_uint64, [z for i in idx for z in sizes[i]]),
@@ -238,10 +273,10 @@ class StoreSurfaceMixin:
         """Ends the get sessions of ``keys``; 0."""
         ks = _api()._keys(keys)
         fn = N.need("mc_store_get_session_end", "batch_get_session_end")
-        if not self._store:
+        if not self._native:
             return INVALID_PARAMS
         good = [k for k in ks if k is not None]
-        return fn(self._store, N.c_strings(good), len(good))
+        return fn(self._native, N.c_strings(good), len(good))
 
     # ------------------------------------------------------------ tasks
 
@@ -249,12 +284,12 @@ class StoreSurfaceMixin:
         """Creates a task: (id, 0) or ((0, 0), code)."""
         k = _api()._encode_key(key)
         fn = N.need(fn_name, fn_name.replace("mc_store_", ""))
-        if not self._store:
+        if not self._native:
             return (0, 0), INVALID_PARAMS
         if k is None:
             return (0, 0), INVALID_KEY
         out = (ctypes.c_uint64 * 2)()
-        rc = fn(self._store, k, *args, out)
+        rc = fn(self._native, k, *args, out)
         if rc != N.MC_OK:
             logger.error("mooncake: %s for %r failed: %s (%d)", fn_name, key,
                          N.error_string(rc), rc)
@@ -278,14 +313,11 @@ class StoreSurfaceMixin:
     def query_task(self, task_id):
         """(QueryTaskResponse, 0) for a task of this store, else (None, code)
         (TASK_NOT_FOUND -1400 for an id it does not know)."""
-        if isinstance(task_id, (str, bytes)) or not hasattr(task_id, "__len__") \
-                or len(task_id) != 2:
-            raise TypeError(f"task_id: expected a pair of int, got {task_id!r}")
-        hi, lo = (check_int(x, "task_id") for x in task_id)
+        hi, lo = task_id_pair(task_id)
         fn = N.need("mc_store_query_task", "query_task")
-        if not self._store:
+        if not self._native:
             return None, INVALID_PARAMS
-        rc, text = N.read_json_text(fn, self._store, hi, lo)
+        rc, text = N.read_json_text(fn, self._native, hi, lo)
         if rc == 1:
             logger.error("mooncake: query_task: no task %d-%d of this store", hi, lo)
             return None, TASK_NOT_FOUND
@@ -311,9 +343,9 @@ class StoreSurfaceMixin:
         check_str(protocol, "protocol")  # the store's own transports reach it
         loc = check_str(location, "location").encode()
         fn = N.need("mc_store_mount_file_segment", "mount_segment")
-        if not self._store:
+        if not self._native:
             return {"ret": INVALID_PARAMS, "segment_ids": []}
-        rc, seg = self._segment_id(lambda b, m: fn(self._store, p, off, n, loc, b, m))
+        rc, seg = self._segment_id(lambda b, m: fn(self._native, p, off, n, loc, b, m))
         if rc != N.MC_OK:
             logger.error("mooncake: mount_segment(%r, %d, offset=%d): %s (%d)", path, n, off,
                          N.error_string(rc), rc)
@@ -328,11 +360,11 @@ class StoreSurfaceMixin:
         loc = check_str(location, "location").encode()
         fn = N.need("mc_store_allocate_segment", "allocate_and_mount_segment")
         failed = {"ret": INVALID_PARAMS, "segment_ids": [], "allocated_size": 0}
-        if not self._store:
+        if not self._native:
             return failed
         got = ctypes.c_uint64(0)
         rc, seg = self._segment_id(
-            lambda b, m: fn(self._store, n, loc, b, m, ctypes.byref(got)))
+            lambda b, m: fn(self._native, n, loc, b, m, ctypes.byref(got)))
         if rc != N.MC_OK:
             logger.error("mooncake: allocate_and_mount_segment(%d): %s (%d)", n,
                          N.error_string(rc), rc)
@@ -343,11 +375,11 @@ class StoreSurfaceMixin:
         ids = _api()._strs(segment_ids, "segment_ids")
         grace = _grace_ms(grace_period_seconds)
         fn = N.need(fn_name, what)
-        if not self._store:
+        if not self._native:
             return INVALID_PARAMS
         first = 0
         for seg in ids:
-            rc = fn(self._store, seg.encode(), grace)
+            rc = fn(self._native, seg.encode(), grace)
             if rc != N.MC_OK:
                 logger.error("mooncake: %s(%r): %s (%d)", what, seg, N.error_string(rc), rc)
                 first = first or rc
@@ -371,9 +403,9 @@ class StoreSurfaceMixin:
         0 (also, with a warning, when there is no disk tier) or a negative code."""
         grace = _grace_ms(grace_period_seconds)
         fn = N.need("mc_store_drain_disk_tier", "unmount_local_disk_segment")
-        if not self._store:
+        if not self._native:
             return INVALID_PARAMS
-        rc = fn(self._store, grace)
+        rc = fn(self._native, grace)
         if rc == 1:
             logger.warning("mooncake: unmount_local_disk_segment: this store has no disk "
                            "tier (enable_ssd_offload); nothing to unmount")
@@ -386,7 +418,7 @@ class StoreSurfaceMixin:
         """Shared memory registered with this store for zero-copy calls; its address, or
         0. It lives as long as the store object (and is registered until close)."""
         n = check_int(size, "size")
-        if n == 0 or not self._store:
+        if n == 0 or not self._native:
             return 0
         try:
             m = mmap.mmap(-1, n, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
@@ -410,7 +442,7 @@ class StoreSurfaceMixin:
         check_str(protocol, "protocol")
         check_str(device_name, "device_name")
         size = check_int(mount_segment_size, "mount_segment_size")
-        if self._store:
+        if self._native:
             logger.error("mooncake: init_all: the store is set up already")
             return INVALID_PARAMS
         return self.setup(os.getenv("MOONCAKE_LOCAL_HOSTNAME", "localhost"),
@@ -422,7 +454,7 @@ class StoreSurfaceMixin:
         """How many of this store's reads got an object staged from a node's disk tier
         for them (0 before setup)."""
         fn = N.need("mc_store_disk_read_count", "get_offload_rpc_read_count")
-        if not self._store:
+        if not self._native:
             return 0
         count = ctypes.c_uint64(0)
-        return int(count.value) if fn(self._store, ctypes.byref(count)) == N.MC_OK else 0
+        return int(count.value) if fn(self._native, ctypes.byref(count)) == N.MC_OK else 0

@@ -371,6 +371,11 @@ def _parts(v):
     return _list(v, _spans)
 
 
+def _task_id(v):
+    _need(isinstance(v, list) and len(v) == 2)
+    return _u64(v[0]), _u64(v[1])
+
+
 def _u64_3d(v):
     return _list(v, lambda row: _list(row, lambda r: _list(r, _u64)))
 
@@ -505,6 +510,18 @@ class _Ops:
             ours.append(self._at(sess, buf, max(ends)) if ends else 0)
         return self.real.get_into_ranges(ours, all_keys, dsts, srcs, sizes)
 
+    def copy_task(self, sess, key, targets):
+        task, rc = self.real.create_copy_task(key, targets)
+        return [list(task), rc]
+
+    def move_task(self, sess, key, source, target):
+        task, rc = self.real.create_move_task(key, source, target)
+        return [list(task), rc]
+
+    def query_task(self, sess, task_id):
+        found, rc = self.real.query_task(task_id)
+        return [None if found is None else found._to_wire(), rc]
+
     TABLE = {
         "ping": (), "unmap": (_u64,),
         "exists": (_key,), "batch_exists": (_keys,), "size": (_key,), "sizes": (_keys,),
@@ -515,6 +532,8 @@ class _Ops:
         "get_into": (_keys, _spans), "get_parts": (_keys, _parts, _bool),
         "get_ranges": (lambda v: _list(v, _u64), lambda v: _list(v, _keys),
                        _u64_3d, _u64_3d, _u64_3d),
+        "copy_task": (_key, lambda v: _list(v, _str)), "move_task": (_key, _str, _str),
+        "query_task": (_task_id,),
     }
 
     def run(self, sess, msg):

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from fixtures_extra import (Child, KiB, MiB, STEP, digest, pattern, run_isolated, terminate,
-                            tracked, unique, wait_until)
+from fixtures_extra import (Child, KiB, MiB, STEP, digest, pattern, run_isolated,  # noqa: F401
+                            store_factory, terminate, tracked, unique, wait_until)
 
 pytest.importorskip("mooncake.store")
 from mooncake import _dummy_wire as W  # noqa: E402
@@ -255,6 +255,38 @@ def test_replicate_config_reaches_the_real_client(served, dummies):
     assert d.get(k) == b"pinned"
     cfg.replica_num = 0
     assert d.put(unique(), b"x", cfg) < 0
+
+
+def test_tasks_run_on_the_real_client_and_sessions_are_refused(
+        master_factory, real_clients, store_factory, dummies):
+    master = master_factory()
+    real = real_clients(master)
+    other = store_factory(master, segment=32 * MiB)
+    d = dummies(real.address)
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = real.segment
+    k = unique()
+    assert d.put(k, b"c" * 70_000, cfg) == 0
+    task, rc = d.create_copy_task(k, [other.get_hostname()])
+    assert rc == 0 and task != (0, 0)
+    done = {}
+
+    def finished():
+        resp, code = d.query_task(task)
+        done["resp"], done["rc"] = resp, code
+        return code == 0 and int(resp.status) in (2, 3)
+
+    wait_until(finished, "the copy task to finish")
+    assert done["resp"].id == task and int(done["resp"].status) == 3, done["resp"]
+    segments = {p.transport_endpoint for r in d.get_replica_desc(k)
+                for p in r.get_memory_descriptor().buffer_descriptors}
+    assert segments == {real.segment, other.get_hostname()}
+    assert d.query_task((task[0], task[1] + 1000)) == (None, -1400)
+    assert d.create_copy_task("", [other.get_hostname()]) == ((0, 0), -400)
+    with pytest.raises(TypeError):
+        d.query_task("1-2")
+    # Upstream's dummy has no sessions: refused per key, as there.
+    assert d.batch_put_session_start([unique()], [4]) == [INVALID_PARAMS]
 
 
 # ------------------------------------------------------------------ hostile peers

@@ -27,7 +27,7 @@ const COMMANDS: &[(&str, &str)] = &[
     (
         "target",
         "\
-  mooncake target --size BYTES [--location cpu:0|cuda:N|hip:N|npu:N] [--metadata URL]
+  mooncake target [--size 64M] [--location cpu:0|cuda:N|hip:N|npu:N] [--metadata URL]
       [--name HOST:PORT] [--bind IP] [--protocol tcp|shm|auto|rdma|efa]
       [--cluster-secret-file PATH]
       Allocate and register a SIZE-byte buffer (host memory, or device memory from the
@@ -145,7 +145,7 @@ const COMMANDS: &[(&str, &str)] = &[
     (
         "node",
         "\
-  mooncake node --master HOST:PORT --segment-size BYTES [--metadata URL] [--name HOST:PORT]
+  mooncake node --segment-size BYTES [--master 127.0.0.1:50051] [--metadata URL] [--name HOST:PORT]
       [--bind IP] [--protocol tcp|shm|auto|rdma|efa] [--cluster-secret-file PATH]
       [--ssd-path DIR --ssd-size BYTES]
       Lend SIZE bytes (positive, at most this machine's memory) to the store pool,

@@ -357,7 +357,8 @@ fn master_runs_no_metadata_server_unless_asked() {
     let upstream_port = format!("--http_metadata_server_port={port}");
     let pinned = [
         "--rpc_address=127.0.0.1",
-        "--rpc_port=0",
+        // Upstream's rpc_port 0 means "use --port" (50051): the OS picks through --port.
+        "--port=0",
         "--metrics_port=off",
     ];
     let mut m = master(&[&pinned[..], &[upstream_port.as_str()]].concat());

@@ -128,7 +128,7 @@ def test_version_prints_and_exits_zero(mooncake_bin, main, name):
 
 
 def test_mooncake_master_runs_no_metadata_server_by_default(mooncake_bin, tmp_path):
-    argv = ["--rpc_address=127.0.0.1", "--rpc_port=0", "--metrics_port=off", "-v=1",
+    argv = ["--rpc_address=127.0.0.1", "--port=0", "--metrics_port=off", "-v=1",
             "--max_threads=4", "--until-stdin-eof"]
     # stderr to a file: a pipe nobody reads while waiting for the ready line could fill.
     with open(tmp_path / "stderr", "w+") as log:

@@ -337,7 +337,7 @@ def _ready_line(cmd, env=None):
 def test_console_scripts(mooncake_bin, free_port):
     env = dict(os.environ, MOONCAKE_BIN=mooncake_bin)
     code = "from mooncake.cli import master_main; master_main()"
-    p, line = _ready_line([sys.executable, "-c", code, "--rpc_address=127.0.0.1", "--rpc_port=0",
+    p, line = _ready_line([sys.executable, "-c", code, "--rpc_address=127.0.0.1", "--port=0",
                            "--http_metadata_server_port=0", "--metrics_port=off",
                            "--default_kv_lease_ttl=5000", "--until-stdin-eof"], env)
     try:

@@ -8,6 +8,9 @@ use mooncake::engine::config::parse_size;
 pub struct Args {
     values: HashMap<String, String>,
     used: std::cell::RefCell<Vec<String>>,
+    /// The last argument, a flag with no value after it: an error either way, but
+    /// which one ("needs a value" or "unknown") only the command can tell.
+    dangling: Option<String>,
 }
 
 /// Flags that take no value.
@@ -31,23 +34,29 @@ impl Args {
     /// As `parse`, renaming `(alias, canonical)` flags (after `_` → `-`).
     pub fn parse_with_aliases(raw: &[String], aliases: &[(&str, &str)]) -> Result<Args, String> {
         let mut values = HashMap::new();
+        let mut dangling = None;
         let mut it = raw.iter();
+        let canonical = |k: &str| {
+            let k = k.replace('_', "-");
+            aliases
+                .iter()
+                .find(|(a, _)| *a == k)
+                .map_or(k, |(_, c)| (*c).to_owned())
+        };
         while let Some(a) = it.next() {
             if let Some(flag) = a.strip_prefix("--") {
                 let (k, v) = match flag.split_once('=') {
                     Some((k, v)) => (k.to_owned(), v.to_owned()),
                     None if SWITCHES.contains(&flag) => (flag.to_owned(), "true".to_owned()),
-                    None => {
-                        let v = it.next().ok_or_else(|| format!("--{flag} needs a value"))?;
-                        (flag.to_owned(), v.clone())
-                    }
+                    None => match it.next() {
+                        Some(v) => (flag.to_owned(), v.clone()),
+                        None => {
+                            dangling = Some(canonical(flag));
+                            break;
+                        }
+                    },
                 };
-                let k = k.replace('_', "-");
-                let k = aliases
-                    .iter()
-                    .find(|(a, _)| *a == k)
-                    .map_or(k, |(_, c)| (*c).to_owned());
-                values.insert(k, v);
+                values.insert(canonical(&k), v);
             } else {
                 return Err(format!("unexpected argument {a:?}"));
             }
@@ -55,6 +64,7 @@ impl Args {
         Ok(Args {
             values,
             used: Default::default(),
+            dangling,
         })
     }
 
@@ -63,20 +73,44 @@ impl Args {
         self.values.get(key).map(String::as_str)
     }
 
+    /// The value of `key`, or `Err` when it was given without one (the last argument).
+    fn value(&self, key: &str) -> Result<Option<&str>, String> {
+        if self.dangling.as_deref() == Some(key) {
+            return Err(format!("--{key} needs a value"));
+        }
+        Ok(self.str(key))
+    }
+
     pub fn flag(&self, key: &str) -> bool {
         self.str(key).is_some_and(|v| v != "false")
     }
 
     pub fn get<T: FromStr>(&self, key: &str, default: T) -> Result<T, String> {
-        match self.str(key) {
+        match self.value(key)? {
             None => Ok(default),
-            Some(v) => parse_value(v).ok_or_else(|| format!("--{key}: cannot parse {v:?}")),
+            Some(v) => parse_value(v).ok_or_else(|| {
+                let what = std::any::type_name::<T>();
+                match what.strip_prefix('u').and_then(|b| b.parse::<u32>().ok()) {
+                    // Unsigned integers: say the range, not just "cannot parse".
+                    Some(bits) if v.parse::<u128>().is_ok() => format!(
+                        "--{key}: {v} is out of range (at most {})",
+                        u128::MAX >> (128 - bits)
+                    ),
+                    _ => format!("--{key}: cannot parse {v:?}"),
+                }
+            }),
         }
     }
 
     /// Fails on flags nobody asked for (typos should not be silently ignored).
     pub fn finish(&self) -> Result<(), String> {
         let used = self.used.borrow();
+        if let Some(key) = &self.dangling {
+            return Err(match used.contains(key) {
+                true => format!("--{key} needs a value"),
+                false => format!("unknown option --{key} (and no value after it)"),
+            });
+        }
         let mut unknown: Vec<_> = self
             .values
             .keys()
@@ -113,7 +147,20 @@ mod tests {
         assert_eq!(a.str("name"), Some("x"));
         assert!(a.flag("json"));
         a.finish().unwrap();
-        assert!(Args::parse(&["--size".to_string()]).is_err());
+        // A last flag with no value: "needs a value" if the command knows it, else
+        // unknown.
+        let a = Args::parse(&["--size".to_string()]).unwrap();
+        assert_eq!(a.get::<u64>("size", 0).unwrap_err(), "--size needs a value");
+        let a = Args::parse(&["--bogus".to_string()]).unwrap();
+        assert!(a
+            .finish()
+            .unwrap_err()
+            .starts_with("unknown option --bogus"));
+        let a = Args::parse(&["--port".to_string(), "99999".to_string()]).unwrap();
+        assert_eq!(
+            a.get::<u16>("port", 0).unwrap_err(),
+            "--port: 99999 is out of range (at most 65535)"
+        );
         assert_eq!(parse_value::<u64>("1GiB"), Some(1 << 30));
         assert_eq!(parse_value::<u64>("x"), None);
     }

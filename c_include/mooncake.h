@@ -567,8 +567,11 @@ int mc_store_batch_replica_clear(mc_store *store, const char *const *keys, size_
 /* Copies where the object under key lives as JSON into buf, NUL-terminated:
  * {"size": N, "replicas": [{"kind": "memory", "status": "complete",
  *   "pieces": [{"segment": S, "addr": A, "len": L}, ...]}, ...]}
- * (pieces concatenate to the value; more than one when the object is striped). Leases
- * the object like a read. *needed_out as for mc_segment_describe. (revision 2) */
+ * (pieces concatenate to the value; more than one when the object is striped), then,
+ * when a node's disk tier holds a copy, {"kind": "local_disk", "status": "complete",
+ * "segment": S, "object_size": N} (an object only on disk has that replica alone).
+ * Leases the memory replicas like a read; reads nothing back from disk.
+ * *needed_out as for mc_segment_describe. (revision 2) */
 int mc_store_replica_desc(mc_store *store, const char *key, char *buf, size_t len,
                           size_t *needed_out);
 

@@ -105,7 +105,7 @@ fn evicted_objects_are_read_back_from_disk_and_promoted_on_the_second_read() {
     let dir = TempDir::new("offload");
     let clock = Clock::manual();
     let s = server(2, &clock);
-    let _node = Client::new(config(&s, 4 * MIB, Some(&dir))).unwrap();
+    let node = Client::new(config(&s, 4 * MIB, Some(&dir))).unwrap();
     let c = Client::new(config(&s, 0, None)).unwrap();
     fill(&s, &c);
     // Nothing evicted was lost: every object is there, most of them only on disk.
@@ -115,6 +115,11 @@ fn evicted_objects_are_read_back_from_disk_and_promoted_on_the_second_read() {
     assert!(on_disk.len() as u64 > OBJECTS / 2, "{on_disk:?}");
     assert_eq!(s.master().stats().objects, OBJECTS);
     let key = format!("d{}", on_disk[0]);
+    // Described as a disk-tier copy on the node, without reading it back.
+    let (desc, disk) = c.describe(&key).unwrap();
+    assert!(desc.replicas.is_empty() && desc.size == SIZE as u64);
+    assert_eq!(disk.as_deref(), Some(node.hostname()));
+    assert_eq!(in_memory(&s, &key), 0);
     // First read: staged for the reader only (threshold 2); second: kept in memory.
     assert_eq!(
         read(&c, &clock, on_disk[0]).unwrap(),

@@ -390,15 +390,20 @@ class ReplicaDescriptor:
             for p in obj.get("pieces") or []
         ]
         self._memory = MemoryDescriptor(pieces) if self.kind == "memory" else None
+        # "local_disk": a copy in a node's disk tier (upstream's LOCAL_DISK replica);
+        # "disk": upstream's shared-file-system replica.
         self._disk = (DiskDescriptor(str(obj.get("file_path", obj.get("path", ""))),
                                      int(obj.get("object_size", size)))
-                      if self.kind != "memory" else None)
+                      if self.kind == "disk" else None)
 
     def is_memory_replica(self):
         return self._memory is not None
 
     def is_disk_replica(self):
         return self._disk is not None
+
+    def is_local_disk_replica(self):
+        return self.kind == "local_disk"
 
     def get_memory_descriptor(self):
         if self._memory is None:

@@ -553,6 +553,14 @@ def test_ssd_offload_keeps_evicted_objects_readable(private_master, store_factor
         assert node.put(k, pattern(256 * KiB, i)) == 0
     assert any((tmp_path / "ssd").iterdir()), "evicted objects went to disk"
     assert node.batch_is_exist(keys) == [1] * len(keys), "nothing was dropped"
+    # The evicted ones are described as upstream's LOCAL_DISK replicas, without being
+    # read back (describing them again finds them still only on disk).
+    for _ in range(2):
+        descs = node.batch_get_replica_desc(keys[:5])
+        for k in keys[:5]:
+            kinds = [(r.is_memory_replica(), r.is_local_disk_replica()) for r in descs[k]]
+            assert kinds == [(False, True)], (k, descs[k])
+    assert node.get_size(keys[0]) == 256 * KiB
     for i in range(5):  # the oldest ones: evicted to disk, read back byte for byte
         assert node.get(keys[i]) == pattern(256 * KiB, i)
 

@@ -439,7 +439,16 @@ pub unsafe extern "C" fn mc_store_batch_replica_clear(
 }
 
 /// The JSON `mc_store_replica_desc` gives for an object.
-fn replica_json(d: &ObjectDesc) -> Value {
+fn replica_json(d: &ObjectDesc, disk: Option<&str>) -> Value {
+    // A copy in a node's disk tier is upstream's LOCAL_DISK replica.
+    let on_disk = disk.map(|segment| {
+        Value::object([
+            ("kind", Value::from("local_disk")),
+            ("status", Value::from("complete")),
+            ("segment", Value::from(segment)),
+            ("object_size", d.size.into()),
+        ])
+    });
     let replicas = d.replicas.iter().map(|r| {
         let pieces = r.pieces.iter().map(|p| {
             Value::object([
@@ -456,7 +465,7 @@ fn replica_json(d: &ObjectDesc) -> Value {
     });
     Value::object([
         ("size", Value::from(d.size)),
-        ("replicas", Value::Array(replicas.collect())),
+        ("replicas", Value::Array(replicas.chain(on_disk).collect())),
     ])
 }
 
@@ -477,7 +486,8 @@ pub unsafe extern "C" fn mc_store_replica_desc(
         // SAFETY: the caller guarantees `s` is NULL or a live store not being freed and `k` NULL or
         // a NUL-terminated string, which is what `store` and `key` need (both reject NULL).
         let (client, key) = unsafe { (store(s)?, key(k)?) };
-        let text = replica_json(&client.describe(key)?).to_string();
+        let (desc, disk) = client.describe(key)?;
+        let text = replica_json(&desc, disk.as_deref()).to_string();
         // SAFETY: the caller guarantees `buf` is NULL or writable for `len` bytes and `needed_out`
         // NULL or writable, which is exactly `answer_text`'s contract (it rejects a NULL `buf` with
         // `len > 0`).
@@ -584,8 +594,17 @@ mod tests {
             }],
         };
         assert_eq!(
-            replica_json(&d).to_string(),
+            replica_json(&d, None).to_string(),
             r#"{"size":10,"replicas":[{"kind":"memory","status":"complete","pieces":[{"segment":"a:1","addr":4096,"len":6},{"segment":"b:2","addr":8192,"len":4}]}]}"#
+        );
+        // A disk tier's copy comes last, as upstream's LOCAL_DISK replica.
+        let only_disk = ObjectDesc {
+            replicas: Vec::new(),
+            ..d
+        };
+        assert_eq!(
+            replica_json(&only_disk, Some("c:3")).to_string(),
+            r#"{"size":10,"replicas":[{"kind":"local_disk","status":"complete","segment":"c:3","object_size":10}]}"#
         );
     }
 }

@@ -1028,12 +1028,25 @@ impl Client {
 
     /// The object's size (takes a read lease, like Mooncake's).
     pub fn size(&self, key: &str) -> Result<u64> {
-        one(self.replicas(&[key])).map(|d| d.size)
+        self.describe(key).map(|(d, _)| d.size)
     }
 
-    /// Where `key` lives: size, checksum and complete replicas (leases it, like a read).
-    pub fn describe(&self, key: &str) -> Result<ObjectDesc> {
-        one(self.replicas(&[key]))
+    /// Where `key` lives: size, checksum and complete memory replicas (leased, like a
+    /// read), and the segment whose node's disk tier holds a copy, if one does. Reads
+    /// nothing back from disk.
+    pub fn describe(&self, key: &str) -> Result<(ObjectDesc, Option<String>)> {
+        let req = Request::Describe {
+            keys: vec![key.to_owned()],
+        };
+        let mut disk = Vec::new();
+        let desc = one(self.per_key(req, &[key], "describe", |r| match r {
+            Response::Described { descs, disk: d } if d.len() == descs.len() => {
+                disk = d;
+                Ok(descs)
+            }
+            other => Err(other),
+        }))?;
+        Ok((desc, disk.pop().filter(|d| !d.is_empty())))
     }
 
     /// Removes several keys in one round trip; per-key results.

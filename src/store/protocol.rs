@@ -424,6 +424,12 @@ pub enum Request {
         /// Each copy: the key, and the address of its replica's first piece.
         items: Vec<(String, u64)>,
     },
+    /// Where each key's replicas are, memory and disk tier, without reading anything
+    /// back (`get_replica_desc`); leases the memory replicas as `GetReplicas` does.
+    Describe {
+        /// The keys.
+        keys: Vec<String>,
+    },
 }
 
 /// The master's answer to `CopyStart`: what to read and where to write it.
@@ -480,6 +486,14 @@ pub enum Response {
     },
     /// Answer to `CopyStart`.
     CopyStart(CopyPlan),
+    /// The answer to `Describe`: per key its memory replicas (possibly none), then
+    /// per key the segment whose node's disk tier holds a copy ("" for none).
+    Described {
+        /// As `GetReplicas`, without reading anything back.
+        descs: Vec<KeyResult<ObjectDesc>>,
+        /// Per key: the disk tier's segment, or "".
+        disk: Vec<String>,
+    },
 }
 
 impl Request {
@@ -512,6 +526,7 @@ impl Request {
             Request::CopyStart { .. } => 24,
             Request::CopyEnd { .. } => 25,
             Request::ReleaseStaged { .. } => 26,
+            Request::Describe { .. } => 27,
         }
     }
 
@@ -554,7 +569,8 @@ impl Request {
             }
             Request::GetReplicas { keys }
             | Request::Exists { keys }
-            | Request::GetReplicasKeepable { keys } => {
+            | Request::GetReplicasKeepable { keys }
+            | Request::Describe { keys } => {
                 w.list(keys, |w, k| {
                     w.str(k);
                 });
@@ -805,6 +821,9 @@ impl Request {
             26 => Request::ReleaseStaged {
                 items: r.list(12, |r| Ok((r.string()?, r.u64()?)))?,
             },
+            27 => Request::Describe {
+                keys: keys(&mut r)?,
+            },
             other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
@@ -963,6 +982,12 @@ impl Response {
                     w.bool(*k);
                 });
             }
+            Response::Described { descs, disk } => {
+                encode_descs(w, descs);
+                w.list(disk, |w, d| {
+                    w.str(d);
+                });
+            }
             Response::Exists(items) => {
                 w.list(items, |w, r| {
                     encode_result(w, r, |w, b| {
@@ -1043,6 +1068,10 @@ impl Response {
             22 => Response::Keepable {
                 descs: decode_descs(&mut r)?,
                 keepable: r.list(1, |r| r.bool())?,
+            },
+            27 => Response::Described {
+                descs: decode_descs(&mut r)?,
+                disk: r.list(4, |r| r.string())?,
             },
             8 => Response::Exists(r.list(4, |r| decode_result(r, |r| r.bool()))?),
             9..=11 => Response::Count(r.u64()?),
@@ -1296,8 +1325,17 @@ mod tests {
                 keys: vec!["a".into(), "b".into()],
             },
             Response::Keepable {
-                descs: vec![Ok(desc), Err(Code::ObjectNotFound)],
+                descs: vec![Ok(desc.clone()), Err(Code::ObjectNotFound)],
                 keepable: vec![true, false],
+            },
+        );
+        round_trip(
+            Request::Describe {
+                keys: vec!["a".into(), "b".into()],
+            },
+            Response::Described {
+                descs: vec![Ok(desc), Err(Code::ObjectNotFound)],
+                disk: vec!["node:1".into(), String::new()],
             },
         );
         // A batch count that cannot fit the payload is refused, not allocated.

@@ -275,6 +275,10 @@ impl Master {
                 }
                 Response::Done
             }
+            Request::Describe { keys } => {
+                let (descs, disk) = keys.iter().map(|k| self.describe(k)).unzip();
+                Response::Described { descs, disk }
+            }
             Request::ReleaseStaged { items } => {
                 self.release_staged(items);
                 Response::Done

@@ -281,6 +281,33 @@ impl Master {
         seg.log.deliver();
     }
 
+    /// Where `key` is, without reading anything back: its memory replicas (leased, as
+    /// a lookup does; none for an object only on disk) and the segment whose node's
+    /// disk tier holds a copy ("" for none).
+    pub(super) fn describe(&self, key: &str) -> (KeyResult<ObjectDesc>, String) {
+        let found = self.lookup(key, false);
+        let map = Self::lock(self.shard(key));
+        let Some(o) = map.get(key).filter(|o| o.complete) else {
+            return (found, String::new());
+        };
+        let disk = o
+            .disk
+            .as_ref()
+            .map_or(String::new(), |d| d.seg.info.name.clone());
+        match found {
+            Err(Code::ReplicaIsNotReady) if o.disk.is_some() => {
+                let on_disk = ObjectDesc {
+                    size: o.size,
+                    crc32c: o.crc32c,
+                    lease_ms: 0,
+                    replicas: Vec::new(),
+                };
+                (Ok(on_disk), disk)
+            }
+            other => (other, disk),
+        }
+    }
+
     /// A node's disk tier lost `key`'s copy: the object goes with it unless it is
     /// also in memory.
     pub(super) fn lose_disk_copy(&self, key: &str, seg: &Arc<Segment>) {

@@ -340,3 +340,31 @@ fn disk_tier_reads_do_not_wait_for_one_anothers_leases() {
     }
     assert_eq!(s.master().stats().objects, OBJECTS);
 }
+
+/// A disk-tier read finds no room while leases hold all of the node's memory (a reader
+/// just described every object): it waits for the leases to end, within one lease,
+/// and the reader's own lease counts from the read back, not from its request.
+#[test]
+fn a_disk_read_waits_for_leases_that_hold_every_byte() {
+    let dir = TempDir::new("leased");
+    let mut cfg = ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: None,
+        ..Default::default()
+    };
+    cfg.master.lease_ttl = Duration::from_millis(300);
+    let s = MasterServer::start(cfg).unwrap();
+    let _node = Client::new(config(&s, 4 * MIB, Some(&dir))).unwrap();
+    let c = Client::new(config(&s, 0, None)).unwrap();
+    fill(&s, &c);
+    let on_disk: Vec<u64> = (0..OBJECTS)
+        .filter(|i| in_memory(&s, &format!("d{i}")) == 0)
+        .collect();
+    // Describing leases every object in memory: nothing there can be evicted now.
+    for i in 0..OBJECTS {
+        c.describe(&format!("d{i}")).unwrap();
+    }
+    let i = on_disk[0];
+    assert!(c.get(&format!("d{i}")).unwrap() == pattern(i, SIZE));
+}

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::catalog::{lock, Commits};
 use super::replicas::Replicas;
@@ -17,6 +17,10 @@ use crate::error::Code;
 use crate::store::protocol::{
     check_key, CatalogEvent, DiskEntry, KeyResult, ObjectDesc, ReplicaDesc,
 };
+
+/// How long a read-back waits at most for leases to free space in its node's memory.
+const MAX_LEASE_WAIT: Duration = Duration::from_secs(1);
+const LEASE_WAIT_STEP: Duration = Duration::from_millis(20);
 
 /// An object's copy in a node's disk tier. Dropping it (the object was removed,
 /// replaced, or lost its copy) tells the node to drop the copy too.
@@ -180,14 +184,24 @@ impl Master {
         version: u64,
         size: u64,
     ) -> KeyResult<ObjectDesc> {
+        let started_ms = self.clock.now_ms();
         // Eviction frees the pool's lowest objects wherever they are: `allocate_evicting`
-        // asks for more each round until some of it is in this node's segment.
-        let space = self
-            .allocate_evicting(size, || {
+        // asks for more each round until some of it is in this node's segment. When
+        // leases hold all of it (a reader just described or read every object), wait
+        // a little for them to end rather than fail the read.
+        let patience = Instant::now() + self.config.lease_ttl.min(MAX_LEASE_WAIT);
+        let space = loop {
+            let placed = self.allocate_evicting(size, || {
                 segments::allocate(std::slice::from_ref(seg), size, 1)
-            })
-            .pop()
-            .ok_or(Code::NoAvailableHandle)?;
+            });
+            if let Some(space) = placed.into_iter().next() {
+                break space;
+            }
+            if Instant::now() >= patience {
+                return Err(Code::NoAvailableHandle);
+            }
+            std::thread::sleep(LEASE_WAIT_STEP);
+        };
         let pieces: Vec<(u64, u64)> = space
             .iter()
             .map(|p| (p.piece().addr, p.alloc.size))
@@ -229,7 +243,9 @@ impl Master {
         let desc = ObjectDesc {
             size: o.size,
             crc32c: o.crc32c,
-            lease_ms: ttl,
+            // The reader counts its lease from when it asked: add the time spent
+            // here (finding room, the node's disk read) to what it is held for.
+            lease_ms: ttl + now.saturating_sub(started_ms),
             replicas: vec![ReplicaDesc {
                 pieces: space.iter().map(PieceAlloc::piece).collect(),
             }],

@@ -64,7 +64,9 @@ pub(crate) fn guard(what: &str, body: impl FnOnce() -> Result<c_int>) -> c_int {
             match e.code() {
                 // Expected in normal polling use; not worth a warning.
                 Code::BufferOverflow | Code::Timeout => log::debug!("{what}: {e}"),
-                _ => log::warn!("{what}: {e}"),
+                // Rate-limited: while a master fails over, every call of a busy client
+                // fails alike (400 identical lines in 3 s before).
+                _ => crate::warn_limited!("{what}: {e}"),
             }
             e.code() as c_int
         }

@@ -205,7 +205,7 @@ fn a_failover_mid_replay_loses_no_committed_object() {
         assert!(got == pattern(i, size(i)), "r{i} bytes");
         // Both replicas of what was committed before the kill came back; a put in the
         // moments when only one node had remounted got one (replica_num is best effort).
-        let replicas = c.describe(&format!("r{i}")).unwrap().replicas.len();
+        let replicas = c.describe(&format!("r{i}")).unwrap().0.replicas.len();
         assert!(
             replicas == 2 || (i >= 150 && replicas == 1),
             "r{i}: {replicas}"

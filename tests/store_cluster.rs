@@ -362,7 +362,7 @@ fn ranges_batch_remove_and_replica_clear() {
     assert!(c.batch_replica_clear(&["y"], "")[0].as_ref().unwrap());
     assert!(!c.exists("y").unwrap());
     // A read leases z: it is neither cleared nor removed without force.
-    let d = c.describe("z").unwrap();
+    let (d, _) = c.describe("z").unwrap();
     assert_eq!(d.replicas.len(), 2);
     assert_ne!(
         d.replicas[0].pieces[0].segment,

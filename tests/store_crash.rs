@@ -4,13 +4,12 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cprog::Proc;
-use common::pattern;
+use common::{free_port, pattern};
 use mooncake::store::protocol::ReplicateConfig;
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 
@@ -33,14 +32,6 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn server() -> MasterServer {

@@ -5,26 +5,15 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cprog::Proc;
-use common::pattern;
+use common::{free_port, pattern};
 use mooncake::store::protocol::ReplicateConfig;
 use mooncake::store::{Client, ClientConfig};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mooncake");
-
-/// A port the OS just handed out and that is free again (the master must come back
-/// on the same one).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn master(rpc: u16, metadata: u16) -> Proc {
     let mut cmd = Command::new(BIN);

@@ -43,6 +43,16 @@ pub fn assert_child_ok(child: &mut Command) {
     );
 }
 
+/// A port the OS just handed out on 127.0.0.1 and that is free again (for a server
+/// that must come back on the same one, or a name that must stay the same).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A deterministic byte pattern that differs per seed and offset.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 mod common;
@@ -566,4 +566,37 @@ fn c_and_cpp_programs_transfer_between_processes() {
             pair(target, client, size);
         }
     }
+}
+
+/// The README's C example is a whole function that compiles, strictly warned, against
+/// the header: a newcomer can paste it.
+#[test]
+fn the_readme_c_example_compiles() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = &readme[readme.find("## Using it from C and C++").unwrap()..];
+    let start = section.find("```c\n").unwrap() + 5;
+    let snippet = &section[start..start + section[start..].find("```").unwrap()];
+    let dir = build_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("readme_example.c");
+    std::fs::write(&src, snippet).unwrap();
+    let out = Command::new("cc")
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-fsyntax-only",
+            "-I",
+        ])
+        .arg(header_path())
+        .arg(&src)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -206,3 +206,36 @@ fn a_drain_that_would_lose_objects_is_refused_unless_forced() {
         "{answer}"
     );
 }
+
+/// A node run as a service (no `--until-stdin-eof`: it waits for a signal) that the
+/// master drains through its admin port leaves by itself, exiting 0, instead of
+/// staying alive with nothing to lend.
+#[test]
+fn a_node_drained_through_the_admin_port_exits() {
+    let s = MasterServer::start(ServerConfig {
+        rpc_port: 0,
+        metadata_port: Some(0),
+        metrics_port: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["node", "--master", &s.rpc_addr().to_string()])
+        .args(["--metadata", &s.metadata_url().unwrap()])
+        .args(["--segment-size", "16M", "--protocol", "tcp"]);
+    let mut p = Proc::spawn("node", &mut cmd);
+    let name = p.ready().trim_start_matches("ready ").trim().to_owned();
+    let admin = HttpClient::new(&format!("http://{}", s.admin_addr().unwrap())).unwrap();
+    let (status, body) = admin
+        .request("POST", &format!("/drain?segment={name}"), b"")
+        .unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // `finish` kills it after LIMIT if it does not leave by itself.
+    let out = p.finish(LIMIT);
+    assert!(out.status.success(), "{:?}\n{}", out.status, out.stderr);
+    assert!(
+        out.stderr.contains("drained as the master asked"),
+        "{}",
+        out.stderr
+    );
+}

@@ -68,11 +68,23 @@ fn wait_for_signal() {
 
 /// Serves until stdin closes (`until_eof`) or a termination signal arrives.
 pub fn serve_until_done(until_eof: bool) {
+    serve_until_done_or(until_eof, || false);
+}
+
+/// As `serve_until_done`, and without `until_eof` also until `done()` turns true
+/// (asked every 200 ms).
+pub fn serve_until_done_or(until_eof: bool, done: impl Fn() -> bool) {
     if until_eof {
         serve_stdin(|cmd| format!("error unknown command {cmd:?}"));
-    } else {
-        wait_for_signal();
+        return;
     }
+    let set = termination_signals();
+    let tick = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 200_000_000,
+    };
+    // SAFETY: a valid set, a live timespec, and no siginfo wanted (NULL is allowed).
+    while unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &tick) } < 0 && !done() {}
 }
 
 /// Engine tuning flags (worker and TCP settings) over the default config.

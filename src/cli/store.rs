@@ -357,7 +357,13 @@ pub fn node(raw: &[String]) -> Result<(), String> {
     let client = Client::new(cfg).map_err(|e| e.to_string())?;
     println!("ready {}", client.hostname());
     let _ = std::io::stdout().flush();
-    super::serve_until_done(until_eof);
+    // A node drained as the master asked (its admin port) lends nothing any more: it
+    // leaves rather than stay alive idle.
+    super::serve_until_done_or(until_eof, || client.is_drained());
+    if client.is_drained() {
+        eprintln!("drained as the master asked; leaving");
+        return Ok(());
+    }
     // An orderly exit (SIGTERM, SIGINT, end of stdin) drains first; SIGKILL cannot.
     match client.drain() {
         Ok(r) => eprintln!(

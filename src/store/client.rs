@@ -366,6 +366,12 @@ impl Client {
         &self.engine
     }
 
+    /// Whether this node's segment was drained and unmounted (by `drain`, or as the
+    /// master asked): it lends nothing any more.
+    pub fn is_drained(&self) -> bool {
+        self.shared.drained.load(Ordering::SeqCst)
+    }
+
     /// This client's segment (and engine) name.
     pub fn hostname(&self) -> &str {
         self.engine.segment_name()

@@ -135,6 +135,8 @@ fn demo_prints_a_human_summary() {
         "prefix hits",
         "block here stands for one 512-token block",
         "hit rates are those of a",
+        "compare with  LRU ",
+        "best possible ",
         "evictions",
         "errors        0",
     ] {

@@ -128,7 +128,16 @@ fn run(client: &Client, opts: &Options, trace: &[TraceRequest], label: &str) -> 
     if opts.json {
         println!("{}", summary.to_json());
     } else {
-        summary.print(label, trace::name(opts.trace.as_deref()));
+        // Is the hit rate good? The same requests through LRU and through the best
+        // possible cache of the same capacity (block ids only: instant).
+        let reference = super::simulate::reference_rates(
+            opts.trace.as_deref(),
+            opts.limit,
+            summary.capacity_blocks,
+        )
+        .map_err(|e| log::warn!("reference hit rates: {e}"))
+        .ok();
+        summary.print(label, trace::name(opts.trace.as_deref()), reference);
     }
     let _ = std::io::stdout().flush();
     let s = &replayer.stats;
@@ -829,7 +838,9 @@ impl Summary {
         ])
     }
 
-    fn print(&self, label: &str, trace: &str) {
+    /// `reference`: LRU's and the best possible hit rates (all, last half) at this
+    /// capacity, printed under the replay's own.
+    fn print(&self, label: &str, trace: &str, reference: Option<[(f64, f64); 2]>) {
         println!(
             "mooncake {label}: replayed {} requests of {} in {:.1} s",
             self.requests, trace, self.seconds
@@ -858,6 +869,16 @@ impl Summary {
             self.hit_rate * 100.0,
             self.hit_rate_last_half * 100.0
         );
+        if let Some([(lru, lru_half), (best, best_half)]) = reference {
+            println!(
+                "  compare with  LRU {:.1}% (last half {:.1}%), best possible {:.1}% ({:.1}%) \
+                 at this capacity (`mooncake simulate` for other sizes)",
+                lru * 100.0,
+                lru_half * 100.0,
+                best * 100.0,
+                best_half * 100.0
+            );
+        }
         println!(
             "  written       {} objects, {}",
             self.objects_written,

@@ -27,6 +27,27 @@ const DEFAULT_STORE_BLOCK_BYTES: u64 = 64 << 10;
 /// Segments the store's pool is split into unless told: the demo's two nodes.
 const DEFAULT_SEGMENTS: u64 = 2;
 
+/// LRU's and Belady-optimal's prefix hit rates (all requests, then the last half) for a
+/// cache of `capacity` blocks over the trace's first `limit` requests: the yardsticks
+/// a replay's own hit rate is read against.
+pub fn reference_rates(
+    trace: Option<&str>,
+    limit: Option<usize>,
+    capacity: u64,
+) -> Result<[(f64, f64); 2], String> {
+    let text = super::trace::text(trace)?;
+    let plan = plan::parse(
+        &text,
+        super::trace::name(trace),
+        DEFAULT_BLOCK_TOKENS,
+        limit,
+    )?;
+    Ok([Policy::Lru, Policy::Optimal].map(|p| {
+        let t = policies::run(&plan, p, capacity);
+        (t.rate(), t.rate_last_half())
+    }))
+}
+
 /// Parses a byte size: a number (decimals allowed) with an optional binary unit
 /// (`K`, `M`, `G`, `T`, `P`, also written `KB`/`KiB`); a bare number is bytes.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {

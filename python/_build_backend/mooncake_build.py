@@ -16,8 +16,9 @@ What ``build_wheel`` does:
      ``mooncake/_version.py`` and the .dist-info (METADATA, WHEEL, entry_points.txt,
      top_level.txt, RECORD).
 
-Config settings (``pip wheel ./python -C strip=true``): ``strip`` ("true": strip debug
-symbols from the copies put in the wheel, when ``strip`` is installed).
+Config settings (``pip wheel ./python -C strip=false``): ``strip`` (default "true":
+debug symbols are stripped from the copies put in the wheel, when ``strip`` is
+installed, so the wheel is a few MB; "false" keeps them, for debugging).
 """
 
 import base64
@@ -185,7 +186,7 @@ def _build_native():
 
 
 def _maybe_strip(path, config_settings, tmp):
-    want = str((config_settings or {}).get("strip", "false")).lower() in ("1", "true", "yes")
+    want = str((config_settings or {}).get("strip", "true")).lower() in ("1", "true", "yes")
     strip = shutil.which("strip")
     if not want or not strip:
         return path

@@ -32,17 +32,7 @@ struct Params {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    let (digits, shift) = match s.char_indices().last() {
-        Some((i, 'K' | 'k')) => (&s[..i], 10),
-        Some((i, 'M' | 'm')) => (&s[..i], 20),
-        Some((i, 'G' | 'g')) => (&s[..i], 30),
-        _ => (s, 0),
-    };
-    digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(1 << shift))
-        .ok_or_else(|| format!("bad size {s:?}"))
+    mooncake::util::size::parse(s)
 }
 
 fn parse_args(args: &[String]) -> Result<Params, String> {

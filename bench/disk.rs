@@ -31,9 +31,10 @@ struct Params {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    mooncake::engine::config::parse_size(s)
-        .filter(|n| *n > 0)
-        .ok_or_else(|| format!("bad size {s:?}"))
+    match mooncake::util::size::parse(s)? {
+        0 => Err(format!("{s:?}: a size must be positive")),
+        n => Ok(n),
+    }
 }
 
 fn parse_args(args: &[String]) -> Result<Params, String> {

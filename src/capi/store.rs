@@ -44,8 +44,7 @@ pub(crate) struct StoreSettings {
 }
 
 fn store_size(key: &str, value: &str) -> Result<u64> {
-    crate::engine::config::parse_size(value)
-        .ok_or_else(|| Error::invalid(format!("config {key}: {value:?} is not a byte count")))
+    crate::util::size::parse(value).map_err(|e| Error::invalid(format!("config {key}: {e}")))
 }
 
 impl StoreSettings {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use mooncake::engine::config::parse_size;
+use mooncake::util::size;
 
 pub struct Args {
     values: HashMap<String, String>,
@@ -129,7 +129,7 @@ impl Args {
 fn parse_value<T: FromStr>(v: &str) -> Option<T> {
     v.parse()
         .ok()
-        .or_else(|| parse_size(v)?.to_string().parse().ok())
+        .or_else(|| size::parse(v).ok()?.to_string().parse().ok())
 }
 
 #[cfg(test)]

@@ -735,7 +735,7 @@ pub fn calc(raw: &[String]) -> Result<(), String> {
     let block_tokens: u64 = a.get("block-tokens", super::simulate::DEFAULT_BLOCK_TOKENS)?;
     let pool = match a.str("pool-size") {
         None => None,
-        Some(s) => Some(super::simulate::parse_bytes(s).map_err(|e| format!("--pool-size: {e}"))?),
+        Some(s) => Some(mooncake::util::size::parse(s).map_err(|e| format!("--pool-size: {e}"))?),
     };
     a.finish()?;
     if list {

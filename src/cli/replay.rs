@@ -16,7 +16,7 @@ use super::trace::{self, Request as TraceRequest};
 use mooncake::json::Value;
 use mooncake::store::protocol::PoolStats;
 use mooncake::store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
-use mooncake::util::percentile;
+use mooncake::util::{percentile, size};
 use mooncake::{Code, EngineConfig};
 
 /// Tokens per KV block (the trace's hash-id granularity).
@@ -847,10 +847,10 @@ impl Summary {
         );
         println!(
             "  pool          {} in {} segment(s) = {} blocks of {} ({} objects stored at the end)",
-            human_bytes(self.pool_bytes),
+            size::format(self.pool_bytes),
             self.segments,
             self.capacity_blocks,
-            human_bytes(self.block_bytes),
+            size::format(self.block_bytes),
             self.objects_stored,
         );
         println!(
@@ -861,7 +861,7 @@ impl Summary {
         println!(
             "  scale         one {} block here stands for one 512-token block of an 8B model's KV cache \
              (128 KiB/token = 64 MiB): the hit rates are those of a {:.0} GiB cache",
-            human_bytes(self.block_bytes),
+            size::format(self.block_bytes),
             self.real_model_equivalent_gib(),
         );
         println!(
@@ -882,12 +882,12 @@ impl Summary {
         println!(
             "  written       {} objects, {}",
             self.objects_written,
-            human_bytes(self.bytes_written)
+            size::format(self.bytes_written)
         );
         println!(
             "  read          {} objects, {}",
             self.objects_read,
-            human_bytes(self.bytes_read)
+            size::format(self.bytes_read)
         );
         println!(
             "  throughput    {:.2} GB/s (bytes written + read / wall time)",
@@ -896,7 +896,7 @@ impl Summary {
         println!(
             "  evictions     {} objects, {}",
             self.evictions,
-            human_bytes(self.evicted_bytes)
+            size::format(self.evicted_bytes)
         );
         println!(
             "  back-pressure {} puts refused for space (NO_AVAILABLE_HANDLE), {} blocks evicted between probe and read",
@@ -917,21 +917,6 @@ impl Summary {
         }
         println!("  errors        {}", self.errors);
         println!("  wall time     {:.2} s", self.seconds);
-    }
-}
-
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
     }
 }
 

@@ -16,6 +16,7 @@ use std::time::Instant;
 use super::args::Args;
 use super::calc::{self, Catalog};
 use mooncake::json::Value;
+use mooncake::util::size;
 use plan::Plan;
 pub use plan::DEFAULT_BLOCK_TOKENS;
 use policies::{Policy, Tally};
@@ -48,34 +49,6 @@ pub fn reference_rates(
     }))
 }
 
-/// Parses a byte size: a number (decimals allowed) with an optional binary unit
-/// (`K`, `M`, `G`, `T`, `P`, also written `KB`/`KiB`); a bare number is bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 4096, 512M, 1.5GiB)"))?;
-    let unit = unit.trim().to_ascii_lowercase();
-    let shift = match unit.trim_end_matches("ib").trim_end_matches('b') {
-        "" => 0,
-        "k" => 10,
-        "m" => 20,
-        "g" => 30,
-        "t" => 40,
-        "p" => 50,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (K, M, G, T, P)")),
-    };
-    let bytes = value * (1u64 << shift) as f64;
-    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
-        return Err(format!("{s:?} is too large"));
-    }
-    Ok(bytes.floor() as u64)
-}
-
 /// One `--capacities` item: a block count, or a size that `block_bytes` converts.
 fn parse_capacity(item: &str, block_bytes: Option<f64>) -> Result<u64, String> {
     let item = item.trim();
@@ -85,7 +58,7 @@ fn parse_capacity(item: &str, block_bytes: Option<f64>) -> Result<u64, String> {
             n => Ok(n),
         };
     }
-    let bytes = parse_bytes(item).map_err(|e| format!("--capacities: {e}"))?;
+    let bytes = size::parse(item).map_err(|e| format!("--capacities: {e}"))?;
     let per = block_bytes.ok_or_else(|| {
         format!(
             "--capacities: {item:?} is a size; give --block-bytes N or --model ID to convert it \
@@ -139,7 +112,7 @@ pub fn simulate(raw: &[String]) -> Result<(), String> {
     let estimate_tokens: u64 = a.get("estimate-tokens", 0)?;
     let block_bytes_flag = match a.str("block-bytes") {
         None => None,
-        Some(s) => Some(parse_bytes(s).map_err(|e| format!("--block-bytes: {e}"))?),
+        Some(s) => Some(size::parse(s).map_err(|e| format!("--block-bytes: {e}"))?),
     };
     let capacities_arg = a.str("capacities").map(str::to_owned);
     let policies_arg = a
@@ -486,12 +459,6 @@ mod tests {
 
     #[test]
     fn sizes_and_capacities_parse() {
-        assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        assert_eq!(parse_bytes("64GiB").unwrap(), 64 << 30);
-        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("512 MB").unwrap(), 512 << 20);
-        assert!(parse_bytes("12Q").is_err());
-        assert!(parse_bytes("lots").is_err());
         assert_eq!(parse_capacity("8192", None).unwrap(), 8192);
         assert_eq!(parse_capacity("512M", Some(65536.0)).unwrap(), 8192);
         // Sizes convert as the package does: floor(bytes / bytes per block).

@@ -193,27 +193,9 @@ pub const KEYS: &[&str] = &[
     "cluster_secret_file",
 ];
 
-/// Parses a byte count with an optional binary suffix: `4096`, `4K`, `1M`, `2GiB`.
-pub fn parse_size(value: &str) -> Option<u64> {
-    let v = value.trim();
-    if let Ok(n) = v.parse() {
-        return Some(n);
-    }
-    let lower = v.to_ascii_lowercase();
-    let unit = lower.trim_end_matches("ib").trim_end_matches('b');
-    let shift = match unit.chars().last()? {
-        'k' => 10,
-        'm' => 20,
-        'g' => 30,
-        't' => 40,
-        _ => return None,
-    };
-    let n: u64 = unit[..unit.len() - 1].trim().parse().ok()?;
-    n.checked_mul(1 << shift)
-}
-
 fn number<T: TryFrom<u64>>(key: &str, value: &str) -> Result<T> {
-    parse_size(value)
+    crate::util::size::parse(value)
+        .ok()
         .and_then(|n| T::try_from(n).ok())
         .ok_or_else(|| Error::invalid(format!("config {key}: {value:?} is not a valid number")))
 }

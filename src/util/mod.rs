@@ -9,6 +9,7 @@ pub mod percentile;
 pub mod ratelimit;
 pub mod regex;
 pub mod sha256;
+pub mod size;
 pub mod stream_copy;
 
 pub use percentile::percentile;

@@ -732,7 +732,7 @@ pub fn calc(raw: &[String]) -> Result<(), String> {
     let json_out = a.flag("json");
     let chosen = model_flags(&a, &cat)?;
     let tokens: u64 = a.get("tokens", 0)?;
-    let block_tokens: u64 = a.get("block-tokens", super::simulate::DEFAULT_BLOCK_TOKENS)?;
+    let block_tokens: u64 = a.get("block-tokens", super::trace::DEFAULT_BLOCK_TOKENS)?;
     let pool = match a.str("pool-size") {
         None => None,
         Some(s) => Some(mooncake::util::size::parse(s).map_err(|e| format!("--pool-size: {e}"))?),

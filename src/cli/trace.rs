@@ -6,6 +6,9 @@ use std::borrow::Cow;
 
 use mooncake::json::{self, Value};
 
+/// Default tokens per block: the FAST'25 traces hash 512-token blocks.
+pub const DEFAULT_BLOCK_TOKENS: u64 = 512;
+
 /// How reports name the built-in trace.
 pub const SHIPPED_NAME: &str = "conversation_trace.jsonl (built in)";
 

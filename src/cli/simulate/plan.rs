@@ -49,8 +49,7 @@ impl Hasher for IntHasher {
 /// A `HashMap` keyed by integers, hashed by [`IntHasher`].
 pub type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
-/// Default tokens per block: the FAST'25 traces hash 512-token blocks.
-pub const DEFAULT_BLOCK_TOKENS: u64 = 512;
+pub use crate::cli::trace::DEFAULT_BLOCK_TOKENS;
 
 /// A trace ready for replay.
 pub struct Plan {

@@ -269,7 +269,7 @@ fn server_id(addr: std::net::SocketAddr) -> String {
     .unwrap();
     let mut reply = String::new();
     let _ = s.read_to_string(&mut reply);
-    let header = format!("{}: ", mooncake::auth::http::SERVER_HEADER);
+    let header = format!("{}: ", mooncake::http::signed::SERVER_HEADER);
     reply
         .lines()
         .find_map(|l| l.strip_prefix(header.as_str()))
@@ -296,10 +296,10 @@ fn http_replayed_write_is_refused() {
     let addr = server.local_addr();
     let query = vec![("key".to_owned(), "r".to_owned())];
     let id = server_id(addr);
-    let header = mooncake::auth::http::sign(&k, &id, "PUT", "/metadata", &query, b"v").unwrap();
+    let header = mooncake::http::signed::sign(&k, &id, "PUT", "/metadata", &query, b"v").unwrap();
     let request = format!(
         "PUT /metadata?key=r HTTP/1.1\r\nHost: x\r\n{}: {header}\r\nContent-Length: 1\r\nConnection: close\r\n\r\nv",
-        mooncake::auth::http::HEADER
+        mooncake::http::signed::HEADER
     );
     assert!(send_raw(addr, request.as_bytes()).starts_with("HTTP/1.1 200"));
     let again = send_raw(addr, request.as_bytes());

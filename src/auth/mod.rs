@@ -14,7 +14,6 @@
 
 pub mod challenge;
 mod connect;
-pub mod http;
 
 use std::fmt;
 use std::io::Read;

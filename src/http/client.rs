@@ -10,7 +10,7 @@ use super::wire::{
     Framing, ReadErr, Wire,
 };
 use super::{CLIENT_CONNECT_TIMEOUT, CLIENT_IO_TIMEOUT, MAX_RESPONSE_BODY};
-use crate::auth::{self, ClusterSecret};
+use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
@@ -30,9 +30,9 @@ pub struct HttpClient {
     connect_timeout: Duration,
     io_timeout: Duration,
     conn: Mutex<Option<Wire<TcpStream>>>,
-    /// With a secret, every write request carries a signature (`crate::auth::http`).
+    /// With a secret, every write request carries a signature (`crate::http::signed`).
     secret: Option<ClusterSecret>,
-    /// The identity the server last gave (`auth::http::SERVER_HEADER`), which
+    /// The identity the server last gave (`super::signed::SERVER_HEADER`), which
     /// signatures name.
     server_id: Mutex<Option<String>>,
 }
@@ -193,7 +193,7 @@ impl HttpClient {
 
     /// Whether a `method` request carries a signature.
     fn signs(&self, method: &str) -> bool {
-        self.secret.is_some() && auth::http::is_write(method)
+        self.secret.is_some() && super::signed::is_write(method)
     }
 
     /// Sends one request (signed for `server_id` when it is a write and there is a
@@ -284,10 +284,10 @@ impl HttpClient {
             let signed = parse_target(path_and_query)
                 .ok_or_else(|| io::Error::other("unparsable request path"))
                 .and_then(|(path, query)| {
-                    auth::http::sign(secret, server, method, &path, &query, body)
+                    super::signed::sign(secret, server, method, &path, &query, body)
                 });
             match signed {
-                Ok(v) => req.push_str(&format!("{}: {v}\r\n", auth::http::HEADER)),
+                Ok(v) => req.push_str(&format!("{}: {v}\r\n", super::signed::HEADER)),
                 Err(e) => {
                     return Err(ExchangeError {
                         err: Error::io(format!("signing {}", what()), e),
@@ -374,7 +374,7 @@ pub(super) fn read_response<R: Read>(
             keep = false; // unsolicited bytes: do not trust this connection
         }
         // Only a plain token goes into the signatures this client writes.
-        let server_id = find_header(&headers, auth::http::SERVER_HEADER)
+        let server_id = find_header(&headers, super::signed::SERVER_HEADER)
             .filter(|id| id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric()))
             .map(str::to_owned);
         return Ok(Answer {

@@ -13,6 +13,7 @@ mod client;
 #[doc(hidden)]
 pub mod fuzzing;
 mod server;
+pub mod signed;
 mod wire;
 
 use std::time::Duration;

@@ -38,7 +38,7 @@ impl HttpMetadataStore {
         })
     }
 
-    /// Signs every write with `secret` (`crate::auth::http`); `None` signs nothing.
+    /// Signs every write with `secret` (`crate::http::signed`); `None` signs nothing.
     pub fn with_secret(mut self, secret: Option<ClusterSecret>) -> HttpMetadataStore {
         self.client = self.client.with_secret(secret);
         self

@@ -37,7 +37,7 @@ impl MetadataServer {
     }
 
     /// As [`start`](Self::start); with a secret, PUT, POST and DELETE must be signed
-    /// with it (`crate::auth::http`) or get 401, while GET stays open.
+    /// with it (`crate::http::signed`) or get 401, while GET stays open.
     pub fn start_with_secret(
         bind: SocketAddr,
         secret: Option<ClusterSecret>,
@@ -48,7 +48,7 @@ impl MetadataServer {
         let handler = Arc::new(move |req: &Request| handle(&handler_store, req));
         let server = HttpServer::bind(
             bind,
-            crate::auth::http::guard(secret, "metadata http", handler),
+            crate::http::signed::guard(secret, "metadata http", handler),
         )
         .map_err(|e| Error::io(format!("start metadata server on {bind}"), e))?;
         log::info!("metadata server listening on {}", server.local_addr());

@@ -111,8 +111,11 @@ impl MasterServer {
             Some(p) => {
                 let m = master.clone();
                 let handler = Arc::new(move |req: &HttpRequest| admin(&m, req));
-                let handler =
-                    auth::http::guard(config.cluster_secret.clone(), "admin http", handler);
+                let handler = crate::http::signed::guard(
+                    config.cluster_secret.clone(),
+                    "admin http",
+                    handler,
+                );
                 Some(HttpServer::bind(metrics_bind(p), handler).map_err(|e| {
                     Error::io(format!("binding admin http on {}", metrics_bind(p)), e)
                 })?)

@@ -26,8 +26,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::ClusterSecret;
-use crate::http::{Handler, Request, Response};
+use super::{Handler, Request, Response};
+use crate::auth::ClusterSecret;
 use crate::util::hmac::{self, HmacSha256};
 use crate::util::{hex, sha256};
 
@@ -98,7 +98,7 @@ pub fn sign(
     body: &[u8],
 ) -> std::io::Result<String> {
     let mut nonce = [0u8; NONCE_LEN];
-    super::fill_random(&mut nonce)?;
+    crate::auth::fill_random(&mut nonce)?;
     let ts = now_secs();
     let tag = mac(secret, server, method, path, query, ts, &nonce, body);
     Ok(format!(
@@ -213,7 +213,7 @@ pub fn guard(secret: Option<ClusterSecret>, what: &'static str, handler: Handler
         let answer = match verifier.check(req) {
             Ok(()) => handler(req),
             Err(why) => {
-                super::log_refusal(what, &format!("{} {}", req.method, req.path), why);
+                crate::auth::log_refusal(what, &format!("{} {}", req.method, req.path), why);
                 Response::text(401, why)
             }
         };

@@ -341,6 +341,10 @@ if me is not None:
         assert resp.status == pg.ProposalStatus.Applied, resp
 dist.barrier()
 if me is not None:
+    # The leaver has the new view when its call returns; the others learn it from it
+    # (pushed, not part of the world barrier): wait for it, within the deadline.
+    while pg.get_active_ranks(sub).tolist() != [1, 1, 0] and time.time() < deadline:
+        time.sleep(0.01)
     assert pg.get_active_ranks(sub).tolist() == [1, 1, 0]
     assert pg.get_current_epoch(sub) > before
 # The world group's membership is its own: untouched.

@@ -14,6 +14,7 @@
 //! CPU (TCP, shared memory, local memcpy) stage it: device → pinned bounce → wire, and
 //! wire → bounce → device, a bounce (`BOUNCE_SIZE`) at a time.
 
+use crate::util::sync::Unpoisoned;
 use std::sync::Mutex;
 
 use crate::error::{Code, Error, Result};
@@ -611,7 +612,7 @@ impl Bounce {
     /// pinned one, or (when pinning fails) heap memory. Never blocks on other users.
     pub fn take(kind: MemoryKind) -> Bounce {
         if let Some(i) = pool_index(kind) {
-            let reused = POOLS[i].lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let reused = POOLS[i].locked().pop();
             if let Some(p) = reused {
                 return Bounce {
                     ptr: p as *mut u8,
@@ -666,7 +667,7 @@ impl Drop for Bounce {
     fn drop(&mut self) {
         let Some(kind) = self.pinned else { return };
         let Some(i) = pool_index(kind) else { return };
-        let mut pool = POOLS[i].lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = POOLS[i].locked();
         if pool.len() < POOL_KEEP {
             pool.push(self.ptr as usize);
         } else {

@@ -16,6 +16,7 @@
 //! for `idle_timeout` (generous: clients pool connections), a peer that has not
 //! spoken yet or stopped in the middle of a frame only for `frame_timeout`.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -284,7 +285,7 @@ struct ConnServerState {
 }
 
 fn lock(m: &Mutex<Conns>) -> MutexGuard<'_, Conns> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.locked()
 }
 
 /// A listening port served by a thread per connection (see the module docs).

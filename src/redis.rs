@@ -3,9 +3,10 @@
 //! `MC_REDIS_USERNAME`, `MC_REDIS_PASSWORD` and `MC_REDIS_DB_INDEX` as upstream reads
 //! them.
 
+use crate::util::sync::Unpoisoned;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::error::{Code, Error, Result};
@@ -69,10 +70,6 @@ pub struct RedisClient {
     addr: String,
     options: RedisOptions,
     conn: Mutex<Option<BufReader<TcpStream>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn protocol_error(why: impl Into<String>) -> io::Error {
@@ -246,7 +243,7 @@ impl RedisClient {
     /// Sends one command and returns its reply. A pooled connection found broken is
     /// replaced once (commands used here are idempotent).
     pub fn command(&self, args: &[&[u8]]) -> Result<Reply> {
-        let mut conn = lock(&self.conn);
+        let mut conn = self.conn.locked();
         let mut retried = false;
         loop {
             let reused = conn.is_some();

@@ -2,6 +2,7 @@
 //! validation for every remote access, and in-flight guards so that unregistering a
 //! buffer waits until no transfer still touches it.
 
+use crate::util::sync::{Unpoisoned, UnpoisonedRw};
 use std::collections::BTreeMap;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -201,7 +202,7 @@ impl LocalMemory {
             .checked_add(len)
             .ok_or_else(|| Error::invalid(format!("buffer {addr:#x}+{len} overflows")))?;
         let device = crate::device::classify(addr, len, location)?;
-        let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
+        let mut regions = self.regions.write_locked();
         let before = regions.range(..end).next_back();
         if let Some((_, r)) = before.filter(|(_, r)| r.end() > addr) {
             return Err(Error::new(
@@ -233,22 +234,17 @@ impl LocalMemory {
 
     /// Removes the buffer starting at `addr` and waits until no transfer uses it.
     pub fn unregister(&self, addr: u64) -> Result<Arc<Region>> {
-        let region = self
-            .regions
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&addr)
-            .ok_or_else(|| {
-                Error::new(
-                    Code::AddressNotRegistered,
-                    format!("no buffer registered at {addr:#x}"),
-                )
-            })?;
+        let region = self.regions.write_locked().remove(&addr).ok_or_else(|| {
+            Error::new(
+                Code::AddressNotRegistered,
+                format!("no buffer registered at {addr:#x}"),
+            )
+        })?;
         region.valid.store(false, Ordering::SeqCst);
         if !region.device.is_host() {
             self.device_regions.fetch_sub(1, Ordering::SeqCst);
         }
-        let mut lock = region.drained.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lock = region.drained.0.locked();
         while region.in_flight.load(Ordering::SeqCst) != 0 {
             lock = region
                 .drained
@@ -262,7 +258,7 @@ impl LocalMemory {
 
     /// The region holding all of `[addr, addr+len)`, if any (no guard taken).
     pub fn find(&self, addr: u64, len: u64) -> Option<Arc<Region>> {
-        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = self.regions.read_locked();
         let (_, r) = regions.range(..=addr).next_back()?;
         r.contains(addr, len).then(|| r.clone())
     }
@@ -320,7 +316,7 @@ impl LocalMemory {
 
     /// All regions in address order.
     pub fn snapshot(&self) -> Vec<Arc<Region>> {
-        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = self.regions.read_locked();
         regions.values().cloned().collect()
     }
 }

@@ -17,11 +17,12 @@
 
 #![allow(non_snake_case)]
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use super::{c_str, copy_out, guard_value, init_logging, non_null};
 use crate::engine::{BatchId, Engine, EngineConfig, Protocol, Request, SegmentId, TaskState};
@@ -230,10 +231,6 @@ fn run_value<T: Copy>(what: &str, fallback: T, body: impl FnOnce() -> Result<T>)
             fallback
         })
     })
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An installed transport.
@@ -471,7 +468,7 @@ impl TeEngine {
         if let Some(e) = self.engine.get() {
             return Ok(e);
         }
-        let _serial = lock(&self.starting);
+        let _serial = self.starting.locked();
         if let Some(e) = self.engine.get() {
             return Ok(e);
         }
@@ -526,7 +523,7 @@ impl TeEngine {
 
     /// Our segment behind upstream id `id` (opening our own segment for id 0).
     fn segment(&self, engine: &Engine, id: i32) -> Result<SegmentId> {
-        let mut table = lock(&self.segments);
+        let mut table = self.segments.locked();
         if let Some(o) = table.ids.get(&id) {
             return Ok(o.segment);
         }
@@ -543,7 +540,8 @@ impl TeEngine {
 
     fn segment_name(&self, engine: &Engine, id: i32) -> Result<String> {
         self.segment(engine, id)?;
-        lock(&self.segments)
+        self.segments
+            .locked()
             .ids
             .get(&id)
             .map(|o| o.name.clone())
@@ -557,7 +555,7 @@ impl TeEngine {
             engine.resync_segment(segment)?;
         }
         let local = name == engine.segment_name();
-        lock(&self.segments).id_for(segment, name, local)
+        self.segments.locked().id_for(segment, name, local)
     }
 
     /// Sends a notification with a sender-chosen name to segment `target`'s engine.
@@ -571,7 +569,7 @@ impl TeEngine {
     /// Whether no notification is left pending for the batch afterwards (false: its
     /// tasks are still running, so it cannot be sent yet).
     fn settle_notify(&self, engine: &Engine, batch: BatchId) -> bool {
-        let mut batches = lock(&self.batches);
+        let mut batches = self.batches.locked();
         let Some(info) = batches.get_mut(&batch) else {
             return true;
         };
@@ -648,7 +646,7 @@ impl TeEngine {
         let requests = self.requests(engine, entries)?;
         // SAFETY: this fn's contract: each source buffer stays valid until its task is final.
         unsafe { engine.submit(batch, &requests)? };
-        let mut batches = lock(&self.batches);
+        let mut batches = self.batches.locked();
         let info = batches.entry(batch).or_default();
         info.submitted += entries.len();
         if let Some(n) = notify {
@@ -668,7 +666,7 @@ impl Drop for TeEngine {
         if !self.graceful.load(Ordering::Relaxed) {
             return;
         }
-        let batches: Vec<BatchId> = lock(&self.batches).keys().copied().collect();
+        let batches: Vec<BatchId> = self.batches.locked().keys().copied().collect();
         let limit = engine.config().transfer_timeout;
         for b in batches {
             if let Err(e) = engine.wait_batch(b, Some(limit)) {
@@ -859,7 +857,7 @@ pub unsafe extern "C" fn installTransport(
                 log::warn!("installTransport({name:?}): the engine already runs; args[0] ignored");
             }
         }
-        let mut installed = lock(&te.transports);
+        let mut installed = te.transports.locked();
         match installed.iter_mut().find(|t| t.protocol == protocol) {
             Some(t) => t.active = true,
             None => installed.push(Installed {
@@ -885,7 +883,7 @@ pub unsafe extern "C" fn uninstallTransport(engine: *mut TeEngine, proto: *const
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
         let protocol = Protocol::parse(name)?;
-        let mut installed = lock(&te.transports);
+        let mut installed = te.transports.locked();
         let t = installed
             .iter_mut()
             .find(|t| t.protocol == protocol && t.active)
@@ -947,7 +945,7 @@ pub unsafe extern "C" fn closeSegment(engine: *mut TeEngine, segment_id: i32) ->
         if segment_id == LOCAL_SEGMENT {
             return Ok(0);
         }
-        let mut table = lock(&te.segments);
+        let mut table = te.segments.locked();
         let opened = table
             .ids
             .remove(&segment_id)
@@ -998,7 +996,13 @@ pub unsafe extern "C" fn syncSegmentCache(engine: *mut TeEngine) -> c_int {
         // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let eng = te.engine()?;
-        let segments: Vec<SegmentId> = lock(&te.segments).ids.values().map(|o| o.segment).collect();
+        let segments: Vec<SegmentId> = te
+            .segments
+            .locked()
+            .ids
+            .values()
+            .map(|o| o.segment)
+            .collect();
         let mut first = Ok(());
         for s in segments {
             if let Err(e) = eng.resync_segment(s) {
@@ -1166,7 +1170,7 @@ pub unsafe extern "C" fn allocateBatchID(engine: *mut TeEngine, batch_size: usiz
         // what `handle` needs.
         let te = unsafe { handle(engine)? };
         let id = te.engine()?.allocate_batch(batch_size)?;
-        lock(&te.batches).insert(id, BatchInfo::default());
+        te.batches.locked().insert(id, BatchInfo::default());
         Ok(id)
     })
 }
@@ -1304,7 +1308,7 @@ pub unsafe extern "C" fn freeBatchID(engine: *mut TeEngine, batch_id: u64) -> c_
             ));
         }
         eng.free_batch(batch_id)?;
-        lock(&te.batches).remove(&batch_id);
+        te.batches.locked().remove(&batch_id);
         Ok(())
     })
 }
@@ -1509,7 +1513,9 @@ pub unsafe extern "C" fn showLinks(
             Some(e) => (e.segment_name().to_owned(), e.protocol().name()),
             None => (String::new(), "(not started)"),
         };
-        let mut opened: Vec<(i32, String)> = lock(&te.segments)
+        let mut opened: Vec<(i32, String)> = te
+            .segments
+            .locked()
             .ids
             .iter()
             .map(|(&id, o)| (id, o.name.clone()))

@@ -8,6 +8,7 @@ mod policies;
 mod store;
 mod svg;
 
+use mooncake::util::sync::Unpoisoned;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -283,7 +284,7 @@ fn run_all(
                     store,
                     seconds: t.elapsed().as_secs_f64(),
                 });
-                results.lock().unwrap_or_else(|e| e.into_inner()).push(out);
+                results.locked().push(out);
             });
         }
     });

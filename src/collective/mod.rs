@@ -28,6 +28,7 @@ mod ops;
 mod staged;
 pub mod view;
 
+use crate::util::sync::Unpoisoned;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -385,11 +386,11 @@ impl Group {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn views(&self) -> std::sync::MutexGuard<'_, membership::ViewHistory> {
-        self.views.lock().unwrap_or_else(|e| e.into_inner())
+        self.views.locked()
     }
 
     /// The current active ranks (answers at once, even during a view change).

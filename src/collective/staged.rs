@@ -15,6 +15,7 @@
 //!
 //! Host buffers never come here: the slice-based methods are the host path.
 
+use crate::util::sync::Unpoisoned;
 use std::time::Duration;
 
 use super::{DType, Group, ReduceOp};
@@ -75,7 +76,7 @@ impl Group {
     /// A staging buffer of at least `len` bytes for `kind`: the smallest kept one that
     /// fits, or a new one.
     fn take_staging(&self, kind: MemoryKind, len: usize) -> Staging {
-        let mut kept = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = self.staging.locked();
         let best = kept
             .iter()
             .enumerate()
@@ -95,7 +96,7 @@ impl Group {
     /// and `staging_keep_bytes` in all: one huge operation must not pin its buffers
     /// for the group's life. The rest are freed (outside the lock).
     fn give_staging(&self, staged: Vec<Staged>) {
-        let mut kept = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = self.staging.locked();
         let mut all = std::mem::take(&mut *kept);
         all.extend(staged.into_iter().map(|s| s.host));
         all.sort_by_key(|s| std::cmp::Reverse(s.len()));
@@ -118,7 +119,7 @@ impl Group {
     /// Bytes of staging memory this group keeps between device operations (at most
     /// the `staging_keep_bytes` option).
     pub fn kept_staging_bytes(&self) -> usize {
-        let kept = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let kept = self.staging.locked();
         kept.iter().map(|s| s.len()).sum()
     }
 

@@ -1,6 +1,7 @@
 //! Batches and their tasks: lock-free status counters written by workers, read by
 //! pollers, with a condition variable for waiters that stop spinning.
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -135,9 +136,7 @@ impl Batch {
     /// says so, so the task's checksum is whole once it is final).
     pub fn slice_checksum(&self, task: usize, remote: u64, len: u64, crc: u32) {
         if let Some(c) = self.checksums.as_ref().and_then(|c| c.get(task)) {
-            c.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(SliceChecksum { remote, len, crc });
+            c.locked().push(SliceChecksum { remote, len, crc });
         }
     }
 
@@ -173,13 +172,13 @@ impl Batch {
 
     /// How many task slots have been reserved so far.
     pub fn submitted(&self) -> usize {
-        *self.submitted.lock().unwrap_or_else(|e| e.into_inner())
+        *self.submitted.locked()
     }
 
     /// Reserves task slots, task `i` to be split into `slices[i]` slices, `bytes` in
     /// all; returns the first task index.
     pub fn reserve(&self, slices: &[u32], bytes: u64) -> Result<usize> {
-        let mut submitted = self.submitted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut submitted = self.submitted.locked();
         let first = *submitted;
         if first + slices.len() > self.tasks.len() {
             return Err(Error::new(
@@ -287,7 +286,7 @@ impl Batch {
                 continue;
             }
             self.sleepers.fetch_add(1, Ordering::SeqCst);
-            let guard = self.done.0.lock().unwrap_or_else(|e| e.into_inner());
+            let guard = self.done.0.locked();
             if self.unfinished() != 0 {
                 let wait = match deadline {
                     Some(d) => d.saturating_duration_since(Instant::now()),

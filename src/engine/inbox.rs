@@ -2,6 +2,7 @@
 //! share of the inbox, never the engine's memory. What does not fit is dropped and
 //! counted.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -88,7 +89,7 @@ impl Inbox {
     pub fn push(&self, n: Notification) -> bool {
         let size = n.bytes();
         let l = &self.limits;
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.queue.locked();
         let senders = q.by_sender.get(&n.from).copied().unwrap_or(0);
         let fits = size <= l.max_message
             && senders + size <= l.max_per_sender
@@ -111,7 +112,7 @@ impl Inbox {
 
     /// Takes every queued notification.
     pub fn take_all(&self) -> Vec<Notification> {
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.queue.locked();
         std::iter::from_fn(|| q.pop_front()).collect()
     }
 
@@ -121,7 +122,7 @@ impl Inbox {
         &self,
         f: impl FnOnce(&Notification) -> Result<T, E>,
     ) -> Option<Result<T, E>> {
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.queue.locked();
         let result = f(q.items.front()?);
         if result.is_ok() {
             q.pop_front();

@@ -9,6 +9,7 @@ mod rpc;
 pub mod segments;
 mod worker;
 
+use crate::util::sync::{Unpoisoned, UnpoisonedRw};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::RawFd;
@@ -255,12 +256,7 @@ impl Engine {
             config,
         };
         let desc = engine.build_desc();
-        *engine
-            .segments
-            .own
-            .desc
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        *engine.segments.own.desc.write_locked() = desc.clone();
         let meta = RpcMeta {
             ip_or_host_name: host,
             rpc_port,
@@ -298,10 +294,7 @@ impl Engine {
                 .spawn(move || worker.run())
                 .map_err(|e| Error::io("spawning worker", e))?;
             self.workers.push(handle);
-            self.threads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(thread);
+            self.threads.locked().push(thread);
         }
         Ok(())
     }
@@ -343,11 +336,7 @@ impl Engine {
         if !self.runs_inline(requests) {
             return None;
         }
-        let pooled = self
-            .inline_runners
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
+        let pooled = self.inline_runners.locked().pop();
         if pooled.is_some() {
             return pooled;
         }
@@ -379,7 +368,7 @@ impl Engine {
         for t in &self.transports {
             t.describe(&mut desc);
         }
-        let keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        let keys = self.keys.locked();
         desc.buffers = self
             .memory
             .snapshot()
@@ -406,12 +395,7 @@ impl Engine {
 
     fn republish(&self) -> Result<()> {
         let desc = self.build_desc();
-        *self
-            .segments
-            .own
-            .desc
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = desc.clone();
+        *self.segments.own.desc.write_locked() = desc.clone();
         self.segments.directory.republish(&desc)
     }
 
@@ -423,7 +407,7 @@ impl Engine {
             return Ok(());
         };
         // Registration changes republish in order; this one must not interleave.
-        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.registry.locked();
         let desc = self.build_desc();
         self.segments.directory.publish(&desc, meta)
     }
@@ -451,7 +435,7 @@ impl Engine {
 
     /// The port of the handshake/RPC server (what P2PHANDSHAKE peers dial).
     pub fn rpc_port(&self) -> Option<u16> {
-        let server = self.rpc_server.lock().unwrap_or_else(|e| e.into_inner());
+        let server = self.rpc_server.locked();
         server.as_ref().map(|s| s.local_addr().port())
     }
 
@@ -521,7 +505,7 @@ impl Engine {
         shared_fd: Option<RawFd>,
         access: Access,
     ) -> Result<()> {
-        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.registry.locked();
         let region = self
             .memory
             .register_with(addr, len, location, shared_fd, access)?;
@@ -543,24 +527,18 @@ impl Engine {
                 }
             }
         }
-        self.keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(addr, keys);
+        self.keys.locked().insert(addr, keys);
         self.republish()
     }
 
     /// Withdraws a buffer; returns once no transfer, local or from a peer, can touch it.
     pub fn unregister_memory(&self, addr: *mut u8) -> Result<()> {
-        let _serial = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.registry.locked();
         let region = self.memory.unregister(addr as u64)?;
         for t in &self.transports {
             t.unregister(&region);
         }
-        self.keys
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&region.addr);
+        self.keys.locked().remove(&region.addr);
         self.republish()
     }
 
@@ -586,21 +564,13 @@ impl Engine {
         };
         let addr = buffer.addr();
         self.register_region(addr, len as u64, location, shared_fd, Access::ReadWrite)?;
-        self.owned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(addr, buffer);
+        self.owned.locked().insert(addr, buffer);
         Ok(addr as *mut u8)
     }
 
     /// Unregisters and releases a buffer from `allocate_buffer`.
     pub fn free_buffer(&self, addr: *mut u8) -> Result<()> {
-        if !self
-            .owned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&(addr as u64))
-        {
+        if !self.owned.locked().contains_key(&(addr as u64)) {
             return Err(Error::invalid(format!(
                 "{addr:p} was not allocated by this engine"
             )));
@@ -609,10 +579,7 @@ impl Engine {
             Err(e) if e.code() != Code::AddressNotRegistered => return Err(e),
             _ => {}
         }
-        self.owned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(addr as u64));
+        self.owned.locked().remove(&(addr as u64));
         Ok(())
     }
 
@@ -644,16 +611,14 @@ impl Engine {
         }
         let id = self.next_batch.fetch_add(1, Ordering::Relaxed);
         self.batches
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+            .write_locked()
             .insert(id, Arc::new(Batch::new(capacity)));
         Ok(id)
     }
 
     fn batch(&self, id: BatchId) -> Result<Arc<Batch>> {
         self.batches
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .get(&id)
             .cloned()
             .ok_or_else(|| Error::new(Code::BatchNotFound, format!("batch {id}")))
@@ -661,7 +626,7 @@ impl Engine {
 
     /// Frees a batch; refused while any of its tasks is unfinished.
     pub fn free_batch(&self, id: BatchId) -> Result<()> {
-        let mut batches = self.batches.write().unwrap_or_else(|e| e.into_inner());
+        let mut batches = self.batches.write_locked();
         let batch = batches
             .get(&id)
             .ok_or_else(|| Error::new(Code::BatchNotFound, format!("batch {id}")))?;
@@ -945,10 +910,7 @@ impl Engine {
             Some(mut runner) => {
                 runner.run_inline(items, &batch, now);
                 self.counters.inline_runs.fetch_add(1, Ordering::Relaxed);
-                self.inline_runners
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(runner);
+                self.inline_runners.locked().push(runner);
             }
             None => {
                 self.hand_to_workers(items);
@@ -1050,12 +1012,7 @@ impl Drop for Engine {
         for w in &self.workers {
             w.stop();
         }
-        for t in self
-            .threads
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        for t in self.threads.locked().drain(..) {
             let _ = t.join();
         }
         if let Some(meta) = &self.published {
@@ -1063,22 +1020,11 @@ impl Drop for Engine {
                 log::warn!("unpublishing {}: {e}", self.name);
             }
         }
-        if let Some(mut s) = self
-            .rpc_server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(mut s) = self.rpc_server.locked().take() {
             s.shutdown();
         }
         // Engine-owned memory is unmapped only once nothing can reach it any more.
-        let owned: Vec<u64> = self
-            .owned
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .copied()
-            .collect();
+        let owned: Vec<u64> = self.owned.locked().keys().copied().collect();
         for addr in owned {
             if let Err(e) = self.free_buffer(addr as *mut u8) {
                 log::warn!("freeing engine buffer {addr:#x}: {e}");

@@ -2,6 +2,7 @@
 //! descriptor exchange, notifications, liveness probes, and queue-pair exchanges
 //! (answered by a transport that takes part, e.g. RDMA, else refused).
 
+use crate::util::sync::UnpoisonedRw;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -80,12 +81,7 @@ fn answer(
 ) -> Result<String> {
     let request = json::parse(body).map_err(|e| crate::Error::protocol(e.to_string()))?;
     Ok(match kind {
-        RpcType::Metadata => published
-            .desc
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .to_json()
-            .to_string(),
+        RpcType::Metadata => published.desc.read_locked().to_json().to_string(),
         RpcType::Probe => r#"{"status":"success"}"#.to_owned(),
         RpcType::Notify => {
             let note = Notification {

@@ -1,6 +1,7 @@
 //! The engine's view of segments: its own published descriptor, and a cache of remote
 //! ones resolved through the directory.
 
+use crate::util::sync::{Unpoisoned, UnpoisonedRw};
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,11 +49,7 @@ impl Segments {
 
     /// A copy of this engine's own descriptor.
     pub fn own_desc(&self) -> SegmentDesc {
-        self.own
-            .desc
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.own.desc.read_locked().clone()
     }
 
     /// Descriptor and server addresses of `name`, fetched fresh.
@@ -88,16 +85,11 @@ impl Segments {
 
     /// Resolves segment `name`, reusing the cached peer when there is one.
     pub fn open(&self, name: &str) -> Result<Arc<Peer>> {
-        if let Some(p) = self
-            .by_name
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-        {
+        if let Some(p) = self.by_name.read_locked().get(name) {
             return Ok(p.clone());
         }
         let (desc, data) = self.fetch(name)?;
-        let mut by_name = self.by_name.write().unwrap_or_else(|e| e.into_inner());
+        let mut by_name = self.by_name.write_locked();
         if let Some(p) = by_name.get(name) {
             return Ok(p.clone());
         }
@@ -107,31 +99,23 @@ impl Segments {
             data,
         ));
         by_name.insert(name.to_owned(), peer.clone());
-        self.by_id
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer.id, peer.clone());
+        self.by_id.write_locked().insert(peer.id, peer.clone());
         Ok(peer)
     }
 
     /// The peer with handle `id`.
     pub fn get(&self, id: u64) -> Result<Arc<Peer>> {
-        self.by_id
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    Code::SegmentNotFound,
-                    format!("segment id {id} was never opened"),
-                )
-            })
+        self.by_id.read_locked().get(&id).cloned().ok_or_else(|| {
+            Error::new(
+                Code::SegmentNotFound,
+                format!("segment id {id} was never opened"),
+            )
+        })
     }
 
     /// Refetches a peer's descriptor (its buffers changed, or it restarted).
     pub fn resync(&self, peer: &Peer) -> Result<()> {
-        let _serial = self.resync_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.resync_lock.locked();
         let (desc, data) = self.fetch(&peer.name)?;
         peer.update(desc, data);
         Ok(())

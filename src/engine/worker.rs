@@ -4,6 +4,7 @@
 //! wake-up eventfd plus every transport's completion descriptor, so an idle engine
 //! burns no CPU.
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -44,10 +45,7 @@ impl WorkerHandle {
 
     /// Queues items for the worker; true when it was parked and had to be woken.
     pub fn push(&self, items: impl IntoIterator<Item = WorkItem>) -> bool {
-        self.queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend(items);
+        self.queue.locked().extend(items);
         // Pairs with the fence in `park`: either we see `parked`, or it sees the items.
         fence(Ordering::SeqCst);
         let parked = self.parked.load(Ordering::SeqCst);
@@ -207,10 +205,7 @@ impl Worker {
         let mut clock = Clock::starting_at(Instant::now());
         let mut intake = Vec::new();
         while !self.handle.stop.load(Ordering::Relaxed) {
-            std::mem::swap(
-                &mut intake,
-                &mut *self.handle.queue.lock().unwrap_or_else(|e| e.into_inner()),
-            );
+            std::mem::swap(&mut intake, &mut *self.handle.queue.locked());
             let mut busy = !intake.is_empty();
             for item in intake.drain(..) {
                 self.start(item);
@@ -293,12 +288,7 @@ impl Worker {
     fn park(&mut self) {
         self.handle.parked.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        let has_work = !self
-            .handle
-            .queue
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty();
+        let has_work = !self.handle.queue.locked().is_empty();
         if !has_work && !self.handle.stop.load(Ordering::SeqCst) {
             let in_flight = self.workers.iter().any(|w| w.in_flight() > 0);
             let timeout = if in_flight { PARKED_TICK_MS } else { -1 };

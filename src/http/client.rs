@@ -1,8 +1,9 @@
 //! The HTTP client: one persistent connection to one URL.
 
+use crate::util::sync::Unpoisoned;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use super::wire::{
@@ -14,10 +15,6 @@ use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A blocking HTTP/1.1 client bound to one `http://host:port[/base]` URL, keeping
 /// one persistent connection. Safe to share between threads (requests serialize).
@@ -175,7 +172,7 @@ impl HttpClient {
                 "invalid request path {path_and_query:?}"
             )));
         }
-        let signed_for = lock(&self.server_id).clone();
+        let signed_for = self.server_id.locked().clone();
         let answer = self.send(method, path_and_query, body, signed_for.as_deref())?;
         // A signed write refused by a server that gives another identity than the one
         // signed for (first contact, or it restarted) changed nothing: sign for the
@@ -205,7 +202,7 @@ impl HttpClient {
         body: &[u8],
         server_id: Option<&str>,
     ) -> Result<Answer> {
-        let mut conn = lock(&self.conn);
+        let mut conn = self.conn.locked();
         let mut retried = false;
         loop {
             let reused = conn.is_some();
@@ -219,7 +216,7 @@ impl HttpClient {
                         *conn = None;
                     }
                     if let Some(id) = &answer.server_id {
-                        *lock(&self.server_id) = Some(id.clone());
+                        *self.server_id.locked() = Some(id.clone());
                     }
                     return Ok(answer);
                 }

@@ -22,6 +22,7 @@
 //! write is refused under an identity it did not sign for (first contact, a restart)
 //! it signs again for the one given and resends once.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -169,7 +170,7 @@ impl Verifier {
         if ts.abs_diff(now) > window {
             return Err("signed request outside the replay window (clock skew?)");
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.seen.locked();
         if seen.len() >= MAX_SEEN {
             seen.retain(|_, t| t.abs_diff(now) <= window);
             if seen.len() >= MAX_SEEN {

@@ -1,6 +1,7 @@
 //! `embedded`: an in-process metadata store shared by every engine of this process,
 //! within the same bounds as the HTTP server's ([`MetadataLimits::from_env`]).
 
+use crate::util::sync::Unpoisoned;
 use std::sync::{Mutex, OnceLock};
 
 use super::quota::{BoundedMap, MetadataLimits};
@@ -17,26 +18,18 @@ fn table() -> &'static Mutex<BoundedMap> {
 
 impl MetadataStore for EmbeddedStore {
     fn get(&self, key: &str) -> Result<Option<String>> {
-        Ok(table()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(key)
-            .cloned())
+        Ok(table().locked().get(key).cloned())
     }
 
     fn put(&self, key: &str, value: &str) -> Result<()> {
         table()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .insert(key, value, None)
             .map_err(Error::invalid)
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        table()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key);
+        table().locked().remove(key);
         Ok(())
     }
 }

@@ -11,6 +11,7 @@
 //! - a put over the store's bounds ([`MetadataLimits`]: value size, keys, total
 //!   bytes, and the share one peer address may hold) → 413, storing nothing.
 
+use crate::util::sync::UnpoisonedRw;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, RwLock};
 
@@ -74,13 +75,13 @@ impl MetadataServer {
 
     /// Replaces the store's bounds (the defaults come from [`MetadataLimits::from_env`]).
     pub fn set_limits(&self, limits: MetadataLimits) {
-        let mut map = self.store.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.store.write_locked();
         map.set_limits(limits);
     }
 
     /// Number of stored keys.
     pub fn len(&self) -> usize {
-        self.store.read().unwrap_or_else(|e| e.into_inner()).len()
+        self.store.read_locked().len()
     }
 
     /// Whether no key is stored.
@@ -123,7 +124,7 @@ fn route(store: &Store, req: &Request) -> Response {
             };
             match method {
                 "GET" | "HEAD" => {
-                    let map = store.read().unwrap_or_else(|e| e.into_inner());
+                    let map = store.read_locked();
                     match map.get(key) {
                         Some(v) => Response::json(200, v.clone()),
                         None => Response::text(404, "metadata not found"),
@@ -131,7 +132,7 @@ fn route(store: &Store, req: &Request) -> Response {
                 }
                 "PUT" | "POST" => put(store, key, &req.body, req.peer),
                 _ => {
-                    let mut map = store.write().unwrap_or_else(|e| e.into_inner());
+                    let mut map = store.write_locked();
                     match map.remove(key) {
                         Some(_) => Response::text(200, "metadata deleted"),
                         None => Response::text(404, "metadata not found"),
@@ -147,7 +148,7 @@ fn put(store: &Store, key: &str, body: &[u8], peer: Option<IpAddr>) -> Response 
     let Ok(value) = std::str::from_utf8(body) else {
         return Response::text(400, "metadata value is not valid UTF-8");
     };
-    let mut map = store.write().unwrap_or_else(|e| e.into_inner());
+    let mut map = store.write_locked();
     if key.contains("rpc_meta") {
         if let Some(old) = map.get(key) {
             if old != value {

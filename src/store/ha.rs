@@ -8,6 +8,7 @@
 //! false the moment a keep-alive fails or reports the lease gone, before etcd can
 //! have let anyone else in (the keep-alive period is a third of the TTL).
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -74,18 +75,18 @@ impl StopSignal {
 
     /// Raises it; every waiter returns.
     pub fn raise(&self) {
-        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.stopped.locked() = true;
         self.cv.notify_all();
     }
 
     /// Whether it was raised.
     pub fn is_raised(&self) -> bool {
-        *self.stopped.lock().unwrap_or_else(|e| e.into_inner())
+        *self.stopped.locked()
     }
 
     /// Waits up to `d`; true if raised.
     pub fn wait(&self, d: Duration) -> bool {
-        let guard = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.stopped.locked();
         let (guard, _) = self
             .cv
             .wait_timeout_while(guard, d, |stopped| !*stopped)

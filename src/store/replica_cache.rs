@@ -13,6 +13,7 @@
 //! batch and in batch order, and sent as one `Touch` request, pipelined ahead of the
 //! client's next master request or flushed after `TOUCH_FLUSH_AFTER`.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -74,7 +75,7 @@ pub struct ReplicaCache {
 
 impl ReplicaCache {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// The kept descriptor of `key`, if its lease still has room for a read.

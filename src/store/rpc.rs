@@ -7,6 +7,7 @@
 //! connection are answered in order, so a client may pipeline them. A malformed or
 //! oversized frame closes that connection (with a logged reason) and nobody else's.
 
+use crate::util::sync::Unpoisoned;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -201,7 +202,7 @@ impl MasterTarget {
                 leader,
             } => (etcd, cluster_id, leader),
         };
-        let mut cached = leader.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cached = leader.locked();
         if let (Some(a), false) = (*cached, fresh) {
             return Ok(a);
         }
@@ -275,7 +276,7 @@ impl RpcClient {
                     return Err(e);
                 }
                 log::info!("master moved from {addr} to {now}");
-                self.pool.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                self.pool.locked().clear();
                 Ok((now, self.connect_to(now)?))
             }
             other => Ok((addr, other?)),
@@ -296,7 +297,7 @@ impl RpcClient {
     /// master, if any.
     fn pooled(&self) -> Option<(SocketAddr, TcpStream)> {
         let current = self.target.current(false).ok()?;
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = self.pool.locked();
         while let Some((addr, s)) = pool.pop() {
             if addr == current && !crate::sys::idle_connection_closed(&s) {
                 return Some((addr, s));
@@ -306,10 +307,7 @@ impl RpcClient {
     }
 
     fn keep(&self, conn: (SocketAddr, TcpStream)) {
-        self.pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(conn);
+        self.pool.locked().push(conn);
     }
 
     /// One request and its response. A pooled connection the master closed while
@@ -375,7 +373,7 @@ impl RpcClient {
             Err(e) => {
                 if let MasterTarget::Elected { leader, .. } = &self.target {
                     // Look the leader up again next time.
-                    *leader.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                    *leader.locked() = None;
                 }
                 Err(e)
             }

@@ -1,6 +1,7 @@
 //! A whole control plane in one process: the master's RPC, the admin/metrics HTTP
 //! endpoints, the embedded transfer-engine metadata server, and the housekeeping tick.
 
+use crate::util::sync::Unpoisoned;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -127,7 +128,7 @@ impl MasterServer {
         let ticker = std::thread::Builder::new()
             .name("mc-master-tick".into())
             .spawn(move || {
-                let mut guard = s.1.lock().unwrap_or_else(|e| e.into_inner());
+                let mut guard = s.1.locked();
                 while !s.0.load(Ordering::SeqCst) {
                     guard =
                         s.2.wait_timeout(guard, tick)

@@ -9,6 +9,7 @@ pub mod rdma;
 pub mod shm;
 pub mod tcp;
 
+use crate::util::sync::UnpoisonedRw;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -138,30 +139,23 @@ impl Peer {
 
     /// The current descriptor.
     pub fn desc(&self) -> Arc<SegmentDesc> {
-        self.desc.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.desc.read_locked().clone()
     }
 
     /// Address of the peer's TCP data server.
     pub fn data_addr(&self) -> SocketAddr {
-        self.endpoints
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .data
+        self.endpoints.read_locked().data
     }
 
     /// Address of the peer's handshake RPC server.
     pub fn rpc_addr(&self) -> String {
-        self.endpoints
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .rpc
-            .clone()
+        self.endpoints.read_locked().rpc.clone()
     }
 
     /// Replaces the descriptor and endpoints after a resync.
     pub fn update(&self, desc: SegmentDesc, endpoints: Endpoints) {
-        *self.desc.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(desc);
-        *self.endpoints.write().unwrap_or_else(|e| e.into_inner()) = endpoints;
+        *self.desc.write_locked() = Arc::new(desc);
+        *self.endpoints.write_locked() = endpoints;
     }
 
     /// Stops using transport `kind` for this peer.

@@ -52,6 +52,7 @@ mod ranges;
 #[cfg(test)]
 mod tests;
 
+use crate::util::sync::UnpoisonedRw;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -266,12 +267,7 @@ impl Transport for ShmTransport {
         match MemoryKind::parse_location(&buf.name) {
             Ok(MemoryKind::Host) if buf.shm_fd.is_some() => true,
             Ok(MemoryKind::Host) => {
-                slice.local_kind.is_host()
-                    && !self
-                        .vm_denied
-                        .read()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .contains(&slice.peer.id)
+                slice.local_kind.is_host() && !self.vm_denied.read_locked().contains(&slice.peer.id)
             }
             Ok(remote) => buf.ipc.is_some() && import_kind(remote, slice.local_kind).is_some(),
             Err(_) => false,
@@ -810,10 +806,7 @@ impl ShmWorker {
                      buffers go another way",
                     slice.peer.name
                 );
-                self.vm_denied
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(slice.peer.id);
+                self.vm_denied.write_locked().insert(slice.peer.id);
                 Outcome::PathFailed(why)
             }
             CopyError::Failed(why) => {

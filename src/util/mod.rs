@@ -11,5 +11,6 @@ pub mod regex;
 pub mod sha256;
 pub mod size;
 pub mod stream_copy;
+pub mod sync;
 
 pub use percentile::percentile;

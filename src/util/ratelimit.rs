@@ -3,6 +3,7 @@
 //! makes one per site): a few lines per interval pass, the rest are counted, and the
 //! count is reported with the first line of a later interval.
 
+use crate::util::sync::Unpoisoned;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -46,7 +47,7 @@ impl LogLimiter {
 
     /// As [`LogLimiter::admit`], at time `now`.
     pub fn admit_at(&self, now: Instant) -> Option<u64> {
-        let mut w = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = self.window.locked();
         let expired = w
             .start
             .is_none_or(|s| now.saturating_duration_since(s) >= self.interval);

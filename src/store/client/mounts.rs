@@ -4,6 +4,7 @@
 //! mounted under an id of its own. Unmounted at once, or after a grace period in which
 //! the master places nothing new there (reaped by the pinger), and on close.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,7 +44,7 @@ pub(super) struct Mounts {
 
 impl Mounts {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Mounted>> {
-        self.by_id.lock().unwrap_or_else(|e| e.into_inner())
+        self.by_id.locked()
     }
 
     /// Whether any extra segment is mounted.
@@ -206,12 +207,7 @@ impl Client {
     /// copy in it is deleted and the master told, so objects kept only there are gone.
     /// False, doing nothing, for a client without a disk tier.
     pub fn drain_disk_tier(&self, grace: Duration) -> bool {
-        let catalog = || {
-            self.shared
-                .catalog
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-        };
+        let catalog = || self.shared.catalog.locked();
         if !catalog().close_disk() {
             return false;
         }

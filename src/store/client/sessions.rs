@@ -10,6 +10,7 @@
 //! that came with it; range reads use it until the lease ends (`LEASE_EXPIRED`, and the
 //! session is gone).
 
+use crate::util::sync::Unpoisoned;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -51,7 +52,7 @@ pub(super) struct Sessions {
 
 impl Sessions {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Seals the put sessions of `keys` and waits until no range write runs in them;

@@ -10,6 +10,7 @@
 //! move drops the source segment's). Tasks are this client's: their ids name them to
 //! `query_task` of the same client.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -104,14 +105,14 @@ pub(super) struct Tasks {
 
 impl Tasks {
     fn lock(&self) -> MutexGuard<'_, TaskTable> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.locked()
     }
 
     /// Wakes the task thread to see the client closing, and waits for it.
     pub(super) fn stop(&self) {
         drop(self.lock());
         self.queued.notify_all();
-        let worker = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let worker = self.worker.locked().take();
         if let Some(w) = worker {
             let _ = w.join();
         }
@@ -189,12 +190,7 @@ impl Client {
 
     /// Starts the task thread unless it runs.
     fn start_task_thread(&self) -> Result<()> {
-        let mut worker = self
-            .shared
-            .tasks
-            .worker
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut worker = self.shared.tasks.worker.locked();
         if worker.is_none() {
             let s = self.shared.clone();
             *worker = Some(

@@ -19,6 +19,7 @@ pub mod record;
 /// the tier's files), for callers comparing against plain files.
 pub use crate::sys::drop_page_cache;
 
+use crate::util::sync::Unpoisoned;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -297,7 +298,7 @@ impl DiskTier {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     /// Starts a new active file.

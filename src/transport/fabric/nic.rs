@@ -2,6 +2,7 @@
 //! peers address their RMA to, the thread that drives that endpoint when the provider's
 //! data progress is manual, and memory registrations in the domain.
 
+use crate::util::sync::Unpoisoned;
 use std::ffi::{c_int, c_void};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -397,8 +398,7 @@ impl Nic {
                     None => serve_polling(cq, counters, &stop2, &wake2),
                 })
                 .map_err(|e| Error::io("spawning the fabric progress thread", e))?;
-            *nic.progress.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(Progress { stop, wake, thread });
+            *nic.progress.locked() = Some(Progress { stop, wake, thread });
         }
         Ok(Arc::new(nic))
     }

@@ -3,6 +3,7 @@
 //! registered (FI_MR_LOCAL, e.g. EFA) or told where device memory is (FI_HMEM) need no
 //! registration per operation.
 
+use crate::util::sync::UnpoisonedRw;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::{RwLock, RwLockReadGuard};
@@ -26,19 +27,19 @@ pub(super) struct View<'a>(RwLockReadGuard<'a, BTreeMap<u64, Registered>>);
 
 impl Registrations {
     pub fn insert(&self, addr: u64, len: u64, mrs: Vec<Mr>) {
-        let mut t = self.by_addr.write().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.by_addr.write_locked();
         t.insert(addr, Registered { len, mrs });
     }
 
     /// Forgets a buffer; its MRs close when the returned value drops (after any
     /// operation holding a `View` has been posted).
     pub fn remove(&self, addr: u64) -> bool {
-        let mut t = self.by_addr.write().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.by_addr.write_locked();
         t.remove(&addr).is_some()
     }
 
     pub fn view(&self) -> View<'_> {
-        View(self.by_addr.read().unwrap_or_else(|e| e.into_inner()))
+        View(self.by_addr.read_locked())
     }
 }
 

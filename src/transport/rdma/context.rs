@@ -1,6 +1,7 @@
 //! State shared by the transport and its workers: NICs, registered regions, rail
 //! health, and the passive side of the Connection handshake.
 
+use crate::util::sync::{Unpoisoned, UnpoisonedRw};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, RwLock};
 use std::time::Instant;
@@ -63,10 +64,7 @@ impl RdmaContext {
     }
 
     pub(super) fn server_name(&self) -> String {
-        self.server_name
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.server_name.read_locked().clone()
     }
 
     /// Answers a peer's Connection request: creates, connects and keeps QPs paired
@@ -132,7 +130,7 @@ impl RdmaContext {
             qps.push(qp);
         }
         let ours: Vec<u32> = qps.iter().map(QueuePair::qp_num).collect();
-        let mut passive = self.passive.lock().unwrap_or_else(|e| e.into_inner());
+        let mut passive = self.passive.locked();
         passive.push_back(PassiveEndpoint { qps });
         let mut total: usize = passive.iter().map(|p| p.qps.len()).sum();
         while total > MAX_PASSIVE_QPS {
@@ -165,7 +163,7 @@ impl RdmaContext {
     }
 
     pub(super) fn rail_usable(&self, peer: &str, l: usize, r: usize, now: Instant) -> bool {
-        let health = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let health = self.health.locked();
         match health.get(&(peer.to_owned(), l, r)) {
             Some(h) => h.paused_until.is_none_or(|t| t <= now),
             None => true,
@@ -174,7 +172,7 @@ impl RdmaContext {
 
     pub(super) fn rail_failed(&self, peer: &str, l: usize, r: usize, why: &str) {
         let now = Instant::now();
-        let mut health = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let mut health = self.health.locked();
         let h = health.entry((peer.to_owned(), l, r)).or_default();
         h.errors.push_back(now);
         while h
@@ -198,7 +196,7 @@ impl RdmaContext {
     }
 
     pub(super) fn rail_ok(&self, peer: &str, l: usize, r: usize) {
-        let mut health = self.health.lock().unwrap_or_else(|e| e.into_inner());
+        let mut health = self.health.locked();
         if let Some(h) = health.get_mut(&(peer.to_owned(), l, r)) {
             if h.paused_until.is_some() {
                 log::info!("rdma: rail {}->{peer}@{r} works again", self.nics[l].name);
@@ -210,7 +208,7 @@ impl RdmaContext {
 
     /// The local region holding `[addr, addr+len)`: its location and per-NIC lkeys.
     pub(super) fn local_keys(&self, addr: u64, len: u64) -> Option<(String, Vec<u32>)> {
-        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        let regions = self.regions.read_locked();
         let (start, r) = regions.range(..=addr).next_back()?;
         let end = addr.checked_add(len)?;
         if end > start + r.len {

@@ -33,6 +33,7 @@ mod topology;
 pub mod verbs;
 mod worker;
 
+use crate::util::sync::UnpoisonedRw;
 use std::ffi::c_int;
 use std::sync::Arc;
 use std::time::Duration;
@@ -162,7 +163,7 @@ impl Transport for RdmaTransport {
 
     fn describe(&self, desc: &mut SegmentDesc) {
         let s = &self.shared;
-        *s.server_name.write().unwrap_or_else(|e| e.into_inner()) = desc.name.clone();
+        *s.server_name.write_locked() = desc.name.clone();
         desc.protocol = "rdma".to_owned();
         desc.devices = s
             .nics

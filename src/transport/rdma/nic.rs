@@ -1,5 +1,6 @@
 //! Opened HCA ports, queue-pair set-up and memory registration on every NIC.
 
+use crate::util::sync::UnpoisonedRw;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
@@ -229,7 +230,7 @@ pub(super) fn register(s: &RdmaContext, region: &Region) -> Result<RegionKeys> {
         rkey: mrs.iter().map(MemoryRegion::rkey).collect(),
         ipc: None,
     };
-    let old = s.regions.write().unwrap_or_else(|e| e.into_inner()).insert(
+    let old = s.regions.write_locked().insert(
         region.addr,
         RegionMrs {
             len: region.len,
@@ -265,11 +266,7 @@ fn gpudirect_dma_buf(s: &RdmaContext, region: &Region) -> Option<crate::device::
 /// Deregisters `region` on every NIC (dropping its MRs; once they are, no peer can use
 /// their rkeys).
 pub(super) fn unregister(s: &RdmaContext, region: &Region) {
-    let old = s
-        .regions
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&region.addr);
+    let old = s.regions.write_locked().remove(&region.addr);
     drop(old);
 }
 

@@ -13,6 +13,7 @@
 //! owner rewrites it under a sequence lock (odd `seq` while writing), so readers
 //! never see a half-written table.
 
+use crate::util::sync::Unpoisoned;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -180,14 +181,14 @@ impl OwnerTable {
 
     /// Lists a range (registration already refused overlaps, so addresses are unique).
     pub fn insert(&self, entry: Entry) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.entries.locked();
         entries.push(entry);
         self.publish(&entries, entries.len() - 1);
     }
 
     /// Withdraws the range at `addr`, if listed.
     pub fn remove(&self, addr: u64) {
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries = self.entries.locked();
         if let Some(at) = entries.iter().position(|e| e.addr == addr) {
             entries.swap_remove(at);
             self.publish(&entries, at);

@@ -89,6 +89,13 @@ fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
     }))
 }
 
+/// How long a master connection polls for the next request before it blocks.
+const SERVER_SPIN: Duration = Duration::from_micros(20);
+/// How long a client polls for the master's answer before it blocks.
+const CLIENT_SPIN: Duration = Duration::from_micros(100);
+/// `SegmentEvents`: answered when the segment's catalog changes, not at once.
+const LONG_POLL_METHOD: u16 = 17;
+
 /// Serves the master's RPC on `bind` until dropped.
 pub fn serve(
     bind: SocketAddr,
@@ -114,6 +121,8 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let mut reader = TimedReader::new(&stream, ticket);
     loop {
+        // A client's next request often follows at once: catch it without sleeping.
+        crate::sys::spin_until_readable(&stream, SERVER_SPIN);
         let read = read_frame(&mut reader);
         reader.frame_done();
         let Frame {
@@ -421,6 +430,11 @@ impl RpcClient {
         id: u64,
     ) -> Result<Result<Response>> {
         let rpc = |e: Error| rpc_error(addr, e);
+        // Most answers come within tens of microseconds: wait for them awake. Not a
+        // catalog poll's, which the master holds until something changes.
+        if method != LONG_POLL_METHOD {
+            crate::sys::spin_until_readable(stream, CLIENT_SPIN);
+        }
         let Frame {
             version,
             method: got_method,

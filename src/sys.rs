@@ -532,6 +532,9 @@ mod spin_tests {
         server.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"x", "the peek left the byte for the read");
         drop(client);
-        assert!((0..100_000).any(|_| spin_until_readable(&server, spin)), "the end");
+        assert!(
+            (0..100_000).any(|_| spin_until_readable(&server, spin)),
+            "the end"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! objects by moving bytes peer to peer with the transfer engine while the master only
 //! hands out places and leases.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -1260,7 +1261,7 @@ impl MasterSession {
             return Ok(());
         };
         let (requests, announced) = {
-            let mut catalog = self.catalog.lock().unwrap_or_else(|e| e.into_inner());
+            let mut catalog = self.catalog.locked();
             catalog.forget_master();
             // SAFETY: the segment is this client's own buffer, allocated at
             // construction and freed only after the pinger (this thread) is joined.
@@ -1289,11 +1290,7 @@ impl MasterSession {
     fn catalog_loop(self: Arc<Self>) {
         while !self.stop.load(Ordering::SeqCst) && !self.drained.load(Ordering::SeqCst) {
             self.catalog_poll();
-            let asked = self
-                .catalog
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take_drain_request();
+            let asked = self.catalog.locked().take_drain_request();
             if asked && self.draining.try_lock().is_ok() {
                 // Draining waits on the master, which waits on this loop's
                 // acknowledgements: it runs beside it.
@@ -1305,7 +1302,7 @@ impl MasterSession {
                         Err(e) => log::warn!("drain failed: {e}"),
                     });
                 match spawned {
-                    Ok(t) => *self.drain_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t),
+                    Ok(t) => *self.drain_thread.locked() = Some(t),
                     Err(e) => log::warn!("spawning the drain: {e}"),
                 }
             }
@@ -1320,7 +1317,7 @@ impl MasterSession {
                 "this client lends no memory: nothing to drain",
             ));
         };
-        let _one_at_a_time = self.draining.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_at_a_time = self.draining.locked();
         if self.drained.load(Ordering::SeqCst) {
             return Ok(DrainReport::default()); // drained already
         }
@@ -1335,8 +1332,7 @@ impl MasterSession {
         for _pass in 0..8 {
             let movable: Vec<CatalogEntry> = self
                 .catalog
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .movable(&seg.name)
                 .into_iter()
                 .filter(|e| done.insert(e.key.clone()))
@@ -1454,13 +1450,9 @@ impl MasterSession {
     /// One poll of the segment's log (see `catalog_loop`).
     fn catalog_poll(&self) {
         let Some(seg) = &self.segment else { return };
-        let req = self
-            .catalog
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .poll_request(self.id, &seg.name);
+        let req = self.catalog.locked().poll_request(self.id, &seg.name);
         let answer = self.rpc.call(&req);
-        let mut catalog = self.catalog.lock().unwrap_or_else(|e| e.into_inner());
+        let mut catalog = self.catalog.locked();
         match answer {
             // SAFETY: the segment is this client's own buffer, freed only after the
             // polling threads are joined.
@@ -1483,7 +1475,7 @@ impl MasterSession {
 
     /// Waits `d`, or less when the client closes.
     fn pause(&self, d: Duration) {
-        let guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.wake.0.locked();
         if !self.stop.load(Ordering::SeqCst) {
             let _ = self.wake.1.wait_timeout(guard, d);
         }
@@ -1510,7 +1502,7 @@ impl MasterSession {
     }
 
     fn ping_loop(&self, interval: Duration) {
-        let mut guard = self.wake.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.wake.0.locked();
         while !self.stop.load(Ordering::SeqCst) {
             guard = self
                 .wake
@@ -1563,12 +1555,7 @@ impl Drop for Client {
             let _ = c.join();
         }
         // It reads the segment, which goes below: it stops at its next chunk.
-        let drain = self
-            .shared
-            .drain_thread
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let drain = self.shared.drain_thread.locked().take();
         if let Some(d) = drain {
             let _ = d.join();
         }

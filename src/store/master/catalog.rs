@@ -10,9 +10,10 @@
 //! stop waiting) and gets a fresh snapshot when it polls again. The log itself is
 //! `segment_log`; disk-tier copies are `offload`.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use super::replicas::Replicas;
 use super::segment_log::{MAX_EVENTS_PER_POLL, POLL_WAIT};
@@ -125,10 +126,10 @@ impl Catalogs {
     /// Drops remounts and striped pieces that waited too long (their space is freed).
     pub fn expire(&self, now_ms: u64) {
         let fresh = |started: u64| now_ms.saturating_sub(started) < REMOUNT_PATIENCE_MS;
-        lock(&self.remounts).retain(|_, r| fresh(r.started_ms));
-        lock(&self.stripes).retain(|_, s| fresh(s.started_ms));
+        self.remounts.locked().retain(|_, r| fresh(r.started_ms));
+        self.stripes.locked().retain(|_, s| fresh(s.started_ms));
         let expired: Vec<_> = {
-            let mut relocations = lock(&self.relocations);
+            let mut relocations = self.relocations.locked();
             let keys: Vec<_> = relocations
                 .iter()
                 .filter(|(_, r)| !fresh(r.started_ms))
@@ -152,10 +153,6 @@ fn now_unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Catalog events a batch of `PutEnd`s recorded: what the answer waits for.
@@ -321,7 +318,7 @@ impl Master {
     /// `Keep` for every disk copy its node holds for the pool.
     fn record_snapshot(&self, seg: &Arc<Segment>) {
         for shard in self.shards.iter() {
-            let map = Self::lock(shard);
+            let map = shard.locked();
             for (key, o) in map.objects.iter().filter(|(_, o)| o.complete) {
                 if o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
                     seg.log.record(|| CatalogEvent::Keep(key.to_string()));
@@ -361,7 +358,7 @@ impl Master {
         let now = self.clock.now_ms();
         let name = info.name.clone();
         let pending = {
-            let mut remounts = lock(&self.catalogs.remounts);
+            let mut remounts = self.catalogs.remounts.locked();
             let id = (client, name.clone());
             if remounts.len() >= MAX_PENDING_REMOUNTS && !remounts.contains_key(&id) {
                 return Err(Error::new(
@@ -503,7 +500,7 @@ impl Master {
             first.segment.clone(),
             first.addr,
         );
-        let mut stripes = lock(&self.catalogs.stripes);
+        let mut stripes = self.catalogs.stripes.locked();
         let pending = stripes.entry(id.clone()).or_insert_with(|| PendingStripe {
             pieces: (0..count).map(|_| None).collect(),
             started_ms: now,
@@ -535,7 +532,7 @@ impl Master {
             return false;
         }
         let key = entry.key.as_str();
-        let mut guard = Self::lock(self.shard(key));
+        let mut guard = self.shard(key).locked();
         let shard = &mut *guard;
         match shard.objects.get_mut(key) {
             None => {

@@ -3,11 +3,12 @@
 //! client moves the bytes with its engine, and `CopyEnd` adds the new replicas (for a
 //! move, taking the source segment's away).
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use super::catalog::{forget_pieces, lock, Commits};
+use super::catalog::{forget_pieces, Commits};
 use super::replicas::Replicas;
 use super::segments::{self, ReplicaAlloc};
 use super::Master;
@@ -54,13 +55,13 @@ pub(super) struct Copies {
 impl Copies {
     fn insert(&self, copy: PendingCopy) -> u64 {
         let ticket = self.last_ticket.fetch_add(1, Ordering::Relaxed) + 1;
-        lock(&self.pending).insert(ticket, copy);
+        self.pending.locked().insert(ticket, copy);
         ticket
     }
 
     /// Takes out `client`'s copy `ticket`.
     fn take(&self, client: u64, ticket: u64) -> Option<PendingCopy> {
-        let mut pending = lock(&self.pending);
+        let mut pending = self.pending.locked();
         match pending.get(&ticket) {
             Some(c) if c.client == client => pending.remove(&ticket),
             _ => None,
@@ -70,7 +71,7 @@ impl Copies {
     /// Gives up copies that waited too long for their end.
     pub(super) fn expire(&self, now_ms: u64) {
         let expired: Vec<PendingCopy> = {
-            let mut pending = lock(&self.pending);
+            let mut pending = self.pending.locked();
             let old: Vec<u64> = pending
                 .iter()
                 .filter(|(_, c)| now_ms.saturating_sub(c.started_ms) >= COPY_PATIENCE_MS)
@@ -140,7 +141,7 @@ impl Master {
         let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
         let (version, size, crc32c, read, todo) = {
-            let mut map = Self::lock(self.shard(key));
+            let mut map = self.shard(key).locked();
             let o = map
                 .get_mut(key)
                 .ok_or_else(|| Error::new(Code::ObjectNotFound, what()))?;
@@ -236,7 +237,7 @@ impl Master {
         let now = self.clock.now_ms();
         let mut committed = Commits::default();
         {
-            let mut map = Self::lock(self.shard(&key));
+            let mut map = self.shard(&key).locked();
             let current = map.get_mut(&key).filter(|o| {
                 o.complete
                     && o.version == copy.version

@@ -2,10 +2,11 @@
 //! object whose only replica is there gets a new replica elsewhere, written by the
 //! node itself from its memory (`Relocate`, the node's engine writes, `RelocateEnd`).
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::catalog::{lock, Commits};
+use super::catalog::Commits;
 use super::segments::{self, ReplicaAlloc, Segment};
 use super::Master;
 use crate::error::{Code, Error, Result};
@@ -129,7 +130,7 @@ impl Master {
         };
         let on_seg = |r: &[super::segments::PieceAlloc]| r.iter().any(|p| Arc::ptr_eq(&p.seg, seg));
         for shard in self.shards.iter() {
-            let map = Self::lock(shard);
+            let map = shard.locked();
             for (_, o) in map.objects.iter() {
                 let disk_elsewhere = o.disk.as_ref().is_some_and(|d| !Arc::ptr_eq(&d.seg, seg));
                 if !o.complete || disk_elsewhere || !o.replicas.iter().all(on_seg) {
@@ -164,13 +165,18 @@ impl Master {
     ) -> KeyResult<Vec<ReplicaDesc>> {
         check_key(key)?;
         let seg = self.draining(client, segment)?;
-        if lock(&self.catalogs.relocations).contains_key(&(client, key.to_owned())) {
+        if self
+            .catalogs
+            .relocations
+            .locked()
+            .contains_key(&(client, key.to_owned()))
+        {
             return Err(Code::ObjectAlreadyExists); // one relocation of a key at a time
         }
         let (version, size) = {
             let now = self.clock.now_ms();
             let ttl = self.config.lease_ttl.as_millis() as u64;
-            let mut map = Self::lock(self.shard(key));
+            let mut map = self.shard(key).locked();
             let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
             if !o.complete {
                 return Err(Code::ReplicaIsNotReady);
@@ -195,8 +201,11 @@ impl Master {
             replica,
             started_ms: self.clock.now_ms(),
         };
-        if let Some(raced) =
-            lock(&self.catalogs.relocations).insert((client, key.to_owned()), relocation)
+        if let Some(raced) = self
+            .catalogs
+            .relocations
+            .locked()
+            .insert((client, key.to_owned()), relocation)
         {
             raced.into_limbo();
         }
@@ -215,14 +224,17 @@ impl Master {
     ) -> KeyResult<()> {
         check_key(key)?;
         let seg = self.draining(client, segment)?;
-        let relocation = lock(&self.catalogs.relocations)
+        let relocation = self
+            .catalogs
+            .relocations
+            .locked()
             .remove(&(client, key.to_owned()))
             .ok_or(Code::ObjectNotFound)?;
         if !moved {
             relocation.into_limbo();
             return Ok(());
         }
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         // The copy is good only if its source, the replica on the draining segment,
         // stayed in place the whole time (the lease keeps eviction off it).
         let Some(o) = map.get_mut(key).filter(|o| {

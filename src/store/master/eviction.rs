@@ -9,6 +9,7 @@
 //! (a prefix's tail, which the next turn of a conversation rewrites rather than reads)
 //! starts at the bottom.
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::policy::{Head, Lowest, MeanGap, Policy};
@@ -126,7 +127,7 @@ impl Master {
         }
         if let (Some((key, _)), Some(Ok(_))) = (items.last(), results.last()) {
             let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
-            Self::lock(self.shard(key)).sink(key, floor, seq);
+            self.shard(key).locked().sink(key, floor, seq);
         }
     }
 
@@ -151,7 +152,7 @@ impl Master {
                 }
                 break;
             };
-            let mut shard = Self::lock(&self.shards[best]);
+            let mut shard = self.shards[best].locked();
             let mut groups = Vec::new();
             // Take from this shard while its lowest stays below every other shard's.
             let mut again = false;
@@ -238,7 +239,7 @@ impl Master {
         let mut round = Round::default();
         let mut best_head: Option<Head> = None;
         for (i, s) in self.shards.iter().enumerate() {
-            let mut shard = Self::lock(s);
+            let mut shard = s.locked();
             round.listed += shard.policy.len();
             let h = match Self::lowest(&mut shard, now, allow_soft_pinned, false) {
                 Lowest::Found(h, _) => h,
@@ -298,7 +299,7 @@ impl Master {
 
     /// Drops an evicted key from its groups' member lists.
     fn forget_member(&self, groups: &[String], key: &str) {
-        let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = self.groups.locked();
         for g in groups {
             if let Some(v) = index.get_mut(g) {
                 v.retain(|m| m != key);
@@ -314,7 +315,7 @@ impl Master {
         let now = self.clock.now_ms();
         let mut freed = 0;
         for m in self.group_members("", groups) {
-            let mut shard = Self::lock(self.shard(&m));
+            let mut shard = self.shard(&m).locked();
             if !shard
                 .get(&m)
                 .is_some_and(|o| evictable(o, now, allow_soft_pinned))

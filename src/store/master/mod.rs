@@ -19,6 +19,7 @@ pub use clock::Clock;
 pub use config::{AllocationStrategy, MasterConfig};
 pub use drain::DrainRisk;
 
+use crate::util::sync::Unpoisoned;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -178,10 +179,6 @@ impl Master {
 
     fn shard(&self, key: &str) -> &Mutex<Shard> {
         &self.shards[(Self::key_hash(key) % self.shards.len() as u64) as usize]
-    }
-
-    fn lock(m: &Mutex<Shard>) -> std::sync::MutexGuard<'_, Shard> {
-        m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn next_seed(&self) -> u64 {
@@ -382,15 +379,14 @@ impl Master {
     pub fn ping(&self, client: u64) -> bool {
         let now = self.clock.now_ms();
         self.clients
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .insert(client, ClientState { last_ping_ms: now });
         self.segments.has_client(client)
     }
 
     /// Whether `client` mounted a segment or pinged within its TTL.
     fn is_known(&self, client: u64) -> bool {
-        let clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let clients = self.clients.locked();
         clients.contains_key(&client)
     }
 
@@ -419,8 +415,7 @@ impl Master {
             })?;
         let now = self.clock.now_ms();
         self.clients
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .insert(client, ClientState { last_ping_ms: now });
         log::info!("mounted segment {name} of client {client:#x}");
         Ok(())
@@ -470,7 +465,7 @@ impl Master {
         seg.log.close();
         let mut lost = 0;
         for shard in self.shards.iter() {
-            let mut map = Self::lock(shard);
+            let mut map = shard.locked();
             map.retain(|_, o| {
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
                 if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
@@ -517,7 +512,7 @@ impl Master {
             .ok_or(Code::NoAvailableHandle)?;
         let now = self.clock.now_ms();
         {
-            let mut guard = Self::lock(self.shard(key));
+            let mut guard = self.shard(key).locked();
             let shard = &mut *guard;
             match shard.objects.get_mut(key) {
                 Some(o) => {
@@ -559,7 +554,7 @@ impl Master {
         }
         // Allocate without holding the shard lock: eviction takes shard locks.
         let replicas = self.allocate(client, size, config);
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let ours = map.get(key).is_some_and(|o| {
             o.written_by(client) && o.started_ms() == now && o.replicas.is_empty()
         });
@@ -661,10 +656,10 @@ impl Master {
     /// does not fail on space that is only waiting for the next tick; whether any was.
     fn free_expired_quarantine(&self) -> bool {
         let now = self.clock.now_ms();
-        let mut quarantine = self.quarantine.lock().unwrap_or_else(|e| e.into_inner());
+        let mut quarantine = self.quarantine.locked();
         let before = quarantine.len();
         quarantine.retain(|q| q.until_ms > now);
-        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let mut staged = self.staged.locked();
         let staged_before = staged.len();
         staged.retain(|_, q| q.until_ms > now);
         quarantine.len() < before || staged.len() < staged_before
@@ -672,13 +667,10 @@ impl Master {
 
     fn quarantine_replicas(&self, replicas: Replicas, until_ms: u64) {
         if !replicas.is_empty() {
-            self.quarantine
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(Quarantined {
-                    until_ms,
-                    _replicas: replicas,
-                });
+            self.quarantine.locked().push(Quarantined {
+                until_ms,
+                _replicas: replicas,
+            });
         }
     }
 
@@ -690,7 +682,7 @@ impl Master {
         committed: &mut catalog::Commits,
     ) -> KeyResult<()> {
         check_key(key)?;
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         match map.get_mut(key) {
             Some(o) if o.written_by(client) && !o.replicas.is_empty() => {
                 o.complete = true;
@@ -711,7 +703,7 @@ impl Master {
 
     fn put_revoke(&self, client: u64, key: &str) -> KeyResult<()> {
         check_key(key)?;
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         match map.get(key) {
             Some(o) if o.written_by(client) => {
                 map.remove(key);
@@ -733,7 +725,7 @@ impl Master {
         check_key(key)?;
         let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
         if !o.complete {
             return Err(Code::ReplicaIsNotReady);
@@ -772,7 +764,7 @@ impl Master {
         if check_key(key).is_err() {
             return;
         }
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         if map
             .get(key)
             .is_some_and(|o| o.complete && !o.replicas.is_empty())
@@ -785,7 +777,7 @@ impl Master {
         if groups.is_empty() {
             return;
         }
-        let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let mut index = self.groups.locked();
         for g in groups {
             index.entry(g.clone()).or_default().push(key.to_owned());
         }
@@ -793,7 +785,7 @@ impl Master {
 
     /// The other members of `groups`, as last indexed.
     fn group_members(&self, key: &str, groups: &[String]) -> Vec<String> {
-        let index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let index = self.groups.locked();
         let members = groups.iter().filter_map(|g| index.get(g)).flatten();
         members.filter(|m| *m != key).cloned().collect()
     }
@@ -804,13 +796,13 @@ impl Master {
         let members = self.group_members(key, groups);
         let mut gone = Vec::new();
         for m in members {
-            match Self::lock(self.shard(&m)).get_mut(&m) {
+            match self.shard(&m).locked().get_mut(&m) {
                 Some(o) => f(o),
                 None => gone.push(m),
             }
         }
         if !gone.is_empty() {
-            let mut index = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+            let mut index = self.groups.locked();
             for g in groups {
                 if let Some(v) = index.get_mut(g) {
                     v.retain(|m| !gone.contains(m));
@@ -826,7 +818,9 @@ impl Master {
     /// constant probing must not make objects unevictable (upstream #2187).
     fn exists(&self, key: &str) -> KeyResult<bool> {
         check_key(key)?;
-        Ok(Self::lock(self.shard(key))
+        Ok(self
+            .shard(key)
+            .locked()
             .get(key)
             .is_some_and(|o| o.complete))
     }
@@ -835,7 +829,7 @@ impl Master {
     pub fn remove(&self, key: &str, force: bool) -> KeyResult<()> {
         check_key(key)?;
         let now = self.clock.now_ms();
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let o = map.get(key).ok_or(Code::ObjectNotFound)?;
         if let Some(code) = Self::refusal(o, force, now) {
             return Err(code);
@@ -853,7 +847,7 @@ impl Master {
     fn replica_clear(&self, key: &str, segment: &str) -> KeyResult<()> {
         check_key(key)?;
         let now = self.clock.now_ms();
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
         if !o.complete {
             return Err(Code::ReplicaIsNotReady);
@@ -911,7 +905,7 @@ impl Master {
         let mut budget = self.config.regex_budget;
         let mut matched = std::collections::HashSet::new();
         for shard in self.shards.iter() {
-            let keys: Vec<String> = Self::lock(shard).keys().map(str::to_owned).collect();
+            let keys: Vec<String> = shard.locked().keys().map(str::to_owned).collect();
             for k in keys {
                 match re.is_match_within(&k, &mut budget) {
                     Some(true) => {
@@ -935,7 +929,7 @@ impl Master {
         let now = self.clock.now_ms();
         let mut removed = 0;
         for shard in self.shards.iter() {
-            let mut map = Self::lock(shard);
+            let mut map = shard.locked();
             let keys: Vec<String> = map.keys().filter(|k| pred(k)).map(str::to_owned).collect();
             for k in keys {
                 let allowed = map
@@ -973,7 +967,7 @@ impl Master {
         let now = self.clock.now_ms();
         let ttl = self.config.client_ttl.as_millis() as u64;
         let expired: Vec<u64> = {
-            let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            let mut clients = self.clients.locked();
             let dead: Vec<u64> = clients
                 .iter()
                 .filter(|(_, c)| now.saturating_sub(c.last_ping_ms) > ttl)
@@ -996,7 +990,7 @@ impl Master {
         let release = self.config.put_start_release_timeout.as_millis() as u64;
         let mut released = 0;
         for shard in self.shards.iter() {
-            Self::lock(shard).retain(|_, o| {
+            shard.locked().retain(|_, o| {
                 let keep = o.complete || now.saturating_sub(o.started_ms()) < release;
                 released += (!keep) as u64;
                 keep
@@ -1010,7 +1004,7 @@ impl Master {
 
     /// Keys and descriptors for the admin endpoints (no lease taken).
     pub fn query(&self, key: &str) -> Option<(u64, bool, Vec<ReplicaDesc>)> {
-        let map = Self::lock(self.shard(key));
+        let map = self.shard(key).locked();
         map.get(key)
             .map(|o| (o.size, o.complete, o.replicas.describe()))
     }
@@ -1024,7 +1018,7 @@ impl Master {
     pub fn keys(&self, limit: usize) -> (Vec<String>, usize) {
         let (mut keys, mut total) = (Vec::new(), 0);
         for shard in self.shards.iter() {
-            let map = Self::lock(shard);
+            let map = shard.locked();
             total += map.len();
             let room = limit.saturating_sub(keys.len());
             keys.extend(map.keys().take(room).map(str::to_owned));

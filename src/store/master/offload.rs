@@ -4,11 +4,12 @@
 //! forgotten with the object (`Forget`). A remounting node announces what its disk
 //! holds (`adopt_disk`).
 
+use crate::util::sync::Unpoisoned;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::catalog::{lock, Commits};
+use super::catalog::Commits;
 use super::replicas::Replicas;
 use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
 use super::table::Shard;
@@ -91,7 +92,7 @@ impl Master {
         {
             return false;
         }
-        let mut guard = Self::lock(self.shard(&d.key));
+        let mut guard = self.shard(&d.key).locked();
         let shard = &mut *guard;
         match shard.objects.get_mut(&d.key) {
             None => {
@@ -223,7 +224,7 @@ impl Master {
         }
         let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         // The node reports a copy it could not read as lost before it acknowledges,
         // so an object still holding its disk copy here was read back.
         let Some(o) = map.get_mut(key).filter(|o| {
@@ -256,7 +257,9 @@ impl Master {
             promote: (reads >= self.config.promotion_admission_threshold).then_some(version),
             space,
         };
-        lock(&self.staged).insert((key.to_owned(), first_addr), copy);
+        self.staged
+            .locked()
+            .insert((key.to_owned(), first_addr), copy);
         Ok(desc)
     }
 
@@ -266,7 +269,7 @@ impl Master {
     /// threshold. Ids of nothing staged (released or expired already) change nothing.
     pub(super) fn release_staged(&self, items: Vec<(String, u64)>) {
         for id in items {
-            let Some(copy) = lock(&self.staged).remove(&id) else {
+            let Some(copy) = self.staged.locked().remove(&id) else {
                 continue;
             };
             if let Some(version) = copy.promote {
@@ -279,7 +282,7 @@ impl Master {
     /// tier, the object's memory replica, unless the object changed meanwhile.
     fn promote(&self, key: &str, version: u64, space: ReplicaAlloc) {
         let seg = space[0].seg.clone();
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let Some(o) = map.get_mut(key).filter(|o| {
             o.complete
                 && o.version == version
@@ -302,7 +305,7 @@ impl Master {
     /// disk tier holds a copy ("" for none).
     pub(super) fn describe(&self, key: &str) -> (KeyResult<ObjectDesc>, String) {
         let found = self.lookup(key, false);
-        let map = Self::lock(self.shard(key));
+        let map = self.shard(key).locked();
         let Some(o) = map.get(key).filter(|o| o.complete) else {
             return (found, String::new());
         };
@@ -330,7 +333,7 @@ impl Master {
         if check_key(key).is_err() {
             return;
         }
-        let mut map = Self::lock(self.shard(key));
+        let mut map = self.shard(key).locked();
         let Some(o) = map.get_mut(key) else { return };
         if !o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
             return;

@@ -6,6 +6,7 @@
 //! ends, and however else the object goes (revoked, taken over, removed, cleared),
 //! since dropping the hold returns it.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -28,7 +29,7 @@ struct Reserved {
 impl PutQuota {
     /// Reserves `bytes` for `client` if its unfinished bytes stay within `cap`.
     pub(super) fn reserve(&self, client: u64, bytes: u64, cap: u64) -> Option<Hold> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.locked();
         let mine = held.entry(client).or_default();
         let after = mine.checked_add(bytes).filter(|after| *after <= cap)?;
         *mine = after;
@@ -42,7 +43,7 @@ impl PutQuota {
     /// Bytes `client` holds in unfinished puts.
     #[cfg(test)]
     fn held_by(&self, client: u64) -> u64 {
-        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let held = self.held.locked();
         held.get(&client).copied().unwrap_or(0)
     }
 }
@@ -50,7 +51,7 @@ impl PutQuota {
 impl Drop for Hold {
     fn drop(&mut self) {
         let r = &self.0;
-        let mut held = r.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = r.held.locked();
         if let Some(mine) = held.get_mut(&r.client) {
             *mine = mine.saturating_sub(r.bytes);
             if *mine == 0 {

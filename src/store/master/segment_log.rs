@@ -2,6 +2,7 @@
 //! order, long-polled and acknowledged by the segment's node, with the space of
 //! offloaded objects held until the node copied it.
 
+use crate::util::sync::Unpoisoned;
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -56,7 +57,7 @@ pub struct SegmentLog {
 
 impl SegmentLog {
     fn lock(&self) -> MutexGuard<'_, LogState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Records an event if a node follows this log; its sequence number. A waiting

@@ -1,5 +1,6 @@
 //! Mounted segments, each with its own allocator, and replica placement across them.
 
+use crate::util::sync::UnpoisonedRw;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -81,7 +82,7 @@ impl SegmentTable {
         info: SegmentInfo,
         config: &AllocatorConfig,
     ) -> Result<(), u64> {
-        let mut map = self.by_name.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.by_name.write_locked();
         if let Some(s) = map.get(key) {
             return if s.client == client {
                 Ok(())
@@ -111,7 +112,7 @@ impl SegmentTable {
         info: SegmentInfo,
         alloc: SlabAllocator,
     ) -> Result<Arc<Segment>, u64> {
-        let mut map = self.by_name.write().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.by_name.write_locked();
         if let Some(s) = map.get(&info.name) {
             return Err(s.client);
         }
@@ -131,15 +132,12 @@ impl SegmentTable {
 
     /// The segment mounted under `key`.
     pub fn get(&self, key: &str) -> Option<Arc<Segment>> {
-        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.by_name.read_locked();
         map.get(key).cloned()
     }
 
     pub fn unmount(&self, key: &str) -> Option<Arc<Segment>> {
-        self.by_name
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(key)
+        self.by_name.write_locked().remove(key)
     }
 
     /// Every segment reached through the engine segment `name` (a node's main segment
@@ -152,20 +150,20 @@ impl SegmentTable {
     }
 
     pub fn snapshot(&self) -> Vec<Arc<Segment>> {
-        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.by_name.read_locked();
         let mut v: Vec<_> = map.values().cloned().collect();
         v.sort_by_key(|s| s.id);
         v
     }
 
     pub fn has_client(&self, client: u64) -> bool {
-        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.by_name.read_locked();
         map.values().any(|s| s.client == client)
     }
 
     /// The keys of `client`'s segments.
     pub fn of_client(&self, client: u64) -> Vec<String> {
-        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.by_name.read_locked();
         map.values()
             .filter(|s| s.client == client)
             .map(|s| s.key.clone())
@@ -173,7 +171,7 @@ impl SegmentTable {
     }
 
     pub fn capacity_and_used(&self) -> (u64, u64) {
-        let map = self.by_name.read().unwrap_or_else(|e| e.into_inner());
+        let map = self.by_name.read_locked();
         map.values().fold((0, 0), |(c, u), s| {
             (c + usable(&s.alloc), u + s.alloc.used_bytes())
         })

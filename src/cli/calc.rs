@@ -629,21 +629,7 @@ fn gib(bytes: f64) -> f64 {
     bytes / GIB
 }
 
-/// Human-readable bytes (binary units).
-pub fn human(bytes: f64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = bytes;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{v} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub use mooncake::util::size::human;
 
 /// Reads `--model`/`--config`, `--precision`, `--indexer-precision` and `--draft`.
 pub fn model_flags(a: &Args, cat: &Catalog) -> Result<Option<(Model, Ask)>, String> {

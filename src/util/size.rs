@@ -36,15 +36,20 @@ pub fn parse(text: &str) -> Result<u64, String> {
 
 /// `n` bytes for people: `512 B`, `1.50 KiB`, `64.00 MiB`, ...
 pub fn format(n: u64) -> String {
+    human(n as f64)
+}
+
+/// As `format`, for a byte count that need not be whole (a size per token, say).
+pub fn human(bytes: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    let mut v = n as f64;
+    let mut v = bytes;
     let mut u = 0;
     while v >= 1024.0 && u < UNITS.len() - 1 {
         v /= 1024.0;
         u += 1;
     }
     if u == 0 {
-        format!("{n} B")
+        format!("{v} B")
     } else {
         format!("{v:.2} {}", UNITS[u])
     }
@@ -82,5 +87,6 @@ mod tests {
         assert_eq!(format(1536), "1.50 KiB");
         assert_eq!(format(64 << 20), "64.00 MiB");
         assert_eq!(format(3 << 30), "3.00 GiB");
+        assert_eq!(human(12.5), "12.5 B");
     }
 }

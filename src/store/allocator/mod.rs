@@ -29,8 +29,9 @@
 //! * **Recycling** (`reclaim.rs`): when a class is out of slabs, slabs with no
 //!   allocated block are taken back from their classes and reused by any class.
 //!   A pass briefly holds each class's free blocks, so an `alloc` racing with it
-//!   may return `None`; passes that find nothing back off, so a slab freed then
-//!   may wait for a later failure or [`SlabAllocator::reclaim_free_slabs`]. A
+//!   may return `None`; passes that find nothing back off (until a slab's worth
+//!   more is free), so a slab freed then may wait for a later failure or
+//!   [`SlabAllocator::reclaim_free_slabs`]. A
 //!   reused slab keeps the link array it was first given (at least 4096 links
 //!   with the defaults), so a small class may use only part of a slab that first
 //!   served large blocks. Slabs only partly free stay with their class.

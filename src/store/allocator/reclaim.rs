@@ -64,19 +64,24 @@ impl Drop for Busy<'_> {
 impl SlabAllocator {
     /// Runs a pass if it might find something: enough free block bytes exist for
     /// a whole slab, they changed since the last pass that found nothing, and the
-    /// backoff after fruitless passes has run out. A slab freed meanwhile waits for
-    /// a later trigger (or an explicit [`reclaim_free_slabs`](Self::reclaim_free_slabs)).
+    /// backoff after fruitless passes has run out, or at least a whole slab's worth
+    /// more came free since that pass (a burst of frees, as eviction makes for a
+    /// large object, is worth a look however many passes failed before it). A slab
+    /// freed otherwise waits for a later trigger (or an explicit
+    /// [`reclaim_free_slabs`](Self::reclaim_free_slabs)).
     pub(super) fn reclaim_if_worthwhile(&self) -> bool {
         let r = &self.reclaim;
         let free = r
             .bound_block_bytes
             .load(Ordering::Relaxed)
             .saturating_sub(self.used_bytes());
-        if free < r.min_payload || free == r.last_fruitless.load(Ordering::Relaxed) {
+        let last_fruitless = r.last_fruitless.load(Ordering::Relaxed);
+        if free < r.min_payload || free == last_fruitless {
             return false;
         }
+        let freed_a_slab_since = free >= last_fruitless.saturating_add(r.min_payload);
         let skip = r.skip.load(Ordering::Relaxed);
-        if skip > 0 {
+        if skip > 0 && !freed_a_slab_since {
             r.skip.store(skip - 1, Ordering::Relaxed); // racy: a hint, not a count
             return false;
         }
@@ -162,5 +167,74 @@ impl SlabAllocator {
             r.skip.store(0, Ordering::Relaxed);
         }
         recycled
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Allocation, AllocatorConfig, SlabAllocator};
+    use std::sync::atomic::Ordering;
+
+    const SLAB: u64 = 64 * 1024;
+
+    /// Eight slabs of 1 KiB blocks, every block allocated, by slab.
+    fn full_of_small_blocks() -> (SlabAllocator, Vec<Vec<Allocation>>) {
+        let slab_cfg = AllocatorConfig {
+            slab_size: SLAB,
+            ..AllocatorConfig::default()
+        };
+        let a = SlabAllocator::new(8 * SLAB, slab_cfg);
+        let mut by_slab: Vec<Vec<Allocation>> = vec![Vec::new(); 8];
+        while let Some(x) = a.alloc(1024) {
+            by_slab[(x.offset / SLAB) as usize].push(x);
+        }
+        assert!(by_slab.iter().all(|s| s.len() == 64));
+        (a, by_slab)
+    }
+
+    #[test]
+    fn a_burst_of_frees_is_looked_at_despite_the_backoff() {
+        let (a, mut by_slab) = full_of_small_blocks();
+        // Half of every slab free: plenty of bytes, no whole slab.
+        for s in by_slab.iter_mut() {
+            for x in s.drain(..32) {
+                a.free(x);
+            }
+        }
+        assert!(a.alloc(SLAB).is_none(), "a fruitless pass");
+        // A few more scattered frees and failures build up the backoff.
+        for s in by_slab.iter_mut().take(2) {
+            a.free(s.pop().unwrap());
+            assert!(a.alloc(SLAB).is_none());
+        }
+        assert!(a.reclaim.skip.load(Ordering::Relaxed) > 0, "backing off");
+        // Now whole slabs come free (as when the master evicts for a large object).
+        for s in by_slab.iter_mut().skip(4) {
+            for x in s.drain(..) {
+                a.free(x);
+            }
+        }
+        let big = a
+            .alloc(SLAB)
+            .expect("the freed slabs serve the large class at once");
+        assert_eq!(big.block_size(), SLAB);
+        assert!(big.offset >= 4 * SLAB, "one of the slabs just freed");
+    }
+
+    #[test]
+    fn without_new_frees_the_backoff_holds() {
+        let (a, mut by_slab) = full_of_small_blocks();
+        for s in by_slab.iter_mut() {
+            for x in s.drain(..32) {
+                a.free(x);
+            }
+        }
+        assert!(a.alloc(SLAB).is_none());
+        let passes_before = a.reclaim.backoff.load(Ordering::Relaxed);
+        // Failing again and again with nothing freed runs no further pass.
+        for _ in 0..100 {
+            assert!(a.alloc(SLAB).is_none());
+        }
+        assert_eq!(a.reclaim.backoff.load(Ordering::Relaxed), passes_before);
     }
 }

@@ -3,6 +3,13 @@
 //! frequency with aging), soft-pinned objects only when nothing else is left,
 //! hard-pinned, leased and unfinished ones never.
 //!
+//! Space comes back in size classes and slabs (`store::allocator`): evicting small
+//! objects frees blocks that serve a larger class only once their whole slab is free.
+//! Victims taken by order sit all over the pool, so when they did not make room the
+//! next round empties whole slabs instead, the ones that hold the fewest live bytes
+//! (`evict_slabs`): a pool full of small objects makes room for a large one at the
+//! cost of about that one's size, not of the pool.
+//!
 //! Two things beyond hit counts place an object in the order: the pool ages with every
 //! object listed, not only with every victim (else, while a pool fills, an object read
 //! once long ago outranks everything written since), and the last block of a put batch
@@ -10,9 +17,12 @@
 //! starts at the bottom.
 
 use crate::util::sync::Unpoisoned;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::policy::{Head, Lowest, MeanGap, Policy};
+use super::segments::{PieceAlloc, Segment};
 use super::table::Shard;
 use super::{Master, Object};
 use crate::store::protocol::KeyResult;
@@ -79,6 +89,15 @@ fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
         && (allow_soft_pinned || o.soft_pin_until_ms <= now)
 }
 
+/// Runs an eviction with unpinned objects only, then, if that freed nothing, with
+/// soft-pinned ones too; the bytes freed.
+fn unpinned_first(evict: impl Fn(bool) -> u64) -> u64 {
+    match evict(false) {
+        0 => evict(true),
+        n => n,
+    }
+}
+
 /// When a passed-over object becomes evictable as time goes on (its lease or pin runs
 /// out); never for one no time frees (unfinished, hard-pinned).
 fn evictable_from(o: &Object, allow_soft_pinned: bool) -> u64 {
@@ -109,7 +128,46 @@ struct Round {
     moved_up: usize,
 }
 
+/// A slab of a segment: the segment's id and the slab's index in it.
+type SlabId = (u64, u64);
+
+fn slab_of(p: &PieceAlloc) -> SlabId {
+    (p.seg.id, p.alloc.offset / p.seg.alloc.slab_size())
+}
+
+/// What emptying one slab would cost.
+#[derive(Default)]
+struct SlabCost {
+    /// Block bytes of the objects in it.
+    live: u64,
+    /// It holds an object that may not be evicted now.
+    blocked: bool,
+}
+
+/// The slabs to empty for a whole-slab eviction, and their segments.
+#[derive(Default)]
+struct SlabChoice {
+    slabs: HashSet<SlabId>,
+    segments: HashMap<u64, Arc<Segment>>,
+}
+
 impl Master {
+    /// Makes room for about `want` bytes: evicts the lowest objects (unpinned ones
+    /// first, soft-pinned ones only when nothing else is left), or, when that was tried
+    /// already and did not make room (`whole_slabs`), empties whole slabs, falling back
+    /// to the order if no slab can be emptied. Returns the bytes freed.
+    pub(super) fn make_room(&self, want: u64, whole_slabs: bool) -> u64 {
+        let by_slab = if whole_slabs {
+            unpinned_first(|allow| self.evict_slabs(want, allow))
+        } else {
+            0
+        };
+        match by_slab {
+            0 => unpinned_first(|allow| self.evict(want, allow)),
+            n => n,
+        }
+    }
+
     /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
     pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
         let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
@@ -308,6 +366,100 @@ impl Master {
                 }
             }
         }
+    }
+
+    /// Empties the slabs cheapest to empty (see `cheapest_slabs`) until they add up to
+    /// `want` bytes, and hands them back to their allocators so any size class can take
+    /// them. Returns the bytes evicted. Space no object holds (quarantined, staged or
+    /// being offloaded) is not seen, so a slab holding some stays bound; the caller's
+    /// next round asks for more.
+    fn evict_slabs(&self, want: u64, allow_soft_pinned: bool) -> u64 {
+        let now = self.clock.now_ms();
+        let choice = self.cheapest_slabs(want, now, allow_soft_pinned);
+        if choice.slabs.is_empty() {
+            return 0;
+        }
+        let mut freed = 0;
+        let mut groups = Vec::new();
+        for s in self.shards.iter() {
+            let mut shard = s.locked();
+            let victims: Vec<String> = shard
+                .objects
+                .iter()
+                .filter(|(_, o)| {
+                    evictable(o, now, allow_soft_pinned)
+                        && o.replicas
+                            .pieces()
+                            .any(|p| choice.slabs.contains(&slab_of(p)))
+                })
+                .map(|(key, _)| key.to_owned())
+                .collect();
+            for key in victims {
+                let Some(o) = shard.evict(&key, Self::key_hash(&key)) else {
+                    continue;
+                };
+                freed += self.account_eviction(&o);
+                if !o.groups.is_empty() {
+                    self.forget_member(&o.groups, &key);
+                    groups.extend(o.groups.iter().cloned());
+                }
+                self.keep_on_disk(&mut shard, &key, o);
+            }
+        }
+        if !groups.is_empty() {
+            groups.sort_unstable();
+            groups.dedup();
+            freed += self.evict_group(&groups, allow_soft_pinned);
+        }
+        // The emptied slabs go back now, not when some later allocation fails and the
+        // allocator's own look at its free lists is due.
+        for seg in choice.segments.values() {
+            seg.alloc.reclaim_free_slabs();
+        }
+        freed
+    }
+
+    /// One look at every object: the slabs whose objects may all be evicted now, fewest
+    /// live bytes first (those lose the least), until their bytes add up to `want`.
+    /// Segments leaving the pool are left alone (nothing new is placed there).
+    fn cheapest_slabs(&self, want: u64, now: u64, allow_soft_pinned: bool) -> SlabChoice {
+        let mut costs: HashMap<SlabId, SlabCost> = HashMap::new();
+        let mut segments: HashMap<u64, Arc<Segment>> = HashMap::new();
+        for s in self.shards.iter() {
+            let shard = s.locked();
+            for (_, o) in shard.objects.iter() {
+                let blocked = !evictable(o, now, allow_soft_pinned);
+                for p in o.replicas.pieces() {
+                    if p.seg.draining.load(Ordering::Relaxed) {
+                        continue;
+                    }
+                    let cost = costs.entry(slab_of(p)).or_default();
+                    cost.live += p.alloc.block_size();
+                    cost.blocked |= blocked;
+                    segments.entry(p.seg.id).or_insert_with(|| p.seg.clone());
+                }
+            }
+        }
+        let mut open: Vec<(u64, SlabId)> = costs
+            .into_iter()
+            .filter(|(_, c)| !c.blocked)
+            .map(|(id, c)| (c.live, id))
+            .collect();
+        open.sort_unstable();
+        let mut choice = SlabChoice::default();
+        let mut room = 0u64;
+        for (_, id) in open {
+            if room >= want {
+                break;
+            }
+            let Some(seg) = segments.get(&id.0) else {
+                continue;
+            };
+            room += seg.alloc.slab_size();
+            choice.segments.entry(id.0).or_insert_with(|| seg.clone());
+            choice.slabs.insert(id);
+        }
+        choice
     }
 
     /// Group members share an evicted object's fate (pins and leases still hold).
@@ -761,5 +913,60 @@ mod tests {
         m.config.eviction_ratio = 0.05;
         m.evict_above_watermark();
         assert_eq!(m.stats().objects, 0);
+    }
+
+    /// The slab a one-piece object lies in.
+    fn slab_holding(m: &Master, key: &str) -> u64 {
+        let shard = m.shard(key).lock().unwrap();
+        let o = shard.get(key).expect("present");
+        let piece = o.replicas.pieces().next().expect("in memory");
+        piece.alloc.offset / piece.seg.alloc.slab_size()
+    }
+
+    #[test]
+    fn whole_slab_eviction_empties_the_emptiest_free_slab_and_hands_it_back() {
+        let clock = Clock::manual();
+        let m = master(&clock, 4 * MIB);
+        let slab = m.segments.snapshot()[0].alloc.slab_size();
+        let per_slab = (slab / OBJ) as usize;
+        assert!(per_slab >= 4, "{slab}-byte slabs");
+        let plain = ReplicateConfig::default();
+        let keys: Vec<String> = (0..4 * MIB / OBJ).map(|i| format!("k{i}")).collect();
+        for k in &keys {
+            put(&m, &clock, k, &plain);
+        }
+        let in_slab = |n: u64| -> Vec<&String> {
+            keys.iter()
+                .filter(|k| m.exists(k).unwrap() && slab_holding(&m, k) == n)
+                .collect()
+        };
+        assert_eq!(in_slab(2).len(), per_slab, "the pool is full");
+        // Slab 2 keeps two objects; slab 3 keeps one, read (leased) just now.
+        for k in in_slab(2).into_iter().skip(2) {
+            m.remove(k, true).unwrap();
+        }
+        for k in in_slab(3).into_iter().skip(1) {
+            m.remove(k, true).unwrap();
+        }
+        let leased = in_slab(3)[0].clone();
+        m.get_replicas(&leased).unwrap();
+        let doomed = in_slab(2);
+        let others = keys.len() - per_slab * 2;
+
+        assert_eq!(
+            m.evict_slabs(slab, false),
+            2 * OBJ,
+            "slab 2: slab 3 is leased"
+        );
+        assert!(doomed.iter().all(|k| !m.exists(k).unwrap()));
+        assert_eq!(m.stats().objects, (others + 1) as u64);
+        // The slab serves a block of the largest class at once, evicting nothing more.
+        m.put_start(1, "big", slab, &plain, false).unwrap();
+        assert_eq!(slab_holding(&m, "big"), 2);
+        assert_eq!(m.stats().evicted_objects, 2);
+        // Asked for everything, it empties every slab but the leased one and the
+        // unfinished put's.
+        assert_eq!(m.evict_slabs(u64::MAX, false), others as u64 * OBJ);
+        assert!(m.exists(&leased).unwrap());
     }
 }

@@ -629,7 +629,9 @@ impl Master {
         attempt: impl Fn() -> Vec<ReplicaAlloc>,
     ) -> Vec<ReplicaAlloc> {
         // Bounded: each round evicts something or stops. Space freed in another size
-        // class may not serve this one until whole slabs come free: want more then.
+        // class may not serve this one until whole slabs come free: after the first
+        // round, empty whole slabs (see `eviction`), wanting more each time.
+        let mut whole_slabs = false;
         for _ in 0..32 {
             let replicas = attempt();
             if !replicas.is_empty() {
@@ -638,16 +640,16 @@ impl Master {
             if self.free_expired_quarantine() {
                 continue;
             }
-            let freed = match self.evict(want, false) {
-                0 => self.evict(want, true),
-                n => n,
-            };
+            let freed = self.make_room(want, whole_slabs);
             // Space of objects going to a disk tier comes back once it is copied.
             self.await_offloads();
             if freed == 0 {
                 break;
             }
-            want = want.saturating_mul(2);
+            if whole_slabs {
+                want = want.saturating_mul(2);
+            }
+            whole_slabs = true;
         }
         Vec::new()
     }

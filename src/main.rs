@@ -116,7 +116,7 @@ const COMMANDS: &[(&str, &str)] = &[
       [--bind 0.0.0.0] [--lease-ttl-ms 10000 (> 0)] [--eviction-high-watermark 1.0 = off]
       [--eviction-ratio 0.05] [--client-ttl 10]
       [--allocation-strategy random|free_ratio_first|local_first]
-      [--max-unfinished-put-ratio 0.5] [--cluster-secret-file PATH]
+      [--max-unfinished-put-ratio 0.5] [--cluster-secret-file PATH] [--owner-key-file PATH]
       [--enable-ha --etcd-endpoints H:P[;H:P] [--cluster-id mooncake_cluster] [--ha-lease-ttl 5]]
       The store's control plane. Mooncake's mooncake_master flags are accepted too, in
       gflags syntax (--flagfile=PATH, -v=1, --version; --helpfull lists them). As upstream,
@@ -131,7 +131,9 @@ const COMMANDS: &[(&str, &str)] = &[
       its lease exits (status 3). A new leader, or a restarted master, gets the
       objects back from the nodes' catalogs when they remount; a put is answered once
       its nodes recorded it (--catalog-ack-timeout-ms 2000; 0: do not wait, faster
-      puts, but the last ones before a master crash may be lost).
+      puts, but the last ones before a master crash may be lost). --owner-key-file
+      names a secret the cluster's masters share and no node knows: with it, a node
+      keeps its segment name across a master's restart even if another took it first.
       [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
       Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
       brings one back, kept in memory from its Nth read from disk.

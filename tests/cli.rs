@@ -231,6 +231,16 @@ fn settings_people_get_wrong_are_refused_by_name() {
             &["--enable_oplog needs --enable_ha"],
         ),
         (
+            &[
+                "master",
+                "--rpc-port",
+                "0",
+                "--owner-key-file",
+                "/nonexistent/mc-owner-key",
+            ],
+            &["--owner-key-file", "owner key /nonexistent/mc-owner-key"],
+        ),
+        (
             &["master", "--rpc_interface=mc-no-such-if0"],
             &["--rpc_interface mc-no-such-if0"],
         ),

@@ -51,6 +51,7 @@ fn remount(
         entries,
         disk: Vec::new(),
         last,
+        owner: None,
     })
     .map(drop)
 }

@@ -88,23 +88,28 @@ impl ClusterSecret {
 
     /// The secret held in a file (one trailing newline is not part of it).
     pub fn from_file(path: &str) -> Result<ClusterSecret> {
-        let fail = |e: std::io::Error| {
-            Error::new(Code::FileReadFail, format!("cluster secret {path}: {e}"))
-        };
+        ClusterSecret::from_file_named(path, "cluster secret")
+    }
+
+    /// A secret of another name (`what`, for errors) held in a file the same way: the
+    /// master's owner key is one.
+    pub fn from_file_named(path: &str, what: &str) -> Result<ClusterSecret> {
+        let fail =
+            |e: std::io::Error| Error::new(Code::FileReadFail, format!("{what} {path}: {e}"));
         let mut bytes = Vec::new();
         std::fs::File::open(path)
             .and_then(|f| f.take(MAX_SECRET_FILE + 1).read_to_end(&mut bytes))
             .map_err(fail)?;
         if bytes.len() as u64 > MAX_SECRET_FILE {
             return Err(Error::invalid(format!(
-                "cluster secret {path}: longer than {MAX_SECRET_FILE} bytes"
+                "{what} {path}: longer than {MAX_SECRET_FILE} bytes"
             )));
         }
         let trimmed = bytes
             .strip_suffix(b"\r\n")
             .or_else(|| bytes.strip_suffix(b"\n"))
             .unwrap_or(&bytes);
-        ClusterSecret::new(trimmed).map_err(|e| e.prefixed(format!("cluster secret {path}")))
+        ClusterSecret::new(trimmed).map_err(|e| e.prefixed(format!("{what} {path}")))
     }
 
     pub(crate) fn key(&self) -> &[u8] {

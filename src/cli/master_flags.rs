@@ -417,6 +417,7 @@ const FLAGS: &[Flag] = &[
         Str,
         Ours("cluster-secret-file", same),
     ),
+    flag("owner_key_file", Str, Ours("owner-key-file", same)),
     flag(
         "max_unfinished_put_ratio",
         F64,

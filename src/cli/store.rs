@@ -141,6 +141,11 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         metadata_port: metadata_port(&a)?,
         metrics_port: port_flag(&a, "metrics-port")?.unwrap_or(Some(9003)),
         cluster_secret: super::cluster_secret(&a)?,
+        owner_key: a
+            .str("owner-key-file")
+            .map(|path| mooncake::auth::ClusterSecret::from_file_named(path, "owner key"))
+            .transpose()
+            .map_err(|e| format!("--owner-key-file: {e}"))?,
         ..ServerConfig::default()
     };
     if !a.get("enable-metric-reporting", true)? {

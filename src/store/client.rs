@@ -13,8 +13,8 @@ use super::disk::DiskConfig;
 use super::node_catalog::NodeCatalog;
 use super::node_disk::NodeDisk;
 use super::protocol::{
-    shown_key, CatalogEntry, KeyResult, ObjectDesc, Piece, PoolStats, ReplicaDesc, ReplicateConfig,
-    Request, Response, SegmentInfo,
+    shown_key, CatalogEntry, KeyResult, ObjectDesc, OwnerTicket, Piece, PoolStats, ReplicaDesc,
+    ReplicateConfig, Request, Response, SegmentInfo,
 };
 use super::replica_cache::{Leased, ReplicaCache};
 use super::rpc::RpcClient;
@@ -191,6 +191,9 @@ struct MasterSession {
     segment: Option<SegmentInfo>,
     /// What this node's segment holds, for a master that lost its state.
     catalog: Mutex<NodeCatalog>,
+    /// The master's ticket for the segment's name, shown at every remount so that
+    /// the name comes back to this node whoever took it meanwhile (none yet: default).
+    owner: Mutex<OwnerTicket>,
     /// The segment was drained and unmounted: never mount it again.
     drained: AtomicBool,
     /// A drain runs (one at a time; a second caller waits for it).
@@ -293,6 +296,7 @@ impl Client {
             engine: engine.clone(),
             segment,
             catalog: Mutex::new(NodeCatalog::new(disk)),
+            owner: Mutex::new(OwnerTicket::default()),
             drained: AtomicBool::new(false),
             draining: Mutex::new(()),
             drain_thread: Mutex::new(None),
@@ -1260,16 +1264,19 @@ impl MasterSession {
         let Some(seg) = &self.segment else {
             return Ok(());
         };
+        let owner = *self.owner.locked();
         let (requests, announced) = {
             let mut catalog = self.catalog.locked();
             catalog.forget_master();
             // SAFETY: the segment is this client's own buffer, allocated at
             // construction and freed only after the pinger (this thread) is joined.
-            unsafe { catalog.remount_requests(self.id, seg) }
+            unsafe { catalog.remount_requests(self.id, seg, owner) }
         };
         let started = Instant::now();
         for req in &requests {
-            self.rpc.call(req)?;
+            if let Response::Mounted(ticket) = self.rpc.call(req)? {
+                *self.owner.locked() = ticket;
+            }
         }
         let seconds = announced.seconds + started.elapsed().as_secs_f64();
         log::info!(

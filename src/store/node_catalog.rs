@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use super::node_disk::NodeDisk;
-use super::protocol::{CatalogEntry, CatalogEvent, DiskEntry, Request, SegmentEvents, SegmentInfo};
+use super::protocol::{
+    CatalogEntry, CatalogEvent, DiskEntry, OwnerTicket, Request, SegmentEvents, SegmentInfo,
+};
 use crate::util::crc32c::crc32c;
 
 /// Entries per `Remount` chunk.
@@ -292,8 +294,9 @@ impl NodeCatalog {
         self.entries.is_empty()
     }
 
-    /// The catalog as `Remount` requests for `segment`, after dropping entries outside
-    /// it and, for unstriped pieces, those whose bytes no longer match their CRC32C.
+    /// The catalog as `Remount` requests for `segment`, showing the node's `owner`
+    /// ticket for its name, after dropping entries outside it and, for unstriped
+    /// pieces, those whose bytes no longer match their CRC32C.
     ///
     /// # Safety
     /// `segment.base .. segment.base + segment.size` must be readable memory of this
@@ -302,6 +305,7 @@ impl NodeCatalog {
         &mut self,
         client: u64,
         segment: &SegmentInfo,
+        owner: OwnerTicket,
     ) -> (Vec<Request>, Announced) {
         let started = Instant::now();
         let mut stats = Announced::default();
@@ -340,7 +344,7 @@ impl NodeCatalog {
                 && (chunk.len() == CHUNK_ENTRIES || bytes + e.wire_size() > CHUNK_BYTES)
             {
                 requests.push(remount(
-                    client,
+                    (client, owner),
                     segment,
                     std::mem::take(&mut chunk),
                     vec![],
@@ -351,7 +355,7 @@ impl NodeCatalog {
             bytes += e.wire_size();
             chunk.push(e.clone());
         }
-        requests.push(remount(client, segment, chunk, vec![], false));
+        requests.push(remount((client, owner), segment, chunk, vec![], false));
         let disk = self
             .disk
             .as_ref()
@@ -359,7 +363,13 @@ impl NodeCatalog {
             .unwrap_or_default();
         stats.on_disk = disk.len() as u64;
         for part in disk.chunks(CHUNK_ENTRIES) {
-            requests.push(remount(client, segment, vec![], part.to_vec(), false));
+            requests.push(remount(
+                (client, owner),
+                segment,
+                vec![],
+                part.to_vec(),
+                false,
+            ));
         }
         if let Some(Request::Remount { last, .. }) = requests.last_mut() {
             *last = true;
@@ -370,7 +380,7 @@ impl NodeCatalog {
 }
 
 fn remount(
-    client: u64,
+    (client, owner): (u64, OwnerTicket),
     segment: &SegmentInfo,
     entries: Vec<CatalogEntry>,
     disk: Vec<DiskEntry>,
@@ -382,6 +392,7 @@ fn remount(
         entries,
         disk,
         last,
+        owner: Some(owner),
     }
 }
 
@@ -472,7 +483,7 @@ mod tests {
         );
         assert_eq!(c.len(), 1);
         // SAFETY: `memory` is alive and 4096 bytes long.
-        let (reqs, stats) = unsafe { c.remount_requests(1, &segment) };
+        let (reqs, stats) = unsafe { c.remount_requests(1, &segment, OwnerTicket::default()) };
         assert_eq!((stats.pieces, stats.bytes, stats.corrupt), (1, 50, 0));
         assert!(
             matches!(&reqs[..], [Request::Remount { last: true, entries, .. }] if entries[0].key == "b")
@@ -502,7 +513,7 @@ mod tests {
         );
         memory[3] ^= 0xFF;
         // SAFETY: `memory` is alive and 256 bytes long.
-        let (reqs, stats) = unsafe { c.remount_requests(1, &segment) };
+        let (reqs, stats) = unsafe { c.remount_requests(1, &segment, OwnerTicket::default()) };
         assert_eq!((stats.pieces, stats.corrupt), (0, 1));
         assert!(matches!(&reqs[..], [Request::Remount { entries, .. }] if entries.is_empty()));
     }

@@ -128,6 +128,33 @@ impl CatalogEntry {
     }
 }
 
+/// A master's word that a segment name is its holder's since `issued_ms` (Unix
+/// milliseconds): the node keeps it and shows it at every remount, and the name goes
+/// to whoever shows the earliest valid one (see `Request::Remount`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OwnerTicket {
+    /// When the name was first mounted under this ticket (0: the node has none yet).
+    pub issued_ms: u64,
+    /// Tells apart tickets issued in the same millisecond.
+    pub nonce: u64,
+    /// The master's MAC over the segment name, `issued_ms` and `nonce`.
+    pub mac: u64,
+}
+
+impl OwnerTicket {
+    fn encode(&self, w: &mut Writer) {
+        w.u64(self.issued_ms).u64(self.nonce).u64(self.mac);
+    }
+
+    fn decode(r: &mut Reader) -> Result<OwnerTicket> {
+        Ok(OwnerTicket {
+            issued_ms: r.u64()?,
+            nonce: r.u64()?,
+            mac: r.u64()?,
+        })
+    }
+}
+
 /// An object a node keeps in its disk tier (as it announces it to a master).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskEntry {
@@ -322,6 +349,11 @@ pub enum Request {
         disk: Vec<DiskEntry>,
         /// This is the final chunk.
         last: bool,
+        /// The node's ticket for the segment's name (a default one: none yet), which
+        /// the answer to the last chunk renews (`Response::Mounted`); `None` from a
+        /// node that predates tickets (then the answer is `Done`). Added within
+        /// protocol version 1, after `last`.
+        owner: Option<OwnerTicket>,
     },
     /// Waits (briefly) for changes to a segment's catalog, acknowledging those up to
     /// `acked` of master `instance` (0: none yet; the answer then resets the catalog).
@@ -460,6 +492,9 @@ pub enum Response {
     },
     /// Success with nothing to report.
     Done,
+    /// A remount's last chunk was taken: the ticket to show at the next one (to a
+    /// request that carried one; others get `Done`).
+    Mounted(OwnerTicket),
     /// Per key: where to write its replicas.
     PutStart(Vec<KeyResult<Vec<ReplicaDesc>>>),
     /// Per key: success or the code it failed with.
@@ -603,6 +638,7 @@ impl Request {
                 entries,
                 disk,
                 last,
+                owner,
             } => {
                 w.u64(*client)
                     .str(&segment.name)
@@ -613,6 +649,9 @@ impl Request {
                     w.str(&d.key).u64(d.version).u64(d.size).u32(d.crc32c);
                 });
                 w.bool(*last);
+                if let Some(t) = owner {
+                    t.encode(w);
+                }
             }
             Request::SegmentEvents {
                 client,
@@ -769,6 +808,12 @@ impl Request {
                     })
                 })?,
                 last: r.bool()?,
+                // Nodes that predate tickets end here.
+                owner: if r.finish().is_ok() {
+                    None
+                } else {
+                    Some(OwnerTicket::decode(&mut r)?)
+                },
             },
             17 => Request::SegmentEvents {
                 client: r.u64()?,
@@ -967,6 +1012,7 @@ impl Response {
                 w.bool(*need_remount);
             }
             Response::Done => {}
+            Response::Mounted(ticket) => ticket.encode(w),
             Response::PutStart(items) => {
                 w.list(items, |w, r| {
                     encode_result(w, r, |w, reps| encode_replicas(w, reps))
@@ -1061,7 +1107,9 @@ impl Response {
             1 => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 | 16 | 18 | 21 | 23 | 25 | 26 => Response::Done,
+            2 | 3 | 18 | 21 | 23 | 25 | 26 => Response::Done,
+            16 if payload.is_empty() => Response::Done,
+            16 => Response::Mounted(OwnerTicket::decode(&mut r)?),
             4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
             5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
             7 => Response::GetReplicas(decode_descs(&mut r)?),
@@ -1242,8 +1290,29 @@ mod tests {
                     crc32c: 5,
                 }],
                 last: true,
+                owner: None,
             },
             Response::Done,
+        );
+        let ticket = OwnerTicket {
+            issued_ms: 1_700_000_000_000,
+            nonce: 7,
+            mac: 0xFEED,
+        };
+        round_trip(
+            Request::Remount {
+                client: 9,
+                segment: SegmentInfo {
+                    name: "b".into(),
+                    base: 0,
+                    size: 1 << 20,
+                },
+                entries: Vec::new(),
+                disk: Vec::new(),
+                last: true,
+                owner: Some(ticket),
+            },
+            Response::Mounted(ticket),
         );
         round_trip(
             Request::SegmentEvents {

@@ -41,6 +41,11 @@ pub struct ServerConfig {
     /// With a secret, RPC connections authenticate first and HTTP writes must be
     /// signed (`crate::auth`); default from `MC_CLUSTER_SECRET`.
     pub cluster_secret: Option<ClusterSecret>,
+    /// The key segment names' owner tickets are signed with (`Master::set_owner_key`):
+    /// shared by the masters of a cluster (HA standbys, a restarted master) and by no
+    /// node, so a node's name survives a master's restart. `None`: each master draws
+    /// its own, and after a restart a name goes to the first node to remount it.
+    pub owner_key: Option<ClusterSecret>,
 }
 
 impl Default for ServerConfig {
@@ -56,6 +61,7 @@ impl Default for ServerConfig {
             master: MasterConfig::default(),
             connections: ServerLimits::from_env(),
             cluster_secret: ClusterSecret::env_default(),
+            owner_key: None,
         }
     }
 }
@@ -81,6 +87,9 @@ impl MasterServer {
     pub fn start_with_clock(config: ServerConfig, clock: Clock) -> Result<MasterServer> {
         auth::check_env()?;
         let master = Arc::new(Master::with_clock(config.master.clone(), clock));
+        if let Some(key) = &config.owner_key {
+            master.set_owner_key(key.key());
+        }
         let bind = |port| SocketAddr::new(config.bind, port);
         let metadata_bind =
             |port| SocketAddr::new(config.metadata_bind.unwrap_or(config.bind), port);

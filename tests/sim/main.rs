@@ -10,6 +10,7 @@
 //! alone. A failure names its seed.
 
 mod rng;
+mod trust;
 mod world;
 
 use world::{Summary, World};

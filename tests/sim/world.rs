@@ -31,9 +31,12 @@ const RPC_TIMEOUT_MS: u64 = 3_000;
 const PING_EVERY_MS: u64 = 1_000;
 const TICK_EVERY_MS: u64 = 500;
 const CHECK_EVERY_MS: u64 = 1_000;
-/// Pauses stay well under the release timeout: a writer never writes into space
-/// after the master may have given it to someone else (the documented contract).
+/// Pauses (and the writes they hold up) stay well under the release timeout: a
+/// writer never writes into space after the master may have given it to someone
+/// else (the documented contract).
 const MAX_PAUSE_MS: u64 = 2 * CLIENT_TTL_MS;
+/// Longest a write a pause interrupted takes to finish once its process resumes.
+const MAX_RESUMED_WRITE_MS: u64 = 5_000;
 const KEYS: u64 = 48;
 
 /// What can go wrong in one run; drawn from the seed.
@@ -334,7 +337,10 @@ impl World {
             }
             Event::DataWrite(p, inc, id) => {
                 if let Some(later) = self.held(p, inc) {
-                    self.at(later, Event::DataWrite(p, inc, id));
+                    // A transfer a pause interrupted finishes a while after the
+                    // process resumed: its remount may come first.
+                    let finish = self.rng.range(0, MAX_RESUMED_WRITE_MS);
+                    self.at(later + finish, Event::DataWrite(p, inc, id));
                 } else if self.procs[p].alive && self.procs[p].incarnation == inc {
                     self.write(p, id);
                 }

@@ -17,13 +17,14 @@ use std::sync::{Arc, Mutex};
 
 use super::replicas::Replicas;
 use super::segment_log::{MAX_EVENTS_PER_POLL, POLL_WAIT};
-use super::segments::{PieceAlloc, ReplicaAlloc, Segment};
+use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
+use super::table::Shard;
 use super::{policy, Master, Object};
 use crate::error::{Code, Error, Result};
 use crate::store::allocator::SlabAllocator;
 use crate::store::protocol::{
-    check_key, shown_key, CatalogEntry, CatalogEvent, DiskEntry, ReplicaDesc, SegmentEvents,
-    SegmentInfo,
+    check_key, shown_key, CatalogEntry, CatalogEvent, DiskEntry, OwnerTicket, ReplicaDesc,
+    SegmentEvents, SegmentInfo,
 };
 
 /// A remount whose last chunk does not come within this long is dropped.
@@ -33,9 +34,12 @@ const REMOUNT_PATIENCE_MS: u64 = 60_000;
 pub struct Catalogs {
     /// This master's incarnation: sequence numbers of another one mean nothing here.
     instance: u64,
-    /// The last version handed out: milliseconds since the epoch at start, shifted
-    /// left by `VERSION_SEQ_BITS`, so a restarted master (or a new leader) writes
-    /// versions above its predecessor's.
+    /// Versions at or below this were written by an earlier master (see
+    /// `predates_this_master`); every version this one hands out is above it.
+    recovered_ceiling: u64,
+    /// The last version handed out. Versions are milliseconds since the epoch shifted
+    /// left by `VERSION_SEQ_BITS`; this one starts at `recovered_ceiling`, so a
+    /// restarted master (or a new leader) writes versions above its predecessor's.
     versions: AtomicU64,
     /// Remounts whose chunks are still arriving, by (client, segment).
     remounts: Mutex<HashMap<(u64, String), PendingRemount>>,
@@ -85,6 +89,18 @@ fn held_bytes(entries: &[CatalogEntry], disk: &[DiskEntry]) -> u64 {
     (entries.iter().map(entry).sum::<usize>() + disk.iter().map(disk_entry).sum::<usize>()) as u64
 }
 
+/// What a node's claim to an object does (see `Master::judge_claim`).
+pub(super) enum Claim {
+    /// The master holds nothing under the key: the claim becomes the object.
+    New,
+    /// The very object the master holds: the claim adds a copy of it.
+    Same,
+    /// Refused; the object held stays.
+    Refused,
+    /// Refused, and the object held goes too.
+    Contested,
+}
+
 /// Remounts whose chunks may be arriving at once.
 const MAX_PENDING_REMOUNTS: usize = 256;
 /// Most disk-tier objects one remount may announce.
@@ -97,30 +113,32 @@ struct PendingStripe {
 
 impl Catalogs {
     pub fn new() -> Catalogs {
+        let recovered_ceiling = (now_unix_ms() + MAX_CLOCK_SKEW_MS) << VERSION_SEQ_BITS;
         Catalogs {
             instance: crate::sys::random_u64() | 1,
-            versions: AtomicU64::new(now_unix_ms() << VERSION_SEQ_BITS),
+            recovered_ceiling,
+            versions: AtomicU64::new(recovered_ceiling),
             remounts: Mutex::new(HashMap::new()),
             stripes: Mutex::new(HashMap::new()),
             relocations: Mutex::new(HashMap::new()),
         }
     }
 
-    /// A version above every one handed out or seen so far.
+    /// A version above every one handed out so far.
     pub fn next_version(&self) -> u64 {
         self.versions.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Takes note of a version a node announced, so later puts write above it; false
-    /// (and ignored) when it lies more than a day in the future of this clock: no
-    /// master could have written it, and taking it would push versions to the end.
-    pub(super) fn observe(&self, version: u64) -> bool {
-        let limit = (now_unix_ms() + 86_400_000) << VERSION_SEQ_BITS;
-        if version >= limit {
-            return false;
-        }
-        self.versions.fetch_max(version, Ordering::Relaxed);
-        true
+    /// Whether a node may announce an object at `version`: never above what this
+    /// master has handed out (an earlier master's versions all lie below the first).
+    pub(super) fn may_claim(&self, version: u64) -> bool {
+        version <= self.versions.load(Ordering::Relaxed)
+    }
+
+    /// Whether `version` was written by an earlier master, not by this one. Only
+    /// nodes vouch for such an object; this master wrote every other one itself.
+    pub(super) fn predates_this_master(&self, version: u64) -> bool {
+        version <= self.recovered_ceiling
     }
 
     /// Drops remounts and striped pieces that waited too long (their space is freed).
@@ -148,6 +166,11 @@ impl Catalogs {
 /// Low bits of a version that count puts within a millisecond (a carry into the
 /// millisecond bits keeps versions growing).
 const VERSION_SEQ_BITS: u32 = 20;
+
+/// How far ahead of this master's clock a predecessor's may have run: its versions
+/// up to this far ahead are still its own (a standby whose clock lags more loses the
+/// objects written in the difference, which are then refused as never issued).
+const MAX_CLOCK_SKEW_MS: u64 = 60_000;
 
 fn now_unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -344,17 +367,16 @@ impl Master {
         entries: Vec<CatalogEntry>,
         disk: Vec<DiskEntry>,
         last: bool,
-    ) -> Result<()> {
+        owner: Option<OwnerTicket>,
+    ) -> Result<Option<OwnerTicket>> {
         self.check_segment(&info)?;
         if let Some(seg) = self.segments.get(&info.name) {
             if seg.client == client {
-                return Ok(()); // mounted already: a repeated remount changes nothing
+                // Mounted already: a repeated remount changes nothing.
+                return Ok(owner.and(seg.owner));
             }
-            return Err(Error::new(
-                Code::SegmentAlreadyExists,
-                format!("segment {} is already mounted by another client", info.name),
-            ));
         }
+        self.contest_name(client, &info.name, owner.as_ref(), false)?;
         let now = self.clock.now_ms();
         let name = info.name.clone();
         let pending = {
@@ -402,7 +424,7 @@ impl Master {
             p.entries.extend(entries);
             p.disk.extend(disk);
             if !last {
-                return Ok(());
+                return Ok(None);
             }
             remounts.remove(&id).map(|p| (p.entries, p.disk))
         };
@@ -424,17 +446,30 @@ impl Master {
                 _ => (u64::MAX, 0),
             })
             .collect();
+        self.contest_name(client, &name, owner.as_ref(), true)?;
+        // Space writers may still land in (the segment was dropped under them) is
+        // held as well, after what the catalog claims.
+        let fences = self.segments.take_fences(&name, &info, now);
+        let mut claims = claims;
+        claims.extend(segments::fence_claims(&info, &fences));
         let config = self.config.allocator.for_segment(info.size);
-        let (alloc, taken) = SlabAllocator::with_claims(info.size, config, &claims);
-        let seg = self
+        let (alloc, mut taken) = SlabAllocator::with_claims(info.size, config, &claims);
+        let fence_taken = taken.split_off(entries.len());
+        let ticket = owner.map(|shown| self.owners.renew(&name, shown));
+        let seg = match self
             .segments
-            .mount_rebuilt(client, info, alloc)
-            .map_err(|_| {
-                Error::new(
+            .mount_rebuilt(client, info.clone(), alloc, ticket)
+        {
+            Ok(seg) => seg,
+            Err(_) => {
+                self.segments.restore_fences(&name, &info, fences);
+                return Err(Error::new(
                     Code::SegmentAlreadyExists,
                     format!("segment {name} is already mounted by another client"),
-                )
-            })?;
+                ));
+            }
+        };
+        self.hold_fenced(segments::fenced_space(&seg, &fences, fence_taken));
         self.ping(client);
         let (mut adopted, mut bytes, mut refused) = (0u64, 0u64, 0u64);
         for (entry, alloc) in entries.into_iter().zip(taken) {
@@ -461,6 +496,34 @@ impl Master {
         log::info!(
             "segment {name} of client {client:#x} mounted: {adopted} object pieces ({bytes} bytes) taken back, {refused} refused, {on_disk} objects on its disk tier"
         );
+        Ok(ticket)
+    }
+
+    /// Refuses a remount of `name`, held by another client, unless the ticket it
+    /// shows outranks the holder's (see `owner`); with `take`, the holder's segment is
+    /// dropped then (it squatted the name: what was put there is lost).
+    fn contest_name(
+        &self,
+        client: u64,
+        name: &str,
+        shown: Option<&OwnerTicket>,
+        take: bool,
+    ) -> Result<()> {
+        let Some(held) = self.segments.get(name).filter(|s| s.client != client) else {
+            return Ok(());
+        };
+        if !self.owners.outranks(name, shown, held.owner.as_ref()) {
+            return Err(Error::new(
+                Code::SegmentAlreadyExists,
+                format!("segment {name} is already mounted by another client"),
+            ));
+        }
+        if take {
+            log::warn!(
+                "segment {name}: client {client:#x} holds an earlier owner ticket than the client that mounted it; that mount is dropped"
+            );
+            self.drop_segment(name, false);
+        }
         Ok(())
     }
 
@@ -486,7 +549,7 @@ impl Master {
     /// Adopts one re-announced piece (a striped replica once all its pieces are in);
     /// false when it is refused (and its space freed).
     fn adopt_piece(&self, entry: CatalogEntry, piece: PieceAlloc, now: u64) -> bool {
-        if check_key(&entry.key).is_err() || !self.catalogs.observe(entry.version) {
+        if check_key(&entry.key).is_err() || !self.catalogs.may_claim(entry.version) {
             return false;
         }
         let count = entry.replica.pieces.len();
@@ -521,9 +584,8 @@ impl Master {
         self.adopt_replica(&entry, replica, now)
     }
 
-    /// Makes `replica` a replica of `entry.key`: a new object, another replica of the
-    /// same version, or a later version replacing an earlier one. Refused (false) when
-    /// its pieces do not add up to the value or a later or unfinished put holds the key.
+    /// Makes `replica` a replica of `entry.key`, as `judge_claim` rules; false when
+    /// refused, or when its pieces do not add up to the value.
     fn adopt_replica(&self, entry: &CatalogEntry, replica: ReplicaAlloc, now: u64) -> bool {
         let described: Vec<_> = replica.iter().map(PieceAlloc::piece).collect();
         if described != entry.replica.pieces
@@ -534,36 +596,62 @@ impl Master {
         let key = entry.key.as_str();
         let mut guard = self.shard(key).locked();
         let shard = &mut *guard;
-        match shard.objects.get_mut(key) {
-            None => {
+        let claimed = (entry.version, entry.size, entry.crc32c);
+        match self.judge_claim(shard.get(key), claimed) {
+            Claim::New => {
                 shard.objects.insert(key, adopted(entry, replica));
                 self.objects.fetch_add(1, Ordering::Relaxed);
             }
-            Some(o) => {
-                let same = o.complete
-                    && o.version == entry.version
-                    && o.size == entry.size
-                    && o.crc32c == entry.crc32c;
-                if same {
+            Claim::Same => {
+                if let Some(o) = shard.get_mut(key) {
                     o.replicas.push(replica);
-                    return true;
                 }
-                if !o.complete || o.version >= entry.version {
-                    log::debug!(
-                        "re-announced {} is older than what the master holds",
-                        shown_key(key)
-                    );
-                    return false;
-                }
-                // A later version than the one held: it replaces it.
-                let old = std::mem::replace(o, adopted(entry, replica));
-                if old.node != policy::NONE {
-                    shard.policy.remove(old.node);
-                }
-                self.dispose(old, now);
+                return true;
+            }
+            Claim::Refused => return false,
+            Claim::Contested => {
+                self.drop_contested(shard, key, now);
+                return false;
             }
         }
         self.touch(shard, key);
         true
+    }
+
+    /// How far a node's claim that it holds `key` at `claimed` (version, size,
+    /// CRC32C) is believed, given the object the master holds under the key. A node
+    /// is taken at its word only where the master cannot know better: for a key it
+    /// does not hold, or as one more copy of the very object it holds (readers check
+    /// every copy's checksum). An object this master wrote itself is never replaced
+    /// by a claim; one that only an earlier master wrote, and some node vouched for,
+    /// cannot be told from a contradicting claim, so both go (a miss, never a guess).
+    pub(super) fn judge_claim(&self, held: Option<&Object>, claimed: (u64, u64, u32)) -> Claim {
+        let Some(o) = held else {
+            return Claim::New;
+        };
+        if !o.complete {
+            return Claim::Refused; // a put of the key is under way here
+        }
+        if (o.version, o.size, o.crc32c) == claimed {
+            return Claim::Same;
+        }
+        if self.catalogs.predates_this_master(o.version) {
+            Claim::Contested
+        } else {
+            Claim::Refused
+        }
+    }
+
+    /// Removes `key`, held from an earlier master, after a node contradicted it.
+    pub(super) fn drop_contested(&self, shard: &mut Shard, key: &str, now: u64) {
+        if let Some(o) = shard.remove(key) {
+            self.objects.fetch_sub(1, Ordering::Relaxed);
+            log::warn!(
+                "{}: nodes announce different objects under this key; dropped, as \
+                 nothing tells which one is right",
+                shown_key(key)
+            );
+            self.dispose(o, now);
+        }
     }
 }

@@ -8,6 +8,7 @@ mod copy;
 mod drain;
 mod eviction;
 mod offload;
+mod owner;
 mod policy;
 mod quota;
 mod replicas;
@@ -33,7 +34,7 @@ use crate::store::protocol::{
 };
 use crate::util::regex::Regex;
 use replicas::Replicas;
-use segments::{PieceAlloc, ReplicaAlloc, SegmentTable};
+use segments::{PieceAlloc, ReplicaAlloc, Segment, SegmentTable};
 use table::Shard;
 
 /// One object's metadata, packed: a master holds millions (bench/README.md).
@@ -53,8 +54,8 @@ struct Object {
     soft_pin_until_ms: u64,
     /// Groups whose members share this object's lease and eviction fate.
     groups: Box<[String]>,
-    /// Which put wrote it (`Master::next_version`), so that of two copies of a key
-    /// nodes re-announce, the later one wins.
+    /// Which put wrote it (`Master::next_version`): a copy a node re-announces is
+    /// this object only at this version (`Master::judge_claim`).
     version: u64,
     /// Its copy in a node's disk tier, if any.
     disk: Option<Box<offload::DiskCopy>>,
@@ -84,7 +85,7 @@ impl Object {
 /// readers may still touch it); freed when its time comes.
 struct Quarantined {
     until_ms: u64,
-    _replicas: Replicas,
+    replicas: Replicas,
 }
 
 struct ClientState {
@@ -114,6 +115,8 @@ pub struct Master {
     metadata_url: std::sync::OnceLock<String>,
     /// Node catalogs: this incarnation, versions, remounts in progress.
     catalogs: catalog::Catalogs,
+    /// The key segment names' owner tickets are signed with.
+    owners: owner::Owners,
     /// Replicas placed for copies and moves, until their client ends them.
     copies: copy::Copies,
 }
@@ -146,6 +149,7 @@ impl Master {
             seed: AtomicU64::new(0x9E37_79B9_7F4A_7C15),
             metadata_url: std::sync::OnceLock::new(),
             catalogs: catalog::Catalogs::new(),
+            owners: owner::Owners::new(),
             copies: copy::Copies::default(),
         }
     }
@@ -159,6 +163,13 @@ impl Master {
     /// ignored). Clients that give no metadata URL ask for it (`Request::MetadataUrl`).
     pub fn set_metadata_url(&self, url: &str) {
         let _ = self.metadata_url.set(url.to_owned());
+    }
+
+    /// Signs segment names' owner tickets with `key` from now on (see `owner`): every
+    /// master of a cluster should have the same one, known to no node, so that a
+    /// restarted master still gives each name back to the node that held it.
+    pub fn set_owner_key(&self, key: &[u8]) {
+        self.owners.set_key(key);
     }
 
     /// The metadata URL set by `set_metadata_url`, if any.
@@ -351,10 +362,11 @@ impl Master {
                 entries,
                 disk,
                 last,
-            } => {
-                self.remount(client, segment, entries, disk, last)?;
-                Response::Done
-            }
+                owner,
+            } => match self.remount(client, segment, entries, disk, last, owner)? {
+                Some(ticket) => Response::Mounted(ticket),
+                None => Response::Done,
+            },
             Request::SegmentEvents {
                 client,
                 segment,
@@ -404,8 +416,10 @@ impl Master {
             return Err(Error::invalid("a segment needs a non-empty id"));
         }
         let name = key.to_owned();
-        self.segments
-            .mount(key, client, segment, &self.config.allocator)
+        let now = self.clock.now_ms();
+        let fenced = self
+            .segments
+            .mount(key, client, segment, &self.config.allocator, now)
             .map_err(|_owner| {
                 // Never echo the owner: a client id is all an unmount asks for.
                 Error::new(
@@ -413,7 +427,7 @@ impl Master {
                     format!("segment {name} is already mounted by another client"),
                 )
             })?;
-        let now = self.clock.now_ms();
+        self.hold_fenced(fenced);
         self.clients
             .locked()
             .insert(client, ClientState { last_ping_ms: now });
@@ -464,9 +478,15 @@ impl Master {
         };
         seg.log.close();
         let mut lost = 0;
+        let mut fences = self.quarantine_fences(&seg);
+        let release = self.config.put_start_release_timeout.as_millis() as u64;
         for shard in self.shards.iter() {
             let mut map = shard.locked();
             map.retain(|_, o| {
+                if !o.complete {
+                    let until_ms = o.started_ms() + release;
+                    fences.extend(fences_on(&seg, &o.replicas, until_ms));
+                }
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
                 if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
                     o.disk = None;
@@ -481,10 +501,29 @@ impl Master {
             });
         }
         self.objects.fetch_sub(lost, Ordering::Relaxed);
+        let now = self.clock.now_ms();
+        self.segments.fence(&seg.key, &seg.info, fences, now);
         if voluntary {
             log::info!("segment {name} unmounted; {lost} objects left with it");
         } else {
             log::warn!("segment {name} dropped; {lost} objects lost their last replica");
+        }
+    }
+
+    /// Fences (see `segments::Fence`) for the quarantined space in `seg`: whoever it
+    /// waits for may still touch it after the segment comes back.
+    fn quarantine_fences(&self, seg: &Segment) -> Vec<segments::Fence> {
+        let quarantine = self.quarantine.locked();
+        quarantine
+            .iter()
+            .flat_map(|q| fences_on(seg, &q.replicas, q.until_ms))
+            .collect()
+    }
+
+    /// Quarantines the space a mount took for its fences, each until its time.
+    fn hold_fenced(&self, fenced: Vec<(PieceAlloc, u64)>) {
+        for (piece, until_ms) in fenced {
+            self.quarantine_replicas(Replicas::from(vec![vec![piece]]), until_ms);
         }
     }
 
@@ -669,10 +708,9 @@ impl Master {
 
     fn quarantine_replicas(&self, replicas: Replicas, until_ms: u64) {
         if !replicas.is_empty() {
-            self.quarantine.locked().push(Quarantined {
-                until_ms,
-                _replicas: replicas,
-            });
+            self.quarantine
+                .locked()
+                .push(Quarantined { until_ms, replicas });
         }
     }
 
@@ -1042,6 +1080,22 @@ impl Master {
             })
             .collect()
     }
+}
+
+/// Fences until `until_ms` for the pieces of `replicas` that lie in `seg`.
+fn fences_on<'a>(
+    seg: &'a Segment,
+    replicas: &'a Replicas,
+    until_ms: u64,
+) -> impl Iterator<Item = segments::Fence> + 'a {
+    replicas
+        .pieces()
+        .filter(move |p| p.seg.id == seg.id)
+        .map(move |p| segments::Fence {
+            addr: p.piece().addr,
+            len: p.alloc.size,
+            until_ms,
+        })
 }
 
 /// The master under a shared handle, for servers and tests.

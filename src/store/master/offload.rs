@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::catalog::Commits;
+use super::catalog::{Claim, Commits};
 use super::replicas::Replicas;
 use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
 use super::table::Shard;
@@ -82,40 +82,34 @@ fn disk_only(d: &DiskEntry, seg: &Arc<Segment>) -> Object {
 }
 
 impl Master {
-    /// Adopts an object the node's disk tier holds: a new object kept only there, or
-    /// the disk copy of the version held in memory. False when refused.
+    /// Adopts an object the node's disk tier holds, as `judge_claim` rules: a new
+    /// object kept only there, or the disk copy of the object held. False when refused.
     pub(super) fn adopt_disk(&self, d: &DiskEntry, seg: &Arc<Segment>, now: u64) -> bool {
         if check_key(&d.key).is_err()
             || d.size == 0
             || d.size > seg.alloc.capacity()
-            || !self.catalogs.observe(d.version)
+            || !self.catalogs.may_claim(d.version)
         {
             return false;
         }
         let mut guard = self.shard(&d.key).locked();
         let shard = &mut *guard;
-        match shard.objects.get_mut(&d.key) {
-            None => {
+        match self.judge_claim(shard.get(&d.key), (d.version, d.size, d.crc32c)) {
+            Claim::New => {
                 shard.objects.insert(&d.key, disk_only(d, seg));
                 self.objects.fetch_add(1, Ordering::Relaxed);
                 true
             }
-            Some(o) => {
-                if o.complete && o.version == d.version && o.size == d.size {
-                    if o.disk.is_none() {
-                        o.disk = Some(DiskCopy::new(seg, &d.key, d.version));
-                    }
-                    return true;
+            Claim::Same => {
+                if let Some(o) = shard.get_mut(&d.key).filter(|o| o.disk.is_none()) {
+                    o.disk = Some(DiskCopy::new(seg, &d.key, d.version));
                 }
-                if !o.complete || o.version >= d.version {
-                    return false;
-                }
-                let old = std::mem::replace(o, disk_only(d, seg));
-                if old.node != policy::NONE {
-                    shard.policy.remove(old.node);
-                }
-                self.dispose(old, now);
                 true
+            }
+            Claim::Refused => false,
+            Claim::Contested => {
+                self.drop_contested(shard, &d.key, now);
+                false
             }
         }
     }

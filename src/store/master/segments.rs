@@ -1,14 +1,16 @@
 //! Mounted segments, each with its own allocator, and replica placement across them.
 
-use crate::util::sync::UnpoisonedRw;
+use crate::util::sync::{Unpoisoned, UnpoisonedRw};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::AllocationStrategy;
 use super::segment_log::SegmentLog;
 use crate::store::allocator::{Allocation, AllocatorConfig, SlabAllocator};
-use crate::store::protocol::{CatalogEvent, Piece, ReplicaDesc, ReplicateConfig, SegmentInfo};
+use crate::store::protocol::{
+    CatalogEvent, OwnerTicket, Piece, ReplicaDesc, ReplicateConfig, SegmentInfo,
+};
 
 /// One node's memory in the pool.
 pub struct Segment {
@@ -26,6 +28,8 @@ pub struct Segment {
     pub disk_capacity: AtomicU64,
     /// Leaving the pool: nothing new is placed here.
     pub draining: AtomicBool,
+    /// The ticket its owner mounted the name under (`None`: mounted without one).
+    pub owner: Option<OwnerTicket>,
 }
 
 /// An allocated range; dropping it gives the space back.
@@ -66,51 +70,125 @@ pub fn describe(replicas: &[ReplicaAlloc]) -> Vec<ReplicaDesc> {
         .collect()
 }
 
+/// Space in a segment that was dropped while someone may still write there (an
+/// unfinished put's writer, say, whose bytes may land until `until_ms`): should the
+/// same memory be mounted again, it is not lent before then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    pub addr: u64,
+    pub len: u64,
+    pub until_ms: u64,
+}
+
+/// The fences of one dropped segment, with the range they lie in.
+struct Fenced {
+    base: u64,
+    size: u64,
+    fences: Vec<Fence>,
+}
+
 #[derive(Default)]
 pub struct SegmentTable {
     by_name: RwLock<HashMap<String, Arc<Segment>>>,
     next_id: AtomicU64,
+    /// Fences of dropped segments, by key, until the key is mounted again.
+    fenced: Mutex<HashMap<String, Fenced>>,
 }
 
 impl SegmentTable {
-    /// Adds a segment under `key`; `Err(existing owner)` if the key is taken by another
-    /// client (a repeated mount by the same client changes nothing).
+    /// Adds a segment under `key`, with the space of its fences (see `fence`) taken;
+    /// `Err(existing owner)` if the key is taken by another client (a repeated mount
+    /// by the same client changes nothing).
     pub fn mount(
         &self,
         key: &str,
         client: u64,
         info: SegmentInfo,
         config: &AllocatorConfig,
-    ) -> Result<(), u64> {
+        now_ms: u64,
+    ) -> Result<Vec<(PieceAlloc, u64)>, u64> {
         let mut map = self.by_name.write_locked();
         if let Some(s) = map.get(key) {
             return if s.client == client {
-                Ok(())
+                Ok(Vec::new())
             } else {
                 Err(s.client)
             };
         }
-        let seg = Segment {
+        let fences = self.take_fences(key, &info, now_ms);
+        let config = config.for_segment(info.size);
+        let (alloc, taken) = if fences.is_empty() {
+            (SlabAllocator::new(info.size, config), Vec::new())
+        } else {
+            SlabAllocator::with_claims(info.size, config, &fence_claims(&info, &fences))
+        };
+        let seg = Arc::new(Segment {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             key: key.to_owned(),
-            alloc: SlabAllocator::new(info.size, config.for_segment(info.size)),
+            alloc,
             client,
             info,
             log: SegmentLog::default(),
             disk_capacity: AtomicU64::new(0),
             draining: AtomicBool::new(false),
-        };
-        map.insert(key.to_owned(), Arc::new(seg));
-        Ok(())
+            owner: None,
+        });
+        map.insert(key.to_owned(), seg.clone());
+        Ok(fenced_space(&seg, &fences, taken))
+    }
+
+    /// Remembers that writers may still land in `fences` of the segment just dropped
+    /// from under `key`: mounted again over the same range, its allocator holds them
+    /// until their time (`take_fences`). Fences past their time are forgotten here.
+    pub fn fence(&self, key: &str, info: &SegmentInfo, fences: Vec<Fence>, now_ms: u64) {
+        let mut fenced = self.fenced.locked();
+        fenced.retain(|_, f| f.fences.iter().any(|f| f.until_ms > now_ms));
+        if fences.iter().any(|f| f.until_ms > now_ms) {
+            let entry = Fenced {
+                base: info.base,
+                size: info.size,
+                fences,
+            };
+            fenced.insert(key.to_owned(), entry);
+        }
+    }
+
+    /// The fences still in force for a segment mounted under `key` over `info`'s
+    /// range (taken: the caller holds them now). Another range is other memory: its
+    /// addresses lie elsewhere in the layout, and a write aimed at the old one cannot
+    /// be told apart from any other stray write.
+    pub fn take_fences(&self, key: &str, info: &SegmentInfo, now_ms: u64) -> Vec<Fence> {
+        match self.fenced.locked().remove(key) {
+            Some(f) if f.base == info.base && f.size == info.size => f
+                .fences
+                .into_iter()
+                .filter(|f| f.until_ms > now_ms)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Gives back fences taken for a mount that did not happen.
+    pub fn restore_fences(&self, key: &str, info: &SegmentInfo, fences: Vec<Fence>) {
+        if !fences.is_empty() {
+            let entry = Fenced {
+                base: info.base,
+                size: info.size,
+                fences,
+            };
+            self.fenced.locked().insert(key.to_owned(), entry);
+        }
     }
 
     /// Adds a segment whose space is partly in use already (`alloc` was rebuilt from
-    /// its owner's catalog); `Err(existing owner)` if the name is taken.
+    /// its owner's catalog), its name held under `owner`; `Err(existing owner)` if the
+    /// name is taken.
     pub fn mount_rebuilt(
         &self,
         client: u64,
         info: SegmentInfo,
         alloc: SlabAllocator,
+        owner: Option<OwnerTicket>,
     ) -> Result<Arc<Segment>, u64> {
         let mut map = self.by_name.write_locked();
         if let Some(s) = map.get(&info.name) {
@@ -125,6 +203,7 @@ impl SegmentTable {
             log: SegmentLog::default(),
             disk_capacity: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            owner,
         });
         map.insert(seg.info.name.clone(), seg.clone());
         Ok(seg)
@@ -176,6 +255,33 @@ impl SegmentTable {
             (c + usable(&s.alloc), u + s.alloc.used_bytes())
         })
     }
+}
+
+/// `fences` as allocator claims `(offset, len)` in `info`'s segment (which they were
+/// taken for: see `take_fences`).
+pub fn fence_claims(info: &SegmentInfo, fences: &[Fence]) -> Vec<(u64, u64)> {
+    fences.iter().map(|f| (f.addr - info.base, f.len)).collect()
+}
+
+/// The space `taken` for `fences` in `seg`, each with the time it is held until (a
+/// fence the layout refused is not held: a claim from the node's catalog holds that
+/// space already).
+pub fn fenced_space(
+    seg: &Arc<Segment>,
+    fences: &[Fence],
+    taken: Vec<Option<Allocation>>,
+) -> Vec<(PieceAlloc, u64)> {
+    fences
+        .iter()
+        .zip(taken)
+        .filter_map(|(f, alloc)| {
+            let piece = PieceAlloc {
+                seg: seg.clone(),
+                alloc: alloc?,
+            };
+            Some((piece, f.until_ms))
+        })
+        .collect()
 }
 
 /// Bytes an allocator can hand out: whole slabs only (a shorter tail stays unused).

@@ -5,7 +5,8 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
-use super::{answer_text, c_str, copy_out, guard, init_logging, non_null, MC_OK};
+use super::args::{answer_text, array, bytes, bytes_mut, c_str, copy_out, non_null};
+use super::{guard, init_logging, MC_OK};
 use crate::collective::{DType, Group, GroupOptions, ReduceOp};
 use crate::device::{self, MemoryKind};
 use crate::error::{Error, Result};
@@ -120,32 +121,6 @@ unsafe fn group<'a>(pg: *mut McPg) -> Result<&'a Group> {
     Ok(unsafe { &(*pg).group })
 }
 
-/// `len` bytes at `p` (NULL allowed when `len` is 0).
-///
-/// # Safety
-/// `p` must be readable for `len` bytes and not written during `'a`.
-unsafe fn bytes<'a>(p: *const c_void, len: usize, what: &str) -> Result<&'a [u8]> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    non_null(p, what)?;
-    // SAFETY: non-null and readable for `len` bytes (caller's guarantee).
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<u8>(), len) })
-}
-
-/// `len` writable bytes at `p` (NULL allowed when `len` is 0).
-///
-/// # Safety
-/// `p` must be writable for `len` bytes and not otherwise accessed during `'a`.
-unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, what: &str) -> Result<&'a mut [u8]> {
-    if len == 0 {
-        return Ok(&mut []);
-    }
-    non_null(p, what)?;
-    // SAFETY: non-null and writable for `len` bytes (caller's guarantee).
-    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
-}
-
 /// `len` bytes at `p` that an operation reads while it writes `out_len` bytes at
 /// `out`: borrowed when the two ranges are apart, else copied first (torch's in-place
 /// forms pass an output that is a block of the input, or the reverse; a shared and a
@@ -170,16 +145,6 @@ unsafe fn input_apart<'a>(
     } else {
         Cow::Borrowed(input)
     })
-}
-
-/// The group's `world_size` entries at `p`.
-///
-/// # Safety
-/// `p` must be readable for `n` entries.
-unsafe fn sizes<'a>(p: *const usize, n: usize, what: &str) -> Result<&'a [usize]> {
-    non_null(p, what)?;
-    // SAFETY: non-null and readable for `n` entries (caller's guarantee, per mooncake.h).
-    Ok(unsafe { std::slice::from_raw_parts(p, n) })
 }
 
 fn total(s: &[usize], scale: usize) -> Result<usize> {
@@ -470,7 +435,7 @@ pub unsafe extern "C" fn mc_pg_all_gather(
         // SAFETY: caller's guarantees, for each borrow below.
         let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         // SAFETY: as above.
-        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        let s = unsafe { self::array(sizes, g.size(), "sizes") }?;
         if let Some(kind) = memory {
             // SAFETY: both ranges that device's memory (caller's guarantee).
             unsafe { g.all_gather_device(kind, input as u64, output as u64, s) }?;
@@ -509,7 +474,7 @@ pub unsafe extern "C" fn mc_pg_reduce_scatter(
         let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let (dt, op) = (DType::from_raw(dtype)?, ReduceOp::from_raw(op)?);
         // SAFETY: as above.
-        let c = unsafe { self::sizes(counts, g.size(), "counts") }?;
+        let c = unsafe { self::array(counts, g.size(), "counts") }?;
         if let Some(kind) = memory {
             // SAFETY: both ranges that device's memory (caller's guarantee).
             unsafe { g.reduce_scatter_device(kind, input as u64, output as u64, c, dt, op) }?;
@@ -586,9 +551,9 @@ unsafe fn all_to_all(
     // SAFETY: caller's guarantees, for each borrow below.
     let (g, memory, host) = unsafe { group_and_memory(pg) }?;
     // SAFETY: as above.
-    let s = unsafe { sizes(send, g.size(), "send") }?;
+    let s = unsafe { array(send, g.size(), "send") }?;
     // SAFETY: as above.
-    let r = unsafe { sizes(recv, g.size(), "recv") }?;
+    let r = unsafe { array(recv, g.size(), "recv") }?;
     if let Some(kind) = memory {
         let (i, o) = ((input as u64, s), (output as u64, r));
         // SAFETY: both ranges that device's memory (caller's guarantee).
@@ -623,7 +588,7 @@ pub unsafe extern "C" fn mc_pg_gather(
         let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let root = rank_arg(root)?;
         // SAFETY: as above.
-        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        let s = unsafe { self::array(sizes, g.size(), "sizes") }?;
         if let Some(kind) = memory {
             // SAFETY: the ranges used are that device's memory (caller's guarantee).
             unsafe { g.gather_device(kind, input as u64, output as u64, s, root) }?;
@@ -658,7 +623,7 @@ pub unsafe extern "C" fn mc_pg_scatter(
         let (g, memory, host) = unsafe { group_and_memory(pg) }?;
         let root = rank_arg(root)?;
         // SAFETY: as above.
-        let s = unsafe { self::sizes(sizes, g.size(), "sizes") }?;
+        let s = unsafe { self::array(sizes, g.size(), "sizes") }?;
         if let Some(kind) = memory {
             // SAFETY: the ranges used are that device's memory (caller's guarantee).
             unsafe { g.scatter_device(kind, input as u64, output as u64, s, root) }?;
@@ -705,14 +670,8 @@ pub unsafe extern "C" fn mc_pg_send_recv(
     guard("mc_pg_send_recv", || {
         // SAFETY: caller's guarantees, for each borrow below.
         let (g, memory, host) = unsafe { group_and_memory(pg) }?;
-        let list = |p: *const McPgMessage, n: usize| -> Result<&[McPgMessage]> {
-            if n == 0 {
-                return Ok(&[]);
-            }
-            non_null(p, "messages")?;
-            // SAFETY: `n` entries (caller's guarantee).
-            Ok(unsafe { std::slice::from_raw_parts(p, n) })
-        };
+        // SAFETY: `n` entries at `p` (caller's guarantee).
+        let list = |p: *const McPgMessage, n: usize| unsafe { array(p, n, "messages") };
         if let Some(kind) = memory {
             let ranges = |p, n| -> Result<Vec<(usize, u64, usize)>> {
                 list(p, n)?

@@ -3,8 +3,9 @@
 
 use std::ffi::{c_char, c_int};
 
+use super::args::{c_str, non_null};
 use super::store::StoreSettings;
-use super::{c_str, guard, guard_value, init_logging, non_null, MC_OK};
+use super::{guard, guard_value, init_logging, MC_OK};
 use crate::engine::EngineConfig;
 
 /// `mc_config`: engine and store settings, filled key by key before `mc_engine_new`

@@ -3,7 +3,8 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
-use super::{c_str, copy_out, guard, guard_value, init_logging, non_null, McConfig, MC_OK};
+use super::args::{array, c_str, copy_out, non_null};
+use super::{guard, guard_value, init_logging, McConfig, MC_OK};
 use crate::engine::{Access, BatchId, Engine, EngineConfig, Request, SegmentId};
 use crate::error::{Code, Error, Result};
 use crate::transport::Op;
@@ -373,17 +374,8 @@ pub unsafe extern "C" fn mc_submit(
 /// # Safety
 /// `reqs` NULL (only with `n == 0`) or `n` readable requests.
 unsafe fn requests(reqs: *const McRequest, n: usize) -> Result<Vec<Request>> {
-    let reqs: &[McRequest] = if n == 0 {
-        &[]
-    } else {
-        non_null(reqs, "reqs")?;
-        if !reqs.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<McRequest>() {
-            return Err(Error::invalid(format!("reqs {reqs:p} with n = {n}")));
-        }
-        // SAFETY: non-null, aligned, size checked, and `n` readable requests per the
-        // caller's contract; only read during this call.
-        unsafe { std::slice::from_raw_parts(reqs, n) }
-    };
+    // SAFETY: `n` readable requests (caller's guarantee), only read during this call.
+    let reqs = unsafe { array(reqs, n, "reqs") }?;
     reqs.iter()
         .enumerate()
         .map(|(i, r)| to_request(i, r))
@@ -589,7 +581,7 @@ pub unsafe extern "C" fn mc_segment_describe(
         // SAFETY: the caller guarantees `buf` is NULL or writable for `len` bytes and `needed_out`
         // NULL or writable, which is exactly `answer_text`'s contract (it rejects a NULL `buf` with
         // `len > 0`).
-        unsafe { super::answer_text(&text, buf, len, needed_out, "segment descriptor") }
+        unsafe { super::args::answer_text(&text, buf, len, needed_out, "segment descriptor") }
     })
 }
 

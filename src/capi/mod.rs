@@ -5,6 +5,7 @@
 //! into C: a panic becomes `MC_ERR_INTERNAL`), and turns an [`Error`] into its negative
 //! code, logging the context so users can see why a call failed.
 
+mod args;
 mod collective;
 mod config;
 mod engine;
@@ -24,11 +25,11 @@ pub use store_surface::*;
 pub use te_compat::*;
 
 use std::any::Any;
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Once;
 
-use crate::error::{Code, Error, Result};
+use crate::error::{Code, Result};
 
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
@@ -83,80 +84,4 @@ pub(crate) fn guard_value<T>(what: &str, fallback: T, body: impl FnOnce() -> T) 
         log::error!("{what}: panic: {}", panic_message(p.as_ref()));
         fallback
     })
-}
-
-/// Borrows a C string argument as UTF-8.
-///
-/// # Safety
-/// `p` must be NULL or point to a NUL-terminated string that stays valid and unchanged
-/// for `'a`.
-pub(crate) unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
-    if p.is_null() {
-        return Err(Error::invalid(format!("{what} is NULL")));
-    }
-    // SAFETY: non-null, and the caller guarantees a valid NUL-terminated string.
-    let s = unsafe { CStr::from_ptr(p) };
-    s.to_str()
-        .map_err(|_| Error::invalid(format!("{what} is not valid UTF-8")))
-}
-
-/// Fails with `MC_ERR_INVALID_PARAMS` when a required pointer is NULL.
-pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
-    if p.is_null() {
-        Err(Error::invalid(format!("{what} is NULL")))
-    } else {
-        Ok(())
-    }
-}
-
-/// Copies a text answer into `buf[..len]` NUL-terminated, telling `*needed_out` (when
-/// not NULL) how many bytes it takes; `MC_ERR_BUFFER_OVERFLOW` (and `buf` set to "")
-/// when it does not fit.
-///
-/// # Safety
-/// `buf` must be NULL or writable for `len` bytes; `needed_out` NULL or writable.
-pub(crate) unsafe fn answer_text(
-    text: &str,
-    buf: *mut c_char,
-    len: usize,
-    needed_out: *mut usize,
-    what: &str,
-) -> Result<c_int> {
-    if !needed_out.is_null() {
-        // SAFETY: `needed_out` is non-null (just checked) and the caller guarantees a non-null
-        // `needed_out` is writable; `usize` has no drop glue, so the plain store is fine.
-        unsafe { *needed_out = text.len() + 1 };
-    }
-    if len > 0 {
-        non_null(buf, "buf")?;
-    }
-    // SAFETY: `buf` is writable for `len` bytes (or `len` is 0 and nothing is written).
-    if len > 0 && unsafe { copy_out(text, buf, len) } {
-        return Ok(MC_OK);
-    }
-    if len > 0 {
-        // SAFETY: `buf` holds at least one byte.
-        unsafe { *buf = 0 };
-    }
-    Err(Error::new(
-        Code::BufferOverflow,
-        format!("{what} needs {} bytes, buffer has {len}", text.len() + 1),
-    ))
-}
-
-/// Copies `s` plus a NUL into `buf`; `false` (nothing copied) when it does not fit.
-///
-/// # Safety
-/// `buf` must be valid for writes of `len` bytes.
-pub(crate) unsafe fn copy_out(s: &str, buf: *mut c_char, len: usize) -> bool {
-    if s.len() >= len {
-        return false;
-    }
-    // SAFETY: `s.len() + 1 <= len` bytes fit in `buf`, which the caller guarantees is
-    // writable for `len` bytes; a Rust string never overlaps caller-owned memory.
-    unsafe {
-        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
-        *buf.add(s.len()) = 0;
-    }
-    true
 }

@@ -7,7 +7,8 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use super::{c_str, copy_out, guard, guard_value, init_logging, non_null, McConfig, MC_OK};
+use super::args::{array, array_mut, c_str, copy_out, non_null};
+use super::{guard, guard_value, init_logging, McConfig, MC_OK};
 use crate::engine::config::KEYS;
 use crate::engine::EngineConfig;
 use crate::error::{Code, Error, Result};
@@ -167,40 +168,6 @@ pub unsafe extern "C" fn mc_replicate_config_init(cfg: *mut McReplicateConfig) {
             prefer_same_node: d.prefer_same_node.into(),
         })
     };
-}
-
-/// Borrows `n` elements at `p` (which may be NULL when `n` is 0).
-///
-/// # Safety
-/// `p` must be NULL or point to `n` initialised elements that stay unchanged for `'a`.
-pub(super) unsafe fn array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
-    if n == 0 {
-        return Ok(&[]);
-    }
-    non_null(p, what)?;
-    if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
-        return Err(Error::invalid(format!("{what} {p:p} with n = {n}")));
-    }
-    // SAFETY: non-null, aligned, size in range, and `n` readable elements per the
-    // caller's contract.
-    Ok(unsafe { std::slice::from_raw_parts(p, n) })
-}
-
-/// Mutable form of [`array`].
-///
-/// # Safety
-/// `p` must be NULL or point to `n` writable elements not otherwise accessed in `'a`.
-pub(super) unsafe fn array_mut<'a, T>(p: *mut T, n: usize, what: &str) -> Result<&'a mut [T]> {
-    if n == 0 {
-        return Ok(&mut []);
-    }
-    non_null(p, what)?;
-    if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
-        return Err(Error::invalid(format!("{what} {p:p} with n = {n}")));
-    }
-    // SAFETY: non-null, aligned and `n * size_of::<T>() <= isize::MAX` (all checked above); the
-    // caller guarantees `n` writable elements that nothing else accesses during `'a`.
-    Ok(unsafe { std::slice::from_raw_parts_mut(p, n) })
 }
 
 /// The replication settings a `mc_replicate_config` describes; NULL gives the defaults.

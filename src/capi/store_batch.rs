@@ -4,10 +4,9 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
 
-use super::store::{
-    array, array_mut, batch_keys, code_of, key, replicate_config, scatter, store, store_guard,
-};
-use super::{answer_text, c_str, non_null, McReplicateConfig, McStore, MC_OK};
+use super::args::{answer_text, array, array_mut, c_str, non_null};
+use super::store::{batch_keys, code_of, key, replicate_config, scatter, store, store_guard};
+use super::{McReplicateConfig, McStore, MC_OK};
 use crate::error::{Error, Result};
 use crate::json::Value;
 use crate::store::client::Fragments;

@@ -6,9 +6,10 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
-use super::store::{array, array_mut, batch_keys, key, replicate_config, store, store_guard};
+use super::args::{answer_text, array, array_mut, c_str, copy_out, non_null};
+use super::store::{batch_keys, key, replicate_config, store, store_guard};
 use super::store_batch::{per_key, per_key_ranges, put_options, McPutOptions};
-use super::{answer_text, c_str, copy_out, non_null, McReplicateConfig, McStore, MC_OK};
+use super::{McReplicateConfig, McStore, MC_OK};
 use crate::error::{Code, Error, Result};
 use crate::json::Value;
 use crate::store::client::{Backing, TaskInfo, TaskKind, TaskStatus};

@@ -24,7 +24,8 @@ use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use super::{c_str, copy_out, guard_value, init_logging, non_null};
+use super::args::{array, c_str, copy_out, non_null, opt_str};
+use super::{guard_value, init_logging};
 use crate::engine::{BatchId, Engine, EngineConfig, Protocol, Request, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::json::Value;
@@ -342,20 +343,6 @@ unsafe fn handle<'a>(e: *mut TeEngine) -> Result<&'a TeEngine> {
     // createTransferEngine not destroyed during `'a` (transfer_engine_c.h); only shared access is
     // made, which `TeEngine: Sync` allows from many threads.
     Ok(unsafe { &*e })
-}
-
-/// Borrows an optional C string: NULL and "" give `None`.
-///
-/// # Safety
-/// `p` must be NULL or a NUL-terminated string valid during `'a`.
-unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
-    if p.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: `p` is non-null (checked above) and the caller guarantees a non-null `p` is a
-    // NUL-terminated string valid during `'a`, which is `c_str`'s contract.
-    let s = unsafe { c_str(p, what)? };
-    Ok((!s.is_empty()).then_some(s))
 }
 
 /// The address `ip_or_host_name` stands for: bound to and advertised, nothing else.
@@ -1066,22 +1053,6 @@ pub unsafe extern "C" fn unregisterLocalMemory(engine: *mut TeEngine, addr: *mut
     })
 }
 
-/// Borrows a C array argument (NULL allowed only when `n` is 0).
-///
-/// # Safety
-/// `p` must be NULL or point to `n` readable elements that stay unchanged during `'a`.
-unsafe fn c_array<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T]> {
-    if n == 0 {
-        return Ok(&[]);
-    }
-    non_null(p, what)?;
-    if !p.is_aligned() || n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
-        return Err(Error::invalid(format!("{what} {p:p} with {n} elements")));
-    }
-    // SAFETY: non-null, aligned, size checked, `n` readable elements per the contract.
-    Ok(unsafe { std::slice::from_raw_parts(p, n) })
-}
-
 /// Registers several buffers with one location; all or none.
 ///
 /// # Safety
@@ -1101,7 +1072,7 @@ pub unsafe extern "C" fn registerLocalMemoryBatch(
         let te = unsafe { handle(engine)? };
         // SAFETY: the caller guarantees `buffer_list` is NULL only with `buffer_len` 0 or
         // `buffer_len` readable entries, unchanged during the call, which is `c_array`'s contract.
-        let list = unsafe { c_array(buffer_list.cast_const(), buffer_len, "buffer_list")? };
+        let list = unsafe { array(buffer_list.cast_const(), buffer_len, "buffer_list")? };
         // SAFETY: NULL or NUL-terminated.
         let location = unsafe { opt_str(location, "location")? };
         let eng = te.engine()?;
@@ -1142,7 +1113,7 @@ pub unsafe extern "C" fn unregisterLocalMemoryBatch(
         let te = unsafe { handle(engine)? };
         // SAFETY: the caller guarantees `addr_list` is NULL only with `addr_len` 0 or `addr_len`
         // readable pointers, unchanged during the call, which is `c_array`'s contract.
-        let list = unsafe { c_array(addr_list.cast_const(), addr_len, "addr_list")? };
+        let list = unsafe { array(addr_list.cast_const(), addr_len, "addr_list")? };
         let eng = te.engine()?;
         let mut first = Ok(());
         for (i, &a) in list.iter().enumerate() {
@@ -1195,7 +1166,7 @@ pub unsafe extern "C" fn submitTransfer(
         let te = unsafe { handle(engine)? };
         // SAFETY: the caller guarantees `entries` is NULL only with `count` 0 or `count` readable
         // requests, unchanged during the call, which is `c_array`'s contract.
-        let entries = unsafe { c_array(entries.cast_const(), count, "entries")? };
+        let entries = unsafe { array(entries.cast_const(), count, "entries")? };
         // SAFETY: submitTransfer's contract (transfer_engine_c.h): the caller keeps every
         // source buffer valid and untouched until its task is final.
         unsafe { te.submit(batch_id, entries, None) }
@@ -1231,7 +1202,7 @@ pub unsafe extern "C" fn submitTransferWithNotify(
         };
         // SAFETY: the caller guarantees `entries` is NULL only with `count` 0 or `count` readable
         // requests, unchanged during the call, which is `c_array`'s contract.
-        let entries = unsafe { c_array(entries.cast_const(), count, "entries")? };
+        let entries = unsafe { array(entries.cast_const(), count, "entries")? };
         let target = entries
             .first()
             .ok_or_else(|| Error::invalid("no requests to notify about"))?

@@ -8,8 +8,10 @@ Where the library is looked for, in order:
   1. ``libmooncake.so`` next to this file (the copy a wheel installs);
   2. the path in the environment variable ``MOONCAKE_LIB``.
 
-Functions of ABI revisions 2 and 3 are bound when present; a method that needs one raises
-:class:`AbiRevisionError` when the loaded library is older or lacks the symbol.
+The library must implement every function declared here, at this package's ABI revision:
+the package bundles the library it was built with, so another one (an older build named by
+``MOONCAKE_LIB``) is refused at import, naming what it lacks, rather than failing later in
+whichever method first needs a newer function.
 """
 
 import ctypes
@@ -31,18 +33,16 @@ __all__ = [
     "LIB_PATH",
     "ABI_VERSION",
     "ABI_REVISION",
-    "AbiRevisionError",
     "McRequest",
     "McTaskStatus",
     "McReplicateConfig",
     "McPutOptions",
-    "available",
-    "need",
     "error_string",
 ]
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
+EXPECTED_ABI_REVISION = 7
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -76,10 +76,6 @@ MC_TASK_TIMEOUT = 5
 MC_TASK_FAILED = 6
 
 MC_STORE_MAX_KEY_LEN = 4096
-
-
-class AbiRevisionError(NotImplementedError):
-    """The loaded libmooncake lacks a function this method needs (an older ABI revision)."""
 
 
 # ---------------------------------------------------------------- structs
@@ -121,167 +117,158 @@ class McPutOptions(Structure):
 
 _P = c_void_p  # opaque handles (mc_config *, mc_engine *, mc_store *) and raw addresses
 
-# name: (restype, argtypes, revision)
+# name: (restype, argtypes)
 _SIGNATURES = {
-    "mc_abi_version": (c_uint32, [], 1),
-    "mc_abi_revision": (c_uint32, [], 2),
-    "mc_error_string": (c_char_p, [c_int], 1),
+    "mc_abi_version": (c_uint32, []),
+    "mc_abi_revision": (c_uint32, []),
+    "mc_error_string": (c_char_p, [c_int]),
     # configuration
-    "mc_config_new": (_P, [], 1),
-    "mc_config_set": (c_int, [_P, c_char_p, c_char_p], 1),
-    "mc_config_free": (None, [_P], 1),
+    "mc_config_new": (_P, []),
+    "mc_config_set": (c_int, [_P, c_char_p, c_char_p]),
+    "mc_config_free": (None, [_P]),
     # engine
-    "mc_engine_new": (c_int, [_P, POINTER(_P)], 1),
-    "mc_engine_free": (None, [_P], 1),
-    "mc_engine_segment_name": (c_int, [_P, _P, c_size_t], 1),
-    "mc_register_memory": (c_int, [_P, _P, c_size_t, c_char_p], 1),
-    "mc_register_memory_with_access": (c_int, [_P, _P, c_size_t, c_char_p, c_uint32], 3),
-    "mc_unregister_memory": (c_int, [_P, _P], 1),
-    "mc_allocate_buffer": (c_int, [_P, c_size_t, c_char_p, POINTER(_P)], 1),
-    "mc_free_buffer": (c_int, [_P, _P], 1),
-    "mc_open_segment": (c_int, [_P, c_char_p, POINTER(c_uint64)], 1),
-    "mc_resync_segment": (c_int, [_P, c_uint64], 1),
+    "mc_engine_new": (c_int, [_P, POINTER(_P)]),
+    "mc_engine_free": (None, [_P]),
+    "mc_engine_segment_name": (c_int, [_P, _P, c_size_t]),
+    "mc_register_memory": (c_int, [_P, _P, c_size_t, c_char_p]),
+    "mc_register_memory_with_access": (c_int, [_P, _P, c_size_t, c_char_p, c_uint32]),
+    "mc_unregister_memory": (c_int, [_P, _P]),
+    "mc_allocate_buffer": (c_int, [_P, c_size_t, c_char_p, POINTER(_P)]),
+    "mc_free_buffer": (c_int, [_P, _P]),
+    "mc_open_segment": (c_int, [_P, c_char_p, POINTER(c_uint64)]),
+    "mc_resync_segment": (c_int, [_P, c_uint64]),
     # transfers
-    "mc_batch_new": (c_int, [_P, c_size_t, POINTER(c_uint64)], 1),
-    "mc_submit": (c_int, [_P, c_uint64, POINTER(McRequest), c_size_t], 1),
-    "mc_task_status": (c_int, [_P, c_uint64, c_size_t, POINTER(McTaskStatus)], 1),
-    "mc_batch_wait": (c_int, [_P, c_uint64, c_int64], 1),
-    "mc_batch_free": (c_int, [_P, c_uint64], 1),
-    "mc_transfer_sync": (c_int, [_P, POINTER(McRequest), c_size_t], 2),
+    "mc_batch_new": (c_int, [_P, c_size_t, POINTER(c_uint64)]),
+    "mc_submit": (c_int, [_P, c_uint64, POINTER(McRequest), c_size_t]),
+    "mc_task_status": (c_int, [_P, c_uint64, c_size_t, POINTER(McTaskStatus)]),
+    "mc_batch_wait": (c_int, [_P, c_uint64, c_int64]),
+    "mc_batch_free": (c_int, [_P, c_uint64]),
+    "mc_transfer_sync": (c_int, [_P, POINTER(McRequest), c_size_t]),
     # messages
-    "mc_notify": (c_int, [_P, c_uint64, c_char_p], 1),
-    "mc_take_notification": (c_int, [_P, _P, c_size_t, _P, c_size_t], 1),
-    "mc_probe": (c_int, [_P, c_uint64], 1),
-    "mc_notify_as": (c_int, [_P, c_uint64, c_char_p, c_char_p], 2),
-    # introspection (revision 2)
-    "mc_engine_rpc_port": (c_int, [_P], 2),
-    "mc_segment_describe": (c_int, [_P, c_uint64, _P, c_size_t, POINTER(c_size_t)], 2),
+    "mc_notify": (c_int, [_P, c_uint64, c_char_p]),
+    "mc_take_notification": (c_int, [_P, _P, c_size_t, _P, c_size_t]),
+    "mc_probe": (c_int, [_P, c_uint64]),
+    "mc_notify_as": (c_int, [_P, c_uint64, c_char_p, c_char_p]),
+    # introspection
+    "mc_engine_rpc_port": (c_int, [_P]),
+    "mc_segment_describe": (c_int, [_P, c_uint64, _P, c_size_t, POINTER(c_size_t)]),
     # store
-    "mc_replicate_config_init": (None, [POINTER(McReplicateConfig)], 1),
-    "mc_store_new": (c_int, [_P, POINTER(_P)], 1),
-    "mc_store_free": (None, [_P], 1),
-    "mc_store_new_with_engine": (c_int, [_P, _P, POINTER(_P)], 2),
-    "mc_store_put": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
-    "mc_store_put_from": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)], 1),
-    "mc_store_get_into": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_uint64)], 1),
-    "mc_store_exists": (c_int, [_P, c_char_p], 1),
-    "mc_store_size": (c_int, [_P, c_char_p, POINTER(c_uint64)], 1),
-    "mc_store_get_buffer": (c_int, [_P, c_char_p, POINTER(_P), POINTER(c_uint64)], 2),
-    "mc_store_buffer_free": (None, [_P, c_uint64], 2),
-    "mc_store_remove": (c_int, [_P, c_char_p, c_int], 1),
-    "mc_store_remove_all": (c_int, [_P, c_int, POINTER(c_uint64)], 1),
-    "mc_store_remove_by_regex": (c_int, [_P, c_char_p, c_int, POINTER(c_uint64)], 1),
-    "mc_store_register_buffer": (c_int, [_P, _P, c_size_t], 1),
-    "mc_store_unregister_buffer": (c_int, [_P, _P], 1),
-    "mc_store_hostname": (c_int, [_P, _P, c_size_t], 1),
+    "mc_replicate_config_init": (None, [POINTER(McReplicateConfig)]),
+    "mc_store_new": (c_int, [_P, POINTER(_P)]),
+    "mc_store_free": (None, [_P]),
+    "mc_store_new_with_engine": (c_int, [_P, _P, POINTER(_P)]),
+    "mc_store_put": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)]),
+    "mc_store_put_from": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(McReplicateConfig)]),
+    "mc_store_get_into": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_uint64)]),
+    "mc_store_exists": (c_int, [_P, c_char_p]),
+    "mc_store_size": (c_int, [_P, c_char_p, POINTER(c_uint64)]),
+    "mc_store_get_buffer": (c_int, [_P, c_char_p, POINTER(_P), POINTER(c_uint64)]),
+    "mc_store_buffer_free": (None, [_P, c_uint64]),
+    "mc_store_remove": (c_int, [_P, c_char_p, c_int]),
+    "mc_store_remove_all": (c_int, [_P, c_int, POINTER(c_uint64)]),
+    "mc_store_remove_by_regex": (c_int, [_P, c_char_p, c_int, POINTER(c_uint64)]),
+    "mc_store_register_buffer": (c_int, [_P, _P, c_size_t]),
+    "mc_store_unregister_buffer": (c_int, [_P, _P]),
+    "mc_store_hostname": (c_int, [_P, _P, c_size_t]),
     "mc_store_batch_put_from": (
         c_int,
         [_P, POINTER(c_char_p), POINTER(_P), POINTER(c_size_t), c_size_t,
          POINTER(McReplicateConfig), POINTER(c_int)],
-        1,
     ),
     "mc_store_batch_get_into": (
         c_int,
         [_P, POINTER(c_char_p), POINTER(_P), POINTER(c_size_t), c_size_t, POINTER(c_int64)],
-        1,
     ),
-    "mc_store_batch_exists": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 1),
-    # store, revision 2
-    "mc_put_options_init": (None, [POINTER(McPutOptions)], 2),
+    "mc_store_batch_exists": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
+    # store
+    "mc_put_options_init": (None, [POINTER(McPutOptions)]),
     "mc_store_batch_put_parts": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_size_t), POINTER(c_size_t),
          POINTER(McReplicateConfig), POINTER(McPutOptions), POINTER(c_int)],
-        2,
     ),
     "mc_store_batch_get_parts": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_size_t), POINTER(c_size_t),
          POINTER(c_int64)],
-        2,
     ),
     "mc_store_batch_get_ranges": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
          POINTER(c_size_t), POINTER(c_int64)],
-        2,
     ),
-    "mc_store_batch_remove": (c_int, [_P, POINTER(c_char_p), c_size_t, c_int, POINTER(c_int)], 2),
+    "mc_store_batch_remove": (c_int, [_P, POINTER(c_char_p), c_size_t, c_int, POINTER(c_int)]),
     "mc_store_batch_replica_clear": (
-        c_int, [_P, POINTER(c_char_p), c_size_t, c_char_p, POINTER(c_int)], 2),
-    "mc_store_replica_desc": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_size_t)], 2),
-    "mc_store_health": (c_int, [_P], 2),
-    # store sessions, extra segments, disk tier and tasks (revision 7)
+        c_int, [_P, POINTER(c_char_p), c_size_t, c_char_p, POINTER(c_int)]),
+    "mc_store_replica_desc": (c_int, [_P, c_char_p, _P, c_size_t, POINTER(c_size_t)]),
+    "mc_store_health": (c_int, [_P]),
+    # store sessions, extra segments, disk tier and tasks
     "mc_store_put_session_start": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(c_uint64), POINTER(McReplicateConfig),
          POINTER(McPutOptions), POINTER(c_int)],
-        7,
     ),
     "mc_store_put_session_write": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
          POINTER(c_size_t), POINTER(c_int64)],
-        7,
     ),
-    "mc_store_put_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+    "mc_store_put_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
     "mc_store_put_session_revoke": (
-        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
     "mc_store_get_session_start": (
-        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)], 7),
+        c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
     "mc_store_get_session_read": (
         c_int,
         [_P, POINTER(c_char_p), c_size_t, POINTER(_P), POINTER(c_uint64), POINTER(c_uint64),
          POINTER(c_size_t), POINTER(c_int64)],
-        7,
     ),
-    "mc_store_get_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t], 7),
+    "mc_store_get_session_end": (c_int, [_P, POINTER(c_char_p), c_size_t]),
     "mc_store_allocate_segment": (
-        c_int, [_P, c_uint64, c_char_p, _P, c_size_t, POINTER(c_uint64)], 7),
+        c_int, [_P, c_uint64, c_char_p, _P, c_size_t, POINTER(c_uint64)]),
     "mc_store_mount_file_segment": (
-        c_int, [_P, c_char_p, c_uint64, c_uint64, c_char_p, _P, c_size_t], 7),
-    "mc_store_unmount_file_segment": (c_int, [_P, c_char_p, c_uint64], 7),
-    "mc_store_unmount_allocated_segment": (c_int, [_P, c_char_p, c_uint64], 7),
-    "mc_store_drain_disk_tier": (c_int, [_P, c_uint64], 7),
+        c_int, [_P, c_char_p, c_uint64, c_uint64, c_char_p, _P, c_size_t]),
+    "mc_store_unmount_file_segment": (c_int, [_P, c_char_p, c_uint64]),
+    "mc_store_unmount_allocated_segment": (c_int, [_P, c_char_p, c_uint64]),
+    "mc_store_drain_disk_tier": (c_int, [_P, c_uint64]),
     "mc_store_create_copy_task": (
-        c_int, [_P, c_char_p, POINTER(c_char_p), c_size_t, POINTER(c_uint64)], 7),
+        c_int, [_P, c_char_p, POINTER(c_char_p), c_size_t, POINTER(c_uint64)]),
     "mc_store_create_move_task": (
-        c_int, [_P, c_char_p, c_char_p, c_char_p, POINTER(c_uint64)], 7),
+        c_int, [_P, c_char_p, c_char_p, c_char_p, POINTER(c_uint64)]),
     "mc_store_query_task": (
-        c_int, [_P, c_uint64, c_uint64, _P, c_size_t, POINTER(c_size_t)], 7),
-    "mc_store_disk_read_count": (c_int, [_P, POINTER(c_uint64)], 7),
-    # Mooncake PG (revision 4)
-    "mc_pg_new": (c_int, [c_int, c_int, c_char_p, POINTER(_P)], 4),
-    "mc_pg_free": (None, [_P], 4),
-    "mc_pg_address": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
-    "mc_pg_connect": (c_int, [_P, POINTER(c_char_p), c_size_t], 4),
-    "mc_pg_join": (c_int, [_P, c_uint32], 4),
-    "mc_pg_set_memory": (c_int, [_P, c_char_p], 5),
-    "mc_pg_all_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int], 4),
-    "mc_pg_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int, c_int], 4),
-    "mc_pg_broadcast": (c_int, [_P, _P, c_size_t, c_int], 4),
-    "mc_pg_all_gather": (c_int, [_P, _P, _P, POINTER(c_size_t)], 4),
-    "mc_pg_reduce_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int, c_int], 4),
-    "mc_pg_all_to_all": (c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t)], 4),
+        c_int, [_P, c_uint64, c_uint64, _P, c_size_t, POINTER(c_size_t)]),
+    "mc_store_disk_read_count": (c_int, [_P, POINTER(c_uint64)]),
+    # Mooncake PG
+    "mc_pg_new": (c_int, [c_int, c_int, c_char_p, POINTER(_P)]),
+    "mc_pg_free": (None, [_P]),
+    "mc_pg_address": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)]),
+    "mc_pg_connect": (c_int, [_P, POINTER(c_char_p), c_size_t]),
+    "mc_pg_join": (c_int, [_P, c_uint32]),
+    "mc_pg_set_memory": (c_int, [_P, c_char_p]),
+    "mc_pg_all_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int]),
+    "mc_pg_reduce": (c_int, [_P, _P, c_size_t, c_int, c_int, c_int]),
+    "mc_pg_broadcast": (c_int, [_P, _P, c_size_t, c_int]),
+    "mc_pg_all_gather": (c_int, [_P, _P, _P, POINTER(c_size_t)]),
+    "mc_pg_reduce_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int, c_int]),
+    "mc_pg_all_to_all": (c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t)]),
     "mc_pg_all_to_all_timeout": (
-        c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t), c_uint64], 4),
-    "mc_pg_gather": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
-    "mc_pg_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int], 4),
-    "mc_pg_barrier": (c_int, [_P], 4),
-    "mc_pg_send_recv": (c_int, [_P, _P, c_size_t, _P, c_size_t], 4),
-    "mc_pg_failed_ranks": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)], 4),
-    "mc_pg_active_ranks": (c_int, [_P, _P, c_size_t], 4),
-    "mc_pg_epoch": (c_int, [_P, POINTER(c_uint64)], 4),
-    "mc_pg_refresh": (c_int, [_P], 7),
-    "mc_pg_agree_max": (c_int, [_P, c_uint64, POINTER(c_uint64)], 6),
-    "mc_pg_peer_state": (c_int, [_P, _P, c_size_t, _P], 4),
+        c_int, [_P, _P, POINTER(c_size_t), _P, POINTER(c_size_t), c_uint64]),
+    "mc_pg_gather": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int]),
+    "mc_pg_scatter": (c_int, [_P, _P, _P, POINTER(c_size_t), c_int]),
+    "mc_pg_barrier": (c_int, [_P]),
+    "mc_pg_send_recv": (c_int, [_P, _P, c_size_t, _P, c_size_t]),
+    "mc_pg_failed_ranks": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)]),
+    "mc_pg_active_ranks": (c_int, [_P, _P, c_size_t]),
+    "mc_pg_epoch": (c_int, [_P, POINTER(c_uint64)]),
+    "mc_pg_refresh": (c_int, [_P]),
+    "mc_pg_agree_max": (c_int, [_P, c_uint64, POINTER(c_uint64)]),
+    "mc_pg_peer_state": (c_int, [_P, _P, c_size_t, _P]),
     "mc_pg_propose": (
         c_int,
         [_P, c_int, _P, c_size_t, POINTER(c_int), POINTER(c_uint64), _P, c_size_t,
          POINTER(c_size_t), _P, c_size_t],
-        4,
     ),
-    "mc_pg_sync_after_failure": (c_int, [_P, POINTER(c_int)], 4),
+    "mc_pg_sync_after_failure": (c_int, [_P, POINTER(c_int)]),
 }
 
 
@@ -315,17 +302,19 @@ def _load():
 
 
 class _Lib:
-    """The bound functions as attributes; absent ones are listed in ``missing``."""
+    """The bound functions as attributes; refuses a library that lacks any of them."""
 
     def __init__(self, cdll, path):
         self.path = path
-        self.missing = set()
-        for name, (restype, argtypes, _rev) in _SIGNATURES.items():
-            try:
-                fn = getattr(cdll, name)
-            except AttributeError:
-                self.missing.add(name)
-                continue
+        missing = [name for name in _SIGNATURES if not hasattr(cdll, name)]
+        if missing:
+            raise ImportError(
+                f"mooncake: {path} lacks {len(missing)} function(s) of the C ABI this "
+                f"package binds ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): "
+                "it is not the library this package was built with. Reinstall the package "
+                "(`pip install ./python`) or point MOONCAKE_LIB at a current build.")
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(cdll, name)
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
@@ -334,38 +323,13 @@ class _Lib:
 _cdll, LIB_PATH = _load()
 LIB = _Lib(_cdll, LIB_PATH)
 
-for _required, (_r, _a, _rev) in _SIGNATURES.items():
-    if _rev == 1 and _required in LIB.missing:
-        raise ImportError(
-            f"mooncake: {LIB_PATH} is not a Mooncake C ABI library (no {_required})")
-
 ABI_VERSION = int(LIB.mc_abi_version())
-if ABI_VERSION != EXPECTED_ABI_VERSION:
+ABI_REVISION = int(LIB.mc_abi_revision())
+if ABI_VERSION != EXPECTED_ABI_VERSION or ABI_REVISION < EXPECTED_ABI_REVISION:
     raise ImportError(
-        f"mooncake: {LIB_PATH} implements C ABI version {ABI_VERSION}; this package "
-        f"needs version {EXPECTED_ABI_VERSION}")
-# Revision 1 libraries predate mc_abi_revision.
-ABI_REVISION = int(LIB.mc_abi_revision()) if "mc_abi_revision" not in LIB.missing else 1
-
-
-def available(name):
-    """Whether ``name`` is bound and its ABI revision is implemented by the library."""
-    if name in LIB.missing:
-        return False
-    return _SIGNATURES[name][2] <= ABI_REVISION
-
-
-def need(name, what):
-    """Returns the function ``name``, or raises AbiRevisionError naming ``what`` needs it."""
-    if not available(name):
-        rev = _SIGNATURES[name][2]
-        raise AbiRevisionError(
-            f"{what} needs {name} (C ABI revision {rev}); the loaded library "
-            f"{LIB_PATH} implements revision {ABI_REVISION}"
-            + (" and lacks that symbol" if name in LIB.missing else "")
-            + ". Rebuild it (`pip install ./python`) or point MOONCAKE_LIB at a newer one."
-        )
-    return getattr(LIB, name)
+        f"mooncake: {LIB_PATH} implements C ABI version {ABI_VERSION} revision "
+        f"{ABI_REVISION}; this package needs version {EXPECTED_ABI_VERSION}, revision "
+        f"{EXPECTED_ABI_REVISION} or later")
 
 
 def error_string(code):

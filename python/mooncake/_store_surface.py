@@ -163,7 +163,7 @@ class StoreSurfaceMixin:
         """Calls a keys-only batch function: per-key codes (INVALID_KEY for keys that
         cannot be keys)."""
         ks = _api()._keys(keys)
-        fn = N.need(fn_name, what)
+        fn = getattr(N.LIB, fn_name)
         if not self._native:
             return [INVALID_PARAMS] * len(ks)
         results, idx = _api()._triage(ks, [()] * len(ks))
@@ -181,7 +181,7 @@ class StoreSurfaceMixin:
         ks = _api()._keys(keys)
         lens = int_list(sizes, "sizes")
         config = _api()._config(config)
-        fn = N.need("mc_store_put_session_start", "batch_put_session_start")
+        fn = N.LIB.mc_store_put_session_start
         if not lengths_match("batch_put_session_start", keys=ks, sizes=lens) \
                 or not self._native:
             return [INVALID_PARAMS] * len(ks)
@@ -212,7 +212,7 @@ class StoreSurfaceMixin:
         ptrs = _nested_ints(all_buffer_ptrs, "all_buffer_ptrs", n)
         sizes = _nested_ints(all_sizes, "all_sizes", n)
         offs = _nested_ints(all_offsets, offsets_name, n)
-        fn = N.need(fn_name, what)
+        fn = getattr(N.LIB, fn_name)
         if ptrs is None or sizes is None or offs is None or not self._native:
             return [INVALID_PARAMS] * n
         usable = []
@@ -272,7 +272,7 @@ class StoreSurfaceMixin:
     def batch_get_session_end(self, keys):
         """Ends the get sessions of ``keys``; 0."""
         ks = _api()._keys(keys)
-        fn = N.need("mc_store_get_session_end", "batch_get_session_end")
+        fn = N.LIB.mc_store_get_session_end
         if not self._native:
             return INVALID_PARAMS
         good = [k for k in ks if k is not None]
@@ -283,7 +283,7 @@ class StoreSurfaceMixin:
     def _task(self, fn_name, key, *args):
         """Creates a task: (id, 0) or ((0, 0), code)."""
         k = _api()._encode_key(key)
-        fn = N.need(fn_name, fn_name.replace("mc_store_", ""))
+        fn = getattr(N.LIB, fn_name)
         if not self._native:
             return (0, 0), INVALID_PARAMS
         if k is None:
@@ -314,7 +314,7 @@ class StoreSurfaceMixin:
         """(QueryTaskResponse, 0) for a task of this store, else (None, code)
         (TASK_NOT_FOUND -1400 for an id it does not know)."""
         hi, lo = task_id_pair(task_id)
-        fn = N.need("mc_store_query_task", "query_task")
+        fn = N.LIB.mc_store_query_task
         if not self._native:
             return None, INVALID_PARAMS
         rc, text = N.read_json_text(fn, self._native, hi, lo)
@@ -342,7 +342,7 @@ class StoreSurfaceMixin:
         off = check_int(offset, "offset")
         check_str(protocol, "protocol")  # the store's own transports reach it
         loc = check_str(location, "location").encode()
-        fn = N.need("mc_store_mount_file_segment", "mount_segment")
+        fn = N.LIB.mc_store_mount_file_segment
         if not self._native:
             return {"ret": INVALID_PARAMS, "segment_ids": []}
         rc, seg = self._segment_id(lambda b, m: fn(self._native, p, off, n, loc, b, m))
@@ -358,7 +358,7 @@ class StoreSurfaceMixin:
         n = check_int(size, "size")
         check_str(protocol, "protocol")
         loc = check_str(location, "location").encode()
-        fn = N.need("mc_store_allocate_segment", "allocate_and_mount_segment")
+        fn = N.LIB.mc_store_allocate_segment
         failed = {"ret": INVALID_PARAMS, "segment_ids": [], "allocated_size": 0}
         if not self._native:
             return failed
@@ -374,7 +374,7 @@ class StoreSurfaceMixin:
     def _unmount(self, fn_name, what, segment_ids, grace_period_seconds):
         ids = _api()._strs(segment_ids, "segment_ids")
         grace = _grace_ms(grace_period_seconds)
-        fn = N.need(fn_name, what)
+        fn = getattr(N.LIB, fn_name)
         if not self._native:
             return INVALID_PARAMS
         first = 0
@@ -402,7 +402,7 @@ class StoreSurfaceMixin:
         period (waited out) its copies are deleted, and objects kept only there are gone.
         0 (also, with a warning, when there is no disk tier) or a negative code."""
         grace = _grace_ms(grace_period_seconds)
-        fn = N.need("mc_store_drain_disk_tier", "unmount_local_disk_segment")
+        fn = N.LIB.mc_store_drain_disk_tier
         if not self._native:
             return INVALID_PARAMS
         rc = fn(self._native, grace)
@@ -453,7 +453,7 @@ class StoreSurfaceMixin:
     def get_offload_rpc_read_count(self):
         """How many of this store's reads got an object staged from a node's disk tier
         for them (0 before setup)."""
-        fn = N.need("mc_store_disk_read_count", "get_offload_rpc_read_count")
+        fn = N.LIB.mc_store_disk_read_count
         if not self._native:
             return 0
         count = ctypes.c_uint64(0)

@@ -198,10 +198,9 @@ class TransferEngine:
         return 0
 
     def _query_rpc_port(self, configured):
-        if N.available("mc_engine_rpc_port"):
-            port = N.LIB.mc_engine_rpc_port(self._engine)
-            if port > 0:
-                return port
+        port = N.LIB.mc_engine_rpc_port(self._engine)
+        if port > 0:
+            return port
         if configured:
             return int(configured)
         # Revision-1 library: a P2P segment name ends with the bound RPC port.
@@ -251,7 +250,7 @@ class TransferEngine:
     # ------------------------------------------------------------ topology
 
     def _describe(self, segment):
-        fn = N.need("mc_segment_describe", "TransferEngine segment introspection")
+        fn = N.LIB.mc_segment_describe
         rc, text = N.read_json_text(fn, self._engine, segment)
         if rc != N.MC_OK:
             return rc, None
@@ -266,7 +265,6 @@ class TransferEngine:
         [others]], ...}``); "{}" where no RDMA NIC exists."""
         if device_name is not None:
             check_str(device_name, "device_name")
-        N.need("mc_segment_describe", "TransferEngine.get_local_topology")
         temp = None
         engine = self._engine
         if engine is None or device_name or self._protocol not in HARDWARE_PROTOCOLS:
@@ -306,7 +304,6 @@ class TransferEngine:
     def get_first_buffer_address(self, segment_name):
         """The address of the first buffer a peer segment published (0 on failure)."""
         check_str(segment_name, "segment_name")
-        N.need("mc_segment_describe", "TransferEngine.get_first_buffer_address")
         if not self._engine:
             return 0
         seg = self._open(segment_name)
@@ -356,7 +353,7 @@ class TransferEngine:
         if access is None:
             rc = N.LIB.mc_register_memory(self._engine, addr, size, loc.encode())
         else:
-            register = N.need("mc_register_memory_with_access", "register_memory(access=...)")
+            register = N.LIB.mc_register_memory_with_access
             rc = register(self._engine, addr, size, loc.encode(), _ACCESS[access])
         if rc == N.MC_OK:
             self._local.add(addr, size)
@@ -557,12 +554,8 @@ class TransferEngine:
             return -1  # refused (logged)
         if not n:
             return 0  # nothing to move
-        if N.available("mc_transfer_sync"):
-            # One foreign call (GIL released) for submit, wait and free.
-            rc = self._retrying(seg, lambda: N.LIB.mc_transfer_sync(self._engine, reqs, n))
-        else:
-            batch, seg = self._submit(target, buffers, peers, lengths, opcode)
-            rc = self._wait_free(batch) if batch else N.MC_ERR_INVALID_PARAMS
+        # One foreign call (GIL released) for submit, wait and free.
+        rc = self._retrying(seg, lambda: N.LIB.mc_transfer_sync(self._engine, reqs, n))
         if rc != N.MC_OK:
             logger.error("mooncake: transfer to %r failed: %s (%d)", target,
                          N.error_string(rc), rc)
@@ -570,13 +563,9 @@ class TransferEngine:
             N.LIB.mc_resync_segment(self._engine, seg)
             return -1
         if notify is not None:
-            # Upstream delivers the name the application gave; older libraries can
-            # only sign with this engine's segment name.
-            if N.available("mc_notify_as"):
-                rc = N.LIB.mc_notify_as(self._engine, seg, str(notify.name).encode(),
-                                        str(notify.msg).encode())
-            else:
-                rc = N.LIB.mc_notify(self._engine, seg, str(notify.msg).encode())
+            # Upstream delivers the name the application gave.
+            rc = N.LIB.mc_notify_as(self._engine, seg, str(notify.name).encode(),
+                                    str(notify.msg).encode())
             if rc != N.MC_OK:
                 logger.error("mooncake: notify to %r failed: %s (%d)", target,
                              N.error_string(rc), rc)
@@ -590,7 +579,7 @@ class TransferEngine:
         buffer = check_int(buffer, "buffer")
         peer = check_int(peer, "peer_buffer_address")
         length = check_int(length, "length")
-        if not self._engine or not N.available("mc_transfer_sync"):
+        if not self._engine:
             return self._sync(target, [buffer], [peer], [length], op, None)
         if not self._local.covers(buffer, length):
             logger.error("mooncake: local buffer [0x%x, +%d) is not inside memory registered "

@@ -557,9 +557,6 @@ class _Rendezvous:
 
 
 def _fn(name):
-    if name in LIB.missing:
-        raise _native.AbiRevisionError(
-            f"{_native.LIB_PATH} has no {name}: rebuild it (pip install ./python)")
     return getattr(LIB, name)
 
 

@@ -568,11 +568,10 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if args["ipc_socket_path"]:
             logger.warning("mooncake: ipc_socket_path is not used: dummy clients reach "
                            "mooncake_client through its --port")
-        shared = engine is not None and getattr(engine, "_engine", None) and \
-            N.available("mc_store_new_with_engine")
+        shared = engine is not None and getattr(engine, "_engine", None)
         if engine is not None and not shared:
-            logger.warning("mooncake: the engine given to setup() is not initialized (or the "
-                           "library predates engine sharing): the store starts its own")
+            logger.warning("mooncake: the engine given to setup() is not initialized: the "
+                           "store starts its own")
         host, port = split_host_port(args["local_hostname"])
         conn = metadata_connection(args["metadata_server"])
         if conn is None:
@@ -709,10 +708,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         """0 healthy, 1 not set up, 2 master unreachable."""
         if not self._store:
             return 1
-        if N.available("mc_store_health"):
-            return 0 if N.LIB.mc_store_health(self._store) == N.MC_OK else 2
-        # Revision-1 library: any answer from the master (found or not) means it is up.
-        return 0 if N.LIB.mc_store_exists(self._store, b"__mooncake_health_probe__") >= 0 else 2
+        return 0 if N.LIB.mc_store_health(self._store) == N.MC_OK else 2
 
     def get_hostname(self):
         """This client's segment name (host:port); "" before setup."""
@@ -724,7 +720,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
     # ------------------------------------------------------------ internals
 
     def _put_options(self, config, upsert):
-        fn = N.need("mc_put_options_init", "this call")
+        fn = N.LIB.mc_put_options_init
         opts = N.McPutOptions()
         fn(ctypes.byref(opts))
         groups = [g.encode() for g in config.group_ids or ()]
@@ -738,7 +734,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
     def _put_parts(self, keys, parts, config, upsert, what):
         """Puts key i from the (addr, len) pairs parts[i] with mc_store_batch_put_parts.
         ``keys`` are encoded (None = invalid key). Returns per-key results."""
-        fn = N.need("mc_store_batch_put_parts", what)
+        fn = N.LIB.mc_store_batch_put_parts
         results, idx = _triage(keys, parts)
         if not idx:
             return results
@@ -818,12 +814,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             logger.error("mooncake: %s of %d bytes exceeds local_buffer_size (%d)", what, total,
                          self._local_buffer_size)
             return NO_AVAILABLE_HANDLE
-        if N.available("mc_store_batch_put_parts"):
-            return self._put_parts([k], [[(a, n) for a, n, _ in bufs]], config, upsert, what)[0]
-        if upsert or config.group_ids:
-            N.need("mc_store_batch_put_parts", what)
-        value = b"".join(bytes(ctypes.string_at(a, n)) for a, n, _ in bufs)
-        return self._copy_put(key, value, config, False, what)
+        return self._put_parts([k], [[(a, n) for a, n, _ in bufs]], config, upsert, what)[0]
 
     def put_parts(self, key, *parts, config=None):
         """Stores the concatenation of ``parts`` under ``key``."""
@@ -904,21 +895,14 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         k = _encode_key(key)
         if not self._store or k is None:
             return b""
-        if N.available("mc_store_get_buffer"):
-            # One round trip: the library sizes the buffer.
-            ptr, size = ctypes.c_void_p(), ctypes.c_uint64(0)
-            rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(ptr),
-                                           ctypes.byref(size))
-            if rc == N.MC_OK:
-                try:
-                    return ctypes.string_at(ptr.value, size.value) if size.value else b""
-                finally:
-                    N.LIB.mc_store_buffer_free(ptr, size.value)
-        else:
-            rc, got = self._read(k, lambda n: (ctypes.c_char * max(n, 1))())
-            if rc == N.MC_OK:
-                buf, n = got
-                return ctypes.string_at(ctypes.addressof(buf), n)
+        # One round trip: the library sizes the buffer.
+        ptr, size = ctypes.c_void_p(), ctypes.c_uint64(0)
+        rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(ptr), ctypes.byref(size))
+        if rc == N.MC_OK:
+            try:
+                return ctypes.string_at(ptr.value, size.value) if size.value else b""
+            finally:
+                N.LIB.mc_store_buffer_free(ptr, size.value)
         if rc != N.MC_ERR_OBJECT_NOT_FOUND:
             logger.debug("mooncake: get(%r): %s (%d)", key, N.error_string(rc), rc)
         return b""
@@ -1062,10 +1046,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         idx = [i for i, k in enumerate(ks) if k is not None]
         if not idx:
             return results
-        if not N.available("mc_store_batch_remove"):
-            for i in idx:
-                results[i] = N.LIB.mc_store_remove(self._store, ks[i], int(force))
-            return results
         c_keys = N.c_strings([ks[i] for i in idx])
         c_res = (ctypes.c_int * len(idx))()
         rc = N.LIB.mc_store_batch_remove(self._store, c_keys, len(idx), int(force), c_res)
@@ -1074,7 +1054,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return results
 
     def _replica_desc(self, k):
-        fn = N.need("mc_store_replica_desc", "get_replica_desc")
+        fn = N.LIB.mc_store_replica_desc
         rc, text = N.read_json_text(fn, self._store, k)
         if rc != N.MC_OK:
             return None
@@ -1089,7 +1069,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
     def get_replica_desc(self, key):
         """The object's replicas (ReplicaDescriptor list; [] on a miss). Leases it."""
         k = _encode_key(key)
-        N.need("mc_store_replica_desc", "get_replica_desc")
         if not self._store or k is None:
             return []
         return self._replica_desc(k) or []
@@ -1098,7 +1077,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         """{key: [ReplicaDescriptor, ...]} for the keys found."""
         keys = _key_list(keys)
         ks = _keys(keys)
-        N.need("mc_store_replica_desc", "batch_get_replica_desc")
         out = {}
         if not self._store:
             return out
@@ -1116,7 +1094,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         keys = _key_list(keys)
         ks = _keys(keys)
         check_str(segment_name, "segment_name")
-        fn = N.need("mc_store_batch_replica_clear", "batch_replica_clear")
+        fn = N.LIB.mc_store_batch_replica_clear
         if not self._store:
             return []
         idx = [i for i, k in enumerate(ks) if k is not None]
@@ -1223,7 +1201,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         addr = check_int(buffer_ptr, "buffer_ptr")
         n = check_int(size, "size")
         config = _config(config)
-        N.need("mc_store_batch_put_parts", "upsert_from")
         if not self._store:
             return INVALID_PARAMS
         spans = self._checked_spans([addr], [n])
@@ -1235,7 +1212,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         """Stores metadata (``metadata_size`` bytes) followed by data (``size`` bytes)."""
         k, addrs, lens, config = _metadata_put_args(key, buffer_ptr, metadata_buffer_ptr,
                                                     size, metadata_size, config)
-        N.need("mc_store_batch_put_parts", "put_from_with_metadata")
         if not self._store:
             return INVALID_PARAMS
         parts = self._registered_run(addrs, lens)
@@ -1248,8 +1224,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not lengths_match(what, keys=ks, buffer_ptrs=addrs, sizes=lens):
             return [INVALID_PARAMS] * len(ks)
         config = _config(config)
-        if upsert:
-            N.need("mc_store_batch_put_parts", what)
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         spans = self._checked_spans(addrs, lens)
@@ -1322,7 +1296,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return [INVALID_PARAMS] * len(ks)
         ptrs, sizes = nested
         config = _config(config)
-        N.need("mc_store_batch_put_parts", "batch_put_from_multi_buffers")
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         parts = [self._registered_run(p, s) for p, s in zip(ptrs, sizes)]
@@ -1337,7 +1310,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return [INVALID_PARAMS] * len(ks)
         ptrs, sizes = nested
         _bool(prefer_alloc_in_same_node, "prefer_alloc_in_same_node")
-        fn = N.need("mc_store_batch_get_parts", "batch_get_into_multi_buffers")
+        fn = N.LIB.mc_store_batch_get_parts
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         results, idx = _triage(ks, [self._registered_run(p, s) for p, s in zip(ptrs, sizes)])
@@ -1389,7 +1362,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
                     entries.append((b, k, keys_b[k], d, s, z))
                 else:
                     results[b][k] = [INVALID_PARAMS] * len(d)
-        fn = N.need("mc_store_batch_get_ranges", "get_into_ranges")
+        fn = N.LIB.mc_store_batch_get_ranges
         if not self._store:
             for b, k, _, d, _, _ in entries:
                 results[b][k] = [INVALID_PARAMS] * len(d)

@@ -75,8 +75,29 @@ def test_every_header_function_is_declared_and_nothing_else():
 @pytest.mark.parametrize("name", sorted(N._SIGNATURES))
 def test_declared_signature_matches_the_header(name):
     ret, args = _prototypes()[name]
-    restype, argtypes, _revision = N._SIGNATURES[name]
+    restype, argtypes = N._SIGNATURES[name]
     assert _matches(ret, restype), f"{name}: returns {ret!r}, declared {restype}"
     assert len(argtypes) == len(args), f"{name}: header {args}, declared {argtypes}"
     for decl, ctype in zip(args, argtypes):
         assert _matches(decl, ctype), f"{name}: {decl!r} declared as {ctype}"
+
+
+def test_the_package_expects_the_header_abi():
+    text = HEADER.read_text()
+    version = int(re.search(r"#define MC_ABI_VERSION (\d+)", text).group(1))
+    revision = int(re.search(r"#define MC_ABI_REVISION (\d+)", text).group(1))
+    assert (N.EXPECTED_ABI_VERSION, N.EXPECTED_ABI_REVISION) == (version, revision)
+    assert (N.ABI_VERSION, N.ABI_REVISION) == (version, revision), "the library loaded"
+
+
+def test_a_library_lacking_a_function_is_refused_naming_it():
+    class Partial:
+        """A library with every function but one."""
+
+        def __getattr__(self, name):
+            if name == "mc_store_health":
+                raise AttributeError(name)
+            return getattr(N._cdll, name)
+
+    with pytest.raises(ImportError, match="mc_store_health"):
+        N._Lib(Partial(), "/old/libmooncake.so")

@@ -195,7 +195,8 @@ def stored_into_buffer(store, key, tensor):
 
 def raw_bytes(t):
     """A tensor's bytes (compares NaNs and float8 values exactly)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    # Through a list, not .numpy(): torch may be installed without numpy.
+    return bytes(t.contiguous().view(-1).view(torch.uint8).tolist()) if t.numel() else b""
 
 
 def same(got, want):

@@ -8,13 +8,11 @@
 //! in turn: a transport failure moves to the next one; an answer from etcd, even an
 //! error, is final.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Code, Error, Result};
-use crate::http::HttpClient;
+use crate::http::{BodyStream, HttpClient};
 use crate::json::{self, Value};
 use crate::util::base64;
 
@@ -176,25 +174,6 @@ impl EtcdClient {
     /// came, false when the time ran out or etcd ended the watch.
     pub fn watch_change(&self, key: &[u8], from: i64, wait: Duration) -> Result<bool> {
         let ep = &self.endpoints[self.current.load(Ordering::Relaxed) % self.endpoints.len()];
-        let host = ep.url().trim_start_matches("http://").to_owned();
-        let transport =
-            |e: std::io::Error| Error::new(Code::Metadata, format!("etcd watch on {host}: {e}"));
-        let addr = host
-            .to_socket_addrs()
-            .map_err(transport)?
-            .next()
-            .ok_or_else(|| {
-                Error::new(
-                    Code::Metadata,
-                    format!("etcd watch: {host} resolves to nothing"),
-                )
-            })?;
-        let deadline = Instant::now() + wait;
-        let stream = TcpStream::connect_timeout(
-            &addr,
-            wait.clamp(Duration::from_millis(1), Duration::from_secs(2)),
-        )
-        .map_err(transport)?;
         let body = Value::object([(
             "create_request",
             Value::object([
@@ -203,25 +182,24 @@ impl EtcdClient {
             ]),
         )])
         .to_string();
-        let head = format!(
-            "POST /v3/watch HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        (&stream)
-            .write_all([head.as_bytes(), body.as_bytes()].concat().as_slice())
-            .map_err(transport)?;
-        let mut r = BufReader::new(&stream);
-        match watch_stream(&mut r, &stream, deadline) {
-            Ok(changed) => Ok(changed),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                Ok(false)
+        let watch = || -> Result<bool> {
+            let mut stream =
+                ep.open_stream("POST", "/v3/watch", body.as_bytes(), Instant::now() + wait)?;
+            if stream.status() != 200 {
+                return Err(Error::new(
+                    Code::Metadata,
+                    format!("status {}", stream.status()),
+                ));
             }
-            Err(e) => Err(transport(e)),
+            watch_messages(&mut stream)
+        };
+        match watch() {
+            Ok(changed) => Ok(changed),
+            Err(e) if e.code() == Code::Timeout => Ok(false),
+            Err(e) => Err(Error::new(
+                Code::Metadata,
+                format!("etcd watch on {}: {}", ep.url(), e.context()),
+            )),
         }
     }
 
@@ -344,55 +322,15 @@ impl EtcdClient {
     }
 }
 
-/// Largest chunk or message of a watch stream accepted.
+/// Largest watch message (or run of chunks without a line end) accepted.
 const MAX_WATCH_CHUNK: usize = 1 << 20;
 
-/// Reads a watch answer until a message reports events (true), etcd cancels or ends
-/// it (false), or `deadline` passes (a timeout error).
-fn watch_stream(
-    r: &mut BufReader<&TcpStream>,
-    stream: &TcpStream,
-    deadline: Instant,
-) -> std::io::Result<bool> {
-    let invalid =
-        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_owned());
-    let mut line = String::new();
-    let next_line = |r: &mut BufReader<&TcpStream>, line: &mut String| -> std::io::Result<()> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(left))?;
-        line.clear();
-        r.by_ref().take(1024).read_line(line)?;
-        if line.is_empty() {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        Ok(())
-    };
-    next_line(r, &mut line)?;
-    if !line.starts_with("HTTP/1.1 200") {
-        return Err(invalid("watch refused"));
-    }
-    loop {
-        next_line(r, &mut line)?;
-        if line == "\r\n" {
-            break;
-        }
-    }
+/// Reads a watch's messages (one JSON object per line, split across chunks as etcd
+/// likes) until one reports events (true), or etcd cancels or ends the watch (false).
+fn watch_messages(stream: &mut BodyStream) -> Result<bool> {
     let mut pending: Vec<u8> = Vec::new();
-    loop {
-        next_line(r, &mut line)?;
-        let size = usize::from_str_radix(line.trim(), 16).map_err(|_| invalid("chunk size"))?;
-        if size == 0 {
-            return Ok(false);
-        }
-        if size > MAX_WATCH_CHUNK || pending.len() + size > MAX_WATCH_CHUNK {
-            return Err(invalid("watch message too large"));
-        }
-        let mut chunk = vec![0u8; size + 2];
-        r.read_exact(&mut chunk)?;
-        pending.extend_from_slice(&chunk[..size]);
+    while let Some(chunk) = stream.next_piece(MAX_WATCH_CHUNK - pending.len())? {
+        pending.extend_from_slice(&chunk);
         while let Some(end) = pending.iter().position(|&b| b == b'\n') {
             let message: Vec<u8> = pending.drain(..=end).collect();
             let text = String::from_utf8_lossy(&message);
@@ -414,6 +352,7 @@ fn watch_stream(
             }
         }
     }
+    Ok(false)
 }
 
 #[cfg(test)]

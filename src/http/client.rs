@@ -4,7 +4,7 @@ use crate::util::sync::Unpoisoned;
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::wire::{
     body_framing, find_header, is_token, keep_alive, parse_head, parse_status_line, parse_target,
@@ -188,6 +188,34 @@ impl HttpClient {
         Ok((answer.status, answer.body))
     }
 
+    /// Sends one request on a connection of its own and returns its response as a
+    /// stream of body pieces (see [`BodyStream`]); no read waits past `deadline`.
+    pub fn open_stream(
+        &self,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+        deadline: Instant,
+    ) -> Result<BodyStream> {
+        let what = format!("{method} http://{}{path_and_query}", self.host_header);
+        let mut wire = self.connect()?;
+        let signed_for = self.server_id.locked().clone();
+        self.send_request(&mut wire, method, path_and_query, body, signed_for.as_deref())
+            .map_err(|e| e.err)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        wire.stream
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .map_err(|e| Error::io(&what, e))?;
+        let head = read_response_head(&mut wire, method).map_err(|e| stream_error(&what, e))?;
+        Ok(BodyStream {
+            wire,
+            status: head.status,
+            framing: head.framing,
+            deadline,
+            what,
+        })
+    }
+
     /// Whether a `method` request carries a signature.
     fn signs(&self, method: &str) -> bool {
         self.secret.is_some() && super::signed::is_write(method)
@@ -257,14 +285,16 @@ impl HttpClient {
         Err(Error::io(&what, last))
     }
 
-    fn exchange(
+    /// Writes one request (signed for `server_id` when it is a write and there is a
+    /// secret).
+    fn send_request(
         &self,
         wire: &mut Wire<TcpStream>,
         method: &str,
         path_and_query: &str,
         body: &[u8],
         server_id: Option<&str>,
-    ) -> std::result::Result<Answer, ExchangeError> {
+    ) -> std::result::Result<(), ExchangeError> {
         let what = || format!("{method} http://{}{path_and_query}", self.host_header);
         let mut req = format!(
             "{method} {path_and_query} HTTP/1.1\r\nHost: {}\r\nUser-Agent: mooncake\r\nAccept: */*\r\n",
@@ -296,17 +326,25 @@ impl HttpClient {
         req.push_str("\r\n");
         let mut out = req.into_bytes();
         out.extend_from_slice(body);
-        if let Err(e) = wire
-            .stream
+        wire.stream
             .write_all(&out)
             .and_then(|_| wire.stream.flush())
-        {
-            return Err(ExchangeError {
+            .map_err(|e| ExchangeError {
                 dead_connection: is_disconnect(e.kind()),
                 err: Error::io(what(), e),
-            });
-        }
+            })
+    }
 
+    fn exchange(
+        &self,
+        wire: &mut Wire<TcpStream>,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+        server_id: Option<&str>,
+    ) -> std::result::Result<Answer, ExchangeError> {
+        let what = || format!("{method} http://{}{path_and_query}", self.host_header);
+        self.send_request(wire, method, path_and_query, body, server_id)?;
         let received_before = wire.received;
         let fail = |wire: &Wire<TcpStream>, e: ReadErr| {
             let nothing = wire.received == received_before;
@@ -340,12 +378,21 @@ impl HttpClient {
     }
 }
 
-/// Reads the response to a `method` request: skips interim (1xx) answers, then reads
-/// the final head and its body.
-pub(super) fn read_response<R: Read>(
+/// A final response's head as read: status, framing of its body, whether the
+/// connection may carry another request, the server's identity.
+struct Head {
+    status: u16,
+    framing: Framing,
+    keep: bool,
+    server_id: Option<String>,
+}
+
+/// Reads the head of the response to a `method` request, skipping interim (1xx)
+/// answers.
+fn read_response_head<R: Read>(
     wire: &mut Wire<R>,
     method: &str,
-) -> std::result::Result<Answer, ReadErr> {
+) -> std::result::Result<Head, ReadErr> {
     loop {
         let head = wire.read_head(MAX_RESPONSE_HEAD)?.ok_or(ReadErr::Eof)?;
         let (start, headers) = parse_head(&head)?;
@@ -357,29 +404,92 @@ pub(super) fn read_response<R: Read>(
             }
             continue; // interim response (e.g. 100 Continue)
         }
-        let mut keep = keep_alive(&headers, http11);
         let framing = if method == "HEAD" || status == 204 || status == 304 {
             Framing::Length(0)
         } else {
             body_framing(&headers)?.unwrap_or(Framing::ToEof)
         };
-        if framing == Framing::ToEof {
-            keep = false;
-        }
-        let body = wire.read_body(framing, MAX_RESPONSE_BODY)?;
-        if !wire.avail().is_empty() {
-            keep = false; // unsolicited bytes: do not trust this connection
-        }
         // Only a plain token goes into the signatures this client writes.
         let server_id = find_header(&headers, super::signed::SERVER_HEADER)
             .filter(|id| id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric()))
             .map(str::to_owned);
-        return Ok(Answer {
+        return Ok(Head {
             status,
-            body,
-            keep,
+            framing,
+            keep: keep_alive(&headers, http11) && framing != Framing::ToEof,
             server_id,
         });
+    }
+}
+
+/// Reads the response to a `method` request: its final head and its body.
+pub(super) fn read_response<R: Read>(
+    wire: &mut Wire<R>,
+    method: &str,
+) -> std::result::Result<Answer, ReadErr> {
+    let head = read_response_head(wire, method)?;
+    let body = wire.read_body(head.framing, MAX_RESPONSE_BODY)?;
+    // Unsolicited bytes after the body: do not trust this connection.
+    let keep = head.keep && wire.avail().is_empty();
+    Ok(Answer {
+        status: head.status,
+        body,
+        keep,
+        server_id: head.server_id,
+    })
+}
+
+/// A response read piece by piece as it arrives, on a connection of its own: for
+/// answers that stream (etcd's watch) rather than end.
+pub struct BodyStream {
+    wire: Wire<TcpStream>,
+    status: u16,
+    framing: Framing,
+    deadline: Instant,
+    what: String,
+}
+
+impl BodyStream {
+    /// The response's status code.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// The next piece of the body, at most `limit` bytes (a chunk of a chunked
+    /// answer; the whole body of any other): `None` once it ended. Past the deadline
+    /// given when it was opened, an error with `Code::Timeout`.
+    pub fn next_piece(&mut self, limit: usize) -> Result<Option<Vec<u8>>> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(Code::Timeout, format!("{}: deadline", self.what)));
+        }
+        self.wire
+            .stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| Error::io(&self.what, e))?;
+        let piece = match self.framing {
+            Framing::Chunked => self.wire.read_chunk(limit),
+            framing => {
+                self.framing = Framing::Length(0);
+                match framing {
+                    Framing::Length(0) => Ok(None),
+                    _ => self.wire.read_body(framing, limit).map(Some),
+                }
+            }
+        };
+        piece.map_err(|e| stream_error(&self.what, e))
+    }
+}
+
+fn stream_error(what: &str, e: ReadErr) -> Error {
+    match e {
+        ReadErr::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Error::new(Code::Timeout, format!("{what}: deadline"))
+        }
+        ReadErr::Io(e) => Error::io(what, e),
+        ReadErr::Eof => Error::new(Code::Io, format!("{what}: connection closed mid-response")),
+        ReadErr::TooLarge => Error::protocol(format!("{what}: response exceeds size limits")),
+        ReadErr::Malformed(m) => Error::protocol(format!("{what}: malformed response: {m}")),
     }
 }
 

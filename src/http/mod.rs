@@ -18,7 +18,7 @@ mod wire;
 
 use std::time::Duration;
 
-pub use client::HttpClient;
+pub use client::{BodyStream, HttpClient};
 pub use server::{Handler, HttpServer};
 pub use wire::{percent_decode, percent_encode, reason_phrase, Request, Response};
 

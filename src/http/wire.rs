@@ -450,41 +450,54 @@ impl<S: Read> Wire<S> {
 
     fn read_chunked(&mut self, limit: usize) -> std::result::Result<Vec<u8>, ReadErr> {
         let mut out = Vec::new();
-        loop {
-            let line = self.read_line(MAX_CHUNK_LINE)?;
-            let size_field = line.split(|&b| b == b';').next().unwrap_or(&[]);
-            let size_field = trim_ascii(size_field);
-            if size_field.is_empty()
-                || size_field.len() > 15
-                || !size_field.iter().all(u8::is_ascii_hexdigit)
-            {
-                return Err(ReadErr::Malformed("bad chunk size"));
-            }
-            let size = size_field.iter().fold(0u64, |acc, &b| {
-                (acc << 4) | u64::from(hex_value(b).unwrap_or(0))
-            });
-            if size == 0 {
-                // Trailer section, discarded.
-                let mut trailer_bytes = 0;
-                loop {
-                    let t = self.read_line(MAX_CHUNK_LINE)?;
-                    if t.is_empty() {
-                        return Ok(out);
-                    }
-                    trailer_bytes += t.len();
-                    if trailer_bytes > MAX_REQUEST_HEAD {
-                        return Err(ReadErr::TooLarge);
-                    }
+        while let Some(chunk) = self.read_chunk(limit - out.len())? {
+            out.extend_from_slice(&chunk);
+        }
+        Ok(out)
+    }
+
+    /// Reads the next chunk of a chunked body, at most `limit` bytes: `None` after the
+    /// last one (and its trailer, discarded). Streams (etcd's watch) read chunk by
+    /// chunk as they arrive; whole bodies are their chunks joined.
+    pub(super) fn read_chunk(
+        &mut self,
+        limit: usize,
+    ) -> std::result::Result<Option<Vec<u8>>, ReadErr> {
+        let line = self.read_line(MAX_CHUNK_LINE)?;
+        let size_field = line.split(|&b| b == b';').next().unwrap_or(&[]);
+        let size_field = trim_ascii(size_field);
+        if size_field.is_empty()
+            || size_field.len() > 15
+            || !size_field.iter().all(u8::is_ascii_hexdigit)
+        {
+            return Err(ReadErr::Malformed("bad chunk size"));
+        }
+        let size = size_field.iter().fold(0u64, |acc, &b| {
+            (acc << 4) | u64::from(hex_value(b).unwrap_or(0))
+        });
+        if size == 0 {
+            // Trailer section, discarded.
+            let mut trailer_bytes = 0;
+            loop {
+                let t = self.read_line(MAX_CHUNK_LINE)?;
+                if t.is_empty() {
+                    return Ok(None);
+                }
+                trailer_bytes += t.len();
+                if trailer_bytes > MAX_REQUEST_HEAD {
+                    return Err(ReadErr::TooLarge);
                 }
             }
-            if out.len() as u64 + size > limit as u64 {
-                return Err(ReadErr::TooLarge);
-            }
-            self.read_exact_into(size as usize, &mut out)?;
-            if !self.read_line(MAX_CHUNK_LINE)?.is_empty() {
-                return Err(ReadErr::Malformed("missing CRLF after chunk data"));
-            }
         }
+        if size > limit as u64 {
+            return Err(ReadErr::TooLarge);
+        }
+        let mut out = Vec::with_capacity(size as usize);
+        self.read_exact_into(size as usize, &mut out)?;
+        if !self.read_line(MAX_CHUNK_LINE)?.is_empty() {
+            return Err(ReadErr::Malformed("missing CRLF after chunk data"));
+        }
+        Ok(Some(out))
     }
 }
 
@@ -718,6 +731,10 @@ mod tests {
         let mut w = Wire::new(&data[..]);
         assert_eq!(w.read_body(Framing::Chunked, 100).unwrap(), b"Wikipedia");
         assert_eq!(w.avail(), b"rest");
+        let mut w = Wire::new(&data[..]);
+        assert_eq!(w.read_chunk(100).unwrap().unwrap(), b"Wiki");
+        assert_eq!(w.read_chunk(100).unwrap().unwrap(), b"pedia");
+        assert!(w.read_chunk(100).unwrap().is_none());
         let mut w = Wire::new(&b"ff\r\n"[..]);
         assert!(matches!(
             w.read_body(Framing::Chunked, 10),

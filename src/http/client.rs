@@ -200,8 +200,14 @@ impl HttpClient {
         let what = format!("{method} http://{}{path_and_query}", self.host_header);
         let mut wire = self.connect()?;
         let signed_for = self.server_id.locked().clone();
-        self.send_request(&mut wire, method, path_and_query, body, signed_for.as_deref())
-            .map_err(|e| e.err)?;
+        self.send_request(
+            &mut wire,
+            method,
+            path_and_query,
+            body,
+            signed_for.as_deref(),
+        )
+        .map_err(|e| e.err)?;
         let left = deadline.saturating_duration_since(Instant::now());
         wire.stream
             .set_read_timeout(Some(left.max(Duration::from_millis(1))))
@@ -461,7 +467,10 @@ impl BodyStream {
     pub fn next_piece(&mut self, limit: usize) -> Result<Option<Vec<u8>>> {
         let left = self.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Error::new(Code::Timeout, format!("{}: deadline", self.what)));
+            return Err(Error::new(
+                Code::Timeout,
+                format!("{}: deadline", self.what),
+            ));
         }
         self.wire
             .stream
@@ -483,7 +492,12 @@ impl BodyStream {
 
 fn stream_error(what: &str, e: ReadErr) -> Error {
     match e {
-        ReadErr::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        ReadErr::Io(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             Error::new(Code::Timeout, format!("{what}: deadline"))
         }
         ReadErr::Io(e) => Error::io(what, e),

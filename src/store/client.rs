@@ -2,10 +2,10 @@
 //! objects by moving bytes peer to peer with the transfer engine while the master only
 //! hands out places and leases.
 
-use crate::util::sync::Unpoisoned;
+use crate::util::sync::{StopSignal, Unpoisoned};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -200,8 +200,8 @@ struct MasterSession {
     draining: Mutex<()>,
     /// The drain the master asked for, running beside the cataloger.
     drain_thread: Mutex<Option<JoinHandle<()>>>,
-    stop: AtomicBool,
-    wake: (Mutex<()>, Condvar),
+    /// Raised when the client closes: ends the pinger, the cataloger and drains.
+    stop: StopSignal,
     /// Descriptors kept within their leases, and the reads served from them.
     cache: ReplicaCache,
     /// Whether the master takes `Touch` and `GetReplicasKeepable`: `KEEPS_*`.
@@ -300,8 +300,7 @@ impl Client {
             drained: AtomicBool::new(false),
             draining: Mutex::new(()),
             drain_thread: Mutex::new(None),
-            stop: AtomicBool::new(false),
-            wake: (Mutex::new(()), Condvar::new()),
+            stop: StopSignal::default(),
             cache: ReplicaCache::default(),
             keeps: AtomicU8::new(KEEPS_UNKNOWN),
             mounts: mounts::Mounts::default(),
@@ -1295,7 +1294,7 @@ impl MasterSession {
     /// Follows the master's log of this node's segment (see `node_catalog`) until the
     /// client closes.
     fn catalog_loop(self: Arc<Self>) {
-        while !self.stop.load(Ordering::SeqCst) && !self.drained.load(Ordering::SeqCst) {
+        while !self.stop.is_raised() && !self.drained.load(Ordering::SeqCst) {
             self.catalog_poll();
             let asked = self.catalog.locked().take_drain_request();
             if asked && self.draining.try_lock().is_ok() {
@@ -1365,7 +1364,7 @@ impl MasterSession {
         report: &mut DrainReport,
     ) -> Result<()> {
         for chunk in movable.chunks(64) {
-            if self.stop.load(Ordering::SeqCst) {
+            if self.stop.is_raised() {
                 return Err(Error::new(
                     Code::UnavailableInCurrentStatus,
                     "drain interrupted: the client is closing",
@@ -1482,10 +1481,7 @@ impl MasterSession {
 
     /// Waits `d`, or less when the client closes.
     fn pause(&self, d: Duration) {
-        let guard = self.wake.0.locked();
-        if !self.stop.load(Ordering::SeqCst) {
-            let _ = self.wake.1.wait_timeout(guard, d);
-        }
+        self.stop.wait(d);
     }
 
     /// Mounts this client's segments again on a master that lost them.
@@ -1509,17 +1505,7 @@ impl MasterSession {
     }
 
     fn ping_loop(&self, interval: Duration) {
-        let mut guard = self.wake.0.locked();
-        while !self.stop.load(Ordering::SeqCst) {
-            guard = self
-                .wake
-                .1
-                .wait_timeout(guard, interval)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-            if self.stop.load(Ordering::SeqCst) {
-                break;
-            }
+        while !self.stop.wait(interval) {
             self.reap_extras(false);
             match self.call_with_touches(&Request::Ping { client: self.id }) {
                 Ok(Response::Ping { need_remount: true }) => self.remount_all(),
@@ -1533,11 +1519,7 @@ impl MasterSession {
 impl Drop for Client {
     fn drop(&mut self) {
         self.shared.flush_touches();
-        self.shared.stop.store(true, Ordering::SeqCst);
-        {
-            let _g = self.shared.wake.0.lock();
-            self.shared.wake.1.notify_all();
-        }
+        self.shared.stop.raise();
         if let Some(p) = self.pinger.take() {
             let _ = p.join();
         }

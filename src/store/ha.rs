@@ -8,9 +8,10 @@
 //! false the moment a keep-alive fails or reports the lease gone, before etcd can
 //! have let anyone else in (the keep-alive period is a third of the TTL).
 
-use crate::util::sync::Unpoisoned;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+
+pub use crate::util::sync::StopSignal;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,41 +59,6 @@ pub fn read_view(etcd: &EtcdClient, cluster_id: &str) -> Result<Option<MasterVie
         address,
         epoch: kv.create_revision,
     }))
-}
-
-/// A stop signal that wakes waiters at once.
-#[derive(Debug, Default)]
-pub struct StopSignal {
-    stopped: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl StopSignal {
-    /// A signal not yet raised.
-    pub fn new() -> Arc<StopSignal> {
-        Arc::new(StopSignal::default())
-    }
-
-    /// Raises it; every waiter returns.
-    pub fn raise(&self) {
-        *self.stopped.locked() = true;
-        self.cv.notify_all();
-    }
-
-    /// Whether it was raised.
-    pub fn is_raised(&self) -> bool {
-        *self.stopped.locked()
-    }
-
-    /// Waits up to `d`; true if raised.
-    pub fn wait(&self, d: Duration) -> bool {
-        let guard = self.stopped.locked();
-        let (guard, _) = self
-            .cv
-            .wait_timeout_while(guard, d, |stopped| !*stopped)
-            .unwrap_or_else(|e| e.into_inner());
-        *guard
-    }
 }
 
 /// Held while this process leads; dropping it resigns.

@@ -1,10 +1,10 @@
 //! A whole control plane in one process: the master's RPC, the admin/metrics HTTP
 //! endpoints, the embedded transfer-engine metadata server, and the housekeeping tick.
 
-use crate::util::sync::Unpoisoned;
+use crate::util::sync::StopSignal;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -72,7 +72,7 @@ pub struct MasterServer {
     rpc: ConnServer,
     admin: Option<HttpServer>,
     metadata: Option<MetadataServer>,
-    stop: Arc<(AtomicBool, Mutex<()>, Condvar)>,
+    stop: Arc<StopSignal>,
     ticker: Option<JoinHandle<()>>,
 }
 
@@ -132,17 +132,12 @@ impl MasterServer {
             }
             None => None,
         };
-        let stop = Arc::new((AtomicBool::new(false), Mutex::new(()), Condvar::new()));
+        let stop = StopSignal::new();
         let (m, s, tick) = (master.clone(), stop.clone(), config.tick);
         let ticker = std::thread::Builder::new()
             .name("mc-master-tick".into())
             .spawn(move || {
-                let mut guard = s.1.locked();
-                while !s.0.load(Ordering::SeqCst) {
-                    guard =
-                        s.2.wait_timeout(guard, tick)
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0;
+                while !s.wait(tick) {
                     m.tick();
                 }
             })
@@ -194,11 +189,7 @@ fn advertised_metadata_url(m: &MetadataServer) -> String {
 
 impl Drop for MasterServer {
     fn drop(&mut self) {
-        self.stop.0.store(true, Ordering::SeqCst);
-        {
-            let _g = self.stop.1.lock();
-            self.stop.2.notify_all();
-        }
+        self.stop.raise();
         if let Some(t) = self.ticker.take() {
             let _ = t.join();
         }

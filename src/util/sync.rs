@@ -3,8 +3,11 @@
 //! between statements (maps, queues, counters updated in one step), so the next
 //! holder takes it as it is rather than panicking in turn, which across the C ABI
 //! would abort the host process. One pair of traits, so the choice is made once.
+//!
+//! And the one stop signal threads sleep on between rounds of work ([`StopSignal`]).
 
-use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
 
 /// `Mutex::lock`, ignoring poison (see the module).
 pub trait Unpoisoned<T: ?Sized> {
@@ -36,6 +39,43 @@ impl<T: ?Sized> UnpoisonedRw<T> for RwLock<T> {
     }
 }
 
+/// A stop request that wakes its waiters at once: a background thread sleeps on it
+/// between rounds (`while !stop.wait(period) { ... }`) and its owner raises it to end
+/// the thread without waiting out the period.
+#[derive(Debug, Default)]
+pub struct StopSignal {
+    raised: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl StopSignal {
+    /// A signal not yet raised, shared.
+    pub fn new() -> Arc<StopSignal> {
+        Arc::new(StopSignal::default())
+    }
+
+    /// Raises it; every waiter returns.
+    pub fn raise(&self) {
+        *self.raised.locked() = true;
+        self.cv.notify_all();
+    }
+
+    /// Whether it was raised.
+    pub fn is_raised(&self) -> bool {
+        *self.raised.locked()
+    }
+
+    /// Waits up to `d`; true if raised (at once when it already was).
+    pub fn wait(&self, d: Duration) -> bool {
+        let guard = self.raised.locked();
+        let (guard, _) = self
+            .cv
+            .wait_timeout_while(guard, d, |raised| !*raised)
+            .unwrap_or_else(|e| e.into_inner());
+        *guard
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -55,5 +95,21 @@ mod tests {
         *m.locked() += 1;
         *rw.write_locked() += 1;
         assert_eq!((*m.locked(), *rw.read_locked()), (2, 2));
+    }
+
+    #[test]
+    fn a_raised_stop_signal_wakes_a_waiter_at_once_and_stays_raised() {
+        let stop = StopSignal::new();
+        assert!(
+            !stop.wait(Duration::from_millis(1)),
+            "not raised: times out"
+        );
+        let waiter = {
+            let stop = stop.clone();
+            std::thread::spawn(move || stop.wait(Duration::from_secs(3600)))
+        };
+        stop.raise();
+        assert!(waiter.join().unwrap(), "woken by the raise, not the hour");
+        assert!(stop.is_raised() && stop.wait(Duration::from_secs(3600)));
     }
 }

@@ -12,7 +12,6 @@
 
 use crate::util::sync::Unpoisoned;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -237,7 +236,7 @@ impl MasterSession {
             let (id, key, source, targets, plan) = {
                 let mut table = self.tasks.lock();
                 let id = loop {
-                    if self.stop.load(Ordering::SeqCst) {
+                    if self.stop.is_raised() {
                         return;
                     }
                     if let Some(id) = table.queue.pop_front() {
@@ -327,7 +326,7 @@ impl MasterSession {
             match self.copy_start(key, source, targets) {
                 Err(e) if e.code() == Code::NoAvailableHandle && attempt < PLACE_ATTEMPTS => {
                     self.pause(PLACE_BACKOFF * attempt);
-                    if self.stop.load(Ordering::SeqCst) {
+                    if self.stop.is_raised() {
                         return Err(e);
                     }
                     attempt += 1;

@@ -531,38 +531,74 @@ pub enum Response {
     },
 }
 
-impl Request {
-    /// The method number this request travels under.
-    pub fn method(&self) -> u16 {
-        match self {
-            Request::Ping { .. } => 1,
-            Request::Mount { .. } => 2,
-            Request::Unmount { .. } => 3,
-            Request::PutStart { .. } => 4,
-            Request::PutEnd { .. } => 5,
-            Request::PutRevoke { .. } => 6,
-            Request::GetReplicas { .. } => 7,
-            Request::Exists { .. } => 8,
-            Request::Remove { .. } => 9,
-            Request::RemoveAll { .. } => 10,
-            Request::RemoveByRegex { .. } => 11,
-            Request::Stats => 12,
-            Request::RemoveKeys { .. } => 13,
-            Request::ReplicaClear { .. } => 14,
-            Request::MetadataUrl => 15,
-            Request::Remount { .. } => 16,
-            Request::SegmentEvents { .. } => 17,
-            Request::Drain { .. } => 18,
-            Request::Relocate { .. } => 19,
-            Request::RelocateEnd { .. } => 20,
-            Request::Touch { .. } => 21,
-            Request::GetReplicasKeepable { .. } => 22,
-            Request::MountExtra { .. } => 23,
-            Request::CopyStart { .. } => 24,
-            Request::CopyEnd { .. } => 25,
-            Request::ReleaseStaged { .. } => 26,
-            Request::Describe { .. } => 27,
+/// Declares the master's RPC methods once: each one's number on the wire and the
+/// `Request` variant that carries it. `Method` and `Request::kind` follow from it; the
+/// codecs match on the names, never on numbers.
+macro_rules! rpc_methods {
+    ($($number:literal => $name:ident,)*) => {
+        /// A master RPC method (a frame's method field).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(u16)]
+        pub enum Method {
+            $(#[doc = concat!("Carries `Request::", stringify!($name), "`.")]
+            $name = $number,)*
         }
+
+        impl Method {
+            /// The method a frame's number names, if any.
+            pub fn from_wire(number: u16) -> Option<Method> {
+                match number {
+                    $($number => Some(Method::$name),)*
+                    _ => None,
+                }
+            }
+        }
+
+        impl Request {
+            /// The method this request travels as.
+            pub fn kind(&self) -> Method {
+                match self {
+                    $(Request::$name { .. } => Method::$name,)*
+                }
+            }
+        }
+    };
+}
+
+rpc_methods! {
+    1 => Ping,
+    2 => Mount,
+    3 => Unmount,
+    4 => PutStart,
+    5 => PutEnd,
+    6 => PutRevoke,
+    7 => GetReplicas,
+    8 => Exists,
+    9 => Remove,
+    10 => RemoveAll,
+    11 => RemoveByRegex,
+    12 => Stats,
+    13 => RemoveKeys,
+    14 => ReplicaClear,
+    15 => MetadataUrl,
+    16 => Remount,
+    17 => SegmentEvents,
+    18 => Drain,
+    19 => Relocate,
+    20 => RelocateEnd,
+    21 => Touch,
+    22 => GetReplicasKeepable,
+    23 => MountExtra,
+    24 => CopyStart,
+    25 => CopyEnd,
+    26 => ReleaseStaged,
+    27 => Describe,
+}
+
+impl Request {
+    /// The method number this request travels under (see `rpc_methods!`).
+    pub fn method(&self) -> u16 {
+        self.kind() as u16
     }
 
     /// Writes the request's payload.
@@ -738,9 +774,12 @@ impl Request {
     pub fn decode(method: u16, payload: &[u8]) -> Result<Request> {
         let mut r = Reader::new(payload);
         let keys = |r: &mut Reader| r.list(4, |r| r.string());
-        let req = match method {
-            1 => Request::Ping { client: r.u64()? },
-            2 => Request::Mount {
+        let Some(kind) = Method::from_wire(method) else {
+            return Err(Error::protocol(format!("unknown store method {method}")));
+        };
+        let req = match kind {
+            Method::Ping => Request::Ping { client: r.u64()? },
+            Method::Mount => Request::Mount {
                 client: r.u64()?,
                 segment: SegmentInfo {
                     name: r.string()?,
@@ -748,50 +787,50 @@ impl Request {
                     size: r.u64()?,
                 },
             },
-            3 => Request::Unmount {
+            Method::Unmount => Request::Unmount {
                 client: r.u64()?,
                 name: r.string()?,
             },
-            4 => Request::PutStart {
+            Method::PutStart => Request::PutStart {
                 client: r.u64()?,
                 items: r.list(12, |r| Ok((r.string()?, r.u64()?)))?,
                 config: decode_config(&mut r)?,
                 upsert: r.bool()?,
             },
-            5 => Request::PutEnd {
+            Method::PutEnd => Request::PutEnd {
                 client: r.u64()?,
                 items: r.list(8, |r| Ok((r.string()?, r.u32()?)))?,
             },
-            6 => Request::PutRevoke {
+            Method::PutRevoke => Request::PutRevoke {
                 client: r.u64()?,
                 keys: keys(&mut r)?,
             },
-            7 => Request::GetReplicas {
+            Method::GetReplicas => Request::GetReplicas {
                 keys: keys(&mut r)?,
             },
-            8 => Request::Exists {
+            Method::Exists => Request::Exists {
                 keys: keys(&mut r)?,
             },
-            9 => Request::Remove {
+            Method::Remove => Request::Remove {
                 key: r.string()?,
                 force: r.bool()?,
             },
-            10 => Request::RemoveAll { force: r.bool()? },
-            11 => Request::RemoveByRegex {
+            Method::RemoveAll => Request::RemoveAll { force: r.bool()? },
+            Method::RemoveByRegex => Request::RemoveByRegex {
                 pattern: r.string()?,
                 force: r.bool()?,
             },
-            12 => Request::Stats,
-            13 => Request::RemoveKeys {
+            Method::Stats => Request::Stats,
+            Method::RemoveKeys => Request::RemoveKeys {
                 keys: keys(&mut r)?,
                 force: r.bool()?,
             },
-            14 => Request::ReplicaClear {
+            Method::ReplicaClear => Request::ReplicaClear {
                 keys: keys(&mut r)?,
                 segment: r.string()?,
             },
-            15 => Request::MetadataUrl,
-            16 => Request::Remount {
+            Method::MetadataUrl => Request::MetadataUrl,
+            Method::Remount => Request::Remount {
                 client: r.u64()?,
                 segment: SegmentInfo {
                     name: r.string()?,
@@ -815,7 +854,7 @@ impl Request {
                     Some(OwnerTicket::decode(&mut r)?)
                 },
             },
-            17 => Request::SegmentEvents {
+            Method::SegmentEvents => Request::SegmentEvents {
                 client: r.u64()?,
                 segment: r.string()?,
                 instance: r.u64()?,
@@ -823,27 +862,27 @@ impl Request {
                 disk_capacity: r.u64()?,
                 lost: keys(&mut r)?,
             },
-            18 => Request::Drain {
+            Method::Drain => Request::Drain {
                 client: r.u64()?,
                 segment: r.string()?,
             },
-            19 => Request::Relocate {
+            Method::Relocate => Request::Relocate {
                 client: r.u64()?,
                 segment: r.string()?,
                 keys: keys(&mut r)?,
             },
-            20 => Request::RelocateEnd {
+            Method::RelocateEnd => Request::RelocateEnd {
                 client: r.u64()?,
                 segment: r.string()?,
                 items: r.list(5, |r| Ok((r.string()?, r.bool()?)))?,
             },
-            21 => Request::Touch {
+            Method::Touch => Request::Touch {
                 batches: r.list(4, keys)?,
             },
-            22 => Request::GetReplicasKeepable {
+            Method::GetReplicasKeepable => Request::GetReplicasKeepable {
                 keys: keys(&mut r)?,
             },
-            23 => Request::MountExtra {
+            Method::MountExtra => Request::MountExtra {
                 client: r.u64()?,
                 id: r.string()?,
                 segment: SegmentInfo {
@@ -852,24 +891,23 @@ impl Request {
                     size: r.u64()?,
                 },
             },
-            24 => Request::CopyStart {
+            Method::CopyStart => Request::CopyStart {
                 client: r.u64()?,
                 key: r.string()?,
                 source: r.string()?,
                 targets: keys(&mut r)?,
             },
-            25 => Request::CopyEnd {
+            Method::CopyEnd => Request::CopyEnd {
                 client: r.u64()?,
                 ticket: r.u64()?,
                 done: r.bool()?,
             },
-            26 => Request::ReleaseStaged {
+            Method::ReleaseStaged => Request::ReleaseStaged {
                 items: r.list(12, |r| Ok((r.string()?, r.u64()?)))?,
             },
-            27 => Request::Describe {
+            Method::Describe => Request::Describe {
                 keys: keys(&mut r)?,
             },
-            other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
         Ok(req)
@@ -1103,27 +1141,42 @@ impl Response {
     /// Decodes the answer to a request of `method`.
     pub fn decode(method: u16, payload: &[u8]) -> Result<Response> {
         let mut r = Reader::new(payload);
-        let resp = match method {
-            1 => Response::Ping {
+        let Some(kind) = Method::from_wire(method) else {
+            return Err(Error::protocol(format!("unknown store method {method}")));
+        };
+        use Method as M;
+        let resp = match kind {
+            M::Ping => Response::Ping {
                 need_remount: r.bool()?,
             },
-            2 | 3 | 18 | 21 | 23 | 25 | 26 => Response::Done,
-            16 if payload.is_empty() => Response::Done,
-            16 => Response::Mounted(OwnerTicket::decode(&mut r)?),
-            4 | 19 => Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?),
-            5 | 6 | 13 | 14 | 20 => Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?),
-            7 => Response::GetReplicas(decode_descs(&mut r)?),
-            22 => Response::Keepable {
+            M::Mount
+            | M::Unmount
+            | M::Drain
+            | M::Touch
+            | M::MountExtra
+            | M::CopyEnd
+            | M::ReleaseStaged => Response::Done,
+            // Masters that predate owner tickets answer a remount with nothing.
+            M::Remount if payload.is_empty() => Response::Done,
+            M::Remount => Response::Mounted(OwnerTicket::decode(&mut r)?),
+            M::PutStart | M::Relocate => {
+                Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?)
+            }
+            M::PutEnd | M::PutRevoke | M::RemoveKeys | M::ReplicaClear | M::RelocateEnd => {
+                Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?)
+            }
+            M::GetReplicas => Response::GetReplicas(decode_descs(&mut r)?),
+            M::GetReplicasKeepable => Response::Keepable {
                 descs: decode_descs(&mut r)?,
                 keepable: r.list(1, |r| r.bool())?,
             },
-            27 => Response::Described {
+            M::Describe => Response::Described {
                 descs: decode_descs(&mut r)?,
                 disk: r.list(4, |r| r.string())?,
             },
-            8 => Response::Exists(r.list(4, |r| decode_result(r, |r| r.bool()))?),
-            9..=11 => Response::Count(r.u64()?),
-            12 => Response::Stats(PoolStats {
+            M::Exists => Response::Exists(r.list(4, |r| decode_result(r, |r| r.bool()))?),
+            M::Remove | M::RemoveAll | M::RemoveByRegex => Response::Count(r.u64()?),
+            M::Stats => Response::Stats(PoolStats {
                 segments: r.u64()?,
                 capacity: r.u64()?,
                 used: r.u64()?,
@@ -1131,8 +1184,8 @@ impl Response {
                 evicted_objects: r.u64()?,
                 evicted_bytes: r.u64()?,
             }),
-            15 => Response::MetadataUrl(r.string()?),
-            24 => {
+            M::MetadataUrl => Response::MetadataUrl(r.string()?),
+            M::CopyStart => {
                 let (ticket, size, crc32c) = (r.u64()?, r.u64()?, r.u32()?);
                 // Exactly one source: anything else would not re-encode as it came.
                 let mut sources = decode_replicas(&mut r)?;
@@ -1148,7 +1201,7 @@ impl Response {
                     targets: decode_replicas(&mut r)?,
                 })
             }
-            17 => Response::SegmentEvents(SegmentEvents {
+            M::SegmentEvents => Response::SegmentEvents(SegmentEvents {
                 instance: r.u64()?,
                 reset: r.bool()?,
                 snapshot_end: r.u64()?,
@@ -1185,7 +1238,6 @@ impl Response {
                     t => Err(Error::protocol(format!("catalog event type {t}"))),
                 })?,
             }),
-            other => return Err(Error::protocol(format!("unknown store method {other}"))),
         };
         r.finish()?;
         Ok(resp)
@@ -1221,6 +1273,22 @@ pub fn check_key(key: &str) -> KeyResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_method_number_names_one_method_and_back() {
+        let named: Vec<Method> = (0..=u16::MAX).filter_map(Method::from_wire).collect();
+        assert_eq!(named.len(), 27);
+        for m in named {
+            assert_eq!(Method::from_wire(m as u16), Some(m));
+        }
+        assert_eq!(Request::Stats.kind(), Method::Stats);
+        assert_eq!(
+            Request::Stats.method(),
+            12,
+            "numbers on the wire never change"
+        );
+        assert!(Request::decode(0, &[]).is_err() && Response::decode(28, &[]).is_err());
+    }
 
     #[test]
     fn long_keys_are_cut_in_messages() {

@@ -190,6 +190,16 @@ fn forged(key: &str, version: u64, crc: u32, at: &SegmentInfo) -> CatalogEntry {
     }
 }
 
+/// A claim that a node's disk tier holds `key` (of `SIZE` bytes) at `version`.
+fn forged_on_disk(key: &str, version: u64, crc: u32) -> DiskEntry {
+    DiskEntry {
+        key: key.into(),
+        version,
+        size: SIZE,
+        crc32c: crc,
+    }
+}
+
 fn on(name: &str) -> ReplicateConfig {
     ReplicateConfig {
         preferred_segments: vec![name.into()],
@@ -220,12 +230,7 @@ fn a_remount_never_replaces_an_object_this_master_wrote() {
 
     let evil = segment("evil", 1);
     let claim = forged("k", issued, FORGED_CRC, &evil);
-    let on_disk = DiskEntry {
-        key: "k".into(),
-        version: issued,
-        size: SIZE,
-        crc32c: FORGED_CRC,
-    };
+    let on_disk = forged_on_disk("k", issued, FORGED_CRC);
     remount(&m, MALLORY, &evil, vec![claim], vec![on_disk]).unwrap();
 
     let k = get(&m, "k").expect("k is still served");
@@ -246,12 +251,7 @@ fn a_claim_above_every_version_issued_is_refused() {
     let ahead = (unix_ms() + 3_600_000) << 20;
     let evil = segment("evil", 1);
     let claim = forged("fresh", ahead, FORGED_CRC, &evil);
-    let on_disk = DiskEntry {
-        key: "fresh-on-disk".into(),
-        version: ahead,
-        size: SIZE,
-        crc32c: FORGED_CRC,
-    };
+    let on_disk = forged_on_disk("fresh-on-disk", ahead, FORGED_CRC);
     remount(&m, MALLORY, &evil, vec![claim], vec![on_disk]).unwrap();
     assert_eq!(get(&m, "fresh").err(), Some(Code::ObjectNotFound));
     assert_eq!(get(&m, "fresh-on-disk").err(), Some(Code::ObjectNotFound));

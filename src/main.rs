@@ -134,6 +134,9 @@ const COMMANDS: &[(&str, &str)] = &[
       puts, but the last ones before a master crash may be lost). --owner-key-file
       names a secret the cluster's masters share and no node knows: with it, a node
       keeps its segment name across a master's restart even if another took it first.
+      [--recovery-window-ms 2000] For this long after it starts, a lookup that misses is
+      answered with ask-again (readers wait), not a miss: the node holding the
+      key may not have remounted yet. 0: misses at once.
       [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
       Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
       brings one back, kept in memory from its Nth read from disk.

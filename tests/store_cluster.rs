@@ -511,3 +511,58 @@ fn a_restarted_master_is_usable_again_without_restarting_nodes() {
     }
     drop(second);
 }
+
+/// Issue 28, item 5: a get during a master's restart is answered with the object, not
+/// a miss. The restarted master starts empty; until the node holding the object
+/// remounts, it answers lookups that miss with "ask again" (its recovery window), and
+/// the reader waits for the node instead of reporting a miss. Once the window has
+/// passed, a key nobody put is a plain miss again.
+#[test]
+fn a_get_while_the_master_restarts_waits_for_the_nodes_remount() {
+    let recovering = |rpc_port, metadata_port| {
+        let mut cfg = ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            rpc_port,
+            metadata_port: Some(metadata_port),
+            metrics_port: None,
+            ..Default::default()
+        };
+        cfg.master.recovery_window = Duration::from_secs(2);
+        MasterServer::start(cfg)
+    };
+    let first = recovering(0, 0).unwrap();
+    let rpc_port = first.rpc_addr().port();
+    let meta_url = first.metadata_url().unwrap();
+    let meta_port: u16 = meta_url
+        .trim_start_matches("http://")
+        .split(['/', ':'])
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .expect("metadata port in the URL");
+    let rpc_addr = first.rpc_addr().to_string();
+    let config = |segment| ClientConfig {
+        global_segment_size: segment,
+        ping_interval: Duration::from_millis(200),
+        ..ClientConfig::connect(&rpc_addr, &meta_url, "tcp").unwrap()
+    };
+    let _node = Client::new(config(32 * MIB)).unwrap();
+    let writer = Client::new(config(0)).unwrap();
+    let v = value(5, 100_000);
+    writer.put("kept", &v, &ReplicateConfig::default()).unwrap();
+    drop(writer);
+    drop(first);
+
+    let _second = recovering(rpc_port, meta_port).expect("the old ports are free again");
+    // Asked at once: the node has not remounted yet (it learns at its next ping).
+    let reader = Client::new(config(0)).unwrap();
+    assert_eq!(
+        reader
+            .get("kept")
+            .expect("the object, once its node is back"),
+        v
+    );
+    assert_eq!(
+        reader.get("never-put").unwrap_err().code(),
+        Code::ObjectNotFound
+    );
+}

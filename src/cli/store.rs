@@ -182,6 +182,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         "catalog-ack-timeout-ms",
         m.catalog_ack_timeout.as_millis() as u64,
     )?);
+    m.recovery_window = Duration::from_millis(a.get("recovery-window-ms", 2000)?);
     m.offload_on_evict = a.get("offload-on-evict", m.offload_on_evict)?;
     m.promotion_admission_threshold = a.get(
         "promotion-admission-threshold",

@@ -12,12 +12,12 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::codec::Writer;
 use super::ha;
 use super::master::Master;
-use super::protocol::{Request, Response, PROTOCOL_VERSION};
+use super::protocol::{Method, Request, Response, PROTOCOL_VERSION};
 use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 use crate::etcd::EtcdClient;
@@ -94,7 +94,7 @@ const SERVER_SPIN: Duration = Duration::from_micros(20);
 /// How long a client polls for the master's answer before it blocks.
 const CLIENT_SPIN: Duration = Duration::from_micros(100);
 /// `SegmentEvents`: answered when the segment's catalog changes, not at once.
-const LONG_POLL_METHOD: u16 = 17;
+const LONG_POLL_METHOD: u16 = Method::SegmentEvents as u16;
 
 /// Serves the master's RPC on `bind` until dropped.
 pub fn serve(
@@ -231,6 +231,18 @@ impl MasterTarget {
     }
 }
 
+/// The environment variable with how long (milliseconds) read-only calls wait out a
+/// master that is restarting or failing over; 0: not at all.
+pub const MASTER_WAIT_ENV: &str = "MC_STORE_MASTER_WAIT_MS";
+
+fn master_wait() -> Duration {
+    let ms = std::env::var(MASTER_WAIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(5000);
+    Duration::from_millis(ms)
+}
+
 /// A transport failure talking to the master at `addr`, as RPC codes.
 fn rpc_error(addr: SocketAddr, e: Error) -> Error {
     match e.code() {
@@ -246,6 +258,10 @@ pub struct RpcClient {
     pool: Mutex<Vec<(SocketAddr, TcpStream)>>,
     next_id: AtomicU64,
     secret: Option<ClusterSecret>,
+    /// How long read-only calls wait out a master away (`call_after_while`).
+    patience: Duration,
+    /// When calls began failing because the master is away; `None` while it answers.
+    away_since: Mutex<Option<Instant>>,
 }
 
 impl RpcClient {
@@ -267,6 +283,8 @@ impl RpcClient {
             pool: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             secret,
+            patience: master_wait(),
+            away_since: Mutex::new(None),
         })
     }
 
@@ -338,11 +356,65 @@ impl RpcClient {
     /// before the answer is read, so that work which does not need the answer overlaps
     /// the master's. It runs once per attempt: not at all when no connection could be
     /// made, twice when a read-only request is retried.
+    ///
+    /// A read-only request also waits out a master that is restarting or failing over:
+    /// while the master cannot be reached, or answers that it just started and nodes
+    /// are still remounting (`UnavailableInCurrentStatus`), it is sent again with
+    /// backoff, within one window of patience (`MC_STORE_MASTER_WAIT_MS`, default 5000)
+    /// counted from the first failure. Once a window ran out, calls fail at their first
+    /// failure until one gets through again, so a master that is gone does not make
+    /// every call wait.
     pub fn call_after_while(
         &self,
         before: Option<&Request>,
         req: &Request,
         meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
+        let read_only = matches!(
+            req,
+            Request::Ping { .. }
+                | Request::GetReplicas { .. }
+                | Request::GetReplicasKeepable { .. }
+                | Request::Exists { .. }
+                | Request::Describe { .. }
+                | Request::Stats
+                | Request::MetadataUrl
+        );
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let result = self.attempt(before, req, meanwhile, read_only);
+            let master_away = matches!(
+                &result,
+                Err(e) if matches!(e.code(), Code::RpcFail | Code::UnavailableInCurrentStatus)
+            );
+            if !read_only || !master_away {
+                *self.away_since.locked() = None;
+                return result;
+            }
+            let Some(left) = self.patience_left() else {
+                return result;
+            };
+            std::thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(200));
+        }
+    }
+
+    /// What is left of the patience window opened by the first failure since the last
+    /// call that got through (opening it now if none is open); `None` once it ran out.
+    fn patience_left(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let since = *self.away_since.locked().get_or_insert(now);
+        Some(self.patience.saturating_sub(now - since)).filter(|left| !left.is_zero())
+    }
+
+    /// One try of `call_after_while`: a pooled connection, or a new one; a read-only
+    /// request found its pooled connection dead is sent once more on a new one.
+    fn attempt(
+        &self,
+        before: Option<&Request>,
+        req: &Request,
+        meanwhile: &mut dyn FnMut(),
+        read_only: bool,
     ) -> Result<Response> {
         let encoded = |r: &Request| {
             let mut w = Writer::new();
@@ -352,15 +424,6 @@ impl RpcClient {
         let (method, bytes) = encoded(req);
         let before = before.map(encoded);
         let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
-        let retryable = matches!(
-            req,
-            Request::Ping { .. }
-                | Request::GetReplicas { .. }
-                | Request::GetReplicasKeepable { .. }
-                | Request::Exists { .. }
-                | Request::Stats
-                | Request::MetadataUrl
-        );
         let pooled = self.pooled();
         let fresh = pooled.is_none();
         let (addr, mut stream) = match pooled {
@@ -372,7 +435,7 @@ impl RpcClient {
                 self.keep((addr, stream));
                 resp
             }
-            Err(e) if !fresh && retryable => {
+            Err(e) if !fresh && read_only => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let (addr, mut stream) = self.connect()?;
                 let resp = self.exchange(addr, &mut stream, before, method, &bytes, meanwhile)?;
@@ -471,6 +534,41 @@ mod tests {
     use super::*;
     use crate::store::master::MasterConfig;
     use crate::store::protocol::SegmentInfo;
+
+    #[test]
+    fn reads_wait_out_an_absent_master_once_then_fail_at_once_until_it_answers() {
+        // Nothing listens on a port we bound and released.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut c = RpcClient::new(&format!("127.0.0.1:{port}"), None).unwrap();
+        c.patience = Duration::from_millis(30);
+        let exists = Request::Exists {
+            keys: vec!["k".into()],
+        };
+        assert_eq!(c.call(&exists).unwrap_err().code(), Code::RpcFail);
+        assert!(c.away_since.locked().is_some(), "the window was opened");
+        assert!(c.patience_left().is_none(), "and has run out");
+        // Writes never wait: they may have been applied.
+        c.patience = Duration::from_secs(3600);
+        *c.away_since.locked() = None;
+        let unmount = Request::Unmount {
+            client: 1,
+            name: "n".into(),
+        };
+        assert_eq!(c.call(&unmount).unwrap_err().code(), Code::RpcFail);
+        assert!(c.away_since.locked().is_none(), "a write opens no window");
+        // Once a master answers, the next absence gets a whole window again.
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = format!("127.0.0.1:{port}").parse().unwrap();
+        let _server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        c.patience = Duration::ZERO;
+        *c.away_since.locked() = Some(Instant::now());
+        assert!(c.call(&exists).is_ok());
+        assert!(c.away_since.locked().is_none());
+    }
 
     #[test]
     fn a_pooled_connection_closed_while_idle_is_replaced_not_failed() {

@@ -141,6 +141,11 @@ impl Catalogs {
         version <= self.recovered_ceiling
     }
 
+    /// Whether some node's remount is still arriving.
+    pub(super) fn remounts_pending(&self) -> bool {
+        !self.remounts.locked().is_empty()
+    }
+
     /// Drops remounts and striped pieces that waited too long (their space is freed).
     pub fn expire(&self, now_ms: u64) {
         let fresh = |started: u64| now_ms.saturating_sub(started) < REMOUNT_PATIENCE_MS;

@@ -76,6 +76,14 @@ pub struct MasterConfig {
     pub max_remount_bytes_per_segment: u64,
     /// Bytes of catalog all unfinished remounts together may hold.
     pub max_remount_bytes: u64,
+    /// For this long after it starts (and while remounts it asked for are arriving,
+    /// up to ten times as long), the master answers a lookup that finds a key missing
+    /// with `UnavailableInCurrentStatus` instead of a miss: a restarted master (or a
+    /// new leader) starts empty and the node holding the key may not have remounted
+    /// yet. Readers wait and ask again (`store::rpc`). Zero (the default for a master
+    /// built in process) answers misses at once; `mooncake master` uses 2 s, about two
+    /// of a node's ping intervals.
+    pub recovery_window: Duration,
 }
 
 impl Default for MasterConfig {
@@ -99,6 +107,7 @@ impl Default for MasterConfig {
             // About 1.3 million object pieces per node; four nodes at once.
             max_remount_bytes_per_segment: 256 << 20,
             max_remount_bytes: 1 << 30,
+            recovery_window: Duration::ZERO,
         }
     }
 }

@@ -119,6 +119,8 @@ pub struct Master {
     owners: owner::Owners,
     /// Replicas placed for copies and moves, until their client ends them.
     copies: copy::Copies,
+    /// When this master started (its clock), for `recovering`.
+    started_ms: u64,
 }
 
 impl Master {
@@ -134,7 +136,6 @@ impl Master {
             .collect();
         Master {
             config,
-            clock,
             shards,
             segments: SegmentTable::default(),
             clients: Mutex::new(HashMap::new()),
@@ -151,6 +152,8 @@ impl Master {
             catalogs: catalog::Catalogs::new(),
             owners: owner::Owners::new(),
             copies: copy::Copies::default(),
+            started_ms: clock.now_ms(),
+            clock,
         }
     }
 
@@ -170,6 +173,26 @@ impl Master {
     /// restarted master still gives each name back to the node that held it.
     pub fn set_owner_key(&self, key: &[u8]) {
         self.owners.set_key(key);
+    }
+
+    /// Whether this master may still be getting objects back from nodes' catalogs
+    /// (see `MasterConfig::recovery_window`).
+    fn recovering(&self) -> bool {
+        let window = self.config.recovery_window.as_millis() as u64;
+        let age = self.clock.now_ms().saturating_sub(self.started_ms);
+        age < window || (age < window.saturating_mul(10) && self.catalogs.remounts_pending())
+    }
+
+    /// Refuses a lookup that found something missing while the master recovers: the
+    /// node holding it may not have remounted yet, so that is not yet a miss.
+    fn unless_recovering(&self, something_missing: bool) -> Result<()> {
+        if something_missing && self.recovering() {
+            return Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                "the master just started and nodes are still remounting; ask again",
+            ));
+        }
+        Ok(())
     }
 
     /// The metadata URL set by `set_metadata_url`, if any.
@@ -262,10 +285,14 @@ impl Master {
                 Response::PerKey(keys.iter().map(|k| self.put_revoke(client, k)).collect())
             }
             Request::GetReplicas { keys } => {
-                Response::GetReplicas(eviction::tail_first(&keys, |k| self.get_replicas(k)))
+                let descs = eviction::tail_first(&keys, |k| self.get_replicas(k));
+                self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
+                Response::GetReplicas(descs)
             }
             Request::Exists { keys } => {
-                Response::Exists(keys.iter().map(|k| self.exists(k)).collect())
+                let found: Vec<_> = keys.iter().map(|k| self.exists(k)).collect();
+                self.unless_recovering(found.iter().any(|f| *f != Ok(true)))?;
+                Response::Exists(found)
             }
             Request::GetReplicasKeepable { keys } => {
                 let answers = eviction::tail_first(&keys, |k| match self.lookup(k, false) {
@@ -274,7 +301,8 @@ impl Master {
                     Err(Code::ReplicaIsNotReady) => (self.lookup(k, true), false),
                     other => (other, true),
                 });
-                let (descs, keepable) = answers.into_iter().unzip();
+                let (descs, keepable): (Vec<_>, _) = answers.into_iter().unzip();
+                self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
                 Response::Keepable { descs, keepable }
             }
             Request::Touch { batches } => {
@@ -284,7 +312,8 @@ impl Master {
                 Response::Done
             }
             Request::Describe { keys } => {
-                let (descs, disk) = keys.iter().map(|k| self.describe(k)).unzip();
+                let (descs, disk): (Vec<_>, _) = keys.iter().map(|k| self.describe(k)).unzip();
+                self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
                 Response::Described { descs, disk }
             }
             Request::ReleaseStaged { items } => {

@@ -2,7 +2,7 @@
 """Chaos run: a master, 3 nodes with disk tiers and a verifying load, while nodes are
 killed (SIGKILL) and restarted every few seconds and the master twice.
 
-    python3 bench/chaos.py [--minutes 10] [--seed 1] [--replicas 1] [--put-rate 25]
+    python3 bench/chaos.py [--minutes 10] [--seed 1] [--replicas 1] [--put-rate 25] [--master-kills 2]
 
 Processes (all on 127.0.0.1): a `mooncake metadata-server` (never killed, so engine
 metadata outlives the master), `mooncake master --lease-ttl-ms 2000 --client-ttl 2` (a
@@ -12,8 +12,8 @@ next kill), 3 `mooncake node --segment-size 16M --ssd-size 4G --protocol tcp --n
 and `mooncake bench chaos-load` (bench/chaos.rs) as a pure client. The load writes
 far more than the nodes' memory, so most objects are evicted to the disk tiers. Every
 3-8 s a random node is killed with SIGKILL and started again at once under the same
-name and disk directory; at 1/3 and 2/3 of the run the master is killed the same way
-and restarted on the same RPC port. Afterwards every process is back up and the load
+name and disk directory; at 1/3 and 2/3 of the run (--master-kills) the master is
+killed the same way and restarted on the same RPC port. Afterwards every process is back up and the load
 reads every committed object again (retrying the unreadable ones for up to 120 s).
 
 Counting (the method): an object's bytes derive from its key, so every read is
@@ -35,8 +35,9 @@ An object still unreadable at the end is
     node was killed after its put started, else `lost`.
 Exit status 1 when wrong > 0 or lost > 0 (or a disk tier evicted a file, which would
 void the disk check). One JSON summary line on stdout; progress on stderr. Every
-process started is killed at the end, also on errors and Ctrl-C; the temporary
-directory is removed, except its logs after a failure (--keep: everything).
+process started is killed at the end, also on errors, Ctrl-C and SIGTERM; the
+temporary directory is removed, except its logs after a failure or an error (--keep:
+everything).
 """
 
 import argparse
@@ -189,9 +190,12 @@ def disk_held(records, seed, i):
     """Whether any of `records` (kind, file, value offset, value length) is a complete
     copy of object i: a value record whose bytes after the prefix are exactly the
     object's. (A tombstone after it does not undo that: nothing here removes objects.)"""
-    want = expected_value(seed, i)
+    want = None
     for kind, path, off, value_len in records:
-        if kind != KIND_VALUE or value_len != VALUE_PREFIX + len(want):
+        if kind != KIND_VALUE:
+            continue
+        want = want if want is not None else expected_value(seed, i)
+        if value_len != VALUE_PREFIX + len(want):
             continue
         with open(path, "rb") as f:
             f.seek(off)
@@ -207,6 +211,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--put-rate", type=float, default=25)
+    ap.add_argument("--master-kills", type=int, default=2, help="spread evenly over the run")
     ap.add_argument("--bin", default=None, help="mooncake binary (default: build target/release/mooncake)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args()
@@ -260,7 +265,7 @@ def main():
         load_err.close()
 
         start = time.time()
-        master_kills = [start + seconds / 3, start + 2 * seconds / 3]
+        master_kills = [start + seconds * (k + 1) / (args.master_kills + 1) for k in range(args.master_kills)]
         node_restarts = master_restarts = failed_starts = 0
         next_kill = start + rnd.uniform(3, 8)
         while time.time() - start < seconds:
@@ -358,9 +363,10 @@ def main():
             p.kill9()
         bad = summary is None or summary["wrong"] > 0 or summary["lost"] > 0 \
             or not summary["disk_never_evicted"]
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
         if args.keep:
             log(f"kept {work}")
-        elif bad:
+        elif bad and not interrupted:
             # The disk tiers are large; the logs are what a failure is read from.
             for n in range(NODES):
                 shutil.rmtree(os.path.join(work, f"ssd-{n}"), ignore_errors=True)
@@ -377,6 +383,7 @@ def on_term(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     try:
         sys.exit(main())
     except KeyboardInterrupt:

@@ -6,6 +6,8 @@ mod alloc_bench;
 mod auth_bench;
 #[path = "../bench/common.rs"]
 mod bench_common;
+#[path = "../bench/chaos.rs"]
+mod chaos_bench;
 mod cli;
 #[path = "../bench/disk.rs"]
 mod disk_bench;
@@ -95,6 +97,15 @@ const COMMANDS: &[(&str, &str)] = &[
   mooncake bench disk [--dir DIR] [--total 1G] [--object 4M] [--reps 3] [--cached]
       The store's disk tier: put and read-back GB/s next to a plain pwrite/pread loop
       on the same file system (read back from the device, or the page cache).",
+    ),
+    (
+        "bench chaos-load",
+        "\
+  mooncake bench chaos-load --master HOST:PORT [--metadata URL] [--seconds 60] [--put-rate 25]
+      [--gets-per-put 2] [--replicas 1] [--seed 1] [--settle 120] [--stable 30] [--protocol tcp]
+      The load side of bench/chaos.py: puts objects whose bytes derive from their key,
+      reads random committed ones back checking every byte; then, after a line on stdin,
+      reads every committed object again. JSON lines on stdout.",
     ),
     (
         "bench floor",
@@ -296,8 +307,9 @@ fn main() -> ExitCode {
             Some("master") => master_bench::run(&raw[2..]),
             Some("first-touch") => first_touch_bench::run(&raw[2..]),
             Some("auth") => auth_bench::run(&raw[2..]),
+            Some("chaos-load") => chaos_bench::run(&raw[2..]),
             _ => Err(
-                "usage: mooncake bench transfer|alloc|store|master|first-touch|auth [options]"
+                "usage: mooncake bench transfer|alloc|store|master|first-touch|auth|chaos-load [options]"
                     .to_owned(),
             ),
         },

@@ -11,6 +11,7 @@
 //! master of a cluster, known to no node). Without one, each master draws its own key,
 //! and after a restart the first to remount a name keeps it, as before tickets.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
 use crate::store::protocol::OwnerTicket;
@@ -20,6 +21,8 @@ use crate::util::sync::UnpoisonedRw;
 /// The master's owner key and the tickets it signs.
 pub(super) struct Owners {
     key: RwLock<Vec<u8>>,
+    /// The `issued_ms` of the last ticket issued.
+    last_issued_ms: AtomicU64,
 }
 
 impl Owners {
@@ -28,6 +31,7 @@ impl Owners {
         let key = (0..4).flat_map(|_| crate::sys::random_u64().to_le_bytes());
         Owners {
             key: RwLock::new(key.collect()),
+            last_issued_ms: AtomicU64::new(0),
         }
     }
 
@@ -59,10 +63,13 @@ impl Owners {
         if self.valid(name, &shown) {
             return shown;
         }
-        let issued_ms = std::time::SystemTime::now()
+        let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_millis() as u64)
-            .max(1);
+            .map_or(1, |d| d.as_millis() as u64);
+        // Strictly after every ticket this master issued before, even within one
+        // millisecond: a later mount must never draw an earlier (or tied) ticket.
+        let issued_ms = now_ms.max(self.last_issued_ms.load(Ordering::Relaxed) + 1);
+        self.last_issued_ms.fetch_max(issued_ms, Ordering::Relaxed);
         let nonce = crate::sys::random_u64();
         OwnerTicket {
             issued_ms,
@@ -102,6 +109,10 @@ mod tests {
             "a valid ticket is kept"
         );
         assert!(owners.outranks("node-a", Some(&first), None));
+        // Issued at once after it, for the same name: strictly later, never tied.
+        let squat = owners.renew("node-a", none);
+        assert!(squat.issued_ms > first.issued_ms);
+        assert!(owners.outranks("node-a", Some(&first), Some(&squat)));
         assert!(
             !owners.outranks("node-b", Some(&first), None),
             "another name"

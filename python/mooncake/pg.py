@@ -59,7 +59,8 @@ import weakref
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
 from . import _native
-from ._native import LIB, MC_OK, error_string
+from ._native import (LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT,  # noqa: F401 (mooncake.pg's codes)
+                      MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS, MC_OK, error_string)
 
 __all__ = [
     "MooncakeBackendOptions",

@@ -153,8 +153,9 @@ const COMMANDS: &[(&str, &str)] = &[
       brings one back, kept in memory from its Nth read from disk.
       Nodes and clients that give no --metadata ask it for its metadata server (so
       start it with one, or give them --metadata).
-      Only clients that mounted a segment or pinged may put; one client's unfinished
-      puts may hold at most --max-unfinished-put-ratio of the pool. Connection caps and
+      Only clients that mounted a segment or pinged may put; one host's unfinished puts
+      (by connection address, whatever client ids it shows) may hold at most
+      --max-unfinished-put-ratio of the pool. Connection caps and
       timeouts: MC_MAX_CONNECTIONS, MC_MAX_CONNECTIONS_PER_PEER, MC_IDLE_TIMEOUT_SECS,
       MC_FRAME_TIMEOUT_SECS (see README).",
     ),

@@ -105,6 +105,45 @@ fn unknown_clients_cannot_put_and_unfinished_bytes_are_capped() {
     put_start(&m, 50, "d", 4 * MIB).unwrap();
 }
 
+/// Issue 28, item 10: over the wire the cap is per host, whatever client ids it shows:
+/// two ids from one address share one share (two rotated ids once held the pool).
+#[test]
+fn rotated_client_ids_from_one_host_share_one_quota() {
+    let s = master_with(ServerLimits::default());
+    let rpc = RpcClient::new(&s.rpc_addr().to_string(), None).unwrap();
+    let segment = SegmentInfo {
+        name: "node".into(),
+        base: 1 << 40,
+        size: 16 * MIB,
+    };
+    rpc.call(&Request::Mount { client: 1, segment }).unwrap();
+    rpc.call(&Request::Ping { client: 2 }).unwrap();
+    let put_start = |client, key: &str, size| -> Result<(), Code> {
+        let Response::PutStart(mut r) = rpc
+            .call(&Request::PutStart {
+                client,
+                items: vec![(key.to_owned(), size)],
+                config: ReplicateConfig::default(),
+                upsert: false,
+            })
+            .unwrap()
+        else {
+            panic!("wrong answer to PutStart")
+        };
+        r.pop().unwrap().map(|_| ())
+    };
+    // The default cap: half of the pool's 16 MiB.
+    put_start(1, "a", 6 * MIB).unwrap();
+    assert_eq!(put_start(2, "b", 3 * MIB), Err(Code::NoAvailableHandle));
+    // Ending the first id's put frees the host's share for the second.
+    rpc.call(&Request::PutRevoke {
+        client: 1,
+        keys: vec!["a".into()],
+    })
+    .unwrap();
+    put_start(2, "b", 3 * MIB).unwrap();
+}
+
 fn master_with(connections: ServerLimits) -> MasterServer {
     MasterServer::start(ServerConfig {
         rpc_port: 0,

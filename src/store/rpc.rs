@@ -113,10 +113,10 @@ pub fn serve(
 }
 
 fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
+    let peer_addr = stream.peer_addr().ok();
+    // Unfinished puts count against the host a request came from (`quota::Payer`).
+    let peer_ip = peer_addr.map(|a| a.ip());
+    let peer = peer_addr.map(|a| a.to_string()).unwrap_or_default();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let mut reader = TimedReader::new(&stream, ticket);
@@ -154,7 +154,7 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
                 }
                 Ok(req) => {
                     ticket.prove();
-                    match master.handle(req) {
+                    match master.handle_from(req, peer_ip) {
                         Ok(resp) => {
                             let mut w = Writer::new();
                             resp.encode(&mut w);

@@ -59,8 +59,9 @@ pub struct MasterConfig {
     /// Work one remove-by-regex may spend matching keys (a unit is about a nanosecond
     /// in a release build): a costlier pattern is refused, removing nothing.
     pub regex_budget: u64,
-    /// Share of the pool's capacity one client may hold in unfinished puts (started,
-    /// not ended); a PutStart beyond it gets `NoAvailableHandle` and changes nothing.
+    /// Share of the pool's capacity one host (see `quota::Payer`) may hold in
+    /// unfinished puts (started, not ended); a PutStart beyond it gets
+    /// `NoAvailableHandle` and changes nothing.
     pub max_unfinished_put_ratio: f64,
     /// How long a `PutEnd` waits for the nodes holding the object to record it in
     /// their catalogs (what a restarted master rebuilds from); zero: do not wait.

@@ -506,6 +506,7 @@ impl Master {
 mod tests {
     //! Victim choice, driven with a manual clock: exact orders, no timing.
 
+    use super::super::quota::Payer;
     use super::super::{Clock, Master, MasterConfig};
     use super::tail_first;
     use crate::store::protocol::{ReplicateConfig, Request, SegmentInfo};
@@ -534,7 +535,8 @@ mod tests {
 
     /// A complete object of `OBJ` bytes; the clock then moves on a millisecond.
     fn put(m: &Master, clock: &Clock, key: &str, cfg: &ReplicateConfig) {
-        m.put_start(1, key, OBJ, cfg, false).unwrap();
+        m.put_start(1, Payer::Client(1), key, OBJ, cfg, false)
+            .unwrap();
         m.put_end(1, key, 0, &mut Default::default()).unwrap();
         clock.advance(1);
     }
@@ -570,7 +572,8 @@ mod tests {
         put(&m, &clock, "new", &plain);
         put(&m, &clock, "leased", &plain);
         m.get_replicas("leased").unwrap();
-        m.put_start(1, "writing", OBJ, &plain, false).unwrap();
+        m.put_start(1, Payer::Client(1), "writing", OBJ, &plain, false)
+            .unwrap();
         put(&m, &clock, "older", &plain);
         let all = ["soft", "hard", "old", "mid", "new", "leased", "older"];
         let block = m.stats().used / 8;
@@ -961,7 +964,8 @@ mod tests {
         assert!(doomed.iter().all(|k| !m.exists(k).unwrap()));
         assert_eq!(m.stats().objects, (others + 1) as u64);
         // The slab serves a block of the largest class at once, evicting nothing more.
-        m.put_start(1, "big", slab, &plain, false).unwrap();
+        m.put_start(1, Payer::Client(1), "big", slab, &plain, false)
+            .unwrap();
         assert_eq!(slab_holding(&m, "big"), 2);
         assert_eq!(m.stats().evicted_objects, 2);
         // Asked for everything, it empties every slab but the leased one and the

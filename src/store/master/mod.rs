@@ -24,6 +24,7 @@ use crate::util::sync::Unpoisoned;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -225,8 +226,15 @@ impl Master {
         x
     }
 
-    /// Answers one RPC request.
+    /// Answers one RPC request made in process (no network origin: quotas count per
+    /// client id, see `quota::Payer`).
     pub fn handle(&self, req: Request) -> Result<Response> {
+        self.handle_from(req, None)
+    }
+
+    /// Answers one RPC request that came from `peer` (the RPC server's view of the
+    /// connection), which unfinished puts are counted against.
+    pub fn handle_from(&self, req: Request, peer: Option<IpAddr>) -> Result<Response> {
         Ok(match req {
             Request::Ping { client } => Response::Ping {
                 need_remount: !self.ping(client),
@@ -269,7 +277,10 @@ impl Master {
             } => Response::PutStart(
                 items
                     .iter()
-                    .map(|(k, s)| self.put_start(client, k, *s, &config, upsert))
+                    .map(|(k, s)| {
+                        let payer = quota::Payer::of(peer, client);
+                        self.put_start(client, payer, k, *s, &config, upsert)
+                    })
                     .collect(),
             ),
             Request::PutEnd { client, items } => {
@@ -559,6 +570,7 @@ impl Master {
     fn put_start(
         &self,
         client: u64,
+        payer: quota::Payer,
         key: &str,
         size: u64,
         config: &ReplicateConfig,
@@ -576,7 +588,7 @@ impl Master {
         let bytes = size.saturating_mul(config.replica_num.max(1) as u64);
         let hold = self
             .put_quota
-            .reserve(client, bytes, cap)
+            .reserve(payer, bytes, cap)
             .ok_or(Code::NoAvailableHandle)?;
         let now = self.clock.now_ms();
         {

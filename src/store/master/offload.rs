@@ -116,9 +116,8 @@ impl Master {
 
     /// Keeps an object just evicted from memory on a disk tier (see `DiskCopy`): one
     /// already there loses only its memory; otherwise, with offload on, a node that
-    /// has a tier copies one of its replicas there (its space is held until then) and
-    /// the object keeps its other replicas, if any, until a later eviction. Without
-    /// either, the object goes.
+    /// has a tier copies it there (its space is held until then). Without either, the
+    /// object goes.
     pub(super) fn keep_on_disk(&self, shard: &mut Shard, key: &str, mut o: Object) {
         if !o.complete {
             return;
@@ -151,18 +150,6 @@ impl Master {
                 return; // no node follows the log: nobody to copy it
             }
             o.disk = Some(DiskCopy::new(&seg, key, o.version));
-            if !o.replicas.is_empty() {
-                // Its other replicas stay in memory until a later eviction, when the
-                // disk copy exists: freed now, they would leave the object to a node
-                // that may die before it copies (chaos run, issue 28).
-                let kept: u64 = o.replicas.pieces().map(|p| p.alloc.block_size()).sum();
-                self.evicted_bytes.fetch_sub(kept, Ordering::Relaxed);
-                o.groups = Box::default();
-                shard.objects.insert(key, o);
-                self.objects.fetch_add(1, Ordering::Relaxed);
-                self.touch(shard, key);
-                return;
-            }
         }
         o.replicas.clear();
         o.node = policy::NONE;

@@ -30,15 +30,23 @@ fn mount(m: &Master, client: u64, name: &str, size: u64) {
 }
 
 fn put_start(m: &Master, client: u64, key: &str, size: u64) -> Result<(), Code> {
-    let Response::PutStart(mut r) = m
-        .handle(Request::PutStart {
-            client,
-            items: vec![(key.to_owned(), size)],
-            config: ReplicateConfig::default(),
-            upsert: false,
-        })
-        .unwrap()
-    else {
+    put_start_through(|req| m.handle(req), client, key, size)
+}
+
+/// One key's PutStart sent through `call` (a master in process, or over RPC).
+fn put_start_through(
+    call: impl FnOnce(Request) -> mooncake::Result<Response>,
+    client: u64,
+    key: &str,
+    size: u64,
+) -> Result<(), Code> {
+    let Response::PutStart(mut r) = call(Request::PutStart {
+        client,
+        items: vec![(key.to_owned(), size)],
+        config: ReplicateConfig::default(),
+        upsert: false,
+    })
+    .unwrap() else {
         panic!("wrong answer to PutStart")
     };
     r.pop().unwrap().map(|_| ())
@@ -118,20 +126,8 @@ fn rotated_client_ids_from_one_host_share_one_quota() {
     };
     rpc.call(&Request::Mount { client: 1, segment }).unwrap();
     rpc.call(&Request::Ping { client: 2 }).unwrap();
-    let put_start = |client, key: &str, size| -> Result<(), Code> {
-        let Response::PutStart(mut r) = rpc
-            .call(&Request::PutStart {
-                client,
-                items: vec![(key.to_owned(), size)],
-                config: ReplicateConfig::default(),
-                upsert: false,
-            })
-            .unwrap()
-        else {
-            panic!("wrong answer to PutStart")
-        };
-        r.pop().unwrap().map(|_| ())
-    };
+    let put_start =
+        |client, key: &str, size| put_start_through(|req| rpc.call(&req), client, key, size);
     // The default cap: half of the pool's 16 MiB.
     put_start(1, "a", 6 * MIB).unwrap();
     assert_eq!(put_start(2, "b", 3 * MIB), Err(Code::NoAvailableHandle));

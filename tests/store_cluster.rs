@@ -17,6 +17,15 @@ const MIB: u64 = 1 << 20;
 
 use common::store_server as server;
 
+/// The port of an `http://host:port/...` URL.
+fn port_of(url: &str) -> u16 {
+    url.trim_start_matches("http://")
+        .split(['/', ':'])
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .expect("a port in the URL")
+}
+
 fn client(s: &MasterServer, segment: u64) -> Client {
     common::store_client(s, segment, true)
 }
@@ -437,12 +446,7 @@ fn an_oversized_key_is_cut_in_the_error() {
 fn a_restarted_master_is_usable_again_without_restarting_nodes() {
     let first = server(10_000);
     let (rpc_port, meta_url) = (first.rpc_addr().port(), first.metadata_url().unwrap());
-    let meta_port: u16 = meta_url
-        .trim_start_matches("http://")
-        .split(['/', ':'])
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .expect("metadata port in the URL");
+    let meta_port = port_of(&meta_url);
     let rpc_addr = first.rpc_addr().to_string();
     let fast = |segment| ClientConfig {
         global_segment_size: segment,
@@ -533,12 +537,7 @@ fn a_get_while_the_master_restarts_waits_for_the_nodes_remount() {
     let first = recovering(0, 0).unwrap();
     let rpc_port = first.rpc_addr().port();
     let meta_url = first.metadata_url().unwrap();
-    let meta_port: u16 = meta_url
-        .trim_start_matches("http://")
-        .split(['/', ':'])
-        .nth(1)
-        .and_then(|p| p.parse().ok())
-        .expect("metadata port in the URL");
+    let meta_port = port_of(&meta_url);
     let rpc_addr = first.rpc_addr().to_string();
     let config = |segment| ClientConfig {
         global_segment_size: segment,

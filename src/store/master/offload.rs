@@ -202,14 +202,22 @@ impl Master {
             .map(|p| (p.piece().addr, p.alloc.size))
             .collect();
         let first_addr = pieces[0].0;
-        let seq = seg
-            .log
-            .record(|| CatalogEvent::Load {
+        // A node that just remounted follows its log again within one poll: until
+        // then nothing can ask it to read, so wait for it as for a lease above.
+        let seq = loop {
+            let load = || CatalogEvent::Load {
                 key: key.to_owned(),
                 version,
-                pieces,
-            })
-            .ok_or(Code::ReplicaIsNotReady)?;
+                pieces: pieces.clone(),
+            };
+            if let Some(seq) = seg.log.record(load) {
+                break seq;
+            }
+            if Instant::now() >= patience {
+                return Err(Code::ReplicaIsNotReady);
+            }
+            std::thread::sleep(LEASE_WAIT_STEP);
+        };
         let timeout = self.config.catalog_ack_timeout.max(Duration::from_secs(1));
         if !seg.log.wait_acked(seq, timeout) {
             // The node may still write the value there later: not reusable for a while.

@@ -219,7 +219,13 @@ impl NodeCatalog {
                     self.disk_kept.remove(&key);
                 }
                 CatalogEvent::Keep(key) => {
-                    self.disk_kept.insert(key);
+                    // A copy the pool counts on but this tier lacks (an offload that
+                    // never got written): say so now, not at its first read.
+                    if self.disk.as_ref().is_some_and(|d| d.holds(&key)) {
+                        self.disk_kept.insert(key);
+                    } else {
+                        self.lost.push(key);
+                    }
                 }
             }
         }

@@ -130,6 +130,11 @@ impl NodeDisk {
         }
     }
 
+    /// Whether the tier holds a copy of `key` (from its index: no disk read).
+    pub fn holds(&self, key: &str) -> bool {
+        self.tier.size(key).is_some()
+    }
+
     /// Every key the tier holds (from its index: no disk read).
     pub fn keys(&self) -> Vec<String> {
         self.tier.keys()

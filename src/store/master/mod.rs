@@ -522,13 +522,14 @@ impl Master {
         let release = self.config.put_start_release_timeout.as_millis() as u64;
         for shard in self.shards.iter() {
             let mut map = shard.locked();
-            map.retain(|_, o| {
+            map.retain(|key, o| {
                 if !o.complete {
                     let until_ms = o.started_ms() + release;
                     fences.extend(fences_on(&seg, &o.replicas, until_ms));
                 }
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
                 if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
+                    self.fall_back(key, o);
                     o.disk = None;
                 }
                 // An unfinished put keeps its entry: its PutEnd then fails, or the

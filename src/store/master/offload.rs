@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::catalog::{Claim, Commits};
 use super::replicas::Replicas;
+use super::segment_log::Fallback;
 use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
 use super::table::Shard;
 use super::{policy, Master, Object};
@@ -116,8 +117,8 @@ impl Master {
 
     /// Keeps an object just evicted from memory on a disk tier (see `DiskCopy`): one
     /// already there loses only its memory; otherwise, with offload on, a node that
-    /// has a tier copies it there (its space is held until then). Without either, the
-    /// object goes.
+    /// has a tier copies one replica there (its space, and that of the others, is
+    /// held until then: see `Fallback`). Without either, the object goes.
     pub(super) fn keep_on_disk(&self, shard: &mut Shard, key: &str, mut o: Object) {
         if !o.complete {
             return;
@@ -142,11 +143,14 @@ impl Master {
             };
             let seg = replica[0].seg.clone();
             let addr = replica[0].piece().addr;
-            if seg
-                .log
-                .record_holding(CatalogEvent::Offload(addr), replica)
-                .is_err()
-            {
+            // The other replicas stay allocated until the copy is on disk.
+            let fallback = (!o.replicas.is_empty()).then(|| Fallback {
+                key: key.into(),
+                version: o.version,
+                replicas: o.replicas.take_list(),
+            });
+            let offload = CatalogEvent::Offload(addr);
+            if seg.log.record_holding(offload, replica, fallback).is_err() {
                 return; // no node follows the log: nobody to copy it
             }
             o.disk = Some(DiskCopy::new(&seg, key, o.version));
@@ -340,10 +344,35 @@ impl Master {
         if !o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
             return;
         }
+        self.fall_back(key, o);
         o.disk = None;
         if o.replicas.is_empty() {
             map.remove(key);
             self.objects.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// Gives `o`, kept only as a disk copy its node never confirmed (the node died or
+    /// was reset first: its segment is dropping, or it reports the copy missing), back
+    /// the memory replicas it had when it was offloaded, those still on mounted
+    /// segments (see `Fallback`).
+    pub(super) fn fall_back(&self, key: &str, o: &mut Object) {
+        let Some(disk) = o.disk.as_ref().filter(|_| o.replicas.is_empty()) else {
+            return;
+        };
+        let Some(mut replicas) = disk.seg.log.take_fallback(key, o.version) else {
+            return;
+        };
+        replicas.retain(|r| r.iter().all(|p| self.segments.holds(&p.seg)));
+        if replicas.is_empty() {
+            return;
+        }
+        log::info!(
+            "{}: its disk copy was never confirmed; it keeps its memory replicas",
+            crate::store::protocol::shown_key(key)
+        );
+        o.replicas = Replicas::from(replicas);
+        // Their nodes' catalogs may have dropped them meanwhile (a snapshot).
+        Commits::default().record(key, o);
     }
 }

@@ -95,7 +95,7 @@ impl Replicas {
     }
 
     /// The replicas as a list, leaving none here.
-    fn take_list(&mut self) -> Vec<ReplicaAlloc> {
+    pub fn take_list(&mut self) -> Vec<ReplicaAlloc> {
         match std::mem::take(self) {
             Replicas::One(p) => vec![vec![p]],
             Replicas::Many(v) => v,

@@ -34,12 +34,36 @@ struct LogState {
     cap: usize,
     /// Space of offloaded objects, given back once the node acknowledged the event
     /// (it copies the bytes to its disk tier first), in sequence order.
-    held: VecDeque<(u64, ReplicaAlloc)>,
+    held: VecDeque<(u64, Held)>,
     /// Held space whose event was dropped unacknowledged (a reset, a timeout): the
     /// node may still be copying from it, so it waits here until `LIMBO` passes.
-    limbo: Vec<(Instant, ReplicaAlloc)>,
+    limbo: Vec<(Instant, Held)>,
     /// A waiting poll should answer now.
     woken: bool,
+}
+
+/// The object an offload was ordered for. Its other memory replicas are freed only
+/// once the node acknowledged the disk copy: until then a node that dies, or fails
+/// to write, must not take the object with it (`take_fallback`).
+pub struct Fallback {
+    pub key: Box<str>,
+    pub version: u64,
+    pub replicas: Vec<ReplicaAlloc>,
+}
+
+/// What an unacknowledged offload keeps allocated.
+struct Held {
+    /// The replica the node copies from (held only: dropping it frees it).
+    _space: ReplicaAlloc,
+    fallback: Option<Fallback>,
+}
+
+impl Held {
+    fn is_fallback_of(&self, key: &str, version: u64) -> bool {
+        self.fallback
+            .as_ref()
+            .is_some_and(|f| f.version == version && &*f.key == key)
+    }
 }
 
 /// How long space a node may still touch stays unused after its event was dropped.
@@ -87,23 +111,42 @@ impl SegmentLog {
         Some(seq)
     }
 
-    /// Records `event` and keeps `space` allocated until the node acknowledges it;
-    /// gives `space` back when no node follows this log.
+    /// Records `event` and keeps `space` and `fallback` allocated until the node
+    /// acknowledges it; gives both back when no node follows this log.
     pub fn record_holding(
         &self,
         event: CatalogEvent,
         space: ReplicaAlloc,
-    ) -> std::result::Result<u64, ReplicaAlloc> {
+        fallback: Option<Fallback>,
+    ) -> std::result::Result<u64, (ReplicaAlloc, Option<Fallback>)> {
         let mut s = self.lock();
         if !s.active {
-            return Err(space);
+            return Err((space, fallback));
         }
         s.last += 1;
         let seq = s.last;
         s.events.push_back((seq, event));
-        s.held.push_back((seq, space));
+        s.held.push_back((seq, Held {
+            _space: space,
+            fallback,
+        }));
         self.news.notify_all();
         Ok(seq)
+    }
+
+    /// Takes the replicas `key` (at `version`) had in memory when it was offloaded
+    /// here, if the offload was dropped unacknowledged (the node died, or was reset
+    /// before it wrote the copy): the object falls back to them. A node that follows
+    /// the log and fails its write is not helped: retried, the write may fail again
+    /// and again, and eviction would free nothing.
+    pub fn take_fallback(&self, key: &str, version: u64) -> Option<Vec<ReplicaAlloc>> {
+        let mut s = self.lock();
+        let found = s
+            .limbo
+            .iter_mut()
+            .map(|(_, h)| h)
+            .find(|h| h.is_fallback_of(key, version))?;
+        found.fallback.take().map(|f| f.replicas)
     }
 
     /// The last event whose space is still held, if any.
@@ -199,7 +242,7 @@ impl SegmentLog {
                 s.events.pop_front();
             }
             while s.held.front().is_some_and(|(seq, _)| *seq <= acked) {
-                released.extend(s.held.pop_front().map(|(_, r)| r));
+                released.extend(s.held.pop_front().map(|(_, h)| h));
             }
             self.acks.notify_all();
         }
@@ -253,7 +296,7 @@ impl SegmentLog {
 
     /// Stops recording and wakes everyone waiting; returns space whose time in limbo
     /// is over, for the caller to drop once it let go of the lock.
-    fn drop_log(&self, s: &mut LogState) -> Vec<ReplicaAlloc> {
+    fn drop_log(&self, s: &mut LogState) -> Vec<Held> {
         s.active = false;
         s.events.clear();
         self.news.notify_all();
@@ -262,27 +305,31 @@ impl SegmentLog {
     }
 
     /// Moves the held space to limbo; returns what finished its time there.
-    fn to_limbo(s: &mut LogState) -> Vec<ReplicaAlloc> {
+    fn to_limbo(s: &mut LogState) -> Vec<Held> {
         let now = Instant::now();
         let held: Vec<_> = s.held.drain(..).map(|(_, r)| (now, r)).collect();
         s.limbo.extend(held);
         Self::out_of_limbo(s)
     }
 
-    fn out_of_limbo(s: &mut LogState) -> Vec<ReplicaAlloc> {
+    fn out_of_limbo(s: &mut LogState) -> Vec<Held> {
         let now = Instant::now();
         let (done, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut s.limbo)
             .into_iter()
             .partition(|(since, _)| now.duration_since(*since) >= LIMBO);
         s.limbo = wait;
-        done.into_iter().map(|(_, r)| r).collect()
+        done.into_iter().map(|(_, h)| h).collect()
     }
 
     /// Keeps `space`, which a node may still touch (its event went unacknowledged),
     /// unused until `LIMBO` passes.
     pub fn hold_in_limbo(&self, space: ReplicaAlloc) {
         let mut s = self.lock();
-        s.limbo.push((Instant::now(), space));
+        let held = Held {
+            _space: space,
+            fallback: None,
+        };
+        s.limbo.push((Instant::now(), held));
         let released = Self::out_of_limbo(&mut s);
         drop(s);
         drop(released);

@@ -215,6 +215,11 @@ impl SegmentTable {
         map.get(key).cloned()
     }
 
+    /// Whether `seg` is still mounted (not dropped, nor replaced by a remount).
+    pub fn holds(&self, seg: &Arc<Segment>) -> bool {
+        self.get(&seg.key).is_some_and(|s| Arc::ptr_eq(&s, seg))
+    }
+
     pub fn unmount(&self, key: &str) -> Option<Arc<Segment>> {
         self.by_name.write_locked().remove(key)
     }

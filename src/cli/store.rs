@@ -11,6 +11,7 @@ use super::master_flags::Builtin;
 use mooncake::etcd::EtcdClient;
 use mooncake::store::ha;
 use mooncake::store::master::AllocationStrategy;
+use mooncake::store::segment_reach::VerifyMounts;
 use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
 
 /// Mooncake's `mooncake_master` flag names, accepted as aliases of ours.
@@ -151,6 +152,11 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     if !a.get("enable-metric-reporting", true)? {
         cfg.metrics_port = None;
     }
+    cfg.verify_mounts = match (a.get("verify-mounts", true)?, a.str("verify-metadata")) {
+        (false, _) => VerifyMounts::Off,
+        (true, Some(url)) if !url.is_empty() => VerifyMounts::Via(url.to_owned()),
+        (true, _) => VerifyMounts::Auto,
+    };
     let m = &mut cfg.master;
     let lease_ttl_ms: u64 = a.get("lease-ttl-ms", m.lease_ttl.as_millis() as u64)?;
     if lease_ttl_ms == 0 {

@@ -13,6 +13,7 @@ pub mod node_disk;
 pub mod protocol;
 mod replica_cache;
 pub mod rpc;
+pub mod segment_reach;
 pub mod server;
 
 pub use client::{default_metadata, metadata_of_master, Client, ClientConfig, DrainReport};

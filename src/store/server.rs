@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::master::{Clock, Master, MasterConfig};
+use super::segment_reach::{EngineReach, VerifyMounts};
 use crate::auth::{self, ClusterSecret};
 use crate::error::{Code, Error, Result};
 use crate::http::{HttpServer, Request as HttpRequest, Response as HttpResponse};
@@ -46,6 +47,9 @@ pub struct ServerConfig {
     /// node, so a node's name survives a master's restart. `None`: each master draws
     /// its own, and after a restart a name goes to the first node to remount it.
     pub owner_key: Option<ClusterSecret>,
+    /// Whether a segment must be read before it counts (`segment_reach`); `Off` here,
+    /// `Auto` for `mooncake master`.
+    pub verify_mounts: VerifyMounts,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +66,7 @@ impl Default for ServerConfig {
             connections: ServerLimits::from_env(),
             cluster_secret: ClusterSecret::env_default(),
             owner_key: None,
+            verify_mounts: VerifyMounts::Off,
         }
     }
 }
@@ -104,6 +109,16 @@ impl MasterServer {
             .transpose()?;
         if let Some(m) = &metadata {
             master.set_metadata_url(&advertised_metadata_url(m));
+        }
+        let own_metadata = metadata.as_ref().map(MetadataServer::url);
+        let reach = EngineReach::new(
+            &config.verify_mounts,
+            own_metadata,
+            config.bind,
+            config.cluster_secret.clone(),
+        );
+        if let Some(reach) = reach {
+            master.set_segment_reach(Arc::new(reach));
         }
         let rpc = super::rpc::serve(
             bind(config.rpc_port),

@@ -434,6 +434,7 @@ impl Master {
             remounts.remove(&id).map(|p| (p.entries, p.disk))
         };
         let (entries, disk) = pending.unwrap_or_default();
+        self.check_backed(&info)?;
         let base = info.base;
         let end = info.base + info.size;
         let claims: Vec<(u64, u64)> = entries

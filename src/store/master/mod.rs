@@ -1,6 +1,7 @@
 //! The store's control plane: object metadata (sharded), mounted segments with one
 //! slab allocator each, leases, eviction, client liveness. It never touches data bytes.
 
+mod backing;
 mod catalog;
 mod clock;
 mod config;
@@ -16,6 +17,7 @@ mod segment_log;
 mod segments;
 mod table;
 
+pub use backing::SegmentReach;
 pub use clock::Clock;
 pub use config::{AllocationStrategy, MasterConfig};
 pub use drain::DrainRisk;
@@ -122,6 +124,9 @@ pub struct Master {
     copies: copy::Copies,
     /// When this master started (its clock), for `recovering`.
     started_ms: u64,
+    /// Reads each segment before it is mounted (`set_segment_reach`); unset, mounts
+    /// are taken at their word.
+    reach: std::sync::OnceLock<Arc<dyn SegmentReach>>,
 }
 
 impl Master {
@@ -154,6 +159,7 @@ impl Master {
             owners: owner::Owners::new(),
             copies: copy::Copies::default(),
             started_ms: clock.now_ms(),
+            reach: std::sync::OnceLock::new(),
             clock,
         }
     }
@@ -167,6 +173,29 @@ impl Master {
     /// ignored). Clients that give no metadata URL ask for it (`Request::MetadataUrl`).
     pub fn set_metadata_url(&self, url: &str) {
         let _ = self.metadata_url.set(url.to_owned());
+    }
+
+    /// Has every mount and remount read its segment first (once; later calls are
+    /// ignored): a segment no process backs is refused before it counts.
+    pub fn set_segment_reach(&self, reach: Arc<dyn SegmentReach>) {
+        let _ = self.reach.set(reach);
+    }
+
+    /// Refuses `segment` when the master cannot read it (see `backing`).
+    fn check_backed(&self, segment: &SegmentInfo) -> Result<()> {
+        let Some(reach) = self.reach.get() else {
+            return Ok(());
+        };
+        reach.reach(segment).map_err(|e| {
+            Error::new(
+                Code::InvalidParams,
+                format!(
+                    "segment {} ({} bytes at {:#x}) refused: the master could not read it ({e}); \
+                     a segment counts only once the master reached it",
+                    segment.name, segment.size, segment.base
+                ),
+            )
+        })
     }
 
     /// Signs segment names' owner tickets with `key` from now on (see `owner`): every
@@ -455,6 +484,10 @@ impl Master {
         if key.is_empty() {
             return Err(Error::invalid("a segment needs a non-empty id"));
         }
+        if self.segments.get(key).is_some_and(|s| s.client == client) {
+            return Ok(()); // mounted already: a repeated mount changes nothing
+        }
+        self.check_backed(&segment)?;
         let name = key.to_owned();
         let now = self.clock.now_ms();
         let fenced = self

@@ -126,10 +126,13 @@ impl SegmentLog {
         s.last += 1;
         let seq = s.last;
         s.events.push_back((seq, event));
-        s.held.push_back((seq, Held {
-            _space: space,
-            fallback,
-        }));
+        s.held.push_back((
+            seq,
+            Held {
+                _space: space,
+                fallback,
+            },
+        ));
         self.news.notify_all();
         Ok(seq)
     }

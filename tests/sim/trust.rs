@@ -15,11 +15,12 @@ use mooncake::Code;
 const SEGMENT: u64 = 1 << 20;
 const SIZE: u64 = 4096;
 const TTL_MS: u64 = 10_000;
+const LEASE_MS: u64 = 2_000;
 const RELEASE_MS: u64 = 60_000;
 
 fn master(clock: &Clock) -> Master {
     let config = MasterConfig {
-        lease_ttl: Duration::from_millis(2_000),
+        lease_ttl: Duration::from_millis(LEASE_MS),
         client_ttl: Duration::from_millis(TTL_MS),
         put_start_discard_timeout: Duration::from_millis(10_000),
         put_start_release_timeout: Duration::from_millis(RELEASE_MS),
@@ -517,6 +518,7 @@ fn an_object_whose_disk_copy_dies_unwritten_keeps_its_other_replica() {
     let m = Master::with_clock(
         MasterConfig {
             offload_on_evict: true,
+            lease_ttl: Duration::from_millis(LEASE_MS),
             catalog_ack_timeout: Duration::from_secs(1),
             client_ttl: Duration::from_millis(TTL_MS),
             shards: 4,
@@ -556,4 +558,10 @@ fn an_object_whose_disk_copy_dies_unwritten_keeps_its_other_replica() {
     assert_eq!(desc.crc32c, REAL_CRC);
     let segments: Vec<_> = desc.replicas.iter().flat_map(|r| &r.pieces).collect();
     assert!(!segments.is_empty() && segments.iter().all(|p| p.segment == "node-b"));
+    // Back in memory, it is evictable again: B alone takes twice what it holds.
+    clock.advance(LEASE_MS + 1);
+    for i in 0..2 * SEGMENT / SIZE {
+        put(&m, NODE_B, &format!("b{i}"), REAL_CRC, on("node-b"));
+    }
+    assert_eq!(get(&m, &key).err(), Some(Code::ObjectNotFound), "evicted");
 }

@@ -555,6 +555,7 @@ impl Master {
         let release = self.config.put_start_release_timeout.as_millis() as u64;
         for shard in self.shards.iter() {
             let mut map = shard.locked();
+            let mut restored = Vec::new();
             map.retain(|key, o| {
                 if !o.complete {
                     let until_ms = o.started_ms() + release;
@@ -562,7 +563,9 @@ impl Master {
                 }
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
                 if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
-                    self.fall_back(key, o);
+                    if self.fall_back(key, o) {
+                        restored.push(key.to_owned());
+                    }
                     o.disk = None;
                 }
                 // An unfinished put keeps its entry: its PutEnd then fails, or the
@@ -573,6 +576,9 @@ impl Master {
                 }
                 keep
             });
+            for key in restored {
+                self.touch(&mut map, &key);
+            }
         }
         self.objects.fetch_sub(lost, Ordering::Relaxed);
         let now = self.clock.now_ms();

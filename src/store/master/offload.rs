@@ -344,28 +344,31 @@ impl Master {
         if !o.disk.as_ref().is_some_and(|d| Arc::ptr_eq(&d.seg, seg)) {
             return;
         }
-        self.fall_back(key, o);
+        let restored = self.fall_back(key, o);
         o.disk = None;
         if o.replicas.is_empty() {
             map.remove(key);
             self.objects.fetch_sub(1, Ordering::Relaxed);
+        } else if restored {
+            self.touch(&mut map, key);
         }
     }
 
     /// Gives `o`, kept only as a disk copy its node never confirmed (the node died or
     /// was reset first: its segment is dropping, or it reports the copy missing), back
     /// the memory replicas it had when it was offloaded, those still on mounted
-    /// segments (see `Fallback`).
-    pub(super) fn fall_back(&self, key: &str, o: &mut Object) {
+    /// segments (see `Fallback`). True when it did: the caller puts the object back in
+    /// the eviction order (`touch`), which a disk-only object is not in.
+    pub(super) fn fall_back(&self, key: &str, o: &mut Object) -> bool {
         let Some(disk) = o.disk.as_ref().filter(|_| o.replicas.is_empty()) else {
-            return;
+            return false;
         };
         let Some(mut replicas) = disk.seg.log.take_fallback(key, o.version) else {
-            return;
+            return false;
         };
         replicas.retain(|r| r.iter().all(|p| self.segments.holds(&p.seg)));
         if replicas.is_empty() {
-            return;
+            return false;
         }
         log::info!(
             "{}: its disk copy was never confirmed; it keeps its memory replicas",
@@ -374,5 +377,6 @@ impl Master {
         o.replicas = Replicas::from(replicas);
         // Their nodes' catalogs may have dropped them meanwhile (a snapshot).
         Commits::default().record(key, o);
+        true
     }
 }

@@ -5,7 +5,8 @@ killed (SIGKILL) and restarted every few seconds and the master twice.
     python3 bench/chaos.py [--minutes 10] [--seed 1] [--replicas 1] [--put-rate 25] [--master-kills 2]
 
 Processes (all on 127.0.0.1): a `mooncake metadata-server` (never killed, so engine
-metadata outlives the master), `mooncake master --lease-ttl-ms 2000 --client-ttl 2` (a
+metadata outlives the master), `mooncake master --lease-ttl-ms 2000 --client-ttl 2
+--verify-metadata URL` (mounts read through that metadata before they count; a
 dead node's segment goes after 2 s, so its restart can take its name back before the
 next kill), 3 `mooncake node --segment-size 16M --ssd-size 4G --protocol tcp --name
 127.0.0.1:PORT --ssd-path DIR`,
@@ -233,8 +234,10 @@ def main():
         if not meta.start():
             raise RuntimeError("the metadata server did not start")
         metadata = meta.ready.split()[1]
+        # Every mount is read through the nodes' own metadata service before it counts.
         master = Proc("master", [binary, "master", "--bind", "127.0.0.1", "--rpc-port", "0",
-                                 "--metrics-port", "off", "--lease-ttl-ms", "2000", "--client-ttl", "2"], work)
+                                 "--metrics-port", "off", "--lease-ttl-ms", "2000", "--client-ttl", "2",
+                                 "--verify-metadata", metadata], work)
         procs.append(master)
         if not master.start():
             raise RuntimeError("the master did not start")

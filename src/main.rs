@@ -151,10 +151,11 @@ const COMMANDS: &[(&str, &str)] = &[
       [--verify-mounts true] [--verify-metadata URL] A segment counts in the pool only
       once the master read its first and last byte (through an engine of its own,
       started at the first mount): one that no process backs is refused. Segments
-      are found in --verify-metadata if given; else a host:port name (the default)
-      is asked peer to peer and any other in the master's own metadata server (with
-      none, taken unchecked, with a warning). false: mounts are taken at their word,
-      as Mooncake's master does.
+      are found in --verify-metadata URL (the nodes' metadata service) if given, else
+      in the master's own metadata server, and a host:port name (the default) not
+      found there is asked at that address. Without either, one that cannot be
+      found is taken unchecked, with a warning. false: mounts are taken at their
+      word, as Mooncake's master does.
       [--offload-on-evict true] [--promotion-admission-threshold 1] [--promotion-on-hit true]
       Objects evicted from a node with a disk tier (node --ssd-path) go there; a read
       brings one back, kept in memory from its Nth read from disk.

@@ -1,17 +1,17 @@
 //! The master server's `SegmentReach`: a transfer engine of its own, started at the
 //! first mount, reads one byte at each end of every segment lent before it counts.
-//! For the common `host:port` names it asks the node itself for its descriptor, so
-//! the check works whatever metadata service the nodes use.
+//! For the common `host:port` names it can ask the node itself for its descriptor,
+//! whatever metadata service the nodes use.
 //! Mooncake's master takes mounts at their word; here a segment no process backs
 //! (or one larger than what its node registered) is refused with the reason.
 
 use std::net::IpAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::auth::ClusterSecret;
 use crate::engine::{Engine, EngineConfig, Request};
-use crate::error::{Error, Result};
+use crate::error::{Code, Error, Result};
 use crate::store::master::SegmentReach;
 use crate::store::protocol::SegmentInfo;
 use crate::transport::Op;
@@ -29,30 +29,62 @@ pub enum VerifyMounts {
     /// Segments are looked up in this metadata service (a connection string as
     /// nodes give it: `http://...`, `etcd://...`, `redis://...`, `P2PHANDSHAKE`).
     Via(String),
-    /// A segment named `host:port` (every engine's default name) is asked for its
-    /// descriptor there, peer to peer, whatever metadata service its node uses; one
-    /// named otherwise is looked up in the master's own metadata server, or, when it
-    /// runs none, taken at its word with a warning.
+    /// Segments are looked up in the master's own metadata server, if it runs one,
+    /// and one named `host:port` (every engine's default name) not found there is
+    /// asked for its descriptor at that address, peer to peer. Without a metadata
+    /// server, what cannot be found is taken at its word, with a warning.
     Auto,
 }
 
+/// Reads in flight at once per engine (each lands in its own two bytes); more wait.
+const LANDING_SLOTS: usize = 32;
+
+/// A started engine and the buffer reads land in, two bytes a slot.
+struct Started {
+    engine: Engine,
+    landing: u64,
+    free: Mutex<Vec<u64>>,
+    freed: Condvar,
+}
+
+impl Started {
+    /// A slot of its own for one read (waits while every slot is taken).
+    fn take_slot(&self) -> u64 {
+        let mut free = self.free.locked();
+        loop {
+            if let Some(slot) = free.pop() {
+                return slot;
+            }
+            free = self.freed.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn give_back(&self, slot: u64) {
+        self.free.locked().push(slot);
+        self.freed.notify_one();
+    }
+}
+
 /// One engine reading segments, found through one metadata service; started at the
-/// first read. Reads go one at a time (mounts are rare).
+/// first read. A read that hangs (an address that never answers) holds up no other.
 struct Reader {
     metadata: String,
-    /// The engine and its two-byte landing buffer, once started.
-    engine: Mutex<Option<(Engine, u64)>>,
+    started: Mutex<Option<Arc<Started>>>,
 }
 
 impl Reader {
     fn new(metadata: String) -> Reader {
         Reader {
             metadata,
-            engine: Mutex::new(None),
+            started: Mutex::new(None),
         }
     }
 
-    fn start_engine(&self, bind: IpAddr, secret: &Option<ClusterSecret>) -> Result<(Engine, u64)> {
+    fn engine(&self, bind: IpAddr, secret: &Option<ClusterSecret>) -> Result<Arc<Started>> {
+        let mut started = self.started.locked();
+        if let Some(s) = started.as_ref() {
+            return Ok(s.clone());
+        }
         let config = EngineConfig {
             metadata: self.metadata.clone(),
             bind_address: bind,
@@ -64,8 +96,15 @@ impl Reader {
         };
         let engine = Engine::new(config)
             .map_err(|e| e.prefixed("starting the engine that checks mounts"))?;
-        let landing = engine.allocate_buffer(2, "cpu:0")? as u64;
-        Ok((engine, landing))
+        let landing = engine.allocate_buffer(2 * LANDING_SLOTS, "cpu:0")? as u64;
+        let s = Arc::new(Started {
+            engine,
+            landing,
+            free: Mutex::new((0..LANDING_SLOTS as u64).collect()),
+            freed: Condvar::new(),
+        });
+        *started = Some(s.clone());
+        Ok(s)
     }
 
     /// Reads the first and last byte of `segment`, with one retry on a fresh
@@ -76,33 +115,30 @@ impl Reader {
         secret: &Option<ClusterSecret>,
         segment: &SegmentInfo,
     ) -> Result<()> {
-        let mut slot = self.engine.locked();
-        if slot.is_none() {
-            *slot = Some(self.start_engine(bind, secret)?);
-        }
-        let Some((engine, landing)) = slot.as_ref() else {
-            return Err(Error::invalid("no engine to check mounts with"));
-        };
-        let id = engine.open_segment(&segment.name)?;
+        let s = self.engine(bind, secret)?;
+        let id = s.engine.open_segment(&segment.name)?;
+        let slot = s.take_slot();
+        let at = s.landing + 2 * slot;
         let last = segment.base + (segment.size - 1);
-        let reads =
-            [(segment.base, *landing), (last, landing + 1)].map(|(remote, local)| Request {
-                op: Op::Read,
-                local,
-                segment: id,
-                remote,
-                len: 1,
+        let reads = [(segment.base, at), (last, at + 1)].map(|(remote, local)| Request {
+            op: Op::Read,
+            local,
+            segment: id,
+            remote,
+            len: 1,
+        });
+        // SAFETY: `at` is a slot of this engine's own landing buffer, alive as long as
+        // the engine and used by no other read until given back; nothing reads it, and
+        // `transfer_sync` returns once no task can touch it.
+        let mut read = unsafe { s.engine.transfer_sync(&reads) };
+        if read.is_err() {
+            read = s.engine.resync_segment(id).and_then(|()| {
+                // SAFETY: as above.
+                unsafe { s.engine.transfer_sync(&reads) }
             });
-        // SAFETY: `landing` is this engine's own two-byte buffer, alive as long as the
-        // engine; nothing reads it, and `transfer_sync` returns once no task can
-        // touch it.
-        let first = unsafe { engine.transfer_sync(&reads) };
-        if first.is_ok() {
-            return first;
         }
-        engine.resync_segment(id)?;
-        // SAFETY: as above.
-        unsafe { engine.transfer_sync(&reads) }
+        s.give_back(slot);
+        read
     }
 }
 
@@ -148,23 +184,49 @@ fn is_address(name: &str) -> bool {
         .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
+impl EngineReach {
+    /// Takes `segment` unchecked: nothing here can find it (`why`), though its node may
+    /// well publish it in a metadata service this master was not told of.
+    fn unverifiable(&self, segment: &SegmentInfo, why: &str) -> Result<()> {
+        self.warned.call_once(|| {
+            log::warn!(
+                "mounts are not all checked: segment {:?} {why}; give the master \
+                 --verify-metadata URL (the nodes' metadata service) to check every one",
+                segment.name
+            )
+        });
+        Ok(())
+    }
+}
+
+/// Whether `e` says the segment is not known where it was looked for.
+fn not_found(e: &Error) -> bool {
+    e.code() == Code::SegmentNotFound
+}
+
 impl SegmentReach for EngineReach {
+    /// Where the master knows the nodes' metadata (`by_name`), a segment it cannot
+    /// find or read is refused. Without it, a `host:port` name is asked peer to peer:
+    /// a descriptor there must be read; no answer there, or another name, cannot be
+    /// checked and is taken, with a warning.
     fn reach(&self, segment: &SegmentInfo) -> Result<()> {
-        let reader = match &self.by_address {
-            Some(r) if is_address(&segment.name) => Some(r),
-            _ => self.by_name.as_ref(),
+        let address = is_address(&segment.name);
+        let peer_to_peer = self.by_address.as_ref().filter(|_| address);
+        if let Some(reader) = &self.by_name {
+            match reader.read_ends(self.bind, &self.secret, segment) {
+                Err(e) if not_found(&e) && peer_to_peer.is_some() => {}
+                decided => return decided,
+            }
+        }
+        let Some(reader) = peer_to_peer else {
+            return self.unverifiable(segment, "is no host:port");
         };
-        let Some(reader) = reader else {
-            self.warned.call_once(|| {
-                log::warn!(
-                    "mounts are not all checked: segment {:?} is no host:port and this \
-                     master runs no metadata server to find it in (give --verify-metadata URL)",
-                    segment.name
-                )
-            });
-            return Ok(());
-        };
-        reader.read_ends(self.bind, &self.secret, segment)
+        match reader.read_ends(self.bind, &self.secret, segment) {
+            Err(e) if not_found(&e) && self.by_name.is_none() => {
+                self.unverifiable(segment, "does not answer at its name")
+            }
+            decided => decided,
+        }
     }
 }
 

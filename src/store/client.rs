@@ -10,11 +10,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::disk::DiskConfig;
-use super::node_catalog::NodeCatalog;
-use super::node_disk::NodeDisk;
+use super::node::catalog::NodeCatalog;
+use super::node::disk::NodeDisk;
+use super::node::DrainReport;
 use super::protocol::{
-    shown_key, CatalogEntry, KeyResult, ObjectDesc, OwnerTicket, Piece, PoolStats, ReplicaDesc,
-    ReplicateConfig, Request, Response, SegmentInfo,
+    shown_key, KeyResult, ObjectDesc, OwnerTicket, Piece, PoolStats, ReplicaDesc, ReplicateConfig,
+    Request, Response, SegmentInfo,
 };
 use super::replica_cache::{Leased, ReplicaCache};
 use super::rpc::RpcClient;
@@ -163,7 +164,7 @@ pub type Parts = Vec<(u64, u64)>;
 pub type Fragments = Vec<(u64, u64, u64)>;
 
 /// Parts laid end to end from the object's first byte.
-fn fragments(parts: &Parts) -> Fragments {
+pub(super) fn fragments(parts: &Parts) -> Fragments {
     let mut off = 0;
     parts
         .iter()
@@ -183,31 +184,31 @@ enum ReadInto<'a> {
 
 /// This client as the master knows it (shared with the pinger thread): its id, the
 /// RPC connection, the segment it mounts, and the pinger's stop flag and wake-up.
-struct MasterSession {
-    id: u64,
-    rpc: RpcClient,
+pub(super) struct MasterSession {
+    pub(super) id: u64,
+    pub(super) rpc: RpcClient,
     /// The engine whose descriptor peers need to reach this client's segment.
-    engine: Arc<Engine>,
-    segment: Option<SegmentInfo>,
+    pub(super) engine: Arc<Engine>,
+    pub(super) segment: Option<SegmentInfo>,
     /// What this node's segment holds, for a master that lost its state.
-    catalog: Mutex<NodeCatalog>,
+    pub(super) catalog: Mutex<NodeCatalog>,
     /// The master's ticket for the segment's name, shown at every remount so that
     /// the name comes back to this node whoever took it meanwhile (none yet: default).
-    owner: Mutex<OwnerTicket>,
+    pub(super) owner: Mutex<OwnerTicket>,
     /// The segment was drained and unmounted: never mount it again.
-    drained: AtomicBool,
+    pub(super) drained: AtomicBool,
     /// A drain runs (one at a time; a second caller waits for it).
-    draining: Mutex<()>,
+    pub(super) draining: Mutex<()>,
     /// The drain the master asked for, running beside the cataloger.
-    drain_thread: Mutex<Option<JoinHandle<()>>>,
+    pub(super) drain_thread: Mutex<Option<JoinHandle<()>>>,
     /// Raised when the client closes: ends the pinger, the cataloger and drains.
-    stop: StopSignal,
+    pub(super) stop: StopSignal,
     /// Descriptors kept within their leases, and the reads served from them.
     cache: ReplicaCache,
     /// Whether the master takes `Touch` and `GetReplicasKeepable`: `KEEPS_*`.
     keeps: AtomicU8,
     /// Segments lent besides the main one.
-    mounts: mounts::Mounts,
+    pub(super) mounts: mounts::Mounts,
     /// Copy and move tasks, and the thread running them.
     tasks: tasks::Tasks,
     /// Reads of objects the master staged from a node's disk tier for them.
@@ -219,17 +220,6 @@ const KEEPS_UNKNOWN: u8 = 0;
 const KEEPS_YES: u8 = 1;
 /// An older master: keep no descriptors.
 const KEEPS_NO: u8 = 2;
-
-/// What a drain did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct DrainReport {
-    /// Objects moved to other nodes.
-    pub moved: u64,
-    /// Objects that had a replica elsewhere already.
-    pub safe_elsewhere: u64,
-    /// Objects that found no place elsewhere, or failed to move.
-    pub lost: u64,
-}
 
 /// A store client: an engine for the bytes and an RPC channel to the master.
 pub struct Client {
@@ -1191,7 +1181,7 @@ impl Client {
 
 impl MasterSession {
     /// `req`, with the queued touches (if any) pipelined ahead of it: one round trip.
-    fn call_with_touches(&self, req: &Request) -> Result<Response> {
+    pub(in crate::store) fn call_with_touches(&self, req: &Request) -> Result<Response> {
         self.call_with_touches_while(req, &mut || {})
     }
 
@@ -1246,275 +1236,6 @@ impl MasterSession {
             log::debug!("touches not sent: {e}");
         }
     }
-
-    /// Introduces this client to the master (only known clients may put): mounts its
-    /// segment, or for a client lending no memory, pings.
-    fn register(&self) -> Result<()> {
-        match &self.segment {
-            // A remount with an empty catalog is a mount; one with a disk tier that
-            // survived a restart announces what it holds.
-            Some(_) => self.remount(),
-            None => self.rpc.call(&Request::Ping { client: self.id }).map(drop),
-        }
-    }
-
-    /// Mounts this node's segment again on a master that lost it, handing over the
-    /// catalog so the objects still in the segment are served again.
-    fn remount(&self) -> Result<()> {
-        let Some(seg) = &self.segment else {
-            return Ok(());
-        };
-        let owner = *self.owner.locked();
-        let (requests, announced) = {
-            let mut catalog = self.catalog.locked();
-            catalog.forget_master();
-            // SAFETY: the segment is this client's own buffer, allocated at
-            // construction and freed only after the pinger (this thread) is joined.
-            unsafe { catalog.remount_requests(self.id, seg, owner) }
-        };
-        let started = Instant::now();
-        for req in &requests {
-            if let Response::Mounted(ticket) = self.rpc.call(req)? {
-                *self.owner.locked() = ticket;
-            }
-        }
-        let seconds = announced.seconds + started.elapsed().as_secs_f64();
-        log::info!(
-            "mounted {}: {} object pieces ({} bytes) and {} disk-tier objects announced in {:.3} s ({:.1} MB/s), {} dropped as corrupt",
-            seg.name,
-            announced.pieces,
-            announced.bytes,
-            announced.on_disk,
-            seconds,
-            announced.bytes as f64 / seconds.max(1e-9) / 1e6,
-            announced.corrupt
-        );
-        Ok(())
-    }
-
-    /// Follows the master's log of this node's segment (see `node_catalog`) until the
-    /// client closes.
-    fn catalog_loop(self: Arc<Self>) {
-        while !self.stop.is_raised() && !self.drained.load(Ordering::SeqCst) {
-            self.catalog_poll();
-            let asked = self.catalog.locked().take_drain_request();
-            if asked && self.draining.try_lock().is_ok() {
-                // Draining waits on the master, which waits on this loop's
-                // acknowledgements: it runs beside it.
-                let s = self.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("mc-store-drain".into())
-                    .spawn(move || match s.drain() {
-                        Ok(r) => log::info!("drained as the master asked: {r:?}"),
-                        Err(e) => log::warn!("drain failed: {e}"),
-                    });
-                match spawned {
-                    Ok(t) => *self.drain_thread.locked() = Some(t),
-                    Err(e) => log::warn!("spawning the drain: {e}"),
-                }
-            }
-        }
-    }
-
-    /// Moves every object only this node holds to other nodes (the master places
-    /// them; this node writes its bytes there), then unmounts the segment for good.
-    fn drain(&self) -> Result<DrainReport> {
-        let Some(seg) = &self.segment else {
-            return Err(Error::invalid(
-                "this client lends no memory: nothing to drain",
-            ));
-        };
-        let _one_at_a_time = self.draining.locked();
-        if self.drained.load(Ordering::SeqCst) {
-            return Ok(DrainReport::default()); // drained already
-        }
-        self.rpc.call(&Request::Drain {
-            client: self.id,
-            segment: seg.name.clone(),
-        })?;
-        let mut report = DrainReport::default();
-        // Puts that were placed here before the drain began may end after it began:
-        // look again until a pass finds nothing new (bounded).
-        let mut done = std::collections::HashSet::new();
-        for _pass in 0..8 {
-            let movable: Vec<CatalogEntry> = self
-                .catalog
-                .locked()
-                .movable(&seg.name)
-                .into_iter()
-                .filter(|e| done.insert(e.key.clone()))
-                .collect();
-            if movable.is_empty() {
-                break;
-            }
-            self.relocate(seg, &movable, &mut report)?;
-        }
-        self.drained.store(true, Ordering::SeqCst);
-        self.rpc.call(&Request::Unmount {
-            client: self.id,
-            name: seg.name.clone(),
-        })?;
-        Ok(report)
-    }
-
-    /// Moves `movable` (objects wholly in this node's segment `seg`) elsewhere.
-    fn relocate(
-        &self,
-        seg: &SegmentInfo,
-        movable: &[CatalogEntry],
-        report: &mut DrainReport,
-    ) -> Result<()> {
-        for chunk in movable.chunks(64) {
-            if self.stop.is_raised() {
-                return Err(Error::new(
-                    Code::UnavailableInCurrentStatus,
-                    "drain interrupted: the client is closing",
-                ));
-            }
-            let keys: Vec<String> = chunk.iter().map(|e| e.key.clone()).collect();
-            let places = match self.rpc.call(&Request::Relocate {
-                client: self.id,
-                segment: seg.name.clone(),
-                keys,
-            })? {
-                Response::PutStart(v) if v.len() == chunk.len() => v,
-                other => {
-                    return Err(Error::protocol(format!(
-                        "unexpected Relocate answer {other:?}"
-                    )))
-                }
-            };
-            let mut reqs = Vec::new();
-            let mut owner = Vec::new();
-            let mut moving = Vec::new();
-            for (entry, place) in chunk.iter().zip(places) {
-                let target = match place {
-                    Ok(t) if t.is_empty() => {
-                        report.safe_elsewhere += 1;
-                        continue;
-                    }
-                    Ok(mut t) => t.remove(0),
-                    Err(code) => {
-                        log::warn!("drain: no place for {}: {code:?}", shown_key(&entry.key));
-                        report.lost += 1;
-                        continue;
-                    }
-                };
-                let local: Parts = entry
-                    .replica
-                    .pieces
-                    .iter()
-                    .map(|p| (p.addr, p.len))
-                    .collect();
-                let frags = fragments(&local);
-                let mut off = 0;
-                let mut ok = true;
-                for piece in &target.pieces {
-                    match scatter(&self.engine, Op::Write, &frags, off, piece) {
-                        Ok(rs) => {
-                            owner.extend(std::iter::repeat_n(moving.len(), rs.len()));
-                            reqs.extend(rs);
-                        }
-                        Err(_) => ok = false,
-                    }
-                    off += piece.len;
-                }
-                moving.push((entry.key.clone(), ok));
-            }
-            for (task, result) in run_batch(&self.engine, &reqs).into_iter().enumerate() {
-                if result.is_err() {
-                    moving[owner[task]].1 = false;
-                }
-            }
-            if moving.is_empty() {
-                continue;
-            }
-            let ended = self.rpc.call(&Request::RelocateEnd {
-                client: self.id,
-                segment: seg.name.clone(),
-                items: moving.clone(),
-            })?;
-            let results = match ended {
-                Response::PerKey(v) if v.len() == moving.len() => v,
-                other => {
-                    return Err(Error::protocol(format!(
-                        "unexpected RelocateEnd answer {other:?}"
-                    )))
-                }
-            };
-            for ((key, moved), result) in moving.iter().zip(results) {
-                if *moved && result.is_ok() {
-                    report.moved += 1;
-                } else {
-                    log::warn!("drain: {} did not move", shown_key(key));
-                    report.lost += 1;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// One poll of the segment's log (see `catalog_loop`).
-    fn catalog_poll(&self) {
-        let Some(seg) = &self.segment else { return };
-        let req = self.catalog.locked().poll_request(self.id, &seg.name);
-        let answer = self.rpc.call(&req);
-        let mut catalog = self.catalog.locked();
-        match answer {
-            // SAFETY: the segment is this client's own buffer, freed only after the
-            // polling threads are joined.
-            Ok(Response::SegmentEvents(ev)) => unsafe { catalog.apply(ev, seg) },
-            Ok(other) => {
-                drop(catalog);
-                log::warn!("catalog poll: unexpected answer {other:?}");
-                self.pause(Duration::from_secs(1));
-            }
-            Err(e) => {
-                catalog.unsent(req);
-                drop(catalog);
-                // Master away or the segment not (yet) mounted: the pinger sorts that
-                // out; keep the catalog and ask again shortly.
-                log::debug!("catalog poll: {e}");
-                self.pause(Duration::from_millis(200));
-            }
-        }
-    }
-
-    /// Waits `d`, or less when the client closes.
-    fn pause(&self, d: Duration) {
-        self.stop.wait(d);
-    }
-
-    /// Mounts this client's segments again on a master that lost them.
-    fn remount_all(&self) {
-        let main = self.segment.is_some() && !self.drained.load(Ordering::SeqCst);
-        if !main && !self.mounts.any() {
-            return;
-        }
-        log::warn!("master asks client {:#x} to remount", self.id);
-        // A restarted master's embedded metadata server starts empty: without the
-        // descriptor no peer could reach the segment.
-        if let Err(e) = self.engine.restore_publication() {
-            log::warn!("republishing the segment's descriptor failed: {e}");
-        }
-        if main {
-            if let Err(e) = self.remount() {
-                log::warn!("remount failed: {e}");
-            }
-        }
-        self.remount_extras();
-    }
-
-    fn ping_loop(&self, interval: Duration) {
-        while !self.stop.wait(interval) {
-            self.reap_extras(false);
-            match self.call_with_touches(&Request::Ping { client: self.id }) {
-                Ok(Response::Ping { need_remount: true }) => self.remount_all(),
-                Ok(_) => {}
-                Err(e) => log::debug!("ping: {e}"),
-            }
-        }
-    }
 }
 
 impl Drop for Client {
@@ -1557,7 +1278,7 @@ impl Drop for Client {
 
 /// Engine requests moving the value bytes `[off, off+piece.len)` that `frags`
 /// cover.
-fn scatter(
+pub(super) fn scatter(
     engine: &Engine,
     op: Op,
     frags: &Fragments,
@@ -1583,7 +1304,7 @@ fn scatter(
 }
 
 /// Runs requests as one batch; a result per request.
-fn run_batch(engine: &Engine, reqs: &[crate::engine::Request]) -> Vec<Result<()>> {
+pub(super) fn run_batch(engine: &Engine, reqs: &[crate::engine::Request]) -> Vec<Result<()>> {
     // SAFETY: the callers' buffers outlive this call, which returns only when no task
     // can touch them any more. Small batches run on this thread (no worker hand-off).
     match unsafe { engine.transfer_sync_states(reqs) } {

@@ -8,15 +8,15 @@ pub mod codec;
 pub mod disk;
 pub mod ha;
 pub mod master;
-pub mod node_catalog;
-pub mod node_disk;
+pub mod node;
 pub mod protocol;
 mod replica_cache;
 pub mod rpc;
 pub mod segment_reach;
 pub mod server;
 
-pub use client::{default_metadata, metadata_of_master, Client, ClientConfig, DrainReport};
+pub use client::{default_metadata, metadata_of_master, Client, ClientConfig};
 pub use master::{Master, MasterConfig};
+pub use node::DrainReport;
 pub use protocol::ReplicateConfig;
 pub use server::{MasterServer, ServerConfig};

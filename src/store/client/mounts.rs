@@ -37,7 +37,7 @@ struct Mounted {
 
 /// The extra segments of one client, by id.
 #[derive(Default)]
-pub(super) struct Mounts {
+pub(in crate::store) struct Mounts {
     by_id: Mutex<HashMap<String, Mounted>>,
     last: AtomicU64,
 }
@@ -48,7 +48,7 @@ impl Mounts {
     }
 
     /// Whether any extra segment is mounted.
-    pub(super) fn any(&self) -> bool {
+    pub(in crate::store) fn any(&self) -> bool {
         !self.lock().is_empty()
     }
 }
@@ -281,7 +281,7 @@ impl MasterSession {
     }
 
     /// Unmounts the extra segments whose grace period is over (`all`: every one).
-    pub(super) fn reap_extras(&self, all: bool) {
+    pub(in crate::store) fn reap_extras(&self, all: bool) {
         let now = Instant::now();
         let due: Vec<String> = self
             .mounts
@@ -299,7 +299,7 @@ impl MasterSession {
 
     /// Mounts the extra segments again on a master that lost them (empty: their
     /// objects were lost with its state); those in their grace period go instead.
-    pub(super) fn remount_extras(&self) {
+    pub(in crate::store) fn remount_extras(&self) {
         let (open, leaving): (Vec<_>, Vec<_>) = self
             .mounts
             .lock()

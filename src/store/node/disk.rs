@@ -6,9 +6,9 @@
 //! (little-endian), so the tier can say what it holds without reading whole values;
 //! every read checks both the record's checksum and the object's own.
 
-use super::disk::{DiskConfig, DiskTier};
-use super::protocol::{CatalogEntry, DiskEntry};
 use crate::error::{Code, Error, Result};
+use crate::store::disk::{DiskConfig, DiskTier};
+use crate::store::protocol::{CatalogEntry, DiskEntry};
 use crate::util::crc32c::{crc32c, crc32c_append};
 
 const MAGIC: &[u8; 4] = b"MCV1";

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::node_disk::NodeDisk;
-use super::protocol::{
+use super::disk::NodeDisk;
+use crate::store::protocol::{
     CatalogEntry, CatalogEvent, DiskEntry, OwnerTicket, Request, SegmentEvents, SegmentInfo,
 };
 use crate::util::crc32c::crc32c;
@@ -186,7 +186,10 @@ impl NodeCatalog {
                         self.disk_kept.insert(entry.key.clone());
                     }
                     if let Err(e) = kept {
-                        log::warn!("offloading {}: {e}", super::protocol::shown_key(&entry.key));
+                        log::warn!(
+                            "offloading {}: {e}",
+                            crate::store::protocol::shown_key(&entry.key)
+                        );
                         self.lost.push(entry.key);
                     }
                 }
@@ -207,7 +210,7 @@ impl NodeCatalog {
                     if let Err(e) = loaded {
                         log::warn!(
                             "reading {} back from disk: {e}",
-                            super::protocol::shown_key(&key)
+                            crate::store::protocol::shown_key(&key)
                         );
                         self.lost.push(key);
                     }
@@ -331,7 +334,7 @@ impl NodeCatalog {
                 if crc32c(bytes) != e.crc32c {
                     log::warn!(
                         "catalog: {} at {:#x} no longer matches its checksum; not announced",
-                        super::protocol::shown_key(&e.key),
+                        crate::store::protocol::shown_key(&e.key),
                         p.addr
                     );
                     stats.corrupt += 1;

@@ -80,14 +80,16 @@ impl Reader {
         }
     }
 
-    fn engine(&self, bind: IpAddr, secret: &Option<ClusterSecret>) -> Result<Arc<Started>> {
+    fn engine(&self, secret: &Option<ClusterSecret>) -> Result<Arc<Started>> {
         let mut started = self.started.locked();
         if let Some(s) = started.as_ref() {
             return Ok(s.clone());
         }
         let config = EngineConfig {
             metadata: self.metadata.clone(),
-            bind_address: bind,
+            // It only reads: its own servers need no other host, and loopback
+            // always has an address (a wildcard needs a route to name itself).
+            bind_address: IpAddr::from([127, 0, 0, 1]),
             rpc_port: 0,
             transfer_timeout: READ_TIMEOUT,
             max_retries: 1,
@@ -109,13 +111,8 @@ impl Reader {
 
     /// Reads the first and last byte of `segment`, with one retry on a fresh
     /// descriptor (its node may have restarted under the same name).
-    fn read_ends(
-        &self,
-        bind: IpAddr,
-        secret: &Option<ClusterSecret>,
-        segment: &SegmentInfo,
-    ) -> Result<()> {
-        let s = self.engine(bind, secret)?;
+    fn read_ends(&self, secret: &Option<ClusterSecret>, segment: &SegmentInfo) -> Result<()> {
+        let s = self.engine(secret)?;
         let id = s.engine.open_segment(&segment.name)?;
         let slot = s.take_slot();
         let at = s.landing + 2 * slot;
@@ -148,19 +145,17 @@ pub struct EngineReach {
     by_address: Option<Reader>,
     /// For the others (and `host:port` ones when `by_address` is `None`).
     by_name: Option<Reader>,
-    bind: IpAddr,
     secret: Option<ClusterSecret>,
     warned: std::sync::Once,
 }
 
 impl EngineReach {
     /// Checks mounts as `verify` says, given the metadata server the master runs
-    /// (`own_metadata`, a URL it reaches itself); its engines listen on `bind`. `None`
+    /// (`own_metadata`, a URL it reaches itself). `None`
     /// for `Off`.
     pub fn new(
         verify: &VerifyMounts,
         own_metadata: Option<String>,
-        bind: IpAddr,
         secret: Option<ClusterSecret>,
     ) -> Option<EngineReach> {
         let (by_address, by_name) = match verify {
@@ -171,7 +166,6 @@ impl EngineReach {
         Some(EngineReach {
             by_address: by_address.map(Reader::new),
             by_name: by_name.map(Reader::new),
-            bind,
             secret,
             warned: std::sync::Once::new(),
         })
@@ -213,7 +207,7 @@ impl SegmentReach for EngineReach {
         let address = is_address(&segment.name);
         let peer_to_peer = self.by_address.as_ref().filter(|_| address);
         if let Some(reader) = &self.by_name {
-            match reader.read_ends(self.bind, &self.secret, segment) {
+            match reader.read_ends(&self.secret, segment) {
                 Err(e) if not_found(&e) && peer_to_peer.is_some() => {}
                 decided => return decided,
             }
@@ -221,7 +215,7 @@ impl SegmentReach for EngineReach {
         let Some(reader) = peer_to_peer else {
             return self.unverifiable(segment, "is no host:port");
         };
-        match reader.read_ends(self.bind, &self.secret, segment) {
+        match reader.read_ends(&self.secret, segment) {
             Err(e) if not_found(&e) && self.by_name.is_none() => {
                 self.unverifiable(segment, "does not answer at its name")
             }

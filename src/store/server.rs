@@ -114,7 +114,6 @@ impl MasterServer {
         let reach = EngineReach::new(
             &config.verify_mounts,
             own_metadata,
-            config.bind,
             config.cluster_secret.clone(),
         );
         if let Some(reach) = reach {

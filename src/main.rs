@@ -304,6 +304,16 @@ fn main() -> ExitCode {
             }
         };
     }
+    // Commands that only print end quietly when their reader goes.
+    let prints_only = matches!(
+        raw.first().map(String::as_str),
+        Some("info" | "backends" | "simulate" | "calc" | "help" | "version" | "--version")
+            | Some("-V" | "--help" | "-h")
+            | None
+    );
+    if prints_only {
+        cli::end_quietly_on_closed_stdout();
+    }
     let result = match raw.first().map(String::as_str) {
         Some("target") => cli::target(&raw[1..]),
         Some("metadata-server") => cli::metadata_server(&raw[1..]),

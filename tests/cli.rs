@@ -96,6 +96,30 @@ fn bad_flags_fail_with_a_clear_message() {
 }
 
 /// Runs the binary; (success, stdout, stderr).
+/// A listing whose reader is gone (`mooncake calc --list | head -1`) ends quietly,
+/// by SIGPIPE as any Unix filter, instead of panicking on the write.
+#[test]
+fn a_listing_whose_reader_is_gone_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    // The read end closed before the child starts: its first write meets no reader.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(BIN)
+        .args(["calc", "--list"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {stderr}",
+        out.status
+    );
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(BIN).args(args).output().unwrap();
     (

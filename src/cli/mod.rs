@@ -38,6 +38,15 @@ fn serve_stdin(mut on_command: impl FnMut(&str) -> String) {
     }
 }
 
+/// Lets SIGPIPE end the process, as for any Unix filter: a command that only prints
+/// then stops quietly when its reader goes (`mooncake calc --list | head -1`)
+/// instead of panicking on the write. Never for commands that serve or move bytes:
+/// a peer closing a socket must not kill them (the engine ignores SIGPIPE).
+pub fn end_quietly_on_closed_stdout() {
+    // SAFETY: installing SIG_DFL for SIGPIPE has no memory-safety preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 /// SIGINT and SIGTERM, the signals that end a serving command.
 fn termination_signals() -> libc::sigset_t {
     // SAFETY: sigset operations on a local, zero-initialized set.

@@ -7,6 +7,10 @@ use crate::error::Result;
 use crate::metadata::SegmentDesc;
 use crate::registry::LocalMemory;
 
+/// Writes from this size on have their destination faulted in first (one call per
+/// write; a smaller one would pay the call for little).
+const POPULATE_FROM: u64 = 256 << 10;
+
 /// Transfers within one engine: a memcpy (or driver copy) between its own buffers.
 pub struct LocalTransport {
     memory: Arc<LocalMemory>,
@@ -78,6 +82,12 @@ impl TransportWorker for LocalWorker {
                     Op::Read => (target.ptr() as *const u8, slice.local as *mut u8),
                     Op::Write => (slice.local as *const u8, target.ptr()),
                 };
+                if slice.op == Op::Write && slice.len >= POPULATE_FROM {
+                    // A store node writes its fresh segment page by page: fault the
+                    // range in with one call rather than a fault per 4 KiB page.
+                    // SAFETY: `target` pins the registered range, writable by us.
+                    unsafe { crate::sys::populate_for_write(dst, slice.len as usize) };
+                }
                 // SAFETY: the registered side is pinned by `target`; the local side is
                 // the caller's buffer, valid for `len` bytes by the submit contract.
                 // `copy_host` tolerates a request whose two ends overlap.

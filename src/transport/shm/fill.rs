@@ -61,14 +61,7 @@ impl Filled {
                 let end = (start + WINDOW).min(map_len);
                 // SAFETY: [start, end) lies inside the mapping (the caller's
                 // contract); populating only faults pages in, it changes no contents.
-                // An error (an older kernel) leaves the copy to fault them as before.
-                unsafe {
-                    libc::madvise(
-                        base.add(start).cast(),
-                        end - start,
-                        libc::MADV_POPULATE_WRITE,
-                    )
-                };
+                unsafe { crate::sys::populate_for_write(base.add(start), end - start) };
             }
         }
         // SAFETY: the caller's contract: both ranges valid, disjoint, ours alone.

@@ -1,42 +1,17 @@
-//! Build script: gives the C shared library its SONAME, marks a static build
-//! (`MC_STATIC_BINARY`) and, with the `layout-check`
+//! Build script: gives the C shared library its SONAME and, with the `layout-check`
 //! feature, generates bindings from the system verbs and libfabric headers for
-//! `tests/layout.rs` to check the hand-written ffi structs against.
+//! `tests/layout.rs` to check the hand-written ffi structs against. (The layers below
+//! have their own: `ffi/build.rs` marks a static build, `crates/base/build.rs` the
+//! compiler's AVX-512 support.)
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=c_include/mooncake.h");
-    // MC_STATIC_BINARY=1: the `mooncake` binary of this build is linked with a static C
-    // runtime (scripts/test.sh links only the binary so, keeping the library's crate
-    // types buildable), so runtime-loaded backends must stay off.
-    println!("cargo:rerun-if-env-changed=MC_STATIC_BINARY");
-    println!("cargo:rustc-check-cfg=cfg(mc_static_binary)");
-    if std::env::var("MC_STATIC_BINARY").as_deref() == Ok("1") {
-        println!("cargo:rustc-cfg=mc_static_binary");
-    }
-    // AVX-512 intrinsics (CRC32C folding, `src/util/crc32c.rs`) are stable from Rust
-    // 1.89; older toolchains (the MSRV is lower) build without that path.
-    println!("cargo:rustc-check-cfg=cfg(mc_avx512_intrinsics)");
-    if rustc_minor().is_some_and(|minor| minor >= 89) {
-        println!("cargo:rustc-cfg=mc_avx512_intrinsics");
-    }
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
         println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libmooncake.so.0");
     }
     #[cfg(feature = "layout-check")]
     layout_check::generate();
-}
-
-/// The minor version of the compiler building this crate (`rustc 1.MINOR.x`).
-fn rustc_minor() -> Option<u32> {
-    let rustc = std::env::var_os("RUSTC")?;
-    let out = std::process::Command::new(rustc)
-        .arg("--version")
-        .output()
-        .ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
-    let version = text.split_whitespace().nth(1)?;
-    version.split('.').nth(1)?.parse().ok()
 }
 
 #[cfg(feature = "layout-check")]

@@ -57,7 +57,7 @@ macro_rules! function_table {
             fn bind(
                 lib: ::std::sync::Arc<::libloading::Library>,
                 library: String,
-            ) -> $crate::ffi::error::Result<$name> {
+            ) -> $crate::error::Result<$name> {
                 Ok($name {
                     $(
                         $field: function_table!(
@@ -76,11 +76,11 @@ macro_rules! function_table {
     (@lookup required, $lib:expr, $library:expr, $var:expr, [$($sym:literal),+], $fty:ty) => {
         // SAFETY: the table's declaration gives this field's type as the C prototype of
         // every symbol listed for it.
-        unsafe { $crate::ffi::loader::symbol::<$fty>($lib, $library, &[$($sym),+], $var) }?
+        unsafe { $crate::loader::symbol::<$fty>($lib, $library, &[$($sym),+], $var) }?
     };
     (@lookup optional, $lib:expr, $library:expr, $var:expr, [$($sym:literal),+], $fty:ty) => {
         // SAFETY: as for a required entry point.
-        unsafe { $crate::ffi::loader::symbol::<$fty>($lib, $library, &[$($sym),+], $var) }.ok()
+        unsafe { $crate::loader::symbol::<$fty>($lib, $library, &[$($sym),+], $var) }.ok()
     };
 }
 

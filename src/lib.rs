@@ -1,31 +1,22 @@
 //! Mooncake in Rust: a transfer engine and KV-cache store data plane.
 //!
-//! Layering (arrows point one way): `ffi` → `transport` → `engine` → `capi`.
-//! `json`, `http`, `wire`, `sys`, `net`, `registry` (registered buffers), `memfd`
-//! (shareable mappings) and `metadata` are shared building blocks below them.
+//! The layers are crates, so arrows point one way: `mooncake-sys` (`ffi/`, the
+//! runtime-loaded native libraries) → `mooncake-base` (errors, OS calls, sockets,
+//! HTTP, auth, etcd, redis) → `mooncake-engine` (registered memory, metadata,
+//! transports, the engine) → `mooncake-store` and `mooncake-collective` → this crate:
+//! the C ABI ([`capi`]) and the `mooncake` command. Each layer is re-exported here
+//! under the module name it had before the split.
 
-#[path = "../ffi/mod.rs"]
-pub mod ffi;
+pub use mooncake_base::{auth, error, etcd, http, json, memfd, redis, util};
+pub use mooncake_collective as collective;
+pub use mooncake_engine::{device, engine, metadata, registry, transport, wire};
+pub use mooncake_store as store;
+pub use mooncake_sys as ffi;
 
-pub mod auth;
+// Below the public surface: the C ABI's own use of them.
+use mooncake_base::{net, warn_limited};
+
 pub mod capi;
-pub mod collective;
-pub mod device;
-pub mod engine;
-pub mod error;
-pub mod etcd;
-pub mod http;
-pub mod json;
-pub mod memfd;
-pub mod metadata;
-pub(crate) mod net;
-pub mod redis;
-pub mod registry;
-pub mod store;
-pub(crate) mod sys;
-pub mod transport;
-pub mod util;
-pub mod wire;
 
 pub use engine::{Engine, EngineConfig, Protocol, Request};
 pub use error::{Code, Error, Result};

@@ -1,0 +1,604 @@
+//! Thin safe wrappers over the few Linux calls std does not offer: epoll, eventfd,
+//! vectored I/O on raw descriptors, and non-blocking connect.
+
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cvt_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// An epoll instance: registered descriptors and the tokens of those that are ready.
+pub struct Epoll {
+    fd: OwnedFd,
+}
+
+/// Interest in (or readiness for) reading.
+pub const READABLE: u32 = libc::EPOLLIN as u32;
+/// Interest in (or readiness for) writing.
+pub const WRITABLE: u32 = libc::EPOLLOUT as u32;
+/// Edge-triggered: reported once per change, not while the condition holds.
+pub const EDGE: u32 = libc::EPOLLET as u32;
+
+impl Epoll {
+    /// A new epoll instance, closed on exec.
+    pub fn new() -> io::Result<Epoll> {
+        // SAFETY: plain syscall; the returned descriptor is owned from here on.
+        let fd = cvt(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: `fd` is a fresh descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
+    }
+
+    /// Watches `fd` for `events`, reported as `token`.
+    pub fn add(&self, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) })?;
+        Ok(())
+    }
+
+    /// Stops watching `fd`.
+    pub fn delete(&self, fd: RawFd) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: `ev` is a valid epoll_event for the call (EPOLL_CTL_DEL ignores it, but pre-2.6.9
+        // kernels require a non-null pointer); `self.fd` is our open epoll descriptor.
+        cvt(unsafe { libc::epoll_ctl(self.fd.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, &mut ev) })?;
+        Ok(())
+    }
+
+    /// Waits up to `timeout_ms` (-1: forever, 0: poll) and returns the ready tokens.
+    pub fn wait(&self, tokens: &mut Vec<u64>, timeout_ms: i32) -> io::Result<()> {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        // SAFETY: the buffer holds 64 events and we pass its length.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.fd.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as i32,
+                timeout_ms,
+            )
+        };
+        tokens.clear();
+        match cvt(n) {
+            Ok(n) => {
+                tokens.extend(events[..n as usize].iter().map(|e| e.u64));
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The epoll descriptor, for nesting in another poller.
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// A counter descriptor used to wake a parked thread.
+pub struct EventFd {
+    fd: OwnedFd,
+}
+
+impl EventFd {
+    /// A new non-blocking eventfd, closed on exec.
+    pub fn new() -> io::Result<EventFd> {
+        // SAFETY: plain syscall.
+        let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        // SAFETY: fresh descriptor.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(EventFd { fd })
+    }
+
+    /// Wakes whoever polls this descriptor.
+    pub fn notify(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64. A full counter (EAGAIN) already
+        // means "woken", so the result needs no handling.
+        unsafe { libc::write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Clears pending wake-ups.
+    pub fn drain(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live u64; EAGAIN (nothing pending) is fine.
+        unsafe { libc::read(self.fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    /// The descriptor to poll for wake-ups.
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Sleeps until `fd` (when given) is readable, this eventfd is notified, or
+    /// `timeout` passes (`None`: no limit). Returns whether it was notified; the
+    /// count is left pending (see [`EventFd::drain`]). A signal ends the wait early,
+    /// like a timeout, so callers wait in a loop that re-checks their condition.
+    pub fn wait(&self, fd: Option<RawFd>, timeout: Option<Duration>) -> io::Result<bool> {
+        let poll_fd = |fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut fds = [poll_fd(self.fd.as_raw_fd()), poll_fd(fd.unwrap_or(-1))];
+        let n = if fd.is_some() { 2 } else { 1 };
+        let ts = timeout.map(|t| libc::timespec {
+            tv_sec: t.as_secs().min(i32::MAX as u64) as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const _);
+        // SAFETY: `fds` holds `n` valid pollfds and `ts_ptr` is null or points at a
+        // live timespec; both outlive the call.
+        match cvt(unsafe { libc::ppoll(fds.as_mut_ptr(), n, ts_ptr, std::ptr::null()) }) {
+            Ok(_) => Ok(fds[0].revents != 0),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// `writev` on a descriptor; parts are (pointer, length) pairs.
+///
+/// # Safety
+/// Every part must be readable for its length.
+pub unsafe fn writev(fd: RawFd, parts: &[(*const u8, usize)]) -> io::Result<usize> {
+    let iov: Vec<libc::iovec> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .map(|&(base, len)| libc::iovec {
+            iov_base: base as *mut _,
+            iov_len: len,
+        })
+        .collect();
+    // SAFETY: the caller guarantees the parts are readable; `iov` outlives the call.
+    // MSG_NOSIGNAL semantics come from ignoring SIGPIPE (see `ignore_sigpipe`).
+    cvt_size(unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as i32) })
+}
+
+/// `readv` on a descriptor; parts are (pointer, length) pairs.
+///
+/// # Safety
+/// Every part must be writable for its length and not aliased.
+pub unsafe fn readv(fd: RawFd, parts: &[(*mut u8, usize)]) -> io::Result<usize> {
+    let iov: Vec<libc::iovec> = parts
+        .iter()
+        .filter(|p| p.1 > 0)
+        .map(|&(base, len)| libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        })
+        .collect();
+    // SAFETY: the caller guarantees the parts are writable; `iov` outlives the call.
+    cvt_size(unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as i32) })
+}
+
+/// The IPv4 address of the network interface `name` (its first); `None` when no
+/// interface of that name has one.
+pub fn interface_ipv4(name: &str) -> io::Result<Option<Ipv4Addr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list that is freed below.
+    cvt(unsafe { libc::getifaddrs(&mut head) })?;
+    let mut found = None;
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        if ifa.ifa_name.is_null() || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: a NUL-terminated name owned by the list.
+        let ifa_name = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
+        // SAFETY: a non-null ifa_addr points at a sockaddr, whose family says its type.
+        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+        if ifa_name.to_bytes() == name.as_bytes() && family == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*ifa.ifa_addr.cast::<libc::sockaddr_in>() };
+            found = Some(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+            break;
+        }
+    }
+    // SAFETY: the list getifaddrs returned, freed once; nothing borrowed from it remains.
+    unsafe { libc::freeifaddrs(head) };
+    Ok(found)
+}
+
+/// Broken connections must surface as EPIPE, not kill the process.
+pub fn ignore_sigpipe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: installing SIG_IGN for SIGPIPE has no memory-safety preconditions.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    });
+}
+
+/// Faults the pages of `[addr, addr + len)` in for writing with one call
+/// (`MADV_POPULATE_WRITE`, Linux 5.14), so a copy into fresh memory takes no fault per
+/// page; pages already there cost a page-table walk. An older kernel refuses it, and
+/// the copy then faults as before: the result is ignored.
+///
+/// # Safety
+/// The range must lie in one live writable mapping; populating changes no contents.
+pub unsafe fn populate_for_write(addr: *mut u8, len: usize) {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    let start = addr as usize & !(page - 1);
+    let end = (addr as usize).saturating_add(len);
+    // SAFETY: the caller's contract; the range is widened only to whole pages of
+    // the same mapping (mappings are page-aligned).
+    unsafe {
+        libc::madvise(
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+}
+
+/// Starts a non-blocking connect; the stream becomes writable once it completes.
+pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
+    // SAFETY: the sockaddr storage is zeroed and filled per family below.
+    let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let (family, len) = match addr {
+        SocketAddr::V4(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            let sin = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in) };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+            (libc::AF_INET, std::mem::size_of::<libc::sockaddr_in>())
+        }
+        SocketAddr::V6(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in6 and was zeroed
+            // above, so the `&mut` reborrow is a valid, exclusive view of it.
+            let sin6 = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in6) };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_scope_id = a.scope_id();
+            (libc::AF_INET6, std::mem::size_of::<libc::sockaddr_in6>())
+        }
+    };
+    // SAFETY: plain syscall.
+    let fd = cvt(unsafe {
+        libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    })?;
+    // SAFETY: fresh descriptor, owned by the stream from here on.
+    let stream = unsafe { TcpStream::from_raw_fd(fd) };
+    // SAFETY: `storage` holds a valid address of `len` bytes.
+    let ret = unsafe {
+        libc::connect(
+            fd,
+            &storage as *const _ as *const libc::sockaddr,
+            len as u32,
+        )
+    };
+    if ret < 0 {
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(err);
+        }
+    }
+    Ok(stream)
+}
+
+/// For a non-blocking connect: `None` while in progress, then its result.
+pub fn connect_result(stream: &TcpStream) -> Option<io::Result<()>> {
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if n <= 0 {
+        return None;
+    }
+    match stream.take_error() {
+        Ok(None) => Some(Ok(())),
+        Ok(Some(e)) | Err(e) => Some(Err(e)),
+    }
+}
+
+/// Whether an idle connection is over: the peer closed it (or reset it, or sent
+/// something unasked), so a request must not be sent on it. One non-blocking peek.
+pub fn idle_connection_closed(stream: &TcpStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte buffer we own, valid for the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error().kind();
+        return !matches!(e, io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
+    }
+    true
+}
+
+/// One `recv` that never blocks: `WouldBlock` when nothing is there yet.
+pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is ours and writable for its length during the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Whether a thread about to spin would leave every other runnable thread of the
+/// machine a CPU: the kernel's count of runnable threads right now (the fourth field
+/// of `/proc/loadavg`, the caller included) is at most the CPUs this process may use.
+/// False when it cannot tell.
+pub fn cpu_to_spare() -> bool {
+    use std::os::unix::fs::FileExt;
+    use std::sync::OnceLock;
+    // One descriptor for the process: `pread` takes its offset, so threads share it.
+    static LOADAVG: OnceLock<Option<std::fs::File>> = OnceLock::new();
+    static CPUS: OnceLock<usize> = OnceLock::new();
+    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let loadavg = LOADAVG.get_or_init(|| std::fs::File::open("/proc/loadavg").ok());
+    let mut text = [0u8; 128];
+    let Some(n) = loadavg.as_ref().and_then(|f| f.read_at(&mut text, 0).ok()) else {
+        return false;
+    };
+    runnable_threads(&text[..n]).is_some_and(|running| running <= cpus)
+}
+
+/// Polls `stream` for up to `spin` until it has a byte to read (or its end, or an
+/// error, which the read that follows reports): true then, so that read does not put
+/// the thread to sleep. Waking a blocked thread costs tens of microseconds on a VM,
+/// more than a small request or answer takes to arrive. Spins only while the machine
+/// has a CPU to spare ([`cpu_to_spare`], asked every 16 polls); false when nothing
+/// came in time.
+pub fn spin_until_readable(stream: &TcpStream, spin: Duration) -> bool {
+    const POLLS_PER_CHECK: u32 = 16;
+    let started = std::time::Instant::now();
+    let mut byte = [0u8; 1];
+    let mut polls = 0u32;
+    loop {
+        // SAFETY: `byte` is ours and writable for its length during the call.
+        let n = unsafe {
+            libc::recv(
+                stream.as_raw_fd(),
+                byte.as_mut_ptr().cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_PEEK,
+            )
+        };
+        if n >= 0 {
+            return true;
+        }
+        let e = io::Error::last_os_error().kind();
+        if e != io::ErrorKind::WouldBlock && e != io::ErrorKind::Interrupted {
+            return true;
+        }
+        polls += 1;
+        if polls % POLLS_PER_CHECK == 0 && (started.elapsed() >= spin || !cpu_to_spare()) {
+            return false;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// The runnable count of a `/proc/loadavg` line ("0.78 1.32 1.56 1/77 30027").
+fn runnable_threads(line: &[u8]) -> Option<usize> {
+    let field = std::str::from_utf8(line).ok()?.split_whitespace().nth(3)?;
+    field.split('/').next()?.parse().ok()
+}
+
+/// Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's auto-tuning alone).
+pub fn set_socket_buffers(stream: &TcpStream, bytes: usize) {
+    if bytes == 0 {
+        return;
+    }
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: passes a live c_int of the declared size.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+    }
+}
+
+/// Whether every page of `[addr, addr+len)` is mapped in this process: `msync` with
+/// `MS_ASYNC` writes nothing back and fails with ENOMEM on a hole.
+pub fn is_mapped(addr: u64, len: u64) -> bool {
+    // SAFETY: sysconf reads a constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    let start = addr & !(page - 1);
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    // SAFETY: msync only inspects this process's mappings of the range (MS_ASYNC
+    // schedules no I/O since Linux 2.6.19); no memory is read or written.
+    unsafe {
+        libc::msync(
+            start as *mut libc::c_void,
+            (end - start) as usize,
+            libc::MS_ASYNC,
+        ) == 0
+    }
+}
+
+/// Asks the kernel to drop `file`'s cached pages (only clean ones go: write the file
+/// out first).
+pub fn drop_page_cache(file: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open
+    // for the duration of the call because `file` is borrowed.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::from_raw_os_error(rc))
+    }
+}
+
+/// Fills `buf` from the kernel's random pool, blocking only until it is seeded.
+pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: the kernel writes at most `rest.len()` bytes into `rest`.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// A random u64 from the kernel; if the kernel has none to give, one still unique per
+/// process and time.
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    match fill_random(&mut b) {
+        Ok(()) => u64::from_ne_bytes(b),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
+        }
+    }
+}
+
+#[cfg(test)]
+mod random_tests {
+    #[test]
+    fn two_draws_differ() {
+        let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+        super::fill_random(&mut a).unwrap();
+        super::fill_random(&mut b).unwrap();
+        assert_ne!(a, b);
+    }
+}
+
+#[cfg(test)]
+mod loadavg_tests {
+    #[test]
+    fn the_runnable_count_is_the_fourth_fields_numerator() {
+        assert_eq!(
+            super::runnable_threads(b"0.78 1.32 1.56 3/77 30027\n"),
+            Some(3)
+        );
+        assert_eq!(super::runnable_threads(b"0.78 1.32 1.56"), None);
+        assert_eq!(super::runnable_threads(b"0.78 1.32 1.56 x/77 1"), None);
+        assert_eq!(super::runnable_threads(b"\xff\xfe"), None);
+    }
+}
+
+#[cfg(test)]
+mod interface_tests {
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn an_interface_is_found_by_name() {
+        // Every Linux network namespace has a loopback interface named `lo`.
+        assert_eq!(
+            super::interface_ipv4("lo").unwrap(),
+            Some(Ipv4Addr::LOCALHOST)
+        );
+        assert_eq!(super::interface_ipv4("mc-no-such-if0").unwrap(), None);
+        assert_eq!(super::interface_ipv4("").unwrap(), None);
+    }
+}
+
+#[cfg(test)]
+mod spin_tests {
+    use super::spin_until_readable;
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
+
+    #[test]
+    fn readable_only_once_a_byte_or_the_end_arrived_and_nothing_is_consumed() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server, _) = listener.accept().unwrap();
+        let spin = Duration::from_micros(50);
+        assert!(!spin_until_readable(&server, spin), "nothing sent yet");
+        client.write_all(b"x").unwrap();
+        // Bounded: the byte is on its way over loopback.
+        assert!((0..100_000).any(|_| spin_until_readable(&server, spin)));
+        let mut got = [0u8; 1];
+        server.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x", "the peek left the byte for the read");
+        drop(client);
+        assert!(
+            (0..100_000).any(|_| spin_until_readable(&server, spin)),
+            "the end"
+        );
+    }
+}
+
+#[cfg(test)]
+mod populate_tests {
+    use crate::memfd::{SharedMemory, Sharing};
+
+    #[test]
+    fn populating_an_unaligned_range_changes_no_byte() {
+        let len = 5 << 12;
+        let shm = SharedMemory::create("populate-test", len, Sharing::PeersWrite).unwrap();
+        // SAFETY: the mapping is this test's alone, `len` bytes long.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(shm.ptr(), len) };
+        for (i, b) in bytes[..2 << 12].iter_mut().enumerate() {
+            *b = (i % 251) as u8 + 1;
+        }
+        // From inside the first page over written and fresh pages, to inside the last.
+        // SAFETY: the range lies in the mapping.
+        unsafe { super::populate_for_write(shm.ptr().add(100), len - 200) };
+        // SAFETY: as above.
+        let bytes = unsafe { std::slice::from_raw_parts(shm.ptr(), len) };
+        assert!(bytes[..2 << 12]
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == (i % 251) as u8 + 1));
+        assert!(
+            bytes[2 << 12..].iter().all(|b| *b == 0),
+            "fresh pages read zero"
+        );
+    }
+}

@@ -1,0 +1,228 @@
+//! The store RPC's binary encoding: little-endian integers, length-prefixed byte
+//! strings and lists. Every read is bounds-checked; a short or inconsistent payload is
+//! an error, never a panic.
+
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, Result};
+
+/// Builds a store RPC payload (little-endian, length-prefixed strings and lists).
+#[derive(Default)]
+pub struct Writer {
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    /// An empty payload.
+    pub fn new() -> Writer {
+        Writer::default()
+    }
+
+    /// The bytes written so far.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.buf
+    }
+
+    /// Appends one byte.
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.buf.push(v);
+        self
+    }
+
+    /// Appends a bool as one byte.
+    pub fn bool(&mut self, v: bool) -> &mut Self {
+        self.u8(v as u8)
+    }
+
+    /// Appends a little-endian `u32`.
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    /// Appends a little-endian `i32`.
+    pub fn i32(&mut self, v: i32) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    /// Appends a little-endian `u64`.
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+
+    /// Appends a length-prefixed byte string.
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.buf.extend_from_slice(v);
+        self
+    }
+
+    /// Appends a length-prefixed UTF-8 string.
+    pub fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+
+    /// Appends a count, then each item through `each`.
+    pub fn list<T>(&mut self, items: &[T], mut each: impl FnMut(&mut Self, &T)) -> &mut Self {
+        self.u32(items.len() as u32);
+        for item in items {
+            each(self, item);
+        }
+        self
+    }
+}
+
+/// Reads a payload [`Writer`] built; every read fails cleanly on short input.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// A reader at the start of `buf`.
+    pub fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader { buf, pos: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                Error::protocol(format!(
+                    "payload ends at byte {} (wanted {n} more)",
+                    self.buf.len()
+                ))
+            })?;
+        let out = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    /// Reads one byte.
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    /// Reads a bool (0 or 1).
+    pub fn bool(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(Error::protocol(format!("bad boolean {v}"))),
+        }
+    }
+
+    /// Reads a little-endian `u32`.
+    pub fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    /// Reads a little-endian `i32`.
+    pub fn i32(&mut self) -> Result<i32> {
+        Ok(i32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    /// Reads a little-endian `u64`.
+    pub fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    /// Reads a length-prefixed byte string, borrowed from the payload.
+    pub fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+
+    /// Reads a length-prefixed UTF-8 string, borrowed from the payload.
+    pub fn str(&mut self) -> Result<&'a str> {
+        std::str::from_utf8(self.bytes()?).map_err(|_| Error::protocol("string is not UTF-8"))
+    }
+
+    /// Reads a length-prefixed UTF-8 string into an owned `String`.
+    pub fn string(&mut self) -> Result<String> {
+        self.str().map(str::to_owned)
+    }
+
+    /// A list whose length is checked against the bytes left (each item takes at least
+    /// `min_item` bytes), so a forged count cannot make us allocate without bound.
+    pub fn list<T>(
+        &mut self,
+        min_item: usize,
+        mut each: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<Vec<T>> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_item.max(1)) > self.buf.len() - self.pos {
+            return Err(Error::protocol(format!(
+                "list of {n} items cannot fit the payload"
+            )));
+        }
+        (0..n).map(|_| each(self)).collect()
+    }
+
+    /// Fails unless every byte was consumed.
+    pub fn finish(&self) -> Result<()> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(Error::protocol(format!(
+                "{} trailing bytes",
+                self.buf.len() - self.pos
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_truncation() {
+        let mut w = Writer::new();
+        w.u8(7)
+            .bool(true)
+            .u32(9)
+            .i32(-704)
+            .u64(u64::MAX)
+            .str("kv")
+            .list(&[1u64, 2], |w, v| {
+                w.u64(*v);
+            });
+        let bytes = w.into_bytes();
+        let mut r = Reader::new(&bytes);
+        assert_eq!(r.u8().unwrap(), 7);
+        assert!(r.bool().unwrap());
+        assert_eq!(r.u32().unwrap(), 9);
+        assert_eq!(r.i32().unwrap(), -704);
+        assert_eq!(r.u64().unwrap(), u64::MAX);
+        assert_eq!(r.str().unwrap(), "kv");
+        assert_eq!(r.list(8, |r| r.u64()).unwrap(), vec![1, 2]);
+        r.finish().unwrap();
+        for cut in 0..bytes.len() {
+            let mut r = Reader::new(&bytes[..cut]);
+            let all = (|| -> Result<()> {
+                r.u8()?;
+                r.bool()?;
+                r.u32()?;
+                r.i32()?;
+                r.u64()?;
+                r.str()?;
+                r.list(8, |r| r.u64())?;
+                Ok(())
+            })();
+            assert!(all.is_err(), "cut at {cut}");
+        }
+        let forged = [0xff, 0xff, 0xff, 0x7f];
+        assert!(Reader::new(&forged).list(8, |r| r.u64()).is_err());
+    }
+}

@@ -1,0 +1,665 @@
+//! The store's own binary RPC between clients and the master.
+//!
+//! Request frame:  `u32 len | u16 version | u16 method | u64 request id | payload`.
+//! Response frame: `u32 len | u16 version | u16 method | u64 request id | i32 status |
+//! payload` (on a non-zero status the payload is the error's UTF-8 context).
+//! `len` counts the bytes after itself and is capped at `MAX_FRAME`. Requests on one
+//! connection are answered in order, so a client may pipeline them. A malformed or
+//! oversized frame closes that connection (with a logged reason) and nobody else's.
+
+#![forbid(unsafe_code)]
+
+use crate::util::sync::Unpoisoned;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::codec::Writer;
+use super::ha;
+use super::master::Master;
+use super::protocol::{Method, Request, Response, PROTOCOL_VERSION};
+use crate::auth::ClusterSecret;
+use crate::error::{Code, Error, Result};
+use crate::etcd::EtcdClient;
+use crate::net::{ConnServer, ConnTicket, ServerLimits, TimedReader};
+
+/// Largest RPC frame accepted, in bytes.
+pub const MAX_FRAME: usize = 16 << 20;
+const HEADER: usize = 12;
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn frame(method: u16, id: u64, status: Option<i32>, payload: &[u8]) -> Vec<u8> {
+    let extra = if status.is_some() { 4 } else { 0 };
+    let mut out = Vec::with_capacity(4 + HEADER + extra + payload.len());
+    out.extend_from_slice(&((HEADER + extra + payload.len()) as u32).to_le_bytes());
+    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out.extend_from_slice(&method.to_le_bytes());
+    out.extend_from_slice(&id.to_le_bytes());
+    if let Some(s) = status {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    out.extend_from_slice(payload);
+    out
+}
+
+/// One received frame, header fields decoded.
+struct Frame {
+    version: u16,
+    method: u16,
+    id: u64,
+    /// What follows the header (for responses: status, then payload).
+    body: Vec<u8>,
+}
+
+/// Reads one frame; `Ok(None)` on a clean EOF.
+fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    loop {
+        match stream.read(&mut len[..1]) {
+            Ok(0) => return Ok(None),
+            Ok(_) => break,
+            // A signal handled meanwhile (a Python host installs handlers without
+            // SA_RESTART) is no reason to fail the call; `read_exact` below retries too.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Error::io("reading frame", e)),
+        }
+    }
+    stream
+        .read_exact(&mut len[1..])
+        .map_err(|e| Error::io("reading frame length", e))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if !(HEADER..=MAX_FRAME).contains(&len) {
+        return Err(Error::protocol(format!(
+            "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| Error::io("reading frame body", e))?;
+    let version = u16::from_le_bytes([body[0], body[1]]);
+    let method = u16::from_le_bytes([body[2], body[3]]);
+    let id = u64::from_le_bytes(body[4..12].try_into().expect("8 bytes"));
+    body.drain(..HEADER);
+    Ok(Some(Frame {
+        version,
+        method,
+        id,
+        body,
+    }))
+}
+
+/// How long a master connection polls for the next request before it blocks.
+const SERVER_SPIN: Duration = Duration::from_micros(20);
+/// How long a client polls for the master's answer before it blocks.
+const CLIENT_SPIN: Duration = Duration::from_micros(100);
+/// `SegmentEvents`: answered when the segment's catalog changes, not at once.
+const LONG_POLL_METHOD: u16 = Method::SegmentEvents as u16;
+
+/// Serves the master's RPC on `bind` until dropped.
+pub fn serve(
+    bind: SocketAddr,
+    limits: ServerLimits,
+    master: Arc<Master>,
+    secret: Option<ClusterSecret>,
+) -> std::io::Result<ConnServer> {
+    let handler = Arc::new(move |s, ticket: &ConnTicket| serve_conn(s, ticket, &master));
+    ConnServer::spawn(
+        bind,
+        "mc-master",
+        limits,
+        crate::auth::guard(secret, "master rpc", handler),
+    )
+}
+
+fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
+    let peer_addr = stream.peer_addr().ok();
+    // Unfinished puts count against the host a request came from (`quota::Payer`).
+    let peer_ip = peer_addr.map(|a| a.ip());
+    let peer = peer_addr.map(|a| a.to_string()).unwrap_or_default();
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
+    let mut reader = TimedReader::new(&stream, ticket);
+    loop {
+        // A client's next request often follows at once: catch it without sleeping.
+        crate::sys::spin_until_readable(&stream, SERVER_SPIN);
+        let read = read_frame(&mut reader);
+        reader.frame_done();
+        let Frame {
+            version,
+            method,
+            id,
+            body: payload,
+        } = match read {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            // A malformed frame is worth a warning; a peer that went away is not.
+            Err(e) if e.code() == Code::Protocol => {
+                crate::warn_limited!("master rpc {peer}: {e}; closing");
+                return;
+            }
+            Err(e) => {
+                log::debug!("master rpc {peer}: {e}; closing");
+                return;
+            }
+        };
+        let (status, body) = if version != PROTOCOL_VERSION {
+            let msg = format!("protocol version {version}, this master speaks {PROTOCOL_VERSION}");
+            (Code::InvalidVersion as i32, msg.into_bytes())
+        } else {
+            match Request::decode(method, &payload) {
+                Err(e) => {
+                    crate::warn_limited!("master rpc {peer}: method {method}: {e}; closing");
+                    return;
+                }
+                Ok(req) => {
+                    ticket.prove();
+                    match master.handle_from(req, peer_ip) {
+                        Ok(resp) => {
+                            let mut w = Writer::new();
+                            resp.encode(&mut w);
+                            (0, w.into_bytes())
+                        }
+                        Err(e) => (e.code() as i32, e.context().as_bytes().to_vec()),
+                    }
+                }
+            }
+        };
+        if (&stream)
+            .write_all(&frame(method, id, Some(status), &body))
+            .is_err()
+            || version != PROTOCOL_VERSION
+        {
+            return;
+        }
+    }
+}
+
+/// Where the master is: a fixed address, or (Mooncake's `etcd://h:p;h:p` form) the
+/// leader named in etcd's master view, looked up again whenever it stops answering.
+enum MasterTarget {
+    Fixed(SocketAddr),
+    Elected {
+        etcd: EtcdClient,
+        cluster_id: String,
+        /// The leader last read from etcd.
+        leader: Mutex<Option<SocketAddr>>,
+    },
+}
+
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    addr.to_socket_addrs()
+        .map_err(|e| Error::new(Code::RpcFail, format!("master address {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!("master address {addr:?} resolves to nothing"),
+            )
+        })
+}
+
+impl MasterTarget {
+    /// The master to talk to now; `fresh` asks etcd again instead of trusting the
+    /// leader read last.
+    fn current(&self, fresh: bool) -> Result<SocketAddr> {
+        let (etcd, cluster_id, leader) = match self {
+            MasterTarget::Fixed(a) => return Ok(*a),
+            MasterTarget::Elected {
+                etcd,
+                cluster_id,
+                leader,
+            } => (etcd, cluster_id, leader),
+        };
+        let mut cached = leader.locked();
+        if let (Some(a), false) = (*cached, fresh) {
+            return Ok(a);
+        }
+        let view = ha::read_view(etcd, cluster_id)?.ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!(
+                    "no master leads cluster {cluster_id:?} (etcd {} has no {})",
+                    etcd.describe(),
+                    ha::view_key(cluster_id)
+                ),
+            )
+        })?;
+        let a = resolve(&view.address)?;
+        *cached = Some(a);
+        Ok(a)
+    }
+}
+
+/// The environment variable with how long (milliseconds) read-only calls wait out a
+/// master that is restarting or failing over; 0: not at all.
+pub const MASTER_WAIT_ENV: &str = "MC_STORE_MASTER_WAIT_MS";
+
+fn master_wait() -> Duration {
+    let ms = std::env::var(MASTER_WAIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(5000);
+    Duration::from_millis(ms)
+}
+
+/// A transport failure talking to the master at `addr`, as RPC codes.
+fn rpc_error(addr: SocketAddr, e: Error) -> Error {
+    match e.code() {
+        Code::Timeout => Error::new(Code::RpcTimeout, format!("master {addr}: {}", e.context())),
+        _ => Error::new(Code::RpcFail, format!("master {addr}: {e}")),
+    }
+}
+
+/// A client of the master's RPC: a pool of persistent connections, one per concurrent
+/// caller, so calls from many threads never queue behind each other.
+pub struct RpcClient {
+    target: MasterTarget,
+    pool: Mutex<Vec<(SocketAddr, TcpStream)>>,
+    next_id: AtomicU64,
+    secret: Option<ClusterSecret>,
+    /// How long read-only calls wait out a master away (`call_after_while`).
+    patience: Duration,
+    /// When calls began failing because the master is away; `None` while it answers.
+    away_since: Mutex<Option<Instant>>,
+}
+
+impl RpcClient {
+    /// A client for the master at `addr`: `host:port`, or `etcd://h:p[;h:p]` to follow
+    /// the elected leader of the cluster named by `MC_STORE_CLUSTER_ID` (default
+    /// `mooncake_cluster`) as Mooncake's clients do.
+    /// With a secret, each connection authenticates before its first request.
+    pub fn new(addr: &str, secret: Option<ClusterSecret>) -> Result<RpcClient> {
+        let target = match addr.trim().strip_prefix("etcd://") {
+            Some(endpoints) => MasterTarget::Elected {
+                etcd: EtcdClient::new(endpoints)?,
+                cluster_id: ha::cluster_id(None),
+                leader: Mutex::new(None),
+            },
+            None => MasterTarget::Fixed(resolve(addr)?),
+        };
+        Ok(RpcClient {
+            target,
+            pool: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            secret,
+            patience: master_wait(),
+            away_since: Mutex::new(None),
+        })
+    }
+
+    /// The master's address (for an elected master, the leader as last looked up).
+    pub fn addr(&self) -> Result<SocketAddr> {
+        self.target.current(false)
+    }
+
+    fn connect(&self) -> Result<(SocketAddr, TcpStream)> {
+        let addr = self.target.current(false)?;
+        match self.connect_to(addr) {
+            Err(e) if matches!(self.target, MasterTarget::Elected { .. }) => {
+                // The leader we knew is gone: ask etcd who leads now.
+                let now = self.target.current(true)?;
+                if now == addr {
+                    return Err(e);
+                }
+                log::info!("master moved from {addr} to {now}");
+                self.pool.locked().clear();
+                Ok((now, self.connect_to(now)?))
+            }
+            other => Ok((addr, other?)),
+        }
+    }
+
+    fn connect_to(&self, addr: SocketAddr) -> Result<TcpStream> {
+        let secret = self.secret.as_ref();
+        let s = crate::auth::connect(&addr, Duration::from_secs(5), secret)
+            .map_err(|e| Error::new(Code::RpcFail, format!("connecting to master {addr}: {e}")))?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+        let _ = s.set_write_timeout(Some(IO_TIMEOUT));
+        Ok(s)
+    }
+
+    /// A pooled connection still open (the master closes idle ones) to the current
+    /// master, if any.
+    fn pooled(&self) -> Option<(SocketAddr, TcpStream)> {
+        let current = self.target.current(false).ok()?;
+        let mut pool = self.pool.locked();
+        while let Some((addr, s)) = pool.pop() {
+            if addr == current && !crate::sys::idle_connection_closed(&s) {
+                return Some((addr, s));
+            }
+        }
+        None
+    }
+
+    fn keep(&self, conn: (SocketAddr, TcpStream)) {
+        self.pool.locked().push(conn);
+    }
+
+    /// One request and its response. A pooled connection the master closed while
+    /// idle is never used; read-only requests are also retried once on a fresh
+    /// connection when a pooled one dies during the call (for an elected master, to
+    /// whoever leads by then).
+    pub fn call(&self, req: &Request) -> Result<Response> {
+        self.call_after(None, req)
+    }
+
+    /// `call(req)`, with `before` (when given) pipelined ahead of it on the same
+    /// connection in the same write: one round trip for both. `before`'s answer is
+    /// only logged; a failure of it does not fail `req`.
+    pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
+        self.call_after_while(before, req, &mut || {})
+    }
+
+    /// `call_after(before, req)`, running `meanwhile` once the requests are sent and
+    /// before the answer is read, so that work which does not need the answer overlaps
+    /// the master's. It runs once per attempt: not at all when no connection could be
+    /// made, twice when a read-only request is retried.
+    ///
+    /// A read-only request also waits out a master that is restarting or failing over:
+    /// while the master cannot be reached, or answers that it just started and nodes
+    /// are still remounting (`UnavailableInCurrentStatus`), it is sent again with
+    /// backoff, within one window of patience (`MC_STORE_MASTER_WAIT_MS`, default 5000)
+    /// counted from the first failure. Once a window ran out, calls fail at their first
+    /// failure until one gets through again, so a master that is gone does not make
+    /// every call wait.
+    pub fn call_after_while(
+        &self,
+        before: Option<&Request>,
+        req: &Request,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
+        let read_only = matches!(
+            req,
+            Request::Ping { .. }
+                | Request::GetReplicas { .. }
+                | Request::GetReplicasKeepable { .. }
+                | Request::Exists { .. }
+                | Request::Describe { .. }
+                | Request::Stats
+                | Request::MetadataUrl
+        );
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let result = self.attempt(before, req, meanwhile, read_only);
+            let master_away = matches!(
+                &result,
+                Err(e) if matches!(e.code(), Code::RpcFail | Code::UnavailableInCurrentStatus)
+            );
+            if !master_away {
+                // The master answered: the next absence gets a whole window again.
+                *self.away_since.locked() = None;
+                return result;
+            }
+            if !read_only {
+                return result;
+            }
+            let Some(left) = self.patience_left() else {
+                return result;
+            };
+            std::thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(200));
+        }
+    }
+
+    /// A read-only request tried once, never waiting for an absent master: for health
+    /// checks, which must say at once that it is away.
+    pub fn call_now(&self, req: &Request) -> Result<Response> {
+        self.attempt(None, req, &mut || {}, true)
+    }
+
+    /// What is left of the patience window opened by the first failure since the last
+    /// call that got through (opening it now if none is open); `None` once it ran out.
+    fn patience_left(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let since = *self.away_since.locked().get_or_insert(now);
+        Some(self.patience.saturating_sub(now - since)).filter(|left| !left.is_zero())
+    }
+
+    /// One try of `call_after_while`: a pooled connection, or a new one; a read-only
+    /// request found its pooled connection dead is sent once more on a new one.
+    fn attempt(
+        &self,
+        before: Option<&Request>,
+        req: &Request,
+        meanwhile: &mut dyn FnMut(),
+        read_only: bool,
+    ) -> Result<Response> {
+        let encoded = |r: &Request| {
+            let mut w = Writer::new();
+            r.encode(&mut w);
+            (r.method(), w.into_bytes())
+        };
+        let (method, bytes) = encoded(req);
+        let before = before.map(encoded);
+        let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
+        let pooled = self.pooled();
+        let fresh = pooled.is_none();
+        let (addr, mut stream) = match pooled {
+            Some(c) => c,
+            None => self.connect()?,
+        };
+        match self.exchange(addr, &mut stream, before, method, &bytes, meanwhile) {
+            Ok(resp) => {
+                self.keep((addr, stream));
+                resp
+            }
+            Err(e) if !fresh && read_only => {
+                log::debug!("master connection went stale ({e}); reconnecting");
+                let (addr, mut stream) = self.connect()?;
+                let resp = self.exchange(addr, &mut stream, before, method, &bytes, meanwhile)?;
+                self.keep((addr, stream));
+                resp
+            }
+            Err(e) => {
+                if let MasterTarget::Elected { leader, .. } = &self.target {
+                    // Look the leader up again next time.
+                    *leader.locked() = None;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends and receives on one connection (`before`, a request whose answer is only
+    /// logged, goes first in the same write; `meanwhile` runs between sending and
+    /// receiving). The outer error means the connection is
+    /// unusable; the inner result is the master's answer.
+    fn exchange(
+        &self,
+        addr: SocketAddr,
+        stream: &mut TcpStream,
+        before: Option<(u16, &[u8])>,
+        method: u16,
+        payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Result<Response>> {
+        let mut out = Vec::new();
+        let before = before.map(|(m, p)| {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            out.extend_from_slice(&frame(m, id, None, p));
+            (m, id)
+        });
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        out.extend_from_slice(&frame(method, id, None, payload));
+        stream
+            .write_all(&out)
+            .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
+        meanwhile();
+        if let Some((m, id)) = before {
+            if let Err(e) = Self::answer(addr, stream, m, id)? {
+                log::debug!("master {addr}: request {m} ahead of {method}: {e}");
+            }
+        }
+        Self::answer(addr, stream, method, id)
+    }
+
+    /// Reads the answer to request `id` of `method` (as `exchange`).
+    fn answer(
+        addr: SocketAddr,
+        stream: &mut TcpStream,
+        method: u16,
+        id: u64,
+    ) -> Result<Result<Response>> {
+        let rpc = |e: Error| rpc_error(addr, e);
+        // Most answers come within tens of microseconds: wait for them awake. Not a
+        // catalog poll's, which the master holds until something changes.
+        if method != LONG_POLL_METHOD {
+            crate::sys::spin_until_readable(stream, CLIENT_SPIN);
+        }
+        let Frame {
+            version,
+            method: got_method,
+            id: got_id,
+            body,
+        } = read_frame(stream).map_err(rpc)?.ok_or_else(|| {
+            Error::new(
+                Code::RpcFail,
+                format!("master {addr} closed the connection"),
+            )
+        })?;
+        if got_method != method || got_id != id || body.len() < 4 {
+            return Err(Error::protocol(format!(
+                "master answered {got_method}/{got_id} to {method}/{id}"
+            )));
+        }
+        let status = i32::from_le_bytes(body[..4].try_into().expect("4 bytes"));
+        let rest = &body[4..];
+        if version != PROTOCOL_VERSION || status != 0 {
+            let code = Code::from_i32(status).unwrap_or(Code::RpcFail);
+            return Ok(Err(Error::new(
+                code,
+                String::from_utf8_lossy(rest).into_owned(),
+            )));
+        }
+        Ok(Response::decode(method, rest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+    use crate::master::MasterConfig;
+    use crate::protocol::SegmentInfo;
+
+    #[test]
+    fn reads_wait_out_an_absent_master_once_then_fail_at_once_until_it_answers() {
+        // Nothing listens on a port we bound and released.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut c = RpcClient::new(&format!("127.0.0.1:{port}"), None).unwrap();
+        c.patience = Duration::from_millis(30);
+        let exists = Request::Exists {
+            keys: vec!["k".into()],
+        };
+        assert_eq!(c.call(&exists).unwrap_err().code(), Code::RpcFail);
+        assert!(c.away_since.locked().is_some(), "the window was opened");
+        assert!(c.patience_left().is_none(), "and has run out");
+        // Writes never wait: they may have been applied.
+        c.patience = Duration::from_secs(3600);
+        *c.away_since.locked() = None;
+        let unmount = Request::Unmount {
+            client: 1,
+            name: "n".into(),
+        };
+        assert_eq!(c.call(&unmount).unwrap_err().code(), Code::RpcFail);
+        assert!(c.away_since.locked().is_none(), "a write opens no window");
+        // Nor does a failed write close one (a node's catalog poller fails every
+        // 200 ms while the master is away: it must not keep readers waiting forever).
+        let opened = Instant::now();
+        *c.away_since.locked() = Some(opened);
+        assert_eq!(c.call(&unmount).unwrap_err().code(), Code::RpcFail);
+        assert_eq!(*c.away_since.locked(), Some(opened));
+        // Once a master answers, the next absence gets a whole window again.
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = format!("127.0.0.1:{port}").parse().unwrap();
+        let _server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        c.patience = Duration::ZERO;
+        *c.away_since.locked() = Some(Instant::now());
+        assert!(c.call(&exists).is_ok());
+        assert!(c.away_since.locked().is_none());
+    }
+
+    #[test]
+    fn a_pooled_connection_closed_while_idle_is_replaced_not_failed() {
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        let client = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+        // A pooled connection whose far end went away while it sat idle (as a master
+        // closing idle connections does).
+        let other = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stale = TcpStream::connect(other.local_addr().unwrap()).unwrap();
+        drop(other.accept().unwrap());
+        client
+            .pool
+            .lock()
+            .unwrap()
+            .push((server.local_addr(), stale));
+        // Mount is not retried after a failure mid-call, so only skipping the dead
+        // connection lets it succeed.
+        let mount = Request::Mount {
+            client: 7,
+            segment: SegmentInfo {
+                name: "s".into(),
+                base: 1 << 40,
+                size: 64 << 20,
+            },
+        };
+        assert!(matches!(client.call(&mount), Ok(Response::Done)));
+    }
+
+    #[test]
+    fn work_given_to_a_call_runs_after_the_request_left_and_before_the_answer() {
+        use std::sync::mpsc::channel;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (arrived_tx, arrived) = channel();
+        let (release, release_rx) = channel::<()>();
+        // A master that answers only once the caller's work says it ran.
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let f = read_frame(&mut s).unwrap().unwrap();
+            arrived_tx.send(()).unwrap();
+            if release_rx.recv_timeout(Duration::from_secs(30)).is_ok() {
+                let mut w = Writer::new();
+                Response::Done.encode(&mut w);
+                s.write_all(&frame(f.method, f.id, Some(0), &w.into_bytes()))
+                    .unwrap();
+            }
+        });
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        // Answered with `Done`, and never retried.
+        let unmount = Request::Unmount {
+            client: 7,
+            name: "s".into(),
+        };
+        let mut runs = 0;
+        let answer = client.call_after_while(None, &unmount, &mut || {
+            runs += 1;
+            // The request is already at the master, which has not answered yet.
+            assert!(arrived.recv_timeout(Duration::from_secs(30)).is_ok());
+            release.send(()).unwrap();
+        });
+        assert!(matches!(answer, Ok(Response::Done)), "{answer:?}");
+        assert_eq!(runs, 1);
+        fake.join().unwrap();
+
+        // Nobody to send to: the work does not run.
+        drop(client);
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        let mut ran = false;
+        assert!(client
+            .call_after_while(None, &unmount, &mut || ran = true)
+            .is_err());
+        assert!(!ran);
+    }
+}

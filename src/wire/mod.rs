@@ -1,5 +1,0 @@
-//! Byte layouts shared with Mooncake 0.3.x peers (`docs/wire.md`): the
-//! control-plane RPC frame and the TCP data-plane v2 header and status frame.
-
-pub mod data;
-pub mod rpc;

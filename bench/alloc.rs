@@ -13,9 +13,9 @@ use std::hint::black_box;
 use std::sync::Barrier;
 use std::time::Instant;
 
-use mooncake::json::{self, Value};
-use mooncake::store::allocator::{AllocatorConfig, SlabAllocator};
-use mooncake::util::percentile;
+use mooncake_base::json::{self, Value};
+use mooncake_base::util::percentile;
+use mooncake_store::allocator::{AllocatorConfig, SlabAllocator};
 
 /// 48..64 KiB: a few neighbouring classes around a 512-token KV block.
 const PAIR_SIZES: [u64; 8] = [65536, 61440, 57344, 53248, 49152, 63488, 59392, 65535];
@@ -32,7 +32,7 @@ struct Params {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    mooncake::util::size::parse(s)
+    mooncake_base::util::size::parse(s)
 }
 
 fn parse_args(args: &[String]) -> Result<Params, String> {
@@ -176,8 +176,8 @@ fn pair_figures(p: &Params) -> Result<(), String> {
 /// Object sizes in trace order: one per 512-token block, the last block of a
 /// request holding the remainder of its input.
 fn trace_sizes(path: Option<&str>, bytes_per_token: u64) -> Result<Vec<u64>, String> {
-    let text = crate::cli::trace::text(path)?;
-    let path = crate::cli::trace::name(path);
+    let text = mooncake_cli::trace::text(path)?;
+    let path = mooncake_cli::trace::name(path);
     let mut sizes = Vec::new();
     for (n, line) in text
         .lines()
@@ -230,7 +230,7 @@ fn utilization(p: &Params, sizes: &[u64], config: AllocatorConfig, label: &str) 
         ("config", label.into()),
         (
             "trace",
-            crate::cli::trace::name(p.trace.as_deref())
+            mooncake_cli::trace::name(p.trace.as_deref())
                 .rsplit('/')
                 .next()
                 .unwrap_or("")

@@ -6,12 +6,12 @@
 
 use std::time::{Duration, Instant};
 
-use crate::bench_common::ChildProc;
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::util::percentile;
-use mooncake::wire::rpc::{self, RpcType};
-use mooncake::{Engine, EngineConfig, Op, Request};
+use crate::common::ChildProc;
+use mooncake_base::json::Value;
+use mooncake_base::util::percentile;
+use mooncake_cli::args::Args;
+use mooncake_engine::wire::rpc::{self, RpcType};
+use mooncake_engine::{Engine, EngineConfig, Op, Request};
 
 const SECRET: &str = "bench secret: any bytes the cluster shares";
 const BLOCKS: [u64; 2] = [4 << 10, 16 << 20];
@@ -27,7 +27,7 @@ struct Side {
     seg: u64,
     remote: u64,
     rpc_addr: String,
-    secret: Option<mooncake::auth::ClusterSecret>,
+    secret: Option<mooncake_base::auth::ClusterSecret>,
 }
 
 impl Side {
@@ -163,7 +163,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let control = a.flag("control");
     a.finish()?;
     // The secret-off side must really be off, whatever this shell exports.
-    std::env::remove_var(mooncake::auth::SECRET_ENV);
+    std::env::remove_var(mooncake_base::auth::SECRET_ENV);
     let file = std::env::temp_dir().join(format!("mc-bench-auth-{}", std::process::id()));
     std::fs::write(&file, SECRET).map_err(|e| format!("writing {}: {e}", file.display()))?;
     let sides = (|| {

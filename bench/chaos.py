@@ -21,7 +21,7 @@ Counting (the method): an object's bytes derive from its key, so every read is
 checked: `wrong` is any read (during the run or the final pass) whose bytes differ.
 An object still unreadable at the end is
   - `lost` when a disk tier holds a complete copy of it: the driver reads every
-    node's log files itself (record format of src/store/disk/record.rs), and a value
+    node's log files itself (record format of crates/store/src/disk/record.rs), and a value
     record whose bytes are exactly the object's is a copy the node had on disk, which
     survives its restarts (the files are append-only; the quota is never reached, so
     no file is evicted; a tombstone after it would still count as lost, since nothing
@@ -58,7 +58,7 @@ NODES = 3
 SEGMENT = "16M"
 SSD_SIZE = "4G"
 SSD_QUOTA = 4 << 30
-# Values on disk carry a 16-byte prefix ("MCV1" | crc32c | version), src/store/node_disk.rs.
+# Values on disk carry a 16-byte prefix ("MCV1" | crc32c | version), crates/store/src/node/disk.rs.
 VALUE_PREFIX = 16
 RECORD_MAGIC = b"MCD1"
 RECORD_HEADER = 24

@@ -15,10 +15,10 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::store::{Client, ReplicateConfig};
-use mooncake::Code;
+use mooncake_base::json::Value;
+use mooncake_base::Code;
+use mooncake_cli::args::Args;
+use mooncake_store::{Client, ReplicateConfig};
 
 /// Object sizes, picked per key from its pattern's seed (`bench/chaos.py` knows them).
 /// At most 256 KiB: the smallest slab a node's segment gets, so no object is striped
@@ -289,9 +289,9 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let seed: u64 = a.get("seed", 1)?;
     let settle = Duration::from_secs(a.get("settle", 120)?);
     let stable = Duration::from_secs(a.get("stable", 30)?);
-    let mut cfg = crate::cli::store::client_config(&a)?;
+    let mut cfg = mooncake_cli::store::client_config(&a)?;
     a.finish()?;
-    crate::cli::store::metadata_from_master(&a, &mut cfg)?;
+    mooncake_cli::store::metadata_from_master(&a, &mut cfg)?;
     if !(put_rate > 0.0 && seconds > 0.0) || replica_num == 0 || seed >= 1 << 24 {
         return Err(
             "--put-rate and --seconds must be positive, --replicas at least 1, --seed below 2^24"

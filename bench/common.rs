@@ -1,5 +1,5 @@
 //! Pieces every benchmark uses: a child process of our own binary that reports
-//! `ready ...`. Percentiles are `mooncake::util::percentile`.
+//! `ready ...`. Percentiles are `mooncake_base::util::percentile`.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

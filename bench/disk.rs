@@ -1,4 +1,4 @@
-//! `mooncake bench disk`: the store's disk tier (`src/store/disk/`) against a plain
+//! `mooncake bench disk`: the store's disk tier (`crates/store/src/disk/`) against a plain
 //! `pwrite`/`pread` loop of the same object sizes on the same file system, in the same
 //! run. Prints one JSON object per line: put and read-back GB/s (median of the
 //! repetitions, with each repetition's figure), the baseline's, and the ratio.
@@ -17,10 +17,10 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use mooncake::json::Value;
+use mooncake_base::json::Value;
 
-use mooncake::store::disk::{drop_page_cache, DiskConfig, DiskTier};
-use mooncake::util::percentile;
+use mooncake_base::util::percentile;
+use mooncake_store::disk::{drop_page_cache, DiskConfig, DiskTier};
 
 struct Params {
     dir: Option<PathBuf>,
@@ -31,7 +31,7 @@ struct Params {
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    match mooncake::util::size::parse(s)? {
+    match mooncake_base::util::size::parse(s)? {
         0 => Err(format!("{s:?}: a size must be positive")),
         n => Ok(n),
     }

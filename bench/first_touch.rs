@@ -5,10 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use crate::bench_common::ChildProc;
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::{Engine, Op, Request};
+use crate::common::ChildProc;
+use mooncake_base::json::Value;
+use mooncake_cli::args::Args;
+use mooncake_engine::{Engine, Op, Request};
 
 /// A `kB` field of a `/proc` status-like file (`Shmem:` of meminfo, `RssShmem:` ...).
 fn kib_field(path: &str, key: &str) -> Result<u64, String> {
@@ -51,7 +51,7 @@ fn read(engine: &Engine, seg: u64, remote: u64, buf: &mut [u8]) -> Result<Durati
 pub fn run(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let size: u64 = a.get("size", 2u64 << 30)?;
-    let mut cfg = crate::cli::engine_config(&a)?;
+    let mut cfg = mooncake_cli::engine_config(&a)?;
     if a.str("protocol").is_none() {
         cfg.set("protocol", "shm").map_err(|e| e.to_string())?;
     }

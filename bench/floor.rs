@@ -9,9 +9,9 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::util::percentile;
+use mooncake_base::json::Value;
+use mooncake_base::util::percentile;
+use mooncake_cli::args::Args;
 
 /// Reads exactly `buf.len()` bytes, spinning on `WouldBlock` (non-blocking sockets).
 fn read_full(s: &mut TcpStream, buf: &mut [u8]) -> io::Result<()> {

@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::store::master::{Master, MasterConfig};
-use mooncake::store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
+use mooncake_base::json::Value;
+use mooncake_cli::args::Args;
+use mooncake_store::master::{Master, MasterConfig};
+use mooncake_store::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
 
 /// The paper segment's owner.
 const CLIENT: u64 = 0xB0B;
@@ -54,7 +54,7 @@ impl Rng {
 }
 
 /// Per-key failures in an answer (a whole-request error counts every key).
-fn failures(answer: mooncake::Result<Response>, n: usize) -> u64 {
+fn failures(answer: mooncake_base::Result<Response>, n: usize) -> u64 {
     match answer {
         Err(_) => n as u64,
         Ok(Response::PutStart(r)) => r.iter().filter(|x| x.is_err()).count() as u64,

@@ -19,13 +19,13 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::bench_common::ChildProc;
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::store::protocol::ReplicateConfig;
-use mooncake::store::Client;
-use mooncake::util::percentile;
-use mooncake::{Engine, Op, Request};
+use crate::common::ChildProc;
+use mooncake_base::json::Value;
+use mooncake_base::util::percentile;
+use mooncake_cli::args::Args;
+use mooncake_engine::{Engine, Op, Request};
+use mooncake_store::protocol::ReplicateConfig;
+use mooncake_store::Client;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -417,7 +417,7 @@ fn read_thread(
 fn read_outcome(
     r: &mut ThreadResult,
     key: &str,
-    res: mooncake::Result<u64>,
+    res: mooncake_base::Result<u64>,
     got: &[u8],
     seed: u64,
     p: &Params,
@@ -584,7 +584,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let verify = !a.flag("no-verify");
     let keys_flag: Option<usize> = a.get("keys", 0usize).map(|k| (k > 0).then_some(k))?;
     let external = a.str("master").is_some();
-    let mut cfg = crate::cli::store::client_config(&a)?;
+    let mut cfg = mooncake_cli::store::client_config(&a)?;
     if a.str("protocol").is_none() {
         cfg.engine
             .set("protocol", "tcp")
@@ -616,7 +616,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let protocol = cfg.engine.protocol.name().to_owned();
     let cluster = match external {
         true => {
-            crate::cli::store::metadata_from_master(&a, &mut cfg)?;
+            mooncake_cli::store::metadata_from_master(&a, &mut cfg)?;
             None
         }
         false => {

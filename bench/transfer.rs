@@ -13,11 +13,11 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::bench_common::ChildProc;
-use crate::cli::args::Args;
-use mooncake::json::Value;
-use mooncake::util::percentile;
-use mooncake::{Engine, Op, Request};
+use crate::common::ChildProc;
+use mooncake_base::json::Value;
+use mooncake_base::util::percentile;
+use mooncake_cli::args::Args;
+use mooncake_engine::{Engine, Op, Request};
 
 struct Params {
     protocol: String,
@@ -261,7 +261,7 @@ fn floor_fields(
         ),
     ];
     for (spin, [p50_name, p99_name, p50_ratio, p99_ratio]) in names {
-        let mut floor = crate::floor_bench::ping_pong(spin, 32, answer, duration)
+        let mut floor = crate::floor::ping_pong(spin, 32, answer, duration)
             .map_err(|e| format!("floor ping-pong: {e}"))?;
         floor.sort_by(f64::total_cmp);
         let (p50, p99) = (percentile(&floor, 0.5), percentile(&floor, 0.99));
@@ -326,7 +326,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let fabric = matches!(p.protocol.as_str(), "fabric" | "efa");
     let rdma = p.protocol == "rdma";
     let provider = a.str("fabric-provider").map(str::to_owned);
-    let mut cfg = crate::cli::engine_config(&a)?;
+    let mut cfg = mooncake_cli::engine_config(&a)?;
     a.finish()?;
     if fabric {
         // Before any thread or child exists: the child target inherits these.
@@ -405,11 +405,11 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     } else if rdma {
         // No same-run baseline exists for verbs here (no perftest); say where the
         // figure came from instead.
-        let library = mooncake::ffi::ibverbs::verbs()
+        let library = mooncake_sys::ibverbs::verbs()
             .map(|v| v.library.clone())
             .unwrap_or_default();
         extra.push(("verbs_library", Value::from(library.as_str())));
-        if std::env::var_os(mooncake::ffi::ibverbs::OVERRIDE_VAR).is_some() {
+        if std::env::var_os(mooncake_sys::ibverbs::OVERRIDE_VAR).is_some() {
             extra.push((
                 "note",
                 Value::from("libibverbs overridden (MC_IBVERBS_LIB): an emulated provider's figures are not performance claims"),
@@ -472,7 +472,7 @@ mod fabric_bench {
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use mooncake::Engine;
+    use mooncake_engine::Engine;
 
     const LOOPBACK_VARS: [&str; 2] = ["FI_TCP_IFACE", "FI_SOCKETS_IFACE"];
 

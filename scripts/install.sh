@@ -12,7 +12,7 @@ prefix=$(cd "$1" && pwd)
 root=$(cd "$(dirname "$0")/.." && pwd)
 target=${CARGO_TARGET_DIR:-$root/target}/release
 
-(cd "$root" && cargo build --release --lib)
+(cd "$root" && cargo build -p mooncake --release --lib)
 
 lib="$prefix/lib"
 mkdir -p "$lib/pkgconfig" "$prefix/include"

@@ -14,7 +14,7 @@ cargo test
 # asked to); MC_STATIC_BINARY=1 tells the library code it is going into one.
 target=x86_64-unknown-linux-gnu
 CARGO_TARGET_DIR=target/static MC_STATIC_BINARY=1 \
-  cargo rustc --release --target "$target" --bin mooncake -- -C target-feature=+crt-static
+  cargo rustc -p mooncake --release --target "$target" --bin mooncake -- -C target-feature=+crt-static
 bin="target/static/$target/release/mooncake"
 # Captured first: `grep -q` stops reading at its match, and info's later lines would
 # then meet a closed pipe.

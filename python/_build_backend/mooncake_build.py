@@ -9,7 +9,7 @@ directly. No build dependency has to be fetched from PyPI (``requires = []``), s
 What ``build_wheel`` does:
   1. Gets ``libmooncake.so`` and ``mooncake``: from ``$MOONCAKE_PREBUILT_DIR`` when set
      (a directory holding both), else by running
-     ``cargo build --release --manifest-path <checkout>/Cargo.toml --lib --bin mooncake``
+     ``cargo build --release --manifest-path <checkout>/Cargo.toml -p mooncake --lib --bin mooncake``
      (output under ``$CARGO_TARGET_DIR`` when set, else ``<checkout>/target``).
   2. Writes ``mooncake-<version>-py3-none-<platform>.whl`` holding ``mooncake/*.py``,
      ``mooncake/libmooncake.so``, ``mooncake/bin/mooncake``, a generated
@@ -176,7 +176,7 @@ def _build_native():
     target_dir = os.environ.get("CARGO_TARGET_DIR") or os.path.join(CHECKOUT, "target")
     if not os.path.isabs(target_dir):
         target_dir = os.path.join(CHECKOUT, target_dir)
-    cmd = [cargo, "build", "--release", "--manifest-path", manifest, "--lib", "--bin", "mooncake"]
+    cmd = [cargo, "build", "--release", "--manifest-path", manifest, "-p", "mooncake", "--lib", "--bin", "mooncake"]
     _log(" ".join(cmd) + f"  (target dir {target_dir})")
     env = dict(os.environ, CARGO_TARGET_DIR=target_dir)
     # cargo's progress goes to stderr, which pip shows with -v.

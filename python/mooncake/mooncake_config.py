@@ -33,7 +33,7 @@ DEFAULT_LOCAL_BUFFER_SIZE = 1073741824  # 1 GiB
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*$",
                    re.IGNORECASE)
-# The protocol names our engine takes (src/engine/config.rs: its transports, and Mooncake's
+# The protocol names our engine takes (crates/engine/src/engine/config.rs: its transports, and Mooncake's
 # hardware protocols it has no transport for, which run over TCP with a warning). Only a
 # hint for a warning here: the engine decides what this host can use.
 KNOWN_PROTOCOLS = frozenset({

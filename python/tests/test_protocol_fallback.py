@@ -108,7 +108,7 @@ def test_strict_store_with_unavailable_rdma_refuses(master, monkeypatch):
 
 def test_the_config_module_knows_the_protocols_the_engine_takes():
     # mooncake_config warns on names outside KNOWN_PROTOCOLS; the engine's list is in
-    # src/engine/config.rs. One list must not drift from the other.
+    # crates/engine/src/engine/config.rs. One list must not drift from the other.
     from mooncake import _native as N
     from mooncake._common import new_config
     from mooncake.mooncake_config import KNOWN_PROTOCOLS

@@ -9,14 +9,14 @@
 //! prefix (`GetReplicas`, which leases and touches), then write the missing blocks from
 //! the first one not hit (`PutStart` and `PutEnd` batches). The hit is the prefix read.
 
-use mooncake::store::master::Clock;
-use mooncake::store::protocol::{KeyResult, ReplicateConfig, Request, Response, SegmentInfo};
-use mooncake::store::{Master, ServerConfig};
-use mooncake::Code;
+use mooncake_base::Code;
+use mooncake_store::master::Clock;
+use mooncake_store::protocol::{KeyResult, ReplicateConfig, Request, Response, SegmentInfo};
+use mooncake_store::{Master, ServerConfig};
 
 use super::plan::Plan;
 use super::policies::Tally;
-use crate::cli::replay::{blocks_to_write, stored_prefix, Block};
+use crate::replay::{blocks_to_write, stored_prefix, Block};
 
 /// The pure client that reads and writes (it lends no memory, as in the demo).
 const WRITER: u64 = 0x5157_0000;

@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 
 use super::args::Args;
 use super::trace::{self, Request as TraceRequest};
-use mooncake::json::Value;
-use mooncake::store::protocol::PoolStats;
-use mooncake::store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
-use mooncake::util::{percentile, size};
-use mooncake::{Code, EngineConfig};
+use mooncake_base::json::Value;
+use mooncake_base::util::{percentile, size};
+use mooncake_base::Code;
+use mooncake_engine::EngineConfig;
+use mooncake_store::protocol::PoolStats;
+use mooncake_store::{Client, ClientConfig, MasterServer, ReplicateConfig, ServerConfig};
 
 /// Tokens per KV block (the trace's hash-id granularity).
 const TOKENS_PER_BLOCK: u64 = 512;
@@ -182,8 +183,8 @@ impl DemoDisk {
     }
 
     /// The disk tier of node `i`.
-    fn node(&self, i: usize) -> mooncake::store::disk::DiskConfig {
-        mooncake::store::disk::DiskConfig::new(self.dir.join(format!("node-{i}")), self.size / 2)
+    fn node(&self, i: usize) -> mooncake_store::disk::DiskConfig {
+        mooncake_store::disk::DiskConfig::new(self.dir.join(format!("node-{i}")), self.size / 2)
     }
 }
 
@@ -588,7 +589,13 @@ impl<'a> Replayer<'a> {
         blocks.iter().take_while(|b| **b == Block::Read).count()
     }
 
-    fn check_read(&mut self, key: &str, id: u64, slot: usize, r: mooncake::Result<u64>) -> Block {
+    fn check_read(
+        &mut self,
+        key: &str,
+        id: u64,
+        slot: usize,
+        r: mooncake_base::Result<u64>,
+    ) -> Block {
         let bb = self.opts.block_bytes;
         match r {
             Ok(size) if size == bb => {

@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 
 use super::args::Args;
-use mooncake::json::{self, Value};
+use mooncake_base::json::{self, Value};
 
 /// The catalog: models and precisions, as data.
 const CATALOG: &str = include_str!("models.json");
@@ -629,7 +629,7 @@ fn gib(bytes: f64) -> f64 {
     bytes / GIB
 }
 
-pub use mooncake::util::size::human;
+pub use mooncake_base::util::size::human;
 
 /// Reads `--model`/`--config`, `--precision`, `--indexer-precision` and `--draft`.
 pub fn model_flags(a: &Args, cat: &Catalog) -> Result<Option<(Model, Ask)>, String> {
@@ -721,7 +721,9 @@ pub fn calc(raw: &[String]) -> Result<(), String> {
     let block_tokens: u64 = a.get("block-tokens", super::trace::DEFAULT_BLOCK_TOKENS)?;
     let pool = match a.str("pool-size") {
         None => None,
-        Some(s) => Some(mooncake::util::size::parse(s).map_err(|e| format!("--pool-size: {e}"))?),
+        Some(s) => {
+            Some(mooncake_base::util::size::parse(s).map_err(|e| format!("--pool-size: {e}"))?)
+        }
     };
     a.finish()?;
     if list {

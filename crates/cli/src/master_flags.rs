@@ -7,7 +7,7 @@
 //! with a message naming it; anything else passes through to our own flags, whose
 //! parser refuses unknown names.
 
-use mooncake::json::Value;
+use mooncake_base::json::Value;
 use Action::{Inert, Lacking, Logging, Noted, Ours};
 use Kind::{Bool, Choice, Str, F64, I32, I64, U32, U64};
 
@@ -432,7 +432,9 @@ fn upstream(name: &str) -> Option<&'static Flag> {
 /// gflags' own flags that answer instead of running the master.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Builtin {
+    /// `--version`: print the version.
     Version,
+    /// `--help` and its spellings: print the flags.
     Help,
 }
 
@@ -592,7 +594,8 @@ fn config_file(path: &str) -> Result<Vec<Setting>, String> {
         ));
     }
     let text = std::fs::read_to_string(path).map_err(|e| format!("--config_path {path}: {e}"))?;
-    let doc = mooncake::json::parse(&text).map_err(|e| format!("--config_path {path}: {e}"))?;
+    let doc =
+        mooncake_base::json::parse(&text).map_err(|e| format!("--config_path {path}: {e}"))?;
     let Value::Object(fields) = doc else {
         return Err(format!("--config_path {path}: not a JSON object"));
     };

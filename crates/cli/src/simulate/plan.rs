@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use mooncake::json::{self, Number, Value};
+use mooncake_base::json::{self, Number, Value};
 
 /// Multiplicative hashing for integer keys (ids and tree edges): the keys are already
 /// well spread and the maps are hot.
@@ -49,7 +49,7 @@ impl Hasher for IntHasher {
 /// A `HashMap` keyed by integers, hashed by [`IntHasher`].
 pub type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
-pub use crate::cli::trace::DEFAULT_BLOCK_TOKENS;
+pub use crate::trace::DEFAULT_BLOCK_TOKENS;
 
 /// A trace ready for replay.
 pub struct Plan {

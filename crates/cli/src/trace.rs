@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use mooncake::json::{self, Value};
+use mooncake_base::json::{self, Value};
 
 /// Default tokens per block: the FAST'25 traces hash 512-token blocks.
 pub const DEFAULT_BLOCK_TOKENS: u64 = 512;
@@ -12,7 +12,7 @@ pub const DEFAULT_BLOCK_TOKENS: u64 = 512;
 /// How reports name the built-in trace.
 pub const SHIPPED_NAME: &str = "conversation_trace.jsonl (built in)";
 
-const SHIPPED: &str = include_str!("../../traces/conversation_trace.jsonl");
+const SHIPPED: &str = include_str!("../../../traces/conversation_trace.jsonl");
 
 /// One request of a trace: when it came, its prompt length, and its blocks' hashes.
 #[derive(Clone, Debug, PartialEq)]

@@ -8,7 +8,7 @@ mod policies;
 mod store;
 mod svg;
 
-use mooncake::util::sync::Unpoisoned;
+use mooncake_base::util::sync::Unpoisoned;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -16,8 +16,8 @@ use std::time::Instant;
 
 use super::args::Args;
 use super::calc::{self, Catalog};
-use mooncake::json::Value;
-use mooncake::util::size;
+use mooncake_base::json::Value;
+use mooncake_base::util::size;
 use plan::Plan;
 pub use plan::DEFAULT_BLOCK_TOKENS;
 use policies::{Policy, Tally};

@@ -1,4 +1,6 @@
-//! Subcommands of the `mooncake` binary, over the library's public API.
+//! Subcommands of the `mooncake` binary (`src/main.rs` dispatches), over the public
+//! API of the layers below: serve a segment, run a metadata server, a master or a node,
+//! replay and simulate traces, size a deployment.
 
 pub mod args;
 pub mod calc;
@@ -7,17 +9,18 @@ pub mod replay;
 pub mod simulate;
 pub mod store;
 pub mod trace;
+pub mod usage;
 
 use std::io::{BufRead, Write};
 use std::net::{IpAddr, SocketAddr};
 
 use args::Args;
-use mooncake::auth::ClusterSecret;
-use mooncake::device::{self, Bounce, MemoryKind};
-use mooncake::ffi::loader;
-use mooncake::metadata::http_server::MetadataServer;
-use mooncake::util::crc32c::{crc32c, crc32c_append};
-use mooncake::{Engine, EngineConfig};
+use mooncake_base::auth::ClusterSecret;
+use mooncake_base::util::crc32c::{crc32c, crc32c_append};
+use mooncake_engine::device::{self, Bounce, MemoryKind};
+use mooncake_engine::metadata::http_server::MetadataServer;
+use mooncake_engine::{Engine, EngineConfig};
+use mooncake_sys::loader;
 
 /// Serves line commands on stdin until EOF (the parent closed it or died). Used by
 /// tests and the bench to drive a child target: `unregister` withdraws its buffer.
@@ -154,6 +157,7 @@ fn apply_engine_flags(
     Ok(cfg)
 }
 
+/// `mooncake target`: registers a buffer, publishes it, and serves it until killed.
 pub fn target(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let size: usize = a.get("size", 64 << 20)?;
@@ -209,7 +213,7 @@ pub fn target(raw: &[String]) -> Result<(), String> {
 }
 
 /// CRC32C of a buffer's bytes, read through its driver when it is device memory.
-fn checksum(kind: MemoryKind, buffer: *mut u8, size: usize) -> mooncake::Result<u32> {
+fn checksum(kind: MemoryKind, buffer: *mut u8, size: usize) -> mooncake_base::Result<u32> {
     if kind.is_host() {
         // SAFETY: the engine-owned buffer of `size` bytes, still allocated.
         return Ok(crc32c(unsafe { std::slice::from_raw_parts(buffer, size) }));
@@ -280,11 +284,11 @@ pub fn info(raw: &[String]) -> Result<(), String> {
     println!("tcp: built in");
     println!("shm: built in (same host: shared mappings, process_vm_readv/writev)");
     let reports = [
-        mooncake::ffi::ibverbs::info(),
-        mooncake::ffi::fabric::info(),
-        mooncake::ffi::cuda::info(),
-        mooncake::ffi::hip::info(),
-        mooncake::ffi::acl::info(),
+        mooncake_sys::ibverbs::info(),
+        mooncake_sys::fabric::info(),
+        mooncake_sys::cuda::info(),
+        mooncake_sys::hip::info(),
+        mooncake_sys::acl::info(),
     ];
     for r in reports {
         match &r.library {
@@ -305,19 +309,19 @@ pub fn info(raw: &[String]) -> Result<(), String> {
             println!("    {n}");
         }
         if r.name.starts_with("rdma") {
-            let nics = mooncake::ffi::ibverbs::verbs()
+            let nics = mooncake_sys::ibverbs::verbs()
                 .map(|v| v.device_names())
                 .unwrap_or_default();
             if !nics.is_empty() {
-                let matrix = mooncake::transport::rdma::discovered_matrix(&nics);
+                let matrix = mooncake_engine::transport::rdma::discovered_matrix(&nics);
                 println!("    topology (NIC priority matrix, device_name overrides): {matrix}");
             }
         }
     }
     // What an engine asking for each hardware protocol would run here: the engine's own
     // decision, on the same probe of the backend.
-    use mooncake::engine::{config, fallback};
-    use mooncake::Protocol;
+    use mooncake_engine::engine::{config, fallback};
+    use mooncake_engine::Protocol;
     let strict = config::strict_protocol_from_env();
     println!(
         "hardware protocols ({}):",

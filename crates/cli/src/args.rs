@@ -3,8 +3,10 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use mooncake::util::size;
+use mooncake_base::util::size;
 
+/// A parsed command line: each flag's value, and which flags the command asked for
+/// (the rest are reported as unknown).
 pub struct Args {
     values: HashMap<String, String>,
     used: std::cell::RefCell<Vec<String>>,
@@ -27,6 +29,7 @@ pub const SWITCHES: &[&str] = &[
 ];
 
 impl Args {
+    /// Parses `--flag value`, `--flag=value` and the [`SWITCHES`].
     pub fn parse(raw: &[String]) -> Result<Args, String> {
         Args::parse_with_aliases(raw, &[])
     }
@@ -68,6 +71,7 @@ impl Args {
         })
     }
 
+    /// The raw value of `--key`, if given (marks the flag as known).
     pub fn str(&self, key: &str) -> Option<&str> {
         self.used.borrow_mut().push(key.to_owned());
         self.values.get(key).map(String::as_str)
@@ -81,10 +85,12 @@ impl Args {
         Ok(self.str(key))
     }
 
+    /// Whether the switch `--key` is on (given, and not `false`).
     pub fn flag(&self, key: &str) -> bool {
         self.str(key).is_some_and(|v| v != "false")
     }
 
+    /// The value of `--key` parsed as `T`, or `default` when not given.
     pub fn get<T: FromStr>(&self, key: &str, default: T) -> Result<T, String> {
         match self.value(key)? {
             None => Ok(default),

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use super::args::Args;
 use super::master_flags::Builtin;
-use mooncake::etcd::EtcdClient;
-use mooncake::store::ha;
-use mooncake::store::master::AllocationStrategy;
-use mooncake::store::segment_reach::VerifyMounts;
-use mooncake::store::{Client, ClientConfig, MasterServer, ServerConfig};
+use mooncake_base::etcd::EtcdClient;
+use mooncake_store::ha;
+use mooncake_store::master::AllocationStrategy;
+use mooncake_store::segment_reach::VerifyMounts;
+use mooncake_store::{Client, ClientConfig, MasterServer, ServerConfig};
 
 /// Mooncake's `mooncake_master` flag names, accepted as aliases of ours.
 const MASTER_ALIASES: &[(&str, &str)] = &[
@@ -89,7 +89,7 @@ fn binds(a: &Args) -> Result<Binds, String> {
     let rpc_address = host_flag(a, "rpc-bind", "--rpc_address")?;
     let rpc = match a.str("rpc-interface").filter(|i| !i.is_empty()) {
         Some(name) => {
-            let ip = mooncake::interface_ipv4(name)
+            let ip = mooncake_base::net::interface_ipv4(name)
                 .map_err(|e| format!("--rpc_interface {name}: listing interfaces: {e}"))?
                 .ok_or_else(|| {
                     format!("--rpc_interface {name}: no network interface of that name has an IPv4 address")
@@ -111,7 +111,7 @@ fn binds(a: &Args) -> Result<Binds, String> {
 /// Where other hosts reach a server listening on `addr`: itself, or for a wildcard,
 /// this host's address on its default route (`None` when it has none).
 fn reachable(addr: SocketAddr) -> Option<SocketAddr> {
-    mooncake::reachable_address(addr.ip(), mooncake::default_route_source)
+    mooncake_base::net::reachable_address(addr.ip(), mooncake_base::net::default_route_source)
         .map(|ip| SocketAddr::new(ip, addr.port()))
 }
 
@@ -120,12 +120,13 @@ fn answer_builtin(which: Builtin) {
     match which {
         Builtin::Version => println!("mooncake_master version {}", env!("CARGO_PKG_VERSION")),
         Builtin::Help => {
-            let usage = crate::usage_of(&["master".to_owned()]).unwrap_or_default();
+            let usage = crate::usage::usage_of(&["master".to_owned()]).unwrap_or_default();
             println!("{usage}\n\n{}", super::master_flags::upstream_help());
         }
     }
 }
 
+/// `mooncake master`: the store's master, with upstream's gflags accepted.
 pub fn master(raw: &[String]) -> Result<(), String> {
     if let Some(which) = super::master_flags::builtin(raw) {
         answer_builtin(which);
@@ -144,7 +145,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         cluster_secret: super::cluster_secret(&a)?,
         owner_key: a
             .str("owner-key-file")
-            .map(|path| mooncake::auth::ClusterSecret::from_file_named(path, "owner key"))
+            .map(|path| mooncake_base::auth::ClusterSecret::from_file_named(path, "owner key"))
             .transpose()
             .map_err(|e| format!("--owner-key-file: {e}"))?,
         ..ServerConfig::default()
@@ -351,6 +352,7 @@ fn watch_leadership(leader: &ha::Leadership) -> Arc<ha::StopSignal> {
     done
 }
 
+/// `mooncake node`: a store node lending memory (and a disk tier) to a master.
 pub fn node(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let size = match a.str("segment-size") {
@@ -388,7 +390,7 @@ pub fn node(raw: &[String]) -> Result<(), String> {
 }
 
 /// A node's disk tier: `--ssd-path DIR --ssd-size BYTES` (both or neither).
-fn disk_tier(a: &Args) -> Result<Option<mooncake::store::disk::DiskConfig>, String> {
+fn disk_tier(a: &Args) -> Result<Option<mooncake_store::disk::DiskConfig>, String> {
     match (a.str("ssd-path"), a.str("ssd-size")) {
         (None, None) => Ok(None),
         (Some(dir), Some(_)) if !dir.is_empty() => {
@@ -398,7 +400,7 @@ fn disk_tier(a: &Args) -> Result<Option<mooncake::store::disk::DiskConfig>, Stri
                     "--ssd-size must be at least 4M (the bytes of disk the tier may use)".into(),
                 );
             }
-            Ok(Some(mooncake::store::disk::DiskConfig::new(dir, quota)))
+            Ok(Some(mooncake_store::disk::DiskConfig::new(dir, quota)))
         }
         _ => Err("a disk tier needs both --ssd-path DIR and --ssd-size BYTES".into()),
     }
@@ -411,7 +413,7 @@ pub fn metadata_from_master(a: &Args, cfg: &mut ClientConfig) -> Result<(), Stri
         return Ok(());
     }
     let secret = cfg.engine.cluster_secret.as_ref();
-    let metadata = mooncake::store::metadata_of_master(&cfg.master_address, secret)
+    let metadata = mooncake_store::metadata_of_master(&cfg.master_address, secret)
         .map_err(|e| format!("no --metadata given, and asking the master failed: {e}"))?;
     cfg.engine
         .set("metadata", &metadata)
@@ -429,7 +431,7 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     };
     if a.str("metadata").is_none() {
         // A placeholder until `metadata_from_master` asks (after the flags are checked).
-        let metadata = mooncake::store::default_metadata(&cfg.master_address);
+        let metadata = mooncake_store::default_metadata(&cfg.master_address);
         cfg.engine
             .set("metadata", &metadata)
             .map_err(|e| e.to_string())?;

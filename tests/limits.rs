@@ -185,6 +185,37 @@ fn master_rpc_closes_silent_and_half_sent_connections_but_serves_idle_clients() 
 }
 
 #[test]
+fn master_rpc_times_a_frame_whose_start_came_with_the_one_before() {
+    // The master reads ahead: a request and the first bytes of the next can arrive in
+    // one read. That next frame's deadline runs from then, not the (long) idle timeout.
+    let s = master_with(ServerLimits {
+        frame_timeout: Duration::from_millis(100),
+        idle_timeout: Duration::from_secs(3600),
+        ..ServerLimits::default()
+    });
+    let stats = mooncake::store::protocol::Method::Stats as u16;
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(&12u32.to_le_bytes());
+    bytes.extend_from_slice(&mooncake::store::protocol::PROTOCOL_VERSION.to_le_bytes());
+    bytes.extend_from_slice(&stats.to_le_bytes());
+    bytes.extend_from_slice(&1u64.to_le_bytes());
+    // The next frame announces 20 bytes and brings 3.
+    bytes.extend_from_slice(&[20, 0, 0, 0, 1, 0, 0]);
+    let mut conn = TcpStream::connect(s.rpc_addr()).unwrap();
+    conn.write_all(&bytes).unwrap();
+    // The first is answered (which proves the connection, so it may idle long) ...
+    conn.set_read_timeout(Some(SAFETY_TIMEOUT)).unwrap();
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len).unwrap();
+    let mut answer = vec![0u8; u32::from_le_bytes(len) as usize];
+    conn.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer[..2], &1u16.to_le_bytes(), "protocol version");
+    assert_eq!(&answer[12..16], &0i32.to_le_bytes(), "status ok");
+    // ... and the stalled second is cut at its frame deadline.
+    assert!(server_closed(&mut conn));
+}
+
+#[test]
 fn admin_http_checks_methods_and_bounds_get_all_keys() {
     let s = master_with(ServerLimits::default());
     let m = s.master();

@@ -180,6 +180,12 @@ impl<'a> TimedReader<'a> {
     pub fn frame_done(&mut self) {
         self.frame.done();
     }
+
+    /// A frame's first bytes arrived with the one before (read ahead by the caller):
+    /// its deadline starts now, not at the next read that returns bytes.
+    pub fn frame_begun(&mut self) {
+        self.frame.start(self.ticket.limits().frame_timeout);
+    }
 }
 
 impl Read for TimedReader<'_> {

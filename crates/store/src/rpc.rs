@@ -45,6 +45,7 @@ fn frame(method: u16, id: u64, status: Option<i32>, payload: &[u8]) -> Vec<u8> {
 }
 
 /// One received frame, header fields decoded.
+#[derive(Debug)]
 struct Frame {
     version: u16,
     method: u16,
@@ -53,42 +54,99 @@ struct Frame {
     body: Vec<u8>,
 }
 
-/// Reads one frame; `Ok(None)` on a clean EOF.
-fn read_frame(stream: &mut impl Read) -> Result<Option<Frame>> {
-    let mut len = [0u8; 4];
-    loop {
-        match stream.read(&mut len[..1]) {
-            Ok(0) => return Ok(None),
-            Ok(_) => break,
-            // A signal handled meanwhile (a Python host installs handlers without
-            // SA_RESTART) is no reason to fail the call; `read_exact` below retries too.
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Error::io("reading frame", e)),
+/// Bytes read from a connection ahead of the frame being parsed. Most frames are
+/// small: one `recv` takes a frame's length, header and body together (reading them
+/// apiece cost three calls each way on every round trip). A body larger than what is
+/// buffered is read straight into its own vector.
+struct FrameReader {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+/// The read-ahead buffer of one connection.
+const READ_AHEAD: usize = 8 << 10;
+
+impl FrameReader {
+    fn new() -> FrameReader {
+        FrameReader {
+            buf: vec![0; READ_AHEAD].into_boxed_slice(),
+            start: 0,
+            end: 0,
         }
     }
-    stream
-        .read_exact(&mut len[1..])
-        .map_err(|e| Error::io("reading frame length", e))?;
-    let len = u32::from_le_bytes(len) as usize;
-    if !(HEADER..=MAX_FRAME).contains(&len) {
-        return Err(Error::protocol(format!(
-            "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
-        )));
+
+    /// Bytes received and not yet parsed (the start of the next frame).
+    fn buffered(&self) -> usize {
+        self.end - self.start
     }
-    let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
-        .map_err(|e| Error::io("reading frame body", e))?;
-    let version = u16::from_le_bytes([body[0], body[1]]);
-    let method = u16::from_le_bytes([body[2], body[3]]);
-    let id = u64::from_le_bytes(body[4..12].try_into().expect("8 bytes"));
-    body.drain(..HEADER);
-    Ok(Some(Frame {
-        version,
-        method,
-        id,
-        body,
-    }))
+
+    /// Reads what the stream has into the free tail of the buffer; 0 at its end.
+    fn fill(&mut self, stream: &mut impl Read) -> std::io::Result<usize> {
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        loop {
+            match stream.read(&mut self.buf[self.end..]) {
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(n);
+                }
+                // A signal handled meanwhile (a Python host installs handlers without
+                // SA_RESTART) is no reason to fail the call.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reads one frame; `Ok(None)` on a clean EOF (between frames).
+    fn read_frame(&mut self, stream: &mut impl Read) -> Result<Option<Frame>> {
+        while self.buffered() < 4 {
+            let had = self.buffered();
+            match self.fill(stream) {
+                Ok(0) if had == 0 => return Ok(None),
+                Ok(0) => {
+                    let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(Error::io("reading frame length", eof));
+                }
+                Ok(_) => {}
+                Err(e) if had == 0 => return Err(Error::io("reading frame", e)),
+                Err(e) => return Err(Error::io("reading frame length", e)),
+            }
+        }
+        let at = self.start;
+        let len = u32::from_le_bytes(self.buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+        if !(HEADER..=MAX_FRAME).contains(&len) {
+            return Err(Error::protocol(format!(
+                "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
+            )));
+        }
+        self.start += 4;
+        let have = len.min(self.buffered());
+        let mut body = Vec::with_capacity(len);
+        body.extend_from_slice(&self.buf[self.start..self.start + have]);
+        self.start += have;
+        if have < len {
+            body.resize(len, 0);
+            stream
+                .read_exact(&mut body[have..])
+                .map_err(|e| Error::io("reading frame body", e))?;
+        }
+        let version = u16::from_le_bytes([body[0], body[1]]);
+        let method = u16::from_le_bytes([body[2], body[3]]);
+        let id = u64::from_le_bytes(body[4..12].try_into().expect("8 bytes"));
+        body.drain(..HEADER);
+        Ok(Some(Frame {
+            version,
+            method,
+            id,
+            body,
+        }))
+    }
 }
 
 /// How long a master connection polls for the next request before it blocks.
@@ -122,10 +180,16 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let mut reader = TimedReader::new(&stream, ticket);
+    let mut frames = FrameReader::new();
     loop {
-        // A client's next request often follows at once: catch it without sleeping.
-        crate::sys::spin_until_readable(&stream, SERVER_SPIN);
-        let read = read_frame(&mut reader);
+        if frames.buffered() == 0 {
+            // A client's next request often follows at once: catch it without sleeping.
+            crate::sys::spin_until_readable(&stream, SERVER_SPIN);
+        } else {
+            // Part of it came with the last one: its deadline runs from then.
+            reader.frame_begun();
+        }
+        let read = frames.read_frame(&mut reader);
         reader.frame_done();
         let Frame {
             version,
@@ -489,25 +553,36 @@ impl RpcClient {
             .write_all(&out)
             .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
         meanwhile();
+        // The answers come in order and nothing else comes: once the last is read, the
+        // connection goes back to the pool with nothing buffered.
+        let mut frames = FrameReader::new();
         if let Some((m, id)) = before {
-            if let Err(e) = Self::answer(addr, stream, m, id)? {
+            if let Err(e) = Self::answer(addr, stream, &mut frames, m, id)? {
                 log::debug!("master {addr}: request {m} ahead of {method}: {e}");
             }
         }
-        Self::answer(addr, stream, method, id)
+        let answer = Self::answer(addr, stream, &mut frames, method, id)?;
+        if frames.buffered() > 0 {
+            return Err(Error::protocol(format!(
+                "master {addr} sent {} bytes nobody asked for",
+                frames.buffered()
+            )));
+        }
+        Ok(answer)
     }
 
     /// Reads the answer to request `id` of `method` (as `exchange`).
     fn answer(
         addr: SocketAddr,
         stream: &mut TcpStream,
+        frames: &mut FrameReader,
         method: u16,
         id: u64,
     ) -> Result<Result<Response>> {
         let rpc = |e: Error| rpc_error(addr, e);
         // Most answers come within tens of microseconds: wait for them awake. Not a
         // catalog poll's, which the master holds until something changes.
-        if method != LONG_POLL_METHOD {
+        if method != LONG_POLL_METHOD && frames.buffered() == 0 {
             crate::sys::spin_until_readable(stream, CLIENT_SPIN);
         }
         let Frame {
@@ -515,7 +590,7 @@ impl RpcClient {
             method: got_method,
             id: got_id,
             body,
-        } = read_frame(stream).map_err(rpc)?.ok_or_else(|| {
+        } = frames.read_frame(stream).map_err(rpc)?.ok_or_else(|| {
             Error::new(
                 Code::RpcFail,
                 format!("master {addr} closed the connection"),
@@ -546,6 +621,65 @@ mod tests {
     use super::*;
     use crate::master::MasterConfig;
     use crate::protocol::SegmentInfo;
+
+    /// A reader handing out at most `step` bytes a call, as a socket may.
+    struct Trickle<'a> {
+        bytes: &'a [u8],
+        step: usize,
+        reads: usize,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.reads += 1;
+            let n = buf.len().min(self.step).min(self.bytes.len());
+            buf[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn frames_are_read_whole_however_the_bytes_arrive() {
+        let big = vec![7u8; 3 * READ_AHEAD];
+        let mut stream = frame(4, 1, None, b"first");
+        stream.extend(frame(5, 2, Some(0), &big));
+        stream.extend(frame(6, 3, None, b""));
+        for step in [1, 5, 13, READ_AHEAD, usize::MAX] {
+            let mut src = Trickle {
+                bytes: &stream,
+                step,
+                reads: 0,
+            };
+            let mut frames = FrameReader::new();
+            let a = frames.read_frame(&mut src).unwrap().unwrap();
+            assert_eq!((a.method, a.id, &a.body[..]), (4, 1, &b"first"[..]));
+            let b = frames.read_frame(&mut src).unwrap().unwrap();
+            assert_eq!((b.method, b.id, b.body.len()), (5, 2, 4 + big.len()));
+            assert!(b.body[4..].iter().all(|&x| x == 7), "step {step}");
+            let c = frames.read_frame(&mut src).unwrap().unwrap();
+            assert_eq!((c.method, c.id, c.body.len()), (6, 3, 0));
+            assert!(frames.read_frame(&mut src).unwrap().is_none(), "clean end");
+            if step == usize::MAX {
+                // Whole: the small frames cost no read of their own.
+                assert!(src.reads <= 4, "{} reads", src.reads);
+            }
+        }
+    }
+
+    #[test]
+    fn a_cut_or_oversized_frame_is_an_error_not_a_clean_end() {
+        let whole = frame(4, 1, None, b"payload");
+        for cut in [1, 3, 4, 10, whole.len() - 1] {
+            let mut frames = FrameReader::new();
+            let got = frames.read_frame(&mut &whole[..cut]);
+            assert!(got.is_err(), "cut at {cut}: {:?}", got.map(|f| f.is_some()));
+        }
+        let mut huge = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
+        huge.extend_from_slice(&[0; 12]);
+        let e = FrameReader::new().read_frame(&mut &huge[..]).unwrap_err();
+        assert_eq!(e.code(), Code::Protocol);
+    }
 
     #[test]
     fn reads_wait_out_an_absent_master_once_then_fail_at_once_until_it_answers() {
@@ -627,7 +761,7 @@ mod tests {
         // A master that answers only once the caller's work says it ran.
         let fake = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let f = read_frame(&mut s).unwrap().unwrap();
+            let f = FrameReader::new().read_frame(&mut s).unwrap().unwrap();
             arrived_tx.send(()).unwrap();
             if release_rx.recv_timeout(Duration::from_secs(30)).is_ok() {
                 let mut w = Writer::new();

@@ -204,7 +204,8 @@ class ReplicateConfig:
     prefer_alloc_in_same_node (False), group_ids ([]; None unsets it, as upstream)."""
 
     __slots__ = ("_replica_num", "_with_hard_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
-                 "_preferred_segment", "_preferred_segments", "_prefer_same_node", "_group_ids")
+                 "_preferred_segment", "_preferred_segments", "_prefer_same_node", "_group_ids",
+                 "_c_cache")
 
     def __init__(self):
         self._replica_num = 1
@@ -215,6 +216,7 @@ class ReplicateConfig:
         self._preferred_segments = []
         self._prefer_same_node = False
         self._group_ids = []
+        self._c_cache = None
 
     replica_num = _checked("replica_num", _u32)
     with_hard_pin = _checked("with_hard_pin", _bool)
@@ -246,7 +248,19 @@ class ReplicateConfig:
     __str__ = __repr__
 
     def _to_c(self):
-        """(mc_replicate_config, keepalive)."""
+        """(mc_replicate_config, keepalive), built once per state of this config: a put
+        given the same config (or none) again reuses it."""
+        segs = tuple(self._preferred_segments)
+        if not segs and self._preferred_segment:
+            segs = (self._preferred_segment,)
+        state = (self._replica_num, self._with_hard_pin, self._soft_pin_action,
+                 self._soft_pin_ttl_ms, segs, self._prefer_same_node)
+        cached = self._c_cache
+        if cached is None or cached[0] != state:
+            cached = self._c_cache = (state,) + self._build_c(segs)
+        return cached[1], cached[2]
+
+    def _build_c(self, segs):
         c = N.McReplicateConfig()
         N.LIB.mc_replicate_config_init(ctypes.byref(c))
         c.replica_num = self._replica_num
@@ -254,9 +268,6 @@ class ReplicateConfig:
         c.soft_pin = int(self.with_soft_pin)
         if self._soft_pin_ttl_ms is not None:
             c.soft_pin_ttl_ms = self._soft_pin_ttl_ms
-        segs = list(self._preferred_segments)
-        if not segs and self._preferred_segment:
-            segs = [self._preferred_segment]
         encoded = [s.encode() for s in segs]
         arr = N.c_strings(encoded)
         c.preferred_segments = ctypes.cast(arr, ctypes.POINTER(ctypes.c_char_p))
@@ -275,12 +286,30 @@ def _refused(config):
     return False
 
 
+# What a put given no config uses; never changed (so its C form is built once).
+_DEFAULT_CONFIG = ReplicateConfig()
+
+
 def _config(config):
     if config is None:
-        return ReplicateConfig()
+        return _DEFAULT_CONFIG
     if not isinstance(config, ReplicateConfig):
         raise TypeError(f"config: expected ReplicateConfig, got {type(config).__name__}")
     return config
+
+
+_per_thread = threading.local()
+
+
+def _out_u64():
+    """This thread's u64 out-parameter and a pointer to it, made once: the C call fills
+    it before returning, so a zero-copy call allocates none per call."""
+    try:
+        return _per_thread.u64
+    except AttributeError:
+        v = ctypes.c_uint64(0)
+        _per_thread.u64 = (v, ctypes.pointer(v))
+        return _per_thread.u64
 
 
 def _encode_key(key, name="key"):
@@ -1252,8 +1281,8 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not self._zero_copy(addr, n):
             self._log_unregistered(addr, n)
             return INVALID_PARAMS
-        got = ctypes.c_uint64(0)
-        rc = N.LIB.mc_store_get_into(self._store, k, addr, n, ctypes.byref(got))
+        got, got_ptr = _out_u64()
+        rc = N.LIB.mc_store_get_into(self._store, k, addr, n, got_ptr)
         return got.value if rc == N.MC_OK else rc
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):

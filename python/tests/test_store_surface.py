@@ -40,6 +40,31 @@ def segments_of(store, key):
         for r in store.get_replica_desc(key))
 
 
+def test_a_config_changed_between_puts_is_followed(master, store_factory):
+    """A config's C form is built once per state and reused: a change made between two
+    puts, in place on its list too, must still reach the second put."""
+    a = store_factory(master, 8 * MiB, 4 * MiB)
+    b = store_factory(master, 8 * MiB, 4 * MiB)
+    buf = ctypes.create_string_buffer(b"x" * 4096)
+    addr = ctypes.addressof(buf)
+    assert a.register_buffer(addr, 4096) == 0
+    cfg = ReplicateConfig()
+    cfg.preferred_segments = [a.get_hostname()]
+    first, second, third = unique(), unique(), unique()
+    assert a.put_from(first, addr, 4096, cfg) == 0
+    cfg.preferred_segments = [b.get_hostname()]
+    assert a.put_from(second, addr, 4096, cfg) == 0
+    cfg.preferred_segments[0] = a.get_hostname()
+    assert a.put_from(third, addr, 4096, cfg) == 0
+    assert segments_of(a, first) == [[a.get_hostname()]]
+    assert segments_of(a, second) == [[b.get_hostname()]]
+    assert segments_of(a, third) == [[a.get_hostname()]]
+    # A put given no config twice stores both the default way.
+    for k in (unique(), unique()):
+        assert a.put_from(k, addr, 4096) == 0
+        assert a.is_exist(k) == 1
+
+
 def finished(store, task_id):
     """Polls ``task_id`` until it is final; its QueryTaskResponse."""
     final = (TaskStatus.SUCCESS, TaskStatus.FAILED)

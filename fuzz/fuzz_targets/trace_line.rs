@@ -1,14 +1,11 @@
-//! Trace lines as `mooncake replay` reads them (the CLI's own module, compiled in
-//! here): whatever parses has a non-negative timestamp and unsigned hash ids, and
-//! prints back to a line that parses to the same request.
+//! Trace lines as `mooncake replay` reads them (the CLI crate's own parser):
+//! whatever parses has a non-negative timestamp and unsigned hash ids, and prints back
+//! to a line that parses to the same request.
 #![no_main]
-
-#[allow(dead_code)]
-#[path = "../../src/cli/trace.rs"]
-mod trace;
 
 use libfuzzer_sys::fuzz_target;
 use mooncake::json::Value;
+use mooncake_cli::trace;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(line) = std::str::from_utf8(data) else {

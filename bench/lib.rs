@@ -1,6 +1,6 @@
 //! `mooncake bench ...`: the benchmarks, each a module with a `run` over its flags.
-//! A crate of their own above the CLI's helpers: the library and the C ABI never
-//! carry them. Each prints JSON lines with a same-run baseline where one exists.
+//! A crate of their own above the CLI's helpers, used by the `mooncake` binary only:
+//! the C ABI library never uses them (tests/layers.rs). Each prints JSON lines with a same-run baseline where one exists.
 
 mod alloc;
 mod auth;

@@ -48,7 +48,8 @@ const LAYERS: &[(&str, &str, &[&str])] = &[
     ),
 ];
 
-/// The package name and the `mooncake-*` names under `[dependencies]` of a manifest.
+/// The package name and the `mooncake-*` names a manifest depends on (normal, dev and
+/// build dependencies alike: a sideways arrow in any of them is one).
 fn package_and_layers(manifest: &str) -> (String, Vec<String>) {
     let mut section = "";
     let mut name = String::new();
@@ -64,12 +65,18 @@ fn package_and_layers(manifest: &str) -> (String, Vec<String>) {
         let key = key.trim();
         if section == "[package]" && key == "name" {
             name = value.trim().trim_matches('"').to_owned();
-        } else if section == "[dependencies]" && key.starts_with("mooncake") {
+        } else if DEPENDENCY_SECTIONS.contains(&section) && key.starts_with("mooncake") {
             deps.push(key.to_owned());
         }
     }
     (name, deps)
 }
+
+const DEPENDENCY_SECTIONS: &[&str] = &[
+    "[dependencies]",
+    "[dev-dependencies]",
+    "[build-dependencies]",
+];
 
 #[test]
 fn each_crate_depends_only_on_layers_below_it() {
@@ -92,8 +99,8 @@ fn each_crate_depends_only_on_layers_below_it() {
 #[test]
 fn the_manifest_reader_sees_a_sideways_arrow() {
     let manifest = "[package]\nname = \"mooncake-store\"\n\n[dependencies]\n\
-                    mooncake-engine = { path = \"../engine\" }\n\
-                    mooncake-collective = { path = \"../collective\" }\nlibc.workspace = true\n\n\
+                    mooncake-engine = { path = \"../engine\" }\nlibc.workspace = true\n\n\
+                    [dev-dependencies]\nmooncake-collective = { path = \"../collective\" }\n\n\
                     [lints]\nworkspace = true\n";
     let (name, deps) = package_and_layers(manifest);
     assert_eq!(name, "mooncake-store");
@@ -107,7 +114,7 @@ fn every_workspace_member_is_checked() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("Cargo.toml")).expect("the top manifest");
     let members = text
-        .split_once("members = [")
+        .split_once("\nmembers = [")
         .and_then(|(_, rest)| rest.split_once(']'))
         .map(|(list, _)| list)
         .expect("a members list");
@@ -119,5 +126,36 @@ fn every_workspace_member_is_checked() {
             LAYERS.iter().any(|(dir, _, _)| *dir == member),
             "workspace member {member} has no place in the layers"
         );
+    }
+}
+
+/// The top package depends on the CLI and the benchmarks for its `mooncake` binary only
+/// (the tests run that binary, so it lives in the same package): the library, the C
+/// ABI, must not use them.
+#[test]
+fn the_c_abi_library_does_not_use_the_cli_or_the_benchmarks() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("src/lib.rs")];
+    let mut dirs = vec![root.join("src/capi")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src/capi is readable") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    assert!(files.len() > 5, "found the library's sources: {files:?}");
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("a readable source file");
+        for upper in ["mooncake_cli", "mooncake_bench"] {
+            assert!(
+                !text.contains(upper),
+                "{} uses {upper}, which sits above the C ABI",
+                file.display()
+            );
+        }
     }
 }

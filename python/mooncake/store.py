@@ -236,6 +236,15 @@ class ReplicateConfig:
         self._soft_pin_action = SoftPinAction.ENABLE if _bool(v, "with_soft_pin") \
             else SoftPinAction.PRESERVE
 
+    def __getstate__(self):
+        # The cached C form holds pointers: copies and pickles leave it out.
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_c_cache"}
+
+    def __setstate__(self, state):
+        self._c_cache = None
+        for name, value in state.items():
+            setattr(self, name, value)
+
     def __repr__(self):
         return (f"ReplicateConfig(replica_num={self._replica_num}, "
                 f"with_soft_pin={self.with_soft_pin}, with_hard_pin={self._with_hard_pin}, "
@@ -301,15 +310,20 @@ def _config(config):
 _per_thread = threading.local()
 
 
-def _out_u64():
-    """This thread's u64 out-parameter and a pointer to it, made once: the C call fills
-    it before returning, so a zero-copy call allocates none per call."""
+def _u64_spares():
+    """This thread's spare u64 out-parameters, each (value, pointer to it). A zero-copy
+    call takes one and gives it back, so it allocates none once warm, and a signal
+    handler calling in between (on this thread) takes another."""
     try:
         return _per_thread.u64
     except AttributeError:
-        v = ctypes.c_uint64(0)
-        _per_thread.u64 = (v, ctypes.pointer(v))
+        _per_thread.u64 = []
         return _per_thread.u64
+
+
+def _new_u64():
+    v = ctypes.c_uint64(0)
+    return v, ctypes.pointer(v)
 
 
 def _encode_key(key, name="key"):
@@ -1281,9 +1295,13 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not self._zero_copy(addr, n):
             self._log_unregistered(addr, n)
             return INVALID_PARAMS
-        got, got_ptr = _out_u64()
-        rc = N.LIB.mc_store_get_into(self._store, k, addr, n, got_ptr)
-        return got.value if rc == N.MC_OK else rc
+        spares = _u64_spares()
+        out = spares.pop() if spares else _new_u64()
+        try:
+            rc = N.LIB.mc_store_get_into(self._store, k, addr, n, out[1])
+            return out[0].value if rc == N.MC_OK else rc
+        finally:
+            spares.append(out)
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):
         ks = _keys(keys)

@@ -2,7 +2,9 @@
 tasks, extra segments, init_all, alloc_from_mem_pool and the offload read count, against
 a real master (upstream's argument forms and return conventions)."""
 
+import copy
 import ctypes
+import pickle
 
 import pytest
 
@@ -63,6 +65,13 @@ def test_a_config_changed_between_puts_is_followed(master, store_factory):
     for k in (unique(), unique()):
         assert a.put_from(k, addr, 4096) == 0
         assert a.is_exist(k) == 1
+    # A config used in puts still copies and pickles (its C form stays behind), and the
+    # copies work.
+    for twin in (copy.copy(cfg), copy.deepcopy(cfg), pickle.loads(pickle.dumps(cfg))):
+        assert repr(twin) == repr(cfg)
+        k = unique()
+        assert a.put_from(k, addr, 4096, twin) == 0
+        assert segments_of(a, k) == [[a.get_hostname()]]
 
 
 def finished(store, task_id):

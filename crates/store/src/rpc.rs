@@ -64,13 +64,19 @@ struct FrameReader {
     end: usize,
 }
 
-/// The read-ahead buffer of one connection.
+/// The read-ahead buffer of a master connection (it lives as long as the connection).
 const READ_AHEAD: usize = 8 << 10;
+/// The read-ahead buffer of one client call (made per call: most answers are small).
+const ANSWER_READ_AHEAD: usize = 4 << 10;
 
 impl FrameReader {
     fn new() -> FrameReader {
+        FrameReader::with_capacity(READ_AHEAD)
+    }
+
+    fn with_capacity(bytes: usize) -> FrameReader {
         FrameReader {
-            buf: vec![0; READ_AHEAD].into_boxed_slice(),
+            buf: vec![0; bytes].into_boxed_slice(),
             start: 0,
             end: 0,
         }
@@ -555,7 +561,7 @@ impl RpcClient {
         meanwhile();
         // The answers come in order and nothing else comes: once the last is read, the
         // connection goes back to the pool with nothing buffered.
-        let mut frames = FrameReader::new();
+        let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
         if let Some((m, id)) = before {
             if let Err(e) = Self::answer(addr, stream, &mut frames, m, id)? {
                 log::debug!("master {addr}: request {m} ahead of {method}: {e}");

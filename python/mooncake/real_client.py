@@ -380,13 +380,34 @@ def _u64_3d(v):
     return _list(v, lambda row: _list(row, lambda r: _list(r, _u64)))
 
 
+# Configs by their wire form: a dummy sends the same few again and again, and a config
+# kept keeps its C form (store.ReplicateConfig._to_c). Nothing here changes one.
+_CONFIGS = {}
+_CONFIGS_KEPT = 64
+
+
 def _config(v):
     """A ReplicateConfig from [replica_num, hard_pin, soft_pin_action, soft_pin_ttl_ms,
     preferred_segment, preferred_segments, prefer_same_node, group_ids]; its own setters
     check every field."""
+    _need(isinstance(v, list) and len(v) == 8)
+    try:
+        key = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        hash(key)
+    except TypeError:
+        raise _Refused(INVALID_PARAMS) from None
+    c = _CONFIGS.get(key)
+    if c is None:
+        c = _new_config(v)
+        if len(_CONFIGS) >= _CONFIGS_KEPT:
+            _CONFIGS.clear()
+        _CONFIGS[key] = c
+    return c
+
+
+def _new_config(v):
     from .store import ReplicateConfig, SoftPinAction
 
-    _need(isinstance(v, list) and len(v) == 8)
     c = ReplicateConfig()
     try:
         c.replica_num = v[0]
@@ -479,6 +500,9 @@ class _Ops:
     def put_from(self, sess, keys, spans, config, upsert):
         addrs = self._addrs(sess, spans)
         sizes = [n for _, n in spans]
+        if len(keys) == 1 and not upsert and not config.group_ids:
+            # One key: the single put (no arrays to build); the same per-key answer.
+            return [self.real.put_from(keys[0], addrs[0], sizes[0], config)]
         put = self.real.batch_upsert_from if upsert else self.real.batch_put_from
         return put(keys, addrs, sizes, config)
 

@@ -1181,15 +1181,21 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         results, idx = _triage(ks, spans)
         if not idx:
             return results
-        c_keys = N.c_strings([ks[i] for i in idx])
-        c_bufs = N.c_array(ctypes.c_void_p, [spans[i][0] for i in idx])
-        c_lens = N.c_array(ctypes.c_size_t, [spans[i][1] for i in idx])
-        c_res = (ctypes.c_int * len(idx))()
         if _refused(config):
             for i in idx:
                 results[i] = INVALID_PARAMS
             return results
         cfg, keep = config._to_c()
+        if len(idx) == 1:
+            # One key (engines often batch one): the single call, no arrays to build.
+            i = idx[0]
+            results[i] = N.LIB.mc_store_put_from(self._store, ks[i], spans[i][0], spans[i][1],
+                                                 ctypes.byref(cfg))
+            return results
+        c_keys = N.c_strings([ks[i] for i in idx])
+        c_bufs = N.c_array(ctypes.c_void_p, [spans[i][0] for i in idx])
+        c_lens = N.c_array(ctypes.c_size_t, [spans[i][1] for i in idx])
+        c_res = (ctypes.c_int * len(idx))()
         rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, len(idx),
                                            ctypes.byref(cfg), c_res)
         for j, i in enumerate(idx):
@@ -1198,6 +1204,15 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
 
     def _batch_get_into(self, ks, addrs, caps):
         n = len(ks)
+        if n == 1:
+            # One key (engines often batch one): the single call, no arrays to build.
+            spares = _u64_spares()
+            out = spares.pop() if spares else _new_u64()
+            try:
+                rc = N.LIB.mc_store_get_into(self._store, ks[0], addrs[0], caps[0], out[1])
+                return [out[0].value if rc == N.MC_OK else rc]
+            finally:
+                spares.append(out)
         c_keys = N.c_strings(ks)
         c_bufs = N.c_array(ctypes.c_void_p, addrs)
         c_caps = N.c_array(ctypes.c_size_t, caps)

@@ -349,6 +349,27 @@ def test_batch_put_from_batch_get_into(st):
     assert res[0] == 4096 and res[1] < 0
 
 
+def test_a_batch_of_one_answers_as_each_key_of_a_longer_batch(st):
+    """A one-key batch takes the single call; its per-key answers must be a longer
+    batch's: stored, already there, missing, a buffer too small, bytes read."""
+    src = registered(st, 2 * 4096, seed=23)
+    dst = registered(st, 2 * 4096)
+    pad = unique("pad")
+    k = unique()
+    assert st.batch_put_from([k], [src.addr], [4096]) == [0]
+    again_alone = st.batch_put_from([k], [src.addr], [4096])
+    again_with_another = st.batch_put_from([k, pad], [src.addr, src.addr + 4096], [4096] * 2)
+    assert again_alone == again_with_another[:1]
+    assert again_with_another[1] == 0
+    missing = unique("missing")
+    for key, cap in ((k, 4096), (missing, 4096), (k, 100)):
+        one = st.batch_get_into([key], [dst.addr], [cap])
+        two = st.batch_get_into([key, pad], [dst.addr, dst.addr + 4096], [cap, 4096])
+        assert one == two[:1], (key, cap, one, two)
+    assert st.batch_get_into([k], [dst.addr], [4096]) == [4096]
+    assert dst.read(0, 4096) == pattern(2 * 4096, 23)[:4096]
+
+
 def test_multi_buffer_put_and_get(st):
     """An object is the concatenation of its buffers, whatever split the reader uses."""
     src = registered(st, 3 * 10000, seed=22)

@@ -37,7 +37,13 @@ def check_str(value, name):
 def int_list(values, name, lo=0, hi=(1 << 64) - 1):
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a list of int, got {type(values).__name__}")
-    return [check_int(v, f"{name}[{i}]", lo, hi) for i, v in enumerate(values)]
+    out = list(values)
+    for i, v in enumerate(out):
+        # Plain ints in range pass as they are; the rest (numpy integers, errors) go through
+        # check_int, which names the element (the name is made only then).
+        if type(v) is not int or not lo <= v <= hi:
+            out[i] = check_int(v, f"{name}[{i}]", lo, hi)
+    return out
 
 
 def str_list(values, name):
@@ -52,6 +58,14 @@ def str_list(values, name):
 
 def _length_mismatch(lists):
     """None when the lists have one length, else a description of their lengths."""
+    first = None
+    for v in lists.values():
+        if first is None:
+            first = len(v)
+        elif len(v) != first:
+            break
+    else:
+        return None
     lengths = {k: len(v) for k, v in lists.items()}
     if len(set(lengths.values())) <= 1:
         return None

@@ -326,8 +326,9 @@ def _new_u64():
     return v, ctypes.pointer(v)
 
 
-def _encode_key(key, name="key"):
-    """The key's bytes, or None when it cannot be a key (not UTF-8, contains NUL)."""
+def _encode_key(key, name="key", index=None):
+    """The key's bytes, or None when it cannot be a key (not UTF-8, contains NUL). A
+    non-str key is a TypeError naming it (``name[index]`` in a list)."""
     if isinstance(key, str):
         try:
             b = key.encode("utf-8")
@@ -336,7 +337,8 @@ def _encode_key(key, name="key"):
     elif isinstance(key, bytes):
         b = key
     else:
-        raise TypeError(f"{name}: expected str, got {type(key).__name__}")
+        where = name if index is None else f"{name}[{index}]"
+        raise TypeError(f"{where}: expected str, got {type(key).__name__}")
     if not b or len(b) > N.MC_STORE_MAX_KEY_LEN or b"\0" in b:
         return None
     return b
@@ -362,7 +364,7 @@ def _key_list(keys, name="keys"):
 
 def _keys(keys, name="keys"):
     """Encoded keys (None where a key is invalid); TypeError for non-str keys."""
-    return [_encode_key(k, f"{name}[{i}]") for i, k in enumerate(_key_list(keys, name))]
+    return [_encode_key(k, name, i) for i, k in enumerate(_key_list(keys, name))]
 
 
 class BufferHandle(bytearray):

@@ -333,12 +333,15 @@ if me is not None:
     assert pg.get_active_ranks(sub).tolist() == [1, 1, 1]
     assert pg.get_peer_state(sub, [0, 1, 2]) == [True] * 3
     before = pg.get_current_epoch(sub)
-    # Sub-rank 2 (global 3) leaves the subgroup by itself (a rank naming only itself
-    # needs no one else); the others see the new view once it has left. Had they
-    # proposed the same change at the same moment, two views of it would race.
-    if rank == 3:
-        resp = pg.deactivate_ranks(sub, [2])
-        assert resp.status == pg.ProposalStatus.Applied, resp
+# Every member has read `before` before the leaver leaves: a member slower to get
+# there could otherwise read the new view's epoch as its `before` (a CI flake).
+dist.barrier()
+# Sub-rank 2 (global 3) leaves the subgroup by itself (a rank naming only itself
+# needs no one else); the others see the new view once it has left. Had they
+# proposed the same change at the same moment, two views of it would race.
+if rank == 3:
+    resp = pg.deactivate_ranks(sub, [2])
+    assert resp.status == pg.ProposalStatus.Applied, resp
 dist.barrier()
 if me is not None:
     # The leaver has the new view when its call returns; the others learn it from it

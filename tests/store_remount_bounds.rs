@@ -122,3 +122,92 @@ fn unfinished_remounts_together_are_bounded() {
     remount(&m, 3, &infos[2], Vec::new(), true).unwrap();
     assert!(mounted(&m, "c"));
 }
+
+/// A node's catalog thread polls while its pinger remounts: the first snapshot the
+/// poll gets must name every disk copy the remount announced (`Keep`). A snapshot
+/// taken while the remount was still adopting them missed some, and the node then
+/// deleted from its disk tier every copy the snapshot did not name (seen in CI:
+/// `store_crash`, an object announced and then lost).
+#[test]
+fn a_catalog_poll_during_a_remount_waits_for_every_announced_copy() {
+    use mooncake::store::protocol::{CatalogEvent, DiskEntry, Response};
+    use std::collections::HashSet;
+    use std::time::{Duration, Instant};
+
+    const CLIENT: u64 = 7;
+    const COPIES: usize = 20_000;
+    let m = Master::with_clock(MasterConfig::default(), Clock::system());
+    let info = segment("node-a", 1 << 30);
+    let disk: Vec<DiskEntry> = (0..COPIES)
+        .map(|i| DiskEntry {
+            key: format!("d{i}"),
+            version: 1,
+            size: 4096,
+            crc32c: 0,
+        })
+        .collect();
+    let poll = |instance: u64, acked: u64| {
+        m.handle(Request::SegmentEvents {
+            client: CLIENT,
+            segment: info.name.clone(),
+            instance,
+            acked,
+            disk_capacity: 1 << 30,
+            lost: Vec::new(),
+        })
+    };
+    let kept: HashSet<String> = std::thread::scope(|scope| {
+        let poller = scope.spawn(|| {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            // Until the segment is mounted and may be followed: a reset.
+            let reset = loop {
+                assert!(Instant::now() < deadline, "no snapshot within 60 s");
+                match poll(0, 0) {
+                    Ok(Response::SegmentEvents(ev)) => break ev,
+                    Ok(other) => panic!("unexpected answer {other:?}"),
+                    Err(e) => assert!(
+                        matches!(
+                            e.code(),
+                            Code::SegmentNotFound | Code::UnavailableInCurrentStatus
+                        ),
+                        "{e}"
+                    ),
+                }
+            };
+            assert!(reset.reset);
+            let mut kept = HashSet::new();
+            let mut acked = reset.last;
+            while acked < reset.snapshot_end {
+                assert!(
+                    Instant::now() < deadline,
+                    "the snapshot did not end in 60 s"
+                );
+                let Ok(Response::SegmentEvents(ev)) = poll(reset.instance, acked) else {
+                    panic!("a poll after the reset failed");
+                };
+                for e in ev.events {
+                    if let CatalogEvent::Keep(key) = e {
+                        kept.insert(key);
+                    }
+                }
+                acked = ev.last;
+            }
+            kept
+        });
+        m.handle(Request::Remount {
+            client: CLIENT,
+            segment: info.clone(),
+            entries: Vec::new(),
+            disk: disk.clone(),
+            last: true,
+            owner: None,
+        })
+        .expect("the remount is taken");
+        poller.join().expect("the poller ends")
+    });
+    let missing = disk.iter().filter(|d| !kept.contains(&d.key)).count();
+    assert_eq!(
+        missing, 0,
+        "{missing} of {COPIES} announced copies not in the snapshot"
+    );
+}

@@ -12,7 +12,7 @@
 
 use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::replicas::Replicas;
@@ -317,6 +317,13 @@ impl Master {
         for key in &lost {
             self.lose_disk_copy(key, &seg);
         }
+        if seg.adopting.load(Ordering::SeqCst) {
+            // Its remount is still adopting objects: a snapshot now would miss them.
+            return Err(Error::new(
+                Code::UnavailableInCurrentStatus,
+                format!("segment {name} is still taking its catalog back"),
+            ));
+        }
         let instance_now = self.catalogs.instance;
         if instance != instance_now || !seg.log.follows(acked) {
             let expected = self.objects.load(Ordering::Relaxed) as usize;
@@ -475,6 +482,8 @@ impl Master {
                 ));
             }
         };
+        // Polls wait (`adopting`) until every announced object is adopted below.
+        let _adopted = Adopting(&seg.adopting);
         self.hold_fenced(segments::fenced_space(&seg, &fences, fence_taken));
         self.ping(client);
         let (mut adopted, mut bytes, mut refused) = (0u64, 0u64, 0u64);
@@ -659,5 +668,15 @@ impl Master {
             );
             self.dispose(o, now);
         }
+    }
+}
+
+/// Clears a remounted segment's `adopting` flag when its adoption ends, however it
+/// ends.
+struct Adopting<'a>(&'a AtomicBool);
+
+impl Drop for Adopting<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
     }
 }

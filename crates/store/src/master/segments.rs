@@ -28,6 +28,10 @@ pub struct Segment {
     pub disk_capacity: AtomicU64,
     /// Leaving the pool: nothing new is placed here.
     pub draining: AtomicBool,
+    /// Mounted by a remount whose objects are still being adopted: its node's catalog
+    /// must not be given a snapshot yet (it would lack them, and the node would drop
+    /// what the snapshot does not name, disk copies included).
+    pub adopting: AtomicBool,
     /// The ticket its owner mounted the name under (`None`: mounted without one).
     pub owner: Option<OwnerTicket>,
 }
@@ -131,6 +135,7 @@ impl SegmentTable {
             log: SegmentLog::default(),
             disk_capacity: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            adopting: AtomicBool::new(false),
             owner: None,
         });
         map.insert(key.to_owned(), seg.clone());
@@ -203,6 +208,7 @@ impl SegmentTable {
             log: SegmentLog::default(),
             disk_capacity: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            adopting: AtomicBool::new(true),
             owner,
         });
         map.insert(seg.info.name.clone(), seg.clone());

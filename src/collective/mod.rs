@@ -38,10 +38,10 @@ pub use layout::Mask;
 pub use seam::{Clock, Transport};
 
 use crate::engine::{Engine, EngineConfig, SegmentId};
-use seam::{EngineTransport, WallClock};
 use crate::error::{Error, Result};
 use channel::State;
 use layout::Layout;
+use seam::{EngineTransport, WallClock};
 
 /// How a group is set up; every rank of a group must agree on `world_size`,
 /// `cells_per_peer` and `cell_bytes`.
@@ -290,7 +290,11 @@ impl Group {
         // A stuck write must end within an operation's wait, so its failure is seen.
         cfg.transfer_timeout = options.timeout;
         let engine = Engine::new(cfg)?;
-        Group::with_seams(options, Box::new(EngineTransport(engine)), Box::new(WallClock))
+        Group::with_seams(
+            options,
+            Box::new(EngineTransport(engine)),
+            Box::new(WallClock),
+        )
     }
 
     /// [`new`](Self::new) over another transport and clock: for the simulation,

@@ -11,7 +11,7 @@
 //! survivors end on one view, and in runs without stalls no live rank is left out or
 //! fails for good.
 //!
-//! `MC_SIM_SEEDS=N` runs N seeds from `MC_SIM_FIRST` (default 24 from 0),
+//! `MC_SIM_SEEDS=N` runs N seeds from `MC_SIM_FIRST` (default 100 from 0),
 //! `MC_SIM_SEED=S` replays seed S alone. A failure names its seed and how to replay it.
 //! `scenarios.rs` replays the PG flakes of the past as pinned scenarios.
 
@@ -29,9 +29,12 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// Runs one seed; why it failed, with its replay command.
-fn run_seed(seed: u64) -> Result<world::Run, String> {
+pub(crate) fn run_seed(seed: u64) -> Result<world::Run, String> {
     let s = Scenario::draw(seed);
-    let described = format!("{} ranks, ops {:?}, faults {:?}, slow {:?}, net {:?}", s.ranks, s.ops, s.faults, s.slow, s.net);
+    let described = format!(
+        "{} ranks, ops {:?}, faults {:?}, slow {:?}, net {:?}",
+        s.ranks, s.ops, s.faults, s.slow, s.net
+    );
     world::run(&s)
         .and_then(|run| {
             if std::env::var_os("MC_SIM_VERBOSE").is_some() {
@@ -55,7 +58,7 @@ fn seeds_keep_every_invariant() {
         Some(s) => vec![s],
         None => {
             let first = env_u64("MC_SIM_FIRST").unwrap_or(0);
-            (first..first + env_u64("MC_SIM_SEEDS").unwrap_or(24)).collect()
+            (first..first + env_u64("MC_SIM_SEEDS").unwrap_or(100)).collect()
         }
     };
     let mut failures = Vec::new();

@@ -433,8 +433,7 @@ impl Sim {
         let mut w = self.lock();
         w.ranks[r].quiet = quiet;
         quiet
-            && w
-                .ranks
+            && w.ranks
                 .iter()
                 .all(|x| x.status != Status::Runnable || x.at_tail && x.quiet)
     }
@@ -447,11 +446,6 @@ impl Sim {
     /// A script event, folded into the run's digest.
     pub fn note(&self, words: &[u64]) {
         self.lock().note(words);
-    }
-
-    /// Virtual time now.
-    pub fn now(&self) -> Duration {
-        self.lock().now
     }
 
     /// Where rank `r` died: (virtual time, script operation), if it did.
@@ -510,7 +504,9 @@ impl Sim {
         }
         w.points += 1;
         if w.points > MAX_POINTS {
-            w.fail(format!("more than {MAX_POINTS} scheduling points: a livelock"));
+            w.fail(format!(
+                "more than {MAX_POINTS} scheduling points: a livelock"
+            ));
             self.end(&mut w);
             drop(w);
             self.leave();
@@ -759,7 +755,8 @@ impl Transport for SimRank {
             };
             let net = w.net.clone();
             let latency = if w.rng.chance(net.slow_per_mille) {
-                w.rng.range(net.latency_us.1, net.slow_us.max(net.latency_us.1))
+                w.rng
+                    .range(net.latency_us.1, net.slow_us.max(net.latency_us.1))
             } else {
                 w.rng.range(net.latency_us.0, net.latency_us.1)
             };
@@ -808,7 +805,13 @@ impl Transport for SimRank {
 impl SimRank {
     /// The write `req` of task `task` of `batch`, checked; counts it against the
     /// rank's write faults (which may kill it right after). `None`: refused.
-    fn delivery(&self, w: &mut World, req: &Request, batch: BatchId, task: usize) -> Option<Delivery> {
+    fn delivery(
+        &self,
+        w: &mut World,
+        req: &Request,
+        batch: BatchId,
+        task: usize,
+    ) -> Option<Delivery> {
         let dst = (req.segment as usize).checked_sub(1)?;
         let len = usize::try_from(req.len).ok()?;
         w.target(dst, req.remote, len)?;
@@ -825,12 +828,7 @@ impl SimRank {
                 !fired
                     && f.rank == self.rank
                     && f.what == What::Kill
-                    && f.when
-                        == When::AfterWrite {
-                            op,
-                            peer: dst,
-                            nth,
-                        }
+                    && f.when == When::AfterWrite { op, peer: dst, nth }
             });
             if let Some(i) = due {
                 w.faults[i].1 = true;

@@ -52,8 +52,10 @@ pub struct Scenario {
     pub slow: Vec<(usize, u64)>,
     /// Per mille of clock reads that are scheduling points.
     pub preempt_per_mille: u64,
-    /// Bound on the run's virtual time, in timeouts.
+    /// Bound on the run's virtual time, in timeouts...
     pub limit_timeouts: u32,
+    /// ...or this, when given.
+    pub limit: Option<Duration>,
 }
 
 impl Scenario {
@@ -128,6 +130,7 @@ impl Scenario {
             slow,
             preempt_per_mille: [0, 20, 200][rng.below(3) as usize],
             limit_timeouts: 600,
+            limit: None,
         }
     }
 
@@ -165,6 +168,8 @@ pub struct RankLog {
     pub excluded: bool,
     /// Final view: (public epoch, members).
     pub view: (u64, Vec<usize>),
+    /// The failed ranks named by the first operation's first failure, if it failed.
+    pub first_failed: Option<Vec<usize>>,
 }
 
 /// Rank `r`'s input element `i` of operation `op`.
@@ -334,14 +339,16 @@ impl Caller<'_> {
                 continue;
             }
             let failed = self.g.failed_ranks();
+            if op == 0 && self.log.first_failed.is_none() {
+                self.log.first_failed = Some(failed.clone());
+            }
             missed.extend(&failed);
             missed.sort_unstable();
             missed.dedup();
             let may_retry = matches!(e.code(), Code::Timeout | Code::InvalidParams)
                 && !failed.is_empty()
                 && attempt + 1 < ATTEMPTS;
-            let retry = may_retry
-                && !matches!(self.sync(), Ok(SyncStatus::Rejected) | Err(_));
+            let retry = may_retry && !matches!(self.sync(), Ok(SyncStatus::Rejected) | Err(_));
             if !retry {
                 return Outcome::Failed {
                     code: e.code(),
@@ -367,7 +374,9 @@ impl Caller<'_> {
             if self.sim.quiet(self.me, quiet) {
                 return;
             }
-            self.sim.pause(self.me, timeout / 2);
+            // A bounded pause between rounds, whatever the timeout (a day, some runs).
+            self.sim
+                .pause(self.me, (timeout / 2).min(Duration::from_millis(50)));
         }
         self.breach("still reconciling after the script, past its bound".into());
     }
@@ -397,7 +406,7 @@ pub struct Run {
 /// Runs `s` to its end; `Err` when the simulation itself failed (a hang past the
 /// bound, a panic).
 pub fn run(s: &Scenario) -> Result<Run, String> {
-    let limit = s.timeout * s.limit_timeouts;
+    let limit = s.limit.unwrap_or(s.timeout * s.limit_timeouts);
     let sim = Sim::new(
         s.seed,
         s.ranks,
@@ -459,8 +468,8 @@ fn script(sim: &Arc<Sim>, g: Group, r: usize, addresses: &[String], s: &Scenario
         sim.enter_op(r, op as u64);
         let outcome = caller.execute(kind, op);
         sim.note(&[0x0b, r as u64, op as u64, outcome_code(&outcome)]);
-        let out = matches!(outcome, Outcome::Failed { .. })
-            && g.active_ranks().get(r) != Some(&true);
+        let out =
+            matches!(outcome, Outcome::Failed { .. }) && g.active_ranks().get(r) != Some(&true);
         caller.log.outcomes.push(outcome);
         if out {
             break; // not a member any more: it would have to join again
@@ -548,14 +557,18 @@ pub fn check(s: &Scenario, run: &Run) -> Result<(), String> {
                 continue;
             }
             if log.excluded {
-                return Err(format!("rank {r} kept running and was left out of the group"));
+                return Err(format!(
+                    "rank {r} kept running and was left out of the group"
+                ));
             }
             if let Some(o) = log
                 .outcomes
                 .iter()
                 .find(|o| matches!(o, Outcome::Failed { .. }))
             {
-                return Err(format!("rank {r} kept running and an operation failed: {o:?}"));
+                return Err(format!(
+                    "rank {r} kept running and an operation failed: {o:?}"
+                ));
             }
             if log.outcomes.len() != s.ops.len() {
                 return Err(format!("rank {r} ran {} operations", log.outcomes.len()));

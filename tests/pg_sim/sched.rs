@@ -476,7 +476,7 @@ impl Sim {
 
     /// Parks the calling thread (rank `r`) until it holds the baton.
     fn wait_turn<'a>(&'a self, mut w: MutexGuard<'a, World>, r: usize) {
-        while !w.shutdown && !(w.running == Some(r) && w.ranks[r].status == Status::Runnable) {
+        while !(w.shutdown || w.running == Some(r) && w.ranks[r].status == Status::Runnable) {
             w = self.turns[r].wait(w).unwrap_or_else(|e| e.into_inner());
         }
         if w.shutdown {

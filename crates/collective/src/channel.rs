@@ -2,7 +2,7 @@
 //! cell when small, written straight from the caller's memory when large), credits, and
 //! the exchange loop every collective is built from.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
 use super::layout::{
@@ -415,23 +415,6 @@ fn credit_word(epoch: u64, consumed: u64) -> u64 {
     (epoch & 0xff_ffff) << 40 | (consumed & 0xff_ffff_ffff)
 }
 
-/// Spins, yields a little, then sleeps briefly, longer as the wait goes on. Yielding
-/// for long cost a third of a rank's CPU in a 1 MiB all-reduce (perf: context
-/// switches), and on a busy host a yielding rank competes with the engine threads that
-/// move its peers' bytes, while a sleeper is woken ahead of busy threads. (The
-/// kernel's default 50 µs timer slack stretches both sleeps: ~60–130 µs in practice.)
-pub(super) fn backoff(idle: u32) {
-    if idle < 32 {
-        std::hint::spin_loop();
-    } else if idle < 128 {
-        std::thread::yield_now();
-    } else if idle < 512 {
-        std::thread::sleep(Duration::from_micros(10));
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
-    }
-}
-
 impl Group {
     /// Posts writes as one batch; the peers of failed writes are returned. Writes that
     /// only copy (a peer on this host) are made here, on the calling thread, as the
@@ -447,10 +430,10 @@ impl Group {
         if reqs.is_empty() {
             return Vec::new();
         }
-        if self.engine.copies_only(&reqs) && self.engine.runs_inline(&reqs) {
-            // SAFETY: every local range is inside our buffer or the caller's, both
-            // valid for the call, and the call returns once no copy can touch them.
-            return match unsafe { self.engine.transfer_sync_states(&reqs) } {
+        // SAFETY: every local range is inside our buffer or the caller's, both valid
+        // for the call, and the call returns once no copy can touch them.
+        if let Some(states) = unsafe { self.transport.write_inline(&reqs) } {
+            return match states {
                 Ok(states) => {
                     let mut failed: Vec<usize> = Vec::new();
                     for (s, p) in states.iter().zip(&peers) {
@@ -466,20 +449,15 @@ impl Group {
                 }
             };
         }
-        let batch = match self.engine.allocate_batch(reqs.len()) {
+        // SAFETY: every local range is inside our buffer, which outlives the engine's
+        // use of it (the engine owns and frees it last).
+        let batch = match unsafe { self.transport.submit(&reqs) } {
             Ok(b) => b,
             Err(e) => {
-                log::warn!("group rank {}: {e}", self.rank());
+                log::debug!("group rank {}: write refused: {e}", self.rank());
                 return peers.into_iter().flatten().collect();
             }
         };
-        // SAFETY: every local range is inside our buffer, which outlives the engine's
-        // use of it (the engine owns and frees it last).
-        if let Err(e) = unsafe { self.engine.submit(batch, &reqs) } {
-            log::debug!("group rank {}: write refused: {e}", self.rank());
-            let _ = self.engine.free_batch(batch);
-            return peers.into_iter().flatten().collect();
-        }
         st.outstanding.push((batch, peers));
         Vec::new()
     }
@@ -491,16 +469,16 @@ impl Group {
             let mut all_final = true;
             let mut bad: Vec<usize> = Vec::new();
             for (t, p) in peers.iter().enumerate() {
-                match self.engine.task_status(*batch, t) {
-                    Ok(s) if s.state == TaskState::Completed => {}
-                    Ok(s) if s.state.is_final() => bad.extend(p),
+                match self.transport.task_state(*batch, t) {
+                    Ok(TaskState::Completed) => {}
+                    Ok(s) if s.is_final() => bad.extend(p),
                     Ok(_) => all_final = false,
                     Err(_) => bad.extend(p),
                 }
             }
             if all_final {
                 failed.extend(bad);
-                let _ = self.engine.free_batch(*batch);
+                self.transport.free_batch(*batch);
             }
             !all_final
         });
@@ -510,12 +488,12 @@ impl Group {
     /// Waits (bounded by the timeout) until no posted write can still land, so a new
     /// epoch starts with no write of the old one in flight.
     pub(super) fn drain(&self, st: &mut State) {
-        let deadline = Instant::now() + self.options.timeout + Duration::from_secs(1);
+        let deadline = self.clock.now() + self.options.timeout + Duration::from_secs(1);
         let mut idle = 0;
-        while !st.outstanding.is_empty() && Instant::now() < deadline {
+        while !st.outstanding.is_empty() && self.clock.now() < deadline {
             self.reap(st);
             idle += 1;
-            backoff(idle);
+            self.clock.backoff(idle);
         }
         if !st.outstanding.is_empty() {
             log::warn!(
@@ -574,20 +552,15 @@ impl Group {
         if reqs.is_empty() {
             return unreached;
         }
-        let Ok(batch) = self.engine.allocate_batch(reqs.len()) else {
+        // SAFETY: local ranges are staging slots of our buffer (see `post`).
+        let Ok(batch) = (unsafe { self.transport.submit(&reqs) }) else {
             unreached.extend(peers);
             return unreached;
         };
-        // SAFETY: local ranges are staging slots of our buffer (see `post`).
-        if unsafe { self.engine.submit(batch, &reqs) }.is_err() {
-            let _ = self.engine.free_batch(batch);
-            unreached.extend(peers);
-            return unreached;
-        }
-        let _ = self.engine.wait_batch(batch, Some(timeout));
+        self.transport.wait_batch(batch, timeout);
         for (t, &p) in peers.iter().enumerate() {
-            match self.engine.task_status(batch, t) {
-                Ok(s) if s.state == TaskState::Completed => {}
+            match self.transport.task_state(batch, t) {
+                Ok(TaskState::Completed) => {}
                 _ => unreached.push(p),
             }
         }
@@ -644,12 +617,12 @@ impl Group {
     fn release(&self, st: &mut State, awaited: &[BatchId]) {
         let pending = |st: &State| st.outstanding.iter().any(|(b, _)| awaited.contains(b));
         // Past the engine's transfer timeout (the group's) every task is final.
-        let deadline = Instant::now() + self.options.timeout + Duration::from_secs(1);
+        let deadline = self.clock.now() + self.options.timeout + Duration::from_secs(1);
         let mut idle = 0;
-        while pending(st) && Instant::now() < deadline {
+        while pending(st) && self.clock.now() < deadline {
             self.reap(st);
             idle += 1;
-            backoff(idle);
+            self.clock.backoff(idle);
         }
         if pending(st) {
             log::warn!(
@@ -708,7 +681,7 @@ impl Group {
         // Measured from the last progress: a large exchange that keeps moving may take
         // longer than the timeout in all; a peer that stops moving may not.
         let timeout = st.op_timeout.unwrap_or(self.options.timeout);
-        let mut deadline = Instant::now() + timeout;
+        let mut deadline = self.clock.now() + timeout;
         let mut idle = 0u32;
         // A cell's payload copied out before it is checked and used (see below).
         let mut checked: Vec<u8> = Vec::new();
@@ -938,12 +911,12 @@ impl Group {
                 return Err(self.fail(st, missing, "gave up on them"));
             }
             if progressed {
-                deadline = Instant::now() + timeout;
+                deadline = self.clock.now() + timeout;
                 idle = 0;
                 continue;
             }
             idle += 1;
-            backoff(idle);
+            self.clock.backoff(idle);
             if idle % 64 == 0 {
                 let exchange = (!p2p).then_some(st.seq);
                 match self.change_stops_operation(st, exchange) {
@@ -965,7 +938,7 @@ impl Group {
                     }
                     None => {}
                 }
-                if Instant::now() >= deadline {
+                if self.clock.now() >= deadline {
                     let missing = self.undelivered(st, out, inc);
                     for m in inc.iter().filter(|m| !m.done()) {
                         let ch = st.channels[m.peer];

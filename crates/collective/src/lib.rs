@@ -29,6 +29,7 @@ pub mod dtype;
 pub mod layout;
 mod membership;
 mod ops;
+pub mod seam;
 mod staged;
 pub mod view;
 
@@ -38,11 +39,13 @@ use std::time::Duration;
 
 pub use dtype::{DType, ReduceOp};
 pub use layout::Mask;
+pub use seam::{Clock, Transport};
 
 use crate::engine::{Engine, EngineConfig, SegmentId};
 use crate::error::{Error, Result};
 use channel::State;
 use layout::Layout;
+use seam::{EngineTransport, WallClock};
 
 /// How a group is set up; every rank of a group must agree on `world_size`,
 /// `cells_per_peer` and `cell_bytes`.
@@ -228,8 +231,11 @@ pub enum SyncStatus {
 
 /// One rank of a collective group.
 pub struct Group {
-    engine: Engine,
-    /// Address of this rank's buffer (engine-owned, freed with the engine).
+    /// How this rank's writes reach its peers (the engine, but for the simulation).
+    transport: Box<dyn Transport>,
+    /// Every deadline and pause (the wall clock, but for the simulation).
+    clock: Box<dyn Clock>,
+    /// Address of this rank's buffer (owned by the transport, freed with it).
     base: usize,
     layout: Layout,
     options: GroupOptions,
@@ -283,16 +289,32 @@ impl Group {
     /// Starts this rank: an engine and its buffer. Peers are reached after
     /// [`connect`](Self::connect) with everyone's [`address`](Self::address).
     pub fn new(options: GroupOptions) -> Result<Group> {
-        let layout = options.check()?;
+        options.check()?;
         let mut cfg = options.engine.clone();
         // A stuck write must end within an operation's wait, so its failure is seen.
         cfg.transfer_timeout = options.timeout;
         let engine = Engine::new(cfg)?;
-        let base = engine.allocate_buffer(layout.total(), "cpu:0")? as usize;
+        Group::with_seams(
+            options,
+            Box::new(EngineTransport(engine)),
+            Box::new(WallClock),
+        )
+    }
+
+    /// [`new`](Self::new) over another transport and clock: for the simulation,
+    /// which runs ranks on virtual time and moves their writes itself.
+    pub fn with_seams(
+        options: GroupOptions,
+        transport: Box<dyn Transport>,
+        clock: Box<dyn Clock>,
+    ) -> Result<Group> {
+        let layout = options.check()?;
+        let base = transport.allocate_buffer(layout.total())? as usize;
         let state = State::new(&options, layout);
         let views = membership::ViewHistory::starting(state.epoch, state.mask);
         Ok(Group {
-            engine,
+            transport,
+            clock,
             base,
             layout,
             options,
@@ -306,7 +328,7 @@ impl Group {
     pub fn address(&self) -> String {
         format!(
             "{}#{:x}#{}",
-            self.engine.segment_name(),
+            self.transport.segment_name(),
             self.base,
             self.layout_tag()
         )
@@ -363,7 +385,7 @@ impl Group {
             parsed.push(Some((segment, addr)));
         }
         let mut st = self.lock();
-        let deadline = std::time::Instant::now() + self.options.timeout;
+        let deadline = self.clock.now() + self.options.timeout;
         for (r, p) in parsed.into_iter().enumerate() {
             if let Some((segment, addr)) = p {
                 match self.open_peer(&segment, deadline) {
@@ -379,12 +401,15 @@ impl Group {
     /// coming up; at once when nothing listens at its address any more.
     fn open_peer(&self, segment: &str, deadline: std::time::Instant) -> Result<SegmentId> {
         loop {
-            match self.engine.open_segment(segment) {
+            match self.transport.open_segment(segment) {
                 Ok(s) => return Ok(s),
-                Err(e) if std::time::Instant::now() >= deadline || refuses_connections(segment) => {
+                Err(e)
+                    if self.clock.now() >= deadline
+                        || self.transport.refuses_connections(segment) =>
+                {
                     return Err(e)
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                Err(_) => self.clock.sleep(Duration::from_millis(20)),
             }
         }
     }

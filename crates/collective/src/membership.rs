@@ -23,9 +23,9 @@
 //! the next candidate, down to itself; one that cannot gather a majority steps out of
 //! the group and fails until it joins again.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::channel::{backoff, Channel, State};
+use super::channel::{Channel, State};
 use super::layout::{
     decode_join, decode_proposal, encode_join, encode_proposal, JoinRecord, Layout, Mask, Proposal,
     RecordKind,
@@ -370,9 +370,9 @@ impl Group {
             if unreached.is_empty() {
                 // The coordinator may wait a whole timeout for slow members, then a
                 // whole timeout for its writes.
-                let deadline = Instant::now() + PARTICIPANT_PATIENCE * timeout;
+                let deadline = self.clock.now() + PARTICIPANT_PATIENCE * timeout;
                 let mut idle = 0;
-                while Instant::now() < deadline {
+                while self.clock.now() < deadline {
                     if let Some(v) = self.newest_view() {
                         self.adopt(st, &v);
                         return Ok(v);
@@ -382,7 +382,7 @@ impl Group {
                         break;
                     }
                     idle += 1;
-                    backoff(idle);
+                    self.clock.backoff(idle);
                 }
             }
             if !moved {
@@ -408,7 +408,7 @@ impl Group {
         let me = self.rank();
         let base = st.epoch;
         let old = st.mask;
-        let started = Instant::now();
+        let started = self.clock.now();
         let timeout = self.options.timeout;
         // A live suspect (blamed for a mismatch, or slow) announces within moments of
         // seeing the change; a dead one never does. Waiting this long for suspects
@@ -440,7 +440,7 @@ impl Group {
             let waiting = unreported.minus(&merged.suspects.minus(&a.alive));
             let announced_unreported = unreported.minus(&unreported.minus(&a.alive));
             if collection_over(
-                started.elapsed(),
+                self.clock.now().saturating_duration_since(started),
                 timeout,
                 grace,
                 &unreported,
@@ -451,7 +451,7 @@ impl Group {
                 break;
             }
             idle += 1;
-            backoff(idle);
+            self.clock.backoff(idle);
         }
         // Another coordinator may have published while we collected (we were slow or
         // stopped), or a lower member may have shown life: re-check just before
@@ -540,7 +540,7 @@ impl Group {
     /// written to again: a joiner gone meanwhile must not hold the view back by a
     /// timeout per joiner (its members wait for it a bounded time).
     fn introduce_admitted(&self, st: &mut State, view: &ViewRecord) {
-        let deadline = Instant::now() + self.options.timeout;
+        let deadline = self.clock.now() + self.options.timeout;
         let mut unreached = Mask::default();
         for &(a, incarnation) in &view.admitted {
             let record = decode_join(&self.read_slot(self.layout.join(a)))
@@ -556,7 +556,7 @@ impl Group {
             if others.is_empty() {
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(self.clock.now());
             if left.is_zero() {
                 log::warn!(
                     "group rank {}: out of time to pass rank {a}'s join record to {others:?}",
@@ -606,7 +606,7 @@ impl Group {
     /// Opens the way to `view`'s members we cannot reach yet (admitted through a join
     /// record), bounded by the timeout.
     fn reach_admitted(&self, st: &mut State, view: &ViewRecord) {
-        let deadline = Instant::now() + self.options.timeout;
+        let deadline = self.clock.now() + self.options.timeout;
         for x in view.mask.ranks() {
             if x == self.rank() {
                 continue;
@@ -628,13 +628,13 @@ impl Group {
                     .fresh_join(st, x)
                     .filter(|j| wanted.is_none_or(|inc| j.incarnation == inc));
                 if seen.is_some()
-                    || Instant::now() >= deadline
+                    || self.clock.now() >= deadline
                     || wanted.is_none() && known.is_some() && idle > 1000
                 {
                     break seen;
                 }
                 idle += 1;
-                backoff(idle);
+                self.clock.backoff(idle);
             };
             match join {
                 Some(j) => {
@@ -642,7 +642,7 @@ impl Group {
                     // again): never trust a descriptor cached for the old process.
                     let opened = self
                         .open_peer(&j.segment, deadline)
-                        .and_then(|seg| self.engine.resync_segment(seg).map(|()| seg));
+                        .and_then(|seg| self.transport.resync_segment(seg).map(|()| seg));
                     match opened {
                         Ok(seg) => st.set_peer(x, seg, j.addr, j.incarnation),
                         Err(e) => {
@@ -836,7 +836,7 @@ impl Group {
         let rec = encode_join(&JoinRecord {
             incarnation: st.incarnation,
             addr: self.base as u64,
-            segment: self.engine.segment_name().to_owned(),
+            segment: self.transport.segment_name().to_owned(),
         })
         .ok_or_else(|| Error::invalid("segment name too long for a join record"))?;
         let me = self.rank();
@@ -851,17 +851,17 @@ impl Group {
                 format!("rank {me}: no peer reachable to join through"),
             ));
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = self.clock.now() + timeout;
         let mut idle = 0;
-        while Instant::now() < deadline {
+        while self.clock.now() < deadline {
             if let Some(v) = self.newest_view().filter(|v| v.mask.has(me)) {
                 self.adopt(&mut st, &v);
                 return Ok(());
             }
             idle += 1;
-            backoff(idle.min(600));
+            self.clock.backoff(idle.min(600));
             if idle > 600 {
-                std::thread::sleep(Duration::from_millis(1));
+                self.clock.sleep(Duration::from_millis(1));
             }
         }
         Err(Error::new(

@@ -32,8 +32,8 @@ fn env_u64(name: &str) -> Option<u64> {
 pub(crate) fn run_seed(seed: u64) -> Result<world::Run, String> {
     let s = Scenario::draw(seed);
     let described = format!(
-        "{} ranks, ops {:?}, faults {:?}, slow {:?}, net {:?}",
-        s.ranks, s.ops, s.faults, s.slow, s.net
+        "{} ranks, timeout {:?}, ops {:?}, faults {:?}, slow {:?}, net {:?}",
+        s.ranks, s.timeout, s.ops, s.faults, s.slow, s.net
     );
     world::run(&s)
         .and_then(|run| {
@@ -52,8 +52,22 @@ pub(crate) fn run_seed(seed: u64) -> Result<world::Run, String> {
         })
 }
 
+/// `RUST_LOG=debug` shows what PG itself logs, stamped with virtual time (one rank
+/// runs at a time, so the lines come in the run's order).
+fn init_debug_log() {
+    use std::io::Write;
+    let _ = env_logger::builder()
+        .is_test(true)
+        .format(|f, record| {
+            let us = sched::VIRTUAL_NOW_US.load(std::sync::atomic::Ordering::Relaxed);
+            writeln!(f, "[{:>9.3} ms] {}", us as f64 / 1000.0, record.args())
+        })
+        .try_init();
+}
+
 #[test]
 fn seeds_keep_every_invariant() {
+    init_debug_log();
     let seeds: Vec<u64> = match env_u64("MC_SIM_SEED") {
         Some(s) => vec![s],
         None => {

@@ -10,6 +10,7 @@
 //! answering "far in the future" and never pausing, so its `Group` drops quickly.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,9 @@ use mooncake::engine::{BatchId, SegmentId, TaskState};
 use mooncake::{Code, Error, Request, Result};
 
 use super::rng::Rng;
+
+/// The virtual time of the run in progress, in µs, for the debug log's timestamps.
+pub static VIRTUAL_NOW_US: AtomicU64 = AtomicU64::new(0);
 
 /// The payload a parked rank thread unwinds with when the run ends.
 pub struct Unwound;
@@ -276,6 +280,7 @@ impl World {
             .collect();
         let next = tied[self.rng.below(tied.len() as u64) as usize];
         self.now = self.now.max(due);
+        VIRTUAL_NOW_US.store(self.now.as_micros() as u64, Ordering::Relaxed);
         self.deliver_due();
         if self.now > self.limit {
             let why = format!(

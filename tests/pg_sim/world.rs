@@ -561,10 +561,31 @@ pub fn check(s: &Scenario, run: &Run) -> Result<(), String> {
                     "rank {r} kept running and was left out of the group"
                 ));
             }
+            // The script's last operation is the one exception: when a death left
+            // it done on some ranks and not on others, the ranks done with their
+            // script never take part in another collective (a real program would, at
+            // its next operation), so the others cannot learn it completed. They
+            // must stay members, which is checked above.
+            let last = s.ops.len() - 1;
+            let done_elsewhere = |op: usize| {
+                run.logs.iter().enumerate().any(|(o, l)| {
+                    o != r
+                        && !dead(o)
+                        && l.as_ref()
+                            .and_then(|l| l.outcomes.get(op))
+                            .is_some_and(|x| {
+                                matches!(x, Outcome::Completed { .. } | Outcome::Left { .. })
+                            })
+                })
+            };
             if let Some(o) = log
                 .outcomes
                 .iter()
-                .find(|o| matches!(o, Outcome::Failed { .. }))
+                .enumerate()
+                .find(|(op, o)| {
+                    matches!(o, Outcome::Failed { .. }) && !(*op == last && done_elsewhere(*op))
+                })
+                .map(|(_, o)| o)
             {
                 return Err(format!(
                     "rank {r} kept running and an operation failed: {o:?}"

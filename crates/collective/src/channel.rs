@@ -8,6 +8,7 @@ use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
 use super::layout::{
     encode_cell, encode_cell_header, read_cell_head, CellStamp, Layout, Mask, CELL_HEADER,
 };
+use super::seam::Recheck;
 use super::{Group, GroupOptions};
 use crate::engine::{BatchId, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
@@ -683,6 +684,7 @@ impl Group {
         let timeout = st.op_timeout.unwrap_or(self.options.timeout);
         let mut deadline = self.clock.now() + timeout;
         let mut idle = 0u32;
+        let mut recheck = Recheck::within(&*self.clock, timeout);
         // A cell's payload copied out before it is checked and used (see below).
         let mut checked: Vec<u8> = Vec::new();
         let mut delivered_before = 0;
@@ -917,7 +919,7 @@ impl Group {
             }
             idle += 1;
             self.clock.backoff(idle);
-            if idle % 64 == 0 {
+            if recheck.due(&*self.clock, idle) {
                 let exchange = (!p2p).then_some(st.seq);
                 match self.change_stops_operation(st, exchange) {
                     // Messages with the suspects are given up; the others go on.

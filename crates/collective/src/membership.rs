@@ -30,6 +30,7 @@ use super::layout::{
     decode_join, decode_proposal, encode_join, encode_proposal, JoinRecord, Layout, Mask, Proposal,
     RecordKind,
 };
+use super::seam::Recheck;
 use super::view::{next_epoch, public_epoch, ViewRecord, MAX_ADMITTED};
 use super::{Group, ProposalResponse, ProposalStatus, SyncStatus};
 use crate::error::{Code, Error, Result};
@@ -88,11 +89,14 @@ pub(super) fn acceptable_view(v: &ViewRecord, src: usize, me: usize, h: &ViewHis
 }
 
 /// Whether the coordinator stops collecting reports, `elapsed` after it started.
-/// Members it is not still `waiting` for (lifeless suspects) get `grace`. At the
-/// timeout it stops if it has a majority, or if no member that announced this change
-/// is still missing; otherwise it waits up to [`COORDINATOR_PATIENCE`] timeouts: such
-/// a member may be waiting out a coordinator that died after taking its report, and
-/// participants give a coordinator 3 timeouts before moving on to the next.
+/// Members it is not still `waiting` for (lifeless suspects) get `grace`, but only
+/// when it has a majority without them: short of one, stopping means leaving the
+/// group, and a suspect that is merely between operations shows life at its next
+/// call, so it gets the whole timeout. At the timeout it stops if it has a majority,
+/// or if no member that announced this change is still missing; otherwise it waits up
+/// to [`COORDINATOR_PATIENCE`] timeouts: such a member may be waiting out a
+/// coordinator that died after taking its report, and participants give a
+/// coordinator 3 timeouts before moving on to the next.
 pub(super) fn collection_over(
     elapsed: Duration,
     timeout: Duration,
@@ -103,7 +107,7 @@ pub(super) fn collection_over(
     majority: bool,
 ) -> bool {
     unreported.is_empty()
-        || waiting.is_empty() && elapsed >= grace
+        || waiting.is_empty() && elapsed >= grace && majority
         || elapsed >= timeout && (majority || announced_unreported.is_empty())
         || elapsed >= COORDINATOR_PATIENCE * timeout
 }
@@ -372,16 +376,19 @@ impl Group {
                 // whole timeout for its writes.
                 let deadline = self.clock.now() + PARTICIPANT_PATIENCE * timeout;
                 let mut idle = 0;
+                let mut recheck = Recheck::within(&*self.clock, timeout);
                 while self.clock.now() < deadline {
                     if let Some(v) = self.newest_view() {
                         self.adopt(st, &v);
                         return Ok(v);
                     }
-                    if idle % 64 == 63 && self.pick_coordinator(st, &prop, &skipped) != c {
+                    idle += 1;
+                    if recheck.due(&*self.clock, idle)
+                        && self.pick_coordinator(st, &prop, &skipped) != c
+                    {
                         moved = true;
                         break;
                     }
-                    idle += 1;
                     self.clock.backoff(idle);
                 }
             }
@@ -418,6 +425,7 @@ impl Group {
         let mut merged = mine;
         let mut reported = Mask::of(&[me]);
         let mut idle = 0;
+        let mut recheck = Recheck::within(&*self.clock, timeout);
         loop {
             if let Some(v) = self.newest_view() {
                 self.adopt(st, &v);
@@ -433,7 +441,7 @@ impl Group {
                     merge(&mut merged, &p);
                 }
             }
-            if idle % 64 == 0 && self.pick_coordinator(st, &mine, skipped) != me {
+            if recheck.due(&*self.clock, idle) && self.pick_coordinator(st, &mine, skipped) != me {
                 return Ok(None);
             }
             let unreported = old.minus(&reported).minus(&merged.remove);
@@ -1053,5 +1061,23 @@ mod tests {
             "half with the lowest"
         );
         assert!(!has_majority(&old, &Mask::of(&[1, 3])), "half without it");
+    }
+
+    /// Seed 129 of the PG simulation: rank 1 of view [0, 1] suspects rank 0, which
+    /// is alive but between operations. Past the grace, with nobody left to wait for,
+    /// a coordinator short of a majority must keep collecting until the timeout (rank
+    /// 0 showed life 13 ms after the grace there), or it leaves the group for nothing.
+    #[test]
+    fn a_coordinator_short_of_a_majority_gives_a_lifeless_suspect_the_timeout() {
+        let t = Duration::from_secs(1);
+        let grace = t / 4;
+        let unreported = Mask::of(&[0]);
+        let nobody = Mask::default();
+        let over = |elapsed, majority| {
+            collection_over(elapsed, t, grace, &unreported, &nobody, &nobody, majority)
+        };
+        assert!(!over(grace, false), "short of a majority, at the grace");
+        assert!(over(t, false), "short of a majority, at the timeout");
+        assert!(over(grace, true), "a majority need not wait for suspects");
     }
 }

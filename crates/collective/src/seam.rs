@@ -56,6 +56,38 @@ pub trait Transport: Send + Sync {
     fn wait_batch(&self, batch: BatchId, timeout: Duration);
 }
 
+/// When a polling wait re-reads its slower conditions (announcements, the choice of
+/// coordinator): every 64 polls while it spins, and at least once a `period` however
+/// long each poll's backoff turns out (sleeps stretch on a busy host). Counting polls
+/// alone let a rank parked deep in a wait see a change up to 64 sleeps late, past
+/// the quarter timeout a coordinator gives suspects to show life (PG sim seed 411).
+pub(crate) struct Recheck {
+    period: Duration,
+    next: Instant,
+}
+
+impl Recheck {
+    /// A recheck at most a sixteenth of `timeout` apart (so at least four within a
+    /// coordinator's grace), and never rarer than every 50 ms.
+    pub fn within(clock: &dyn Clock, timeout: Duration) -> Recheck {
+        let period = (timeout / 16).min(Duration::from_millis(50));
+        Recheck {
+            period,
+            next: clock.now() + period,
+        }
+    }
+
+    /// Whether to re-read now, at the wait's `idle`-th poll without progress.
+    pub fn due(&mut self, clock: &dyn Clock, idle: u32) -> bool {
+        let now = clock.now();
+        if idle % 64 != 0 && now < self.next {
+            return false;
+        }
+        self.next = now + self.period;
+        true
+    }
+}
+
 /// The wall clock; backoff spins, yields a little, then sleeps briefly, longer as the
 /// wait goes on. Yielding for long cost a third of a rank's CPU in a 1 MiB all-reduce
 /// (perf: context switches), and on a busy host a yielding rank competes with the

@@ -101,8 +101,9 @@ class Segment:
 class _Conn:
     """One TCP session with the real client: its socket, token and local socket name."""
 
-    def __init__(self, sock, token, ipc_name, health):
+    def __init__(self, sock, reader, token, ipc_name, health):
         self.sock = sock
+        self.reader = reader
         self.token = token
         self.ipc_name = ipc_name
         self.health = health
@@ -114,7 +115,8 @@ def _open(address):
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         W.send_frame(sock, W.REQUEST, ["hello", [W.VERSION]])
-        kind, msg = W.recv_frame(sock, MAX_REPLY, CONNECT_TIMEOUT_S, CONNECT_TIMEOUT_S)
+        reader = W.FrameReader(sock)
+        kind, msg = reader.read(MAX_REPLY, CONNECT_TIMEOUT_S, CONNECT_TIMEOUT_S)
         if kind == W.FAULT:
             raise ConnectionError(f"the real client refused the session ({msg})")
         ok = kind == W.REPLY and isinstance(msg, list) and len(msg) == 2 and msg[0] == 0
@@ -124,7 +126,7 @@ def _open(address):
                 and info[2].startswith(b"\0") and len(info[2]) <= 107
                 and isinstance(info[3], int)):
             raise ConnectionError("not a mooncake_client answer")
-        return _Conn(sock, info[1], info[2], info[3])
+        return _Conn(sock, reader, info[1], info[2], info[3])
     except BaseException:
         sock.close()
         raise
@@ -235,10 +237,13 @@ class Link:
             return RPC_FAIL, None
         try:
             W.send_frame(conn.sock, W.REQUEST, [op, args])
-            kind, msg = W.recv_frame(conn.sock, MAX_REPLY, timeout, timeout)
+            kind, msg = conn.reader.read(MAX_REPLY, timeout, timeout)
             if kind != W.REPLY or not isinstance(msg, list) or len(msg) != 2 \
                     or not isinstance(msg[0], int):
                 raise W.FrameError(f"unexpected answer (kind {kind})")
+            if conn.reader.pending():
+                # One reply per request: anything more means the stream is out of step.
+                raise W.FrameError("bytes nobody asked for after a reply")
             return msg[0], msg[1]
         except (OSError, W.FrameError, W.BodyError) as e:
             self._lost(conn, e)

@@ -43,6 +43,7 @@ _I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
 MAX_DEPTH = 8
 _CHUNK = 1 << 20
+_READ_AHEAD = 64 << 10
 
 
 class FrameError(Exception):
@@ -182,38 +183,57 @@ def send_frame(sock, kind, value):
     sock.sendall(frame(kind, value))
 
 
-def _recv_exact(sock, n, deadline):
-    """n bytes, read in chunks so memory grows only with what the peer really sent."""
-    parts = []
-    left = n
-    while left:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise FrameError("timed out inside a frame")
-        sock.settimeout(remaining)
+class FrameReader:
+    """The frames of one connection, read ahead: one ``recv`` usually brings a whole
+    small frame (reading the first byte, the header and the body apart cost three, each
+    with its own poll). What arrives past a frame waits for the next call."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self._buf = bytearray()
+
+    def pending(self):
+        """Whether bytes past the last frame read have arrived already."""
+        return bool(self._buf)
+
+    def _fill(self, need, timeout):
+        """Reads until ``need`` bytes are buffered, waiting ``timeout`` seconds in all
+        (None: forever). Memory grows only with what the peer really sent."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self._buf) < need:
+            if deadline is None:
+                self.sock.settimeout(None)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise socket.timeout
+                self.sock.settimeout(remaining)
+            chunk = self.sock.recv(min(max(need - len(self._buf), _READ_AHEAD), _CHUNK))
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
+
+    def read(self, max_body, idle_timeout, frame_timeout):
+        """(kind, value) of the next frame. Waits at most ``idle_timeout`` seconds
+        (None: forever) for its first byte and ``frame_timeout`` for the rest.
+        FrameError when the stream broke or went silent; BodyError (frame consumed)
+        for a malformed body."""
         try:
-            chunk = sock.recv(min(left, _CHUNK))
+            if not self._fill(1, idle_timeout):
+                raise Closed("connection closed")
+        except socket.timeout:
+            raise FrameError("idle timeout") from None
+        deadline = time.monotonic() + frame_timeout
+        try:
+            if not self._fill(HEADER.size, frame_timeout):
+                raise FrameError("connection closed")
+            kind, length = parse_header(bytes(self._buf[:HEADER.size]), max_body)
+            end = HEADER.size + length
+            if not self._fill(end, max(deadline - time.monotonic(), 0.0)):
+                raise FrameError("connection closed")
         except socket.timeout:
             raise FrameError("timed out inside a frame") from None
-        if not chunk:
-            raise FrameError("connection closed")
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def recv_frame(sock, max_body, idle_timeout, frame_timeout):
-    """(kind, value) of the next frame. Waits at most ``idle_timeout`` seconds (None:
-    forever) for its first byte and ``frame_timeout`` for the rest. FrameError when the
-    stream broke or went silent; BodyError (frame consumed) for a malformed body."""
-    sock.settimeout(idle_timeout)
-    try:
-        first = sock.recv(1)
-    except socket.timeout:
-        raise FrameError("idle timeout") from None
-    if not first:
-        raise Closed("connection closed")
-    deadline = time.monotonic() + frame_timeout
-    kind, length = parse_header(first + _recv_exact(sock, HEADER.size - 1, deadline), max_body)
-    body = _recv_exact(sock, length, deadline)
-    return kind, decode(body)
+        body = bytes(self._buf[HEADER.size:end])
+        del self._buf[:end]
+        return kind, decode(body)

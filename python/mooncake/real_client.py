@@ -706,9 +706,9 @@ class RealClientServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve, conn)
 
-    def _hello(self, conn):
+    def _hello(self, conn, reader):
         """The session a well-formed hello opens, or None (the peer was told why)."""
-        kind, msg = W.recv_frame(conn, MAX_REQUEST, FRAME_TIMEOUT_S, FRAME_TIMEOUT_S)
+        kind, msg = reader.read(MAX_REQUEST, FRAME_TIMEOUT_S, FRAME_TIMEOUT_S)
         if kind != W.REQUEST or not isinstance(msg, list) or len(msg) != 2 \
                 or msg[0] != "hello" or msg[1] != [W.VERSION]:
             W.send_frame(conn, W.FAULT, NOT_SUPPORTED)
@@ -722,11 +722,12 @@ class RealClientServer:
 
     def _serve(self, conn):
         sess = None
+        reader = W.FrameReader(conn)
         try:
-            sess = self._hello(conn)
+            sess = self._hello(conn, reader)
             while sess is not None and not self.stopping.is_set():
                 try:
-                    kind, msg = W.recv_frame(conn, MAX_REQUEST, IDLE_TIMEOUT_S, FRAME_TIMEOUT_S)
+                    kind, msg = reader.read(MAX_REQUEST, IDLE_TIMEOUT_S, FRAME_TIMEOUT_S)
                 except W.BodyError as e:
                     logger.warning("mooncake_client: malformed request refused: %s", e)
                     W.send_frame(conn, W.REPLY, [INVALID_PARAMS, None])

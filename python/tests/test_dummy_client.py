@@ -298,17 +298,18 @@ class RawPeer:
     def __init__(self, address):
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.reader = W.FrameReader(self.sock)
 
     def hello(self):
         self.sock.sendall(W.frame(W.REQUEST, ["hello", [W.VERSION]]))
-        kind, (status, info) = W.recv_frame(self.sock, 1 << 20, 10, 10)
+        kind, (status, info) = self.reader.read(1 << 20, 10, 10)
         assert kind == W.REPLY and status == 0
         self.token, self.ipc_name = info[1], info[2]
         return self
 
     def ask(self, raw):
         self.sock.sendall(raw)
-        return W.recv_frame(self.sock, 1 << 20, 10, 10)
+        return self.reader.read(1 << 20, 10, 10)
 
     def call(self, op, args):
         kind, reply = self.ask(W.frame(W.REQUEST, [op, args]))
@@ -359,7 +360,7 @@ def test_hostile_frames_are_refused_and_the_server_stays_up(served, dummies, tmp
     # Not our protocol at all.
     junk = RawPeer(served.address)
     junk.sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
-    assert W.recv_frame(junk.sock, 1 << 20, 10, 10)[0] == W.FAULT
+    assert junk.reader.read(1 << 20, 10, 10)[0] == W.FAULT
     junk.close()
 
     peer = RawPeer(served.address).hello()
@@ -413,6 +414,87 @@ def test_hostile_frames_are_refused_and_the_server_stays_up(served, dummies, tmp
     # The server still serves everyone.
     assert d.get(k) == value
     assert dummies(served.address).get(k) == value
+
+
+def test_frames_are_read_whole_however_they_arrive():
+    """The reader takes frames that share a segment one at a time, joins one that
+    arrives in pieces, and bounds a frame that stops half-way."""
+    a, b = socket.socketpair()
+    try:
+        reader = W.FrameReader(b)
+        two = W.frame(W.REQUEST, ["exists", [b"k1"]]) + W.frame(W.REQUEST, ["ping", []])
+        a.sendall(two)
+        assert reader.read(1 << 20, 5, 5) == (W.REQUEST, ["exists", [b"k1"]])
+        assert reader.pending()
+        assert reader.read(1 << 20, 5, 5) == (W.REQUEST, ["ping", []])
+        assert not reader.pending()
+
+        class Pieces:
+            """A socket whose every recv returns the next piece, however much is asked."""
+
+            def __init__(self, data, cuts):
+                self.pieces = [data[s:e] for s, e in zip(cuts, cuts[1:])]
+
+            def settimeout(self, _):
+                pass
+
+            def recv(self, n):
+                piece = self.pieces.pop(0)
+                assert len(piece) <= n
+                return piece
+
+        one = W.frame(W.REPLY, [0, list(range(100))])
+        cuts = [0, 1, 7, W.HEADER.size, 50, len(one)]  # inside the header, then the body
+        pieces = Pieces(one, cuts)
+        assert W.FrameReader(pieces).read(1 << 20, 5, 5) == (W.REPLY, [0, list(range(100))])
+        assert pieces.pieces == []
+
+        a.sendall(W.frame(W.REPLY, [0, None])[:-1])
+        with pytest.raises(W.FrameError, match="inside a frame"):
+            reader.read(1 << 20, 5, 0.2)
+        with pytest.raises(W.FrameError, match="idle"):
+            W.FrameReader(a).read(1 << 20, 0.05, 5)
+        a.close()
+        with pytest.raises(W.FrameError):
+            reader.read(1 << 20, 5, 5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_reply_followed_by_bytes_nobody_asked_for_drops_the_connection(free_port):
+    """One request, one reply: a server that sends more is out of step, and the dummy
+    stops trusting that connection (the call fails with RPC_FAIL) rather than reading
+    the extra bytes as the next call's answer."""
+    from mooncake._dummy import RPC_FAIL, Link
+    from mooncake._dummy import _open as _dummy_open
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            r = W.FrameReader(conn)
+            r.read(1 << 20, 10, 10)  # hello
+            conn.sendall(W.frame(W.REPLY, [0, [W.VERSION, b"t" * 16, b"\0nowhere", 1]]))
+            r.read(1 << 20, 10, 10)  # the call
+            conn.sendall(W.frame(W.REPLY, [0, 1]) + W.frame(W.REPLY, [0, 2]))
+            conn.recv(1)  # until the dummy hangs up
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    link = Link(("127.0.0.1", port))
+    try:
+        conn = _dummy_open(("127.0.0.1", port))
+        link._conn = conn
+        assert link._call_locked("exists", [b"k"]) == (RPC_FAIL, None)
+        assert link._conn is None
+    finally:
+        link._conn = None
+        srv.close()
+        t.join(10)
+        assert not t.is_alive()
 
 
 # ------------------------------------------------------------------ failures

@@ -2,7 +2,7 @@
 //! cell when small, written straight from the caller's memory when large), credits, and
 //! the exchange loop every collective is built from.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::dtype::{finish_avg, reduce_into, DType, ReduceOp};
 use super::layout::{
@@ -677,8 +677,6 @@ impl Group {
                 "never reached (gone before this rank started)",
             ));
         }
-        let cells = self.layout.cells as u64;
-        let cap = self.layout.payload();
         // Measured from the last progress: a large exchange that keeps moving may take
         // longer than the timeout in all; a peer that stops moving may not.
         let timeout = st.op_timeout.unwrap_or(self.options.timeout);
@@ -698,183 +696,14 @@ impl Group {
                 .filter(|m| !m.done() && !given_up.has(m.peer))
             {
                 let p = m.peer;
-                while !m.done() {
-                    let ch = st.channels[p];
-                    let k = (ch.consumed % cells) as usize;
-                    let cell = self.buf(self.layout.recv_cell(p, k, st.epoch));
-                    // SAFETY: the cell lies inside our buffer with `cap` payload bytes.
-                    let Some(head) =
-                        (unsafe { read_cell_head(cell, cap, st.epoch, ch.consumed + 1) })
-                    else {
-                        break;
-                    };
-                    let stamp = head.stamp;
-                    // SAFETY: `stamp.len <= cap` payload bytes follow the stamp.
-                    let whole =
-                        unsafe { std::slice::from_raw_parts(cell.add(CELL_HEADER), stamp.len) };
-                    let remaining = m.sink.len() - m.offset;
-                    if stamp.tag != tag || stamp.total != m.sink.len() as u64 {
-                        if !head.payload_matches(whole) {
-                            break; // still landing: the stamp is not to be believed yet
-                        }
-                        st.last_failed = vec![p];
-                        st.needs_sync = true;
-                        return Err(Error::new(
-                            Code::InvalidParams,
-                            format!(
-                                "rank {p} sent operation {:#x} of {} bytes where this rank runs \
-                                 {tag:#x} expecting {}: ranks called different collectives",
-                                stamp.tag,
-                                stamp.total,
-                                m.sink.len()
-                            ),
-                        ));
-                    }
-                    let len = stamp.len.min(remaining);
-                    match &mut m.sink {
-                        // Copy and check in one pass: each word is checksummed as it
-                        // is stored, so the cell is read once and what was checked is
-                        // exactly what was taken. A cell still landing leaves a partial
-                        // copy that the retry overwrites.
-                        Sink::Copy(b) if stamp.len <= remaining => {
-                            if let Some(k) = &mut m.keep {
-                                k.save(b, m.offset + len);
-                            }
-                            let dst = &mut b[m.offset..m.offset + len];
-                            // SAFETY: `dst` holds `len == whole.len()` bytes of the
-                            // caller's buffer, which is not the receive cell.
-                            let crc = unsafe { crc32c_append_copying(0, whole, dst.as_mut_ptr()) };
-                            if !head.payload_crc_matches(crc) {
-                                break;
-                            }
-                        }
-                        // The same for a reduction: it uses the checked copy, never the
-                        // live cell, into which a stale write of an older epoch could
-                        // land between a check and a second read.
-                        _ => {
-                            checked.clear();
-                            checked.reserve(whole.len());
-                            // SAFETY: `checked` has room for `whole.len()` bytes (reserved
-                            // above), apart from the cell; they are all written before
-                            // `set_len` counts them.
-                            let crc = unsafe {
-                                let crc = crc32c_append_copying(0, whole, checked.as_mut_ptr());
-                                checked.set_len(whole.len());
-                                crc
-                            };
-                            if !head.payload_crc_matches(crc) {
-                                break;
-                            }
-                            if let (Sink::Copy(b), Some(k)) = (&m.sink, &mut m.keep) {
-                                k.save(b, m.offset + len);
-                            }
-                            m.sink.take(m.offset, &checked[..len]);
-                        }
-                    }
-                    m.offset += len;
-                    m.started = true;
-                    st.channels[p].consumed += 1;
-                    progressed = true;
-                }
-                let ch = st.channels[p];
-                if ch.consumed - ch.credited >= (cells / 2).max(1)
-                    || (m.done() && ch.consumed > ch.credited)
-                {
-                    if let Some(peer) = st.peers[p] {
-                        let stage = self.layout.credit_stage(p);
-                        // SAFETY: the credit staging word is inside our buffer, aligned.
-                        unsafe {
-                            std::ptr::write_volatile(
-                                self.buf(stage).cast::<u64>(),
-                                credit_word(st.epoch, ch.consumed),
-                            )
-                        };
-                        reqs.push(Request {
-                            op: Op::Write,
-                            local: (self.base + stage) as u64,
-                            segment: peer.segment,
-                            remote: peer.base + self.layout.credit(self.rank()) as u64,
-                            len: 8,
-                        });
-                        req_peers.push(None);
-                        st.channels[p].credited = ch.consumed;
-                    }
-                }
+                progressed |= self.take_cells(st, m, tag, &mut checked)?;
+                self.credit_if_due(st, p, m.done(), &mut reqs, &mut req_peers);
             }
             for m in out
                 .iter_mut()
                 .filter(|m| !m.done() && !given_up.has(m.peer))
             {
-                let p = m.peer;
-                let Some(peer) = st.peers[p] else { continue };
-                while !m.done()
-                    && st.channels[p].sent.saturating_sub(self.credit_seen(st, p)) < cells
-                {
-                    let sent = st.channels[p].sent;
-                    let k = (sent % cells) as usize;
-                    let len = (m.data.len() - m.offset).min(cap);
-                    let stage = self.layout.send_cell(p, k);
-                    let remote = peer.base + self.layout.recv_cell(self.rank(), k, st.epoch) as u64;
-                    let stamp = CellStamp {
-                        epoch: st.epoch,
-                        msg: sent + 1,
-                        tag,
-                        len,
-                        total: m.data.len() as u64,
-                    };
-                    let payload = &m.data[m.offset..m.offset + len];
-                    if len >= DIRECT_MIN {
-                        // The CRC covers the payload too, so the receiver takes the cell
-                        // only once both writes have landed, in whichever order.
-                        let mut header = [0u8; CELL_HEADER];
-                        encode_cell_header(&mut header, &stamp, known.of(payload));
-                        // SAFETY: the staging cell lies inside our buffer; its previous
-                        // write has landed (the peer consumed it: the credit says so).
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                header.as_ptr(),
-                                self.buf(stage),
-                                CELL_HEADER,
-                            )
-                        };
-                        reqs.push(Request {
-                            op: Op::Write,
-                            local: payload.as_ptr() as u64,
-                            segment: peer.segment,
-                            remote: remote + CELL_HEADER as u64,
-                            len: len as u64,
-                        });
-                        req_peers.push(Some(p));
-                        reqs.push(Request {
-                            op: Op::Write,
-                            local: (self.base + stage) as u64,
-                            segment: peer.segment,
-                            remote,
-                            len: CELL_HEADER as u64,
-                        });
-                    } else {
-                        // SAFETY: as above, for the whole staging cell.
-                        let cell = unsafe {
-                            std::slice::from_raw_parts_mut(self.buf(stage), CELL_HEADER + len)
-                        };
-                        encode_cell(cell, &stamp, payload);
-                        reqs.push(Request {
-                            op: Op::Write,
-                            local: (self.base + stage) as u64,
-                            segment: peer.segment,
-                            remote,
-                            len: (CELL_HEADER + len) as u64,
-                        });
-                    }
-                    req_peers.push(Some(p));
-                    m.offset += len;
-                    m.started = true;
-                    st.channels[p].sent += 1;
-                    if p2p && m.done() {
-                        m.through = st.channels[p].sent;
-                    }
-                    progressed = true;
-                }
+                progressed |= self.fill_cells(st, m, tag, known, &mut reqs, &mut req_peers);
             }
             let posted_before = st.outstanding.len();
             let messages = req_peers.iter().any(Option::is_some);
@@ -920,57 +749,286 @@ impl Group {
             idle += 1;
             self.clock.backoff(idle);
             if recheck.due(&*self.clock, idle) {
-                let exchange = (!p2p).then_some(st.seq);
-                match self.change_stops_operation(st, exchange) {
-                    // Messages with the suspects are given up; the others go on.
-                    Some(suspects) if p2p && !suspects.is_empty() && !suspects.has(self.rank()) => {
-                        given_up = given_up.union(&suspects)
-                    }
-                    Some(suspects) => {
-                        // The announcer's evidence names the failed ranks; ranks we
-                        // were merely still waiting for may be waiting on those same
-                        // ranks. A point-to-point exchange names exactly the peers of
-                        // its messages not delivered.
-                        let missing = if suspects.is_empty() || p2p {
-                            self.undelivered(st, out, inc)
-                        } else {
-                            suspects.ranks()
-                        };
-                        return Err(self.fail(st, missing, "a membership change was announced"));
-                    }
-                    None => {}
-                }
-                if self.clock.now() >= deadline {
-                    let missing = self.undelivered(st, out, inc);
-                    for m in inc.iter().filter(|m| !m.done()) {
-                        let ch = st.channels[m.peer];
-                        let cell = self.buf(self.layout.recv_cell(
-                            m.peer,
-                            (ch.consumed % cells) as usize,
-                            st.epoch,
-                        ));
-                        // SAFETY: a cell header inside our buffer.
-                        let word = |at: usize| unsafe {
-                            std::ptr::read_volatile(cell.add(at).cast::<u64>())
-                        };
-                        log::debug!(
-                            "group rank {}: epoch {} tag {tag:#x}: from {} expecting message {}, cell holds epoch {} message {} tag {:#x}",
-                            self.rank(), st.epoch, m.peer, ch.consumed + 1, word(8), word(16), word(24)
-                        );
-                    }
-                    for m in out.iter().filter(|m| !m.done()) {
-                        log::debug!(
-                            "group rank {}: to {} sent {} credit {}",
-                            self.rank(),
-                            m.peer,
-                            st.channels[m.peer].sent,
-                            self.credit_seen(st, m.peer)
-                        );
-                    }
-                    return Err(self.fail(st, missing, "timed out"));
-                }
+                self.stop_if_announced_or_late(st, tag, out, inc, &mut given_up, deadline)?;
             }
         }
+    }
+
+    /// The exchange's slower checks: a membership change announced (a collective stops
+    /// and fails naming the suspects; a point-to-point exchange gives up on them and
+    /// finishes with the others) or the deadline passed, with what the cells held.
+    fn stop_if_announced_or_late(
+        &self,
+        st: &mut State,
+        tag: u64,
+        out: &[Outgoing<'_>],
+        inc: &[Incoming<'_>],
+        given_up: &mut Mask,
+        deadline: Instant,
+    ) -> Result<()> {
+        let cells = self.layout.cells as u64;
+        let p2p = tag == KIND_P2P; // a collective's tag carries its sequence above
+        let exchange = (!p2p).then_some(st.seq);
+        match self.change_stops_operation(st, exchange) {
+            // Messages with the suspects are given up; the others go on.
+            Some(suspects) if p2p && !suspects.is_empty() && !suspects.has(self.rank()) => {
+                *given_up = given_up.union(&suspects)
+            }
+            Some(suspects) => {
+                // The announcer's evidence names the failed ranks; ranks we
+                // were merely still waiting for may be waiting on those same
+                // ranks. A point-to-point exchange names exactly the peers of
+                // its messages not delivered.
+                let missing = if suspects.is_empty() || p2p {
+                    self.undelivered(st, out, inc)
+                } else {
+                    suspects.ranks()
+                };
+                return Err(self.fail(st, missing, "a membership change was announced"));
+            }
+            None => {}
+        }
+        if self.clock.now() >= deadline {
+            let missing = self.undelivered(st, out, inc);
+            for m in inc.iter().filter(|m| !m.done()) {
+                let ch = st.channels[m.peer];
+                let cell = self.buf(self.layout.recv_cell(
+                    m.peer,
+                    (ch.consumed % cells) as usize,
+                    st.epoch,
+                ));
+                // SAFETY: a cell header inside our buffer.
+                let word =
+                    |at: usize| unsafe { std::ptr::read_volatile(cell.add(at).cast::<u64>()) };
+                log::debug!(
+                    "group rank {}: epoch {} tag {tag:#x}: from {} expecting message {}, cell holds epoch {} message {} tag {:#x}",
+                    self.rank(), st.epoch, m.peer, ch.consumed + 1, word(8), word(16), word(24)
+                );
+            }
+            for m in out.iter().filter(|m| !m.done()) {
+                log::debug!(
+                    "group rank {}: to {} sent {} credit {}",
+                    self.rank(),
+                    m.peer,
+                    st.channels[m.peer].sent,
+                    self.credit_seen(st, m.peer)
+                );
+            }
+            return Err(self.fail(st, missing, "timed out"));
+        }
+        Ok(())
+    }
+
+    /// Takes the cells of message `m` that have landed whole, in order: copies and
+    /// checks each (see below) into the caller's buffer or the reduction. Whether any
+    /// was taken; an error when the sender runs another collective.
+    fn take_cells(
+        &self,
+        st: &mut State,
+        m: &mut Incoming<'_>,
+        tag: u64,
+        checked: &mut Vec<u8>,
+    ) -> Result<bool> {
+        let cells = self.layout.cells as u64;
+        let cap = self.layout.payload();
+        let p = m.peer;
+        let mut progressed = false;
+        while !m.done() {
+            let ch = st.channels[p];
+            let k = (ch.consumed % cells) as usize;
+            let cell = self.buf(self.layout.recv_cell(p, k, st.epoch));
+            // SAFETY: the cell lies inside our buffer with `cap` payload bytes.
+            let Some(head) = (unsafe { read_cell_head(cell, cap, st.epoch, ch.consumed + 1) })
+            else {
+                break;
+            };
+            let stamp = head.stamp;
+            // SAFETY: `stamp.len <= cap` payload bytes follow the stamp.
+            let whole = unsafe { std::slice::from_raw_parts(cell.add(CELL_HEADER), stamp.len) };
+            let remaining = m.sink.len() - m.offset;
+            if stamp.tag != tag || stamp.total != m.sink.len() as u64 {
+                if !head.payload_matches(whole) {
+                    break; // still landing: the stamp is not to be believed yet
+                }
+                st.last_failed = vec![p];
+                st.needs_sync = true;
+                return Err(Error::new(
+                    Code::InvalidParams,
+                    format!(
+                        "rank {p} sent operation {:#x} of {} bytes where this rank runs \
+                         {tag:#x} expecting {}: ranks called different collectives",
+                        stamp.tag,
+                        stamp.total,
+                        m.sink.len()
+                    ),
+                ));
+            }
+            let len = stamp.len.min(remaining);
+            match &mut m.sink {
+                // Copy and check in one pass: each word is checksummed as it
+                // is stored, so the cell is read once and what was checked is
+                // exactly what was taken. A cell still landing leaves a partial
+                // copy that the retry overwrites.
+                Sink::Copy(b) if stamp.len <= remaining => {
+                    if let Some(k) = &mut m.keep {
+                        k.save(b, m.offset + len);
+                    }
+                    let dst = &mut b[m.offset..m.offset + len];
+                    // SAFETY: `dst` holds `len == whole.len()` bytes of the
+                    // caller's buffer, which is not the receive cell.
+                    let crc = unsafe { crc32c_append_copying(0, whole, dst.as_mut_ptr()) };
+                    if !head.payload_crc_matches(crc) {
+                        break;
+                    }
+                }
+                // The same for a reduction: it uses the checked copy, never the
+                // live cell, into which a stale write of an older epoch could
+                // land between a check and a second read.
+                _ => {
+                    checked.clear();
+                    checked.reserve(whole.len());
+                    // SAFETY: `checked` has room for `whole.len()` bytes (reserved
+                    // above), apart from the cell; they are all written before
+                    // `set_len` counts them.
+                    let crc = unsafe {
+                        let crc = crc32c_append_copying(0, whole, checked.as_mut_ptr());
+                        checked.set_len(whole.len());
+                        crc
+                    };
+                    if !head.payload_crc_matches(crc) {
+                        break;
+                    }
+                    if let (Sink::Copy(b), Some(k)) = (&m.sink, &mut m.keep) {
+                        k.save(b, m.offset + len);
+                    }
+                    m.sink.take(m.offset, &checked[..len]);
+                }
+            }
+            m.offset += len;
+            m.started = true;
+            st.channels[p].consumed += 1;
+            progressed = true;
+        }
+        Ok(progressed)
+    }
+
+    /// Tells peer `p` which cells it may reuse, once half of them are taken (or the
+    /// message is `done`): a credit word, written in the same batch as our cells.
+    fn credit_if_due(
+        &self,
+        st: &mut State,
+        p: usize,
+        done: bool,
+        reqs: &mut Vec<Request>,
+        req_peers: &mut Vec<Option<usize>>,
+    ) {
+        let cells = self.layout.cells as u64;
+        let ch = st.channels[p];
+        if ch.consumed - ch.credited >= (cells / 2).max(1) || (done && ch.consumed > ch.credited) {
+            if let Some(peer) = st.peers[p] {
+                let stage = self.layout.credit_stage(p);
+                // SAFETY: the credit staging word is inside our buffer, aligned.
+                unsafe {
+                    std::ptr::write_volatile(
+                        self.buf(stage).cast::<u64>(),
+                        credit_word(st.epoch, ch.consumed),
+                    )
+                };
+                reqs.push(Request {
+                    op: Op::Write,
+                    local: (self.base + stage) as u64,
+                    segment: peer.segment,
+                    remote: peer.base + self.layout.credit(self.rank()) as u64,
+                    len: 8,
+                });
+                req_peers.push(None);
+                st.channels[p].credited = ch.consumed;
+            }
+        }
+    }
+
+    /// Stages and posts as many cells of message `m` as peer `p`'s credit allows (a
+    /// large payload is written straight from the caller's buffer, its header after).
+    /// Whether any was posted.
+    fn fill_cells(
+        &self,
+        st: &mut State,
+        m: &mut Outgoing<'_>,
+        tag: u64,
+        known: &mut PayloadCrcs,
+        reqs: &mut Vec<Request>,
+        req_peers: &mut Vec<Option<usize>>,
+    ) -> bool {
+        let cells = self.layout.cells as u64;
+        let cap = self.layout.payload();
+        let p2p = tag == KIND_P2P; // a collective's tag carries its sequence above
+        let p = m.peer;
+        let Some(peer) = st.peers[p] else {
+            return false;
+        };
+        let mut progressed = false;
+        while !m.done() && st.channels[p].sent.saturating_sub(self.credit_seen(st, p)) < cells {
+            let sent = st.channels[p].sent;
+            let k = (sent % cells) as usize;
+            let len = (m.data.len() - m.offset).min(cap);
+            let stage = self.layout.send_cell(p, k);
+            let remote = peer.base + self.layout.recv_cell(self.rank(), k, st.epoch) as u64;
+            let stamp = CellStamp {
+                epoch: st.epoch,
+                msg: sent + 1,
+                tag,
+                len,
+                total: m.data.len() as u64,
+            };
+            let payload = &m.data[m.offset..m.offset + len];
+            if len >= DIRECT_MIN {
+                // The CRC covers the payload too, so the receiver takes the cell
+                // only once both writes have landed, in whichever order.
+                let mut header = [0u8; CELL_HEADER];
+                encode_cell_header(&mut header, &stamp, known.of(payload));
+                // SAFETY: the staging cell lies inside our buffer; its previous
+                // write has landed (the peer consumed it: the credit says so).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(header.as_ptr(), self.buf(stage), CELL_HEADER)
+                };
+                reqs.push(Request {
+                    op: Op::Write,
+                    local: payload.as_ptr() as u64,
+                    segment: peer.segment,
+                    remote: remote + CELL_HEADER as u64,
+                    len: len as u64,
+                });
+                req_peers.push(Some(p));
+                reqs.push(Request {
+                    op: Op::Write,
+                    local: (self.base + stage) as u64,
+                    segment: peer.segment,
+                    remote,
+                    len: CELL_HEADER as u64,
+                });
+            } else {
+                // SAFETY: as above, for the whole staging cell.
+                let cell =
+                    unsafe { std::slice::from_raw_parts_mut(self.buf(stage), CELL_HEADER + len) };
+                encode_cell(cell, &stamp, payload);
+                reqs.push(Request {
+                    op: Op::Write,
+                    local: (self.base + stage) as u64,
+                    segment: peer.segment,
+                    remote,
+                    len: (CELL_HEADER + len) as u64,
+                });
+            }
+            req_peers.push(Some(p));
+            m.offset += len;
+            m.started = true;
+            st.channels[p].sent += 1;
+            if p2p && m.done() {
+                m.through = st.channels[p].sent;
+            }
+            progressed = true;
+        }
+        progressed
     }
 
     /// Whether `m` is through: written, and for a point-to-point message also taken

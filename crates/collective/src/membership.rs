@@ -127,6 +127,16 @@ fn has_majority(old: &Mask, reported: &Mask) -> bool {
     2 * have > total || 2 * have == total && lowest.is_some_and(|l| reported.has(l))
 }
 
+/// How a coordinator's collection of reports ended.
+enum Collected {
+    /// A view came out meanwhile (another coordinator's), and was adopted.
+    Adopted(ViewRecord),
+    /// A lower member showed life: it leads instead.
+    SteppedDown,
+    /// The reports gathered, merged with our own proposal.
+    Reports { merged: Proposal, reported: Mask },
+}
+
 /// What the announcements of the current change say, read in one pass.
 struct Announcements {
     /// Union of everyone's proposals.
@@ -415,52 +425,11 @@ impl Group {
         let me = self.rank();
         let base = st.epoch;
         let old = st.mask;
-        let started = self.clock.now();
-        let timeout = self.options.timeout;
-        // A live suspect (blamed for a mismatch, or slow) announces within moments of
-        // seeing the change; a dead one never does. Waiting this long for suspects
-        // keeps recovery from a death under 1.25 timeouts (and a second past the
-        // failed operation's own bound, for callers that give one).
-        let grace = (self.options.timeout / 4).min(Duration::from_secs(1));
-        let mut merged = mine;
-        let mut reported = Mask::of(&[me]);
-        let mut idle = 0;
-        let mut recheck = Recheck::within(&*self.clock, timeout);
-        loop {
-            if let Some(v) = self.newest_view() {
-                self.adopt(st, &v);
-                return Ok(Some(v));
-            }
-            let a = self.announcements(st);
-            merge(&mut merged, &a.merged);
-            for src in old.ranks().into_iter().filter(|&r| r != me) {
-                let sync =
-                    decode_proposal(&self.read_slot(self.layout.sync(src)), RecordKind::Sync);
-                if let Some(p) = sync.filter(|p| p.base == base) {
-                    reported.set(src);
-                    merge(&mut merged, &p);
-                }
-            }
-            if recheck.due(&*self.clock, idle) && self.pick_coordinator(st, &mine, skipped) != me {
-                return Ok(None);
-            }
-            let unreported = old.minus(&reported).minus(&merged.remove);
-            let waiting = unreported.minus(&merged.suspects.minus(&a.alive));
-            let announced_unreported = unreported.minus(&unreported.minus(&a.alive));
-            if collection_over(
-                self.clock.now().saturating_duration_since(started),
-                timeout,
-                grace,
-                &unreported,
-                &waiting,
-                &announced_unreported,
-                has_majority(&old, &reported),
-            ) {
-                break;
-            }
-            idle += 1;
-            self.clock.backoff(idle);
-        }
+        let (merged, reported) = match self.collect_reports(st, mine, skipped) {
+            Collected::Adopted(v) => return Ok(Some(v)),
+            Collected::SteppedDown => return Ok(None),
+            Collected::Reports { merged, reported } => (merged, reported),
+        };
         // Another coordinator may have published while we collected (we were slow or
         // stopped), or a lower member may have shown life: re-check just before
         // deciding, so we neither publish a rival we could have adopted nor lead when
@@ -488,6 +457,72 @@ impl Group {
                 ),
             ));
         }
+        let view = self.decide_view(st, &merged, reported);
+        self.publish_view(st, view).map(Some)
+    }
+
+    /// Collects sync reports for the change of our epoch until [`collection_over`],
+    /// unless a view comes out meanwhile or a lower member should lead.
+    fn collect_reports(&self, st: &mut State, mine: Proposal, skipped: &Mask) -> Collected {
+        let me = self.rank();
+        let base = st.epoch;
+        let old = st.mask;
+        let started = self.clock.now();
+        let timeout = self.options.timeout;
+        // A live suspect (blamed for a mismatch, or slow) announces within moments of
+        // seeing the change; a dead one never does. Waiting this long for suspects
+        // keeps recovery from a death under 1.25 timeouts (and a second past the
+        // failed operation's own bound, for callers that give one).
+        let grace = (self.options.timeout / 4).min(Duration::from_secs(1));
+        let mut merged = mine;
+        let mut reported = Mask::of(&[me]);
+        let mut idle = 0;
+        let mut recheck = Recheck::within(&*self.clock, timeout);
+        loop {
+            if let Some(v) = self.newest_view() {
+                self.adopt(st, &v);
+                return Collected::Adopted(v);
+            }
+            let a = self.announcements(st);
+            merge(&mut merged, &a.merged);
+            for src in old.ranks().into_iter().filter(|&r| r != me) {
+                let sync =
+                    decode_proposal(&self.read_slot(self.layout.sync(src)), RecordKind::Sync);
+                if let Some(p) = sync.filter(|p| p.base == base) {
+                    reported.set(src);
+                    merge(&mut merged, &p);
+                }
+            }
+            if recheck.due(&*self.clock, idle) && self.pick_coordinator(st, &mine, skipped) != me {
+                return Collected::SteppedDown;
+            }
+            let unreported = old.minus(&reported).minus(&merged.remove);
+            let waiting = unreported.minus(&merged.suspects.minus(&a.alive));
+            let announced_unreported = unreported.minus(&unreported.minus(&a.alive));
+            if collection_over(
+                self.clock.now().saturating_duration_since(started),
+                timeout,
+                grace,
+                &unreported,
+                &waiting,
+                &announced_unreported,
+                has_majority(&old, &reported),
+            ) {
+                break;
+            }
+            idle += 1;
+            self.clock.backoff(idle);
+        }
+        Collected::Reports { merged, reported }
+    }
+
+    /// The view the reports make: the members that reported, less those asked to be
+    /// removed, plus the ranks asked to be added (old members, or joiners with a fresh
+    /// join record, at most [`MAX_ADMITTED`]).
+    fn decide_view(&self, st: &State, merged: &Proposal, reported: Mask) -> ViewRecord {
+        let me = self.rank();
+        let base = st.epoch;
+        let old = st.mask;
         let mut mask = reported.minus(&merged.remove);
         let mut admitted = Vec::new();
         for a in merged.add.ranks() {
@@ -503,14 +538,23 @@ impl Group {
                 }
             }
         }
-        let view = ViewRecord {
+        ViewRecord {
             epoch: next_epoch(base, me),
             base,
             coordinator: me,
             mask,
             dropped: old.minus(&mask).minus(&merged.remove),
             admitted,
-        };
+        }
+    }
+
+    /// Writes `view` to its members (the admitted at their new addresses), posts it to
+    /// the excluded so they learn they are out, and adopts it.
+    fn publish_view(&self, st: &mut State, view: ViewRecord) -> Result<ViewRecord> {
+        let me = self.rank();
+        let old = st.mask;
+        let mask = view.mask;
+        let timeout = self.options.timeout;
         log::debug!(
             "group rank {me}: coordinating epoch {}: members {:?}, dropped {:?}",
             view.epoch,
@@ -537,7 +581,7 @@ impl Group {
         let excluded = old.minus(&mask).minus(&me_only).ranks();
         self.post_records(st, &excluded, |l: &Layout, s| l.view(s), &rec);
         self.adopt(st, &view);
-        Ok(Some(view))
+        Ok(view)
     }
 
     /// Passes each rank `view` admits the join records of the others it admits: a

@@ -172,3 +172,56 @@ impl Transport for EngineTransport {
         let _ = self.0.wait_batch(batch, Some(timeout));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{Clock, Recheck};
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+
+    /// A clock whose every backoff sleeps `pause`, as a parked poll on a busy host.
+    struct Stepping {
+        now: Mutex<Instant>,
+        pause: Duration,
+    }
+
+    impl Clock for Stepping {
+        fn now(&self) -> Instant {
+            *self.now.lock().unwrap()
+        }
+        fn backoff(&self, _idle: u32) {
+            self.sleep(self.pause);
+        }
+        fn sleep(&self, d: Duration) {
+            *self.now.lock().unwrap() += d;
+        }
+    }
+
+    /// PG sim seed 411 (first draw): a wait parked on 1 ms sleeps re-read the
+    /// announcements only every 64 polls, 64 ms apart, past a coordinator's 25 ms grace
+    /// at a 100 ms timeout. Rechecks come at most timeout/16 apart however long a poll.
+    #[test]
+    fn rechecks_come_within_a_sixteenth_of_the_timeout_however_long_a_poll() {
+        let timeout = Duration::from_millis(100);
+        for pause in [Duration::from_micros(1), Duration::from_millis(1)] {
+            let clock = Stepping {
+                now: Mutex::new(Instant::now()),
+                pause,
+            };
+            let mut recheck = Recheck::within(&clock, timeout);
+            let mut last = clock.now();
+            let mut widest = Duration::ZERO;
+            for idle in 1..=2_000u32 {
+                clock.backoff(idle);
+                if recheck.due(&clock, idle) {
+                    widest = widest.max(clock.now() - last);
+                    last = clock.now();
+                }
+            }
+            assert!(
+                widest <= timeout / 16 + pause,
+                "{pause:?}: {widest:?} apart"
+            );
+        }
+    }
+}

@@ -33,6 +33,9 @@ pub enum When {
     Point(u64),
     /// At its first scheduling point in the script's operation `op`.
     InOp(u64),
+    /// At its caller's pause just before the library call of operation `op` (after
+    /// the caller checked for a pending change; see [`Sim::before_call`]).
+    AtCall(u64),
     /// Right after it posts its `nth` data write (a write longer than a credit word)
     /// to `peer` in operation `op`; the rest of that batch is never posted.
     AfterWrite { op: u64, peer: usize, nth: u64 },
@@ -95,6 +98,8 @@ struct RankState {
     at_tail: bool,
     /// Its last reconciliation at the tail found nothing pending.
     quiet: bool,
+    /// It is at its caller's pause before a library call (see `Sim::before_call`).
+    at_call: bool,
 }
 
 struct Task {
@@ -307,7 +312,11 @@ impl World {
     /// Applies the faults due for rank `r` now; returns the stall to add.
     fn strike(&mut self, r: usize) -> Duration {
         let mut stall = Duration::ZERO;
-        let (points, op) = (self.ranks[r].points, self.ranks[r].op);
+        let (points, op, at_call) = (
+            self.ranks[r].points,
+            self.ranks[r].op,
+            self.ranks[r].at_call,
+        );
         for i in 0..self.faults.len() {
             let (f, fired) = self.faults[i];
             if fired || f.rank != r {
@@ -316,6 +325,7 @@ impl World {
             let due = match f.when {
                 When::Point(n) => points >= n,
                 When::InOp(k) => op == k,
+                When::AtCall(k) => at_call && op == k,
                 When::AfterWrite { .. } => false,
             };
             if !due {
@@ -361,6 +371,7 @@ impl Sim {
                 died_in_op: None,
                 at_tail: false,
                 quiet: false,
+                at_call: false,
             })
             .collect();
         Arc::new(Sim {
@@ -425,6 +436,16 @@ impl Sim {
             rank.writes_in_op.iter_mut().for_each(|n| *n = 0);
         }
         self.point(r, Duration::from_micros(5));
+    }
+
+    /// Rank `r`'s caller is about to make a library call: the time a Python caller
+    /// spends between its check for a pending change and the call (a scheduling
+    /// point, where `When::AtCall` faults strike), so a peer's announcement can land
+    /// in between, as it can on a real host.
+    pub fn before_call(&self, r: usize) {
+        self.lock().ranks[r].at_call = true;
+        self.point(r, Duration::from_micros(20));
+        self.lock().ranks[r].at_call = false;
     }
 
     /// Rank `r`'s script is done; it stays available until every live rank is.

@@ -122,7 +122,8 @@ fn no_faults_scenario(seed: u64, ranks: usize, ops: Vec<OpKind>) -> Scenario {
 }
 
 /// b9e96b6's template: 4 ranks run a small and a large all-reduce, then ranks 0 to 2
-/// deactivate rank 3; 3% of writes take up to 30 ms.
+/// deactivate rank 3; 3% of writes take up to 12 ms (under an eighth of the timeout,
+/// so the run stays calm and is held to "nothing left while nobody died").
 fn proposal_after_a_collective(seed: u64) -> Scenario {
     let mut s = no_faults_scenario(
         seed,
@@ -135,7 +136,7 @@ fn proposal_after_a_collective(seed: u64) -> Scenario {
         ],
     );
     s.net.slow_per_mille = 30;
-    s.net.slow_us = 30_000;
+    s.net.slow_us = 12_000;
     s
 }
 
@@ -211,13 +212,14 @@ fn a_leave_while_the_others_are_away(seed: u64) -> Scenario {
 }
 
 /// b9e96b6: four ranks run a large all-reduce (two exchanges), then three of them
-/// deactivate rank 3. Writes are sometimes slow (30 ms), so a proposer is often still
+/// deactivate rank 3. Writes are sometimes slow (12 ms), so a proposer is often still
 /// blocked in the all-reduce, its peers' data on the way, when the others, done with
 /// it, announce the proposal. It must keep waiting (every announcer is past its
 /// exchange) and complete: with nobody dead, no operation may be left or fail. With
 /// `change_stops_operation(st, exchange)` in `exchange_cells` put back to
-/// `change_announced(st)` (the hunk reverted), seeds 0, 2, 3 and 7 fail: "rank 0 left
-/// op 1 (AllReduceLarge) completed elsewhere, though no rank died".
+/// `change_announced(st)` (the hunk reverted), seeds 0-4, 6 and 7 fail: "rank 0 left
+/// op 1 (AllReduceLarge) completed elsewhere, though no rank died". (Slow writes of
+/// 30 ms passed unnoticed once calm runs excluded delays of an eighth of the timeout.)
 #[test]
 fn a_blocked_member_keeps_waiting_through_a_proposal_past_its_exchange() {
     for seed in 0..8 {

@@ -14,6 +14,7 @@ from torch._C._distributed_c10d import Work as _TorchWork
 
 from ._native import (MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT,
                       MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS)
+from ._pg_position import Position
 from .pg import (
     BACKEND_NAME,
     CUDA_BACKEND_NAME,
@@ -295,9 +296,8 @@ class MooncakeBackend(_TorchBackend):
         self._p2p = []
         self._queue = _AsyncQueue()
         self._scratch = threading.local()  # see _save (the queue's thread has its own)
-        # Where this rank stands: the epoch of its last collective (or of its start)
-        # and how many it completed in it (see _completed_elsewhere).
-        self._ran = [self.handle.epoch(), 0]
+        # Where this rank stands in the group's collectives (see _completed_elsewhere).
+        self._position = Position(self.handle.epoch())
 
     def visible_size(self):
         """The group's size as ``dist.get_world_size`` reports it: torch's world size
@@ -364,19 +364,16 @@ class MooncakeBackend(_TorchBackend):
 
         It happens when a rank dies inside an operation after its data reached some
         survivors and not others. So the first operation of each new view is an
-        agreement round (``agree_max``, its own kind) in which every member gives
-        the epoch of its last collective and the number of the one it is about to
-        run in it; a member behind the furthest one of the same epoch leaves its
-        operation (the caller sees local success False). Members new to the group
-        (an older epoch) are never behind. A view others published or announced is
-        taken part in first (whatever the auto flags: this rank would otherwise
-        enter it inside its operation, where the others agree)."""
+        agreement round (``agree_max``, its own kind) in which every member gives its
+        position (``_pg_position``); a member behind the furthest leaves its operation
+        (the caller sees local success False). Members new to the group are never
+        behind. A view others published or announced is taken part in first (whatever
+        the auto flags: this rank would otherwise enter it inside its operation, where
+        the others agree)."""
         self.handle.sync_after_failure()
-        epoch = self.handle.epoch()
-        if epoch == self._ran[0]:
+        if not self._position.needs_agreement(self.handle.epoch()):
             return False
-        last, position = self._ran
-        mine = (last & 0x7f_ffff) << 40 | min(position + 1, (1 << 40) - 1)
+        mine = self._position.mine()
         for attempt in range(_ATTEMPTS):
             try:
                 furthest = self.handle.agree_max(mine)
@@ -387,8 +384,13 @@ class MooncakeBackend(_TorchBackend):
                 if attempt + 1 == _ATTEMPTS:
                     raise
                 self.handle.sync_after_failure()
-        self._ran = [self.handle.epoch(), 0]
-        return furthest >> 40 == mine >> 40 and mine < furthest
+        behind = self._position.behind(furthest)
+        self._position.agreed_in(self.handle.epoch(), furthest)
+        return behind
+
+    def _joined(self):
+        """Admitted (again) by a view (``join_group``): new to the group's sequence."""
+        self._position.joined()
 
     def _entered_new_view(self, error):
         """Whether a collective was refused because it entered a new view at its
@@ -397,15 +399,6 @@ class MooncakeBackend(_TorchBackend):
         return (isinstance(error, MooncakeCollectiveError)
                 and error.code == MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS
                 and self.handle.active_ranks()[self._rank])
-
-    def _ran_one(self):
-        epoch = self.handle.epoch()
-        if epoch == self._ran[0]:
-            self._ran[1] += 1
-        else:
-            # Run in a view it entered on the way in (every member did, or the
-            # operation would have failed): the view's first.
-            self._ran = [epoch, 1]
 
     def _save(self, inputs):
         """Copies of ``inputs`` (contiguous tensors) for a retry, in a host buffer
@@ -505,7 +498,7 @@ class MooncakeBackend(_TorchBackend):
                                         local_failure=True)
                 with self._on(device):
                     fn()
-                self._ran_one()
+                self._position.completed_one(self.handle.epoch())
                 break
             except (MooncakeCollectiveError, ValueError) as e:
                 if entered < _NEW_VIEWS and self._entered_new_view(e):

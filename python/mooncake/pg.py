@@ -914,6 +914,9 @@ def deactivate_ranks(backend, ranks):
 def join_group(backend=None, timeout_ms=600_000):
     """Claims this rank and blocks until a member activates it."""
     _membership_call(backend, lambda h: h.join(timeout_ms))
+    ours = _ours_or_none(backend)
+    if ours is not None:
+        ours._joined()
 
 
 def sync_after_failure(backend=None):

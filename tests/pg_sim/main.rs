@@ -64,7 +64,7 @@ pub(crate) fn run_seed(seed: u64) -> Result<world::Run, String> {
 
 /// `RUST_LOG=debug` shows what PG itself logs, stamped with virtual time (one rank
 /// runs at a time, so the lines come in the run's order).
-fn init_debug_log() {
+pub(crate) fn init_debug_log() {
     use std::io::Write;
     let _ = env_logger::builder()
         .is_test(true)

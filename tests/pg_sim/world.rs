@@ -332,8 +332,8 @@ struct Caller<'a> {
     g: &'a Group,
     sim: &'a Sim,
     me: usize,
-    /// (public epoch, operations run in it).
-    ran: (u64, u64),
+    /// Where it stands in the group's collectives (`_pg_position.py`).
+    position: Position,
     log: RankLog,
     /// The script's operation now.
     op: usize,
@@ -445,12 +445,10 @@ impl Caller<'_> {
 
     fn completed_elsewhere(&mut self) -> mooncake::Result<bool> {
         self.sync()?;
-        let epoch = self.g.epoch();
-        if epoch == self.ran.0 {
+        if !self.position.needs_agreement(self.g.epoch()) {
             return Ok(false);
         }
-        let (last, position) = self.ran;
-        let mine = (last & 0x7f_ffff) << 40 | (position + 1).min((1 << 40) - 1);
+        let mine = self.position.mine();
         let mut furthest = mine;
         for attempt in 0..ATTEMPTS {
             match self.g.agree_max(mine) {
@@ -467,17 +465,9 @@ impl Caller<'_> {
                 }
             }
         }
-        self.ran = (self.g.epoch(), 0);
-        Ok(furthest >> 40 == mine >> 40 && mine < furthest)
-    }
-
-    fn ran_one(&mut self) {
-        let epoch = self.g.epoch();
-        if epoch == self.ran.0 {
-            self.ran.1 += 1;
-        } else {
-            self.ran = (epoch, 1);
-        }
+        let behind = self.position.behind(furthest);
+        self.position.agreed_in(self.g.epoch(), furthest);
+        Ok(behind)
     }
 
     fn excluded(&self, missed: &[usize]) -> Vec<usize> {
@@ -499,7 +489,7 @@ impl Caller<'_> {
                 }
                 self.before_call();
                 self.run_op(kind, op)?;
-                self.ran_one();
+                self.position.completed_one(self.g.epoch());
                 Ok(false)
             });
             let e = match tried {
@@ -722,6 +712,7 @@ impl Caller<'_> {
                 Ok(()) => {
                     status = Ok(ProposalStatus::Applied);
                     self.out = false;
+                    self.position.joined();
                     break;
                 }
                 Err(e) if e.code() == Code::Timeout => status = Err(e.code()),
@@ -873,7 +864,7 @@ fn script(
         g: &g,
         sim,
         me: r,
-        ran: (g.epoch(), 0),
+        position: Position::new(g.epoch()),
         log: RankLog::default(),
         op: 0,
         out: false,
@@ -1186,4 +1177,82 @@ fn check_calm(s: &Scenario, run: &Run) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// `_pg_position.py`'s `Position`, line for line: where a rank stands in its group's
+/// collectives, as each new view's agreement round compares it (see that module for
+/// why a completed round keeps the agreed position until an operation completes).
+struct Position {
+    /// The epoch of the view it last agreed or completed an operation in (`None`: new
+    /// to the group).
+    counted_in: Option<u64>,
+    completed: u64,
+    /// Given while `completed` is 0.
+    agreed: u64,
+}
+
+impl Position {
+    const NEW: u64 = 0;
+
+    fn encode(epoch: u64, number: u64) -> u64 {
+        (epoch & 0x7f_ffff) << 40 | number.min((1 << 40) - 1)
+    }
+
+    fn new(epoch: u64) -> Position {
+        Position {
+            counted_in: Some(epoch),
+            completed: 0,
+            agreed: Position::encode(epoch, 1),
+        }
+    }
+
+    fn needs_agreement(&self, epoch: u64) -> bool {
+        self.counted_in != Some(epoch)
+    }
+
+    fn mine(&self) -> u64 {
+        match self.counted_in {
+            Some(e) if self.completed > 0 => Position::encode(e, self.completed + 1),
+            _ => self.agreed,
+        }
+    }
+
+    fn behind(&self, furthest: u64) -> bool {
+        let mine = self.mine();
+        if mine == Position::NEW || mine >= furthest {
+            return false;
+        }
+        if mine >> 40 == furthest >> 40 {
+            return true;
+        }
+        self.completed == 0
+            && self
+                .counted_in
+                .is_some_and(|e| furthest == Position::encode(e, 2))
+    }
+
+    fn agreed_in(&mut self, epoch: u64, furthest: u64) {
+        self.counted_in = Some(epoch);
+        self.completed = 0;
+        self.agreed = if furthest == Position::NEW {
+            Position::encode(epoch, 1)
+        } else {
+            furthest
+        };
+    }
+
+    fn completed_one(&mut self, epoch: u64) {
+        if self.counted_in == Some(epoch) {
+            self.completed += 1;
+        } else {
+            self.counted_in = Some(epoch);
+            self.completed = 1;
+        }
+    }
+
+    fn joined(&mut self) {
+        self.counted_in = None;
+        self.completed = 0;
+        self.agreed = Position::NEW;
+    }
 }

@@ -52,14 +52,15 @@ extern "C" {
  * "(revision 2)", revision 3 those marked "(revision 3)", revision 4 Mooncake PG
  * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
  * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max, revision 7
- * mc_pg_refresh and the store calls marked "(revision 7)". A program loading the
- * library at run time checks mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 7
+ * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
+ * mc_store_batch_get_alloc. A program loading the library at run time checks
+ * mc_abi_revision() >= the revision it needs. */
+#define MC_ABI_REVISION 8
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 7). */
+/* The ABI revision the loaded library implements (revision 8). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -583,6 +584,20 @@ int mc_store_get_buffer(mc_store *store, const char *key, void **buf_out,
 
 /* Releases memory from mc_store_get_buffer; NULL is ignored. (revision 2) */
 void mc_store_buffer_free(void *buf, uint64_t len);
+
+/* Memory for key index of a batch read: size writable bytes, kept until the read
+ * returns, or NULL for none. Called on the reading thread; must not call the store.
+ * (revision 8) */
+typedef void *(*mc_alloc_fn)(void *ctx, size_t index, uint64_t size);
+
+/* Reads n keys, each into the memory alloc(ctx, i, size) gives once its size is known,
+ * in one round trip to the master for all: results[i] is the size read or a negative
+ * error (MC_ERR_INVALID_PARAMS where alloc gave NULL). alloc is called at most twice
+ * per key: a key whose kept replica descriptor failed is looked up and placed again,
+ * and its last memory gets the bytes. A NULL alloc fails the call. See "Batches".
+ * (revision 8) */
+int mc_store_batch_get_alloc(mc_store *store, const char *const *keys, size_t n,
+                             mc_alloc_fn alloc, void *ctx, int64_t *results);
 
 /* 0 when the master answers, else a negative error (MC_ERR_RPC_FAIL, ...). (revision 2) */
 int mc_store_health(mc_store *store);

@@ -617,6 +617,7 @@ fn header_declares_the_store_abi() {
         "mc_store_replica_desc",
         "mc_store_get_buffer",
         "mc_store_buffer_free",
+        "mc_store_batch_get_alloc",
         "mc_store_health",
         "mc_store_new_with_engine",
     ] {
@@ -918,6 +919,63 @@ fn revision_2_calls_through_the_abi() {
         unsafe { mc_store_get_buffer(s.0, kp[2], &mut p, &mut len) },
         NOT_FOUND
     );
+
+    // A batch into memory the caller places once sizes are known: a hit each for "a"
+    // and "b", a miss, a NULL key; then the same with an allocator that gives none.
+    unsafe extern "C" fn place(ctx: *mut c_void, index: usize, size: u64) -> *mut c_void {
+        // SAFETY: `ctx` is the test's `Vec<Vec<u8>>`, used by nothing else during the call.
+        let bufs = unsafe { &mut *ctx.cast::<Vec<Vec<u8>>>() };
+        bufs[index] = vec![0; size as usize];
+        bufs[index].as_mut_ptr().cast()
+    }
+    unsafe extern "C" fn refuse(_: *mut c_void, _: usize, _: u64) -> *mut c_void {
+        null_mut()
+    }
+    let batch = [kp[0], kp[1], kp[2], null()];
+    let mut placed: Vec<Vec<u8>> = vec![Vec::new(); 4];
+    let mut got = [1i64; 4];
+    // SAFETY: `s.0` is live; `batch` and `got` hold four entries; `place` gives memory
+    // `placed` keeps until after the call.
+    let rc = unsafe {
+        mc_store_batch_get_alloc(
+            s.0,
+            batch.as_ptr(),
+            4,
+            Some(place),
+            (&mut placed as *mut Vec<Vec<u8>>).cast(),
+            got.as_mut_ptr(),
+        )
+    };
+    let sizes = [whole_a.len() as i64, b0.len() as i64];
+    assert_eq!(
+        (rc, got),
+        (
+            MC_OK,
+            [sizes[0], sizes[1], NOT_FOUND as i64, INVALID as i64]
+        )
+    );
+    assert_eq!((&placed[0], &placed[1]), (&whole_a, &b0));
+    assert!(
+        placed[2].is_empty() && placed[3].is_empty(),
+        "no memory asked for a miss"
+    );
+    // SAFETY: as above; `refuse` gives no memory.
+    let rc = unsafe {
+        mc_store_batch_get_alloc(
+            s.0,
+            batch.as_ptr(),
+            2,
+            Some(refuse),
+            null_mut(),
+            got.as_mut_ptr(),
+        )
+    };
+    assert_eq!((rc, &got[..2]), (MC_OK, &[INVALID as i64; 2][..]));
+    // SAFETY: a live store and valid arrays; the NULL allocator is refused first.
+    let rc = unsafe {
+        mc_store_batch_get_alloc(s.0, batch.as_ptr(), 2, None, null_mut(), got.as_mut_ptr())
+    };
+    assert_eq!(rc, INVALID);
 
     // The replica descriptor names the node's segment; a small buffer tells the size.
     let mut needed = 0usize;

@@ -555,9 +555,7 @@ class DummyStore(MooncakeDistributedStore):
     def _handle(data):
         if data is None:
             return None
-        buf = BufferHandle(len(data))
-        buf[:] = data
-        return buf
+        return BufferHandle(data)
 
     def get(self, key):
         k = _encode_key(key)

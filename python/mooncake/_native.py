@@ -17,6 +17,7 @@ whichever method first needs a newer function.
 import ctypes
 import os
 from ctypes import (
+    CFUNCTYPE,
     POINTER,
     Structure,
     c_char_p,
@@ -37,12 +38,13 @@ __all__ = [
     "McTaskStatus",
     "McReplicateConfig",
     "McPutOptions",
+    "ALLOC_FN",
     "error_string",
 ]
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 7
+EXPECTED_ABI_REVISION = 8
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -117,6 +119,9 @@ class McPutOptions(Structure):
 
 _P = c_void_p  # opaque handles (mc_config *, mc_engine *, mc_store *) and raw addresses
 
+# mc_alloc_fn: (ctx, index, size) -> the address of size bytes, or None.
+ALLOC_FN = CFUNCTYPE(c_void_p, c_void_p, c_size_t, c_uint64)
+
 # name: (restype, argtypes)
 _SIGNATURES = {
     "mc_abi_version": (c_uint32, []),
@@ -164,6 +169,10 @@ _SIGNATURES = {
     "mc_store_size": (c_int, [_P, c_char_p, POINTER(c_uint64)]),
     "mc_store_get_buffer": (c_int, [_P, c_char_p, POINTER(_P), POINTER(c_uint64)]),
     "mc_store_buffer_free": (None, [_P, c_uint64]),
+    "mc_store_batch_get_alloc": (
+        c_int,
+        [_P, POINTER(c_char_p), c_size_t, ALLOC_FN, _P, POINTER(c_int64)],
+    ),
     "mc_store_remove": (c_int, [_P, c_char_p, c_int]),
     "mc_store_remove_all": (c_int, [_P, c_int, POINTER(c_uint64)]),
     "mc_store_remove_by_regex": (c_int, [_P, c_char_p, c_int, POINTER(c_uint64)]),

@@ -201,13 +201,16 @@ def _keys(keys, name="keys"):
 
 class BufferHandle(bytearray):
     """The value of ``get_buffer``: a bytearray (so it exposes the buffer protocol) with
-    upstream's ``ptr()`` and ``size()``. The memory stays put for the object's life."""
+    upstream's ``ptr()`` and ``size()``. Once ``ptr()`` has given its address, the memory
+    stays put for the object's life (the view behind it pins the bytearray)."""
 
-    def __init__(self, size):
-        super().__init__(size)
-        self._view = (ctypes.c_char * size).from_buffer(self) if size else None
+    def __init__(self, size_or_data):
+        super().__init__(size_or_data)
+        self._view = None
 
     def ptr(self):
+        if self._view is None and len(self):
+            self._view = (ctypes.c_char * len(self)).from_buffer(self)
         return ctypes.addressof(self._view) if self._view is not None else 0
 
     def size(self):
@@ -748,25 +751,6 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
     def upsert_batch(self, keys, values, config=None):
         return self._copy_put_batch(keys, values, config, True, "upsert_batch")
 
-    def _read(self, key_bytes, factory):
-        """Reads one object into a new buffer from ``factory(size)``; (code, buffer)."""
-        for _ in range(3):
-            size = ctypes.c_uint64(0)
-            rc = N.LIB.mc_store_size(self._store, key_bytes, ctypes.byref(size))
-            if rc != N.MC_OK:
-                return rc, None
-            buf = factory(size.value)
-            got = ctypes.c_uint64(0)
-            addr = buf.ptr() if isinstance(buf, BufferHandle) else ctypes.addressof(buf)
-            rc = N.LIB.mc_store_get_into(self._store, key_bytes, addr, size.value,
-                                         ctypes.byref(got))
-            if rc == N.MC_ERR_BUFFER_OVERFLOW:
-                continue  # replaced by a larger value meanwhile
-            if rc != N.MC_OK:
-                return rc, None
-            return rc, (buf, got.value)
-        return N.MC_ERR_BUFFER_OVERFLOW, None
-
     def get(self, key):
         """The value under ``key``, or b"" on a miss or error."""
         k = _encode_key(key)
@@ -789,59 +773,42 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         k = _encode_key(key)
         if not self._store or k is None:
             return None
-        rc, got = self._read(k, BufferHandle)
-        if rc != N.MC_OK:
-            return None
-        buf, n = got
-        if n < len(buf):
-            del buf[n:]
-        return buf
+        return self.batch_get_buffer([key])[0]
 
-    def _batch_read(self, keys, factory):
+    def _batch_values(self, keys):
+        """A BufferHandle of each key's value, read straight into it (the library asks
+        for the memory once it knows the size: one master round trip for all keys);
+        None for each miss, invalid key or error."""
         ks = _keys(keys)
         out = [None] * len(ks)
-        if not self._store:
+        idx = [i for i, k in enumerate(ks) if k is not None]
+        if not self._store or not idx:
             return out
-        sizes = []
-        for i, k in enumerate(ks):
-            if k is None:
-                sizes.append(None)
-                continue
-            size = ctypes.c_uint64(0)
-            rc = N.LIB.mc_store_size(self._store, k, ctypes.byref(size))
-            sizes.append(size.value if rc == N.MC_OK else None)
-        idx = [i for i, s in enumerate(sizes) if s is not None]
-        if not idx:
+        handles = [None] * len(idx)
+
+        def place(_ctx, j, size):
+            handles[j] = BufferHandle(size)
+            return handles[j].ptr()
+
+        n = len(idx)
+        res = (ctypes.c_int64 * n)()
+        rc = N.LIB.mc_store_batch_get_alloc(self._store, N.c_strings([ks[i] for i in idx]), n,
+                                            N.ALLOC_FN(place), None, res)
+        if rc != N.MC_OK:
+            logger.debug("mooncake: batch read: %s (%d)", N.error_string(rc), rc)
             return out
-        bufs = {i: factory(sizes[i]) for i in idx}
-        addrs = [bufs[i].ptr() if isinstance(bufs[i], BufferHandle)
-                 else ctypes.addressof(bufs[i]) for i in idx]
-        res = self._batch_get_into([ks[i] for i in idx], addrs, [sizes[i] for i in idx])
         for j, i in enumerate(idx):
             if res[j] >= 0:
-                out[i] = (bufs[i], res[j])
-            elif res[j] == N.MC_ERR_BUFFER_OVERFLOW:
-                rc, got = self._read(ks[i], factory)
-                out[i] = got if rc == N.MC_OK else None
+                out[i] = handles[j]
         return out
 
     def get_batch(self, keys):
         """Values of ``keys`` (b"" for each miss)."""
-        got = self._batch_read(keys, lambda n: (ctypes.c_char * max(n, 1))())
-        return [ctypes.string_at(ctypes.addressof(g[0]), g[1]) if g else b"" for g in got]
+        return [b"" if g is None else bytes(g) for g in self._batch_values(keys)]
 
     def batch_get_buffer(self, keys):
         """BufferHandles (None for each miss)."""
-        out = []
-        for g in self._batch_read(keys, BufferHandle):
-            if g is None:
-                out.append(None)
-                continue
-            buf, n = g
-            if n < len(buf):
-                del buf[n:]
-            out.append(buf)
-        return out
+        return self._batch_values(keys)
 
     def _one_key(self, key):
         """(encoded key, 0), or (None, the code a single-key call returns): INVALID_PARAMS

@@ -48,7 +48,8 @@ def _prototypes():
 
 def _c_type(decl):
     """(is_pointer, scalar name) of a parameter declaration or result type."""
-    pointer = "*" in decl or "[" in decl or "(" in decl
+    # A type named *_fn is a function pointer typedef (mc_alloc_fn).
+    pointer = "*" in decl or "[" in decl or "(" in decl or bool(re.search(r"\w_fn\b", decl))
     words = [w for w in re.findall(r"[A-Za-z_]\w*", decl) if w not in ("const", "struct")]
     return pointer, (words[0] if words else "")
 

@@ -540,6 +540,52 @@ pub unsafe extern "C" fn mc_store_get_buffer(
     })
 }
 
+/// `mc_alloc_fn`: the memory for key `index` of a batch read, `size` bytes (NULL: none).
+pub type McAllocFn = unsafe extern "C" fn(ctx: *mut c_void, index: usize, size: u64) -> *mut c_void;
+
+/// Reads `n` keys into memory `alloc` gives once each size is known (one master round
+/// trip for all): per key in `results` the size read or a negative code.
+///
+/// # Safety
+/// `s` a live store; `keys` and `results` NULL (only with `n == 0`) or arrays of `n`;
+/// each key NULL or NUL-terminated; `alloc` NULL or a function that returns NULL or
+/// `size` bytes writable, and untouched by others, until this returns.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_get_alloc(
+    s: *mut McStore,
+    keys: *const *const c_char,
+    n: usize,
+    alloc: Option<McAllocFn>,
+    ctx: *mut c_void,
+    results: *mut i64,
+) -> c_int {
+    store_guard("mc_store_batch_get_alloc", || {
+        // SAFETY: the caller guarantees a live store (NULL rejected by `store`) and `keys` NULL
+        // only with `n == 0` or `n` readable pointers: the contracts of `store` and `array`.
+        let (client, keys) = unsafe { (store(s)?, array(keys, n, "keys")?) };
+        let alloc = alloc.ok_or_else(|| Error::invalid("alloc is NULL"))?;
+        // SAFETY: the caller guarantees `results` is NULL only with `n == 0` or `n` writable
+        // elements nothing else touches during the call (`array_mut`'s contract); only written.
+        let results = unsafe { array_mut(results, n, "results")? };
+        // SAFETY: each key is NULL or NUL-terminated.
+        let checked = unsafe { batch_keys(keys, |_| false) };
+        let answers = scatter(checked, |good, index| {
+            let mut place = |j: usize, size: u64| {
+                // SAFETY: the caller's function, called as its contract says; it returns NULL
+                // or `size` bytes kept writable until this call returns.
+                let p = unsafe { alloc(ctx, index[j], size) };
+                (!p.is_null()).then_some(p as u64)
+            };
+            // SAFETY: `place` hands out only what `alloc` promised (see above).
+            unsafe { client.batch_get_placed(good, &mut place) }
+        });
+        for (slot, a) in results.iter_mut().zip(answers) {
+            *slot = a.map_or_else(|e| i64::from(code_of(&e)), |size| size as i64);
+        }
+        Ok(MC_OK)
+    })
+}
+
 /// Releases memory from `mc_store_get_buffer`; NULL is ignored.
 ///
 /// # Safety

@@ -415,34 +415,105 @@ impl Client {
 
     /// Reads `key` into a new vector.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
-        let mut leased = one(self.leased(&[key]))?;
-        loop {
-            let size = leased.desc.size;
-            let mut buf = vec![0u8; size as usize];
-            let parts = vec![(buf.as_mut_ptr() as u64, size)];
-            let cached = leased.cached;
-            // SAFETY: `buf` is owned here and outlives the transfer.
-            let read = one(unsafe {
-                self.read_objects(&[key], &[Ok(leased)], &ReadInto::Whole(&[parts]))
-            });
-            match read {
-                Ok(_) if cached => self.touched(vec![key.to_owned()]),
-                Ok(_) => {}
-                Err(e) => {
-                    self.shared.cache.drop_keys([key]);
-                    if !cached {
-                        return Err(e);
-                    }
-                    // The kept descriptor failed: ask the master once more.
-                    leased = one(self.leased(&[key]))?;
-                    if leased.cached {
-                        return Err(e); // another thread kept one meanwhile: do not loop
-                    }
+        one(self.batch_get(&[key]))
+    }
+
+    /// Reads several keys, each into a new vector of its size (see
+    /// [`batch_get_placed`](Self::batch_get_placed)).
+    pub fn batch_get(&self, keys: &[&str]) -> Vec<Result<Vec<u8>>> {
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
+        // SAFETY: each address is of a vector `bufs` owns, as long as asked; a vector is
+        // replaced only when its key is placed again, after the read into it returned.
+        let sizes = unsafe {
+            self.batch_get_placed(keys, &mut |i, size| {
+                bufs[i] = vec![0; size as usize];
+                Some(bufs[i].as_mut_ptr() as u64)
+            })
+        };
+        sizes
+            .into_iter()
+            .zip(bufs)
+            .map(|(r, b)| r.map(|_| b))
+            .collect()
+    }
+
+    /// Reads several keys into memory the caller places once their sizes are known:
+    /// `place(i, size)` gives the address of `size` writable bytes for key `i` (None:
+    /// that key fails with `INVALID_PARAMS`). Per key the object's size or an error. One
+    /// master round trip for the descriptors not kept, one engine batch; a key whose
+    /// kept descriptor failed is asked of the master once more and placed again (the
+    /// object may have moved or been replaced): its last place gets the bytes.
+    ///
+    /// # Safety
+    /// Every address `place` gives must stay writable for its size, and untouched by
+    /// others, until the call returns or the key is placed again.
+    pub unsafe fn batch_get_placed(
+        &self,
+        keys: &[&str],
+        place: &mut dyn FnMut(usize, u64) -> Option<u64>,
+    ) -> Vec<Result<u64>> {
+        let all: Vec<usize> = (0..keys.len()).collect();
+        // SAFETY: this fn's contract, passed on.
+        let (mut results, retry) =
+            unsafe { self.read_placed(keys, &all, self.leased(keys), place) };
+        if !retry.is_empty() {
+            let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
+            let fresh = self.fetch(&again, self.caching());
+            // SAFETY: as above.
+            let (redone, _) = unsafe { self.read_placed(&again, &retry, fresh, place) };
+            for (&i, r) in retry.iter().zip(redone) {
+                results[i] = r;
+            }
+        }
+        results
+    }
+
+    /// Reads each key's object, as `leased` describes it, where `place` puts it
+    /// (`index[j]`: key `j`'s number for `place`): the results, and the keys (numbered
+    /// as `index`) whose kept descriptor failed them.
+    ///
+    /// # Safety
+    /// As [`batch_get_placed`](Self::batch_get_placed).
+    unsafe fn read_placed(
+        &self,
+        keys: &[&str],
+        index: &[usize],
+        mut leased: Vec<Result<Leased>>,
+        place: &mut dyn FnMut(usize, u64) -> Option<u64>,
+    ) -> (Vec<Result<u64>>, Vec<usize>) {
+        let mut parts: Vec<Parts> = Vec::with_capacity(keys.len());
+        for (j, l) in leased.iter_mut().enumerate() {
+            let size = match l {
+                Ok(l) => l.desc.size,
+                Err(_) => {
+                    parts.push(Parts::new());
                     continue;
                 }
+            };
+            match place(index[j], size) {
+                Some(addr) => parts.push(vec![(addr, size)]),
+                None => {
+                    *l = Err(Error::invalid(format!("no memory placed for {}", keys[j])));
+                    parts.push(Parts::new());
+                }
             }
-            return Ok(buf);
         }
+        // SAFETY: every part is a place the caller keeps writable for its size until
+        // this returns (this fn's contract); the read waits for its transfers.
+        let reads = unsafe { self.read_objects(keys, &leased, &ReadInto::Whole(&parts)) };
+        let cached = |j: usize| matches!(&leased[j], Ok(l) if l.cached);
+        let hits: Vec<String> = (0..keys.len())
+            .filter(|&j| cached(j) && reads[j].is_ok())
+            .map(|j| keys[j].to_owned())
+            .collect();
+        let retry: Vec<usize> = (0..keys.len())
+            .filter(|&j| cached(j) && reads[j].is_err())
+            .map(|j| index[j])
+            .collect();
+        let wrong = (0..keys.len()).filter(|&j| leased[j].is_ok() && reads[j].is_err());
+        self.shared.cache.drop_keys(wrong.map(|j| keys[j]));
+        self.touched(hits);
+        (reads, retry)
     }
 
     /// Descriptors for `keys`: kept ones where the cache has them, the rest from the

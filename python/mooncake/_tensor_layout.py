@@ -30,6 +30,7 @@ u16 size 96, int32 dtype, ndim, split_dim, shard count, reserved, 4 padding byte
 the global shape as 8 int64 (-1 past ndim).
 """
 
+import functools
 import struct
 from collections import namedtuple
 
@@ -150,9 +151,15 @@ class TensorHeader:
     def unpack(cls, raw, total=None):
         """The header at the start of ``raw`` (bytes-like) if it is valid for an object of
         ``total`` bytes (None: the size the header itself gives), else None. The checks
-        are upstream's: a reader never trusts a header that could send it out of bounds."""
+        are upstream's: a reader never trusts a header that could send it out of bounds.
+        Headers are values (never changed once made), so the answer for the same bytes
+        and total is kept: a batch of same-shaped tensors is checked once."""
         if len(raw) < HEADER_SIZE:
             return None
+        return _unpack_kept(bytes(memoryview(raw)[:HEADER_SIZE]), total)
+
+    @classmethod
+    def _unpack(cls, raw, total):
         (magic, version, size, dtype, ndim, layout, _, data_offset,
          data_bytes) = _FIXED.unpack_from(raw, 0)
         if (magic, version, size) != (_MAGIC, _VERSION, HEADER_SIZE):
@@ -181,6 +188,11 @@ class TensorHeader:
                     and -1 <= a.split_dim < ndim):
                 return None
         return cls(dtype, global_dims[:ndim], local_dims[:ndim], layout, axes, data_offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_kept(head, total):
+    return TensorHeader._unpack(head, total)
 
 
 def shard_header(dtype, global_shape, local_shape, specs):

@@ -26,9 +26,10 @@ def decode(header, buf):
     dtype = L.torch_dtype(header.dtype)
     if header.data_bytes == 0:
         return torch.empty(header.local_shape, dtype=dtype)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=header.data_bytes,
-                           offset=header.data_offset)
-    return raw.view(dtype).view(header.local_shape)
+    flat = torch.frombuffer(buf, dtype=dtype, offset=header.data_offset,
+                            count=header.data_bytes // L.element_size(header.dtype))
+    # A view costs as much as the read's own bookkeeping: only where it changes something.
+    return flat if len(header.local_shape) == 1 else flat.view(header.local_shape)
 
 
 def tensor_in(buf, what):

@@ -89,6 +89,14 @@ class Position:
             self.counted_in = epoch
             self.completed = 1
 
+    def passed_one(self):
+        """An operation failed here for good (its error goes to the caller, who moves
+        on): counted as passed, where the others either completed it or failed it too.
+        Left uncounted, the next round would find this rank behind by it and have it
+        leave its next operation instead, which then meets the others' one after."""
+        if self.counted_in is not None:
+            self.completed += 1
+
     def joined(self):
         """Admitted (again) by a view: new to the sequence."""
         self.counted_in = None

@@ -525,6 +525,7 @@ class MooncakeBackend(_TorchBackend):
                 with self._on(device):
                     _restore(inputs, saved)
                 if not retry:
+                    self._position.passed_one()
                     self.handle.publish_mask()
                     return MooncakeWork(self, e, missed)
                 attempt += 1

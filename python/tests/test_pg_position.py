@@ -72,3 +72,23 @@ def test_only_newcomers_agree_on_the_new_view():
     assert agree([a, b], 4) == {0: False, 1: False}
     a.completed_one(4)
     assert agree([a, b], 5) == {0: False, 1: True}
+
+
+def test_an_operation_failed_for_good_counts_as_passed():
+    # Seed 2924 of the simulation: a completed its third operation while b, stalled,
+    # failed it for good and its caller moved on. At the next round b must not look
+    # behind, or it would leave its fourth and meet a's fourth with its fifth.
+    a, b = Position(1), Position(1)
+    for _ in range(2):
+        a.completed_one(1)
+        b.completed_one(1)
+    a.completed_one(1)
+    b.passed_one()
+    assert agree([a, b], 9) == {0: False, 1: False}
+
+
+def test_a_newcomer_that_failed_an_operation_stays_new():
+    p = Position(3)
+    p.joined()
+    p.passed_one()
+    assert p.mine() == 0 and not p.behind(encode(7, 5))

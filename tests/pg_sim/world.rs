@@ -525,6 +525,7 @@ impl Caller<'_> {
                 && attempt + 1 < ATTEMPTS;
             let retry = may_retry && !matches!(self.sync(), Ok(SyncStatus::Rejected) | Err(_));
             if !retry {
+                self.position.passed_one();
                 return Outcome::Failed {
                     code: e.code(),
                     why: e.to_string(),
@@ -1247,6 +1248,12 @@ impl Position {
         } else {
             self.counted_in = Some(epoch);
             self.completed = 1;
+        }
+    }
+
+    fn passed_one(&mut self) {
+        if self.counted_in.is_some() {
+            self.completed += 1;
         }
     }
 

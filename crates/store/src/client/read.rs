@@ -1,0 +1,515 @@
+//! The read path: descriptors (kept ones first, then the master's), whole objects
+//! into caller memory, into memory placed once sizes are known, and byte ranges; each
+//! key tried on its replicas in preference order, whole objects checked against their
+//! checksum.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::{all_err, fragments, one, Client, Fragments, Parts};
+use crate::error::{Code, Error, Result};
+use crate::protocol::{shown_key, ObjectDesc, ReplicaDesc, Request, Response};
+use crate::replica_cache::Leased;
+use crate::transport::Op;
+
+/// What a read fills: whole objects, or byte ranges of them.
+pub(super) enum ReadInto<'a> {
+    Whole(&'a [Parts]),
+    Ranges(&'a [Fragments]),
+}
+
+impl Client {
+    /// Reads `key` into a new vector.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        one(self.batch_get(&[key]))
+    }
+
+    /// Reads several keys, each into a new vector of its size (see
+    /// [`batch_get_placed`](Self::batch_get_placed)).
+    pub fn batch_get(&self, keys: &[&str]) -> Vec<Result<Vec<u8>>> {
+        let mut bufs: Vec<Vec<u8>> = vec![Vec::new(); keys.len()];
+        // SAFETY: each address is of a vector `bufs` owns, as long as asked; a vector is
+        // replaced only when its key is placed again, after the read into it returned.
+        let sizes = unsafe {
+            self.batch_get_placed(keys, &mut |i, size| {
+                bufs[i] = vec![0; size as usize];
+                Some(bufs[i].as_mut_ptr() as u64)
+            })
+        };
+        sizes
+            .into_iter()
+            .zip(bufs)
+            .map(|(r, b)| r.map(|_| b))
+            .collect()
+    }
+
+    /// Reads several keys into memory the caller places once their sizes are known:
+    /// `place(i, size)` gives the address of `size` writable bytes for key `i` (None:
+    /// that key fails with `INVALID_PARAMS`). Per key the object's size or an error. One
+    /// master round trip for the descriptors not kept, one engine batch; a key whose
+    /// kept descriptor failed is asked of the master once more and placed again (the
+    /// object may have moved or been replaced): its last place gets the bytes.
+    ///
+    /// # Safety
+    /// Every address `place` gives must stay writable for its size, and untouched by
+    /// others, until the call returns or the key is placed again.
+    pub unsafe fn batch_get_placed(
+        &self,
+        keys: &[&str],
+        place: &mut dyn FnMut(usize, u64) -> Option<u64>,
+    ) -> Vec<Result<u64>> {
+        let all: Vec<usize> = (0..keys.len()).collect();
+        // SAFETY: this fn's contract, passed on.
+        let (mut results, retry) =
+            unsafe { self.read_placed(keys, &all, self.leased(keys), place) };
+        if !retry.is_empty() {
+            let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
+            let fresh = self.fetch(&again, self.caching());
+            // SAFETY: as above.
+            let (redone, _) = unsafe { self.read_placed(&again, &retry, fresh, place) };
+            for (&i, r) in retry.iter().zip(redone) {
+                results[i] = r;
+            }
+        }
+        results
+    }
+
+    /// Reads each key's object, as `leased` describes it, where `place` puts it
+    /// (`index[j]`: key `j`'s number for `place`): the results, and the keys (numbered
+    /// as `index`) whose kept descriptor failed them.
+    ///
+    /// # Safety
+    /// As [`batch_get_placed`](Self::batch_get_placed).
+    unsafe fn read_placed(
+        &self,
+        keys: &[&str],
+        index: &[usize],
+        mut leased: Vec<Result<Leased>>,
+        place: &mut dyn FnMut(usize, u64) -> Option<u64>,
+    ) -> (Vec<Result<u64>>, Vec<usize>) {
+        let mut parts: Vec<Parts> = Vec::with_capacity(keys.len());
+        for (j, l) in leased.iter_mut().enumerate() {
+            let size = match l {
+                Ok(l) => l.desc.size,
+                Err(_) => {
+                    parts.push(Parts::new());
+                    continue;
+                }
+            };
+            match place(index[j], size) {
+                Some(addr) => parts.push(vec![(addr, size)]),
+                None => {
+                    *l = Err(Error::invalid(format!("no memory placed for {}", keys[j])));
+                    parts.push(Parts::new());
+                }
+            }
+        }
+        // SAFETY: every part is a place the caller keeps writable for its size until
+        // this returns (this fn's contract); the read waits for its transfers.
+        let reads = unsafe { self.read_objects(keys, &leased, &ReadInto::Whole(&parts)) };
+        let cached = |j: usize| matches!(&leased[j], Ok(l) if l.cached);
+        let hits: Vec<String> = (0..keys.len())
+            .filter(|&j| cached(j) && reads[j].is_ok())
+            .map(|j| keys[j].to_owned())
+            .collect();
+        let retry: Vec<usize> = (0..keys.len())
+            .filter(|&j| cached(j) && reads[j].is_err())
+            .map(|j| index[j])
+            .collect();
+        let wrong = (0..keys.len()).filter(|&j| leased[j].is_ok() && reads[j].is_err());
+        self.shared.cache.drop_keys(wrong.map(|j| keys[j]));
+        self.touched(hits);
+        (reads, retry)
+    }
+
+    /// Descriptors for `keys`: kept ones where the cache has them, the rest from the
+    /// master in one round trip (and kept for next time).
+    fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
+        let caching = self.caching();
+        let now = Instant::now();
+        let mut out: Vec<Option<Result<Leased>>> = keys
+            .iter()
+            .map(|k| {
+                caching
+                    .then(|| self.shared.cache.get(k, now))
+                    .flatten()
+                    .map(Ok)
+            })
+            .collect();
+        let missing: Vec<&str> = keys
+            .iter()
+            .zip(&out)
+            .filter(|(_, o)| o.is_none())
+            .map(|(k, _)| *k)
+            .collect();
+        if !missing.is_empty() {
+            let mut fresh = self.fetch(&missing, caching).into_iter();
+            for slot in out.iter_mut().filter(|o| o.is_none()) {
+                *slot = fresh.next();
+            }
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor"))))
+            .collect()
+    }
+
+    /// Descriptors for `keys` from the master (one round trip); with `keep`, the ones
+    /// it allows are kept for next time.
+    fn fetch(&self, keys: &[&str], keep: bool) -> Vec<Result<Leased>> {
+        // The lease counts from before the request left: a conservative reading.
+        let asked = Instant::now();
+        // A master that says what is keepable also says what it staged from disk.
+        if !keep && !self.shared.master_keeps() {
+            return self
+                .replicas(keys)
+                .into_iter()
+                .map(|r| r.map(|d| Leased::granted(d, asked)))
+                .collect();
+        }
+        let req = Request::GetReplicasKeepable {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        let answer = match self.call(req) {
+            Ok(Response::Keepable { descs, keepable })
+                if descs.len() == keys.len() && keepable.len() == keys.len() =>
+            {
+                descs.into_iter().zip(keepable)
+            }
+            Ok(other) => {
+                let e = Error::protocol(format!("unexpected answer {other:?}"));
+                return all_err(keys.len(), e);
+            }
+            Err(e) => return all_err(keys.len(), e),
+        };
+        answer
+            .zip(keys)
+            .map(|((desc, keepable), k)| {
+                let desc = desc.map_err(|c| Error::new(c, format!("get {}", shown_key(k))))?;
+                let mut leased = Leased::granted(desc, asked);
+                if !keepable {
+                    // Not keepable: a copy staged from disk for this reader.
+                    self.shared.disk_reads.fetch_add(1, Ordering::Relaxed);
+                    leased.staged = true;
+                } else if keep {
+                    self.shared.cache.insert(k, &leased);
+                }
+                Ok(leased)
+            })
+            .collect()
+    }
+
+    /// Queues reads served from kept descriptors for the master's eviction order,
+    /// sending them now when they are due.
+    fn touched(&self, keys: Vec<String>) {
+        if self.shared.cache.touched(keys) {
+            self.shared.flush_touches();
+        }
+    }
+
+    /// Reads `keys` into `into` with descriptors from `leased`; a key whose kept
+    /// descriptor failed is read once more with a fresh one from the master.
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_leased(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
+        let leased = self.leased(keys);
+        // SAFETY: the caller's contract, passed on unchanged.
+        let mut results = unsafe { self.read_objects(keys, &leased, &into) };
+        let failed_cached =
+            |i: usize| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_err();
+        let retry: Vec<usize> = (0..keys.len()).filter(|&i| failed_cached(i)).collect();
+        let hits: Vec<String> = (0..keys.len())
+            .filter(|&i| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_ok())
+            .map(|i| keys[i].to_owned())
+            .collect();
+        let wrong = (0..keys.len()).filter(|&i| leased[i].is_ok() && results[i].is_err());
+        self.shared.cache.drop_keys(wrong.map(|i| keys[i]));
+        if !retry.is_empty() {
+            let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
+            let redone = match &into {
+                ReadInto::Whole(parts) => {
+                    let sub: Vec<Parts> = retry.iter().map(|&i| parts[i].clone()).collect();
+                    // SAFETY: a subset of the caller's parts, under the same contract.
+                    unsafe { self.read_fresh(&again, ReadInto::Whole(&sub)) }
+                }
+                ReadInto::Ranges(ranges) => {
+                    let sub: Vec<Fragments> = retry.iter().map(|&i| ranges[i].clone()).collect();
+                    // SAFETY: a subset of the caller's ranges, under the same contract.
+                    unsafe { self.read_fresh(&again, ReadInto::Ranges(&sub)) }
+                }
+            };
+            for (&i, r) in retry.iter().zip(redone) {
+                results[i] = r;
+            }
+        }
+        self.touched(hits);
+        results
+    }
+
+    /// Reads `keys` with descriptors asked of the master now (kept ones are not used).
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_fresh(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
+        let leased = self.fetch(keys, self.caching());
+        // SAFETY: the caller's contract, passed on unchanged.
+        let results = unsafe { self.read_objects(keys, &leased, &into) };
+        let failed = keys.iter().zip(&results).filter(|(_, r)| r.is_err());
+        self.shared.cache.drop_keys(failed.map(|(k, _)| *k));
+        results
+    }
+
+    /// Reads `key` into `buf`; returns the object's size.
+    pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<u64> {
+        let parts = vec![(buf.as_mut_ptr() as u64, buf.len() as u64)];
+        // SAFETY: `buf` is exclusively borrowed for the call.
+        one(unsafe { self.batch_get_into(&[key], &[parts]) })
+    }
+
+    pub(super) fn replicas(&self, keys: &[&str]) -> Vec<Result<ObjectDesc>> {
+        let req = Request::GetReplicas {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        self.per_key(req, keys, "get", |r| match r {
+            Response::GetReplicas(v) => Ok(v),
+            other => Err(other),
+        })
+    }
+
+    /// Reads several keys into caller buffers; per key the object's size or an error
+    /// (`BUFFER_OVERFLOW` when the buffers are too small).
+    ///
+    /// # Safety
+    /// Every part must be writable for its length, and untouched by others, until the
+    /// call returns.
+    pub unsafe fn batch_get_into(&self, keys: &[&str], parts: &[Parts]) -> Vec<Result<u64>> {
+        if keys.len() != parts.len() {
+            return keys
+                .iter()
+                .map(|_| Err(Error::invalid("keys and buffers differ in count")))
+                .collect();
+        }
+        // SAFETY: `read_leased` has this fn's contract: the caller keeps every part writable for
+        // its length, and untouched by others, until the call returns, and the parts are passed
+        // unchanged.
+        unsafe { self.read_leased(keys, ReadInto::Whole(parts)) }
+    }
+
+    /// Reads byte ranges of several keys: per key, `(object offset, local address,
+    /// length)` ranges; per key the bytes read or an error (`INVALID_PARAMS` for a range
+    /// past the object's end). Ranges are not checked against the object's checksum,
+    /// which covers the whole value.
+    ///
+    /// # Safety
+    /// Every range's local memory must be writable for its length, and untouched by
+    /// others, until the call returns.
+    pub unsafe fn batch_get_ranges(&self, keys: &[&str], ranges: &[Fragments]) -> Vec<Result<u64>> {
+        if keys.len() != ranges.len() {
+            return all_err(
+                keys.len(),
+                Error::invalid("keys and ranges differ in count"),
+            );
+        }
+        // SAFETY: `read_leased` needs each local range writable and untouched until the call
+        // returns, which is exactly what the caller guarantees for `ranges`, passed unchanged.
+        unsafe { self.read_leased(keys, ReadInto::Ranges(ranges)) }
+    }
+
+    /// # Safety
+    /// As `batch_get_into`.
+    pub(super) unsafe fn read_objects(
+        &self,
+        keys: &[&str],
+        descs: &[Result<Leased>],
+        into: &ReadInto,
+    ) -> Vec<Result<u64>> {
+        let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
+        let mut choices: Vec<Vec<ReplicaDesc>> = Vec::with_capacity(keys.len());
+        let frags: Vec<Fragments> = match into {
+            ReadInto::Whole(parts) => parts.iter().map(fragments).collect(),
+            ReadInto::Ranges(ranges) => ranges.to_vec(),
+        };
+        for (i, d) in descs.iter().enumerate() {
+            choices.push(Vec::new());
+            results.push(match d {
+                Err(e) => Err(e.clone()),
+                Ok(Leased { desc: d, .. }) => match Self::fits(keys[i], d.size, &frags[i], into) {
+                    Ok(n) => {
+                        // One replica leaves nothing to rank (ranking looks descriptors up).
+                        choices[i] = match d.replicas.len() {
+                            0 | 1 => d.replicas.clone(),
+                            _ => self.preference(&d.replicas),
+                        };
+                        Ok(n)
+                    }
+                    Err(e) => Err(e),
+                },
+            });
+        }
+        // Whole objects are checked against their checksum, folded during the read.
+        let verify = matches!(into, ReadInto::Whole(_)) && self.config.verify_checksum;
+        let mut crcs = vec![Some(0u32); if verify { keys.len() } else { 0 }];
+        // Try each key's best replica; on failure its next one, and so on.
+        let mut last_err: HashMap<usize, Error> = HashMap::new();
+        let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
+        let mut attempt = 0;
+        while !pending.is_empty() {
+            let plan: Vec<(usize, ReplicaDesc)> = pending
+                .iter()
+                .filter_map(|&i| choices[i].get(attempt).map(|r| (i, r.clone())))
+                .collect();
+            if plan.is_empty() {
+                break;
+            }
+            if verify {
+                for (i, _) in &plan {
+                    crcs[*i] = Some(0); // a new attempt joins from the start
+                }
+            }
+            let outcome =
+                self.move_replicas(Op::Read, &plan, &frags, verify.then_some(&mut crcs[..]));
+            pending.retain(|&i| match &outcome[i] {
+                Some(Err(e)) => {
+                    last_err.insert(i, e.clone());
+                    true
+                }
+                Some(Ok(())) => {
+                    last_err.remove(&i);
+                    false
+                }
+                None => {
+                    results[i] = Err(last_err
+                        .remove(&i)
+                        .unwrap_or_else(|| Error::new(Code::InvalidReplica, "no replica")));
+                    false
+                }
+            });
+            attempt += 1;
+        }
+        for i in pending {
+            let e = last_err
+                .remove(&i)
+                .unwrap_or_else(|| Error::new(Code::TransferFail, "every replica failed"));
+            results[i] = Err(Error::new(
+                e.code(),
+                format!(
+                    "reading {}: every replica failed: {}",
+                    shown_key(keys[i]),
+                    e.context()
+                ),
+            ));
+        }
+        for (i, d) in descs.iter().enumerate() {
+            let (
+                Ok(Leased {
+                    desc: d,
+                    lease_ends,
+                    ..
+                }),
+                Ok(_),
+            ) = (d, &results[i])
+            else {
+                continue;
+            };
+            if Instant::now() >= *lease_ends {
+                results[i] = Err(Error::new(
+                    Code::LeaseExpired,
+                    format!("read of {} outlived its lease", shown_key(keys[i])),
+                ));
+                continue;
+            }
+            // (A key read straight into device memory has no host checksum to compare.)
+            if let Some(crc) = verify.then(|| crcs[i]).flatten() {
+                if crc != d.crc32c {
+                    results[i] = Err(Error::new(
+                        Code::ChecksumMismatch,
+                        format!(
+                            "{}: crc32c {crc:#010x}, stored {:#010x}",
+                            shown_key(keys[i]),
+                            d.crc32c
+                        ),
+                    ));
+                }
+            }
+        }
+        self.release_staged(keys, descs);
+        results
+    }
+
+    /// Tells the master these reads are done with the copies it staged from disk for
+    /// them, so their space serves the next disk-tier read at once (their leases would
+    /// free it otherwise, later).
+    fn release_staged(&self, keys: &[&str], descs: &[Result<Leased>]) {
+        let items: Vec<(String, u64)> = keys
+            .iter()
+            .zip(descs)
+            .filter_map(|(k, d)| match d {
+                Ok(l) if l.staged => {
+                    let first = l.desc.replicas.first()?.pieces.first()?;
+                    Some((k.to_string(), first.addr))
+                }
+                _ => None,
+            })
+            .collect();
+        if items.is_empty() {
+            return;
+        }
+        if let Err(e) = self.call(Request::ReleaseStaged { items }) {
+            log::debug!("releasing copies staged from disk: {e}");
+        }
+    }
+
+    /// The bytes a read of a `size`-byte object into `frags` gives, or why it cannot.
+    pub(super) fn fits(key: &str, size: u64, frags: &Fragments, into: &ReadInto) -> Result<u64> {
+        match into {
+            ReadInto::Whole(_) => {
+                let room: u64 = frags.iter().map(|f| f.2).sum();
+                if room < size {
+                    return Err(Error::new(
+                        Code::BufferOverflow,
+                        format!("{} is {size} bytes, buffer {room}", shown_key(key)),
+                    ));
+                }
+                Ok(size)
+            }
+            ReadInto::Ranges(_) => {
+                frags
+                    .iter()
+                    .try_fold(0u64, |total, &(off, _, len)| match off.checked_add(len) {
+                        Some(end) if end <= size => Ok(total + len),
+                        _ => Err(Error::invalid(format!(
+                            "range [{off}, +{len}) past the end of {} ({size} bytes)",
+                            shown_key(key)
+                        ))),
+                    })
+            }
+        }
+    }
+
+    /// Replicas in read preference: our own memory, then same-host peers, then remote.
+    fn preference(&self, replicas: &[ReplicaDesc]) -> Vec<ReplicaDesc> {
+        let own = self.engine.segment_name();
+        let own_host = self.engine.descriptor().host.map(|h| h.host_id);
+        let rank = |r: &ReplicaDesc| -> u8 {
+            if r.pieces.iter().all(|p| p.segment == own) {
+                return 0;
+            }
+            let same_host = r.pieces.iter().all(|p| {
+                let desc = self
+                    .engine
+                    .open_segment(&p.segment)
+                    .and_then(|s| self.engine.segment_descriptor(s));
+                desc.ok().and_then(|d| d.host).map(|h| h.host_id) == own_host
+            });
+            if same_host && own_host.is_some() {
+                1
+            } else {
+                2
+            }
+        };
+        let mut v: Vec<(u8, ReplicaDesc)> = replicas.iter().map(|r| (rank(r), r.clone())).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v.into_iter().map(|(_, r)| r).collect()
+    }
+}

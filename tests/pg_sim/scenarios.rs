@@ -319,54 +319,43 @@ fn point_to_point_fails_per_peer_and_a_rank_leaves_alone() {
     }
 }
 
-/// Seed 100's run (five ranks; rank 1 dies early in operation 0, rank 2 after its
-/// third write to rank 0 in operation 1, ranks 3 and 4 stalled), scheduled by `seed`.
-fn seed_100_scheduled_by(seed: u64) -> Scenario {
-    let mut s = Scenario::draw(100);
-    s.seed = seed;
-    s
+/// Replays the run seed `drawn` of a sweep gave (its ranks, script and faults) under
+/// schedules 0 to 7 instead of its own.
+fn replay_the_run_of(drawn: u64) {
+    for seed in 0..8 {
+        let mut s = Scenario::draw(drawn);
+        s.seed = seed;
+        replay(&s).unwrap_or_else(|why| panic!("seed {drawn}'s run, schedule {seed}: {why}"));
+    }
 }
 
-/// Seed 100 of the 1,000-seed sweep, a wrong result: rank 1 dies inside operation 0
-/// after its data reached ranks 0 and 2 only (they complete it, ranks 3 and 4 do
-/// not); in the next view rank 2 dies inside the agreement round after its value
-/// reached rank 0 only, so rank 0's round completes and the others' fails. Rank 0
-/// then counted from the new view, and in the view after it gave a position of that
+/// Seed 100 of the 1,000-seed sweep, a wrong result. Five ranks; rank 1 dies inside
+/// operation 0 after its data reached ranks 0 and 2 only (they complete it, ranks 3
+/// and 4 do not); in the next view rank 2 dies inside the agreement round after its
+/// value reached rank 0 only, so rank 0's round completes and the others' fails. Rank
+/// 0 then counted from the new view, and in the view after it gave a position of that
 /// view while ranks 3 and 4 gave the old one: no one looked behind, and rank 0's
 /// operation 1 paired with their operation 0 (or an all-reduce summed two different
 /// operations' inputs). A member keeps the agreed position until it completes an
 /// operation in the new view (`_pg_position.py`). With the old rule (the new view's
-/// position at once) 29 of the first 32 schedules fail, seeds 0 and 2-7 among them:
-/// "at epoch 3 rank 0 completed ops [1] and rank 3 ops [0]: they paired different
-/// operations", and in seeds 26 and 29 "all_reduce over [0, 3, 4] gave a wrong sum".
+/// position at once) 29 of the first 32 schedules fail, 0 and 2-7 among them: "at
+/// epoch 3 rank 0 completed ops [1] and rank 3 ops [0]: they paired different
+/// operations", and in schedules 26 and 29 "all_reduce over [0, 3, 4] gave a wrong
+/// sum".
 #[test]
 fn an_agreement_round_completed_on_some_members_keeps_them_in_step() {
-    for seed in 0..8 {
-        let s = seed_100_scheduled_by(seed);
-        replay(&s).unwrap_or_else(|why| panic!("seed {seed}: {why}"));
-    }
+    replay_the_run_of(100);
 }
 
-/// Seed 2924's run (five ranks; rank 2 leaves and is activated again while rank 3 is
-/// stalled past the timeout, so rank 3's operation 2 fails for good where rank 1
-/// completed it), scheduled by `seed`.
-fn seed_2924_scheduled_by(seed: u64) -> Scenario {
-    let mut s = Scenario::draw(2924);
-    s.seed = seed;
-    s
-}
-
-/// Seed 2924 of the 3,000-seed sweep: an operation that failed for good on one rank
-/// (its error went to the caller, who moved on) was left uncounted, so the next
-/// agreement round found that rank behind and had it leave its next operation, which
-/// then met the others' one after ("rank 1 blamed live ranks [3] for a kind mismatch
-/// in op 5"; with equal kinds and sizes, a wrong result). It now counts as passed.
-/// With `passed_one` a no-op, 30 of the first 32 schedules fail, seeds 0-2 and 4-7
-/// among them.
+/// Seed 2924 of the 3,000-seed sweep. Five ranks; rank 2 leaves and is activated
+/// again while rank 3 is stalled past the timeout, so rank 3's operation 2 fails for
+/// good (its error goes to the caller, who moves on) where rank 1 completed it. Left
+/// uncounted, the next agreement round found rank 3 behind and had it leave its next
+/// operation, which then met the others' one after ("rank 1 blamed live ranks [3] for
+/// a kind mismatch in op 5"; with equal kinds and sizes, a wrong result). It now counts
+/// as passed. With `passed_one` a no-op, 30 of the first 32 schedules fail, 0-2 and
+/// 4-7 among them.
 #[test]
 fn an_operation_failed_for_good_counts_as_passed() {
-    for seed in 0..8 {
-        let s = seed_2924_scheduled_by(seed);
-        replay(&s).unwrap_or_else(|why| panic!("seed {seed}: {why}"));
-    }
+    replay_the_run_of(2924);
 }

@@ -753,33 +753,17 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
 
     def get(self, key):
         """The value under ``key``, or b"" on a miss or error."""
-        k = _encode_key(key)
-        if not self._store or k is None:
-            return b""
-        # One round trip: the library sizes the buffer.
-        ptr, size = ctypes.c_void_p(), ctypes.c_uint64(0)
-        rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(ptr), ctypes.byref(size))
-        if rc == N.MC_OK:
-            try:
-                return ctypes.string_at(ptr.value, size.value) if size.value else b""
-            finally:
-                N.LIB.mc_store_buffer_free(ptr, size.value)
-        if rc != N.MC_ERR_OBJECT_NOT_FOUND:
-            logger.debug("mooncake: get(%r): %s (%d)", key, N.error_string(rc), rc)
-        return b""
+        got = self._read_values([_encode_key(key)])[0]
+        return b"" if got is None else bytes(got)
 
     def get_buffer(self, key):
         """The value as a BufferHandle (buffer protocol, ptr(), size()), or None."""
-        k = _encode_key(key)
-        if not self._store or k is None:
-            return None
-        return self.batch_get_buffer([key])[0]
+        return self._read_values([_encode_key(key)])[0]
 
-    def _batch_values(self, keys):
-        """A BufferHandle of each key's value, read straight into it (the library asks
-        for the memory once it knows the size: one master round trip for all keys);
-        None for each miss, invalid key or error."""
-        ks = _keys(keys)
+    def _read_values(self, ks):
+        """A BufferHandle of the value under each encoded key (None: an invalid key), read
+        straight into it: the library asks for the memory once it knows the size, with
+        one master round trip for all keys. None for each miss, invalid key or error."""
         out = [None] * len(ks)
         idx = [i for i, k in enumerate(ks) if k is not None]
         if not self._store or not idx:
@@ -795,20 +779,23 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         rc = N.LIB.mc_store_batch_get_alloc(self._store, N.c_strings([ks[i] for i in idx]), n,
                                             N.ALLOC_FN(place), None, res)
         if rc != N.MC_OK:
-            logger.debug("mooncake: batch read: %s (%d)", N.error_string(rc), rc)
+            logger.debug("mooncake: read: %s (%d)", N.error_string(rc), rc)
             return out
         for j, i in enumerate(idx):
             if res[j] >= 0:
                 out[i] = handles[j]
+            elif res[j] != N.MC_ERR_OBJECT_NOT_FOUND:
+                logger.debug("mooncake: read %r: %s (%d)", ks[i], N.error_string(res[j]),
+                             res[j])
         return out
 
     def get_batch(self, keys):
         """Values of ``keys`` (b"" for each miss)."""
-        return [b"" if g is None else bytes(g) for g in self._batch_values(keys)]
+        return [b"" if g is None else bytes(g) for g in self._read_values(_keys(keys))]
 
     def batch_get_buffer(self, keys):
         """BufferHandles (None for each miss)."""
-        return self._batch_values(keys)
+        return self._read_values(_keys(keys))
 
     def _one_key(self, key):
         """(encoded key, 0), or (None, the code a single-key call returns): INVALID_PARAMS

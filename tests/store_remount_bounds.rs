@@ -154,6 +154,7 @@ fn a_catalog_poll_during_a_remount_waits_for_every_announced_copy() {
             acked,
             disk_capacity: 1 << 30,
             lost: Vec::new(),
+            ring: Default::default(),
         })
     };
     let kept: HashSet<String> = std::thread::scope(|scope| {

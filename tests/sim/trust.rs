@@ -149,6 +149,7 @@ fn catalog(m: &Master, client: u64, name: &str) -> Vec<CatalogEntry> {
         acked,
         disk_capacity: 0,
         lost: Vec::new(),
+        ring: Default::default(),
     }) {
         Ok(Response::SegmentEvents(e)) => e,
         other => panic!("catalog of {name}: {other:?}"),
@@ -471,6 +472,7 @@ fn poll_a(m: &Master, instance: u64, acked: u64) -> SegmentEvents {
         acked,
         disk_capacity: 1 << 30,
         lost: Vec::new(),
+        ring: Default::default(),
     });
     match answer {
         Ok(Response::SegmentEvents(e)) => e,

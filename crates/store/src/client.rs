@@ -13,8 +13,8 @@ use super::node::catalog::NodeCatalog;
 use super::node::disk::NodeDisk;
 use super::node::DrainReport;
 use super::protocol::{
-    shown_key, KeyResult, ObjectDesc, OwnerTicket, Piece, PoolStats, ReplicaDesc, ReplicateConfig,
-    Request, Response, SegmentInfo,
+    shown_key, KeyResult, NoteRing, NoteWrite, ObjectDesc, OwnerTicket, Piece, PoolStats,
+    ReplicaDesc, ReplicateConfig, Request, Response, SegmentInfo, NOTE_SLOT,
 };
 use super::replica_cache::ReplicaCache;
 use super::rpc::RpcClient;
@@ -32,6 +32,12 @@ mod tasks;
 use read::ReadInto;
 
 pub use mounts::{Backing, SEGMENT_ALIGN};
+
+/// A node's note ring has a slot per this many bytes of its segment, within bounds:
+/// slots are lent to puts until the node clears their notes, within a poll or two.
+const NOTE_SLOTS_PER: u64 = 256 << 10;
+const MIN_NOTE_SLOTS: u64 = 64;
+const MAX_NOTE_SLOTS: u64 = 4096;
 pub use tasks::{TaskId, TaskInfo, TaskKind, TaskStatus};
 
 /// What a store [`Client`] connects to and how it behaves.
@@ -255,17 +261,25 @@ impl Client {
             &config.master_address,
             engine.config().cluster_secret.clone(),
         )?;
-        let (segment, segment_ptr) = if config.global_segment_size > 0 {
+        let (segment, segment_ptr, ring) = if config.global_segment_size > 0 {
             let size = config.global_segment_size;
-            let ptr = engine.allocate_buffer(size as usize, "cpu:0")?;
+            // The note ring sits right after the segment, in the same registration,
+            // outside what the pool allocates from.
+            let slots = (size / NOTE_SLOTS_PER).clamp(MIN_NOTE_SLOTS, MAX_NOTE_SLOTS) as u32;
+            let ring_bytes = slots as usize * NOTE_SLOT;
+            let ptr = engine.allocate_buffer(size as usize + ring_bytes, "cpu:0")?;
             let info = SegmentInfo {
                 name: engine.segment_name().to_owned(),
                 base: ptr as u64,
                 size,
             };
-            (Some(info), Some(ptr))
+            let ring = NoteRing {
+                addr: ptr as u64 + size,
+                slots,
+            };
+            (Some(info), Some(ptr), ring)
         } else {
-            (None, None)
+            (None, None, NoteRing::default())
         };
         let disk = match (&config.disk, &segment) {
             (Some(d), Some(_)) => Some(NodeDisk::open(d.clone())?),
@@ -281,7 +295,9 @@ impl Client {
             rpc,
             engine: engine.clone(),
             segment,
-            catalog: Mutex::new(NodeCatalog::new(disk)),
+            // SAFETY: the ring is the tail of this client's segment buffer, freed only
+            // after the cataloger is joined, and written by nothing else than notes.
+            catalog: Mutex::new(unsafe { NodeCatalog::new(disk, ring) }),
             owner: Mutex::new(OwnerTicket::default()),
             drained: AtomicBool::new(false),
             draining: Mutex::new(()),
@@ -429,32 +445,39 @@ impl Client {
         }
         self.shared.cache.drop_keys(keys.iter().copied());
         let sizes: Vec<u64> = parts.iter().map(|p| p.iter().map(|x| x.1).sum()).collect();
+        // The notes the master seals carry the checksums: computed before it is asked.
+        let crcs: Vec<u32> = parts
+            .iter()
+            // SAFETY: the caller keeps the parts readable for the call.
+            .map(|p| unsafe { crc_of(p) })
+            .collect();
         let items = keys
             .iter()
             .zip(&sizes)
-            .map(|(k, s)| (k.to_string(), *s))
+            .zip(&crcs)
+            .map(|((k, s), c)| (k.to_string(), *s, *c))
             .collect();
-        // The checksums do not depend on the master's answer: computed while it works.
-        let checksums = || {
-            parts
-                .iter()
-                // SAFETY: the caller keeps the parts readable for the call.
-                .map(|p| unsafe { crc_of(p) })
-                .collect::<Vec<u32>>()
-        };
-        let mut overlapped = None;
-        let answer = self.shared.call_with_touches_while(
-            &Request::PutStart {
-                client: self.shared.id,
-                items,
-                config: config.clone(),
-                upsert,
-            },
-            &mut || overlapped = Some(checksums()),
-        );
-        let crcs = overlapped.unwrap_or_else(checksums);
-        let started = match answer {
-            Ok(Response::PutStart(r)) if r.len() == keys.len() => r,
+        let answer = self.call(Request::PutStartNoted {
+            client: self.shared.id,
+            items,
+            config: config.clone(),
+            upsert,
+        });
+        let (started, notes) = match answer {
+            Ok(Response::PutStartNoted(r)) if r.len() == keys.len() => {
+                let mut notes = Vec::new();
+                let started: Vec<KeyResult<Vec<ReplicaDesc>>> = r
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, r)| {
+                        r.map(|(reps, n)| {
+                            notes.extend(n.into_iter().map(|n| (i, n)));
+                            reps
+                        })
+                    })
+                    .collect();
+                (started, notes)
+            }
             Ok(other) => {
                 return all_err(
                     keys.len(),
@@ -480,7 +503,7 @@ impl Client {
             });
         }
         let frags: Vec<Fragments> = parts.iter().map(fragments).collect();
-        let outcome = self.move_replicas(Op::Write, &plan, &frags, None);
+        let outcome = self.move_replicas(Op::Write, &plan, &frags, None, &notes);
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
         for (i, r) in started.iter().enumerate() {
@@ -540,15 +563,17 @@ impl Client {
     }
 
     /// Moves every (key index, replica) in `plan` between local `frags` and the
-    /// replicas in one engine batch. Per key: None if not in the plan, else whether
-    /// every replica of it moved. With `checksums` (reads of whole objects), each
-    /// key's bytes are folded into its entry as they land (see `run_checksummed`).
+    /// replicas in one engine batch, with the (key index, note) writes in `notes`.
+    /// Per key: None if not in the plan, else whether every replica of it moved (and
+    /// its notes landed). With `checksums` (reads of whole objects), each key's bytes
+    /// are folded into its entry as they land (see `run_checksummed`).
     fn move_replicas(
         &self,
         op: Op,
         plan: &[(usize, ReplicaDesc)],
         frags: &[Fragments],
         checksums: Option<&mut [Option<u32>]>,
+        notes: &[(usize, NoteWrite)],
     ) -> Vec<Option<Result<()>>> {
         let mut outcome: Vec<Option<Result<()>>> = vec![None; frags.len()];
         let mut reqs = Vec::new();
@@ -566,6 +591,21 @@ impl Client {
                 off += piece.len;
             }
             outcome[*i].get_or_insert(Ok(()));
+        }
+        for (i, note) in notes {
+            match self.engine.open_segment(&note.segment) {
+                Ok(segment) => {
+                    owner.push(*i);
+                    reqs.push(crate::engine::Request {
+                        op: Op::Write,
+                        local: note.bytes.as_ptr() as u64,
+                        segment,
+                        remote: note.addr,
+                        len: note.bytes.len() as u64,
+                    });
+                }
+                Err(e) => outcome[*i] = Some(Err(e)),
+            }
         }
         if reqs.is_empty() {
             return outcome;
@@ -756,20 +796,10 @@ impl Client {
 impl MasterSession {
     /// `req`, with the queued touches (if any) pipelined ahead of it: one round trip.
     pub(crate) fn call_with_touches(&self, req: &Request) -> Result<Response> {
-        self.call_with_touches_while(req, &mut || {})
-    }
-
-    /// As `call_with_touches`, running `meanwhile` while the master works (see
-    /// `RpcClient::call_after_while`).
-    fn call_with_touches_while(
-        &self,
-        req: &Request,
-        meanwhile: &mut dyn FnMut(),
-    ) -> Result<Response> {
         let batches = self.cache.take_touches();
         // Touches are only queued once `master_keeps` found the master takes them.
         let touches = (!batches.is_empty()).then_some(Request::Touch { batches });
-        self.rpc.call_after_while(touches.as_ref(), req, meanwhile)
+        self.rpc.call_after(touches.as_ref(), req)
     }
 
     /// Whether the master takes `Touch` and `GetReplicasKeepable`, asked once with an

@@ -330,7 +330,7 @@ pub struct RpcClient {
     pool: Mutex<Vec<(SocketAddr, TcpStream)>>,
     next_id: AtomicU64,
     secret: Option<ClusterSecret>,
-    /// How long read-only calls wait out a master away (`call_after_while`).
+    /// How long read-only calls wait out a master away (`call_after`).
     patience: Duration,
     /// When calls began failing because the master is away; `None` while it answers.
     away_since: Mutex<Option<Instant>>,
@@ -420,14 +420,6 @@ impl RpcClient {
     /// `call(req)`, with `before` (when given) pipelined ahead of it on the same
     /// connection in the same write: one round trip for both. `before`'s answer is
     /// only logged; a failure of it does not fail `req`.
-    pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
-        self.call_after_while(before, req, &mut || {})
-    }
-
-    /// `call_after(before, req)`, running `meanwhile` once the requests are sent and
-    /// before the answer is read, so that work which does not need the answer overlaps
-    /// the master's. It runs once per attempt: not at all when no connection could be
-    /// made, twice when a read-only request is retried.
     ///
     /// A read-only request also waits out a master that is restarting or failing over:
     /// while the master cannot be reached, or answers that it just started and nodes
@@ -436,12 +428,7 @@ impl RpcClient {
     /// counted from the first failure. Once a window ran out, calls fail at their first
     /// failure until one gets through again, so a master that is gone does not make
     /// every call wait.
-    pub fn call_after_while(
-        &self,
-        before: Option<&Request>,
-        req: &Request,
-        meanwhile: &mut dyn FnMut(),
-    ) -> Result<Response> {
+    pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
         let read_only = matches!(
             req,
             Request::Ping { .. }
@@ -454,7 +441,7 @@ impl RpcClient {
         );
         let mut backoff = Duration::from_millis(5);
         loop {
-            let result = self.attempt(before, req, meanwhile, read_only);
+            let result = self.attempt(before, req, read_only);
             let master_away = matches!(
                 &result,
                 Err(e) if matches!(e.code(), Code::RpcFail | Code::UnavailableInCurrentStatus)
@@ -478,7 +465,7 @@ impl RpcClient {
     /// A read-only request tried once, never waiting for an absent master: for health
     /// checks, which must say at once that it is away.
     pub fn call_now(&self, req: &Request) -> Result<Response> {
-        self.attempt(None, req, &mut || {}, true)
+        self.attempt(None, req, true)
     }
 
     /// What is left of the patience window opened by the first failure since the last
@@ -489,13 +476,12 @@ impl RpcClient {
         Some(self.patience.saturating_sub(now - since)).filter(|left| !left.is_zero())
     }
 
-    /// One try of `call_after_while`: a pooled connection, or a new one; a read-only
+    /// One try of `call_after`: a pooled connection, or a new one; a read-only
     /// request found its pooled connection dead is sent once more on a new one.
     fn attempt(
         &self,
         before: Option<&Request>,
         req: &Request,
-        meanwhile: &mut dyn FnMut(),
         read_only: bool,
     ) -> Result<Response> {
         let encoded = |r: &Request| {
@@ -512,7 +498,7 @@ impl RpcClient {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(addr, &mut stream, before, method, &bytes, meanwhile) {
+        match self.exchange(addr, &mut stream, before, method, &bytes) {
             Ok(resp) => {
                 self.keep((addr, stream));
                 resp
@@ -520,7 +506,7 @@ impl RpcClient {
             Err(e) if !fresh && read_only => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let (addr, mut stream) = self.connect()?;
-                let resp = self.exchange(addr, &mut stream, before, method, &bytes, meanwhile)?;
+                let resp = self.exchange(addr, &mut stream, before, method, &bytes)?;
                 self.keep((addr, stream));
                 resp
             }
@@ -535,8 +521,7 @@ impl RpcClient {
     }
 
     /// Sends and receives on one connection (`before`, a request whose answer is only
-    /// logged, goes first in the same write; `meanwhile` runs between sending and
-    /// receiving). The outer error means the connection is
+    /// logged, goes first in the same write). The outer error means the connection is
     /// unusable; the inner result is the master's answer.
     fn exchange(
         &self,
@@ -545,7 +530,6 @@ impl RpcClient {
         before: Option<(u16, &[u8])>,
         method: u16,
         payload: &[u8],
-        meanwhile: &mut dyn FnMut(),
     ) -> Result<Result<Response>> {
         let mut out = Vec::new();
         let before = before.map(|(m, p)| {
@@ -558,7 +542,6 @@ impl RpcClient {
         stream
             .write_all(&out)
             .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
-        meanwhile();
         // The answers come in order and nothing else comes: once the last is read, the
         // connection goes back to the pool with nothing buffered.
         let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
@@ -755,51 +738,5 @@ mod tests {
             },
         };
         assert!(matches!(client.call(&mount), Ok(Response::Done)));
-    }
-
-    #[test]
-    fn work_given_to_a_call_runs_after_the_request_left_and_before_the_answer() {
-        use std::sync::mpsc::channel;
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (arrived_tx, arrived) = channel();
-        let (release, release_rx) = channel::<()>();
-        // A master that answers only once the caller's work says it ran.
-        let fake = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let f = FrameReader::new().read_frame(&mut s).unwrap().unwrap();
-            arrived_tx.send(()).unwrap();
-            if release_rx.recv_timeout(Duration::from_secs(30)).is_ok() {
-                let mut w = Writer::new();
-                Response::Done.encode(&mut w);
-                s.write_all(&frame(f.method, f.id, Some(0), &w.into_bytes()))
-                    .unwrap();
-            }
-        });
-        let client = RpcClient::new(&addr.to_string(), None).unwrap();
-        // Answered with `Done`, and never retried.
-        let unmount = Request::Unmount {
-            client: 7,
-            name: "s".into(),
-        };
-        let mut runs = 0;
-        let answer = client.call_after_while(None, &unmount, &mut || {
-            runs += 1;
-            // The request is already at the master, which has not answered yet.
-            assert!(arrived.recv_timeout(Duration::from_secs(30)).is_ok());
-            release.send(()).unwrap();
-        });
-        assert!(matches!(answer, Ok(Response::Done)), "{answer:?}");
-        assert_eq!(runs, 1);
-        fake.join().unwrap();
-
-        // Nobody to send to: the work does not run.
-        drop(client);
-        let client = RpcClient::new(&addr.to_string(), None).unwrap();
-        let mut ran = false;
-        assert!(client
-            .call_after_while(None, &unmount, &mut || ran = true)
-            .is_err());
-        assert!(!ran);
     }
 }

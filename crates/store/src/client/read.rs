@@ -367,8 +367,13 @@ impl Client {
                     crcs[*i] = Some(0); // a new attempt joins from the start
                 }
             }
-            let outcome =
-                self.move_replicas(Op::Read, &plan, &frags, verify.then_some(&mut crcs[..]));
+            let outcome = self.move_replicas(
+                Op::Read,
+                &plan,
+                &frags,
+                verify.then_some(&mut crcs[..]),
+                &[],
+            );
             pending.retain(|&i| match &outcome[i] {
                 Some(Err(e)) => {
                     last_err.insert(i, e.clone());

@@ -236,7 +236,7 @@ impl Client {
                     .collect()
             })
             .collect();
-        let outcome = self.move_replicas(Op::Write, &plan, ranges, None);
+        let outcome = self.move_replicas(Op::Write, &plan, ranges, None, &[]);
         let mut state = self.sessions.lock();
         for (&i, crcs) in writing.iter().zip(crcs) {
             let Some(session) = state.puts.get_mut(keys[i]) else {
@@ -340,7 +340,7 @@ impl Client {
         let mut last = Error::new(Code::InvalidReplica, "no replica to read back");
         for replica in replicas {
             let plan = [(0, replica.clone())];
-            match self.move_replicas(Op::Read, &plan, &frags, None).pop() {
+            match self.move_replicas(Op::Read, &plan, &frags, None, &[]).pop() {
                 Some(Some(Ok(()))) => return Ok(crc32c(&bytes)),
                 Some(Some(Err(e))) => last = e,
                 _ => {}

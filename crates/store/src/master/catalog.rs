@@ -14,17 +14,19 @@ use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use super::note_slots::Lent;
 use super::replicas::Replicas;
-use super::segment_log::{MAX_EVENTS_PER_POLL, POLL_WAIT};
+use super::segment_log::MAX_EVENTS_PER_POLL;
 use super::segments::{self, PieceAlloc, ReplicaAlloc, Segment};
 use super::table::Shard;
 use super::{policy, Master, Object};
 use crate::allocator::SlabAllocator;
 use crate::error::{Code, Error, Result};
 use crate::protocol::{
-    check_key, shown_key, CatalogEntry, CatalogEvent, DiskEntry, OwnerTicket, ReplicaDesc,
-    SegmentEvents, SegmentInfo,
+    check_key, note, shown_key, CatalogEntry, CatalogEvent, DiskEntry, NoteRing, NoteWrite,
+    OwnerTicket, ReplicaDesc, SegmentEvents, SegmentInfo,
 };
 
 /// A remount whose last chunk does not come within this long is dropped.
@@ -190,16 +192,121 @@ pub struct Commits(Vec<(Arc<Segment>, u64)>);
 impl Commits {
     /// Records the commit of `key` in the log of every segment holding a piece of it.
     pub fn record(&mut self, key: &str, o: &Object) {
+        self.record_noted(key, o, Vec::new());
+    }
+
+    /// As `record`; a piece whose node holds the put's note (`notes`) needs no
+    /// waiting for.
+    pub fn record_noted(&mut self, key: &str, o: &Object, mut notes: Vec<NoteHold>) {
         for replica in o.replicas.iter() {
             for (index, piece) in replica.iter().enumerate() {
-                let seq = piece
-                    .seg
-                    .log
-                    .record(|| CatalogEvent::Commit(entry_of(key, o, replica, index)));
-                if let Some(seq) = seq {
+                let commit = || CatalogEvent::Commit(entry_of(key, o, replica, index));
+                let noted = notes.iter().position(|n| n.is_for(piece));
+                let (seq, covered) = match noted {
+                    Some(at) => notes.swap_remove(at).commit(commit()),
+                    None => (piece.seg.log.record(commit), false),
+                };
+                if let (Some(seq), false) = (seq, covered) {
                     self.0.push((piece.seg.clone(), seq));
                 }
             }
+        }
+        // Notes of pieces the object no longer has: the writer is done with them.
+        for n in notes {
+            n.revoke();
+        }
+    }
+}
+
+/// A slot of a node's note ring lent to an unfinished put, for the note of one piece.
+/// Dropped unconsumed (the put abandoned), its note is cleared, and the slot kept
+/// from other puts until `until`: the writer may still write into it.
+pub struct NoteHold {
+    seg: Arc<Segment>,
+    /// The piece's address.
+    addr: u64,
+    lent: Option<Lent>,
+    until: Instant,
+}
+
+impl NoteHold {
+    /// Whether this is the note of `piece`.
+    fn is_for(&self, piece: &PieceAlloc) -> bool {
+        Arc::ptr_eq(&self.seg, &piece.seg) && self.addr == piece.piece().addr
+    }
+
+    /// Records the piece's commit; its sequence number and whether the note covers it.
+    fn commit(mut self, commit: CatalogEvent) -> (Option<u64>, bool) {
+        match self.lent.take() {
+            Some(lent) => self.seg.log.commit_noted(commit, lent),
+            None => (self.seg.log.record(|| commit), false),
+        }
+    }
+
+    /// The writer is done and the put failed: the note is cleared; the `Unnote` to
+    /// wait for, with its segment.
+    pub fn revoke(mut self) -> Option<(Arc<Segment>, u64)> {
+        let lent = self.lent.take()?;
+        let seq = self.seg.log.drop_note(lent, true, self.until)?;
+        Some((self.seg.clone(), seq))
+    }
+}
+
+impl Drop for NoteHold {
+    fn drop(&mut self) {
+        if let Some(lent) = self.lent.take() {
+            self.seg.log.drop_note(lent, false, self.until);
+        }
+    }
+}
+
+/// Lends a note slot for every piece of `replicas` and seals each piece's note for
+/// `entry` (its key, version, size, checksum and pin); None, with every slot given
+/// back, when a node keeps no ring, has no free slot, or a note does not fit a slot.
+pub(super) fn lend_notes(
+    replicas: &Replicas,
+    entry: &mut CatalogEntry,
+    until: Instant,
+) -> Option<(Vec<NoteHold>, Vec<NoteWrite>)> {
+    let mut holds = Vec::new();
+    let mut writes = Vec::new();
+    for replica in replicas.iter() {
+        entry.replica = ReplicaDesc {
+            pieces: replica.iter().map(PieceAlloc::piece).collect(),
+        };
+        for (index, piece) in replica.iter().enumerate() {
+            entry.index = index as u32;
+            let Some((lent, key, ring)) = piece.seg.log.lend_note() else {
+                unlend(holds);
+                return None;
+            };
+            let hold = NoteHold {
+                seg: piece.seg.clone(),
+                addr: piece.piece().addr,
+                lent: Some(lent),
+                until,
+            };
+            let Some(bytes) = note::seal(&key, lent.epoch, lent.slot, entry) else {
+                holds.push(hold);
+                unlend(holds);
+                return None;
+            };
+            writes.push(NoteWrite {
+                segment: piece.seg.info.name.clone(),
+                addr: ring.slot_addr(lent.slot),
+                bytes,
+            });
+            holds.push(hold);
+        }
+    }
+    Some((holds, writes))
+}
+
+/// Gives back slots no note was written to.
+fn unlend(holds: Vec<NoteHold>) {
+    for mut h in holds {
+        if let Some(lent) = h.lent.take() {
+            h.seg.log.unlend_note(lent);
         }
     }
 }
@@ -297,10 +404,10 @@ impl Master {
         &self,
         client: u64,
         name: &str,
-        instance: u64,
-        acked: u64,
+        (instance, acked): (u64, u64),
         disk_capacity: u64,
         lost: Vec<String>,
+        ring: NoteRing,
     ) -> Result<SegmentEvents> {
         let seg = self
             .segments
@@ -327,7 +434,7 @@ impl Master {
         let instance_now = self.catalogs.instance;
         if instance != instance_now || !seg.log.follows(acked) {
             let expected = self.objects.load(Ordering::Relaxed) as usize;
-            let base = seg.log.restart(expected);
+            let base = seg.log.restart(expected, ring, &seg.info);
             self.record_snapshot(&seg);
             return Ok(SegmentEvents {
                 instance: instance_now,
@@ -336,9 +443,12 @@ impl Master {
                 draining: seg.draining.load(Ordering::SeqCst),
                 last: base,
                 events: Vec::new(),
+                note_key: seg.log.note_key(),
             });
         }
-        let (last, events) = seg.log.poll(acked, POLL_WAIT, MAX_EVENTS_PER_POLL);
+        let (last, events) =
+            seg.log
+                .poll(acked, self.config.catalog_poll_wait, MAX_EVENTS_PER_POLL);
         Ok(SegmentEvents {
             instance: instance_now,
             reset: false,
@@ -346,6 +456,7 @@ impl Master {
             draining: seg.draining.load(Ordering::SeqCst),
             last,
             events,
+            note_key: None,
         })
     }
 

@@ -66,6 +66,9 @@ pub struct MasterConfig {
     /// How long a `PutEnd` waits for the nodes holding the object to record it in
     /// their catalogs (what a restarted master rebuilds from); zero: do not wait.
     pub catalog_ack_timeout: Duration,
+    /// How long a node's catalog poll waits for news before it is answered empty
+    /// (events nobody waits for reach the node within this).
+    pub catalog_poll_wait: Duration,
     /// An object evicted from a node that has a disk tier goes there instead of away
     /// (Mooncake's `--enable_offload` / `--offload_on_evict`).
     pub offload_on_evict: bool,
@@ -103,6 +106,7 @@ impl Default for MasterConfig {
             regex_budget: 300_000_000,
             max_unfinished_put_ratio: 0.5,
             catalog_ack_timeout: Duration::from_secs(2),
+            catalog_poll_wait: Duration::from_millis(500),
             offload_on_evict: true,
             promotion_admission_threshold: 1,
             // About 1.3 million object pieces per node; four nodes at once.

@@ -113,6 +113,12 @@ impl Master {
             // The node learns it from its next catalog poll's answer.
             seg.log.wake();
         }
+        // The node moves what its catalog lists: commits acknowledged to writers
+        // without waiting (their notes cover them) must be in it first.
+        let timeout = self.config.catalog_ack_timeout;
+        if let (Some(head), false) = (seg.log.head(), timeout.is_zero()) {
+            seg.log.wait_acked(head, timeout);
+        }
         Ok(risk)
     }
 

@@ -10,6 +10,7 @@ mod config;
 mod copy;
 mod drain;
 mod eviction;
+mod note_slots;
 mod offload;
 mod owner;
 mod policy;
@@ -34,8 +35,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Code, Error, Result};
 use crate::protocol::{
-    check_key, shown_key, KeyResult, ObjectDesc, PoolStats, ReplicaDesc, ReplicateConfig, Request,
-    Response, SegmentInfo, MAX_SOFT_PIN_TTL_MS,
+    check_key, shown_key, CatalogEntry, KeyResult, NoteWrite, ObjectDesc, PoolStats, ReplicaDesc,
+    ReplicateConfig, Request, Response, SegmentInfo, MAX_SOFT_PIN_TTL_MS,
 };
 use crate::util::regex::Regex;
 use replicas::Replicas;
@@ -72,6 +73,10 @@ struct Pending {
     writer: u64,
     started_ms: u64,
     _hold: quota::Hold,
+    /// Note slots lent for the pieces (`PutStartNoted`), and the checksum and version
+    /// the notes were sealed with; empty when the put waits for the nodes instead.
+    notes: Vec<catalog::NoteHold>,
+    noted: Option<(u32, u64)>,
 }
 
 impl Object {
@@ -314,6 +319,21 @@ impl Master {
                     })
                     .collect(),
             ),
+            Request::PutStartNoted {
+                client,
+                items,
+                config,
+                upsert,
+            } => Response::PutStartNoted(
+                items
+                    .iter()
+                    .map(|(k, s, crc)| {
+                        let payer = quota::Payer::of(peer, client);
+                        let desc = self.put_start(client, payer, k, *s, &config, upsert)?;
+                        Ok((desc, self.lend_notes(client, k, *crc)))
+                    })
+                    .collect(),
+            ),
             Request::PutEnd { client, items } => {
                 let mut committed = catalog::Commits::default();
                 let results = eviction::tail_first(&items, |(k, crc)| {
@@ -324,7 +344,17 @@ impl Master {
                 Response::PerKey(results)
             }
             Request::PutRevoke { client, keys } => {
-                Response::PerKey(keys.iter().map(|k| self.put_revoke(client, k)).collect())
+                let mut cleared = Vec::new();
+                let results = keys
+                    .iter()
+                    .map(|k| self.put_revoke(client, k, &mut cleared))
+                    .collect();
+                // A failed put's notes must not bring it back after a restart.
+                let timeout = self.config.catalog_ack_timeout;
+                for (seg, seq) in cleared.into_iter().filter(|_| !timeout.is_zero()) {
+                    seg.log.wait_acked(seq, timeout);
+                }
+                Response::PerKey(results)
             }
             Request::GetReplicas { keys } => {
                 let descs = eviction::tail_first(&keys, |k| self.get_replicas(k));
@@ -445,13 +475,14 @@ impl Master {
                 acked,
                 disk_capacity,
                 lost,
+                ring,
             } => Response::SegmentEvents(self.segment_events(
                 client,
                 &segment,
-                instance,
-                acked,
+                (instance, acked),
                 disk_capacity,
                 lost,
+                ring,
             )?),
         })
     }
@@ -697,6 +728,35 @@ impl Master {
         Ok(desc)
     }
 
+    /// Lends note slots to the put `client` just started of `key` and seals its
+    /// notes with `crc32c`; none (the put then waits for the nodes at its end) when a
+    /// node keeps no ring or has no free slot.
+    fn lend_notes(&self, client: u64, key: &str, crc32c: u32) -> Vec<NoteWrite> {
+        let until = std::time::Instant::now() + self.config.put_start_release_timeout;
+        let version = self.catalogs.next_version();
+        let mut map = self.shard(key).locked();
+        let Some(o) = map.get_mut(key).filter(|o| o.written_by(client)) else {
+            return Vec::new();
+        };
+        let mut entry = CatalogEntry {
+            key: key.to_owned(),
+            version,
+            size: o.size,
+            crc32c,
+            hard_pin: o.hard_pin,
+            replica: ReplicaDesc { pieces: Vec::new() },
+            index: 0,
+        };
+        let Some((holds, writes)) = catalog::lend_notes(&o.replicas, &mut entry, until) else {
+            return Vec::new();
+        };
+        if let Some(p) = o.pending.as_mut() {
+            p.notes = holds;
+            p.noted = Some((crc32c, version));
+        }
+        writes
+    }
+
     fn placeholder(
         &self,
         client: u64,
@@ -714,6 +774,8 @@ impl Master {
                 writer: client,
                 started_ms: now,
                 _hold: hold,
+                notes: Vec::new(),
+                noted: None,
             })),
             replicas: Replicas::default(),
             lease_until_ms: 0,
@@ -808,11 +870,26 @@ impl Master {
         let mut map = self.shard(key).locked();
         match map.get_mut(key) {
             Some(o) if o.written_by(client) && !o.replicas.is_empty() => {
+                let (notes, noted) = o
+                    .pending
+                    .take()
+                    .map(|mut p| (std::mem::take(&mut p.notes), p.noted))
+                    .unwrap_or_default();
                 o.complete = true;
-                o.pending = None;
                 o.crc32c = crc32c;
-                o.version = self.catalogs.next_version();
-                committed.record(key, o);
+                o.version = match noted {
+                    Some((crc, version)) if crc == crc32c => version,
+                    _ => self.catalogs.next_version(),
+                };
+                // Notes sealed with another checksum name other bytes: not used.
+                let notes = match noted {
+                    Some((crc, _)) if crc == crc32c => notes,
+                    _ => {
+                        notes.into_iter().for_each(|n| drop(n.revoke()));
+                        Vec::new()
+                    }
+                };
+                committed.record_noted(key, o, notes);
                 let groups = o.groups.clone();
                 self.touch(&mut map, key);
                 drop(map);
@@ -824,11 +901,19 @@ impl Master {
         }
     }
 
-    fn put_revoke(&self, client: u64, key: &str) -> KeyResult<()> {
+    fn put_revoke(
+        &self,
+        client: u64,
+        key: &str,
+        cleared: &mut Vec<(Arc<Segment>, u64)>,
+    ) -> KeyResult<()> {
         check_key(key)?;
         let mut map = self.shard(key).locked();
-        match map.get(key) {
+        match map.get_mut(key) {
             Some(o) if o.written_by(client) => {
+                if let Some(p) = o.pending.as_mut() {
+                    cleared.extend(p.notes.drain(..).filter_map(catalog::NoteHold::revoke));
+                }
                 map.remove(key);
                 self.objects.fetch_sub(1, Ordering::Relaxed);
                 Ok(())

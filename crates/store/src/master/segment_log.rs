@@ -7,13 +7,12 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::note_slots::{Lent, NoteSlots};
 use super::segments::ReplicaAlloc;
-use crate::protocol::CatalogEvent;
+use crate::protocol::{CatalogEvent, NoteKey, NoteRing, SegmentInfo};
 
 /// Events one answer carries at most.
 pub const MAX_EVENTS_PER_POLL: usize = 4096;
-/// How long a poll waits for news before answering empty.
-pub const POLL_WAIT: Duration = Duration::from_millis(500);
 /// Disk copies (offloads, read-backs) one answer asks of a node at most.
 const MAX_DISK_EVENTS_PER_POLL: usize = 64;
 /// Bytes of events one answer carries at most (well inside the RPC frame limit).
@@ -40,6 +39,8 @@ struct LogState {
     limbo: Vec<(Instant, Held)>,
     /// A waiting poll should answer now.
     woken: bool,
+    /// The node's note ring: which slots puts may use.
+    notes: NoteSlots,
 }
 
 /// The object an offload was ordered for. Its other memory replicas are freed only
@@ -87,28 +88,111 @@ impl SegmentLog {
     /// Records an event if a node follows this log; its sequence number. A waiting
     /// poll is not woken for it: the event leaves with the next answer, at once when
     /// someone waits for an acknowledgement (`wait_acked`, `deliver`), else within
-    /// `POLL_WAIT`. A batch of puts so costs its node one poll, not one per event (on
+    /// `MasterConfig::catalog_poll_wait`. A batch of puts so costs its node one poll, not one per event (on
     /// a small machine each was a thread hand-off on the put's path).
     pub fn record(&self, event: impl FnOnce() -> CatalogEvent) -> Option<u64> {
         let mut s = self.lock();
         if !s.active {
             return None;
         }
+        let (seq, released) = self.push(&mut s, event());
+        drop(s);
+        drop(released); // frees space: records events, so never under the lock
+        Some(seq)
+    }
+
+    /// Appends `event` to an active log; its sequence number, and space to drop once
+    /// the lock is let go (when the node fell too far behind and lost its log).
+    fn push(&self, s: &mut LogState, event: CatalogEvent) -> (u64, Vec<Held>) {
         s.last += 1;
         let seq = s.last;
-        s.events.push_back((seq, event()));
+        s.events.push_back((seq, event));
         let released = if s.events.len() > s.cap {
             log::warn!(
                 "a node fell {} catalog events behind; it gets a snapshot when it polls again",
                 s.events.len()
             );
-            self.drop_log(&mut s)
+            self.drop_log(s)
         } else {
             Vec::new()
         };
+        (seq, released)
+    }
+
+    /// Lends a slot of the node's note ring to a put: the slot, the key and the ring;
+    /// None when the node keeps no ring, none is free, or nobody follows the log.
+    pub fn lend_note(&self) -> Option<(Lent, NoteKey, NoteRing)> {
+        let mut s = self.lock();
+        if !s.active {
+            return None;
+        }
+        let base = s.base;
+        let (lent, low) = s.notes.lend(base, Instant::now());
+        if low {
+            // Have the node clear consumed notes now, not at its next poll.
+            s.woken = true;
+            self.news.notify_all();
+        }
+        Some((lent?, s.notes.key()?, s.notes.ring()?))
+    }
+
+    /// Gives back a lent slot no note was written to.
+    pub fn unlend_note(&self, lent: Lent) {
+        self.lock().notes.unlend(lent);
+    }
+
+    /// Records `commit` (of the object whose note is in `lent`), and clears the note;
+    /// the commit's sequence number, and whether the note covers it: true when the
+    /// note is of the current epoch (the node reads it if it loses track before it
+    /// applies the commit), so nobody need wait for the node.
+    pub fn commit_noted(&self, commit: CatalogEvent, lent: Lent) -> (Option<u64>, bool) {
+        let mut s = self.lock();
+        if !s.active {
+            s.notes.release_stale(lent.slot);
+            return (None, false);
+        }
+        let (seq, mut released) = self.push(&mut s, commit);
+        let covered = s.active && lent.epoch == s.base;
+        if covered {
+            let (unnote, more) = self.push(&mut s, CatalogEvent::Unnote(lent.slot));
+            released.extend(more);
+            s.notes.clear_after(unnote, lent.slot);
+        } else {
+            s.notes.release_stale(lent.slot);
+        }
+        let covered = covered && s.active;
         drop(s);
-        drop(released); // frees space: records events, so never under the lock
-        Some(seq)
+        drop(released);
+        (Some(seq), covered)
+    }
+
+    /// Drops the note of a put that ends without a commit: the node is told to clear
+    /// it (the `Unnote`'s sequence number, to wait for when the writer was told the
+    /// put failed). A writer not known to be done may still write the note: its slot
+    /// is not lent again before `until`.
+    pub fn drop_note(&self, lent: Lent, writer_done: bool, until: Instant) -> Option<u64> {
+        let mut s = self.lock();
+        let current = s.active && lent.epoch == s.base;
+        let (seq, released) = match current {
+            true => {
+                let (seq, released) = self.push(&mut s, CatalogEvent::Unnote(lent.slot));
+                (Some(seq), released)
+            }
+            false => (None, Vec::new()),
+        };
+        match (writer_done, seq) {
+            (false, _) => s.notes.quarantine(lent.slot, until),
+            (true, Some(seq)) => s.notes.clear_after(seq, lent.slot),
+            (true, None) => s.notes.release_stale(lent.slot),
+        }
+        drop(s);
+        drop(released);
+        seq
+    }
+
+    /// The key this epoch's notes are sealed with, if the node keeps a ring.
+    pub fn note_key(&self) -> Option<NoteKey> {
+        self.lock().notes.key()
     }
 
     /// Records `event` and keeps `space` and `fallback` allocated until the node
@@ -209,8 +293,10 @@ impl SegmentLog {
     /// Starts (or restarts) following: events from now on are recorded; returns the
     /// sequence number they count from. `expected` objects are about to be recorded
     /// as the snapshot.
-    pub fn restart(&self, expected: usize) -> u64 {
+    pub fn restart(&self, expected: usize, ring: NoteRing, segment: &SegmentInfo) -> u64 {
         let mut s = self.lock();
+        s.notes.announce(ring, segment);
+        s.notes.new_epoch();
         // Offloads of the previous activation will not be acknowledged any more.
         let released = Self::to_limbo(&mut s);
         s.events.clear();
@@ -248,6 +334,10 @@ impl SegmentLog {
                 released.extend(s.held.pop_front().map(|(_, h)| h));
             }
             self.acks.notify_all();
+        }
+        if s.active && acked >= s.base {
+            let acked = s.acked;
+            s.notes.acknowledged(acked);
         }
         if !released.is_empty() {
             drop(s);
@@ -343,6 +433,7 @@ impl SegmentLog {
 fn encoded_size(e: &CatalogEvent) -> usize {
     match e {
         CatalogEvent::Free(_) | CatalogEvent::Offload(_) => 9,
+        CatalogEvent::Unnote(_) => 5,
         CatalogEvent::Load { key, pieces, .. } => key.len() + 20 + 16 * pieces.len(),
         CatalogEvent::Forget { key, .. } | CatalogEvent::Keep(key) => key.len() + 32,
         CatalogEvent::Commit(entry) => entry.wire_size(),
@@ -354,12 +445,20 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    fn no_segment() -> SegmentInfo {
+        SegmentInfo {
+            name: "s".into(),
+            base: 0,
+            size: 0,
+        }
+    }
+
     #[test]
     fn nothing_is_recorded_until_a_node_follows() {
         let log = SegmentLog::default();
         assert_eq!(log.record(|| CatalogEvent::Free(1)), None);
         assert_eq!(log.head(), None);
-        let base = log.restart(0);
+        let base = log.restart(0, NoteRing::default(), &no_segment());
         assert_eq!(log.record(|| CatalogEvent::Free(64)), Some(base + 1));
         let (last, events) = log.poll(base, Duration::ZERO, 10);
         assert_eq!((last, events), (base + 1, vec![CatalogEvent::Free(64)]));
@@ -370,7 +469,7 @@ mod tests {
     #[test]
     fn a_waiting_put_returns_once_the_node_acknowledges() {
         let log = Arc::new(SegmentLog::default());
-        let base = log.restart(0);
+        let base = log.restart(0, NoteRing::default(), &no_segment());
         let seq = log.record(|| CatalogEvent::Free(0)).unwrap();
         let node = {
             let log = log.clone();
@@ -388,7 +487,7 @@ mod tests {
         // Polls wait far longer than the put does: only the put can end them early.
         const LONG: Duration = Duration::from_secs(120);
         let log = Arc::new(SegmentLog::default());
-        let base = log.restart(0);
+        let base = log.restart(0, NoteRing::default(), &no_segment());
         let node = {
             let log = log.clone();
             std::thread::spawn(move || {
@@ -415,7 +514,7 @@ mod tests {
     #[test]
     fn a_silent_node_loses_its_log_and_puts_stop_waiting() {
         let log = SegmentLog::default();
-        log.restart(0);
+        log.restart(0, NoteRing::default(), &no_segment());
         let seq = log.record(|| CatalogEvent::Free(0)).unwrap();
         assert!(!log.wait_acked(seq, Duration::from_millis(1)));
         assert_eq!(log.head(), None);

@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use super::disk::NodeDisk;
 use crate::protocol::{
-    CatalogEntry, CatalogEvent, DiskEntry, OwnerTicket, Request, SegmentEvents, SegmentInfo,
+    note, CatalogEntry, CatalogEvent, DiskEntry, NoteKey, NoteRing, OwnerTicket, Request,
+    SegmentEvents, SegmentInfo, NOTE_SLOT,
 };
 use crate::util::crc32c::crc32c;
 
@@ -38,6 +39,11 @@ pub struct NodeCatalog {
     disk_kept: std::collections::HashSet<String>,
     /// The disk tier takes no new copies (it is being given up).
     disk_closed: bool,
+    /// Where writers put the notes of commits this catalog has yet to hear of (see
+    /// `protocol::note`): memory of this process beside the segment (no slots: none).
+    ring: NoteRing,
+    /// The key and epoch the master seals notes with now.
+    note_key: Option<(NoteKey, u64)>,
 }
 
 /// What one remount sent.
@@ -51,6 +57,8 @@ pub struct Announced {
     pub corrupt: u64,
     /// Objects announced from the disk tier.
     pub on_disk: u64,
+    /// Pieces known from notes (commits this catalog had not applied yet).
+    pub noted: u64,
     /// Seconds spent checking and sending.
     pub seconds: f64,
 }
@@ -97,12 +105,63 @@ unsafe fn segment_pieces<'a>(
 }
 
 impl NodeCatalog {
-    /// A catalog for a node with (or without) a disk tier.
-    pub fn new(disk: Option<NodeDisk>) -> NodeCatalog {
+    /// A catalog for a node with (or without) a disk tier and a note ring.
+    ///
+    /// # Safety
+    /// The ring's memory must be this process's, readable and writable, for as long
+    /// as the catalog lives, and touched by nothing else but writers' notes.
+    pub unsafe fn new(disk: Option<NodeDisk>, ring: NoteRing) -> NodeCatalog {
         NodeCatalog {
             disk,
+            ring,
             ..NodeCatalog::default()
         }
+    }
+
+    /// The bytes of `slot` of the ring.
+    fn slot_bytes(&mut self, slot: u32) -> Option<&mut [u8]> {
+        if slot >= self.ring.slots {
+            return None;
+        }
+        // SAFETY: `new`'s caller guarantees the ring is this process's memory for the
+        // catalog's life; the slot lies inside it.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.ring.slot_addr(slot) as *mut u8, NOTE_SLOT)
+        })
+    }
+
+    /// Takes the notes of commits this catalog has not applied yet into it (at the
+    /// generation now): before a reset, whose snapshot then confirms or drops them,
+    /// and before a remount. A note never replaces an entry as new as itself.
+    fn fold_notes(&mut self, segment: &SegmentInfo) -> u64 {
+        let Some((key, epoch)) = self.note_key else {
+            return 0;
+        };
+        let mut folded = 0;
+        for slot in 0..self.ring.slots {
+            let Some(entry) = self
+                .slot_bytes(slot)
+                .and_then(|b| note::open(b, &key, epoch, slot))
+            else {
+                continue;
+            };
+            let Some(addr) = entry
+                .piece()
+                .filter(|p| p.segment == segment.name)
+                .map(|p| p.addr)
+            else {
+                continue;
+            };
+            let newer = self
+                .entries
+                .get(&addr)
+                .is_some_and(|(e, _)| e.version >= entry.version);
+            if !newer {
+                self.entries.insert(addr, (entry, self.generation));
+                folded += 1;
+            }
+        }
+        folded
     }
 
     /// The next poll's request for `segment` of `client` (it carries the disk copies
@@ -121,6 +180,7 @@ impl NodeCatalog {
                 false => self.disk.as_ref().map_or(0, NodeDisk::capacity),
             },
             lost: std::mem::take(&mut self.lost),
+            ring: self.ring,
         }
     }
 
@@ -139,6 +199,9 @@ impl NodeCatalog {
     pub unsafe fn apply(&mut self, ev: SegmentEvents, segment: &SegmentInfo) {
         self.drain_asked |= ev.draining;
         if ev.reset {
+            // Notes of the ending epoch cannot be opened after it: read them now.
+            self.fold_notes(segment);
+            self.note_key = ev.note_key.map(|k| (k, ev.last));
             self.instance = ev.instance;
             self.generation += 1;
             self.disk_kept.clear();
@@ -158,6 +221,11 @@ impl NodeCatalog {
                 }
                 CatalogEvent::Free(addr) => {
                     self.entries.remove(&addr);
+                }
+                CatalogEvent::Unnote(slot) => {
+                    if let Some(b) = self.slot_bytes(slot) {
+                        note::clear(b);
+                    }
                 }
                 CatalogEvent::Offload(addr) => {
                     let Some((entry, _)) = self.entries.remove(&addr) else {
@@ -314,7 +382,12 @@ impl NodeCatalog {
         owner: OwnerTicket,
     ) -> (Vec<Request>, Announced) {
         let started = Instant::now();
-        let mut stats = Announced::default();
+        // The notes of the master that is gone, then no more of them.
+        let mut stats = Announced {
+            noted: self.fold_notes(segment),
+            ..Announced::default()
+        };
+        self.note_key = None;
         let end = segment.base + segment.size;
         self.entries.retain(|_, (e, _)| {
             let Some(p) = e.piece() else { return false };
@@ -443,6 +516,7 @@ mod tests {
             draining: false,
             last,
             events,
+            note_key: None,
         }
     }
 

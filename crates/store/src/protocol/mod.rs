@@ -4,7 +4,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod note;
 mod wire;
+
+pub use note::{NoteKey, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT};
 
 use super::codec::{Reader, Writer};
 use crate::error::{Code, Error, Result};
@@ -205,6 +208,9 @@ pub enum CatalogEvent {
         /// The version whose copy goes (a later one stays).
         version: u64,
     },
+    /// The note in this slot of the node's ring is consumed (its commit is above, or
+    /// its put was dropped): clear it.
+    Unnote(u32),
 }
 
 /// The master's answer to `SegmentEvents`.
@@ -225,6 +231,9 @@ pub struct SegmentEvents {
     pub last: u64,
     /// The changes, oldest first.
     pub events: Vec<CatalogEvent>,
+    /// With `reset`, to a node that keeps a note ring: the key this epoch's notes are
+    /// sealed with (the epoch is `last`). Sent after `events`.
+    pub note_key: Option<NoteKey>,
 }
 
 /// Pool-wide figures the master reports.
@@ -272,6 +281,19 @@ pub enum Request {
         client: u64,
         /// `(key, size)` pairs.
         items: Vec<(String, u64)>,
+        /// Replication and pinning.
+        config: ReplicateConfig,
+        /// Overwrite existing keys instead of failing them.
+        upsert: bool,
+    },
+    /// As `PutStart`, for values whose checksums the writer knows before it writes:
+    /// each placement comes with the sealed commit notes the writer puts beside the
+    /// bytes (`note`), and the put's `PutEnd` then need not wait for the nodes.
+    PutStartNoted {
+        /// The calling client.
+        client: u64,
+        /// `(key, size, crc32c)` triples.
+        items: Vec<(String, u64, u32)>,
         /// Replication and pinning.
         config: ReplicateConfig,
         /// Overwrite existing keys instead of failing them.
@@ -375,6 +397,9 @@ pub enum Request {
         disk_capacity: u64,
         /// Keys whose disk-tier copy is gone (evicted there, corrupt, unreadable).
         lost: Vec<String>,
+        /// The node's note ring (no slots: none). Sent after `lost`, by nodes that
+        /// keep one.
+        ring: NoteRing,
     },
     /// Stops placing anything new on a segment of the caller's, before it leaves.
     Drain {
@@ -502,6 +527,9 @@ pub enum Response {
     Mounted(OwnerTicket),
     /// Per key: where to write its replicas.
     PutStart(Vec<KeyResult<Vec<ReplicaDesc>>>),
+    /// Per key: where to write its replicas, and the notes to write beside them (none
+    /// when the put has to wait for the nodes' catalogs instead).
+    PutStartNoted(Vec<KeyResult<(Vec<ReplicaDesc>, Vec<NoteWrite>)>>),
     /// Per key: success or the code it failed with.
     PerKey(Vec<KeyResult<()>>),
     /// Per key: the object's descriptor.
@@ -598,6 +626,7 @@ rpc_methods! {
     25 => CopyEnd,
     26 => ReleaseStaged,
     27 => Describe,
+    28 => PutStartNoted,
 }
 
 /// The most bytes of a key that error and log text shows.

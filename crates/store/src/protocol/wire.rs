@@ -37,6 +37,18 @@ impl Request {
                 encode_config(w, config);
                 w.bool(*upsert);
             }
+            Request::PutStartNoted {
+                client,
+                items,
+                config,
+                upsert,
+            } => {
+                w.u64(*client).list(items, |w, (k, s, c)| {
+                    w.str(k).u64(*s).u32(*c);
+                });
+                encode_config(w, config);
+                w.bool(*upsert);
+            }
             Request::PutEnd { client, items } => {
                 w.u64(*client).list(items, |w, (k, c)| {
                     w.str(k).u32(*c);
@@ -105,12 +117,16 @@ impl Request {
                 acked,
                 disk_capacity,
                 lost,
+                ring,
             } => {
                 w.u64(*client).str(segment).u64(*instance).u64(*acked);
                 w.u64(*disk_capacity);
                 w.list(lost, |w, k| {
                     w.str(k);
                 });
+                if ring.slots > 0 {
+                    w.u64(ring.addr).u32(ring.slots);
+                }
             }
             Request::Drain { client, segment } => {
                 w.u64(*client).str(segment);
@@ -206,6 +222,12 @@ impl Request {
                 config: decode_config(&mut r)?,
                 upsert: r.bool()?,
             },
+            Method::PutStartNoted => Request::PutStartNoted {
+                client: r.u64()?,
+                items: r.list(16, |r| Ok((r.string()?, r.u64()?, r.u32()?)))?,
+                config: decode_config(&mut r)?,
+                upsert: r.bool()?,
+            },
             Method::PutEnd => Request::PutEnd {
                 client: r.u64()?,
                 items: r.list(8, |r| Ok((r.string()?, r.u32()?)))?,
@@ -270,6 +292,14 @@ impl Request {
                 acked: r.u64()?,
                 disk_capacity: r.u64()?,
                 lost: keys(&mut r)?,
+                ring: if r.finish().is_ok() {
+                    NoteRing::default()
+                } else {
+                    NoteRing {
+                        addr: r.u64()?,
+                        slots: r.u32()?,
+                    }
+                },
             },
             Method::Drain => Request::Drain {
                 client: r.u64()?,
@@ -323,7 +353,7 @@ impl Request {
     }
 }
 
-fn encode_entry(w: &mut Writer, e: &CatalogEntry) {
+pub(super) fn encode_entry(w: &mut Writer, e: &CatalogEntry) {
     w.str(&e.key)
         .u64(e.version)
         .u64(e.size)
@@ -333,7 +363,7 @@ fn encode_entry(w: &mut Writer, e: &CatalogEntry) {
     w.u32(e.index);
 }
 
-fn decode_entry(r: &mut Reader) -> Result<CatalogEntry> {
+pub(super) fn decode_entry(r: &mut Reader) -> Result<CatalogEntry> {
     let key = r.string()?;
     let (version, size, crc32c, hard_pin) = (r.u64()?, r.u64()?, r.u32()?, r.bool()?);
     let mut replicas = decode_replicas(r)?;
@@ -465,6 +495,16 @@ impl Response {
                     encode_result(w, r, |w, reps| encode_replicas(w, reps))
                 });
             }
+            Response::PutStartNoted(items) => {
+                w.list(items, |w, r| {
+                    encode_result(w, r, |w, (reps, notes)| {
+                        encode_replicas(w, reps);
+                        w.list(notes, |w, n| {
+                            w.str(&n.segment).u64(n.addr).bytes(&n.bytes);
+                        });
+                    })
+                });
+            }
             Response::PerKey(items) => {
                 w.list(items, |w, r| encode_result(w, r, |_, _| {}));
             }
@@ -542,7 +582,13 @@ impl Response {
                     CatalogEvent::Keep(key) => {
                         w.u8(6).str(key);
                     }
+                    CatalogEvent::Unnote(slot) => {
+                        w.u8(8).u32(*slot);
+                    }
                 });
+                if let Some(key) = &ev.note_key {
+                    w.bytes(key);
+                }
             }
         }
     }
@@ -571,6 +617,19 @@ impl Response {
             M::PutStart | M::Relocate => {
                 Response::PutStart(r.list(4, |r| decode_result(r, decode_replicas))?)
             }
+            M::PutStartNoted => Response::PutStartNoted(r.list(4, |r| {
+                decode_result(r, |r| {
+                    let reps = decode_replicas(r)?;
+                    let notes = r.list(16, |r| {
+                        Ok(NoteWrite {
+                            segment: r.string()?,
+                            addr: r.u64()?,
+                            bytes: r.bytes()?.to_vec(),
+                        })
+                    })?;
+                    Ok((reps, notes))
+                })
+            })?),
             M::PutEnd | M::PutRevoke | M::RemoveKeys | M::ReplicaClear | M::RelocateEnd => {
                 Response::PerKey(r.list(4, |r| decode_result(r, |_| Ok(())))?)
             }
@@ -644,8 +703,15 @@ impl Response {
                         key: r.string()?,
                         version: r.u64()?,
                     }),
+                    8 => Ok(CatalogEvent::Unnote(r.u32()?)),
                     t => Err(Error::protocol(format!("catalog event type {t}"))),
                 })?,
+                note_key: match r.finish() {
+                    Ok(()) => None,
+                    Err(_) => Some(r.bytes()?.try_into().map_err(|_| {
+                        Error::protocol(format!("a note key is {} bytes", note::NOTE_KEY_LEN))
+                    })?),
+                },
             }),
         };
         r.finish()?;
@@ -660,7 +726,7 @@ mod tests {
     #[test]
     fn every_method_number_names_one_method_and_back() {
         let named: Vec<Method> = (0..=u16::MAX).filter_map(Method::from_wire).collect();
-        assert_eq!(named.len(), 27);
+        assert_eq!(named.len(), 28);
         for m in named {
             assert_eq!(Method::from_wire(m as u16), Some(m));
         }
@@ -773,6 +839,7 @@ mod tests {
                 acked: 12,
                 disk_capacity: 1 << 30,
                 lost: vec!["gone".into()],
+                ring: NoteRing::default(),
             },
             Response::SegmentEvents(SegmentEvents {
                 instance: 4,
@@ -799,8 +866,59 @@ mod tests {
                         version: 2,
                     },
                     CatalogEvent::Keep("k".into()),
+                    CatalogEvent::Unnote(3),
                 ],
+                note_key: None,
             }),
+        );
+        // A node with a note ring says where it is; a reset answers it with a key.
+        round_trip(
+            Request::SegmentEvents {
+                client: 9,
+                segment: "b".into(),
+                instance: 0,
+                acked: 0,
+                disk_capacity: 0,
+                lost: Vec::new(),
+                ring: NoteRing {
+                    addr: 1 << 40,
+                    slots: 64,
+                },
+            },
+            Response::SegmentEvents(SegmentEvents {
+                instance: 4,
+                reset: true,
+                snapshot_end: 20,
+                draining: false,
+                last: 14,
+                events: Vec::new(),
+                note_key: Some([9; note::NOTE_KEY_LEN]),
+            }),
+        );
+        round_trip(
+            Request::PutStartNoted {
+                client: 9,
+                items: vec![("k".into(), 4096, 77)],
+                config: ReplicateConfig::default(),
+                upsert: true,
+            },
+            Response::PutStartNoted(vec![
+                Ok((
+                    vec![ReplicaDesc {
+                        pieces: vec![Piece {
+                            segment: "b".into(),
+                            addr: 4096,
+                            len: 4096,
+                        }],
+                    }],
+                    vec![NoteWrite {
+                        segment: "b".into(),
+                        addr: 1 << 40,
+                        bytes: vec![1, 2, 3],
+                    }],
+                )),
+                Err(Code::ObjectAlreadyExists),
+            ]),
         );
         // The shortest events (a one-byte key) decode too, however many there are.
         let keeps = Response::SegmentEvents(SegmentEvents {
@@ -810,6 +928,7 @@ mod tests {
             draining: false,
             last: 3,
             events: vec![CatalogEvent::Keep("a".into()); 3],
+            note_key: None,
         });
         let mut w = Writer::new();
         keeps.encode(&mut w);

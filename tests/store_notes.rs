@@ -10,8 +10,8 @@ use std::time::Duration;
 use mooncake::store::master::{Clock, Master, MasterConfig};
 use mooncake::store::node::catalog::NodeCatalog;
 use mooncake::store::protocol::{
-    note, CatalogEvent, NoteRing, OwnerTicket, ReplicateConfig, Request, Response, SegmentInfo,
-    NOTE_SLOT,
+    note, CatalogEvent, NotePlace, NoteRing, NoteWrite, OwnerTicket, ReplicaDesc, ReplicateConfig,
+    Request, Response, SegmentInfo, NOTE_SLOT,
 };
 use mooncake::util::crc32c::crc32c;
 use mooncake::Code;
@@ -138,12 +138,17 @@ fn restart_of(before: Master, ack_timeout: Duration) -> Master {
 }
 
 fn master(ack_timeout: Duration) -> Master {
+    master_polled(ack_timeout, Duration::ZERO)
+}
+
+/// A master whose catalog polls wait `poll_wait` for news.
+fn master_polled(ack_timeout: Duration, poll_wait: Duration) -> Master {
     let mut cfg = MasterConfig::default();
     cfg.allocator.slab_size = 1 << 20;
     cfg.catalog_ack_timeout = ack_timeout;
-    // A poll with nothing to say answers at once: the node here polls only when a
-    // test says so, and never needs to wait for news.
-    cfg.catalog_poll_wait = Duration::ZERO;
+    // Zero: a poll with nothing to say answers at once (the node here polls only when
+    // a test says so, and never needs to wait for news).
+    cfg.catalog_poll_wait = poll_wait;
     Master::with_clock(cfg, Clock::manual())
 }
 
@@ -163,6 +168,23 @@ fn mount(m: &Master, node: &mut Node) {
 /// Starts a noted put of `value`, writes its bytes and notes into `node` as the
 /// writer's engine batch would; the notes written.
 fn start_and_write(m: &Master, node: &mut Node, key: &str, value: &[u8]) -> usize {
+    let (replicas, notes) = start(m, key, value);
+    land(node, &replicas, &notes, value);
+    notes.len()
+}
+
+/// What the writer lands: the value in its replica, and its notes.
+fn land(node: &mut Node, replicas: &[ReplicaDesc], notes: &[NoteWrite], value: &[u8]) {
+    let piece = &replicas[0].pieces[0];
+    trace(|| format!("  at {:#x}, {} notes", piece.addr, notes.len()));
+    node.write(piece.addr, value);
+    for n in notes {
+        node.write(n.addr, &n.bytes);
+    }
+}
+
+/// Starts a noted put of `value`: where it goes, and its notes.
+fn start(m: &Master, key: &str, value: &[u8]) -> (Vec<ReplicaDesc>, Vec<NoteWrite>) {
     let Response::PutStartNoted(mut r) = m
         .handle(Request::PutStartNoted {
             client: CLIENT,
@@ -174,14 +196,7 @@ fn start_and_write(m: &Master, node: &mut Node, key: &str, value: &[u8]) -> usiz
     else {
         panic!("wrong answer")
     };
-    let (replicas, notes) = r.pop().unwrap().unwrap();
-    let piece = &replicas[0].pieces[0];
-    trace(|| format!("  {key} at {:#x}, {} notes", piece.addr, notes.len()));
-    node.write(piece.addr, value);
-    for n in &notes {
-        node.write(n.addr, &n.bytes);
-    }
-    notes.len()
+    r.pop().unwrap().unwrap()
 }
 
 fn end(m: &Master, key: &str, value: &[u8]) -> Result<(), Code> {
@@ -224,7 +239,7 @@ fn a_put_acknowledged_without_waiting_comes_back_from_its_note() {
     assert!(!reset, "the put did not wait for the node");
     assert!(matches!(
         events[..],
-        [CatalogEvent::Commit(_), CatalogEvent::Unnote(_)]
+        [CatalogEvent::Commit(_), CatalogEvent::Unnote { .. }]
     ));
     // "b" is acknowledged, and the master is lost before its node hears of it.
     let b = vec![0xB2u8; 3000];
@@ -250,9 +265,12 @@ fn forged_copied_revoked_and_consumed_notes_bring_nothing_back() {
         keys: vec!["revoked".into()],
     })
     .unwrap();
-    // Committed, then removed: the commit's `Unnote` clears the note.
+    // Committed, then removed: the commit's `Unnote` clears the note. Written again
+    // into its slot afterwards (replayed by a member that kept a copy), it names
+    // nothing.
     let g = vec![9u8; 2048];
-    start_and_write(&m, &mut node, "gone", &g);
+    let (replicas, gone_notes) = start(&m, "gone", &g);
+    land(&mut node, &replicas, &gone_notes, &g);
     end(&m, "gone", &g).unwrap();
     m.handle(Request::Remove {
         key: "gone".into(),
@@ -263,10 +281,13 @@ fn forged_copied_revoked_and_consumed_notes_bring_nothing_back() {
     assert_eq!(
         events
             .iter()
-            .filter(|e| matches!(e, CatalogEvent::Unnote(_)))
+            .filter(|e| matches!(e, CatalogEvent::Unnote { .. }))
             .count(),
         2
     );
+    for n in &gone_notes {
+        node.write(n.addr, &n.bytes);
+    }
     // A note of a put that never was, sealed under a key the node never got, over
     // bytes that match its checksum; and a copy of a genuine note in another slot.
     let k = vec![5u8; 4096];
@@ -285,15 +306,14 @@ fn forged_copied_revoked_and_consumed_notes_bring_nothing_back() {
     let other = (genuine_slot + 1) % SLOTS as usize;
     let at = node.ring.slot_addr(other as u32);
     node.write(at, &copy);
-    let mut entry = note::open(&copy, &[0; 32], 0, 0);
     assert!(
-        entry.is_none(),
+        note::open(&copy, &[0; 32], 0, 0).is_none(),
         "a genuine note does not open under another key"
     );
     let forged_value = vec![3u8; 1024];
     let forged_at = node.info.base + (512 << 10);
     node.write(forged_at, &forged_value);
-    entry = Some(mooncake::store::protocol::CatalogEntry {
+    let entry = Some(mooncake::store::protocol::CatalogEntry {
         key: "forged".into(),
         version: u64::MAX / 2,
         size: 1024,
@@ -309,7 +329,12 @@ fn forged_copied_revoked_and_consumed_notes_bring_nothing_back() {
         index: 0,
     });
     let slot = (genuine_slot + 2) % SLOTS as usize;
-    let forged = note::seal(&[0x42; 32], 1, slot as u32, entry.as_ref().unwrap()).unwrap();
+    let place = NotePlace {
+        epoch: 1,
+        slot: slot as u32,
+        lend: u64::MAX,
+    };
+    let forged = note::seal(&[0x42; 32], place, entry.as_ref().unwrap()).unwrap();
     node.write(node.ring.slot_addr(slot as u32), &forged);
     let restarted = restart_of(m, Duration::ZERO);
     assert_eq!(
@@ -562,4 +587,103 @@ fn seeded_runs_keep_what_was_acknowledged() {
             }
         }
     }
+}
+
+/// Runs `during` while `node` polls `m` in a thread of its own, as a node's catalog
+/// thread does. An answer that comes after `during` returned is not applied: the
+/// master is taken to have died then, with its answer unsent.
+fn with_poller<T>(m: &Master, node: &mut Node, during: impl FnOnce() -> T) -> T {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| loop {
+            let req = node.catalog.poll_request(CLIENT, &node.info.name);
+            let Ok(Response::SegmentEvents(ev)) = m.handle(req) else {
+                panic!("wrong answer")
+            };
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
+            // SAFETY: the segment is `node.segment`, alive and writable.
+            unsafe { node.catalog.apply(ev, &node.info) };
+        });
+        let out = during();
+        stop.store(true, Ordering::SeqCst);
+        out
+    })
+}
+
+#[test]
+fn a_revoke_after_a_reset_returns_once_the_node_dropped_the_put() {
+    // Polls wait for news as they do in a cluster: nothing the revoke records reaches
+    // the node unless the revoke asks for it.
+    let m = master_polled(Duration::from_secs(10), Duration::from_millis(500));
+    let mut node = Node::new(1 << 20);
+    mount(&m, &mut node);
+    let p = vec![0x5Au8; 4096];
+    assert_eq!(start_and_write(&m, &mut node, "p", &p), 1);
+    // The node loses its place: its reset reads the note, so it now holds "p" until
+    // told otherwise (the snapshot that would drop it comes with its next poll).
+    node.catalog.forget_master();
+    assert!(node.poll(&m).0);
+    with_poller(&m, &mut node, || {
+        m.handle(Request::PutRevoke {
+            client: CLIENT,
+            keys: vec!["p".into()],
+        })
+        .unwrap()
+    });
+    let restarted = restart_of(m, Duration::from_secs(10));
+    node.remount(&restarted);
+    assert_eq!(stored_crc(&restarted, "p"), Err(Code::ObjectNotFound));
+}
+
+#[test]
+fn a_note_written_after_its_put_was_dropped_names_nothing() {
+    let m = master(Duration::ZERO);
+    let mut node = Node::new(1 << 20);
+    mount(&m, &mut node);
+    // The writer is slow: its put is removed (by force) before its batch lands.
+    let q = vec![0x71u8; 4096];
+    let (replicas, notes) = start(&m, "q", &q);
+    assert_eq!(notes.len(), 1);
+    m.handle(Request::Remove {
+        key: "q".into(),
+        force: true,
+    })
+    .unwrap();
+    let (_, events) = node.poll(&m);
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, CatalogEvent::Unnote { .. })));
+    land(&mut node, &replicas, &notes, &q);
+    let restarted = restart_of(m, Duration::ZERO);
+    assert_eq!(node.remount(&restarted), 0);
+    assert_eq!(stored_crc(&restarted, "q"), Err(Code::ObjectNotFound));
+}
+
+#[test]
+fn a_slot_a_writer_may_still_fill_is_not_lent_after_its_segment_mounts_again() {
+    let m = master(Duration::ZERO);
+    let mut node = Node::new(1 << 20);
+    mount(&m, &mut node);
+    let (_, before) = start(&m, "slow", &[1u8; 100]);
+    // The segment leaves the pool (here by its owner) and comes back over the same
+    // memory and ring while the writer of "slow" may still write its note.
+    m.handle(Request::Unmount {
+        client: CLIENT,
+        name: node.info.name.clone(),
+    })
+    .unwrap();
+    node.catalog.forget_master();
+    mount(&m, &mut node);
+    let lent: Vec<u64> = (0..SLOTS)
+        .map(|i| start(&m, &format!("after{i}"), &[2u8; 100]).1)
+        .filter_map(|n| n.first().map(|n| n.addr))
+        .collect();
+    assert!(!lent.is_empty());
+    assert!(
+        !lent.contains(&before[0].addr),
+        "the slow writer's slot was lent again"
+    );
 }

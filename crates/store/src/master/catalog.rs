@@ -26,7 +26,7 @@ use crate::allocator::SlabAllocator;
 use crate::error::{Code, Error, Result};
 use crate::protocol::{
     check_key, note, shown_key, CatalogEntry, CatalogEvent, DiskEntry, NoteRing, NoteWrite,
-    OwnerTicket, ReplicaDesc, SegmentEvents, SegmentInfo,
+    OwnerTicket, ReplicaDesc, SegmentEvents, SegmentInfo, NOTE_SLOT,
 };
 
 /// A remount whose last chunk does not come within this long is dropped.
@@ -196,7 +196,7 @@ impl Commits {
     }
 
     /// As `record`; a piece whose node holds the put's note (`notes`) needs no
-    /// waiting for.
+    /// waiting for, unless its segment drains (the node moves what its catalog lists).
     pub fn record_noted(&mut self, key: &str, o: &Object, mut notes: Vec<NoteHold>) {
         for replica in o.replicas.iter() {
             for (index, piece) in replica.iter().enumerate() {
@@ -206,6 +206,7 @@ impl Commits {
                     Some(at) => notes.swap_remove(at).commit(commit()),
                     None => (piece.seg.log.record(commit), false),
                 };
+                let covered = covered && !piece.seg.draining.load(Ordering::SeqCst);
                 if let (Some(seq), false) = (seq, covered) {
                     self.0.push((piece.seg.clone(), seq));
                 }
@@ -225,6 +226,8 @@ pub struct NoteHold {
     seg: Arc<Segment>,
     /// The piece's address.
     addr: u64,
+    /// Where in the ring the note goes.
+    slot_addr: u64,
     lent: Option<Lent>,
     until: Instant,
 }
@@ -243,12 +246,23 @@ impl NoteHold {
         }
     }
 
-    /// The writer is done and the put failed: the note is cleared; the `Unnote` to
-    /// wait for, with its segment.
-    pub fn revoke(mut self) -> Option<(Arc<Segment>, u64)> {
+    /// The writer is done and the put failed: the note is cleared. The segment, whose
+    /// log head the answer waits for: the node may hold the put already (its note read
+    /// at a reset), and drops it at the frees recorded since.
+    pub fn revoke(mut self) -> Option<Arc<Segment>> {
         let lent = self.lent.take()?;
-        let seq = self.seg.log.drop_note(lent, true, self.until)?;
-        Some((self.seg.clone(), seq))
+        self.seg.log.drop_note(lent, true, self.until);
+        Some(self.seg.clone())
+    }
+
+    /// The fence keeping this note's slot from other puts, should `seg` (its segment)
+    /// be mounted again while the writer may still write (see `Master::drop_segment`).
+    pub fn fence_on(&self, seg: &Segment, until_ms: u64) -> Option<segments::Fence> {
+        (self.seg.id == seg.id && self.lent.is_some()).then_some(segments::Fence {
+            addr: self.slot_addr,
+            len: NOTE_SLOT as u64,
+            until_ms,
+        })
     }
 }
 
@@ -260,44 +274,49 @@ impl Drop for NoteHold {
     }
 }
 
-/// Lends a note slot for every piece of `replicas` and seals each piece's note for
-/// `entry` (its key, version, size, checksum and pin); None, with every slot given
-/// back, when a node keeps no ring, has no free slot, or a note does not fit a slot.
+/// Lends a note slot for the piece of every replica (`next_lend` numbers them) and
+/// seals each piece's note for `entry` (its key, version, size, checksum and pin);
+/// None, with every slot given back, when a node keeps no ring, has no free slot, a
+/// note does not fit a slot, or a replica is striped (one piece's note cannot vouch
+/// for the bytes of the others, which the node does not hold).
 pub(super) fn lend_notes(
     replicas: &Replicas,
     entry: &mut CatalogEntry,
     until: Instant,
+    next_lend: &dyn Fn() -> u64,
 ) -> Option<(Vec<NoteHold>, Vec<NoteWrite>)> {
+    if replicas.iter().any(|r| r.len() != 1) {
+        return None;
+    }
     let mut holds = Vec::new();
     let mut writes = Vec::new();
-    for replica in replicas.iter() {
+    for piece in replicas.pieces() {
         entry.replica = ReplicaDesc {
-            pieces: replica.iter().map(PieceAlloc::piece).collect(),
+            pieces: vec![piece.piece()],
         };
-        for (index, piece) in replica.iter().enumerate() {
-            entry.index = index as u32;
-            let Some((lent, key, ring)) = piece.seg.log.lend_note() else {
-                unlend(holds);
-                return None;
-            };
-            let hold = NoteHold {
-                seg: piece.seg.clone(),
-                addr: piece.piece().addr,
-                lent: Some(lent),
-                until,
-            };
-            let Some(bytes) = note::seal(&key, lent.epoch, lent.slot, entry) else {
-                holds.push(hold);
-                unlend(holds);
-                return None;
-            };
-            writes.push(NoteWrite {
-                segment: piece.seg.info.name.clone(),
-                addr: ring.slot_addr(lent.slot),
-                bytes,
-            });
+        entry.index = 0;
+        let Some((lent, key, ring)) = piece.seg.log.lend_note(next_lend) else {
+            unlend(holds);
+            return None;
+        };
+        let hold = NoteHold {
+            seg: piece.seg.clone(),
+            addr: piece.piece().addr,
+            slot_addr: ring.slot_addr(lent.slot),
+            lent: Some(lent),
+            until,
+        };
+        let Some(bytes) = note::seal(&key, lent, entry) else {
             holds.push(hold);
-        }
+            unlend(holds);
+            return None;
+        };
+        writes.push(NoteWrite {
+            segment: piece.seg.info.name.clone(),
+            addr: hold.slot_addr,
+            bytes,
+        });
+        holds.push(hold);
     }
     Some((holds, writes))
 }

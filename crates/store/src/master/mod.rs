@@ -349,10 +349,14 @@ impl Master {
                     .iter()
                     .map(|k| self.put_revoke(client, k, &mut cleared))
                     .collect();
-                // A failed put's notes must not bring it back after a restart.
+                // A failed put's notes must not bring it back after a restart: its
+                // nodes clear them, and drop what they read of them at a reset.
                 let timeout = self.config.catalog_ack_timeout;
-                for (seg, seq) in cleared.into_iter().filter(|_| !timeout.is_zero()) {
-                    seg.log.wait_acked(seq, timeout);
+                let mut seen = std::collections::HashSet::new();
+                for seg in cleared.into_iter().filter(|s| seen.insert(s.id)) {
+                    if let (Some(head), false) = (seg.log.head(), timeout.is_zero()) {
+                        seg.log.wait_acked(head, timeout);
+                    }
                 }
                 Response::PerKey(results)
             }
@@ -593,6 +597,8 @@ impl Master {
                 if !o.complete {
                     let until_ms = o.started_ms() + release;
                     fences.extend(fences_on(&seg, &o.replicas, until_ms));
+                    let notes = o.pending.iter().flat_map(|p| &p.notes);
+                    fences.extend(notes.filter_map(|n| n.fence_on(&seg, until_ms)));
                 }
                 o.replicas.retain(|r| r.iter().all(|p| p.seg.id != seg.id));
                 if o.disk.as_ref().is_some_and(|d| d.seg.id == seg.id) {
@@ -747,7 +753,9 @@ impl Master {
             replica: ReplicaDesc { pieces: Vec::new() },
             index: 0,
         };
-        let Some((holds, writes)) = catalog::lend_notes(&o.replicas, &mut entry, until) else {
+        let next_lend = || self.catalogs.next_version();
+        let lent = catalog::lend_notes(&o.replicas, &mut entry, until, &next_lend);
+        let Some((holds, writes)) = lent else {
             return Vec::new();
         };
         if let Some(p) = o.pending.as_mut() {
@@ -901,12 +909,7 @@ impl Master {
         }
     }
 
-    fn put_revoke(
-        &self,
-        client: u64,
-        key: &str,
-        cleared: &mut Vec<(Arc<Segment>, u64)>,
-    ) -> KeyResult<()> {
+    fn put_revoke(&self, client: u64, key: &str, cleared: &mut Vec<Arc<Segment>>) -> KeyResult<()> {
         check_key(key)?;
         let mut map = self.shard(key).locked();
         match map.get_mut(key) {

@@ -13,7 +13,10 @@
 //!   is done): when the node acknowledges the `Unnote` that clears it;
 //! - consumed in an epoch that ended: at once (lending waits for the node anyway);
 //! - lent to a writer that may still be writing (an abandoned put): after a quarantine
-//!   as long as the space of such a put's object gets.
+//!   as long as the space of such a put's object gets (its late note is refused by the
+//!   node, which saw the lend consumed; the quarantine keeps it from overwriting a
+//!   live note of a later lend), also across a drop and remount of the segment
+//!   (`fence`).
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -37,14 +40,13 @@ pub struct NoteSlots {
     /// The node has this epoch's key (it follows the epoch): only then can a note
     /// sealed with it cover a put.
     key_delivered: bool,
+    /// Slot addresses a writer of an earlier mount may still write into, until their
+    /// time: quarantined when the ring is announced.
+    fences: Vec<(u64, Instant)>,
 }
 
-/// A slot lent to a put, in the epoch it was lent in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lent {
-    pub slot: u32,
-    pub epoch: u64,
-}
+/// A slot lent to a put: where its note goes, and the lend's number.
+pub type Lent = crate::protocol::NotePlace;
 
 impl NoteSlots {
     /// Takes the ring a node announced, once: a ring outside the node's segment and of
@@ -64,7 +66,22 @@ impl NoteSlots {
             return;
         }
         self.ring = ring;
-        self.free = (0..ring.slots).rev().collect();
+        let fences = std::mem::take(&mut self.fences);
+        for slot in (0..ring.slots).rev() {
+            let fence = fences
+                .iter()
+                .find(|(addr, _)| *addr == ring.slot_addr(slot));
+            match fence {
+                Some((_, until)) => self.quarantined.push((*until, slot)),
+                None => self.free.push(slot),
+            }
+        }
+    }
+
+    /// Keeps the slots at these addresses from being lent before their time, once the
+    /// ring is announced (a writer of the segment's earlier mount may write there).
+    pub fn fence(&mut self, fences: Vec<(u64, Instant)>) {
+        self.fences = fences;
     }
 
     /// A new epoch: a new key, and no lending until the node has it.
@@ -88,9 +105,14 @@ impl NoteSlots {
         (self.ring.slots > 0).then_some(self.ring)
     }
 
-    /// Lends a free slot; whether the node should be asked to clear slots now (a
-    /// quarter or less is left).
-    pub fn lend(&mut self, epoch: u64, now: Instant) -> (Option<Lent>, bool) {
+    /// Lends a free slot as lend number `lend()`; whether the node should be asked to
+    /// clear slots now (a quarter or less is left).
+    pub fn lend(
+        &mut self,
+        epoch: u64,
+        lend: impl FnOnce() -> u64,
+        now: Instant,
+    ) -> (Option<Lent>, bool) {
         if self
             .quarantined
             .first()
@@ -105,7 +127,11 @@ impl NoteSlots {
         if !self.key_delivered {
             return (None, false);
         }
-        let lent = self.free.pop().map(|slot| Lent { slot, epoch });
+        let lent = self.free.pop().map(|slot| Lent {
+            slot,
+            epoch,
+            lend: lend(),
+        });
         let low = (self.free.len() as u64) * 4 <= self.ring.slots as u64;
         (lent, low && self.ring.slots > 0)
     }
@@ -203,11 +229,15 @@ mod tests {
         );
         s.new_epoch();
         let now = Instant::now();
-        assert_eq!(s.lend(10, now).0, None, "not before the node has the key");
+        assert_eq!(
+            s.lend(10, || 1, now).0,
+            None,
+            "not before the node has the key"
+        );
         s.acknowledged(10);
-        let a = s.lend(10, now).0.unwrap();
-        let b = s.lend(10, now).0.unwrap();
-        let (c, low) = s.lend(10, now);
+        let a = s.lend(10, || 1, now).0.unwrap();
+        let b = s.lend(10, || 1, now).0.unwrap();
+        let (c, low) = s.lend(10, || 1, now);
         assert!(low, "one of four left");
         s.clear_after(12, a.slot);
         s.quarantine(b.slot, now + std::time::Duration::from_secs(60));
@@ -219,11 +249,11 @@ mod tests {
         // until the node follows the new epoch (having read the old notes).
         s.clear_after(13, c.unwrap().slot);
         s.new_epoch();
-        assert_eq!(s.lend(20, now).0, None, "the node lacks the new key");
+        assert_eq!(s.lend(20, || 2, now).0, None, "the node lacks the new key");
         s.acknowledged(20);
         assert_eq!(s.free_count(), 3);
         // The abandoned writer's slot waits out its quarantine.
-        s.lend(20, now + std::time::Duration::from_secs(61));
+        s.lend(20, || 3, now + std::time::Duration::from_secs(61));
         assert_eq!(s.free_count(), 3);
     }
 }

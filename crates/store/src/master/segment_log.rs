@@ -119,15 +119,16 @@ impl SegmentLog {
         (seq, released)
     }
 
-    /// Lends a slot of the node's note ring to a put: the slot, the key and the ring;
-    /// None when the node keeps no ring, none is free, or nobody follows the log.
-    pub fn lend_note(&self) -> Option<(Lent, NoteKey, NoteRing)> {
+    /// Lends a slot of the node's note ring to a put, numbered by `lend` (called under
+    /// this log's lock, so numbers rise in lend order): the slot, the key and the
+    /// ring; None when the node keeps no ring, none is free, or nobody follows the log.
+    pub fn lend_note(&self, lend: impl FnOnce() -> u64) -> Option<(Lent, NoteKey, NoteRing)> {
         let mut s = self.lock();
         if !s.active {
             return None;
         }
         let base = s.base;
-        let (lent, low) = s.notes.lend(base, Instant::now());
+        let (lent, low) = s.notes.lend(base, lend, Instant::now());
         if low {
             // Have the node clear consumed notes now, not at its next poll.
             s.woken = true;
@@ -154,7 +155,11 @@ impl SegmentLog {
         let (seq, mut released) = self.push(&mut s, commit);
         let covered = s.active && lent.epoch == s.base;
         if covered {
-            let (unnote, more) = self.push(&mut s, CatalogEvent::Unnote(lent.slot));
+            let unnote = CatalogEvent::Unnote {
+                slot: lent.slot,
+                lend: lent.lend,
+            };
+            let (unnote, more) = self.push(&mut s, unnote);
             released.extend(more);
             s.notes.clear_after(unnote, lent.slot);
         } else {
@@ -175,7 +180,11 @@ impl SegmentLog {
         let current = s.active && lent.epoch == s.base;
         let (seq, released) = match current {
             true => {
-                let (seq, released) = self.push(&mut s, CatalogEvent::Unnote(lent.slot));
+                let unnote = CatalogEvent::Unnote {
+                    slot: lent.slot,
+                    lend: lent.lend,
+                };
+                let (seq, released) = self.push(&mut s, unnote);
                 (Some(seq), released)
             }
             false => (None, Vec::new()),
@@ -188,6 +197,12 @@ impl SegmentLog {
         drop(s);
         drop(released);
         seq
+    }
+
+    /// Keeps ring slots at these addresses from being lent before their time (see
+    /// `NoteSlots::fence`).
+    pub fn fence_notes(&self, fences: Vec<(u64, Instant)>) {
+        self.lock().notes.fence(fences);
     }
 
     /// The key this epoch's notes are sealed with, if the node keeps a ring.
@@ -433,7 +448,7 @@ impl SegmentLog {
 fn encoded_size(e: &CatalogEvent) -> usize {
     match e {
         CatalogEvent::Free(_) | CatalogEvent::Offload(_) => 9,
-        CatalogEvent::Unnote(_) => 5,
+        CatalogEvent::Unnote { .. } => 13,
         CatalogEvent::Load { key, pieces, .. } => key.len() + 20 + 16 * pieces.len(),
         CatalogEvent::Forget { key, .. } | CatalogEvent::Keep(key) => key.len() + 32,
         CatalogEvent::Commit(entry) => entry.wire_size(),

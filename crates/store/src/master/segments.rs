@@ -119,7 +119,11 @@ impl SegmentTable {
                 Err(s.client)
             };
         }
-        let fences = self.take_fences(key, &info, now_ms);
+        // Fences on the node's note ring (beside the segment) go to its log.
+        let (fences, ring_fences): (Vec<_>, Vec<_>) = self
+            .take_fences(key, &info, now_ms)
+            .into_iter()
+            .partition(|f| f.addr >= info.base && f.addr < info.base.saturating_add(info.size));
         let config = config.for_segment(info.size);
         let (alloc, taken) = if fences.is_empty() {
             (SlabAllocator::new(info.size, config), Vec::new())
@@ -138,6 +142,12 @@ impl SegmentTable {
             adopting: AtomicBool::new(false),
             owner: None,
         });
+        let now = std::time::Instant::now();
+        let ring_fences = ring_fences.iter().map(|f| {
+            let left = std::time::Duration::from_millis(f.until_ms.saturating_sub(now_ms));
+            (f.addr, now + left)
+        });
+        seg.log.fence_notes(ring_fences.collect());
         map.insert(key.to_owned(), seg.clone());
         Ok(fenced_space(&seg, &fences, taken))
     }

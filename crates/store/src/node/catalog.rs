@@ -44,6 +44,10 @@ pub struct NodeCatalog {
     ring: NoteRing,
     /// The key and epoch the master seals notes with now.
     note_key: Option<(NoteKey, u64)>,
+    /// Per ring slot, the last lend whose note was consumed: a note of it or of an
+    /// earlier lend names nothing (written late, or replayed). In this process's own
+    /// memory, out of writers' reach.
+    consumed: Vec<u64>,
 }
 
 /// What one remount sent.
@@ -139,12 +143,15 @@ impl NodeCatalog {
         };
         let mut folded = 0;
         for slot in 0..self.ring.slots {
-            let Some(entry) = self
+            let Some((lend, entry)) = self
                 .slot_bytes(slot)
                 .and_then(|b| note::open(b, &key, epoch, slot))
             else {
                 continue;
             };
+            if self.consumed.get(slot as usize).is_some_and(|c| lend <= *c) {
+                continue;
+            }
             let Some(addr) = entry
                 .piece()
                 .filter(|p| p.segment == segment.name)
@@ -222,9 +229,12 @@ impl NodeCatalog {
                 CatalogEvent::Free(addr) => {
                     self.entries.remove(&addr);
                 }
-                CatalogEvent::Unnote(slot) => {
+                CatalogEvent::Unnote { slot, lend } => {
                     if let Some(b) = self.slot_bytes(slot) {
                         note::clear(b);
+                        self.consumed.resize(self.ring.slots as usize, 0);
+                        let c = &mut self.consumed[slot as usize];
+                        *c = (*c).max(lend);
                     }
                 }
                 CatalogEvent::Offload(addr) => {

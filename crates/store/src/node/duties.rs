@@ -57,10 +57,11 @@ impl MasterSession {
         }
         let seconds = announced.seconds + started.elapsed().as_secs_f64();
         log::info!(
-            "mounted {}: {} object pieces ({} bytes) and {} disk-tier objects announced in {:.3} s ({:.1} MB/s), {} dropped as corrupt",
+            "mounted {}: {} object pieces ({} bytes; {} known from commit notes) and {} disk-tier objects announced in {:.3} s ({:.1} MB/s), {} dropped as corrupt",
             seg.name,
             announced.pieces,
             announced.bytes,
+            announced.noted,
             announced.on_disk,
             seconds,
             announced.bytes as f64 / seconds.max(1e-9) / 1e6,

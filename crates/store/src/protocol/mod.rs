@@ -7,7 +7,7 @@
 pub mod note;
 mod wire;
 
-pub use note::{NoteKey, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT};
+pub use note::{NoteKey, NotePlace, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT};
 
 use super::codec::{Reader, Writer};
 use crate::error::{Code, Error, Result};
@@ -208,9 +208,15 @@ pub enum CatalogEvent {
         /// The version whose copy goes (a later one stays).
         version: u64,
     },
-    /// The note in this slot of the node's ring is consumed (its commit is above, or
-    /// its put was dropped): clear it.
-    Unnote(u32),
+    /// The note of this lend of a slot of the node's ring is consumed (its commit is
+    /// above, or its put was dropped): clear it, and open no note of that lend or an
+    /// earlier one in the slot again.
+    Unnote {
+        /// The slot.
+        slot: u32,
+        /// The lend (see `note::NotePlace`).
+        lend: u64,
+    },
 }
 
 /// The master's answer to `SegmentEvents`.

@@ -8,9 +8,12 @@
 //! ring only when it would otherwise lose track: at a log reset and at a remount.
 //!
 //! The master seals each note with a key it hands the node over the catalog poll (one
-//! per log epoch), so no other member can forge or replay a catalog record into a
-//! node's ring: what a note names (key, version, checksum, pieces) is what the master
-//! allocated, and the checksum is the writer's, declared before the seal.
+//! per log epoch), so no other member can forge a catalog record into a node's ring:
+//! what a note names (key, version, checksum, pieces) is what the master allocated, and
+//! the checksum is the writer's, declared before the seal. Each lend of a slot has its
+//! own number, sealed too; the node remembers, per slot, the highest lend whose note
+//! was consumed (`CatalogEvent::Unnote`), so a consumed note written again (by a late
+//! writer, or replayed by another member) names nothing.
 
 use super::{CatalogEntry, Reader, Writer};
 use crate::util::hmac;
@@ -26,8 +29,8 @@ pub type NoteKey = [u8; NOTE_KEY_LEN];
 const MAGIC: u32 = 0x314e_434d; // "MCN1" little-endian
 /// Bytes of the seal kept (a truncated HMAC-SHA256).
 const SEAL_LEN: usize = 16;
-/// magic, epoch, slot, body length.
-const HEADER_LEN: usize = 4 + 8 + 4 + 2;
+/// magic, epoch, slot, lend, body length.
+const HEADER_LEN: usize = 4 + 8 + 4 + 8 + 2;
 
 /// A node's note ring: `slots` slots of `NOTE_SLOT` bytes from `addr`, in memory
 /// registered with its engine beside (not inside) the segment it lends.
@@ -68,8 +71,19 @@ fn seal_of(key: &NoteKey, sealed: &[u8]) -> [u8; SEAL_LEN] {
     out
 }
 
-/// The note of `entry` for `slot` of an epoch's ring; None when it does not fit a slot.
-pub fn seal(key: &NoteKey, epoch: u64, slot: u32, entry: &CatalogEntry) -> Option<Vec<u8>> {
+/// Where a note goes and which lend of its slot it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NotePlace {
+    /// The log epoch whose key seals it.
+    pub epoch: u64,
+    /// The ring slot.
+    pub slot: u32,
+    /// The lend's number: above every earlier lend of any slot of this ring.
+    pub lend: u64,
+}
+
+/// The note of `entry` at `place`; None when it does not fit a slot.
+pub fn seal(key: &NoteKey, place: NotePlace, entry: &CatalogEntry) -> Option<Vec<u8>> {
     let mut body = Writer::new();
     super::wire::encode_entry(&mut body, entry);
     let body = body.into_bytes();
@@ -78,8 +92,9 @@ pub fn seal(key: &NoteKey, epoch: u64, slot: u32, entry: &CatalogEntry) -> Optio
     }
     let mut note = Vec::with_capacity(HEADER_LEN + body.len() + SEAL_LEN);
     note.extend_from_slice(&MAGIC.to_le_bytes());
-    note.extend_from_slice(&epoch.to_le_bytes());
-    note.extend_from_slice(&slot.to_le_bytes());
+    note.extend_from_slice(&place.epoch.to_le_bytes());
+    note.extend_from_slice(&place.slot.to_le_bytes());
+    note.extend_from_slice(&place.lend.to_le_bytes());
     note.extend_from_slice(&(body.len() as u16).to_le_bytes());
     note.extend_from_slice(&body);
     let seal = seal_of(key, &note);
@@ -87,9 +102,9 @@ pub fn seal(key: &NoteKey, epoch: u64, slot: u32, entry: &CatalogEntry) -> Optio
     Some(note)
 }
 
-/// The entry a slot's bytes name, if they are a note of this epoch and slot sealed
-/// with `key`.
-pub fn open(bytes: &[u8], key: &NoteKey, epoch: u64, slot: u32) -> Option<CatalogEntry> {
+/// The lend and entry a slot's bytes name, if they are a note of this epoch and slot
+/// sealed with `key`.
+pub fn open(bytes: &[u8], key: &NoteKey, epoch: u64, slot: u32) -> Option<(u64, CatalogEntry)> {
     let header = bytes.get(..HEADER_LEN)?;
     let word = |at: usize, n: usize| {
         let mut b = [0u8; 8];
@@ -99,7 +114,8 @@ pub fn open(bytes: &[u8], key: &NoteKey, epoch: u64, slot: u32) -> Option<Catalo
     if word(0, 4) != MAGIC as u64 || word(4, 8) != epoch || word(12, 4) != slot as u64 {
         return None;
     }
-    let body_end = HEADER_LEN + word(16, 2) as usize;
+    let lend = word(16, 8);
+    let body_end = HEADER_LEN + word(24, 2) as usize;
     let seal = bytes.get(body_end..body_end + SEAL_LEN)?;
     if !hmac::equal(&seal_of(key, &bytes[..body_end]), seal) {
         return None;
@@ -107,7 +123,7 @@ pub fn open(bytes: &[u8], key: &NoteKey, epoch: u64, slot: u32) -> Option<Catalo
     let mut r = Reader::new(&bytes[HEADER_LEN..body_end]);
     let entry = super::wire::decode_entry(&mut r).ok()?;
     r.finish().ok()?;
-    Some(entry)
+    Some((lend, entry))
 }
 
 /// Marks a slot empty (its note consumed): zeroes its magic.
@@ -143,10 +159,15 @@ mod tests {
     #[test]
     fn a_note_opens_only_under_its_key_epoch_and_slot() {
         let key = [7u8; NOTE_KEY_LEN];
-        let note = seal(&key, 3, 5, &entry("k")).unwrap();
+        let place = NotePlace {
+            epoch: 3,
+            slot: 5,
+            lend: 40,
+        };
+        let note = seal(&key, place, &entry("k")).unwrap();
         let mut slot = vec![0u8; NOTE_SLOT];
         slot[..note.len()].copy_from_slice(&note);
-        assert_eq!(open(&slot, &key, 3, 5), Some(entry("k")));
+        assert_eq!(open(&slot, &key, 3, 5), Some((40, entry("k"))));
         assert_eq!(open(&slot, &[8u8; NOTE_KEY_LEN], 3, 5), None);
         assert_eq!(open(&slot, &key, 4, 5), None);
         assert_eq!(open(&slot, &key, 3, 6), None);
@@ -161,7 +182,12 @@ mod tests {
     #[test]
     fn a_note_too_long_for_a_slot_is_refused() {
         let long = "k".repeat(NOTE_SLOT);
-        assert!(seal(&[0u8; NOTE_KEY_LEN], 1, 0, &entry(&long)).is_none());
+        let place = NotePlace {
+            epoch: 1,
+            slot: 0,
+            lend: 1,
+        };
+        assert!(seal(&[0u8; NOTE_KEY_LEN], place, &entry(&long)).is_none());
         assert!(open(&[0u8; 3], &[0u8; NOTE_KEY_LEN], 1, 0).is_none());
     }
 }

@@ -582,8 +582,8 @@ impl Response {
                     CatalogEvent::Keep(key) => {
                         w.u8(6).str(key);
                     }
-                    CatalogEvent::Unnote(slot) => {
-                        w.u8(8).u32(*slot);
+                    CatalogEvent::Unnote { slot, lend } => {
+                        w.u8(8).u32(*slot).u64(*lend);
                     }
                 });
                 if let Some(key) = &ev.note_key {
@@ -703,7 +703,10 @@ impl Response {
                         key: r.string()?,
                         version: r.u64()?,
                     }),
-                    8 => Ok(CatalogEvent::Unnote(r.u32()?)),
+                    8 => Ok(CatalogEvent::Unnote {
+                        slot: r.u32()?,
+                        lend: r.u64()?,
+                    }),
                     t => Err(Error::protocol(format!("catalog event type {t}"))),
                 })?,
                 note_key: match r.finish() {
@@ -866,7 +869,7 @@ mod tests {
                         version: 2,
                     },
                     CatalogEvent::Keep("k".into()),
-                    CatalogEvent::Unnote(3),
+                    CatalogEvent::Unnote { slot: 3, lend: 9 },
                 ],
                 note_key: None,
             }),

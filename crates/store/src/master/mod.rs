@@ -43,6 +43,9 @@ use replicas::Replicas;
 use segments::{PieceAlloc, ReplicaAlloc, Segment, SegmentTable};
 use table::Shard;
 
+/// The most keys a `PutStartNoted` batch gets notes for (see `catalog::NoteHold`).
+const MAX_NOTED_BATCH: usize = 8;
+
 /// One object's metadata, packed: a master holds millions (bench/README.md).
 struct Object {
     size: u64,
@@ -324,16 +327,25 @@ impl Master {
                 items,
                 config,
                 upsert,
-            } => Response::PutStartNoted(
-                items
-                    .iter()
-                    .map(|(k, s, crc)| {
-                        let payer = quota::Payer::of(peer, client);
-                        let desc = self.put_start(client, payer, k, *s, &config, upsert)?;
-                        Ok((desc, self.lend_notes(client, k, *crc)))
-                    })
-                    .collect(),
-            ),
+            } => {
+                // A batch waits for its nodes' catalogs once, at its end: beyond a few
+                // keys that costs less than sealing and landing a note per key.
+                let noting = items.len() <= MAX_NOTED_BATCH;
+                Response::PutStartNoted(
+                    items
+                        .iter()
+                        .map(|(k, s, crc)| {
+                            let payer = quota::Payer::of(peer, client);
+                            let desc = self.put_start(client, payer, k, *s, &config, upsert)?;
+                            let notes = match noting {
+                                true => self.lend_notes(client, k, *crc),
+                                false => Vec::new(),
+                            };
+                            Ok((desc, notes))
+                        })
+                        .collect(),
+                )
+            }
             Request::PutEnd { client, items } => {
                 let mut committed = catalog::Commits::default();
                 let results = eviction::tail_first(&items, |(k, crc)| {

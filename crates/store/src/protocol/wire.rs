@@ -295,10 +295,16 @@ impl Request {
                 ring: if r.finish().is_ok() {
                     NoteRing::default()
                 } else {
-                    NoteRing {
+                    let ring = NoteRing {
                         addr: r.u64()?,
                         slots: r.u32()?,
+                    };
+                    // No ring travels as nothing: anything else would not re-encode
+                    // as it came.
+                    if ring.slots == 0 {
+                        return Err(Error::protocol("a note ring has slots"));
                     }
+                    ring
                 },
             },
             Method::Drain => Request::Drain {
@@ -898,6 +904,20 @@ mod tests {
                 note_key: Some([9; note::NOTE_KEY_LEN]),
             }),
         );
+        // A ring of no slots travels as none; sent as one, it is refused.
+        let mut w = Writer::new();
+        Request::SegmentEvents {
+            client: 9,
+            segment: "b".into(),
+            instance: 0,
+            acked: 0,
+            disk_capacity: 0,
+            lost: Vec::new(),
+            ring: NoteRing::default(),
+        }
+        .encode(&mut w);
+        w.u64(1 << 40).u32(0);
+        assert!(Request::decode(17, &w.into_bytes()).is_err());
         round_trip(
             Request::PutStartNoted {
                 client: 9,

@@ -881,19 +881,20 @@ mod tests {
             }),
         );
         // A node with a note ring says where it is; a reset answers it with a key.
+        let first_poll = |ring| Request::SegmentEvents {
+            client: 9,
+            segment: "b".into(),
+            instance: 0,
+            acked: 0,
+            disk_capacity: 0,
+            lost: Vec::new(),
+            ring,
+        };
         round_trip(
-            Request::SegmentEvents {
-                client: 9,
-                segment: "b".into(),
-                instance: 0,
-                acked: 0,
-                disk_capacity: 0,
-                lost: Vec::new(),
-                ring: NoteRing {
-                    addr: 1 << 40,
-                    slots: 64,
-                },
-            },
+            first_poll(NoteRing {
+                addr: 1 << 40,
+                slots: 64,
+            }),
             Response::SegmentEvents(SegmentEvents {
                 instance: 4,
                 reset: true,
@@ -906,16 +907,7 @@ mod tests {
         );
         // A ring of no slots travels as none; sent as one, it is refused.
         let mut w = Writer::new();
-        Request::SegmentEvents {
-            client: 9,
-            segment: "b".into(),
-            instance: 0,
-            acked: 0,
-            disk_capacity: 0,
-            lost: Vec::new(),
-            ring: NoteRing::default(),
-        }
-        .encode(&mut w);
+        first_poll(NoteRing::default()).encode(&mut w);
         w.u64(1 << 40).u32(0);
         assert!(Request::decode(17, &w.into_bytes()).is_err());
         round_trip(

@@ -67,10 +67,12 @@ metadata=$(sed -n 's/.*metadata=\([^ ]*\).*/\1/p' <<<"$line")
 metrics=$(sed -n 's/.*metrics=\([^ ]*\).*/\1/p' <<<"$line")
 port_of() { sed -n 's#.*:\([0-9][0-9]*\).*#\1#p' <<<"$1"; }
 
-# node-a stays up the whole run; node-b is the one killed every minute.
+# node-a stays up the whole run; node-b is the one killed every minute. Their segments
+# are committed on first use (no prefault), so RSS growth means what it should: a leak.
 declare -A node_pid
 start_node() {
-  "$bin" node --master "$rpc" --segment-size "$segment" >"$work/$1" 2>"$work/$1.err" &
+  "$bin" node --master "$rpc" --segment-size "$segment" --prefault-segment false \
+    >"$work/$1" 2>"$work/$1.err" &
   node_pid[$1]=$!
   started+=("${node_pid[$1]}")
   ready_line "$work/$1" "${node_pid[$1]}" >/dev/null

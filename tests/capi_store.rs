@@ -207,6 +207,7 @@ fn null_pointers_and_bad_config_are_refused() {
             (c"local_buffer_size", c"16MiB", c"1X"),
             (c"verify_checksum", c"0", c"maybe"),
             (c"verify_checksum", c"1", c""),
+            (c"prefault_segment", c"0", c"sometimes"),
             (c"master_address", c"127.0.0.1:1", c""),
             (c"local_hostname", c"127.0.0.1:0", c"\xff"),
             (c"protocol", c"tcp", c"carrier-pigeon"),

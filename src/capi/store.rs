@@ -27,6 +27,7 @@ pub const STORE_CONFIG_KEYS: &[&str] = &[
     "global_segment_size",
     "local_buffer_size",
     "verify_checksum",
+    "prefault_segment",
     "ssd_path",
     "ssd_size",
 ];
@@ -42,6 +43,15 @@ pub(crate) struct StoreSettings {
     /// `ssd_path` and `ssd_size` (both, for a disk tier).
     ssd_path: Option<String>,
     ssd_size: u64,
+}
+
+/// A store switch's value: "1" or "true", "0" or "false".
+fn store_switch(key: &str, value: &str) -> Result<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" => Ok(true),
+        "0" | "false" => Ok(false),
+        _ => Err(Error::invalid(format!("config {key}: {value:?} (1 or 0)"))),
+    }
 }
 
 fn store_size(key: &str, value: &str) -> Result<u64> {
@@ -64,17 +74,8 @@ impl StoreSettings {
             "local_buffer_size" => c.local_buffer_size = store_size(key, value)?,
             "ssd_path" => self.ssd_path = Some(value.to_owned()).filter(|v| !v.is_empty()),
             "ssd_size" => self.ssd_size = store_size(key, value)?,
-            "verify_checksum" => {
-                c.verify_checksum = match value.to_ascii_lowercase().as_str() {
-                    "1" | "true" => true,
-                    "0" | "false" => false,
-                    _ => {
-                        return Err(Error::invalid(format!(
-                            "config verify_checksum: {value:?} (1 or 0)"
-                        )))
-                    }
-                }
-            }
+            "verify_checksum" => c.verify_checksum = store_switch(key, value)?,
+            "prefault_segment" => c.prefault_segment = store_switch(key, value)?,
             "metadata" | "metadata_server" => {
                 engine.set(key, value)?;
                 self.metadata_set = true;
@@ -844,6 +845,7 @@ mod tests {
             ("global_segment_size", "64M"),
             ("local_buffer_size", "1G"),
             ("verify_checksum", "0"),
+            ("prefault_segment", "false"),
             ("protocol", "tcp"),
             ("local_hostname", "10.0.0.6:9000"),
             ("workers", "3"),
@@ -852,6 +854,7 @@ mod tests {
         assert_eq!(c.global_segment_size, 64 << 20);
         assert_eq!(c.local_buffer_size, 1 << 30);
         assert!(!c.verify_checksum);
+        assert!(!c.prefault_segment);
         assert_eq!(c.engine.protocol.name(), "tcp");
         assert_eq!(c.engine.local_server_name.as_deref(), Some("10.0.0.6:9000"));
         assert_eq!(c.engine.workers, 3);

@@ -1,6 +1,6 @@
 //! The base layer of Mooncake in Rust: what every part above it shares and nothing
 //! here depends on them. One error type ([`error`]), the few OS calls std lacks
-//! ([`sys`], [`memfd`]), sockets and servers ([`net`], [`http`]), cluster
+//! ([`sys`], [`memfd`], [`memory_room`]), sockets and servers ([`net`], [`http`]), cluster
 //! authentication ([`auth`]), the etcd and redis clients, JSON and small utilities.
 
 /// The runtime-loaded bindings, named as the code below names them.
@@ -12,6 +12,7 @@ pub mod etcd;
 pub mod http;
 pub mod json;
 pub mod memfd;
+pub mod memory_room;
 pub mod net;
 pub mod redis;
 pub mod sys;

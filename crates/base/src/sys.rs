@@ -250,6 +250,15 @@ pub unsafe fn populate_for_write(addr: *mut u8, len: usize) {
     };
 }
 
+/// Moves the calling thread to the idle scheduling class (`SCHED_IDLE`): it runs only
+/// on CPU time no other thread wants. For background work that must never delay the
+/// caller's own threads.
+pub fn run_at_idle_priority() -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param for the call; pid 0 is the calling thread.
+    cvt(unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) }).map(|_| ())
+}
+
 /// Starts a non-blocking connect; the stream becomes writable once it completes.
 pub fn connect_nonblocking(addr: SocketAddr) -> io::Result<TcpStream> {
     // SAFETY: the sockaddr storage is zeroed and filled per family below.
@@ -361,6 +370,19 @@ pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize>
 /// of `/proc/loadavg`, the caller included) is at most the CPUs this process may use.
 /// False when it cannot tell.
 pub fn cpu_to_spare() -> bool {
+    cpus_beyond_runnable().is_some_and(|spare| spare >= 0)
+}
+
+/// Whether a CPU would sit idle even with the calling thread running: runnable
+/// threads (the caller included) are fewer than the CPUs this process may use. For
+/// background work that should leave the next woken thread a CPU of its own. False
+/// when it cannot tell.
+pub fn cpu_idle_beside_caller() -> bool {
+    cpus_beyond_runnable().is_some_and(|spare| spare >= 1)
+}
+
+/// The CPUs this process may use minus the machine's runnable threads right now.
+fn cpus_beyond_runnable() -> Option<i64> {
     use std::os::unix::fs::FileExt;
     use std::sync::OnceLock;
     // One descriptor for the process: `pread` takes its offset, so threads share it.
@@ -369,10 +391,9 @@ pub fn cpu_to_spare() -> bool {
     let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let loadavg = LOADAVG.get_or_init(|| std::fs::File::open("/proc/loadavg").ok());
     let mut text = [0u8; 128];
-    let Some(n) = loadavg.as_ref().and_then(|f| f.read_at(&mut text, 0).ok()) else {
-        return false;
-    };
-    runnable_threads(&text[..n]).is_some_and(|running| running <= cpus)
+    let n = loadavg.as_ref()?.read_at(&mut text, 0).ok()?;
+    let running = runnable_threads(&text[..n])?;
+    Some(cpus as i64 - running as i64)
 }
 
 /// Polls `stream` for up to `spin` until it has a byte to read (or its end, or an

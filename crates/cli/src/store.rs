@@ -442,6 +442,7 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     if let Some(v) = a.str("replica-cache") {
         cfg.cache_replicas = v != "false" && v != "0";
     }
+    cfg.prefault_segment = a.get("prefault-segment", cfg.prefault_segment)?;
     Ok(cfg)
 }
 

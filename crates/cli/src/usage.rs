@@ -149,9 +149,11 @@ const COMMANDS: &[(&str, &str)] = &[
         "\
   mooncake node --segment-size BYTES [--master 127.0.0.1:50051] [--metadata URL] [--name HOST:PORT]
       [--bind IP] [--protocol tcp|shm|auto|rdma|efa] [--cluster-secret-file PATH]
-      [--ssd-path DIR --ssd-size BYTES]
+      [--ssd-path DIR --ssd-size BYTES] [--prefault-segment true|false]
       Lend SIZE bytes (positive, at most this machine's memory) to the store pool,
       and with --ssd-path a disk tier for what is evicted from it (kept across restarts).
+      The lent memory is committed in the background at idle priority while the machine
+      keeps a reserve (--prefault-segment false, or MC_STORE_PREFAULT=0: on first use).
       Without --metadata, the master's metadata server is used. With --bind 0.0.0.0,
       the name published is --name, else the address of the default route's interface.",
     ),

@@ -25,6 +25,7 @@ use crate::transport::Op;
 use crate::util::crc32c::{crc32c_append, crc32c_combine};
 
 mod mounts;
+mod prefault;
 mod read;
 mod sessions;
 mod tasks;
@@ -65,6 +66,12 @@ pub struct ClientConfig {
     /// A disk tier for objects evicted from this node's segment (`--ssd-path`,
     /// `--ssd-size`); nodes only.
     pub disk: Option<DiskConfig>,
+    /// Commit the segment's memory in the background after the mount, at idle
+    /// priority, while a CPU is idle beside it, and only while the machine (and the
+    /// process's memory cgroup) keeps a reserve, so puts do not pay the kernel's first
+    /// touch (see `prefault`). Default on; `MC_STORE_PREFAULT=0` in the environment
+    /// turns the default off.
+    pub prefault_segment: bool,
 }
 
 impl Default for ClientConfig {
@@ -78,8 +85,21 @@ impl Default for ClientConfig {
             ping_interval: Duration::from_secs(1),
             engine: EngineConfig::default(),
             disk: None,
+            prefault_segment: prefault_by_default(),
         }
     }
+}
+
+/// `prefault_segment`'s default: on unless `MC_STORE_PREFAULT` says 0 or false.
+fn prefault_by_default() -> bool {
+    std::env::var("MC_STORE_PREFAULT")
+        .map(|v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "0" | "false" | "off"
+            )
+        })
+        .unwrap_or(true)
 }
 
 impl ClientConfig {
@@ -232,6 +252,8 @@ pub struct Client {
     /// Keeps the segment's catalog (nodes only).
     cataloger: Option<JoinHandle<()>>,
     segment_ptr: Option<*mut u8>,
+    /// Commits the segment's memory in the background (joined before it is freed).
+    prefault: Option<prefault::Prefault>,
     /// Put and get sessions.
     sessions: sessions::Sessions,
 }
@@ -261,7 +283,7 @@ impl Client {
             &config.master_address,
             engine.config().cluster_secret.clone(),
         )?;
-        let (segment, segment_ptr, ring) = if config.global_segment_size > 0 {
+        let (segment, segment_ptr, ring, prefault) = if config.global_segment_size > 0 {
             let size = config.global_segment_size;
             // The note ring sits right after the segment, in the same registration,
             // outside what the pool allocates from.
@@ -277,9 +299,14 @@ impl Client {
                 addr: ptr as u64 + size,
                 slots,
             };
-            (Some(info), Some(ptr), ring)
+            let prefault = config.prefault_segment.then(|| {
+                // SAFETY: the buffer is ours, writable, and freed in Drop only after the
+                // prefault is dropped (joined).
+                unsafe { prefault::Prefault::start(ptr, size as usize + ring_bytes) }
+            });
+            (Some(info), Some(ptr), ring, prefault)
         } else {
-            (None, None, NoteRing::default())
+            (None, None, NoteRing::default(), None)
         };
         let disk = match (&config.disk, &segment) {
             (Some(d), Some(_)) => Some(NodeDisk::open(d.clone())?),
@@ -350,6 +377,7 @@ impl Client {
             pinger: Some(pinger),
             cataloger,
             segment_ptr,
+            prefault,
             sessions: sessions::Sessions::default(),
         })
     }
@@ -874,6 +902,8 @@ impl Drop for Client {
         if let Some(d) = drain {
             let _ = d.join();
         }
+        // It writes page tables of the segment's mapping: it ends before that goes.
+        drop(self.prefault.take());
         if let Some(ptr) = self.segment_ptr.take() {
             let _ = self.engine.free_buffer(ptr);
         }

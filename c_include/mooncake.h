@@ -356,13 +356,14 @@ int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t l
  *   verify_checksum     "1" (default): check each object's CRC32C on read (a mismatch
  *                       gives MC_ERR_CHECKSUM_MISMATCH); "0": skip the check.
  *   prefault_segment    "1" (default, unless the environment has MC_STORE_PREFAULT=0):
- *                       after the mount, a thread at idle priority commits the global
- *                       segment's memory, front to back, while another CPU would stay
- *                       idle beside it, so puts do not wait for the kernel to allocate
- *                       and zero each fresh page; it stops where the machine or the
- *                       process's memory cgroup would keep less than an eighth of its
- *                       limit (256 MiB to 2 GiB), and the rest is committed on first
- *                       use. "0": all of it on first use.
+ *                       from its allocation on, a thread at idle priority commits the
+ *                       global segment's memory, front to back, while another CPU
+ *                       would stay idle beside it, so puts do not wait for the kernel
+ *                       to allocate and zero each fresh page; it stops where the
+ *                       machine or the process's memory cgroup would keep less than an
+ *                       eighth of its limit (256 MiB to 2 GiB), and the rest is
+ *                       committed on first use. "0": all of it on first use. Also
+ *                       "true"/"false", "on"/"off".
  *   ssd_path            With a global segment: a directory for this node's disk tier,
  *                       where objects evicted from its memory go and are read back from
  *                       (kept across restarts). Default none.

@@ -45,13 +45,10 @@ pub(crate) struct StoreSettings {
     ssd_size: u64,
 }
 
-/// A store switch's value: "1" or "true", "0" or "false".
+/// A store switch's value (`util::switch`: 1, true, on; 0, false, off).
 fn store_switch(key: &str, value: &str) -> Result<bool> {
-    match value.to_ascii_lowercase().as_str() {
-        "1" | "true" => Ok(true),
-        "0" | "false" => Ok(false),
-        _ => Err(Error::invalid(format!("config {key}: {value:?} (1 or 0)"))),
-    }
+    crate::util::switch::parse(value)
+        .ok_or_else(|| Error::invalid(format!("config {key}: {value:?} (1 or 0)")))
 }
 
 fn store_size(key: &str, value: &str) -> Result<u64> {

@@ -1,6 +1,7 @@
 //! How much more memory this process may commit before the machine, or the container
 //! it runs in, runs short: the kernel's `MemAvailable`, and what every memory cgroup
-//! above the process still allows (v2 `memory.max`, v1 `memory.limit_in_bytes`). A
+//! above the process still allows (v2 `memory.max`, and `memory.high`, past which the
+//! kernel throttles the whole group; v1 `memory.limit_in_bytes`). A
 //! process that commits memory on its own initiative (not because a caller wrote to
 //! it) asks this first, so it never wakes the OOM killer by itself.
 
@@ -54,8 +55,9 @@ fn cgroup_limits(proc_self_cgroup: &str) -> Vec<MemoryRoom> {
         let mut dir = root.join(path.trim_start_matches('/'));
         loop {
             let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
-            if let (Some(max), Some(used)) = (read(files.0), read(files.1)) {
-                out.extend(limit_room(&max, &used));
+            if let Some(used) = read(files.usage) {
+                let limits = files.limits.iter().filter_map(|f| read(f));
+                out.extend(limits.filter_map(|limit| limit_room(&limit, &used)));
             }
             if dir == root || !dir.pop() {
                 break;
@@ -65,9 +67,25 @@ fn cgroup_limits(proc_self_cgroup: &str) -> Vec<MemoryRoom> {
     out
 }
 
+/// The files of a memory cgroup that say how much it may hold and holds.
+#[derive(Debug, PartialEq, Eq)]
+struct CgroupFiles {
+    limits: &'static [&'static str],
+    usage: &'static str,
+}
+
+const V2: CgroupFiles = CgroupFiles {
+    limits: &["memory.max", "memory.high"],
+    usage: "memory.current",
+};
+const V1: CgroupFiles = CgroupFiles {
+    limits: &["memory.limit_in_bytes"],
+    usage: "memory.usage_in_bytes",
+};
+
 /// The memory cgroup directories `/proc/self/cgroup` names: (mount root, path inside
-/// it, (limit file, usage file)) for cgroup v2 and for v1's memory controller.
-fn cgroup_dirs(text: &str) -> Vec<(PathBuf, String, (&'static str, &'static str))> {
+/// it, its files) for cgroup v2 and for v1's memory controller.
+fn cgroup_dirs(text: &str) -> Vec<(PathBuf, String, CgroupFiles)> {
     let mut out = Vec::new();
     for line in text.lines() {
         let mut fields = line.splitn(3, ':');
@@ -78,11 +96,10 @@ fn cgroup_dirs(text: &str) -> Vec<(PathBuf, String, (&'static str, &'static str)
         };
         if controllers.is_empty() {
             let root = Path::new("/sys/fs/cgroup").to_path_buf();
-            out.push((root, path.to_owned(), ("memory.max", "memory.current")));
+            out.push((root, path.to_owned(), V2));
         } else if controllers.split(',').any(|c| c == "memory") {
             let root = Path::new("/sys/fs/cgroup/memory").to_path_buf();
-            let files = ("memory.limit_in_bytes", "memory.usage_in_bytes");
-            out.push((root, path.to_owned(), files));
+            out.push((root, path.to_owned(), V1));
         }
     }
     out
@@ -120,10 +137,10 @@ mod tests {
         assert_eq!(dirs.len(), 2);
         assert_eq!(dirs[0].0, Path::new("/sys/fs/cgroup/memory"));
         assert_eq!(dirs[0].1, "/kubepods/pod1");
-        assert_eq!(dirs[0].2 .0, "memory.limit_in_bytes");
+        assert_eq!(dirs[0].2, V1);
         assert_eq!(dirs[1].0, Path::new("/sys/fs/cgroup"));
         assert_eq!(dirs[1].1, "/user.slice/x.scope");
-        assert_eq!(dirs[1].2 .1, "memory.current");
+        assert_eq!(dirs[1].2, V2);
     }
 
     #[test]

@@ -442,7 +442,10 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
     if let Some(v) = a.str("replica-cache") {
         cfg.cache_replicas = v != "false" && v != "0";
     }
-    cfg.prefault_segment = a.get("prefault-segment", cfg.prefault_segment)?;
+    if let Some(v) = a.str("prefault-segment") {
+        cfg.prefault_segment = mooncake_base::util::switch::parse(v)
+            .ok_or_else(|| format!("--prefault-segment: {v:?} is not true or false"))?;
+    }
     Ok(cfg)
 }
 

@@ -66,7 +66,7 @@ pub struct ClientConfig {
     /// A disk tier for objects evicted from this node's segment (`--ssd-path`,
     /// `--ssd-size`); nodes only.
     pub disk: Option<DiskConfig>,
-    /// Commit the segment's memory in the background after the mount, at idle
+    /// Commit the segment's memory in the background from its allocation on, at idle
     /// priority, while a CPU is idle beside it, and only while the machine (and the
     /// process's memory cgroup) keeps a reserve, so puts do not pay the kernel's first
     /// touch (see `prefault`). Default on; `MC_STORE_PREFAULT=0` in the environment
@@ -90,16 +90,15 @@ impl Default for ClientConfig {
     }
 }
 
-/// `prefault_segment`'s default: on unless `MC_STORE_PREFAULT` says 0 or false.
+/// `prefault_segment`'s default: on unless `MC_STORE_PREFAULT` says off.
 fn prefault_by_default() -> bool {
-    std::env::var("MC_STORE_PREFAULT")
-        .map(|v| {
-            !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "0" | "false" | "off"
-            )
-        })
-        .unwrap_or(true)
+    match std::env::var("MC_STORE_PREFAULT") {
+        Err(_) => true,
+        Ok(v) => crate::util::switch::parse(&v).unwrap_or_else(|| {
+            log::warn!("MC_STORE_PREFAULT={v:?} is not 1 or 0: taken as 1");
+            true
+        }),
+    }
 }
 
 impl ClientConfig {
@@ -874,6 +873,10 @@ impl Drop for Client {
     fn drop(&mut self) {
         self.shared.flush_touches();
         self.shared.stop.raise();
+        if let Some(p) = &self.prefault {
+            // It ends while the rest winds down; joined before the segment goes.
+            p.stop_soon();
+        }
         if let Some(p) = self.pinger.take() {
             let _ = p.join();
         }

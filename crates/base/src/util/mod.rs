@@ -11,6 +11,7 @@ pub mod regex;
 pub mod sha256;
 pub mod size;
 pub mod stream_copy;
+pub mod switch;
 pub mod sync;
 
 pub use percentile::percentile;

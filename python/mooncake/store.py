@@ -21,6 +21,7 @@ import enum
 import json
 import logging
 import mmap
+import operator
 import os
 import threading
 
@@ -196,7 +197,18 @@ def _key_list(keys, name="keys"):
 
 def _keys(keys, name="keys"):
     """Encoded keys (None where a key is invalid); TypeError for non-str keys."""
-    return [_encode_key(k, name, i) for i, k in enumerate(_key_list(keys, name))]
+    ks = _key_list(keys, name)
+    # The common case at C speed: every key a str that encodes to 1..MAX bytes without
+    # NUL (the join has exactly the separators' NULs). Anything else: key by key.
+    try:
+        enc = list(map(str.encode, ks))
+    except (TypeError, UnicodeEncodeError):
+        enc = None
+    if enc is not None and (not enc or (
+            min(map(len, enc)) > 0 and max(map(len, enc)) <= N.MC_STORE_MAX_KEY_LEN
+            and b"\0".join(enc).count(0) == len(enc) - 1)):
+        return enc
+    return [_encode_key(k, name, i) for i, k in enumerate(ks)]
 
 
 class BufferHandle(bytearray):
@@ -340,6 +352,8 @@ def _triage(keys, items):
     and INVALID_PARAMS for items that failed their checks (None), 0 elsewhere; and the
     indexes of the keys left to ask the library about."""
     results = [0] * len(keys)
+    if None not in keys and None not in items:
+        return results, list(range(len(keys)))
     idx = []
     for i, (k, item) in enumerate(zip(keys, items)):
         if k is None:
@@ -980,14 +994,19 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             results[i] = N.LIB.mc_store_put_from(self._store, ks[i], spans[i][0], spans[i][1],
                                                  ctypes.byref(cfg))
             return results
-        c_keys = N.c_strings([ks[i] for i in idx])
-        c_bufs = N.c_array(ctypes.c_void_p, [spans[i][0] for i in idx])
-        c_lens = N.c_array(ctypes.c_size_t, [spans[i][1] for i in idx])
+        every = len(idx) == len(ks)
+        asked = spans if every else [spans[i] for i in idx]
+        c_keys = N.c_strings(ks if every else [ks[i] for i in idx])
+        c_bufs = N.c_array(ctypes.c_void_p, [a for a, _ in asked])
+        c_lens = N.c_array(ctypes.c_size_t, [n for _, n in asked])
         c_res = (ctypes.c_int * len(idx))()
         rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, len(idx),
                                            ctypes.byref(cfg), c_res)
+        got = c_res[:len(idx)] if rc == N.MC_OK else [rc] * len(idx)
+        if every:
+            return got
         for j, i in enumerate(idx):
-            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+            results[i] = got[j]
         return results
 
     def _batch_get_into(self, ks, addrs, caps):
@@ -1006,9 +1025,15 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         c_caps = N.c_array(ctypes.c_size_t, caps)
         c_res = (ctypes.c_int64 * max(n, 1))()
         rc = N.LIB.mc_store_batch_get_into(self._store, c_keys, c_bufs, c_caps, n, c_res)
-        return [rc if rc != N.MC_OK else int(c_res[j]) for j in range(n)]
+        return c_res[:n] if rc == N.MC_OK else [rc] * n
 
     def _checked_spans(self, addrs, sizes):
+        # The common case in one look: every span inside one registered buffer (the
+        # lowest start to the highest end is).
+        if addrs and len(addrs) == len(sizes):
+            lo, hi = min(addrs), max(map(operator.add, addrs, sizes))
+            if self._zero_copy(lo, hi - lo):
+                return list(zip(addrs, sizes))
         spans = []
         for a, n in zip(addrs, sizes):
             if self._zero_copy(a, n):
@@ -1115,6 +1140,8 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return [INVALID_PARAMS] * len(ks)
         spans = self._checked_spans(addrs, lens)
         results, idx = _triage(ks, spans)
+        if len(idx) == len(ks):
+            return self._batch_get_into(ks, addrs, lens)
         if idx:
             res = self._batch_get_into([ks[i] for i in idx], [addrs[i] for i in idx],
                                        [lens[i] for i in idx])

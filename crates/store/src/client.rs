@@ -520,7 +520,7 @@ impl Client {
             results.push(match r {
                 Ok(replicas) => {
                     for rep in replicas {
-                        plan.push((i, rep.clone()));
+                        plan.push((i, rep));
                     }
                     Ok(())
                 }
@@ -597,7 +597,7 @@ impl Client {
     fn move_replicas(
         &self,
         op: Op,
-        plan: &[(usize, ReplicaDesc)],
+        plan: &[(usize, &ReplicaDesc)],
         frags: &[Fragments],
         checksums: Option<&mut [Option<u32>]>,
         notes: &[(usize, NoteWrite)],

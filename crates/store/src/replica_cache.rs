@@ -17,7 +17,7 @@
 
 use crate::util::sync::Unpoisoned;
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::protocol::ObjectDesc;
@@ -32,7 +32,9 @@ const TOUCH_FLUSH_KEYS: usize = 4096;
 /// A descriptor and the lease it came with.
 #[derive(Clone, Debug)]
 pub struct Leased {
-    pub desc: ObjectDesc,
+    /// Shared with the cache's entry: a batch of kept descriptors is served without
+    /// copying one.
+    pub desc: Arc<ObjectDesc>,
     /// When the lease ends at the latest (measured from the request's send time).
     pub lease_ends: Instant,
     /// Served from the cache rather than asked for now.
@@ -46,7 +48,7 @@ impl Leased {
     pub fn granted(desc: ObjectDesc, asked: Instant) -> Leased {
         let lease_ends = asked + Duration::from_millis(desc.lease_ms);
         Leased {
-            desc,
+            desc: Arc::new(desc),
             lease_ends,
             cached: false,
             staged: false,
@@ -62,7 +64,7 @@ fn margin(lease_ms: u64) -> Duration {
 
 #[derive(Default)]
 struct Inner {
-    entries: HashMap<String, (ObjectDesc, Instant)>,
+    entries: HashMap<String, (Arc<ObjectDesc>, Instant)>,
     /// Keys of reads served from here, one list per read batch, not yet told.
     touched: Vec<Vec<String>>,
     touched_keys: usize,

@@ -325,7 +325,7 @@ impl Client {
         into: &ReadInto,
     ) -> Vec<Result<u64>> {
         let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
-        let mut choices: Vec<Vec<ReplicaDesc>> = Vec::with_capacity(keys.len());
+        let mut choices: Vec<Vec<&ReplicaDesc>> = Vec::with_capacity(keys.len());
         let frags: Vec<Fragments> = match into {
             ReadInto::Whole(parts) => parts.iter().map(fragments).collect(),
             ReadInto::Ranges(ranges) => ranges.to_vec(),
@@ -338,7 +338,7 @@ impl Client {
                     Ok(n) => {
                         // One replica leaves nothing to rank (ranking looks descriptors up).
                         choices[i] = match d.replicas.len() {
-                            0 | 1 => d.replicas.clone(),
+                            0 | 1 => d.replicas.iter().collect(),
                             _ => self.preference(&d.replicas),
                         };
                         Ok(n)
@@ -355,9 +355,9 @@ impl Client {
         let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
         let mut attempt = 0;
         while !pending.is_empty() {
-            let plan: Vec<(usize, ReplicaDesc)> = pending
+            let plan: Vec<(usize, &ReplicaDesc)> = pending
                 .iter()
-                .filter_map(|&i| choices[i].get(attempt).map(|r| (i, r.clone())))
+                .filter_map(|&i| choices[i].get(attempt).map(|r| (i, *r)))
                 .collect();
             if plan.is_empty() {
                 break;
@@ -493,7 +493,7 @@ impl Client {
     }
 
     /// Replicas in read preference: our own memory, then same-host peers, then remote.
-    fn preference(&self, replicas: &[ReplicaDesc]) -> Vec<ReplicaDesc> {
+    fn preference<'a>(&self, replicas: &'a [ReplicaDesc]) -> Vec<&'a ReplicaDesc> {
         let own = self.engine.segment_name();
         let own_host = self.engine.descriptor().host.map(|h| h.host_id);
         let rank = |r: &ReplicaDesc| -> u8 {
@@ -513,7 +513,7 @@ impl Client {
                 2
             }
         };
-        let mut v: Vec<(u8, ReplicaDesc)> = replicas.iter().map(|r| (rank(r), r.clone())).collect();
+        let mut v: Vec<(u8, &ReplicaDesc)> = replicas.iter().map(|r| (rank(r), r)).collect();
         v.sort_by_key(|(k, _)| *k);
         v.into_iter().map(|(_, r)| r).collect()
     }

@@ -236,6 +236,7 @@ impl Client {
                     .collect()
             })
             .collect();
+        let plan: Vec<(usize, &ReplicaDesc)> = plan.iter().map(|(i, r)| (*i, r)).collect();
         let outcome = self.move_replicas(Op::Write, &plan, ranges, None, &[]);
         let mut state = self.sessions.lock();
         for (&i, crcs) in writing.iter().zip(crcs) {
@@ -339,7 +340,7 @@ impl Client {
         let frags = vec![fragments(&vec![(bytes.as_mut_ptr() as u64, size)])];
         let mut last = Error::new(Code::InvalidReplica, "no replica to read back");
         for replica in replicas {
-            let plan = [(0, replica.clone())];
+            let plan = [(0, replica)];
             match self.move_replicas(Op::Read, &plan, &frags, None, &[]).pop() {
                 Some(Some(Ok(()))) => return Ok(crc32c(&bytes)),
                 Some(Some(Err(e))) => last = e,

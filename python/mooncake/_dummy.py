@@ -35,6 +35,7 @@ import threading
 
 from . import _dummy_wire as W
 from ._common import buffer_address, check_int, check_str, int_list, lengths_match
+from ._replicate import _DEFAULT_CONFIG
 from .mooncake_config import parse_size
 from .store import (
     INVALID_KEY,
@@ -228,8 +229,8 @@ class Link:
         """(status, result) of one request; (RPC_FAIL, None) when not connected."""
         if self._conn is None:
             return RPC_FAIL, None
-        with self.exclusive() as call:
-            return call(op, args)
+        with self._lock:
+            return self._call_locked(op, args)
 
     def _call_locked(self, op, args, timeout=CALL_TIMEOUT_S):
         conn = self._conn
@@ -321,9 +322,18 @@ def _int(status, result):
 
 
 def _config_wire(c):
+    if c is _DEFAULT_CONFIG:  # a put given no config: never changed, sent as built once
+        return _DEFAULT_WIRE
+    return _fields_wire(c)
+
+
+def _fields_wire(c):
     return [c.replica_num, c.with_hard_pin, int(c.soft_pin_action), c.soft_pin_ttl_ms,
             c.preferred_segment, list(c.preferred_segments), c.prefer_alloc_in_same_node,
             list(c.group_ids or ())]
+
+
+_DEFAULT_WIRE = _fields_wire(_DEFAULT_CONFIG)
 
 
 def _replicas(wire):

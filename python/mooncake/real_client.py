@@ -392,7 +392,7 @@ def _config(v):
     check every field."""
     _need(isinstance(v, list) and len(v) == 8)
     try:
-        key = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        key = tuple([tuple(x) if type(x) is list else x for x in v])
         hash(key)
     except TypeError:
         raise _Refused(INVALID_PARAMS) from None

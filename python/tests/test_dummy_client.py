@@ -416,6 +416,87 @@ def test_hostile_frames_are_refused_and_the_server_stays_up(served, dummies, tmp
     assert dummies(served.address).get(k) == value
 
 
+def _random_value(rng, depth=0):
+    """A value of the wire's types, nested up to the wire's limit."""
+    kinds = ["none", "bool", "i64", "u64", "str", "bytes"] + \
+        (["list", "tuple"] if depth < W.MAX_DEPTH else [])
+    kind = rng.choice(kinds)
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "i64":
+        return rng.randrange(-(1 << 63), 1 << 63)
+    if kind == "u64":
+        return rng.randrange(1 << 63, 1 << 64)
+    if kind == "str":
+        return "".join(chr(rng.randrange(1, 0xD7FF)) for _ in range(rng.randrange(4)))
+    if kind == "bytes":
+        return rng.randbytes(rng.randrange(4))
+    items = [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return items if kind == "list" else tuple(items)
+
+
+def _as_decoded(v):
+    return [_as_decoded(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def test_the_wire_codec_round_trips_and_refuses_malformed_bodies():
+    """Every value of the wire's types comes back as sent (tuples as lists); a body
+    that is not exactly one well-formed value is a BodyError naming what is wrong; a
+    value the wire cannot carry is refused when encoded."""
+    import random
+
+    rng = random.Random(30)
+    for _ in range(2000):
+        v = _random_value(rng)
+        assert W.decode(W.encode(v)) == _as_decoded(v)
+    # Subclasses and buffers take the general path to the same bytes.
+    import enum
+
+    class Small(enum.IntEnum):
+        SEVEN = 7
+
+    assert W.encode([Small.SEVEN, bytearray(b"ab"), memoryview(b"cd")]) == \
+        W.encode([7, b"ab", b"cd"])
+
+    def deep(leaf, levels):
+        body = W.encode(leaf)
+        for _ in range(levels):
+            body = b"l" + (1).to_bytes(4, "little") + body
+        return body
+
+    u32 = (2).to_bytes(4, "little")
+    bad = {
+        b"": "truncated value",
+        b"i\0\0": "truncated value",
+        b"l" + u32 + b"i" + bytes(8): "truncated value",  # one item of two
+        b"s" + u32 + b"a": "truncated value",
+        b"l" + u32 + b"s" + u32 + b"a": "truncated value",  # the same inside a list
+        b"NN": "trailing bytes",
+        b"l" + (9).to_bytes(4, "little") + b"N": "list count exceeds the body",
+        b"u" + (5).to_bytes(8, "little"): "non-canonical uint64",
+        b"s" + u32 + b"\xff\xfe": "not UTF-8",
+        b"l" + u32 + b"s" + u32 + b"\xff\xfeN": "not UTF-8",
+        b"x": "unknown tag",
+        b"l" + u32 + b"NZ": "unknown tag",
+        deep(1, W.MAX_DEPTH + 1): "nested too deeply",
+        deep("s", W.MAX_DEPTH + 1): "nested too deeply",
+    }
+    for body, why in bad.items():
+        with pytest.raises(W.BodyError, match=why):
+            W.decode(body)
+    assert W.decode(deep(1, W.MAX_DEPTH)) is not None  # the limit itself is fine
+
+    too_deep = 1
+    for _ in range(W.MAX_DEPTH + 1):
+        too_deep = [too_deep]
+    for value, error in ((too_deep, ValueError), (1 << 64, ValueError),
+                         (-(1 << 63) - 1, ValueError), ([1.5], TypeError), ({}, TypeError)):
+        with pytest.raises(error):
+            W.encode(value)
+
+
 def test_frames_are_read_whole_however_they_arrive():
     """The reader takes frames that share a segment one at a time, joins one that
     arrives in pieces, and bounds a frame that stops half-way."""
@@ -434,9 +515,13 @@ def test_frames_are_read_whole_however_they_arrive():
 
             def __init__(self, data, cuts):
                 self.pieces = [data[s:e] for s, e in zip(cuts, cuts[1:])]
+                self.timeout = None
 
-            def settimeout(self, _):
-                pass
+            def settimeout(self, timeout):
+                self.timeout = timeout
+
+            def gettimeout(self):
+                return self.timeout
 
             def recv(self, n):
                 piece = self.pieces.pop(0)
@@ -448,6 +533,19 @@ def test_frames_are_read_whole_however_they_arrive():
         pieces = Pieces(one, cuts)
         assert W.FrameReader(pieces).read(1 << 20, 5, 5) == (W.REPLY, [0, list(range(100))])
         assert pieces.pieces == []
+
+        # A wait that ends before the deadline (the reader keeps a socket timeout a
+        # little shorter than what is left) is not the deadline: the reader waits on.
+        class WokenEarly(Pieces):
+            def recv(self, n):
+                if not hasattr(self, "woke"):
+                    self.woke = True
+                    raise socket.timeout
+                return super().recv(n)
+
+        early = WokenEarly(one, [0, len(one)])
+        assert W.FrameReader(early).read(1 << 20, 5, 5) == (W.REPLY, [0, list(range(100))])
+        assert early.pieces == [] and 4 < early.timeout <= 5
 
         a.sendall(W.frame(W.REPLY, [0, None])[:-1])
         with pytest.raises(W.FrameError, match="inside a frame"):

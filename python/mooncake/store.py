@@ -195,6 +195,9 @@ def _key_list(keys, name="keys"):
     return list(keys)
 
 
+_KEY_TYPES = (str, bytes)  # a key as given; _encode_key checks its content
+
+
 def _keys(keys, name="keys"):
     """Encoded keys (None where a key is invalid); TypeError for non-str keys."""
     ks = _key_list(keys, name)
@@ -1013,13 +1016,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         n = len(ks)
         if n == 1:
             # One key (engines often batch one): the single call, no arrays to build.
-            spares = _u64_spares()
-            out = spares.pop() if spares else _new_u64()
-            try:
-                rc = N.LIB.mc_store_get_into(self._store, ks[0], addrs[0], caps[0], out[1])
-                return [out[0].value if rc == N.MC_OK else rc]
-            finally:
-                spares.append(out)
+            return [self._get_into_one(ks[0], addrs[0], caps[0])]
         c_keys = N.c_strings(ks)
         c_bufs = N.c_array(ctypes.c_void_p, addrs)
         c_caps = N.c_array(ctypes.c_size_t, caps)
@@ -1089,6 +1086,11 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return self._put_parts([k], [parts], config, False, "put_from_with_metadata")[0]
 
     def _zero_copy_batch_put(self, keys, buffer_ptrs, sizes, config, upsert, what):
+        one = None if upsert else self._one_plain(keys, buffer_ptrs, sizes)
+        if one is not None:
+            config = _config(config)
+            if not config.group_ids:
+                return self._batch_put_from([one[0]], [one[1:]], config)
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")
@@ -1123,15 +1125,39 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not self._zero_copy(addr, n):
             self._log_unregistered(addr, n)
             return INVALID_PARAMS
+        return self._get_into_one(k, addr, n)
+
+    def _get_into_one(self, k, addr, cap):
+        """One checked read: the bytes read or a negative error."""
         spares = _u64_spares()
         out = spares.pop() if spares else _new_u64()
         try:
-            rc = N.LIB.mc_store_get_into(self._store, k, addr, n, out[1])
+            rc = N.LIB.mc_store_get_into(self._store, k, addr, cap, out[1])
             return out[0].value if rc == N.MC_OK else rc
         finally:
             spares.append(out)
 
+    def _one_plain(self, keys, buffer_ptrs, sizes):
+        """(key bytes, address, size) of a batch call naming one key and one plain
+        span inside registered memory, so it skips the list checks (an engine's batch
+        is often one key); None for anything else, which the general path answers (the
+        same results, errors and logs)."""
+        if not (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
+                and len(keys) == len(buffer_ptrs) == len(sizes) == 1 and self._store):
+            return None
+        key, addr, n = keys[0], buffer_ptrs[0], sizes[0]
+        if type(key) not in _KEY_TYPES or type(addr) is not int or type(n) is not int \
+                or n < 0:
+            return None
+        k = _encode_key(key)
+        if k is None or not self._zero_copy(addr, n):
+            return None
+        return k, addr, n
+
     def batch_get_into(self, keys, buffer_ptrs, sizes):
+        one = self._one_plain(keys, buffer_ptrs, sizes)
+        if one is not None:
+            return [self._get_into_one(*one)]
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")

@@ -77,3 +77,31 @@ def test_triage_marks_bad_keys_and_items():
     results, idx = _triage([b"a", None, b"c"], [1, 2, None])
     assert idx == [0]
     assert results[1] < 0 and results[2] < 0
+
+
+def test_a_one_key_batch_skips_the_list_checks_only_when_they_would_pass():
+    store = MooncakeDistributedStore()
+    store._registered = Registered()
+    store._registered.add(4096, 8192)
+    store._store = object()  # set up, as far as the marshalling can tell
+    plain = (["key"], [4096], [100])
+    k, addr, n = store._one_plain(*plain)
+    # What the general path would have made of the same call.
+    assert [k] == _keys(plain[0]) and [(addr, n)] == store._checked_spans(plain[1], plain[2])
+    assert store._one_plain(["key"], [4096], [8192]) is not None  # the whole buffer
+    assert store._one_plain([b"key"], [4096], [100]) == (b"key", 4096, 100)
+    for keys, addrs, sizes in (
+        (("key",), [4096], [100]),  # not lists: the general path copes
+        (["a", "b"], [4096, 4200], [10, 10]),
+        (["k\0y"], [4096], [100]),
+        ([""], [4096], [100]),
+        (["k" * (N.MC_STORE_MAX_KEY_LEN + 1)], [4096], [100]),
+        (["key"], [True], [100]),
+        (["key"], [4096], [-1]),
+        (["key"], [4096], [8193]),  # past the registered buffer
+        (["key"], [0], [10]),
+        (["key"], [4096.0], [100]),
+    ):
+        assert store._one_plain(keys, addrs, sizes) is None, (keys, addrs, sizes)
+    store._store = None
+    assert store._one_plain(*plain) is None

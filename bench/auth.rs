@@ -160,7 +160,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let duration = Duration::from_secs_f64(a.get("duration", 4.0f64)?) / ROUNDS;
     // Both sides without the secret: how far apart two identical sides land on this
     // machine (the noise floor of the comparison).
-    let control = a.flag("control");
+    let control = a.flag("control")?;
     a.finish()?;
     // The secret-off side must really be off, whatever this shell exports.
     std::env::remove_var(mooncake_base::auth::SECRET_ENV);

@@ -581,7 +581,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
     let batch: usize = a.get("batch", 1usize)?;
     let threads: usize = a.get("threads", 1usize)?;
     let duration = Duration::from_secs_f64(a.get("duration", 3.0f64)?);
-    let verify = !a.flag("no-verify");
+    let verify = !a.flag("no-verify")?;
     let keys_flag: Option<usize> = a.get("keys", 0usize).map(|k| (k > 0).then_some(k))?;
     let external = a.str("master").is_some();
     let mut cfg = mooncake_cli::store::client_config(&a)?;

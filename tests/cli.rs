@@ -201,6 +201,16 @@ fn settings_people_get_wrong_are_refused_by_name() {
             &["master", "--rpc-port", "0", "--lease-ttl-ms", "0"],
             &["--lease-ttl-ms must be positive"],
         ),
+        // An on/off value in another spelling is refused, never read as "on".
+        (
+            &["bench", "store", "--verify-checksum", "no"],
+            &[r#"--verify-checksum: "no" is not true or false"#],
+        ),
+        (
+            &["bench", "store", "--replica-cache", "disabled"],
+            &["--replica-cache"],
+        ),
+        (&["calc", "--list=maybe"], &["--list"]),
         (
             &[
                 "master",

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
-use mooncake_base::util::size;
+use mooncake_base::util::{size, switch};
 
 /// A parsed command line: each flag's value, and which flags the command asked for
 /// (the rest are reported as unknown).
@@ -85,9 +85,21 @@ impl Args {
         Ok(self.str(key))
     }
 
-    /// Whether the switch `--key` is on (given, and not `false`).
-    pub fn flag(&self, key: &str) -> bool {
-        self.str(key).is_some_and(|v| v != "false")
+    /// The on/off setting `--key`: `None` when not given, else its value in one of
+    /// [`switch::parse`]'s spellings (a bare [`SWITCHES`] flag is on); anything else
+    /// is an error, so a misspelt "off" never turns a setting on.
+    pub fn switch(&self, key: &str) -> Result<Option<bool>, String> {
+        match self.value(key)? {
+            None => Ok(None),
+            Some(v) => switch::parse(v)
+                .map(Some)
+                .ok_or_else(|| format!("--{key}: {v:?} is not true or false")),
+        }
+    }
+
+    /// Whether the switch `--key` is on (off when not given).
+    pub fn flag(&self, key: &str) -> Result<bool, String> {
+        Ok(self.switch(key)?.unwrap_or(false))
     }
 
     /// The value of `--key` parsed as `T`, or `default` when not given.
@@ -151,8 +163,23 @@ mod tests {
         let a = Args::parse(&raw).unwrap();
         assert_eq!(a.get::<u64>("size", 0).unwrap(), 4 << 20);
         assert_eq!(a.str("name"), Some("x"));
-        assert!(a.flag("json"));
+        assert_eq!(a.flag("json"), Ok(true));
+        assert_eq!(a.flag("list"), Ok(false));
         a.finish().unwrap();
+        // On/off values: one spelling everywhere, and nothing else.
+        let raw: Vec<String> = ["--json=off", "--a", "On", "--b", "0", "--c", "no"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let a = Args::parse(&raw).unwrap();
+        assert_eq!(a.flag("json"), Ok(false));
+        assert_eq!(a.switch("a"), Ok(Some(true)));
+        assert_eq!(a.switch("b"), Ok(Some(false)));
+        assert_eq!(a.switch("d"), Ok(None));
+        assert_eq!(
+            a.switch("c").unwrap_err(),
+            r#"--c: "no" is not true or false"#
+        );
         // A last flag with no value: "needs a value" if the command knows it, else
         // unknown.
         let a = Args::parse(&["--size".to_string()]).unwrap();

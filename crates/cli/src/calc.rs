@@ -636,7 +636,7 @@ pub fn model_flags(a: &Args, cat: &Catalog) -> Result<Option<(Model, Ask)>, Stri
     let ask = Ask {
         precision: a.str("precision").map(str::to_owned),
         indexer_precision: a.str("indexer-precision").map(str::to_owned),
-        draft: a.flag("draft"),
+        draft: a.flag("draft")?,
     };
     let model = match (a.str("model"), a.str("config")) {
         (Some(_), Some(_)) => return Err("give --model or --config, not both".into()),
@@ -714,8 +714,8 @@ fn every_size(cat: &Catalog, tokens: u64) -> Result<Vec<Value>, String> {
 pub fn calc(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let cat = Catalog::builtin()?;
-    let list = a.flag("list");
-    let json_out = a.flag("json");
+    let list = a.flag("list")?;
+    let json_out = a.flag("json")?;
     let chosen = model_flags(&a, &cat)?;
     let tokens: u64 = a.get("tokens", 0)?;
     let block_tokens: u64 = a.get("block-tokens", super::trace::DEFAULT_BLOCK_TOKENS)?;

@@ -162,7 +162,7 @@ pub fn target(raw: &[String]) -> Result<(), String> {
     let a = Args::parse(raw)?;
     let size: usize = a.get("size", 64 << 20)?;
     let location = a.str("location").unwrap_or("cpu:0").to_owned();
-    let until_eof = a.flag("until-stdin-eof");
+    let until_eof = a.flag("until-stdin-eof")?;
     let cfg = engine_config(&a)?;
     a.finish()?;
     if size == 0 {
@@ -257,7 +257,7 @@ pub fn metadata_server(raw: &[String]) -> Result<(), String> {
     let port: u16 = a.get("port", 8080)?;
     let bind: IpAddr = a.get("bind", IpAddr::from([0, 0, 0, 0]))?;
     let secret = cluster_secret(&a)?;
-    let until_eof = a.flag("until-stdin-eof");
+    let until_eof = a.flag("until-stdin-eof")?;
     a.finish()?;
     if !until_eof {
         block_signals_for_wait();

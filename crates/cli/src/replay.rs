@@ -67,7 +67,7 @@ fn options(a: &Args) -> Result<Options, String> {
         limit,
         block_bytes,
         time_scale,
-        json: a.flag("json"),
+        json: a.flag("json")?,
         replicate: ReplicateConfig {
             replica_num,
             ..ReplicateConfig::default()

@@ -125,7 +125,7 @@ pub fn simulate(raw: &[String]) -> Result<(), String> {
         "threads",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     )?;
-    let json_out = a.flag("json");
+    let json_out = a.flag("json")?;
     let svg_path = a.str("svg").map(str::to_owned);
     a.finish()?;
     if block_tokens == 0 {

@@ -206,7 +206,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     if soft_pin_ttl != 1_800_000 {
         log::warn!("--default_kv_soft_pin_ttl: puts carry their own soft-pin TTL here (ReplicateConfig.soft_pin_ttl_ms)");
     }
-    let until_eof = a.flag("until-stdin-eof");
+    let until_eof = a.flag("until-stdin-eof")?;
     let ha = ha_settings(&a)?;
     // Upstream replicates metadata to standbys through an op log; here a new leader
     // gets the objects back from the nodes' catalogs. Either way, it needs HA.
@@ -275,7 +275,7 @@ fn ha_settings(a: &Args) -> Result<Option<HaSettings>, String> {
     let endpoints = a.str("etcd-endpoints").map(str::to_owned);
     let cluster_id = a.str("cluster-id").map(str::to_owned);
     let lease_ttl_s: i64 = a.get("ha-lease-ttl", ha::DEFAULT_LEASE_TTL_S)?;
-    if !a.flag("enable-ha") {
+    if !a.flag("enable-ha")? {
         return Ok(None);
     }
     let endpoints = endpoints.ok_or("--enable-ha needs --etcd-endpoints HOST:PORT[;HOST:PORT]")?;
@@ -362,7 +362,7 @@ pub fn node(raw: &[String]) -> Result<(), String> {
     check_segment_size(size, physical_memory())?;
     let mut cfg = client_config(&a)?;
     cfg.disk = disk_tier(&a)?;
-    let until_eof = a.flag("until-stdin-eof");
+    let until_eof = a.flag("until-stdin-eof")?;
     a.finish()?;
     metadata_from_master(&a, &mut cfg)?;
     if !until_eof {
@@ -436,15 +436,14 @@ pub fn client_config(a: &Args) -> Result<ClientConfig, String> {
             .set("metadata", &metadata)
             .map_err(|e| e.to_string())?;
     }
-    if let Some(v) = a.str("verify-checksum") {
-        cfg.verify_checksum = v != "false" && v != "0";
+    if let Some(on) = a.switch("verify-checksum")? {
+        cfg.verify_checksum = on;
     }
-    if let Some(v) = a.str("replica-cache") {
-        cfg.cache_replicas = v != "false" && v != "0";
+    if let Some(on) = a.switch("replica-cache")? {
+        cfg.cache_replicas = on;
     }
-    if let Some(v) = a.str("prefault-segment") {
-        cfg.prefault_segment = mooncake_base::util::switch::parse(v)
-            .ok_or_else(|| format!("--prefault-segment: {v:?} is not true or false"))?;
+    if let Some(on) = a.switch("prefault-segment")? {
+        cfg.prefault_segment = on;
     }
     Ok(cfg)
 }

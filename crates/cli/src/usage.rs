@@ -33,8 +33,9 @@ const COMMANDS: &[(&str, &str)] = &[
         "bench store",
         "\
   mooncake bench store [--op get|put|exists] [--size 4K] [--batch N] [--threads N]
-      [--duration S] [--api zero-copy|copy] [--protocol tcp|auto] [--verify-checksum B]
-      [--no-verify] [--segment-size B] [--replica-cache B] [--master HOST:PORT --metadata URL]
+      [--duration S] [--api zero-copy|copy] [--protocol tcp|auto]
+      [--verify-checksum true|false] [--no-verify] [--segment-size B]
+      [--replica-cache true|false] [--master HOST:PORT --metadata URL]
       Store objects/s and latency against a master and node in child processes.
       --replica-cache false: every get asks the master (no descriptors kept under the lease).",
     ),
@@ -202,7 +203,7 @@ const COMMANDS: &[(&str, &str)] = &[
 
 const HEADER: &str = "mooncake — transfer engine and KV store (Mooncake-compatible)";
 const FOOTER: &str = "\
-Sizes accept K/M/G/T suffixes. Logging: RUST_LOG=info|debug. Authentication: every
+Sizes accept K/M/G/T suffixes; on/off values true/false, on/off or 1/0. Logging: RUST_LOG=info|debug. Authentication: every
 serving or connecting command takes --cluster-secret-file PATH (or MC_CLUSTER_SECRET;
 docs/security.md).
 `mooncake COMMAND --help` shows one command; `mooncake --version` the version.";

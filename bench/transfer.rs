@@ -311,7 +311,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         "sync" => true,
         other => return Err(format!("--api: {other:?} is not batch or sync")),
     };
-    let with_floor: bool = a.get("floor", false)?;
+    let with_floor = a.switch("floor")?.unwrap_or(false);
     let p = Params {
         protocol: a.str("protocol").unwrap_or("tcp").to_owned(),
         op,

@@ -212,6 +212,10 @@ fn settings_people_get_wrong_are_refused_by_name() {
         ),
         (&["calc", "--list=maybe"], &["--list"]),
         (
+            &["master", "--promotion-on-hit", "sometimes"],
+            &[r#"--promotion-on-hit: "sometimes" is not true or false"#],
+        ),
+        (
             &[
                 "master",
                 "--bind",

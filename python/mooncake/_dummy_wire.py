@@ -103,8 +103,7 @@ def _put(v, out, depth):
         out.append(b"T")
     elif v is False:
         out.append(b"F")
-    elif isinstance(v, int):
-        v = int(v)
+    elif isinstance(v, int):  # a subclass: packed by its value, as struct does
         if _I64_MIN <= v < _I64_END:
             out.append(b"i" + _pack_i64(v))
         elif 0 <= v < _U64_END:
@@ -112,7 +111,7 @@ def _put(v, out, depth):
         else:
             raise ValueError(f"integer {v} does not fit in 64 bits")
     elif isinstance(v, str):
-        data = str(v).encode("utf-8")
+        data = str.encode(v, "utf-8")  # not str(v): a subclass may say something else
         out.append(b"s" + _pack_u32(len(data)) + data)
     elif isinstance(v, (bytes, bytearray, memoryview)):
         data = bytes(v)

@@ -457,8 +457,12 @@ def test_the_wire_codec_round_trips_and_refuses_malformed_bodies():
     class Small(enum.IntEnum):
         SEVEN = 7
 
-    assert W.encode([Small.SEVEN, bytearray(b"ab"), memoryview(b"cd")]) == \
-        W.encode([7, b"ab", b"cd"])
+    class Named(str, enum.Enum):  # its str() is "Named.SEG", its value "node-a"
+        SEG = "node-a"
+
+    assert W.encode([Small.SEVEN, bytearray(b"ab"), memoryview(b"cd"), Named.SEG]) == \
+        W.encode([7, b"ab", b"cd", "node-a"])
+    assert W.encode(Named.SEG) == W.encode("node-a")
 
     def deep(leaf, levels):
         body = W.encode(leaf)

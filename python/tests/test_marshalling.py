@@ -101,6 +101,7 @@ def test_a_one_key_batch_skips_the_list_checks_only_when_they_would_pass():
         (["key"], [4096], [8193]),  # past the registered buffer
         (["key"], [0], [10]),
         (["key"], [4096.0], [100]),
+        (["key"], [1 << 64], [0]),  # past any address, even were a buffer to end there
     ):
         assert store._one_plain(keys, addrs, sizes) is None, (keys, addrs, sizes)
     store._store = None

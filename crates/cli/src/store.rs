@@ -36,10 +36,7 @@ fn port_flag(a: &Args, key: &str) -> Result<Option<Option<u16>>, String> {
 fn metadata_port(a: &Args) -> Result<Option<u16>, String> {
     let ours = port_flag(a, "metadata-port")?;
     let upstream_port = a.get("http-metadata-server-port", 8080)?;
-    let enabled = match a.str("enable-http-metadata-server") {
-        Some(_) => Some(a.get("enable-http-metadata-server", false)?),
-        None => None,
-    };
+    let enabled = a.switch("enable-http-metadata-server")?;
     match (enabled, ours) {
         (Some(false), _) => Ok(None),
         (Some(true), Some(None)) => Err(
@@ -150,10 +147,11 @@ pub fn master(raw: &[String]) -> Result<(), String> {
             .map_err(|e| format!("--owner-key-file: {e}"))?,
         ..ServerConfig::default()
     };
-    if !a.get("enable-metric-reporting", true)? {
+    if !a.switch("enable-metric-reporting")?.unwrap_or(true) {
         cfg.metrics_port = None;
     }
-    cfg.verify_mounts = match (a.get("verify-mounts", true)?, a.str("verify-metadata")) {
+    let verify_mounts = a.switch("verify-mounts")?.unwrap_or(true);
+    cfg.verify_mounts = match (verify_mounts, a.str("verify-metadata")) {
         (false, _) => VerifyMounts::Off,
         (true, Some(url)) if !url.is_empty() => VerifyMounts::Via(url.to_owned()),
         (true, _) => VerifyMounts::Auto,
@@ -190,12 +188,12 @@ pub fn master(raw: &[String]) -> Result<(), String> {
         m.catalog_ack_timeout.as_millis() as u64,
     )?);
     m.recovery_window = Duration::from_millis(a.get("recovery-window-ms", 2000)?);
-    m.offload_on_evict = a.get("offload-on-evict", m.offload_on_evict)?;
+    m.offload_on_evict = a.switch("offload-on-evict")?.unwrap_or(m.offload_on_evict);
     m.promotion_admission_threshold = a.get(
         "promotion-admission-threshold",
         m.promotion_admission_threshold,
     )?;
-    if !a.get("promotion-on-hit", true)? {
+    if !a.switch("promotion-on-hit")?.unwrap_or(true) {
         m.promotion_admission_threshold = u32::MAX; // read back for the reader only
     }
     if a.str("root-fs-dir").is_some_and(|d| !d.is_empty()) {
@@ -210,7 +208,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     let ha = ha_settings(&a)?;
     // Upstream replicates metadata to standbys through an op log; here a new leader
     // gets the objects back from the nodes' catalogs. Either way, it needs HA.
-    if a.get("enable-oplog", false)? && ha.is_none() {
+    if a.switch("enable-oplog")?.unwrap_or(false) && ha.is_none() {
         return Err("--enable_oplog needs --enable_ha=true".into());
     }
     a.finish()?;

@@ -203,9 +203,9 @@ const COMMANDS: &[(&str, &str)] = &[
 
 const HEADER: &str = "mooncake — transfer engine and KV store (Mooncake-compatible)";
 const FOOTER: &str = "\
-Sizes accept K/M/G/T suffixes; on/off values true/false, on/off or 1/0. Logging: RUST_LOG=info|debug. Authentication: every
-serving or connecting command takes --cluster-secret-file PATH (or MC_CLUSTER_SECRET;
-docs/security.md).
+Sizes accept K/M/G/T suffixes; on/off values true/false, on/off or 1/0. Logging:
+RUST_LOG=info|debug. Authentication: every serving or connecting command takes
+--cluster-secret-file PATH (or MC_CLUSTER_SECRET; docs/security.md).
 `mooncake COMMAND --help` shows one command; `mooncake --version` the version.";
 
 /// The whole usage text.

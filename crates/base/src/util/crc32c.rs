@@ -9,11 +9,12 @@
 //! running three independent streams side by side to hide its 3-cycle
 //! latency; the partial results are stitched together with precomputed
 //! "shift" tables (multiplication by `x^(8n) mod P` in GF(2)). Where the CPU
-//! also has AVX-512 carry-less multiplication (`vpclmulqdq`), and the crate is
-//! built with Rust 1.89 or later, buffers of 256 bytes and more are folded 256
-//! bytes per step instead, about three times the `crc32` instruction's
-//! throughput (it bounds how fast a store read can be verified). Everywhere else a table-driven slicing-by-8 implementation is
-//! used. All tables and constants are built at compile time.
+//! also has wide carry-less multiplication (`vpclmulqdq`, with AVX-512 or with
+//! AVX2), and the crate is built with Rust 1.89 or later, buffers of 256 bytes
+//! and more are folded 256 bytes per step instead, several times the `crc32`
+//! instruction's throughput (it bounds how fast a store read can be verified).
+//! Everywhere else a table-driven slicing-by-8 implementation is used. All
+//! tables and constants are built at compile time.
 
 /// The CRC-32C polynomial in reflected (LSB-first) bit order.
 const POLY: u32 = 0x82F6_3B78;
@@ -107,11 +108,17 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
         #[cfg(mc_avx512_intrinsics)]
-        if data.len() >= fold::MIN_LEN && fold::available() {
-            // SAFETY: `fold::available()` confirmed at run time that this CPU
-            // has every target feature `fold::update` enables, and the buffer
-            // is at least `MIN_LEN` bytes long, as it requires.
-            return !unsafe { fold::update::<false>(!crc, data, std::ptr::null_mut()) };
+        if data.len() >= fold::MIN_LEN {
+            if fold::available() {
+                // SAFETY: `fold::available()` confirmed at run time that this CPU
+                // has every target feature `fold::update` enables, and the buffer
+                // is at least `MIN_LEN` bytes long, as it requires.
+                return !unsafe { fold::update::<false>(!crc, data, std::ptr::null_mut()) };
+            }
+            if fold::available_256() {
+                // SAFETY: as above, for `update_256` and `available_256`.
+                return !unsafe { fold::update_256::<false>(!crc, data, std::ptr::null_mut()) };
+            }
         }
         if hw::available() {
             // SAFETY: `available()` confirmed at run time that this CPU
@@ -132,10 +139,17 @@ pub unsafe fn crc32c_append_copying(crc: u32, src: &[u8], dst: *mut u8) -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
         #[cfg(mc_avx512_intrinsics)]
-        if src.len() >= fold::MIN_LEN && fold::available() {
-            // SAFETY: the features `fold::update` enables are present (checked at run
-            // time), the buffer is long enough, and `dst` is the caller's promise.
-            return !unsafe { fold::update::<true>(!crc, src, dst) };
+        if src.len() >= fold::MIN_LEN {
+            if fold::available() {
+                // SAFETY: the features `fold::update` enables are present (checked at
+                // run time), the buffer is long enough, and `dst` is the caller's
+                // promise.
+                return !unsafe { fold::update::<true>(!crc, src, dst) };
+            }
+            if fold::available_256() {
+                // SAFETY: as above, for `update_256` and `available_256`.
+                return !unsafe { fold::update_256::<true>(!crc, src, dst) };
+            }
         }
         if hw::available() {
             // SAFETY: SSE4.2 is present; `dst` is the caller's promise.
@@ -431,7 +445,8 @@ mod hw {
 }
 
 // ---------------------------------------------------------------------------
-// Folding path: AVX-512 carry-less multiplication, 256 bytes per step.
+// Folding paths: wide carry-less multiplication (AVX-512, or AVX2 on CPUs with
+// `vpclmulqdq` but no AVX-512), 256 bytes per step.
 // ---------------------------------------------------------------------------
 
 /// Folding keeps the message as a 128-bit remainder-equivalent: a 16-byte lane
@@ -441,14 +456,18 @@ mod hw {
 /// product of two reflected operands comes out multiplied by `x`, hence the
 /// constants are `x^(F+63)` and `x^(F-1)`. The register's initial value is the
 /// first 32 message bits XORed in; the final 16-byte remainder is a message of
-/// its own whose `crc32` (from 0) is the checksum so far.
-/// (Built with Rust 1.89 and later, whose AVX-512 intrinsics it needs; see `build.rs`.)
+/// its own whose `crc32` (from 0) is the checksum so far. The AVX2 form keeps
+/// eight 32-byte accumulators where the AVX-512 form keeps four of 64.
+/// (Built with Rust 1.89 and later, whose AVX-512 and `vpclmulqdq` intrinsics it
+/// needs; see `build.rs`.)
 #[cfg(all(target_arch = "x86_64", mc_avx512_intrinsics))]
 #[clippy::msrv = "1.89"]
 mod fold {
     use super::x_pow_mod;
     use std::arch::x86_64::{
-        __m128i, __m512i, _mm512_castsi128_si512, _mm512_clmulepi64_epi128,
+        __m128i, __m256i, __m512i, _mm256_castsi256_si128, _mm256_clmulepi64_epi128,
+        _mm256_extracti128_si256, _mm256_loadu_si256, _mm256_set_epi64x, _mm256_storeu_si256,
+        _mm256_xor_si256, _mm256_zextsi128_si256, _mm512_castsi128_si512, _mm512_clmulepi64_epi128,
         _mm512_extracti32x4_epi32, _mm512_loadu_si512, _mm512_set_epi64, _mm512_storeu_si512,
         _mm512_ternarylogic_epi64, _mm512_xor_si512, _mm_clmulepi64_si128, _mm_crc32_u64,
         _mm_crc32_u8, _mm_cvtsi128_si64, _mm_cvtsi32_si128, _mm_extract_epi64, _mm_loadu_si128,
@@ -469,28 +488,49 @@ mod fold {
     }
     const BY_256_BYTES: (i64, i64) = constants(2048);
     const BY_64_BYTES: (i64, i64) = constants(512);
+    const BY_32_BYTES: (i64, i64) = constants(256);
     const BY_16_BYTES: (i64, i64) = constants(128);
 
     const UNKNOWN: u8 = 0;
     const ABSENT: u8 = 1;
     const PRESENT: u8 = 2;
     static FEATURES: AtomicU8 = AtomicU8::new(UNKNOWN);
+    static FEATURES_256: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+    /// `flag`'s cached answer, asking `detect` the first time.
+    #[inline]
+    fn cached(flag: &AtomicU8, detect: fn() -> bool) -> bool {
+        match flag.load(Ordering::Relaxed) {
+            PRESENT => true,
+            ABSENT => false,
+            _ => {
+                let present = detect();
+                flag.store(if present { PRESENT } else { ABSENT }, Ordering::Relaxed);
+                present
+            }
+        }
+    }
 
     /// Whether the CPU has every feature `update` enables (detected once).
     #[inline]
     pub(super) fn available() -> bool {
-        match FEATURES.load(Ordering::Relaxed) {
-            PRESENT => true,
-            ABSENT => false,
-            _ => {
-                let present = is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("vpclmulqdq")
-                    && is_x86_feature_detected!("pclmulqdq")
-                    && is_x86_feature_detected!("sse4.2");
-                FEATURES.store(if present { PRESENT } else { ABSENT }, Ordering::Relaxed);
-                present
-            }
-        }
+        cached(&FEATURES, || {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("vpclmulqdq")
+                && is_x86_feature_detected!("pclmulqdq")
+                && is_x86_feature_detected!("sse4.2")
+        })
+    }
+
+    /// Whether the CPU has every feature `update_256` enables (detected once).
+    #[inline]
+    pub(super) fn available_256() -> bool {
+        cached(&FEATURES_256, || {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("vpclmulqdq")
+                && is_x86_feature_detected!("pclmulqdq")
+                && is_x86_feature_detected!("sse4.2")
+        })
     }
 
     /// `k` repeated in each 128-bit lane of a 512-bit register.
@@ -587,6 +627,92 @@ mod fold {
         lane = fold_lane(lane, k16, _mm512_extracti32x4_epi32(x, 3));
         // SAFETY: `rest` is the last part of `data`, at `at` in the caller's `dst`.
         unsafe { finish::<COPY>(lane, sixty_fours.remainder(), dst.wrapping_add(at)) }
+    }
+
+    /// `k` repeated in each 128-bit lane of a 256-bit register.
+    #[target_feature(enable = "avx2")]
+    fn wide_256(k: (i64, i64)) -> __m256i {
+        _mm256_set_epi64x(k.1, k.0, k.1, k.0)
+    }
+
+    /// The first 32 bytes of `bytes` (unaligned), also stored at `dst + at` when
+    /// copying.
+    ///
+    /// # Safety
+    /// With `COPY`, `dst + at .. + 32` must be writable.
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_256<const COPY: bool>(bytes: &[u8], dst: *mut u8, at: usize) -> __m256i {
+        let chunk = &bytes[..32];
+        // SAFETY: `chunk` holds 32 readable bytes; the load needs no alignment.
+        let v = unsafe { _mm256_loadu_si256(chunk.as_ptr().cast()) };
+        if COPY {
+            // SAFETY: the caller's contract; the store needs no alignment.
+            unsafe { _mm256_storeu_si256(dst.add(at).cast(), v) };
+        }
+        v
+    }
+
+    /// As `fold_wide`, for the two lanes of a 256-bit register.
+    #[target_feature(enable = "avx2,vpclmulqdq")]
+    fn fold_256(x: __m256i, k: __m256i, next: __m256i) -> __m256i {
+        let first = _mm256_clmulepi64_epi128(x, k, 0x00);
+        let last = _mm256_clmulepi64_epi128(x, k, 0x11);
+        _mm256_xor_si256(_mm256_xor_si256(first, last), next)
+    }
+
+    /// As `update`, with eight 32-byte accumulators on a CPU with `vpclmulqdq` and
+    /// AVX2 but no AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have what `available_256` checks, and `data.len() >= MIN_LEN`;
+    /// with `COPY`, `dst` must be writable for `data.len()` bytes and must not
+    /// overlap `data`.
+    #[target_feature(enable = "avx2,vpclmulqdq,pclmulqdq,sse4.2")]
+    pub(super) unsafe fn update_256<const COPY: bool>(crc: u32, data: &[u8], dst: *mut u8) -> u32 {
+        debug_assert!(data.len() >= MIN_LEN);
+        let mut blocks = data.chunks_exact(256);
+        let Some(first) = blocks.next() else {
+            return crc; // unreachable by the contract; nothing to fold
+        };
+        // (As in `update`, `at` is the offset of the loaded bytes in `data`.)
+        // SAFETY: the first 256 bytes, at their offsets.
+        let mut acc: [__m256i; 8] =
+            std::array::from_fn(|i| unsafe { load_256::<COPY>(&first[32 * i..], dst, 32 * i) });
+        acc[0] = _mm256_xor_si256(
+            acc[0],
+            _mm256_zextsi128_si256(_mm_cvtsi32_si128(crc as i32)),
+        );
+        let k256 = wide_256(BY_256_BYTES);
+        let mut at = 256;
+        for block in &mut blocks {
+            for (i, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 32 bytes at their offset `at + 32 i`.
+                let next = unsafe { load_256::<COPY>(&block[32 * i..], dst, at + 32 * i) };
+                *a = fold_256(*a, k256, next);
+            }
+            at += 256;
+        }
+        let k32 = wide_256(BY_32_BYTES);
+        let mut x = acc[0];
+        for a in &acc[1..] {
+            x = fold_256(x, k32, *a);
+        }
+        let rest = blocks.remainder();
+        let mut thirty_twos = rest.chunks_exact(32);
+        for chunk in &mut thirty_twos {
+            // SAFETY: 32 bytes at their offset `at`.
+            let next = unsafe { load_256::<COPY>(chunk, dst, at) };
+            x = fold_256(x, k32, next);
+            at += 32;
+        }
+        let k16 = _mm_set_epi64x(BY_16_BYTES.1, BY_16_BYTES.0);
+        let lane = fold_lane(
+            _mm256_castsi256_si128(x),
+            k16,
+            _mm256_extracti128_si256(x, 1),
+        );
+        // SAFETY: `rest`'s last part is the end of `data`, at `at` in the caller's `dst`.
+        unsafe { finish::<COPY>(lane, thirty_twos.remainder(), dst.wrapping_add(at)) }
     }
 
     /// Folds the last (< 64) bytes `rest` onto the 16-byte remainder `lane` (copying
@@ -780,6 +906,19 @@ mod tests {
                 unsafe {
                     assert_eq!(!fold::update::<false>(!7, src, std::ptr::null_mut()), want);
                     assert_eq!(!fold::update::<true>(!7, src, out.as_mut_ptr()), want);
+                }
+                assert_eq!(out, src);
+            }
+            #[cfg(mc_avx512_intrinsics)]
+            if fold::available_256() {
+                out.fill(0);
+                // SAFETY: as above, with the AVX2 folding path's features.
+                unsafe {
+                    assert_eq!(
+                        !fold::update_256::<false>(!7, src, std::ptr::null_mut()),
+                        want
+                    );
+                    assert_eq!(!fold::update_256::<true>(!7, src, out.as_mut_ptr()), want);
                 }
                 assert_eq!(out, src);
             }

@@ -475,7 +475,7 @@ mod fold {
     };
     use std::sync::atomic::{AtomicU8, Ordering};
 
-    /// Shortest buffer folded (four 64-byte accumulators' worth).
+    /// Shortest buffer folded (one 256-byte block: every accumulator of either form).
     pub(super) const MIN_LEN: usize = 256;
 
     /// Constants moving a 16-byte lane `bits` further: (first 8 bytes, last 8),
@@ -715,7 +715,7 @@ mod fold {
         unsafe { finish::<COPY>(lane, thirty_twos.remainder(), dst.wrapping_add(at)) }
     }
 
-    /// Folds the last (< 64) bytes `rest` onto the 16-byte remainder `lane` (copying
+    /// Folds the last (< 64, or < 32) bytes `rest` onto the 16-byte remainder `lane` (copying
     /// them to `dst` with `COPY`) and reduces it to the raw CRC register.
     ///
     /// # Safety
@@ -882,45 +882,45 @@ mod tests {
     }
 
     /// Each implementation this CPU can run, called directly (the public functions
-    /// pick one), checksumming and copying, against the portable path.
+    /// pick one), checksumming and copying, against the portable path: every length
+    /// across the folds' 256-, 32- and 16-byte steps, and copies that stay within
+    /// their destination.
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn every_path_this_cpu_runs_agrees() {
+        type Path = unsafe fn(u32, &[u8], *mut u8) -> u32;
+        let mut paths: Vec<(&str, Path, Path)> = Vec::new();
+        if hw::available() {
+            paths.push(("sse4.2", hw::update::<false>, hw::update::<true>));
+        }
+        #[cfg(mc_avx512_intrinsics)]
+        {
+            if fold::available() {
+                paths.push(("avx512", fold::update::<false>, fold::update::<true>));
+            }
+            if fold::available_256() {
+                paths.push(("avx2", fold::update_256::<false>, fold::update_256::<true>));
+            }
+        }
         let data = pseudo_random(3 * 8192 * 2 + 3 * 256 + 300, 0xa11);
-        for len in [256usize, 300, 768, 769, 3 * 8192 + 5, data.len() - 3] {
+        let lens = (256usize..=800).chain([3 * 8192 + 5, data.len() - 3]);
+        for len in lens {
             let src = &data[3..3 + len];
             let want = crc32c_software_append(7, src);
-            let mut out = vec![0u8; len];
-            if hw::available() {
-                // SAFETY: SSE4.2 is present; `out` holds `len` bytes, apart from `src`.
+            for &(name, sum, copy) in &paths {
+                let mut out = vec![0x5au8; len + 16];
+                // SAFETY: each path runs only where `available` said so, on at least
+                // MIN_LEN bytes; `out` holds `8 + len` bytes, apart from `src`.
                 unsafe {
-                    assert_eq!(!hw::update::<false>(!7, src, std::ptr::null_mut()), want);
-                    assert_eq!(!hw::update::<true>(!7, src, out.as_mut_ptr()), want);
-                }
-                assert_eq!(out, src);
-            }
-            #[cfg(mc_avx512_intrinsics)]
-            if fold::available() {
-                out.fill(0);
-                // SAFETY: as above, with the folding path's features and length.
-                unsafe {
-                    assert_eq!(!fold::update::<false>(!7, src, std::ptr::null_mut()), want);
-                    assert_eq!(!fold::update::<true>(!7, src, out.as_mut_ptr()), want);
-                }
-                assert_eq!(out, src);
-            }
-            #[cfg(mc_avx512_intrinsics)]
-            if fold::available_256() {
-                out.fill(0);
-                // SAFETY: as above, with the AVX2 folding path's features.
-                unsafe {
+                    assert_eq!(!sum(!7, src, std::ptr::null_mut()), want, "{name} {len}");
                     assert_eq!(
-                        !fold::update_256::<false>(!7, src, std::ptr::null_mut()),
-                        want
+                        !copy(!7, src, out.as_mut_ptr().add(8)),
+                        want,
+                        "{name} {len}"
                     );
-                    assert_eq!(!fold::update_256::<true>(!7, src, out.as_mut_ptr()), want);
                 }
-                assert_eq!(out, src);
+                assert_eq!(&out[8..8 + len], src, "{name} {len}");
+                assert!(out[..8].iter().chain(&out[8 + len..]).all(|&b| b == 0x5a));
             }
         }
     }

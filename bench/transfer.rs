@@ -311,7 +311,7 @@ pub fn run(raw: &[String]) -> Result<(), String> {
         "sync" => true,
         other => return Err(format!("--api: {other:?} is not batch or sync")),
     };
-    let with_floor = a.switch("floor")?.unwrap_or(false);
+    let with_floor = a.flag("floor")?;
     let p = Params {
         protocol: a.str("protocol").unwrap_or("tcp").to_owned(),
         op,

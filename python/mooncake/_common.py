@@ -13,8 +13,10 @@ from . import _native as N
 
 logger = logging.getLogger("mooncake")
 
+U64_MAX = (1 << 64) - 1
 
-def check_int(value, name, lo=0, hi=(1 << 64) - 1):
+
+def check_int(value, name, lo=0, hi=U64_MAX):
     """An int argument in [lo, hi]; bool and other types raise TypeError, out of range
     ValueError."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -34,7 +36,7 @@ def check_str(value, name):
     return value
 
 
-def int_list(values, name, lo=0, hi=(1 << 64) - 1):
+def int_list(values, name, lo=0, hi=U64_MAX):
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a list of int, got {type(values).__name__}")
     out = list(values)

@@ -7,11 +7,9 @@ import enum
 import logging
 
 from . import _native as N
-from ._common import check_str
+from ._common import U64_MAX, check_str
 
 logger = logging.getLogger("mooncake")
-
-_U64 = (1 << 64) - 1
 
 
 class SoftPinAction(enum.IntEnum):
@@ -65,7 +63,7 @@ def _ttl(value, name):
     if value is not None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}: expected None or int, got {type(value).__name__}")
-        if not 0 <= value <= _U64:
+        if not 0 <= value <= U64_MAX:
             raise TypeError(f"{name}: {value} is not in [0, 2**64)")
     return value
 

@@ -28,6 +28,7 @@ import threading
 from . import _native as N
 from ._common import (
     HARDWARE_PROTOCOLS,
+    U64_MAX,
     Registered,
     bind_address_for,
     buffer_address,
@@ -196,7 +197,6 @@ def _key_list(keys, name="keys"):
 
 
 _KEY_TYPES = (str, bytes)  # a key as given; _encode_key checks its content
-_U64_MAX = (1 << 64) - 1
 
 
 def _keys(keys, name="keys"):
@@ -1148,7 +1148,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return None
         key, addr, n = keys[0], buffer_ptrs[0], sizes[0]
         if type(key) not in _KEY_TYPES or type(addr) is not int or type(n) is not int \
-                or n < 0 or addr > _U64_MAX:
+                or n < 0 or addr > U64_MAX:
             return None
         k = _encode_key(key)
         if k is None or not self._zero_copy(addr, n):

@@ -208,7 +208,7 @@ pub fn master(raw: &[String]) -> Result<(), String> {
     let ha = ha_settings(&a)?;
     // Upstream replicates metadata to standbys through an op log; here a new leader
     // gets the objects back from the nodes' catalogs. Either way, it needs HA.
-    if a.switch("enable-oplog")?.unwrap_or(false) && ha.is_none() {
+    if a.flag("enable-oplog")? && ha.is_none() {
         return Err("--enable_oplog needs --enable_ha=true".into());
     }
     a.finish()?;

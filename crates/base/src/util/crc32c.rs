@@ -295,11 +295,45 @@ unsafe fn copy_bytes<const COPY: bool>(bytes: &[u8], dst: *mut u8) {
 // Hardware path: SSE4.2 `crc32`, three interleaved streams.
 // ---------------------------------------------------------------------------
 
+/// A CPU feature test, run once and then cached (each path asks on every call).
+#[cfg(target_arch = "x86_64")]
+struct Detected(std::sync::atomic::AtomicU8);
+
+#[cfg(target_arch = "x86_64")]
+impl Detected {
+    const UNKNOWN: u8 = 0;
+    const ABSENT: u8 = 1;
+    const PRESENT: u8 = 2;
+
+    const fn new() -> Detected {
+        Detected(std::sync::atomic::AtomicU8::new(Detected::UNKNOWN))
+    }
+
+    /// The cached answer, asking `detect` the first time.
+    #[inline]
+    fn get(&self, detect: fn() -> bool) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.0.load(Relaxed) {
+            Detected::PRESENT => true,
+            Detected::ABSENT => false,
+            _ => {
+                let present = detect();
+                let state = if present {
+                    Detected::PRESENT
+                } else {
+                    Detected::ABSENT
+                };
+                self.0.store(state, Relaxed);
+                present
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod hw {
-    use super::{copy_bytes, shift, shift_table};
+    use super::{copy_bytes, shift, shift_table, Detected};
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
-    use std::sync::atomic::{AtomicU8, Ordering};
 
     /// Bytes per stream in the large interleaved blocks.
     const LONG: usize = 8192;
@@ -309,23 +343,12 @@ mod hw {
     static SHIFT_LONG: [[u32; 256]; 4] = shift_table(LONG as u64);
     static SHIFT_SHORT: [[u32; 256]; 4] = shift_table(SHORT as u64);
 
-    const UNKNOWN: u8 = 0;
-    const ABSENT: u8 = 1;
-    const PRESENT: u8 = 2;
-    static SSE42: AtomicU8 = AtomicU8::new(UNKNOWN);
+    static SSE42: Detected = Detected::new();
 
     /// Whether the CPU supports SSE4.2 (detected once, then cached).
     #[inline]
     pub(super) fn available() -> bool {
-        match SSE42.load(Ordering::Relaxed) {
-            PRESENT => true,
-            ABSENT => false,
-            _ => {
-                let present = is_x86_feature_detected!("sse4.2");
-                SSE42.store(if present { PRESENT } else { ABSENT }, Ordering::Relaxed);
-                present
-            }
-        }
+        SSE42.get(|| is_x86_feature_detected!("sse4.2"))
     }
 
     #[inline(always)]
@@ -463,7 +486,7 @@ mod hw {
 #[cfg(all(target_arch = "x86_64", mc_avx512_intrinsics))]
 #[clippy::msrv = "1.89"]
 mod fold {
-    use super::x_pow_mod;
+    use super::{x_pow_mod, Detected};
     use std::arch::x86_64::{
         __m128i, __m256i, __m512i, _mm256_castsi256_si128, _mm256_clmulepi64_epi128,
         _mm256_extracti128_si256, _mm256_loadu_si256, _mm256_set_epi64x, _mm256_storeu_si256,
@@ -473,7 +496,6 @@ mod fold {
         _mm_crc32_u8, _mm_cvtsi128_si64, _mm_cvtsi32_si128, _mm_extract_epi64, _mm_loadu_si128,
         _mm_set_epi64x, _mm_xor_si128,
     };
-    use std::sync::atomic::{AtomicU8, Ordering};
 
     /// Shortest buffer folded (one 256-byte block: every accumulator of either form).
     pub(super) const MIN_LEN: usize = 256;
@@ -491,30 +513,13 @@ mod fold {
     const BY_32_BYTES: (i64, i64) = constants(256);
     const BY_16_BYTES: (i64, i64) = constants(128);
 
-    const UNKNOWN: u8 = 0;
-    const ABSENT: u8 = 1;
-    const PRESENT: u8 = 2;
-    static FEATURES: AtomicU8 = AtomicU8::new(UNKNOWN);
-    static FEATURES_256: AtomicU8 = AtomicU8::new(UNKNOWN);
-
-    /// `flag`'s cached answer, asking `detect` the first time.
-    #[inline]
-    fn cached(flag: &AtomicU8, detect: fn() -> bool) -> bool {
-        match flag.load(Ordering::Relaxed) {
-            PRESENT => true,
-            ABSENT => false,
-            _ => {
-                let present = detect();
-                flag.store(if present { PRESENT } else { ABSENT }, Ordering::Relaxed);
-                present
-            }
-        }
-    }
+    static FEATURES: Detected = Detected::new();
+    static FEATURES_256: Detected = Detected::new();
 
     /// Whether the CPU has every feature `update` enables (detected once).
     #[inline]
     pub(super) fn available() -> bool {
-        cached(&FEATURES, || {
+        FEATURES.get(|| {
             is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("vpclmulqdq")
                 && is_x86_feature_detected!("pclmulqdq")
@@ -525,7 +530,7 @@ mod fold {
     /// Whether the CPU has every feature `update_256` enables (detected once).
     #[inline]
     pub(super) fn available_256() -> bool {
-        cached(&FEATURES_256, || {
+        FEATURES_256.get(|| {
             is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("vpclmulqdq")
                 && is_x86_feature_detected!("pclmulqdq")

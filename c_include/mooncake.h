@@ -53,14 +53,15 @@ extern "C" {
  * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
  * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max, revision 7
  * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
- * mc_store_batch_get_alloc. A program loading the library at run time checks
+ * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free.
+ * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 8
+#define MC_ABI_REVISION 9
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 8). */
+/* The ABI revision the loaded library implements (revision 9). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -239,6 +240,16 @@ int mc_allocate_buffer(mc_engine *engine, size_t len, const char *location, void
 /* Unregisters and releases memory from mc_allocate_buffer. MC_ERR_INVALID_PARAMS if
  * addr did not come from mc_allocate_buffer of this engine. */
 int mc_free_buffer(mc_engine *engine, void *addr);
+
+/* A plain allocator pair for callers that take allocation callbacks by address (the
+ * Python package's get_alloc_func_addr / get_free_func_addr): len zeroed, page-aligned
+ * bytes of host memory (huge pages advised, not registered with any engine), or NULL
+ * for len 0 or on failure. (revision 9) */
+void *mc_host_memory_alloc(size_t len);
+
+/* Releases memory from mc_host_memory_alloc. NULL, and an address that did not come
+ * from it, are ignored. (revision 9) */
+void mc_host_memory_free(void *addr);
 
 /* Resolves a peer segment by name (cached) and gives its handle in *segment_out. */
 int mc_open_segment(mc_engine *engine, const char *name, uint64_t *segment_out);

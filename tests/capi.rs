@@ -250,6 +250,27 @@ fn null_pointers_and_bad_input_are_refused() {
 }
 
 #[test]
+fn host_memory_pair_hands_out_zeroed_pages_and_ignores_foreign_frees() {
+    assert!(mc_host_memory_alloc(0).is_null());
+    let len = (2 << 20) + 3;
+    let ptr = mc_host_memory_alloc(len).cast::<u8>();
+    assert!(!ptr.is_null() && ptr as usize % 4096 == 0);
+    // SAFETY: `ptr` holds `len` bytes until the free below.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+    assert!(bytes.iter().all(|&b| b == 0));
+    bytes[len - 1] = 7;
+    let mut foreign = vec![1u8; 64];
+    // SAFETY: each address is either ours (freed once) or NULL or foreign: all allowed.
+    unsafe {
+        mc_host_memory_free(foreign.as_mut_ptr().cast());
+        mc_host_memory_free(std::ptr::null_mut());
+        mc_host_memory_free(ptr.cast());
+        mc_host_memory_free(ptr.cast()); // a second free of it is ignored too
+    }
+    assert_eq!(foreign, vec![1u8; 64]);
+}
+
+#[test]
 fn error_strings_cover_every_code() {
     quiet_logs();
     let text = |c: c_int| {

@@ -47,7 +47,7 @@ __all__ = [
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 8
+EXPECTED_ABI_REVISION = 9
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -143,6 +143,8 @@ _SIGNATURES = {
     "mc_unregister_memory": (c_int, [_P, _P]),
     "mc_allocate_buffer": (c_int, [_P, c_size_t, c_char_p, POINTER(_P)]),
     "mc_free_buffer": (c_int, [_P, _P]),
+    "mc_host_memory_alloc": (_P, [c_size_t]),
+    "mc_host_memory_free": (None, [_P]),
     "mc_open_segment": (c_int, [_P, c_char_p, POINTER(c_uint64)]),
     "mc_resync_segment": (c_int, [_P, c_uint64]),
     # transfers

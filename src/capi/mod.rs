@@ -10,6 +10,7 @@ mod collective;
 mod config;
 mod engine;
 mod error;
+mod host_memory;
 mod store;
 mod store_batch;
 mod store_surface;
@@ -19,6 +20,7 @@ pub use collective::*;
 pub use config::*;
 pub use engine::*;
 pub use error::*;
+pub use host_memory::*;
 pub use store::*;
 pub use store_batch::*;
 pub use store_surface::*;
@@ -34,7 +36,7 @@ use crate::error::{Code, Result};
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
 /// `MC_ABI_REVISION`: functions added within this ABI version.
-pub const MC_ABI_REVISION: u32 = 8;
+pub const MC_ABI_REVISION: u32 = 9;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 

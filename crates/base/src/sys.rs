@@ -623,3 +623,68 @@ mod populate_tests {
         );
     }
 }
+
+/// Private anonymous memory, unmapped on drop: page-aligned, zeroed, lazily committed,
+/// and advised to be backed by transparent huge pages where the kernel has them.
+pub struct AnonymousMemory {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value; its users synchronize what they put in it.
+unsafe impl Send for AnonymousMemory {}
+
+impl AnonymousMemory {
+    /// Maps `len` bytes (> 0).
+    pub fn map(len: usize) -> io::Result<AnonymousMemory> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
+        }
+        // SAFETY: a fresh anonymous mapping the kernel places; checked for MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // Advice only: kernels without transparent huge pages refuse it, harmlessly.
+        // SAFETY: the range is the mapping just made.
+        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        Ok(AnonymousMemory {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    /// Start of the mapping.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length of the mapping in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: mappings are not empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for AnonymousMemory {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `map` mapped.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}

@@ -1,6 +1,7 @@
 """Helpers shared by the engine and store modules (private)."""
 
 import bisect
+import enum
 import ctypes
 import ipaddress
 import logging
@@ -14,6 +15,46 @@ from . import _native as N
 logger = logging.getLogger("mooncake")
 
 U64_MAX = (1 << 64) - 1
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake Store's error numbers (what the int-returning calls give)."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    ETCD_OPERATION_ERROR = -1000
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    NOT_SUPPORTED = -1012
+    FILE_NOT_FOUND = -1100
+    FILE_OPEN_FAIL = -1101
+    FILE_READ_FAIL = -1102
+    FILE_WRITE_FAIL = -1103
+    DFS_SERVICE_UNAVAILABLE = -1601
+
+
+ErrorCode.__module__ = "mooncake.store"  # exported there, where it was first defined
 
 
 def check_int(value, name, lo=0, hi=U64_MAX):

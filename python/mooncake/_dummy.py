@@ -330,7 +330,8 @@ def _config_wire(c):
 def _fields_wire(c):
     return [c.replica_num, c.with_hard_pin, int(c.soft_pin_action), c.soft_pin_ttl_ms,
             c.preferred_segment, list(c.preferred_segments), c.prefer_alloc_in_same_node,
-            list(c.group_ids or ())]
+            None if c.group_ids is None else list(c.group_ids), int(c.data_type),
+            c.nof_replica_num, c.dfs_replica_num, list(c.preferred_nof_segments)]
 
 
 _DEFAULT_WIRE = _fields_wire(_DEFAULT_CONFIG)

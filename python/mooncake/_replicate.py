@@ -7,7 +7,7 @@ import enum
 import logging
 
 from . import _native as N
-from ._common import U64_MAX, check_str
+from ._common import U64_MAX, ErrorCode, check_str
 
 logger = logging.getLogger("mooncake")
 
@@ -16,6 +16,21 @@ class SoftPinAction(enum.IntEnum):
     PRESERVE = 0
     ENABLE = 1
     DISABLE = 2
+
+
+class ObjectDataType(enum.IntEnum):
+    """What an object holds, as the writer declares it (``ReplicateConfig.data_type``)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
 
 
 def _bool(value, name):
@@ -51,6 +66,14 @@ def _strs_or_none(value, name):
     return None if value is None else _strs(value, name)
 
 
+def _u64(value, name):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+    if not 0 <= value <= U64_MAX:
+        raise TypeError(f"{name}: {value} is not in [0, 2**64)")
+    return value
+
+
 def _u32(value, name):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
@@ -68,10 +91,19 @@ def _ttl(value, name):
     return value
 
 
-def _soft_pin_action(value, name):
-    if not isinstance(value, SoftPinAction):
-        raise TypeError(f"{name}: expected SoftPinAction, got {type(value).__name__}")
-    return value
+def _enum_of(kind):
+    """A check that takes members of ``kind`` only (as upstream's typed fields do)."""
+
+    def check(value, name):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return check
+
+
+def _listed(values):
+    return "[" + ", ".join(values) + "]"
 
 
 class ReplicateConfig:
@@ -79,10 +111,17 @@ class ReplicateConfig:
     replica_num (1), with_soft_pin (False), with_hard_pin (False), soft_pin_ttl_ms (None:
     the default 30 min; else an int in [0, 2**64)), soft_pin_action (SoftPinAction,
     tracks with_soft_pin), preferred_segment (""), preferred_segments ([]),
-    prefer_alloc_in_same_node (False), group_ids ([]; None unsets it, as upstream)."""
+    prefer_alloc_in_same_node (False), group_ids (None: no groups), data_type
+    (ObjectDataType.UNKNOWN), nof_replica_num (0), dfs_replica_num (0),
+    preferred_nof_segments ([]).
+
+    This build has neither NVMe-oF nor DFS replicas: a put asking for them is answered as
+    upstream's master answers it without those backends (see ``_refusal``). ``data_type``
+    is the writer's declaration; nothing in the Python API reads it back."""
 
     __slots__ = ("_replica_num", "_with_hard_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
                  "_preferred_segment", "_preferred_segments", "_prefer_same_node", "_group_ids",
+                 "_data_type", "_nof_replica_num", "_dfs_replica_num", "_preferred_nof_segments",
                  "_c_cache")
 
     def __init__(self):
@@ -93,17 +132,25 @@ class ReplicateConfig:
         self._preferred_segment = ""
         self._preferred_segments = []
         self._prefer_same_node = False
-        self._group_ids = []
+        self._group_ids = None
+        self._data_type = ObjectDataType.UNKNOWN
+        self._nof_replica_num = 0
+        self._dfs_replica_num = 0
+        self._preferred_nof_segments = []
         self._c_cache = None
 
     replica_num = _checked("replica_num", _u32)
     with_hard_pin = _checked("with_hard_pin", _bool)
-    soft_pin_action = _checked("soft_pin_action", _soft_pin_action)
+    soft_pin_action = _checked("soft_pin_action", _enum_of(SoftPinAction))
     soft_pin_ttl_ms = _checked("soft_pin_ttl_ms", _ttl)
     preferred_segment = _checked("preferred_segment", check_str)
     preferred_segments = _checked("preferred_segments", _strs)
     prefer_alloc_in_same_node = _checked("prefer_alloc_in_same_node", _bool, "_prefer_same_node")
     group_ids = _checked("group_ids", _strs_or_none)
+    data_type = _checked("data_type", _enum_of(ObjectDataType))
+    nof_replica_num = _checked("nof_replica_num", _u64)
+    dfs_replica_num = _checked("dfs_replica_num", _u64)
+    preferred_nof_segments = _checked("preferred_nof_segments", _strs)
 
     @property
     def with_soft_pin(self):
@@ -119,7 +166,7 @@ class ReplicateConfig:
         return {name: getattr(self, name) for name in self.__slots__ if name != "_c_cache"}
 
     def __setstate__(self, state):
-        self._c_cache = None
+        self.__init__()  # what a pickle of an older build lacks keeps its default
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -130,9 +177,28 @@ class ReplicateConfig:
                 f"preferred_segment={self._preferred_segment!r}, "
                 f"preferred_segments={self._preferred_segments!r}, "
                 f"prefer_alloc_in_same_node={self._prefer_same_node}, "
-                f"group_ids={self._group_ids!r})")
+                f"group_ids={self._group_ids!r}, data_type={self._data_type.name}, "
+                f"nof_replica_num={self._nof_replica_num}, "
+                f"dfs_replica_num={self._dfs_replica_num}, "
+                f"preferred_nof_segments={self._preferred_nof_segments!r})")
 
-    __str__ = __repr__
+    def __str__(self):
+        # Upstream's text, field for field: logs and tools that read it keep working.
+        ttl = "default" if self._soft_pin_ttl_ms is None else self._soft_pin_ttl_ms
+        text = (f"ReplicateConfig: {{ replica_num: {self._replica_num}, "
+                f"nof_replica_num: {self._nof_replica_num}, "
+                f"dfs_replica_num: {self._dfs_replica_num}, "
+                f"soft_pin_action: {self._soft_pin_action.name}, soft_pin_ttl_ms: {ttl}, "
+                f"with_hard_pin: {int(self._with_hard_pin)}, "
+                f"preferred_segments: {_listed(self._preferred_segments)}")
+        if self._preferred_segment:
+            text += f", preferred_segment (deprecated): {self._preferred_segment}"
+        text += (f", preferred_nof_segments: {_listed(self._preferred_nof_segments)}"
+                 f", prefer_alloc_in_same_node: {int(self._prefer_same_node)}"
+                 f", data_type: {self._data_type.name}")
+        if self._group_ids is not None:
+            text += f", group_ids: {_listed(self._group_ids)}"
+        return text + " }"
 
     def _to_c(self):
         """(mc_replicate_config, keepalive), built once per state of this config: a put
@@ -163,14 +229,37 @@ class ReplicateConfig:
         return c, (encoded, arr)
 
 
-def _refused(config):
-    """Whether upstream's master would refuse ``config`` (logged): a soft-pin TTL only goes
-    with soft_pin_action ENABLE. Puts given such a config answer INVALID_PARAMS."""
+def _refusal(config):
+    """The error upstream's master answers a put of ``config`` with before it allocates
+    anything, in a build without NVMe-oF and DFS replicas (logged); 0 when it goes ahead.
+
+    - a soft-pin TTL without soft_pin_action ENABLE: INVALID_PARAMS;
+    - more than one DFS replica, or one without a memory replica: INVALID_PARAMS;
+    - any DFS replica: DFS_SERVICE_UNAVAILABLE (no DFS here);
+    - NVMe-oF replicas: NO_AVAILABLE_HANDLE (none can be allocated), except one memory
+      replica plus one NVMe-oF replica, which upstream lets succeed with either side
+      alone: the put goes ahead with the memory replica.
+    """
+    if config is _DEFAULT_CONFIG:  # most puts: nothing to refuse
+        return 0
+    why = None
     if config.soft_pin_ttl_ms is not None and config.soft_pin_action != SoftPinAction.ENABLE:
-        logger.error("mooncake: soft_pin_ttl_ms=%d needs soft_pin_action ENABLE (is %s)",
-                     config.soft_pin_ttl_ms, config.soft_pin_action.name)
-        return True
-    return False
+        why = (ErrorCode.INVALID_PARAMS,
+               f"soft_pin_ttl_ms={config.soft_pin_ttl_ms} needs soft_pin_action ENABLE "
+               f"(is {config.soft_pin_action.name})")
+    elif config.dfs_replica_num > 1 or (config.dfs_replica_num and not config.replica_num):
+        why = (ErrorCode.INVALID_PARAMS,
+               f"dfs_replica_num={config.dfs_replica_num} needs to be at most 1, beside a "
+               f"memory replica (replica_num={config.replica_num})")
+    elif config.dfs_replica_num:
+        why = (ErrorCode.DFS_SERVICE_UNAVAILABLE, "no DFS replicas in this build")
+    elif config.nof_replica_num and (config.replica_num, config.nof_replica_num) != (1, 1):
+        why = (ErrorCode.NO_AVAILABLE_HANDLE,
+               f"nof_replica_num={config.nof_replica_num}: no NVMe-oF segments in this build")
+    if why is None:
+        return 0
+    logger.error("mooncake: put refused: %s", why[1])
+    return int(why[0])
 
 
 # What a put given no config uses; never changed (so its C form is built once).
@@ -187,4 +276,5 @@ def _config(config):
 
 # Upstream's classes live in mooncake.store: pickles and reprs name them there.
 SoftPinAction.__module__ = "mooncake.store"
+ObjectDataType.__module__ = "mooncake.store"
 ReplicateConfig.__module__ = "mooncake.store"

@@ -188,9 +188,10 @@ class StoreSurfaceMixin:
         results, idx = _api()._triage(ks, lens)
         if not idx:
             return results
-        if _api()._refused(config):
+        refusal = _api()._refusal(config)
+        if refusal:
             for i in idx:
-                results[i] = INVALID_PARAMS
+                results[i] = refusal
             return results
         cfg, keep = config._to_c()
         opts, keep2 = self._put_options(config, False)

@@ -23,7 +23,8 @@ import threading
 import time
 import weakref
 
-__all__ = ["BufferPool", "RegisteredBufferPool", "BufferLease", "RegisteredBufferLease"]
+__all__ = ["BufferPool", "RegisteredBufferPool", "BufferLease", "RegisteredBufferLease",
+           "BufferLeaseView", "RegisteredBufferLeaseView"]
 
 _LOCAL_ALIGNMENT = 64  # what the local region's allocations are aligned to
 
@@ -122,13 +123,11 @@ class BufferLease:
 
     @property
     def buffer(self):
-        if self._region is None:
-            raise RuntimeError("buffer lease is closed")
-        array = (ctypes.c_uint8 * self._size).from_address(self._region.ptr)
-        array.lease = self  # a live view keeps the lease (and so its memory) alive
+        return BufferLeaseView(self).buffer
+
+    def _track(self, array):
         self._views = [v for v in self._views if v() is not None]
         self._views.append(weakref.ref(array))
-        return memoryview(array).cast("B")
 
     def _exported(self):
         return any(v() is not None for v in self._views)
@@ -160,6 +159,25 @@ class BufferLease:
     def __repr__(self):
         state = "released" if self._region is None else f"ptr=0x{self._region.ptr:x}"
         return f"BufferLease({state}, size={self._size})"
+
+
+class BufferLeaseView:
+    """The memory a lease's ``buffer`` exports, as one writable view: while any view of
+    it lives, the lease (and so its memory) stays alive and ``release`` refuses."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, lease):
+        if lease._region is None:
+            raise RuntimeError("buffer lease is closed")
+        array = (ctypes.c_uint8 * lease._size).from_address(lease._region.ptr)
+        array.lease = lease  # what keeps the lease alive while a view is
+        lease._track(array)
+        self._array = array
+
+    @property
+    def buffer(self):
+        return memoryview(self._array).cast("B")
 
 
 class _Region:
@@ -328,3 +346,4 @@ class BufferPool:
 
 RegisteredBufferPool = BufferPool
 RegisteredBufferLease = BufferLease
+RegisteredBufferLeaseView = BufferLeaseView

@@ -388,9 +388,10 @@ _CONFIGS_KEPT = 64
 
 def _config(v):
     """A ReplicateConfig from [replica_num, hard_pin, soft_pin_action, soft_pin_ttl_ms,
-    preferred_segment, preferred_segments, prefer_same_node, group_ids]; its own setters
-    check every field."""
-    _need(isinstance(v, list) and len(v) == 8)
+    preferred_segment, preferred_segments, prefer_same_node, group_ids] and, from dummies
+    of this version on, [data_type, nof_replica_num, dfs_replica_num,
+    preferred_nof_segments]; its own setters check every field."""
+    _need(isinstance(v, list) and len(v) in (8, 12))
     try:
         key = tuple([tuple(x) if type(x) is list else x for x in v])
         hash(key)
@@ -406,7 +407,7 @@ def _config(v):
 
 
 def _new_config(v):
-    from .store import ReplicateConfig, SoftPinAction
+    from .store import ObjectDataType, ReplicateConfig, SoftPinAction
 
     c = ReplicateConfig()
     try:
@@ -418,6 +419,11 @@ def _new_config(v):
         c.preferred_segments = v[5]
         c.prefer_alloc_in_same_node = v[6]
         c.group_ids = v[7]
+        if len(v) == 12:
+            c.data_type = ObjectDataType(v[8])
+            c.nof_replica_num = v[9]
+            c.dfs_replica_num = v[10]
+            c.preferred_nof_segments = v[11]
     except (TypeError, ValueError):
         raise _Refused(INVALID_PARAMS) from None
     return c

@@ -29,6 +29,7 @@ from . import _native as N
 from ._common import (
     HARDWARE_PROTOCOLS,
     U64_MAX,
+    ErrorCode,
     Registered,
     bind_address_for,
     buffer_address,
@@ -45,15 +46,18 @@ from ._common import (
 )
 from . import _tensor_layout
 from ._replicate import (  # noqa: F401  (_bool and _strs: for _dummy)
+    ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
     _bool,
     _config,
-    _refused,
+    _refusal,
     _strs,
+    _u64,
 )
 from ._tensor_layout import ParallelAxis, ReadTarget, TensorParallelism
 from ._tensor_read import tensor_in
+from ._numa import bind_to_numa_node
 from ._store_surface import QueryTaskResponse, StoreSurfaceMixin, TaskStatus, TaskType
 from ._tensor_store import TensorStoreMixin, _host_tensor
 from .mooncake_config import bool_word, parse_size, port_number
@@ -62,6 +66,12 @@ __all__ = [
     "MooncakeDistributedStore",
     "ReplicateConfig",
     "SoftPinAction",
+    "ObjectDataType",
+    "Descriptor",
+    "MooncakeDistributedNoFRegister",
+    "bind_to_numa_node",
+    "get_alloc_func_addr",
+    "get_free_func_addr",
     "ReplicaStatus",
     "ErrorCode",
     "BufferHandle",
@@ -79,42 +89,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("mooncake")
-
-
-class ErrorCode(enum.IntEnum):
-    """Mooncake Store's error numbers (what the int-returning calls give)."""
-
-    OK = 0
-    INTERNAL_ERROR = -1
-    BUFFER_OVERFLOW = -10
-    SEGMENT_NOT_FOUND = -101
-    SEGMENT_ALREADY_EXISTS = -102
-    CLIENT_NOT_FOUND = -103
-    NO_AVAILABLE_HANDLE = -200
-    INVALID_VERSION = -300
-    INVALID_KEY = -400
-    WRITE_FAIL = -500
-    INVALID_PARAMS = -600
-    ILLEGAL_CLIENT = -601
-    INVALID_WRITE = -700
-    INVALID_READ = -701
-    INVALID_REPLICA = -702
-    REPLICA_IS_NOT_READY = -703
-    OBJECT_NOT_FOUND = -704
-    OBJECT_ALREADY_EXISTS = -705
-    OBJECT_HAS_LEASE = -706
-    LEASE_EXPIRED = -707
-    TRANSFER_FAIL = -800
-    CHECKSUM_MISMATCH = -801
-    RPC_FAIL = -900
-    RPC_TIMEOUT = -901
-    ETCD_OPERATION_ERROR = -1000
-    UNAVAILABLE_IN_CURRENT_STATUS = -1010
-    NOT_SUPPORTED = -1012
-    FILE_NOT_FOUND = -1100
-    FILE_OPEN_FAIL = -1101
-    FILE_READ_FAIL = -1102
-    FILE_WRITE_FAIL = -1103
 
 
 INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
@@ -266,6 +240,33 @@ class DiskDescriptor:
     def __init__(self, file_path="", object_size=0):
         self.file_path = file_path
         self.object_size = object_size
+
+
+class Descriptor:
+    """Upstream's descriptor of an allocated buffer (memory only): ``size``,
+    ``buffer_address`` and ``transport_endpoint``, read/write, built empty."""
+
+    __slots__ = ("_size", "_buffer_address", "_transport_endpoint")
+
+    def __init__(self):
+        self._size = 0
+        self._buffer_address = 0
+        self._transport_endpoint = ""
+
+    # Upstream's typed fields: any bad value, out of range included, is a TypeError.
+    size = property(lambda self: self._size,
+                    lambda self, v: setattr(self, "_size", _u64(v, "size")))
+    buffer_address = property(
+        lambda self: self._buffer_address,
+        lambda self, v: setattr(self, "_buffer_address", _u64(v, "buffer_address")))
+    transport_endpoint = property(
+        lambda self: self._transport_endpoint,
+        lambda self, v: setattr(self, "_transport_endpoint",
+                                check_str(v, "transport_endpoint")))
+
+    def __repr__(self):
+        return (f"<Descriptor size={self._size} buffer_address={self._buffer_address} "
+                f"transport_endpoint={self._transport_endpoint}>")
 
 
 _STATUS = {s.name.lower(): s for s in ReplicaStatus}
@@ -648,9 +649,10 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         c_lens = N.c_array(ctypes.c_size_t, flat_len)
         c_counts = N.c_array(ctypes.c_size_t, counts)
         c_res = (ctypes.c_int * len(idx))()
-        if _refused(config):
+        refusal = _refusal(config)
+        if refusal:
             for i in idx:
-                results[i] = INVALID_PARAMS
+                results[i] = refusal
             return results
         cfg, keep = config._to_c()
         opts, keep2 = self._put_options(config, upsert)
@@ -686,8 +688,9 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return NO_AVAILABLE_HANDLE
         if upsert or config.group_ids:
             return self._put_parts([k], [[(addr, n)]], config, upsert, what)[0]
-        if _refused(config):
-            return INVALID_PARAMS
+        refusal = _refusal(config)
+        if refusal:
+            return refusal
         cfg, keep2 = config._to_c()
         return N.LIB.mc_store_put(self._store, k, addr, n, ctypes.byref(cfg))
 
@@ -743,10 +746,11 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             else:
                 parts.append([(a, n)])
         if upsert or config.group_ids or self._protocol in HARDWARE_PROTOCOLS:
+            refusal = _refusal(config)
             if upsert or config.group_ids:
                 res = self._put_parts(ks, parts, config, upsert, what)
-            elif _refused(config):
-                res = [INVALID_PARAMS] * len(ks)
+            elif refusal:
+                res = [refusal] * len(ks)
             else:
                 # RDMA moves bytes from registered memory only: mc_store_put stages them.
                 cfg, keep = config._to_c()
@@ -987,9 +991,10 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         results, idx = _triage(ks, spans)
         if not idx:
             return results
-        if _refused(config):
+        refusal = _refusal(config)
+        if refusal:
             for i in idx:
-                results[i] = INVALID_PARAMS
+                results[i] = refusal
             return results
         cfg, keep = config._to_c()
         if len(idx) == 1:
@@ -1060,8 +1065,9 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not self._zero_copy(addr, n):
             self._log_unregistered(addr, n)
             return INVALID_PARAMS
-        if _refused(config):
-            return INVALID_PARAMS
+        refusal = _refusal(config)
+        if refusal:
+            return refusal
         cfg, keep = config._to_c()
         return N.LIB.mc_store_put_from(self._store, k, addr, n, ctypes.byref(cfg))
 
@@ -1355,11 +1361,70 @@ def _deserialize_tensor(data):
     return tensor_in(bytearray(data), "_deserialize_tensor")
 
 
+class MooncakeDistributedNoFRegister:
+    """Upstream's registration of an NVMe-oF SSD (an SPDK target's namespace) with the
+    master as a store segment. This build has no NVMe-oF segments: both calls log why and
+    answer -1, upstream's failure value, as upstream does when its master refuses."""
+
+    _WHY = "NVMe-oF SSD segments are not supported by this build"
+
+    def real_register(self, nqn, nsid, traddr, trsvcid, base, size, master_server_addr):
+        _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr)
+        check_int(base, "base")
+        check_int(size, "size")
+        logger.error("mooncake: registering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
+                     trsvcid, self._WHY)
+        return -1
+
+    def real_unregister_by_endpoint(self, nqn, nsid, traddr, trsvcid, master_server_addr):
+        _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr)
+        logger.error("mooncake: unregistering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
+                     trsvcid, self._WHY)
+        return -1
+
+
+def _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr):
+    # Upstream's argument types: a wrong one is a TypeError, before anything is tried.
+    check_str(nqn, "nqn")
+    check_int(nsid, "nsid")
+    check_str(traddr, "traddr")
+    check_int(trsvcid, "trsvcid")
+    check_str(master_server_addr, "master_server_addr")
+
+
+def get_alloc_func_addr():
+    """Address of a C ``void *alloc(size_t)`` handing out page-aligned, zeroed host
+    memory (huge pages advised), for callers that take allocator callbacks (LMCache's
+    Mooncake allocator); NULL on failure. Upstream's build without NVMe-oF answers NULL
+    to every call; this one allocates."""
+    return ctypes.cast(N.LIB.mc_host_memory_alloc, ctypes.c_void_p).value
+
+
+def get_free_func_addr():
+    """Address of the C ``void free(void *)`` releasing what ``get_alloc_func_addr``'s
+    function gave (NULL and unknown addresses are ignored)."""
+    return ctypes.cast(N.LIB.mc_host_memory_free, ctypes.c_void_p).value
+
+
+# Upstream exports these enums' members at module level too; PROCESSING and FAILED,
+# which two of them share, are TaskStatus's there (registered last), so here too.
+for _enum in (ObjectDataType, ReplicaStatus, TaskType, TaskStatus):
+    globals().update(_enum.__members__)
+del _enum
+
+# Upstream's mooncake.store also exports the buffer pool's classes: loaded on first use,
+# since buffer_pool builds on this module.
+_FROM_BUFFER_POOL = ("BufferPool", "RegisteredBufferPool", "BufferLease",
+                     "RegisteredBufferLease", "BufferLeaseView", "RegisteredBufferLeaseView")
+
+
 def __getattr__(name):
-    # Upstream's mooncake.store also exports the buffer pool; loaded on first use, since
-    # buffer_pool builds on this module.
-    if name in ("BufferPool", "RegisteredBufferPool"):
+    if name in _FROM_BUFFER_POOL:
         from . import buffer_pool
 
         return getattr(buffer_pool, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FROM_BUFFER_POOL))

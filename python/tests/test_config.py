@@ -34,7 +34,7 @@ def test_replicate_config_defaults():
     assert c.preferred_segment == ""
     assert c.preferred_segments == []
     assert c.prefer_alloc_in_same_node is False
-    assert c.group_ids == []
+    assert c.group_ids is None  # upstream's default: no groups
 
 
 def test_replicate_config_attributes_read_back():
@@ -53,7 +53,7 @@ def test_replicate_config_attributes_read_back():
     c.soft_pin_ttl_ms = None
     assert c.soft_pin_ttl_ms is None
     # configs are independent objects
-    assert ReplicateConfig().group_ids == []
+    assert ReplicateConfig().group_ids is None
 
 
 def test_soft_pin_action_enum_exists():

@@ -18,7 +18,11 @@ from fixtures_extra import (Child, KiB, MiB, STEP, digest, pattern, run_isolated
 
 pytest.importorskip("mooncake.store")
 from mooncake import _dummy_wire as W  # noqa: E402
-from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # noqa: E402
+from mooncake.store import (  # noqa: E402
+    MooncakeDistributedStore,
+    ObjectDataType,
+    ReplicateConfig,
+)
 
 RPC_FAIL = -900
 INVALID_PARAMS = -600
@@ -255,6 +259,22 @@ def test_replicate_config_reaches_the_real_client(served, dummies):
     assert d.get(k) == b"pinned"
     cfg.replica_num = 0
     assert d.put(unique(), b"x", cfg) < 0
+
+
+def test_nof_and_dfs_fields_reach_the_real_client(served, dummies):
+    """The real client answers for them (the dummy refuses nothing itself): what it
+    answers shows the fields crossed the wire."""
+    d = dummies(served.address)
+    cfg = ReplicateConfig()
+    cfg.nof_replica_num = 2
+    assert d.put(unique(), b"x", cfg) == NO_AVAILABLE_HANDLE
+    cfg.nof_replica_num, cfg.dfs_replica_num = 0, 1
+    assert d.put(unique(), b"x", cfg) == -1601  # DFS_SERVICE_UNAVAILABLE
+    cfg.dfs_replica_num, cfg.nof_replica_num = 0, 1
+    cfg.data_type = ObjectDataType.KVCACHE
+    k = unique()
+    assert d.put(k, b"memory side", cfg) == 0
+    assert d.get(k) == b"memory side"
 
 
 def test_tasks_run_on_the_real_client_and_sessions_are_refused(

@@ -71,9 +71,9 @@ def test_replicate_config_attribute_types():
         cfg.preferred_segments = "not-a-list"
     with pytest.raises(BAD):
         cfg.group_ids = "not-a-list"
-    assert cfg.replica_num == 1 and cfg.preferred_segments == [] and cfg.group_ids == []
-    cfg.group_ids = None  # upstream's "no groups"
-    assert cfg.group_ids is None
+    assert cfg.replica_num == 1 and cfg.preferred_segments == [] and cfg.group_ids is None
+    cfg.group_ids = []
+    assert cfg.group_ids == []
 
 
 # ------------------------------------------------------------------ store setup

@@ -246,7 +246,7 @@ def test_store_revision2(store):
 def test_replicate_config_types():
     c = ReplicateConfig()
     assert (c.replica_num, c.with_soft_pin, c.with_hard_pin, c.soft_pin_ttl_ms) == (1, False, False, None)
-    assert (c.preferred_segment, c.preferred_segments, c.group_ids) == ("", [], [])
+    assert (c.preferred_segment, c.preferred_segments, c.group_ids) == ("", [], None)
     c.soft_pin_ttl_ms = 0
     c.soft_pin_ttl_ms = (1 << 64) - 1
     c.soft_pin_ttl_ms = None

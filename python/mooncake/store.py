@@ -57,6 +57,7 @@ from ._replicate import (  # noqa: F401  (_bool and _strs: for _dummy)
 )
 from ._tensor_layout import ParallelAxis, ReadTarget, TensorParallelism
 from ._tensor_read import tensor_in
+from ._engram import EngramStore, EngramStoreConfig
 from ._numa import bind_to_numa_node
 from ._store_surface import QueryTaskResponse, StoreSurfaceMixin, TaskStatus, TaskType
 from ._tensor_store import TensorStoreMixin, _host_tensor
@@ -69,6 +70,8 @@ __all__ = [
     "ObjectDataType",
     "Descriptor",
     "MooncakeDistributedNoFRegister",
+    "EngramStore",
+    "EngramStoreConfig",
     "bind_to_numa_node",
     "get_alloc_func_addr",
     "get_free_func_addr",

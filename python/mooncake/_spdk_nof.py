@@ -4,9 +4,11 @@ flags and start-up, SPDK target descriptions, asking a target (over SSH, its
 registration class, applied to each SSD in turn.
 
 SSH goes through paramiko when it is installed (password or key file), else the ``ssh``
-command (key-based, non-interactive). The registration itself needs
-``mooncake.store.MooncakeDistributedNoFRegister``, which this build's store does not
-provide: :func:`nof_register_class` says so with a RuntimeError.
+command (key-based, non-interactive). ``spdk_tgt_create`` uses the same :class:`SpdkShell`
+to run its set-up commands on a target. The registration itself goes through
+``mooncake.store.MooncakeDistributedNoFRegister``, which in this build answers -1 (no
+NVMe-oF segments), so each SSD is reported as failed with the reason logged;
+:func:`nof_register_class` raises RuntimeError for a store without the class.
 """
 
 import json
@@ -117,8 +119,34 @@ def ssd_config(nqn, nsid, traddr, trsvcid, size, master_server_address):
             "metadata_server": ""}
 
 
+def remote_path(path):
+    """``path`` quoted for a remote shell; a leading ``~/`` stays unquoted so that it
+    still means the remote user's home."""
+    if path == "~" or path == "~/":
+        return "~"
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def rpc_command(root, rpc_args):
+    """The remote command that runs ``scripts/rpc.py RPC_ARGS`` (already quoted) of the
+    SPDK tree ``root``."""
+    return f"cd {remote_path(root)} && ./{_RPC_SCRIPT} {rpc_args}"
+
+
+def have_paramiko():
+    try:
+        import paramiko  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class SpdkShell:
-    """Runs SPDK's rpc.py on targets over SSH with the CLI's user/port/password/key."""
+    """Runs commands (SPDK's rpc.py among them) on targets over SSH with the CLI's
+    user/port/password/key. Every command is one SSH session; :meth:`_run` is the only
+    place that talks to a host."""
 
     def __init__(self, cli_config):
         self._user = cli_config.get("username", "root")
@@ -126,21 +154,41 @@ class SpdkShell:
         self._password = cli_config.get("password")
         self._key_file = cli_config.get("key_file")
 
+    def check_password_support(self):
+        """RuntimeError when a password was given but only the ssh command (which cannot
+        take one) is available."""
+        if self._password and not have_paramiko():
+            raise RuntimeError("SSH with a password needs paramiko (pip install paramiko); "
+                               "or use --key-file")
+
+    def run(self, ip, command, timeout=_SSH_COMMAND_TIMEOUT_S, what=None):
+        """The output of ``command`` on ``ip``; RuntimeError, naming ``what`` (default:
+        the command) and the output, when it exits nonzero."""
+        rc, out = self._run(ip, command, timeout)
+        if rc != 0:
+            detail = out.strip() or "no output"
+            raise RuntimeError(f"{ip}: {what or command} failed (exit status {rc}): {detail}")
+        return out
+
+    def spdk_root(self, ip, spdk_path):
+        """The SPDK tree on ``ip``: ``spdk_path`` or its spdk/ subdirectory, whichever
+        holds scripts/rpc.py; RuntimeError when neither does."""
+        candidates = (spdk_path, f"{spdk_path.rstrip('/')}/spdk")
+        for root in candidates:
+            rc, _ = self._run(ip, f"cd {remote_path(root)} && test -f {_RPC_SCRIPT}", 5)
+            if rc == 0:
+                return root
+        raise RuntimeError(f"{ip}: no {_RPC_SCRIPT} under {' or '.join(candidates)}")
+
     def rpc(self, ip, spdk_path, rpc_args):
         """The JSON answer of ``scripts/rpc.py RPC_ARGS`` in ``spdk_path`` (or its spdk/
         subdirectory) on ``ip``."""
-        for root in (spdk_path, f"{spdk_path.rstrip('/')}/spdk"):
-            quoted = shlex.quote(root)
-            rc, _ = self._run(ip, f"cd {quoted} && test -f {_RPC_SCRIPT}", 5)
-            if rc == 0:
-                rc, out = self._run(ip, f"cd {quoted} && ./{_RPC_SCRIPT} {rpc_args}",
-                                    _SSH_COMMAND_TIMEOUT_S)
-                if rc != 0:
-                    raise RuntimeError(f"{ip}: rpc.py {rpc_args} failed: {out.strip()}")
-                return json.loads(out)
-        raise RuntimeError(f"{ip}: no {_RPC_SCRIPT} under {spdk_path} or {spdk_path}/spdk")
+        root = self.spdk_root(ip, spdk_path)
+        return json.loads(self.run(ip, rpc_command(root, rpc_args), what=f"rpc.py {rpc_args}"))
 
     def _run(self, ip, command, timeout):
+        """(exit status, stdout or else stderr) of ``command`` on ``ip``; RuntimeError or
+        OSError when the host cannot be reached or does not answer in time."""
         try:
             import paramiko
         except ImportError:
@@ -153,13 +201,13 @@ class SpdkShell:
             _, stdout, stderr = client.exec_command(command, timeout=timeout)
             rc = stdout.channel.recv_exit_status()
             return rc, stdout.read().decode() or stderr.read().decode()
+        except paramiko.SSHException as e:  # authentication, protocol, channel errors
+            raise RuntimeError(f"{ip}: SSH failed: {e}") from e
         finally:
             client.close()
 
     def _run_ssh_command(self, ip, command, timeout):
-        if self._password:
-            raise RuntimeError("SSH with a password needs paramiko (pip install paramiko); "
-                               "or use --key-file")
+        self.check_password_support()
         ssh = shutil.which("ssh")
         if ssh is None:
             raise RuntimeError("no ssh command found (and paramiko is not installed)")
@@ -167,8 +215,15 @@ class SpdkShell:
                "-p", str(self._port), "-l", self._user]
         if self._key_file:
             cmd += ["-i", self._key_file]
-        done = subprocess.run(cmd + [ip, command], capture_output=True, text=True,
-                              timeout=timeout + _SSH_CONNECT_TIMEOUT_S)
+        limit = timeout + _SSH_CONNECT_TIMEOUT_S
+        try:
+            # "--": a host can never be read as an ssh option
+            done = subprocess.run(cmd + ["--", ip, command], capture_output=True, text=True,
+                                  timeout=limit)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{ip}: no answer over SSH within {limit} s") from e
+        if done.returncode == 255:  # ssh's own failure (connect, log-in), as paramiko raises
+            raise RuntimeError(f"{ip}: SSH failed: {done.stderr.strip() or 'exit status 255'}")
         return done.returncode, done.stdout or done.stderr
 
 

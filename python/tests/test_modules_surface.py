@@ -20,16 +20,18 @@ MiB = 1 << 20
 # Every module of upstream's wheel that this package provides too.
 UPSTREAM_MODULES = [
     "async_store", "buffer_pool", "_fast_copy", "cli", "cli_bench", "cli_client",
-    "dataproto_catalog", "ep", "http_metadata_server", "mooncake_config",
-    "mooncake_connector_v1", "mooncake_ep_buffer", "mooncake_ssd_register",
-    "mooncake_ssd_unregister", "mooncake_store_service", "pg", "structured_object_store",
-    "transfer_engine_topology_dump", "vllm_v1_proxy_server",
+    "dataproto_catalog", "ep", "fabric_allocator_utils", "http_metadata_server",
+    "mooncake_config", "mooncake_connector_v1", "mooncake_ep_buffer", "mooncake_ssd_register",
+    "mooncake_ssd_unregister", "mooncake_store_service", "pg", "shared_segment",
+    "spdk_tgt_create", "structured_object_store", "transfer_engine_topology_dump",
+    "vllm_v1_proxy_server",
 ]
 # Modules that must import with the standard library alone.
 STDLIB_ONLY = ["async_store", "buffer_pool", "_fast_copy", "cli_bench", "cli_client",
-               "dataproto_catalog", "mooncake_connector_v1", "mooncake_ssd_register",
-               "mooncake_ssd_unregister", "mooncake_store_service", "structured_object_store",
-               "transfer_engine_topology_dump", "vllm_v1_proxy_server"]
+               "dataproto_catalog", "fabric_allocator_utils", "mooncake_connector_v1",
+               "mooncake_ssd_register", "mooncake_ssd_unregister", "mooncake_store_service",
+               "spdk_tgt_create", "structured_object_store", "transfer_engine_topology_dump",
+               "vllm_v1_proxy_server"]
 
 
 def make_store(master, local_buffer=4 * MiB):

@@ -16,6 +16,7 @@ Only the mmap backend exists here: ``mmap=False`` (a device VMM handle) and
 ``host_register=True`` (Ascend) are reported as unsupported.
 """
 
+import atexit
 import ctypes
 import mmap as _mmap
 import os
@@ -100,6 +101,30 @@ def _check_count(value, name, limit=(1 << 32) - 1):
     return value
 
 
+# Shm names this process's owner segments created and still hold: removed at exit, so a
+# segment still referenced when the interpreter ends (no __del__ runs then) leaves no
+# file in /dev/shm. Ranks that mapped it keep their pages; the name is only a handle.
+_OWNED_NAMES = set()
+_OWNED_LOCK = threading.Lock()
+
+
+def _forget_name(shm_name):
+    with _OWNED_LOCK:
+        _OWNED_NAMES.discard(shm_name)
+    try:
+        os.unlink(_SHM_DIR + shm_name)
+    except OSError:
+        pass
+
+
+@atexit.register
+def _remove_names_left():
+    with _OWNED_LOCK:
+        left = list(_OWNED_NAMES)
+    for shm_name in left:
+        _forget_name(shm_name)
+
+
 class SharedSegment:
     """See the module docstring. Errors raise RuntimeError (as upstream's binding)."""
 
@@ -174,6 +199,8 @@ class SharedSegment:
         finally:
             os.close(fd)
         self._shm_name = shm_name
+        with _OWNED_LOCK:
+            _OWNED_NAMES.add(shm_name)
 
     def _blob(self):
         handle = self._shm_name.encode() if self._owner else b""
@@ -253,10 +280,7 @@ class SharedSegment:
             if base:
                 _libc.munmap(base, self._alloc_size)
             if self._owner and self._shm_name:
-                try:
-                    os.unlink(_SHM_DIR + self._shm_name)
-                except OSError:
-                    pass
+                _forget_name(self._shm_name)
                 self._shm_name = ""
             self._ready = False
 

@@ -10,15 +10,15 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
 
+use crate::memfd::Mapping;
 use crate::util::sync::Unpoisoned;
-use mooncake_base::sys::AnonymousMemory;
 
 use super::guard_value;
 
 /// Live allocations by address: a free needs the length, and must not unmap what it
 /// was not given.
-fn live() -> &'static Mutex<HashMap<usize, AnonymousMemory>> {
-    static LIVE: OnceLock<Mutex<HashMap<usize, AnonymousMemory>>> = OnceLock::new();
+fn live() -> &'static Mutex<HashMap<usize, Mapping>> {
+    static LIVE: OnceLock<Mutex<HashMap<usize, Mapping>>> = OnceLock::new();
     LIVE.get_or_init(Mutex::default)
 }
 
@@ -29,7 +29,7 @@ pub extern "C" fn mc_host_memory_alloc(len: usize) -> *mut c_void {
         if len == 0 {
             return std::ptr::null_mut();
         }
-        match AnonymousMemory::map(len) {
+        match Mapping::anonymous(len) {
             Ok(memory) => {
                 let ptr = memory.ptr();
                 live().locked().insert(ptr as usize, memory);

@@ -58,6 +58,32 @@ impl Mapping {
         })
     }
 
+    /// Maps `len` bytes of private anonymous memory: zeroed, page-aligned, committed
+    /// as touched, and advised to be backed by transparent huge pages. Not shareable;
+    /// here so that every mapping this crate makes has one owner type.
+    pub fn anonymous(len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "zero-length mapping",
+            ));
+        }
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
+        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        // SAFETY: a fresh anonymous mapping the kernel places; checked for MAP_FAILED.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        // Advice only: kernels without transparent huge pages refuse it, harmlessly.
+        // SAFETY: the range is the mapping just made.
+        unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
     /// Start of the mapping.
     pub fn ptr(&self) -> *mut u8 {
         self.ptr

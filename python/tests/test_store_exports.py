@@ -20,6 +20,27 @@ OBJECT_NOT_FOUND = -704
 DFS_SERVICE_UNAVAILABLE = -1601
 
 
+# Every public name of the 0.3.13.post1 wheel's mooncake.store (its dir(), underscored
+# helpers aside). Left out: _get_pyclient_from_wrapper, a handle to upstream's C++ client.
+UPSTREAM_NAMES = """
+ACTIVATION BufferHandle BufferLease BufferLeaseView BufferPool COMPLETE Descriptor
+DiskDescriptor EngramStore EngramStoreConfig FAILED GENERAL GRADIENT INITIALIZED KVCACHE
+METADATA MemoryDescriptor MooncakeDistributedNoFRegister MooncakeDistributedStore
+MooncakeHostMemAllocator OPTIMIZER_STATE ObjectDataType PENDING PROCESSING ParallelAxis
+QueryTaskResponse REMOVED REPLICA_COPY REPLICA_MOVE ReadTarget RegisteredBufferLease
+RegisteredBufferLeaseView RegisteredBufferPool ReplicaDescriptor ReplicaStatus
+ReplicateConfig SAMPLE SUCCESS SoftPinAction TENSOR TaskStatus TaskType TensorParallelism
+UNDEFINED UNKNOWN WEIGHT _deserialize_tensor _serialize_tensor _tensor_metadata_size
+bind_to_numa_node get_alloc_func_addr get_free_func_addr
+""".split()
+
+
+def test_every_name_of_upstreams_module_is_here_and_listed():
+    missing = [n for n in UPSTREAM_NAMES if not hasattr(S, n)]
+    assert missing == []
+    assert set(UPSTREAM_NAMES) <= set(dir(S))
+
+
 # ------------------------------------------------------------------ enums and values
 
 

@@ -392,7 +392,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
               rdma_devices=_MISSING, master_server_addr=_MISSING, engine=None,
               enable_ssd_offload=False, ssd_offload_path="", tenant_id="default",
               enable_client_http_server=False, client_http_port=9300, *,
-              ipc_socket_path=""):
+              ipc_socket_path="", config=_MISSING):
         """Connects to the master and mounts ``global_segment_size`` bytes (0 = a pure
         client). 0 on success, else a negative error code.
 
@@ -408,6 +408,10 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         A local_hostname without a port gets one in [MC_STORE_CLIENT_MIN_PORT,
         MC_STORE_CLIENT_MAX_PORT] (12300-14300), tried up to MC_STORE_CLIENT_SETUP_RETRIES
         (20) times; ``get_hostname()`` then reports host:port."""
+        if config is not _MISSING:  # upstream's second form, by keyword
+            if local_hostname is not _MISSING or not isinstance(config, dict):
+                raise TypeError("setup(config=...): a dict, and the only argument")
+            local_hostname = config
         if isinstance(local_hostname, dict):
             rest = (metadata_server, global_segment_size, local_buffer_size, protocol,
                     rdma_devices, master_server_addr)

@@ -45,6 +45,16 @@ def test_a_host_without_port_gets_one_from_upstreams_range(master, stores):
     assert b.get("range-key") == b"x" * 4096
 
 
+def test_the_dict_form_is_also_taken_by_keyword(master, stores):
+    s = stores()
+    with pytest.raises(TypeError):
+        s.setup("127.0.0.1", config=config(master))  # both forms at once
+    with pytest.raises(TypeError):
+        s.setup(config=[("local_hostname", "127.0.0.1")])
+    assert s.setup(config=config(master)) == 0
+    assert s.put("by-keyword", b"k" * 64) == 0 and s.get("by-keyword") == b"k" * 64
+
+
 def test_the_range_comes_from_the_environment(master, stores, monkeypatch):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

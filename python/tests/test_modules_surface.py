@@ -316,6 +316,53 @@ def test_topology_dump_discovers_or_prints_a_custom_matrix(tmp_path, capsys):
     assert "failed to dump topology" in capsys.readouterr().err
 
 
+def test_topology_dump_handles_tent_configuration_overrides(tmp_path, capsys, monkeypatch):
+    """Under TENT, a topology override inside MC_TENT_CONF is the custom topology for
+    --use-custom-topo and is hidden from discovery (the engine sees a stripped copy,
+    removed afterwards). A fake tent module records the configuration it was given."""
+    import types
+
+    from mooncake import transfer_engine_topology_dump as dump
+
+    seen = []
+
+    class FakeTent:
+        def available(self):
+            return True
+
+        def get_local_topology(self):
+            conf = os.environ["MC_TENT_CONF"]
+            with open(conf) as f:
+                seen.append((conf, json.load(f)))
+            return "{}"
+
+    monkeypatch.setitem(sys.modules, "tent", types.SimpleNamespace(TransferEngine=FakeTent))
+    for name in ("MC_CUSTOM_TOPO_JSON", "MC_USE_TENT", "MC_USE_TEV1"):
+        monkeypatch.setenv(name, "")  # recorded, so teardown restores what was there
+        monkeypatch.delenv(name)
+    conf = tmp_path / "tent.json"
+    conf.write_text(json.dumps({"log": 1, "topology": {"priority_matrix": {"a": 1}, "keep": 2}}))
+    monkeypatch.setenv("MC_TENT_CONF", str(conf))
+
+    assert dump.main(["--backend", "tent"]) == 0
+    assert capsys.readouterr().out.startswith("Local topology [tent/discover]: ")
+    (scratch, given), = seen
+    assert given == {"log": 1, "topology": {"keep": 2}} and not os.path.exists(scratch)
+    assert os.environ["MC_USE_TENT"] == "1"
+
+    monkeypatch.setenv("MC_TENT_CONF", str(conf))
+    assert dump.main(["--backend", "tent", "--use-custom-topo"]) == 0
+    assert "[tent/custom (MC_TENT_CONF topology)]" in capsys.readouterr().out
+    assert seen[-1] == (str(conf), json.loads(conf.read_text()))  # the original, unchanged
+
+    monkeypatch.setenv("MC_TENT_CONF", json.dumps({"topology": {}}))  # inline, no override
+    assert dump.sanitize_tent_conf_for_discover() is None
+    assert dump.main(["--backend", "tent", "--use-custom-topo"]) == 1
+    assert "requires MC_CUSTOM_TOPO_JSON" in capsys.readouterr().err
+    dump.apply_backend("te")
+    assert "MC_USE_TENT" not in os.environ
+
+
 def test_ssd_tools_parse_targets_and_report_missing_nof_support(caplog):
     from mooncake import _spdk_nof as nof
     from mooncake.mooncake_ssd_unregister import MooncakeNoFUnregister

@@ -232,6 +232,25 @@ def test_an_owner_exiting_with_its_segment_alive_leaves_no_shm_name():
     assert not os.path.exists("/dev/shm" + shm_name)
 
 
+def test_import_mooncake_alone_reaches_store_and_engine():
+    """Upstream's package imports its store on import; scripts then use mooncake.store
+    without importing it. Here both load on first touch, not before."""
+    code = textwrap.dedent("""
+        import sys
+        import mooncake
+        assert "mooncake.store" not in sys.modules
+        assert mooncake.store.ObjectDataType.KVCACHE == 1
+        assert mooncake.engine.TransferEngine is sys.modules["mooncake.engine"].TransferEngine
+        try:
+            mooncake.no_such_module
+        except AttributeError:
+            print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr
+
+
 # ------------------------------------------------------------------ small modules
 
 

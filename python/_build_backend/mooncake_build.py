@@ -12,7 +12,8 @@ What ``build_wheel`` does:
      ``cargo build --release --manifest-path <checkout>/Cargo.toml -p mooncake --lib --bin mooncake``
      (output under ``$CARGO_TARGET_DIR`` when set, else ``<checkout>/target``).
   2. Writes ``mooncake-<version>-py3-none-<platform>.whl`` holding ``mooncake/*.py``,
-     ``mooncake/libmooncake.so``, ``mooncake/bin/mooncake``, a generated
+     ``mooncake/libmooncake.so``, ``mooncake/bin/mooncake``, the launchers upstream's
+     wheel keeps in the package (``LAUNCHERS``: ``mooncake/mooncake_master``, ...), a generated
      ``mooncake/_version.py`` and the .dist-info (METADATA, WHEEL, entry_points.txt,
      top_level.txt, RECORD).
 
@@ -50,6 +51,28 @@ mc_store_rest_server = mooncake.mooncake_store_service:sync_main
 transfer_engine_bench = mooncake.cli_bench:main
 transfer_engine_topology_dump = mooncake.transfer_engine_topology_dump:main
 """
+
+# Upstream's wheel also ships its programs inside the package directory, and scripts run
+# them by that path (os.path.dirname(mooncake.__file__) + "/mooncake_master"). These
+# launchers stand there: the master is the bundled binary; the other two are Python
+# modules, run by the interpreter of the environment the package is installed in (else
+# python3) with the package's site directory on PYTHONPATH.
+_LAUNCHER_HEAD = """\
+#!/bin/sh
+# Installed by the mooncake package where upstream's wheel keeps this program.
+pkg=$(dirname "$(readlink -f "$0")")
+"""
+_PYTHON_LAUNCHER = _LAUNCHER_HEAD + """\
+site=$(dirname "$pkg")
+py="$site/../../../bin/python"
+[ -x "$py" ] || py=python3
+PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" exec "$py" -m %s "$@"
+"""
+LAUNCHERS = {
+    "mooncake_master": _LAUNCHER_HEAD + 'exec "$pkg/bin/mooncake" master "$@"\n',
+    "mooncake_client": _PYTHON_LAUNCHER % "mooncake.real_client",
+    "transfer_engine_bench": _PYTHON_LAUNCHER % "mooncake.cli_bench",
+}
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKOUT = os.path.dirname(PYTHON_DIR)
@@ -220,6 +243,8 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
             with open(path, "rb") as f:
                 files.append((arc, f.read(), 0o644))
     files.append(("mooncake/_version.py", f'__version__ = "{version}"\n'.encode(), 0o644))
+    for name, text in LAUNCHERS.items():
+        files.append((f"mooncake/{name}", text.encode(), 0o755))
     with tempfile.TemporaryDirectory() as tmp:
         for src, arc in ((lib, "mooncake/libmooncake.so"), (binary, "mooncake/bin/mooncake")):
             src = _maybe_strip(src, config_settings, tmp)

@@ -149,3 +149,47 @@ def test_mooncake_master_runs_no_metadata_server_by_default(mooncake_bin, tmp_pa
     assert "metadata=" not in ready, ready
     # -v=1 is glog's verbosity: debug messages, such as the inert flag's, are shown.
     assert "--max_threads=4: accepted" in err, err
+
+
+# Upstream's wheel keeps its programs in the package directory and scripts run them by
+# that path; an installed wheel of ours has launchers there (a source checkout has not).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(cli.__file__))
+needs_wheel_layout = pytest.mark.skipif(
+    not os.path.exists(os.path.join(PACKAGE_DIR, "mooncake_master")),
+    reason="the package is not an installed wheel (no launchers next to it)")
+
+
+@needs_wheel_layout
+def test_master_launcher_in_the_package_directory_serves(tmp_path):
+    launcher = os.path.join(PACKAGE_DIR, "mooncake_master")
+    with open(tmp_path / "stderr", "w+") as log:
+        p = subprocess.Popen([launcher, "--rpc_address=127.0.0.1", "--port=0",
+                              "--metrics_port=off", "--until-stdin-eof"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                             text=True)
+        try:
+            ready = p.stdout.readline()
+            p.stdin.close()
+            p.wait(timeout=60)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        log.seek(0)
+        err = log.read()
+    assert p.returncode == 0, err
+    assert ready.startswith("ready rpc=127.0.0.1:"), (ready, err)
+
+
+@needs_wheel_layout
+@pytest.mark.parametrize("name, usage", [
+    ("mooncake_client", "usage: mooncake_client"),
+    ("transfer_engine_bench", "transfer_engine_bench"),
+])
+def test_python_launchers_in_the_package_directory_run_their_module(name, usage):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([os.path.join(PACKAGE_DIR, name), "--help"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert usage in done.stdout + done.stderr

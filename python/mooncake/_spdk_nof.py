@@ -17,12 +17,15 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 
 from .mooncake_config import parse_defines
 
 logger = logging.getLogger("mooncake")
 
 _SSH_CONNECT_TIMEOUT_S = 10
+_READ_CHUNK = 1 << 16
+_POLL_S = 0.01
 _SSH_COMMAND_TIMEOUT_S = 30
 _RPC_SCRIPT = "scripts/rpc.py"
 
@@ -143,6 +146,31 @@ def have_paramiko():
     return True
 
 
+def collect_channel(chan, ip, timeout):
+    """(exit status, stdout or else stderr) of a command running on a paramiko channel,
+    read as it comes (a command writing more than the channel's window would otherwise
+    never finish); RuntimeError when it has not finished within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    out, err = [], []
+    while True:
+        moved = False
+        while chan.recv_ready():
+            out.append(chan.recv(_READ_CHUNK))
+            moved = True
+        while chan.recv_stderr_ready():
+            err.append(chan.recv_stderr(_READ_CHUNK))
+            moved = True
+        if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+            break
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{ip}: the command did not finish within {timeout} s")
+        if not moved:
+            # Woken early by the exit status; data that comes meanwhile waits a moment.
+            chan.status_event.wait(_POLL_S)
+    rc = chan.recv_exit_status()
+    return rc, b"".join(out).decode(errors="replace") or b"".join(err).decode(errors="replace")
+
+
 class SpdkShell:
     """Runs commands (SPDK's rpc.py among them) on targets over SSH with the CLI's
     user/port/password/key. Every command is one SSH session; :meth:`_run` is the only
@@ -198,9 +226,8 @@ class SpdkShell:
         try:
             client.connect(ip, port=self._port, username=self._user, password=self._password,
                            key_filename=self._key_file, timeout=_SSH_CONNECT_TIMEOUT_S)
-            _, stdout, stderr = client.exec_command(command, timeout=timeout)
-            rc = stdout.channel.recv_exit_status()
-            return rc, stdout.read().decode() or stderr.read().decode()
+            _, stdout, _ = client.exec_command(command, timeout=timeout)
+            return collect_channel(stdout.channel, ip, timeout)
         except paramiko.SSHException as e:  # authentication, protocol, channel errors
             raise RuntimeError(f"{ip}: SSH failed: {e}") from e
         finally:

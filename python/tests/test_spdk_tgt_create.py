@@ -585,3 +585,63 @@ def test_start_script(local, shell):
     write_tool(tree / "scripts", "rpc.py", '[ "$*" = "-t 1 spdk_get_version" ]\n')
     write_tool(tree / "build/bin", "nvmf_tgt", "exit 0\n")
     creator._restart_tgt("10.0.0.1", str(tree))  # answers at once: no error
+
+
+# ------------------------------------------------------------------ paramiko channels
+
+
+class _FakeChannel:
+    """A channel whose command writes ``chunks`` to stdout (one per read) and then exits
+    with ``rc``; ``exits=False``: it never exits."""
+
+    def __init__(self, chunks, rc=0, exits=True, stderr=b""):
+        import threading
+
+        self._chunks = list(chunks)
+        self._stderr = stderr
+        self._rc = rc
+        self._exits = exits
+        self.status_event = threading.Event()
+        if exits and not self._chunks:
+            self.status_event.set()
+
+    def recv_ready(self):
+        return bool(self._chunks)
+
+    def recv(self, n):
+        chunk = self._chunks.pop(0)
+        assert len(chunk) <= n
+        if self._exits and not self._chunks:
+            self.status_event.set()  # the command ends once its output was read
+        return chunk
+
+    def recv_stderr_ready(self):
+        return bool(self._stderr)
+
+    def recv_stderr(self, n):
+        data, self._stderr = self._stderr, b""
+        return data
+
+    def exit_status_ready(self):
+        return self.status_event.is_set()
+
+    def recv_exit_status(self):
+        assert self.status_event.is_set()
+        return self._rc
+
+
+def test_channel_output_is_read_as_it_comes_whatever_its_size():
+    # 64 chunks of 64 KiB: 4 MiB, more than a channel's window, read before the exit.
+    chunks = [bytes([65 + i % 26]) * (1 << 16) for i in range(64)]
+    rc, out = nof.collect_channel(_FakeChannel(chunks, rc=3), "10.0.0.1", 30)
+    assert rc == 3 and out.encode() == b"".join(chunks)
+
+
+def test_channel_reports_stderr_when_stdout_is_empty():
+    rc, out = nof.collect_channel(_FakeChannel([], rc=1, stderr=b"no such bdev"), "h", 30)
+    assert (rc, out) == (1, "no such bdev")
+
+
+def test_a_command_that_never_finishes_is_given_up_on():
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        nof.collect_channel(_FakeChannel([b"partial"], exits=False), "10.0.0.1", 0.05)

@@ -104,13 +104,17 @@ def _check_count(value, name, limit=(1 << 32) - 1):
 # Shm names this process's owner segments created and still hold: removed at exit, so a
 # segment still referenced when the interpreter ends (no __del__ runs then) leaves no
 # file in /dev/shm. Ranks that mapped it keep their pages; the name is only a handle.
-_OWNED_NAMES = set()
+# Each name is kept with the pid that created it: a forked child inherits the set but
+# must not remove its parent's names when it exits.
+_OWNED_NAMES = {}
 _OWNED_LOCK = threading.Lock()
 
 
 def _forget_name(shm_name):
     with _OWNED_LOCK:
-        _OWNED_NAMES.discard(shm_name)
+        creator = _OWNED_NAMES.pop(shm_name, None)
+    if creator != os.getpid():
+        return
     try:
         os.unlink(_SHM_DIR + shm_name)
     except OSError:
@@ -200,7 +204,7 @@ class SharedSegment:
             os.close(fd)
         self._shm_name = shm_name
         with _OWNED_LOCK:
-            _OWNED_NAMES.add(shm_name)
+            _OWNED_NAMES[shm_name] = os.getpid()
 
     def _blob(self):
         handle = self._shm_name.encode() if self._owner else b""

@@ -232,6 +232,26 @@ def test_an_owner_exiting_with_its_segment_alive_leaves_no_shm_name():
     assert not os.path.exists("/dev/shm" + shm_name)
 
 
+def test_a_forked_child_exiting_leaves_its_parents_shm_name():
+    code = textwrap.dedent("""
+        import os, sys
+        from mooncake.engine import SharedSegment
+        seg, blob = SharedSegment.create("forked", 10000, world_size=2, rank_id=0)
+        path = "/dev/shm" + seg._shm_name
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a normal exit: atexit hooks run in the child
+        os.waitpid(child, 0)
+        print("kept" if os.path.exists(path) else "removed")
+        seg.close()
+        print("closed" if not os.path.exists(path) else "left")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["kept", "closed"]
+
+
 def test_import_mooncake_alone_reaches_store_and_engine():
     """Upstream's package imports its store on import; scripts then use mooncake.store
     without importing it. Here both load on first touch, not before."""

@@ -194,7 +194,10 @@ class Buffer:
     (this build sizes its buffers per call).
     """
 
-    def __init__(self, group, num_ep_buffer_bytes=0):
+    def __init__(self, group, num_ep_buffer_bytes=0, disable_p2p=False):
+        # disable_p2p: upstream's switch off its intra-node GPU peer-to-peer path; this
+        # build moves every row through the group's PG, so there is nothing to switch.
+        self.disable_p2p = bool(disable_p2p)
         self.group = group
         self.backend = group  # what upstream hands to get_active_ranks
         self._handle = pg._handle(group)
@@ -216,6 +219,11 @@ class Buffer:
         """See the module-level ``get_ep_buffer_size_hint``."""
         return get_ep_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
                                        num_experts)
+
+    def connect(self, is_update=False):
+        """Upstream exchanges its device queues' addresses here (the constructor calls
+        it; ``is_update`` after a membership change). Rows travel over the group's PG in
+        this build, which is connected already: nothing to exchange."""
 
     def update_ep_member(self):
         """Upstream reconnects its device queues after ranks were activated or

@@ -1031,3 +1031,17 @@ if torch is not None:
         MooncakeWork,
         _location,
     )
+
+
+def __getattr__(name):
+    # Upstream's module names the torch it was built for (its extension is one build
+    # per torch release); this one binds any torch through the C ABI, so they describe
+    # the torch in use, computed when asked for (importing this module needs no torch).
+    if name in ("torch_version", "version_suffix"):
+        import re
+
+        import torch
+
+        version = re.match(r"\d+(?:\.\d+)*", torch.__version__).group()
+        return version if name == "torch_version" else "_" + version.replace(".", "_")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

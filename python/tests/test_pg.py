@@ -309,6 +309,17 @@ def test_options_are_checked_before_anything_starts():
         pg.get_current_epoch(object())
 
 
+def test_module_names_the_torch_in_use_as_upstreams_does():
+    import torch
+
+    from mooncake import pg
+
+    assert torch.__version__.startswith(pg.torch_version)
+    assert pg.version_suffix == "_" + pg.torch_version.replace(".", "_")
+    with pytest.raises(AttributeError):
+        pg.no_such_name  # noqa: B018
+
+
 # ---------------------------------------------- subgroups and the membership functions
 
 _SUBGROUP = r"""

@@ -35,7 +35,7 @@ import threading
 
 from . import _dummy_wire as W
 from ._common import buffer_address, check_int, check_str, int_list, lengths_match
-from ._replicate import _DEFAULT_CONFIG
+from ._replicate import _DEFAULT_CONFIG, _refusal
 from .mooncake_config import parse_size
 from .store import (
     INVALID_KEY,
@@ -328,10 +328,17 @@ def _config_wire(c):
 
 
 def _fields_wire(c):
-    return [c.replica_num, c.with_hard_pin, int(c.soft_pin_action), c.soft_pin_ttl_ms,
-            c.preferred_segment, list(c.preferred_segments), c.prefer_alloc_in_same_node,
-            None if c.group_ids is None else list(c.group_ids), int(c.data_type),
-            c.nof_replica_num, c.dfs_replica_num, list(c.preferred_nof_segments)]
+    fields = [c.replica_num, c.with_hard_pin, int(c.soft_pin_action), c.soft_pin_ttl_ms,
+              c.preferred_segment, list(c.preferred_segments), c.prefer_alloc_in_same_node,
+              None if c.group_ids is None else list(c.group_ids)]
+    extra = [int(c.data_type), c.nof_replica_num, c.dfs_replica_num,
+             list(c.preferred_nof_segments)]
+    # The four fields real clients before them do not take: sent only when set, so a
+    # dummy of this version still works with an older mooncake_client.
+    return fields + extra if extra != _UNSET_EXTRA else fields
+
+
+_UNSET_EXTRA = [0, 0, 0, []]
 
 
 _DEFAULT_WIRE = _fields_wire(_DEFAULT_CONFIG)
@@ -730,6 +737,11 @@ class DummyStore(MooncakeDistributedStore):
                                metadata_size, config=None):
         k, addrs, lens, config = _metadata_put_args(key, buffer_ptr, metadata_buffer_ptr,
                                                     size, metadata_size, config)
+        # The real client runs this as a multi-buffer put, which takes
+        # prefer_alloc_in_same_node; upstream's put_from_with_metadata refuses it.
+        refusal = _refusal(config)
+        if refusal:
+            return refusal
         return self._put_parts_wire([k], [self._registered_run(addrs, lens)], config)[0]
 
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes, config=None):

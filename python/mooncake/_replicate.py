@@ -116,7 +116,7 @@ class ReplicateConfig:
     preferred_nof_segments ([]).
 
     This build has neither NVMe-oF nor DFS replicas: a put asking for them is answered as
-    upstream's master answers it without those backends (see ``_refusal``). ``data_type``
+    upstream's master without those backends answers it (see ``_refusal``). ``data_type``
     is the writer's declaration; nothing in the Python API reads it back."""
 
     __slots__ = ("_replica_num", "_with_hard_pin", "_soft_pin_action", "_soft_pin_ttl_ms",
@@ -166,7 +166,7 @@ class ReplicateConfig:
         return {name: getattr(self, name) for name in self.__slots__ if name != "_c_cache"}
 
     def __setstate__(self, state):
-        self.__init__()  # what a pickle of an older build lacks keeps its default
+        ReplicateConfig.__init__(self)  # what a pickle of an older build lacks: defaults
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -229,33 +229,50 @@ class ReplicateConfig:
         return c, (encoded, arr)
 
 
-def _refusal(config):
-    """The error upstream's master answers a put of ``config`` with before it allocates
-    anything, in a build without NVMe-oF and DFS replicas (logged); 0 when it goes ahead.
+# How a put path treats prefer_alloc_in_same_node (upstream's RealClient): refused (its
+# single and batch puts), with one memory replica only (batch_put_from_multi_buffers), or
+# passed on to the master (the put sessions).
+SAME_NODE_REFUSED, SAME_NODE_ONE_REPLICA, SAME_NODE_PASSED = range(3)
 
-    - a soft-pin TTL without soft_pin_action ENABLE: INVALID_PARAMS;
-    - more than one DFS replica, or one without a memory replica: INVALID_PARAMS;
-    - any DFS replica: DFS_SERVICE_UNAVAILABLE (no DFS here);
-    - NVMe-oF replicas: NO_AVAILABLE_HANDLE (none can be allocated), except one memory
-      replica plus one NVMe-oF replica, which upstream lets succeed with either side
-      alone: the put goes ahead with the memory replica.
+
+def _refusal(config, key_count=1, same_node=SAME_NODE_REFUSED):
+    """The error upstream answers a put of ``key_count`` keys with ``config`` with before
+    anything is allocated, in a build without NVMe-oF and DFS replicas (logged); 0 when
+    the put goes ahead. In upstream's order:
+
+    - prefer_alloc_in_same_node where the path refuses it, or (batch_put_from_multi_
+      buffers) beside anything but one memory replica: INVALID_PARAMS;
+    - group_ids (when set) not one per key: INVALID_PARAMS;
+    - more than one DFS replica, or one without a memory replica: INVALID_PARAMS; any
+      DFS replica: DFS_SERVICE_UNAVAILABLE (no DFS here);
+    - NVMe-oF replicas: INVALID_PARAMS (the master's "nof_pool_disabled");
+    - a soft-pin TTL without soft_pin_action ENABLE: INVALID_PARAMS.
     """
-    if config is _DEFAULT_CONFIG:  # most puts: nothing to refuse
+    c = config
+    if c is _DEFAULT_CONFIG or (  # most puts: nothing to look at (slots read directly)
+            not c._prefer_same_node and c._group_ids is None and not c._dfs_replica_num
+            and not c._nof_replica_num and c._soft_pin_ttl_ms is None):
         return 0
+    invalid = ErrorCode.INVALID_PARAMS
     why = None
-    if config.soft_pin_ttl_ms is not None and config.soft_pin_action != SoftPinAction.ENABLE:
-        why = (ErrorCode.INVALID_PARAMS,
-               f"soft_pin_ttl_ms={config.soft_pin_ttl_ms} needs soft_pin_action ENABLE "
-               f"(is {config.soft_pin_action.name})")
-    elif config.dfs_replica_num > 1 or (config.dfs_replica_num and not config.replica_num):
-        why = (ErrorCode.INVALID_PARAMS,
-               f"dfs_replica_num={config.dfs_replica_num} needs to be at most 1, beside a "
-               f"memory replica (replica_num={config.replica_num})")
-    elif config.dfs_replica_num:
-        why = (ErrorCode.DFS_SERVICE_UNAVAILABLE, "no DFS replicas in this build")
-    elif config.nof_replica_num and (config.replica_num, config.nof_replica_num) != (1, 1):
-        why = (ErrorCode.NO_AVAILABLE_HANDLE,
-               f"nof_replica_num={config.nof_replica_num}: no NVMe-oF segments in this build")
+    if c._prefer_same_node and same_node == SAME_NODE_REFUSED:
+        why = invalid, ("prefer_alloc_in_same_node is supported by "
+                        "batch_put_from_multi_buffers (and put sessions) only")
+    elif c._prefer_same_node and same_node == SAME_NODE_ONE_REPLICA and (
+            c._nof_replica_num or c._replica_num != 1):
+        why = invalid, "prefer_alloc_in_same_node needs replica_num 1 and no NVMe-oF replica"
+    elif c._group_ids is not None and len(c._group_ids) != key_count:
+        why = invalid, f"{len(c._group_ids)} group_ids for {key_count} key(s)"
+    elif c._dfs_replica_num > 1 or (c._dfs_replica_num and not c._replica_num):
+        why = invalid, (f"dfs_replica_num={c._dfs_replica_num} needs to be at most 1, "
+                        f"beside a memory replica (replica_num={c._replica_num})")
+    elif c._dfs_replica_num:
+        why = ErrorCode.DFS_SERVICE_UNAVAILABLE, "no DFS replicas in this build"
+    elif c._nof_replica_num:
+        why = invalid, f"nof_replica_num={c._nof_replica_num}: no NVMe-oF pool in this build"
+    elif c._soft_pin_ttl_ms is not None and c._soft_pin_action != SoftPinAction.ENABLE:
+        why = invalid, (f"soft_pin_ttl_ms={c._soft_pin_ttl_ms} needs soft_pin_action ENABLE "
+                        f"(is {c._soft_pin_action.name})")
     if why is None:
         return 0
     logger.error("mooncake: put refused: %s", why[1])

@@ -22,6 +22,7 @@ import os
 
 from . import _native as N
 from ._common import check_int, check_str, int_list, lengths_match
+from ._replicate import SAME_NODE_PASSED, _refusal
 
 logger = logging.getLogger("mooncake")
 
@@ -188,19 +189,20 @@ class StoreSurfaceMixin:
         results, idx = _api()._triage(ks, lens)
         if not idx:
             return results
-        refusal = _api()._refusal(config)
+        refusal = _refusal(config, len(ks), SAME_NODE_PASSED)
         if refusal:
             for i in idx:
                 results[i] = refusal
             return results
         cfg, keep = config._to_c()
-        opts, keep2 = self._put_options(config, False)
-        c_res = (ctypes.c_int * len(idx))()
-        rc = fn(self._native, N.c_strings([ks[i] for i in idx]), len(idx),
-                N.c_array(ctypes.c_uint64, [lens[i] for i in idx]), ctypes.byref(cfg),
-                ctypes.byref(opts), c_res)
-        for j, i in enumerate(idx):
-            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        for members, groups in _api()._by_group(config, idx):
+            opts, keep2 = self._put_options(False, groups)
+            c_res = (ctypes.c_int * len(members))()
+            rc = fn(self._native, N.c_strings([ks[i] for i in members]), len(members),
+                    N.c_array(ctypes.c_uint64, [lens[i] for i in members]), ctypes.byref(cfg),
+                    ctypes.byref(opts), c_res)
+            for j, i in enumerate(members):
+                results[i] = rc if rc != N.MC_OK else int(c_res[j])
         return results
 
     def _ranged(self, fn_name, what, keys, all_buffer_ptrs, all_sizes, all_offsets,

@@ -51,6 +51,8 @@ from ._replicate import (  # noqa: F401  (_bool and _strs: for _dummy)
     SoftPinAction,
     _bool,
     _config,
+    SAME_NODE_ONE_REPLICA,
+    SAME_NODE_REFUSED,
     _refusal,
     _strs,
     _u64,
@@ -355,6 +357,18 @@ _MAX_LOCAL_BUFFER = 1 << 40
 _MISSING = object()
 
 
+def _by_group(config, idx):
+    """The keys at ``idx`` split by the group upstream's per-key ``group_ids`` give each
+    (config.group_ids[i]; "" for none), as (indices, encoded groups for all of them): the
+    C ABI's put options name groups for a whole batch. Order within a group is kept."""
+    if config.group_ids is None:
+        return [(idx, ())]
+    batches = {}
+    for i in idx:
+        batches.setdefault(config.group_ids[i], []).append(i)
+    return [(members, (g.encode(),) if g else ()) for g, members in batches.items()]
+
+
 def _triage(keys, items):
     """Per-key results pre-filled with INVALID_KEY for keys that failed to encode (None)
     and INVALID_PARAMS for items that failed their checks (None), 0 elsewhere; and the
@@ -625,48 +639,46 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
 
     # ------------------------------------------------------------ internals
 
-    def _put_options(self, config, upsert):
-        fn = N.LIB.mc_put_options_init
+    def _put_options(self, upsert, groups=()):
+        """mc_put_options for a batch whose every key joins ``groups`` (encoded)."""
         opts = N.McPutOptions()
-        fn(ctypes.byref(opts))
-        groups = [g.encode() for g in config.group_ids or ()]
-        arr = N.c_strings(groups)
+        N.LIB.mc_put_options_init(ctypes.byref(opts))
+        arr = N.c_strings(list(groups))
         if groups:
             opts.group_ids = ctypes.cast(arr, ctypes.POINTER(ctypes.c_char_p))
         opts.group_ids_count = len(groups)
         opts.upsert = int(upsert)
-        return opts, (groups, arr)
+        return opts, arr
 
-    def _put_parts(self, keys, parts, config, upsert, what):
+    def _put_parts(self, keys, parts, config, upsert, what, same_node=SAME_NODE_REFUSED):
         """Puts key i from the (addr, len) pairs parts[i] with mc_store_batch_put_parts.
-        ``keys`` are encoded (None = invalid key). Returns per-key results."""
-        fn = N.LIB.mc_store_batch_put_parts
+        ``keys`` are encoded (None = invalid key). Returns per-key results. ``same_node``:
+        how this path takes prefer_alloc_in_same_node (see ``_replicate._refusal``)."""
         results, idx = _triage(keys, parts)
         if not idx:
             return results
-        flat_addr, flat_len, counts = [], [], []
-        for i in idx:
-            counts.append(len(parts[i]))
-            for a, n in parts[i]:
-                flat_addr.append(a)
-                flat_len.append(n)
-        ckeys = [keys[i] for i in idx]
-        c_keys = N.c_strings(ckeys)
-        c_bufs = N.c_array(ctypes.c_void_p, flat_addr)
-        c_lens = N.c_array(ctypes.c_size_t, flat_len)
-        c_counts = N.c_array(ctypes.c_size_t, counts)
-        c_res = (ctypes.c_int * len(idx))()
-        refusal = _refusal(config)
+        refusal = _refusal(config, len(keys), same_node)
         if refusal:
             for i in idx:
                 results[i] = refusal
             return results
         cfg, keep = config._to_c()
-        opts, keep2 = self._put_options(config, upsert)
-        rc = fn(self._store, c_keys, len(idx), c_bufs, c_lens, c_counts, ctypes.byref(cfg),
-                ctypes.byref(opts), c_res)
-        for j, i in enumerate(idx):
-            results[i] = rc if rc != N.MC_OK else int(c_res[j])
+        for members, groups in _by_group(config, idx):
+            flat_addr, flat_len, counts = [], [], []
+            for i in members:
+                counts.append(len(parts[i]))
+                for a, n in parts[i]:
+                    flat_addr.append(a)
+                    flat_len.append(n)
+            opts, keep2 = self._put_options(upsert, groups)
+            c_res = (ctypes.c_int * len(members))()
+            rc = N.LIB.mc_store_batch_put_parts(
+                self._store, N.c_strings([keys[i] for i in members]), len(members),
+                N.c_array(ctypes.c_void_p, flat_addr), N.c_array(ctypes.c_size_t, flat_len),
+                N.c_array(ctypes.c_size_t, counts), ctypes.byref(cfg), ctypes.byref(opts),
+                c_res)
+            for j, i in enumerate(members):
+                results[i] = rc if rc != N.MC_OK else int(c_res[j])
         return results
 
     def _zero_copy(self, addr, size):
@@ -753,10 +765,9 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             else:
                 parts.append([(a, n)])
         if upsert or config.group_ids or self._protocol in HARDWARE_PROTOCOLS:
-            refusal = _refusal(config)
             if upsert or config.group_ids:
                 res = self._put_parts(ks, parts, config, upsert, what)
-            elif refusal:
+            elif refusal := _refusal(config, len(ks)):
                 res = [refusal] * len(ks)
             else:
                 # RDMA moves bytes from registered memory only: mc_store_put stages them.
@@ -998,7 +1009,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         results, idx = _triage(ks, spans)
         if not idx:
             return results
-        refusal = _refusal(config)
+        refusal = _refusal(config, len(ks))
         if refusal:
             for i in idx:
                 results[i] = refusal
@@ -1216,7 +1227,8 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         parts = [self._registered_run(p, s) for p, s in zip(ptrs, sizes)]
-        return self._put_parts(ks, parts, config, False, "batch_put_from_multi_buffers")
+        return self._put_parts(ks, parts, config, False, "batch_put_from_multi_buffers",
+                               SAME_NODE_ONE_REPLICA)
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
                                      prefer_alloc_in_same_node=False):

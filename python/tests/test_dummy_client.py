@@ -266,15 +266,15 @@ def test_nof_and_dfs_fields_reach_the_real_client(served, dummies):
     answers shows the fields crossed the wire."""
     d = dummies(served.address)
     cfg = ReplicateConfig()
-    cfg.nof_replica_num = 2
-    assert d.put(unique(), b"x", cfg) == NO_AVAILABLE_HANDLE
+    cfg.nof_replica_num = 1
+    assert d.put(unique(), b"x", cfg) == INVALID_PARAMS
     cfg.nof_replica_num, cfg.dfs_replica_num = 0, 1
     assert d.put(unique(), b"x", cfg) == -1601  # DFS_SERVICE_UNAVAILABLE
-    cfg.dfs_replica_num, cfg.nof_replica_num = 0, 1
+    cfg.dfs_replica_num = 0
     cfg.data_type = ObjectDataType.KVCACHE
     k = unique()
-    assert d.put(k, b"memory side", cfg) == 0
-    assert d.get(k) == b"memory side"
+    assert d.put(k, b"typed", cfg) == 0
+    assert d.get(k) == b"typed"
 
 
 def test_tasks_run_on_the_real_client_and_sessions_are_refused(

@@ -308,7 +308,7 @@ def test_sglang_hicache(mooncake_bin, tmp_path):
                 exist = store.batch_is_exist(keys)
                 assert exist == [0] * len(keys)
                 cfg = ReplicateConfig()
-                cfg.group_ids = ["req-%s" % uuid.uuid4()]
+                cfg.group_ids = ["req-%s" % uuid.uuid4()] * len(keys)  # one per key
                 res = store.batch_put_from(keys, ptrs, [page] * len(keys), cfg)
                 assert res == [0] * len(keys)
                 total_objects += len(keys)

@@ -1,6 +1,6 @@
 """The names upstream's ``mooncake.store`` exports besides the store class itself: enums
 and their module-level values, ``Descriptor``, ReplicateConfig's NVMe-oF, DFS and data
-type fields (and what a put asking for those replicas gets here), the allocator
+type fields (and what puts with configs upstream refuses get here), the allocator
 callbacks, NUMA binding, the NVMe-oF registration class and the buffer pool's classes."""
 
 import ctypes
@@ -136,39 +136,91 @@ def _config(**fields):
     return c
 
 
-# (fields, what a put answers): upstream's master without NVMe-oF and DFS backends.
+# (fields, what a put answers): upstream's client and master without NVMe-oF and DFS
+# backends, checked against the 0.3.13.post1 wheel's own master and client.
 REFUSALS = [
-    (dict(nof_replica_num=2), NO_AVAILABLE_HANDLE),
-    (dict(replica_num=2, nof_replica_num=1), NO_AVAILABLE_HANDLE),
+    (dict(nof_replica_num=1), INVALID_PARAMS),  # the master's "nof_pool_disabled"
+    (dict(nof_replica_num=2), INVALID_PARAMS),
+    (dict(replica_num=0, nof_replica_num=1), INVALID_PARAMS),
     (dict(dfs_replica_num=1), DFS_SERVICE_UNAVAILABLE),
+    (dict(dfs_replica_num=1, nof_replica_num=1), DFS_SERVICE_UNAVAILABLE),  # DFS first
+    (dict(dfs_replica_num=1, soft_pin_ttl_ms=5), DFS_SERVICE_UNAVAILABLE),
     (dict(dfs_replica_num=2), INVALID_PARAMS),
     (dict(replica_num=0, dfs_replica_num=1), INVALID_PARAMS),
+    (dict(prefer_alloc_in_same_node=True), INVALID_PARAMS),  # multi-buffer puts only
+    (dict(group_ids=[]), INVALID_PARAMS),  # set, but not one per key
 ]
 
 
 @pytest.mark.parametrize("fields,code", REFUSALS)
-def test_puts_asking_for_replicas_this_build_lacks_are_refused_and_store_nothing(
+def test_puts_refused_as_upstream_refuses_them_store_nothing(
         master, store_factory, fields, code):
     store = store_factory(master)
     buf = Buf(4096, content=b"r" * 4096)
     assert store.register_buffer(buf.addr, 4096) == 0
     config = _config(**fields)
-    keys = [unique() for _ in range(4)]
+    keys = [unique() for _ in range(5)]
     assert store.put(keys[0], b"v" * 64, config) == code
     assert store.put_from(keys[1], buf.addr, 4096, config) == code
-    assert store.batch_put_from(keys[2:], [buf.addr] * 2, [4096] * 2, config) == [code] * 2
+    assert store.upsert(keys[2], b"v" * 64, config) == code
+    assert store.batch_put_from(keys[3:], [buf.addr] * 2, [4096] * 2, config) == [code] * 2
     for k in keys:
         assert store.is_exist(k) == 0
 
 
-def test_one_memory_and_one_nof_replica_is_stored_in_memory(master, store_factory):
-    """Upstream lets this pair succeed with either side alone."""
+def test_group_ids_must_name_one_group_per_key(master, store_factory):
     store = store_factory(master)
+    buf = Buf(4096, content=b"g" * 4096)
+    assert store.register_buffer(buf.addr, 4096) == 0
+    one, two = unique(), [unique(), unique()]
+    assert store.put(one, b"x", _config(group_ids=["a", "b"])) == INVALID_PARAMS
+    assert store.batch_put_from(two, [buf.addr] * 2, [4096] * 2,
+                                _config(group_ids=["a"])) == [INVALID_PARAMS] * 2
+    assert store.is_exist(one) == 0 and store.batch_is_exist(two) == [0, 0]
+    assert store.put(one, b"x", _config(group_ids=["a"])) == 0
+    assert store.batch_put_from(two, [buf.addr] * 2, [4096] * 2,
+                                _config(group_ids=["a", ""])) == [0, 0]  # "": ungrouped
+
+
+def test_each_key_joins_the_group_its_own_group_id_names(master, store_factory):
+    """A read leases every member of the object's group (upstream's coalesced lease
+    refresh), so a leased member refuses a plain remove: that shows who is grouped."""
+    store = store_factory(master)
+    buf = Buf(4096, content=b"p" * 4096)
+    assert store.register_buffer(buf.addr, 4096) == 0
+    a1, a2, b1, solo = (unique() for _ in range(4))
+    config = _config(group_ids=["ga-" + a1, "gb-" + b1, "ga-" + a1, ""])
+    assert store.batch_put_from([a1, b1, a2, solo], [buf.addr] * 4, [4096] * 4,
+                                config) == [0, 0, 0, 0]
+    assert store.get(a1) == b"p" * 4096
+    OBJECT_HAS_LEASE = -706
+    assert store.remove(a2) == OBJECT_HAS_LEASE  # a1's group: leased with it
+    assert store.remove(b1) == 0  # another group, not read
+    assert store.remove(solo) == 0  # "" is no group
+
+
+def test_prefer_same_node_is_taken_by_multi_buffer_puts_with_one_replica(
+        master, store_factory):
+    store = store_factory(master)
+    buf = Buf(8192, content=b"m" * 8192)
+    assert store.register_buffer(buf.addr, 8192) == 0
+    ptrs, sizes = [[buf.addr, buf.addr + 4096]], [[4096, 4096]]
     key = unique()
-    config = _config(nof_replica_num=1, data_type=S.KVCACHE)
-    assert store.put(key, b"kept" * 16, config) == 0
-    assert store.get(key) == b"kept" * 16
-    assert [r.is_memory_replica() for r in store.get_replica_desc(key)] == [True]
+    assert store.batch_put_from_multi_buffers(
+        [key], ptrs, sizes, _config(prefer_alloc_in_same_node=True, replica_num=2)) == [
+            INVALID_PARAMS]
+    assert store.is_exist(key) == 0
+    assert store.batch_put_from_multi_buffers(
+        [key], ptrs, sizes, _config(prefer_alloc_in_same_node=True)) == [0]
+    assert store.get(key) == b"m" * 8192
+
+
+def test_a_refused_put_is_logged_once(master, store_factory, caplog):
+    store = store_factory(master)
+    with caplog.at_level("ERROR", logger="mooncake"):
+        assert store.put_batch([unique(), unique()], [b"a", b"b"],
+                               _config(nof_replica_num=1)) == INVALID_PARAMS
+    assert caplog.text.count("put refused") == 1, caplog.text
 
 
 # ------------------------------------------------------------------ allocator callbacks

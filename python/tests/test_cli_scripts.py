@@ -127,12 +127,12 @@ def test_version_prints_and_exits_zero(mooncake_bin, main, name):
     assert out.startswith(name + " version "), out
 
 
-def test_mooncake_master_runs_no_metadata_server_by_default(mooncake_bin, tmp_path):
-    argv = ["--rpc_address=127.0.0.1", "--port=0", "--metrics_port=off", "-v=1",
-            "--max_threads=4", "--until-stdin-eof"]
-    # stderr to a file: a pipe nobody reads while waiting for the ready line could fill.
+def _ready_line_then_eof(start, tmp_path):
+    """Starts a master with ``start(stdin=, stderr=)`` (it must take --until-stdin-eof),
+    reads its ready line, closes its stdin and waits for it: (exit status, ready line,
+    stderr). Stderr goes to a file: a pipe nobody reads meanwhile could fill."""
     with open(tmp_path / "stderr", "w+") as log:
-        p = _script("master_main", argv, mooncake_bin, stdin=subprocess.PIPE, stderr=log)
+        p = start(stdin=subprocess.PIPE, stderr=log)
         try:
             ready = p.stdout.readline()
             p.stdin.close()
@@ -143,8 +143,15 @@ def test_mooncake_master_runs_no_metadata_server_by_default(mooncake_bin, tmp_pa
                 p.wait()
             p.stdout.close()
         log.seek(0)
-        err = log.read()
-    assert p.returncode == 0, err
+        return p.returncode, ready, log.read()
+
+
+def test_mooncake_master_runs_no_metadata_server_by_default(mooncake_bin, tmp_path):
+    argv = ["--rpc_address=127.0.0.1", "--port=0", "--metrics_port=off", "-v=1",
+            "--max_threads=4", "--until-stdin-eof"]
+    rc, ready, err = _ready_line_then_eof(
+        lambda **kw: _script("master_main", argv, mooncake_bin, **kw), tmp_path)
+    assert rc == 0, err
     assert ready.startswith("ready rpc=127.0.0.1:"), (ready, err)
     assert "metadata=" not in ready, ready
     # -v=1 is glog's verbosity: debug messages, such as the inert flag's, are shown.
@@ -161,24 +168,11 @@ needs_wheel_layout = pytest.mark.skipif(
 
 @needs_wheel_layout
 def test_master_launcher_in_the_package_directory_serves(tmp_path):
-    launcher = os.path.join(PACKAGE_DIR, "mooncake_master")
-    with open(tmp_path / "stderr", "w+") as log:
-        p = subprocess.Popen([launcher, "--rpc_address=127.0.0.1", "--port=0",
-                              "--metrics_port=off", "--until-stdin-eof"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                             text=True)
-        try:
-            ready = p.stdout.readline()
-            p.stdin.close()
-            p.wait(timeout=60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            p.stdout.close()
-        log.seek(0)
-        err = log.read()
-    assert p.returncode == 0, err
+    argv = [os.path.join(PACKAGE_DIR, "mooncake_master"), "--rpc_address=127.0.0.1",
+            "--port=0", "--metrics_port=off", "--until-stdin-eof"]
+    rc, ready, err = _ready_line_then_eof(
+        lambda **kw: subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **kw), tmp_path)
+    assert rc == 0, err
     assert ready.startswith("ready rpc=127.0.0.1:"), (ready, err)
 
 

@@ -532,8 +532,11 @@ int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
 
 /* Extra settings of a put beyond mc_replicate_config. Fill with mc_put_options_init. */
 typedef struct {
-    const char *const *group_ids; /* objects sharing lease and eviction fate (NULL
-                                     when group_ids_count is 0) */
+    const char *const *group_ids; /* groups (objects sharing lease and eviction fate)
+                                     that every key of the call joins, NULL when
+                                     group_ids_count is 0. Upstream's Python API gives
+                                     one id per key instead: split such a batch by id
+                                     (the Python package does) */
     size_t group_ids_count;
     int upsert;                   /* nonzero: replace an existing value (refused with
                                      MC_ERR_OBJECT_HAS_LEASE while a reader holds its

@@ -105,28 +105,46 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// Continues `crc` (a finished CRC-32C of some prefix, or 0 for none) over
 /// `data`, so that `crc32c_append(crc32c(a), b) == crc32c(a ++ b)`.
 pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    // SAFETY: without copying, `dst` is never used.
+    match unsafe { hardware::<false>(!crc, data, std::ptr::null_mut()) } {
+        Some(raw) => !raw,
+        None => !sw_update(!crc, data),
+    }
+}
+
+/// The raw CRC register `raw` continued over `data` on the fastest path this CPU
+/// runs (folding for long buffers, else SSE4.2's `crc32`), copying `data` to `dst`
+/// with `COPY`; `None` where the CPU has neither (the caller takes the portable path).
+/// Each path's features are checked at run time, once.
+///
+/// # Safety
+/// With `COPY`, `dst` must be valid for writes of `data.len()` bytes and must not
+/// overlap `data`.
+#[inline]
+unsafe fn hardware<const COPY: bool>(raw: u32, data: &[u8], dst: *mut u8) -> Option<u32> {
     #[cfg(target_arch = "x86_64")]
     {
         #[cfg(mc_avx512_intrinsics)]
         if data.len() >= fold::MIN_LEN {
             if fold::available() {
-                // SAFETY: `fold::available()` confirmed at run time that this CPU
-                // has every target feature `fold::update` enables, and the buffer
-                // is at least `MIN_LEN` bytes long, as it requires.
-                return !unsafe { fold::update::<false>(!crc, data, std::ptr::null_mut()) };
+                // SAFETY: this CPU has every feature `fold::update` enables, the
+                // buffer is at least `MIN_LEN` bytes, and `dst` is the caller's promise.
+                return Some(unsafe { fold::update::<COPY>(raw, data, dst) });
             }
             if fold::available_256() {
                 // SAFETY: as above, for `update_256` and `available_256`.
-                return !unsafe { fold::update_256::<false>(!crc, data, std::ptr::null_mut()) };
+                return Some(unsafe { fold::update_256::<COPY>(raw, data, dst) });
             }
         }
         if hw::available() {
-            // SAFETY: `available()` confirmed at run time that this CPU
-            // supports SSE4.2, the only target feature the function needs.
-            return !unsafe { hw::update::<false>(!crc, data, std::ptr::null_mut()) };
+            // SAFETY: SSE4.2 is present, the only feature `hw::update` needs; `dst`
+            // is the caller's promise.
+            return Some(unsafe { hw::update::<COPY>(raw, data, dst) });
         }
     }
-    !sw_update(!crc, data)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (raw, data, dst);
+    None
 }
 
 /// Copies `src` to `dst` and continues `crc` over the bytes, in one pass: each word
@@ -136,25 +154,9 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
 pub unsafe fn crc32c_append_copying(crc: u32, src: &[u8], dst: *mut u8) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[cfg(mc_avx512_intrinsics)]
-        if src.len() >= fold::MIN_LEN {
-            if fold::available() {
-                // SAFETY: the features `fold::update` enables are present (checked at
-                // run time), the buffer is long enough, and `dst` is the caller's
-                // promise.
-                return !unsafe { fold::update::<true>(!crc, src, dst) };
-            }
-            if fold::available_256() {
-                // SAFETY: as above, for `update_256` and `available_256`.
-                return !unsafe { fold::update_256::<true>(!crc, src, dst) };
-            }
-        }
-        if hw::available() {
-            // SAFETY: SSE4.2 is present; `dst` is the caller's promise.
-            return !unsafe { hw::update::<true>(!crc, src, dst) };
-        }
+    // SAFETY: `dst` is the caller's promise, as `hardware` needs it.
+    if let Some(raw) = unsafe { hardware::<true>(!crc, src, dst) } {
+        return !raw;
     }
     // Chunks small enough to be checksummed while still in the first-level cache.
     let mut crc = !crc;

@@ -7,7 +7,7 @@ import enum
 import logging
 
 from . import _native as N
-from ._common import U64_MAX, ErrorCode, check_str
+from ._common import ErrorCode, check_str
 
 logger = logging.getLogger("mooncake")
 
@@ -66,29 +66,27 @@ def _strs_or_none(value, name):
     return None if value is None else _strs(value, name)
 
 
-def _u64(value, name):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
-    if not 0 <= value <= U64_MAX:
-        raise TypeError(f"{name}: {value} is not in [0, 2**64)")
-    return value
+def _unsigned(bits):
+    """A check taking ints in [0, 2**bits) only; anything else, out of range included,
+    is a TypeError, as upstream's typed fields answer."""
+    top = (1 << bits) - 1
+
+    def check(value, name):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+        if not 0 <= value <= top:
+            raise TypeError(f"{name}: {value} is not in [0, 2**{bits})")
+        return value
+
+    return check
 
 
-def _u32(value, name):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__}")
-    if not 0 <= value <= 0xFFFFFFFF:
-        raise TypeError(f"{name}: {value} is out of range")
-    return value
+_u32 = _unsigned(32)
+_u64 = _unsigned(64)
 
 
 def _ttl(value, name):
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected None or int, got {type(value).__name__}")
-        if not 0 <= value <= U64_MAX:
-            raise TypeError(f"{name}: {value} is not in [0, 2**64)")
-    return value
+    return None if value is None else _u64(value, name)
 
 
 def _enum_of(kind):

@@ -5,10 +5,9 @@ registration class, applied to each SSD in turn.
 
 SSH goes through paramiko when it is installed (password or key file), else the ``ssh``
 command (key-based, non-interactive). ``spdk_tgt_create`` uses the same :class:`SpdkShell`
-to run its set-up commands on a target. The registration itself goes through
-``mooncake.store.MooncakeDistributedNoFRegister``, which in this build answers -1 (no
-NVMe-oF segments), so each SSD is reported as failed with the reason logged;
-:func:`nof_register_class` raises RuntimeError for a store without the class.
+to run its set-up commands on a target. The registration class itself,
+``mooncake.store.MooncakeDistributedNoFRegister``, lives here: in this build it answers
+-1 (no NVMe-oF segments), so each SSD is reported as failed with the reason logged.
 """
 
 import json
@@ -280,15 +279,44 @@ def bdev_size(shell, ip, spdk_path, bdev_name):
     return int(bdevs[0].get("block_size", 512)) * int(bdevs[0].get("num_blocks", 0))
 
 
-def nof_register_class():
-    """The store's NVMe-oF registration class; RuntimeError where the build has none."""
-    from . import store
+class MooncakeDistributedNoFRegister:
+    """Upstream's ``mooncake.store`` registration of an NVMe-oF SSD (an SPDK target's
+    namespace) with the master as a store segment. This build has no NVMe-oF segments:
+    both calls log why and answer -1, upstream's failure value, as upstream does when its
+    master refuses. Arguments of the wrong type are a TypeError, as there."""
 
-    cls = getattr(store, "MooncakeDistributedNoFRegister", None)
-    if cls is None:
-        raise RuntimeError("NVMe-oF SSD segments are not supported by this build (its "
-                           "mooncake.store has no MooncakeDistributedNoFRegister)")
-    return cls
+    _WHY = "NVMe-oF SSD segments are not supported by this build"
+
+    def real_register(self, nqn, nsid, traddr, trsvcid, base, size, master_server_addr):
+        _endpoint_types(nqn, nsid, traddr, trsvcid, master_server_addr)
+        _typed(base, int, "base")
+        _typed(size, int, "size")
+        logger.error("mooncake: registering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
+                     trsvcid, self._WHY)
+        return -1
+
+    def real_unregister_by_endpoint(self, nqn, nsid, traddr, trsvcid, master_server_addr):
+        _endpoint_types(nqn, nsid, traddr, trsvcid, master_server_addr)
+        logger.error("mooncake: unregistering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
+                     trsvcid, self._WHY)
+        return -1
+
+
+MooncakeDistributedNoFRegister.__module__ = "mooncake.store"  # exported there
+
+
+def _typed(value, kind, name):
+    if isinstance(value, bool) or not isinstance(value, kind) or \
+            (kind is int and value < 0):
+        raise TypeError(f"{name}: expected a{'n unsigned' if kind is int else ''} "
+                        f"{kind.__name__}, got {value!r}")
+
+
+def _endpoint_types(nqn, nsid, traddr, trsvcid, master_server_addr):
+    for value, kind, name in ((nqn, str, "nqn"), (nsid, int, "nsid"), (traddr, str, "traddr"),
+                              (trsvcid, int, "trsvcid"),
+                              (master_server_addr, str, "master_server_addr")):
+        _typed(value, kind, name)
 
 
 def for_each_ssd(tool, action, noun, call, skip=lambda error: False):
@@ -296,15 +324,10 @@ def for_each_ssd(tool, action, noun, call, skip=lambda error: False):
     with a fresh store registration object kept as ``tool.register``, and logs each
     outcome: ``action`` ("register") names the step, ``noun`` ("Registration") a failed
     one. An error ``skip`` accepts counts as done. True when none failed."""
-    try:
-        register_class = nof_register_class()
-    except RuntimeError as e:
-        logger.error("%s", e)
-        return False
     done, failed, total = action + "ed", 0, len(tool.config_list)
     for i, cfg in enumerate(tool.config_list, 1):
         try:
-            tool.register = register_class()
+            tool.register = MooncakeDistributedNoFRegister()
             ret = call(tool.register, cfg)
             if ret != 0:
                 raise RuntimeError(f"{noun} failed with code {ret}")

@@ -60,7 +60,8 @@ from ._replicate import (  # noqa: F401  (_bool and _strs: for _dummy)
 from ._tensor_layout import ParallelAxis, ReadTarget, TensorParallelism
 from ._tensor_read import tensor_in
 from ._engram import EngramStore, EngramStoreConfig
-from ._numa import bind_to_numa_node
+from ._host_memory import bind_to_numa_node, get_alloc_func_addr, get_free_func_addr
+from ._spdk_nof import MooncakeDistributedNoFRegister
 from ._store_surface import QueryTaskResponse, StoreSurfaceMixin, TaskStatus, TaskType
 from ._tensor_store import TensorStoreMixin, _host_tensor
 from .mooncake_config import bool_word, parse_size, port_number
@@ -1378,51 +1379,6 @@ def _deserialize_tensor(data):
     """The tensor of a whole tensor object's bytes (a copy), or None when they are not
     one."""
     return tensor_in(bytearray(data), "_deserialize_tensor")
-
-
-class MooncakeDistributedNoFRegister:
-    """Upstream's registration of an NVMe-oF SSD (an SPDK target's namespace) with the
-    master as a store segment. This build has no NVMe-oF segments: both calls log why and
-    answer -1, upstream's failure value, as upstream does when its master refuses."""
-
-    _WHY = "NVMe-oF SSD segments are not supported by this build"
-
-    def real_register(self, nqn, nsid, traddr, trsvcid, base, size, master_server_addr):
-        _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr)
-        check_int(base, "base")
-        check_int(size, "size")
-        logger.error("mooncake: registering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
-                     trsvcid, self._WHY)
-        return -1
-
-    def real_unregister_by_endpoint(self, nqn, nsid, traddr, trsvcid, master_server_addr):
-        _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr)
-        logger.error("mooncake: unregistering SSD %s ns %d at %s:%d: %s", nqn, nsid, traddr,
-                     trsvcid, self._WHY)
-        return -1
-
-
-def _nof_endpoint(nqn, nsid, traddr, trsvcid, master_server_addr):
-    # Upstream's argument types: a wrong one is a TypeError, before anything is tried.
-    check_str(nqn, "nqn")
-    check_int(nsid, "nsid")
-    check_str(traddr, "traddr")
-    check_int(trsvcid, "trsvcid")
-    check_str(master_server_addr, "master_server_addr")
-
-
-def get_alloc_func_addr():
-    """Address of a C ``void *alloc(size_t)`` handing out page-aligned, zeroed host
-    memory (huge pages advised), for callers that take allocator callbacks (LMCache's
-    Mooncake allocator); NULL on failure. Upstream's build without NVMe-oF answers NULL
-    to every call; this one allocates."""
-    return ctypes.cast(N.LIB.mc_host_memory_alloc, ctypes.c_void_p).value
-
-
-def get_free_func_addr():
-    """Address of the C ``void free(void *)`` releasing what ``get_alloc_func_addr``'s
-    function gave (NULL and unknown addresses are ignored)."""
-    return ctypes.cast(N.LIB.mc_host_memory_free, ctypes.c_void_p).value
 
 
 # Upstream exports these enums' members at module level too; PROCESSING and FAILED,

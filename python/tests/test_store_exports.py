@@ -259,7 +259,7 @@ def test_bind_to_numa_node_binds_the_thread_or_warns(tmp_path):
     code = textwrap.dedent("""
         import ctypes, os, platform
         from mooncake.store import bind_to_numa_node
-        from mooncake._numa import _node_ids, _parse_cpulist
+        from mooncake._host_memory import _node_ids, _parse_cpulist
         before = os.sched_getaffinity(0)
         bind_to_numa_node(max(_node_ids() or [0]) + 1)
         assert os.sched_getaffinity(0) == before

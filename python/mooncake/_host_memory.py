@@ -1,14 +1,21 @@
-"""``bind_to_numa_node``: the calling thread onto one NUMA node's CPUs, and its future
-allocations preferring that node's memory (upstream's ``mooncake.store`` function, done
-here through sysfs, ``sched_setaffinity`` and ``set_mempolicy`` instead of libnuma).
+"""Upstream's ``mooncake.store`` functions about host memory:
 
-Like upstream, every failure is a warning and the call returns: binding is advice, and
-a process that cannot follow it still works, only slower."""
+- ``bind_to_numa_node``: the calling thread onto one NUMA node's CPUs, and its future
+  allocations preferring that node's memory (through sysfs, ``sched_setaffinity`` and
+  ``set_mempolicy`` instead of libnuma). Like upstream, every failure is a warning and
+  the call returns: binding is advice, and a process that cannot follow it still works,
+  only slower.
+- ``get_alloc_func_addr`` / ``get_free_func_addr``: the addresses of the C ABI's
+  allocator pair (``mc_host_memory_alloc`` / ``_free``), for callers that take
+  allocation callbacks.
+"""
 
 import ctypes
 import logging
 import os
 import platform
+
+from . import _native as N
 
 logger = logging.getLogger("mooncake")
 
@@ -72,3 +79,17 @@ def bind_to_numa_node(node):
     except (OSError, ValueError) as e:
         logger.warning("mooncake: bind_to_numa_node: running on node %d: %s", node, e)
     _prefer_memory_of(node)
+
+
+def get_alloc_func_addr():
+    """Address of a C ``void *alloc(size_t)`` handing out page-aligned, zeroed host
+    memory (huge pages advised), for callers that take allocator callbacks (LMCache's
+    Mooncake allocator); NULL on failure. Upstream's build without NVMe-oF answers NULL
+    to every call; this one allocates."""
+    return ctypes.cast(N.LIB.mc_host_memory_alloc, ctypes.c_void_p).value
+
+
+def get_free_func_addr():
+    """Address of the C ``void free(void *)`` releasing what ``get_alloc_func_addr``'s
+    function gave (NULL and unknown addresses are ignored)."""
+    return ctypes.cast(N.LIB.mc_host_memory_free, ctypes.c_void_p).value

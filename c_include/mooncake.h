@@ -53,15 +53,16 @@ extern "C" {
  * (mc_pg_*) and the store keys ssd_path and ssd_size, revision 5 mc_pg_set_memory
  * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max, revision 7
  * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
- * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free.
+ * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free,
+ * revision 10 mc_store_key_array.
  * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 9
+#define MC_ABI_REVISION 10
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 9). */
+/* The ABI revision the loaded library implements (revision 10). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -527,6 +528,14 @@ int mc_store_batch_get_into(mc_store *store, const char *const *keys, void *cons
 /* Existence of n keys: results[i] is 1, 0 or a negative error. See "Batches". */
 int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
                           int *results);
+
+/* A key array for the batch calls from n keys packed end to end in packed[0..len],
+ * each followed by one NUL (so packed[len - 1] is NUL): out[i] points at key i inside
+ * packed. MC_OK, or nothing written and MC_ERR_INVALID_PARAMS when packed holds another
+ * number of strings (a key with a NUL inside, say), MC_ERR_INVALID_KEY when a key is
+ * empty, longer than MC_STORE_MAX_KEY_LEN or not UTF-8. For bindings, whose own loop
+ * over the keys costs more than the call. (revision 10) */
+int mc_store_key_array(const char *packed, size_t len, size_t n, const char **out);
 
 /* ------------------------------------------------ store, revision 2 */
 

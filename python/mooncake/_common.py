@@ -1,5 +1,6 @@
 """Helpers shared by the engine and store modules (private)."""
 
+import array
 import bisect
 import enum
 import ctypes
@@ -94,6 +95,17 @@ def int_list(values, name, lo=0, hi=U64_MAX):
 
 
 _JUST_INT = {int}
+
+
+def u64_array(values):
+    """``values`` as an ``array("Q")``, converted at C speed, when it is a non-empty list
+    of plain ints in [0, U64_MAX] (bool is not one); None otherwise."""
+    if type(values) is not list or set(map(type, values)) != _JUST_INT:
+        return None
+    try:
+        return array.array("Q", values)
+    except OverflowError:
+        return None
 
 
 def str_list(values, name):

@@ -47,7 +47,7 @@ __all__ = [
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 9
+EXPECTED_ABI_REVISION = 10
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -194,6 +194,7 @@ _SIGNATURES = {
         [_P, POINTER(c_char_p), POINTER(_P), POINTER(c_size_t), c_size_t, POINTER(c_int64)],
     ),
     "mc_store_batch_exists": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
+    "mc_store_key_array": (c_int, [c_char_p, c_size_t, c_size_t, POINTER(c_char_p)]),
     # store
     "mc_put_options_init": (None, [POINTER(McPutOptions)]),
     "mc_store_batch_put_parts": (
@@ -384,6 +385,23 @@ def read_json_text(fn, *args, initial=4096):
             return rc, ""
         return rc, buf.value.decode("utf-8", "replace")
     return MC_ERR_BUFFER_OVERFLOW, ""
+
+
+def c_key_array(keys):
+    """A ``const char *[]`` of a list of two or more str keys, built by the library at C
+    speed (``mc_store_key_array``); None when a key is not a str or not one the store
+    takes (empty, too long, a NUL inside, not encodable): the caller then goes key by
+    key and answers each as it would have."""
+    n = len(keys)
+    try:
+        packed = ("\0".join(keys) + "\0").encode()
+    except (TypeError, UnicodeEncodeError):
+        return None
+    out = (c_char_p * n)()
+    if n < 2 or LIB.mc_store_key_array(packed, len(packed), n, out) != MC_OK:
+        return None
+    out.keep = packed  # the bytes the pointers point into
+    return out
 
 
 def c_strings(items):

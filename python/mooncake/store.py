@@ -43,6 +43,7 @@ from ._common import (
     start_native,
     store_client_ports,
     transfer_timeout_ms,
+    u64_array,
 )
 from . import _tensor_layout
 from ._replicate import (  # noqa: F401  (_bool and _strs: for _dummy)
@@ -193,6 +194,14 @@ def _keys(keys, name="keys"):
             and b"\0".join(enc).count(0) == len(enc) - 1)):
         return enc
     return [_encode_key(k, name, i) for i, k in enumerate(ks)]
+
+
+def _handle_at(address, size):
+    """A BufferHandle holding a copy of ``size`` bytes at ``address``."""
+    handle = BufferHandle(size)
+    if size:
+        ctypes.memmove(handle.ptr(), address, size)
+    return handle
 
 
 class BufferHandle(bytearray):
@@ -794,49 +803,78 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
 
     def get(self, key):
         """The value under ``key``, or b"" on a miss or error."""
-        got = self._read_values([_encode_key(key)])[0]
-        return b"" if got is None else bytes(got)
+        got = self._read_one(_encode_key(key), ctypes.string_at)
+        return b"" if got is None else got
 
     def get_buffer(self, key):
         """The value as a BufferHandle (buffer protocol, ptr(), size()), or None."""
-        return self._read_values([_encode_key(key)])[0]
+        return self._read_one(_encode_key(key), _handle_at)
 
-    def _read_values(self, ks):
-        """A BufferHandle of the value under each encoded key (None: an invalid key), read
-        straight into it: the library asks for the memory once it knows the size, with
-        one master round trip for all keys. None for each miss, invalid key or error."""
+    def _read_one(self, k, take):
+        """``take(address, size)`` of the value under the encoded key ``k`` (None: an
+        invalid key) as the library read it into memory of its own, released after;
+        None on a miss or error. One key needs no allocation callback into Python, which
+        costs more than the copy at the sizes engines read one at a time."""
+        if not self._store or k is None:
+            return None
+        size = _new_u64()
+        buf = ctypes.c_void_p()
+        rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(buf), size[1])
+        if rc != N.MC_OK:
+            if rc != N.MC_ERR_OBJECT_NOT_FOUND:
+                logger.debug("mooncake: read %r: %s (%d)", k, N.error_string(rc), rc)
+            return None
+        try:
+            return take(buf.value or 0, size[0].value)
+        finally:
+            N.LIB.mc_store_buffer_free(buf, size[0].value)
+
+    def _read_values(self, keys):
+        """A BufferHandle of the value under each key, read straight into it: the library
+        asks for the memory once it knows the size, with one master round trip for all
+        keys. None for each miss, invalid key or error."""
+        plain = N.c_key_array(keys) if type(keys) is list and self._store else None
+        if plain is not None:
+            return self._read_into_handles(keys, plain)
+        ks = _keys(keys)
         out = [None] * len(ks)
         idx = [i for i, k in enumerate(ks) if k is not None]
-        if not self._store or not idx:
-            return out
-        handles = [None] * len(idx)
+        if self._store and idx:
+            got = self._read_into_handles([ks[i] for i in idx], N.c_strings([ks[i] for i in idx]))
+            for j, i in enumerate(idx):
+                out[i] = got[j]
+        return out
+
+    def _read_into_handles(self, names, c_keys):
+        """``_read_values`` of the keys in ``c_keys`` (``names``: the same, for logs)."""
+        n = len(names)
+        handles = [None] * n
 
         def place(_ctx, j, size):
             handles[j] = BufferHandle(size)
             return handles[j].ptr()
 
-        n = len(idx)
         res = (ctypes.c_int64 * n)()
-        rc = N.LIB.mc_store_batch_get_alloc(self._store, N.c_strings([ks[i] for i in idx]), n,
-                                            N.ALLOC_FN(place), None, res)
+        rc = N.LIB.mc_store_batch_get_alloc(self._store, c_keys, n, N.ALLOC_FN(place), None,
+                                            res)
         if rc != N.MC_OK:
             logger.debug("mooncake: read: %s (%d)", N.error_string(rc), rc)
-            return out
-        for j, i in enumerate(idx):
-            if res[j] >= 0:
-                out[i] = handles[j]
-            elif res[j] != N.MC_ERR_OBJECT_NOT_FOUND:
-                logger.debug("mooncake: read %r: %s (%d)", ks[i], N.error_string(res[j]),
-                             res[j])
-        return out
+            return [None] * n
+        for j in range(n):
+            if res[j] < 0:
+                handles[j] = None
+                if res[j] != N.MC_ERR_OBJECT_NOT_FOUND:
+                    logger.debug("mooncake: read %r: %s (%d)", names[j],
+                                 N.error_string(res[j]), res[j])
+        return handles
 
     def get_batch(self, keys):
         """Values of ``keys`` (b"" for each miss)."""
-        return [b"" if g is None else bytes(g) for g in self._read_values(_keys(keys))]
+        return [b"" if g is None else bytes(g) for g in self._read_values(keys)]
 
     def batch_get_buffer(self, keys):
         """BufferHandles (None for each miss)."""
-        return self._read_values(_keys(keys))
+        return self._read_values(keys)
 
     def _one_key(self, key):
         """(encoded key, 0), or (None, the code a single-key call returns): INVALID_PARAMS
@@ -858,18 +896,24 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return N.LIB.mc_store_exists(self._store, k)
 
     def batch_is_exist(self, keys):
+        plain = N.c_key_array(keys) if type(keys) is list and self._store else None
+        if plain is not None:
+            return self._c_batch_exists(len(keys), plain)
         ks = _keys(keys)
         if not self._store:
             return [INVALID_PARAMS] * len(ks)
         results = [INVALID_KEY] * len(ks)
         idx = [i for i, k in enumerate(ks) if k is not None]
         if idx:
-            c_keys = N.c_strings([ks[i] for i in idx])
-            c_res = (ctypes.c_int * len(idx))()
-            rc = N.LIB.mc_store_batch_exists(self._store, c_keys, len(idx), c_res)
+            got = self._c_batch_exists(len(idx), N.c_strings([ks[i] for i in idx]))
             for j, i in enumerate(idx):
-                results[i] = rc if rc != N.MC_OK else int(c_res[j])
+                results[i] = got[j]
         return results
+
+    def _c_batch_exists(self, n, c_keys):
+        c_res = (ctypes.c_int * n)()
+        rc = N.LIB.mc_store_batch_exists(self._store, c_keys, n, c_res)
+        return c_res[:n] if rc == N.MC_OK else [rc] * n
 
     def get_size(self, key):
         """The object's size in bytes, or a negative error. Leases the object."""
@@ -1015,39 +1059,68 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             for i in idx:
                 results[i] = refusal
             return results
-        cfg, keep = config._to_c()
         if len(idx) == 1:
             # One key (engines often batch one): the single call, no arrays to build.
             i = idx[0]
+            cfg, _keep = config._to_c()
             results[i] = N.LIB.mc_store_put_from(self._store, ks[i], spans[i][0], spans[i][1],
                                                  ctypes.byref(cfg))
             return results
         every = len(idx) == len(ks)
         asked = spans if every else [spans[i] for i in idx]
-        c_keys = N.c_strings(ks if every else [ks[i] for i in idx])
-        c_bufs = N.c_array(ctypes.c_void_p, [a for a, _ in asked])
-        c_lens = N.c_array(ctypes.c_size_t, [n for _, n in asked])
-        c_res = (ctypes.c_int * len(idx))()
-        rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, len(idx),
-                                           ctypes.byref(cfg), c_res)
-        got = c_res[:len(idx)] if rc == N.MC_OK else [rc] * len(idx)
+        got = self._c_batch_put_from(
+            config, len(idx), N.c_strings(ks if every else [ks[i] for i in idx]),
+            N.c_array(ctypes.c_void_p, [a for a, _ in asked]),
+            N.c_array(ctypes.c_size_t, [n for _, n in asked]))
         if every:
             return got
         for j, i in enumerate(idx):
             results[i] = got[j]
         return results
 
+    def _c_batch_put_from(self, config, n, c_keys, c_bufs, c_lens):
+        cfg, _keep = config._to_c()
+        c_res = (ctypes.c_int * n)()
+        rc = N.LIB.mc_store_batch_put_from(self._store, c_keys, c_bufs, c_lens, n,
+                                           ctypes.byref(cfg), c_res)
+        return c_res[:n] if rc == N.MC_OK else [rc] * n
+
     def _batch_get_into(self, ks, addrs, caps):
         n = len(ks)
         if n == 1:
             # One key (engines often batch one): the single call, no arrays to build.
             return [self._get_into_one(ks[0], addrs[0], caps[0])]
-        c_keys = N.c_strings(ks)
-        c_bufs = N.c_array(ctypes.c_void_p, addrs)
-        c_caps = N.c_array(ctypes.c_size_t, caps)
+        return self._c_batch_get_into(n, N.c_strings(ks), N.c_array(ctypes.c_void_p, addrs),
+                                      N.c_array(ctypes.c_size_t, caps))
+
+    def _c_batch_get_into(self, n, c_keys, c_bufs, c_caps):
         c_res = (ctypes.c_int64 * max(n, 1))()
         rc = N.LIB.mc_store_batch_get_into(self._store, c_keys, c_bufs, c_caps, n, c_res)
         return c_res[:n] if rc == N.MC_OK else [rc] * n
+
+    def _plain_batch(self, keys, buffer_ptrs, sizes):
+        """(n, keys, addresses, sizes) as C arrays, built at C speed, for a batch of two or
+        more str keys the store takes and plain int spans all inside registered memory
+        (what engines pass); None for anything else, which the general path answers with
+        the same results, errors and logs. Its per-element checks cost more than the
+        call itself for a batch of small values."""
+        if not (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
+                and 1 < len(keys) == len(buffer_ptrs) == len(sizes) and self._store):
+            return None
+        addrs, lens = u64_array(buffer_ptrs), u64_array(sizes)
+        if addrs is None or lens is None:
+            return None
+        # An upper bound of the spans' end: past registered memory, the careful path.
+        # (From the lists: their ints exist already, the arrays' would be made.)
+        lo = min(buffer_ptrs)
+        if not self._zero_copy(lo, max(buffer_ptrs) + max(sizes) - lo):
+            return None
+        c_keys = N.c_key_array(keys)
+        if c_keys is None:
+            return None
+        n = len(keys)
+        return (n, c_keys, (ctypes.c_void_p * n).from_buffer(addrs),
+                (ctypes.c_size_t * n).from_buffer(lens))
 
     def _checked_spans(self, addrs, sizes):
         # The common case in one look: every span inside one registered buffer (the
@@ -1112,11 +1185,19 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return self._put_parts([k], [parts], config, False, "put_from_with_metadata")[0]
 
     def _zero_copy_batch_put(self, keys, buffer_ptrs, sizes, config, upsert, what):
-        one = None if upsert else self._one_plain(keys, buffer_ptrs, sizes)
-        if one is not None:
+        one = plain = None
+        if not upsert:
+            one = self._one_plain(keys, buffer_ptrs, sizes)
+            plain = None if one else self._plain_batch(keys, buffer_ptrs, sizes)
+        if one or plain:
             config = _config(config)
-            if not config.group_ids:
+            if one and not config.group_ids:
                 return self._batch_put_from([one[0]], [one[1:]], config)
+            if plain and not config.group_ids:
+                refusal = _refusal(config, plain[0])
+                if refusal:
+                    return [refusal] * plain[0]
+                return self._c_batch_put_from(config, *plain)
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")
@@ -1184,6 +1265,9 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         one = self._one_plain(keys, buffer_ptrs, sizes)
         if one is not None:
             return [self._get_into_one(*one)]
+        plain = self._plain_batch(keys, buffer_ptrs, sizes)
+        if plain is not None:
+            return self._c_batch_get_into(*plain)
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")

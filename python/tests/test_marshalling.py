@@ -106,3 +106,48 @@ def test_a_one_key_batch_skips_the_list_checks_only_when_they_would_pass():
         assert store._one_plain(keys, addrs, sizes) is None, (keys, addrs, sizes)
     store._store = None
     assert store._one_plain(*plain) is None
+
+
+def test_the_library_builds_key_arrays_only_of_keys_it_takes():
+    too_long = "k" * (N.MC_STORE_MAX_KEY_LEN + 1)
+    arr = N.c_key_array(["a", "ключ", "k" * N.MC_STORE_MAX_KEY_LEN])
+    assert list(arr) == _keys(["a", "ключ", "k" * N.MC_STORE_MAX_KEY_LEN])
+    for keys in (
+        ["a"],  # one key: the single call's business
+        ["a", ""],
+        ["a", "b\0c"],
+        ["a", too_long],
+        ["a", "\ud800"],
+        ["a", b"raw"],
+        ["a", 7],
+    ):
+        assert N.c_key_array(keys) is None, keys
+
+
+def test_a_plain_batch_is_built_at_c_speed_only_when_the_checks_would_pass():
+    store = MooncakeDistributedStore()
+    store._registered = Registered()
+    store._registered.add(4096, 8192)
+    store._store = object()  # set up, as far as the marshalling can tell
+    keys, addrs, sizes = ["a", "b", "c"], [4096, 4200, 12000], [100, 10, 288]
+    n, c_keys, c_bufs, c_lens = store._plain_batch(keys, addrs, sizes)
+    # What the general path would have made of the same call.
+    assert n == 3 and list(c_keys) == _keys(keys)
+    assert list(zip(c_bufs, c_lens)) == store._checked_spans(addrs, sizes)
+    for keys, addrs, sizes in (
+        (["a", "b"], [4096], [10]),  # lengths differ: the general path says so
+        (("a", "b"), [4096, 4200], [10, 10]),  # not lists
+        (["a", "b"], (4096, 4200), [10, 10]),
+        (["a", ""], [4096, 4200], [10, 10]),
+        (["a", "b\0"], [4096, 4200], [10, 10]),
+        (["a", "b"], [4096, True], [10, 10]),
+        (["a", "b"], [4096, 4200], [10, -1]),
+        (["a", "b"], [4096, 4200.0], [10, 10]),
+        (["a", "b"], [4096, 1 << 64], [10, 0]),
+        (["a", "b"], [4096, 12000], [10, 300]),  # past the registered buffer
+        (["a", "b"], [0, 4096], [10, 10]),
+        (["a"], [4096], [10]),  # one key: _one_plain's
+    ):
+        assert store._plain_batch(keys, addrs, sizes) is None, (keys, addrs, sizes)
+    store._store = None
+    assert store._plain_batch(["a", "b"], [4096, 4200], [10, 10]) is None

@@ -251,6 +251,72 @@ pub(super) unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
     })
 }
 
+/// Where each of `n` keys starts in `packed`, the keys laid end to end, each followed by
+/// one NUL (the last byte is one): `MC_ERR_INVALID_PARAMS` when `packed` holds another
+/// number of strings, `MC_ERR_INVALID_KEY` when one is empty, longer than
+/// `MC_STORE_MAX_KEY_LEN` or not UTF-8.
+fn key_starts(packed: &[u8], n: usize) -> std::result::Result<Vec<usize>, Code> {
+    if packed.last().is_some_and(|&b| b != 0) {
+        return Err(Code::InvalidParams);
+    }
+    let mut starts = Vec::with_capacity(n);
+    let mut at = 0;
+    for k in packed.split_inclusive(|&b| b == 0) {
+        let k = &k[..k.len() - 1];
+        if starts.len() == n {
+            return Err(Code::InvalidParams);
+        }
+        if k.is_empty() || k.len() > MAX_KEY_LEN || std::str::from_utf8(k).is_err() {
+            return Err(Code::InvalidKey);
+        }
+        starts.push(at);
+        at += k.len() + 1;
+    }
+    if starts.len() == n {
+        Ok(starts)
+    } else {
+        Err(Code::InvalidParams)
+    }
+}
+
+/// Points `out[i]` at key `i` of the `n` keys packed in `packed[..len]` (see
+/// `key_starts`); nothing is written unless every key is one the store takes. For
+/// bindings: building a key array costs them more per key than the whole check here.
+///
+/// # Safety
+/// `packed` NULL (only with `len == 0`) or `len` readable bytes that stay unchanged while
+/// `out` is used; `out` NULL (only with `n == 0`) or `n` writable pointers.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_key_array(
+    packed: *const c_char,
+    len: usize,
+    n: usize,
+    out: *mut *const c_char,
+) -> c_int {
+    guard_value("mc_store_key_array", Code::Internal as c_int, || {
+        // SAFETY: the caller guarantees `len` readable bytes at a non-NULL `packed` (and
+        // `out`'s `n` writable pointers), `array`'s and `array_mut`'s contracts.
+        let (bytes, out) = match unsafe {
+            (
+                array(packed.cast::<u8>(), len, "packed"),
+                array_mut(out, n, "out"),
+            )
+        } {
+            (Ok(b), Ok(o)) => (b, o),
+            _ => return Code::InvalidParams as c_int,
+        };
+        match key_starts(bytes, n) {
+            Ok(starts) => {
+                for (slot, at) in out.iter_mut().zip(starts) {
+                    *slot = bytes[at..].as_ptr().cast::<c_char>();
+                }
+                MC_OK
+            }
+            Err(code) => code as c_int,
+        }
+    })
+}
+
 /// One negative code from a per-key result.
 pub(super) fn code_of(e: &Error) -> c_int {
     log::debug!("store key: {e}");
@@ -826,6 +892,42 @@ mod tests {
             store.set(&mut engine, k, v).unwrap();
         }
         store.client_config(&engine)
+    }
+
+    #[test]
+    fn packed_keys_point_at_each_key_or_at_nothing() {
+        assert_eq!(key_starts(b"a\0bc\0d\0", 3), Ok(vec![0, 2, 5]));
+        assert_eq!(key_starts(b"", 0), Ok(vec![]));
+        // Another count, or a key not ended by NUL: the caller packed something else.
+        assert_eq!(key_starts(b"a\0b\0", 1), Err(Code::InvalidParams));
+        assert_eq!(key_starts(b"a\0b\0", 3), Err(Code::InvalidParams));
+        assert_eq!(key_starts(b"a\0b", 2), Err(Code::InvalidParams));
+        assert_eq!(key_starts(b"a\0", 0), Err(Code::InvalidParams));
+        // Keys the store refuses.
+        assert_eq!(key_starts(b"a\0\0", 2), Err(Code::InvalidKey));
+        assert_eq!(key_starts(b"\xff\0", 1), Err(Code::InvalidKey));
+        let long = [vec![b'k'; MAX_KEY_LEN + 1], vec![0]].concat();
+        assert_eq!(key_starts(&long, 1), Err(Code::InvalidKey));
+        let longest = [vec![b'k'; MAX_KEY_LEN], vec![0]].concat();
+        assert_eq!(key_starts(&longest, 1), Ok(vec![0]));
+
+        let packed = b"one\0two\0";
+        let mut out = [std::ptr::null::<c_char>(); 2];
+        // SAFETY: `packed` and `out` are live arrays of the lengths given.
+        let rc = unsafe { mc_store_key_array(packed.as_ptr().cast(), 8, 2, out.as_mut_ptr()) };
+        assert_eq!(rc, MC_OK);
+        // SAFETY: each pointer is into `packed`, at a NUL-terminated key.
+        let second = unsafe { std::ffi::CStr::from_ptr(out[1]) };
+        assert_eq!(second.to_bytes(), b"two");
+        let mut untouched = [std::ptr::null::<c_char>(); 1];
+        // SAFETY: as above.
+        let rc =
+            unsafe { mc_store_key_array(packed.as_ptr().cast(), 8, 1, untouched.as_mut_ptr()) };
+        assert_eq!(rc, Code::InvalidParams as c_int);
+        assert!(untouched[0].is_null());
+        // SAFETY: NULL arrays are refused, not read.
+        let rc = unsafe { mc_store_key_array(std::ptr::null(), 4, 1, out.as_mut_ptr()) };
+        assert_eq!(rc, Code::InvalidParams as c_int);
     }
 
     #[test]

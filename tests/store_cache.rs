@@ -276,37 +276,42 @@ fn touches_count_as_hits_and_take_no_lease() {
 
 /// A client over `protocol` (the others here use TCP).
 fn client_over(s: &MasterServer, segment: u64, protocol: &str) -> Client {
+    client_with_workers(s, segment, protocol, 1)
+}
+
+fn client_with_workers(s: &MasterServer, segment: u64, protocol: &str, workers: usize) -> Client {
     let metadata = s.metadata_url().unwrap();
-    let cfg = ClientConfig {
+    let mut cfg = ClientConfig {
         global_segment_size: segment,
         ..ClientConfig::connect(&s.rpc_addr().to_string(), &metadata, protocol).unwrap()
     };
+    cfg.engine.set("workers", &workers.to_string()).unwrap();
     Client::new(cfg).unwrap()
 }
 
-/// The read is one checksummed engine batch whatever the path: over TCP the workers
-/// checksum each slice as it lands; over shared memory (`auto`, same process) the
-/// calling thread runs it, the copy folding the bytes as it moves them. Either way a
-/// byte changed anywhere in the object is caught.
+/// The read is one checksummed engine batch whatever the path: the calling thread runs
+/// it (TCP, or shared memory with the copy folding the bytes as it moves them), or,
+/// with several workers over TCP, the workers checksum each slice as it lands. Either
+/// way a byte changed anywhere in the object is caught.
 #[test]
 fn a_large_read_checks_every_chunk_of_its_checksum() {
-    for protocol in ["tcp", "auto"] {
-        a_large_read_checks_every_chunk_over(protocol);
+    for (protocol, workers) in [("tcp", 1), ("tcp", 2), ("auto", 1)] {
+        a_large_read_checks_every_chunk_over(protocol, workers);
     }
 }
 
-fn a_large_read_checks_every_chunk_over(protocol: &str) {
+fn a_large_read_checks_every_chunk_over(protocol: &str, workers: usize) {
     let s = server(10_000);
     let node = client_over(&s, 32 * MIB, protocol);
-    let c = client_over(&s, 0, protocol);
+    let c = client_with_workers(&s, 0, protocol, workers);
     // Striped over slabs and not a whole number of checksum chunks.
     let v = value(9, (9 * MIB + 12_345) as usize);
     c.put("big", &v, &ReplicateConfig::default()).unwrap();
     let before = c.engine().stats().inline_transfers;
     assert_eq!(c.get("big").unwrap(), v);
     let inline = c.engine().stats().inline_transfers - before;
-    match protocol {
-        "auto" => assert_eq!(inline, 1, "one batch, on the calling thread"),
+    match workers {
+        1 => assert_eq!(inline, 1, "one batch, on the calling thread"),
         _ => assert_eq!(inline, 0, "one batch, to the workers"),
     }
     let mut buf = vec![0u8; v.len() + 100];

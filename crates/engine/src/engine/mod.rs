@@ -62,8 +62,7 @@ pub struct Request {
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Synchronous transfers of at most this many bytes run on the calling thread: a
 /// hand-off to a worker and back costs more than moving them. Larger ones go to the
-/// workers, which spread their slices and keep the caller's core free (unless they
-/// only copy and one worker would do it alone: see `take_inline_runner`).
+/// workers when there are several to spread their slices over (see `runs_inline`).
 const INLINE_MAX_BYTES: u64 = 1 << 20;
 /// Calling threads that may run transfers at once, each with its own transport state
 /// (TCP connections to each peer it reached); more concurrent callers use the workers.
@@ -318,15 +317,17 @@ impl Engine {
 
     /// Whether a synchronous transfer of `requests` runs on the calling thread (when
     /// a poll loop is free): not when it goes over a hardware protocol (whose
-    /// per-thread state is costly), nor when it is large, unless it only copies and one
-    /// worker would only copy it while the caller sleeps (two wake-ups saved, and no
-    /// idle worker spinning afterwards on a core the caller wants back).
+    /// per-thread state is costly), nor when it is large and several workers could
+    /// share it. One worker would only do it while the caller sleeps: the caller does
+    /// it instead (two wake-ups saved, no idle worker spinning afterwards on a core the
+    /// caller wants back), and the bytes land in its buffer from its own core. A
+    /// worker on another core finds the cache lines the caller last read of that
+    /// buffer in the caller's core and pays for each: a 4 MiB get over TCP into a
+    /// buffer the program had just read took 1.5 ms instead of 0.95 (bench/NOTEBOOK.md).
     pub fn runs_inline(&self, requests: &[Request]) -> bool {
         let software = !self.protocol.is_hardware();
         let bytes: u64 = requests.iter().map(|r| r.len).sum();
-        software
-            && (bytes <= INLINE_MAX_BYTES
-                || (self.workers.len() <= 1 && self.copies_only(requests)))
+        software && (bytes <= INLINE_MAX_BYTES || self.workers.len() <= 1)
     }
 
     /// A poll loop the calling thread may run `requests` on, or `None` when the

@@ -77,6 +77,9 @@ for k, g in groups.items():
     metric = "gbps" if (k[2] or 0) >= 1 << 20 else "ops_per_s"
     base = g.get("rust-engine", {}).get("baseline_gbps")
     extra = " (socket %.2f GB/s: %.2fx)" % (base, o[metric] / base) if base and metric == "gbps" else ""
+    if metric == "gbps" and o.get("gbps_in_calls") and m.get("gbps_in_calls"):
+        extra += " (in calls %.2f vs %.2f GB/s: %.2fx)" % (
+            o["gbps_in_calls"], m["gbps_in_calls"], o["gbps_in_calls"] / m["gbps_in_calls"])
     print("%-46s %12s %12s %7.2f %10s %10s %8s%s" % (
         "%s %s %s x%s %s %s" % k, o[metric], m[metric], o[metric] / max(m[metric], 1e-9),
         o.get("lat_p50_us", o.get("p50_us")), o.get("lat_p99_us", o.get("p99_us")),

@@ -107,6 +107,16 @@ pub fn digest(data: &[u8]) -> [u8; DIGEST_LEN] {
 }
 
 fn compress(state: &mut [u32; 8], block: &[u8; BLOCK_LEN]) {
+    #[cfg(target_arch = "x86_64")]
+    if shani::available() {
+        // SAFETY: the CPU has the SHA extensions and SSE4.1 (just checked).
+        unsafe { shani::compress(state, block) };
+        return;
+    }
+    compress_portable(state, block);
+}
+
+fn compress_portable(state: &mut [u32; 8], block: &[u8; BLOCK_LEN]) {
     let mut w = [0u32; 64];
     for (i, word) in block.chunks_exact(4).enumerate() {
         w[i] = u32::from_be_bytes(word.try_into().expect("4 bytes"));
@@ -145,10 +155,95 @@ fn compress(state: &mut [u32; 8], block: &[u8; BLOCK_LEN]) {
     }
 }
 
+/// The compression function on the x86 SHA extensions (a tenth of the portable one's
+/// time here): the notes a master seals on every put are HMAC-SHA256.
+#[cfg(target_arch = "x86_64")]
+mod shani {
+    use super::{BLOCK_LEN, K};
+    use std::arch::x86_64::*;
+
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("sha") && is_x86_feature_detected!("sse4.1")
+    }
+
+    /// # Safety
+    /// The CPU must have the SHA extensions, SSSE3 and SSE4.1.
+    #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
+    pub(super) unsafe fn compress(state: &mut [u32; 8], block: &[u8; BLOCK_LEN]) {
+        // The instructions keep the working variables as (a, b, e, f) and
+        // (c, d, g, h), highest lane first.
+        // SAFETY: 16-byte unaligned loads within `state`, `block` and `K`.
+        unsafe {
+            let abcd = _mm_loadu_si128(state.as_ptr().cast());
+            let efgh = _mm_loadu_si128(state.as_ptr().add(4).cast());
+            let badc = _mm_shuffle_epi32(abcd, 0xB1);
+            let hgfe = _mm_shuffle_epi32(efgh, 0x1B);
+            let mut abef = _mm_alignr_epi8(badc, hgfe, 8);
+            let mut cdgh = _mm_blend_epi16(hgfe, badc, 0xF0);
+            let (abef_in, cdgh_in) = (abef, cdgh);
+            // Message words are big-endian: reverse the bytes of each lane.
+            let swap = _mm_set_epi64x(0x0c0d_0e0f_0809_0a0b, 0x0405_0607_0001_0203);
+            let mut w = [_mm_setzero_si128(); 4];
+            for (g, slot) in w.iter_mut().enumerate() {
+                *slot = _mm_shuffle_epi8(_mm_loadu_si128(block.as_ptr().add(16 * g).cast()), swap);
+            }
+            for g in 0..16 {
+                if g >= 4 {
+                    // W[t] = σ1(W[t-2]) + W[t-7] + σ0(W[t-15]) + W[t-16], four at a time.
+                    let (w16, w12, w8, w4) =
+                        (w[g % 4], w[(g + 1) % 4], w[(g + 2) % 4], w[(g + 3) % 4]);
+                    let partial =
+                        _mm_add_epi32(_mm_sha256msg1_epu32(w16, w12), _mm_alignr_epi8(w4, w8, 4));
+                    w[g % 4] = _mm_sha256msg2_epu32(partial, w4);
+                }
+                let wk = _mm_add_epi32(w[g % 4], _mm_loadu_si128(K.as_ptr().add(4 * g).cast()));
+                cdgh = _mm_sha256rnds2_epu32(cdgh, abef, wk);
+                abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(wk, 0x0E));
+            }
+            abef = _mm_add_epi32(abef, abef_in);
+            cdgh = _mm_add_epi32(cdgh, cdgh_in);
+            let feba = _mm_shuffle_epi32(abef, 0x1B);
+            let dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+            _mm_storeu_si128(state.as_mut_ptr().cast(), _mm_blend_epi16(feba, dchg, 0xF0));
+            _mm_storeu_si128(
+                state.as_mut_ptr().add(4).cast(),
+                _mm_alignr_epi8(dchg, feba, 8),
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::util::hex;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_sha_extensions_compress_as_the_portable_code_does() {
+        if !shani::available() {
+            eprintln!("skipped: no SHA extensions on this CPU");
+            return;
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..2000 {
+            let mut state = [0u32; 8];
+            state.iter_mut().for_each(|s| *s = next() as u32);
+            let mut block = [0u8; BLOCK_LEN];
+            block.iter_mut().for_each(|b| *b = next() as u8);
+            let mut want = state;
+            compress_portable(&mut want, &block);
+            // SAFETY: the CPU has the extensions (checked above).
+            unsafe { shani::compress(&mut state, &block) };
+            assert_eq!(state, want);
+        }
+    }
 
     fn hex_digest(data: &[u8]) -> String {
         hex::encode(&digest(data))

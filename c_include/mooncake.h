@@ -531,10 +531,11 @@ int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
 
 /* A key array for the batch calls from n keys packed end to end in packed[0..len],
  * each followed by one NUL (so packed[len - 1] is NUL): out[i] points at key i inside
- * packed. MC_OK, or nothing written and MC_ERR_INVALID_PARAMS when packed holds another
- * number of strings (a key with a NUL inside, say), MC_ERR_INVALID_KEY when a key is
- * empty, longer than MC_STORE_MAX_KEY_LEN or not UTF-8. For bindings, whose own loop
- * over the keys costs more than the call. (revision 10) */
+ * packed. MC_OK, or nothing written and a negative code: MC_ERR_INVALID_PARAMS when
+ * packed holds another number of strings (a key with a NUL inside, say) or does not end
+ * in NUL, MC_ERR_INVALID_KEY when a key is empty, longer than MC_STORE_MAX_KEY_LEN or
+ * not UTF-8; which of the two a packing with both faults gives is unspecified. For
+ * bindings, whose own loop over the keys costs more than the call. (revision 10) */
 int mc_store_key_array(const char *packed, size_t len, size_t n, const char **out);
 
 /* ------------------------------------------------ store, revision 2 */

@@ -208,6 +208,64 @@ fn client_side_device_memory_is_staged_by_the_worker() {
     server.unregister_memory(remote.as_mut_ptr()).unwrap();
 }
 
+/// A synchronous transfer over 1 MiB runs on the calling thread when the engine has one
+/// worker, but not into device memory: that is staged through bounce buffers, and the
+/// worker keeps the one set of them (each calling thread would pin its own).
+#[test]
+fn a_large_synchronous_transfer_to_device_memory_stays_with_the_worker() {
+    let _f = need_fakes!();
+    let kind = MemoryKind::Cuda(0);
+    let server = engine_with("P2PHANDSHAKE", "tcp");
+    let client = {
+        let mut cfg = mooncake::EngineConfig::default();
+        cfg.set("metadata", "P2PHANDSHAKE").unwrap();
+        cfg.set("protocol", "tcp").unwrap();
+        cfg.set("workers", "1").unwrap();
+        Engine::new(cfg).unwrap()
+    };
+    let len = 4 << 20;
+    let mut remote = pattern(6, len);
+    register(&server, remote.as_mut_ptr() as u64, len, "cpu:0");
+    let dev = dev_alloc(kind, len);
+    register(&client, dev, len, "cuda:0");
+    let mut host = vec![0u8; len];
+    let seg = client.open_segment(server.segment_name()).unwrap();
+    let read = |local: u64| Request {
+        op: Op::Read,
+        local,
+        segment: seg,
+        remote: remote.as_ptr() as u64,
+        len: len as u64,
+    };
+    let before = client.stats();
+    // SAFETY: the device buffer stays registered, and `host` alive, past the calls.
+    unsafe { client.transfer_sync(&[read(dev)]) }.unwrap();
+    let to_device = client.stats();
+    // SAFETY: as above.
+    unsafe { client.transfer_sync(&[read(host.as_mut_ptr() as u64)]) }.unwrap();
+    let to_host = client.stats();
+    assert!(dev_read(kind, dev, len) == remote && host == remote);
+    assert_eq!(
+        to_device.inline_transfers, before.inline_transfers,
+        "{to_device:?}"
+    );
+    assert!(
+        to_device.worker_handoffs > before.worker_handoffs,
+        "{to_device:?}"
+    );
+    assert_eq!(
+        to_host.inline_transfers,
+        to_device.inline_transfers + 1,
+        "{to_host:?}"
+    );
+    assert_eq!(
+        to_host.worker_handoffs, to_device.worker_handoffs,
+        "{to_host:?}"
+    );
+    client.unregister_memory(dev as *mut u8).unwrap();
+    server.unregister_memory(remote.as_mut_ptr()).unwrap();
+}
+
 #[test]
 fn device_to_device_over_tcp_for_each_runtime() {
     let f = need_fakes!();

@@ -393,12 +393,14 @@ def c_key_array(keys):
     takes (empty, too long, a NUL inside, not encodable): the caller then goes key by
     key and answers each as it would have."""
     n = len(keys)
+    if n < 2:
+        return None
     try:
         packed = ("\0".join(keys) + "\0").encode()
     except (TypeError, UnicodeEncodeError):
         return None
     out = (c_char_p * n)()
-    if n < 2 or LIB.mc_store_key_array(packed, len(packed), n, out) != MC_OK:
+    if LIB.mc_store_key_array(packed, len(packed), n, out) != MC_OK:
         return None
     out.keep = packed  # the bytes the pointers point into
     return out

@@ -196,12 +196,9 @@ def _keys(keys, name="keys"):
     return [_encode_key(k, name, i) for i, k in enumerate(ks)]
 
 
-def _handle_at(address, size):
-    """A BufferHandle holding a copy of ``size`` bytes at ``address``."""
-    handle = BufferHandle(size)
-    if size:
-        ctypes.memmove(handle.ptr(), address, size)
-    return handle
+def _shown(key):
+    """A key as logs show it, str or bytes alike."""
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
 
 
 class BufferHandle(bytearray):
@@ -802,45 +799,42 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return self._copy_put_batch(keys, values, config, True, "upsert_batch")
 
     def get(self, key):
-        """The value under ``key``, or b"" on a miss or error."""
-        got = self._read_one(_encode_key(key), ctypes.string_at)
-        return b"" if got is None else got
-
-    def get_buffer(self, key):
-        """The value as a BufferHandle (buffer protocol, ptr(), size()), or None."""
-        return self._read_one(_encode_key(key), _handle_at)
-
-    def _read_one(self, k, take):
-        """``take(address, size)`` of the value under the encoded key ``k`` (None: an
-        invalid key) as the library read it into memory of its own, released after;
-        None on a miss or error. One key needs no allocation callback into Python, which
-        costs more than the copy at the sizes engines read one at a time."""
+        """The value under ``key``, or b"" on a miss or error. The library reads it into
+        memory of its own, copied out and released: for one key that costs less than
+        the allocation callback a read straight into the result takes."""
+        k = _encode_key(key)
         if not self._store or k is None:
-            return None
+            return b""
         size = _new_u64()
         buf = ctypes.c_void_p()
         rc = N.LIB.mc_store_get_buffer(self._store, k, ctypes.byref(buf), size[1])
         if rc != N.MC_OK:
             if rc != N.MC_ERR_OBJECT_NOT_FOUND:
-                logger.debug("mooncake: read %r: %s (%d)", k, N.error_string(rc), rc)
-            return None
+                logger.debug("mooncake: read %s: %s (%d)", _shown(k), N.error_string(rc), rc)
+            return b""
         try:
-            return take(buf.value or 0, size[0].value)
+            return ctypes.string_at(buf.value or 0, size[0].value)
         finally:
             N.LIB.mc_store_buffer_free(buf, size[0].value)
+
+    def get_buffer(self, key):
+        """The value as a BufferHandle (buffer protocol, ptr(), size()), or None."""
+        k = _encode_key(key)
+        return None if k is None else self._read_values([k])[0]
 
     def _read_values(self, keys):
         """A BufferHandle of the value under each key, read straight into it: the library
         asks for the memory once it knows the size, with one master round trip for all
         keys. None for each miss, invalid key or error."""
-        plain = N.c_key_array(keys) if type(keys) is list and self._store else None
+        plain = self._plain_keys(keys)
         if plain is not None:
             return self._read_into_handles(keys, plain)
         ks = _keys(keys)
         out = [None] * len(ks)
         idx = [i for i, k in enumerate(ks) if k is not None]
         if self._store and idx:
-            got = self._read_into_handles([ks[i] for i in idx], N.c_strings([ks[i] for i in idx]))
+            asked = [ks[i] for i in idx]
+            got = self._read_into_handles(asked, N.c_strings(asked))
             for j, i in enumerate(idx):
                 out[i] = got[j]
         return out
@@ -864,7 +858,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             if res[j] < 0:
                 handles[j] = None
                 if res[j] != N.MC_ERR_OBJECT_NOT_FOUND:
-                    logger.debug("mooncake: read %r: %s (%d)", names[j],
+                    logger.debug("mooncake: read %s: %s (%d)", _shown(names[j]),
                                  N.error_string(res[j]), res[j])
         return handles
 
@@ -896,7 +890,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return N.LIB.mc_store_exists(self._store, k)
 
     def batch_is_exist(self, keys):
-        plain = N.c_key_array(keys) if type(keys) is list and self._store else None
+        plain = self._plain_keys(keys)
         if plain is not None:
             return self._c_batch_exists(len(keys), plain)
         ks = _keys(keys)
@@ -909,6 +903,11 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             for j, i in enumerate(idx):
                 results[i] = got[j]
         return results
+
+    def _plain_keys(self, keys):
+        """The C key array of a list of two or more str keys the store takes, on a store
+        set up; None for anything else (the key-by-key path answers)."""
+        return N.c_key_array(keys) if type(keys) is list and self._store else None
 
     def _c_batch_exists(self, n, c_keys):
         c_res = (ctypes.c_int * n)()
@@ -1115,7 +1114,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         lo = min(buffer_ptrs)
         if not self._zero_copy(lo, max(buffer_ptrs) + max(sizes) - lo):
             return None
-        c_keys = N.c_key_array(keys)
+        c_keys = self._plain_keys(keys)
         if c_keys is None:
             return None
         n = len(keys)
@@ -1189,11 +1188,11 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if not upsert:
             one = self._one_plain(keys, buffer_ptrs, sizes)
             plain = None if one else self._plain_batch(keys, buffer_ptrs, sizes)
-        if one or plain:
+        if one is not None or plain is not None:
             config = _config(config)
-            if one and not config.group_ids:
+            if one is not None and not config.group_ids:
                 return self._batch_put_from([one[0]], [one[1:]], config)
-            if plain and not config.group_ids:
+            if plain is not None and not config.group_ids:
                 refusal = _refusal(config, plain[0])
                 if refusal:
                     return [refusal] * plain[0]

@@ -7,7 +7,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
-use super::args::{array, array_mut, c_str, copy_out, non_null};
+use super::args::{self, array, array_mut, c_str, copy_out, non_null};
 use super::{guard, guard_value, init_logging, McConfig, MC_OK};
 use crate::engine::config::KEYS;
 use crate::engine::EngineConfig;
@@ -295,10 +295,10 @@ pub unsafe extern "C" fn mc_store_key_array(
 ) -> c_int {
     guard_value("mc_store_key_array", Code::Internal as c_int, || {
         // SAFETY: the caller guarantees `len` readable bytes at a non-NULL `packed` (and
-        // `out`'s `n` writable pointers), `array`'s and `array_mut`'s contracts.
+        // `out`'s `n` writable pointers), `bytes`'s and `array_mut`'s contracts.
         let (bytes, out) = match unsafe {
             (
-                array(packed.cast::<u8>(), len, "packed"),
+                args::bytes(packed.cast(), len, "packed"),
                 array_mut(out, n, "out"),
             )
         } {
@@ -925,8 +925,11 @@ mod tests {
             unsafe { mc_store_key_array(packed.as_ptr().cast(), 8, 1, untouched.as_mut_ptr()) };
         assert_eq!(rc, Code::InvalidParams as c_int);
         assert!(untouched[0].is_null());
-        // SAFETY: NULL arrays are refused, not read.
+        // SAFETY: NULL arrays are refused, not read or written.
         let rc = unsafe { mc_store_key_array(std::ptr::null(), 4, 1, out.as_mut_ptr()) };
+        assert_eq!(rc, Code::InvalidParams as c_int);
+        // SAFETY: as above.
+        let rc = unsafe { mc_store_key_array(packed.as_ptr().cast(), 8, 2, std::ptr::null_mut()) };
         assert_eq!(rc, Code::InvalidParams as c_int);
     }
 

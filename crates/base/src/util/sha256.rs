@@ -109,7 +109,7 @@ pub fn digest(data: &[u8]) -> [u8; DIGEST_LEN] {
 fn compress(state: &mut [u32; 8], block: &[u8; BLOCK_LEN]) {
     #[cfg(target_arch = "x86_64")]
     if shani::available() {
-        // SAFETY: the CPU has the SHA extensions and SSE4.1 (just checked).
+        // SAFETY: the CPU has the SHA extensions, SSSE3 and SSE4.1 (just checked).
         unsafe { shani::compress(state, block) };
         return;
     }
@@ -163,7 +163,9 @@ mod shani {
     use std::arch::x86_64::*;
 
     pub(super) fn available() -> bool {
-        is_x86_feature_detected!("sha") && is_x86_feature_detected!("sse4.1")
+        is_x86_feature_detected!("sha")
+            && is_x86_feature_detected!("ssse3")
+            && is_x86_feature_detected!("sse4.1")
     }
 
     /// # Safety

@@ -320,14 +320,28 @@ impl Engine {
     /// per-thread state is costly), nor when it is large and several workers could
     /// share it. One worker would only do it while the caller sleeps: the caller does
     /// it instead (two wake-ups saved, no idle worker spinning afterwards on a core the
-    /// caller wants back), and the bytes land in its buffer from its own core. A
+    /// caller wants back), and the bytes land in its host buffer from its own core. A
     /// worker on another core finds the cache lines the caller last read of that
     /// buffer in the caller's core and pays for each: a 4 MiB get over TCP into a
     /// buffer the program had just read took 1.5 ms instead of 0.95 (bench/NOTEBOOK.md).
+    /// Each calling thread that runs one keeps its own connections to the peer (up to
+    /// `lanes_per_peer`, for at most `MAX_INLINE_RUNNERS` threads at once).
     pub fn runs_inline(&self, requests: &[Request]) -> bool {
         let software = !self.protocol.is_hardware();
         let bytes: u64 = requests.iter().map(|r| r.len).sum();
-        software && (bytes <= INLINE_MAX_BYTES || self.workers.len() <= 1)
+        software
+            && (bytes <= INLINE_MAX_BYTES
+                || (self.workers.len() <= 1
+                    && (self.host_only(requests) || self.copies_only(requests))))
+    }
+
+    /// Whether every request's local side is host memory: device memory over a
+    /// network transport is staged through bounce buffers, which each poll loop keeps
+    /// its own of, so calling threads leave those to the one worker's.
+    fn host_only(&self, requests: &[Request]) -> bool {
+        requests
+            .iter()
+            .all(|r| self.memory.device_of(r.local, r.len).is_host())
     }
 
     /// A poll loop the calling thread may run `requests` on, or `None` when the
@@ -829,8 +843,8 @@ impl Engine {
     /// Moves `requests` in one batch and returns once each is final: `Ok` when all
     /// completed, else `TRANSFER_FAIL` naming the first task that did not. A small
     /// transfer runs on the calling thread (posted and polled here, no worker woken),
-    /// and so does a large one that only copies when there is a single worker; other
-    /// large ones are handed to the workers and waited for.
+    /// and so does a large one when there is a single worker (see `runs_inline`);
+    /// other large ones are handed to the workers and waited for.
     ///
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.
@@ -888,7 +902,8 @@ impl Engine {
     }
 
     /// Moves `requests` in `batch` (a batch of their own) and returns it once every
-    /// task is final: on this thread when small, else through the workers.
+    /// task is final: on this thread when `runs_inline` says so, else through the
+    /// workers.
     ///
     /// # Safety
     /// As `submit`; the call returns only when no task can touch a local buffer.

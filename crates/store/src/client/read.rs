@@ -19,6 +19,26 @@ pub(super) enum ReadInto<'a> {
     Ranges(&'a [Fragments]),
 }
 
+/// `size` zeroed bytes, or None when this process cannot have them: the size is the
+/// master's word, and a key whose value does not fit fails (`INVALID_PARAMS`) rather
+/// than the process aborting. Zeroed by the allocator, so a large buffer's pages are
+/// not written twice (once with zeros, once with the value).
+fn zeroed(size: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(size).ok()?;
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: the layout's size is not zero.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` is the global allocator's, for exactly this layout (n bytes, align 1),
+    // and every byte is initialised (zeroed).
+    Some(unsafe { Vec::from_raw_parts(p, n, n) })
+}
+
 impl Client {
     /// Reads `key` into a new vector.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
@@ -33,7 +53,7 @@ impl Client {
         // replaced only when its key is placed again, after the read into it returned.
         let sizes = unsafe {
             self.batch_get_placed(keys, &mut |i, size| {
-                bufs[i] = vec![0; size as usize];
+                bufs[i] = zeroed(size)?;
                 Some(bufs[i].as_mut_ptr() as u64)
             })
         };
@@ -516,5 +536,19 @@ impl Client {
         let mut v: Vec<(u8, &ReplicaDesc)> = replicas.iter().map(|r| (rank(r), r)).collect();
         v.sort_by_key(|(k, _)| *k);
         v.into_iter().map(|(_, r)| r).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::zeroed;
+
+    #[test]
+    fn a_value_buffer_is_zeroed_or_refused_never_an_abort() {
+        assert_eq!(zeroed(0), Some(Vec::new()));
+        assert_eq!(zeroed(5), Some(vec![0; 5]));
+        // Past what any allocation may be: the key fails, the process goes on.
+        assert_eq!(zeroed(u64::MAX), None);
+        assert_eq!(zeroed(1 << 62), None);
     }
 }

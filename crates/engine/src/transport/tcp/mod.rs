@@ -19,7 +19,8 @@ use crate::registry::LocalMemory;
 /// TCP transport settings.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
-    /// Connections per peer per engine worker.
+    /// Connections per peer per poll loop (each engine worker, and each calling thread
+    /// that runs a transfer itself).
     pub lanes_per_peer: usize,
     /// Largest slice a transfer is cut into, in bytes.
     pub slice_size: u64,

@@ -63,6 +63,14 @@ fn run(engine: &Engine, reqs: &[Request]) -> Vec<TaskState> {
     states
 }
 
+fn one_worker_tcp_engine() -> Engine {
+    let mut cfg = mooncake::EngineConfig::default();
+    cfg.set("metadata", "P2PHANDSHAKE").unwrap();
+    cfg.set("protocol", "tcp").unwrap();
+    cfg.set("workers", "1").unwrap();
+    Engine::new(cfg).unwrap()
+}
+
 fn register(engine: &Engine, addr: u64, len: usize, location: &str) {
     // SAFETY: test buffers live until the end of the test (device memory is never
     // freed by the fakes' bump allocators).
@@ -162,14 +170,8 @@ fn client_side_device_memory_is_staged_by_the_worker() {
     let f = need_fakes!();
     let kind = MemoryKind::Cuda(1);
     let server = engine_with("P2PHANDSHAKE", "tcp");
-    let client = {
-        let mut cfg = mooncake::EngineConfig::default();
-        cfg.set("metadata", "P2PHANDSHAKE").unwrap();
-        cfg.set("protocol", "tcp").unwrap();
-        // One worker: 11 staged slices exceed its in-flight bound, so some wait.
-        cfg.set("workers", "1").unwrap();
-        Engine::new(cfg).unwrap()
-    };
+    // One worker: 11 staged slices exceed its in-flight bound, so some wait.
+    let client = one_worker_tcp_engine();
     let len = (42 << 20) + 7;
     let mut remote = pattern(3, len);
     register(&server, remote.as_mut_ptr() as u64, len, "cpu:0");
@@ -216,13 +218,7 @@ fn a_large_synchronous_transfer_to_device_memory_stays_with_the_worker() {
     let _f = need_fakes!();
     let kind = MemoryKind::Cuda(0);
     let server = engine_with("P2PHANDSHAKE", "tcp");
-    let client = {
-        let mut cfg = mooncake::EngineConfig::default();
-        cfg.set("metadata", "P2PHANDSHAKE").unwrap();
-        cfg.set("protocol", "tcp").unwrap();
-        cfg.set("workers", "1").unwrap();
-        Engine::new(cfg).unwrap()
-    };
+    let client = one_worker_tcp_engine();
     let len = 4 << 20;
     let mut remote = pattern(6, len);
     register(&server, remote.as_mut_ptr() as u64, len, "cpu:0");

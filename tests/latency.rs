@@ -120,49 +120,35 @@ fn engine_with_workers(protocol: &str, workers: usize) -> Engine {
     Engine::new(cfg).unwrap()
 }
 
+/// Over shared memory (a copy) and over TCP alike: with TCP the bytes then land in the
+/// caller's buffer from the caller's own core (a worker on another core would find the
+/// lines the caller last read in that core's cache, and pay for each one).
 #[test]
 fn a_large_transfer_runs_inline_unless_workers_can_share_it() {
-    for (workers, inline) in [(1, true), (2, false)] {
-        let engine = engine_with_workers("auto", workers);
-        let remote = Registered::new(&engine, pattern(4, 4 << 20));
-        let seg = engine.open_segment(engine.segment_name()).unwrap();
-        let local = vec![0u8; 4 << 20];
-        let before = engine.stats();
-        // SAFETY: `local` outlives the call.
-        unsafe { engine.transfer_sync(&[at(Op::Read, &local, seg, remote.addr(), 0, 4 << 20)]) }
-            .unwrap();
-        assert!(local == remote.buf);
-        let after = engine.stats();
-        let ran_inline = after.inline_transfers - before.inline_transfers == 1;
-        assert_eq!(ran_inline, inline, "{workers} worker(s): {after:?}");
-        assert_eq!(
-            after.worker_handoffs == before.worker_handoffs,
-            inline,
-            "{workers} worker(s): {after:?}"
-        );
-    }
-    // Over TCP alike: the bytes land in the caller's buffer from the caller's own core
-    // (a worker on another core would find the lines the caller last read in that
-    // core's cache, and pay for each one).
     let server = engine_with("P2PHANDSHAKE", "tcp");
-    for (workers, inline) in [(1, true), (2, false)] {
-        let client = engine_with_workers("tcp", workers);
-        let remote = Registered::new(&server, pattern(5, 2 << 20));
-        let seg = client.open_segment(server.segment_name()).unwrap();
-        let local = vec![0u8; 2 << 20];
-        let before = client.stats();
-        // SAFETY: `local` outlives the call.
-        unsafe { client.transfer_sync(&[at(Op::Read, &local, seg, remote.addr(), 0, 2 << 20)]) }
-            .unwrap();
-        assert!(local == remote.buf);
-        let after = client.stats();
-        let ran_inline = after.inline_transfers - before.inline_transfers == 1;
-        assert_eq!(ran_inline, inline, "tcp, {workers} worker(s): {after:?}");
-        assert_eq!(
-            after.worker_handoffs == before.worker_handoffs,
-            inline,
-            "tcp, {workers} worker(s): {after:?}"
-        );
+    for protocol in ["auto", "tcp"] {
+        for (workers, inline) in [(1, true), (2, false)] {
+            let client = engine_with_workers(protocol, workers);
+            // Same process over shared memory: the client's own segment.
+            let owner = if protocol == "auto" { &client } else { &server };
+            let remote = Registered::new(owner, pattern(4, 4 << 20));
+            let seg = client.open_segment(owner.segment_name()).unwrap();
+            let local = vec![0u8; 4 << 20];
+            let before = client.stats();
+            let read = at(Op::Read, &local, seg, remote.addr(), 0, 4 << 20);
+            // SAFETY: `local` outlives the call.
+            unsafe { client.transfer_sync(&[read]) }.unwrap();
+            assert!(local == remote.buf);
+            let after = client.stats();
+            let ran_inline = after.inline_transfers - before.inline_transfers == 1;
+            let how = format!("{protocol}, {workers} worker(s): {after:?}");
+            assert_eq!(ran_inline, inline, "{how}");
+            assert_eq!(
+                after.worker_handoffs == before.worker_handoffs,
+                inline,
+                "{how}"
+            );
+        }
     }
 }
 

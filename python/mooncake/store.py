@@ -1187,7 +1187,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         one = plain = None
         if not upsert:
             one = self._one_plain(keys, buffer_ptrs, sizes)
-            plain = None if one else self._plain_batch(keys, buffer_ptrs, sizes)
+            plain = None if one is not None else self._plain_batch(keys, buffer_ptrs, sizes)
         if one is not None or plain is not None:
             config = _config(config)
             if one is not None and not config.group_ids:

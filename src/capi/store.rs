@@ -13,7 +13,7 @@ use crate::engine::config::KEYS;
 use crate::engine::EngineConfig;
 use crate::error::{Code, Error, Result};
 use crate::store::client::Parts;
-use crate::store::protocol::{DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
+use crate::store::protocol::{check_key, DEFAULT_SOFT_PIN_TTL_MS, MAX_KEY_LEN};
 use crate::store::{Client, ClientConfig, ReplicateConfig};
 
 /// `MC_STORE_MAX_KEY_LEN`: the longest key, in bytes.
@@ -266,9 +266,8 @@ fn key_starts(packed: &[u8], n: usize) -> std::result::Result<Vec<usize>, Code> 
         if starts.len() == n {
             return Err(Code::InvalidParams);
         }
-        if k.is_empty() || k.len() > MAX_KEY_LEN || std::str::from_utf8(k).is_err() {
-            return Err(Code::InvalidKey);
-        }
+        let key = std::str::from_utf8(k).map_err(|_| Code::InvalidKey)?;
+        check_key(key)?;
         starts.push(at);
         at += k.len() + 1;
     }

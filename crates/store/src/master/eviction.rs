@@ -255,7 +255,9 @@ impl Master {
     /// remembered entry is checked to be evictable still (an object can be leased
     /// without moving in the order: a group member); eviction itself always verifies.
     fn lowest(shard: &mut Shard, now: u64, allow_soft_pinned: bool, verify: bool) -> Lowest {
-        let Shard { objects, policy } = shard;
+        let Shard {
+            objects, policy, ..
+        } = shard;
         match policy.remembered_lowest(now, allow_soft_pinned) {
             Some(None) => return Lowest::None,
             Some(Some((head, id)))

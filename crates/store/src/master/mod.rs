@@ -722,6 +722,7 @@ impl Master {
                     self.objects.fetch_add(1, Ordering::Relaxed);
                 }
             }
+            shard.note_unfinished(key);
         }
         // Allocate without holding the shard lock: eviction takes shard locks.
         let replicas = self.allocate(client, size, config);
@@ -1213,11 +1214,9 @@ impl Master {
         let release = self.config.put_start_release_timeout.as_millis() as u64;
         let mut released = 0;
         for shard in self.shards.iter() {
-            shard.locked().retain(|_, o| {
-                let keep = o.complete || now.saturating_sub(o.started_ms()) < release;
-                released += (!keep) as u64;
-                keep
-            });
+            released += shard
+                .locked()
+                .sweep_unfinished(|o| now.saturating_sub(o.started_ms()) >= release);
         }
         self.objects.fetch_sub(released, Ordering::Relaxed);
         self.catalogs.expire(now);

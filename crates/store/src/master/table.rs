@@ -385,11 +385,22 @@ impl Table {
     }
 }
 
+/// Unfinished-put slots listed before the list is pruned of finished ones between
+/// sweeps (it then may grow to twice what it kept), so a master nobody sweeps stays
+/// bounded.
+const UNFINISHED_PRUNE_AT: usize = 4096;
+
 /// One shard's objects and their eviction order.
 #[derive(Default)]
 pub(super) struct Shard {
     pub objects: Table,
     pub policy: Policy,
+    /// Arena slots that were given an unfinished put ([`Shard::note_unfinished`]),
+    /// so that the sweep for abandoned puts looks at these and not at every object
+    /// (a master holds millions). A slot may be listed twice, or name a put that has
+    /// since finished or a slot since reused: the sweep judges the object it finds.
+    unfinished: Vec<u32>,
+    prune_at: usize,
 }
 
 impl Shard {
@@ -414,6 +425,46 @@ impl Shard {
         let mut o = self.objects.remove(key)?;
         self.unlist(&mut o);
         Some(o)
+    }
+
+    /// Lists `key`'s slot as holding an unfinished put (called once per placeholder).
+    pub fn note_unfinished(&mut self, key: &str) {
+        let Some(slot) = self.objects.slot(key) else {
+            return;
+        };
+        self.unfinished.push(slot);
+        if self.unfinished.len() >= self.prune_at.max(UNFINISHED_PRUNE_AT) {
+            self.sweep_unfinished(|_| false);
+            self.prune_at = 2 * self.unfinished.len();
+        }
+    }
+
+    /// Removes the unfinished puts `expired` condemns (each is judged once), and
+    /// forgets the listed slots that hold no unfinished put any more; how many puts
+    /// were removed. Costs the puts listed since the last sweep, not the table.
+    pub fn sweep_unfinished(&mut self, mut expired: impl FnMut(&Object) -> bool) -> u64 {
+        let mut listed = std::mem::take(&mut self.unfinished);
+        listed.sort_unstable();
+        listed.dedup();
+        let mut doomed = Vec::new();
+        listed.retain(|&slot| match self.objects.at(slot) {
+            Some(o) if !o.complete => {
+                if expired(o) {
+                    doomed.push(slot);
+                    return false;
+                }
+                true
+            }
+            _ => false,
+        });
+        self.unfinished = listed;
+        let mut removed = 0;
+        for slot in doomed {
+            if let Some(key) = self.objects.key_at(slot).map(str::to_owned) {
+                removed += u64::from(self.remove(&key).is_some());
+            }
+        }
+        removed
     }
 
     /// Keeps the objects `keep` approves; the others leave the victim order too.
@@ -699,6 +750,84 @@ mod tests {
         );
         t.insert("k1", object(7));
         assert_eq!(size_of(&t, "k1"), Some(7));
+    }
+
+    fn unfinished(size: u64) -> Object {
+        Object {
+            complete: false,
+            ..object(size)
+        }
+    }
+
+    #[test]
+    fn the_sweep_judges_only_unfinished_puts_and_removes_the_condemned() {
+        let mut s = Shard::default();
+        for i in 0..100u64 {
+            s.objects.insert(&format!("done{i}"), object(i));
+        }
+        for i in 0..10u64 {
+            let key = format!("u{i}");
+            s.objects.insert(&key, unfinished(i));
+            s.note_unfinished(&key);
+        }
+        // u0 finishes; u1 is put again (listed twice); u2 is removed and its slot reused.
+        s.get_mut("u0").unwrap().complete = true;
+        s.note_unfinished("u1");
+        s.remove("u2");
+        s.objects.insert("late", object(2));
+        let mut judged = Vec::new();
+        let removed = s.sweep_unfinished(|o| {
+            judged.push(o.size);
+            o.size % 2 == 1
+        });
+        judged.sort();
+        // Each unfinished put judged once; no complete object looked at.
+        assert_eq!(judged, [1, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(removed, 5);
+        for (key, kept) in [("u1", false), ("u3", false), ("u4", true), ("u9", false)] {
+            assert_eq!(s.get(key).is_some(), kept, "{key}");
+        }
+        assert!(s.get("u0").is_some() && s.get("late").is_some() && s.get("done1").is_some());
+        // The survivors stay listed, the rest are forgotten.
+        let mut again = Vec::new();
+        assert_eq!(
+            s.sweep_unfinished(|o| {
+                again.push(o.size);
+                true
+            }),
+            3
+        );
+        again.sort();
+        assert_eq!(again, [4, 6, 8]);
+        assert_eq!(s.sweep_unfinished(|_| true), 0);
+        assert_eq!(s.len(), 102);
+    }
+
+    #[test]
+    fn the_unfinished_list_stays_bounded_without_sweeps() {
+        let mut s = Shard::default();
+        for i in 0..50_000u64 {
+            let key = format!("k{i}");
+            s.objects.insert(&key, unfinished(i));
+            s.note_unfinished(&key);
+            s.get_mut(&key).unwrap().complete = true;
+        }
+        assert!(
+            s.unfinished.len() <= UNFINISHED_PRUNE_AT,
+            "{}",
+            s.unfinished.len()
+        );
+        // Unfinished puts are never pruned away before a sweep judges them.
+        for i in 0..3u64 {
+            let key = format!("open{i}");
+            s.objects.insert(&key, unfinished(i));
+            s.note_unfinished(&key);
+        }
+        for i in 0..10_000u64 {
+            s.note_unfinished(&format!("k{i}"));
+        }
+        assert_eq!(s.sweep_unfinished(|_| true), 3);
+        assert_eq!(s.len(), 50_000);
     }
 
     #[test]

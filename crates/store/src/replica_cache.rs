@@ -16,13 +16,13 @@
 #![forbid(unsafe_code)]
 
 use crate::util::sync::Unpoisoned;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::protocol::ObjectDesc;
 
-/// Descriptors kept at most; past this, expired ones go, then (if still full) all.
+/// Descriptors kept at most; past this, the oldest kept goes for each new one.
 const MAX_ENTRIES: usize = 1 << 16;
 /// Queued touches are sent at the latest this long after the first of them.
 pub const TOUCH_FLUSH_AFTER: Duration = Duration::from_millis(50);
@@ -62,9 +62,31 @@ fn margin(lease_ms: u64) -> Duration {
     Duration::from_millis((lease_ms / 8).min(1000))
 }
 
-#[derive(Default)]
+/// A key's place in the keeping order, with the stamp and end of use its entry had
+/// when kept: an entry kept again or dropped since leaves a stale place, skipped when
+/// met. The end of use is here too, so that expiry is seen without a lookup.
+struct Place {
+    stamp: u64,
+    usable_until: Instant,
+    key: Arc<str>,
+}
+
+/// A kept descriptor: until when it is handed out, and the stamp of its place in
+/// the keeping order.
+struct Kept {
+    desc: Arc<ObjectDesc>,
+    usable_until: Instant,
+    stamp: u64,
+}
+
 struct Inner {
-    entries: HashMap<String, (Arc<ObjectDesc>, Instant)>,
+    capacity: usize,
+    entries: HashMap<Arc<str>, Kept>,
+    /// The keeping order, oldest first ([`Place`]). Leases are alike, so the oldest
+    /// kept is about the first to expire: a full cache lets one go per new one (a
+    /// fresh-key workload fills it in a fraction of a second), never all at once.
+    order: VecDeque<Place>,
+    next_stamp: u64,
     /// Keys of reads served from here, one list per read batch, not yet told.
     touched: Vec<Vec<String>>,
     touched_keys: usize,
@@ -72,12 +94,61 @@ struct Inner {
 }
 
 /// The cache (one per client; shared by its threads).
-#[derive(Default)]
 pub struct ReplicaCache {
     inner: Mutex<Inner>,
 }
 
+impl Default for ReplicaCache {
+    fn default() -> Self {
+        ReplicaCache::with_capacity(MAX_ENTRIES)
+    }
+}
+
+impl Inner {
+    /// Lets go of the entry at the front of the order, if the place is not stale;
+    /// false when the order is empty.
+    fn drop_front(&mut self) -> bool {
+        let Some(place) = self.order.pop_front() else {
+            return false;
+        };
+        // One lookup in the common case; a stale place puts back what it took.
+        if let Some((key, kept)) = self.entries.remove_entry(&place.key) {
+            if kept.stamp != place.stamp {
+                self.entries.insert(key, kept);
+            }
+        }
+        true
+    }
+
+    /// Lets go of the oldest entries until there is room for one more.
+    fn make_room(&mut self) {
+        while self.entries.len() >= self.capacity && self.drop_front() {}
+    }
+
+    /// Lets go of the entries at the front whose use has ended.
+    fn drop_expired(&mut self, now: Instant) {
+        while self.order.front().is_some_and(|p| p.usable_until <= now) {
+            self.drop_front();
+        }
+    }
+}
+
 impl ReplicaCache {
+    /// A cache keeping at most `capacity` descriptors.
+    fn with_capacity(capacity: usize) -> ReplicaCache {
+        ReplicaCache {
+            inner: Mutex::new(Inner {
+                capacity: capacity.max(1),
+                entries: HashMap::new(),
+                order: VecDeque::new(),
+                next_stamp: 0,
+                touched: Vec::new(),
+                touched_keys: 0,
+                first_touch: None,
+            }),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.locked()
     }
@@ -85,13 +156,13 @@ impl ReplicaCache {
     /// The kept descriptor of `key`, if its lease still has room for a read.
     pub fn get(&self, key: &str, now: Instant) -> Option<Leased> {
         let inner = self.lock();
-        let (desc, usable_until) = inner.entries.get(key)?;
-        if now >= *usable_until {
+        let kept = inner.entries.get(key)?;
+        if now >= kept.usable_until {
             return None;
         }
-        let lease_ends = *usable_until + margin(desc.lease_ms);
+        let lease_ends = kept.usable_until + margin(kept.desc.lease_ms);
         Some(Leased {
-            desc: desc.clone(),
+            desc: kept.desc.clone(),
             lease_ends,
             cached: true,
             staged: false,
@@ -100,21 +171,46 @@ impl ReplicaCache {
 
     /// Keeps a freshly granted descriptor.
     pub fn insert(&self, key: &str, leased: &Leased) {
+        self.insert_at(key, leased, Instant::now());
+    }
+
+    fn insert_at(&self, key: &str, leased: &Leased, now: Instant) {
         let usable_until = leased.lease_ends - margin(leased.desc.lease_ms);
-        if usable_until <= Instant::now() {
+        if usable_until <= now {
             return;
         }
         let mut inner = self.lock();
-        if inner.entries.len() >= MAX_ENTRIES && !inner.entries.contains_key(key) {
-            let now = Instant::now();
-            inner.entries.retain(|_, (_, until)| *until > now);
-            if inner.entries.len() >= MAX_ENTRIES {
-                inner.entries.clear();
+        inner.drop_expired(now);
+        let stamp = inner.next_stamp;
+        inner.next_stamp += 1;
+        let kept = Kept {
+            desc: leased.desc.clone(),
+            usable_until,
+            stamp,
+        };
+        let key = match inner.entries.get_key_value(key) {
+            Some((k, _)) => {
+                let k = k.clone();
+                inner.entries.insert(k.clone(), kept);
+                k
             }
+            None => {
+                inner.make_room();
+                let k: Arc<str> = Arc::from(key);
+                inner.entries.insert(k.clone(), kept);
+                k
+            }
+        };
+        inner.order.push_back(Place {
+            stamp,
+            usable_until,
+            key,
+        });
+        if inner.order.len() > 2 * inner.capacity {
+            // Keys kept again and again leave stale places behind: bound them.
+            let Inner { entries, order, .. } = &mut *inner;
+            order.retain(|p| entries.get(&p.key).is_some_and(|e| e.stamp == p.stamp));
         }
-        inner
-            .entries
-            .insert(key.to_owned(), (leased.desc.clone(), usable_until));
     }
 
     /// Forgets `keys` (written, removed, or read wrongly).
@@ -127,7 +223,9 @@ impl ReplicaCache {
 
     /// Forgets everything (a remove by pattern or of all objects).
     pub fn clear(&self) {
-        self.lock().entries.clear();
+        let mut inner = self.lock();
+        inner.entries.clear();
+        inner.order.clear();
     }
 
     /// Queues one read batch's keys served from here; true when the queue is due to be
@@ -151,7 +249,7 @@ impl ReplicaCache {
         std::mem::take(&mut inner.touched)
     }
 
-    /// Descriptors kept now (expired ones included until replaced).
+    /// Descriptors kept now (expired ones included until they reach the front).
     pub fn len(&self) -> usize {
         self.lock().entries.len()
     }
@@ -197,6 +295,53 @@ mod tests {
         assert!(c.get("b", now).is_some());
         c.clear();
         assert!(c.get("b", now).is_none());
+    }
+
+    #[test]
+    fn a_full_cache_lets_the_oldest_go_one_at_a_time() {
+        let c = ReplicaCache::with_capacity(100);
+        let now = Instant::now();
+        let keep = |k: &str| c.insert(k, &Leased::granted(desc(60_000), now));
+        for i in 0..100 {
+            keep(&format!("k{i}"));
+        }
+        keep("k0"); // kept again: now the newest
+        for i in 100..150 {
+            keep(&format!("k{i}"));
+        }
+        assert_eq!(c.len(), 100);
+        let kept = |i: usize| c.get(&format!("k{i}"), now).is_some();
+        assert!(kept(0), "kept again, so not the oldest");
+        assert!((1..=50).all(|i| !kept(i)), "the oldest went first");
+        assert!((51..150).all(kept));
+        // Keeping the same keys over and over leaves the order bounded.
+        for round in 0..50 {
+            for i in 100..150 {
+                keep(&format!("k{i}"));
+            }
+            let order = c.lock().order.len();
+            assert!(order <= 200, "round {round}: {order} places");
+        }
+        assert_eq!(c.len(), 100);
+        assert!((51..150).all(kept));
+        c.clear();
+        assert_eq!((c.len(), c.lock().order.len()), (0, 0));
+    }
+
+    #[test]
+    fn expired_entries_leave_from_the_front_as_new_ones_come() {
+        let c = ReplicaCache::with_capacity(1000);
+        let t0 = Instant::now();
+        // 12 s leases: usable for 11 s (margin 1 s).
+        for i in 0..10 {
+            let at = t0 + Duration::from_millis(i);
+            c.insert_at(&format!("old{i}"), &Leased::granted(desc(12_000), at), at);
+        }
+        let later = t0 + Duration::from_millis(11_005);
+        c.insert_at("new", &Leased::granted(desc(12_000), later), later);
+        // The six whose room ended by now are gone; the four after them stay.
+        assert_eq!(c.len(), 5);
+        assert!(c.get("old6", later).is_some() && c.get("old5", later).is_none());
     }
 
     #[test]

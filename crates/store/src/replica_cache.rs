@@ -134,13 +134,16 @@ impl Inner {
 }
 
 impl ReplicaCache {
-    /// A cache keeping at most `capacity` descriptors.
+    /// A cache keeping at most `capacity` descriptors. Its tables are sized for them
+    /// at once (pages are touched as entries come): growing one meant rehashing every
+    /// key, a read stalled for milliseconds at each doubling.
     fn with_capacity(capacity: usize) -> ReplicaCache {
+        let capacity = capacity.max(1);
         ReplicaCache {
             inner: Mutex::new(Inner {
-                capacity: capacity.max(1),
-                entries: HashMap::new(),
-                order: VecDeque::new(),
+                capacity,
+                entries: HashMap::with_capacity(capacity),
+                order: VecDeque::with_capacity(capacity),
                 next_stamp: 0,
                 touched: Vec::new(),
                 touched_keys: 0,

@@ -16,7 +16,9 @@
 #![forbid(unsafe_code)]
 
 use crate::util::sync::Unpoisoned;
-use std::collections::{HashMap, VecDeque};
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,31 +64,54 @@ fn margin(lease_ms: u64) -> Duration {
     Duration::from_millis((lease_ms / 8).min(1000))
 }
 
-/// A key's place in the keeping order, with the stamp and end of use its entry had
-/// when kept: an entry kept again or dropped since leaves a stale place, skipped when
-/// met. The end of use is here too, so that expiry is seen without a lookup.
-struct Place {
-    stamp: u64,
-    usable_until: Instant,
-    key: Arc<str>,
-}
-
-/// A kept descriptor: until when it is handed out, and the stamp of its place in
-/// the keeping order.
+/// A kept descriptor, its key and the key's hash, and until when it is handed out.
 struct Kept {
+    key: Box<str>,
+    hash: u64,
     desc: Arc<ObjectDesc>,
     usable_until: Instant,
-    stamp: u64,
+}
+
+/// Hashes a key's 64-bit hash to itself.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64`s are hashed here; fold anything else rather than lose it.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
 }
 
 struct Inner {
     capacity: usize,
-    entries: HashMap<Arc<str>, Kept>,
-    /// The keeping order, oldest first ([`Place`]). Leases are alike, so the oldest
-    /// kept is about the first to expire: a full cache lets one go per new one (a
-    /// fresh-key workload fills it in a fraction of a second), never all at once.
-    order: VecDeque<Place>,
-    next_stamp: u64,
+    /// Keys are hashed once, with a random key, and found by that hash; the entry is
+    /// checked against its key. The index holds only hashes and slots, so the
+    /// rehash a table under steady churn does now and then (to clear removed
+    /// entries) moves 16-byte pairs: rehashing every key string, cold in memory,
+    /// stalled a read for 13 ms. Two keys with the same 64-bit hash share a slot, the
+    /// later replacing the earlier (a cache may forget).
+    hasher: RandomState,
+    index: HashMap<u64, u32, BuildHasherDefault<Prehashed>>,
+    /// Entries in the order kept: the one kept `n`-th sits at slot `n % capacity`, so
+    /// a full cache lets the oldest go for each new one (a fresh-key workload fills
+    /// it in a fraction of a second), never all at once. Invariant: `index` names a
+    /// slot exactly when that slot holds the entry of that hash.
+    ring: Vec<Option<Kept>>,
+    kept: u64,
+    /// Keeping positions before this hold nothing (let go, or expired). Leases are
+    /// alike, so the oldest kept is about the first to expire.
+    front: u64,
     /// Keys of reads served from here, one list per read batch, not yet told.
     touched: Vec<Vec<String>>,
     touched_keys: usize,
@@ -105,46 +130,55 @@ impl Default for ReplicaCache {
 }
 
 impl Inner {
-    /// Lets go of the entry at the front of the order, if the place is not stale;
-    /// false when the order is empty.
-    fn drop_front(&mut self) -> bool {
-        let Some(place) = self.order.pop_front() else {
-            return false;
-        };
-        // One lookup in the common case; a stale place puts back what it took.
-        if let Some((key, kept)) = self.entries.remove_entry(&place.key) {
-            if kept.stamp != place.stamp {
-                self.entries.insert(key, kept);
-            }
-        }
-        true
+    /// The slot of `key`'s entry, if one is kept.
+    fn slot_of(&self, key: &str) -> Option<usize> {
+        let slot = *self.index.get(&self.hasher.hash_one(key))? as usize;
+        let kept = self.ring[slot].as_ref()?;
+        (&*kept.key == key).then_some(slot)
     }
 
-    /// Lets go of the oldest entries until there is room for one more.
-    fn make_room(&mut self) {
-        while self.entries.len() >= self.capacity && self.drop_front() {}
+    /// `key`'s entry, if one is kept.
+    fn entry(&self, key: &str) -> Option<&Kept> {
+        self.slot_of(key).and_then(|slot| self.ring[slot].as_ref())
+    }
+
+    /// Empties `slot`, and the index entry naming it.
+    fn let_go(&mut self, slot: usize) {
+        if let Some(old) = self.ring[slot].take() {
+            self.index.remove(&old.hash);
+        }
     }
 
     /// Lets go of the entries at the front whose use has ended.
     fn drop_expired(&mut self, now: Instant) {
-        while self.order.front().is_some_and(|p| p.usable_until <= now) {
-            self.drop_front();
+        while self.front < self.kept {
+            let slot = (self.front % self.capacity as u64) as usize;
+            if self.ring[slot]
+                .as_ref()
+                .is_some_and(|k| k.usable_until > now)
+            {
+                return;
+            }
+            self.let_go(slot);
+            self.front += 1;
         }
     }
 }
 
 impl ReplicaCache {
-    /// A cache keeping at most `capacity` descriptors. Its tables are sized for them
-    /// at once (pages are touched as entries come): growing one meant rehashing every
-    /// key, a read stalled for milliseconds at each doubling.
+    /// A cache keeping at most `capacity` descriptors. Its index is sized for them at
+    /// once (pages are touched as entries come): growing it meant rehashing every
+    /// entry, a read stalled for milliseconds at each doubling.
     fn with_capacity(capacity: usize) -> ReplicaCache {
         let capacity = capacity.max(1);
         ReplicaCache {
             inner: Mutex::new(Inner {
                 capacity,
-                entries: HashMap::with_capacity(capacity),
-                order: VecDeque::with_capacity(capacity),
-                next_stamp: 0,
+                hasher: RandomState::new(),
+                index: HashMap::with_capacity_and_hasher(capacity, Default::default()),
+                ring: Vec::new(),
+                kept: 0,
+                front: 0,
                 touched: Vec::new(),
                 touched_keys: 0,
                 first_touch: None,
@@ -159,7 +193,7 @@ impl ReplicaCache {
     /// The kept descriptor of `key`, if its lease still has room for a read.
     pub fn get(&self, key: &str, now: Instant) -> Option<Leased> {
         let inner = self.lock();
-        let kept = inner.entries.get(key)?;
+        let kept = inner.entry(key)?;
         if now >= kept.usable_until {
             return None;
         }
@@ -184,51 +218,46 @@ impl ReplicaCache {
         }
         let mut inner = self.lock();
         inner.drop_expired(now);
-        let stamp = inner.next_stamp;
-        inner.next_stamp += 1;
+        let hash = inner.hasher.hash_one(key);
+        // Kept again (or sharing the hash): the old entry goes.
+        if let Some(old) = inner.index.get(&hash).copied() {
+            inner.let_go(old as usize);
+        }
+        let capacity = inner.capacity as u64;
+        let slot = (inner.kept % capacity) as usize;
         let kept = Kept {
+            key: key.into(),
+            hash,
             desc: leased.desc.clone(),
             usable_until,
-            stamp,
         };
-        let key = match inner.entries.get_key_value(key) {
-            Some((k, _)) => {
-                let k = k.clone();
-                inner.entries.insert(k.clone(), kept);
-                k
-            }
-            None => {
-                inner.make_room();
-                let k: Arc<str> = Arc::from(key);
-                inner.entries.insert(k.clone(), kept);
-                k
-            }
-        };
-        inner.order.push_back(Place {
-            stamp,
-            usable_until,
-            key,
-        });
-        if inner.order.len() > 2 * inner.capacity {
-            // Keys kept again and again leave stale places behind: bound them.
-            let Inner { entries, order, .. } = &mut *inner;
-            order.retain(|p| entries.get(&p.key).is_some_and(|e| e.stamp == p.stamp));
+        if slot == inner.ring.len() {
+            inner.ring.push(Some(kept));
+        } else {
+            inner.let_go(slot); // the oldest kept
+            inner.ring[slot] = Some(kept);
         }
+        inner.index.insert(hash, slot as u32);
+        inner.kept += 1;
+        inner.front = inner.front.max(inner.kept.saturating_sub(capacity));
     }
 
     /// Forgets `keys` (written, removed, or read wrongly).
     pub fn drop_keys<'a>(&self, keys: impl IntoIterator<Item = &'a str>) {
         let mut inner = self.lock();
         for k in keys {
-            inner.entries.remove(k);
+            if let Some(slot) = inner.slot_of(k) {
+                inner.let_go(slot);
+            }
         }
     }
 
     /// Forgets everything (a remove by pattern or of all objects).
     pub fn clear(&self) {
         let mut inner = self.lock();
-        inner.entries.clear();
-        inner.order.clear();
+        inner.index.clear();
+        inner.ring.clear();
+        (inner.kept, inner.front) = (0, 0);
     }
 
     /// Queues one read batch's keys served from here; true when the queue is due to be
@@ -254,7 +283,7 @@ impl ReplicaCache {
 
     /// Descriptors kept now (expired ones included until they reach the front).
     pub fn len(&self) -> usize {
-        self.lock().entries.len()
+        self.lock().index.len()
     }
 }
 
@@ -317,18 +346,20 @@ mod tests {
         assert!(kept(0), "kept again, so not the oldest");
         assert!((1..=50).all(|i| !kept(i)), "the oldest went first");
         assert!((51..150).all(kept));
-        // Keeping the same keys over and over leaves the order bounded.
-        for round in 0..50 {
+        // A key kept again takes a new place and leaves its old one empty: keeping
+        // the same 50 keys over and over, each is kept once, and they outlive the rest.
+        for _ in 0..4 {
             for i in 100..150 {
                 keep(&format!("k{i}"));
             }
-            let order = c.lock().order.len();
-            assert!(order <= 200, "round {round}: {order} places");
         }
-        assert_eq!(c.len(), 100);
-        assert!((51..150).all(kept));
+        assert_eq!(c.lock().ring.len(), 100);
+        assert_eq!(c.len(), 50);
+        assert!((100..150).all(kept) && !kept(0) && !kept(99));
         c.clear();
-        assert_eq!((c.len(), c.lock().order.len()), (0, 0));
+        assert_eq!((c.len(), c.lock().ring.len()), (0, 0));
+        keep("again");
+        assert!(c.get("again", now).is_some() && c.len() == 1);
     }
 
     #[test]
@@ -345,6 +376,28 @@ mod tests {
         // The six whose room ended by now are gone; the four after them stay.
         assert_eq!(c.len(), 5);
         assert!(c.get("old6", later).is_some() && c.get("old5", later).is_none());
+    }
+
+    #[test]
+    fn an_entry_found_by_hash_serves_only_its_own_key() {
+        let c = ReplicaCache::default();
+        let now = Instant::now();
+        c.insert("b", &Leased::granted(desc(60_000), now));
+        {
+            // As if "a" and "b" had the same 64-bit hash.
+            let mut inner = c.lock();
+            let (a, b) = (inner.hasher.hash_one("a"), inner.hasher.hash_one("b"));
+            let slot = inner.index.remove(&b).unwrap();
+            inner.ring[slot as usize].as_mut().unwrap().hash = a;
+            inner.index.insert(a, slot);
+        }
+        assert!(c.get("a", now).is_none());
+        c.drop_keys(["a"]);
+        assert_eq!(c.len(), 1, "a drop of another key leaves the entry");
+        // Keeping "a" replaces the shared entry.
+        c.insert("a", &Leased::granted(desc(60_000), now));
+        assert!(c.get("a", now).is_some());
+        assert_eq!(c.len(), 1);
     }
 
     #[test]

@@ -16,40 +16,13 @@ figures in bench/NOTEBOOK.md ("Reads of many fresh keys").
 
 import argparse
 import ctypes
-import os
-import socket
-import subprocess
 import sys
 import time
 
+from python_call_profile import start_master
+
 SIZE = 4096
 BATCH = 64
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_master():
-    rpc, http = free_port(), free_port()
-    master = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
-         f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-         "--http_metadata_server_host=127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.1).close()
-            return master, rpc, http
-        except OSError:
-            if time.monotonic() > deadline or master.poll() is not None:
-                master.kill()
-                sys.exit("the master did not start")
-            time.sleep(0.05)
 
 
 def main():

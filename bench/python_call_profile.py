@@ -32,6 +32,29 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_master():
+    """Starts the package's `mooncake_master` on free loopback ports, metadata on its
+    HTTP server; (process, rpc port, http port) once it takes connections."""
+    rpc, http = free_port(), free_port()
+    master = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
+         f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+         "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
+         "--http_metadata_server_host=127.0.0.1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), timeout=0.1).close()
+            return master, rpc, http
+        except OSError:
+            if time.monotonic() > deadline or master.poll() is not None:
+                master.kill()
+                master.wait()
+                sys.exit("the master did not start")
+            time.sleep(0.05)
+
+
 def timed(name, fn, n=CALLS):
     samples = []
     for i in range(n):
@@ -50,23 +73,8 @@ def main():
 
     ours = os.path.exists(os.path.join(os.path.dirname(mooncake.__file__), "_native.py"))
     tag = "ours" if ours else "wheel"
-    rpc, http = free_port(), free_port()
-    master = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "mooncake_master"),
-         f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-         "--enable_http_metadata_server=true", f"--http_metadata_server_port={http}",
-         "--http_metadata_server_host=127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    master, rpc, http = start_master()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", rpc), timeout=0.1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or master.poll() is not None:
-                    sys.exit("the master did not start")
-                time.sleep(0.05)
         store = MooncakeDistributedStore()
         rc = store.setup("127.0.0.1", f"http://127.0.0.1:{http}/metadata", 512 << 20,
                          64 << 20, "tcp", "", f"127.0.0.1:{rpc}")

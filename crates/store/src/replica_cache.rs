@@ -26,6 +26,8 @@ use super::protocol::ObjectDesc;
 
 /// Descriptors kept at most; past this, the oldest kept goes for each new one.
 const MAX_ENTRIES: usize = 1 << 16;
+/// Expired entries let go per insert at most.
+const EXPIRED_PER_INSERT: usize = 8;
 /// Queued touches are sent at the latest this long after the first of them.
 pub const TOUCH_FLUSH_AFTER: Duration = Duration::from_millis(50);
 /// Queued touches are sent once this many keys wait.
@@ -105,8 +107,11 @@ struct Inner {
     index: HashMap<u64, u32, BuildHasherDefault<Prehashed>>,
     /// Entries in the order kept: the one kept `n`-th sits at slot `n % capacity`, so
     /// a full cache lets the oldest go for each new one (a fresh-key workload fills
-    /// it in a fraction of a second), never all at once. Invariant: `index` names a
-    /// slot exactly when that slot holds the entry of that hash.
+    /// it in a fraction of a second), never all at once. A key kept again takes a new
+    /// slot and leaves its old one empty (no scan ever looks for the oldest live one),
+    /// so keys kept over and over leave fewer than `capacity` entries for a while.
+    /// Invariant: `index` names a slot exactly when that slot holds the entry of that
+    /// hash.
     ring: Vec<Option<Kept>>,
     kept: u64,
     /// Keeping positions before this hold nothing (let go, or expired). Leases are
@@ -149,9 +154,15 @@ impl Inner {
         }
     }
 
-    /// Lets go of the entries at the front whose use has ended.
+    /// Lets go of the entries at the front whose use has ended, at most
+    /// `EXPIRED_PER_INSERT` of them: after a quiet spell the whole cache may have
+    /// expired, and freeing it in one call would stall that read (the ring overwrites
+    /// the rest in turn, and `get` never serves them).
     fn drop_expired(&mut self, now: Instant) {
-        while self.front < self.kept {
+        for _ in 0..EXPIRED_PER_INSERT {
+            if self.front >= self.kept {
+                return;
+            }
             let slot = (self.front % self.capacity as u64) as usize;
             if self.ring[slot]
                 .as_ref()
@@ -166,9 +177,9 @@ impl Inner {
 }
 
 impl ReplicaCache {
-    /// A cache keeping at most `capacity` descriptors. Its index is sized for them at
-    /// once (pages are touched as entries come): growing it meant rehashing every
-    /// entry, a read stalled for milliseconds at each doubling.
+    /// A cache keeping at most `capacity` descriptors. Its index and ring are sized
+    /// for them at once (pages are touched as entries come): growing the index meant
+    /// rehashing every entry, a read stalled for milliseconds at each doubling.
     fn with_capacity(capacity: usize) -> ReplicaCache {
         let capacity = capacity.max(1);
         ReplicaCache {
@@ -176,7 +187,7 @@ impl ReplicaCache {
                 capacity,
                 hasher: RandomState::new(),
                 index: HashMap::with_capacity_and_hasher(capacity, Default::default()),
-                ring: Vec::new(),
+                ring: Vec::with_capacity(capacity),
                 kept: 0,
                 front: 0,
                 touched: Vec::new(),
@@ -376,6 +387,30 @@ mod tests {
         // The six whose room ended by now are gone; the four after them stay.
         assert_eq!(c.len(), 5);
         assert!(c.get("old6", later).is_some() && c.get("old5", later).is_none());
+    }
+
+    #[test]
+    fn a_cache_expired_whole_is_let_go_a_few_entries_per_insert() {
+        let c = ReplicaCache::with_capacity(100);
+        let t0 = Instant::now();
+        for i in 0..100 {
+            c.insert_at(&format!("k{i}"), &Leased::granted(desc(8_000), t0), t0);
+        }
+        let later = t0 + Duration::from_secs(60);
+        assert!(
+            c.get("k5", later).is_none(),
+            "expired entries are never served"
+        );
+        c.insert_at("new", &Leased::granted(desc(8_000), later), later);
+        assert_eq!(c.len(), 100 - EXPIRED_PER_INSERT + 1);
+        for i in 0..20 {
+            c.insert_at(
+                &format!("n{i}"),
+                &Leased::granted(desc(8_000), later),
+                later,
+            );
+        }
+        assert_eq!(c.len(), 21);
     }
 
     #[test]

@@ -435,7 +435,6 @@ impl Shard {
         self.unfinished.push(slot);
         if self.unfinished.len() >= self.prune_at.max(UNFINISHED_PRUNE_AT) {
             self.sweep_unfinished(|_| false);
-            self.prune_at = 2 * self.unfinished.len();
         }
     }
 
@@ -457,6 +456,10 @@ impl Shard {
             }
             _ => false,
         });
+        if listed.capacity() > 4 * listed.len().max(UNFINISHED_PRUNE_AT) {
+            listed.shrink_to(2 * listed.len());
+        }
+        self.prune_at = 2 * listed.len();
         self.unfinished = listed;
         let mut removed = 0;
         for slot in doomed {

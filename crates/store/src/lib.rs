@@ -21,6 +21,7 @@ mod replica_cache;
 pub mod rpc;
 pub mod segment_reach;
 pub mod server;
+mod slot_index;
 
 pub use client::{default_metadata, metadata_of_master, Client, ClientConfig};
 pub use master::{Master, MasterConfig};

@@ -15,10 +15,10 @@
 
 #![forbid(unsafe_code)]
 
+use crate::slot_index::SlotIndex;
 use crate::util::sync::Unpoisoned;
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -66,52 +66,30 @@ fn margin(lease_ms: u64) -> Duration {
     Duration::from_millis((lease_ms / 8).min(1000))
 }
 
-/// A kept descriptor, its key and the key's hash, and until when it is handed out.
+/// A kept descriptor, its key and the key's hash tag, and until when it is handed
+/// out.
 struct Kept {
     key: Box<str>,
-    hash: u64,
+    tag: u32,
     desc: Arc<ObjectDesc>,
     usable_until: Instant,
 }
 
-/// Hashes a key's 64-bit hash to itself.
-#[derive(Default)]
-struct Prehashed(u64);
-
-impl Hasher for Prehashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `u64`s are hashed here; fold anything else rather than lose it.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
 struct Inner {
     capacity: usize,
-    /// Keys are hashed once, with a random key, and found by that hash; the entry is
-    /// checked against its key. The index holds only hashes and slots, so the
-    /// rehash a table under steady churn does now and then (to clear removed
-    /// entries) moves 16-byte pairs: rehashing every key string, cold in memory,
-    /// stalled a read for 13 ms. Two keys with the same 64-bit hash share a slot, the
-    /// later replacing the earlier (a cache may forget).
+    /// Keys are hashed with a random key; the index finds ring slots by the hash's
+    /// tag, and each candidate is checked against its key. It never rehashes under
+    /// churn (a general hash map clearing its removed entries rehashed every kept
+    /// key, cold in memory: a read stalled for 13 ms).
     hasher: RandomState,
-    index: HashMap<u64, u32, BuildHasherDefault<Prehashed>>,
+    index: SlotIndex,
     /// Entries in the order kept: the one kept `n`-th sits at slot `n % capacity`, so
     /// a full cache lets the oldest go for each new one (a fresh-key workload fills
     /// it in a fraction of a second), never all at once. A key kept again takes a new
     /// slot and leaves its old one empty (no scan ever looks for the oldest live one),
     /// so keys kept over and over leave fewer than `capacity` entries for a while.
-    /// Invariant: `index` names a slot exactly when that slot holds the entry of that
-    /// hash.
+    /// Invariant: `index` names a slot exactly when that slot holds an entry, under
+    /// that entry's tag.
     ring: Vec<Option<Kept>>,
     kept: u64,
     /// Keeping positions before this hold nothing (let go, or expired). Leases are
@@ -135,11 +113,18 @@ impl Default for ReplicaCache {
 }
 
 impl Inner {
+    fn tag(&self, key: &str) -> u32 {
+        (self.hasher.hash_one(key) >> 32) as u32
+    }
+
     /// The slot of `key`'s entry, if one is kept.
     fn slot_of(&self, key: &str) -> Option<usize> {
-        let slot = *self.index.get(&self.hasher.hash_one(key))? as usize;
-        let kept = self.ring[slot].as_ref()?;
-        (&*kept.key == key).then_some(slot)
+        let is_key = |slot: u32| {
+            let kept = self.ring[slot as usize].as_ref();
+            kept.is_some_and(|k| &*k.key == key)
+        };
+        let (_, slot) = self.index.find(self.tag(key), is_key)?;
+        Some(slot as usize)
     }
 
     /// `key`'s entry, if one is kept.
@@ -150,7 +135,9 @@ impl Inner {
     /// Empties `slot`, and the index entry naming it.
     fn let_go(&mut self, slot: usize) {
         if let Some(old) = self.ring[slot].take() {
-            self.index.remove(&old.hash);
+            if let Some((bucket, _)) = self.index.find(old.tag, |s| s as usize == slot) {
+                self.index.remove_at(bucket);
+            }
         }
     }
 
@@ -186,7 +173,7 @@ impl ReplicaCache {
             inner: Mutex::new(Inner {
                 capacity,
                 hasher: RandomState::new(),
-                index: HashMap::with_capacity_and_hasher(capacity, Default::default()),
+                index: SlotIndex::with_capacity(capacity),
                 ring: Vec::with_capacity(capacity),
                 kept: 0,
                 front: 0,
@@ -229,16 +216,16 @@ impl ReplicaCache {
         }
         let mut inner = self.lock();
         inner.drop_expired(now);
-        let hash = inner.hasher.hash_one(key);
-        // Kept again (or sharing the hash): the old entry goes.
-        if let Some(old) = inner.index.get(&hash).copied() {
-            inner.let_go(old as usize);
+        // Kept again: the old entry goes.
+        if let Some(old) = inner.slot_of(key) {
+            inner.let_go(old);
         }
         let capacity = inner.capacity as u64;
         let slot = (inner.kept % capacity) as usize;
+        let tag = inner.tag(key);
         let kept = Kept {
             key: key.into(),
-            hash,
+            tag,
             desc: leased.desc.clone(),
             usable_until,
         };
@@ -248,7 +235,7 @@ impl ReplicaCache {
             inner.let_go(slot); // the oldest kept
             inner.ring[slot] = Some(kept);
         }
-        inner.index.insert(hash, slot as u32);
+        inner.index.insert(tag, slot as u32);
         inner.kept += 1;
         inner.front = inner.front.max(inner.kept.saturating_sub(capacity));
     }
@@ -414,25 +401,27 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_found_by_hash_serves_only_its_own_key() {
+    fn keys_sharing_a_tag_are_told_apart_by_their_keys() {
         let c = ReplicaCache::default();
         let now = Instant::now();
-        c.insert("b", &Leased::granted(desc(60_000), now));
+        c.insert("b", &Leased::granted(desc(50_000), now));
         {
-            // As if "a" and "b" had the same 64-bit hash.
+            // As if "b" had the tag of "a": it takes a's home bucket, a goes after it.
             let mut inner = c.lock();
-            let (a, b) = (inner.hasher.hash_one("a"), inner.hasher.hash_one("b"));
-            let slot = inner.index.remove(&b).unwrap();
-            inner.ring[slot as usize].as_mut().unwrap().hash = a;
-            inner.index.insert(a, slot);
+            let (ta, tb) = (inner.tag("a"), inner.tag("b"));
+            let (bucket, slot) = inner.index.find(tb, |_| true).unwrap();
+            inner.index.remove_at(bucket);
+            inner.ring[slot as usize].as_mut().unwrap().tag = ta;
+            inner.index.insert(ta, slot);
         }
-        assert!(c.get("a", now).is_none());
-        c.drop_keys(["a"]);
-        assert_eq!(c.len(), 1, "a drop of another key leaves the entry");
-        // Keeping "a" replaces the shared entry.
         c.insert("a", &Leased::granted(desc(60_000), now));
-        assert!(c.get("a", now).is_some());
-        assert_eq!(c.len(), 1);
+        assert_eq!(c.get("a", now).map(|l| l.desc.lease_ms), Some(60_000));
+        c.drop_keys(["a"]);
+        assert!(c.get("a", now).is_none());
+        assert_eq!(c.len(), 1, "the other key under that tag stays");
+        c.insert("a", &Leased::granted(desc(70_000), now));
+        assert_eq!(c.get("a", now).map(|l| l.desc.lease_ms), Some(70_000));
+        assert_eq!(c.len(), 2);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::ops::{Index, IndexMut};
 
 use super::policy::{MeanGap, Policy, NONE};
 use super::Object;
+use crate::slot_index::SlotIndex;
 
 /// Elements per arena chunk (a power of two): small enough that a near-empty shard
 /// costs little, large enough that the chunk list stays short.
@@ -138,8 +139,6 @@ impl KeyRef {
     }
 }
 
-/// An empty index bucket.
-const VACANT: u64 = u64::MAX;
 /// Dead key bytes below this are never worth a compaction.
 const MIN_COMPACT: usize = 4096;
 /// A compaction walks every slot, inline keys' too: it waits until this many dead
@@ -150,10 +149,8 @@ const COMPACT_BYTES_PER_SLOT: usize = 4;
 
 /// Objects by key.
 pub(super) struct Table {
-    /// Buckets of (hash tag << 32 | arena slot), `VACANT` when empty; linear probing
-    /// from `tag & mask`, at most 3/4 full. The tag is the hash's high half, so the
-    /// index regrows without reading a key.
-    index: Vec<u64>,
+    /// Arena slots by the high half of the key's hash.
+    index: SlotIndex,
     entries: Chunks<Entry>,
     /// First free arena slot (`NONE`: none).
     free: u32,
@@ -167,7 +164,7 @@ pub(super) struct Table {
 impl Default for Table {
     fn default() -> Self {
         Table {
-            index: Vec::new(),
+            index: SlotIndex::default(),
             entries: Chunks::default(),
             free: NONE,
             keys: Vec::new(),
@@ -198,24 +195,12 @@ impl Table {
 
     /// The index bucket of `key`, and its arena slot.
     fn find(&self, key: &str) -> Option<(usize, u32)> {
-        if self.index.is_empty() {
+        if self.len == 0 {
             return None;
         }
         let tag = self.tag(key);
-        let mask = self.index.len() - 1;
-        let mut i = tag as usize & mask;
-        // Bounded: the index always has vacant buckets.
-        loop {
-            let bucket = self.index[i];
-            if bucket == VACANT {
-                return None;
-            }
-            let slot = bucket as u32;
-            if (bucket >> 32) as u32 == tag && self.key_bytes_of(slot) == key.as_bytes() {
-                return Some((i, slot));
-            }
-            i = (i + 1) & mask;
-        }
+        self.index
+            .find(tag, |slot| self.key_bytes_of(slot) == key.as_bytes())
     }
 
     /// The arena slot of `key`.
@@ -257,9 +242,6 @@ impl Table {
         if let Some(slot) = self.slot(key) {
             return self.at_mut(slot).map(|old| std::mem::replace(old, o));
         }
-        if (self.len + 1) * 4 > self.index.len() * 3 {
-            self.grow_index();
-        }
         let key_ref = if key.len() <= INLINE {
             KeyRef::inline(key.as_bytes())
         } else {
@@ -281,27 +263,9 @@ impl Table {
             slot
         };
         let tag = self.tag(key);
-        self.place(tag, slot);
+        self.index.insert(tag, slot);
         self.len += 1;
         None
-    }
-
-    /// Puts (`tag`, `slot`) in the first vacant bucket from `tag`'s.
-    fn place(&mut self, tag: u32, slot: u32) {
-        let mask = self.index.len() - 1;
-        let mut i = tag as usize & mask;
-        while self.index[i] != VACANT {
-            i = (i + 1) & mask;
-        }
-        self.index[i] = (u64::from(tag) << 32) | u64::from(slot);
-    }
-
-    fn grow_index(&mut self) {
-        let size = (self.index.len() * 2).max(16);
-        let old = std::mem::replace(&mut self.index, vec![VACANT; size]);
-        for bucket in old.into_iter().filter(|b| *b != VACANT) {
-            self.place((bucket >> 32) as u32, bucket as u32);
-        }
     }
 
     pub fn remove(&mut self, key: &str) -> Option<Object> {
@@ -311,7 +275,7 @@ impl Table {
 
     /// Empties index bucket `bucket` and arena slot `slot` (which it names).
     fn remove_at(&mut self, bucket: usize, slot: u32) -> Option<Object> {
-        self.vacate(bucket);
+        self.index.remove_at(bucket);
         let e = &mut self.entries[slot as usize];
         let spilled = e.key.span().map_or(0, |span| span.len());
         let o = e.object.take();
@@ -332,23 +296,6 @@ impl Table {
             self.compact_keys();
         }
         o
-    }
-
-    /// Empties `hole`, moving later buckets of the same probe run back so that every
-    /// key stays reachable from its home bucket (no tombstones).
-    fn vacate(&mut self, mut hole: usize) {
-        let mask = self.index.len() - 1;
-        let mut i = (hole + 1) & mask;
-        while self.index[i] != VACANT {
-            let home = (self.index[i] >> 32) as usize & mask;
-            // Movable when its home is not within (hole, i].
-            if i.wrapping_sub(home) & mask >= i.wrapping_sub(hole) & mask {
-                self.index[hole] = self.index[i];
-                hole = i;
-            }
-            i = (i + 1) & mask;
-        }
-        self.index[hole] = VACANT;
     }
 
     /// Copies the live spilled keys into a fresh arena, in slot order.
@@ -635,7 +582,10 @@ mod tests {
             assert_eq!(t.key_at(slot), Some(key.as_str()));
             assert_eq!(t.at(slot).map(|o| o.size), Some(i as u64));
         }
-        assert!(t.index.len() * 3 >= t.len() * 4, "index at most 3/4 full");
+        assert!(
+            t.index.buckets() * 3 >= t.len() * 4,
+            "index at most 3/4 full"
+        );
     }
 
     #[test]
@@ -748,7 +698,7 @@ mod tests {
             t.remove(&format!("k{i}"));
         }
         assert_eq!(
-            (t.len(), t.entries.len(), t.index.len(), t.key_bytes()),
+            (t.len(), t.entries.len(), t.index.buckets(), t.key_bytes()),
             (0, 0, 0, 0)
         );
         t.insert("k1", object(7));

@@ -165,16 +165,16 @@ impl Inner {
 
 impl ReplicaCache {
     /// A cache keeping at most `capacity` descriptors. Its index and ring are sized
-    /// for them at once (pages are touched as entries come): growing the index meant
-    /// rehashing every entry, a read stalled for milliseconds at each doubling.
+    /// for them at the first insert (a client that never reads holds none of it), not
+    /// grown as entries come: growing stalls the read that pays for it.
     fn with_capacity(capacity: usize) -> ReplicaCache {
         let capacity = capacity.max(1);
         ReplicaCache {
             inner: Mutex::new(Inner {
                 capacity,
                 hasher: RandomState::new(),
-                index: SlotIndex::with_capacity(capacity),
-                ring: Vec::with_capacity(capacity),
+                index: SlotIndex::default(),
+                ring: Vec::new(),
                 kept: 0,
                 front: 0,
                 touched: Vec::new(),
@@ -215,6 +215,11 @@ impl ReplicaCache {
             return;
         }
         let mut inner = self.lock();
+        if inner.ring.capacity() == 0 {
+            let capacity = inner.capacity;
+            inner.index = SlotIndex::with_capacity(capacity);
+            inner.ring.reserve_exact(capacity);
+        }
         inner.drop_expired(now);
         // Kept again: the old entry goes.
         if let Some(old) = inner.slot_of(key) {
@@ -358,6 +363,25 @@ mod tests {
         assert_eq!((c.len(), c.lock().ring.len()), (0, 0));
         keep("again");
         assert!(c.get("again", now).is_some() && c.len() == 1);
+    }
+
+    #[test]
+    fn the_tables_are_sized_once_at_the_first_insert() {
+        let c = ReplicaCache::with_capacity(1000);
+        let sizes = || {
+            let inner = c.lock();
+            (inner.index.buckets(), inner.ring.capacity())
+        };
+        assert_eq!(sizes(), (0, 0));
+        let now = Instant::now();
+        c.insert("k0", &Leased::granted(desc(60_000), now));
+        let sized = sizes();
+        assert!(sized.0 * 3 >= 1000 * 4 && sized.1 >= 1000, "{sized:?}");
+        for i in 1..3000 {
+            c.insert(&format!("k{i}"), &Leased::granted(desc(60_000), now));
+        }
+        assert_eq!(sizes(), sized);
+        assert_eq!(c.len(), 1000);
     }
 
     #[test]

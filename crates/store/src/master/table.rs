@@ -157,7 +157,6 @@ pub(super) struct Table {
     keys: Vec<u8>,
     /// Bytes in `keys` no object refers to any more.
     dead_key_bytes: usize,
-    len: usize,
     hasher: RandomState,
 }
 
@@ -169,15 +168,15 @@ impl Default for Table {
             free: NONE,
             keys: Vec::new(),
             dead_key_bytes: 0,
-            len: 0,
             hasher: RandomState::new(),
         }
     }
 }
 
 impl Table {
+    /// Objects held: one index entry each.
     pub fn len(&self) -> usize {
-        self.len
+        self.index.len()
     }
 
     fn tag(&self, key: &str) -> u32 {
@@ -195,9 +194,6 @@ impl Table {
 
     /// The index bucket of `key`, and its arena slot.
     fn find(&self, key: &str) -> Option<(usize, u32)> {
-        if self.len == 0 {
-            return None;
-        }
         let tag = self.tag(key);
         self.index
             .find(tag, |slot| self.key_bytes_of(slot) == key.as_bytes())
@@ -264,7 +260,6 @@ impl Table {
         };
         let tag = self.tag(key);
         self.index.insert(tag, slot);
-        self.len += 1;
         None
     }
 
@@ -281,9 +276,8 @@ impl Table {
         let o = e.object.take();
         e.key = KeyRef::link(self.free);
         self.free = slot;
-        self.len -= 1;
         self.dead_key_bytes += spilled;
-        if self.len == 0 {
+        if self.len() == 0 {
             // Give everything back once empty (a shard that shrank a lot).
             *self = Table {
                 hasher: std::mem::take(&mut self.hasher),

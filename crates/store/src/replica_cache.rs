@@ -119,11 +119,16 @@ impl Inner {
 
     /// The slot of `key`'s entry, if one is kept.
     fn slot_of(&self, key: &str) -> Option<usize> {
+        self.slot_under(key, self.tag(key))
+    }
+
+    /// The slot of `key`'s entry, if one is kept, `tag` being its tag.
+    fn slot_under(&self, key: &str, tag: u32) -> Option<usize> {
         let is_key = |slot: u32| {
             let kept = self.ring[slot as usize].as_ref();
             kept.is_some_and(|k| &*k.key == key)
         };
-        let (_, slot) = self.index.find(self.tag(key), is_key)?;
+        let (_, slot) = self.index.find(tag, is_key)?;
         Some(slot as usize)
     }
 
@@ -221,13 +226,13 @@ impl ReplicaCache {
             inner.ring.reserve_exact(capacity);
         }
         inner.drop_expired(now);
+        let tag = inner.tag(key);
         // Kept again: the old entry goes.
-        if let Some(old) = inner.slot_of(key) {
+        if let Some(old) = inner.slot_under(key, tag) {
             inner.let_go(old);
         }
         let capacity = inner.capacity as u64;
         let slot = (inner.kept % capacity) as usize;
-        let tag = inner.tag(key);
         let kept = Kept {
             key: key.into(),
             tag,

@@ -151,7 +151,7 @@ impl Load {
                 Ok((desc, _)) => {
                     let replicas = desc.replicas.iter().map(|r| {
                         let mut segments: Vec<String> =
-                            r.pieces.iter().map(|p| p.segment.clone()).collect();
+                            r.pieces.iter().map(|p| p.segment.to_string()).collect();
                         segments.sort();
                         segments.dedup();
                         segments

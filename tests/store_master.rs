@@ -270,7 +270,7 @@ fn large_objects_are_striped() {
     let pieces = &d.replicas[0].pieces;
     assert_eq!(pieces.iter().map(|p| p.len).sum::<u64>(), 5 * MIB + 17);
     assert!(pieces.len() >= 6, "slab size 1 MiB caps each piece");
-    assert!(pieces.iter().any(|p| p.segment == "a") && pieces.iter().any(|p| p.segment == "b"));
+    assert!(pieces.iter().any(|p| &*p.segment == "a") && pieces.iter().any(|p| &*p.segment == "b"));
 }
 
 #[test]

@@ -321,10 +321,11 @@ fn forged_copied_revoked_and_consumed_notes_bring_nothing_back() {
         hard_pin: false,
         replica: mooncake::store::protocol::ReplicaDesc {
             pieces: vec![mooncake::store::protocol::Piece {
-                segment: node.info.name.clone(),
+                segment: node.info.name.as_str().into(),
                 addr: forged_at,
                 len: 1024,
-            }],
+            }]
+            .into(),
         },
         index: 0,
     });

@@ -31,7 +31,8 @@ fn chunk(name: &str, first: usize, count: usize, key_len: usize) -> Vec<CatalogE
                     segment: name.into(),
                     addr: BASE + i as u64 * 64,
                     len: 64,
-                }],
+                }]
+                .into(),
             },
             index: 0,
         })

@@ -451,7 +451,7 @@ fn replica_json(d: &ObjectDesc, disk: Option<&str>) -> Value {
     let replicas = d.replicas.iter().map(|r| {
         let pieces = r.pieces.iter().map(|p| {
             Value::object([
-                ("segment", Value::from(p.segment.as_str())),
+                ("segment", Value::from(&*p.segment)),
                 ("addr", p.addr.into()),
                 ("len", p.len.into()),
             ])
@@ -635,8 +635,10 @@ mod tests {
                         addr: 8192,
                         len: 4,
                     },
-                ],
-            }],
+                ]
+                .into(),
+            }]
+            .into(),
         };
         assert_eq!(
             replica_json(&d, None).to_string(),
@@ -644,7 +646,7 @@ mod tests {
         );
         // A disk tier's copy comes last, as upstream's LOCAL_DISK replica.
         let only_disk = ObjectDesc {
-            replicas: Vec::new(),
+            replicas: Default::default(),
             ..d
         };
         assert_eq!(

@@ -183,10 +183,11 @@ fn forged(key: &str, version: u64, crc: u32, at: &SegmentInfo) -> CatalogEntry {
         hard_pin: false,
         replica: ReplicaDesc {
             pieces: vec![Piece {
-                segment: at.name.clone(),
+                segment: at.name.as_str().into(),
                 addr: at.base,
                 len: SIZE,
-            }],
+            }]
+            .into(),
         },
         index: 0,
     }
@@ -238,7 +239,7 @@ fn a_remount_never_replaces_an_object_this_master_wrote() {
     let k = get(&m, "k").expect("k is still served");
     assert_eq!(k.crc32c, REAL_CRC, "k's checksum is the writer's");
     assert_eq!(k.replicas.len(), 1);
-    assert_eq!(k.replicas[0].pieces[0].segment, "node-a");
+    assert_eq!(&*k.replicas[0].pieces[0].segment, "node-a");
     // The refused claim holds no space in the claimant's segment.
     let evil_used = m.all_segments().into_iter().find(|s| s.0.name == "evil");
     assert_eq!(evil_used.map(|s| s.2), Some(0));
@@ -297,7 +298,7 @@ fn after_a_restart_a_contradicted_object_is_dropped_never_replaced() {
     let got = get(&m, "shared").expect("node B's copy is served");
     assert_eq!(got.crc32c, REAL_CRC);
     assert_eq!(got.replicas.len(), 1);
-    assert_eq!(got.replicas[0].pieces[0].segment, "node-b");
+    assert_eq!(&*got.replicas[0].pieces[0].segment, "node-b");
 
     // Mallory claims "solo" after node A vouched for it: a miss, never her bytes.
     assert_eq!(get(&m, "solo").unwrap().crc32c, REAL_CRC);
@@ -559,7 +560,7 @@ fn an_object_whose_disk_copy_dies_unwritten_keeps_its_other_replica() {
     let desc = get(&m, &key).expect("kept in B's memory");
     assert_eq!(desc.crc32c, REAL_CRC);
     let segments: Vec<_> = desc.replicas.iter().flat_map(|r| &r.pieces).collect();
-    assert!(!segments.is_empty() && segments.iter().all(|p| p.segment == "node-b"));
+    assert!(!segments.is_empty() && segments.iter().all(|p| &*p.segment == "node-b"));
     // Back in memory, it is evictable again: B alone takes twice what it holds.
     clock.advance(LEASE_MS + 1);
     for i in 0..2 * SEGMENT / SIZE {

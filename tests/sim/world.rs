@@ -574,7 +574,7 @@ impl World {
                     Some((q, off)) if at + len <= bytes.len() => {
                         self.procs[q].memory[off..off + len].copy_from_slice(&bytes[at..at + len]);
                         let inc = self.procs[q].incarnation;
-                        pieces.push((piece.segment.clone(), piece.addr, piece.len, inc));
+                        pieces.push((piece.segment.to_string(), piece.addr, piece.len, inc));
                     }
                     _ => failed = true,
                 }
@@ -653,7 +653,7 @@ impl World {
             let live = served.is_some_and(|v| {
                 r.pieces.iter().all(|piece| {
                     v.pieces.iter().any(|(s, a, l, inc)| {
-                        *s == piece.segment
+                        **s == *piece.segment
                             && *a == piece.addr
                             && *l == piece.len
                             && self
@@ -729,7 +729,8 @@ impl World {
             .collect();
         for (key, (_, _, replicas)) in &queried {
             for piece in replicas.iter().flat_map(|r| &r.pieces) {
-                let Some((info, _, _)) = segments.iter().find(|(i, _, _)| i.name == piece.segment)
+                let Some((info, _, _)) =
+                    segments.iter().find(|(i, _, _)| *i.name == *piece.segment)
                 else {
                     return Err(format!(
                         "{key} has a piece on unmounted segment {}",

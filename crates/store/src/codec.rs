@@ -4,6 +4,8 @@
 
 #![forbid(unsafe_code)]
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 
 /// Builds a store RPC payload (little-endian, length-prefixed strings and lists).
@@ -18,9 +20,37 @@ impl Writer {
         Writer::default()
     }
 
+    /// A payload built in `buf`, emptied first: a buffer kept from one payload to the
+    /// next keeps its capacity.
+    pub fn with_buffer(mut buf: Vec<u8>) -> Writer {
+        buf.clear();
+        Writer { buf }
+    }
+
     /// The bytes written so far.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf
+    }
+
+    /// How many bytes were written so far.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether nothing was written yet.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    /// Bytes `range` of what was written so far.
+    pub fn written(&self, range: std::ops::Range<usize>) -> &[u8] {
+        &self.buf[range]
+    }
+
+    /// Appends bytes already encoded, as they are.
+    pub fn raw(&mut self, v: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(v);
+        self
     }
 
     /// Appends one byte.
@@ -78,12 +108,21 @@ impl Writer {
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// The strings `shared_str` read last, each allocated once.
+    shared: Vec<Arc<str>>,
 }
+
+/// How many distinct strings `Reader::shared_str` remembers.
+const SHARED_STRINGS: usize = 8;
 
 impl<'a> Reader<'a> {
     /// A reader at the start of `buf`.
     pub fn new(buf: &'a [u8]) -> Reader<'a> {
-        Reader { buf, pos: 0 }
+        Reader {
+            buf,
+            pos: 0,
+            shared: Vec::new(),
+        }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
@@ -148,6 +187,22 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(self.bytes()?).map_err(|_| Error::protocol("string is not UTF-8"))
     }
 
+    /// Reads a length-prefixed UTF-8 string a payload repeats (a segment name in each
+    /// of a batch's descriptors): one allocation per distinct string of the last few,
+    /// shared by every place it is read.
+    pub fn shared_str(&mut self) -> Result<Arc<str>> {
+        let s = self.str()?;
+        if let Some(known) = self.shared.iter().find(|k| ***k == *s) {
+            return Ok(known.clone());
+        }
+        let new: Arc<str> = s.into();
+        if self.shared.len() == SHARED_STRINGS {
+            self.shared.remove(0);
+        }
+        self.shared.push(new.clone());
+        Ok(new)
+    }
+
     /// Reads a length-prefixed UTF-8 string into an owned `String`.
     pub fn string(&mut self) -> Result<String> {
         self.str().map(str::to_owned)
@@ -158,8 +213,17 @@ impl<'a> Reader<'a> {
     pub fn list<T>(
         &mut self,
         min_item: usize,
-        mut each: impl FnMut(&mut Self) -> Result<T>,
+        each: impl FnMut(&mut Self) -> Result<T>,
     ) -> Result<Vec<T>> {
+        self.list_of(min_item, each)
+    }
+
+    /// As `list`, collected into any collection (a `SmallList`, say).
+    pub fn list_of<C: FromIterator<T>, T>(
+        &mut self,
+        min_item: usize,
+        mut each: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<C> {
         let n = self.u32()? as usize;
         if n.saturating_mul(min_item.max(1)) > self.buf.len() - self.pos {
             return Err(Error::protocol(format!(
@@ -224,5 +288,25 @@ mod tests {
         }
         let forged = [0xff, 0xff, 0xff, 0x7f];
         assert!(Reader::new(&forged).list(8, |r| r.u64()).is_err());
+    }
+
+    #[test]
+    fn a_repeated_string_is_allocated_once_and_every_one_reads_right() {
+        let names: Vec<String> = (0..20).map(|i| format!("seg-{}", i % 10)).collect();
+        let mut w = Writer::new();
+        for n in &names {
+            w.str(n).str(n);
+        }
+        let bytes = w.into_bytes();
+        let mut r = Reader::new(&bytes);
+        for n in &names {
+            let (a, b) = (r.shared_str().unwrap(), r.shared_str().unwrap());
+            assert_eq!((&*a, &*b), (n.as_str(), n.as_str()));
+            assert!(Arc::ptr_eq(&a, &b), "{n} read twice in a row");
+        }
+        r.finish().unwrap();
+        assert!(Reader::new(&[3, 0, 0, 0, 0xff, 0xfe, 0xfd])
+            .shared_str()
+            .is_err());
     }
 }

@@ -304,7 +304,7 @@ mod tests {
             size: 4,
             crc32c: 1,
             lease_ms,
-            replicas: Vec::new(),
+            replicas: Default::default(),
         }
     }
 

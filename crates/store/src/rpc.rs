@@ -187,6 +187,7 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
     let mut reader = TimedReader::new(&stream, ticket);
     let mut frames = FrameReader::new();
+    let mut out = Vec::new();
     loop {
         if frames.buffered() == 0 {
             // A client's next request often follows at once: catch it without sleeping.
@@ -215,36 +216,66 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
                 return;
             }
         };
-        let (status, body) = if version != PROTOCOL_VERSION {
-            let msg = format!("protocol version {version}, this master speaks {PROTOCOL_VERSION}");
-            (Code::InvalidVersion as i32, msg.into_bytes())
-        } else {
-            match Request::decode(method, &payload) {
-                Err(e) => {
-                    crate::warn_limited!("master rpc {peer}: method {method}: {e}; closing");
-                    return;
-                }
-                Ok(req) => {
-                    ticket.prove();
-                    match master.handle_from(req, peer_ip) {
-                        Ok(resp) => {
-                            let mut w = Writer::new();
-                            resp.encode(&mut w);
-                            (0, w.into_bytes())
-                        }
-                        Err(e) => (e.code() as i32, e.context().as_bytes().to_vec()),
-                    }
-                }
-            }
-        };
-        if (&stream)
-            .write_all(&frame(method, id, Some(status), &body))
-            .is_err()
-            || version != PROTOCOL_VERSION
-        {
+        if version != PROTOCOL_VERSION {
+            answer_frame(&mut out, method, id, |_| {
+                Err(Error::new(
+                    Code::InvalidVersion,
+                    format!("protocol version {version}, this master speaks {PROTOCOL_VERSION}"),
+                ))
+            });
+            let _ = (&stream).write_all(&out);
             return;
         }
+        match Request::decode(method, &payload) {
+            Err(e) => {
+                crate::warn_limited!("master rpc {peer}: method {method}: {e}; closing");
+                return;
+            }
+            Ok(req) => {
+                ticket.prove();
+                answer_frame(&mut out, method, id, |w| {
+                    master.answer_into(req, peer_ip, w)
+                });
+            }
+        }
+        if (&stream).write_all(&out).is_err() {
+            return;
+        }
+        if out.capacity() > KEPT_ANSWER_BUFFER {
+            out = Vec::new();
+        }
     }
+}
+
+/// The most an answer buffer keeps between frames: the rare large answer (stats,
+/// long key lists) is not held for the connection's life.
+const KEPT_ANSWER_BUFFER: usize = 1 << 20;
+
+/// Builds an answer frame in `out` (kept from frame to frame): the header, status 0
+/// and what `body` writes; or, should `body` fail, the error's code and context.
+fn answer_frame(
+    out: &mut Vec<u8>,
+    method: u16,
+    id: u64,
+    body: impl FnOnce(&mut Writer) -> Result<()>,
+) {
+    const STATUS_AT: usize = 4 + HEADER;
+    let mut w = Writer::with_buffer(std::mem::take(out));
+    w.u32(0)
+        .raw(&PROTOCOL_VERSION.to_le_bytes())
+        .raw(&method.to_le_bytes())
+        .u64(id)
+        .i32(0);
+    let failed = body(&mut w).err();
+    let mut bytes = w.into_bytes();
+    if let Some(e) = failed {
+        bytes.truncate(STATUS_AT + 4);
+        bytes[STATUS_AT..].copy_from_slice(&(e.code() as i32).to_le_bytes());
+        bytes.extend_from_slice(e.context().as_bytes());
+    }
+    let len = (bytes.len() - 4) as u32;
+    bytes[..4].copy_from_slice(&len.to_le_bytes());
+    *out = bytes;
 }
 
 /// Where the master is: a fixed address, or (Mooncake's `etcd://h:p;h:p` form) the

@@ -285,7 +285,7 @@ fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
                                     .iter()
                                     .map(|p| {
                                         Value::object([
-                                            ("segment", Value::from(p.segment.as_str())),
+                                            ("segment", Value::from(&*p.segment)),
                                             ("addr", p.addr.into()),
                                             ("len", p.len.into()),
                                         ])

@@ -517,7 +517,7 @@ impl Client {
         let own = self.engine.segment_name();
         let own_host = self.engine.descriptor().host.map(|h| h.host_id);
         let rank = |r: &ReplicaDesc| -> u8 {
-            if r.pieces.iter().all(|p| p.segment == own) {
+            if r.pieces.iter().all(|p| &*p.segment == own) {
                 return 0;
             }
             let same_host = r.pieces.iter().all(|p| {

@@ -292,7 +292,7 @@ pub(super) fn lend_notes(
     let mut writes = Vec::new();
     for piece in replicas.pieces() {
         entry.replica = ReplicaDesc {
-            pieces: vec![piece.piece()],
+            pieces: vec![piece.piece()].into(),
         };
         entry.index = 0;
         let Some((lent, key, ring)) = piece.seg.log.lend_note(next_lend) else {
@@ -578,7 +578,7 @@ impl Master {
             .iter()
             .map(|e| match e.piece() {
                 Some(p)
-                    if p.segment == name
+                    if *p.segment == *name
                         && p.addr >= base
                         && p.len > 0
                         && p.addr.checked_add(p.len).is_some_and(|e| e <= end) =>
@@ -705,7 +705,7 @@ impl Master {
         let id = (
             entry.key.clone(),
             entry.version,
-            first.segment.clone(),
+            first.segment.to_string(),
             first.addr,
         );
         let mut stripes = self.catalogs.stripes.locked();
@@ -733,7 +733,7 @@ impl Master {
     /// refused, or when its pieces do not add up to the value.
     fn adopt_replica(&self, entry: &CatalogEntry, replica: ReplicaAlloc, now: u64) -> bool {
         let described: Vec<_> = replica.iter().map(PieceAlloc::piece).collect();
-        if described != entry.replica.pieces
+        if described[..] != entry.replica.pieces[..]
             || described.iter().map(|p| p.len).sum::<u64>() != entry.size
         {
             return false;

@@ -92,7 +92,7 @@ impl Copies {
 
 /// Whether every piece of `r` lies on segments named `name`.
 fn wholly_on(r: &ReplicaDesc, name: &str) -> bool {
-    r.pieces.iter().all(|p| p.segment == name)
+    r.pieces.iter().all(|p| *p.segment == *name)
 }
 
 impl Master {
@@ -148,11 +148,11 @@ impl Master {
             if !o.complete {
                 return Err(Error::new(Code::ReplicaIsNotReady, what()));
             }
-            let descs = o.replicas.describe();
+            let descs: Vec<ReplicaDesc> = o.replicas.describe();
             let read = match moving {
                 true => descs
                     .iter()
-                    .find(|r| r.pieces.iter().any(|p| p.segment == source)),
+                    .find(|r| r.pieces.iter().any(|p| *p.segment == *source)),
                 false => descs.first(),
             };
             let read = match (read, moving) {
@@ -241,7 +241,7 @@ impl Master {
             let current = map.get_mut(&key).filter(|o| {
                 o.complete
                     && o.version == copy.version
-                    && o.replicas.describe().contains(&copy.source)
+                    && o.replicas.describe::<Vec<_>>().contains(&copy.source)
             });
             let Some(o) = current else {
                 return Err(Error::new(
@@ -250,7 +250,12 @@ impl Master {
                 ));
             };
             for (target, replica) in copy.placed {
-                if !o.replicas.describe().iter().any(|r| wholly_on(r, &target)) {
+                if !o
+                    .replicas
+                    .describe::<Vec<_>>()
+                    .iter()
+                    .any(|r| wholly_on(r, &target))
+                {
                     o.replicas.push(replica);
                 }
             }

@@ -80,6 +80,11 @@ pub(super) fn tail_first<T, R>(items: &[T], f: impl FnMut(&T) -> R) -> Vec<R> {
     out
 }
 
+/// Runs `f` on the indices of a batch of `n` items in `tail_first`'s order.
+pub(super) fn tail_first_each(n: usize, f: impl FnMut(usize)) {
+    (0..n).rev().for_each(f);
+}
+
 /// Whether an object may be evicted now: complete, not hard-pinned, lease expired, and
 /// soft pin expired unless soft-pinned objects are fair game this time.
 fn evictable(o: &Object, now: u64, allow_soft_pinned: bool) -> bool {
@@ -170,8 +175,15 @@ impl Master {
 
     /// Records a hit of `key` (a read, or the end of its put) in its shard's order.
     pub(super) fn touch(&self, shard: &mut Shard, key: &str) {
+        if let Some(slot) = shard.objects.slot(key) {
+            self.touch_at(shard, slot, key);
+        }
+    }
+
+    /// As `touch`, for the object in arena slot `slot` (found already).
+    pub(super) fn touch_at(&self, shard: &mut Shard, slot: u32, key: &str) {
         let (floor, seq) = (self.aging.floor(), self.aging.next_seq());
-        if shard.hit(key, || Self::key_hash(key), floor, seq, &self.aging.gaps) {
+        if shard.hit_at(slot, || Self::key_hash(key), floor, seq, &self.aging.gaps) {
             self.aging.listed(self.objects.load(Ordering::Relaxed));
         }
     }

@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+mod answer;
 mod backing;
 mod catalog;
 mod clock;
@@ -383,12 +384,8 @@ impl Master {
                 Response::Exists(found)
             }
             Request::GetReplicasKeepable { keys } => {
-                let answers = eviction::tail_first(&keys, |k| match self.lookup(k, false) {
-                    // Only on disk (or unfinished): a copy staged for this reader is
-                    // not kept, so that each read of it still counts here.
-                    Err(Code::ReplicaIsNotReady) => (self.lookup(k, true), false),
-                    other => (other, true),
-                });
+                let answers =
+                    eviction::tail_first(&keys, |k| self.lookup_keepable(k, &mut answer::Build));
                 let (descs, keepable): (Vec<_>, _) = answers.into_iter().unzip();
                 self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
                 Response::Keepable { descs, keepable }
@@ -763,7 +760,9 @@ impl Master {
             size: o.size,
             crc32c,
             hard_pin: o.hard_pin,
-            replica: ReplicaDesc { pieces: Vec::new() },
+            replica: ReplicaDesc {
+                pieces: Default::default(),
+            },
             index: 0,
         };
         let next_lend = || self.catalogs.next_version();
@@ -946,11 +945,23 @@ impl Master {
     /// An object's descriptor, leased; one kept only on disk is read back into memory
     /// first when `load` allows.
     fn lookup(&self, key: &str, load: bool) -> KeyResult<ObjectDesc> {
+        self.lookup_into(key, load, &mut answer::Build)
+    }
+
+    /// As `lookup`, the descriptor given to `sink`, which may write it out under the
+    /// shard's lock rather than build it.
+    fn lookup_into<S: answer::DescSink>(
+        &self,
+        key: &str,
+        load: bool,
+        sink: &mut S,
+    ) -> KeyResult<S::Out> {
         check_key(key)?;
         let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
         let mut map = self.shard(key).locked();
-        let o = map.get_mut(key).ok_or(Code::ObjectNotFound)?;
+        let slot = map.objects.slot(key).ok_or(Code::ObjectNotFound)?;
+        let o = map.objects.at_mut(slot).ok_or(Code::ObjectNotFound)?;
         if !o.complete {
             return Err(Code::ReplicaIsNotReady);
         }
@@ -958,20 +969,17 @@ impl Master {
             let on_disk = o.disk.as_ref().map(|d| (d.seg.clone(), o.version, o.size));
             drop(map);
             return match on_disk {
-                Some((seg, version, size)) if load => self.read_back(key, &seg, version, size),
+                Some((seg, version, size)) if load => self
+                    .read_back(key, &seg, version, size)
+                    .map(|desc| sink.built(desc)),
                 Some(_) => Err(Code::ReplicaIsNotReady),
                 None => Err(Code::ObjectNotFound),
             };
         }
         o.lease_until_ms = o.lease_until_ms.max(now + ttl);
-        let desc = ObjectDesc {
-            size: o.size,
-            crc32c: o.crc32c,
-            lease_ms: ttl,
-            replicas: o.replicas.describe(),
-        };
+        let out = sink.replicas(o.size, o.crc32c, ttl, &o.replicas);
         let groups = o.groups.clone();
-        self.touch(&mut map, key);
+        self.touch_at(&mut map, slot, key);
         if !groups.is_empty() {
             // Members are leased one shard lock at a time, never two at once.
             drop(map);
@@ -979,7 +987,7 @@ impl Master {
                 m.lease_until_ms = m.lease_until_ms.max(now + ttl)
             });
         }
-        Ok(desc)
+        Ok(out)
     }
 
     /// Counts a read a client served from a descriptor it kept within its lease, as
@@ -1080,7 +1088,7 @@ impl Master {
             return Err(Code::ObjectHasLease);
         }
         let on_segment =
-            |r: &[PieceAlloc]| segment.is_empty() || r.iter().any(|p| p.piece().segment == segment);
+            |r: &[PieceAlloc]| segment.is_empty() || r.iter().any(|p| p.wire().0 == segment);
         let doomed = o.replicas.iter().filter(|r| on_segment(r)).count();
         if doomed == 0 {
             return Err(Code::SegmentNotFound);

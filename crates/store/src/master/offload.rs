@@ -253,7 +253,8 @@ impl Master {
             lease_ms: ttl + now.saturating_sub(started_ms),
             replicas: vec![ReplicaDesc {
                 pieces: space.iter().map(PieceAlloc::piece).collect(),
-            }],
+            }]
+            .into(),
         };
         drop(map);
         let copy = StagedCopy {
@@ -323,7 +324,7 @@ impl Master {
                     size: o.size,
                     crc32c: o.crc32c,
                     lease_ms: 0,
-                    replicas: Vec::new(),
+                    replicas: Default::default(),
                 };
                 (Ok(on_disk), disk)
             }

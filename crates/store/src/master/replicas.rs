@@ -3,7 +3,8 @@
 //! a list. Either way dropping a replica gives its space back (`PieceAlloc`).
 
 use super::segments::{PieceAlloc, ReplicaAlloc};
-use crate::protocol::ReplicaDesc;
+use crate::codec::Writer;
+use crate::protocol::{encode_replicas_of, ReplicaDesc};
 
 pub(super) enum Replicas {
     /// One replica of one piece.
@@ -86,12 +87,21 @@ impl Replicas {
         *self = Replicas::default();
     }
 
-    pub fn describe(&self) -> Vec<ReplicaDesc> {
+    pub fn describe<C: FromIterator<ReplicaDesc>>(&self) -> C {
         self.iter()
             .map(|r| ReplicaDesc {
                 pieces: r.iter().map(PieceAlloc::piece).collect(),
             })
             .collect()
+    }
+
+    /// Writes the replicas as a descriptor lists them (what `describe` encodes to),
+    /// building nothing on the way.
+    pub fn encode(&self, w: &mut Writer) {
+        match self {
+            Replicas::One(p) => encode_replicas_of(w, &[std::slice::from_ref(p)], PieceAlloc::wire),
+            Replicas::Many(v) => encode_replicas_of(w, v, PieceAlloc::wire),
+        }
     }
 
     /// The replicas as a list, leaving none here.

@@ -44,11 +44,18 @@ pub struct PieceAlloc {
 
 impl PieceAlloc {
     pub fn piece(&self) -> Piece {
+        let (segment, addr, len) = self.wire();
         Piece {
-            segment: self.seg.info.name.clone(),
-            addr: self.seg.info.base + self.alloc.offset,
-            len: self.alloc.size,
+            segment: segment.into(),
+            addr,
+            len,
         }
+    }
+
+    /// The piece as the wire names it: (segment, absolute address, length).
+    pub fn wire(&self) -> (&str, u64, u64) {
+        let info = &self.seg.info;
+        (&info.name, info.base + self.alloc.offset, self.alloc.size)
     }
 }
 

@@ -441,17 +441,14 @@ impl Shard {
     /// Counts a hit of `key` in the victim order, adding it there first if needed (only
     /// then is `hash` asked for the key's hash); objects that may never be evicted
     /// (unfinished, hard-pinned) stay out. True when `key` was added.
-    pub fn hit(
+    pub fn hit_at(
         &mut self,
-        key: &str,
+        slot: u32,
         hash: impl FnOnce() -> u64,
         floor: u64,
         seq: u32,
         gaps: &MeanGap,
     ) -> bool {
-        let Some(slot) = self.objects.slot(key) else {
-            return false;
-        };
         let Some(o) = self.objects.at_mut(slot) else {
             return false;
         };
@@ -783,7 +780,8 @@ mod tests {
         for i in 0..10u64 {
             let key = format!("k{i}");
             s.objects.insert(&key, object(i));
-            assert!(s.hit(&key, || i, 0, i as u32, &MeanGap::default()));
+            let slot = s.objects.slot(&key).unwrap();
+            assert!(s.hit_at(slot, || i, 0, i as u32, &MeanGap::default()));
         }
         assert_eq!(s.policy.len(), 10);
         s.retain(|_, o| o.size % 3 == 0);

@@ -154,7 +154,7 @@ impl NodeCatalog {
             }
             let Some(addr) = entry
                 .piece()
-                .filter(|p| p.segment == segment.name)
+                .filter(|p| *p.segment == segment.name)
                 .map(|p| p.addr)
             else {
                 continue;
@@ -356,7 +356,7 @@ impl NodeCatalog {
         self.entries
             .values()
             .map(|(e, _)| e)
-            .filter(|e| e.replica.pieces.iter().all(|p| p.segment == segment))
+            .filter(|e| e.replica.pieces.iter().all(|p| *p.segment == *segment))
             .filter(|e| seen.insert((e.key.clone(), e.version)))
             .cloned()
             .collect()
@@ -403,7 +403,7 @@ impl NodeCatalog {
             let Some(p) = e.piece() else { return false };
             let inside =
                 p.addr >= segment.base && p.addr.checked_add(p.len).is_some_and(|e| e <= end);
-            if p.segment != segment.name || !inside {
+            if *p.segment != segment.name || !inside {
                 return false;
             }
             if e.replica.pieces.len() == 1 {
@@ -502,7 +502,8 @@ mod tests {
                     segment: "seg".into(),
                     addr,
                     len: bytes.len() as u64,
-                }],
+                }]
+                .into(),
             },
             index: 0,
         }

@@ -7,10 +7,14 @@
 pub mod note;
 mod wire;
 
+pub use wire::{encode_desc, encode_failed, encode_found, encode_replicas_of, KeyedAnswers};
+
 pub use note::{NoteKey, NotePlace, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT};
 
 use super::codec::{Reader, Writer};
 use crate::error::{Code, Error, Result};
+pub use crate::small_list::SmallList;
+use std::sync::Arc;
 
 /// Bumped on any incompatible change to these messages.
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -58,8 +62,9 @@ impl Default for ReplicateConfig {
 /// A contiguous range of a node's memory: `len` bytes at absolute `addr` of `segment`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
-    /// The segment holding the bytes.
-    pub segment: String,
+    /// The segment holding the bytes (shared: a batch's descriptors name a few
+    /// segments many times).
+    pub segment: Arc<str>,
     /// Absolute address in that segment.
     pub addr: u64,
     /// Length in bytes.
@@ -71,7 +76,13 @@ pub struct Piece {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicaDesc {
     /// The pieces, in order; together they hold the whole value.
-    pub pieces: Vec<Piece>,
+    pub pieces: SmallList<Piece>,
+}
+
+impl AsRef<[Piece]> for ReplicaDesc {
+    fn as_ref(&self) -> &[Piece] {
+        &self.pieces
+    }
 }
 
 /// What a reader needs: size, checksum, complete replicas, and how long its lease lasts.
@@ -84,7 +95,7 @@ pub struct ObjectDesc {
     /// How long the reader's lease lasts, in milliseconds.
     pub lease_ms: u64,
     /// The complete replicas.
-    pub replicas: Vec<ReplicaDesc>,
+    pub replicas: SmallList<ReplicaDesc>,
 }
 
 /// A node's memory lent to the pool.

@@ -150,7 +150,8 @@ mod tests {
                     segment: "10.0.0.1:1234".into(),
                     addr: 0x1000,
                     len: 4096,
-                }],
+                }]
+                .into(),
             },
             index: 0,
         }

@@ -372,7 +372,7 @@ pub(super) fn encode_entry(w: &mut Writer, e: &CatalogEntry) {
 pub(super) fn decode_entry(r: &mut Reader) -> Result<CatalogEntry> {
     let key = r.string()?;
     let (version, size, crc32c, hard_pin) = (r.u64()?, r.u64()?, r.u32()?, r.bool()?);
-    let mut replicas = decode_replicas(r)?;
+    let mut replicas: Vec<ReplicaDesc> = decode_replicas(r)?;
     let index = r.u32()?;
     let replica = match (replicas.pop(), replicas.is_empty()) {
         (Some(rep), true) if (index as usize) < rep.pieces.len() => rep,
@@ -444,19 +444,85 @@ fn decode_result<T>(
 }
 
 fn encode_replicas(w: &mut Writer, replicas: &[ReplicaDesc]) {
+    encode_replicas_of(w, replicas, |p: &Piece| (&p.segment, p.addr, p.len));
+}
+
+/// Writes a replica list from any replicas whose pieces `piece` names as (segment,
+/// address, length): what `ReplicaDesc`s and the master's own records both encode to.
+pub fn encode_replicas_of<R: AsRef<[P]>, P>(
+    w: &mut Writer,
+    replicas: &[R],
+    piece: impl Fn(&P) -> (&str, u64, u64),
+) {
     w.list(replicas, |w, rep| {
-        w.list(&rep.pieces, |w, p| {
-            w.str(&p.segment).u64(p.addr).u64(p.len);
+        w.list(rep.as_ref(), |w, p| {
+            let (segment, addr, len) = piece(p);
+            w.str(segment).u64(addr).u64(len);
         });
     });
 }
 
-fn decode_replicas(r: &mut Reader) -> Result<Vec<ReplicaDesc>> {
-    r.list(4, |r| {
+/// The start of one key's answer for an object found: its status, size, checksum and
+/// lease. Its replica list follows (`encode_replicas_of`).
+pub fn encode_found(w: &mut Writer, size: u64, crc32c: u32, lease_ms: u64) {
+    w.i32(0).u64(size).u32(crc32c).u64(lease_ms);
+}
+
+/// One key's answer that failed: its status alone.
+pub fn encode_failed(w: &mut Writer, code: Code) {
+    w.i32(code as i32);
+}
+
+/// One key's whole answer, from a descriptor or its failure.
+pub fn encode_desc(w: &mut Writer, r: &KeyResult<ObjectDesc>) {
+    match r {
+        Ok(o) => {
+            encode_found(w, o.size, o.crc32c, o.lease_ms);
+            encode_replicas(w, &o.replicas);
+        }
+        Err(code) => encode_failed(w, *code),
+    }
+}
+
+/// A batch's per-key answers, each written when its key is handled, in any order (the
+/// master handles a batch tail first), and sent as the wire's list in key order.
+pub struct KeyedAnswers {
+    scratch: Writer,
+    /// Where each key's answer lies in `scratch`.
+    spans: Vec<std::ops::Range<usize>>,
+}
+
+impl KeyedAnswers {
+    /// Room for the answers of `keys` keys.
+    pub fn new(keys: usize) -> KeyedAnswers {
+        KeyedAnswers {
+            scratch: Writer::with_buffer(Vec::with_capacity(keys * 64)),
+            spans: vec![0..0; keys],
+        }
+    }
+
+    /// Writes key `i`'s answer with `write`, replacing any written before.
+    pub fn answer(&mut self, i: usize, write: impl FnOnce(&mut Writer)) {
+        let start = self.scratch.len();
+        write(&mut self.scratch);
+        self.spans[i] = start..self.scratch.len();
+    }
+
+    /// Appends the answers as a list, in key order.
+    pub fn finish(&self, w: &mut Writer) {
+        w.list(&self.spans, |w, span| {
+            debug_assert!(!span.is_empty(), "a key left unanswered");
+            w.raw(self.scratch.written(span.clone()));
+        });
+    }
+}
+
+fn decode_replicas<C: FromIterator<ReplicaDesc>>(r: &mut Reader) -> Result<C> {
+    r.list_of(4, |r| {
         Ok(ReplicaDesc {
-            pieces: r.list(20, |r| {
+            pieces: r.list_of(20, |r| {
                 Ok(Piece {
-                    segment: r.string()?,
+                    segment: r.shared_str()?,
                     addr: r.u64()?,
                     len: r.u64()?,
                 })
@@ -466,12 +532,7 @@ fn decode_replicas(r: &mut Reader) -> Result<Vec<ReplicaDesc>> {
 }
 
 fn encode_descs(w: &mut Writer, items: &[KeyResult<ObjectDesc>]) {
-    w.list(items, |w, r| {
-        encode_result(w, r, |w, o| {
-            w.u64(o.size).u32(o.crc32c).u64(o.lease_ms);
-            encode_replicas(w, &o.replicas);
-        })
-    });
+    w.list(items, encode_desc);
 }
 
 fn decode_descs(r: &mut Reader) -> Result<Vec<KeyResult<ObjectDesc>>> {
@@ -662,7 +723,7 @@ impl Response {
             M::CopyStart => {
                 let (ticket, size, crc32c) = (r.u64()?, r.u64()?, r.u32()?);
                 // Exactly one source: anything else would not re-encode as it came.
-                let mut sources = decode_replicas(&mut r)?;
+                let mut sources: Vec<ReplicaDesc> = decode_replicas(&mut r)?;
                 let source = match (sources.pop(), sources.is_empty()) {
                     (Some(s), true) => s,
                     _ => return Err(Error::protocol("a copy plan names one source replica")),
@@ -795,7 +856,8 @@ mod tests {
                         addr: 0,
                         len: 1000,
                     },
-                ],
+                ]
+                .into(),
             },
             index: 1,
         };
@@ -924,7 +986,8 @@ mod tests {
                             segment: "b".into(),
                             addr: 4096,
                             len: 4096,
-                        }],
+                        }]
+                        .into(),
                     }],
                     vec![NoteWrite {
                         segment: "b".into(),
@@ -971,8 +1034,10 @@ mod tests {
                     segment: "n".into(),
                     addr: 64,
                     len: 10,
-                }],
-            }],
+                }]
+                .into(),
+            }]
+            .into(),
         };
         round_trip(
             Request::GetReplicasKeepable {
@@ -1029,10 +1094,10 @@ mod tests {
                 size: 10,
                 crc32c: 0xABCD,
                 source: ReplicaDesc {
-                    pieces: vec![piece("a", 64)],
+                    pieces: vec![piece("a", 64)].into(),
                 },
                 targets: vec![ReplicaDesc {
-                    pieces: vec![piece("b", 128)],
+                    pieces: vec![piece("b", 128)].into(),
                 }],
             }),
         );

@@ -1,0 +1,221 @@
+//! The RPC server's answers. Lookups, the read path every first read of a key takes,
+//! are written to the wire as each key is found, under its shard's lock: no descriptor
+//! is built per key only to be encoded and dropped (three allocations a key, and a
+//! batch's worth of small frees for glibc to consolidate at the next large one).
+//! Every other request is `handle_from`'s answer, encoded.
+
+use std::net::IpAddr;
+
+use super::eviction::tail_first_each;
+use super::replicas::Replicas;
+use super::Master;
+use crate::codec::Writer;
+use crate::error::{Code, Result};
+use crate::protocol::{
+    encode_desc, encode_failed, encode_found, KeyResult, KeyedAnswers, ObjectDesc, Request,
+};
+
+/// Where a lookup's descriptor goes.
+pub(super) trait DescSink {
+    type Out;
+    /// The descriptor of replicas held in memory, asked for under the shard's lock.
+    fn replicas(&mut self, size: u64, crc32c: u32, lease_ms: u64, replicas: &Replicas)
+        -> Self::Out;
+    /// A descriptor built already (a copy read back from a disk tier).
+    fn built(&mut self, desc: ObjectDesc) -> Self::Out;
+}
+
+/// Builds the descriptor (in-process callers, and the requests answered whole).
+pub(super) struct Build;
+
+impl DescSink for Build {
+    type Out = ObjectDesc;
+
+    fn replicas(
+        &mut self,
+        size: u64,
+        crc32c: u32,
+        lease_ms: u64,
+        replicas: &Replicas,
+    ) -> ObjectDesc {
+        ObjectDesc {
+            size,
+            crc32c,
+            lease_ms,
+            replicas: replicas.describe(),
+        }
+    }
+
+    fn built(&mut self, desc: ObjectDesc) -> ObjectDesc {
+        desc
+    }
+}
+
+/// Writes one key's answer, found, as the wire carries it.
+struct WriteTo<'a>(&'a mut Writer);
+
+impl DescSink for WriteTo<'_> {
+    type Out = ();
+
+    fn replicas(&mut self, size: u64, crc32c: u32, lease_ms: u64, replicas: &Replicas) {
+        encode_found(self.0, size, crc32c, lease_ms);
+        replicas.encode(self.0);
+    }
+
+    fn built(&mut self, desc: ObjectDesc) {
+        encode_desc(self.0, &Ok(desc));
+    }
+}
+
+impl Master {
+    /// A lookup for a reader that keeps descriptors, and whether it may keep this one.
+    pub(super) fn lookup_keepable<S: DescSink>(
+        &self,
+        key: &str,
+        sink: &mut S,
+    ) -> (KeyResult<S::Out>, bool) {
+        match self.lookup_into(key, false, sink) {
+            // Only on disk (or unfinished): a copy staged for this reader is not
+            // kept, so that each read of it still counts here.
+            Err(Code::ReplicaIsNotReady) => (self.lookup_into(key, true, sink), false),
+            other => (other, true),
+        }
+    }
+
+    /// Answers `req` (from `peer`, as `handle_from`) into `w`, the payload the wire
+    /// carries: the bytes `handle_from(req)`'s answer encodes to.
+    pub fn answer_into(&self, req: Request, peer: Option<IpAddr>, w: &mut Writer) -> Result<()> {
+        match req {
+            Request::GetReplicas { keys } => {
+                let mut answers = KeyedAnswers::new(keys.len());
+                let mut missing = false;
+                tail_first_each(keys.len(), |i| {
+                    answers.answer(i, |w| {
+                        if let Err(code) = self.lookup_into(&keys[i], true, &mut WriteTo(w)) {
+                            encode_failed(w, code);
+                            missing = true;
+                        }
+                    })
+                });
+                self.unless_recovering(missing)?;
+                answers.finish(w);
+            }
+            Request::GetReplicasKeepable { keys } => {
+                let mut answers = KeyedAnswers::new(keys.len());
+                let mut keepable = vec![true; keys.len()];
+                let mut missing = false;
+                tail_first_each(keys.len(), |i| {
+                    answers.answer(i, |w| {
+                        let (looked, keep) = self.lookup_keepable(&keys[i], &mut WriteTo(w));
+                        keepable[i] = keep;
+                        if let Err(code) = looked {
+                            encode_failed(w, code);
+                            missing = true;
+                        }
+                    })
+                });
+                self.unless_recovering(missing)?;
+                answers.finish(w);
+                w.list(&keepable, |w, k| {
+                    w.bool(*k);
+                });
+            }
+            other => self.handle_from(other, peer)?.encode(w),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::quota::Payer;
+    use super::super::{Clock, Master, MasterConfig};
+    use crate::codec::Writer;
+    use crate::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
+
+    const MIB: u64 = 1 << 20;
+
+    fn master() -> Master {
+        let mut cfg = MasterConfig::default();
+        cfg.allocator.slab_size = MIB;
+        let m = Master::with_clock(cfg, Clock::manual());
+        for (i, name) in ["seg-a", "seg-b"].into_iter().enumerate() {
+            let seg = SegmentInfo {
+                name: name.into(),
+                base: (i as u64 + 1) << 40,
+                size: 16 * MIB,
+            };
+            m.mount(1, seg).unwrap();
+        }
+        let put = |key: &str, replica_num, end: bool| {
+            let cfg = ReplicateConfig {
+                replica_num,
+                ..Default::default()
+            };
+            m.put_start(1, Payer::Client(1), key, 4096, &cfg, false)
+                .unwrap();
+            if end {
+                m.put_end(1, key, 7, &mut Default::default()).unwrap();
+            }
+        };
+        put("one", 1, true);
+        put("two", 2, true);
+        put("unfinished", 1, false);
+        m
+    }
+
+    fn answered(m: &Master, req: Request) -> Vec<u8> {
+        let mut w = Writer::new();
+        m.answer_into(req, None, &mut w).unwrap();
+        w.into_bytes()
+    }
+
+    fn encoded(m: &Master, req: Request) -> Vec<u8> {
+        let mut w = Writer::new();
+        m.handle(req).unwrap().encode(&mut w);
+        w.into_bytes()
+    }
+
+    #[test]
+    fn lookups_written_as_found_match_the_answer_built_and_encoded() {
+        let m = master();
+        let keys: Vec<String> = ["two", "missing", "one", "unfinished", "", "one"]
+            .map(String::from)
+            .to_vec();
+        for req in [
+            Request::GetReplicas { keys: keys.clone() },
+            Request::GetReplicasKeepable { keys: keys.clone() },
+        ] {
+            let method = req.method();
+            let fast = answered(&m, req.clone());
+            assert_eq!(fast, encoded(&m, req), "method {method}");
+            let descs = match Response::decode(method, &fast).unwrap() {
+                Response::GetReplicas(d) => d,
+                Response::Keepable { descs, keepable } => {
+                    assert_eq!(keepable, [true, true, true, false, true, true]);
+                    descs
+                }
+                other => panic!("{other:?}"),
+            };
+            let replicas: Vec<_> = descs
+                .iter()
+                .map(|d| d.as_ref().map(|d| d.replicas.len()).map_err(|c| *c))
+                .collect();
+            use crate::error::Code::*;
+            assert_eq!(
+                replicas,
+                [
+                    Ok(2),
+                    Err(ObjectNotFound),
+                    Ok(1),
+                    Err(ReplicaIsNotReady),
+                    Err(InvalidKey),
+                    Ok(1)
+                ]
+            );
+        }
+        // Anything else is the built answer, encoded.
+        let exists = Request::Exists { keys };
+        assert_eq!(answered(&m, exists.clone()), encoded(&m, exists));
+    }
+}

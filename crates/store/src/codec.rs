@@ -113,7 +113,7 @@ pub struct Reader<'a> {
 }
 
 /// How many distinct strings `Reader::shared_str` remembers.
-const SHARED_STRINGS: usize = 8;
+const SHARED_STRINGS: usize = 16;
 
 impl<'a> Reader<'a> {
     /// A reader at the start of `buf`.
@@ -192,14 +192,15 @@ impl<'a> Reader<'a> {
     /// shared by every place it is read.
     pub fn shared_str(&mut self) -> Result<Arc<str>> {
         let s = self.str()?;
-        if let Some(known) = self.shared.iter().find(|k| ***k == *s) {
-            return Ok(known.clone());
+        // Most recently read first: a batch spread over more segments than are
+        // remembered still finds the ones it names most.
+        if let Some(i) = self.shared.iter().position(|k| **k == *s) {
+            self.shared[..=i].rotate_right(1);
+            return Ok(self.shared[0].clone());
         }
         let new: Arc<str> = s.into();
-        if self.shared.len() == SHARED_STRINGS {
-            self.shared.remove(0);
-        }
-        self.shared.push(new.clone());
+        self.shared.truncate(SHARED_STRINGS - 1);
+        self.shared.insert(0, new.clone());
         Ok(new)
     }
 

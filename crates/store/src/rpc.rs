@@ -30,16 +30,13 @@ pub const MAX_FRAME: usize = 16 << 20;
 const HEADER: usize = 12;
 const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn frame(method: u16, id: u64, status: Option<i32>, payload: &[u8]) -> Vec<u8> {
-    let extra = if status.is_some() { 4 } else { 0 };
-    let mut out = Vec::with_capacity(4 + HEADER + extra + payload.len());
-    out.extend_from_slice(&((HEADER + extra + payload.len()) as u32).to_le_bytes());
+/// A request frame: the header, then `payload` (answers: `answer_frame`).
+fn request_frame(method: u16, id: u64, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + HEADER + payload.len());
+    out.extend_from_slice(&((HEADER + payload.len()) as u32).to_le_bytes());
     out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     out.extend_from_slice(&method.to_le_bytes());
     out.extend_from_slice(&id.to_le_bytes());
-    if let Some(s) = status {
-        out.extend_from_slice(&s.to_le_bytes());
-    }
     out.extend_from_slice(payload);
     out
 }
@@ -247,9 +244,10 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     }
 }
 
-/// The most an answer buffer keeps between frames: the rare large answer (stats,
-/// long key lists) is not held for the connection's life.
-const KEPT_ANSWER_BUFFER: usize = 1 << 20;
+/// The most an answer buffer keeps between frames (a batch of 64 descriptors takes
+/// ~4 KiB): a master holds thousands of connections, and the rare large answer is
+/// not held for a connection's life.
+const KEPT_ANSWER_BUFFER: usize = 64 << 10;
 
 /// Builds an answer frame in `out` (kept from frame to frame): the header, status 0
 /// and what `body` writes; or, should `body` fail, the error's code and context.
@@ -565,11 +563,11 @@ impl RpcClient {
         let mut out = Vec::new();
         let before = before.map(|(m, p)| {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            out.extend_from_slice(&frame(m, id, None, p));
+            out.extend_from_slice(&request_frame(m, id, p));
             (m, id)
         });
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        out.extend_from_slice(&frame(method, id, None, payload));
+        out.extend_from_slice(&request_frame(method, id, payload));
         stream
             .write_all(&out)
             .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
@@ -662,9 +660,14 @@ mod tests {
     #[test]
     fn frames_are_read_whole_however_the_bytes_arrive() {
         let big = vec![7u8; 3 * READ_AHEAD];
-        let mut stream = frame(4, 1, None, b"first");
-        stream.extend(frame(5, 2, Some(0), &big));
-        stream.extend(frame(6, 3, None, b""));
+        let mut stream = request_frame(4, 1, b"first");
+        let mut answer = Vec::new();
+        answer_frame(&mut answer, 5, 2, |w| {
+            w.raw(&big);
+            Ok(())
+        });
+        stream.extend(answer);
+        stream.extend(request_frame(6, 3, b""));
         for step in [1, 5, 13, READ_AHEAD, usize::MAX] {
             let mut src = Trickle {
                 bytes: &stream,
@@ -688,8 +691,27 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_answer_carries_its_code_and_context_and_nothing_it_began() {
+        let mut out = vec![9; 100];
+        answer_frame(&mut out, 7, 11, |w| {
+            w.raw(b"half an answer");
+            Err(Error::new(Code::ObjectNotFound, "gone"))
+        });
+        let f = FrameReader::new()
+            .read_frame(&mut &out[..])
+            .unwrap()
+            .unwrap();
+        assert_eq!((f.version, f.method, f.id), (PROTOCOL_VERSION, 7, 11));
+        let status = i32::from_le_bytes(f.body[..4].try_into().unwrap());
+        assert_eq!(
+            (status, &f.body[4..]),
+            (Code::ObjectNotFound as i32, &b"gone"[..])
+        );
+    }
+
+    #[test]
     fn a_cut_or_oversized_frame_is_an_error_not_a_clean_end() {
-        let whole = frame(4, 1, None, b"payload");
+        let whole = request_frame(4, 1, b"payload");
         for cut in [1, 3, 4, 10, whole.len() - 1] {
             let mut frames = FrameReader::new();
             let got = frames.read_frame(&mut &whole[..cut]);

@@ -8,7 +8,10 @@ use std::ops::{Deref, DerefMut};
 
 /// A list of `T`, one item kept in place.
 #[derive(Clone)]
-pub enum SmallList<T> {
+pub struct SmallList<T>(Repr<T>);
+
+#[derive(Clone)]
+enum Repr<T> {
     /// Exactly one item.
     One(T),
     /// Any other number (none included: an empty `Vec` takes no allocation).
@@ -18,29 +21,13 @@ pub enum SmallList<T> {
 impl<T> SmallList<T> {
     /// An empty list.
     pub const fn new() -> Self {
-        SmallList::Heap(Vec::new())
+        SmallList(Repr::Heap(Vec::new()))
     }
 
-    /// Appends `item`.
-    pub fn push(&mut self, item: T) {
-        match self {
-            SmallList::Heap(v) if v.is_empty() => *self = SmallList::One(item),
-            SmallList::Heap(v) => v.push(item),
-            SmallList::One(_) => {
-                let SmallList::One(first) = std::mem::take(self) else {
-                    unreachable!("matched One above")
-                };
-                *self = SmallList::Heap(vec![first, item]);
-            }
-        }
-    }
-
-    /// The items as a `Vec`.
-    pub fn into_vec(self) -> Vec<T> {
-        match self {
-            SmallList::One(item) => vec![item],
-            SmallList::Heap(v) => v,
-        }
+    /// Whether its one item is kept in place (for tests of that promise).
+    #[cfg(test)]
+    fn in_place(&self) -> bool {
+        matches!(self.0, Repr::One(_))
     }
 }
 
@@ -53,32 +40,30 @@ impl<T> Default for SmallList<T> {
 impl<T> Deref for SmallList<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        match self {
-            SmallList::One(item) => std::slice::from_ref(item),
-            SmallList::Heap(v) => v,
+        match &self.0 {
+            Repr::One(item) => std::slice::from_ref(item),
+            Repr::Heap(v) => v,
         }
     }
 }
 
 impl<T> DerefMut for SmallList<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        match self {
-            SmallList::One(item) => std::slice::from_mut(item),
-            SmallList::Heap(v) => v,
+        match &mut self.0 {
+            Repr::One(item) => std::slice::from_mut(item),
+            Repr::Heap(v) => v,
         }
     }
 }
 
 impl<T> From<Vec<T>> for SmallList<T> {
     fn from(mut v: Vec<T>) -> Self {
-        match v.pop() {
-            Some(item) if v.is_empty() => SmallList::One(item),
-            Some(item) => {
-                v.push(item);
-                SmallList::Heap(v)
+        if v.len() == 1 {
+            if let Some(item) = v.pop() {
+                return SmallList(Repr::One(item));
             }
-            None => SmallList::Heap(v),
         }
+        SmallList(Repr::Heap(v))
     }
 }
 
@@ -88,16 +73,14 @@ impl<T> FromIterator<T> for SmallList<T> {
         let Some(first) = items.next() else {
             return SmallList::new();
         };
-        match items.next() {
-            None => SmallList::One(first),
-            Some(second) => {
-                let mut v = Vec::with_capacity(2 + items.size_hint().0);
-                v.push(first);
-                v.push(second);
-                v.extend(items);
-                SmallList::Heap(v)
-            }
-        }
+        let Some(second) = items.next() else {
+            return SmallList(Repr::One(first));
+        };
+        let mut v = Vec::with_capacity(items.size_hint().0.saturating_add(2));
+        v.push(first);
+        v.push(second);
+        v.extend(items);
+        SmallList(Repr::Heap(v))
     }
 }
 
@@ -130,17 +113,15 @@ mod tests {
     #[test]
     fn one_item_stays_in_place_and_every_length_reads_as_its_slice() {
         for n in 0..5u32 {
-            let collected: SmallList<u32> = (0..n).collect();
-            let converted = SmallList::from((0..n).collect::<Vec<_>>());
-            let mut pushed = SmallList::new();
-            (0..n).for_each(|i| pushed.push(i));
             let want: Vec<u32> = (0..n).collect();
-            for list in [&collected, &converted, &pushed] {
+            let collected: SmallList<u32> = (0..n).collect();
+            let converted = SmallList::from(want.clone());
+            for list in [&collected, &converted] {
                 assert_eq!(&**list, &want[..]);
-                assert_eq!(matches!(list, SmallList::One(_)), n == 1);
-                assert_eq!(list.clone().into_vec(), want);
+                assert_eq!(list.in_place(), n == 1, "{n} items");
+                assert_eq!(format!("{list:?}"), format!("{want:?}"));
             }
-            assert_eq!(collected, pushed);
+            assert_eq!(collected, converted);
         }
     }
 }

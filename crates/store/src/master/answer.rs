@@ -1,7 +1,7 @@
 //! The RPC server's answers. Lookups, the read path every first read of a key takes,
-//! are written to the wire as each key is found, under its shard's lock: no descriptor
-//! is built per key only to be encoded and dropped (three allocations a key, and a
-//! batch's worth of small frees for glibc to consolidate at the next large one).
+//! are encoded into the answer as each key is found, under its shard's lock: no
+//! descriptor is built per key only to be encoded and dropped (three allocations a key,
+//! and a batch's worth of small frees for glibc to consolidate at the next large one).
 //! Every other request is `handle_from`'s answer, encoded.
 
 use std::net::IpAddr;

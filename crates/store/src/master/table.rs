@@ -438,9 +438,10 @@ impl Shard {
         }
     }
 
-    /// Counts a hit of `key` in the victim order, adding it there first if needed (only
-    /// then is `hash` asked for the key's hash); objects that may never be evicted
-    /// (unfinished, hard-pinned) stay out. True when `key` was added.
+    /// Counts a hit of the object in arena slot `slot` in the victim order, adding it
+    /// there first if needed (only then is `hash` asked for its key's hash); objects
+    /// that may never be evicted (unfinished, hard-pinned) stay out. True when it was
+    /// added.
     pub fn hit_at(
         &mut self,
         slot: u32,

@@ -493,10 +493,12 @@ pub struct KeyedAnswers {
 }
 
 impl KeyedAnswers {
-    /// Room for the answers of `keys` keys.
+    /// Room for the answers of `keys` keys (a typical answer takes ~60 bytes; the
+    /// scratch grows past what a few thousand take, rather than reserve ahead for a
+    /// forged list of millions).
     pub fn new(keys: usize) -> KeyedAnswers {
         KeyedAnswers {
-            scratch: Writer::with_buffer(Vec::with_capacity(keys * 64)),
+            scratch: Writer::with_buffer(Vec::with_capacity(keys.min(4096) * 64)),
             spans: vec![0..0; keys],
         }
     }

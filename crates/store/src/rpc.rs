@@ -152,8 +152,6 @@ impl FrameReader {
     }
 }
 
-/// How long a master connection polls for the next request before it blocks.
-const SERVER_SPIN: Duration = Duration::from_micros(20);
 /// How long a client polls for the master's answer before it blocks.
 const CLIENT_SPIN: Duration = Duration::from_micros(100);
 /// `SegmentEvents`: answered when the segment's catalog changes, not at once.
@@ -185,16 +183,19 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     let mut reader = TimedReader::new(&stream, ticket);
     let mut frames = FrameReader::new();
     let mut out = Vec::new();
+    let mut spin = crate::sys::RequestSpin::default();
+    let mut answered = Instant::now();
     loop {
         if frames.buffered() == 0 {
-            // A client's next request often follows at once: catch it without sleeping.
-            crate::sys::spin_until_readable(&stream, SERVER_SPIN);
+            // A client's next request often follows soon: catch it without sleeping.
+            crate::sys::spin_until_readable(&stream, spin.budget());
         } else {
             // Part of it came with the last one: its deadline runs from then.
             reader.frame_begun();
         }
         let read = frames.read_frame(&mut reader);
         reader.frame_done();
+        spin.came_back_after(answered.elapsed());
         let Frame {
             version,
             method,
@@ -238,6 +239,7 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
         if (&stream).write_all(&out).is_err() {
             return;
         }
+        answered = Instant::now();
         if out.capacity() > KEPT_ANSWER_BUFFER {
             out = Vec::new();
         }

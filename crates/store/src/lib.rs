@@ -22,7 +22,6 @@ pub mod rpc;
 pub mod segment_reach;
 pub mod server;
 mod slot_index;
-mod small_list;
 
 pub use client::{default_metadata, metadata_of_master, Client, ClientConfig};
 pub use master::{Master, MasterConfig};

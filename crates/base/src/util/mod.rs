@@ -10,8 +10,10 @@ pub mod ratelimit;
 pub mod regex;
 pub mod sha256;
 pub mod size;
+pub mod small_list;
 pub mod stream_copy;
 pub mod switch;
 pub mod sync;
 
 pub use percentile::percentile;
+pub use small_list::SmallList;

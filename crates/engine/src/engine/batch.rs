@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Code, Error, Result};
 use crate::util::crc32c::crc32c_combine;
+use crate::util::SmallList;
 
 /// Task states, numbered as Mooncake's (`docs/wire.md`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +84,7 @@ pub struct Batch {
     done: (Mutex<()>, Condvar),
     /// For a batch whose reads are checksummed: per task, each finished slice's
     /// remote address, length and CRC32C, joined in address order when asked.
-    checksums: Option<Box<[Mutex<Vec<SliceChecksum>>]>>,
+    checksums: Option<Box<[Mutex<SmallList<SliceChecksum>>]>>,
 }
 
 #[derive(Clone, Copy)]
@@ -148,14 +149,16 @@ impl Batch {
         if status.state != TaskState::Completed {
             return None;
         }
-        let mut pieces = self.checksums.as_ref()?.get(task)?.lock().ok()?.clone();
-        let Some(first) = pieces.iter().map(|p| p.remote).min() else {
+        let mut pieces = self.checksums.as_ref()?.get(task)?.lock().ok()?;
+        // The task is final: no slice of it records a checksum any more, so they are
+        // put in order where they are.
+        pieces.sort_unstable_by_key(|p| p.remote);
+        let Some(first) = pieces.first().map(|p| p.remote) else {
             return (status.bytes == 0).then_some(0);
         };
-        pieces.sort_unstable_by_key(|p| p.remote);
         let mut crc = 0;
         let mut next = first;
-        for p in &pieces {
+        for p in pieces.iter() {
             if p.remote != next {
                 return None;
             }

@@ -13,7 +13,7 @@ pub use note::{NoteKey, NotePlace, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT}
 
 use super::codec::{Reader, Writer};
 use crate::error::{Code, Error, Result};
-pub use crate::small_list::SmallList;
+pub use crate::util::SmallList;
 use std::sync::Arc;
 
 /// Bumped on any incompatible change to these messages.

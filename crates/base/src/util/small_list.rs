@@ -1,7 +1,7 @@
-//! A list that holds one item in place and only more than one on the heap. An object
-//! almost always has one replica of one piece: its descriptor then takes no
-//! allocation for either list (a batch read of fresh keys decodes, keeps and later
-//! drops one descriptor per key).
+//! A list that holds one item in place and only more than one on the heap, for lists
+//! of one in the common case: a store object almost always has one replica of one
+//! piece (a batch read of fresh keys decodes, keeps and later drops one descriptor per
+//! key), and a transfer task of one slice has one checksum.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -22,6 +22,19 @@ impl<T> SmallList<T> {
     /// An empty list.
     pub const fn new() -> Self {
         SmallList(Repr::Heap(Vec::new()))
+    }
+
+    /// Appends `item`.
+    pub fn push(&mut self, item: T) {
+        match &mut self.0 {
+            Repr::Heap(v) if v.is_empty() => self.0 = Repr::One(item),
+            Repr::Heap(v) => v.push(item),
+            Repr::One(_) => {
+                if let Repr::One(first) = std::mem::replace(&mut self.0, Repr::Heap(Vec::new())) {
+                    self.0 = Repr::Heap(vec![first, item]);
+                }
+            }
+        }
     }
 
     /// Whether its one item is kept in place (for tests of that promise).
@@ -116,12 +129,15 @@ mod tests {
             let want: Vec<u32> = (0..n).collect();
             let collected: SmallList<u32> = (0..n).collect();
             let converted = SmallList::from(want.clone());
-            for list in [&collected, &converted] {
+            let mut pushed = SmallList::new();
+            (0..n).for_each(|i| pushed.push(i));
+            for list in [&collected, &converted, &pushed] {
                 assert_eq!(&**list, &want[..]);
                 assert_eq!(list.in_place(), n == 1, "{n} items");
                 assert_eq!(format!("{list:?}"), format!("{want:?}"));
             }
             assert_eq!(collected, converted);
+            assert_eq!(collected, pushed);
         }
     }
 }

@@ -4,6 +4,8 @@
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
@@ -381,14 +383,18 @@ pub fn cpu_idle_beside_caller() -> bool {
     cpus_beyond_runnable().is_some_and(|spare| spare >= 1)
 }
 
+/// The CPUs this process may use (its affinity and CPU quota), asked once.
+fn usable_cpus() -> usize {
+    static CPUS: OnceLock<usize> = OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 /// The CPUs this process may use minus the machine's runnable threads right now.
 fn cpus_beyond_runnable() -> Option<i64> {
     use std::os::unix::fs::FileExt;
-    use std::sync::OnceLock;
     // One descriptor for the process: `pread` takes its offset, so threads share it.
     static LOADAVG: OnceLock<Option<std::fs::File>> = OnceLock::new();
-    static CPUS: OnceLock<usize> = OnceLock::new();
-    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let cpus = usable_cpus();
     let loadavg = LOADAVG.get_or_init(|| std::fs::File::open("/proc/loadavg").ok());
     let mut text = [0u8; 128];
     let n = loadavg.as_ref()?.read_at(&mut text, 0).ok()?;
@@ -403,12 +409,39 @@ fn cpus_beyond_runnable() -> Option<i64> {
 /// comes back within microseconds; a store client reading batch after batch within
 /// ~100 µs, once it has copied what the last answer named. Polling stops once the
 /// request is in and runs only while a CPU is to spare, so the patient spin costs its
-/// whole length only after a peer's last request of a run. (The engine's data server
-/// keeps its brief poll: it runs inside the application's process, and patience there
-/// lost 4 KiB reads in upstream's stress benchmark on two cores.)
+/// whole length only after a peer's last request of a run. At most half the CPUs'
+/// worth of a process's connections poll patiently at once (the rest poll briefly),
+/// so a server with many busy connections does not spin a thread for each. (The
+/// engine's data server keeps its brief poll: it runs inside the application's
+/// process, and patience there lost 4 KiB reads in upstream's stress benchmark on two
+/// cores.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RequestSpin {
     came_back_soon: bool,
+}
+
+/// This process's threads in a patient poll now.
+static PATIENT_POLLS: AtomicUsize = AtomicUsize::new(0);
+
+/// A place among the patient polls, given back when dropped.
+struct PatientSlot;
+
+impl PatientSlot {
+    /// A place, unless `limit` threads hold one already.
+    fn take(limit: usize) -> Option<PatientSlot> {
+        PATIENT_POLLS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| PatientSlot)
+    }
+}
+
+impl Drop for PatientSlot {
+    fn drop(&mut self) {
+        PATIENT_POLLS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl RequestSpin {
@@ -417,13 +450,27 @@ impl RequestSpin {
     /// The poll after a peer that came back within it.
     pub const PATIENT: Duration = Duration::from_micros(200);
 
-    /// How long to poll for the next request.
+    /// How long to poll for the next request, were a patient place free.
     pub fn budget(self) -> Duration {
         if self.came_back_soon {
             Self::PATIENT
         } else {
             Self::BRIEF
         }
+    }
+
+    /// Polls `stream` for the next request ([`spin_until_readable`]) for `budget`, or
+    /// briefly when the patient places are taken; true when it is readable.
+    pub fn poll(self, stream: &TcpStream) -> bool {
+        let slot = (self.budget() > Self::BRIEF)
+            .then(|| PatientSlot::take((usable_cpus() / 2).max(1)))
+            .flatten();
+        let spin = if slot.is_some() {
+            Self::PATIENT
+        } else {
+            Self::BRIEF
+        };
+        spin_until_readable(stream, spin)
     }
 
     /// Notes how long the connection waited for the request that just came in.
@@ -630,6 +677,23 @@ mod spin_tests {
             };
             assert_eq!(spin.budget(), want, "after a gap of {gap_us} us");
         }
+    }
+
+    #[test]
+    fn patient_polls_are_limited_and_their_places_given_back() {
+        use super::{PatientSlot, PATIENT_POLLS};
+        use std::sync::atomic::Ordering;
+        // Other tests may hold places now and then: the limit counts from what is
+        // held when this one starts (no other test of this file takes one).
+        let held = PATIENT_POLLS.load(Ordering::Acquire);
+        let first = PatientSlot::take(held + 1).expect("a place is free");
+        assert!(
+            PatientSlot::take(held + 1).is_none(),
+            "the limit is reached"
+        );
+        drop(first);
+        assert!(PatientSlot::take(held + 1).is_some(), "its place came back");
+        assert_eq!(PATIENT_POLLS.load(Ordering::Acquire), held);
     }
 
     #[test]

@@ -462,6 +462,7 @@ impl RequestSpin {
     /// Polls `stream` for the next request ([`spin_until_readable`]) for `budget`, or
     /// briefly when the patient places are taken; true when it is readable.
     pub fn poll(self, stream: &TcpStream) -> bool {
+        // Held through the poll: its place is given back when this returns.
         let slot = (self.budget() > Self::BRIEF)
             .then(|| PatientSlot::take((usable_cpus() / 2).max(1)))
             .flatten();

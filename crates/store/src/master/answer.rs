@@ -87,41 +87,47 @@ impl Master {
     pub fn answer_into(&self, req: Request, peer: Option<IpAddr>, w: &mut Writer) -> Result<()> {
         match req {
             Request::GetReplicas { keys } => {
-                let mut answers = KeyedAnswers::new(keys.len());
-                let mut missing = false;
-                tail_first_each(keys.len(), |i| {
-                    answers.answer(i, |w| {
-                        if let Err(code) = self.lookup_into(&keys[i], true, &mut WriteTo(w)) {
-                            encode_failed(w, code);
-                            missing = true;
-                        }
-                    })
-                });
-                self.unless_recovering(missing)?;
-                answers.finish(w);
+                self.lookups_into(keys.len(), w, |i, found| {
+                    self.lookup_into(&keys[i], true, found)
+                })?;
             }
             Request::GetReplicasKeepable { keys } => {
-                let mut answers = KeyedAnswers::new(keys.len());
                 let mut keepable = vec![true; keys.len()];
-                let mut missing = false;
-                tail_first_each(keys.len(), |i| {
-                    answers.answer(i, |w| {
-                        let (looked, keep) = self.lookup_keepable(&keys[i], &mut WriteTo(w));
-                        keepable[i] = keep;
-                        if let Err(code) = looked {
-                            encode_failed(w, code);
-                            missing = true;
-                        }
-                    })
-                });
-                self.unless_recovering(missing)?;
-                answers.finish(w);
+                self.lookups_into(keys.len(), w, |i, found| {
+                    let (looked, keep) = self.lookup_keepable(&keys[i], found);
+                    keepable[i] = keep;
+                    looked
+                })?;
                 w.list(&keepable, |w, k| {
                     w.bool(*k);
                 });
             }
             other => self.handle_from(other, peer)?.encode(w),
         }
+        Ok(())
+    }
+
+    /// The list of a batch's answers, key `i`'s from `lookup(i)`, looked up tail first
+    /// and sent in key order; refused, as `handle_from` refuses it, when a key is
+    /// missing while nodes remount.
+    fn lookups_into(
+        &self,
+        keys: usize,
+        w: &mut Writer,
+        mut lookup: impl FnMut(usize, &mut WriteTo) -> KeyResult<()>,
+    ) -> Result<()> {
+        let mut answers = KeyedAnswers::new(keys);
+        let mut missing = false;
+        tail_first_each(keys, |i| {
+            answers.answer(i, |w| {
+                if let Err(code) = lookup(i, &mut WriteTo(w)) {
+                    encode_failed(w, code);
+                    missing = true;
+                }
+            })
+        });
+        self.unless_recovering(missing)?;
+        answers.finish(w);
         Ok(())
     }
 }

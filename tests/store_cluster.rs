@@ -308,6 +308,41 @@ fn admin_endpoints_report_the_pool() {
         metrics.contains("# TYPE mooncake_used_bytes gauge"),
         "{metrics}"
     );
+    // Mooncake's own names, for dashboards written for its master: a put of one key
+    // is its single-key PutStart and PutEnd, a lookup of a missing key a failed
+    // GetReplicaList, and an existence check of three keys a batch of three (a key
+    // that is not there is an answer, not a failure).
+    assert!(c.get("nope").is_err());
+    let found = c.batch_exists(&["layer/0", "nope", "other"]);
+    assert_eq!(found, vec![Ok(true), Ok(false), Ok(false)]);
+    let (_, metrics) = get("/metrics");
+    let figure = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<u64>().ok())
+    };
+    for (name, want) in [
+        ("master_key_count", 1),
+        ("master_total_capacity_bytes", 8 * MIB),
+        ("master_put_start_requests_total", 1),
+        ("master_put_start_failures_total", 0),
+        ("master_put_end_requests_total", 1),
+        ("master_get_replica_list_requests_total", 1),
+        ("master_get_replica_list_failures_total", 1),
+        ("master_batch_exist_key_requests_total", 1),
+        ("master_batch_exist_key_items_total", 3),
+        ("master_batch_exist_key_failed_items_total", 0),
+    ] {
+        assert_eq!(figure(name), Some(want), "{name} in {metrics}");
+    }
+    // Allocated space, in the allocator's units: the same figure as our own gauge.
+    let allocated = figure("master_allocated_bytes");
+    assert!(allocated >= Some(5000), "{metrics}");
+    assert_eq!(allocated, figure("mooncake_used_bytes"), "{metrics}");
+    assert!(
+        metrics.contains("# TYPE master_put_start_requests_total counter\n"),
+        "{metrics}"
+    );
     let (status, q) = get("/query_key?key=layer%2F0");
     assert_eq!(status, 200);
     let q = mooncake::json::parse(&q).unwrap();

@@ -261,7 +261,7 @@ fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
         "/health" => HttpResponse::text(200, "OK"),
         "/metrics" => {
             let s = master.stats();
-            let body = format!(
+            let mut body = format!(
                 "# TYPE mooncake_segments gauge\nmooncake_segments {}\n\
                  # TYPE mooncake_capacity_bytes gauge\nmooncake_capacity_bytes {}\n\
                  # TYPE mooncake_used_bytes gauge\nmooncake_used_bytes {}\n\
@@ -270,6 +270,7 @@ fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
                  # TYPE mooncake_evicted_bytes_total counter\nmooncake_evicted_bytes_total {}\n",
                 s.segments, s.capacity, s.used, s.objects, s.evicted_objects, s.evicted_bytes
             );
+            master.render_metrics(&mut body);
             HttpResponse::text(200, body)
         }
         "/query_key" => match req.query_param("key") {

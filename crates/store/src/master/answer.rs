@@ -7,6 +7,7 @@
 use std::net::IpAddr;
 
 use super::eviction::tail_first_each;
+use super::metrics;
 use super::replicas::Replicas;
 use super::Master;
 use crate::codec::Writer;
@@ -83,17 +84,32 @@ impl Master {
     }
 
     /// Answers `req` (from `peer`, as `handle_from`) into `w`, the payload the wire
-    /// carries: the bytes `handle_from(req)`'s answer encodes to.
+    /// carries: the bytes `handle_from(req)`'s answer encodes to. Counted in the
+    /// request metrics.
     pub fn answer_into(&self, req: Request, peer: Option<IpAddr>, w: &mut Writer) -> Result<()> {
+        let counted = metrics::family_of(&req);
+        let failed = self.answer_counting_failures(req, peer, w);
+        if let Some((family, keys)) = counted {
+            let failed_keys = *failed.as_ref().unwrap_or(&keys);
+            self.requests.record(family, keys, failed_keys);
+        }
+        failed.map(drop)
+    }
+
+    /// As `answer_into`; how many of the request's keys failed.
+    fn answer_counting_failures(
+        &self,
+        req: Request,
+        peer: Option<IpAddr>,
+        w: &mut Writer,
+    ) -> Result<usize> {
         match req {
-            Request::GetReplicas { keys } => {
-                self.lookups_into(keys.len(), w, |i, found| {
-                    self.lookup_into(&keys[i], true, found)
-                })?;
-            }
+            Request::GetReplicas { keys } => self.lookups_into(keys.len(), w, |i, found| {
+                self.lookup_into(&keys[i], true, found)
+            }),
             Request::GetReplicasKeepable { keys } => {
                 let mut keepable = vec![true; keys.len()];
-                self.lookups_into(keys.len(), w, |i, found| {
+                let failed = self.lookups_into(keys.len(), w, |i, found| {
                     let (looked, keep) = self.lookup_keepable(&keys[i], found);
                     keepable[i] = keep;
                     looked
@@ -101,34 +117,38 @@ impl Master {
                 w.list(&keepable, |w, k| {
                     w.bool(*k);
                 });
+                Ok(failed)
             }
-            other => self.handle_from(other, peer)?.encode(w),
+            other => {
+                let answer = self.handle_from(other, peer)?;
+                answer.encode(w);
+                Ok(metrics::failed_keys(&answer))
+            }
         }
-        Ok(())
     }
 
     /// The list of a batch's answers, key `i`'s from `lookup(i)`, looked up tail first
     /// and sent in key order; refused, as `handle_from` refuses it, when a key is
-    /// missing while nodes remount.
+    /// missing while nodes remount. How many keys failed.
     fn lookups_into(
         &self,
         keys: usize,
         w: &mut Writer,
         mut lookup: impl FnMut(usize, &mut WriteTo) -> KeyResult<()>,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let mut answers = KeyedAnswers::new(keys);
-        let mut missing = false;
+        let mut failed = 0;
         tail_first_each(keys, |i| {
             answers.answer(i, |w| {
                 if let Err(code) = lookup(i, &mut WriteTo(w)) {
                     encode_failed(w, code);
-                    missing = true;
+                    failed += 1;
                 }
             })
         });
-        self.unless_recovering(missing)?;
+        self.unless_recovering(failed > 0)?;
         answers.finish(w);
-        Ok(())
+        Ok(failed)
     }
 }
 

@@ -11,6 +11,7 @@ mod config;
 mod copy;
 mod drain;
 mod eviction;
+mod metrics;
 mod note_slots;
 mod offload;
 mod owner;
@@ -138,6 +139,8 @@ pub struct Master {
     /// Reads each segment before it is mounted (`set_segment_reach`); unset, mounts
     /// are taken at their word.
     reach: std::sync::OnceLock<Arc<dyn SegmentReach>>,
+    /// Answered requests, by kind, under Mooncake's metric names.
+    requests: metrics::RequestMetrics,
 }
 
 impl Master {
@@ -171,6 +174,7 @@ impl Master {
             copies: copy::Copies::default(),
             started_ms: clock.now_ms(),
             reach: std::sync::OnceLock::new(),
+            requests: metrics::RequestMetrics::default(),
             clock,
         }
     }
@@ -1191,6 +1195,14 @@ impl Master {
             evicted_objects: self.evicted_objects.load(Ordering::Relaxed),
             evicted_bytes: self.evicted_bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Appends the Prometheus text of the pool's figures and the answered requests'
+    /// counters, under the names Mooncake's master exports them by.
+    pub fn render_metrics(&self, out: &mut String) {
+        let active_clients = self.clients.locked().len() as u64;
+        metrics::render_pool(&self.stats(), active_clients, out);
+        self.requests.render(out);
     }
 
     /// Housekeeping: drops silent clients' segments, frees quarantined space whose

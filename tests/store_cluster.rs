@@ -335,6 +335,13 @@ fn admin_endpoints_report_the_pool() {
     ] {
         assert_eq!(figure(name), Some(want), "{name} in {metrics}");
     }
+    // Each segment's own figures, labelled with its name: the one node lends 8 MiB.
+    let lent: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("segment_total_capacity_bytes{segment=\""))
+        .collect();
+    assert_eq!(lent.len(), 1, "{metrics}");
+    assert!(lent[0].ends_with(&format!("\"}} {}", 8 * MIB)), "{metrics}");
     // Allocated space, in the allocator's units: the same figure as our own gauge.
     let allocated = figure("master_allocated_bytes");
     assert!(allocated >= Some(5000), "{metrics}");

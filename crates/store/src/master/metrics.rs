@@ -268,6 +268,53 @@ pub fn render_pool(stats: &PoolStats, active_clients: u64, out: &mut String) {
     }
 }
 
+/// A mounted segment's figures, for `render_segments`.
+pub struct SegmentUse {
+    pub name: String,
+    pub capacity: u64,
+    pub used: u64,
+}
+
+/// Appends each mounted segment's capacity and allocated bytes, labelled with its name
+/// (`segment_total_capacity_bytes{segment="host:port"}`, as Mooncake's master has them).
+pub fn render_segments(segments: &[SegmentUse], out: &mut String) {
+    let help = "Bytes the segment lends.";
+    segment_gauge(out, "segment_total_capacity_bytes", help, segments, |s| {
+        s.capacity
+    });
+    let help = "Bytes of the segment allocated to objects.";
+    segment_gauge(out, "segment_allocated_bytes", help, segments, |s| s.used);
+}
+
+fn segment_gauge(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    segments: &[SegmentUse],
+    value: impl Fn(&SegmentUse) -> u64,
+) {
+    let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
+    for segment in segments {
+        let label = label_value(&segment.name);
+        let _ = writeln!(out, "{name}{{segment=\"{label}\"}} {}", value(segment));
+    }
+}
+
+/// `text` as a Prometheus label value: backslash, double quote and line feed escaped
+/// (segment names come from clients).
+fn label_value(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// One counter: `master_<stem>_<part>_total`.
 fn counter(out: &mut String, stem: &str, part: &str, counts: &str, what: &str, value: &AtomicU64) {
     let name = format!("master_{stem}_{part}_total");
@@ -352,6 +399,35 @@ mod tests {
             );
             assert!(n.parse::<u64>().is_ok(), "{line}");
         }
+    }
+
+    #[test]
+    fn segments_are_labelled_by_name_with_the_name_escaped() {
+        let segment = |name: &str, capacity, used| SegmentUse {
+            name: name.to_owned(),
+            capacity,
+            used,
+        };
+        let segments = [
+            segment("10.0.0.1:12300", 4096, 1024),
+            segment("odd\"name\\\n", 8, 0),
+        ];
+        let mut text = String::new();
+        render_segments(&segments, &mut text);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "# HELP segment_total_capacity_bytes Bytes the segment lends.",
+                "# TYPE segment_total_capacity_bytes gauge",
+                "segment_total_capacity_bytes{segment=\"10.0.0.1:12300\"} 4096",
+                "segment_total_capacity_bytes{segment=\"odd\\\"name\\\\\\n\"} 8",
+                "# HELP segment_allocated_bytes Bytes of the segment allocated to objects.",
+                "# TYPE segment_allocated_bytes gauge",
+                "segment_allocated_bytes{segment=\"10.0.0.1:12300\"} 1024",
+                "segment_allocated_bytes{segment=\"odd\\\"name\\\\\\n\"} 0",
+            ]
+        );
     }
 
     #[test]

@@ -1197,11 +1197,21 @@ impl Master {
         }
     }
 
-    /// Appends the Prometheus text of the pool's figures and the answered requests'
-    /// counters, under the names Mooncake's master exports them by.
+    /// Appends the Prometheus text of the pool's figures, each segment's, and the
+    /// answered requests' counters, under the names Mooncake's master exports them by.
     pub fn render_metrics(&self, out: &mut String) {
         let active_clients = self.clients.locked().len() as u64;
         metrics::render_pool(&self.stats(), active_clients, out);
+        let segments: Vec<metrics::SegmentUse> = self
+            .all_segments()
+            .into_iter()
+            .map(|(info, capacity, used)| metrics::SegmentUse {
+                name: info.name,
+                capacity,
+                used,
+            })
+            .collect();
+        metrics::render_segments(&segments, out);
         self.requests.render(out);
     }
 

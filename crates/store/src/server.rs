@@ -259,20 +259,7 @@ fn admin(master: &Master, req: &HttpRequest) -> HttpResponse {
     }
     match req.path.as_str() {
         "/health" => HttpResponse::text(200, "OK"),
-        "/metrics" => {
-            let s = master.stats();
-            let mut body = format!(
-                "# TYPE mooncake_segments gauge\nmooncake_segments {}\n\
-                 # TYPE mooncake_capacity_bytes gauge\nmooncake_capacity_bytes {}\n\
-                 # TYPE mooncake_used_bytes gauge\nmooncake_used_bytes {}\n\
-                 # TYPE mooncake_objects gauge\nmooncake_objects {}\n\
-                 # TYPE mooncake_evicted_objects_total counter\nmooncake_evicted_objects_total {}\n\
-                 # TYPE mooncake_evicted_bytes_total counter\nmooncake_evicted_bytes_total {}\n",
-                s.segments, s.capacity, s.used, s.objects, s.evicted_objects, s.evicted_bytes
-            );
-            master.render_metrics(&mut body);
-            HttpResponse::text(200, body)
-        }
+        "/metrics" => HttpResponse::text(200, master.metrics_text()),
         "/query_key" => match req.query_param("key") {
             None => HttpResponse::text(400, "missing key parameter"),
             Some(key) => match master.query(key) {

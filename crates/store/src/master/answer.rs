@@ -88,12 +88,15 @@ impl Master {
     /// request metrics.
     pub fn answer_into(&self, req: Request, peer: Option<IpAddr>, w: &mut Writer) -> Result<()> {
         let counted = metrics::family_of(&req);
-        let failed = self.answer_counting_failures(req, peer, w);
+        let answered = self.answer_counting_failures(req, peer, w);
         if let Some((family, keys)) = counted {
-            let failed_keys = *failed.as_ref().unwrap_or(&keys);
-            self.requests.record(family, keys, failed_keys);
+            let outcome = match &answered {
+                Ok(failed) => metrics::Outcome::Answered { failed: *failed },
+                Err(_) => metrics::Outcome::Refused,
+            };
+            self.request_metrics.record(family, keys, outcome);
         }
-        failed.map(drop)
+        answered.map(drop)
     }
 
     /// As `answer_into`; how many of the request's keys failed.
@@ -243,5 +246,56 @@ mod tests {
         // Anything else is the built answer, encoded.
         let exists = Request::Exists { keys };
         assert_eq!(answered(&m, exists.clone()), encoded(&m, exists));
+    }
+
+    #[test]
+    fn answered_requests_are_counted_with_their_failed_keys_and_refusals() {
+        let m = master();
+        let figure = |name: &str| {
+            m.metrics_text()
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<u64>().ok())
+        };
+        let keys = |list: &[&str]| list.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        // Six lookups, three failing (missing, unfinished, invalid): a partial success.
+        let lookup = keys(&["two", "missing", "one", "unfinished", "", "one"]);
+        answered(&m, Request::GetReplicasKeepable { keys: lookup });
+        // One key: the single-key call, failing.
+        answered(
+            &m,
+            Request::GetReplicas {
+                keys: keys(&["missing"]),
+            },
+        );
+        // A key not there is an answer, an invalid one a failure.
+        answered(
+            &m,
+            Request::Exists {
+                keys: keys(&["one", "nope", ""]),
+            },
+        );
+        // Refused whole: a pattern that does not compile.
+        let bad = Request::RemoveByRegex {
+            pattern: "(".into(),
+            force: false,
+        };
+        assert!(m.answer_into(bad, None, &mut Writer::new()).is_err());
+        // Not counted: no such counter upstream.
+        answered(&m, Request::Stats);
+        for (name, want) in [
+            ("master_batch_get_replica_list_requests_total", 1),
+            ("master_batch_get_replica_list_items_total", 6),
+            ("master_batch_get_replica_list_partial_successes_total", 1),
+            ("master_batch_get_replica_list_failed_items_total", 3),
+            ("master_get_replica_list_requests_total", 1),
+            ("master_get_replica_list_failures_total", 1),
+            ("master_batch_exist_key_items_total", 3),
+            ("master_batch_exist_key_failed_items_total", 1),
+            ("master_remove_by_regex_requests_total", 1),
+            ("master_remove_by_regex_failures_total", 1),
+            ("master_put_start_requests_total", 0),
+        ] {
+            assert_eq!(figure(name), Some(want), "{name}");
+        }
     }
 }

@@ -1,12 +1,14 @@
-//! The master's request counters, exported at `/metrics` under the names Mooncake's
-//! own master uses (`master_put_start_requests_total`, `master_batch_exist_key_items_total`,
-//! ...), so dashboards and alerts written for it keep working when this master replaces it.
+//! What the master's `/metrics` reports: our own `mooncake_*` figures, and the same
+//! figures and request counters under the names Mooncake's master exports
+//! (`master_key_count`, `master_put_start_requests_total`, `segment_allocated_bytes`, ...),
+//! so dashboards and alerts written for it keep working when this master replaces it.
 //!
 //! Mooncake has a single-key and a batch RPC for most operations; here one method takes
 //! a list of keys. A request of one key counts as the single-key RPC (a request, and a
-//! failure when it failed), a longer one as the batch RPC: a request and its keys, and
+//! failure when it failed), any other as the batch RPC: a request and its keys, and
 //! then, when keys failed, a failure (every key failed) or a partial success (some did),
-//! with the failed keys counted. A key fails when its answer is an error code (a key
+//! with the failed keys counted. Removals count per key, as Mooncake's batch remove
+//! adds to its single-key counters. A key fails when its answer is an error code (a key
 //! not found included, as Mooncake counts it); a refused request fails all its keys.
 //! Counted are the requests the RPC server answers, not the in-process `Master::handle`.
 
@@ -15,94 +17,69 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::protocol::{PoolStats, Request, Response};
 
-/// A kind of request, after Mooncake's RPC of the same job.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    PutStart,
-    PutEnd,
-    PutRevoke,
-    GetReplicaList,
-    ExistKey,
-    Remove,
-    RemoveAll,
-    RemoveByRegex,
-    ReplicaClear,
-    MountSegment,
-    UnmountSegment,
-    RemountSegment,
-    Ping,
-}
-
-/// Which of Mooncake's counters a family has: a single-key RPC's, a batch RPC's, or both.
+/// How Mooncake counts a family's requests.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Rpcs {
+    /// A single-key RPC only: `master_<stem>_{requests,failures}_total`.
     Single,
+    /// A batch RPC only: `master_batch_<stem>_{requests,items,...}_total`.
     Batch,
+    /// Both: one key counts as the single-key RPC, any other number as the batch RPC.
     Both,
+    /// Single-key counters that count keys, batches adding theirs.
+    PerKey,
 }
 
-impl Family {
-    /// Every family, in declaration order (their counters sit at `family as usize`).
-    const ALL: [Family; 13] = [
-        Family::PutStart,
-        Family::PutEnd,
-        Family::PutRevoke,
-        Family::GetReplicaList,
-        Family::ExistKey,
-        Family::Remove,
-        Family::RemoveAll,
-        Family::RemoveByRegex,
-        Family::ReplicaClear,
-        Family::MountSegment,
-        Family::UnmountSegment,
-        Family::RemountSegment,
-        Family::Ping,
-    ];
-
-    /// The stem of its counters' names (`master_<stem>_requests_total`, and
-    /// `master_batch_<stem>_requests_total` for the batch RPC), which RPCs Mooncake
-    /// counts for it, and what it counts, for the help lines.
-    fn naming(self) -> (&'static str, Rpcs, &'static str) {
-        match self {
-            Family::PutStart => (
-                "put_start",
-                Rpcs::Both,
-                "put starts (space reserved for a value)",
-            ),
-            Family::PutEnd => ("put_end", Rpcs::Both, "put ends (values made readable)"),
-            Family::PutRevoke => (
-                "put_revoke",
-                Rpcs::Both,
-                "put revokes (unfinished puts given up)",
-            ),
-            Family::GetReplicaList => ("get_replica_list", Rpcs::Both, "replica lookups for reads"),
-            Family::ExistKey => ("exist_key", Rpcs::Both, "existence checks"),
-            Family::Remove => ("remove", Rpcs::Single, "removals of one key"),
-            Family::RemoveAll => ("remove_all", Rpcs::Single, "removals of every key"),
-            Family::RemoveByRegex => ("remove_by_regex", Rpcs::Single, "removals by pattern"),
-            Family::ReplicaClear => ("replica_clear", Rpcs::Batch, "replica clears"),
-            Family::MountSegment => ("mount_segment", Rpcs::Single, "segment mounts"),
-            Family::UnmountSegment => ("unmount_segment", Rpcs::Single, "segment unmounts"),
-            Family::RemountSegment => (
-                "remount_segment",
-                Rpcs::Single,
-                "segment remounts (counted at their last chunk)",
-            ),
-            Family::Ping => ("ping", Rpcs::Single, "client keep-alives"),
+/// Declares the families once: the enum, `Family::ALL` in the same order (their
+/// counters sit at `family as usize`), and each one's naming.
+macro_rules! families {
+    ($($name:ident => ($stem:literal, $rpcs:ident, $what:literal),)*) => {
+        /// A kind of request, after Mooncake's RPC of the same job.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Family {
+            $($name,)*
         }
-    }
+
+        impl Family {
+            const ALL: &[Family] = &[$(Family::$name,)*];
+
+            /// The stem of its counters' names, how Mooncake counts it, and what it
+            /// counts (for the help lines).
+            fn naming(self) -> (&'static str, Rpcs, &'static str) {
+                match self {
+                    $(Family::$name => ($stem, Rpcs::$rpcs, $what),)*
+                }
+            }
+        }
+    };
+}
+
+families! {
+    PutStart => ("put_start", Both, "Put starts (space reserved for a value)"),
+    PutEnd => ("put_end", Both, "Put ends (values made readable)"),
+    PutRevoke => ("put_revoke", Both, "Put revokes (unfinished puts given up)"),
+    GetReplicaList => ("get_replica_list", Both, "Replica lookups for reads"),
+    ExistKey => ("exist_key", Both, "Existence checks"),
+    Remove => ("remove", PerKey, "Removals of keys"),
+    RemoveAll => ("remove_all", Single, "Removals of every key"),
+    RemoveByRegex => ("remove_by_regex", Single, "Removals by pattern"),
+    ReplicaClear => ("replica_clear", Batch, "Replica clears"),
+    MountSegment => ("mount_segment", Single, "Segment mounts"),
+    UnmountSegment => ("unmount_segment", Single, "Segment unmounts"),
+    RemountSegment => ("remount_segment", Single, "Segment remounts (counted at their last chunk)"),
+    Ping => ("ping", Single, "Client keep-alives"),
 }
 
 const FAMILIES: usize = Family::ALL.len();
 
-/// One family's counts of single-key requests.
+/// One family's single-key counters.
 #[derive(Default)]
 struct Single {
     requests: AtomicU64,
     failures: AtomicU64,
 }
 
-/// One family's counts of batch requests.
+/// One family's batch counters.
 #[derive(Default)]
 struct Batch {
     requests: AtomicU64,
@@ -132,10 +109,11 @@ pub fn family_of(req: &Request) -> Option<(Family, usize)> {
         }
         Request::Exists { keys } => (Family::ExistKey, keys.len()),
         Request::Remove { .. } => (Family::Remove, 1),
+        Request::RemoveKeys { keys, .. } => (Family::Remove, keys.len()),
         Request::RemoveAll { .. } => (Family::RemoveAll, 1),
         Request::RemoveByRegex { .. } => (Family::RemoveByRegex, 1),
         Request::ReplicaClear { keys, .. } => (Family::ReplicaClear, keys.len()),
-        Request::Mount { .. } => (Family::MountSegment, 1),
+        Request::Mount { .. } | Request::MountExtra { .. } => (Family::MountSegment, 1),
         Request::Unmount { .. } => (Family::UnmountSegment, 1),
         Request::Remount { last: true, .. } => (Family::RemountSegment, 1),
         Request::Ping { .. } => (Family::Ping, 1),
@@ -143,7 +121,8 @@ pub fn family_of(req: &Request) -> Option<(Family, usize)> {
     })
 }
 
-/// How many of an answer's keys failed (an error code in place of their answer).
+/// How many keys of an answer `handle_from` built failed (an error code in place of
+/// their answer). Lookups are answered, and their failures counted, by `lookups_into`.
 pub fn failed_keys(answer: &Response) -> usize {
     fn errors<T>(list: &[crate::protocol::KeyResult<T>]) -> usize {
         list.iter().filter(|r| r.is_err()).count()
@@ -152,82 +131,138 @@ pub fn failed_keys(answer: &Response) -> usize {
         Response::PutStart(r) => errors(r),
         Response::PutStartNoted(r) => errors(r),
         Response::PerKey(r) => errors(r),
-        Response::GetReplicas(r) => errors(r),
         Response::Exists(r) => errors(r),
-        Response::Keepable { descs, .. } | Response::Described { descs, .. } => errors(descs),
         _ => 0,
     }
 }
 
+/// How an answered request went.
+#[derive(Clone, Copy, Debug)]
+pub enum Outcome {
+    /// Answered key by key, this many keys failing.
+    Answered { failed: usize },
+    /// Refused whole.
+    Refused,
+}
+
 impl RequestMetrics {
-    /// Counts one answered request of `family` that carried `keys` keys, `failed` of
-    /// which failed (all of them when the request was refused).
-    pub fn record(&self, family: Family, keys: usize, failed: usize) {
-        let (_, rpcs, _) = family.naming();
-        let failed = failed.min(keys) as u64;
-        let keys = keys as u64;
-        let add = |c: &AtomicU64, n: u64| {
+    /// Counts one request of `family` that carried `keys` keys.
+    pub fn record(&self, family: Family, keys: usize, outcome: Outcome) {
+        let add = |c: &AtomicU64, n: usize| {
             if n > 0 {
-                c.fetch_add(n, Ordering::Relaxed);
+                c.fetch_add(n as u64, Ordering::Relaxed);
             }
         };
-        if rpcs == Rpcs::Batch || (rpcs == Rpcs::Both && keys > 1) {
-            let b = &self.batch[family as usize];
-            add(&b.requests, 1);
-            add(&b.items, keys);
-            if failed > 0 {
-                let outcome = if failed == keys {
-                    &b.failures
-                } else {
-                    &b.partial_successes
-                };
-                add(outcome, 1);
+        let (refused, failed) = match outcome {
+            Outcome::Answered { failed } => (false, failed.min(keys)),
+            Outcome::Refused => (true, keys),
+        };
+        let (_, rpcs, _) = family.naming();
+        let s = &self.single[family as usize];
+        match rpcs {
+            Rpcs::PerKey => {
+                add(&s.requests, keys);
+                add(&s.failures, failed);
+            }
+            Rpcs::Single => {
+                add(&s.requests, 1);
+                add(&s.failures, usize::from(refused || failed > 0));
+            }
+            Rpcs::Both if keys == 1 => {
+                add(&s.requests, 1);
+                add(&s.failures, usize::from(refused || failed > 0));
+            }
+            Rpcs::Batch | Rpcs::Both => {
+                let b = &self.batch[family as usize];
+                add(&b.requests, 1);
+                add(&b.items, keys);
+                if refused || (failed == keys && keys > 0) {
+                    add(&b.failures, 1);
+                } else if failed > 0 {
+                    add(&b.partial_successes, 1);
+                }
                 add(&b.failed_items, failed);
             }
-        } else {
-            let s = &self.single[family as usize];
-            add(&s.requests, 1);
-            add(&s.failures, u64::from(failed > 0));
         }
     }
 
     /// Appends every counter in Prometheus' text format.
     pub fn render(&self, out: &mut String) {
-        for family in Family::ALL {
+        for &family in Family::ALL {
             let (stem, rpcs, what) = family.naming();
             if rpcs != Rpcs::Batch {
                 let s = &self.single[family as usize];
-                counter(out, stem, "requests", "requests", what, &s.requests);
-                counter(out, stem, "failures", "failed requests", what, &s.failures);
+                let (requests, failures) = match rpcs {
+                    Rpcs::PerKey => ("keys asked for", "keys that failed"),
+                    _ => ("requests answered", "requests that failed"),
+                };
+                counter(out, stem, "requests", what, requests, &s.requests);
+                counter(out, stem, "failures", what, failures, &s.failures);
             }
-            if rpcs != Rpcs::Single {
+            if matches!(rpcs, Rpcs::Batch | Rpcs::Both) {
                 let b = &self.batch[family as usize];
-                let stem = format!("batch_{stem}");
-                let stem = stem.as_str();
-                counter(out, stem, "requests", "batch requests", what, &b.requests);
-                counter(out, stem, "items", "keys in batch requests", what, &b.items);
-                let failures = "batch requests every key of which failed";
-                counter(out, stem, "failures", failures, what, &b.failures);
-                let partial = "batch requests some keys of which failed";
-                counter(
-                    out,
-                    stem,
-                    "partial_successes",
-                    partial,
-                    what,
-                    &b.partial_successes,
-                );
-                let failed = "failed keys of batch requests";
-                counter(out, stem, "failed_items", failed, what, &b.failed_items);
+                let stem = &format!("batch_{stem}");
+                let counts: [(&str, &str, &AtomicU64); 5] = [
+                    ("requests", "batch requests answered", &b.requests),
+                    ("items", "keys in batch requests", &b.items),
+                    (
+                        "failures",
+                        "batch requests in which every key failed",
+                        &b.failures,
+                    ),
+                    (
+                        "partial_successes",
+                        "batch requests in which some keys failed",
+                        &b.partial_successes,
+                    ),
+                    (
+                        "failed_items",
+                        "keys that failed in batch requests",
+                        &b.failed_items,
+                    ),
+                ];
+                for (part, counts, value) in counts {
+                    counter(out, stem, part, what, counts, value);
+                }
             }
         }
     }
 }
 
-/// Appends the pool's figures under Mooncake's names: what is lent and allocated, the
-/// keys held, the clients alive, and what eviction took since start.
+/// One counter: `master_<stem>_<part>_total`.
+fn counter(out: &mut String, stem: &str, part: &str, what: &str, counts: &str, value: &AtomicU64) {
+    let name = format!("master_{stem}_{part}_total");
+    let value = value.load(Ordering::Relaxed);
+    let _ = write!(
+        out,
+        "# HELP {name} {what}: {counts}.\n# TYPE {name} counter\n{name} {value}\n"
+    );
+}
+
+/// Appends the pool's figures, from one reading: ours (`mooncake_*`), then under
+/// Mooncake's names (what is lent and allocated, the keys held, the clients alive, and
+/// what eviction took since start).
 pub fn render_pool(stats: &PoolStats, active_clients: u64, out: &mut String) {
-    let figures = [
+    let ours = [
+        ("mooncake_segments", "gauge", stats.segments),
+        ("mooncake_capacity_bytes", "gauge", stats.capacity),
+        ("mooncake_used_bytes", "gauge", stats.used),
+        ("mooncake_objects", "gauge", stats.objects),
+        (
+            "mooncake_evicted_objects_total",
+            "counter",
+            stats.evicted_objects,
+        ),
+        (
+            "mooncake_evicted_bytes_total",
+            "counter",
+            stats.evicted_bytes,
+        ),
+    ];
+    for (name, kind, value) in ours {
+        let _ = write!(out, "# TYPE {name} {kind}\n{name} {value}\n");
+    }
+    let mooncakes = [
         (
             "master_total_capacity_bytes",
             "gauge",
@@ -260,7 +295,7 @@ pub fn render_pool(stats: &PoolStats, active_clients: u64, out: &mut String) {
             stats.evicted_bytes,
         ),
     ];
-    for (name, kind, help, value) in figures {
+    for (name, kind, help, value) in mooncakes {
         let _ = write!(
             out,
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
@@ -315,16 +350,6 @@ fn label_value(text: &str) -> String {
     out
 }
 
-/// One counter: `master_<stem>_<part>_total`.
-fn counter(out: &mut String, stem: &str, part: &str, counts: &str, what: &str, value: &AtomicU64) {
-    let name = format!("master_{stem}_{part}_total");
-    let value = value.load(Ordering::Relaxed);
-    let _ = write!(
-        out,
-        "# HELP {name} Answered {counts} of {what}.\n# TYPE {name} counter\n{name} {value}\n"
-    );
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,7 +365,7 @@ mod tests {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
     }
 
-    /// Asserts each named counter's value in `m`'s text.
+    /// Asserts each named counter's value in `m`'s text; the text.
     fn assert_counts(m: &RequestMetrics, want: &[(&str, Option<u64>)]) -> String {
         let text = rendered(m);
         for &(name, value) in want {
@@ -349,48 +374,69 @@ mod tests {
         text
     }
 
+    fn answered(failed: usize) -> Outcome {
+        Outcome::Answered { failed }
+    }
+
     #[test]
-    fn one_key_counts_as_the_single_rpc_and_more_as_the_batch_rpc() {
+    fn one_key_counts_as_the_single_rpc_and_any_other_number_as_the_batch_rpc() {
         let m = RequestMetrics::default();
-        m.record(Family::PutStart, 1, 0);
-        m.record(Family::PutStart, 1, 1);
-        m.record(Family::PutStart, 64, 0);
-        m.record(Family::PutStart, 64, 64);
-        m.record(Family::PutStart, 64, 3);
+        m.record(Family::PutStart, 1, answered(0));
+        m.record(Family::PutStart, 1, answered(1));
+        m.record(Family::PutStart, 1, Outcome::Refused);
+        m.record(Family::PutStart, 64, answered(0));
+        m.record(Family::PutStart, 64, answered(64));
+        m.record(Family::PutStart, 64, answered(3));
+        m.record(Family::PutStart, 0, answered(0));
+        m.record(Family::PutStart, 0, Outcome::Refused);
         let text = assert_counts(
             &m,
             &[
-                ("master_put_start_requests_total", Some(2)),
-                ("master_put_start_failures_total", Some(1)),
-                ("master_batch_put_start_requests_total", Some(3)),
+                ("master_put_start_requests_total", Some(3)),
+                ("master_put_start_failures_total", Some(2)),
+                ("master_batch_put_start_requests_total", Some(5)),
                 ("master_batch_put_start_items_total", Some(192)),
-                ("master_batch_put_start_failures_total", Some(1)),
+                ("master_batch_put_start_failures_total", Some(2)),
                 ("master_batch_put_start_partial_successes_total", Some(1)),
                 ("master_batch_put_start_failed_items_total", Some(67)),
                 ("master_exist_key_requests_total", Some(0)),
             ],
         );
         assert!(text.contains("# TYPE master_batch_exist_key_items_total counter\n"));
+        assert!(text.contains(
+            "# HELP master_batch_exist_key_failures_total Existence checks: batch requests \
+             in which every key failed.\n"
+        ));
     }
 
     #[test]
-    fn families_without_a_single_rpc_count_every_request_as_a_batch() {
+    fn other_families_count_as_mooncake_counts_them() {
         let m = RequestMetrics::default();
-        m.record(Family::ReplicaClear, 1, 1);
-        m.record(Family::Ping, 1, 0);
-        m.record(Family::RemoveAll, 1, 5);
+        // Only a batch RPC: one key is a batch of one.
+        m.record(Family::ReplicaClear, 1, answered(1));
+        // Only a single-key RPC.
+        m.record(Family::Ping, 1, answered(0));
+        m.record(Family::RemoveAll, 1, Outcome::Refused);
+        // Per key: a remove of one key and a batch remove of five, two failing.
+        m.record(Family::Remove, 1, answered(0));
+        m.record(Family::Remove, 5, answered(2));
         let text = assert_counts(
             &m,
             &[
                 ("master_batch_replica_clear_requests_total", Some(1)),
                 ("master_batch_replica_clear_failures_total", Some(1)),
                 ("master_batch_replica_clear_failed_items_total", Some(1)),
-                ("master_ping_requests_total", Some(1)),
-                ("master_remove_all_failures_total", Some(1)),
                 ("master_replica_clear_requests_total", None),
+                ("master_ping_requests_total", Some(1)),
+                ("master_ping_failures_total", Some(0)),
+                ("master_remove_all_failures_total", Some(1)),
+                ("master_remove_requests_total", Some(6)),
+                ("master_remove_failures_total", Some(2)),
+                ("master_batch_remove_requests_total", None),
             ],
         );
-        // Every line is a comment or a name and a number.
+        // Every line is a comment or a name and a number, each name once.
+        let mut names = std::collections::HashSet::new();
         for line in text.lines().filter(|l| !l.starts_with('#')) {
             let (name, n) = line.split_once(' ').unwrap();
             assert!(
@@ -398,7 +444,46 @@ mod tests {
                 "{line}"
             );
             assert!(n.parse::<u64>().is_ok(), "{line}");
+            assert!(names.insert(name), "{name} twice");
         }
+    }
+
+    #[test]
+    fn the_pool_reads_the_same_under_both_names() {
+        let stats = PoolStats {
+            segments: 2,
+            capacity: 1 << 30,
+            used: 5120,
+            objects: 1,
+            evicted_objects: 3,
+            evicted_bytes: 12288,
+        };
+        let mut text = String::new();
+        render_pool(&stats, 4, &mut text);
+        for (ours, theirs, want) in [
+            (
+                "mooncake_capacity_bytes",
+                "master_total_capacity_bytes",
+                1 << 30,
+            ),
+            ("mooncake_used_bytes", "master_allocated_bytes", 5120),
+            ("mooncake_objects", "master_key_count", 1),
+            (
+                "mooncake_evicted_objects_total",
+                "master_evicted_key_count",
+                3,
+            ),
+            (
+                "mooncake_evicted_bytes_total",
+                "master_evicted_size_bytes",
+                12288,
+            ),
+        ] {
+            assert_eq!(value(&text, ours), Some(want), "{ours}");
+            assert_eq!(value(&text, theirs), Some(want), "{theirs}");
+        }
+        assert_eq!(value(&text, "master_active_clients"), Some(4));
+        assert!(text.contains("# TYPE master_evicted_key_count counter\n"));
     }
 
     #[test]
@@ -431,18 +516,16 @@ mod tests {
     }
 
     #[test]
-    fn every_family_sits_at_its_own_place() {
-        for (i, family) in Family::ALL.into_iter().enumerate() {
-            assert_eq!(family as usize, i, "{family:?}");
-        }
-    }
-
-    #[test]
     fn requests_map_to_their_family_and_answers_count_their_failed_keys() {
         use crate::error::Code;
         let keys = vec!["a".to_owned(), "b".to_owned()];
         let req = Request::Exists { keys: keys.clone() };
         assert_eq!(family_of(&req), Some((Family::ExistKey, 2)));
+        let req = Request::RemoveKeys {
+            keys: keys.clone(),
+            force: false,
+        };
+        assert_eq!(family_of(&req), Some((Family::Remove, 2)));
         let req = Request::GetReplicasKeepable { keys };
         assert_eq!(family_of(&req), Some((Family::GetReplicaList, 2)));
         assert_eq!(family_of(&Request::Stats), None);

@@ -140,7 +140,7 @@ pub struct Master {
     /// are taken at their word.
     reach: std::sync::OnceLock<Arc<dyn SegmentReach>>,
     /// Answered requests, by kind, under Mooncake's metric names.
-    requests: metrics::RequestMetrics,
+    request_metrics: metrics::RequestMetrics,
 }
 
 impl Master {
@@ -174,7 +174,7 @@ impl Master {
             copies: copy::Copies::default(),
             started_ms: clock.now_ms(),
             reach: std::sync::OnceLock::new(),
-            requests: metrics::RequestMetrics::default(),
+            request_metrics: metrics::RequestMetrics::default(),
             clock,
         }
     }
@@ -1197,11 +1197,13 @@ impl Master {
         }
     }
 
-    /// Appends the Prometheus text of the pool's figures, each segment's, and the
-    /// answered requests' counters, under the names Mooncake's master exports them by.
-    pub fn render_metrics(&self, out: &mut String) {
+    /// `/metrics`' body (Prometheus text): the pool's figures, ours and under the names
+    /// Mooncake's master exports them by, each segment's, and the answered requests'
+    /// counters (`metrics`).
+    pub fn metrics_text(&self) -> String {
+        let mut out = String::new();
         let active_clients = self.clients.locked().len() as u64;
-        metrics::render_pool(&self.stats(), active_clients, out);
+        metrics::render_pool(&self.stats(), active_clients, &mut out);
         let segments: Vec<metrics::SegmentUse> = self
             .all_segments()
             .into_iter()
@@ -1211,8 +1213,9 @@ impl Master {
                 used,
             })
             .collect();
-        metrics::render_segments(&segments, out);
-        self.requests.render(out);
+        metrics::render_segments(&segments, &mut out);
+        self.request_metrics.render(&mut out);
+        out
     }
 
     /// Housekeeping: drops silent clients' segments, frees quarantined space whose

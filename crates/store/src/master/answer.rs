@@ -125,6 +125,8 @@ impl Master {
             other => {
                 let answer = self.handle_from(other, peer)?;
                 answer.encode(w);
+                let full = metrics::allocation_failures(&answer);
+                self.request_metrics.record_allocation_failures(full);
                 Ok(metrics::failed_keys(&answer))
             }
         }

@@ -15,6 +15,7 @@
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::error::Code;
 use crate::protocol::{PoolStats, Request, Response};
 
 /// How Mooncake counts a family's requests.
@@ -94,6 +95,9 @@ struct Batch {
 pub struct RequestMetrics {
     single: [Single; FAMILIES],
     batch: [Batch; FAMILIES],
+    /// Keys of put starts refused for want of space (`NoAvailableHandle`: the pool, or
+    /// the room for unfinished puts, is full): the alert a full pool raises.
+    put_start_alloc_failures: AtomicU64,
 }
 
 /// Which family `req` counts in, and how many keys it carries; `None` for requests
@@ -132,6 +136,19 @@ pub fn failed_keys(answer: &Response) -> usize {
         Response::PutStartNoted(r) => errors(r),
         Response::PerKey(r) => errors(r),
         Response::Exists(r) => errors(r),
+        _ => 0,
+    }
+}
+
+/// How many keys of a put start's answer found no space.
+pub fn allocation_failures(answer: &Response) -> usize {
+    fn full<T>(list: &[crate::protocol::KeyResult<T>]) -> usize {
+        let full = |r: &&crate::protocol::KeyResult<T>| matches!(r, Err(Code::NoAvailableHandle));
+        list.iter().filter(full).count()
+    }
+    match answer {
+        Response::PutStart(r) => full(r),
+        Response::PutStartNoted(r) => full(r),
         _ => 0,
     }
 }
@@ -186,8 +203,27 @@ impl RequestMetrics {
         }
     }
 
+    /// Counts `keys` put starts refused for want of space.
+    pub fn record_allocation_failures(&self, keys: usize) {
+        if keys > 0 {
+            let n = keys as u64;
+            self.put_start_alloc_failures
+                .fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
     /// Appends every counter in Prometheus' text format.
     pub fn render(&self, out: &mut String) {
+        let (_, _, what) = Family::PutStart.naming();
+        let full = "keys refused for want of space";
+        counter(
+            out,
+            "put_start_alloc",
+            "failures",
+            what,
+            full,
+            &self.put_start_alloc_failures,
+        );
         for &family in Family::ALL {
             let (stem, rpcs, what) = family.naming();
             if rpcs != Rpcs::Batch {
@@ -517,7 +553,6 @@ mod tests {
 
     #[test]
     fn requests_map_to_their_family_and_answers_count_their_failed_keys() {
-        use crate::error::Code;
         let keys = vec!["a".to_owned(), "b".to_owned()];
         let req = Request::Exists { keys: keys.clone() };
         assert_eq!(family_of(&req), Some((Family::ExistKey, 2)));
@@ -532,5 +567,19 @@ mod tests {
         let answer = Response::Exists(vec![Ok(true), Err(Code::ObjectNotFound), Ok(false)]);
         assert_eq!(failed_keys(&answer), 1);
         assert_eq!(failed_keys(&Response::Done), 0);
+        let started = Response::PutStart(vec![
+            Err(Code::NoAvailableHandle),
+            Ok(Vec::new()),
+            Err(Code::ObjectAlreadyExists),
+            Err(Code::NoAvailableHandle),
+        ]);
+        assert_eq!(
+            (failed_keys(&started), allocation_failures(&started)),
+            (3, 2)
+        );
+        let m = RequestMetrics::default();
+        m.record_allocation_failures(2);
+        let name = "master_put_start_alloc_failures_total";
+        assert_eq!(value(&rendered(&m), name), Some(2));
     }
 }

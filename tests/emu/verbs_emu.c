@@ -31,7 +31,8 @@
  *   verbs_emu_fail_qp(qp_num); counters: verbs_emu_bytes(name), verbs_emu_ops(name),
  *   verbs_emu_cq_events(). verbs_emu_hold_completions(1) keeps completions back (the
  *   bytes still move at post time) until verbs_emu_hold_completions(0) delivers them;
- *   verbs_emu_wait_held(n, ms) waits until n are held.
+ *   verbs_emu_wait_held(n, ms) waits until n are held, verbs_emu_wait_held_armed(ms) until
+ *   the CQs they are bound for are all armed.
  *
  * - Across processes (opt-in): with VERBS_EMU_FABRIC=<file> every process naming the
  *   same file shares a "fabric", a registry mapped from that file (created on first
@@ -1015,6 +1016,7 @@ static int emu_req_notify_cq(struct ibv_cq *cq, int solicited_only)
 	(void)solicited_only; /* RDMA READ/WRITE completions are never solicited */
 	pthread_mutex_lock(&lock);
 	((struct emu_cq *)cq)->armed = 1;
+	pthread_cond_broadcast(&held_cond); /* verbs_emu_wait_held_armed may be waiting */
 	pthread_mutex_unlock(&lock);
 	return 0;
 }
@@ -1645,8 +1647,8 @@ EXPORT void verbs_emu_hold_completions(int on)
 	pthread_mutex_unlock(&lock);
 }
 
-/* Waits up to `timeout_ms` until at least `n` completions are held; returns how many are. */
-EXPORT int verbs_emu_wait_held(int n, int timeout_ms)
+/* The CLOCK_REALTIME instant `timeout_ms` from now, for pthread_cond_timedwait. */
+static struct timespec deadline_after(int timeout_ms)
 {
 	struct timespec until;
 	clock_gettime(CLOCK_REALTIME, &until);
@@ -1656,10 +1658,39 @@ EXPORT int verbs_emu_wait_held(int n, int timeout_ms)
 		until.tv_sec++;
 		until.tv_nsec -= 1000000000L;
 	}
+	return until;
+}
+
+/* Waits up to `timeout_ms` until at least `n` completions are held; returns how many are. */
+EXPORT int verbs_emu_wait_held(int n, int timeout_ms)
+{
+	struct timespec until = deadline_after(timeout_ms);
 	pthread_mutex_lock(&lock);
 	while (nheld < n && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
 		;
 	int got = nheld;
 	pthread_mutex_unlock(&lock);
 	return got;
+}
+
+/* Whether every CQ a held completion is bound for is armed (under the lock). */
+static int held_cqs_armed(void)
+{
+	for (struct held_wc *h = held_head; h; h = h->next)
+		if (!((struct emu_cq *)h->cq)->armed)
+			return 0;
+	return 1;
+}
+
+/* Waits up to `timeout_ms` until every CQ a held completion is bound for is armed (so
+ * delivering them raises channel events); returns whether they all are. */
+EXPORT int verbs_emu_wait_held_armed(int timeout_ms)
+{
+	struct timespec until = deadline_after(timeout_ms);
+	pthread_mutex_lock(&lock);
+	while (!held_cqs_armed() && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
+		;
+	int armed = held_cqs_armed();
+	pthread_mutex_unlock(&lock);
+	return armed;
 }

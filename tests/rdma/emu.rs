@@ -17,6 +17,7 @@ pub struct Emu {
     bytes: unsafe extern "C" fn(*const libc::c_char) -> u64,
     hold_completions: unsafe extern "C" fn(libc::c_int),
     wait_held: unsafe extern "C" fn(libc::c_int, libc::c_int) -> libc::c_int,
+    wait_held_armed: unsafe extern "C" fn(libc::c_int) -> libc::c_int,
     cq_events: unsafe extern "C" fn() -> u64,
     fabric_entries: unsafe extern "C" fn(libc::c_int) -> libc::c_int,
     fabric_reclaim: unsafe extern "C" fn() -> libc::c_int,
@@ -55,6 +56,13 @@ impl Emu {
     pub fn wait_held(&self, n: i32) -> i32 {
         // SAFETY: as above.
         unsafe { (self.wait_held)(n, 30_000) }
+    }
+
+    /// Waits (bounded) until every CQ a held completion is bound for is armed (so
+    /// delivering them raises channel events); whether they all are.
+    pub fn wait_held_armed(&self) -> bool {
+        // SAFETY: as above.
+        unsafe { (self.wait_held_armed)(30_000) != 0 }
     }
 
     /// CQ events read through ibv_get_cq_event so far, by anyone in this process.
@@ -139,6 +147,7 @@ pub fn emu() -> Option<&'static Emu> {
             let bytes = *lib.get(b"verbs_emu_bytes\0").unwrap();
             let hold_completions = *lib.get(b"verbs_emu_hold_completions\0").unwrap();
             let wait_held = *lib.get(b"verbs_emu_wait_held\0").unwrap();
+            let wait_held_armed = *lib.get(b"verbs_emu_wait_held_armed\0").unwrap();
             let cq_events = *lib.get(b"verbs_emu_cq_events\0").unwrap();
             let fabric_entries = *lib.get(b"verbs_emu_fabric_entries\0").unwrap();
             let fabric_reclaim = *lib.get(b"verbs_emu_fabric_reclaim\0").unwrap();
@@ -149,6 +158,7 @@ pub fn emu() -> Option<&'static Emu> {
                 bytes,
                 hold_completions,
                 wait_held,
+                wait_held_armed,
                 cq_events,
                 fabric_entries,
                 fabric_reclaim,

@@ -375,8 +375,13 @@ fn transfer_completes_with_the_worker_parked() {
     let batch = start(&client, seg, Op::Write, local.addr(), remote.addr(), len);
     let slices = (len as u64 / mooncake::transport::rdma::SLICE_SIZE) as i32;
     let posted = emu.wait_held(slices);
+    // Released only once their CQs are armed: released before the worker's progress
+    // arms them (a loaded host can run this thread first), they would sit in the CQs
+    // unannounced, and the worker would poll them without any channel event.
+    let armed = emu.wait_held_armed();
     drop(held);
     assert_eq!(posted, slices, "every slice was posted");
+    assert!(armed, "the worker armed the CQs its completions go to");
     assert_eq!(finish(&client, batch), TaskState::Completed);
     assert!(remote.buf == local.buf);
     assert!(

@@ -123,10 +123,17 @@ impl Master {
                 Ok(failed)
             }
             other => {
+                // (A drain's `Relocate` answers as a put start does, but is no put.)
+                let put_start = matches!(
+                    other,
+                    Request::PutStart { .. } | Request::PutStartNoted { .. }
+                );
                 let answer = self.handle_from(other, peer)?;
                 answer.encode(w);
-                let full = metrics::allocation_failures(&answer);
-                self.request_metrics.record_allocation_failures(full);
+                if put_start {
+                    let refused = metrics::allocation_failures(&answer);
+                    self.request_metrics.record_allocation_failures(refused);
+                }
                 Ok(metrics::failed_keys(&answer))
             }
         }
@@ -282,6 +289,15 @@ mod tests {
             force: false,
         };
         assert!(m.answer_into(bad, None, &mut Writer::new()).is_err());
+        // A put start with no room for its value: a failed put start, and the full-pool
+        // counter's key.
+        let huge = Request::PutStart {
+            client: 1,
+            items: vec![("huge".into(), 1 << 30)],
+            config: Default::default(),
+            upsert: false,
+        };
+        answered(&m, huge);
         // Not counted: no such counter upstream.
         answered(&m, Request::Stats);
         for (name, want) in [
@@ -295,7 +311,9 @@ mod tests {
             ("master_batch_exist_key_failed_items_total", 1),
             ("master_remove_by_regex_requests_total", 1),
             ("master_remove_by_regex_failures_total", 1),
-            ("master_put_start_requests_total", 0),
+            ("master_put_start_requests_total", 1),
+            ("master_put_start_failures_total", 1),
+            ("master_put_start_alloc_failures_total", 1),
         ] {
             assert_eq!(figure(name), Some(want), "{name}");
         }

@@ -67,7 +67,7 @@ families! {
     ReplicaClear => ("replica_clear", Batch, "Replica clears"),
     MountSegment => ("mount_segment", Single, "Segment mounts"),
     UnmountSegment => ("unmount_segment", Single, "Segment unmounts"),
-    RemountSegment => ("remount_segment", Single, "Segment remounts (counted at their last chunk)"),
+    RemountSegment => ("remount_segment", Single, "Segment remounts (counted at their last chunk; one refused before it is not)"),
     Ping => ("ping", Single, "Client keep-alives"),
 }
 
@@ -215,14 +215,15 @@ impl RequestMetrics {
     /// Appends every counter in Prometheus' text format.
     pub fn render(&self, out: &mut String) {
         let (_, _, what) = Family::PutStart.naming();
-        let full = "keys refused for want of space";
+        let refused_help = "keys refused for want of space";
+        let refused = &self.put_start_alloc_failures;
         counter(
             out,
             "put_start_alloc",
             "failures",
             what,
-            full,
-            &self.put_start_alloc_failures,
+            refused_help,
+            refused,
         );
         for &family in Family::ALL {
             let (stem, rpcs, what) = family.naming();
@@ -346,28 +347,33 @@ pub struct SegmentUse {
     pub used: u64,
 }
 
-/// Appends each mounted segment's capacity and allocated bytes, labelled with its name
+/// Appends each segment name's capacity and allocated bytes, labelled with the name
 /// (`segment_total_capacity_bytes{segment="host:port"}`, as Mooncake's master has them).
+/// A client's extra segments share its name: their figures are summed, as Mooncake sums
+/// them, so each series appears once.
 pub fn render_segments(segments: &[SegmentUse], out: &mut String) {
+    let mut by_name: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+    for s in segments {
+        let sums = by_name.entry(&s.name).or_default();
+        *sums = (sums.0 + s.capacity, sums.1 + s.used);
+    }
     let help = "Bytes the segment lends.";
-    segment_gauge(out, "segment_total_capacity_bytes", help, segments, |s| {
-        s.capacity
-    });
+    segment_gauge(out, "segment_total_capacity_bytes", help, &by_name, |s| s.0);
     let help = "Bytes of the segment allocated to objects.";
-    segment_gauge(out, "segment_allocated_bytes", help, segments, |s| s.used);
+    segment_gauge(out, "segment_allocated_bytes", help, &by_name, |s| s.1);
 }
 
 fn segment_gauge(
     out: &mut String,
     name: &str,
     help: &str,
-    segments: &[SegmentUse],
-    value: impl Fn(&SegmentUse) -> u64,
+    by_name: &std::collections::BTreeMap<&str, (u64, u64)>,
+    value: impl Fn((u64, u64)) -> u64,
 ) {
     let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
-    for segment in segments {
-        let label = label_value(&segment.name);
-        let _ = writeln!(out, "{name}{{segment=\"{label}\"}} {}", value(segment));
+    for (segment, &sums) in by_name {
+        let label = label_value(segment);
+        let _ = writeln!(out, "{name}{{segment=\"{label}\"}} {}", value(sums));
     }
 }
 
@@ -523,15 +529,17 @@ mod tests {
     }
 
     #[test]
-    fn segments_are_labelled_by_name_with_the_name_escaped() {
+    fn segments_are_labelled_by_name_once_each_with_the_name_escaped() {
         let segment = |name: &str, capacity, used| SegmentUse {
             name: name.to_owned(),
             capacity,
             used,
         };
+        // A client's extra segment shares its name: one series, the sums.
         let segments = [
-            segment("10.0.0.1:12300", 4096, 1024),
             segment("odd\"name\\\n", 8, 0),
+            segment("10.0.0.1:12300", 4000, 1000),
+            segment("10.0.0.1:12300", 96, 24),
         ];
         let mut text = String::new();
         render_segments(&segments, &mut text);

@@ -29,7 +29,7 @@
  *   real libibverbs would wait forever instead).
  * - Faults: verbs_emu_fail_device(name, down), verbs_emu_fail_after(name, bytes),
  *   verbs_emu_fail_qp(qp_num); counters: verbs_emu_bytes(name), verbs_emu_ops(name),
- *   verbs_emu_cq_events(). verbs_emu_hold_completions(1) keeps completions back (the
+ *   verbs_emu_cq_events() (verbs_emu_wait_cq_events(n, ms) waits until n are). verbs_emu_hold_completions(1) keeps completions back (the
  *   bytes still move at post time) until verbs_emu_hold_completions(0) delivers them;
  *   verbs_emu_wait_held(n, ms) waits until n are held, verbs_emu_wait_held_armed(ms) until
  *   the CQs they are bound for are all armed.
@@ -1310,6 +1310,7 @@ EXPORT int ibv_get_cq_event(struct ibv_comp_channel *channel, struct ibv_cq **cq
 			}
 			((struct emu_cq *)e->cq)->events_reported++;
 			cq_events++;
+			pthread_cond_broadcast(&held_cond); /* verbs_emu_wait_cq_events may wait */
 			pthread_mutex_unlock(&lock);
 			*cq = e->cq;
 			*cq_context = e->cq->cq_context;
@@ -1619,6 +1620,20 @@ EXPORT int verbs_emu_fabric_reclaim(void)
 	return n;
 }
 
+/* The CLOCK_REALTIME instant `timeout_ms` from now, for pthread_cond_timedwait. */
+static struct timespec deadline_after(int timeout_ms)
+{
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += timeout_ms / 1000;
+	until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+	if (until.tv_nsec >= 1000000000L) {
+		until.tv_sec++;
+		until.tv_nsec -= 1000000000L;
+	}
+	return until;
+}
+
 /* Total CQ events read through ibv_get_cq_event. */
 EXPORT uint64_t verbs_emu_cq_events(void)
 {
@@ -1626,6 +1641,19 @@ EXPORT uint64_t verbs_emu_cq_events(void)
 	uint64_t n = cq_events;
 	pthread_mutex_unlock(&lock);
 	return n;
+}
+
+/* Waits up to `timeout_ms` until at least `n` CQ events have been read in all; returns
+ * how many have. */
+EXPORT uint64_t verbs_emu_wait_cq_events(uint64_t n, int timeout_ms)
+{
+	struct timespec until = deadline_after(timeout_ms);
+	pthread_mutex_lock(&lock);
+	while (cq_events < n && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
+		;
+	uint64_t got = cq_events;
+	pthread_mutex_unlock(&lock);
+	return got;
 }
 
 /* on: keep completions back from here on; off: deliver the held ones, in order. */
@@ -1645,20 +1673,6 @@ EXPORT void verbs_emu_hold_completions(int on)
 		}
 	}
 	pthread_mutex_unlock(&lock);
-}
-
-/* The CLOCK_REALTIME instant `timeout_ms` from now, for pthread_cond_timedwait. */
-static struct timespec deadline_after(int timeout_ms)
-{
-	struct timespec until;
-	clock_gettime(CLOCK_REALTIME, &until);
-	until.tv_sec += timeout_ms / 1000;
-	until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-	if (until.tv_nsec >= 1000000000L) {
-		until.tv_sec++;
-		until.tv_nsec -= 1000000000L;
-	}
-	return until;
 }
 
 /* Waits up to `timeout_ms` until at least `n` completions are held; returns how many are. */

@@ -19,6 +19,7 @@ pub struct Emu {
     wait_held: unsafe extern "C" fn(libc::c_int, libc::c_int) -> libc::c_int,
     wait_held_armed: unsafe extern "C" fn(libc::c_int) -> libc::c_int,
     cq_events: unsafe extern "C" fn() -> u64,
+    wait_cq_events: unsafe extern "C" fn(u64, libc::c_int) -> u64,
     fabric_entries: unsafe extern "C" fn(libc::c_int) -> libc::c_int,
     fabric_reclaim: unsafe extern "C" fn() -> libc::c_int,
 }
@@ -69,6 +70,12 @@ impl Emu {
     pub fn cq_events(&self) -> u64 {
         // SAFETY: as above.
         unsafe { (self.cq_events)() }
+    }
+
+    /// Waits (bounded) until at least `n` CQ events have been read; how many have.
+    pub fn wait_cq_events(&self, n: u64) -> u64 {
+        // SAFETY: as above.
+        unsafe { (self.wait_cq_events)(n, 30_000) }
     }
 
     /// QPs and MRs of process `pid` published on the shared fabric.
@@ -149,6 +156,7 @@ pub fn emu() -> Option<&'static Emu> {
             let wait_held = *lib.get(b"verbs_emu_wait_held\0").unwrap();
             let wait_held_armed = *lib.get(b"verbs_emu_wait_held_armed\0").unwrap();
             let cq_events = *lib.get(b"verbs_emu_cq_events\0").unwrap();
+            let wait_cq_events = *lib.get(b"verbs_emu_wait_cq_events\0").unwrap();
             let fabric_entries = *lib.get(b"verbs_emu_fabric_entries\0").unwrap();
             let fabric_reclaim = *lib.get(b"verbs_emu_fabric_reclaim\0").unwrap();
             Some(Emu {
@@ -160,6 +168,7 @@ pub fn emu() -> Option<&'static Emu> {
                 wait_held,
                 wait_held_armed,
                 cq_events,
+                wait_cq_events,
                 fabric_entries,
                 fabric_reclaim,
             })

@@ -1620,8 +1620,9 @@ EXPORT int verbs_emu_fabric_reclaim(void)
 	return n;
 }
 
-/* The CLOCK_REALTIME instant `timeout_ms` from now, for pthread_cond_timedwait. */
-static struct timespec deadline_after(int timeout_ms)
+/* Waits on `held_cond` (with `lock` held) until `done(arg)`, or `timeout_ms` passes:
+ * every change these waits are for broadcasts `held_cond`. */
+static void wait_locked(int (*done)(const void *arg), const void *arg, int timeout_ms)
 {
 	struct timespec until;
 	clock_gettime(CLOCK_REALTIME, &until);
@@ -1631,7 +1632,8 @@ static struct timespec deadline_after(int timeout_ms)
 		until.tv_sec++;
 		until.tv_nsec -= 1000000000L;
 	}
-	return until;
+	while (!done(arg) && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
+		;
 }
 
 /* Total CQ events read through ibv_get_cq_event. */
@@ -1643,14 +1645,17 @@ EXPORT uint64_t verbs_emu_cq_events(void)
 	return n;
 }
 
+static int events_read(const void *n)
+{
+	return cq_events >= *(const uint64_t *)n;
+}
+
 /* Waits up to `timeout_ms` until at least `n` CQ events have been read in all; returns
  * how many have. */
 EXPORT uint64_t verbs_emu_wait_cq_events(uint64_t n, int timeout_ms)
 {
-	struct timespec until = deadline_after(timeout_ms);
 	pthread_mutex_lock(&lock);
-	while (cq_events < n && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
-		;
+	wait_locked(events_read, &n, timeout_ms);
 	uint64_t got = cq_events;
 	pthread_mutex_unlock(&lock);
 	return got;
@@ -1675,21 +1680,25 @@ EXPORT void verbs_emu_hold_completions(int on)
 	pthread_mutex_unlock(&lock);
 }
 
+static int held_at_least(const void *n)
+{
+	return nheld >= *(const int *)n;
+}
+
 /* Waits up to `timeout_ms` until at least `n` completions are held; returns how many are. */
 EXPORT int verbs_emu_wait_held(int n, int timeout_ms)
 {
-	struct timespec until = deadline_after(timeout_ms);
 	pthread_mutex_lock(&lock);
-	while (nheld < n && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
-		;
+	wait_locked(held_at_least, &n, timeout_ms);
 	int got = nheld;
 	pthread_mutex_unlock(&lock);
 	return got;
 }
 
 /* Whether every CQ a held completion is bound for is armed (under the lock). */
-static int held_cqs_armed(void)
+static int held_cqs_armed(const void *unused)
 {
+	(void)unused;
 	for (struct held_wc *h = held_head; h; h = h->next)
 		if (!((struct emu_cq *)h->cq)->armed)
 			return 0;
@@ -1700,11 +1709,9 @@ static int held_cqs_armed(void)
  * delivering them raises channel events); returns whether they all are. */
 EXPORT int verbs_emu_wait_held_armed(int timeout_ms)
 {
-	struct timespec until = deadline_after(timeout_ms);
 	pthread_mutex_lock(&lock);
-	while (!held_cqs_armed() && pthread_cond_timedwait(&held_cond, &lock, &until) == 0)
-		;
-	int armed = held_cqs_armed();
+	wait_locked(held_cqs_armed, NULL, timeout_ms);
+	int armed = held_cqs_armed(NULL);
 	pthread_mutex_unlock(&lock);
 	return armed;
 }

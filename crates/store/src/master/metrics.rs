@@ -12,6 +12,7 @@
 //! not found included, as Mooncake counts it); a refused request fails all its keys.
 //! Counted are the requests the RPC server answers, not the in-process `Master::handle`.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -128,27 +129,26 @@ pub fn family_of(req: &Request) -> Option<(Family, usize)> {
 /// How many keys of an answer `handle_from` built failed (an error code in place of
 /// their answer). Lookups are answered, and their failures counted, by `lookups_into`.
 pub fn failed_keys(answer: &Response) -> usize {
-    fn errors<T>(list: &[crate::protocol::KeyResult<T>]) -> usize {
-        list.iter().filter(|r| r.is_err()).count()
-    }
-    match answer {
-        Response::PutStart(r) => errors(r),
-        Response::PutStartNoted(r) => errors(r),
-        Response::PerKey(r) => errors(r),
-        Response::Exists(r) => errors(r),
-        _ => 0,
-    }
+    keys_failing(answer, |_| true)
 }
 
 /// How many keys of a put start's answer found no space.
 pub fn allocation_failures(answer: &Response) -> usize {
-    fn full<T>(list: &[crate::protocol::KeyResult<T>]) -> usize {
-        let full = |r: &&crate::protocol::KeyResult<T>| matches!(r, Err(Code::NoAvailableHandle));
-        list.iter().filter(full).count()
+    keys_failing(answer, |code| code == Code::NoAvailableHandle)
+}
+
+/// The keys of a per-key answer whose error code `counts` accepts.
+fn keys_failing(answer: &Response, counts: impl Fn(Code) -> bool) -> usize {
+    fn count<T>(list: &[crate::protocol::KeyResult<T>], counts: impl Fn(Code) -> bool) -> usize {
+        list.iter()
+            .filter(|r| matches!(r, Err(c) if counts(*c)))
+            .count()
     }
     match answer {
-        Response::PutStart(r) => full(r),
-        Response::PutStartNoted(r) => full(r),
+        Response::PutStart(r) => count(r, counts),
+        Response::PutStartNoted(r) => count(r, counts),
+        Response::PerKey(r) => count(r, counts),
+        Response::Exists(r) => count(r, counts),
         _ => 0,
     }
 }
@@ -176,20 +176,17 @@ impl RequestMetrics {
         };
         let (_, rpcs, _) = family.naming();
         let s = &self.single[family as usize];
+        let single_key_call = rpcs == Rpcs::Single || (rpcs == Rpcs::Both && keys == 1);
         match rpcs {
             Rpcs::PerKey => {
                 add(&s.requests, keys);
                 add(&s.failures, failed);
             }
-            Rpcs::Single => {
+            _ if single_key_call => {
                 add(&s.requests, 1);
                 add(&s.failures, usize::from(refused || failed > 0));
             }
-            Rpcs::Both if keys == 1 => {
-                add(&s.requests, 1);
-                add(&s.failures, usize::from(refused || failed > 0));
-            }
-            Rpcs::Batch | Rpcs::Both => {
+            _ => {
                 let b = &self.batch[family as usize];
                 add(&b.requests, 1);
                 add(&b.items, keys);
@@ -340,22 +337,15 @@ pub fn render_pool(stats: &PoolStats, active_clients: u64, out: &mut String) {
     }
 }
 
-/// A mounted segment's figures, for `render_segments`.
-pub struct SegmentUse {
-    pub name: String,
-    pub capacity: u64,
-    pub used: u64,
-}
-
 /// Appends each segment name's capacity and allocated bytes, labelled with the name
 /// (`segment_total_capacity_bytes{segment="host:port"}`, as Mooncake's master has them).
-/// A client's extra segments share its name: their figures are summed, as Mooncake sums
-/// them, so each series appears once.
-pub fn render_segments(segments: &[SegmentUse], out: &mut String) {
-    let mut by_name: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
-    for s in segments {
-        let sums = by_name.entry(&s.name).or_default();
-        *sums = (sums.0 + s.capacity, sums.1 + s.used);
+/// `segments`: (name, capacity, used). A client's extra segments share its name: their
+/// figures are summed, as Mooncake sums them, so each series appears once.
+pub fn render_segments(segments: impl IntoIterator<Item = (String, u64, u64)>, out: &mut String) {
+    let mut by_name: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (name, capacity, used) in segments {
+        let sums = by_name.entry(name).or_default();
+        *sums = (sums.0 + capacity, sums.1 + used);
     }
     let help = "Bytes the segment lends.";
     segment_gauge(out, "segment_total_capacity_bytes", help, &by_name, |s| s.0);
@@ -367,7 +357,7 @@ fn segment_gauge(
     out: &mut String,
     name: &str,
     help: &str,
-    by_name: &std::collections::BTreeMap<&str, (u64, u64)>,
+    by_name: &BTreeMap<String, (u64, u64)>,
     value: impl Fn((u64, u64)) -> u64,
 ) {
     let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
@@ -530,11 +520,7 @@ mod tests {
 
     #[test]
     fn segments_are_labelled_by_name_once_each_with_the_name_escaped() {
-        let segment = |name: &str, capacity, used| SegmentUse {
-            name: name.to_owned(),
-            capacity,
-            used,
-        };
+        let segment = |name: &str, capacity, used| (name.to_owned(), capacity, used);
         // A client's extra segment shares its name: one series, the sums.
         let segments = [
             segment("odd\"name\\\n", 8, 0),
@@ -542,7 +528,7 @@ mod tests {
             segment("10.0.0.1:12300", 96, 24),
         ];
         let mut text = String::new();
-        render_segments(&segments, &mut text);
+        render_segments(segments, &mut text);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines,

@@ -1204,16 +1204,9 @@ impl Master {
         let mut out = String::new();
         let active_clients = self.clients.locked().len() as u64;
         metrics::render_pool(&self.stats(), active_clients, &mut out);
-        let segments: Vec<metrics::SegmentUse> = self
-            .all_segments()
-            .into_iter()
-            .map(|(info, capacity, used)| metrics::SegmentUse {
-                name: info.name,
-                capacity,
-                used,
-            })
-            .collect();
-        metrics::render_segments(&segments, &mut out);
+        let segments = self.all_segments().into_iter();
+        let named = segments.map(|(info, capacity, used)| (info.name, capacity, used));
+        metrics::render_segments(named, &mut out);
         self.request_metrics.render(&mut out);
         out
     }

@@ -11,6 +11,7 @@ pub mod error;
 pub mod etcd;
 pub mod http;
 pub mod json;
+pub mod mailbox;
 pub mod memfd;
 pub mod memory_room;
 pub mod net;

@@ -147,6 +147,11 @@ impl SharedMemory {
         Ok(SharedMemory { fd, mapping })
     }
 
+    /// The memfd and the local mapping, apart (the mapping outlives a closed memfd).
+    pub fn into_parts(self) -> (OwnedFd, Mapping) {
+        (self.fd, self.mapping)
+    }
+
     /// The memfd, for peers to map through `/proc/<pid>/fd`.
     pub fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()

@@ -1,10 +1,10 @@
 //! Thin safe wrappers over the few Linux calls std does not offer: epoll, eventfd,
-//! vectored I/O on raw descriptors, and non-blocking connect.
+//! futexes, vectored I/O on raw descriptors, and non-blocking connect.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -350,6 +350,71 @@ pub fn idle_connection_closed(stream: &TcpStream) -> bool {
     true
 }
 
+/// Sleeps while `word` holds `expected`, for at most `timeout`: returns at once when
+/// it holds something else, when woken ([`futex_wake`]), when the time is up, or on a
+/// signal, so callers check `word` again. Not the private kind: `word` may lie in
+/// memory shared with another process.
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned u32 for the call and `ts` a valid relative
+    // timeout; FUTEX_WAIT reads the word and touches nothing else.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        )
+    };
+}
+
+/// Wakes every thread, of any process, sleeping in [`futex_wait`] on `word`.
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned u32; FUTEX_WAKE only reads its address.
+    unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+}
+
+/// `boot_id` plus PID namespace: two processes with equal ids can name each other's
+/// PIDs (and so open each other's descriptors through `/proc`).
+pub fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let ns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!("{}/{}", boot.trim(), ns)
+}
+
+/// This process's network namespace (`net:[inode]`), empty when it cannot tell.
+pub fn network_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// Whether the peer closed (or reset) `stream`; bytes waiting to be read are not an
+/// end. One non-blocking peek.
+pub fn stream_ended(stream: &TcpStream) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: a one-byte buffer we own, valid for the call.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error().kind();
+        return !matches!(e, io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
+    }
+    n == 0
+}
+
 /// One `recv` that never blocks: `WouldBlock` when nothing is there yet.
 pub fn recv_nonblocking(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: `buf` is ours and writable for its length during the call.
@@ -462,7 +527,12 @@ impl RequestSpin {
     /// Polls `stream` for the next request ([`spin_until_readable`]) for `budget`, or
     /// briefly when the patient places are taken; true when it is readable.
     pub fn poll(self, stream: &TcpStream) -> bool {
-        // Held through the poll: its place is given back when this returns.
+        self.spin_for(|spin| spin_until_readable(stream, spin))
+    }
+
+    /// Runs `wait` with how long it may poll: `budget`, or briefly when the patient
+    /// places are taken (a place is held while `wait` runs).
+    pub fn spin_for<R>(self, wait: impl FnOnce(Duration) -> R) -> R {
         let slot = (self.budget() > Self::BRIEF)
             .then(|| PatientSlot::take((usable_cpus() / 2).max(1)))
             .flatten();
@@ -471,7 +541,9 @@ impl RequestSpin {
         } else {
             Self::BRIEF
         };
-        spin_until_readable(stream, spin)
+        let got = wait(spin);
+        drop(slot);
+        got
     }
 
     /// Notes how long the connection waited for the request that just came in.

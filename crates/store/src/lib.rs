@@ -6,7 +6,7 @@
 //! sit above it.
 
 // The layers below, named as the code in this crate names them (`crate::engine`, ...).
-use mooncake_base::{auth, error, etcd, http, json, net, sys, util, warn_limited};
+use mooncake_base::{auth, error, etcd, http, json, mailbox, net, sys, util, warn_limited};
 use mooncake_engine::{engine, metadata, transport};
 
 pub mod allocator;

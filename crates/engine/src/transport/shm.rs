@@ -116,14 +116,7 @@ unsafe fn guard_page<'a>(ptr: *mut u8) -> &'a GuardPage {
     unsafe { &*(ptr as *const GuardPage) }
 }
 
-/// `boot_id` plus PID namespace: two processes with equal ids can name each other's PIDs.
-pub fn host_id() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let ns = std::fs::read_link("/proc/self/ns/pid")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    format!("{}/{}", boot.trim(), ns)
-}
+pub use crate::sys::host_id;
 
 /// Peers (by engine handle) whose process_vm calls the system refused.
 type VmDenied = Arc<RwLock<HashSet<u64>>>;

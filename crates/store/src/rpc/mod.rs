@@ -11,10 +11,12 @@
 
 use crate::util::sync::Unpoisoned;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+mod mailbox;
 
 use super::codec::Writer;
 use super::ha;
@@ -122,12 +124,7 @@ impl FrameReader {
             }
         }
         let at = self.start;
-        let len = u32::from_le_bytes(self.buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-        if !(HEADER..=MAX_FRAME).contains(&len) {
-            return Err(Error::protocol(format!(
-                "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
-            )));
-        }
+        let len = frame_len(self.buf[at..at + 4].try_into().expect("4 bytes"))?;
         self.start += 4;
         let have = len.min(self.buffered());
         let mut body = Vec::with_capacity(len);
@@ -139,16 +136,49 @@ impl FrameReader {
                 .read_exact(&mut body[have..])
                 .map_err(|e| Error::io("reading frame body", e))?;
         }
+        Ok(Some(Frame::from_body(body)))
+    }
+}
+
+/// The length a frame's first four bytes give, if it is allowed.
+fn frame_len(prefix: [u8; 4]) -> Result<usize> {
+    let len = u32::from_le_bytes(prefix) as usize;
+    if !(HEADER..=MAX_FRAME).contains(&len) {
+        return Err(Error::protocol(format!(
+            "frame of {len} bytes (allowed {HEADER}..={MAX_FRAME})"
+        )));
+    }
+    Ok(len)
+}
+
+impl Frame {
+    /// The frame whose bytes after the length are `body` (at least `HEADER` long).
+    fn from_body(mut body: Vec<u8>) -> Frame {
         let version = u16::from_le_bytes([body[0], body[1]]);
         let method = u16::from_le_bytes([body[2], body[3]]);
         let id = u64::from_le_bytes(body[4..12].try_into().expect("8 bytes"));
         body.drain(..HEADER);
-        Ok(Some(Frame {
+        Frame {
             version,
             method,
             id,
             body,
-        }))
+        }
+    }
+
+    /// One whole frame, length first, and nothing after it (a mailbox message).
+    fn parse(bytes: &[u8]) -> Result<Frame> {
+        let prefix = bytes
+            .get(..4)
+            .ok_or_else(|| Error::protocol("a frame cut short"))?;
+        let len = frame_len(prefix.try_into().expect("4 bytes"))?;
+        if bytes.len() - 4 != len {
+            return Err(Error::protocol(format!(
+                "a frame of {len} bytes in a message of {}",
+                bytes.len()
+            )));
+        }
+        Ok(Frame::from_body(bytes[4..].to_vec()))
     }
 }
 
@@ -156,6 +186,12 @@ impl FrameReader {
 const CLIENT_SPIN: Duration = Duration::from_micros(100);
 /// `SegmentEvents`: answered when the segment's catalog changes, not at once.
 const LONG_POLL_METHOD: u16 = Method::SegmentEvents as u16;
+/// Methods of the connection itself, answered here and never seen by the master,
+/// numbered apart from the master's (`Method`). An offer of a same-host mailbox; its
+/// answer is the offer encoded, or nothing.
+const MAILBOX_OFFER: u16 = 0xff01;
+/// A request waits in the mailbox (sent when the server reads its socket); no answer.
+const MAILBOX_NUDGE: u16 = 0xff02;
 
 /// Serves the master's RPC on `bind` until dropped.
 pub fn serve(
@@ -174,79 +210,162 @@ pub fn serve(
 }
 
 fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
-    let peer_addr = stream.peer_addr().ok();
-    // Unfinished puts count against the host a request came from (`quota::Payer`).
-    let peer_ip = peer_addr.map(|a| a.ip());
-    let peer = peer_addr.map(|a| a.to_string()).unwrap_or_default();
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
-    let mut reader = TimedReader::new(&stream, ticket);
-    let mut frames = FrameReader::new();
-    let mut out = Vec::new();
-    let mut spin = crate::sys::RequestSpin::default();
-    let mut answered = Instant::now();
+    let mut conn = ServerConn::new(&stream, ticket, master);
+    // A mailbox offered and not yet taken up (see `mailbox`).
+    let mut offered = None;
     loop {
-        let waited = frames.buffered() == 0;
+        let Some(frame) = conn.read_frame() else {
+            return;
+        };
+        let reply = match frame.method {
+            MAILBOX_NUDGE => match offered.take() {
+                Some(taken) => return mailbox::serve(&mut conn, taken),
+                // Left from a mailbox message the connection took without it.
+                None => continue,
+            },
+            MAILBOX_OFFER => {
+                offered = mailbox::offer(&mut conn.out, frame.id);
+                Reply::Send
+            }
+            _ => {
+                // The client did not take the mailbox up: its memfd is closed here.
+                offered = None;
+                conn.answer(frame)
+            }
+        };
+        if reply == Reply::Close || !conn.send(&conn.out) || reply == Reply::SendAndClose {
+            return;
+        }
+        conn.sent();
+    }
+}
+
+/// What to do with an answer `ServerConn::answer` built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reply {
+    Send,
+    /// Send it, then close (the client speaks another protocol version).
+    SendAndClose,
+    /// Close without an answer (a request that did not decode).
+    Close,
+}
+
+/// One master connection, between frames.
+struct ServerConn<'a> {
+    stream: &'a TcpStream,
+    ticket: &'a ConnTicket,
+    master: &'a Master,
+    /// Unfinished puts count against the host a request came from (`quota::Payer`).
+    peer_ip: Option<IpAddr>,
+    peer: String,
+    reader: TimedReader<'a>,
+    frames: FrameReader,
+    /// The answer being built, kept from frame to frame.
+    out: Vec<u8>,
+    spin: crate::sys::RequestSpin,
+    answered: Instant,
+}
+
+impl<'a> ServerConn<'a> {
+    fn new(stream: &'a TcpStream, ticket: &'a ConnTicket, master: &'a Master) -> Self {
+        let peer_addr = stream.peer_addr().ok();
+        ServerConn {
+            stream,
+            ticket,
+            master,
+            peer_ip: peer_addr.map(|a| a.ip()),
+            peer: peer_addr.map(|a| a.to_string()).unwrap_or_default(),
+            reader: TimedReader::new(stream, ticket),
+            frames: FrameReader::new(),
+            out: Vec::new(),
+            spin: crate::sys::RequestSpin::default(),
+            answered: Instant::now(),
+        }
+    }
+
+    /// The next frame from the socket, polled for a while first; None when the
+    /// connection is over (the reason logged).
+    fn read_frame(&mut self) -> Option<Frame> {
+        let waited = self.frames.buffered() == 0;
         if waited {
             // A client's next request often follows soon: catch it without sleeping.
-            spin.poll(&stream);
+            self.spin.poll(self.stream);
         } else {
             // Part of it came with the last one: its deadline runs from then.
-            reader.frame_begun();
+            self.reader.frame_begun();
         }
-        let read = frames.read_frame(&mut reader);
-        reader.frame_done();
+        let read = self.frames.read_frame(&mut self.reader);
+        self.reader.frame_done();
         if waited {
             // (A frame that came with the one before says nothing of the client's
             // pace: a touch pipelined ahead of a read, say.)
-            spin.came_back_after(answered.elapsed());
+            self.came_back();
         }
+        match read {
+            Ok(f) => f,
+            // A malformed frame is worth a warning; a peer that went away is not.
+            Err(e) if e.code() == Code::Protocol => {
+                crate::warn_limited!("master rpc {}: {e}; closing", self.peer);
+                None
+            }
+            Err(e) => {
+                log::debug!("master rpc {}: {e}; closing", self.peer);
+                None
+            }
+        }
+    }
+
+    /// Notes that a request the connection waited for came in.
+    fn came_back(&mut self) {
+        self.spin.came_back_after(self.answered.elapsed());
+    }
+
+    /// Builds the answer to `frame` in `out`.
+    fn answer(&mut self, frame: Frame) -> Reply {
         let Frame {
             version,
             method,
             id,
             body: payload,
-        } = match read {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
-            // A malformed frame is worth a warning; a peer that went away is not.
-            Err(e) if e.code() == Code::Protocol => {
-                crate::warn_limited!("master rpc {peer}: {e}; closing");
-                return;
-            }
-            Err(e) => {
-                log::debug!("master rpc {peer}: {e}; closing");
-                return;
-            }
-        };
+        } = frame;
         if version != PROTOCOL_VERSION {
-            answer_frame(&mut out, method, id, |_| {
+            answer_frame(&mut self.out, method, id, |_| {
                 Err(Error::new(
                     Code::InvalidVersion,
                     format!("protocol version {version}, this master speaks {PROTOCOL_VERSION}"),
                 ))
             });
-            let _ = (&stream).write_all(&out);
-            return;
+            return Reply::SendAndClose;
         }
         match Request::decode(method, &payload) {
             Err(e) => {
-                crate::warn_limited!("master rpc {peer}: method {method}: {e}; closing");
-                return;
+                crate::warn_limited!("master rpc {}: method {method}: {e}; closing", self.peer);
+                Reply::Close
             }
             Ok(req) => {
-                ticket.prove();
-                answer_frame(&mut out, method, id, |w| {
+                self.ticket.prove();
+                let (master, peer_ip) = (self.master, self.peer_ip);
+                answer_frame(&mut self.out, method, id, |w| {
                     master.answer_into(req, peer_ip, w)
                 });
+                Reply::Send
             }
         }
-        if (&stream).write_all(&out).is_err() {
-            return;
-        }
-        answered = Instant::now();
-        if out.capacity() > KEPT_ANSWER_BUFFER {
-            out = Vec::new();
+    }
+
+    /// Writes `bytes` (an answer) to the socket; false when the connection is over.
+    fn send(&self, bytes: &[u8]) -> bool {
+        let mut stream = self.stream;
+        stream.write_all(bytes).is_ok()
+    }
+
+    /// An answer went out: the next wait counts from now.
+    fn sent(&mut self) {
+        self.answered = Instant::now();
+        if self.out.capacity() > KEPT_ANSWER_BUFFER {
+            self.out = Vec::new();
         }
     }
 }
@@ -363,7 +482,10 @@ fn rpc_error(addr: SocketAddr, e: Error) -> Error {
 /// caller, so calls from many threads never queue behind each other.
 pub struct RpcClient {
     target: MasterTarget,
-    pool: Mutex<Vec<(SocketAddr, TcpStream)>>,
+    pool: Mutex<Vec<Conn>>,
+    /// Whether new connections ask for a mailbox (see `mailbox`): off by the
+    /// environment, or once a master closed a connection that asked.
+    mailbox_wanted: AtomicBool,
     next_id: AtomicU64,
     secret: Option<ClusterSecret>,
     /// How long read-only calls wait out a master away (`call_after`).
@@ -389,6 +511,7 @@ impl RpcClient {
         Ok(RpcClient {
             target,
             pool: Mutex::new(Vec::new()),
+            mailbox_wanted: AtomicBool::new(mailbox::wanted()),
             next_id: AtomicU64::new(1),
             secret,
             patience: master_wait(),
@@ -401,9 +524,9 @@ impl RpcClient {
         self.target.current(false)
     }
 
-    fn connect(&self) -> Result<(SocketAddr, TcpStream)> {
+    fn connect(&self) -> Result<Conn> {
         let addr = self.target.current(false)?;
-        match self.connect_to(addr) {
+        match self.open(addr) {
             Err(e) if matches!(self.target, MasterTarget::Elected { .. }) => {
                 // The leader we knew is gone: ask etcd who leads now.
                 let now = self.target.current(true)?;
@@ -412,10 +535,47 @@ impl RpcClient {
                 }
                 log::info!("master moved from {addr} to {now}");
                 self.pool.locked().clear();
-                Ok((now, self.connect_to(now)?))
+                self.open(now)
             }
-            other => Ok((addr, other?)),
+            other => other,
         }
+    }
+
+    /// A new connection to `addr`, with a mailbox when the master is on this host.
+    fn open(&self, addr: SocketAddr) -> Result<Conn> {
+        let mut stream = self.connect_to(addr)?;
+        if !self.mailbox_wanted.load(Ordering::Relaxed) {
+            return Ok(Conn::plain(addr, stream));
+        }
+        match self.ask_for_mailbox(addr, &mut stream) {
+            Ok(mailbox) => Ok(Conn {
+                addr,
+                stream,
+                mailbox,
+            }),
+            Err(e) => {
+                // A master from before mailboxes closes a connection that asks.
+                log::debug!("master {addr} gave no mailbox ({e}); using TCP only");
+                self.mailbox_wanted.store(false, Ordering::Relaxed);
+                Ok(Conn::plain(addr, self.connect_to(addr)?))
+            }
+        }
+    }
+
+    /// Asks the master for a mailbox and attaches it if it is on this host.
+    fn ask_for_mailbox(
+        &self,
+        addr: SocketAddr,
+        stream: &mut TcpStream,
+    ) -> Result<Option<mailbox::ClientMailbox>> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        stream
+            .write_all(&request_frame(MAILBOX_OFFER, id, &[]))
+            .map_err(|e| rpc_error(addr, Error::io("asking for a mailbox", e)))?;
+        let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
+        let frame = Self::read_answer(addr, stream, &mut frames, MAILBOX_OFFER)?;
+        let payload = Self::answer_payload(&frame, MAILBOX_OFFER, id)?;
+        Ok(payload.ok().and_then(mailbox::ClientMailbox::attach))
     }
 
     fn connect_to(&self, addr: SocketAddr) -> Result<TcpStream> {
@@ -430,18 +590,18 @@ impl RpcClient {
 
     /// A pooled connection still open (the master closes idle ones) to the current
     /// master, if any.
-    fn pooled(&self) -> Option<(SocketAddr, TcpStream)> {
+    fn pooled(&self) -> Option<Conn> {
         let current = self.target.current(false).ok()?;
         let mut pool = self.pool.locked();
-        while let Some((addr, s)) = pool.pop() {
-            if addr == current && !crate::sys::idle_connection_closed(&s) {
-                return Some((addr, s));
+        while let Some(c) = pool.pop() {
+            if c.addr == current && !crate::sys::idle_connection_closed(&c.stream) {
+                return Some(c);
             }
         }
         None
     }
 
-    fn keep(&self, conn: (SocketAddr, TcpStream)) {
+    fn keep(&self, conn: Conn) {
         self.pool.locked().push(conn);
     }
 
@@ -530,20 +690,20 @@ impl RpcClient {
         let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
         let pooled = self.pooled();
         let fresh = pooled.is_none();
-        let (addr, mut stream) = match pooled {
+        let mut conn = match pooled {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(addr, &mut stream, before, method, &bytes) {
+        match self.exchange(&mut conn, before, method, &bytes) {
             Ok(resp) => {
-                self.keep((addr, stream));
+                self.keep(conn);
                 resp
             }
             Err(e) if !fresh && read_only => {
                 log::debug!("master connection went stale ({e}); reconnecting");
-                let (addr, mut stream) = self.connect()?;
-                let resp = self.exchange(addr, &mut stream, before, method, &bytes)?;
-                self.keep((addr, stream));
+                let mut conn = self.connect()?;
+                let resp = self.exchange(&mut conn, before, method, &bytes)?;
+                self.keep(conn);
                 resp
             }
             Err(e) => {
@@ -557,30 +717,48 @@ impl RpcClient {
     }
 
     /// Sends and receives on one connection (`before`, a request whose answer is only
-    /// logged, goes first in the same write). The outer error means the connection is
+    /// logged, goes first in the same write): through its mailbox when it has one and
+    /// the request fits, else on the socket. The outer error means the connection is
     /// unusable; the inner result is the master's answer.
     fn exchange(
         &self,
-        addr: SocketAddr,
-        stream: &mut TcpStream,
+        conn: &mut Conn,
         before: Option<(u16, &[u8])>,
         method: u16,
         payload: &[u8],
     ) -> Result<Result<Response>> {
+        let addr = conn.addr;
+        let rpc = |e: Error| rpc_error(addr, e);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = request_frame(method, id, payload);
+        let by_mailbox = before.is_none()
+            && method != LONG_POLL_METHOD
+            && mailbox::ClientMailbox::carries(frame.len());
+        let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
+        if let (Some(mb), true) = (&mut conn.mailbox, by_mailbox) {
+            return match mb.exchange(&conn.stream, &frame).map_err(rpc)? {
+                mailbox::Delivered::Here(f) => Self::decoded(&f, method, id),
+                mailbox::Delivered::OnSocket => {
+                    Self::answer(addr, &mut conn.stream, &mut frames, method, id)
+                }
+            };
+        }
         let mut out = Vec::new();
         let before = before.map(|(m, p)| {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
             out.extend_from_slice(&request_frame(m, id, p));
             (m, id)
         });
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        out.extend_from_slice(&request_frame(method, id, payload));
+        out.extend_from_slice(&frame);
+        if let Some(mb) = &conn.mailbox {
+            mb.announce_socket_frames(1 + u32::from(before.is_some()));
+        }
+        let stream = &mut conn.stream;
         stream
             .write_all(&out)
-            .map_err(|e| rpc_error(addr, Error::io("sending request", e)))?;
+            .map_err(|e| rpc(Error::io("sending request", e)))?;
         // The answers come in order and nothing else comes: once the last is read, the
         // connection goes back to the pool with nothing buffered.
-        let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
         if let Some((m, id)) = before {
             if let Err(e) = Self::answer(addr, stream, &mut frames, m, id)? {
                 log::debug!("master {addr}: request {m} ahead of {method}: {e}");
@@ -596,7 +774,7 @@ impl RpcClient {
         Ok(answer)
     }
 
-    /// Reads the answer to request `id` of `method` (as `exchange`).
+    /// Reads the answer to request `id` of `method` from the socket (as `exchange`).
     fn answer(
         addr: SocketAddr,
         stream: &mut TcpStream,
@@ -604,38 +782,82 @@ impl RpcClient {
         method: u16,
         id: u64,
     ) -> Result<Result<Response>> {
-        let rpc = |e: Error| rpc_error(addr, e);
+        let frame = Self::read_answer(addr, stream, frames, method)?;
+        Self::decoded(&frame, method, id)
+    }
+
+    /// The next answer frame on the socket.
+    fn read_answer(
+        addr: SocketAddr,
+        stream: &mut TcpStream,
+        frames: &mut FrameReader,
+        method: u16,
+    ) -> Result<Frame> {
         // Most answers come within tens of microseconds: wait for them awake. Not a
         // catalog poll's, which the master holds until something changes.
         if method != LONG_POLL_METHOD && frames.buffered() == 0 {
             crate::sys::spin_until_readable(stream, CLIENT_SPIN);
         }
+        frames
+            .read_frame(stream)
+            .map_err(|e| rpc_error(addr, e))?
+            .ok_or_else(|| {
+                Error::new(
+                    Code::RpcFail,
+                    format!("master {addr} closed the connection"),
+                )
+            })
+    }
+
+    /// The response answer `frame` carries for request `id` of `method` (as
+    /// `exchange`).
+    fn decoded(frame: &Frame, method: u16, id: u64) -> Result<Result<Response>> {
+        Ok(Self::answer_payload(frame, method, id)?
+            .and_then(|payload| Response::decode(method, payload)))
+    }
+
+    /// The payload of answer `frame` to request `id` of `method`, or the master's
+    /// error; the outer error: it answered something else.
+    fn answer_payload(frame: &Frame, method: u16, id: u64) -> Result<Result<&[u8]>> {
         let Frame {
             version,
             method: got_method,
             id: got_id,
             body,
-        } = frames.read_frame(stream).map_err(rpc)?.ok_or_else(|| {
-            Error::new(
-                Code::RpcFail,
-                format!("master {addr} closed the connection"),
-            )
-        })?;
-        if got_method != method || got_id != id || body.len() < 4 {
+        } = frame;
+        if *got_method != method || *got_id != id || body.len() < 4 {
             return Err(Error::protocol(format!(
                 "master answered {got_method}/{got_id} to {method}/{id}"
             )));
         }
         let status = i32::from_le_bytes(body[..4].try_into().expect("4 bytes"));
         let rest = &body[4..];
-        if version != PROTOCOL_VERSION || status != 0 {
+        if *version != PROTOCOL_VERSION || status != 0 {
             let code = Code::from_i32(status).unwrap_or(Code::RpcFail);
             return Ok(Err(Error::new(
                 code,
                 String::from_utf8_lossy(rest).into_owned(),
             )));
         }
-        Ok(Response::decode(method, rest))
+        Ok(Ok(rest))
+    }
+}
+
+/// A pooled connection to the master.
+struct Conn {
+    addr: SocketAddr,
+    stream: TcpStream,
+    /// Its mailbox, when the master is on this host.
+    mailbox: Option<mailbox::ClientMailbox>,
+}
+
+impl Conn {
+    fn plain(addr: SocketAddr, stream: TcpStream) -> Conn {
+        Conn {
+            addr,
+            stream,
+            mailbox: None,
+        }
     }
 }
 
@@ -645,7 +867,7 @@ mod tests {
 
     use super::*;
     use crate::master::MasterConfig;
-    use crate::protocol::SegmentInfo;
+    use crate::protocol::{ReplicateConfig, SegmentInfo};
 
     /// A reader handing out at most `step` bytes a call, as a socket may.
     struct Trickle<'a> {
@@ -772,6 +994,112 @@ mod tests {
     }
 
     #[test]
+    fn a_same_host_client_talks_through_the_mailbox_and_big_frames_take_the_socket() {
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        let client = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+        let mount = Request::Mount {
+            client: 7,
+            segment: SegmentInfo {
+                name: "s".into(),
+                base: 1 << 40,
+                size: 1 << 30,
+            },
+        };
+        assert!(matches!(client.call(&mount), Ok(Response::Done)));
+        let has_mailbox = |c: &RpcClient| c.pool.locked().iter().all(|c| c.mailbox.is_some());
+        assert!(has_mailbox(&client), "the master is on this host");
+        // A request that fits and an answer that does not (2,000 placements).
+        let keys: Vec<String> = (0..2000).map(|i| format!("key-{i:05}")).collect();
+        let put = Request::PutStart {
+            client: 7,
+            items: keys.iter().map(|k| (k.clone(), 4096)).collect(),
+            config: ReplicateConfig::default(),
+            upsert: false,
+        };
+        let answer = client.call(&put).unwrap();
+        let (mut w, mut r) = (Writer::new(), Writer::new());
+        answer.encode(&mut w);
+        put.encode(&mut r);
+        assert!(w.len() > crate::mailbox::CAPACITY && r.len() < crate::mailbox::CAPACITY);
+        let Response::PutStart(placed) = answer else {
+            panic!("no placements");
+        };
+        assert_eq!(placed.len(), keys.len());
+        assert!(placed
+            .iter()
+            .all(|p| p.as_ref().is_ok_and(|r| r.len() == 1)));
+        // A request that does not fit (its answer does).
+        let mut many = keys.clone();
+        many.extend((0..6000).map(|i| format!("absent-key-{i:08}")));
+        let exists = Request::Exists { keys: many };
+        let Ok(Response::Exists(found)) = client.call(&exists) else {
+            panic!("no answer");
+        };
+        assert_eq!(found.len(), 8000);
+        assert!(found.iter().all(|f| *f == Ok(false)), "none complete yet");
+        let mut r = Writer::new();
+        exists.encode(&mut r);
+        assert!(r.len() > crate::mailbox::CAPACITY);
+        // A pipelined pair, and the mailbox again after the socket.
+        let ping = Request::Ping { client: 7 };
+        assert!(client.call_after(Some(&ping), &ping).is_ok());
+        assert!(client.call(&ping).is_ok());
+        assert_eq!(client.pool.locked().len(), 1, "one connection did it all");
+        assert!(has_mailbox(&client));
+        // Once the master's side of it goes back to its socket, a request nudges it.
+        let on_socket = || {
+            let pool = client.pool.locked();
+            pool[0]
+                .mailbox
+                .as_ref()
+                .is_some_and(|m| m.master_on_socket())
+        };
+        // Bounded: the connection goes to its socket after `SOCKET_AFTER` quiet.
+        let waited = (0..200).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            on_socket()
+        });
+        assert!(waited, "the master's side never went to its socket");
+        // (Without the nudge it would wait out the whole I/O timeout and fail.)
+        assert!(client.call(&ping).is_ok());
+        assert_eq!(client.pool.locked().len(), 1);
+        // Switched off, the same calls go on TCP.
+        let tcp = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+        tcp.mailbox_wanted.store(false, Ordering::Relaxed);
+        assert!(matches!(tcp.call(&exists), Ok(Response::Exists(f)) if f.len() == 8000));
+        assert!(tcp.pool.locked().iter().all(|c| c.mailbox.is_none()));
+    }
+
+    #[test]
+    fn a_master_gone_while_a_mailbox_request_waits_fails_the_call() {
+        // A fake master: offers a real mailbox, takes the nudge and closes.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut frames = FrameReader::new();
+            let offer = frames.read_frame(&mut s).unwrap().unwrap();
+            assert_eq!(offer.method, MAILBOX_OFFER);
+            let mut out = Vec::new();
+            let mailbox = mailbox::offer(&mut out, offer.id).unwrap();
+            s.write_all(&out).unwrap();
+            let nudge = frames.read_frame(&mut s).unwrap().unwrap();
+            assert_eq!(nudge.method, MAILBOX_NUDGE);
+            drop(mailbox);
+        });
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        let unmount = Request::Unmount {
+            client: 1,
+            name: "n".into(),
+        };
+        let e = client.call(&unmount).unwrap_err();
+        assert_eq!(e.code(), Code::RpcFail, "{e}");
+        fake.join().unwrap();
+    }
+
+    #[test]
     fn a_pooled_connection_closed_while_idle_is_replaced_not_failed() {
         let master = Arc::new(Master::new(MasterConfig::default()));
         let bind = "127.0.0.1:0".parse().unwrap();
@@ -786,7 +1114,7 @@ mod tests {
             .pool
             .lock()
             .unwrap()
-            .push((server.local_addr(), stale));
+            .push(Conn::plain(server.local_addr(), stale));
         // Mount is not retried after a failure mid-call, so only skipping the dead
         // connection lets it succeed.
         let mount = Request::Mount {

@@ -13,8 +13,9 @@
 //!
 //! **Neither side trusts the other's bytes.** A reader loads the length once, bounds it
 //! and copies the message out before looking at it, so a writer that keeps scribbling
-//! can only corrupt its own request; words the peer can write decide nothing but
-//! whether to wake someone.
+//! can only corrupt its own request. The other words the peer can write say whether to
+//! wake it and how many frames it sent on the socket: a lie there costs the liar its
+//! connection, nobody else anything.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -202,11 +203,12 @@ impl Mailbox {
             offered: None,
         };
         let h = mailbox.header();
+        let magic = h.magic.load(Ordering::Acquire);
         let token = [
             h.token[0].load(Ordering::Relaxed),
             h.token[1].load(Ordering::Relaxed),
         ];
-        if h.magic.load(Ordering::Acquire) != MAGIC || token != offer.token {
+        if magic != MAGIC || token != offer.token {
             return Err(refused("the mailbox's token is not the one offered"));
         }
         Ok(mailbox)
@@ -289,8 +291,9 @@ impl Slot<'_> {
         let len = (len as usize).min(CAPACITY);
         buf.clear();
         buf.reserve(len);
-        // SAFETY: `len` bytes lie in the slot's area, and `buf` has room for them; the
-        // peer may write them meanwhile, which can only garble its own message.
+        // SAFETY: `len` bytes lie in the slot's area, and `buf` has room for them. The
+        // peer may write them meanwhile (another process: no Rust object aliases them);
+        // that can only garble its own message, which is parsed from the copy alone.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr(), len);
             buf.set_len(len);
@@ -298,8 +301,7 @@ impl Slot<'_> {
         Some(Incoming::Here)
     }
 
-    /// Waits for the next message: polls for `spin` (only while the machine has a CPU
-    /// to spare), then sleeps on the slot for at most `park`. None when nothing came.
+    /// Waits for the next message: [`spin`](Self::spin), then [`park`](Self::park).
     pub fn wait(
         &self,
         seen: &mut u32,
@@ -307,6 +309,13 @@ impl Slot<'_> {
         spin: Duration,
         park: Duration,
     ) -> Option<Incoming> {
+        self.spin(seen, buf, spin)
+            .or_else(|| self.park(seen, buf, park))
+    }
+
+    /// Polls for the next message for at most `spin`, only while the machine has a
+    /// CPU to spare. None when nothing came.
+    pub fn spin(&self, seen: &mut u32, buf: &mut Vec<u8>, spin: Duration) -> Option<Incoming> {
         let started = Instant::now();
         let mut asked = started;
         let mut polls = 0u32;
@@ -329,6 +338,12 @@ impl Slot<'_> {
             }
             std::hint::spin_loop();
         }
+        None
+    }
+
+    /// Sleeps on the slot until the next message, for at most `park`. None when
+    /// nothing came.
+    pub fn park(&self, seen: &mut u32, buf: &mut Vec<u8>, park: Duration) -> Option<Incoming> {
         let until = Instant::now() + park;
         loop {
             self.words.reader.store(PARKED, Ordering::SeqCst);

@@ -395,24 +395,18 @@ pub fn network_namespace() -> String {
         .unwrap_or_default()
 }
 
-/// Whether the peer closed (or reset) `stream`; bytes waiting to be read are not an
-/// end. One non-blocking peek.
+/// Whether `stream` is over: the peer closed or reset it, or it was shut down here,
+/// even with bytes still waiting to be read. One `poll` that does not wait.
 pub fn stream_ended(stream: &TcpStream) -> bool {
-    let mut byte = 0u8;
-    // SAFETY: a one-byte buffer we own, valid for the call.
-    let n = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            (&mut byte as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
+    let mut pfd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
     };
-    if n < 0 {
-        let e = io::Error::last_os_error().kind();
-        return !matches!(e, io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
-    }
-    n == 0
+    // SAFETY: one pollfd we own, valid for the call; a zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    let over = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL;
+    n > 0 && pfd.revents & over != 0
 }
 
 /// One `recv` that never blocks: `WouldBlock` when nothing is there yet.

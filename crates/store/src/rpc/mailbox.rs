@@ -4,17 +4,18 @@
 //! whole handling of a put; a client on the master's host hands its requests over in
 //! shared memory instead. Right after connecting (and authenticating), a client asks
 //! for a mailbox (`MAILBOX_OFFER`); the master creates one and answers where it is. A
-//! client on the same host, PID and network namespaces attaches and from then on posts
-//! each request there; its first post nudges the master (`MAILBOX_NUDGE`), which then
-//! serves the connection from the mailbox. A client elsewhere, or one that was told
-//! not to (`MC_STORE_MASTER_MAILBOX=0`), goes on over TCP, and the master closes the
-//! memfd at its next request.
+//! client on the same host, PID and network namespaces attaches, says so at once
+//! (`MAILBOX_NUDGE`) and from then on posts each request there; the master serves the
+//! connection from the mailbox. A client elsewhere goes on over TCP, and the master
+//! closes the memfd at its next request. A client told not to
+//! (`MC_STORE_MASTER_MAILBOX=0`) never asks.
 //!
 //! The TCP connection stays: frames that do not fit a mailbox slot (and pipelined
 //! pairs, and long polls) travel on it, announced by a word in the mailbox so the
-//! master knows to read them; its end tells either side that the other is gone; and
-//! a master connection idle for a second goes back to waiting on it (the client
-//! nudges it there), so idle connections cost no wake-ups and keep their timeouts.
+//! master knows to read them; its end tells either side that the other is gone (each
+//! side looks at least every `PARK_SLICE`); and a master connection idle for a second
+//! goes back to waiting on it (the client nudges it there), so connections idle
+//! longer cost no wake-ups and keep the server's idle timeout.
 
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -97,10 +98,27 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
     let (mut seen, mut msg) = (0, Vec::new());
     requests.awake();
     let mut quiet_since = Instant::now();
+    let mut looked_at_socket = quiet_since;
+    // Poll only right after an answer (the client comes back soon, if at all).
+    let mut poll = true;
     loop {
-        let got = conn
-            .spin
-            .spin_for(|spin| requests.wait(&mut seen, &mut msg, spin, PARK_SLICE));
+        let now = Instant::now();
+        // Also while requests keep coming: the server may have shut the socket down.
+        if now - looked_at_socket >= PARK_SLICE {
+            if crate::sys::stream_ended(conn.stream) {
+                return;
+            }
+            looked_at_socket = now;
+        }
+        let polled = if poll {
+            poll = false;
+            // The patient place (`RequestSpin`) is held for the poll only.
+            conn.spin
+                .spin_for(|spin| requests.spin(&mut seen, &mut msg, spin))
+        } else {
+            None
+        };
+        let got = polled.or_else(|| requests.park(&mut seen, &mut msg, PARK_SLICE));
         let go_on = match got {
             Some(Incoming::Here) => {
                 conn.came_back();
@@ -116,7 +134,6 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
                 conn.came_back();
                 serve_socket_frames(conn, None, n)
             }
-            None if crate::sys::stream_ended(conn.stream) => false,
             None if quiet_since.elapsed() < SOCKET_AFTER || !requests.wait_on_socket(seen) => {
                 continue
             }
@@ -128,9 +145,7 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
                     None => false,
                     Some(f) if f.method == MAILBOX_NUDGE => continue,
                     Some(f) => match requests.take(&mut seen, &mut msg) {
-                        Some(Incoming::OnSocket(n)) if n > 0 => {
-                            serve_socket_frames(conn, Some(f), n)
-                        }
+                        Some(Incoming::OnSocket(n)) => serve_socket_frames(conn, Some(f), n),
                         _ => {
                             crate::warn_limited!(
                                 "master rpc {}: a frame the mailbox did not announce; closing",
@@ -145,6 +160,7 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
         if !go_on {
             return;
         }
+        poll = true;
         quiet_since = Instant::now();
     }
 }
@@ -171,6 +187,13 @@ fn answer_in_mailbox(conn: &mut ServerConn, answers: &crate::mailbox::Slot, fram
 /// Answers, on the socket, the `n` frames the mailbox announced there (`first`
 /// already read). False once the connection is over.
 fn serve_socket_frames(conn: &mut ServerConn, mut first: Option<Frame>, n: u32) -> bool {
+    if n == 0 {
+        crate::warn_limited!(
+            "master rpc {}: mailbox announced no frames; closing",
+            conn.peer
+        );
+        return false;
+    }
     let mut left = n;
     while left > 0 {
         let Some(frame) = first.take().or_else(|| conn.read_frame()) else {
@@ -210,8 +233,20 @@ pub(super) enum Delivered {
 }
 
 impl ClientMailbox {
-    /// The mailbox an `MAILBOX_OFFER` answer names, if this process can attach it.
-    pub(super) fn attach(payload: &[u8]) -> Option<ClientMailbox> {
+    /// The mailbox a `MAILBOX_OFFER` answer names, if this process can attach it;
+    /// the master is told at once (a nudge on `stream`), so it serves the connection
+    /// from the mailbox whatever the first request.
+    pub(super) fn attach(payload: &[u8], stream: &TcpStream) -> Result<Option<ClientMailbox>> {
+        let Some(mailbox) = Self::open(payload) else {
+            return Ok(None);
+        };
+        let mut s = stream;
+        std::io::Write::write_all(&mut s, &request_frame(MAILBOX_NUDGE, 0, &[]))
+            .map_err(|e| Error::io("taking the mailbox up", e))?;
+        Ok(Some(mailbox))
+    }
+
+    fn open(payload: &[u8]) -> Option<ClientMailbox> {
         if payload.is_empty() {
             return None;
         }
@@ -303,10 +338,7 @@ mod tests {
         let bytes = w.into_bytes();
         assert_eq!(decode_offer(&bytes).unwrap(), offer);
         assert!(decode_offer(&bytes[..bytes.len() - 1]).is_err());
-        assert!(
-            ClientMailbox::attach(&bytes).is_none(),
-            "not a mailbox here"
-        );
-        assert!(ClientMailbox::attach(&[]).is_none(), "none offered");
+        assert!(ClientMailbox::open(&bytes).is_none(), "not a mailbox here");
+        assert!(ClientMailbox::open(&[]).is_none(), "none offered");
     }
 }

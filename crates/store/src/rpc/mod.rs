@@ -6,6 +6,8 @@
 //! `len` counts the bytes after itself and is capped at `MAX_FRAME`. Requests on one
 //! connection are answered in order, so a client may pipeline them. A malformed or
 //! oversized frame closes that connection (with a logged reason) and nobody else's.
+//! Between processes of one host the same frames go through a shared-memory mailbox
+//! (`mailbox`).
 
 #![forbid(unsafe_code)]
 
@@ -547,35 +549,43 @@ impl RpcClient {
         if !self.mailbox_wanted.load(Ordering::Relaxed) {
             return Ok(Conn::plain(addr, stream));
         }
-        match self.ask_for_mailbox(addr, &mut stream) {
-            Ok(mailbox) => Ok(Conn {
-                addr,
-                stream,
-                mailbox,
-            }),
-            Err(e) => {
-                // A master from before mailboxes closes a connection that asks.
-                log::debug!("master {addr} gave no mailbox ({e}); using TCP only");
-                self.mailbox_wanted.store(false, Ordering::Relaxed);
-                Ok(Conn::plain(addr, self.connect_to(addr)?))
+        let e = match self.ask_for_mailbox(addr, &mut stream) {
+            Ok(Asked::Answered(mailbox)) => {
+                return Ok(Conn {
+                    addr,
+                    stream,
+                    mailbox,
+                })
             }
-        }
+            Ok(Asked::Closed) => {
+                // A master from before mailboxes closes a connection that asks.
+                self.mailbox_wanted.store(false, Ordering::Relaxed);
+                "it closed the connection".to_string()
+            }
+            Err(e) => e.to_string(),
+        };
+        log::debug!("master {addr}: no mailbox ({e}); this connection uses TCP");
+        Ok(Conn::plain(addr, self.connect_to(addr)?))
     }
 
-    /// Asks the master for a mailbox and attaches it if it is on this host.
-    fn ask_for_mailbox(
-        &self,
-        addr: SocketAddr,
-        stream: &mut TcpStream,
-    ) -> Result<Option<mailbox::ClientMailbox>> {
+    /// Asks the master for a mailbox and takes it up if it is on this host.
+    fn ask_for_mailbox(&self, addr: SocketAddr, stream: &mut TcpStream) -> Result<Asked> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         stream
             .write_all(&request_frame(MAILBOX_OFFER, id, &[]))
             .map_err(|e| rpc_error(addr, Error::io("asking for a mailbox", e)))?;
         let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
-        let frame = Self::read_answer(addr, stream, &mut frames, MAILBOX_OFFER)?;
-        let payload = Self::answer_payload(&frame, MAILBOX_OFFER, id)?;
-        Ok(payload.ok().and_then(mailbox::ClientMailbox::attach))
+        crate::sys::spin_until_readable(stream, CLIENT_SPIN);
+        let Some(frame) = frames.read_frame(stream).map_err(|e| rpc_error(addr, e))? else {
+            return Ok(Asked::Closed);
+        };
+        let taken = match Self::answer_payload(&frame, MAILBOX_OFFER, id)? {
+            Ok(payload) => {
+                mailbox::ClientMailbox::attach(payload, stream).map_err(|e| rpc_error(addr, e))?
+            }
+            Err(_) => None,
+        };
+        Ok(Asked::Answered(taken))
     }
 
     fn connect_to(&self, addr: SocketAddr) -> Result<TcpStream> {
@@ -734,15 +744,16 @@ impl RpcClient {
         let by_mailbox = before.is_none()
             && method != LONG_POLL_METHOD
             && mailbox::ClientMailbox::carries(frame.len());
-        let mut frames = FrameReader::with_capacity(ANSWER_READ_AHEAD);
+        let answers = || FrameReader::with_capacity(ANSWER_READ_AHEAD);
         if let (Some(mb), true) = (&mut conn.mailbox, by_mailbox) {
             return match mb.exchange(&conn.stream, &frame).map_err(rpc)? {
                 mailbox::Delivered::Here(f) => Self::decoded(&f, method, id),
                 mailbox::Delivered::OnSocket => {
-                    Self::answer(addr, &mut conn.stream, &mut frames, method, id)
+                    Self::answer(addr, &mut conn.stream, &mut answers(), method, id)
                 }
             };
         }
+        let mut frames = answers();
         let mut out = Vec::new();
         let before = before.map(|(m, p)| {
             let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -841,6 +852,14 @@ impl RpcClient {
         }
         Ok(Ok(rest))
     }
+}
+
+/// How a master met a request for a mailbox.
+enum Asked {
+    /// With a mailbox this process took up, or none to take.
+    Answered(Option<mailbox::ClientMailbox>),
+    /// By closing the connection: it predates mailboxes.
+    Closed,
 }
 
 /// A pooled connection to the master.
@@ -1065,6 +1084,13 @@ mod tests {
         // (Without the nudge it would wait out the whole I/O timeout and fail.)
         assert!(client.call(&ping).is_ok());
         assert_eq!(client.pool.locked().len(), 1);
+        // A connection whose first request went on the socket still has the master
+        // at its mailbox for the next (it was told of the mailbox at once).
+        let fresh = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+        assert!(fresh.call_after(Some(&ping), &ping).is_ok());
+        assert!(has_mailbox(&fresh));
+        assert!(fresh.call(&ping).is_ok());
+        assert_eq!(fresh.pool.locked().len(), 1);
         // Switched off, the same calls go on TCP.
         let tcp = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
         tcp.mailbox_wanted.store(false, Ordering::Relaxed);

@@ -40,10 +40,12 @@ const AWAKE: u32 = 0;
 const PARKED: u32 = 1;
 const ON_SOCKET: u32 = 2;
 
-/// How often a spinning reader asks whether the machine has a CPU to spare, and
-/// when first.
+/// How often a spinning reader asks whether the machine has a CPU to spare.
 const SPARE_CPU_CHECK: Duration = Duration::from_micros(10);
+/// When a spinning reader first asks (see `Slot::spin`).
 const FIRST_SPARE_CPU_CHECK: Duration = Duration::from_micros(2);
+/// Polls between two looks at the clock (a look costs ~20 ns, a poll a few).
+const POLLS_PER_CLOCK: u32 = 8;
 
 /// One direction's words, on cache lines of their own.
 #[repr(C, align(128))]
@@ -115,11 +117,14 @@ pub enum Reader {
     OnSocket,
 }
 
-/// One mailbox, either side's.
+/// One mailbox, either side's. Each side has one writer and one reader per slot, so a
+/// mailbox moves between threads but is not shared by them (not `Sync`): two threads
+/// posting at once would interleave their bytes.
 pub struct Mailbox {
     mapping: Mapping,
     /// The owner's memfd while it is offered.
     offered: Option<OwnedFd>,
+    _one_thread_at_a_time: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
 /// Which machine, process view and network a mailbox can be shared in: the boot, the
@@ -139,6 +144,7 @@ impl Mailbox {
         let mailbox = Mailbox {
             mapping,
             offered: Some(fd),
+            _one_thread_at_a_time: std::marker::PhantomData,
         };
         let h = mailbox.header();
         h.token[0].store(
@@ -203,6 +209,7 @@ impl Mailbox {
         let mailbox = Mailbox {
             mapping: Mapping::map(file.as_raw_fd(), SIZE, true)?,
             offered: None,
+            _one_thread_at_a_time: std::marker::PhantomData,
         };
         let h = mailbox.header();
         let magic = h.magic.load(Ordering::Acquire);
@@ -329,7 +336,7 @@ impl Slot<'_> {
                 return Some(m);
             }
             polls = polls.wrapping_add(1);
-            if polls % 64 == 0 {
+            if polls % POLLS_PER_CLOCK == 0 {
                 let now = Instant::now();
                 if now - started >= spin {
                     break;
@@ -376,6 +383,12 @@ impl Slot<'_> {
     /// Whether the reader says it waits on its socket.
     pub fn reader_on_socket(&self) -> bool {
         self.words.reader.load(Ordering::SeqCst) == ON_SOCKET
+    }
+
+    /// Whether the reader says it sleeps on the slot.
+    #[cfg(test)]
+    fn reader_parked(&self) -> bool {
+        self.words.reader.load(Ordering::SeqCst) == PARKED
     }
 
     /// The reader is back from its socket.
@@ -436,35 +449,45 @@ mod tests {
         let (server, client) = pair();
         let mut seen = 0;
         let mut buf = Vec::new();
-        let quiet = server.slot(Direction::Requests).wait(
-            &mut seen,
-            &mut buf,
-            Duration::ZERO,
-            Duration::from_millis(5),
+        let requests = server.slot(Direction::Requests);
+        assert_eq!(
+            requests.park(&mut seen, &mut buf, Duration::from_millis(5)),
+            None
         );
-        assert_eq!(quiet, None);
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                let mut seen = 0;
-                let mut buf = Vec::new();
-                // Bounded: the post below lands within the first parks.
-                (0..1000)
-                    .find_map(|_| {
-                        server.slot(Direction::Requests).wait(
-                            &mut seen,
-                            &mut buf,
-                            Duration::ZERO,
-                            Duration::from_millis(100),
-                        )
-                    })
-                    .map(|m| (m, buf))
-            });
-            client
-                .slot(Direction::Requests)
-                .post(Outgoing::Here(b"wake"));
-            let (m, buf) = waiter.join().unwrap().expect("the message");
-            assert_eq!((m, buf.as_slice()), (Incoming::Here, &b"wake"[..]));
+        assert!(!requests.reader_parked(), "awake again after its park");
+        let (done, woken) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            let mut seen = 0;
+            let mut buf = Vec::new();
+            // Far longer than the test waits below: only the wake can end it in time.
+            let got = server.slot(Direction::Requests).park(
+                &mut seen,
+                &mut buf,
+                Duration::from_secs(600),
+            );
+            done.send((got, buf)).unwrap();
+            server
         });
+        let on_the_futex = || {
+            // The server's mailbox moved to the waiter: look through the client's.
+            client.header().slots[Direction::Requests as usize]
+                .reader
+                .load(Ordering::SeqCst)
+                == PARKED
+        };
+        // Bounded: the waiter parks within its first instructions.
+        assert!((0..100_000).any(|_| {
+            std::thread::yield_now();
+            on_the_futex()
+        }));
+        client
+            .slot(Direction::Requests)
+            .post(Outgoing::Here(b"wake"));
+        let (got, buf) = woken
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the post woke the parked reader");
+        assert_eq!((got, buf.as_slice()), (Some(Incoming::Here), &b"wake"[..]));
+        waiter.join().unwrap();
     }
 
     #[test]

@@ -99,7 +99,8 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
     requests.awake();
     let mut quiet_since = Instant::now();
     let mut looked_at_socket = quiet_since;
-    // Poll only right after an answer (the client comes back soon, if at all).
+    // Poll first, and then only right after an answer (the client comes back soon,
+    // if at all); otherwise sleep in slices.
     let mut poll = true;
     loop {
         let now = Instant::now();
@@ -138,8 +139,9 @@ pub(super) fn serve(conn: &mut ServerConn, mut mailbox: Mailbox) {
                 continue
             }
             None => {
-                // Blocks, with the server's idle timeout, until the client nudges.
-                let frame = conn.read_frame();
+                // Blocks, with the server's idle timeout, until a nudge or an
+                // announced frame arrives.
+                let frame = conn.read_frame(false);
                 requests.awake();
                 match frame {
                     None => false,
@@ -196,7 +198,7 @@ fn serve_socket_frames(conn: &mut ServerConn, mut first: Option<Frame>, n: u32) 
     }
     let mut left = n;
     while left > 0 {
-        let Some(frame) = first.take().or_else(|| conn.read_frame()) else {
+        let Some(frame) = first.take().or_else(|| conn.read_frame(true)) else {
             return false;
         };
         if frame.method == MAILBOX_NUDGE {
@@ -286,8 +288,13 @@ impl ClientMailbox {
         }
         let answers = self.mailbox.slot(Direction::Answers);
         let started = Instant::now();
+        // Polled once (most answers come within it), then slept on in slices.
+        let mut got = answers.spin(&mut self.seen, &mut self.msg, CLIENT_SPIN);
         loop {
-            match answers.wait(&mut self.seen, &mut self.msg, CLIENT_SPIN, PARK_SLICE) {
+            let got = got
+                .take()
+                .or_else(|| answers.park(&mut self.seen, &mut self.msg, PARK_SLICE));
+            match got {
                 Some(Incoming::Here) => return Frame::parse(&self.msg).map(Delivered::Here),
                 Some(Incoming::OnSocket(_)) => return Ok(Delivered::OnSocket),
                 None if crate::sys::stream_ended(stream) => {

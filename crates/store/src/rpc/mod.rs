@@ -192,7 +192,8 @@ const LONG_POLL_METHOD: u16 = Method::SegmentEvents as u16;
 /// numbered apart from the master's (`Method`). An offer of a same-host mailbox; its
 /// answer is the offer encoded, or nothing.
 const MAILBOX_OFFER: u16 = 0xff01;
-/// A request waits in the mailbox (sent when the server reads its socket); no answer.
+/// No answer: sent once right after a client attached its mailbox, and whenever a
+/// request waits there while the server reads its socket.
 const MAILBOX_NUDGE: u16 = 0xff02;
 
 /// Serves the master's RPC on `bind` until dropped.
@@ -218,13 +219,13 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
     // A mailbox offered and not yet taken up (see `mailbox`).
     let mut offered = None;
     loop {
-        let Some(frame) = conn.read_frame() else {
+        let Some(frame) = conn.read_frame(true) else {
             return;
         };
         let reply = match frame.method {
             MAILBOX_NUDGE => match offered.take() {
                 Some(taken) => return mailbox::serve(&mut conn, taken),
-                // Left from a mailbox message the connection took without it.
+                // Nothing was offered: a confused client; nothing to answer.
                 None => continue,
             },
             MAILBOX_OFFER => {
@@ -287,14 +288,15 @@ impl<'a> ServerConn<'a> {
         }
     }
 
-    /// The next frame from the socket, polled for a while first; None when the
-    /// connection is over (the reason logged).
-    fn read_frame(&mut self) -> Option<Frame> {
-        let waited = self.frames.buffered() == 0;
+    /// The next frame from the socket (polled for a while first when `poll`, as a
+    /// request the client sends soon); None when the connection is over (the reason
+    /// logged).
+    fn read_frame(&mut self, poll: bool) -> Option<Frame> {
+        let waited = poll && self.frames.buffered() == 0;
         if waited {
             // A client's next request often follows soon: catch it without sleeping.
             self.spin.poll(self.stream);
-        } else {
+        } else if self.frames.buffered() > 0 {
             // Part of it came with the last one: its deadline runs from then.
             self.reader.frame_begun();
         }
@@ -486,8 +488,12 @@ pub struct RpcClient {
     target: MasterTarget,
     pool: Mutex<Vec<Conn>>,
     /// Whether new connections ask for a mailbox (see `mailbox`): off by the
-    /// environment, or once a master closed a connection that asked.
+    /// environment.
     mailbox_wanted: AtomicBool,
+    /// The master that last closed a connection asking for one, and when: it is not
+    /// asked again for `ASK_AGAIN_AFTER` (one from before mailboxes does that; so
+    /// may one shutting down, or one dropping a connection it has no room for).
+    mailbox_refused: Mutex<Option<(SocketAddr, Instant)>>,
     next_id: AtomicU64,
     secret: Option<ClusterSecret>,
     /// How long read-only calls wait out a master away (`call_after`).
@@ -514,6 +520,7 @@ impl RpcClient {
             target,
             pool: Mutex::new(Vec::new()),
             mailbox_wanted: AtomicBool::new(mailbox::wanted()),
+            mailbox_refused: Mutex::new(None),
             next_id: AtomicU64::new(1),
             secret,
             patience: master_wait(),
@@ -546,7 +553,10 @@ impl RpcClient {
     /// A new connection to `addr`, with a mailbox when the master is on this host.
     fn open(&self, addr: SocketAddr) -> Result<Conn> {
         let mut stream = self.connect_to(addr)?;
-        if !self.mailbox_wanted.load(Ordering::Relaxed) {
+        let refused = *self.mailbox_refused.locked();
+        let refused_here =
+            refused.is_some_and(|(a, at)| a == addr && at.elapsed() < ASK_AGAIN_AFTER);
+        if !self.mailbox_wanted.load(Ordering::Relaxed) || refused_here {
             return Ok(Conn::plain(addr, stream));
         }
         let e = match self.ask_for_mailbox(addr, &mut stream) {
@@ -558,8 +568,7 @@ impl RpcClient {
                 })
             }
             Ok(Asked::Closed) => {
-                // A master from before mailboxes closes a connection that asks.
-                self.mailbox_wanted.store(false, Ordering::Relaxed);
+                *self.mailbox_refused.locked() = Some((addr, Instant::now()));
                 "it closed the connection".to_string()
             }
             Err(e) => e.to_string(),
@@ -854,6 +863,10 @@ impl RpcClient {
     }
 }
 
+/// How long a client goes on over TCP to a master that closed a connection asking
+/// for a mailbox.
+const ASK_AGAIN_AFTER: Duration = Duration::from_secs(60);
+
 /// How a master met a request for a mailbox.
 enum Asked {
     /// With a mailbox this process took up, or none to take.
@@ -1018,15 +1031,18 @@ mod tests {
         let bind = "127.0.0.1:0".parse().unwrap();
         let server = serve(bind, ServerLimits::default(), master, None).unwrap();
         let client = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
-        let mount = Request::Mount {
-            client: 7,
+        // Mounts are never sent twice, so one that succeeds went through the
+        // connection it started on.
+        let mount = |client: u64, name: &str| Request::Mount {
+            client,
             segment: SegmentInfo {
-                name: "s".into(),
-                base: 1 << 40,
+                name: name.into(),
+                base: client << 40,
                 size: 1 << 30,
             },
         };
-        assert!(matches!(client.call(&mount), Ok(Response::Done)));
+        let local = |c: &RpcClient| c.pool.locked()[0].stream.local_addr().unwrap();
+        assert!(matches!(client.call(&mount(7, "s")), Ok(Response::Done)));
         let has_mailbox = |c: &RpcClient| c.pool.locked().iter().all(|c| c.mailbox.is_some());
         assert!(has_mailbox(&client), "the master is on this host");
         // A request that fits and an answer that does not (2,000 placements).
@@ -1068,6 +1084,7 @@ mod tests {
         assert_eq!(client.pool.locked().len(), 1, "one connection did it all");
         assert!(has_mailbox(&client));
         // Once the master's side of it goes back to its socket, a request nudges it.
+        let before = local(&client);
         let on_socket = || {
             let pool = client.pool.locked();
             pool[0]
@@ -1082,20 +1099,64 @@ mod tests {
         });
         assert!(waited, "the master's side never went to its socket");
         // (Without the nudge it would wait out the whole I/O timeout and fail.)
-        assert!(client.call(&ping).is_ok());
+        assert!(matches!(client.call(&mount(8, "s8")), Ok(Response::Done)));
         assert_eq!(client.pool.locked().len(), 1);
+        assert_eq!(local(&client), before, "the same connection");
         // A connection whose first request went on the socket still has the master
         // at its mailbox for the next (it was told of the mailbox at once).
         let fresh = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
         assert!(fresh.call_after(Some(&ping), &ping).is_ok());
         assert!(has_mailbox(&fresh));
-        assert!(fresh.call(&ping).is_ok());
+        let before = local(&fresh);
+        assert!(matches!(fresh.call(&mount(9, "s9")), Ok(Response::Done)));
         assert_eq!(fresh.pool.locked().len(), 1);
+        assert_eq!(local(&fresh), before, "the same connection");
         // Switched off, the same calls go on TCP.
         let tcp = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
         tcp.mailbox_wanted.store(false, Ordering::Relaxed);
         assert!(matches!(tcp.call(&exists), Ok(Response::Exists(f)) if f.len() == 8000));
         assert!(tcp.pool.locked().iter().all(|c| c.mailbox.is_none()));
+        // The server's shutdown ends its connection threads, parked on mailboxes or
+        // not (it joins them: a thread that never noticed would hang this test).
+        drop(server);
+        let e = client.call(&mount(10, "s10")).unwrap_err();
+        assert_eq!(e.code(), Code::RpcFail, "{e}");
+    }
+
+    #[test]
+    fn a_master_that_closes_when_asked_for_a_mailbox_is_served_over_tcp() {
+        // A fake master from before mailboxes: closes the connection that asks, then
+        // answers one request on the next.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut frames = FrameReader::new();
+            let asked = frames.read_frame(&mut s).unwrap().unwrap();
+            assert_eq!(asked.method, MAILBOX_OFFER);
+            drop(s);
+            let (mut s, _) = listener.accept().unwrap();
+            let mut frames = FrameReader::new();
+            let req = frames.read_frame(&mut s).unwrap().unwrap();
+            assert_eq!(req.method, Method::Unmount as u16);
+            let mut out = Vec::new();
+            answer_frame(&mut out, req.method, req.id, |_| Ok(()));
+            s.write_all(&out).unwrap();
+        });
+        let client = RpcClient::new(&addr.to_string(), None).unwrap();
+        let unmount = Request::Unmount {
+            client: 1,
+            name: "n".into(),
+        };
+        assert!(matches!(client.call(&unmount), Ok(Response::Done)));
+        assert!(client.pool.locked().iter().all(|c| c.mailbox.is_none()));
+        let refused = *client.mailbox_refused.locked();
+        assert_eq!(
+            refused.map(|(a, _)| a),
+            Some(addr),
+            "not asked again for a while"
+        );
+        fake.join().unwrap();
     }
 
     #[test]

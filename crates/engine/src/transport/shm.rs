@@ -116,8 +116,6 @@ unsafe fn guard_page<'a>(ptr: *mut u8) -> &'a GuardPage {
     unsafe { &*(ptr as *const GuardPage) }
 }
 
-pub use crate::sys::host_id;
-
 /// Peers (by engine handle) whose process_vm calls the system refused.
 type VmDenied = Arc<RwLock<HashSet<u64>>>;
 
@@ -142,7 +140,7 @@ impl ShmTransport {
         let t = ShmTransport {
             guard,
             table,
-            host_id: host_id(),
+            host_id: crate::sys::host_id(),
             vm_denied: VmDenied::default(),
             pid: std::process::id(),
         };

@@ -174,14 +174,11 @@ fn answer_in_mailbox(conn: &mut ServerConn, answers: &crate::mailbox::Slot, fram
     if reply == Reply::Close {
         return false;
     }
-    if Mailbox::fits(conn.out.len()) {
-        answers.post(Outgoing::Here(&conn.out));
-    } else {
+    if !Mailbox::fits(conn.out.len()) {
         answers.post(Outgoing::OnSocket(1));
-        if !conn.send(&conn.out) {
-            return false;
-        }
+        return conn.send_answer(reply);
     }
+    answers.post(Outgoing::Here(&conn.out));
     conn.sent();
     reply == Reply::Send
 }
@@ -207,15 +204,17 @@ fn serve_socket_frames(conn: &mut ServerConn, mut first: Option<Frame>, n: u32) 
         }
         left -= 1;
         let reply = conn.answer(frame);
-        if reply == Reply::Close || !conn.send(&conn.out) {
-            return false;
-        }
-        conn.sent();
-        if reply == Reply::SendAndClose {
+        if !conn.send_answer(reply) {
             return false;
         }
     }
     true
+}
+
+/// Tells the master, on its socket, to look at the mailbox.
+fn nudge(stream: &TcpStream) -> std::io::Result<()> {
+    let mut s = stream;
+    std::io::Write::write_all(&mut s, &request_frame(MAILBOX_NUDGE, 0, &[]))
 }
 
 /// A client connection's mailbox.
@@ -242,9 +241,7 @@ impl ClientMailbox {
         let Some(mailbox) = Self::open(payload) else {
             return Ok(None);
         };
-        let mut s = stream;
-        std::io::Write::write_all(&mut s, &request_frame(MAILBOX_NUDGE, 0, &[]))
-            .map_err(|e| Error::io("taking the mailbox up", e))?;
+        nudge(stream).map_err(|e| Error::io("taking the mailbox up", e))?;
         Ok(Some(mailbox))
     }
 
@@ -268,11 +265,6 @@ impl ClientMailbox {
         }
     }
 
-    /// Whether a request frame of `len` bytes goes through the mailbox.
-    pub(super) fn carries(len: usize) -> bool {
-        Mailbox::fits(len)
-    }
-
     /// Posts request frame `frame` and waits for its answer. An error means the
     /// connection is unusable.
     pub(super) fn exchange(&mut self, stream: &TcpStream, frame: &[u8]) -> Result<Delivered> {
@@ -282,9 +274,7 @@ impl ClientMailbox {
             .post(Outgoing::Here(frame))
             == crate::mailbox::Reader::OnSocket
         {
-            let mut s = stream;
-            std::io::Write::write_all(&mut s, &request_frame(MAILBOX_NUDGE, 0, &[]))
-                .map_err(|e| Error::io("nudging the master", e))?;
+            nudge(stream).map_err(|e| Error::io("nudging the master", e))?;
         }
         let answers = self.mailbox.slot(Direction::Answers);
         let started = Instant::now();

@@ -238,10 +238,9 @@ fn serve_conn(stream: TcpStream, ticket: &ConnTicket, master: &Master) {
                 conn.answer(frame)
             }
         };
-        if reply == Reply::Close || !conn.send(&conn.out) || reply == Reply::SendAndClose {
+        if !conn.send_answer(reply) {
             return;
         }
-        conn.sent();
     }
 }
 
@@ -363,6 +362,15 @@ impl<'a> ServerConn<'a> {
     fn send(&self, bytes: &[u8]) -> bool {
         let mut stream = self.stream;
         stream.write_all(bytes).is_ok()
+    }
+
+    /// Sends the answer `reply` says on the socket; whether the connection goes on.
+    fn send_answer(&mut self, reply: Reply) -> bool {
+        if reply == Reply::Close || !self.send(&self.out) {
+            return false;
+        }
+        self.sent();
+        reply == Reply::Send
     }
 
     /// An answer went out: the next wait counts from now.
@@ -752,7 +760,7 @@ impl RpcClient {
         let frame = request_frame(method, id, payload);
         let by_mailbox = before.is_none()
             && method != LONG_POLL_METHOD
-            && mailbox::ClientMailbox::carries(frame.len());
+            && crate::mailbox::Mailbox::fits(frame.len());
         let answers = || FrameReader::with_capacity(ANSWER_READ_AHEAD);
         if let (Some(mb), true) = (&mut conn.mailbox, by_mailbox) {
             return match mb.exchange(&conn.stream, &frame).map_err(rpc)? {

@@ -54,10 +54,11 @@ extern "C" {
  * (device buffers for Mooncake PG), revision 6 mc_pg_agree_max, revision 7
  * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
  * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free,
- * revision 10 mc_store_key_array.
+ * revision 10 mc_store_key_array, revision 11 mc_engine_stats and the engine key
+ * upstream_protocol.
  * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 10
+#define MC_ABI_REVISION 11
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
@@ -155,6 +156,13 @@ typedef struct mc_config mc_config;
  *                       "tcp". With the environment variable MC_STRICT_PROTOCOL=1 (read
  *                       by mc_config_new) mc_engine_new fails with
  *                       MC_ERR_BACKEND_UNAVAILABLE instead.
+ *   upstream_protocol   A protocol as Mooncake's own API names it (what the Python
+ *                       package and installTransport pass): as "protocol", except that
+ *                       "tcp" runs as "auto", so same-host peers of ours are reached
+ *                       through shared memory (Mooncake's "tcp" means "no RDMA"; other
+ *                       hosts, other network namespaces and Mooncake's own engines
+ *                       stay on TCP). The environment variable MC_SAME_HOST_SHM=0
+ *                       keeps "tcp" on sockets. (revision 11)
  *   workers             Transfer worker threads, 1..64. Default 1.
  *   spin_budget         Idle poll iterations before a worker sleeps. Default 256.
  *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default: one per
@@ -347,6 +355,13 @@ int mc_engine_rpc_port(mc_engine *engine);
  * when len > 0). (revision 2) */
 int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t len,
                         size_t *needed_out);
+
+/* Copies the engine's counters as one JSON object into buf, NUL-terminated: bytes moved
+ * per transport ("local_bytes", "shm_bytes", "rdma_bytes", "fabric_bytes",
+ * "tcp_bytes"), "retries", "failed_slices", "worker_handoffs", "worker_wakeups",
+ * "inline_transfers", "protocol_fallbacks", "tcp_sends", and "protocol", the protocol
+ * it runs. needed_out and overflow as for mc_segment_describe. (revision 11) */
+int mc_engine_stats(mc_engine *engine, char *buf, size_t len, size_t *needed_out);
 
 /* ---------------------------------------------------------------- store */
 

@@ -481,6 +481,12 @@ fn transfers_and_notifications_through_the_abi() {
     for t in threads {
         t.join().unwrap();
     }
+    // Our own key's "tcp" keeps even a same-host peer on sockets.
+    let stats = engine_stats(c);
+    let count = |k: &str| stats.get(k).and_then(|v| v.as_u64());
+    assert_eq!(count("tcp_bytes"), Some(4 * 4096), "{stats:?}");
+    assert_eq!(count("shm_bytes"), Some(0), "{stats:?}");
+    assert_eq!(stats.get("protocol").and_then(|p| p.as_str()), Some("tcp"));
 
     let mut from = [0 as c_char; 128];
     let mut msg = [0 as c_char; 128];
@@ -505,6 +511,29 @@ fn transfers_and_notifications_through_the_abi() {
         let addr = remote.as_mut_ptr().cast::<c_void>();
         assert_eq!(mc_unregister_memory(s, addr), MC_OK);
     }
+}
+
+/// `mc_engine_stats` as parsed JSON, after checking its overflow contract.
+fn engine_stats(e: *mut McEngine) -> mooncake::json::Value {
+    let mut needed = 0usize;
+    let mut small = [0 as c_char; 8];
+    // SAFETY: a live engine; the buffers are writable for the lengths given.
+    unsafe {
+        let rc = mc_engine_stats(e, small.as_mut_ptr(), small.len(), &mut needed);
+        assert_eq!(rc, Code::BufferOverflow as c_int);
+        assert_eq!(small[0], 0, "an overflow leaves an empty string");
+        assert_eq!(
+            mc_engine_stats(std::ptr::null_mut(), small.as_mut_ptr(), 8, &mut needed),
+            INVALID
+        );
+    }
+    let mut buf = vec![0 as c_char; needed];
+    // SAFETY: as above.
+    let rc = unsafe { mc_engine_stats(e, buf.as_mut_ptr(), buf.len(), std::ptr::null_mut()) };
+    assert_eq!(rc, MC_OK);
+    // SAFETY: NUL-terminated on success.
+    let text = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_str().unwrap();
+    mooncake::json::parse(text).unwrap()
 }
 
 // ---------------------------------------------------------------- C and C++ programs

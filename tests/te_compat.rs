@@ -463,6 +463,32 @@ fn rdma_without_devices_installs_over_tcp() {
     assert!(e.address().starts_with("127.0.0.1:"));
 }
 
+/// installTransport("tcp") as the first call starts the engine the way upstream's
+/// "tcp" is meant, "no RDMA": same-host peers through shared memory (`auto`; the
+/// switch MC_SAME_HOST_SHM=0 is `Protocol::from_upstream`'s unit test). Asking again,
+/// and uninstalling by the same name, still work.
+#[test]
+fn tcp_installed_first_also_carries_same_host_peers_through_shared_memory() {
+    quiet_logs();
+    if std::env::var_os("MC_SAME_HOST_SHM").is_some() {
+        return; // the switch decides here; its unit test covers both settings
+    }
+    let e = Te::new("P2PHANDSHAKE", "unused", 0);
+    let none = std::ptr::null_mut();
+    let mut text = [0 as c_char; 256];
+    // SAFETY: a live engine; literal strings; `text` is writable for its length.
+    unsafe {
+        let tcp = installTransport(e.0, c"tcp".as_ptr(), none);
+        assert!(!tcp.is_null());
+        assert_eq!(installTransport(e.0, c"tcp".as_ptr(), none), tcp);
+        assert!(!installTransport(e.0, c"shm".as_ptr(), none).is_null());
+        assert_eq!(showLinks(e.0, text.as_mut_ptr(), text.len(), 1), 0);
+        let links = CStr::from_ptr(text.as_ptr()).to_str().unwrap();
+        assert!(links.contains(r#""protocol":"auto""#), "{links}");
+        assert_eq!(uninstallTransport(e.0, c"tcp".as_ptr()), 0);
+    }
+}
+
 /// Two engines that find each other by name through an HTTP metadata server: the
 /// advertised address, a transfer, a named notification, and removal of a segment's
 /// records.

@@ -47,7 +47,7 @@ __all__ = [
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 10
+EXPECTED_ABI_REVISION = 11
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -162,6 +162,7 @@ _SIGNATURES = {
     # introspection
     "mc_engine_rpc_port": (c_int, [_P]),
     "mc_segment_describe": (c_int, [_P, c_uint64, _P, c_size_t, POINTER(c_size_t)]),
+    "mc_engine_stats": (c_int, [_P, _P, c_size_t, POINTER(c_size_t)]),
     # store
     "mc_replicate_config_init": (None, [POINTER(McReplicateConfig)]),
     "mc_store_new": (c_int, [_P, POINTER(_P)]),

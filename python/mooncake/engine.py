@@ -176,7 +176,9 @@ class TransferEngine:
         proto = protocol.strip().lower()
         settings = {
             "metadata": conn,
-            "protocol": proto,
+            # Upstream's names: its "tcp" reaches same-host peers through shared memory
+            # (mooncake.h, upstream_protocol; MC_SAME_HOST_SHM=0 keeps it on sockets).
+            "upstream_protocol": proto,
             "bind_address": bind,
         }
         if proto in HARDWARE_PROTOCOLS and device_name and device_name != "auto-discovery":
@@ -231,6 +233,20 @@ class TransferEngine:
     def get_rpc_port(self):
         """The port of this engine's handshake/RPC server (-1 before initialize)."""
         return self._rpc_port if self._engine else -1
+
+    def get_stats(self):
+        """This engine's counters as a dict (not in upstream's API): bytes moved per
+        transport (``shm_bytes``, ``tcp_bytes``, ...), retries, failed slices and
+        ``protocol``, the protocol it runs; None before initialize or on error."""
+        if not self._engine:
+            return None
+        rc, text = N.read_json_text(N.LIB.mc_engine_stats, self._engine, initial=1024)
+        if rc != N.MC_OK:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
 
     def get_engine(self):
         """A handle a store may be given (``MooncakeDistributedStore.setup(..., engine=)``)."""

@@ -509,7 +509,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         settings = {
             "master_address": args["master_server_addr"],
             "metadata": conn,
-            "protocol": proto,
+            "upstream_protocol": proto,  # as TransferEngine.initialize passes it
             "bind_address": bind_address_for(host),
             "global_segment_size": gss,
             "local_buffer_size": lbs,

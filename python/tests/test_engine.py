@@ -1,5 +1,6 @@
 """mooncake.engine.TransferEngine: every method of docs/python.md, two engines in this
-process talking over TCP on 127.0.0.1 (the cross-process flows are in
+process on 127.0.0.1 (initialized with "tcp", so they reach each other through shared
+memory) (the cross-process flows are in
 test_engines_flows.py, hostile input in test_hostile.py)."""
 
 import ctypes
@@ -91,6 +92,38 @@ def test_transfer_sync_write_and_read(pair):
     assert a.e.transfer_sync_read(b.name, a.buf.addr, b.buf.addr + 200000, 300001) == 0
     assert a.buf.read(0, 300001) == bytes(want_b[200000:500001])
     assert a.buf.read(300001) == pattern(MiB, 11)[300001:]
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_tcp_reaches_a_same_host_peer_through_shared_memory_unless_switched_off(
+        monkeypatch, switch):
+    """Upstream's "tcp" means "no RDMA": a same-host peer of ours is reached through
+    shared memory, and MC_SAME_HOST_SHM=0 (read at initialize) keeps it on sockets."""
+    if switch is None:
+        monkeypatch.delenv("MC_SAME_HOST_SHM", raising=False)
+    else:
+        monkeypatch.setenv("MC_SAME_HOST_SHM", switch)
+    target, client = TransferEngine(), TransferEngine()
+    try:
+        sides = []
+        for e, seed in ((target, 31), (client, 32)):
+            assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            sides.append(Side(e, "127.0.0.1:%d" % e.get_rpc_port(), 64 * 1024, seed))
+        far, near = sides
+        before = client.get_stats()
+        assert client.transfer_sync_read(far.name, near.buf.addr, far.buf.addr + 5, 40000) == 0
+        after = client.get_stats()
+        assert near.buf.read(0, 40000) == pattern(64 * 1024, 31)[5:40005]
+        carried, idle = ("shm_bytes", "tcp_bytes") if switch is None else ("tcp_bytes",
+                                                                           "shm_bytes")
+        assert after[carried] - before[carried] == 40000, (before, after)
+        assert after[idle] == before[idle], (before, after)
+        assert after["protocol"] == ("auto" if switch is None else "tcp")
+        for side in sides:
+            assert side.e.unregister_memory(side.buf.addr) == 0
+    finally:
+        target.close()
+        client.close()
 
 
 def test_transfer_sync_with_opcode_and_transport_hint(pair):

@@ -26,6 +26,14 @@ SIZE = 4096
 MAX_MAIN_ITERATIONS = 5_000_000
 
 
+@pytest.fixture(autouse=True)
+def reads_cross_sockets(monkeypatch):
+    """Each read must wait long enough for the main thread to be scheduled in, as a
+    loopback TCP round trip does; "tcp" would otherwise reach these same-host peers
+    through shared memory, a copy of about a microsecond."""
+    monkeypatch.setenv("MC_SAME_HOST_SHM", "0")
+
+
 def probe(op, check):
     """Runs op(i) OPS times in each of THREADS threads; returns (main counter advance
     inside each worker's window, main total, elapsed)."""

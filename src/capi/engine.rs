@@ -585,6 +585,33 @@ pub unsafe extern "C" fn mc_segment_describe(
     })
 }
 
+/// Copies the engine's counters (bytes per transport, retries, failed slices, ...) as
+/// one JSON object, with `"protocol"`, the protocol it runs.
+///
+/// # Safety
+/// `e` NULL or a live engine; `buf` NULL or writable for `len` bytes; `needed_out` NULL
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn mc_engine_stats(
+    e: *mut McEngine,
+    buf: *mut c_char,
+    len: usize,
+    needed_out: *mut usize,
+) -> c_int {
+    guard("mc_engine_stats", || {
+        // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
+        // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
+        let engine = unsafe { engine(e)? };
+        let mut stats = engine.stats().to_json();
+        if let crate::json::Value::Object(fields) = &mut stats {
+            fields.push(("protocol".to_owned(), engine.protocol().name().into()));
+        }
+        let text = stats.to_string();
+        // SAFETY: as in `mc_segment_describe`: `answer_text`'s contract is the caller's.
+        unsafe { super::args::answer_text(&text, buf, len, needed_out, "engine stats") }
+    })
+}
+
 /// As `mc_notify`, under the sender name `name` instead of this engine's.
 ///
 /// # Safety

@@ -107,6 +107,9 @@ pub unsafe extern "C" fn installTransport(
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
         let protocol = Protocol::parse(name)?;
+        // What an engine started by this call runs: upstream's `tcp` reaches same-host
+        // peers through shared memory (`Protocol::from_upstream`).
+        let runs_as = Protocol::from_upstream(name, same_host_shm_from_env())?;
         let hardware = protocol.is_hardware();
         let matrix = if hardware && !args.is_null() {
             // SAFETY: `args` is non-null (checked in the `if`) and the caller guarantees a non-null
@@ -120,7 +123,7 @@ pub unsafe extern "C" fn installTransport(
         };
         let running = te.start_with(|| {
             let mut cfg = te.config.clone();
-            cfg.protocol = protocol;
+            cfg.protocol = runs_as;
             if let Some(m) = &matrix {
                 cfg.backend.devices = m.clone();
             }
@@ -131,6 +134,7 @@ pub unsafe extern "C" fn installTransport(
         let current = running.protocol();
         let compatible = current == protocol
             || running.config().protocol == protocol
+            || running.config().protocol == runs_as
             || protocol == Protocol::Tcp
             || (current == Protocol::Auto && protocol == Protocol::Shm);
         if !compatible {

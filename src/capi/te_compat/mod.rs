@@ -31,6 +31,7 @@ use std::sync::{Mutex, OnceLock};
 
 use super::args::{array, c_str, copy_out, non_null, opt_str};
 use super::{guard_value, init_logging};
+use crate::engine::config::same_host_shm_from_env;
 use crate::engine::{BatchId, Engine, EngineConfig, Protocol, Request, SegmentId, TaskState};
 use crate::error::{Code, Error, Result};
 use crate::json::Value;

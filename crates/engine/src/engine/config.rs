@@ -55,6 +55,19 @@ pub const STRICT_PROTOCOL_VAR: &str = "MC_STRICT_PROTOCOL";
 /// for (SGLang documents it as the way to run Mooncake without RDMA).
 pub const FORCE_TCP_VAR: &str = "MC_FORCE_TCP";
 
+/// The switch that keeps same-host peers on sockets when upstream's API asks for
+/// `tcp` (see [`Protocol::from_upstream`]); on unless set to `0`, `false` or `off`.
+pub const SAME_HOST_SHM_VAR: &str = "MC_SAME_HOST_SHM";
+
+/// Whether upstream's `tcp` may carry same-host peers through shared memory
+/// (`MC_SAME_HOST_SHM`, on unless switched off; an unreadable value keeps it on).
+pub fn same_host_shm_from_env() -> bool {
+    std::env::var(SAME_HOST_SHM_VAR)
+        .ok()
+        .and_then(|v| crate::util::switch::parse(&v))
+        .unwrap_or(true)
+}
+
 /// Whether environment variable `name` is set to a yes (`1`, `true`, `yes`, `on`).
 fn env_switch(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| {
@@ -86,6 +99,18 @@ impl Protocol {
                     "unknown protocol {s:?} (auto, tcp, shm, rdma, efa)"
                 ))),
             },
+        }
+    }
+
+    /// Parses a protocol name as upstream's API gives it (Python `initialize` and
+    /// `setup`, `installTransport`). There `tcp` means "no RDMA", not "sockets even
+    /// within one host": with `same_host_shm` it runs as [`Protocol::Auto`], so a
+    /// same-host peer of ours is reached through shared memory and everything else
+    /// (other hosts, network namespaces, Mooncake's own engines) through TCP.
+    pub fn from_upstream(s: &str, same_host_shm: bool) -> Result<Protocol> {
+        match Protocol::parse(s.trim())? {
+            Protocol::Tcp if same_host_shm => Ok(Protocol::Auto),
+            p => Ok(p),
         }
     }
 
@@ -179,6 +204,7 @@ pub const KEYS: &[&str] = &[
     "bind_address",
     "rpc_port",
     "protocol",
+    "upstream_protocol",
     "workers",
     "spin_budget",
     "lanes_per_peer",
@@ -217,6 +243,9 @@ impl EngineConfig {
             }
             "rpc_port" => self.rpc_port = number(key, value)?,
             "protocol" => self.protocol = Protocol::parse(value)?,
+            "upstream_protocol" => {
+                self.protocol = Protocol::from_upstream(value, same_host_shm_from_env())?
+            }
             "workers" => {
                 self.workers = number(key, value)?;
                 if !(1..=64).contains(&self.workers) {
@@ -260,5 +289,41 @@ impl EngineConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Protocol;
+
+    #[test]
+    fn upstream_tcp_reaches_same_host_peers_through_shared_memory_unless_switched_off() {
+        assert_eq!(
+            Protocol::from_upstream("tcp", true).ok(),
+            Some(Protocol::Auto)
+        );
+        assert_eq!(
+            Protocol::from_upstream(" TCP ", true).ok(),
+            Some(Protocol::Auto)
+        );
+        assert_eq!(
+            Protocol::from_upstream("tcp", false).ok(),
+            Some(Protocol::Tcp)
+        );
+        // Every other name means what it means anywhere.
+        for (name, p) in [
+            ("rdma", Protocol::Rdma),
+            ("efa", Protocol::Fabric),
+            ("shm", Protocol::Shm),
+            ("auto", Protocol::Auto),
+            ("nvlink", Protocol::NoBackend("nvlink")),
+        ] {
+            assert_eq!(Protocol::from_upstream(name, true).ok(), Some(p), "{name}");
+        }
+        assert!(Protocol::from_upstream("tcpx", true).is_err());
+        // Our own key keeps `tcp` to sockets, as `bench transfer --protocol tcp` needs.
+        let mut c = super::EngineConfig::default();
+        c.set("protocol", "tcp").unwrap();
+        assert_eq!(c.protocol, Protocol::Tcp);
     }
 }

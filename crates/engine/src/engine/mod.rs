@@ -137,6 +137,27 @@ pub struct Stats {
     pub tcp_sends: u64,
 }
 
+impl Stats {
+    /// The counters as a JSON object, one field per counter under its own name.
+    pub fn to_json(&self) -> crate::json::Value {
+        let fields = [
+            ("local_bytes", self.local_bytes),
+            ("shm_bytes", self.shm_bytes),
+            ("rdma_bytes", self.rdma_bytes),
+            ("fabric_bytes", self.fabric_bytes),
+            ("tcp_bytes", self.tcp_bytes),
+            ("retries", self.retries),
+            ("failed_slices", self.failed_slices),
+            ("worker_handoffs", self.worker_handoffs),
+            ("worker_wakeups", self.worker_wakeups),
+            ("inline_transfers", self.inline_transfers),
+            ("protocol_fallbacks", self.protocol_fallbacks),
+            ("tcp_sends", self.tcp_sends),
+        ];
+        crate::json::Value::object(fields.map(|(k, v)| (k, v.into())))
+    }
+}
+
 impl Engine {
     /// Starts an engine: binds its servers, publishes its segment and spawns workers.
     pub fn new(config: EngineConfig) -> Result<Engine> {

@@ -63,7 +63,7 @@ extern "C" {
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
 
-/* The ABI revision the loaded library implements (revision 10). */
+/* The ABI revision the loaded library implements (revision 11). */
 uint32_t mc_abi_revision(void);
 
 /* The release this header ships with (semantic versioning; the ABI is versioned
@@ -157,12 +157,15 @@ typedef struct mc_config mc_config;
  *                       by mc_config_new) mc_engine_new fails with
  *                       MC_ERR_BACKEND_UNAVAILABLE instead.
  *   upstream_protocol   A protocol as Mooncake's own API names it (what the Python
- *                       package and installTransport pass): as "protocol", except that
- *                       "tcp" runs as "auto", so same-host peers of ours are reached
- *                       through shared memory (Mooncake's "tcp" means "no RDMA"; other
- *                       hosts, other network namespaces and Mooncake's own engines
- *                       stay on TCP). The environment variable MC_SAME_HOST_SHM=0
- *                       keeps "tcp" on sockets. (revision 11)
+ *                       package passes; installTransport does the same): as
+ *                       "protocol", and TCP, asked for, forced by MC_FORCE_TCP or
+ *                       fallen back to, also reaches same-host peers of ours through
+ *                       shared memory, as "auto" does (Mooncake's "tcp" means "no
+ *                       RDMA"; other hosts, other network or PID namespaces and
+ *                       Mooncake's own engines stay on TCP). The engine still says it
+ *                       runs "tcp"; mc_engine_stats tells "same_host_shm". The
+ *                       environment variable MC_SAME_HOST_SHM=0, read when this key is
+ *                       set, keeps TCP on sockets. (revision 11)
  *   workers             Transfer worker threads, 1..64. Default 1.
  *   spin_budget         Idle poll iterations before a worker sleeps. Default 256.
  *   lanes_per_peer      TCP connections per peer per worker, 1..64. Default: one per

@@ -193,8 +193,10 @@ int getLocalIpAndPort(transfer_engine_t engine, char *buf_out, size_t buf_len);
  *     JSON string, or NULL), "efa" (libfabric; args[0] as for rdma), or "shm" (same
  *     host only). A missing library or device makes the engine run over TCP
  *     instead, with one warning logged (MC_STRICT_PROTOCOL=1 in the environment: the
- *     call fails, NULL). If any other call comes first, the engine starts then with
- *     ";protocol=" or "auto".
+ *     call fails, NULL). TCP started this way, asked for or fallen back to, also
+ *     reaches same-host peers of this library through shared memory, unless
+ *     MC_SAME_HOST_SHM=0 or the connection string set ";protocol=". If any other
+ *     call comes first, the engine starts then with ";protocol=" or "auto".
  *   - Once the engine runs, installTransport succeeds for its own protocol and for
  *     "tcp" (every engine serves peers over TCP) and fails for any other.
  * The result is an opaque handle, only to be compared with NULL. "nvlink", "cxl",

@@ -487,6 +487,10 @@ fn transfers_and_notifications_through_the_abi() {
     assert_eq!(count("tcp_bytes"), Some(4 * 4096), "{stats:?}");
     assert_eq!(count("shm_bytes"), Some(0), "{stats:?}");
     assert_eq!(stats.get("protocol").and_then(|p| p.as_str()), Some("tcp"));
+    assert_eq!(
+        stats.get("same_host_shm").and_then(|p| p.as_bool()),
+        Some(false)
+    );
 
     let mut from = [0 as c_char; 128];
     let mut msg = [0 as c_char; 128];

@@ -464,28 +464,39 @@ fn rdma_without_devices_installs_over_tcp() {
 }
 
 /// installTransport("tcp") as the first call starts the engine the way upstream's
-/// "tcp" is meant, "no RDMA": same-host peers through shared memory (`auto`; the
-/// switch MC_SAME_HOST_SHM=0 is `Protocol::from_upstream`'s unit test). Asking again,
-/// and uninstalling by the same name, still work.
+/// "tcp" is meant, "no RDMA": TCP that also reaches same-host peers through shared
+/// memory (the switch MC_SAME_HOST_SHM=0 is the config's unit test), unless the
+/// connection string chose with our own `protocol` key. Asking again, and uninstalling
+/// by the same name, still work.
 #[test]
 fn tcp_installed_first_also_carries_same_host_peers_through_shared_memory() {
     quiet_logs();
-    if std::env::var_os("MC_SAME_HOST_SHM").is_some() {
-        return; // the switch decides here; its unit test covers both settings
-    }
-    let e = Te::new("P2PHANDSHAKE", "unused", 0);
+    let widened = mooncake::engine::config::same_host_shm_from_env();
     let none = std::ptr::null_mut();
     let mut text = [0 as c_char; 256];
-    // SAFETY: a live engine; literal strings; `text` is writable for its length.
-    unsafe {
-        let tcp = installTransport(e.0, c"tcp".as_ptr(), none);
-        assert!(!tcp.is_null());
-        assert_eq!(installTransport(e.0, c"tcp".as_ptr(), none), tcp);
-        assert!(!installTransport(e.0, c"shm".as_ptr(), none).is_null());
-        assert_eq!(showLinks(e.0, text.as_mut_ptr(), text.len(), 1), 0);
-        let links = CStr::from_ptr(text.as_ptr()).to_str().unwrap();
-        assert!(links.contains(r#""protocol":"auto""#), "{links}");
-        assert_eq!(uninstallTransport(e.0, c"tcp".as_ptr()), 0);
+    for (metadata, shm) in [
+        ("P2PHANDSHAKE", widened),
+        ("P2PHANDSHAKE;protocol=tcp", false),
+    ] {
+        let e = Te::new(metadata, "unused", 0);
+        // SAFETY: a live engine; literal strings; `text` is writable for its length.
+        unsafe {
+            let tcp = installTransport(e.0, c"tcp".as_ptr(), none);
+            assert!(!tcp.is_null());
+            assert_eq!(installTransport(e.0, c"tcp".as_ptr(), none), tcp);
+            let shm_handle = installTransport(e.0, c"shm".as_ptr(), none);
+            assert_eq!(
+                !shm_handle.is_null(),
+                shm,
+                "{metadata}: shm only when carried"
+            );
+            assert_eq!(showLinks(e.0, text.as_mut_ptr(), text.len(), 1), 0);
+            let links = CStr::from_ptr(text.as_ptr()).to_str().unwrap();
+            assert!(links.contains(r#""protocol":"tcp""#), "{links}");
+            let want = format!(r#""same_host_shm":{shm}"#);
+            assert!(links.contains(&want), "{metadata}: {links}");
+            assert_eq!(uninstallTransport(e.0, c"tcp".as_ptr()), 0);
+        }
     }
 }
 

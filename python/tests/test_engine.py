@@ -118,7 +118,8 @@ def test_tcp_reaches_a_same_host_peer_through_shared_memory_unless_switched_off(
                                                                            "shm_bytes")
         assert after[carried] - before[carried] == 40000, (before, after)
         assert after[idle] == before[idle], (before, after)
-        assert after["protocol"] == ("auto" if switch is None else "tcp")
+        assert after["protocol"] == "tcp"
+        assert after["same_host_shm"] is (switch is None)
         for side in sides:
             assert side.e.unregister_memory(side.buf.addr) == 0
     finally:

@@ -586,7 +586,8 @@ pub unsafe extern "C" fn mc_segment_describe(
 }
 
 /// Copies the engine's counters (bytes per transport, retries, failed slices, ...) as
-/// one JSON object, with `"protocol"`, the protocol it runs.
+/// one JSON object, with `"protocol"`, the protocol it runs, and `"same_host_shm"`,
+/// whether its requests reach same-host peers through shared memory.
 ///
 /// # Safety
 /// `e` NULL or a live engine; `buf` NULL or writable for `len` bytes; `needed_out` NULL
@@ -605,6 +606,8 @@ pub unsafe extern "C" fn mc_engine_stats(
         let mut stats = engine.stats().to_json();
         if let crate::json::Value::Object(fields) = &mut stats {
             fields.push(("protocol".to_owned(), engine.protocol().name().into()));
+            let shm = engine.same_host_shm();
+            fields.push(("same_host_shm".to_owned(), crate::json::Value::Bool(shm)));
         }
         let text = stats.to_string();
         // SAFETY: as in `mc_segment_describe`: `answer_text`'s contract is the caller's.

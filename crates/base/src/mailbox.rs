@@ -76,7 +76,7 @@ pub enum Direction {
 /// Where a mailbox lives, for the peer to open it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Offer {
-    /// [`local_host`] of the owner: equal means the peer may open it.
+    /// [`sys::host_id`] of the owner: equal means the peer may open it.
     pub host: String,
     /// The owner's process.
     pub pid: u32,
@@ -127,13 +127,6 @@ pub struct Mailbox {
     _one_thread_at_a_time: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
-/// Which machine, process view and network a mailbox can be shared in: the boot, the
-/// PID namespace (the peer opens it by PID) and the network namespace (a peer that
-/// reached us through another network stack is treated as another host).
-pub fn local_host() -> String {
-    format!("{}|{}", sys::host_id(), sys::network_namespace())
-}
-
 impl Mailbox {
     /// A new mailbox to offer a peer.
     pub fn create() -> io::Result<Mailbox> {
@@ -169,7 +162,7 @@ impl Mailbox {
         let (FileId { dev, ino }, _) = memfd::identify(fd).ok()?;
         let h = self.header();
         Some(Offer {
-            host: local_host(),
+            host: sys::host_id(),
             pid: std::process::id(),
             fd,
             dev,
@@ -190,7 +183,7 @@ impl Mailbox {
     /// Opens the mailbox `offer` names, if it is on this host and is what was offered.
     pub fn attach(offer: &Offer) -> io::Result<Mailbox> {
         let refused = |why: &str| io::Error::new(io::ErrorKind::PermissionDenied, why.to_owned());
-        if offer.host != local_host() {
+        if offer.host != sys::host_id() {
             return Err(refused("the mailbox is on another host"));
         }
         let file = memfd::open_peer(offer.pid, offer.fd, true)?;

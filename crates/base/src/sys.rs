@@ -378,21 +378,19 @@ pub fn futex_wake(word: &AtomicU32) {
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
 }
 
-/// `boot_id` plus PID namespace: two processes with equal ids can name each other's
-/// PIDs (and so open each other's descriptors through `/proc`).
+/// Which host this process is on, for same-host shortcuts (shared memory, mailboxes):
+/// `boot_id`, PID namespace and network namespace. Equal PID namespaces on one boot can
+/// name each other's PIDs (and so open each other's descriptors through `/proc`); a
+/// peer in another network namespace is treated as another host, as the multi-host
+/// tests simulate hosts with network namespaces.
 pub fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let ns = std::fs::read_link("/proc/self/ns/pid")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    format!("{}/{}", boot.trim(), ns)
-}
-
-/// This process's network namespace (`net:[inode]`), empty when it cannot tell.
-pub fn network_namespace() -> String {
-    std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default()
+    let namespace = |kind: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{kind}"))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    format!("{}/{}|{}", boot.trim(), namespace("pid"), namespace("net"))
 }
 
 /// Whether `stream` is over: the peer closed or reset it, or it was shut down here,

@@ -107,9 +107,6 @@ pub unsafe extern "C" fn installTransport(
         // SAFETY: NULL (refused) or NUL-terminated.
         let name = unsafe { c_str(proto, "proto")? };
         let protocol = Protocol::parse(name)?;
-        // What an engine started by this call runs: upstream's `tcp` reaches same-host
-        // peers through shared memory (`Protocol::from_upstream`).
-        let runs_as = Protocol::from_upstream(name, same_host_shm_from_env())?;
         let hardware = protocol.is_hardware();
         let matrix = if hardware && !args.is_null() {
             // SAFETY: `args` is non-null (checked in the `if`) and the caller guarantees a non-null
@@ -123,7 +120,13 @@ pub unsafe extern "C" fn installTransport(
         };
         let running = te.start_with(|| {
             let mut cfg = te.config.clone();
-            cfg.protocol = runs_as;
+            cfg.protocol = protocol;
+            // Upstream's names: its `tcp`, asked or fallen back to, also reaches
+            // same-host peers through shared memory (`EngineConfig::same_host_shm`),
+            // unless the connection string chose with our own `protocol` key.
+            if !te.protocol_set {
+                cfg.same_host_shm = same_host_shm_from_env();
+            }
             if let Some(m) = &matrix {
                 cfg.backend.devices = m.clone();
             }
@@ -134,9 +137,8 @@ pub unsafe extern "C" fn installTransport(
         let current = running.protocol();
         let compatible = current == protocol
             || running.config().protocol == protocol
-            || running.config().protocol == runs_as
             || protocol == Protocol::Tcp
-            || (current == Protocol::Auto && protocol == Protocol::Shm);
+            || (protocol == Protocol::Shm && running.same_host_shm());
         if !compatible {
             return Err(Error::new(
                 Code::NotSupported,
@@ -788,9 +790,13 @@ pub unsafe extern "C" fn showLinks(
         // that destroyTransferEngine is not freeing concurrently (transfer_engine_c.h), which is
         // what `handle` needs.
         let te = unsafe { handle(engine)? };
-        let (own, protocol) = match te.engine.get() {
-            Some(e) => (e.segment_name().to_owned(), e.protocol().name()),
-            None => (String::new(), "(not started)"),
+        let (own, protocol, shm) = match te.engine.get() {
+            Some(e) => (
+                e.segment_name().to_owned(),
+                e.protocol().name(),
+                e.same_host_shm(),
+            ),
+            None => (String::new(), "(not started)", false),
         };
         let mut opened: Vec<(i32, String)> = te
             .segments
@@ -804,6 +810,7 @@ pub unsafe extern "C" fn showLinks(
             Value::object([
                 ("local_segment", Value::from(own)),
                 ("protocol", Value::from(protocol)),
+                ("same_host_shm", Value::Bool(shm)),
                 (
                     "segments",
                     Value::Array(
@@ -821,7 +828,10 @@ pub unsafe extern "C" fn showLinks(
             ])
             .to_string()
         } else {
-            let mut s = format!("local segment {own}, protocol {protocol}\n");
+            let mut s = format!(
+                "local segment {own}, protocol {protocol}, same-host shared memory {}\n",
+                if shm { "on" } else { "off" }
+            );
             for (id, name) in opened {
                 s.push_str(&format!("segment {id} {name}\n"));
             }

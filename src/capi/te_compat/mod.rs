@@ -8,7 +8,9 @@
 //! - Upstream installs transports one by one on a running engine; ours chooses them
 //!   when it starts. With `auto_discover` 0 the engine therefore starts at the first
 //!   `installTransport`, with that protocol (or, if another call comes first, with
-//!   the configured one); afterwards only compatible installs succeed.
+//!   the configured one); afterwards only compatible installs succeed. Its `tcp` is
+//!   upstream's, "no RDMA": it also reaches same-host peers through shared memory
+//!   (`EngineConfig::same_host_shm`, unless `MC_SAME_HOST_SHM=0` or `;protocol=`).
 //! - Upstream errors are its own numbers: [`te_error_code`] maps our [`Code`]s to them,
 //!   and [`te_status_code`] to the positive codes of its status-returning calls.
 //! - Notifications carry a sender-chosen name, so they are sent here with the RPC
@@ -416,7 +418,7 @@ fn create_config(
             )));
         }
         cfg.set(key, value.trim())?;
-        protocol_set |= key == "protocol";
+        protocol_set |= matches!(key, "protocol" | "upstream_protocol");
     }
     cfg.set("metadata", connection)?;
     cfg.bind_address = bind_address(ip_or_host_name)?;

@@ -56,16 +56,24 @@ pub const STRICT_PROTOCOL_VAR: &str = "MC_STRICT_PROTOCOL";
 pub const FORCE_TCP_VAR: &str = "MC_FORCE_TCP";
 
 /// The switch that keeps same-host peers on sockets when upstream's API asks for
-/// `tcp` (see [`Protocol::from_upstream`]); on unless set to `0`, `false` or `off`.
+/// `tcp` (see [`EngineConfig::same_host_shm`]); on unless set to `0`, `false` or `off`.
 pub const SAME_HOST_SHM_VAR: &str = "MC_SAME_HOST_SHM";
 
-/// Whether upstream's `tcp` may carry same-host peers through shared memory
-/// (`MC_SAME_HOST_SHM`, on unless switched off; an unreadable value keeps it on).
+/// Whether upstream's `tcp` may carry same-host peers through shared memory:
+/// `MC_SAME_HOST_SHM`, on unless switched off (a value that is no switch keeps it on,
+/// with a warning).
 pub fn same_host_shm_from_env() -> bool {
-    std::env::var(SAME_HOST_SHM_VAR)
-        .ok()
-        .and_then(|v| crate::util::switch::parse(&v))
-        .unwrap_or(true)
+    same_host_shm_switch(std::env::var(SAME_HOST_SHM_VAR).ok().as_deref())
+}
+
+fn same_host_shm_switch(value: Option<&str>) -> bool {
+    let Some(value) = value else {
+        return true;
+    };
+    crate::util::switch::parse(value).unwrap_or_else(|| {
+        log::warn!("{SAME_HOST_SHM_VAR}={value:?} is not 1/true/on or 0/false/off; kept on");
+        true
+    })
 }
 
 /// Whether environment variable `name` is set to a yes (`1`, `true`, `yes`, `on`).
@@ -99,18 +107,6 @@ impl Protocol {
                     "unknown protocol {s:?} (auto, tcp, shm, rdma, efa)"
                 ))),
             },
-        }
-    }
-
-    /// Parses a protocol name as upstream's API gives it (Python `initialize` and
-    /// `setup`, `installTransport`). There `tcp` means "no RDMA", not "sockets even
-    /// within one host": with `same_host_shm` it runs as [`Protocol::Auto`], so a
-    /// same-host peer of ours is reached through shared memory and everything else
-    /// (other hosts, network namespaces, Mooncake's own engines) through TCP.
-    pub fn from_upstream(s: &str, same_host_shm: bool) -> Result<Protocol> {
-        match Protocol::parse(s.trim())? {
-            Protocol::Tcp if same_host_shm => Ok(Protocol::Auto),
-            p => Ok(p),
         }
     }
 
@@ -155,6 +151,12 @@ pub struct EngineConfig {
     /// Run a hardware `protocol` over TCP without trying its backend, as asked (no
     /// warning, no fallback record). Default: `MC_FORCE_TCP`, else `false`.
     pub force_tcp: bool,
+    /// Whether TCP (asked for, forced, or fallen back to) also reaches same-host peers
+    /// through shared memory, as `auto` does: what upstream's `tcp` means, "no RDMA"
+    /// rather than "sockets even within one host" (set with the key
+    /// `upstream_protocol`, from `MC_SAME_HOST_SHM`). Default `false`: our own `tcp`
+    /// is sockets only, as the TCP benchmarks and tests need.
+    pub same_host_shm: bool,
     /// Worker threads that drive transfers.
     pub workers: usize,
     /// Idle poll iterations before a worker parks.
@@ -185,6 +187,7 @@ impl Default for EngineConfig {
             protocol: Protocol::Auto,
             strict_protocol: strict_protocol_from_env(),
             force_tcp: env_switch(FORCE_TCP_VAR),
+            same_host_shm: false,
             workers: 1,
             spin_budget: 256,
             tcp: TcpConfig::default(),
@@ -244,7 +247,8 @@ impl EngineConfig {
             "rpc_port" => self.rpc_port = number(key, value)?,
             "protocol" => self.protocol = Protocol::parse(value)?,
             "upstream_protocol" => {
-                self.protocol = Protocol::from_upstream(value, same_host_shm_from_env())?
+                self.protocol = Protocol::parse(value.trim())?;
+                self.same_host_shm = same_host_shm_from_env();
             }
             "workers" => {
                 self.workers = number(key, value)?;
@@ -294,36 +298,41 @@ impl EngineConfig {
 
 #[cfg(test)]
 mod tests {
-    use super::Protocol;
+    use super::{EngineConfig, Protocol};
 
     #[test]
-    fn upstream_tcp_reaches_same_host_peers_through_shared_memory_unless_switched_off() {
-        assert_eq!(
-            Protocol::from_upstream("tcp", true).ok(),
-            Some(Protocol::Auto)
-        );
-        assert_eq!(
-            Protocol::from_upstream(" TCP ", true).ok(),
-            Some(Protocol::Auto)
-        );
-        assert_eq!(
-            Protocol::from_upstream("tcp", false).ok(),
-            Some(Protocol::Tcp)
-        );
-        // Every other name means what it means anywhere.
+    fn upstream_names_keep_their_protocol_and_widen_tcp_to_same_host_peers() {
+        let mut c = EngineConfig::default();
+        c.set("protocol", "tcp").unwrap();
+        assert_eq!((c.protocol, c.same_host_shm), (Protocol::Tcp, false));
+        // The environment decides the widening (on unless switched off); the name
+        // stays what was asked, so a fallback or MC_FORCE_TCP keeps it too.
         for (name, p) in [
+            (" TCP ", Protocol::Tcp),
             ("rdma", Protocol::Rdma),
             ("efa", Protocol::Fabric),
-            ("shm", Protocol::Shm),
-            ("auto", Protocol::Auto),
             ("nvlink", Protocol::NoBackend("nvlink")),
         ] {
-            assert_eq!(Protocol::from_upstream(name, true).ok(), Some(p), "{name}");
+            let mut c = EngineConfig::default();
+            c.set("upstream_protocol", name).unwrap();
+            assert_eq!(c.protocol, p, "{name}");
+            assert_eq!(c.same_host_shm, super::same_host_shm_from_env(), "{name}");
         }
-        assert!(Protocol::from_upstream("tcpx", true).is_err());
-        // Our own key keeps `tcp` to sockets, as `bench transfer --protocol tcp` needs.
-        let mut c = super::EngineConfig::default();
-        c.set("protocol", "tcp").unwrap();
-        assert_eq!(c.protocol, Protocol::Tcp);
+        for (value, on) in [
+            (None, true),
+            (Some("0"), false),
+            (Some(" OFF"), false),
+            (Some("1"), true),
+            (Some("no"), true), // not a switch: warned about, kept on
+        ] {
+            assert_eq!(super::same_host_shm_switch(value), on, "{value:?}");
+        }
+        let mut c = EngineConfig::default();
+        assert!(c.set("upstream_protocol", "tcpx").is_err());
+        assert_eq!(
+            (c.protocol, c.same_host_shm),
+            (Protocol::Auto, false),
+            "unchanged"
+        );
     }
 }

@@ -464,6 +464,12 @@ impl Engine {
         self.protocol
     }
 
+    /// Whether this engine's own requests reach same-host peers through shared memory
+    /// (`auto`, `shm`, or `tcp` with [`EngineConfig::same_host_shm`]).
+    pub fn same_host_shm(&self) -> bool {
+        self.own_transports.iter().any(|t| t.kind() == Kind::Shm)
+    }
+
     /// Why the engine runs another protocol than the configured one, if it does.
     pub fn protocol_fallback(&self) -> Option<&ProtocolFallback> {
         self.fallback.as_ref()
@@ -733,7 +739,7 @@ impl Engine {
         match (self.protocol, kind) {
             (_, Kind::Local) => true,
             (Protocol::Auto, k) => matches!(k, Kind::Shm | Kind::Tcp),
-            (Protocol::Tcp, k) => k == Kind::Tcp,
+            (Protocol::Tcp, k) => k == Kind::Tcp || (k == Kind::Shm && self.config.same_host_shm),
             (Protocol::Shm, k) => k == Kind::Shm,
             (Protocol::Rdma, k) => k == Kind::Rdma,
             (Protocol::Fabric, k) => k == Kind::Fabric,

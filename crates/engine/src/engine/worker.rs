@@ -314,15 +314,15 @@ impl Worker {
         started
     }
 
-    fn choose(&self, slice: &Slice) -> Option<usize> {
-        choose(&self.transports, slice)
+    fn choose(&self, slice: &Slice, avoid: Option<Kind>) -> Option<usize> {
+        choose(&self.transports, slice, avoid)
     }
 
     fn start(&mut self, item: WorkItem) {
         let mut item = item;
         let host = item.slice.local_kind.is_host();
         // Host memory goes direct whatever carries it: `post` chooses, once.
-        let native = !host && self.choose(&item.slice).is_some();
+        let native = !host && self.choose(&item.slice, None).is_some();
         let staged = match admit(host, native, self.staged_in_flight) {
             Admit::Direct => None,
             Admit::Defer => {
@@ -368,8 +368,13 @@ impl Worker {
     /// carries it. A device-memory slice that no transport carries any more (its
     /// native path failed) is staged now and goes the host way.
     fn post(&mut self, slice: Slice) {
+        self.post_avoiding(slice, None);
+    }
+
+    /// As `post`, preferring any transport but `avoid` (the one whose path just failed).
+    fn post_avoiding(&mut self, slice: Slice, avoid: Option<Kind>) {
         let mut slice = slice;
-        let mut chosen = self.choose(&slice);
+        let mut chosen = self.choose(&slice, avoid);
         let id = slice.id as usize;
         let entry = self.slots.get_mut(id).and_then(Option::as_mut);
         if let (None, false, Some(entry)) = (chosen, slice.local_kind.is_host(), entry) {
@@ -388,7 +393,7 @@ impl Worker {
                     return;
                 }
             }
-            chosen = self.choose(&slice);
+            chosen = self.choose(&slice, avoid);
         }
         if let Some(entry) = self.slots.get_mut(id).and_then(Option::as_mut) {
             entry.via = chosen.map(|i| self.transports[i].kind());
@@ -441,8 +446,10 @@ impl Worker {
                         entry.attempts += 1;
                         self.config.counters.retries.fetch_add(1, Ordering::Relaxed);
                         let slice = entry.slice.clone();
+                        let mut avoid = None;
                         if let Outcome::PathFailed(why) = &f.outcome {
                             log::debug!("slice to {}: {why}; retrying", slice.peer.name);
+                            avoid = entry.via;
                         }
                         if resync {
                             if let Err(e) = self.segments.resync(&slice.peer) {
@@ -458,7 +465,7 @@ impl Worker {
                                 continue;
                             }
                         }
-                        self.post(slice);
+                        self.post_avoiding(slice, avoid);
                         continue;
                     }
                 };
@@ -528,12 +535,18 @@ fn record_checksum(entry: &InFlight, folded: Option<u32>) {
 }
 
 /// The most preferred transport (the first in `transports`) that reaches the slice's
-/// peer, is not disabled for it, and carries the slice.
-fn choose(transports: &[Arc<dyn Transport>], slice: &Slice) -> Option<usize> {
+/// peer, is not disabled for it, and carries the slice; other than `avoid` if another
+/// does (a retry after a path failure goes elsewhere when it can: shared memory's
+/// transient failures then end on TCP rather than spending every retry on shm).
+fn choose(transports: &[Arc<dyn Transport>], slice: &Slice, avoid: Option<Kind>) -> Option<usize> {
     let desc = slice.peer.desc();
+    let usable = |t: &Arc<dyn Transport>| {
+        !slice.peer.is_disabled(t.kind()) && t.reaches(&desc) && t.carries(slice)
+    };
     transports
         .iter()
-        .position(|t| !slice.peer.is_disabled(t.kind()) && t.reaches(&desc) && t.carries(slice))
+        .position(|t| Some(t.kind()) != avoid && usable(t))
+        .or_else(|| transports.iter().position(usable))
 }
 
 /// How a new slice starts.
@@ -678,20 +691,41 @@ mod tests {
             fake(Kind::Tcp, true, false),
         ];
         let host = slice(MemoryKind::Host);
-        assert_eq!(choose(&ts, &host), Some(1), "RDMA does not reach the peer");
+        assert_eq!(
+            choose(&ts, &host, None),
+            Some(1),
+            "RDMA does not reach the peer"
+        );
+        let shm = Some(Kind::Shm);
+        assert_eq!(choose(&ts, &host, shm), Some(2), "a retry goes elsewhere");
+        assert_eq!(choose(&ts, &host, Some(Kind::Tcp)), Some(1));
         host.peer.disable(Kind::Shm);
-        assert_eq!(choose(&ts, &host), Some(2), "a failed path is skipped");
+        assert_eq!(
+            choose(&ts, &host, None),
+            Some(2),
+            "a failed path is skipped"
+        );
+        let tcp = Some(Kind::Tcp);
+        assert_eq!(
+            choose(&ts, &host, tcp),
+            Some(2),
+            "nothing else: the same path again"
+        );
         host.peer.disable(Kind::Tcp);
-        assert_eq!(choose(&ts, &host), None);
+        assert_eq!(choose(&ts, &host, None), None);
 
         let device = slice(MemoryKind::Cuda(0));
-        assert_eq!(choose(&ts, &device), None, "nothing moves device memory");
+        assert_eq!(
+            choose(&ts, &device, None),
+            None,
+            "nothing moves device memory"
+        );
         let with_native: Vec<_> = ts
             .iter()
             .cloned()
             .chain([fake(Kind::Fabric, true, true)])
             .collect();
-        assert_eq!(choose(&with_native, &device), Some(3));
+        assert_eq!(choose(&with_native, &device, None), Some(3));
     }
 
     #[test]

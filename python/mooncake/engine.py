@@ -236,8 +236,9 @@ class TransferEngine:
 
     def get_stats(self):
         """This engine's counters as a dict (not in upstream's API): bytes moved per
-        transport (``shm_bytes``, ``tcp_bytes``, ...), retries, failed slices and
-        ``protocol``, the protocol it runs; None before initialize or on error."""
+        transport (``shm_bytes``, ``tcp_bytes``, ...), retries, failed slices,
+        ``protocol`` (the protocol it runs) and ``same_host_shm`` (whether same-host
+        peers are reached through shared memory); None before initialize or on error."""
         if not self._engine:
             return None
         rc, text = N.read_json_text(N.LIB.mc_engine_stats, self._engine, initial=1024)

@@ -603,13 +603,7 @@ pub unsafe extern "C" fn mc_engine_stats(
         // SAFETY: the caller guarantees `e` is NULL or a live engine from mc_engine_new that
         // mc_engine_free is not freeing concurrently (mooncake.h), which is what `engine` needs.
         let engine = unsafe { engine(e)? };
-        let mut stats = engine.stats().to_json();
-        if let crate::json::Value::Object(fields) = &mut stats {
-            fields.push(("protocol".to_owned(), engine.protocol().name().into()));
-            let shm = engine.same_host_shm();
-            fields.push(("same_host_shm".to_owned(), crate::json::Value::Bool(shm)));
-        }
-        let text = stats.to_string();
+        let text = engine.stats_json().to_string();
         // SAFETY: as in `mc_segment_describe`: `answer_text`'s contract is the caller's.
         unsafe { super::args::answer_text(&text, buf, len, needed_out, "engine stats") }
     })

@@ -303,18 +303,6 @@ impl Slot<'_> {
         Some(Incoming::Here)
     }
 
-    /// Waits for the next message: [`spin`](Self::spin), then [`park`](Self::park).
-    pub fn wait(
-        &self,
-        seen: &mut u32,
-        buf: &mut Vec<u8>,
-        spin: Duration,
-        park: Duration,
-    ) -> Option<Incoming> {
-        self.spin(seen, buf, spin)
-            .or_else(|| self.park(seen, buf, park))
-    }
-
     /// Polls for the next message for at most `spin`, only while the machine has a
     /// CPU to spare. None when nothing came.
     pub fn spin(&self, seen: &mut u32, buf: &mut Vec<u8>, spin: Duration) -> Option<Incoming> {

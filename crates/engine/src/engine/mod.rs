@@ -138,8 +138,8 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// The counters as a JSON object, one field per counter under its own name.
-    pub fn to_json(&self) -> crate::json::Value {
+    /// The counters as JSON fields, one per counter under its own name.
+    fn json_fields(&self) -> impl Iterator<Item = (&'static str, crate::json::Value)> {
         let fields = [
             ("local_bytes", self.local_bytes),
             ("shm_bytes", self.shm_bytes),
@@ -154,7 +154,7 @@ impl Stats {
             ("protocol_fallbacks", self.protocol_fallbacks),
             ("tcp_sends", self.tcp_sends),
         ];
-        crate::json::Value::object(fields.map(|(k, v)| (k, v.into())))
+        fields.into_iter().map(|(k, v)| (k, v.into()))
     }
 }
 
@@ -462,6 +462,17 @@ impl Engine {
     /// hardware protocol whose backend is unavailable here (see `protocol_fallback`).
     pub fn protocol(&self) -> Protocol {
         self.protocol
+    }
+
+    /// [`stats`](Self::stats) as one JSON object, with `protocol` (what the engine
+    /// runs) and `same_host_shm` (as [`same_host_shm`](Self::same_host_shm) says).
+    pub fn stats_json(&self) -> crate::json::Value {
+        use crate::json::Value;
+        let state = [
+            ("protocol", Value::from(self.protocol.name())),
+            ("same_host_shm", Value::Bool(self.same_host_shm())),
+        ];
+        Value::object(self.stats().json_fields().chain(state))
     }
 
     /// Whether this engine's own requests reach same-host peers through shared memory

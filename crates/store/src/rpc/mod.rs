@@ -1131,6 +1131,14 @@ mod tests {
         assert_eq!(e.code(), Code::RpcFail, "{e}");
     }
 
+    /// A fake master's next connection, its reader and the first frame on it.
+    fn accept_with_frame(listener: &TcpListener) -> (TcpStream, FrameReader, Frame) {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut frames = FrameReader::new();
+        let first = frames.read_frame(&mut s).unwrap().unwrap();
+        (s, frames, first)
+    }
+
     #[test]
     fn a_master_that_closes_when_asked_for_a_mailbox_is_served_over_tcp() {
         // A fake master from before mailboxes: closes the connection that asks, then
@@ -1138,14 +1146,10 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let fake = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut frames = FrameReader::new();
-            let asked = frames.read_frame(&mut s).unwrap().unwrap();
+            let (s, _, asked) = accept_with_frame(&listener);
             assert_eq!(asked.method, MAILBOX_OFFER);
             drop(s);
-            let (mut s, _) = listener.accept().unwrap();
-            let mut frames = FrameReader::new();
-            let req = frames.read_frame(&mut s).unwrap().unwrap();
+            let (mut s, _, req) = accept_with_frame(&listener);
             assert_eq!(req.method, Method::Unmount as u16);
             let mut out = Vec::new();
             answer_frame(&mut out, req.method, req.id, |_| Ok(()));
@@ -1173,9 +1177,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let fake = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut frames = FrameReader::new();
-            let offer = frames.read_frame(&mut s).unwrap().unwrap();
+            let (mut s, mut frames, offer) = accept_with_frame(&listener);
             assert_eq!(offer.method, MAILBOX_OFFER);
             let mut out = Vec::new();
             let mailbox = mailbox::offer(&mut out, offer.id).unwrap();

@@ -362,8 +362,10 @@ int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t l
 /* Copies the engine's counters as one JSON object into buf, NUL-terminated: bytes moved
  * per transport ("local_bytes", "shm_bytes", "rdma_bytes", "fabric_bytes",
  * "tcp_bytes"), "retries", "failed_slices", "worker_handoffs", "worker_wakeups",
- * "inline_transfers", "protocol_fallbacks", "tcp_sends", and "protocol", the protocol
- * it runs. needed_out and overflow as for mc_segment_describe. (revision 11) */
+ * "inline_transfers" (synchronous transfers the caller ran itself), "own_copies" (of
+ * those, the ones within the engine's own memory, copied with no slice planned),
+ * "protocol_fallbacks", "tcp_sends", and "protocol", the protocol it runs. needed_out
+ * and overflow as for mc_segment_describe. (revision 11) */
 int mc_engine_stats(mc_engine *engine, char *buf, size_t len, size_t *needed_out);
 
 /* ---------------------------------------------------------------- store */

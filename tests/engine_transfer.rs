@@ -135,6 +135,85 @@ fn own_segment_uses_memcpy() {
     assert!(out == r.buf);
 }
 
+/// A synchronous batch that stays inside the engine's own host memory is copied on
+/// the calling thread, with no worker hand-off: each request's bytes land and its
+/// checksum is of what landed (also for a read whose two ends overlap, which is not
+/// folded during the copy). A request outside registered memory sends the whole
+/// batch down the planned path, which refuses it before anything moves.
+#[test]
+fn own_segment_batches_are_copied_by_the_caller() {
+    use mooncake::util::crc32c::crc32c;
+    let e = engine_configured(&[
+        ("metadata", "P2PHANDSHAKE"),
+        ("protocol", "tcp"),
+        ("workers", "2"),
+    ]);
+    let target = Registered::new(&e, pattern(7, 1 << 20));
+    let seg = e.open_segment(e.segment_name()).unwrap();
+    let mut out = vec![0u8; 64 * 4096];
+    let reqs: Vec<Request> = (0..64u64)
+        .map(|i| Request {
+            op: Op::Read,
+            local: out.as_mut_ptr() as u64 + i * 4096,
+            segment: seg,
+            remote: target.addr() + i * 8192 + 3,
+            len: 4096,
+        })
+        .collect();
+    let before = e.stats();
+    // SAFETY: `out` outlives the call, which returns with every task final.
+    let got = unsafe { e.read_checksummed(&reqs) }.unwrap();
+    for (i, (state, crc)) in got.into_iter().enumerate() {
+        let want = &target.buf[i * 8192 + 3..][..4096];
+        assert_eq!(state, TaskState::Completed);
+        assert_eq!(&out[i * 4096..][..4096], want, "request {i}");
+        assert_eq!(crc, Some(crc32c(want)), "request {i}");
+    }
+    let after = e.stats();
+    assert_eq!(after.local_bytes - before.local_bytes, 64 * 4096);
+    assert_eq!(after.worker_handoffs, before.worker_handoffs);
+    assert_eq!(after.inline_transfers, before.inline_transfers + 1);
+    assert_eq!(after.own_copies, before.own_copies + 1);
+
+    // Within the registered buffer, 100 bytes on: the ends overlap.
+    let shifted = Request {
+        op: Op::Read,
+        local: target.addr() + 100,
+        segment: seg,
+        remote: target.addr(),
+        len: 4096,
+    };
+    let original = target.buf[..4096].to_vec();
+    // SAFETY: inside `target`'s buffer, which outlives the call.
+    let got = unsafe { e.read_checksummed(&[shifted]) }.unwrap();
+    assert_eq!(got, vec![(TaskState::Completed, Some(crc32c(&original)))]);
+    assert_eq!(&target.buf[100..4196], &original[..]);
+
+    // Writes too; and one request past the buffer refuses them all, nothing moved.
+    let fresh = pattern(8, 4096);
+    let write = Request {
+        op: Op::Write,
+        local: fresh.as_ptr() as u64,
+        segment: seg,
+        remote: target.addr() + (1 << 19),
+        len: 4096,
+    };
+    let past = Request {
+        remote: target.addr() + (1 << 20) - 10,
+        len: 20,
+        ..write
+    };
+    let kept = target.buf[1 << 19..][..4096].to_vec();
+    // SAFETY: `fresh` outlives the call (refused before anything moves).
+    let refused = unsafe { e.transfer_sync(&[write, past]) }.unwrap_err();
+    assert_eq!(refused.code(), Code::AddressNotRegistered);
+    assert_eq!(&target.buf[1 << 19..][..4096], &kept[..]);
+    // SAFETY: as above.
+    unsafe { e.transfer_sync(&[write]) }.unwrap();
+    assert_eq!(&target.buf[1 << 19..][..4096], &fresh[..]);
+    assert_eq!(e.stats().own_copies, after.own_copies + 2);
+}
+
 #[test]
 fn notifications_and_probe() {
     let a = engine_with("P2PHANDSHAKE", "tcp");

@@ -5,6 +5,7 @@ pub mod batch;
 pub mod config;
 pub mod fallback;
 pub mod inbox;
+mod own_copy;
 mod rpc;
 pub mod segments;
 mod worker;
@@ -128,6 +129,9 @@ pub struct Stats {
     pub worker_wakeups: u64,
     /// Synchronous transfers the calling thread ran itself, with no hand-off.
     pub inline_transfers: u64,
+    /// Of those, the ones wholly within this engine's own host memory: copied with no
+    /// slice planned, posted or polled.
+    pub own_copies: u64,
     /// 1 when the engine started over TCP in place of an unavailable hardware
     /// protocol (`protocol_fallback` says which and why), else 0: summed over
     /// engines, how many fell back.
@@ -151,6 +155,7 @@ impl Stats {
             ("worker_handoffs", self.worker_handoffs),
             ("worker_wakeups", self.worker_wakeups),
             ("inline_transfers", self.inline_transfers),
+            ("own_copies", self.own_copies),
             ("protocol_fallbacks", self.protocol_fallbacks),
             ("tcp_sends", self.tcp_sends),
         ];
@@ -507,6 +512,7 @@ impl Engine {
             worker_handoffs: c.handoffs.load(Ordering::Relaxed),
             worker_wakeups: c.wakeups.load(Ordering::Relaxed),
             inline_transfers: c.inline_runs.load(Ordering::Relaxed),
+            own_copies: c.own_copies.load(Ordering::Relaxed),
             protocol_fallbacks: u64::from(self.fallback.is_some()),
             tcp_sends: self
                 .transports
@@ -956,6 +962,10 @@ impl Engine {
         let batch = Arc::new(batch);
         if requests.is_empty() {
             return Ok(batch);
+        }
+        // SAFETY: this fn's contract.
+        if let Some(copied) = unsafe { self.copy_own(&batch, requests) } {
+            return copied.map(|()| batch);
         }
         // One clock read serves the deadlines and the inline poll loop.
         let now = std::time::Instant::now();

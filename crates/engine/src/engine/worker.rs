@@ -103,6 +103,8 @@ pub struct Counters {
     pub wakeups: AtomicU64,
     /// Synchronous transfers the calling thread ran to completion itself.
     pub inline_runs: AtomicU64,
+    /// Of those, the ones copied within the engine's own memory (`Engine::copy_own`).
+    pub own_copies: AtomicU64,
 }
 
 pub struct Worker {

@@ -232,14 +232,20 @@ impl Finished {
     }
 }
 
-/// Copies a host-to-host slice's bytes from `src` to `dst`. A checksummed read whose
+/// Copies `len` host bytes of an `op` from `src` to `dst`. A checksummed read whose
 /// two ends do not overlap is folded into its CRC32C in the same pass, returned.
 ///
 /// # Safety
-/// `src` must be readable and `dst` writable for `slice.len` bytes.
-pub(crate) unsafe fn copy_host(slice: &Slice, src: *const u8, dst: *mut u8) -> Option<u32> {
-    let len = slice.len as usize;
-    if slice.checksum && slice.op == Op::Read && (src as usize).abs_diff(dst as usize) >= len {
+/// `src` must be readable and `dst` writable for `len` bytes.
+pub(crate) unsafe fn copy_host(
+    op: Op,
+    len: u64,
+    checksum: bool,
+    src: *const u8,
+    dst: *mut u8,
+) -> Option<u32> {
+    let len = len as usize;
+    if checksum && op == Op::Read && (src as usize).abs_diff(dst as usize) >= len {
         // SAFETY: the caller's contract, and the ranges are apart.
         return Some(unsafe {
             crc32c_append_copying(0, std::slice::from_raw_parts(src, len), dst)

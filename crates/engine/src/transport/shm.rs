@@ -670,7 +670,7 @@ impl Attached {
                     // buffer (range validated against the owner's own table this
                     // generation, which the guard count pins); the local side is the
                     // caller's host buffer (submit contract).
-                    Ok(unsafe { copy_host(slice, src, dst) })
+                    Ok(unsafe { copy_host(slice.op, slice.len, slice.checksum, src, dst) })
                 }
                 (Some((kind, addr)), _) => {
                     let local = (slice.local_kind, slice.local);

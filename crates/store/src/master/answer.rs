@@ -73,12 +73,13 @@ impl Master {
     pub(super) fn lookup_keepable<S: DescSink>(
         &self,
         key: &str,
+        now: u64,
         sink: &mut S,
     ) -> (KeyResult<S::Out>, bool) {
-        match self.lookup_into(key, false, sink) {
+        match self.lookup_into(key, false, now, sink) {
             // Only on disk (or unfinished): a copy staged for this reader is not
             // kept, so that each read of it still counts here.
-            Err(Code::ReplicaIsNotReady) => (self.lookup_into(key, true, sink), false),
+            Err(Code::ReplicaIsNotReady) => (self.lookup_into(key, true, now, sink), false),
             other => (other, true),
         }
     }
@@ -107,13 +108,17 @@ impl Master {
         w: &mut Writer,
     ) -> Result<usize> {
         match req {
-            Request::GetReplicas { keys } => self.lookups_into(keys.len(), w, |i, found| {
-                self.lookup_into(&keys[i], true, found)
-            }),
+            Request::GetReplicas { keys } => {
+                let now = self.clock.now_ms();
+                self.lookups_into(keys.len(), w, |i, found| {
+                    self.lookup_into(&keys[i], true, now, found)
+                })
+            }
             Request::GetReplicasKeepable { keys } => {
+                let now = self.clock.now_ms();
                 let mut keepable = vec![true; keys.len()];
                 let failed = self.lookups_into(keys.len(), w, |i, found| {
-                    let (looked, keep) = self.lookup_keepable(&keys[i], found);
+                    let (looked, keep) = self.lookup_keepable(&keys[i], now, found);
                     keepable[i] = keep;
                     looked
                 })?;

@@ -388,8 +388,10 @@ impl Master {
                 Response::Exists(found)
             }
             Request::GetReplicasKeepable { keys } => {
-                let answers =
-                    eviction::tail_first(&keys, |k| self.lookup_keepable(k, &mut answer::Build));
+                let now = self.clock.now_ms();
+                let answers = eviction::tail_first(&keys, |k| {
+                    self.lookup_keepable(k, now, &mut answer::Build)
+                });
                 let (descs, keepable): (Vec<_>, _) = answers.into_iter().unzip();
                 self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
                 Response::Keepable { descs, keepable }
@@ -949,19 +951,21 @@ impl Master {
     /// An object's descriptor, leased; one kept only on disk is read back into memory
     /// first when `load` allows.
     fn lookup(&self, key: &str, load: bool) -> KeyResult<ObjectDesc> {
-        self.lookup_into(key, load, &mut answer::Build)
+        self.lookup_into(key, load, self.clock.now_ms(), &mut answer::Build)
     }
 
-    /// As `lookup`, the descriptor given to `sink`, which may write it out under the
+    /// As `lookup`, leased from `now` (a batch's keys share one reading of the clock:
+    /// taken before the first lookup, it ends no lease later than a reading of each
+    /// would), the descriptor given to `sink`, which may write it out under the
     /// shard's lock rather than build it.
     fn lookup_into<S: answer::DescSink>(
         &self,
         key: &str,
         load: bool,
+        now: u64,
         sink: &mut S,
     ) -> KeyResult<S::Out> {
         check_key(key)?;
-        let now = self.clock.now_ms();
         let ttl = self.config.lease_ttl.as_millis() as u64;
         let mut map = self.shard(key).locked();
         let slot = map.objects.slot(key).ok_or(Code::ObjectNotFound)?;

@@ -209,12 +209,9 @@ impl ReplicaCache {
         })
     }
 
-    /// Keeps a freshly granted descriptor.
-    pub fn insert(&self, key: &str, leased: &Leased) {
-        self.insert_at(key, leased, Instant::now());
-    }
-
-    fn insert_at(&self, key: &str, leased: &Leased, now: Instant) {
+    /// Keeps a freshly granted descriptor, as of `now` (a batch's answers share one
+    /// reading of the clock).
+    pub fn insert(&self, key: &str, leased: &Leased, now: Instant) {
         let usable_until = leased.lease_ends - margin(leased.desc.lease_ms);
         if usable_until <= now {
             return;
@@ -312,7 +309,7 @@ mod tests {
     fn an_entry_is_served_only_within_its_lease_less_the_margin() {
         let c = ReplicaCache::default();
         let asked = Instant::now();
-        c.insert("k", &Leased::granted(desc(8000), asked));
+        c.insert("k", &Leased::granted(desc(8000), asked), asked);
         let hit = c.get("k", asked).expect("fresh entry");
         assert!(hit.cached);
         assert_eq!(hit.lease_ends, asked + Duration::from_millis(8000));
@@ -325,11 +322,15 @@ mod tests {
     #[test]
     fn an_already_expired_grant_is_not_kept_and_drops_forget() {
         let c = ReplicaCache::default();
-        c.insert("old", &Leased::granted(desc(0), Instant::now()));
+        c.insert(
+            "old",
+            &Leased::granted(desc(0), Instant::now()),
+            Instant::now(),
+        );
         assert_eq!(c.len(), 0);
         let now = Instant::now();
-        c.insert("a", &Leased::granted(desc(10_000), now));
-        c.insert("b", &Leased::granted(desc(10_000), now));
+        c.insert("a", &Leased::granted(desc(10_000), now), now);
+        c.insert("b", &Leased::granted(desc(10_000), now), now);
         c.drop_keys(["a"]);
         assert!(c.get("a", now).is_none());
         assert!(c.get("b", now).is_some());
@@ -341,7 +342,7 @@ mod tests {
     fn a_full_cache_lets_the_oldest_go_one_at_a_time() {
         let c = ReplicaCache::with_capacity(100);
         let now = Instant::now();
-        let keep = |k: &str| c.insert(k, &Leased::granted(desc(60_000), now));
+        let keep = |k: &str| c.insert(k, &Leased::granted(desc(60_000), now), now);
         for i in 0..100 {
             keep(&format!("k{i}"));
         }
@@ -379,11 +380,11 @@ mod tests {
         };
         assert_eq!(sizes(), (0, 0));
         let now = Instant::now();
-        c.insert("k0", &Leased::granted(desc(60_000), now));
+        c.insert("k0", &Leased::granted(desc(60_000), now), now);
         let sized = sizes();
         assert!(sized.0 * 3 >= 1000 * 4 && sized.1 >= 1000, "{sized:?}");
         for i in 1..3000 {
-            c.insert(&format!("k{i}"), &Leased::granted(desc(60_000), now));
+            c.insert(&format!("k{i}"), &Leased::granted(desc(60_000), now), now);
         }
         assert_eq!(sizes(), sized);
         assert_eq!(c.len(), 1000);
@@ -396,10 +397,10 @@ mod tests {
         // 12 s leases: usable for 11 s (margin 1 s).
         for i in 0..10 {
             let at = t0 + Duration::from_millis(i);
-            c.insert_at(&format!("old{i}"), &Leased::granted(desc(12_000), at), at);
+            c.insert(&format!("old{i}"), &Leased::granted(desc(12_000), at), at);
         }
         let later = t0 + Duration::from_millis(11_005);
-        c.insert_at("new", &Leased::granted(desc(12_000), later), later);
+        c.insert("new", &Leased::granted(desc(12_000), later), later);
         // The six whose room ended by now are gone; the four after them stay.
         assert_eq!(c.len(), 5);
         assert!(c.get("old6", later).is_some() && c.get("old5", later).is_none());
@@ -410,17 +411,17 @@ mod tests {
         let c = ReplicaCache::with_capacity(100);
         let t0 = Instant::now();
         for i in 0..100 {
-            c.insert_at(&format!("k{i}"), &Leased::granted(desc(8_000), t0), t0);
+            c.insert(&format!("k{i}"), &Leased::granted(desc(8_000), t0), t0);
         }
         let later = t0 + Duration::from_secs(60);
         assert!(
             c.get("k5", later).is_none(),
             "expired entries are never served"
         );
-        c.insert_at("new", &Leased::granted(desc(8_000), later), later);
+        c.insert("new", &Leased::granted(desc(8_000), later), later);
         assert_eq!(c.len(), 100 - EXPIRED_PER_INSERT + 1);
         for i in 0..20 {
-            c.insert_at(
+            c.insert(
                 &format!("n{i}"),
                 &Leased::granted(desc(8_000), later),
                 later,
@@ -433,7 +434,7 @@ mod tests {
     fn keys_sharing_a_tag_are_told_apart_by_their_keys() {
         let c = ReplicaCache::default();
         let now = Instant::now();
-        c.insert("b", &Leased::granted(desc(50_000), now));
+        c.insert("b", &Leased::granted(desc(50_000), now), now);
         {
             // As if "b" had the tag of "a": it takes a's home bucket, a goes after it.
             let mut inner = c.lock();
@@ -443,12 +444,12 @@ mod tests {
             inner.ring[slot as usize].as_mut().unwrap().tag = ta;
             inner.index.insert(ta, slot);
         }
-        c.insert("a", &Leased::granted(desc(60_000), now));
+        c.insert("a", &Leased::granted(desc(60_000), now), now);
         assert_eq!(c.get("a", now).map(|l| l.desc.lease_ms), Some(60_000));
         c.drop_keys(["a"]);
         assert!(c.get("a", now).is_none());
         assert_eq!(c.len(), 1, "the other key under that tag stays");
-        c.insert("a", &Leased::granted(desc(70_000), now));
+        c.insert("a", &Leased::granted(desc(70_000), now), now);
         assert_eq!(c.get("a", now).map(|l| l.desc.lease_ms), Some(70_000));
         assert_eq!(c.len(), 2);
     }

@@ -202,6 +202,7 @@ impl Client {
             }
             Err(e) => return all_err(keys.len(), e),
         };
+        let answered = Instant::now();
         answer
             .zip(keys)
             .map(|((desc, keepable), k)| {
@@ -212,7 +213,7 @@ impl Client {
                     self.shared.disk_reads.fetch_add(1, Ordering::Relaxed);
                     leased.staged = true;
                 } else if keep {
-                    self.shared.cache.insert(k, &leased);
+                    self.shared.cache.insert(k, &leased, answered);
                 }
                 Ok(leased)
             })
@@ -425,6 +426,8 @@ impl Client {
                 ),
             ));
         }
+        // Read after every transfer ended: a key whose lease ended before is refused.
+        let read = Instant::now();
         for (i, d) in descs.iter().enumerate() {
             let (
                 Ok(Leased {
@@ -437,7 +440,7 @@ impl Client {
             else {
                 continue;
             };
-            if Instant::now() >= *lease_ends {
+            if read >= *lease_ends {
                 results[i] = Err(Error::new(
                     Code::LeaseExpired,
                     format!("read of {} outlived its lease", shown_key(keys[i])),

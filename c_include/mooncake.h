@@ -55,10 +55,10 @@ extern "C" {
  * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
  * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free,
  * revision 10 mc_store_key_array, revision 11 mc_engine_stats and the engine key
- * upstream_protocol.
+ * upstream_protocol, revision 12 mc_store_batch_get_into_packed.
  * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 11
+#define MC_ABI_REVISION 12
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
@@ -557,6 +557,20 @@ int mc_store_batch_exists(mc_store *store, const char *const *keys, size_t n,
  * not UTF-8; which of the two a packing with both faults gives is unspecified. For
  * bindings, whose own loop over the keys costs more than the call. (revision 10) */
 int mc_store_key_array(const char *packed, size_t len, size_t n, const char **out);
+
+/* mc_store_batch_get_into for a batch whose keys come packed as for mc_store_key_array,
+ * when the batch is regular: every key one the store takes, and every buffer (bufs[i],
+ * caps[i] bytes) inside one of the n_allowed [start, end) ranges given as 2 * n_allowed
+ * uint64_t at allowed (a binding passes the memory its user registered). Then as
+ * mc_store_batch_get_into: MC_OK, results[i] the bytes read or a negative error.
+ * Otherwise nothing is read or written, no warning is logged, and the code says why:
+ * mc_store_key_array's codes for the packing, MC_ERR_ADDRESS_NOT_REGISTERED for a
+ * buffer outside the ranges (or NULL); a binding then answers the batch key by key. For
+ * bindings, whose own per-key conversions cost more than the call. (revision 12) */
+int mc_store_batch_get_into_packed(mc_store *store, const char *packed, size_t len,
+                                   size_t n, void *const *bufs, const size_t *caps,
+                                   const uint64_t *allowed, size_t n_allowed,
+                                   int64_t *results);
 
 /* ------------------------------------------------ store, revision 2 */
 

@@ -537,6 +537,100 @@ fn batches_give_per_key_results() {
     );
 }
 
+/// A packed batch whose buffers lie in the allowed ranges reads as the pointer-array
+/// call does, per-key errors included; a packing or a buffer it cannot take leaves every
+/// buffer and result untouched and says why.
+#[test]
+fn packed_batch_reads_only_regular_batches() {
+    quiet_logs();
+    let m = master();
+    let _n = node(&m, 64 * MIB);
+    let s = Store::client_of(&m);
+    let e = s.0;
+    let values: Vec<Vec<u8>> = (0..3).map(|i| value(40 + i, 5000)).collect();
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(s.put(&format!("p{i}"), v), MC_OK);
+    }
+    let mut dst = vec![0u8; 4 * 8192];
+    let base = dst.as_mut_ptr();
+    // SAFETY: inside `dst`.
+    let bufs: Vec<*mut c_void> = (0..4)
+        .map(|i| unsafe { base.add(i * 8192) }.cast())
+        .collect();
+    let mut caps = [8192usize; 4];
+    caps[2] = 100; // too small for p2
+    let allowed = [base as u64, base as u64 + dst.len() as u64];
+    let read = |packed: &[u8], n: usize, bufs: &[*mut c_void], allowed: &[u64]| {
+        let mut got = vec![7i64; n];
+        // SAFETY: live store; arrays of `n`; buffers writable for their capacities.
+        let rc = unsafe {
+            mc_store_batch_get_into_packed(
+                e,
+                packed.as_ptr().cast(),
+                packed.len(),
+                n,
+                bufs.as_ptr(),
+                caps.as_ptr(),
+                allowed.as_ptr(),
+                allowed.len() / 2,
+                got.as_mut_ptr(),
+            )
+        };
+        (rc, got)
+    };
+    let (rc, got) = read(b"p1\0p0\0p2\0missing\0", 4, &bufs, &allowed);
+    assert_eq!(rc, MC_OK);
+    assert_eq!(got, [5000, 5000, OVERFLOW as i64, NOT_FOUND as i64]);
+    assert_eq!(&dst[..5000], &values[1][..]);
+    assert_eq!(&dst[8192..8192 + 5000], &values[0][..]);
+
+    dst.fill(0);
+    let untouched = vec![7i64; 4];
+    for (packed, n, code) in [
+        (&b"p0\0p1\0p2\0"[..], 4, INVALID),   // three keys for four
+        (&b"p0\0\0p1\0p2\0"[..], 4, BAD_KEY), // an empty key
+        (&b"p0\0p1\0p2\0p0"[..], 4, INVALID), // no final NUL
+        (&b"p0\0\xff\0p1\0p2\0"[..], 4, BAD_KEY),
+    ] {
+        assert_eq!(read(packed, n, &bufs, &allowed), (code, untouched.clone()));
+    }
+    let keys = b"p0\0p1\0p2\0p0\0";
+    let not_registered = Code::AddressNotRegistered as c_int;
+    // The last buffer reaches one byte past the allowed range; then none is allowed.
+    let short = [allowed[0], allowed[1] - 1];
+    assert_eq!(
+        read(keys, 4, &bufs, &short),
+        (not_registered, untouched.clone())
+    );
+    assert_eq!(
+        read(keys, 4, &bufs, &[]),
+        (not_registered, untouched.clone())
+    );
+    let mut with_null = bufs.clone();
+    with_null[1] = null_mut();
+    assert_eq!(
+        read(keys, 4, &with_null, &allowed),
+        (not_registered, untouched.clone())
+    );
+    assert!(dst.iter().all(|&b| b == 0), "nothing read");
+    // Two allowed ranges, one buffer in each: regular.
+    let split = [allowed[0], allowed[0] + 8192, allowed[0] + 8192, allowed[1]];
+    assert_eq!(read(keys, 4, &bufs, &split).0, MC_OK);
+    // SAFETY: NULL store; n = 0 needs no arrays.
+    unsafe {
+        let null_s = null_mut();
+        let r = null_mut();
+        assert_eq!(
+            mc_store_batch_get_into_packed(null_s, null(), 0, 0, null(), null(), null(), 0, r),
+            INVALID
+        );
+        assert_eq!(
+            mc_store_batch_get_into_packed(e, null(), 0, 0, null(), null(), null(), 0, r),
+            MC_OK
+        );
+    }
+}
+
 #[test]
 fn one_store_serves_many_threads() {
     quiet_logs();
@@ -608,6 +702,7 @@ fn header_declares_the_store_abi() {
         "mc_store_hostname",
         "mc_store_batch_put_from",
         "mc_store_batch_get_into",
+        "mc_store_batch_get_into_packed",
         "mc_store_batch_exists",
         "mc_put_options_init",
         "mc_store_batch_put_parts",

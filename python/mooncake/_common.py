@@ -84,7 +84,7 @@ def int_list(values, name, lo=0, hi=U64_MAX):
     out = list(values)
     # The common case checked at C speed (a batch call's lists run to thousands): all
     # plain ints, all in range. bool is not int's type, so it takes the loop below.
-    if not out or (set(map(type, out)) == _JUST_INT and lo <= min(out) and max(out) <= hi):
+    if not out or (set(map(type, out)) == JUST_INT and lo <= min(out) and max(out) <= hi):
         return out
     for i, v in enumerate(out):
         # Plain ints in range pass as they are; the rest (numpy integers, errors) go through
@@ -94,13 +94,14 @@ def int_list(values, name, lo=0, hi=U64_MAX):
     return out
 
 
-_JUST_INT = {int}
+# The set of types of a list of plain ints (bool is not one).
+JUST_INT = {int}
 
 
 def u64_array(values):
     """``values`` as an ``array("Q")``, converted at C speed, when it is a non-empty list
     of plain ints in [0, U64_MAX] (bool is not one); None otherwise."""
-    if type(values) is not list or set(map(type, values)) != _JUST_INT:
+    if type(values) is not list or set(map(type, values)) != JUST_INT:
         return None
     try:
         return array.array("Q", values)
@@ -380,24 +381,36 @@ class Registered:
         self.starts = []
         self.ends = {}
         self.lock = threading.Lock()
+        self._pairs = array.array("Q")
+
+    def _changed(self):
+        # Replaced, never changed in place: a call that holds the old array keeps it.
+        self._pairs = array.array("Q", [v for a in self.starts for v in (a, self.ends[a])])
 
     def add(self, addr, size):
         with self.lock:
             if addr not in self.ends:
                 bisect.insort(self.starts, addr)
             self.ends[addr] = addr + size
+            self._changed()
 
     def remove(self, addr):
         with self.lock:
             if self.ends.pop(addr, None) is not None:
                 self.starts.pop(bisect.bisect_left(self.starts, addr))
+                self._changed()
 
     def covers(self, addr, size):
         with self.lock:
             i = bisect.bisect_right(self.starts, addr) - 1
             return i >= 0 and addr + size <= self.ends[self.starts[i]]
 
+    def pairs(self):
+        """The ranges as an ``array("Q")`` of start, end pairs (not to be changed)."""
+        return self._pairs
+
     def clear(self):
         with self.lock:
             self.starts.clear()
             self.ends.clear()
+            self._changed()

@@ -47,7 +47,7 @@ __all__ = [
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 11
+EXPECTED_ABI_REVISION = 12
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -196,6 +196,11 @@ _SIGNATURES = {
     ),
     "mc_store_batch_exists": (c_int, [_P, POINTER(c_char_p), c_size_t, POINTER(c_int)]),
     "mc_store_key_array": (c_int, [c_char_p, c_size_t, c_size_t, POINTER(c_char_p)]),
+    # Arrays passed as addresses (an array.array's buffer_info()[0]).
+    "mc_store_batch_get_into_packed": (
+        c_int,
+        [_P, c_char_p, c_size_t, c_size_t, _P, _P, _P, c_size_t, _P],
+    ),
     # store
     "mc_put_options_init": (None, [POINTER(McPutOptions)]),
     "mc_store_batch_put_parts": (

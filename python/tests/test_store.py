@@ -1,6 +1,8 @@
 """mooncake.store.MooncakeDistributedStore: every method of docs/python.md and the
 semantics of docs/store.md that callers rely on (hostile input: test_hostile.py)."""
 
+import ctypes
+
 import pytest
 
 from fixtures_extra import *  # noqa: F401,F403
@@ -347,6 +349,51 @@ def test_batch_put_from_batch_get_into(st):
         assert dst.read(j * 4096, 4096) == full[i * 4096 : (i + 1) * 4096]
     res = st.batch_get_into([keys[0], unique("missing")], [dst.addr, dst.addr + 4096], [4096, 4096])
     assert res[0] == 4096 and res[1] < 0
+
+
+def test_regular_batch_reads_take_the_packed_call_and_the_rest_answer_as_before(
+        st, monkeypatch):
+    """A regular batch (str keys, int spans in registered memory) is read by one packed
+    library call; anything irregular is refused by it untouched (or never reaches it)
+    and answered key by key as before."""
+    from mooncake import _native as N
+    real = N.LIB.mc_store_batch_get_into_packed
+    codes = []
+
+    def counted(*args):
+        codes.append(real(*args))
+        return codes[-1]
+
+    monkeypatch.setattr(N.LIB, "mc_store_batch_get_into_packed", counted)
+    src = registered(st, 3 * 4096, seed=31)
+    dst = registered(st, 3 * 4096)
+    keys = [unique() for _ in range(3)]
+    assert st.batch_put_from(keys, [src.addr + i * 4096 for i in range(3)], [4096] * 3) == [0] * 3
+    spans = [dst.addr + i * 4096 for i in range(3)]
+    missing = unique("missing")
+    assert st.batch_get_into(keys[::-1], spans, [4096] * 3) == [4096] * 3
+    assert dst.read(0, 4096) == pattern(3 * 4096, 31)[2 * 4096:]
+    got = st.batch_get_into([keys[0], missing, keys[1]], spans, [4096, 4096, 100])
+    assert got[0] == 4096 and got[1] < 0 and got[2] < 0
+    assert codes == [0, 0]
+    # A span outside registered memory: refused by the library, then key by key (the
+    # other keys still read).
+    outside = ctypes.create_string_buffer(4096)
+    got = st.batch_get_into(keys[:2], [dst.addr, ctypes.addressof(outside)], [4096] * 2)
+    assert got[0] == 4096 and got[1] < 0
+    assert codes[2] == N.MC_ERR_ADDRESS_NOT_REGISTERED
+    # A key with a NUL inside or an empty one: refused by the library, failed alone.
+    for bad in ("a\0b", ""):
+        got = st.batch_get_into([keys[0], bad], spans[:2], [4096] * 2)
+        assert got[0] == 4096 and got[1] < 0, bad
+    assert len(codes) == 5 and all(c < 0 for c in codes[3:])
+    # Bytes keys, a bool size, a negative address: never sent packed; as before.
+    assert st.batch_get_into([keys[0].encode(), keys[1]], spans[:2], [4096] * 2) == [4096] * 2
+    with pytest.raises(TypeError):
+        st.batch_get_into(keys[:2], spans[:2], [4096, True])
+    with pytest.raises(ValueError):
+        st.batch_get_into(keys[:2], [dst.addr, -1], [4096] * 2)
+    assert len(codes) == 5
 
 
 def test_a_batch_of_one_answers_as_each_key_of_a_longer_batch(st):

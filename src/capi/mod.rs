@@ -36,7 +36,7 @@ use crate::error::{Code, Result};
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
 /// `MC_ABI_REVISION`: functions added within this ABI version.
-pub const MC_ABI_REVISION: u32 = 11;
+pub const MC_ABI_REVISION: u32 = 12;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 

@@ -251,28 +251,25 @@ pub(super) unsafe fn key<'a>(p: *const c_char) -> Result<&'a str> {
     })
 }
 
-/// Where each of `n` keys starts in `packed`, the keys laid end to end, each followed by
-/// one NUL (the last byte is one): `MC_ERR_INVALID_PARAMS` when `packed` holds another
-/// number of strings, `MC_ERR_INVALID_KEY` when one is empty, longer than
-/// `MC_STORE_MAX_KEY_LEN` or not UTF-8.
-fn key_starts(packed: &[u8], n: usize) -> std::result::Result<Vec<usize>, Code> {
+/// The `n` keys laid end to end in `packed`, each followed by one NUL (the last byte
+/// is one): `MC_ERR_INVALID_PARAMS` when `packed` holds another number of strings,
+/// `MC_ERR_INVALID_KEY` when one is empty, longer than `MC_STORE_MAX_KEY_LEN` or not
+/// UTF-8.
+fn packed_keys(packed: &[u8], n: usize) -> std::result::Result<Vec<&str>, Code> {
     if packed.last().is_some_and(|&b| b != 0) {
         return Err(Code::InvalidParams);
     }
-    let mut starts = Vec::with_capacity(n);
-    let mut at = 0;
+    let mut keys = Vec::with_capacity(n);
     for k in packed.split_inclusive(|&b| b == 0) {
-        let k = &k[..k.len() - 1];
-        if starts.len() == n {
+        if keys.len() == n {
             return Err(Code::InvalidParams);
         }
-        let key = std::str::from_utf8(k).map_err(|_| Code::InvalidKey)?;
+        let key = std::str::from_utf8(&k[..k.len() - 1]).map_err(|_| Code::InvalidKey)?;
         check_key(key)?;
-        starts.push(at);
-        at += k.len() + 1;
+        keys.push(key);
     }
-    if starts.len() == n {
-        Ok(starts)
+    if keys.len() == n {
+        Ok(keys)
     } else {
         Err(Code::InvalidParams)
     }
@@ -304,10 +301,11 @@ pub unsafe extern "C" fn mc_store_key_array(
             (Ok(b), Ok(o)) => (b, o),
             _ => return Code::InvalidParams as c_int,
         };
-        match key_starts(bytes, n) {
-            Ok(starts) => {
-                for (slot, at) in out.iter_mut().zip(starts) {
-                    *slot = bytes[at..].as_ptr().cast::<c_char>();
+        match packed_keys(bytes, n) {
+            Ok(keys) => {
+                // Each key is followed by its NUL inside `bytes`.
+                for (slot, key) in out.iter_mut().zip(keys) {
+                    *slot = key.as_ptr().cast::<c_char>();
                 }
                 MC_OK
             }
@@ -841,14 +839,90 @@ pub unsafe extern "C" fn mc_store_batch_get_into(
             // SAFETY: every buffer left is writable for its capacity during the call.
             unsafe { client.batch_get_into(good, &parts) }
         });
-        for (slot, a) in results.iter_mut().zip(answers) {
-            *slot = match a {
-                Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
-                Err(e) => code_of(&e).into(),
-            };
-        }
+        size_results(results, answers);
         Ok(MC_OK)
     })
+}
+
+/// Reads `n` keys packed as for `mc_store_key_array` into `bufs` (`caps` bytes each), as
+/// `mc_store_batch_get_into` does, when the batch is regular: every key one the store
+/// takes and every buffer inside one of the `n_allowed` `[start, end)` ranges at
+/// `allowed`. Otherwise nothing is read or written and the code says why, so that a
+/// binding answers the batch key by key (with its own checks and messages).
+///
+/// # Safety
+/// `s` a live store; `packed` NULL (only with `len == 0`) or `len` readable bytes;
+/// `bufs`, `caps` and `results` NULL (only with `n == 0`) or arrays of `n`; `allowed`
+/// NULL (only with `n_allowed == 0`) or `2 * n_allowed` u64s; each buffer inside the
+/// allowed ranges writable for its capacity, untouched by others during the call.
+#[no_mangle]
+pub unsafe extern "C" fn mc_store_batch_get_into_packed(
+    s: *mut McStore,
+    packed: *const c_char,
+    len: usize,
+    n: usize,
+    bufs: *const *mut c_void,
+    caps: *const usize,
+    allowed: *const u64,
+    n_allowed: usize,
+    results: *mut i64,
+) -> c_int {
+    store_guard("mc_store_batch_get_into_packed", || {
+        let pairs = n_allowed
+            .checked_mul(2)
+            .ok_or_else(|| Error::invalid("n_allowed is too large"))?;
+        // SAFETY: the caller guarantees a live store and each pointer NULL only with a zero
+        // count or that many readable elements (`results` writable, touched by no one else):
+        // the contracts of `store`, `bytes`, `array` and `array_mut`.
+        let (client, packed, bufs, caps, allowed, results) = unsafe {
+            (
+                store(s)?,
+                args::bytes(packed.cast(), len, "packed")?,
+                array(bufs, n, "bufs")?,
+                array(caps, n, "caps")?,
+                array(allowed, pairs, "allowed")?,
+                array_mut(results, n, "results")?,
+            )
+        };
+        // Irregular batches are answered without a warning: the binding goes key by key.
+        let keys = match packed_keys(packed, n) {
+            Ok(keys) => keys,
+            Err(code) => {
+                log::debug!("mc_store_batch_get_into_packed: packed keys: {code:?}");
+                return Ok(code as c_int);
+            }
+        };
+        let inside = |i: usize| {
+            let (start, size) = (bufs[i] as u64, caps[i] as u64);
+            let end = start.checked_add(size);
+            !bufs[i].is_null()
+                && allowed
+                    .chunks_exact(2)
+                    .any(|r| r[0] <= start && end.is_some_and(|e| e <= r[1]))
+        };
+        if let Some(i) = (0..n).find(|&i| !inside(i)) {
+            log::debug!("mc_store_batch_get_into_packed: buffer {i} is not in an allowed range");
+            return Ok(Code::AddressNotRegistered as c_int);
+        }
+        let parts: Vec<Parts> = (0..n)
+            .map(|i| vec![(bufs[i] as u64, caps[i] as u64)])
+            .collect();
+        // SAFETY: every buffer is inside the allowed ranges, writable for its capacity
+        // during the call (this fn's contract).
+        let answers = unsafe { client.batch_get_into(&keys, &parts) };
+        size_results(results, answers);
+        Ok(MC_OK)
+    })
+}
+
+/// Writes per-key sizes or codes into `results`.
+pub(super) fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
+    for (slot, a) in results.iter_mut().zip(answers) {
+        *slot = match a {
+            Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
+            Err(e) => code_of(&e).into(),
+        };
+    }
 }
 
 /// Per key 1 (stored), 0 (not) or a negative code in `results`.
@@ -895,20 +969,23 @@ mod tests {
 
     #[test]
     fn packed_keys_point_at_each_key_or_at_nothing() {
-        assert_eq!(key_starts(b"a\0bc\0d\0", 3), Ok(vec![0, 2, 5]));
-        assert_eq!(key_starts(b"", 0), Ok(vec![]));
+        assert_eq!(packed_keys(b"a\0bc\0d\0", 3), Ok(vec!["a", "bc", "d"]));
+        assert_eq!(packed_keys(b"", 0), Ok(vec![]));
         // Another count, or a key not ended by NUL: the caller packed something else.
-        assert_eq!(key_starts(b"a\0b\0", 1), Err(Code::InvalidParams));
-        assert_eq!(key_starts(b"a\0b\0", 3), Err(Code::InvalidParams));
-        assert_eq!(key_starts(b"a\0b", 2), Err(Code::InvalidParams));
-        assert_eq!(key_starts(b"a\0", 0), Err(Code::InvalidParams));
+        assert_eq!(packed_keys(b"a\0b\0", 1), Err(Code::InvalidParams));
+        assert_eq!(packed_keys(b"a\0b\0", 3), Err(Code::InvalidParams));
+        assert_eq!(packed_keys(b"a\0b", 2), Err(Code::InvalidParams));
+        assert_eq!(packed_keys(b"a\0", 0), Err(Code::InvalidParams));
         // Keys the store refuses.
-        assert_eq!(key_starts(b"a\0\0", 2), Err(Code::InvalidKey));
-        assert_eq!(key_starts(b"\xff\0", 1), Err(Code::InvalidKey));
+        assert_eq!(packed_keys(b"a\0\0", 2), Err(Code::InvalidKey));
+        assert_eq!(packed_keys(b"\xff\0", 1), Err(Code::InvalidKey));
         let long = [vec![b'k'; MAX_KEY_LEN + 1], vec![0]].concat();
-        assert_eq!(key_starts(&long, 1), Err(Code::InvalidKey));
+        assert_eq!(packed_keys(&long, 1), Err(Code::InvalidKey));
         let longest = [vec![b'k'; MAX_KEY_LEN], vec![0]].concat();
-        assert_eq!(key_starts(&longest, 1), Ok(vec![0]));
+        assert_eq!(
+            packed_keys(&longest, 1),
+            Ok(vec![&"k".repeat(MAX_KEY_LEN)[..]])
+        );
 
         let packed = b"one\0two\0";
         let mut out = [std::ptr::null::<c_char>(); 2];

@@ -5,7 +5,9 @@ use std::ffi::{c_char, c_int, c_void};
 use std::ops::Range;
 
 use super::args::{answer_text, array, array_mut, c_str, non_null};
-use super::store::{batch_keys, code_of, key, replicate_config, scatter, store, store_guard};
+use super::store::{
+    batch_keys, code_of, key, replicate_config, scatter, size_results, store, store_guard,
+};
 use super::{McReplicateConfig, McStore, MC_OK};
 use crate::error::{Error, Result};
 use crate::json::Value;
@@ -286,16 +288,6 @@ pub unsafe extern "C" fn mc_store_batch_put_parts(
         done_results(results, answers);
         Ok(MC_OK)
     })
-}
-
-/// Writes per-key sizes or codes into `results`.
-fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
-    for (slot, a) in results.iter_mut().zip(answers) {
-        *slot = match a {
-            Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
-            Err(e) => code_of(&e).into(),
-        };
-    }
 }
 
 /// Reads `n` keys into runs of buffers; per key the object's size or a negative code.

@@ -190,8 +190,11 @@ pub type Parts = Vec<(u64, u64)>;
 /// length)` each.
 pub type Fragments = Vec<(u64, u64, u64)>;
 
+/// Fragments as a read or write plans them: most objects are one part, kept in place.
+pub(super) type FragmentList = crate::util::SmallList<(u64, u64, u64)>;
+
 /// Parts laid end to end from the object's first byte.
-pub(super) fn fragments(parts: &Parts) -> Fragments {
+pub(super) fn fragments(parts: &[(u64, u64)]) -> FragmentList {
     let mut off = 0;
     parts
         .iter()
@@ -529,7 +532,7 @@ impl Client {
                 Err(code) => Err(Error::new(*code, format!("put {}", shown_key(keys[i])))),
             });
         }
-        let frags: Vec<Fragments> = parts.iter().map(fragments).collect();
+        let frags: Vec<FragmentList> = parts.iter().map(|p| fragments(p)).collect();
         let outcome = self.move_replicas(Op::Write, &plan, &frags, None, &notes);
         let mut ends = Vec::new();
         let mut revokes = Vec::new();
@@ -594,11 +597,11 @@ impl Client {
     /// Per key: None if not in the plan, else whether every replica of it moved (and
     /// its notes landed). With `checksums` (reads of whole objects), each key's bytes
     /// are folded into its entry as they land (see `run_checksummed`).
-    fn move_replicas(
+    fn move_replicas<F: std::ops::Deref<Target = [(u64, u64, u64)]>>(
         &self,
         op: Op,
         plan: &[(usize, &ReplicaDesc)],
-        frags: &[Fragments],
+        frags: &[F],
         checksums: Option<&mut [Option<u32>]>,
         notes: &[(usize, NoteWrite)],
     ) -> Vec<Option<Result<()>>> {
@@ -608,11 +611,8 @@ impl Client {
         for (i, rep) in plan {
             let mut off = 0;
             for piece in &rep.pieces {
-                match scatter(&self.engine, op, &frags[*i], off, piece) {
-                    Ok(rs) => {
-                        owner.extend(std::iter::repeat_n(*i, rs.len()));
-                        reqs.extend(rs);
-                    }
+                match scatter(&self.engine, op, &frags[*i], off, piece, &mut reqs) {
+                    Ok(n) => owner.extend(std::iter::repeat_n(*i, n)),
                     Err(e) => outcome[*i] = Some(Err(e)),
                 }
                 off += piece.len;
@@ -913,17 +913,18 @@ impl Drop for Client {
     }
 }
 
-/// Engine requests moving the value bytes `[off, off+piece.len)` that `frags`
-/// cover.
+/// Appends to `out` the engine requests moving the value bytes `[off, off+piece.len)`
+/// that `frags` cover; how many (none appended on error).
 pub(super) fn scatter(
     engine: &Engine,
     op: Op,
-    frags: &Fragments,
+    frags: &[(u64, u64, u64)],
     off: u64,
     piece: &Piece,
-) -> Result<Vec<crate::engine::Request>> {
+    out: &mut Vec<crate::engine::Request>,
+) -> Result<usize> {
     let segment = engine.open_segment(&piece.segment)?;
-    let mut out = Vec::new();
+    let before = out.len();
     for &(start, addr, len) in frags {
         let lo = off.max(start);
         let hi = (off + piece.len).min(start + len);
@@ -937,7 +938,7 @@ pub(super) fn scatter(
             });
         }
     }
-    Ok(out)
+    Ok(out.len() - before)
 }
 
 /// Runs requests as one batch; a result per request.

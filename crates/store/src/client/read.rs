@@ -7,11 +7,12 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{all_err, fragments, one, Client, Fragments, Parts};
+use super::{all_err, fragments, one, Client, FragmentList, Fragments, Parts};
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, ObjectDesc, ReplicaDesc, Request, Response};
 use crate::replica_cache::Leased;
 use crate::transport::Op;
+use crate::util::SmallList;
 
 /// What a read fills: whole objects, or byte ranges of them.
 pub(super) enum ReadInto<'a> {
@@ -346,13 +347,15 @@ impl Client {
         into: &ReadInto,
     ) -> Vec<Result<u64>> {
         let mut results: Vec<Result<u64>> = Vec::with_capacity(keys.len());
-        let mut choices: Vec<Vec<&ReplicaDesc>> = Vec::with_capacity(keys.len());
-        let frags: Vec<Fragments> = match into {
-            ReadInto::Whole(parts) => parts.iter().map(fragments).collect(),
-            ReadInto::Ranges(ranges) => ranges.to_vec(),
+        let mut choices: Vec<SmallList<&ReplicaDesc>> = Vec::with_capacity(keys.len());
+        let frags: Vec<FragmentList> = match into {
+            ReadInto::Whole(parts) => parts.iter().map(|p| fragments(p)).collect(),
+            ReadInto::Ranges(ranges) => {
+                ranges.iter().map(|r| r.iter().copied().collect()).collect()
+            }
         };
         for (i, d) in descs.iter().enumerate() {
-            choices.push(Vec::new());
+            choices.push(SmallList::new());
             results.push(match d {
                 Err(e) => Err(e.clone()),
                 Ok(Leased { desc: d, .. }) => match Self::fits(keys[i], d.size, &frags[i], into) {
@@ -360,7 +363,7 @@ impl Client {
                         // One replica leaves nothing to rank (ranking looks descriptors up).
                         choices[i] = match d.replicas.len() {
                             0 | 1 => d.replicas.iter().collect(),
-                            _ => self.preference(&d.replicas),
+                            _ => self.preference(&d.replicas).into(),
                         };
                         Ok(n)
                     }
@@ -489,7 +492,12 @@ impl Client {
     }
 
     /// The bytes a read of a `size`-byte object into `frags` gives, or why it cannot.
-    pub(super) fn fits(key: &str, size: u64, frags: &Fragments, into: &ReadInto) -> Result<u64> {
+    pub(super) fn fits(
+        key: &str,
+        size: u64,
+        frags: &[(u64, u64, u64)],
+        into: &ReadInto,
+    ) -> Result<u64> {
         match into {
             ReadInto::Whole(_) => {
                 let room: u64 = frags.iter().map(|f| f.2).sum();

@@ -337,7 +337,7 @@ impl Client {
             return Ok(crc);
         }
         let mut bytes = vec![0u8; size as usize];
-        let frags = vec![fragments(&vec![(bytes.as_mut_ptr() as u64, size)])];
+        let frags = [fragments(&[(bytes.as_mut_ptr() as u64, size)])];
         let mut last = Error::new(Code::InvalidReplica, "no replica to read back");
         for replica in replicas {
             let plan = [(0, replica)];

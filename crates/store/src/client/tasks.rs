@@ -348,7 +348,7 @@ fn replica_requests(
     let mut reqs = Vec::new();
     let mut off = 0;
     for piece in &replica.pieces {
-        reqs.extend(scatter(engine, op, frags, off, piece)?);
+        scatter(engine, op, frags, off, piece, &mut reqs)?;
         off += piece.len;
     }
     Ok(reqs)

@@ -188,11 +188,8 @@ impl MasterSession {
                 let mut off = 0;
                 let mut ok = true;
                 for piece in &target.pieces {
-                    match scatter(&self.engine, Op::Write, &frags, off, piece) {
-                        Ok(rs) => {
-                            owner.extend(std::iter::repeat_n(moving.len(), rs.len()));
-                            reqs.extend(rs);
-                        }
+                    match scatter(&self.engine, Op::Write, &frags, off, piece, &mut reqs) {
+                        Ok(n) => owner.extend(std::iter::repeat_n(moving.len(), n)),
                         Err(_) => ok = false,
                     }
                     off += piece.len;

@@ -68,6 +68,15 @@ impl SlotIndex {
         }
     }
 
+    /// Asks for the home bucket of `tag` to be brought into the cache (see
+    /// `util::prefetch`): a batch asks for all its keys' before it finds any.
+    pub fn prefetch(&self, tag: u32) {
+        if !self.buckets.is_empty() {
+            let home = tag as usize & (self.buckets.len() - 1);
+            crate::util::prefetch::prefetch_read(self.buckets[home..].as_ptr());
+        }
+    }
+
     /// Adds `slot` under `tag`, growing first when the index would pass 3/4 full.
     pub fn insert(&mut self, tag: u32, slot: u32) {
         if (self.len + 1) * 4 > self.buckets.len() * 3 {

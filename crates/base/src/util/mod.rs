@@ -6,6 +6,7 @@ pub mod hex;
 pub mod hmac;
 pub mod id_hash;
 pub mod percentile;
+pub mod prefetch;
 pub mod ratelimit;
 pub mod regex;
 pub mod sha256;

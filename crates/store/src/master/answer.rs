@@ -9,11 +9,12 @@ use std::net::IpAddr;
 use super::eviction::tail_first_each;
 use super::metrics;
 use super::replicas::Replicas;
-use super::Master;
+use super::{Located, Master};
 use crate::codec::Writer;
 use crate::error::{Code, Result};
 use crate::protocol::{
-    encode_desc, encode_failed, encode_found, KeyResult, KeyedAnswers, ObjectDesc, Request,
+    check_key, encode_desc, encode_failed, encode_found, KeyResult, KeyedAnswers, ObjectDesc,
+    Request,
 };
 
 /// Where a lookup's descriptor goes.
@@ -74,12 +75,13 @@ impl Master {
         &self,
         key: &str,
         now: u64,
+        at: Option<Located>,
         sink: &mut S,
     ) -> (KeyResult<S::Out>, bool) {
-        match self.lookup_into(key, false, now, sink) {
+        match self.lookup_into(key, false, now, at, sink) {
             // Only on disk (or unfinished): a copy staged for this reader is not
             // kept, so that each read of it still counts here.
-            Err(Code::ReplicaIsNotReady) => (self.lookup_into(key, true, now, sink), false),
+            Err(Code::ReplicaIsNotReady) => (self.lookup_into(key, true, now, at, sink), false),
             other => (other, true),
         }
     }
@@ -109,16 +111,18 @@ impl Master {
     ) -> Result<usize> {
         match req {
             Request::GetReplicas { keys } => {
+                let at = self.locate_all(&keys);
                 let now = self.clock.now_ms();
                 self.lookups_into(keys.len(), w, |i, found| {
-                    self.lookup_into(&keys[i], true, now, found)
+                    self.lookup_into(&keys[i], true, now, at[i], found)
                 })
             }
             Request::GetReplicasKeepable { keys } => {
+                let at = self.locate_all(&keys);
                 let now = self.clock.now_ms();
                 let mut keepable = vec![true; keys.len()];
                 let failed = self.lookups_into(keys.len(), w, |i, found| {
-                    let (looked, keep) = self.lookup_keepable(&keys[i], now, found);
+                    let (looked, keep) = self.lookup_keepable(&keys[i], now, at[i], found);
                     keepable[i] = keep;
                     looked
                 })?;
@@ -142,6 +146,15 @@ impl Master {
                 Ok(metrics::failed_keys(&answer))
             }
         }
+    }
+
+    /// Where each of a batch's keys goes (`locate`); none for a key not to be looked
+    /// up, or for a batch of one (nothing to overlap its miss with).
+    fn locate_all(&self, keys: &[String]) -> Vec<Option<Located>> {
+        let overlap = keys.len() > 1;
+        keys.iter()
+            .map(|k| (overlap && check_key(k).is_ok()).then(|| self.locate(k)))
+            .collect()
     }
 
     /// The list of a batch's answers, key `i`'s from `lookup(i)`, looked up tail first

@@ -107,6 +107,13 @@ struct ClientState {
     last_ping_ms: u64,
 }
 
+/// Where a key's lookup goes: its shard, and its tag in that shard's table.
+#[derive(Clone, Copy)]
+pub(super) struct Located {
+    shard: usize,
+    tag: u32,
+}
+
 /// The store master: object metadata, leases, placement and eviction.
 pub struct Master {
     config: MasterConfig,
@@ -257,7 +264,20 @@ impl Master {
     }
 
     fn shard(&self, key: &str) -> &Mutex<Shard> {
-        &self.shards[(Self::key_hash(key) % self.shards.len() as u64) as usize]
+        &self.shards[self.shard_of(key)]
+    }
+
+    fn shard_of(&self, key: &str) -> usize {
+        (Self::key_hash(key) % self.shards.len() as u64) as usize
+    }
+
+    /// Where `key`'s lookup goes, its index bucket asked into the cache on the way: a
+    /// batch locates every key before it looks any up, so that their cache misses
+    /// overlap rather than come one lookup after another.
+    pub(super) fn locate(&self, key: &str) -> Located {
+        let shard = self.shard_of(key);
+        let tag = self.shards[shard].locked().objects.prefetch(key);
+        Located { shard, tag }
     }
 
     fn next_seed(&self) -> u64 {
@@ -390,7 +410,7 @@ impl Master {
             Request::GetReplicasKeepable { keys } => {
                 let now = self.clock.now_ms();
                 let answers = eviction::tail_first(&keys, |k| {
-                    self.lookup_keepable(k, now, &mut answer::Build)
+                    self.lookup_keepable(k, now, None, &mut answer::Build)
                 });
                 let (descs, keepable): (Vec<_>, _) = answers.into_iter().unzip();
                 self.unless_recovering(descs.iter().any(|d| d.is_err()))?;
@@ -951,24 +971,37 @@ impl Master {
     /// An object's descriptor, leased; one kept only on disk is read back into memory
     /// first when `load` allows.
     fn lookup(&self, key: &str, load: bool) -> KeyResult<ObjectDesc> {
-        self.lookup_into(key, load, self.clock.now_ms(), &mut answer::Build)
+        self.lookup_into(key, load, self.clock.now_ms(), None, &mut answer::Build)
     }
 
     /// As `lookup`, leased from `now` (a batch's keys share one reading of the clock:
     /// taken before the first lookup, it ends no lease later than a reading of each
     /// would), the descriptor given to `sink`, which may write it out under the
-    /// shard's lock rather than build it.
+    /// shard's lock rather than build it; `at`, when given, is where `locate` found the
+    /// key's place.
     fn lookup_into<S: answer::DescSink>(
         &self,
         key: &str,
         load: bool,
         now: u64,
+        at: Option<Located>,
         sink: &mut S,
     ) -> KeyResult<S::Out> {
         check_key(key)?;
         let ttl = self.config.lease_ttl.as_millis() as u64;
-        let mut map = self.shard(key).locked();
-        let slot = map.objects.slot(key).ok_or(Code::ObjectNotFound)?;
+        let (mut map, slot) = match at {
+            Some(at) => {
+                let map = self.shards[at.shard].locked();
+                let slot = map.objects.slot_tagged(key, at.tag);
+                (map, slot)
+            }
+            None => {
+                let map = self.shard(key).locked();
+                let slot = map.objects.slot(key);
+                (map, slot)
+            }
+        };
+        let slot = slot.ok_or(Code::ObjectNotFound)?;
         let o = map.objects.at_mut(slot).ok_or(Code::ObjectNotFound)?;
         if !o.complete {
             return Err(Code::ReplicaIsNotReady);

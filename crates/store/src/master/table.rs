@@ -179,6 +179,13 @@ impl Table {
         self.index.len()
     }
 
+    /// The index tag of `key`, its home bucket asked into the cache.
+    pub fn prefetch(&self, key: &str) -> u32 {
+        let tag = self.tag(key);
+        self.index.prefetch(tag);
+        tag
+    }
+
     fn tag(&self, key: &str) -> u32 {
         (self.hasher.hash_one(key) >> 32) as u32
     }
@@ -194,7 +201,11 @@ impl Table {
 
     /// The index bucket of `key`, and its arena slot.
     fn find(&self, key: &str) -> Option<(usize, u32)> {
-        let tag = self.tag(key);
+        self.find_tagged(key, self.tag(key))
+    }
+
+    /// As `find`, `tag` being `key`'s (from `prefetch`).
+    fn find_tagged(&self, key: &str, tag: u32) -> Option<(usize, u32)> {
         self.index
             .find(tag, |slot| self.key_bytes_of(slot) == key.as_bytes())
     }
@@ -202,6 +213,11 @@ impl Table {
     /// The arena slot of `key`.
     pub fn slot(&self, key: &str) -> Option<u32> {
         self.find(key).map(|(_, slot)| slot)
+    }
+
+    /// The arena slot of `key`, `tag` being its tag here (from `prefetch`).
+    pub fn slot_tagged(&self, key: &str, tag: u32) -> Option<u32> {
+        self.find_tagged(key, tag).map(|(_, slot)| slot)
     }
 
     /// The object in arena slot `slot`, if any.
@@ -552,6 +568,30 @@ mod tests {
         let slot = t.slot("k");
         assert_eq!(t.insert("k", object(3)).map(|o| o.size), Some(2));
         assert_eq!((size_of(&t, "k"), t.slot("k"), t.len()), (Some(3), slot, 2));
+    }
+
+    /// A tag taken by `prefetch` finds what `slot` finds, also after the index grew and
+    /// after the table emptied and started again (the hasher stays).
+    #[test]
+    fn a_prefetched_tag_finds_the_key_through_growth_and_reset() {
+        let mut t = Table::default();
+        t.insert("k", object(1));
+        let tag = t.prefetch("k");
+        assert_eq!(t.slot_tagged("k", tag), t.slot("k"));
+        assert_eq!(t.slot_tagged("absent", t.prefetch("absent")), None);
+        for i in 0..1000 {
+            t.insert(&format!("more/{i}"), object(i));
+        }
+        assert_eq!(t.slot_tagged("k", tag), t.slot("k"));
+        assert!(t.slot("k").is_some());
+        for i in 0..1000 {
+            t.remove(&format!("more/{i}"));
+        }
+        t.remove("k");
+        assert_eq!(t.len(), 0);
+        t.insert("k", object(2));
+        assert_eq!(t.slot_tagged("k", tag), t.slot("k"));
+        assert_eq!(size_of(&t, "k"), Some(2));
     }
 
     #[test]

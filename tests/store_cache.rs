@@ -158,6 +158,41 @@ fn an_expired_lease_is_never_kept() {
     }
 }
 
+/// A read into one span per key (what the packed C call makes) keeps descriptors and,
+/// when a kept one's bytes turn out wrong, drops it and asks the master again, as a read
+/// into parts does.
+#[test]
+fn a_span_read_asks_again_for_a_wrong_kept_descriptor() {
+    let s = server(10_000);
+    let node = client(&s, 16 * MIB);
+    let reader = client(&s, 0);
+    let other = client(&s, 0);
+    let cfg = ReplicateConfig::default();
+    other.put("k", &value(2, 8192), &cfg).unwrap();
+    let mut buf = vec![0u8; 2 * 8192];
+    let spans = [
+        (buf.as_mut_ptr() as u64, 8192),
+        (buf.as_mut_ptr() as u64 + 8192, 8192),
+    ];
+    // SAFETY: `buf` outlives each call and nothing else touches it meanwhile.
+    let read = || unsafe { reader.batch_get_into_spans(&["k", "absent"], &spans) };
+    let got = read();
+    assert_eq!(got[0].as_ref().ok(), Some(&8192));
+    assert_eq!(got[1].as_ref().unwrap_err().code(), Code::ObjectNotFound);
+    assert_eq!(&buf[..8192], &value(2, 8192)[..]);
+    assert_eq!(reader.cached_descriptors(), 1);
+    let (_, _, replicas) = s.master().query("k").unwrap();
+    let old = replicas[0].pieces[0].clone();
+    other.remove("k", true).unwrap();
+    other.put("k", &value(3, 8192), &cfg).unwrap();
+    scribble(&node, &old.segment, old.addr, 64);
+    assert_eq!(read()[0].as_ref().ok(), Some(&8192));
+    assert_eq!(&buf[..8192], &value(3, 8192)[..]);
+    // SAFETY: as above.
+    let short = unsafe { reader.batch_get_into_spans(&["k"], &spans) };
+    assert_eq!(short[0].as_ref().unwrap_err().code(), Code::InvalidParams);
+}
+
 #[test]
 fn a_dead_node_sends_kept_reads_to_another_replica() {
     let s = server(10_000);

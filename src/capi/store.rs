@@ -832,12 +832,12 @@ pub unsafe extern "C" fn mc_store_batch_get_into(
         // SAFETY: each key is NULL or NUL-terminated.
         let checked = unsafe { batch_keys(keys, |i| bufs[i].is_null()) };
         let answers = scatter(checked, |good, index| {
-            let parts: Vec<Parts> = index
+            let spans: Vec<(u64, u64)> = index
                 .iter()
-                .map(|&i| vec![(bufs[i] as u64, caps[i] as u64)])
+                .map(|&i| (bufs[i] as u64, caps[i] as u64))
                 .collect();
             // SAFETY: every buffer left is writable for its capacity during the call.
-            unsafe { client.batch_get_into(good, &parts) }
+            unsafe { client.batch_get_into_spans(good, &spans) }
         });
         size_results(results, answers);
         Ok(MC_OK)
@@ -904,12 +904,10 @@ pub unsafe extern "C" fn mc_store_batch_get_into_packed(
             log::debug!("mc_store_batch_get_into_packed: buffer {i} is not in an allowed range");
             return Ok(Code::AddressNotRegistered as c_int);
         }
-        let parts: Vec<Parts> = (0..n)
-            .map(|i| vec![(bufs[i] as u64, caps[i] as u64)])
-            .collect();
+        let spans: Vec<(u64, u64)> = (0..n).map(|i| (bufs[i] as u64, caps[i] as u64)).collect();
         // SAFETY: every buffer is inside the allowed ranges, writable for its capacity
         // during the call (this fn's contract).
-        let answers = unsafe { client.batch_get_into(&keys, &parts) };
+        let answers = unsafe { client.batch_get_into_spans(&keys, &spans) };
         size_results(results, answers);
         Ok(MC_OK)
     })

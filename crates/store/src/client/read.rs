@@ -14,9 +14,11 @@ use crate::replica_cache::Leased;
 use crate::transport::Op;
 use crate::util::SmallList;
 
-/// What a read fills: whole objects, or byte ranges of them.
+/// What a read fills: whole objects (into parts, or into one span each), or byte
+/// ranges of them.
 pub(super) enum ReadInto<'a> {
     Whole(&'a [Parts]),
+    Spans(&'a [(u64, u64)]),
     Ranges(&'a [Fragments]),
 }
 
@@ -255,6 +257,11 @@ impl Client {
                     // SAFETY: a subset of the caller's parts, under the same contract.
                     unsafe { self.read_fresh(&again, ReadInto::Whole(&sub)) }
                 }
+                ReadInto::Spans(spans) => {
+                    let sub: Vec<(u64, u64)> = retry.iter().map(|&i| spans[i]).collect();
+                    // SAFETY: a subset of the caller's spans, under the same contract.
+                    unsafe { self.read_fresh(&again, ReadInto::Spans(&sub)) }
+                }
                 ReadInto::Ranges(ranges) => {
                     let sub: Vec<Fragments> = retry.iter().map(|&i| ranges[i].clone()).collect();
                     // SAFETY: a subset of the caller's ranges, under the same contract.
@@ -318,6 +325,26 @@ impl Client {
         unsafe { self.read_leased(keys, ReadInto::Whole(parts)) }
     }
 
+    /// As [`batch_get_into`](Self::batch_get_into), key `i` into the one buffer
+    /// `spans[i]` (address, length).
+    ///
+    /// # Safety
+    /// As `batch_get_into`, for each span.
+    pub unsafe fn batch_get_into_spans(
+        &self,
+        keys: &[&str],
+        spans: &[(u64, u64)],
+    ) -> Vec<Result<u64>> {
+        if keys.len() != spans.len() {
+            return all_err(
+                keys.len(),
+                Error::invalid("keys and buffers differ in count"),
+            );
+        }
+        // SAFETY: the caller's contract, passed on unchanged.
+        unsafe { self.read_leased(keys, ReadInto::Spans(spans)) }
+    }
+
     /// Reads byte ranges of several keys: per key, `(object offset, local address,
     /// length)` ranges; per key the bytes read or an error (`INVALID_PARAMS` for a range
     /// past the object's end). Ranges are not checked against the object's checksum,
@@ -350,6 +377,7 @@ impl Client {
         let mut choices: Vec<SmallList<&ReplicaDesc>> = Vec::with_capacity(keys.len());
         let frags: Vec<FragmentList> = match into {
             ReadInto::Whole(parts) => parts.iter().map(|p| fragments(p)).collect(),
+            ReadInto::Spans(spans) => spans.iter().map(|&s| fragments(&[s])).collect(),
             ReadInto::Ranges(ranges) => {
                 ranges.iter().map(|r| r.iter().copied().collect()).collect()
             }
@@ -372,7 +400,8 @@ impl Client {
             });
         }
         // Whole objects are checked against their checksum, folded during the read.
-        let verify = matches!(into, ReadInto::Whole(_)) && self.config.verify_checksum;
+        let whole = matches!(into, ReadInto::Whole(_) | ReadInto::Spans(_));
+        let verify = whole && self.config.verify_checksum;
         let mut crcs = vec![Some(0u32); if verify { keys.len() } else { 0 }];
         // Try each key's best replica; on failure its next one, and so on.
         let mut last_err: HashMap<usize, Error> = HashMap::new();
@@ -499,7 +528,7 @@ impl Client {
         into: &ReadInto,
     ) -> Result<u64> {
         match into {
-            ReadInto::Whole(_) => {
+            ReadInto::Whole(_) | ReadInto::Spans(_) => {
                 let room: u64 = frags.iter().map(|f| f.2).sum();
                 if room < size {
                     return Err(Error::new(

@@ -608,10 +608,20 @@ impl Client {
         let mut outcome: Vec<Option<Result<()>>> = vec![None; frags.len()];
         let mut reqs = Vec::new();
         let mut owner = Vec::new();
+        let mut segments = SegmentIds::default();
         for (i, rep) in plan {
             let mut off = 0;
             for piece in &rep.pieces {
-                match scatter(&self.engine, op, &frags[*i], off, piece, &mut reqs) {
+                let frags = &frags[*i];
+                match scatter(
+                    &mut segments,
+                    &self.engine,
+                    op,
+                    frags,
+                    off,
+                    piece,
+                    &mut reqs,
+                ) {
                     Ok(n) => owner.extend(std::iter::repeat_n(*i, n)),
                     Err(e) => outcome[*i] = Some(Err(e)),
                 }
@@ -913,9 +923,30 @@ impl Drop for Client {
     }
 }
 
+/// The engine's handles of the segments a plan names, the last one remembered: a
+/// batch's pieces mostly name one segment (one shared string per answer), and opening
+/// it by name hashes the name under a lock each time.
+#[derive(Default)]
+pub(super) struct SegmentIds(Option<(Arc<str>, crate::engine::SegmentId)>);
+
+impl SegmentIds {
+    /// The handle of segment `name`, opened when it is not the last one asked for.
+    fn of(&mut self, engine: &Engine, name: &Arc<str>) -> Result<crate::engine::SegmentId> {
+        if let Some((last, id)) = &self.0 {
+            if Arc::ptr_eq(last, name) || **last == **name {
+                return Ok(*id);
+            }
+        }
+        let id = engine.open_segment(name)?;
+        self.0 = Some((name.clone(), id));
+        Ok(id)
+    }
+}
+
 /// Appends to `out` the engine requests moving the value bytes `[off, off+piece.len)`
 /// that `frags` cover; how many (none appended on error).
 pub(super) fn scatter(
+    segments: &mut SegmentIds,
     engine: &Engine,
     op: Op,
     frags: &[(u64, u64, u64)],
@@ -923,7 +954,7 @@ pub(super) fn scatter(
     piece: &Piece,
     out: &mut Vec<crate::engine::Request>,
 ) -> Result<usize> {
-    let segment = engine.open_segment(&piece.segment)?;
+    let segment = segments.of(engine, &piece.segment)?;
     let before = out.len();
     for &(start, addr, len) in frags {
         let lo = off.max(start);

@@ -16,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{run_batch, scatter, Client, Fragments, MasterSession};
+use super::{run_batch, scatter, Client, Fragments, MasterSession, SegmentIds};
 use crate::engine::Engine;
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, CopyPlan, ReplicaDesc, Request, Response};
@@ -347,8 +347,9 @@ fn replica_requests(
 ) -> Result<Vec<crate::engine::Request>> {
     let mut reqs = Vec::new();
     let mut off = 0;
+    let mut segments = SegmentIds::default();
     for piece in &replica.pieces {
-        scatter(engine, op, frags, off, piece, &mut reqs)?;
+        scatter(&mut segments, engine, op, frags, off, piece, &mut reqs)?;
         off += piece.len;
     }
     Ok(reqs)

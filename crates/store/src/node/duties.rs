@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::client::{fragments, run_batch, scatter, MasterSession, Parts};
+use crate::client::{fragments, run_batch, scatter, MasterSession, Parts, SegmentIds};
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, CatalogEntry, Request, Response, SegmentInfo};
 use crate::transport::Op;
@@ -165,6 +165,7 @@ impl MasterSession {
             let mut reqs = Vec::new();
             let mut owner = Vec::new();
             let mut moving = Vec::new();
+            let mut segments = SegmentIds::default();
             for (entry, place) in chunk.iter().zip(places) {
                 let target = match place {
                     Ok(t) if t.is_empty() => {
@@ -188,7 +189,16 @@ impl MasterSession {
                 let mut off = 0;
                 let mut ok = true;
                 for piece in &target.pieces {
-                    match scatter(&self.engine, Op::Write, &frags, off, piece, &mut reqs) {
+                    let engine = &self.engine;
+                    match scatter(
+                        &mut segments,
+                        engine,
+                        Op::Write,
+                        &frags,
+                        off,
+                        piece,
+                        &mut reqs,
+                    ) {
                         Ok(n) => owner.extend(std::iter::repeat_n(moving.len(), n)),
                         Err(_) => ok = false,
                     }

@@ -55,7 +55,8 @@ extern "C" {
  * mc_pg_refresh and the store calls marked "(revision 7)", revision 8
  * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free,
  * revision 10 mc_store_key_array, revision 11 mc_engine_stats and the engine key
- * upstream_protocol, revision 12 mc_store_batch_get_into_packed.
+ * upstream_protocol, revision 12 mc_store_batch_get_into_packed and the engine stats
+ * key own_copies.
  * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
 #define MC_ABI_REVISION 12
@@ -363,7 +364,8 @@ int mc_segment_describe(mc_engine *engine, uint64_t segment, char *buf, size_t l
  * per transport ("local_bytes", "shm_bytes", "rdma_bytes", "fabric_bytes",
  * "tcp_bytes"), "retries", "failed_slices", "worker_handoffs", "worker_wakeups",
  * "inline_transfers" (synchronous transfers the caller ran itself), "own_copies" (of
- * those, the ones within the engine's own memory, copied with no slice planned),
+ * those, the ones within the engine's own memory, copied with no slice planned;
+ * revision 12),
  * "protocol_fallbacks", "tcp_sends", and "protocol", the protocol it runs. needed_out
  * and overflow as for mc_segment_describe. (revision 11) */
 int mc_engine_stats(mc_engine *engine, char *buf, size_t len, size_t *needed_out);
@@ -562,7 +564,8 @@ int mc_store_key_array(const char *packed, size_t len, size_t n, const char **ou
  * when the batch is regular: every key one the store takes, and every buffer (bufs[i],
  * caps[i] bytes) inside one of the n_allowed [start, end) ranges given as 2 * n_allowed
  * uint64_t at allowed (a binding passes the memory its user registered). Then as
- * mc_store_batch_get_into: MC_OK, results[i] the bytes read or a negative error.
+ * mc_store_batch_get_into: MC_OK, results[i] the bytes read or a negative error (the
+ * buffers must not overlap one another).
  * Otherwise nothing is read or written, no warning is logged, and the code says why:
  * mc_store_key_array's codes for the packing, MC_ERR_ADDRESS_NOT_REGISTERED for a
  * buffer outside the ranges (or NULL); a binding then answers the batch key by key. For

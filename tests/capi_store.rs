@@ -613,7 +613,13 @@ fn packed_batch_reads_only_regular_batches() {
         (not_registered, untouched.clone())
     );
     assert!(dst.iter().all(|&b| b == 0), "nothing read");
-    // Two allowed ranges, one buffer in each: regular.
+    // A buffer across two adjacent allowed ranges lies in neither.
+    let across = [allowed[0], allowed[0] + 4096, allowed[0] + 4096, allowed[1]];
+    assert_eq!(
+        read(keys, 4, &bufs, &across),
+        (not_registered, untouched.clone())
+    );
+    // Two allowed ranges, each buffer inside one: regular.
     let split = [allowed[0], allowed[0] + 8192, allowed[0] + 8192, allowed[1]];
     assert_eq!(read(keys, 4, &bufs, &split).0, MC_OK);
     // SAFETY: NULL store; n = 0 needs no arrays.

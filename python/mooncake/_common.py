@@ -384,8 +384,9 @@ class Registered:
         self._pairs = array.array("Q")
 
     def _changed(self):
-        # Replaced, never changed in place: a call that holds the old array keeps it.
-        self._pairs = array.array("Q", [v for a in self.starts for v in (a, self.ends[a])])
+        # Built again at the next pairs() (a thousand registrations in a row rebuild
+        # nothing), and replaced, never changed in place: a call holding it keeps it.
+        self._pairs = None
 
     def add(self, addr, size):
         with self.lock:
@@ -406,8 +407,14 @@ class Registered:
             return i >= 0 and addr + size <= self.ends[self.starts[i]]
 
     def pairs(self):
-        """The ranges as an ``array("Q")`` of start, end pairs (not to be changed)."""
-        return self._pairs
+        """The ranges as an ``array("Q")`` of start, end pairs in address order (not to
+        be changed)."""
+        pairs = self._pairs
+        if pairs is None:
+            with self.lock:
+                pairs = array.array("Q", [v for a in self.starts for v in (a, self.ends[a])])
+                self._pairs = pairs
+        return pairs
 
     def clear(self):
         with self.lock:

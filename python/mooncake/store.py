@@ -1275,11 +1275,11 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             packed = ("\0".join(keys) + "\0").encode()
             addrs = array.array("Q", buffer_ptrs)
             lens = array.array("Q", sizes)
+            # array("Q") takes a bool as 0 or 1, the careful path refuses it. (A bool
+            # address lies outside registered memory, which the library refuses.)
+            if min(sizes) < 2 and set(map(type, sizes)) != JUST_INT:
+                return None
         except (TypeError, ValueError, OverflowError):
-            return None
-        # array("Q") takes a bool as 0 or 1, the careful path refuses it. (A bool
-        # address lies outside registered memory, which the library refuses.)
-        if min(sizes) < 2 and set(map(type, sizes)) != JUST_INT:
             return None
         allowed = self._registered.pairs()
         if self._engine is not None:

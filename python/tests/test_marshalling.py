@@ -151,3 +151,19 @@ def test_a_plain_batch_is_built_at_c_speed_only_when_the_checks_would_pass():
         assert store._plain_batch(keys, addrs, sizes) is None, (keys, addrs, sizes)
     store._store = None
     assert store._plain_batch(["a", "b"], [4096, 4200], [10, 10]) is None
+
+
+def test_registered_pairs_follow_every_change_in_address_order():
+    r = Registered()
+    assert list(r.pairs()) == []
+    r.add(8192, 100)
+    r.add(4096, 10)
+    first = r.pairs()
+    assert list(first) == [4096, 4106, 8192, 8292]
+    assert r.pairs() is first, "built once until the next change"
+    r.add(4096, 20)  # registered again, larger
+    r.remove(8192)
+    assert list(r.pairs()) == [4096, 4116]
+    assert list(first) == [4096, 4106, 8192, 8292], "a caller's array is never changed"
+    r.clear()
+    assert list(r.pairs()) == []

@@ -259,7 +259,8 @@ fn packed_keys(packed: &[u8], n: usize) -> std::result::Result<Vec<&str>, Code> 
     if packed.last().is_some_and(|&b| b != 0) {
         return Err(Code::InvalidParams);
     }
-    let mut keys = Vec::with_capacity(n);
+    // Each key takes two bytes at least: a forged `n` allocates nothing beyond `packed`.
+    let mut keys = Vec::with_capacity(n.min(packed.len() / 2));
     for k in packed.split_inclusive(|&b| b == 0) {
         if keys.len() == n {
             return Err(Code::InvalidParams);
@@ -892,17 +893,27 @@ pub unsafe extern "C" fn mc_store_batch_get_into_packed(
                 return Ok(code as c_int);
             }
         };
-        let inside = |i: usize| {
-            let (start, size) = (bufs[i] as u64, caps[i] as u64);
-            let end = start.checked_add(size);
-            !bufs[i].is_null()
-                && allowed
-                    .chunks_exact(2)
-                    .any(|r| r[0] <= start && end.is_some_and(|e| e <= r[1]))
+        let span = |i: usize| {
+            let start = bufs[i] as u64;
+            (!bufs[i].is_null())
+                .then(|| Some((start, start.checked_add(caps[i] as u64)?)))
+                .flatten()
         };
-        if let Some(i) = (0..n).find(|&i| !inside(i)) {
-            log::debug!("mc_store_batch_get_into_packed: buffer {i} is not in an allowed range");
-            return Ok(Code::AddressNotRegistered as c_int);
+        let covered = |(start, end): (u64, u64)| {
+            allowed
+                .chunks_exact(2)
+                .any(|r| r[0] <= start && end <= r[1])
+        };
+        // The usual batch lies in one registered buffer: one look at the spans'
+        // envelope, else one per span (a batch over many buffers).
+        let envelope = (0..n).try_fold((u64::MAX, 0u64), |(lo, hi), i| {
+            span(i).map(|(s, e)| (lo.min(s), hi.max(e)))
+        });
+        if n > 0 && !envelope.is_some_and(covered) {
+            if let Some(i) = (0..n).find(|&i| !span(i).is_some_and(covered)) {
+                log::debug!("mc_store_batch_get_into_packed: buffer {i} is outside the ranges");
+                return Ok(Code::AddressNotRegistered as c_int);
+            }
         }
         let spans: Vec<(u64, u64)> = (0..n).map(|i| (bufs[i] as u64, caps[i] as u64)).collect();
         // SAFETY: every buffer is inside the allowed ranges, writable for its capacity

@@ -1099,14 +1099,21 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         rc = N.LIB.mc_store_batch_get_into(self._store, c_keys, c_bufs, c_caps, n, c_res)
         return c_res[:n] if rc == N.MC_OK else [rc] * n
 
+    def _plain_lists(self, keys, buffer_ptrs, sizes):
+        """The length of a batch call's three lists when they are plain lists of one
+        length on a store set up (what the fast paths take); 0 for anything else."""
+        if (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
+                and len(keys) == len(buffer_ptrs) == len(sizes) and self._store):
+            return len(keys)
+        return 0
+
     def _plain_batch(self, keys, buffer_ptrs, sizes):
         """(n, keys, addresses, sizes) as C arrays, built at C speed, for a batch of two or
         more str keys the store takes and plain int spans all inside registered memory
         (what engines pass); None for anything else, which the general path answers with
         the same results, errors and logs. Its per-element checks cost more than the
         call itself for a batch of small values."""
-        if not (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
-                and 1 < len(keys) == len(buffer_ptrs) == len(sizes) and self._store):
+        if self._plain_lists(keys, buffer_ptrs, sizes) < 2:
             return None
         addrs, lens = u64_array(buffer_ptrs), u64_array(sizes)
         if addrs is None or lens is None:
@@ -1250,8 +1257,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         span inside registered memory, so it skips the list checks (an engine's batch
         is often one key); None for anything else, which the general path answers (the
         same results, errors and logs)."""
-        if not (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
-                and len(keys) == len(buffer_ptrs) == len(sizes) == 1 and self._store):
+        if self._plain_lists(keys, buffer_ptrs, sizes) != 1:
             return None
         key, addr, n = keys[0], buffer_ptrs[0], sizes[0]
         if type(key) not in _KEY_TYPES or type(addr) is not int or type(n) is not int \
@@ -1268,8 +1274,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         converted at C speed and checked by the library; None for anything else, which
         the careful path answers with the same results, errors and logs. For a batch of
         small values the careful path's per-element work costs more than the read."""
-        if not (type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list
-                and 1 < len(keys) == len(buffer_ptrs) == len(sizes) and self._store):
+        if self._plain_lists(keys, buffer_ptrs, sizes) < 2:
             return None
         try:
             packed = ("\0".join(keys) + "\0").encode()

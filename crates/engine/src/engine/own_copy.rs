@@ -8,11 +8,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::batch::{Batch, TaskState};
+use super::worker::landed_crc;
 use super::{Engine, Request, INLINE_MAX_BYTES};
 use crate::error::Result;
 use crate::transport::local::copy_own_host;
 use crate::transport::{Kind, Op, Peer};
-use crate::util::crc32c::crc32c;
 
 impl Engine {
     /// Moves `requests` into `batch` (a batch of their own) when each is a copy
@@ -68,12 +68,8 @@ impl Engine {
             if checksum {
                 // A read whose ends overlap was copied without folding: checksum what
                 // landed.
-                let crc = folded.unwrap_or_else(|| {
-                    // SAFETY: the caller's buffer, just written, valid for `len` bytes.
-                    let landed =
-                        unsafe { std::slice::from_raw_parts(r.local as *const u8, r.len as usize) };
-                    crc32c(landed)
-                });
+                // SAFETY: the caller's buffer, just written, valid for `len` bytes.
+                let crc = folded.unwrap_or_else(|| unsafe { landed_crc(r.local, r.len) });
                 batch.slice_checksum(first + i, r.remote, r.len, crc);
             }
             self.counters.bytes[Kind::Local as usize].fetch_add(r.len, Ordering::Relaxed);

@@ -522,18 +522,26 @@ impl Worker {
 fn record_checksum(entry: &InFlight, folded: Option<u32>) {
     let s = &entry.slice;
     let crc = folded.or_else(|| {
-        s.local_kind.is_host().then(|| {
-            // SAFETY: a completed read into host memory (the caller's buffer, valid
-            // until its task is final, which it is not before `slice_finished`; or
-            // the bounce this entry holds).
-            let landed =
-                unsafe { std::slice::from_raw_parts(s.local as *const u8, s.len as usize) };
-            crc32c(landed)
-        })
+        // SAFETY: a completed read into host memory (the caller's buffer, valid until
+        // its task is final, which it is not before `slice_finished`; or the bounce
+        // this entry holds).
+        s.local_kind
+            .is_host()
+            .then(|| unsafe { landed_crc(s.local, s.len) })
     });
     if let Some(crc) = crc {
         entry.batch.slice_checksum(entry.task, s.remote, s.len, crc);
     }
+}
+
+/// The CRC32C of `len` bytes a read just landed at `local` (for a copy that could not
+/// fold it on the way: its two ends overlapped, or its transport folds none).
+///
+/// # Safety
+/// `local` must be readable for `len` bytes.
+pub(super) unsafe fn landed_crc(local: u64, len: u64) -> u32 {
+    // SAFETY: the caller's contract.
+    crc32c(unsafe { std::slice::from_raw_parts(local as *const u8, len as usize) })
 }
 
 /// The most preferred transport (the first in `transports`) that reaches the slice's

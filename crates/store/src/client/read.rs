@@ -22,6 +22,14 @@ pub(super) enum ReadInto<'a> {
     Ranges(&'a [Fragments]),
 }
 
+impl ReadInto<'_> {
+    /// Whether whole objects are read (checked against their checksum, and fitting
+    /// their buffers), not ranges of them.
+    fn is_whole(&self) -> bool {
+        !matches!(self, ReadInto::Ranges(_))
+    }
+}
+
 /// `size` zeroed bytes, or None when this process cannot have them: the size is the
 /// master's word, and a key whose value does not fit fails (`INVALID_PARAMS`) rather
 /// than the process aborting. Zeroed by the allocator, so a large buffer's pages are
@@ -400,8 +408,7 @@ impl Client {
             });
         }
         // Whole objects are checked against their checksum, folded during the read.
-        let whole = matches!(into, ReadInto::Whole(_) | ReadInto::Spans(_));
-        let verify = whole && self.config.verify_checksum;
+        let verify = into.is_whole() && self.config.verify_checksum;
         let mut crcs = vec![Some(0u32); if verify { keys.len() } else { 0 }];
         // Try each key's best replica; on failure its next one, and so on.
         let mut last_err: HashMap<usize, Error> = HashMap::new();

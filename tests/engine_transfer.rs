@@ -212,6 +212,49 @@ fn own_segment_batches_are_copied_by_the_caller() {
     unsafe { e.transfer_sync(&[write]) }.unwrap();
     assert_eq!(&target.buf[1 << 19..][..4096], &fresh[..]);
     assert_eq!(e.stats().own_copies, after.own_copies + 2);
+
+    // Ranges in two buffers, one after the other in either order: each buffer is
+    // pinned once and every range lands; a range beginning in one buffer and
+    // ending past it is refused, however the buffers lie.
+    let second = Registered::new(&e, pattern(9, 1 << 16));
+    let mut two = vec![0u8; 4 * 4096];
+    let sources = [
+        (&second, 0usize),
+        (&target, 4096),
+        (&second, 8192),
+        (&target, 0),
+    ];
+    let reqs: Vec<Request> = sources
+        .iter()
+        .enumerate()
+        .map(|(i, (buf, at))| Request {
+            op: Op::Read,
+            local: two.as_mut_ptr() as u64 + i as u64 * 4096,
+            segment: seg,
+            remote: buf.addr() + *at as u64,
+            len: 4096,
+        })
+        .collect();
+    // SAFETY: `two` outlives the call.
+    let got = unsafe { e.read_checksummed(&reqs) }.unwrap();
+    for (i, (buf, at)) in sources.iter().enumerate() {
+        let want = &buf.buf[*at..][..4096];
+        assert_eq!(&two[i * 4096..][..4096], want, "request {i}");
+        assert_eq!(
+            got[i],
+            (TaskState::Completed, Some(crc32c(want))),
+            "request {i}"
+        );
+    }
+    assert_eq!(e.stats().own_copies, after.own_copies + 3);
+    let straddling = Request {
+        remote: second.addr() + (1 << 16) - 8,
+        len: 16,
+        ..reqs[0]
+    };
+    // SAFETY: as above (refused before anything moves).
+    let refused = unsafe { e.read_checksummed(&[reqs[0], straddling]) };
+    assert_eq!(refused.unwrap_err().code(), Code::AddressNotRegistered);
 }
 
 #[test]

@@ -125,6 +125,12 @@ impl RangeGuard {
         self.addr as usize as *mut u8
     }
 
+    /// Whether `[addr, +len)` lies inside the buffer this guard pins (which stays
+    /// registered, all of it, while the guard lives).
+    pub fn buffer_holds(&self, addr: u64, len: u64) -> bool {
+        self.region.contains(addr, len)
+    }
+
     /// Whether the buffer is being unregistered: a transfer stalled on this range
     /// should give up, since unregistration waits for it.
     pub fn is_revoked(&self) -> bool {

@@ -935,6 +935,14 @@ impl Engine {
         &self,
         requests: &[Request],
     ) -> Result<Vec<(TaskState, Option<u32>)>> {
+        if requests.len() <= MAX_BATCH_TASKS {
+            let mut copied = Vec::with_capacity(requests.len());
+            let landed = |_, crc| copied.push((TaskState::Completed, crc));
+            // SAFETY: this fn's contract is `copy_own`'s.
+            if unsafe { self.copy_own(requests, true, landed) } {
+                return Ok(copied);
+            }
+        }
         // SAFETY: this fn's contract is `run_sync`'s.
         let batch = unsafe { self.run_sync(Batch::checksummed(requests.len()), requests) }?;
         Ok((0..requests.len())
@@ -963,9 +971,10 @@ impl Engine {
         if requests.is_empty() {
             return Ok(batch);
         }
+        // (A checksummed batch's caller tried the direct copy already.)
         // SAFETY: this fn's contract.
-        if let Some(copied) = unsafe { self.copy_own(&batch, requests) } {
-            return copied.map(|()| batch);
+        if !batch.wants_checksums() && unsafe { self.copy_own(requests, false, |_, _| {}) } {
+            return own_copy::mark_copied(&batch, requests).map(|()| batch);
         }
         // One clock read serves the deadlines and the inline poll loop.
         let now = std::time::Instant::now();

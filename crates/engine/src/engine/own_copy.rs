@@ -11,14 +11,17 @@ use super::batch::{Batch, TaskState};
 use super::worker::landed_crc;
 use super::{Engine, Request, INLINE_MAX_BYTES};
 use crate::error::Result;
+use crate::registry::RangeGuard;
 use crate::transport::local::copy_own_host;
 use crate::transport::{Kind, Op, Peer};
+use crate::util::SmallList;
 
 impl Engine {
-    /// Moves `requests` into `batch` (a batch of their own) when each is a copy
-    /// between the caller's host memory and this engine's own registered host memory,
-    /// the range pinned for the copy as the local transport pins it. `None`, with
-    /// nothing reserved or moved, when any request is not such a copy or would be
+    /// Copies `requests` on the calling thread when each is a copy between the
+    /// caller's host memory and this engine's own registered host memory, each buffer
+    /// pinned for the copy as the local transport pins it; `landed(i, crc)` is told
+    /// each request's CRC32C in order when `checksum` (None otherwise). False, with
+    /// nothing pinned or moved, when any request is not such a copy or would be
     /// refused: the poll loop then takes them all (and says why it refuses one). Large
     /// transfers also go there when several workers can share their slices.
     ///
@@ -27,56 +30,68 @@ impl Engine {
     /// call returns.
     pub(super) unsafe fn copy_own(
         &self,
-        batch: &Batch,
         requests: &[Request],
-    ) -> Option<Result<()>> {
-        let checksum = batch.wants_checksums();
+        checksum: bool,
+        mut landed: impl FnMut(usize, Option<u32>),
+    ) -> bool {
         if self.memory.has_device() || (checksum && requests.iter().any(|r| r.op != Op::Read)) {
-            return None;
+            return false;
         }
         let bytes = requests.iter().fold(0u64, |n, r| n.saturating_add(r.len));
         if bytes > INLINE_MAX_BYTES && self.workers.len() > 1 {
-            return None;
+            return false;
         }
         let mut own: Option<Arc<Peer>> = None;
-        let mut pinned = Vec::with_capacity(requests.len());
+        // One pin per registered buffer: a batch's ranges mostly share one.
+        let mut pins: SmallList<RangeGuard> = SmallList::new();
         for r in requests {
             if r.local == 0 || r.local.checked_add(r.len).is_none() {
-                return None;
+                return false;
             }
             if own.as_ref().is_none_or(|p| p.id != r.segment) {
-                let peer = self.segments.get(r.segment).ok()?;
+                let Ok(peer) = self.segments.get(r.segment) else {
+                    return false;
+                };
                 if peer.name != self.name || peer.is_disabled(Kind::Local) {
-                    return None;
+                    return false;
                 }
                 own = Some(peer);
             }
-            // Refuses zero lengths and ranges outside one registered buffer.
-            let target = self.memory.guard(r.remote, r.len).ok()?;
-            if !target.device().is_host() {
-                return None;
+            if r.len == 0 {
+                return false; // as `guard` refuses it
             }
-            pinned.push(target);
-        }
-        let first = match batch.reserve(&vec![1; requests.len()], bytes) {
-            Ok(first) => first,
-            Err(e) => return Some(Err(e)),
-        };
-        for (i, (r, target)) in requests.iter().zip(&pinned).enumerate() {
-            // SAFETY: the local range is the caller's promise; `target` pins the other.
-            let folded = unsafe { copy_own_host(target, r.op, r.local, checksum) };
-            if checksum {
-                // A read whose ends overlap was copied without folding: checksum what
-                // landed.
-                // SAFETY: the caller's buffer, just written, valid for `len` bytes.
-                let crc = folded.unwrap_or_else(|| unsafe { landed_crc(r.local, r.len) });
-                batch.slice_checksum(first + i, r.remote, r.len, crc);
+            if pins.iter().any(|p| p.buffer_holds(r.remote, r.len)) {
+                continue;
             }
-            self.counters.bytes[Kind::Local as usize].fetch_add(r.len, Ordering::Relaxed);
-            batch.slice_finished(first + i, r.len, TaskState::Completed);
+            // Refuses ranges outside one registered buffer.
+            match self.memory.guard(r.remote, r.len) {
+                Ok(pin) if pin.device().is_host() => pins.push(pin),
+                _ => return false,
+            }
         }
+        for (i, r) in requests.iter().enumerate() {
+            // SAFETY: the local range is the caller's promise; a pin holds the other.
+            let folded = unsafe { copy_own_host(r.remote, r.len, r.op, r.local, checksum) };
+            // A read whose ends overlap was copied without folding: checksum what landed.
+            // SAFETY: the caller's buffer, just written, valid for `len` bytes.
+            let crc =
+                checksum.then(|| folded.unwrap_or_else(|| unsafe { landed_crc(r.local, r.len) }));
+            landed(i, crc);
+        }
+        drop(pins);
+        self.counters.bytes[Kind::Local as usize].fetch_add(bytes, Ordering::Relaxed);
         self.counters.inline_runs.fetch_add(1, Ordering::Relaxed);
         self.counters.own_copies.fetch_add(1, Ordering::Relaxed);
-        Some(Ok(()))
+        true
     }
+}
+
+/// Records in `batch` (a batch of their own) that `requests` were copied whole.
+pub(super) fn mark_copied(batch: &Batch, requests: &[Request]) -> Result<()> {
+    let bytes = requests.iter().fold(0u64, |n, r| n.saturating_add(r.len));
+    let first = batch.reserve(&vec![1; requests.len()], bytes)?;
+    for (i, r) in requests.iter().enumerate() {
+        batch.slice_finished(first + i, r.len, TaskState::Completed);
+    }
+    Ok(())
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::{copy_host, Finished, Kind, Op, Outcome, Slice, Transport, TransportWorker};
 use crate::error::Result;
 use crate::metadata::SegmentDesc;
-use crate::registry::{LocalMemory, RangeGuard};
+use crate::registry::LocalMemory;
 
 /// Writes from this size on have their destination faulted in first (one call per
 /// write; a smaller one would pay the call for little).
@@ -80,7 +80,15 @@ impl TransportWorker for LocalWorker {
             Ok(target) => {
                 // SAFETY: the local side is the caller's buffer, valid for `len` bytes
                 // by the submit contract.
-                crc = unsafe { copy_own_host(&target, slice.op, slice.local, slice.checksum) };
+                crc = unsafe {
+                    copy_own_host(
+                        target.addr(),
+                        target.len(),
+                        slice.op,
+                        slice.local,
+                        slice.checksum,
+                    )
+                };
                 Outcome::Done
             }
             Err(e) => Outcome::Rejected(e.to_string()),
@@ -93,32 +101,33 @@ impl TransportWorker for LocalWorker {
     }
 }
 
-/// Moves `target.len()` bytes between the caller's host memory at `local` and
-/// `target`, a pinned host range of this engine's own registered memory, as `op`
-/// says: the local transport's copy, which the engine also runs directly for its own
+/// Moves `len` bytes between the caller's host memory at `local` and `[remote,
+/// +len)`, a pinned host range of this engine's own registered memory, as `op` says: the local transport's copy, which the engine also runs directly for its own
 /// segment. A large write faults its destination in first; a checksummed read whose
 /// ends do not overlap returns its CRC32C, folded during the copy.
 ///
 /// # Safety
-/// `local` must be valid for `target.len()` bytes (written by a read) during the call.
+/// `local` must be valid for `len` bytes (written by a read) during the call, and
+/// a guard must pin the registered buffer holding `[remote, +len)`.
 pub(crate) unsafe fn copy_own_host(
-    target: &RangeGuard,
+    remote: u64,
+    len: u64,
     op: Op,
     local: u64,
     checksum: bool,
 ) -> Option<u32> {
-    let len = target.len();
+    let remote = remote as usize as *mut u8;
     let (src, dst) = match op {
-        Op::Read => (target.ptr() as *const u8, local as *mut u8),
-        Op::Write => (local as *const u8, target.ptr()),
+        Op::Read => (remote as *const u8, local as *mut u8),
+        Op::Write => (local as *const u8, remote),
     };
     if op == Op::Write && len >= POPULATE_FROM {
         // A store node writes its fresh segment page by page: fault the range in with
         // one call rather than a fault per 4 KiB page.
-        // SAFETY: `target` pins the registered range, writable by us.
+        // SAFETY: the caller's pin holds the registered range, writable by us.
         unsafe { crate::sys::populate_for_write(dst, len as usize) };
     }
-    // SAFETY: the registered side is pinned by `target`; the local side is the
+    // SAFETY: the registered side is pinned by the caller's guard; the local side is the
     // caller's promise. `copy_host` tolerates a request whose two ends overlap.
     unsafe { copy_host(op, len, checksum, src, dst) }
 }

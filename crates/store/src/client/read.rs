@@ -158,16 +158,12 @@ impl Client {
     /// master in one round trip (and kept for next time).
     fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
         let caching = self.caching();
-        let now = Instant::now();
-        let mut out: Vec<Option<Result<Leased>>> = keys
-            .iter()
-            .map(|k| {
-                caching
-                    .then(|| self.shared.cache.get(k, now))
-                    .flatten()
-                    .map(Ok)
-            })
-            .collect();
+        let mut out: Vec<Option<Result<Leased>>> = if caching {
+            let kept = self.shared.cache.get_many(keys, Instant::now());
+            kept.into_iter().map(|l| l.map(Ok)).collect()
+        } else {
+            keys.iter().map(|_| None).collect()
+        };
         let missing: Vec<&str> = keys
             .iter()
             .zip(&out)

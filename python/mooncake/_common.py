@@ -109,6 +109,20 @@ def u64_array(values):
         return None
 
 
+def repeated_u64(values):
+    """A non-empty list whose elements all equal its first, a plain int in [2, U64_MAX]
+    (one size for every key, as engines pass it), as an ``array("Q")``; None for any
+    other. Checked at C speed: ``count`` finds the equal elements, and the sum's type
+    rules out floats and the other numbers that compare equal to an int. (An element
+    that only equals it, such as an ``IntEnum`` member, passes, as ``array("Q")`` takes
+    it.)"""
+    first = values[0] if values else None
+    if (type(first) is not int or not 2 <= first <= U64_MAX
+            or values.count(first) != len(values) or type(sum(values)) is not int):
+        return None
+    return array.array("Q", (first,)) * len(values)
+
+
 def str_list(values, name):
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a list of str, got {type(values).__name__}")

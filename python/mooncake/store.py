@@ -41,6 +41,7 @@ from ._common import (
     lengths_match,
     metadata_connection,
     new_config,
+    repeated_u64,
     split_host_port,
     start_native,
     store_client_ports,
@@ -1279,11 +1280,14 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         try:
             packed = ("\0".join(keys) + "\0").encode()
             addrs = array.array("Q", buffer_ptrs)
-            lens = array.array("Q", sizes)
-            # array("Q") takes a bool as 0 or 1, the careful path refuses it. (A bool
-            # address lies outside registered memory, which the library refuses.)
-            if min(sizes) < 2 and set(map(type, sizes)) != JUST_INT:
-                return None
+            lens = repeated_u64(sizes)
+            if lens is None:
+                lens = array.array("Q", sizes)
+                # array("Q") takes a bool as 0 or 1, the careful path refuses it. (A
+                # bool address lies outside registered memory, which the library
+                # refuses.)
+                if min(sizes) < 2 and set(map(type, sizes)) != JUST_INT:
+                    return None
         except (TypeError, ValueError, OverflowError):
             return None
         allowed = self._registered.pairs()

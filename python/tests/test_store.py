@@ -2,6 +2,8 @@
 semantics of docs/store.md that callers rely on (hostile input: test_hostile.py)."""
 
 import ctypes
+import decimal
+import fractions
 
 import pytest
 
@@ -394,6 +396,25 @@ def test_regular_batch_reads_take_the_packed_call_and_the_rest_answer_as_before(
     with pytest.raises(ValueError):
         st.batch_get_into(keys[:2], [dst.addr, -1], [4096] * 2)
     assert len(codes) == 5
+    # A float size equal to the others' is no int: refused as before, not sent packed.
+    with pytest.raises(TypeError):
+        st.batch_get_into(keys[:2], spans[:2], [4096, 4096.0])
+    assert len(codes) == 5
+    # One size built per key (equal, distinct objects) is packed as one repeated.
+    sizes = [int(str(4096)) for _ in range(3)]
+    assert st.batch_get_into(keys, spans, sizes) == [4096] * 3
+    assert codes[5:] == [0]
+
+
+def test_one_size_for_every_key_is_recognised_at_c_speed_and_nothing_else():
+    from mooncake._common import repeated_u64
+    assert list(repeated_u64([4096] * 3)) == [4096] * 3
+    assert list(repeated_u64([int(str(4096)) for _ in range(2)])) == [4096] * 2
+    assert list(repeated_u64([(1 << 64) - 1] * 2)) == [(1 << 64) - 1] * 2
+    for other in ([], [4096, 4095], [4096, 4096.0], [4096.0, 4096], [1, True], [True] * 2,
+                  [0] * 2, [1 << 64] * 2, [-4096] * 2, ["4096"] * 2,
+                  [4096, decimal.Decimal(4096)], [4096, fractions.Fraction(4096)]):
+        assert repeated_u64(other) is None, other
 
 
 def test_a_batch_of_one_answers_as_each_key_of_a_longer_batch(st):

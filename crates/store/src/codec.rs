@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::util::SmallList;
 
 /// Builds a store RPC payload (little-endian, length-prefixed strings and lists).
 #[derive(Default)]
@@ -104,6 +105,33 @@ impl Writer {
     }
 }
 
+/// What a [`Reader`] reads a list into: room made for its length (checked against
+/// the payload first), then each item put.
+pub trait Collection<T> {
+    /// An empty collection with room for `n` items.
+    fn with_room(n: usize) -> Self;
+    /// Appends `item`.
+    fn put(&mut self, item: T);
+}
+
+impl<T> Collection<T> for Vec<T> {
+    fn with_room(n: usize) -> Self {
+        Vec::with_capacity(n)
+    }
+    fn put(&mut self, item: T) {
+        self.push(item);
+    }
+}
+
+impl<T> Collection<T> for SmallList<T> {
+    fn with_room(n: usize) -> Self {
+        SmallList::with_capacity(n)
+    }
+    fn put(&mut self, item: T) {
+        self.push(item);
+    }
+}
+
 /// Reads a payload [`Writer`] built; every read fails cleanly on short input.
 pub struct Reader<'a> {
     buf: &'a [u8],
@@ -191,13 +219,15 @@ impl<'a> Reader<'a> {
     /// of a batch's descriptors): one allocation per distinct string of the last few,
     /// shared by every place it is read.
     pub fn shared_str(&mut self) -> Result<Arc<str>> {
-        let s = self.str()?;
+        let bytes = self.bytes()?;
         // Most recently read first: a batch spread over more segments than are
-        // remembered still finds the ones it names most.
-        if let Some(i) = self.shared.iter().position(|k| **k == *s) {
+        // remembered still finds the ones it names most. (Bytes equal to a string
+        // read before are UTF-8: only a new one is checked.)
+        if let Some(i) = self.shared.iter().position(|k| k.as_bytes() == bytes) {
             self.shared[..=i].rotate_right(1);
             return Ok(self.shared[0].clone());
         }
+        let s = std::str::from_utf8(bytes).map_err(|_| Error::protocol("string is not UTF-8"))?;
         let new: Arc<str> = s.into();
         self.shared.truncate(SHARED_STRINGS - 1);
         self.shared.insert(0, new.clone());
@@ -219,8 +249,9 @@ impl<'a> Reader<'a> {
         self.list_of(min_item, each)
     }
 
-    /// As `list`, collected into any collection (a `SmallList`, say).
-    pub fn list_of<C: FromIterator<T>, T>(
+    /// As `list`, into a `Vec` or a `SmallList`. (A plain loop: collecting the items
+    /// through an iterator of results cost a 64-descriptor answer twice its decode.)
+    pub fn list_of<C: Collection<T>, T>(
         &mut self,
         min_item: usize,
         mut each: impl FnMut(&mut Self) -> Result<T>,
@@ -231,7 +262,11 @@ impl<'a> Reader<'a> {
                 "list of {n} items cannot fit the payload"
             )));
         }
-        (0..n).map(|_| each(self)).collect()
+        let mut out = C::with_room(n);
+        for _ in 0..n {
+            out.put(each(self)?);
+        }
+        Ok(out)
     }
 
     /// Fails unless every byte was consumed.

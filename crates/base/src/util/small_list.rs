@@ -24,10 +24,20 @@ impl<T> SmallList<T> {
         SmallList(Repr::Heap(Vec::new()))
     }
 
+    /// An empty list with room for `n` items (in place for one).
+    pub fn with_capacity(n: usize) -> Self {
+        if n <= 1 {
+            SmallList::new()
+        } else {
+            SmallList(Repr::Heap(Vec::with_capacity(n)))
+        }
+    }
+
     /// Appends `item`.
     pub fn push(&mut self, item: T) {
         match &mut self.0 {
-            Repr::Heap(v) if v.is_empty() => self.0 = Repr::One(item),
+            // (An empty list made with room for several keeps its room.)
+            Repr::Heap(v) if v.capacity() == 0 => self.0 = Repr::One(item),
             Repr::Heap(v) => v.push(item),
             Repr::One(_) => {
                 if let Repr::One(first) = std::mem::replace(&mut self.0, Repr::Heap(Vec::new())) {
@@ -131,13 +141,24 @@ mod tests {
             let converted = SmallList::from(want.clone());
             let mut pushed = SmallList::new();
             (0..n).for_each(|i| pushed.push(i));
-            for list in [&collected, &converted, &pushed] {
+            // Made with room for its items: the room is kept, not traded for a place.
+            let mut roomy = SmallList::with_capacity(n as usize);
+            let room = |l: &SmallList<u32>| match &l.0 {
+                super::Repr::One(_) => 1,
+                super::Repr::Heap(v) => v.capacity(),
+            };
+            let made = room(&roomy);
+            assert!(n < 2 || made >= n as usize, "one item needs no room made");
+            (0..n).for_each(|i| roomy.push(i));
+            assert!(n < 2 || room(&roomy) == made, "{n} items fit the room made");
+            for list in [&collected, &converted, &pushed, &roomy] {
                 assert_eq!(&**list, &want[..]);
                 assert_eq!(list.in_place(), n == 1, "{n} items");
                 assert_eq!(format!("{list:?}"), format!("{want:?}"));
             }
             assert_eq!(collected, converted);
             assert_eq!(collected, pushed);
+            assert_eq!(collected, roomy);
         }
     }
 }

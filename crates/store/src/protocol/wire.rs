@@ -2,7 +2,7 @@
 //! by field, over `codec`'s reader and writer (the method numbers are `rpc_methods!`).
 
 use super::*;
-use crate::codec::{Reader, Writer};
+use crate::codec::{Collection, Reader, Writer};
 
 impl Request {
     /// The method number this request travels under (see `rpc_methods!`).
@@ -519,7 +519,7 @@ impl KeyedAnswers {
     }
 }
 
-fn decode_replicas<C: FromIterator<ReplicaDesc>>(r: &mut Reader) -> Result<C> {
+fn decode_replicas<C: Collection<ReplicaDesc>>(r: &mut Reader) -> Result<C> {
     r.list_of(4, |r| {
         Ok(ReplicaDesc {
             pieces: r.list_of(20, |r| {

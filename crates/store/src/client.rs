@@ -8,12 +8,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::codec::Writer;
 use super::disk::DiskConfig;
 use super::node::catalog::NodeCatalog;
 use super::node::disk::NodeDisk;
 use super::node::DrainReport;
 use super::protocol::{
-    shown_key, KeyResult, NoteRing, NoteWrite, ObjectDesc, OwnerTicket, Piece, PoolStats,
+    shown_key, KeyResult, Lookup, NoteRing, NoteWrite, ObjectDesc, OwnerTicket, Piece, PoolStats,
     ReplicaDesc, ReplicateConfig, Request, Response, SegmentInfo, NOTE_SLOT,
 };
 use super::replica_cache::ReplicaCache;
@@ -833,10 +834,25 @@ impl Client {
 impl MasterSession {
     /// `req`, with the queued touches (if any) pipelined ahead of it: one round trip.
     pub(crate) fn call_with_touches(&self, req: &Request) -> Result<Response> {
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        self.call_encoded(req.method(), &w.into_bytes())
+    }
+
+    /// A lookup of `keys` (`GetReplicasKeepable` when `keepable`), its payload written
+    /// straight from them, as `call_with_touches` sends a request.
+    pub(crate) fn lookup(&self, keys: &[&str], keepable: bool) -> Result<Response> {
+        let mut w = Writer::new();
+        Lookup::encode(keys, &mut w);
+        self.call_encoded(Lookup::method(keepable), &w.into_bytes())
+    }
+
+    /// A request given encoded, with the queued touches (if any) pipelined ahead.
+    fn call_encoded(&self, method: u16, payload: &[u8]) -> Result<Response> {
         let batches = self.cache.take_touches();
         // Touches are only queued once `master_keeps` found the master takes them.
         let touches = (!batches.is_empty()).then_some(Request::Touch { batches });
-        self.rpc.call_after(touches.as_ref(), req)
+        self.rpc.call_encoded(touches.as_ref(), method, payload)
     }
 
     /// Whether the master takes `Touch` and `GetReplicasKeepable`, asked once with an

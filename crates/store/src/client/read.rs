@@ -194,10 +194,7 @@ impl Client {
                 .map(|r| r.map(|d| Leased::granted(d, asked)))
                 .collect();
         }
-        let req = Request::GetReplicasKeepable {
-            keys: keys.iter().map(|k| k.to_string()).collect(),
-        };
-        let answer = match self.call(req) {
+        let answer = match self.shared.lookup(keys, true) {
             Ok(Response::Keepable { descs, keepable })
                 if descs.len() == keys.len() && keepable.len() == keys.len() =>
             {

@@ -13,8 +13,8 @@ use super::{Located, Master};
 use crate::codec::Writer;
 use crate::error::{Code, Result};
 use crate::protocol::{
-    check_key, encode_desc, encode_failed, encode_found, KeyResult, KeyedAnswers, ObjectDesc,
-    Request,
+    check_key, encode_desc, encode_failed, encode_found, KeyResult, KeyedAnswers, Lookup,
+    ObjectDesc, Request,
 };
 
 /// Where a lookup's descriptor goes.
@@ -102,6 +102,47 @@ impl Master {
         answered.map(drop)
     }
 
+    /// Answers a lookup (keys borrowed from the request's payload) into `w`, as
+    /// `answer_into` answers the `Request` it decodes to, counted alike.
+    pub fn answer_lookup_into(&self, lookup: &Lookup, w: &mut Writer) -> Result<()> {
+        let answered = self.lookups_answer(&lookup.keys, lookup.keepable, w);
+        let outcome = match &answered {
+            Ok(failed) => metrics::Outcome::Answered { failed: *failed },
+            Err(_) => metrics::Outcome::Refused,
+        };
+        let family = metrics::Family::GetReplicaList;
+        self.request_metrics
+            .record(family, lookup.keys.len(), outcome);
+        answered.map(drop)
+    }
+
+    /// The answer to a lookup of `keys` (`GetReplicasKeepable` when `keepable`, else
+    /// `GetReplicas`); how many keys failed.
+    fn lookups_answer<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        keepable: bool,
+        w: &mut Writer,
+    ) -> Result<usize> {
+        let at = self.locate_all(keys);
+        let now = self.clock.now_ms();
+        if !keepable {
+            return self.lookups_into(keys.len(), w, |i, found| {
+                self.lookup_into(keys[i].as_ref(), true, now, at[i], found)
+            });
+        }
+        let mut kept = vec![true; keys.len()];
+        let failed = self.lookups_into(keys.len(), w, |i, found| {
+            let (looked, keep) = self.lookup_keepable(keys[i].as_ref(), now, at[i], found);
+            kept[i] = keep;
+            looked
+        })?;
+        w.list(&kept, |w, k| {
+            w.bool(*k);
+        });
+        Ok(failed)
+    }
+
     /// As `answer_into`; how many of the request's keys failed.
     fn answer_counting_failures(
         &self,
@@ -110,27 +151,8 @@ impl Master {
         w: &mut Writer,
     ) -> Result<usize> {
         match req {
-            Request::GetReplicas { keys } => {
-                let at = self.locate_all(&keys);
-                let now = self.clock.now_ms();
-                self.lookups_into(keys.len(), w, |i, found| {
-                    self.lookup_into(&keys[i], true, now, at[i], found)
-                })
-            }
-            Request::GetReplicasKeepable { keys } => {
-                let at = self.locate_all(&keys);
-                let now = self.clock.now_ms();
-                let mut keepable = vec![true; keys.len()];
-                let failed = self.lookups_into(keys.len(), w, |i, found| {
-                    let (looked, keep) = self.lookup_keepable(&keys[i], now, at[i], found);
-                    keepable[i] = keep;
-                    looked
-                })?;
-                w.list(&keepable, |w, k| {
-                    w.bool(*k);
-                });
-                Ok(failed)
-            }
+            Request::GetReplicas { keys } => self.lookups_answer(&keys, false, w),
+            Request::GetReplicasKeepable { keys } => self.lookups_answer(&keys, true, w),
             other => {
                 // (A drain's `Relocate` answers as a put start does, but is no put.)
                 let put_start = matches!(
@@ -150,9 +172,10 @@ impl Master {
 
     /// Where each of a batch's keys goes (`locate`); none for a key not to be looked
     /// up, or for a batch of one (nothing to overlap its miss with).
-    fn locate_all(&self, keys: &[String]) -> Vec<Option<Located>> {
+    fn locate_all<K: AsRef<str>>(&self, keys: &[K]) -> Vec<Option<Located>> {
         let overlap = keys.len() > 1;
         keys.iter()
+            .map(|k| k.as_ref())
             .map(|k| (overlap && check_key(k).is_ok()).then(|| self.locate(k)))
             .collect()
     }
@@ -187,7 +210,7 @@ mod tests {
     use super::super::quota::Payer;
     use super::super::{Clock, Master, MasterConfig};
     use crate::codec::Writer;
-    use crate::protocol::{ReplicateConfig, Request, Response, SegmentInfo};
+    use crate::protocol::{Lookup, ReplicateConfig, Request, Response, SegmentInfo};
 
     const MIB: u64 = 1 << 20;
 
@@ -244,6 +267,14 @@ mod tests {
         ] {
             let method = req.method();
             let fast = answered(&m, req.clone());
+            // The server reads a lookup with its keys borrowed: the same answer.
+            let mut payload = Writer::new();
+            req.encode(&mut payload);
+            let payload = payload.into_bytes();
+            let lookup = Lookup::decode(method, &payload).unwrap().unwrap();
+            let mut borrowed = Writer::new();
+            m.answer_lookup_into(&lookup, &mut borrowed).unwrap();
+            assert_eq!(borrowed.into_bytes(), fast, "method {method}");
             assert_eq!(fast, encoded(&m, req), "method {method}");
             let descs = match Response::decode(method, &fast).unwrap() {
                 Response::GetReplicas(d) => d,
@@ -285,8 +316,12 @@ mod tests {
         };
         let keys = |list: &[&str]| list.iter().map(|k| k.to_string()).collect::<Vec<_>>();
         // Six lookups, three failing (missing, unfinished, invalid): a partial success.
-        let lookup = keys(&["two", "missing", "one", "unfinished", "", "one"]);
-        answered(&m, Request::GetReplicasKeepable { keys: lookup });
+        // (Read as the server reads a lookup, its keys borrowed.)
+        let lookup = Lookup {
+            keys: vec!["two", "missing", "one", "unfinished", "", "one"],
+            keepable: true,
+        };
+        m.answer_lookup_into(&lookup, &mut Writer::new()).unwrap();
         // One key: the single-key call, failing.
         answered(
             &m,

@@ -7,7 +7,9 @@
 pub mod note;
 mod wire;
 
-pub use wire::{encode_desc, encode_failed, encode_found, encode_replicas_of, KeyedAnswers};
+pub use wire::{
+    encode_desc, encode_failed, encode_found, encode_replicas_of, KeyedAnswers, Lookup,
+};
 
 pub use note::{NoteKey, NotePlace, NoteRing, NoteWrite, NOTE_KEY_LEN, NOTE_SLOT};
 

@@ -59,10 +59,10 @@ impl Request {
                     w.str(k);
                 });
             }
-            Request::GetReplicas { keys }
-            | Request::Exists { keys }
-            | Request::GetReplicasKeepable { keys }
-            | Request::Describe { keys } => {
+            Request::GetReplicas { keys } | Request::GetReplicasKeepable { keys } => {
+                Lookup::encode(keys, w);
+            }
+            Request::Exists { keys } | Request::Describe { keys } => {
                 w.list(keys, |w, k| {
                     w.str(k);
                 });
@@ -237,7 +237,7 @@ impl Request {
                 keys: keys(&mut r)?,
             },
             Method::GetReplicas => Request::GetReplicas {
-                keys: keys(&mut r)?,
+                keys: Lookup::keys(&mut r)?,
             },
             Method::Exists => Request::Exists {
                 keys: keys(&mut r)?,
@@ -325,7 +325,7 @@ impl Request {
                 batches: r.list(4, keys)?,
             },
             Method::GetReplicasKeepable => Request::GetReplicasKeepable {
-                keys: keys(&mut r)?,
+                keys: Lookup::keys(&mut r)?,
             },
             Method::MountExtra => Request::MountExtra {
                 client: r.u64()?,
@@ -391,6 +391,59 @@ pub(super) fn decode_entry(r: &mut Reader) -> Result<CatalogEntry> {
         replica,
         index,
     })
+}
+
+/// A lookup (`GetReplicas`, or `GetReplicasKeepable` when `keepable`) with its keys
+/// borrowed: how a batch read sends one, and how the master reads one, with no
+/// `String` made per key. Its payload is the request's, declared here once.
+pub struct Lookup<'a> {
+    /// The keys looked up, in order.
+    pub keys: Vec<&'a str>,
+    /// Whether the reader keeps descriptors (`GetReplicasKeepable`).
+    pub keepable: bool,
+}
+
+impl<'a> Lookup<'a> {
+    /// The method a lookup travels as.
+    pub fn method(keepable: bool) -> u16 {
+        if keepable {
+            Method::GetReplicasKeepable as u16
+        } else {
+            Method::GetReplicas as u16
+        }
+    }
+
+    /// Writes the payload of a lookup of `keys`.
+    pub fn encode<K: AsRef<str>>(keys: &[K], w: &mut Writer) {
+        w.list(keys, |w, k| {
+            w.str(k.as_ref());
+        });
+    }
+
+    /// The lookup `payload` carries, when `method` is a lookup's; None for another
+    /// method.
+    pub fn decode(method: u16, payload: &'a [u8]) -> Option<Result<Lookup<'a>>> {
+        let keepable = match Method::from_wire(method)? {
+            Method::GetReplicas => false,
+            Method::GetReplicasKeepable => true,
+            _ => return None,
+        };
+        let mut r = Reader::new(payload);
+        let keys = Self::read_keys(&mut r).and_then(|keys| r.finish().map(|()| keys));
+        Some(keys.map(|keys| Lookup { keys, keepable }))
+    }
+
+    fn read_keys(r: &mut Reader<'a>) -> Result<Vec<&'a str>> {
+        r.list(4, |r| r.str())
+    }
+
+    /// The keys of a lookup's payload, owned (for a `Request`).
+    fn keys(r: &mut Reader) -> Result<Vec<String>> {
+        Ok(Lookup::read_keys(r)?
+            .into_iter()
+            .map(str::to_owned)
+            .collect())
+    }
 }
 
 fn encode_config(w: &mut Writer, c: &ReplicateConfig) {
@@ -1017,6 +1070,45 @@ mod tests {
         let mut w = Writer::new();
         encode_entry(&mut w, &CatalogEntry { index: 2, ..entry });
         assert!(decode_entry(&mut Reader::new(&w.into_bytes())).is_err());
+    }
+
+    #[test]
+    fn a_lookup_written_from_its_keys_reads_as_its_request() {
+        let keys = ["a", "", "ключ", "a"];
+        for keepable in [false, true] {
+            let mut w = Writer::new();
+            Lookup::encode(&keys, &mut w);
+            let payload = w.into_bytes();
+            let owned: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+            let req = if keepable {
+                Request::GetReplicasKeepable { keys: owned }
+            } else {
+                Request::GetReplicas { keys: owned }
+            };
+            let method = Lookup::method(keepable);
+            assert_eq!(method, req.method());
+            let mut w = Writer::new();
+            req.encode(&mut w);
+            assert_eq!(w.into_bytes(), payload);
+            assert_eq!(Request::decode(method, &payload).unwrap(), req);
+            let lookup = Lookup::decode(method, &payload).unwrap().unwrap();
+            assert_eq!((lookup.keys, lookup.keepable), (keys.to_vec(), keepable));
+            // Cut, or with a byte left over: refused, as the request's decode refuses it.
+            for bad in [
+                &payload[..payload.len() - 1],
+                &[&payload[..], &[0]].concat(),
+            ] {
+                assert!(Lookup::decode(method, bad).unwrap().is_err());
+                assert!(Request::decode(method, bad).is_err());
+            }
+        }
+        let exists = Request::Exists {
+            keys: vec!["a".into()],
+        };
+        assert!(
+            Lookup::decode(exists.method(), &[]).is_none(),
+            "not a lookup"
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ mod mailbox;
 use super::codec::Writer;
 use super::ha;
 use super::master::Master;
-use super::protocol::{Method, Request, Response, PROTOCOL_VERSION};
+use super::protocol::{Lookup, Method, Request, Response, PROTOCOL_VERSION};
 use crate::auth::ClusterSecret;
 use crate::error::{Code, Error, Result};
 use crate::etcd::EtcdClient;
@@ -342,6 +342,21 @@ impl<'a> ServerConn<'a> {
             });
             return Reply::SendAndClose;
         }
+        // A lookup, a batch read's every first read of a key, is read with its keys
+        // borrowed from the payload.
+        if let Some(lookup) = Lookup::decode(method, &payload) {
+            let Ok(lookup) = lookup.map_err(|e| {
+                crate::warn_limited!("master rpc {}: method {method}: {e}; closing", self.peer)
+            }) else {
+                return Reply::Close;
+            };
+            self.ticket.prove();
+            let master = self.master;
+            answer_frame(&mut self.out, method, id, |w| {
+                master.answer_lookup_into(&lookup, w)
+            });
+            return Reply::Send;
+        }
         match Request::decode(method, &payload) {
             Err(e) => {
                 crate::warn_limited!("master rpc {}: method {method}: {e}; closing", self.peer);
@@ -652,19 +667,34 @@ impl RpcClient {
     /// failure until one gets through again, so a master that is gone does not make
     /// every call wait.
     pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        self.call_encoded(before, req.method(), &w.into_bytes())
+    }
+
+    /// As `call_after`, the request given as its method and encoded payload (a batch
+    /// read's lookup, say, written straight from its keys).
+    pub fn call_encoded(
+        &self,
+        before: Option<&Request>,
+        method: u16,
+        payload: &[u8],
+    ) -> Result<Response> {
         let read_only = matches!(
-            req,
-            Request::Ping { .. }
-                | Request::GetReplicas { .. }
-                | Request::GetReplicasKeepable { .. }
-                | Request::Exists { .. }
-                | Request::Describe { .. }
-                | Request::Stats
-                | Request::MetadataUrl
+            Method::from_wire(method),
+            Some(
+                Method::Ping
+                    | Method::GetReplicas
+                    | Method::GetReplicasKeepable
+                    | Method::Exists
+                    | Method::Describe
+                    | Method::Stats
+                    | Method::MetadataUrl
+            )
         );
         let mut backoff = Duration::from_millis(5);
         loop {
-            let result = self.attempt(before, req, read_only);
+            let result = self.attempt(before, method, payload, read_only);
             let master_away = matches!(
                 &result,
                 Err(e) if matches!(e.code(), Code::RpcFail | Code::UnavailableInCurrentStatus)
@@ -688,7 +718,9 @@ impl RpcClient {
     /// A read-only request tried once, never waiting for an absent master: for health
     /// checks, which must say at once that it is away.
     pub fn call_now(&self, req: &Request) -> Result<Response> {
-        self.attempt(None, req, true)
+        let mut w = Writer::new();
+        req.encode(&mut w);
+        self.attempt(None, req.method(), &w.into_bytes(), true)
     }
 
     /// What is left of the patience window opened by the first failure since the last
@@ -704,7 +736,8 @@ impl RpcClient {
     fn attempt(
         &self,
         before: Option<&Request>,
-        req: &Request,
+        method: u16,
+        bytes: &[u8],
         read_only: bool,
     ) -> Result<Response> {
         let encoded = |r: &Request| {
@@ -712,7 +745,6 @@ impl RpcClient {
             r.encode(&mut w);
             (r.method(), w.into_bytes())
         };
-        let (method, bytes) = encoded(req);
         let before = before.map(encoded);
         let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
         let pooled = self.pooled();
@@ -721,7 +753,7 @@ impl RpcClient {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(&mut conn, before, method, &bytes) {
+        match self.exchange(&mut conn, before, method, bytes) {
             Ok(resp) => {
                 self.keep(conn);
                 resp
@@ -729,7 +761,7 @@ impl RpcClient {
             Err(e) if !fresh && read_only => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let mut conn = self.connect()?;
-                let resp = self.exchange(&mut conn, before, method, &bytes)?;
+                let resp = self.exchange(&mut conn, before, method, bytes)?;
                 self.keep(conn);
                 resp
             }

@@ -107,12 +107,41 @@ impl ReadBefore {
     }
 }
 
+/// A descriptor, one read's alone or shared with the cache's entry: a batch of kept
+/// descriptors is served without copying one, and a fresh one read once costs no
+/// allocation (most are never kept).
+#[derive(Clone, Debug)]
+pub enum Desc {
+    /// Granted to this read, not kept.
+    Alone(ObjectDesc),
+    /// The cache's entry's.
+    Shared(Arc<ObjectDesc>),
+}
+
+impl std::ops::Deref for Desc {
+    type Target = ObjectDesc;
+    fn deref(&self) -> &ObjectDesc {
+        match self {
+            Desc::Alone(d) => d,
+            Desc::Shared(d) => d,
+        }
+    }
+}
+
+impl Desc {
+    /// The descriptor as the cache keeps it.
+    fn shared(&self) -> Arc<ObjectDesc> {
+        match self {
+            Desc::Alone(d) => Arc::new(d.clone()),
+            Desc::Shared(d) => d.clone(),
+        }
+    }
+}
+
 /// A descriptor and the lease it came with.
 #[derive(Clone, Debug)]
 pub struct Leased {
-    /// Shared with the cache's entry: a batch of kept descriptors is served without
-    /// copying one.
-    pub desc: Arc<ObjectDesc>,
+    pub desc: Desc,
     /// When the lease ends at the latest (measured from the request's send time).
     pub lease_ends: Instant,
     /// Served from the cache rather than asked for now.
@@ -126,7 +155,7 @@ impl Leased {
     pub fn granted(desc: ObjectDesc, asked: Instant) -> Leased {
         let lease_ends = asked + Duration::from_millis(desc.lease_ms);
         Leased {
-            desc: Arc::new(desc),
+            desc: Desc::Alone(desc),
             lease_ends,
             cached: false,
             staged: false,
@@ -311,7 +340,7 @@ impl Inner {
         }
         let lease_ends = kept.usable_until + margin(kept.desc.lease_ms);
         Some(Leased {
-            desc: kept.desc.clone(),
+            desc: Desc::Shared(kept.desc.clone()),
             lease_ends,
             cached: true,
             staged: false,
@@ -351,7 +380,7 @@ impl ReplicaCache {
         let kept = Kept {
             key: key.into(),
             tag,
-            desc: leased.desc.clone(),
+            desc: leased.desc.shared(),
             usable_until,
         };
         if slot == inner.ring.len() {

@@ -305,13 +305,18 @@ impl ReplicaCache {
     /// The kept descriptor of `key`, if its lease still has room for a read.
     #[cfg(test)]
     pub fn get(&self, key: &str, now: Instant) -> Option<Leased> {
-        self.get_many(&[key], now).pop().flatten()
+        match self.look_up(&[key], now).pop() {
+            Some(Looked::Kept(l)) => Some(l),
+            _ => None,
+        }
     }
 
-    /// The kept descriptor of each key, if its lease still has room for a read (a
-    /// batch looks its keys up under one lock).
-    pub fn get_many(&self, keys: &[&str], now: Instant) -> Vec<Option<Leased>> {
-        let inner = self.lock();
+    /// Each key's kept descriptor, if its lease still has room for a read; for a key
+    /// without one, whether it was read lately (its descriptor is then to be kept, see
+    /// [`keep_many`](Self::keep_many)). Every key is marked read now. A batch
+    /// looks its keys up under one lock, the filter's words prefetched first.
+    pub fn look_up(&self, keys: &[&str], now: Instant) -> Vec<Looked> {
+        let mut inner = self.lock();
         // The filter's words first, all asked for at once: their cache misses overlap.
         let hashes: Vec<u64> = keys.iter().map(|k| inner.hash(k)).collect();
         for &h in &hashes {
@@ -319,20 +324,41 @@ impl ReplicaCache {
         }
         keys.iter()
             .zip(hashes)
-            .map(|(k, h)| inner.get(k, h, now))
+            .map(|(k, h)| {
+                let read_before = inner.read_before.seen(h);
+                // Marked at every read, served from here or not: a key read over and
+                // over stays read lately.
+                inner.read_before.mark(h);
+                if let Some(kept) = read_before.then(|| inner.get(k, h, now)).flatten() {
+                    return Looked::Kept(kept);
+                }
+                if read_before {
+                    Looked::ReadBefore
+                } else {
+                    Looked::New
+                }
+            })
             .collect()
     }
 }
 
+/// What the cache holds for a key looked up.
+pub enum Looked {
+    /// Its kept descriptor.
+    Kept(Leased),
+    /// None, but the key was read lately: its descriptor is to be kept.
+    ReadBefore,
+    /// None, and the key was not read lately.
+    New,
+}
+
 impl Inner {
+    /// The kept descriptor of `key` (whose hash is `hash`), if its lease has room. Asked
+    /// only of a key read lately: one not read lately has no entry (kept ones were
+    /// marked when looked up, and one whose mark aged out is asked of the master once
+    /// more), and its index probe, a cache miss in a large table, is saved.
     fn get(&self, key: &str, hash: u64, now: Instant) -> Option<Leased> {
         let inner = self;
-        // A key not read lately has no entry (kept ones were marked when kept, and
-        // one whose mark aged out is asked of the master once more): its index
-        // probe, a cache miss in a large table, is saved.
-        if !inner.read_before.seen(hash) {
-            return None;
-        }
         let slot = inner.slot_under(key, Inner::tag_of(hash))?;
         let kept = inner.ring[slot].as_ref()?;
         if now >= kept.usable_until {
@@ -349,19 +375,33 @@ impl Inner {
 }
 
 impl ReplicaCache {
-    /// Keeps a freshly granted descriptor, as of `now` (a batch's answers share one
-    /// reading of the clock), when its key was read lately; marks the key read either
-    /// way.
+    /// Keeps freshly granted descriptors (keys whose lookup said `ReadBefore`), as
+    /// of `now` (a batch's answers share one reading of the clock), under one lock.
+    pub fn keep_many<'a>(
+        &self,
+        granted: impl IntoIterator<Item = (&'a str, &'a Leased)>,
+        now: Instant,
+    ) {
+        let mut inner = self.lock();
+        for (key, leased) in granted {
+            inner.keep(key, leased, now);
+        }
+    }
+
+    /// Keeps one freshly granted descriptor (as `keep_many`).
+    #[cfg(test)]
     pub fn insert(&self, key: &str, leased: &Leased, now: Instant) {
+        self.keep_many([(key, leased)], now);
+    }
+}
+
+impl Inner {
+    /// Keeps one freshly granted descriptor as of `now`, letting go of the key's
+    /// previous entry, and of the oldest when full.
+    fn keep(&mut self, key: &str, leased: &Leased, now: Instant) {
+        let inner = self;
         let usable_until = leased.lease_ends - margin(leased.desc.lease_ms);
         if usable_until <= now {
-            return;
-        }
-        let mut inner = self.lock();
-        let hash = inner.hash(key);
-        let read_before = inner.read_before.seen(hash);
-        inner.read_before.mark(hash);
-        if !read_before {
             return;
         }
         if inner.ring.capacity() == 0 {
@@ -370,7 +410,7 @@ impl ReplicaCache {
             inner.ring.reserve_exact(capacity);
         }
         inner.drop_expired(now);
-        let tag = Inner::tag_of(hash);
+        let tag = inner.tag(key);
         // Kept again: the old entry goes.
         if let Some(old) = inner.slot_under(key, tag) {
             inner.let_go(old);
@@ -393,8 +433,10 @@ impl ReplicaCache {
         inner.kept += 1;
         inner.front = inner.front.max(inner.kept.saturating_sub(capacity));
     }
+}
 
-    /// Marks `key` read, as a first read's `insert` does (for tests of what is kept).
+impl ReplicaCache {
+    /// Marks `key` read, as a lookup that finds nothing kept does (for tests).
     #[cfg(test)]
     fn mark_read(&self, key: &str) {
         let mut inner = self.lock();
@@ -628,32 +670,59 @@ mod tests {
     }
 
     #[test]
-    fn a_descriptor_is_kept_at_its_keys_second_read_within_two_generations() {
+    fn a_key_counts_as_read_before_from_its_second_lookup_within_two_generations() {
         let c = ReplicaCache::default();
         let now = Instant::now();
-        let grant = Leased::granted(desc(60_000), now);
-        c.insert("k", &grant, now);
-        assert!(c.get("k", now).is_none(), "a first read keeps nothing");
-        assert_eq!(c.len(), 0);
-        c.insert("k", &grant, now);
-        assert!(c.get("k", now).is_some(), "the second one keeps it");
+        let looked = |key: &str| match c.look_up(&[key], now).pop() {
+            Some(Looked::Kept(_)) => "kept",
+            Some(Looked::ReadBefore) => "read before",
+            Some(Looked::New) => "new",
+            None => "nothing",
+        };
+        assert_eq!(looked("k"), "new");
+        assert_eq!(looked("k"), "read before");
+        c.insert("k", &Leased::granted(desc(60_000), now), now);
+        assert_eq!(looked("k"), "kept");
         // A mark lasts through the next generation, not past it: a key read again
-        // after more than two generations of other keys counts as read once.
-        c.insert("old", &grant, now);
+        // after more than two generations of other keys is new again.
+        assert_eq!(looked("old"), "new");
         for i in 0..READ_BEFORE_MARKS {
             c.mark_read(&format!("x{i}"));
         }
-        c.insert("old", &grant, now);
-        assert!(
-            c.get("old", now).is_some(),
+        assert_eq!(
+            looked("old"),
+            "read before",
             "marked in the previous generation"
         );
-        c.insert("older", &grant, now);
+        assert_eq!(looked("older"), "new");
         for i in 0..2 * READ_BEFORE_MARKS {
             c.mark_read(&format!("y{i}"));
         }
-        c.insert("older", &grant, now);
-        assert!(c.get("older", now).is_none(), "its mark aged out");
+        assert_eq!(looked("older"), "new", "its mark aged out");
+        // "k" was not read meanwhile: its entry is still kept, but its mark aged out,
+        // so it is asked of the master once; read on, it is served from here, each
+        // read marking it anew.
+        assert_eq!(looked("k"), "new");
+        assert_eq!(looked("k"), "kept");
+        for i in 0..3 * READ_BEFORE_MARKS {
+            c.mark_read(&format!("z{i}"));
+            if i % (READ_BEFORE_MARKS / 2) == 0 {
+                assert_eq!(looked("k"), "kept");
+            }
+        }
+        // A batch: each key answered in its place.
+        assert_eq!(looked("once"), "new");
+        let keys = ["k", "fresh", "once"];
+        let got: Vec<_> = c
+            .look_up(&keys, now)
+            .into_iter()
+            .map(|l| match l {
+                Looked::Kept(_) => 0,
+                Looked::ReadBefore => 1,
+                Looked::New => 2,
+            })
+            .collect();
+        assert_eq!(got, [0, 2, 1]);
         // Few keys never read pass for read before (each generation stays under a
         // quarter full): at most a tenth of a thousand new keys, both full.
         let passed = (0..1000)

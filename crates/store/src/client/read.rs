@@ -10,7 +10,7 @@ use std::time::Instant;
 use super::{all_err, fragments, one, Client, FragmentList, Fragments, Parts};
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, ObjectDesc, ReplicaDesc, Request, Response};
-use crate::replica_cache::Leased;
+use crate::replica_cache::{Leased, Looked};
 use crate::transport::Op;
 use crate::util::SmallList;
 
@@ -96,7 +96,7 @@ impl Client {
             unsafe { self.read_placed(keys, &all, self.leased(keys), place) };
         if !retry.is_empty() {
             let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
-            let fresh = self.fetch(&again, self.caching());
+            let fresh = self.fetch(&again, self.keep_all(again.len()).as_deref());
             // SAFETY: as above.
             let (redone, _) = unsafe { self.read_placed(&again, &retry, fresh, place) };
             for (&i, r) in retry.iter().zip(redone) {
@@ -155,39 +155,44 @@ impl Client {
     }
 
     /// Descriptors for `keys`: kept ones where the cache has them, the rest from the
-    /// master in one round trip (and kept for next time).
+    /// master in one round trip (kept for next time when their keys were read lately).
     fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
-        let caching = self.caching();
-        let mut out: Vec<Option<Result<Leased>>> = if caching {
-            let kept = self.shared.cache.get_many(keys, Instant::now());
-            kept.into_iter().map(|l| l.map(Ok)).collect()
-        } else {
-            keys.iter().map(|_| None).collect()
-        };
-        let missing: Vec<&str> = keys
-            .iter()
-            .zip(&out)
-            .filter(|(_, o)| o.is_none())
-            .map(|(k, _)| *k)
-            .collect();
-        if !missing.is_empty() {
-            let mut fresh = self.fetch(&missing, caching).into_iter();
-            for slot in out.iter_mut().filter(|o| o.is_none()) {
-                *slot = fresh.next();
+        if !self.caching() {
+            return self.fetch(keys, None);
+        }
+        let looked = self.shared.cache.look_up(keys, Instant::now());
+        let mut missing: Vec<&str> = Vec::new();
+        let mut keep: Vec<bool> = Vec::new();
+        for (k, l) in keys.iter().zip(&looked) {
+            if !matches!(l, Looked::Kept(_)) {
+                missing.push(k);
+                keep.push(matches!(l, Looked::ReadBefore));
             }
         }
-        out.into_iter()
-            .map(|o| o.unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor"))))
+        let mut fresh = if missing.is_empty() {
+            Vec::new()
+        } else {
+            self.fetch(&missing, Some(&keep))
+        }
+        .into_iter();
+        looked
+            .into_iter()
+            .map(|l| match l {
+                Looked::Kept(kept) => Ok(kept),
+                Looked::ReadBefore | Looked::New => fresh
+                    .next()
+                    .unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor"))),
+            })
             .collect()
     }
 
-    /// Descriptors for `keys` from the master (one round trip); with `keep`, the ones
-    /// it allows are kept for next time.
-    fn fetch(&self, keys: &[&str], keep: bool) -> Vec<Result<Leased>> {
+    /// Descriptors for `keys` from the master (one round trip); with `keep`, key `i`'s
+    /// is kept for next time when `keep[i]` and the master allows it.
+    fn fetch(&self, keys: &[&str], keep: Option<&[bool]>) -> Vec<Result<Leased>> {
         // The lease counts from before the request left: a conservative reading.
         let asked = Instant::now();
         // A master that says what is keepable also says what it staged from disk.
-        if !keep && !self.shared.master_keeps() {
+        if keep.is_none() && !self.shared.master_keeps() {
             return self
                 .replicas(keys)
                 .into_iter()
@@ -207,7 +212,7 @@ impl Client {
             Err(e) => return all_err(keys.len(), e),
         };
         let answered = Instant::now();
-        answer
+        let granted: Vec<Result<Leased>> = answer
             .zip(keys)
             .map(|((desc, keepable), k)| {
                 let desc = desc.map_err(|c| Error::new(c, format!("get {}", shown_key(k))))?;
@@ -216,12 +221,28 @@ impl Client {
                     // Not keepable: a copy staged from disk for this reader.
                     self.shared.disk_reads.fetch_add(1, Ordering::Relaxed);
                     leased.staged = true;
-                } else if keep {
-                    self.shared.cache.insert(k, &leased, answered);
                 }
                 Ok(leased)
             })
-            .collect()
+            .collect();
+        if let Some(keep) = keep.filter(|k| k.contains(&true)) {
+            let kept = keys
+                .iter()
+                .zip(&granted)
+                .zip(keep)
+                .filter_map(|((k, g), &keep)| {
+                    let l = g.as_ref().ok()?;
+                    (keep && !l.staged).then_some((*k, l))
+                });
+            self.shared.cache.keep_many(kept, answered);
+        }
+        granted
+    }
+
+    /// Keep every one of `n` descriptors (keys read again after a kept descriptor of
+    /// theirs failed): None when descriptors are not kept.
+    fn keep_all(&self, n: usize) -> Option<Vec<bool>> {
+        self.caching().then(|| vec![true; n])
     }
 
     /// Queues reads served from kept descriptors for the master's eviction order,
@@ -282,7 +303,7 @@ impl Client {
     /// # Safety
     /// As `batch_get_into`.
     unsafe fn read_fresh(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
-        let leased = self.fetch(keys, self.caching());
+        let leased = self.fetch(keys, self.keep_all(keys.len()).as_deref());
         // SAFETY: the caller's contract, passed on unchanged.
         let results = unsafe { self.read_objects(keys, &leased, &into) };
         let failed = keys.iter().zip(&results).filter(|(_, r)| r.is_err());

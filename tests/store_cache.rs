@@ -203,6 +203,61 @@ fn a_span_read_asks_again_for_a_wrong_kept_descriptor() {
     assert_eq!(short[0].as_ref().unwrap_err().code(), Code::InvalidParams);
 }
 
+/// A batch with many keys to ask the master for asks for a quarter first and reads
+/// those (with the kept ones) while the master looks up the rest: two lookups, and
+/// every key's answer and bytes in its own place, whatever each key's fate.
+#[test]
+fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
+    let s = server(10_000);
+    let _node = client(&s, 32 * MIB);
+    let reader = client(&s, 0);
+    let cfg = ReplicateConfig::default();
+    let n = 48;
+    let keys: Vec<String> = (0..n).map(|i| format!("big-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        reader.put(k, &value(i as u64, 1000 + i), &cfg).unwrap();
+    }
+    // Three keys read twice before: kept, served without asking.
+    for _ in 0..2 {
+        for k in &keys[10..13] {
+            reader.get(k).unwrap();
+        }
+    }
+    assert_eq!(reader.cached_descriptors(), 3);
+    let mut asked: Vec<&str> = keys.iter().map(String::as_str).collect();
+    asked[5] = "big-missing";
+    let mut buf = vec![0u8; n * 2048];
+    let mut spans: Vec<(u64, u64)> = (0..n)
+        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
+        .collect();
+    spans[40].1 = 100; // too small for its value
+    let lookups = || {
+        s.master()
+            .metrics_text()
+            .lines()
+            .find_map(|l| {
+                let v = l.strip_prefix("master_batch_get_replica_list_requests_total ")?;
+                v.parse::<u64>().ok()
+            })
+            .unwrap_or(0)
+    };
+    let before = lookups();
+    // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
+    let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+    assert_eq!(lookups() - before, 2, "45 keys asked for in two steps");
+    for (i, r) in got.iter().enumerate() {
+        match i {
+            5 => assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound),
+            40 => assert_eq!(r.as_ref().unwrap_err().code(), Code::BufferOverflow),
+            _ => {
+                assert_eq!(r.as_ref().ok(), Some(&(1000 + i as u64)), "key {i}");
+                let want = value(i as u64, 1000 + i);
+                assert_eq!(&buf[i * 2048..][..want.len()], &want[..], "key {i}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_dead_node_sends_kept_reads_to_another_replica() {
     let s = server(10_000);

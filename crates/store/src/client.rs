@@ -607,8 +607,9 @@ impl Client {
         notes: &[(usize, NoteWrite)],
     ) -> Vec<Option<Result<()>>> {
         let mut outcome: Vec<Option<Result<()>>> = vec![None; frags.len()];
-        let mut reqs = Vec::new();
-        let mut owner = Vec::new();
+        // (One request per piece and key, mostly.)
+        let mut reqs = Vec::with_capacity(plan.len() + notes.len());
+        let mut owner = Vec::with_capacity(plan.len() + notes.len());
         let mut segments = SegmentIds::default();
         for (i, rep) in plan {
             let mut off = 0;
@@ -836,23 +837,35 @@ impl MasterSession {
     pub(crate) fn call_with_touches(&self, req: &Request) -> Result<Response> {
         let mut w = Writer::new();
         req.encode(&mut w);
-        self.call_encoded(req.method(), &w.into_bytes())
+        self.call_encoded(req.method(), &w.into_bytes(), &mut || {})
     }
 
     /// A lookup of `keys` (`GetReplicasKeepable` when `keepable`), its payload written
-    /// straight from them, as `call_with_touches` sends a request.
-    pub(crate) fn lookup(&self, keys: &[&str], keepable: bool) -> Result<Response> {
+    /// straight from them, as `call_with_touches` sends a request; `meanwhile` runs
+    /// once while the master works on it (see `RpcClient::call_meanwhile`).
+    pub(crate) fn lookup(
+        &self,
+        keys: &[&str],
+        keepable: bool,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
         let mut w = Writer::new();
         Lookup::encode(keys, &mut w);
-        self.call_encoded(Lookup::method(keepable), &w.into_bytes())
+        self.call_encoded(Lookup::method(keepable), &w.into_bytes(), meanwhile)
     }
 
     /// A request given encoded, with the queued touches (if any) pipelined ahead.
-    fn call_encoded(&self, method: u16, payload: &[u8]) -> Result<Response> {
+    fn call_encoded(
+        &self,
+        method: u16,
+        payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
         let batches = self.cache.take_touches();
         // Touches are only queued once `master_keeps` found the master takes them.
         let touches = (!batches.is_empty()).then_some(Request::Touch { batches });
-        self.rpc.call_encoded(touches.as_ref(), method, payload)
+        self.rpc
+            .call_meanwhile(touches.as_ref(), method, payload, meanwhile)
     }
 
     /// Whether the master takes `Touch` and `GetReplicasKeepable`, asked once with an

@@ -28,7 +28,41 @@ impl ReadInto<'_> {
     fn is_whole(&self) -> bool {
         !matches!(self, ReadInto::Ranges(_))
     }
+
+    /// What keys `which` (in that order) are read into, copied.
+    fn subset(&self, which: &[usize]) -> IntoSubset {
+        match self {
+            ReadInto::Whole(parts) => {
+                IntoSubset::Whole(which.iter().map(|&i| parts[i].clone()).collect())
+            }
+            ReadInto::Spans(spans) => IntoSubset::Spans(which.iter().map(|&i| spans[i]).collect()),
+            ReadInto::Ranges(ranges) => {
+                IntoSubset::Ranges(which.iter().map(|&i| ranges[i].clone()).collect())
+            }
+        }
+    }
 }
+
+/// Some keys' part of a `ReadInto`, owned.
+enum IntoSubset {
+    Whole(Vec<Parts>),
+    Spans(Vec<(u64, u64)>),
+    Ranges(Vec<Fragments>),
+}
+
+impl IntoSubset {
+    fn as_into(&self) -> ReadInto<'_> {
+        match self {
+            IntoSubset::Whole(parts) => ReadInto::Whole(parts),
+            IntoSubset::Spans(spans) => ReadInto::Spans(spans),
+            IntoSubset::Ranges(ranges) => ReadInto::Ranges(ranges),
+        }
+    }
+}
+
+/// Keys to ask the master for, from which a batch is read in two steps (see
+/// `Client::lease_and_read`).
+const PIPELINE_FROM: usize = 32;
 
 /// `size` zeroed bytes, or None when this process cannot have them: the size is the
 /// master's word, and a key whose value does not fit fails (`INVALID_PARAMS`) rather
@@ -96,7 +130,8 @@ impl Client {
             unsafe { self.read_placed(keys, &all, self.leased(keys), place) };
         if !retry.is_empty() {
             let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
-            let fresh = self.fetch(&again, self.keep_all(again.len()).as_deref());
+            let keep = self.keep_all(again.len());
+            let fresh = self.fetch(&again, keep.as_deref(), &mut || {});
             // SAFETY: as above.
             let (redone, _) = unsafe { self.read_placed(&again, &retry, fresh, place) };
             for (&i, r) in retry.iter().zip(redone) {
@@ -157,49 +192,84 @@ impl Client {
     /// Descriptors for `keys`: kept ones where the cache has them, the rest from the
     /// master in one round trip (kept for next time when their keys were read lately).
     fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
+        let (mut leased, keep) = self.look_up(keys);
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
+        let fresh = self.ask(keys, &missing, keep.as_deref(), &mut || {});
+        Self::fill(&mut leased, &missing, fresh);
+        leased.into_iter().map(Self::found).collect()
+    }
+
+    /// The cache's word on `keys`: each key's kept descriptor (None: the master is to
+    /// be asked), and whether the descriptor of a key asked for is to be kept (None
+    /// when descriptors are not kept).
+    fn look_up(&self, keys: &[&str]) -> (Vec<Option<Result<Leased>>>, Option<Vec<bool>>) {
         if !self.caching() {
-            return self.fetch(keys, None);
+            return (keys.iter().map(|_| None).collect(), None);
         }
-        let looked = self.shared.cache.look_up(keys, Instant::now());
-        let mut missing: Vec<&str> = Vec::new();
-        let mut keep: Vec<bool> = Vec::new();
-        for (k, l) in keys.iter().zip(&looked) {
-            if !matches!(l, Looked::Kept(_)) {
-                missing.push(k);
+        let mut keep = Vec::with_capacity(keys.len());
+        let leased = (self.shared.cache.look_up(keys, Instant::now()).into_iter())
+            .map(|l| {
                 keep.push(matches!(l, Looked::ReadBefore));
-            }
-        }
-        let mut fresh = if missing.is_empty() {
-            Vec::new()
-        } else {
-            self.fetch(&missing, Some(&keep))
-        }
-        .into_iter();
-        looked
-            .into_iter()
-            .map(|l| match l {
-                Looked::Kept(kept) => Ok(kept),
-                Looked::ReadBefore | Looked::New => fresh
-                    .next()
-                    .unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor"))),
+                match l {
+                    Looked::Kept(kept) => Some(Ok(kept)),
+                    Looked::ReadBefore | Looked::New => None,
+                }
             })
-            .collect()
+            .collect();
+        (leased, Some(keep))
+    }
+
+    /// The descriptors of keys `which` from the master, kept for next time as `keep`
+    /// (per key of `keys`) says; `meanwhile` runs once while the master works (see
+    /// `fetch`).
+    fn ask(
+        &self,
+        keys: &[&str],
+        which: &[usize],
+        keep: Option<&[bool]>,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Vec<Result<Leased>> {
+        if which.is_empty() {
+            meanwhile();
+            return Vec::new();
+        }
+        let asked: Vec<&str> = which.iter().map(|&i| keys[i]).collect();
+        let keep = keep.map(|keep| which.iter().map(|&i| keep[i]).collect::<Vec<bool>>());
+        self.fetch(&asked, keep.as_deref(), meanwhile)
+    }
+
+    /// Puts descriptors `got` (of keys `which`) in their keys' places.
+    fn fill(leased: &mut [Option<Result<Leased>>], which: &[usize], got: Vec<Result<Leased>>) {
+        for (&i, g) in which.iter().zip(got) {
+            leased[i] = Some(g);
+        }
+    }
+
+    fn found(l: Option<Result<Leased>>) -> Result<Leased> {
+        l.unwrap_or_else(|| Err(Error::new(Code::Internal, "no descriptor")))
     }
 
     /// Descriptors for `keys` from the master (one round trip); with `keep`, key `i`'s
-    /// is kept for next time when `keep[i]` and the master allows it.
-    fn fetch(&self, keys: &[&str], keep: Option<&[bool]>) -> Vec<Result<Leased>> {
+    /// is kept for next time when `keep[i]` and the master allows it. `meanwhile` runs
+    /// once, while the master works on the request when it can.
+    fn fetch(
+        &self,
+        keys: &[&str],
+        keep: Option<&[bool]>,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Vec<Result<Leased>> {
         // The lease counts from before the request left: a conservative reading.
         let asked = Instant::now();
         // A master that says what is keepable also says what it staged from disk.
         if keep.is_none() && !self.shared.master_keeps() {
+            meanwhile();
             return self
                 .replicas(keys)
                 .into_iter()
                 .map(|r| r.map(|d| Leased::granted(d, asked)))
                 .collect();
         }
-        let answer = match self.shared.lookup(keys, true) {
+        let answer = match self.shared.lookup(keys, true, meanwhile) {
             Ok(Response::Keepable { descs, keepable })
                 if descs.len() == keys.len() && keepable.len() == keys.len() =>
             {
@@ -259,9 +329,8 @@ impl Client {
     /// # Safety
     /// As `batch_get_into`.
     unsafe fn read_leased(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
-        let leased = self.leased(keys);
         // SAFETY: the caller's contract, passed on unchanged.
-        let mut results = unsafe { self.read_objects(keys, &leased, &into) };
+        let (leased, mut results) = unsafe { self.lease_and_read(keys, &into) };
         let failed_cached =
             |i: usize| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_err();
         let retry: Vec<usize> = (0..keys.len()).filter(|&i| failed_cached(i)).collect();
@@ -273,23 +342,9 @@ impl Client {
         self.shared.cache.drop_keys(wrong.map(|i| keys[i]));
         if !retry.is_empty() {
             let again: Vec<&str> = retry.iter().map(|&i| keys[i]).collect();
-            let redone = match &into {
-                ReadInto::Whole(parts) => {
-                    let sub: Vec<Parts> = retry.iter().map(|&i| parts[i].clone()).collect();
-                    // SAFETY: a subset of the caller's parts, under the same contract.
-                    unsafe { self.read_fresh(&again, ReadInto::Whole(&sub)) }
-                }
-                ReadInto::Spans(spans) => {
-                    let sub: Vec<(u64, u64)> = retry.iter().map(|&i| spans[i]).collect();
-                    // SAFETY: a subset of the caller's spans, under the same contract.
-                    unsafe { self.read_fresh(&again, ReadInto::Spans(&sub)) }
-                }
-                ReadInto::Ranges(ranges) => {
-                    let sub: Vec<Fragments> = retry.iter().map(|&i| ranges[i].clone()).collect();
-                    // SAFETY: a subset of the caller's ranges, under the same contract.
-                    unsafe { self.read_fresh(&again, ReadInto::Ranges(&sub)) }
-                }
-            };
+            let sub = into.subset(&retry);
+            // SAFETY: a subset of the caller's buffers, under the same contract.
+            let redone = unsafe { self.read_fresh(&again, sub.as_into()) };
             for (&i, r) in retry.iter().zip(redone) {
                 results[i] = r;
             }
@@ -298,12 +353,74 @@ impl Client {
         results
     }
 
+    /// The descriptors of `keys` (as `leased` gets them) and what reading into `into`
+    /// with them gave. A batch with many keys to ask the master for asks for a quarter
+    /// of them first, then for the rest, and reads the keys it has (those, and the kept
+    /// ones) while the master looks the rest up: the master's time for most keys is
+    /// spent beside this client's copying rather than before it.
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn lease_and_read(
+        &self,
+        keys: &[&str],
+        into: &ReadInto,
+    ) -> (Vec<Result<Leased>>, Vec<Result<u64>>) {
+        let (mut leased, keep) = self.look_up(keys);
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
+        if missing.len() < PIPELINE_FROM {
+            let fresh = self.ask(keys, &missing, keep.as_deref(), &mut || {});
+            Self::fill(&mut leased, &missing, fresh);
+            let leased: Vec<Result<Leased>> = leased.into_iter().map(Self::found).collect();
+            // SAFETY: the caller's contract, passed on unchanged.
+            let results = unsafe { self.read_objects(keys, &leased, into) };
+            return (leased, results);
+        }
+        let (first, rest) = missing.split_at(missing.len() / 4);
+        let got = self.ask(keys, first, keep.as_deref(), &mut || {});
+        Self::fill(&mut leased, first, got);
+        // Every key but the rest's is ready now.
+        let ready: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_some()).collect();
+        let ready_keys: Vec<&str> = ready.iter().map(|&i| keys[i]).collect();
+        let ready_leased: Vec<Result<Leased>> = ready
+            .iter()
+            .map(|&i| Self::found(leased[i].take()))
+            .collect();
+        let mut ready_read = Vec::new();
+        let rest_leased = self.ask(keys, rest, keep.as_deref(), &mut || {
+            let sub = into.subset(&ready);
+            // SAFETY: a subset of the caller's buffers, under the caller's contract.
+            ready_read = unsafe { self.read_objects(&ready_keys, &ready_leased, &sub.as_into()) };
+        });
+        let rest_keys: Vec<&str> = rest.iter().map(|&i| keys[i]).collect();
+        let sub = into.subset(rest);
+        // SAFETY: as above.
+        let rest_read = unsafe { self.read_objects(&rest_keys, &rest_leased, &sub.as_into()) };
+        let mut results: Vec<Option<Result<u64>>> = keys.iter().map(|_| None).collect();
+        for (which, got, read) in [
+            (&ready[..], ready_leased, ready_read),
+            (rest, rest_leased, rest_read),
+        ] {
+            for ((&i, l), r) in which.iter().zip(got).zip(read) {
+                leased[i] = Some(l);
+                results[i] = Some(r);
+            }
+        }
+        let leased = leased.into_iter().map(Self::found).collect();
+        let results = results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::new(Code::Internal, "no read"))))
+            .collect();
+        (leased, results)
+    }
+
     /// Reads `keys` with descriptors asked of the master now (kept ones are not used).
     ///
     /// # Safety
     /// As `batch_get_into`.
     unsafe fn read_fresh(&self, keys: &[&str], into: ReadInto) -> Vec<Result<u64>> {
-        let leased = self.fetch(keys, self.keep_all(keys.len()).as_deref());
+        let keep = self.keep_all(keys.len());
+        let leased = self.fetch(keys, keep.as_deref(), &mut || {});
         // SAFETY: the caller's contract, passed on unchanged.
         let results = unsafe { self.read_objects(keys, &leased, &into) };
         let failed = keys.iter().zip(&results).filter(|(_, r)| r.is_err());
@@ -454,7 +571,10 @@ impl Client {
                     true
                 }
                 Some(Ok(())) => {
-                    last_err.remove(&i);
+                    // (An empty map still hashes the key it is asked to remove.)
+                    if !last_err.is_empty() {
+                        last_err.remove(&i);
+                    }
                     false
                 }
                 None => {

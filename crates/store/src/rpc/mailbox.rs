@@ -265,9 +265,14 @@ impl ClientMailbox {
         }
     }
 
-    /// Posts request frame `frame` and waits for its answer. An error means the
-    /// connection is unusable.
-    pub(super) fn exchange(&mut self, stream: &TcpStream, frame: &[u8]) -> Result<Delivered> {
+    /// Posts request frame `frame`, runs `meanwhile`, and waits for the answer. An
+    /// error means the connection is unusable.
+    pub(super) fn exchange(
+        &mut self,
+        stream: &TcpStream,
+        frame: &[u8],
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Delivered> {
         if self
             .mailbox
             .slot(Direction::Requests)
@@ -276,6 +281,7 @@ impl ClientMailbox {
         {
             nudge(stream).map_err(|e| Error::io("nudging the master", e))?;
         }
+        meanwhile();
         let answers = self.mailbox.slot(Direction::Answers);
         let started = Instant::now();
         // Polled once (most answers come within it), then slept on in slices.

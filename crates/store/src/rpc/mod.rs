@@ -680,6 +680,37 @@ impl RpcClient {
         method: u16,
         payload: &[u8],
     ) -> Result<Response> {
+        self.call_meanwhile(before, method, payload, &mut || {})
+    }
+
+    /// As `call_encoded`, running `meanwhile` once while the master works: as soon as
+    /// the request has left (or, when it never leaves, before this returns). Work that
+    /// does not need the answer is done then rather than after it came.
+    pub fn call_meanwhile(
+        &self,
+        before: Option<&Request>,
+        method: u16,
+        payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
+        let mut once = Some(meanwhile);
+        let mut run_once = || {
+            if let Some(f) = once.take() {
+                f();
+            }
+        };
+        let answer = self.call_encoded_running(before, method, payload, &mut run_once);
+        run_once();
+        answer
+    }
+
+    fn call_encoded_running(
+        &self,
+        before: Option<&Request>,
+        method: u16,
+        payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<Response> {
         let read_only = matches!(
             Method::from_wire(method),
             Some(
@@ -694,7 +725,7 @@ impl RpcClient {
         );
         let mut backoff = Duration::from_millis(5);
         loop {
-            let result = self.attempt(before, method, payload, read_only);
+            let result = self.attempt(before, method, payload, read_only, meanwhile);
             let master_away = matches!(
                 &result,
                 Err(e) if matches!(e.code(), Code::RpcFail | Code::UnavailableInCurrentStatus)
@@ -720,7 +751,7 @@ impl RpcClient {
     pub fn call_now(&self, req: &Request) -> Result<Response> {
         let mut w = Writer::new();
         req.encode(&mut w);
-        self.attempt(None, req.method(), &w.into_bytes(), true)
+        self.attempt(None, req.method(), &w.into_bytes(), true, &mut || {})
     }
 
     /// What is left of the patience window opened by the first failure since the last
@@ -739,6 +770,7 @@ impl RpcClient {
         method: u16,
         bytes: &[u8],
         read_only: bool,
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<Response> {
         let encoded = |r: &Request| {
             let mut w = Writer::new();
@@ -753,7 +785,7 @@ impl RpcClient {
             Some(c) => c,
             None => self.connect()?,
         };
-        match self.exchange(&mut conn, before, method, bytes) {
+        match self.exchange(&mut conn, before, method, bytes, meanwhile) {
             Ok(resp) => {
                 self.keep(conn);
                 resp
@@ -761,7 +793,7 @@ impl RpcClient {
             Err(e) if !fresh && read_only => {
                 log::debug!("master connection went stale ({e}); reconnecting");
                 let mut conn = self.connect()?;
-                let resp = self.exchange(&mut conn, before, method, bytes)?;
+                let resp = self.exchange(&mut conn, before, method, bytes, meanwhile)?;
                 self.keep(conn);
                 resp
             }
@@ -777,14 +809,16 @@ impl RpcClient {
 
     /// Sends and receives on one connection (`before`, a request whose answer is only
     /// logged, goes first in the same write): through its mailbox when it has one and
-    /// the request fits, else on the socket. The outer error means the connection is
-    /// unusable; the inner result is the master's answer.
+    /// the request fits, else on the socket; `meanwhile` runs once the request is sent.
+    /// The outer error means the connection is unusable; the inner result is the
+    /// master's answer.
     fn exchange(
         &self,
         conn: &mut Conn,
         before: Option<(u16, &[u8])>,
         method: u16,
         payload: &[u8],
+        meanwhile: &mut dyn FnMut(),
     ) -> Result<Result<Response>> {
         let addr = conn.addr;
         let rpc = |e: Error| rpc_error(addr, e);
@@ -795,7 +829,7 @@ impl RpcClient {
             && crate::mailbox::Mailbox::fits(frame.len());
         let answers = || FrameReader::with_capacity(ANSWER_READ_AHEAD);
         if let (Some(mb), true) = (&mut conn.mailbox, by_mailbox) {
-            return match mb.exchange(&conn.stream, &frame).map_err(rpc)? {
+            return match mb.exchange(&conn.stream, &frame, meanwhile).map_err(rpc)? {
                 mailbox::Delivered::Here(f) => Self::decoded(&f, method, id),
                 mailbox::Delivered::OnSocket => {
                     Self::answer(addr, &mut conn.stream, &mut answers(), method, id)
@@ -817,6 +851,7 @@ impl RpcClient {
         stream
             .write_all(&out)
             .map_err(|e| rpc(Error::io("sending request", e)))?;
+        meanwhile();
         // The answers come in order and nothing else comes: once the last is read, the
         // connection goes back to the pool with nothing buffered.
         if let Some((m, id)) = before {
@@ -1063,6 +1098,51 @@ mod tests {
         *c.away_since.locked() = Some(Instant::now());
         assert!(c.call(&exists).is_ok());
         assert!(c.away_since.locked().is_none());
+    }
+
+    #[test]
+    fn meanwhile_runs_once_whether_the_request_leaves_or_not() {
+        let lookup = |keys: &[&str]| {
+            let mut w = Writer::new();
+            Lookup::encode(keys, &mut w);
+            w.into_bytes()
+        };
+        let method = Lookup::method(false);
+        // Nothing listens: the request never leaves, and `meanwhile` still runs, once.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut away = RpcClient::new(&format!("127.0.0.1:{port}"), None).unwrap();
+        away.patience = Duration::from_millis(30);
+        let mut ran = 0;
+        let answer = away.call_meanwhile(None, method, &lookup(&["k"]), &mut || ran += 1);
+        assert_eq!((answer.unwrap_err().code(), ran), (Code::RpcFail, 1));
+        // A master on this host (its mailbox) and one answering on the socket alone: the
+        // request has left when `meanwhile` runs, and the answer is the one asked for.
+        let master = Arc::new(Master::new(MasterConfig::default()));
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let server = serve(bind, ServerLimits::default(), master, None).unwrap();
+        for mailbox in [true, false] {
+            let client = RpcClient::new(&server.local_addr().to_string(), None).unwrap();
+            assert!(client.call(&Request::Stats).is_ok());
+            if !mailbox {
+                client
+                    .pool
+                    .locked()
+                    .iter_mut()
+                    .for_each(|c| c.mailbox = None);
+            }
+            let mut ran = 0;
+            let answer =
+                client.call_meanwhile(None, method, &lookup(&["a", "b"]), &mut || ran += 1);
+            let Ok(Response::GetReplicas(descs)) = answer else {
+                panic!("{answer:?}");
+            };
+            assert_eq!(descs, vec![Err(Code::ObjectNotFound); 2]);
+            assert_eq!(ran, 1, "mailbox {mailbox}");
+        }
     }
 
     #[test]

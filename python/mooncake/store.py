@@ -181,6 +181,8 @@ def _key_list(keys, name="keys"):
 
 
 _KEY_TYPES = (str, bytes)  # a key as given; _encode_key checks its content
+# One zeroed result, repeated into a batch's results array (cheaper than from bytes).
+_ZERO_I64 = array.array("q", [0])
 
 
 def _keys(keys, name="keys"):
@@ -1269,14 +1271,13 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             return None
         return k, addr, n
 
-    def _packed_get_into(self, keys, buffer_ptrs, sizes):
-        """The results of a regular batch_get_into (two or more str keys the store takes,
-        plain int spans each inside registered memory: what engines pass), its lists
-        converted at C speed and checked by the library; None for anything else, which
-        the careful path answers with the same results, errors and logs. For a batch of
-        small values the careful path's per-element work costs more than the read."""
-        if self._plain_lists(keys, buffer_ptrs, sizes) < 2:
-            return None
+    def _packed_get_into(self, n, keys, buffer_ptrs, sizes):
+        """The results of a regular batch_get_into of ``n`` (two or more, as
+        ``_plain_lists`` found) str keys the store takes and plain int spans each inside
+        registered memory (what engines pass), its lists converted at C speed and checked
+        by the library; None for anything else, which the careful path answers with the
+        same results, errors and logs. For a batch of small values the careful path's
+        per-element work costs more than the read."""
         try:
             packed = ("\0".join(keys) + "\0").encode()
             addrs = array.array("Q", buffer_ptrs)
@@ -1294,8 +1295,7 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         if self._engine is not None:
             # With a shared engine, what it registered is registered for the store too.
             allowed = allowed + self._engine._local.pairs()
-        n = len(keys)
-        results = array.array("q", bytes(8 * n))
+        results = _ZERO_I64 * n
         rc = N.LIB.mc_store_batch_get_into_packed(
             self._store, packed, len(packed), n, addrs.buffer_info()[0],
             lens.buffer_info()[0], allowed.buffer_info()[0], len(allowed) // 2,
@@ -1303,12 +1303,15 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         return results.tolist() if rc == N.MC_OK else None
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):
-        one = self._one_plain(keys, buffer_ptrs, sizes)
-        if one is not None:
-            return [self._get_into_one(*one)]
-        got = self._packed_get_into(keys, buffer_ptrs, sizes)
-        if got is not None:
-            return got
+        n = self._plain_lists(keys, buffer_ptrs, sizes)
+        if n >= 2:
+            got = self._packed_get_into(n, keys, buffer_ptrs, sizes)
+            if got is not None:
+                return got
+        elif n == 1:
+            one = self._one_plain(keys, buffer_ptrs, sizes)
+            if one is not None:
+                return [self._get_into_one(*one)]
         ks = _keys(keys)
         addrs = int_list(buffer_ptrs, "buffer_ptrs")
         lens = int_list(sizes, "sizes")

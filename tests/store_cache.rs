@@ -258,6 +258,41 @@ fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
     }
 }
 
+/// With the master gone, a large batch's kept keys are still read, and the keys to ask
+/// for fail with the master's absence (asked for once: the rest fail as the first did).
+#[test]
+fn a_large_batch_reads_its_kept_keys_with_the_master_gone() {
+    let s = server(10_000);
+    let node = client(&s, 32 * MIB);
+    let reader = client(&s, 0);
+    let cfg = ReplicateConfig::default();
+    let keys: Vec<String> = (0..40).map(|i| format!("gone-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        node.put(k, &value(i as u64, 512), &cfg).unwrap();
+    }
+    for _ in 0..2 {
+        reader.get(&keys[3]).unwrap();
+    }
+    assert_eq!(reader.cached_descriptors(), 1);
+    drop(s); // the node still serves its memory
+    let asked: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut buf = vec![0u8; 40 * 512];
+    let spans: Vec<(u64, u64)> = (0..40)
+        .map(|i| (buf.as_mut_ptr() as u64 + i * 512, 512))
+        .collect();
+    // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
+    let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+    for (i, r) in got.iter().enumerate() {
+        if i == 3 {
+            assert_eq!(r.as_ref().ok(), Some(&512));
+            assert_eq!(&buf[3 * 512..4 * 512], &value(3, 512)[..]);
+        } else {
+            assert_eq!(r.as_ref().unwrap_err().code(), Code::RpcFail, "key {i}");
+        }
+    }
+    drop((reader, node));
+}
+
 #[test]
 fn a_dead_node_sends_kept_reads_to_another_replica() {
     let s = server(10_000);

@@ -117,8 +117,14 @@ def repeated_u64(values):
     that only equals it, such as an ``IntEnum`` member, passes, as ``array("Q")`` takes
     it.)"""
     first = values[0] if values else None
-    if (type(first) is not int or not 2 <= first <= U64_MAX
-            or values.count(first) != len(values) or type(sum(values)) is not int):
+    if type(first) is not int or not 2 <= first <= U64_MAX:
+        return None
+    try:
+        # (The elements' own == and + run here: whatever they raise, the caller's
+        # careful path answers.)
+        if values.count(first) != len(values) or type(sum(values)) is not int:
+            return None
+    except Exception:
         return None
     return array.array("Q", (first,)) * len(values)
 

@@ -840,18 +840,14 @@ impl MasterSession {
         self.call_encoded(req.method(), &w.into_bytes(), &mut || {})
     }
 
-    /// A lookup of `keys` (`GetReplicasKeepable` when `keepable`), its payload written
-    /// straight from them, as `call_with_touches` sends a request; `meanwhile` runs
-    /// once while the master works on it (see `RpcClient::call_meanwhile`).
-    pub(crate) fn lookup(
-        &self,
-        keys: &[&str],
-        keepable: bool,
-        meanwhile: &mut dyn FnMut(),
-    ) -> Result<Response> {
+    /// A lookup of `keys` for a reader that keeps descriptors (`GetReplicasKeepable`),
+    /// its payload written straight from them, as `call_with_touches` sends a request;
+    /// `meanwhile` runs once while the master works on it (see
+    /// `RpcClient::call_meanwhile`).
+    pub(crate) fn lookup(&self, keys: &[&str], meanwhile: &mut dyn FnMut()) -> Result<Response> {
         let mut w = Writer::new();
         Lookup::encode(keys, &mut w);
-        self.call_encoded(Lookup::method(keepable), &w.into_bytes(), meanwhile)
+        self.call_encoded(Lookup::method(true), &w.into_bytes(), meanwhile)
     }
 
     /// A request given encoded, with the queued touches (if any) pipelined ahead.

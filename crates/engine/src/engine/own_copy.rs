@@ -34,6 +34,9 @@ impl Engine {
         checksum: bool,
         mut landed: impl FnMut(usize, Option<u32>),
     ) -> bool {
+        if requests.is_empty() {
+            return true; // nothing to copy, nothing counted
+        }
         if self.memory.has_device() || (checksum && requests.iter().any(|r| r.op != Op::Read)) {
             return false;
         }
@@ -60,7 +63,9 @@ impl Engine {
             if r.len == 0 {
                 return false; // as `guard` refuses it
             }
-            if pins.iter().any(|p| p.buffer_holds(r.remote, r.len)) {
+            // The last pin first: a batch's ranges mostly follow one another.
+            let held = |p: &RangeGuard| p.buffer_holds(r.remote, r.len);
+            if pins.last().is_some_and(held) || pins.iter().any(held) {
                 continue;
             }
             // Refuses ranges outside one registered buffer.

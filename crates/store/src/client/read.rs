@@ -29,6 +29,16 @@ impl ReadInto<'_> {
         !matches!(self, ReadInto::Ranges(_))
     }
 
+    /// The bytes of caller memory the read fills at most.
+    fn total_len(&self) -> u64 {
+        let sum = |lens: &mut dyn Iterator<Item = u64>| lens.fold(0u64, u64::saturating_add);
+        match self {
+            ReadInto::Whole(parts) => sum(&mut parts.iter().flatten().map(|p| p.1)),
+            ReadInto::Spans(spans) => sum(&mut spans.iter().map(|s| s.1)),
+            ReadInto::Ranges(ranges) => sum(&mut ranges.iter().flatten().map(|r| r.2)),
+        }
+    }
+
     /// What keys `which` (in that order) are read into, copied.
     fn subset(&self, which: &[usize]) -> IntoSubset {
         match self {
@@ -63,6 +73,9 @@ impl IntoSubset {
 /// Keys to ask the master for, from which a batch is read in two steps (see
 /// `Client::lease_and_read`).
 const PIPELINE_FROM: usize = 32;
+/// Bytes a batch read in two steps fills at most: past this its copies, not the
+/// master's lookups, take its time, and one engine batch spreads them best.
+const PIPELINE_MAX_BYTES: u64 = 4 << 20;
 
 /// `size` zeroed bytes, or None when this process cannot have them: the size is the
 /// master's word, and a key whose value does not fit fails (`INVALID_PARAMS`) rather
@@ -192,9 +205,20 @@ impl Client {
     /// Descriptors for `keys`: kept ones where the cache has them, the rest from the
     /// master in one round trip (kept for next time when their keys were read lately).
     fn leased(&self, keys: &[&str]) -> Vec<Result<Leased>> {
-        let (mut leased, keep) = self.look_up(keys);
+        let (leased, keep) = self.look_up(keys);
+        self.lease_missing(keys, leased, keep.as_deref())
+    }
+
+    /// Every key's descriptor: `leased`'s where it has one, the others' asked of the
+    /// master in one round trip (kept as `keep` says).
+    fn lease_missing(
+        &self,
+        keys: &[&str],
+        mut leased: Vec<Option<Result<Leased>>>,
+        keep: Option<&[bool]>,
+    ) -> Vec<Result<Leased>> {
         let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
-        let fresh = self.ask(keys, &missing, keep.as_deref(), &mut || {});
+        let fresh = self.ask(keys, &missing, keep, &mut || {});
         Self::fill(&mut leased, &missing, fresh);
         leased.into_iter().map(Self::found).collect()
     }
@@ -269,7 +293,7 @@ impl Client {
                 .map(|r| r.map(|d| Leased::granted(d, asked)))
                 .collect();
         }
-        let answer = match self.shared.lookup(keys, true, meanwhile) {
+        let answer = match self.shared.lookup(keys, meanwhile) {
             Ok(Response::Keepable { descs, keepable })
                 if descs.len() == keys.len() && keepable.len() == keys.len() =>
             {
@@ -354,10 +378,11 @@ impl Client {
     }
 
     /// The descriptors of `keys` (as `leased` gets them) and what reading into `into`
-    /// with them gave. A batch with many keys to ask the master for asks for a quarter
-    /// of them first, then for the rest, and reads the keys it has (those, and the kept
-    /// ones) while the master looks the rest up: the master's time for most keys is
-    /// spent beside this client's copying rather than before it.
+    /// with them gave. A batch of small values with many keys to ask the master for
+    /// (of a master that keeps descriptors: an older one answers another request)
+    /// asks for a quarter of them first, then for the rest, and reads the keys it has
+    /// (those, and the kept ones) while the master looks the rest up: the master's time
+    /// for most keys is spent beside this client's copying rather than before it.
     ///
     /// # Safety
     /// As `batch_get_into`.
@@ -368,16 +393,23 @@ impl Client {
     ) -> (Vec<Result<Leased>>, Vec<Result<u64>>) {
         let (mut leased, keep) = self.look_up(keys);
         let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
-        if missing.len() < PIPELINE_FROM {
-            let fresh = self.ask(keys, &missing, keep.as_deref(), &mut || {});
-            Self::fill(&mut leased, &missing, fresh);
-            let leased: Vec<Result<Leased>> = leased.into_iter().map(Self::found).collect();
+        let pipelined = missing.len() >= PIPELINE_FROM
+            && into.total_len() <= PIPELINE_MAX_BYTES
+            && self.shared.master_keeps();
+        if !pipelined {
+            let leased = self.lease_missing(keys, leased, keep.as_deref());
             // SAFETY: the caller's contract, passed on unchanged.
             let results = unsafe { self.read_objects(keys, &leased, into) };
             return (leased, results);
         }
         let (first, rest) = missing.split_at(missing.len() / 4);
         let got = self.ask(keys, first, keep.as_deref(), &mut || {});
+        // A master away or silent for the first keys would be for the rest too: they
+        // fail alike rather than wait as long again.
+        let away = got
+            .iter()
+            .all(|g| matches!(g, Err(e) if matches!(e.code(), Code::RpcFail | Code::Timeout)));
+        let away = away.then(|| got.first().cloned()).flatten();
         Self::fill(&mut leased, first, got);
         // Every key but the rest's is ready now.
         let ready: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_some()).collect();
@@ -387,22 +419,29 @@ impl Client {
             .map(|&i| Self::found(leased[i].take()))
             .collect();
         let mut ready_read = Vec::new();
-        let rest_leased = self.ask(keys, rest, keep.as_deref(), &mut || {
+        let mut read_ready = || {
             let sub = into.subset(&ready);
             // SAFETY: a subset of the caller's buffers, under the caller's contract.
             ready_read = unsafe { self.read_objects(&ready_keys, &ready_leased, &sub.as_into()) };
-        });
+        };
+        let rest_leased = match away {
+            Some(e) => {
+                read_ready();
+                rest.iter().map(|_| e.clone()).collect()
+            }
+            None => self.ask(keys, rest, keep.as_deref(), &mut read_ready),
+        };
         let rest_keys: Vec<&str> = rest.iter().map(|&i| keys[i]).collect();
         let sub = into.subset(rest);
         // SAFETY: as above.
         let rest_read = unsafe { self.read_objects(&rest_keys, &rest_leased, &sub.as_into()) };
+        debug_assert_eq!(ready_read.len(), ready.len());
+        debug_assert_eq!(rest_read.len(), rest.len());
         let mut results: Vec<Option<Result<u64>>> = keys.iter().map(|_| None).collect();
-        for (which, got, read) in [
-            (&ready[..], ready_leased, ready_read),
-            (rest, rest_leased, rest_read),
-        ] {
-            for ((&i, l), r) in which.iter().zip(got).zip(read) {
-                leased[i] = Some(l);
+        Self::fill(&mut leased, &ready, ready_leased);
+        Self::fill(&mut leased, rest, rest_leased);
+        for (which, read) in [(&ready[..], ready_read), (rest, rest_read)] {
+            for (&i, r) in which.iter().zip(read) {
                 results[i] = Some(r);
             }
         }

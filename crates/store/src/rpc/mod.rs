@@ -669,23 +669,14 @@ impl RpcClient {
     pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
         let mut w = Writer::new();
         req.encode(&mut w);
-        self.call_encoded(before, req.method(), &w.into_bytes())
+        self.call_meanwhile(before, req.method(), &w.into_bytes(), &mut || {})
     }
 
     /// As `call_after`, the request given as its method and encoded payload (a batch
-    /// read's lookup, say, written straight from its keys).
-    pub fn call_encoded(
-        &self,
-        before: Option<&Request>,
-        method: u16,
-        payload: &[u8],
-    ) -> Result<Response> {
-        self.call_meanwhile(before, method, payload, &mut || {})
-    }
-
-    /// As `call_encoded`, running `meanwhile` once while the master works: as soon as
-    /// the request has left (or, when it never leaves, before this returns). Work that
-    /// does not need the answer is done then rather than after it came.
+    /// read's lookup, say, written straight from its keys), running `meanwhile` once
+    /// while the master works: as soon as the request has left (or, when it has not,
+    /// before waiting out an absent master, or before this returns). Work that does
+    /// not need the answer is done then rather than after it came.
     pub fn call_meanwhile(
         &self,
         before: Option<&Request>,
@@ -741,6 +732,8 @@ impl RpcClient {
             let Some(left) = self.patience_left() else {
                 return result;
             };
+            // Nothing waits on the master while it is away.
+            meanwhile();
             std::thread::sleep(backoff.min(left));
             backoff = (backoff * 2).min(Duration::from_millis(200));
         }
@@ -1059,9 +1052,9 @@ mod tests {
         assert_eq!(e.code(), Code::Protocol);
     }
 
-    #[test]
-    fn reads_wait_out_an_absent_master_once_then_fail_at_once_until_it_answers() {
-        // Nothing listens on a port we bound and released.
+    /// A client of a port nothing listens on (bound and released), patient for 30 ms,
+    /// and the port.
+    fn client_of_nobody() -> (RpcClient, u16) {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -1069,6 +1062,12 @@ mod tests {
             .port();
         let mut c = RpcClient::new(&format!("127.0.0.1:{port}"), None).unwrap();
         c.patience = Duration::from_millis(30);
+        (c, port)
+    }
+
+    #[test]
+    fn reads_wait_out_an_absent_master_once_then_fail_at_once_until_it_answers() {
+        let (mut c, port) = client_of_nobody();
         let exists = Request::Exists {
             keys: vec!["k".into()],
         };
@@ -1109,13 +1108,7 @@ mod tests {
         };
         let method = Lookup::method(false);
         // Nothing listens: the request never leaves, and `meanwhile` still runs, once.
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut away = RpcClient::new(&format!("127.0.0.1:{port}"), None).unwrap();
-        away.patience = Duration::from_millis(30);
+        let (away, _) = client_of_nobody();
         let mut ran = 0;
         let answer = away.call_meanwhile(None, method, &lookup(&["k"]), &mut || ran += 1);
         assert_eq!((answer.unwrap_err().code(), ran), (Code::RpcFail, 1));

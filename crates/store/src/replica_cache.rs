@@ -163,6 +163,16 @@ impl Leased {
     }
 }
 
+/// What the cache holds for a key looked up.
+pub enum Looked {
+    /// Its kept descriptor.
+    Kept(Leased),
+    /// None, but the key was read lately: its descriptor is to be kept.
+    ReadBefore,
+    /// None, and the key was not read lately.
+    New,
+}
+
 /// How long before its lease ends an entry stops being handed out: an eighth of the
 /// lease, at most a second (room for the read itself and for clock drift).
 fn margin(lease_ms: u64) -> Duration {
@@ -274,6 +284,62 @@ impl Inner {
             self.front += 1;
         }
     }
+
+    /// The kept descriptor of `key` (whose hash is `hash`), if its lease has room. Asked
+    /// only of a key read lately: one not read lately has no entry (kept ones were
+    /// marked when looked up, and one whose mark aged out is asked of the master once
+    /// more), and its index probe, a cache miss in a large table, is saved.
+    fn get(&self, key: &str, hash: u64, now: Instant) -> Option<Leased> {
+        let slot = self.slot_under(key, Inner::tag_of(hash))?;
+        let kept = self.ring[slot].as_ref()?;
+        if now >= kept.usable_until {
+            return None;
+        }
+        let lease_ends = kept.usable_until + margin(kept.desc.lease_ms);
+        Some(Leased {
+            desc: Desc::Shared(kept.desc.clone()),
+            lease_ends,
+            cached: true,
+            staged: false,
+        })
+    }
+
+    /// Keeps one freshly granted descriptor as of `now`, letting go of the key's
+    /// previous entry, and of the oldest when full.
+    fn keep(&mut self, key: &str, leased: &Leased, now: Instant) {
+        let usable_until = leased.lease_ends - margin(leased.desc.lease_ms);
+        if usable_until <= now {
+            return;
+        }
+        if self.ring.capacity() == 0 {
+            let capacity = self.capacity;
+            self.index = SlotIndex::with_capacity(capacity);
+            self.ring.reserve_exact(capacity);
+        }
+        self.drop_expired(now);
+        let tag = self.tag(key);
+        // Kept again: the old entry goes.
+        if let Some(old) = self.slot_under(key, tag) {
+            self.let_go(old);
+        }
+        let capacity = self.capacity as u64;
+        let slot = (self.kept % capacity) as usize;
+        let kept = Kept {
+            key: key.into(),
+            tag,
+            desc: leased.desc.shared(),
+            usable_until,
+        };
+        if slot == self.ring.len() {
+            self.ring.push(Some(kept));
+        } else {
+            self.let_go(slot); // the oldest kept
+            self.ring[slot] = Some(kept);
+        }
+        self.index.insert(tag, slot as u32);
+        self.kept += 1;
+        self.front = self.front.max(self.kept.saturating_sub(capacity));
+    }
 }
 
 impl ReplicaCache {
@@ -340,40 +406,7 @@ impl ReplicaCache {
             })
             .collect()
     }
-}
 
-/// What the cache holds for a key looked up.
-pub enum Looked {
-    /// Its kept descriptor.
-    Kept(Leased),
-    /// None, but the key was read lately: its descriptor is to be kept.
-    ReadBefore,
-    /// None, and the key was not read lately.
-    New,
-}
-
-impl Inner {
-    /// The kept descriptor of `key` (whose hash is `hash`), if its lease has room. Asked
-    /// only of a key read lately: one not read lately has no entry (kept ones were
-    /// marked when looked up, and one whose mark aged out is asked of the master once
-    /// more), and its index probe, a cache miss in a large table, is saved.
-    fn get(&self, key: &str, hash: u64, now: Instant) -> Option<Leased> {
-        let slot = self.slot_under(key, Inner::tag_of(hash))?;
-        let kept = self.ring[slot].as_ref()?;
-        if now >= kept.usable_until {
-            return None;
-        }
-        let lease_ends = kept.usable_until + margin(kept.desc.lease_ms);
-        Some(Leased {
-            desc: Desc::Shared(kept.desc.clone()),
-            lease_ends,
-            cached: true,
-            staged: false,
-        })
-    }
-}
-
-impl ReplicaCache {
     /// Keeps freshly granted descriptors (keys whose lookup said `ReadBefore`), as
     /// of `now` (a batch's answers share one reading of the clock), under one lock.
     pub fn keep_many<'a>(
@@ -392,48 +425,6 @@ impl ReplicaCache {
     pub fn insert(&self, key: &str, leased: &Leased, now: Instant) {
         self.keep_many([(key, leased)], now);
     }
-}
-
-impl Inner {
-    /// Keeps one freshly granted descriptor as of `now`, letting go of the key's
-    /// previous entry, and of the oldest when full.
-    fn keep(&mut self, key: &str, leased: &Leased, now: Instant) {
-        let usable_until = leased.lease_ends - margin(leased.desc.lease_ms);
-        if usable_until <= now {
-            return;
-        }
-        if self.ring.capacity() == 0 {
-            let capacity = self.capacity;
-            self.index = SlotIndex::with_capacity(capacity);
-            self.ring.reserve_exact(capacity);
-        }
-        self.drop_expired(now);
-        let tag = self.tag(key);
-        // Kept again: the old entry goes.
-        if let Some(old) = self.slot_under(key, tag) {
-            self.let_go(old);
-        }
-        let capacity = self.capacity as u64;
-        let slot = (self.kept % capacity) as usize;
-        let kept = Kept {
-            key: key.into(),
-            tag,
-            desc: leased.desc.shared(),
-            usable_until,
-        };
-        if slot == self.ring.len() {
-            self.ring.push(Some(kept));
-        } else {
-            self.let_go(slot); // the oldest kept
-            self.ring[slot] = Some(kept);
-        }
-        self.index.insert(tag, slot as u32);
-        self.kept += 1;
-        self.front = self.front.max(self.kept.saturating_sub(capacity));
-    }
-}
-
-impl ReplicaCache {
     /// Marks `key` read, as a lookup that finds nothing kept does (for tests).
     #[cfg(test)]
     fn mark_read(&self, key: &str) {

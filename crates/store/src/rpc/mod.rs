@@ -690,12 +690,14 @@ impl RpcClient {
                 f();
             }
         };
-        let answer = self.call_encoded_running(before, method, payload, &mut run_once);
+        let answer = self.call_retrying(before, method, payload, &mut run_once);
         run_once();
         answer
     }
 
-    fn call_encoded_running(
+    /// `call_meanwhile`'s request, sent again while a read-only one finds the master
+    /// away (see `call_after`).
+    fn call_retrying(
         &self,
         before: Option<&Request>,
         method: u16,

@@ -1043,6 +1043,14 @@ fn run_checksummed(
     results
 }
 
+/// The positions in `0..n` where `holds` is true, in order; the vector is sized once
+/// (a filtered range collected grows it step by step, a cost a batch pays per call).
+fn positions(n: usize, holds: impl Fn(usize) -> bool) -> Vec<usize> {
+    let mut found = Vec::with_capacity(n);
+    found.extend((0..n).filter(|&i| holds(i)));
+    found
+}
+
 fn all_err<T>(n: usize, e: Error) -> Vec<Result<T>> {
     (0..n).map(|_| Err(e.clone())).collect()
 }

@@ -28,6 +28,13 @@ impl Writer {
         Writer { buf }
     }
 
+    /// Makes room for `n` more bytes: a payload whose size is known up front is
+    /// written without the buffer growing step by step.
+    pub fn reserve(&mut self, n: usize) -> &mut Self {
+        self.buf.reserve(n);
+        self
+    }
+
     /// The bytes written so far.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf

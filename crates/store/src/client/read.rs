@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{all_err, fragments, one, Client, FragmentList, Fragments, Parts};
+use super::{all_err, fragments, one, positions, Client, FragmentList, Fragments, Parts};
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, ObjectDesc, ReplicaDesc, Request, Response};
 use crate::replica_cache::{Leased, Looked};
@@ -217,7 +217,7 @@ impl Client {
         mut leased: Vec<Option<Result<Leased>>>,
         keep: Option<&[bool]>,
     ) -> Vec<Result<Leased>> {
-        let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
+        let missing: Vec<usize> = positions(keys.len(), |i| leased[i].is_none());
         let fresh = self.ask(keys, &missing, keep, &mut || {});
         Self::fill(&mut leased, &missing, fresh);
         leased.into_iter().map(Self::found).collect()
@@ -357,7 +357,7 @@ impl Client {
         let (leased, mut results) = unsafe { self.lease_and_read(keys, &into) };
         let failed_cached =
             |i: usize| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_err();
-        let retry: Vec<usize> = (0..keys.len()).filter(|&i| failed_cached(i)).collect();
+        let retry: Vec<usize> = positions(keys.len(), failed_cached);
         let hits: Vec<String> = (0..keys.len())
             .filter(|&i| matches!(&leased[i], Ok(l) if l.cached) && results[i].is_ok())
             .map(|i| keys[i].to_owned())
@@ -392,7 +392,7 @@ impl Client {
         into: &ReadInto,
     ) -> (Vec<Result<Leased>>, Vec<Result<u64>>) {
         let (mut leased, keep) = self.look_up(keys);
-        let missing: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_none()).collect();
+        let missing: Vec<usize> = positions(keys.len(), |i| leased[i].is_none());
         let pipelined = missing.len() >= PIPELINE_FROM
             && into.total_len() <= PIPELINE_MAX_BYTES
             && self.shared.master_keeps();
@@ -412,7 +412,7 @@ impl Client {
         let away = away.then(|| got.first().cloned()).flatten();
         Self::fill(&mut leased, first, got);
         // Every key but the rest's is ready now.
-        let ready: Vec<usize> = (0..keys.len()).filter(|&i| leased[i].is_some()).collect();
+        let ready: Vec<usize> = positions(keys.len(), |i| leased[i].is_some());
         let ready_keys: Vec<&str> = ready.iter().map(|&i| keys[i]).collect();
         let ready_leased: Vec<Result<Leased>> = ready
             .iter()
@@ -582,13 +582,11 @@ impl Client {
         let mut crcs = vec![Some(0u32); if verify { keys.len() } else { 0 }];
         // Try each key's best replica; on failure its next one, and so on.
         let mut last_err: HashMap<usize, Error> = HashMap::new();
-        let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
+        let mut pending: Vec<usize> = positions(keys.len(), |i| results[i].is_ok());
         let mut attempt = 0;
         while !pending.is_empty() {
-            let plan: Vec<(usize, &ReplicaDesc)> = pending
-                .iter()
-                .filter_map(|&i| choices[i].get(attempt).map(|r| (i, *r)))
-                .collect();
+            let mut plan: Vec<(usize, &ReplicaDesc)> = Vec::with_capacity(pending.len());
+            plan.extend((pending.iter()).filter_map(|&i| choices[i].get(attempt).map(|r| (i, *r))));
             if plan.is_empty() {
                 break;
             }

@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-use super::{all_err, fragments, Client, Fragments, ReadInto};
+use super::{all_err, fragments, positions, Client, Fragments, ReadInto};
 use crate::error::{Code, Error, Result};
 use crate::protocol::{shown_key, KeyResult, ReplicaDesc, ReplicateConfig, Request, Response};
 use crate::replica_cache::Leased;
@@ -220,7 +220,7 @@ impl Client {
                 }
             }
         }
-        let writing: Vec<usize> = (0..keys.len()).filter(|&i| results[i].is_ok()).collect();
+        let writing: Vec<usize> = positions(keys.len(), |i| results[i].is_ok());
         if writing.is_empty() {
             return results;
         }
@@ -358,7 +358,7 @@ impl Client {
     /// dropped. A key whose revoke fails keeps its session.
     pub fn put_session_revoke(&self, keys: &[&str]) -> Vec<Result<()>> {
         let sealed = self.sessions.seal(keys);
-        let revoking: Vec<usize> = (0..keys.len()).filter(|&i| sealed[i].is_ok()).collect();
+        let revoking: Vec<usize> = positions(keys.len(), |i| sealed[i].is_ok());
         let mut results: Vec<Result<()>> = sealed.into_iter().map(|s| s.map(drop)).collect();
         if revoking.is_empty() {
             return results;

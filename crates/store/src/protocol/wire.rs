@@ -415,6 +415,8 @@ impl<'a> Lookup<'a> {
 
     /// Writes the payload of a lookup of `keys`.
     pub fn encode<K: AsRef<str>>(keys: &[K], w: &mut Writer) {
+        // The count, then each key's length and bytes.
+        w.reserve(4 + keys.iter().map(|k| 4 + k.as_ref().len()).sum::<usize>());
         w.list(keys, |w, k| {
             w.str(k.as_ref());
         });

@@ -56,10 +56,10 @@ extern "C" {
  * mc_store_batch_get_alloc, revision 9 mc_host_memory_alloc and mc_host_memory_free,
  * revision 10 mc_store_key_array, revision 11 mc_engine_stats and the engine key
  * upstream_protocol, revision 12 mc_store_batch_get_into_packed and the engine stats
- * key own_copies.
+ * key own_copies, revision 13 mc_python_function.
  * A program loading the library at run time checks
  * mc_abi_revision() >= the revision it needs. */
-#define MC_ABI_REVISION 12
+#define MC_ABI_REVISION 13
 
 /* The ABI version the loaded library implements; compare with MC_ABI_VERSION. */
 uint32_t mc_abi_version(void);
@@ -574,6 +574,15 @@ int mc_store_batch_get_into_packed(mc_store *store, const char *packed, size_t l
                                    size_t n, void *const *bufs, const size_t *caps,
                                    const uint64_t *allowed, size_t n_allowed,
                                    int64_t *results);
+
+/* For the Python package only: the definition (a PyMethodDef, which the package makes
+ * a function object of with PyCFunction_NewEx) of the built-in function `name` this
+ * library implements in CPython's own calling convention, where a ctypes call costs
+ * more than the work. At present "batch_get_into": as mc_store_batch_get_into_packed,
+ * read from the Python lists themselves, the GIL given up during the read; None when
+ * the batch is not regular. NULL when there is no such function or the process is not
+ * a CPython interpreter whose C API the library finds. (revision 13) */
+const void *mc_python_function(const char *name);
 
 /* ------------------------------------------------ store, revision 2 */
 

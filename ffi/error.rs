@@ -219,6 +219,11 @@ impl fmt::Display for Error {
             Error::MissingSymbol {
                 library,
                 symbol,
+                override_var: "",
+            } => write!(f, "{library} has no symbol {symbol}"),
+            Error::MissingSymbol {
+                library,
+                symbol,
                 override_var,
             } => write!(
                 f,

@@ -6,6 +6,7 @@
 //! crate's error converts from.
 
 pub mod acl;
+pub mod cpython;
 pub mod cuda;
 pub mod error;
 pub mod fabric;

@@ -16,8 +16,11 @@ whichever method first needs a newer function.
 
 import array
 import ctypes
+import logging
 import operator
 import os
+import sys
+import sysconfig
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -47,7 +50,7 @@ __all__ = [
 
 # The ABI version this binding is written against (MC_ABI_VERSION).
 EXPECTED_ABI_VERSION = 1
-EXPECTED_ABI_REVISION = 12
+EXPECTED_ABI_REVISION = 13
 
 # ---------------------------------------------------------------- constants (mooncake.h)
 
@@ -201,6 +204,7 @@ _SIGNATURES = {
         c_int,
         [_P, c_char_p, c_size_t, c_size_t, _P, _P, _P, c_size_t, _P],
     ),
+    "mc_python_function": (_P, [c_char_p]),
     # store
     "mc_put_options_init": (None, [POINTER(McPutOptions)]),
     "mc_store_batch_put_parts": (
@@ -351,6 +355,29 @@ if ABI_VERSION != EXPECTED_ABI_VERSION or ABI_REVISION < EXPECTED_ABI_REVISION:
         f"mooncake: {LIB_PATH} implements C ABI version {ABI_VERSION} revision "
         f"{ABI_REVISION}; this package needs version {EXPECTED_ABI_VERSION}, revision "
         f"{EXPECTED_ABI_REVISION} or later")
+
+
+
+def python_function(name):
+    """The library's built-in function ``name``, called in CPython's own convention
+    (``mc_python_function``: no ctypes conversion per call, the GIL given up by the
+    function for its work); None where it cannot be had (another interpreter, a
+    free-threaded build, a process whose C API the library does not find), and the
+    caller keeps to ctypes."""
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    definition = LIB.mc_python_function(name.encode())
+    if not definition:
+        return None
+    try:
+        # A private handle: the attribute's restype is ours to set.
+        new = ctypes.PyDLL(None).PyCFunction_NewEx
+    except (OSError, AttributeError) as e:
+        logging.getLogger("mooncake").debug("mooncake: no fast %s: %s", name, e)
+        return None
+    new.restype = ctypes.py_object
+    new.argtypes = [c_void_p, c_void_p, c_void_p]
+    return new(definition, None, None)
 
 
 def error_string(code):

@@ -183,6 +183,9 @@ def _key_list(keys, name="keys"):
 _KEY_TYPES = (str, bytes)  # a key as given; _encode_key checks its content
 # One zeroed result, repeated into a batch's results array (cheaper than from bytes).
 _ZERO_I64 = array.array("q", [0])
+# The library's batch_get_into in CPython's own convention, or None (see
+# _native.python_function).
+_FAST_BATCH_GET_INTO = N.python_function("batch_get_into")
 
 
 def _keys(keys, name="keys"):
@@ -1278,6 +1281,14 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
         by the library; None for anything else, which the careful path answers with the
         same results, errors and logs. For a batch of small values the careful path's
         per-element work costs more than the read."""
+        if _FAST_BATCH_GET_INTO is not None:
+            # The library reads the lists itself (no ctypes call, no conversions here);
+            # None for what it leaves to the conversions below.
+            allowed = self._allowed_ranges()
+            got = _FAST_BATCH_GET_INTO(self._store, keys, buffer_ptrs, sizes,
+                                       allowed.buffer_info()[0], len(allowed) // 2)
+            if got is not None:
+                return got
         try:
             packed = ("\0".join(keys) + "\0").encode()
             addrs = array.array("Q", buffer_ptrs)
@@ -1291,16 +1302,22 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
                     return None
         except (TypeError, ValueError, OverflowError):
             return None
-        allowed = self._registered.pairs()
-        if self._engine is not None:
-            # With a shared engine, what it registered is registered for the store too.
-            allowed = allowed + self._engine._local.pairs()
+        allowed = self._allowed_ranges()
         results = _ZERO_I64 * n
         rc = N.LIB.mc_store_batch_get_into_packed(
             self._store, packed, len(packed), n, addrs.buffer_info()[0],
             lens.buffer_info()[0], allowed.buffer_info()[0], len(allowed) // 2,
             results.buffer_info()[0])
         return results.tolist() if rc == N.MC_OK else None
+
+    def _allowed_ranges(self):
+        """The memory a zero-copy call may name, as ``[start, end)`` pairs in an
+        ``array("Q")``: what the store registered, and with a shared engine what the
+        engine registered (registered for the store too)."""
+        allowed = self._registered.pairs()
+        if self._engine is not None:
+            allowed = allowed + self._engine._local.pairs()
+        return allowed
 
     def batch_get_into(self, keys, buffer_ptrs, sizes):
         n = self._plain_lists(keys, buffer_ptrs, sizes)

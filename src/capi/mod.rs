@@ -11,6 +11,7 @@ mod config;
 mod engine;
 mod error;
 mod host_memory;
+mod python;
 mod store;
 mod store_batch;
 mod store_surface;
@@ -21,6 +22,7 @@ pub use config::*;
 pub use engine::*;
 pub use error::*;
 pub use host_memory::*;
+pub use python::*;
 pub use store::*;
 pub use store_batch::*;
 pub use store_surface::*;
@@ -36,7 +38,7 @@ use crate::error::{Code, Result};
 /// `MC_ABI_VERSION` of the header this library implements.
 pub const MC_ABI_VERSION: u32 = 1;
 /// `MC_ABI_REVISION`: functions added within this ABI version.
-pub const MC_ABI_REVISION: u32 = 12;
+pub const MC_ABI_REVISION: u32 = 13;
 /// `MC_OK`.
 pub const MC_OK: c_int = 0;
 

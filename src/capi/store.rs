@@ -885,52 +885,77 @@ pub unsafe extern "C" fn mc_store_batch_get_into_packed(
                 array_mut(results, n, "results")?,
             )
         };
-        // Irregular batches are answered without a warning: the binding goes key by key.
-        let keys = match packed_keys(packed, n) {
-            Ok(keys) => keys,
-            Err(code) => {
-                log::debug!("mc_store_batch_get_into_packed: packed keys: {code:?}");
-                return Ok(code as c_int);
-            }
-        };
-        let span = |i: usize| {
-            let start = bufs[i] as u64;
-            (!bufs[i].is_null())
-                .then(|| Some((start, start.checked_add(caps[i] as u64)?)))
-                .flatten()
-        };
-        let covered = |(start, end): (u64, u64)| {
-            allowed
-                .chunks_exact(2)
-                .any(|r| r[0] <= start && end <= r[1])
-        };
-        // The usual batch lies in one registered buffer: one look at the spans'
-        // envelope, else one per span (a batch over many buffers).
-        let envelope = (0..n).try_fold((u64::MAX, 0u64), |(lo, hi), i| {
-            span(i).map(|(s, e)| (lo.min(s), hi.max(e)))
-        });
-        if n > 0 && !envelope.is_some_and(covered) {
-            if let Some(i) = (0..n).find(|&i| !span(i).is_some_and(covered)) {
-                log::debug!("mc_store_batch_get_into_packed: buffer {i} is outside the ranges");
-                return Ok(Code::AddressNotRegistered as c_int);
-            }
-        }
         let spans: Vec<(u64, u64)> = (0..n).map(|i| (bufs[i] as u64, caps[i] as u64)).collect();
-        // SAFETY: every buffer is inside the allowed ranges, writable for its capacity
+        // SAFETY: every buffer inside the allowed ranges is writable for its capacity
         // during the call (this fn's contract).
-        let answers = unsafe { client.batch_get_into_spans(&keys, &spans) };
-        size_results(results, answers);
-        Ok(MC_OK)
+        match unsafe { read_regular_batch(client, packed, &spans, allowed) } {
+            Ok(answers) => {
+                size_results(results, answers);
+                Ok(MC_OK)
+            }
+            // Irregular batches are answered without a warning: the binding goes key
+            // by key.
+            Err(code) => Ok(code as c_int),
+        }
     })
+}
+
+/// Reads a regular batch: key `i` of the `spans.len()` keys packed in `packed` (as
+/// for `mc_store_key_array`) into span `i` (address, capacity), every key one the
+/// store takes and every span inside one of the `[start, end)` pairs of `allowed`.
+/// The per-key answers, or the code that says why the batch is not regular, when
+/// nothing was read.
+///
+/// # Safety
+/// Every span inside the allowed ranges is writable for its capacity, untouched by
+/// others, during the call.
+pub(super) unsafe fn read_regular_batch(
+    client: &Client,
+    packed: &[u8],
+    spans: &[(u64, u64)],
+    allowed: &[u64],
+) -> std::result::Result<Vec<Result<u64>>, Code> {
+    let keys = packed_keys(packed, spans.len()).inspect_err(|code| {
+        log::debug!("a regular batch read: packed keys: {code:?}");
+    })?;
+    let span = |&(start, cap): &(u64, u64)| {
+        (start != 0)
+            .then(|| Some((start, start.checked_add(cap)?)))
+            .flatten()
+    };
+    let covered = |(start, end): (u64, u64)| {
+        allowed
+            .chunks_exact(2)
+            .any(|r| r[0] <= start && end <= r[1])
+    };
+    // The usual batch lies in one registered buffer: one look at the spans' envelope,
+    // else one per span (a batch over many buffers).
+    let envelope = spans.iter().try_fold((u64::MAX, 0u64), |(lo, hi), s| {
+        span(s).map(|(s, e)| (lo.min(s), hi.max(e)))
+    });
+    if !spans.is_empty() && !envelope.is_some_and(covered) {
+        if let Some(i) = spans.iter().position(|s| !span(s).is_some_and(covered)) {
+            log::debug!("a regular batch read: buffer {i} is outside the ranges");
+            return Err(Code::AddressNotRegistered);
+        }
+    }
+    // SAFETY: every span is inside the allowed ranges, writable for its capacity
+    // during the call (this fn's contract).
+    Ok(unsafe { client.batch_get_into_spans(&keys, spans) })
 }
 
 /// Writes per-key sizes or codes into `results`.
 pub(super) fn size_results(results: &mut [i64], answers: Vec<Result<u64>>) {
     for (slot, a) in results.iter_mut().zip(answers) {
-        *slot = match a {
-            Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
-            Err(e) => code_of(&e).into(),
-        };
+        *slot = answer_code(a);
+    }
+}
+
+/// A per-key answer as a binding reports it: the size, or the negative code.
+pub(super) fn answer_code(answer: Result<u64>) -> i64 {
+    match answer {
+        Ok(size) => i64::try_from(size).unwrap_or(i64::MAX),
+        Err(e) => code_of(&e).into(),
     }
 }
 

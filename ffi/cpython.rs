@@ -2,10 +2,16 @@
 //! up in the running process (the interpreter that loaded this library), never linked
 //! against, so the library loads in any process and only a Python one binds it.
 //!
-//! Only functions of the stable ABI, and only where their layout does not differ
-//! between builds: objects are opaque pointers, `PyMethodDef` is four words in every
-//! build. A free-threaded interpreter is not bound (the Python package does not ask
-//! for it there): its lists hand out references another thread may drop.
+//! Only functions every CPython from 3.8 exports (all in the limited API from 3.10),
+//! and no layout that differs between builds: objects are opaque pointers,
+//! `PyMethodDef` is four words in every build. The Python package does not ask for
+//! these calls on a free-threaded interpreter, whose lists hand out references
+//! another thread may drop.
+//!
+//! There is no guard that takes the GIL back when dropped: on CPython 3.8 to 3.13,
+//! `PyEval_RestoreThread` during the interpreter's shutdown ends a daemon thread with
+//! a forced unwind, which may only cross frames with nothing to drop. A caller gives
+//! the GIL up and takes it back in one frame that holds no value with a destructor.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::{Arc, OnceLock};
@@ -21,8 +27,9 @@ pub struct PyObject {
 
 /// `PyCFunction` as `METH_FASTCALL` calls it: `self`, the positional arguments, their
 /// count.
+/// ("C-unwind": the GIL taken back inside may end the thread with a forced unwind.)
 pub type FastCall =
-    unsafe extern "C" fn(*mut PyObject, *const *mut PyObject, isize) -> *mut PyObject;
+    unsafe extern "C-unwind" fn(*mut PyObject, *const *mut PyObject, isize) -> *mut PyObject;
 
 /// `PyMethodDef`: a built-in function's name, entry point, calling convention and
 /// docstring.
@@ -88,9 +95,10 @@ function_table! {
             pub dec_ref: required ["Py_DecRef"] unsafe extern "C" fn(*mut PyObject),
             /// `PyEval_SaveThread`: gives the GIL up.
             pub save_thread: required ["PyEval_SaveThread"] unsafe extern "C" fn() -> ThreadState,
-            /// `PyEval_RestoreThread`: takes the GIL back.
+            /// `PyEval_RestoreThread`: takes the GIL back (or, during shutdown, ends a
+            /// daemon thread with a forced unwind).
             pub restore_thread: required ["PyEval_RestoreThread"]
-                unsafe extern "C" fn(ThreadState),
+                unsafe extern "C-unwind" fn(ThreadState),
             /// The address of `None` (a data symbol, not a function).
             pub none: required ["_Py_NoneStruct"] *mut PyObject,
             /// The address of the variable holding `TypeError` (a data symbol).
@@ -140,31 +148,5 @@ impl CPython {
     pub fn clear_error(&self) {
         // SAFETY: the caller holds the GIL.
         unsafe { (self.err_clear)() };
-    }
-}
-
-/// The GIL given up for the life of this value, taken back when it drops (also while
-/// a panic unwinds): only Rust runs in between, touching no Python object.
-pub struct GilReleased<'a> {
-    api: &'a CPython,
-    state: ThreadState,
-}
-
-impl<'a> GilReleased<'a> {
-    /// Gives the GIL up.
-    ///
-    /// # Safety
-    /// The calling thread holds the GIL, and touches no Python object until this drops.
-    pub unsafe fn new(api: &'a CPython) -> GilReleased<'a> {
-        // SAFETY: the caller holds the GIL (this fn's contract).
-        let state = unsafe { (api.save_thread)() };
-        GilReleased { api, state }
-    }
-}
-
-impl Drop for GilReleased<'_> {
-    fn drop(&mut self) {
-        // SAFETY: `state` is what `save_thread` gave this thread, handed back once.
-        unsafe { (self.api.restore_thread)(self.state) };
     }
 }

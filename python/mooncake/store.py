@@ -1285,7 +1285,9 @@ class MooncakeDistributedStore(TensorStoreMixin, StoreSurfaceMixin):
             # The library reads the lists itself (no ctypes call, no conversions here);
             # None for what it leaves to the conversions below.
             allowed = self._allowed_ranges()
-            got = _FAST_BATCH_GET_INTO(self._store, keys, buffer_ptrs, sizes,
+            # (A store closed by another thread since the caller looked is 0: the
+            # library declines it, and the ctypes path answers as before.)
+            got = _FAST_BATCH_GET_INTO(self._store or 0, keys, buffer_ptrs, sizes,
                                        allowed.buffer_info()[0], len(allowed) // 2)
             if got is not None:
                 return got

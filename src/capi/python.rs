@@ -11,7 +11,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
 
-use mooncake_sys::cpython::{self, CPython, GilReleased, PyMethodDef, PyObject, METH_FASTCALL};
+use mooncake_sys::cpython::{self, CPython, PyMethodDef, PyObject, METH_FASTCALL};
 
 use super::args::array;
 use super::store::{answer_code, read_regular_batch, store, McStore};
@@ -60,33 +60,72 @@ pub unsafe extern "C" fn mc_python_function(name: *const c_char) -> *const c_voi
 /// batch is not regular (nothing read) or its lists hold what the ctypes path is to
 /// judge. `store` is the handle as an int; `allowed` the address of `2 * n_allowed`
 /// u64s, the `[start, end)` ranges its user registered.
-unsafe extern "C" fn batch_get_into(
+unsafe extern "C-unwind" fn batch_get_into(
     _module: *mut PyObject,
     args: *const *mut PyObject,
     nargs: isize,
 ) -> *mut PyObject {
-    // Bound before this function object was made; the GIL is held for the call.
+    // Bound before this function object was made (unreachable otherwise).
     let Ok(api) = cpython::api() else {
         return null_mut();
     };
+    // The GIL held: the arguments checked, the lists copied out.
     // SAFETY: the interpreter passes `nargs` live arguments and holds the GIL.
-    let answer = guard_value("batch_get_into", None, || unsafe {
-        batch_get_into_held(api, args, nargs)
+    let first = guard_value("batch_get_into", Step::Decline, || unsafe {
+        prepare(api, args, nargs)
     });
-    answer.unwrap_or_else(|| api.new_none())
+    let pending = match first {
+        Step::Answer(answer) => return answer,
+        Step::Decline => return api.new_none(),
+        Step::Read(pending) => Box::into_raw(pending),
+    };
+    // The GIL given up for the read. Every value the read makes is dropped or boxed
+    // before the GIL is asked back: on CPython 3.8 to 3.13, `PyEval_RestoreThread`
+    // during the interpreter's shutdown ends a daemon thread with a forced unwind,
+    // which may only cross frames with nothing to drop (as this one is then).
+    // SAFETY: the GIL is held; nothing touches a Python object until it is back.
+    let state = unsafe { (api.save_thread)() };
+    let done = guard_value("batch_get_into", null_mut(), || {
+        // SAFETY: `pending` came from `Box::into_raw` just above, taken back once;
+        // its read's contract is the package's (as for mc_store_batch_get_into_packed).
+        let answers = unsafe { Box::from_raw(pending).read() };
+        answers.map_or(null_mut(), |a| Box::into_raw(Box::new(a)))
+    });
+    // SAFETY: the state `save_thread` gave this thread, handed back once.
+    unsafe { (api.restore_thread)(state) };
+    if done.is_null() {
+        return api.new_none();
+    }
+    // The GIL held again.
+    let list = guard_value("batch_get_into", null_mut(), || {
+        // SAFETY: `done` came from `Box::into_raw`, taken back once; the GIL is held.
+        unsafe { results_list(api, *Box::from_raw(done)) }
+    });
+    // (NULL with no error set only after a panic, logged: the ctypes path answers.)
+    // SAFETY: the GIL is held.
+    if list.is_null() && unsafe { (api.err_occurred)() }.is_null() {
+        return api.new_none();
+    }
+    list
 }
 
-/// The body of `batch_get_into`, the GIL held: the answer, or None for `None`.
+/// What `batch_get_into` does after its first step.
+enum Step {
+    /// Answers now (NULL: the error raised).
+    Answer(*mut PyObject),
+    /// Answers `None`: the ctypes path is to.
+    Decline,
+    /// Reads this batch, the GIL given up.
+    Read(Box<PendingRead>),
+}
+
+/// The first step of `batch_get_into`, the GIL held.
 ///
 /// # Safety
 /// `args` holds `nargs` live objects; the calling thread holds the GIL.
-unsafe fn batch_get_into_held(
-    api: &CPython,
-    args: *const *mut PyObject,
-    nargs: isize,
-) -> Option<*mut PyObject> {
+unsafe fn prepare(api: &CPython, args: *const *mut PyObject, nargs: isize) -> Step {
     if nargs != 6 || args.is_null() {
-        return Some(api.raise_type_error(
+        return Step::Answer(api.raise_type_error(
             c"batch_get_into takes store, keys, buffer_ptrs, sizes, allowed and n_allowed",
         ));
     }
@@ -95,26 +134,64 @@ unsafe fn batch_get_into_held(
     // SAFETY: live objects, the GIL held (this fn's contract).
     let ints = unsafe { [args[0], args[4], args[5]].map(|o| u64_of(api, o)) };
     let [Some(handle), Some(allowed), Some(n_allowed)] = ints else {
-        return Some(api.raise_type_error(
+        return Step::Answer(api.raise_type_error(
             c"batch_get_into: store, allowed and n_allowed are ints of 64 bits",
         ));
     };
     // SAFETY: as above.
-    let Some(batch) = (unsafe { ListedBatch::read(api, args[1], args[2], args[3]) }) else {
-        api.clear_error();
-        return None;
-    };
-    let answers = {
-        // SAFETY: the GIL is held here; what follows touches no Python object (the
-        // lists were copied into `batch`) until it is taken back.
-        let _released = unsafe { GilReleased::new(api) };
-        // SAFETY: the package passes its live store handle and its registered ranges
-        // (`2 * n_allowed` u64s at `allowed`), and keeps the spans' memory writable
-        // for the call, as for mc_store_batch_get_into_packed.
-        unsafe { batch.read_into(handle, allowed, n_allowed) }
-    };
-    // SAFETY: the GIL is held again.
-    answers.map(|answers| unsafe { results_list(api, answers) })
+    match unsafe { ListedBatch::read(api, args[1], args[2], args[3]) } {
+        Some(batch) => Step::Read(Box::new(PendingRead {
+            batch,
+            handle,
+            allowed,
+            n_allowed,
+        })),
+        None => {
+            api.clear_error();
+            Step::Decline
+        }
+    }
+}
+
+/// A batch to read, and the store call's other arguments as the package gave them.
+struct PendingRead {
+    batch: ListedBatch,
+    handle: u64,
+    allowed: u64,
+    n_allowed: u64,
+}
+
+impl PendingRead {
+    /// The regular batch read of `mc_store_batch_get_into_packed`: the per-key
+    /// answers, or None when the batch is not regular or the arguments are refused
+    /// (nothing read then).
+    ///
+    /// # Safety
+    /// As `mc_store_batch_get_into_packed`'s: `handle` a live store, `allowed` the
+    /// address of `2 * n_allowed` u64s, and every span inside those ranges writable
+    /// for its size, untouched by others, during the call.
+    unsafe fn read(self) -> Option<Vec<Result<u64>>> {
+        let pairs = usize::try_from(self.n_allowed).ok()?.checked_mul(2)?;
+        let ListedBatch { packed, spans } = &self.batch;
+        // SAFETY: this fn's contract.
+        let got = unsafe {
+            store(self.handle as usize as *mut McStore).and_then(|client| {
+                let allowed = array(self.allowed as usize as *const u64, pairs, "allowed")?;
+                Ok(read_regular_batch(client, packed, spans, allowed))
+            })
+        };
+        match got {
+            Ok(Ok(answers)) => Some(answers),
+            Ok(Err(code)) => {
+                log::debug!("batch_get_into: not a regular batch: {code:?}");
+                None
+            }
+            Err(e) => {
+                log::debug!("batch_get_into: {e}");
+                None
+            }
+        }
+    }
 }
 
 /// An int's value as a u64; None (the error cleared) for anything else.
@@ -170,6 +247,7 @@ impl ListedBatch {
                     return None;
                 }
                 // The str's own UTF-8, alive while the str is: copied before the GIL goes.
+                // (For a str not all ASCII, CPython makes it once and keeps it with the str.)
                 packed.extend_from_slice(std::slice::from_raw_parts(utf8.cast(), len as usize));
                 packed.push(0);
                 let addr = u64_of(api, item(addrs)?)?;
@@ -177,44 +255,6 @@ impl ListedBatch {
                 spans.push((addr, size));
             }
             Some(ListedBatch { packed, spans })
-        }
-    }
-
-    /// The regular batch read of `mc_store_batch_get_into_packed`, its arguments as
-    /// ints: the per-key answers, or None when the batch is not regular or the
-    /// arguments are refused (nothing read then).
-    ///
-    /// # Safety
-    /// As `mc_store_batch_get_into_packed`'s, for `handle`, `allowed` and the spans.
-    unsafe fn read_into(
-        &self,
-        handle: u64,
-        allowed: u64,
-        n_allowed: u64,
-    ) -> Option<Vec<Result<u64>>> {
-        let pairs = usize::try_from(n_allowed).ok()?.checked_mul(2)?;
-        // SAFETY: a live store and `pairs` readable u64s (this fn's contract).
-        let got = unsafe {
-            store(handle as usize as *mut McStore).and_then(|client| {
-                let allowed = array(allowed as usize as *const u64, pairs, "allowed")?;
-                Ok(read_regular_batch(
-                    client,
-                    &self.packed,
-                    &self.spans,
-                    allowed,
-                ))
-            })
-        };
-        match got {
-            Ok(Ok(answers)) => Some(answers),
-            Ok(Err(code)) => {
-                log::debug!("batch_get_into: not a regular batch: {code:?}");
-                None
-            }
-            Err(e) => {
-                log::debug!("batch_get_into: {e}");
-                None
-            }
         }
     }
 }

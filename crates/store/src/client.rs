@@ -1043,11 +1043,16 @@ fn run_checksummed(
     results
 }
 
-/// The positions in `0..n` where `holds` is true, in order; the vector is sized once
-/// (a filtered range collected grows it step by step, a cost a batch pays per call).
+/// The positions in `0..n` where `holds` is true, in order. The vector is sized once,
+/// from the first position found (a filtered range collected grows it step by step,
+/// a cost a batch pays per call); none found, nothing is allocated.
 fn positions(n: usize, holds: impl Fn(usize) -> bool) -> Vec<usize> {
-    let mut found = Vec::with_capacity(n);
-    found.extend((0..n).filter(|&i| holds(i)));
+    let Some(first) = (0..n).find(|&i| holds(i)) else {
+        return Vec::new();
+    };
+    let mut found = Vec::with_capacity(n - first);
+    found.push(first);
+    found.extend((first + 1..n).filter(|&i| holds(i)));
     found
 }
 
@@ -1088,6 +1093,18 @@ unsafe fn crc_of(parts: &Parts) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn positions_are_found_in_order_in_one_allocation_or_none() {
+        let odd = positions(9, |i| i % 2 == 1);
+        assert_eq!(odd, [1, 3, 5, 7]);
+        // Room for every position from the first one found: never grown.
+        assert_eq!(odd.capacity(), 8);
+        let none = positions(64, |_| false);
+        assert!(none.is_empty() && none.capacity() == 0);
+        assert_eq!(positions(3, |_| true), [0, 1, 2]);
+        assert!(positions(0, |_| true).is_empty());
+    }
 
     #[test]
     fn metadata_url_takes_the_masters_host_when_local() {

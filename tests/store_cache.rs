@@ -231,20 +231,14 @@ fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
         .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
         .collect();
     spans[40].1 = 100; // too small for its value
-    let lookups = || {
-        s.master()
-            .metrics_text()
-            .lines()
-            .find_map(|l| {
-                let v = l.strip_prefix("master_batch_get_replica_list_requests_total ")?;
-                v.parse::<u64>().ok()
-            })
-            .unwrap_or(0)
-    };
-    let before = lookups();
+    let before = master_lookups(&s);
     // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
     let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
-    assert_eq!(lookups() - before, 2, "45 keys asked for in two steps");
+    assert_eq!(
+        master_lookups(&s) - before,
+        2,
+        "45 keys asked for in two steps"
+    );
     for (i, r) in got.iter().enumerate() {
         match i {
             5 => assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound),
@@ -258,39 +252,132 @@ fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
     }
 }
 
-/// With the master gone, a large batch's kept keys are still read, and the keys to ask
-/// for fail with the master's absence (asked for once: the rest fail as the first did).
+/// A large batch whose kept keys sit in its tail, and missing keys and a buffer too
+/// small on both sides of its first quarter: two lookups, every key's answer and bytes
+/// in its own place; once most keys are kept, the few new ones take one lookup.
 #[test]
-fn a_large_batch_reads_its_kept_keys_with_the_master_gone() {
+fn a_large_batch_with_kept_keys_in_its_tail_answers_in_key_order() {
     let s = server(10_000);
-    let node = client(&s, 32 * MIB);
+    let _node = client(&s, 32 * MIB);
     let reader = client(&s, 0);
     let cfg = ReplicateConfig::default();
-    let keys: Vec<String> = (0..40).map(|i| format!("gone-{i}")).collect();
+    let n = 48;
+    let keys: Vec<String> = (0..n).map(|i| format!("head-{i}")).collect();
     for (i, k) in keys.iter().enumerate() {
-        node.put(k, &value(i as u64, 512), &cfg).unwrap();
+        reader.put(k, &value(i as u64, 1000 + i), &cfg).unwrap();
     }
+    // Keys 30..33 read twice before: kept, in the batch's tail.
     for _ in 0..2 {
-        reader.get(&keys[3]).unwrap();
-    }
-    assert_eq!(reader.cached_descriptors(), 1);
-    drop(s); // the node still serves its memory
-    let asked: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let mut buf = vec![0u8; 40 * 512];
-    let spans: Vec<(u64, u64)> = (0..40)
-        .map(|i| (buf.as_mut_ptr() as u64 + i * 512, 512))
-        .collect();
-    // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
-    let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
-    for (i, r) in got.iter().enumerate() {
-        if i == 3 {
-            assert_eq!(r.as_ref().ok(), Some(&512));
-            assert_eq!(&buf[3 * 512..4 * 512], &value(3, 512)[..]);
-        } else {
-            assert_eq!(r.as_ref().unwrap_err().code(), Code::RpcFail, "key {i}");
+        for k in &keys[30..33] {
+            reader.get(k).unwrap();
         }
     }
-    drop((reader, node));
+    assert_eq!(reader.cached_descriptors(), 3);
+    let lookups = || master_lookups(&s);
+    let mut asked: Vec<&str> = keys.iter().map(String::as_str).collect();
+    asked[2] = "head-missing"; // in the first quarter
+    asked[20] = "tail-missing";
+    let mut buf = vec![0u8; n * 2048];
+    let mut spans: Vec<(u64, u64)> = (0..n)
+        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
+        .collect();
+    spans[7].1 = 100; // too small for its value, in the first quarter
+    let before = lookups();
+    // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
+    let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+    assert_eq!(
+        lookups() - before,
+        2,
+        "the first quarter, then the rest not kept"
+    );
+    for (i, r) in got.iter().enumerate() {
+        match i {
+            2 | 20 => assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound),
+            7 => assert_eq!(r.as_ref().unwrap_err().code(), Code::BufferOverflow),
+            _ => {
+                assert_eq!(r.as_ref().ok(), Some(&(1000 + i as u64)), "key {i}");
+                let want = value(i as u64, 1000 + i);
+                assert_eq!(&buf[i * 2048..][..want.len()], &want[..], "key {i}");
+            }
+        }
+    }
+    // Read twice now, every key found is kept but key 7 (its read failed): a batch of
+    // 12 new keys, then 36 kept ones, asks for the new ones alone.
+    // SAFETY: as above.
+    let _ = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+    let fresh: Vec<String> = (0..12).map(|i| format!("head-new-{i}")).collect();
+    for (i, k) in fresh.iter().enumerate() {
+        reader.put(k, &value(100 + i as u64, 900), &cfg).unwrap();
+    }
+    let kept = (8..n).filter(|&i| i != 20).take(36);
+    let mixed: Vec<&str> = (fresh.iter().map(String::as_str))
+        .chain(kept.clone().map(|i| asked[i]))
+        .collect();
+    let spans: Vec<(u64, u64)> = (0..n)
+        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
+        .collect();
+    let before = lookups();
+    // SAFETY: as above.
+    let got = unsafe { reader.batch_get_into_spans(&mixed, &spans) };
+    assert_eq!(
+        lookups() - before,
+        1,
+        "only the new first quarter asked for"
+    );
+    let sizes = (0..12).map(|_| 900).chain(kept.map(|i| 1000 + i as u64));
+    for (j, (r, size)) in got.iter().zip(sizes).enumerate() {
+        assert_eq!(r.as_ref().ok(), Some(&size), "key {j}");
+    }
+    assert_eq!(&buf[..900], &value(100, 900)[..]);
+}
+
+fn master_lookups(s: &MasterServer) -> u64 {
+    s.master()
+        .metrics_text()
+        .lines()
+        .find_map(|l| {
+            let v = l.strip_prefix("master_batch_get_replica_list_requests_total ")?;
+            v.parse::<u64>().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// With the master gone, a large batch's kept keys are still read, and the keys to ask
+/// for fail with the master's absence (asked for once: the rest fail as the first did),
+/// whether a kept key is among the first quarter or not.
+#[test]
+fn a_large_batch_reads_its_kept_keys_with_the_master_gone() {
+    for kept in [3, 30] {
+        let s = server(10_000);
+        let node = client(&s, 32 * MIB);
+        let reader = client(&s, 0);
+        let cfg = ReplicateConfig::default();
+        let keys: Vec<String> = (0..40).map(|i| format!("gone-{i}")).collect();
+        for (i, k) in keys.iter().enumerate() {
+            node.put(k, &value(i as u64, 512), &cfg).unwrap();
+        }
+        for _ in 0..2 {
+            reader.get(&keys[kept]).unwrap();
+        }
+        assert_eq!(reader.cached_descriptors(), 1);
+        drop(s); // the node still serves its memory
+        let asked: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut buf = vec![0u8; 40 * 512];
+        let spans: Vec<(u64, u64)> = (0..40)
+            .map(|i| (buf.as_mut_ptr() as u64 + i * 512, 512))
+            .collect();
+        // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
+        let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+        for (i, r) in got.iter().enumerate() {
+            if i == kept {
+                assert_eq!(r.as_ref().ok(), Some(&512));
+                assert_eq!(&buf[kept * 512..][..512], &value(kept as u64, 512)[..]);
+            } else {
+                assert_eq!(r.as_ref().unwrap_err().code(), Code::RpcFail, "key {i}");
+            }
+        }
+        drop((reader, node));
+    }
 }
 
 #[test]

@@ -203,7 +203,7 @@ fn a_span_read_asks_again_for_a_wrong_kept_descriptor() {
     assert_eq!(short[0].as_ref().unwrap_err().code(), Code::InvalidParams);
 }
 
-/// A batch with many keys to ask the master for asks for a quarter first and reads
+/// A batch with many keys to ask the master for asks for a third first and reads
 /// those (with the kept ones) while the master looks up the rest: two lookups, and
 /// every key's answer and bytes in its own place, whatever each key's fate.
 #[test]
@@ -253,7 +253,7 @@ fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
 }
 
 /// A large batch whose kept keys sit in its tail, and missing keys and a buffer too
-/// small on both sides of its first quarter: two lookups, every key's answer and bytes
+/// small on both sides of its first third: two lookups, every key's answer and bytes
 /// in its own place; once most keys are kept, the few new ones take one lookup.
 #[test]
 fn a_large_batch_with_kept_keys_in_its_tail_answers_in_key_order() {
@@ -275,20 +275,20 @@ fn a_large_batch_with_kept_keys_in_its_tail_answers_in_key_order() {
     assert_eq!(reader.cached_descriptors(), 3);
     let lookups = || master_lookups(&s);
     let mut asked: Vec<&str> = keys.iter().map(String::as_str).collect();
-    asked[2] = "head-missing"; // in the first quarter
+    asked[2] = "head-missing"; // in the first third
     asked[20] = "tail-missing";
     let mut buf = vec![0u8; n * 2048];
     let mut spans: Vec<(u64, u64)> = (0..n)
         .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
         .collect();
-    spans[7].1 = 100; // too small for its value, in the first quarter
+    spans[7].1 = 100; // too small for its value, in the first third
     let before = lookups();
     // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
     let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
     assert_eq!(
         lookups() - before,
         2,
-        "the first quarter, then the rest not kept"
+        "a third of the keys to ask for, then the rest"
     );
     for (i, r) in got.iter().enumerate() {
         match i {
@@ -319,11 +319,7 @@ fn a_large_batch_with_kept_keys_in_its_tail_answers_in_key_order() {
     let before = lookups();
     // SAFETY: as above.
     let got = unsafe { reader.batch_get_into_spans(&mixed, &spans) };
-    assert_eq!(
-        lookups() - before,
-        1,
-        "only the new first quarter asked for"
-    );
+    assert_eq!(lookups() - before, 1, "12 new keys asked for in one step");
     let sizes = (0..12).map(|_| 900).chain(kept.map(|i| 1000 + i as u64));
     for (j, (r, size)) in got.iter().zip(sizes).enumerate() {
         assert_eq!(r.as_ref().ok(), Some(&size), "key {j}");
@@ -344,7 +340,7 @@ fn master_lookups(s: &MasterServer) -> u64 {
 
 /// With the master gone, a large batch's kept keys are still read, and the keys to ask
 /// for fail with the master's absence (asked for once: the rest fail as the first did),
-/// whether a kept key is among the first quarter or not.
+/// whether a kept key is among the first third or not.
 #[test]
 fn a_large_batch_reads_its_kept_keys_with_the_master_gone() {
     for kept in [3, 30] {

@@ -380,7 +380,7 @@ impl Client {
     /// The descriptors of `keys` (as `leased` gets them) and what reading into `into`
     /// with them gave. A batch of small values with many keys to ask the master for
     /// (of a master that keeps descriptors: an older one answers another request)
-    /// asks for a quarter of them first, then for the rest, and reads the keys it has
+    /// asks for a third of them first, then for the rest, and reads the keys it has
     /// (those, and the kept ones) while the master looks the rest up: the master's time
     /// for most keys is spent beside this client's copying rather than before it.
     ///
@@ -402,7 +402,7 @@ impl Client {
             let results = unsafe { self.read_objects(keys, &leased, into) };
             return (leased, results);
         }
-        let (first, rest) = missing.split_at(missing.len() / 4);
+        let (first, rest) = missing.split_at(missing.len() / 3);
         let got = self.ask(keys, first, keep.as_deref(), &mut || {});
         // A master away or silent for the first keys would be for the rest too: they
         // fail alike rather than wait as long again.

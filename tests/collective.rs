@@ -1499,7 +1499,13 @@ fn a_collective_entering_a_new_view_at_its_start_is_refused_until_agreed() {
         o.cell_bytes = 64 << 10;
         o.cells_per_peer = 2;
     });
-    drop(groups.pop()); // rank 2 is gone
+    // Rank 2 stays up, silent, through the failing operation: both ranks are then
+    // inside it when it times out, whichever thread starts first. (Were it gone, a
+    // write to it would fail at once, and a rank whose thread starts late would find
+    // the other's failure announced and enter the change at its start, then wait
+    // four timeouts there for a rank held behind the join below: no majority, and
+    // each rank in turn leaves the group.)
+    let silent = groups.pop();
     let (g0, g1) = (&groups[0], &groups[1]);
     let sum = |g: &Group| {
         let mut v = [1u8; 64];
@@ -1512,6 +1518,7 @@ fn a_collective_entering_a_new_view_at_its_start_is_refused_until_agreed() {
         assert!(a.join().unwrap().is_err(), "rank 2 never answered");
         assert!(b.join().unwrap().is_err(), "rank 2 never answered");
     });
+    drop(silent); // gone now: the reconciliation drops it as a lifeless suspect
     let epoch = g0.epoch();
     std::thread::scope(|s| {
         // Rank 0 reconciles explicitly, then agrees; rank 1 just runs its next
@@ -1524,6 +1531,11 @@ fn a_collective_entering_a_new_view_at_its_start_is_refused_until_agreed() {
         assert_eq!(
             refused.code(),
             mooncake::Code::UnavailableInCurrentStatus,
+            "{refused}"
+        );
+        // Refused for the new view, not for leaving the group (same code).
+        assert!(
+            !refused.to_string().contains("leaves the group"),
             "{refused}"
         );
         assert_eq!(g1.agree_max(3).expect("agreed"), 7);

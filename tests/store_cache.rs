@@ -203,53 +203,78 @@ fn a_span_read_asks_again_for_a_wrong_kept_descriptor() {
     assert_eq!(short[0].as_ref().unwrap_err().code(), Code::InvalidParams);
 }
 
+/// Keys in the large batches below.
+const BATCH: usize = 48;
+
+/// A master, a node, and a reader that put `BATCH` keys `{prefix}-{i}` (value `i`,
+/// `1000 + i` bytes) and read keys `kept` twice, so that their descriptors are kept.
+fn batch_with_kept_keys(
+    prefix: &str,
+    kept: std::ops::Range<usize>,
+) -> (MasterServer, Client, Client, Vec<String>) {
+    let s = server(10_000);
+    let node = client(&s, 32 * MIB);
+    let reader = client(&s, 0);
+    let keys: Vec<String> = (0..BATCH).map(|i| format!("{prefix}-{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        let cfg = ReplicateConfig::default();
+        reader.put(k, &value(i as u64, 1000 + i), &cfg).unwrap();
+    }
+    for _ in 0..2 {
+        for k in &keys[kept.clone()] {
+            reader.get(k).unwrap();
+        }
+    }
+    assert_eq!(reader.cached_descriptors(), kept.len());
+    (s, node, reader, keys)
+}
+
+/// `BATCH` spans of 2 KiB, one after another in `buf`.
+fn spans_in(buf: &mut [u8]) -> Vec<(u64, u64)> {
+    (0..BATCH)
+        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
+        .collect()
+}
+
+/// A batch's answers from `batch_with_kept_keys`'s values: keys `missing` not found,
+/// key `short` too small for its buffer, every other key its value, in its place.
+fn assert_answered_in_place(
+    got: &[mooncake::Result<u64>],
+    buf: &[u8],
+    missing: &[usize],
+    short: usize,
+) {
+    for (i, r) in got.iter().enumerate() {
+        if missing.contains(&i) {
+            assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound);
+        } else if i == short {
+            assert_eq!(r.as_ref().unwrap_err().code(), Code::BufferOverflow);
+        } else {
+            assert_eq!(r.as_ref().ok(), Some(&(1000 + i as u64)), "key {i}");
+            let want = value(i as u64, 1000 + i);
+            assert_eq!(&buf[i * 2048..][..want.len()], &want[..], "key {i}");
+        }
+    }
+}
+
 /// A batch with many keys to ask the master for asks for a third first and reads
 /// those (with the kept ones) while the master looks up the rest: two lookups, and
 /// every key's answer and bytes in its own place, whatever each key's fate.
 #[test]
 fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
-    let s = server(10_000);
-    let _node = client(&s, 32 * MIB);
-    let reader = client(&s, 0);
-    let cfg = ReplicateConfig::default();
-    let n = 48;
-    let keys: Vec<String> = (0..n).map(|i| format!("big-{i}")).collect();
-    for (i, k) in keys.iter().enumerate() {
-        reader.put(k, &value(i as u64, 1000 + i), &cfg).unwrap();
-    }
     // Three keys read twice before: kept, served without asking.
-    for _ in 0..2 {
-        for k in &keys[10..13] {
-            reader.get(k).unwrap();
-        }
-    }
-    assert_eq!(reader.cached_descriptors(), 3);
+    let (s, _node, reader, keys) = batch_with_kept_keys("big", 10..13);
     let mut asked: Vec<&str> = keys.iter().map(String::as_str).collect();
     asked[5] = "big-missing";
-    let mut buf = vec![0u8; n * 2048];
-    let mut spans: Vec<(u64, u64)> = (0..n)
-        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
-        .collect();
+    let mut buf = vec![0u8; BATCH * 2048];
+    let mut spans = spans_in(&mut buf);
     spans[40].1 = 100; // too small for its value
     let before = master_lookups(&s);
     // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
     let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
-    assert_eq!(
-        master_lookups(&s) - before,
-        2,
-        "45 keys asked for in two steps"
-    );
-    for (i, r) in got.iter().enumerate() {
-        match i {
-            5 => assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound),
-            40 => assert_eq!(r.as_ref().unwrap_err().code(), Code::BufferOverflow),
-            _ => {
-                assert_eq!(r.as_ref().ok(), Some(&(1000 + i as u64)), "key {i}");
-                let want = value(i as u64, 1000 + i);
-                assert_eq!(&buf[i * 2048..][..want.len()], &want[..], "key {i}");
-            }
-        }
-    }
+    let asked_for = master_lookups(&s) - before;
+    assert_eq!(asked_for, 2, "45 keys asked for in two steps");
+    assert_answered_in_place(&got, &buf, &[5], 40);
 }
 
 /// A large batch whose kept keys sit in its tail, and missing keys and a buffer too
@@ -257,65 +282,38 @@ fn a_large_batch_is_asked_for_in_two_steps_and_answered_in_key_order() {
 /// in its own place; once most keys are kept, the few new ones take one lookup.
 #[test]
 fn a_large_batch_with_kept_keys_in_its_tail_answers_in_key_order() {
-    let s = server(10_000);
-    let _node = client(&s, 32 * MIB);
-    let reader = client(&s, 0);
-    let cfg = ReplicateConfig::default();
-    let n = 48;
-    let keys: Vec<String> = (0..n).map(|i| format!("head-{i}")).collect();
-    for (i, k) in keys.iter().enumerate() {
-        reader.put(k, &value(i as u64, 1000 + i), &cfg).unwrap();
-    }
     // Keys 30..33 read twice before: kept, in the batch's tail.
-    for _ in 0..2 {
-        for k in &keys[30..33] {
-            reader.get(k).unwrap();
-        }
-    }
-    assert_eq!(reader.cached_descriptors(), 3);
+    let (s, _node, reader, keys) = batch_with_kept_keys("head", 30..33);
     let lookups = || master_lookups(&s);
     let mut asked: Vec<&str> = keys.iter().map(String::as_str).collect();
     asked[2] = "head-missing"; // in the first third
     asked[20] = "tail-missing";
-    let mut buf = vec![0u8; n * 2048];
-    let mut spans: Vec<(u64, u64)> = (0..n)
-        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
-        .collect();
+    let mut buf = vec![0u8; BATCH * 2048];
+    let mut spans = spans_in(&mut buf);
     spans[7].1 = 100; // too small for its value, in the first third
     let before = lookups();
     // SAFETY: `buf` outlives the call and nothing else touches it meanwhile.
     let got = unsafe { reader.batch_get_into_spans(&asked, &spans) };
+    let asked_for = lookups() - before;
     assert_eq!(
-        lookups() - before,
-        2,
+        asked_for, 2,
         "a third of the keys to ask for, then the rest"
     );
-    for (i, r) in got.iter().enumerate() {
-        match i {
-            2 | 20 => assert_eq!(r.as_ref().unwrap_err().code(), Code::ObjectNotFound),
-            7 => assert_eq!(r.as_ref().unwrap_err().code(), Code::BufferOverflow),
-            _ => {
-                assert_eq!(r.as_ref().ok(), Some(&(1000 + i as u64)), "key {i}");
-                let want = value(i as u64, 1000 + i);
-                assert_eq!(&buf[i * 2048..][..want.len()], &want[..], "key {i}");
-            }
-        }
-    }
+    assert_answered_in_place(&got, &buf, &[2, 20], 7);
     // Read twice now, every key found is kept but key 7 (its read failed): a batch of
     // 12 new keys, then 36 kept ones, asks for the new ones alone.
     // SAFETY: as above.
     let _ = unsafe { reader.batch_get_into_spans(&asked, &spans) };
     let fresh: Vec<String> = (0..12).map(|i| format!("head-new-{i}")).collect();
     for (i, k) in fresh.iter().enumerate() {
+        let cfg = ReplicateConfig::default();
         reader.put(k, &value(100 + i as u64, 900), &cfg).unwrap();
     }
-    let kept = (8..n).filter(|&i| i != 20).take(36);
+    let kept = (8..BATCH).filter(|&i| i != 20).take(36);
     let mixed: Vec<&str> = (fresh.iter().map(String::as_str))
         .chain(kept.clone().map(|i| asked[i]))
         .collect();
-    let spans: Vec<(u64, u64)> = (0..n)
-        .map(|i| (buf.as_mut_ptr() as u64 + i as u64 * 2048, 2048))
-        .collect();
+    let spans = spans_in(&mut buf);
     let before = lookups();
     // SAFETY: as above.
     let got = unsafe { reader.batch_get_into_spans(&mixed, &spans) };

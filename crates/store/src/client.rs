@@ -835,9 +835,7 @@ impl Client {
 impl MasterSession {
     /// `req`, with the queued touches (if any) pipelined ahead of it: one round trip.
     pub(crate) fn call_with_touches(&self, req: &Request) -> Result<Response> {
-        let mut w = Writer::new();
-        req.encode(&mut w);
-        self.call_encoded(req.method(), &w.into_bytes(), &mut || {})
+        self.call_encoded(req.method(), &req.payload(), &mut || {})
     }
 
     /// A lookup of `keys` for a reader that keeps descriptors (`GetReplicasKeepable`),

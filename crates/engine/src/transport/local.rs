@@ -102,7 +102,8 @@ impl TransportWorker for LocalWorker {
 }
 
 /// Moves `len` bytes between the caller's host memory at `local` and `[remote,
-/// +len)`, a pinned host range of this engine's own registered memory, as `op` says: the local transport's copy, which the engine also runs directly for its own
+/// +len)`, a pinned host range of this engine's own registered memory, as `op` says:
+/// the local transport's copy, which the engine also runs directly for its own
 /// segment. A large write faults its destination in first; a checksummed read whose
 /// ends do not overlap returns its CRC32C, folded during the copy.
 ///
@@ -127,7 +128,7 @@ pub(crate) unsafe fn copy_own_host(
         // SAFETY: the caller's pin holds the registered range, writable by us.
         unsafe { crate::sys::populate_for_write(dst, len as usize) };
     }
-    // SAFETY: the registered side is pinned by the caller's guard; the local side is the
-    // caller's promise. `copy_host` tolerates a request whose two ends overlap.
+    // SAFETY: the registered side is pinned by the caller's guard; the local side is
+    // the caller's promise. `copy_host` tolerates a request whose two ends overlap.
     unsafe { copy_host(op, len, checksum, src, dst) }
 }

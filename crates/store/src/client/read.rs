@@ -413,16 +413,14 @@ impl Client {
         Self::fill(&mut leased, first, got);
         // Every key but the rest's is ready now.
         let ready: Vec<usize> = positions(keys.len(), |i| leased[i].is_some());
-        let ready_keys: Vec<&str> = ready.iter().map(|&i| keys[i]).collect();
         let ready_leased: Vec<Result<Leased>> = ready
             .iter()
             .map(|&i| Self::found(leased[i].take()))
             .collect();
         let mut ready_read = Vec::new();
         let mut read_ready = || {
-            let sub = into.subset(&ready);
-            // SAFETY: a subset of the caller's buffers, under the caller's contract.
-            ready_read = unsafe { self.read_objects(&ready_keys, &ready_leased, &sub.as_into()) };
+            // SAFETY: the caller's contract, passed on unchanged.
+            ready_read = unsafe { self.read_subset(keys, into, &ready, &ready_leased) };
         };
         let rest_leased = match away {
             Some(e) => {
@@ -431,10 +429,8 @@ impl Client {
             }
             None => self.ask(keys, rest, keep.as_deref(), &mut read_ready),
         };
-        let rest_keys: Vec<&str> = rest.iter().map(|&i| keys[i]).collect();
-        let sub = into.subset(rest);
         // SAFETY: as above.
-        let rest_read = unsafe { self.read_objects(&rest_keys, &rest_leased, &sub.as_into()) };
+        let rest_read = unsafe { self.read_subset(keys, into, rest, &rest_leased) };
         debug_assert_eq!(ready_read.len(), ready.len());
         debug_assert_eq!(rest_read.len(), rest.len());
         let mut results: Vec<Option<Result<u64>>> = keys.iter().map(|_| None).collect();
@@ -451,6 +447,24 @@ impl Client {
             .map(|r| r.unwrap_or_else(|| Err(Error::new(Code::Internal, "no read"))))
             .collect();
         (leased, results)
+    }
+
+    /// Reads keys `which` of `keys` into their part of `into`, with `leased` (theirs,
+    /// in that order).
+    ///
+    /// # Safety
+    /// As `batch_get_into`.
+    unsafe fn read_subset(
+        &self,
+        keys: &[&str],
+        into: &ReadInto,
+        which: &[usize],
+        leased: &[Result<Leased>],
+    ) -> Vec<Result<u64>> {
+        let sub_keys: Vec<&str> = which.iter().map(|&i| keys[i]).collect();
+        let sub = into.subset(which);
+        // SAFETY: a subset of the caller's buffers, under the caller's contract.
+        unsafe { self.read_objects(&sub_keys, leased, &sub.as_into()) }
     }
 
     /// Reads `keys` with descriptors asked of the master now (kept ones are not used).

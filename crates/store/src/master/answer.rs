@@ -93,11 +93,7 @@ impl Master {
         let counted = metrics::family_of(&req);
         let answered = self.answer_counting_failures(req, peer, w);
         if let Some((family, keys)) = counted {
-            let outcome = match &answered {
-                Ok(failed) => metrics::Outcome::Answered { failed: *failed },
-                Err(_) => metrics::Outcome::Refused,
-            };
-            self.request_metrics.record(family, keys, outcome);
+            self.count_answer(family, keys, &answered);
         }
         answered.map(drop)
     }
@@ -106,14 +102,19 @@ impl Master {
     /// `answer_into` answers the `Request` it decodes to, counted alike.
     pub fn answer_lookup_into(&self, lookup: &Lookup, w: &mut Writer) -> Result<()> {
         let answered = self.lookups_answer(&lookup.keys, lookup.keepable, w);
-        let outcome = match &answered {
+        let family = metrics::Family::GetReplicaList;
+        self.count_answer(family, lookup.keys.len(), &answered);
+        answered.map(drop)
+    }
+
+    /// Counts a request of `keys` keys in the request metrics: answered (with how many
+    /// keys failed) or refused.
+    fn count_answer(&self, family: metrics::Family, keys: usize, answered: &Result<usize>) {
+        let outcome = match answered {
             Ok(failed) => metrics::Outcome::Answered { failed: *failed },
             Err(_) => metrics::Outcome::Refused,
         };
-        let family = metrics::Family::GetReplicaList;
-        self.request_metrics
-            .record(family, lookup.keys.len(), outcome);
-        answered.map(drop)
+        self.request_metrics.record(family, keys, outcome);
     }
 
     /// The answer to a lookup of `keys` (`GetReplicasKeepable` when `keepable`, else

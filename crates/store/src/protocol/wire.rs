@@ -10,6 +10,13 @@ impl Request {
         self.kind() as u16
     }
 
+    /// The request's payload, encoded.
+    pub fn payload(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        self.encode(&mut w);
+        w.into_bytes()
+    }
+
     /// Writes the request's payload.
     pub fn encode(&self, w: &mut Writer) {
         match self {

@@ -667,9 +667,7 @@ impl RpcClient {
     /// failure until one gets through again, so a master that is gone does not make
     /// every call wait.
     pub fn call_after(&self, before: Option<&Request>, req: &Request) -> Result<Response> {
-        let mut w = Writer::new();
-        req.encode(&mut w);
-        self.call_meanwhile(before, req.method(), &w.into_bytes(), &mut || {})
+        self.call_meanwhile(before, req.method(), &req.payload(), &mut || {})
     }
 
     /// As `call_after`, the request given as its method and encoded payload (a batch
@@ -744,9 +742,7 @@ impl RpcClient {
     /// A read-only request tried once, never waiting for an absent master: for health
     /// checks, which must say at once that it is away.
     pub fn call_now(&self, req: &Request) -> Result<Response> {
-        let mut w = Writer::new();
-        req.encode(&mut w);
-        self.attempt(None, req.method(), &w.into_bytes(), true, &mut || {})
+        self.attempt(None, req.method(), &req.payload(), true, &mut || {})
     }
 
     /// What is left of the patience window opened by the first failure since the last
@@ -767,12 +763,7 @@ impl RpcClient {
         read_only: bool,
         meanwhile: &mut dyn FnMut(),
     ) -> Result<Response> {
-        let encoded = |r: &Request| {
-            let mut w = Writer::new();
-            r.encode(&mut w);
-            (r.method(), w.into_bytes())
-        };
-        let before = before.map(encoded);
+        let before = before.map(|r| (r.method(), r.payload()));
         let before = before.as_ref().map(|(m, b)| (*m, b.as_slice()));
         let pooled = self.pooled();
         let fresh = pooled.is_none();

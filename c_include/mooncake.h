@@ -23,6 +23,14 @@
  *   - An mc_config is a plain value: do not use one from two threads at the same time.
  *     mc_engine_new copies it; the config may be changed or freed afterwards.
  *
+ * Processes
+ *   - An mc_engine, mc_store or mc_pg belongs to the process that made it. A child
+ *     forked after that inherits the pointer but not the threads behind it, and shares
+ *     its connections with the parent, so in the child every call on it fails with
+ *     MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS and its _free only releases the handle,
+ *     leaving the parent's segment, connections and peers untouched. A child makes
+ *     its own handles (or is started with exec, e.g. Python's 'spawn').
+ *
  * Memory lifetime
  *   - Memory passed to mc_register_memory must stay valid until mc_unregister_memory on
  *     it returns (or the engine is freed). Peers may read and write it at any time in

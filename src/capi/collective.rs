@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use super::args::{answer_text, array, bytes, bytes_mut, c_str, copy_out, non_null};
+use super::process_bound::ProcessBound;
 use super::{guard, init_logging, MC_OK};
 use crate::collective::{DType, Group, GroupOptions, ReduceOp};
 use crate::device::{self, MemoryKind};
@@ -13,7 +14,7 @@ use crate::error::{Error, Result};
 
 /// `mc_pg`: one rank of a collective group behind an opaque pointer.
 pub struct McPg {
-    group: Group,
+    group: ProcessBound<Group>,
     /// Where the buffers passed to this handle live ([`encode_memory`]); 0 is host
     /// memory, so the host path costs one relaxed load.
     memory: AtomicU64,
@@ -89,13 +90,14 @@ unsafe fn group_and_memory<'a>(pg: *mut McPg) -> Result<(&'a Group, Option<Memor
     // SAFETY: non-null, and the caller guarantees it came from mc_pg_new and is live;
     // only shared access is made.
     let h = unsafe { &*pg };
+    let group = h.group.get("process group")?;
     // The setting first (Acquire): its store follows the runtime's bit (`mc_pg_set_memory`),
     // so a call that sees a device setting gone also sees that runtime's bit.
     let memory = decode_memory(h.memory.load(Ordering::Acquire));
     let host = HostPath {
         runtimes: h.runtimes_set.load(Ordering::Acquire),
     };
-    Ok((&h.group, memory, host))
+    Ok((group, memory, host))
 }
 
 /// `mc_pg_message`: one point-to-point send or receive.
@@ -118,7 +120,7 @@ unsafe fn group<'a>(pg: *mut McPg) -> Result<&'a Group> {
     non_null(pg, "pg")?;
     // SAFETY: non-null, and the caller guarantees it came from mc_pg_new and is live;
     // only shared access is made (Group locks internally).
-    Ok(unsafe { &(*pg).group })
+    unsafe { &(*pg).group }.get("process group")
 }
 
 /// `len` bytes at `p` that an operation reads while it writes `out_len` bytes at
@@ -194,7 +196,7 @@ pub unsafe extern "C" fn mc_pg_new(
         let group = Group::new(o)?;
         let (memory, runtimes_set) = (AtomicU64::new(0), AtomicU8::new(0));
         let handle = McPg {
-            group,
+            group: ProcessBound::new(group),
             memory,
             runtimes_set,
         };

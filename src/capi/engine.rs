@@ -4,6 +4,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
 use super::args::{array, c_str, copy_out, non_null};
+use super::process_bound::ProcessBound;
 use super::{guard, guard_value, init_logging, McConfig, MC_OK};
 use crate::engine::{Access, BatchId, Engine, EngineConfig, Request, SegmentId};
 use crate::error::{Code, Error, Result};
@@ -12,7 +13,14 @@ use crate::transport::Op;
 /// `mc_engine`: a running engine behind an opaque pointer.
 pub struct McEngine {
     /// Shared with the stores set up on this engine (`mc_store_new_with_engine`).
-    pub(crate) engine: std::sync::Arc<Engine>,
+    engine: ProcessBound<std::sync::Arc<Engine>>,
+}
+
+impl McEngine {
+    /// The engine, shared; refused in a forked child.
+    pub(crate) fn shared(&self) -> Result<&std::sync::Arc<Engine>> {
+        self.engine.get("engine")
+    }
 }
 
 // The header promises that one engine may be used from many threads at once.
@@ -61,7 +69,7 @@ unsafe fn engine<'a>(e: *mut McEngine) -> Result<&'a Engine> {
     // SAFETY: `e` is non-null (checked by `non_null`) and the caller guarantees a live engine from
     // mc_engine_new that mc_engine_free does not free during `'a` (mooncake.h); only shared access
     // is made, which `Engine: Sync` allows from many threads.
-    Ok(unsafe { &(*e).engine })
+    unsafe { &*e }.shared().map(|engine| &**engine)
 }
 
 /// Starts an engine from `cfg` (NULL: defaults) and stores it in `*out` (NULL on error).
@@ -86,7 +94,7 @@ pub unsafe extern "C" fn mc_engine_new(cfg: *const McConfig, out: *mut *mut McEn
         };
         let engine = Engine::new(config)?;
         let handle = Box::into_raw(Box::new(McEngine {
-            engine: std::sync::Arc::new(engine),
+            engine: ProcessBound::new(std::sync::Arc::new(engine)),
         }));
         // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
         // caller guarantees; storing the handle is its only use.

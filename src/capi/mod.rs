@@ -11,6 +11,7 @@ mod config;
 mod engine;
 mod error;
 mod host_memory;
+mod process_bound;
 mod python;
 mod store;
 mod store_batch;

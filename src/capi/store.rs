@@ -8,6 +8,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use super::args::{self, array, array_mut, c_str, copy_out, non_null};
+use super::process_bound::ProcessBound;
 use super::{guard, guard_value, init_logging, McConfig, MC_OK};
 use crate::engine::config::KEYS;
 use crate::engine::EngineConfig;
@@ -111,7 +112,7 @@ impl StoreSettings {
 
 /// `mc_store`: a connected store client behind an opaque pointer.
 pub struct McStore {
-    client: Client,
+    client: ProcessBound<Client>,
 }
 
 // The header promises that one store may be used from many threads at once.
@@ -234,7 +235,7 @@ pub(super) unsafe fn store<'a>(s: *mut McStore) -> Result<&'a Client> {
     // SAFETY: `s` is non-null (checked by `non_null`) and the caller guarantees a live store from
     // mc_store_new that mc_store_free does not free during `'a` (mooncake.h); only shared access is
     // made, which `Client: Sync` allows from many threads.
-    Ok(unsafe { &(*s).client })
+    unsafe { &(*s).client }.get("store")
 }
 
 /// Borrows a key: NULL gives `MC_ERR_INVALID_PARAMS`, bytes that are not UTF-8
@@ -400,7 +401,9 @@ pub unsafe extern "C" fn mc_store_new(cfg: *const McConfig, out: *mut *mut McSto
             )?;
         }
         let client = Client::new(config)?;
-        let handle = Box::into_raw(Box::new(McStore { client }));
+        let handle = Box::into_raw(Box::new(McStore {
+            client: ProcessBound::new(client),
+        }));
         // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
         // caller guarantees; storing the handle is its only use.
         unsafe { *out = handle };
@@ -429,7 +432,7 @@ pub unsafe extern "C" fn mc_store_new_with_engine(
         // SAFETY: `engine` is non-null (checked above) and the caller guarantees a live mc_engine
         // that mc_engine_free is not freeing concurrently (mooncake.h); the Arc is cloned, so the
         // engine outlives this store whatever happens to the handle.
-        let engine = unsafe { (*engine).engine.clone() };
+        let engine = unsafe { &*engine }.shared()?.clone();
         let config = if cfg.is_null() {
             StoreSettings::default().client_config(&EngineConfig::default())
         } else {
@@ -439,7 +442,9 @@ pub unsafe extern "C" fn mc_store_new_with_engine(
             c.store.client_config(&c.config)
         };
         let client = Client::with_engine(config, engine)?;
-        let handle = Box::into_raw(Box::new(McStore { client }));
+        let handle = Box::into_raw(Box::new(McStore {
+            client: ProcessBound::new(client),
+        }));
         // SAFETY: `out` was checked non-null at the top of this closure and is writable, as the
         // caller guarantees; storing the handle is its only use.
         unsafe { *out = handle };

@@ -4,7 +4,7 @@
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -672,6 +672,32 @@ pub fn random_u64() -> u64 {
             (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
         }
     }
+}
+
+/// Forks this process's line has gone through, bumped in each child as it starts.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn count_fork_in_child() {
+    // Async-signal-safe, as a child's fork handler must be: one atomic add.
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Which process of a fork line this is: equal values mean the same process, so
+/// something made where the value was different belongs to an ancestor (its threads
+/// did not follow into this child, its descriptors and mappings are shared with the
+/// parent). The first call starts the count, so take the value of anything that must
+/// tell a child apart when it is made.
+pub fn fork_generation() -> u64 {
+    static COUNTING: std::sync::Once = std::sync::Once::new();
+    COUNTING.call_once(|| {
+        // SAFETY: the handler only touches a static atomic; glibc's pthread_atfork ties
+        // it to this library's image, so unloading the library removes it.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(count_fork_in_child)) };
+        if rc != 0 {
+            log::warn!("forks cannot be told apart here (pthread_atfork: {rc})");
+        }
+    });
+    FORKS.load(Ordering::Relaxed)
 }
 
 #[cfg(test)]

@@ -31,11 +31,11 @@ pub unsafe extern "C" fn createTransferEngine(
             )
         };
         let (config, protocol_set) = create_config(metadata, name, host, rpc_port)?;
-        let te = TeEngine::new(config, protocol_set)?;
+        let te = TeCore::new(config, protocol_set)?;
         if auto_discover != 0 {
             te.start_discovered()?;
         }
-        Ok(Box::into_raw(Box::new(te)))
+        Ok(Box::into_raw(Box::new(TeEngine::new(te))))
     })
 }
 

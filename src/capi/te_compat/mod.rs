@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use super::args::{array, c_str, copy_out, non_null, opt_str};
+use super::process_bound::ProcessBound;
 use super::{guard_value, init_logging};
 use crate::engine::config::same_host_shm_from_env;
 use crate::engine::{BatchId, Engine, EngineConfig, Protocol, Request, SegmentId, TaskState};
@@ -316,8 +317,11 @@ struct BatchInfo {
     notify: Option<PendingNotify>,
 }
 
-/// `transfer_engine_t`: settings, the engine once started, and upstream's ids.
-pub struct TeEngine {
+/// `transfer_engine_t`: a [`TeCore`] tied to the process that made it.
+pub struct TeEngine(ProcessBound<TeCore>);
+
+/// Settings, the engine once started, and upstream's ids.
+pub struct TeCore {
     config: EngineConfig,
     /// Whether the `;protocol=` setting chose the protocol.
     protocol_set: bool,
@@ -337,7 +341,7 @@ pub struct TeEngine {
 // The header promises that one engine may be used from many threads at once.
 const _: fn() = || {
     fn shareable<T: Send + Sync>() {}
-    shareable::<TeEngine>();
+    shareable::<TeCore>();
 };
 
 /// Borrows the engine behind a handle.
@@ -345,12 +349,12 @@ const _: fn() = || {
 /// # Safety
 /// `e` must be NULL or a live pointer from `createTransferEngine` that is not destroyed
 /// during `'a`.
-unsafe fn handle<'a>(e: *mut TeEngine) -> Result<&'a TeEngine> {
+unsafe fn handle<'a>(e: *mut TeEngine) -> Result<&'a TeCore> {
     non_null(e, "engine")?;
     // SAFETY: `e` is non-null (checked by `non_null`) and the caller guarantees a live handle from
     // createTransferEngine not destroyed during `'a` (transfer_engine_c.h); only shared access is
-    // made, which `TeEngine: Sync` allows from many threads.
-    Ok(unsafe { &*e })
+    // made, which `TeCore: Sync` allows from many threads.
+    unsafe { &(*e).0 }.get("transfer engine")
 }
 
 /// The address `ip_or_host_name` stands for: bound to and advertised, nothing else.
@@ -429,7 +433,13 @@ fn create_config(
 }
 
 impl TeEngine {
-    fn new(config: EngineConfig, protocol_set: bool) -> Result<TeEngine> {
+    fn new(core: TeCore) -> TeEngine {
+        TeEngine(ProcessBound::new(core))
+    }
+}
+
+impl TeCore {
+    fn new(config: EngineConfig, protocol_set: bool) -> Result<TeCore> {
         let directory = crate::metadata::open(
             &config.metadata,
             &config.cluster_id,
@@ -443,7 +453,7 @@ impl TeEngine {
                 );
             }
         }
-        Ok(TeEngine {
+        Ok(TeCore {
             config,
             protocol_set,
             directory,
@@ -653,7 +663,7 @@ impl TeEngine {
     }
 }
 
-impl Drop for TeEngine {
+impl Drop for TeCore {
     fn drop(&mut self) {
         let Some(engine) = self.engine.get() else {
             return;

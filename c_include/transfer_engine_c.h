@@ -32,9 +32,10 @@
  *     destroyTransferEngine must not run concurrently with (or before the end of) any
  *     other call on it.
  *   - An engine belongs to the process that created it. In a child forked after that,
- *     every call on it fails with ERR_CONTEXT (NULL, INVALID_BATCH or -1 where those
- *     are the failure values), and destroyTransferEngine only releases the handle,
- *     leaving the parent's engine, connections and published segment alone.
+ *     every call on it fails: ERR_CONTEXT, 202 from the status-code functions, NULL,
+ *     INVALID_BATCH or -1 where those are the failure values (enableGracefulShutdown
+ *     does nothing); destroyTransferEngine only releases the handle, leaving the
+ *     parent's engine, connections and published segment alone.
  *
  * Memory lifetime
  *   - Registered memory must stay valid until unregistered (or the engine destroyed);

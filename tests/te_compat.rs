@@ -500,6 +500,53 @@ fn tcp_installed_first_also_carries_same_host_peers_through_shared_memory() {
     }
 }
 
+/// A child forked after an engine started is refused every call on it with the
+/// failure value each function has, and destroying it there leaves the parent's engine
+/// as it was. (The child only calls the library and leaves with `_exit`.)
+#[test]
+fn a_forked_child_is_refused_the_parents_engine() {
+    quiet_logs();
+    let e = Te::new("P2PHANDSHAKE", "unused", 0);
+    let none = std::ptr::null_mut();
+    // SAFETY: a live engine; literal strings.
+    assert!(!unsafe { installTransport(e.0, c"tcp".as_ptr(), none) }.is_null());
+    let own = e.address();
+    assert!(e.open(&own) >= 0, "the parent opens its own segment");
+    // SAFETY: the child makes library calls that take no lock another thread of this
+    // test process could hold for them (every handle call is refused first), then _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let mut text = [0 as c_char; 128];
+        let mut failures = 0;
+        // SAFETY: the inherited handle; `text` is writable for its length.
+        unsafe {
+            failures += i32::from(!installTransport(e.0, c"tcp".as_ptr(), none).is_null());
+            failures += i32::from(e.open(&own) != -1);
+            failures +=
+                i32::from(getLocalIpAndPort(e.0, text.as_mut_ptr(), text.len()) != ERR_CONTEXT);
+            failures += i32::from(allocateBatchID(e.0, 1) != INVALID_BATCH);
+            failures += i32::from(freeBatchID(e.0, 1) != -ERR_CONTEXT);
+            destroyTransferEngine(e.0);
+            libc::_exit(failures);
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child made above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child ended by signal: {status}"
+    );
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "calls the child was not refused"
+    );
+    assert_eq!(e.address(), own, "the parent's engine is untouched");
+    assert!(e.open(&own) >= 0);
+}
+
 /// Two engines that find each other by name through an HTTP metadata server: the
 /// advertised address, a transfer, a named notification, and removal of a segment's
 /// records.

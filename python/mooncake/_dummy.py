@@ -34,6 +34,8 @@ import socket
 import threading
 
 from . import _dummy_wire as W
+from . import _forked
+from ._native import MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS as UNAVAILABLE
 from ._common import buffer_address, check_int, check_str, int_list, lengths_match
 from ._replicate import _DEFAULT_CONFIG, _refusal
 from .mooncake_config import parse_size
@@ -174,6 +176,29 @@ class Link:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
+        self._forked_from = None  # the parent's pid, in a forked child
+        _forked.track(self)
+
+    def _after_fork_in_child(self):
+        """The session and the segments shared over it are the parent's: the child's
+        copy of the socket is closed without a shutdown, calls are refused from now on
+        (the real client maps these segments for the parent), and nothing reconnects."""
+        self._forked_from = os.getppid()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stop.set()
+        self._thread = None
+        conn, self._conn = self._conn, None
+        self.healthy = False
+        if conn is not None:
+            conn.sock.close()
+
+    def _refused(self):
+        """(UNAVAILABLE_IN_CURRENT_STATUS, None) in a forked child, logged; else None."""
+        if self._forked_from is None:
+            return None
+        logger.error("mooncake: %s", _forked.refusal("dummy client", self._forked_from))
+        return UNAVAILABLE, None
 
     def open(self, local_buffer_size):
         """Connects and shares a staging buffer of ``local_buffer_size``; 0 or a code.
@@ -227,12 +252,18 @@ class Link:
 
     def call(self, op, args):
         """(status, result) of one request; (RPC_FAIL, None) when not connected."""
+        refused = self._refused()
+        if refused is not None:
+            return refused
         if self._conn is None:
             return RPC_FAIL, None
         with self._lock:
             return self._call_locked(op, args)
 
     def _call_locked(self, op, args, timeout=CALL_TIMEOUT_S):
+        refused = self._refused()
+        if refused is not None:
+            return refused
         conn = self._conn
         if conn is None:
             return RPC_FAIL, None
@@ -260,6 +291,9 @@ class Link:
 
     def share(self, seg):
         """Shares a pool segment with the current real client; 0 or a code."""
+        refused = self._refused()
+        if refused is not None:
+            return refused[0]
         conn = self._conn
         return _share(conn, seg) if conn is not None else RPC_FAIL
 

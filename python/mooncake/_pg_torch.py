@@ -5,6 +5,7 @@ is importable, so the rest of the package never needs torch."""
 
 import contextlib
 import copy
+import os
 import threading
 
 import torch
@@ -298,6 +299,7 @@ class MooncakeBackend(_TorchBackend):
         self._scratch = threading.local()  # see _save (the queue's thread has its own)
         # Where this rank stands in the group's collectives (see _completed_elsewhere).
         self._position = Position(self.handle.epoch())
+        self._made_by = os.getpid()
 
     def visible_size(self):
         """The group's size as ``dist.get_world_size`` reports it: torch's world size
@@ -313,10 +315,12 @@ class MooncakeBackend(_TorchBackend):
         """Stops this rank, after the operations it queued, and retires its address
         (torch calls this from destroy_process_group)."""
         self._queue.close()
-        try:
-            self._rendezvous.retire()
-        except Exception:  # the store may be gone already
-            pass
+        # A forked child's shutdown must not retire the parent's rank.
+        if os.getpid() == self._made_by:
+            try:
+                self._rendezvous.retire()
+            except Exception:  # the store may be gone already
+                pass
         self.handle.close()
 
     def getBackendName(self):

@@ -18,6 +18,7 @@ import socket
 import struct
 import threading
 
+from . import _forked
 from ._common import split_host_port
 
 __all__ = ["RpcInterface", "CoroRPCInterface", "ReceivedData", "ReceivedTensor",
@@ -122,6 +123,22 @@ class RpcInterface:
         self._tensor_callback = None
         self._conns = {}  # target address -> connected socket (client side)
         self._conns_lock = threading.Lock()
+        _forked.track(self)
+
+    def _after_fork_in_child(self):
+        """The listening socket and the cached connections are the parent's too: their
+        descriptors are closed here without a shutdown (which would end them for the
+        parent too); the child's later sends open connections of its own."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._serve_thread = None
+        self._conns_lock = threading.Lock()
+        conns, self._conns = list(self._conns.values()), {}
+        for sock in conns:
+            sock.close()
 
     # ------------------------------------------------------------ setup
 

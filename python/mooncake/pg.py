@@ -53,12 +53,13 @@ import contextlib
 import ctypes
 import enum
 import operator
+import os
 import threading
 import time
 import weakref
 from ctypes import byref, c_char_p, c_int, c_size_t, c_uint64, c_void_p
 
-from . import _native
+from . import _forked, _native
 from ._native import (LIB, MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT,  # noqa: F401 (mooncake.pg's codes)
                       MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS, MC_OK, error_string)
 
@@ -311,12 +312,23 @@ class _AsyncQueue:
         self._tasks = collections.deque()
         self._thread = None
         self._closed = False
+        self._refusal = "the process group was shut down"
+        _forked.track(self)
+
+    def _after_fork_in_child(self):
+        """The thread stayed with the parent: what it had queued never runs here, so
+        the queue is closed and empty (drain and close return at once)."""
+        self._cond = threading.Condition()
+        self._tasks.clear()
+        self._thread = None
+        self._closed = True
+        self._refusal = _forked.refusal("process group", os.getppid())
 
     def submit(self, task):
         """Queues ``task``, a callable that records its own outcome (never raises)."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("the process group was shut down")
+                raise RuntimeError(self._refusal)
             self._tasks.append(task)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, daemon=True,
@@ -376,6 +388,12 @@ class _Resolvers:
     with the task finishing the first, and a single resolver would wait on itself)."""
 
     def __init__(self):
+        self._lock = threading.Lock()
+        self._threads = set()
+        _forked.track(self)
+
+    def _after_fork_in_child(self):
+        """The resolvers stayed with the parent (join would wait for them forever)."""
         self._lock = threading.Lock()
         self._threads = set()
 
@@ -593,11 +611,17 @@ class ProcessGroupHandle:
         # block may make other calls on the handle.
         self._lock = threading.RLock()
         self._memory = "cpu:0"
+        _forked.track(self)
         # Without auto_deactivate_on_failure, ranks the group went on without (this
         # rank's operation or another's) stay active for users, as upstream, until
         # deactivate_ranks / recover_ranks names them; operations skip them already.
         self.retained = set()
         self._shown = None  # the ranks last shown active (None: none shown yet)
+
+    def _after_fork_in_child(self):
+        """A thread of the parent may have held the lock: the child's is free (its
+        calls on the handle are refused by the library)."""
+        self._lock = threading.RLock()
 
     def close(self):
         if self._h:

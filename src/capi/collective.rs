@@ -309,7 +309,8 @@ fn memory_location(location: &str) -> Result<MemoryKind> {
 #[no_mangle]
 pub unsafe extern "C" fn mc_pg_set_memory(pg: *mut McPg, location: *const c_char) -> c_int {
     guard("mc_pg_set_memory", || {
-        non_null(pg, "pg")?;
+        // SAFETY: `pg` NULL or live (caller's guarantee); borrowed only to check it.
+        unsafe { group(pg) }?;
         let kind = if location.is_null() {
             MemoryKind::Host
         } else {

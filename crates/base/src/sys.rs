@@ -4,7 +4,7 @@
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -688,15 +688,17 @@ extern "C" fn count_fork_in_child() {
 /// parent). The first call starts the count, so take the value of anything that must
 /// tell a child apart when it is made.
 pub fn fork_generation() -> u64 {
-    static COUNTING: std::sync::Once = std::sync::Once::new();
-    COUNTING.call_once(|| {
+    // A flag, not a `Once`: a fork landing while another thread registers must not
+    // leave the child a `Once` stuck in its running state.
+    static COUNTING: AtomicBool = AtomicBool::new(false);
+    if !COUNTING.load(Ordering::Acquire) && !COUNTING.swap(true, Ordering::AcqRel) {
         // SAFETY: the handler only touches a static atomic; glibc's pthread_atfork ties
         // it to this library's image, so unloading the library removes it.
         let rc = unsafe { libc::pthread_atfork(None, None, Some(count_fork_in_child)) };
         if rc != 0 {
             log::warn!("forks cannot be told apart here (pthread_atfork: {rc})");
         }
-    });
+    }
     FORKS.load(Ordering::Relaxed)
 }
 

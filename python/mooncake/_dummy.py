@@ -192,13 +192,24 @@ class Link:
         self.healthy = False
         if conn is not None:
             conn.sock.close()
+        # The staging buffer is the parent's memory too (a shared mapping): the child's
+        # copy goes, so no staged copy here can write into a parent's put or get. The
+        # pool's allocations stay mapped: they are the caller's memory.
+        local, self.local = self.local, None
+        if local is not None:
+            local.close()
 
-    def _refused(self):
-        """(UNAVAILABLE_IN_CURRENT_STATUS, None) in a forked child, logged; else None."""
+    def refusal_code(self):
+        """UNAVAILABLE_IN_CURRENT_STATUS in a forked child, logged; else None."""
         if self._forked_from is None:
             return None
         logger.error("mooncake: %s", _forked.refusal("dummy client", self._forked_from))
-        return UNAVAILABLE, None
+        return UNAVAILABLE
+
+    def _refused(self):
+        """(UNAVAILABLE_IN_CURRENT_STATUS, None) in a forked child; else None."""
+        code = self.refusal_code()
+        return None if code is None else (code, None)
 
     def open(self, local_buffer_size):
         """Connects and shares a staging buffer of ``local_buffer_size``; 0 or a code.
@@ -489,6 +500,10 @@ class DummyStore(MooncakeDistributedStore):
         """Puts key i from the (addr, len) pieces values[i], copied into the staging
         buffer; per-key results."""
         results, idx = _triage(ks, values)
+        refused = self._link.refusal_code()
+        if refused is not None:
+            chosen = set(idx)
+            return [refused if i in chosen else r for i, r in enumerate(results)]
         local = self._link.local
         cap = local.size if local is not None else -1
         fits = []
@@ -705,6 +720,9 @@ class DummyStore(MooncakeDistributedStore):
         with the real client; 0, -1 for other memory, or a negative code."""
         addr = check_int(buffer_ptr, "buffer_ptr")
         n = check_int(size, "size")
+        refused = self._link.refusal_code()
+        if refused is not None:
+            return refused
         seg = self._link.pool.get(addr)
         if seg is None or seg.size != n:
             logger.error("mooncake: a dummy registers only whole alloc_from_mem_pool "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _TorchBackend
 from torch._C._distributed_c10d import Work as _TorchWork
 
+from . import _forked
 from ._native import (MC_ERR_INVALID_PARAMS, MC_ERR_TIMEOUT,
                       MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS)
 from ._pg_position import Position
@@ -168,6 +169,18 @@ class MooncakeWork(_TorchWork):
         self._futures = []
         if not (pending or queued):
             self._done.set()
+        else:
+            _forked.track(self)
+
+    def _after_fork_in_child(self):
+        """What would complete this work runs in the parent's threads: in a forked
+        child a work not done yet fails at once (its callbacks are not run here)."""
+        self._lock = threading.Lock()
+        if not self._done.is_set():
+            self._error = RuntimeError(_forked.refusal("process group", os.getppid()))
+            self._queued = False
+        self._done = threading.Event()
+        self._done.set()
 
     def _complete(self, error=None):
         """Marks the work done (failed with ``error`` when given)."""

@@ -123,12 +123,14 @@ class RpcInterface:
         self._tensor_callback = None
         self._conns = {}  # target address -> connected socket (client side)
         self._conns_lock = threading.Lock()
+        self._forked = False
         _forked.track(self)
 
     def _after_fork_in_child(self):
         """The listening socket and the cached connections are the parent's too: their
         descriptors are closed here without a shutdown (which would end them for the
         parent too); the child's later sends open connections of its own."""
+        self._forked = True
         server, self._server = self._server, None
         if server is not None:
             server.close()
@@ -237,6 +239,8 @@ class RpcInterface:
                 except (ConnectionError, OSError):
                     return
                 accepted = self._deliver(kind, source, header, payload)
+                if self._forked:
+                    return  # a callback forked: the connection answers in the parent
                 try:
                     conn.sendall(_ACCEPTED if accepted else _REFUSED)
                 except OSError:

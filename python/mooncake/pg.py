@@ -350,7 +350,8 @@ class _AsyncQueue:
                 pass                # the queue must go on whatever escapes one
             task = None  # an idle thread keeps no backend or tensors alive
             with self._cond:
-                self._tasks.popleft()
+                if self._tasks:  # emptied in a child the task forked
+                    self._tasks.popleft()
                 self._cond.notify_all()
 
     def close(self):

@@ -28,41 +28,47 @@ CHILD_DEADLINE_S = 60.0
 
 def in_child(body):
     """Runs body() in a forked child; returns what it returned (JSON), or fails the test
-    with how the child ended (its traceback, or that it hung)."""
+    with how the child ended (its traceback, or that it hung). The child never
+    outlives the call."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
-        code = 1
+        code, answer = 1, json.dumps({"raised": "no answer"})
         try:
             os.close(read_end)
             # The default action ends a child stuck in a lock or a futex, whatever
             # handler the test runner installed.
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(int(CHILD_DEADLINE_S))
-            answer = {"ok": body()}
+            answer = json.dumps({"ok": body()})
             code = 0
         except BaseException:  # noqa: BLE001 - reported to the parent
-            answer = {"raised": traceback.format_exc()}
+            answer = json.dumps({"raised": traceback.format_exc()})
         finally:
             try:
-                os.write(write_end, json.dumps(answer).encode())
+                os.write(write_end, answer.encode())
             finally:
                 os._exit(code)
     os.close(write_end)
-    chunks = []
-    deadline = time.monotonic() + CHILD_DEADLINE_S + 10
-    with os.fdopen(read_end, "rb") as r:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the child hung")
-            chunk = os.read(r.fileno(), 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    _, status = os.waitpid(pid, 0)
+    reaped = False
+    try:
+        chunks = []
+        deadline = time.monotonic() + CHILD_DEADLINE_S + 10
+        with os.fdopen(read_end, "rb") as r:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([r], [], [], left)[0]:
+                    pytest.fail("the child hung")
+                chunk = os.read(r.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+    finally:
+        if not reaped:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         pytest.fail("the child was ended by signal %d (SIGALRM: it hung)" % os.WTERMSIG(status))
     answer = json.loads(b"".join(chunks))
@@ -165,15 +171,24 @@ def test_a_forked_child_closing_an_rpc_interface_leaves_the_parents_server_up():
 
 
 def test_a_forked_childs_dummy_client_is_refused_and_leaves_the_session_be(served, dummies):
+    import ctypes
+
     d = dummies(served.address)
     key = unique("dummy-forked")
     assert d.put(key, b"d" * 100) == 0
+    staging = d._link.local
+    before = ctypes.string_at(staging.base, 4096)
 
     def child():
-        return {"put": d.put(unique("refused"), b"x"), "get": d.get(key) == b"",
-                "close": d.close()}
+        return {"put": d.put(unique("refused"), b"x" * 4096),
+                "put_batch": d.put_batch([unique("refused"), unique("refused")],
+                                         [b"y" * 10, b"z" * 10]),
+                "get": d.get(key) == b"", "close": d.close()}
 
-    assert in_child(child) == {"put": UNAVAILABLE, "get": True, "close": 0}
+    assert in_child(child) == {"put": UNAVAILABLE, "put_batch": UNAVAILABLE,
+                               "get": True, "close": 0}
+    # The staging buffer is shared with the real client: the child wrote nothing there.
+    assert ctypes.string_at(staging.base, 4096) == before
     assert d.get(key) == b"d" * 100
     assert d.put(unique("after"), b"a" * 10) == 0
 
@@ -209,3 +224,25 @@ def test_a_forked_child_finds_the_process_groups_queue_closed_and_empty():
         release.set()
         queue.close()
     assert queue.idle()
+
+
+def test_a_pending_collective_work_fails_in_a_forked_child():
+    """A work the parent's queue thread would complete: waiting on it in the child
+    raises at once instead of waiting for a thread that is not there."""
+    pytest.importorskip("torch")
+    from mooncake.pg import MooncakeWork
+
+    pending = MooncakeWork(None, pending=True)
+    done = MooncakeWork(None)
+
+    def child():
+        try:
+            pending.wait()
+        except RuntimeError as e:
+            return [str(e), done.wait()]
+        return ["no error", done.wait()]
+
+    refusal, done_waited = in_child(child)
+    assert "before it forked" in refusal, refusal
+    assert done_waited is True
+    assert not pending.is_completed(), "the parent's work is still pending"

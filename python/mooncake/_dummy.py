@@ -302,9 +302,9 @@ class Link:
 
     def share(self, seg):
         """Shares a pool segment with the current real client; 0 or a code."""
-        refused = self._refused()
+        refused = self.refusal_code()
         if refused is not None:
-            return refused[0]
+            return refused
         conn = self._conn
         return _share(conn, seg) if conn is not None else RPC_FAIL
 

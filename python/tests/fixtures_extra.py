@@ -56,6 +56,10 @@ __all__ = [
     "peer_digest",
     "peer_fill",
     "rc_arg",
+    "RealClient",
+    "real_clients",
+    "dummies",
+    "served",
 ]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -489,3 +493,61 @@ def start_etcd(tmp_path):
     except BaseException:
         child.kill()
         raise
+
+
+# ---------------------------------------------------------------------------- dummy clients
+
+
+class RealClient:
+    """A ``mooncake_client`` child on 127.0.0.1; ``.address`` is where dummies attach,
+    ``.segment`` its store's segment name. ``stop()`` sends SIGTERM (then kills)."""
+
+    def __init__(self, master, port=0, *extra):
+        argv = [sys.executable, "-m", "mooncake.real_client", "--host=127.0.0.1",
+                "--port", str(port), "--master_server_address=" + master.rpc,
+                "--metadata_server", master.metadata, "--global_segment_size=64 MB",
+                "--local_buffer_size", "0", "--enable_offload=false", *extra]
+        self.child = Child("mooncake_client", argv)
+        try:
+            words = dict(w.split("=", 1) for w in self.child.line(STEP).split()[1:])
+            self.address, self.segment = words["dummy"], words["segment"]
+        except BaseException:
+            self.stop()
+            raise
+        self.port = int(self.address.rpartition(":")[2])
+
+    def stop(self):
+        return terminate(self.child.proc, 15)
+
+    def kill(self):
+        self.child.kill()
+
+
+@pytest.fixture
+def real_clients():
+    """start(master, port=0, *flags) -> RealClient; all are stopped at teardown."""
+    yield from tracked(RealClient, RealClient.stop)
+
+
+@pytest.fixture
+def dummies():
+    """attach(address, local_buffer=1 MiB) -> a dummy store; all are closed at teardown."""
+    made = []
+
+    from mooncake.store import MooncakeDistributedStore
+
+    def attach(address, local_buffer=1 * MiB):
+        d = MooncakeDistributedStore()
+        made.append(d)
+        assert d.setup_dummy(64 * MiB, local_buffer, address) == 0
+        return d
+
+    yield attach
+    for d in made:
+        d.close()
+
+
+@pytest.fixture
+def served(master_factory, real_clients):
+    master = master_factory()
+    return real_clients(master)

@@ -18,7 +18,6 @@ import pytest
 from fixtures_extra import *  # noqa: F401,F403
 
 pytest.importorskip("mooncake.store")
-from test_dummy_client import dummies, real_clients, served  # noqa: E402,F401
 
 UNAVAILABLE = -1010  # MC_ERR_UNAVAILABLE_IN_CURRENT_STATUS
 SIZE = 4096
